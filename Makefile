@@ -1,0 +1,46 @@
+# DeltaBox: every target installs what it needs first; all are idempotent.
+SHELL := /bin/bash
+PYTHON ?= /root/.pyenv/versions/3.11.7/bin/python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CC ?= gcc
+CFLAGS ?= -O2 -g -Wall -Wextra -Werror -std=gnu11 -D_GNU_SOURCE
+LIBEXEC := deltabox/libexec
+NATIVE_BINS := $(LIBEXEC)/dbx-init $(LIBEXEC)/dbx-enter $(LIBEXEC)/dbx-mkroot
+PROTO_OUT := deltabox/api/deltabox_pb2.py
+
+.PHONY: install deps venv native proto demo test bench clean
+install: deps venv native proto
+
+deps:
+	@bash scripts/install-deps.sh
+
+venv: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || { p=$(PYTHON); command -v $$p >/dev/null || p=python3; $$p -m venv $(VENV); }
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+native: $(NATIVE_BINS)
+$(LIBEXEC)/dbx-%: native/%.c native/common.h
+	@mkdir -p $(LIBEXEC)
+	$(CC) $(CFLAGS) -o $@ $< native/common.c
+
+proto: $(PROTO_OUT)
+$(PROTO_OUT): deltabox/api/deltabox.proto $(VENV)/.installed
+	$(PY) -m grpc_tools.protoc -I deltabox/api --python_out=deltabox/api \
+	  --grpc_python_out=deltabox/api --pyi_out=deltabox/api deltabox/api/deltabox.proto
+	sed -i 's/^import deltabox_pb2 as/from . import deltabox_pb2 as/' deltabox/api/deltabox_pb2_grpc.py
+
+demo: install
+	$(PY) -m deltabox.demo
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) -m benchmarks.fs_cr --quick
+
+clean:
+	rm -rf $(LIBEXEC) $(PROTO_OUT) deltabox/api/deltabox_pb2_grpc.py build

@@ -1,0 +1,168 @@
+"""Durable metadata in SQLite: sandboxes and the checkpoint tree.
+
+Rows are the commit point of every operation: a layer on disk that no row names is garbage
+(a crash between making it and committing), removed on the next start.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+  id TEXT PRIMARY KEY, family_id TEXT NOT NULL, state TEXT NOT NULL, image TEXT NOT NULL,
+  layer_id TEXT NOT NULL, head_cp TEXT, memory_mb INTEGER NOT NULL, pids_max INTEGER NOT NULL,
+  cpus REAL NOT NULL, hostname TEXT NOT NULL, env TEXT NOT NULL, created_at REAL NOT NULL,
+  base_gen INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+  id TEXT PRIMARY KEY, family_id TEXT NOT NULL, sandbox_id TEXT NOT NULL, parent_id TEXT,
+  layer_id TEXT NOT NULL, image TEXT NOT NULL, kind TEXT NOT NULL, label TEXT NOT NULL,
+  created_at REAL NOT NULL, duration_ms REAL NOT NULL, files_changed INTEGER NOT NULL,
+  bytes_changed INTEGER NOT NULL, freeze_ms REAL NOT NULL, gen INTEGER NOT NULL DEFAULT 0,
+  reasons TEXT NOT NULL DEFAULT '[]'
+);
+CREATE INDEX IF NOT EXISTS cp_family ON checkpoints(family_id);
+"""
+
+
+@dataclass
+class SandboxRow:
+    id: str
+    family_id: str
+    state: str
+    image: str
+    layer_id: str
+    head_cp: str | None
+    memory_mb: int
+    pids_max: int
+    cpus: float
+    hostname: str
+    env: dict[str, str]
+    created_at: float
+    base_gen: int = 0
+
+
+@dataclass
+class CheckpointRow:
+    id: str
+    family_id: str
+    sandbox_id: str
+    parent_id: str | None
+    layer_id: str
+    image: str
+    kind: str
+    label: str
+    created_at: float
+    duration_ms: float
+    files_changed: int
+    bytes_changed: int
+    freeze_ms: float
+    gen: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+
+class Database:
+    """Thin typed access to the metadata; every write is one transaction."""
+
+    def __init__(self, path: Path) -> None:
+        self.conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self.conn.row_factory = sqlite3.Row
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=NORMAL")
+        self.conn.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """`with db.transaction():` commits on success, rolls back on error."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    # sandboxes
+    def put_sandbox(self, s: SandboxRow) -> None:
+        d = asdict(s)
+        d["env"] = json.dumps(s.env)
+        cols = ", ".join(d)
+        marks = ", ".join(f":{k}" for k in d)
+        self.conn.execute(f"INSERT OR REPLACE INTO sandboxes ({cols}) VALUES ({marks})", d)
+
+    def get_sandbox(self, sid: str) -> SandboxRow | None:
+        r = self.conn.execute("SELECT * FROM sandboxes WHERE id=?", (sid,)).fetchone()
+        return _sandbox(r) if r else None
+
+    def sandboxes(self) -> list[SandboxRow]:
+        rows = self.conn.execute("SELECT * FROM sandboxes ORDER BY created_at").fetchall()
+        return [_sandbox(r) for r in rows]
+
+    def delete_sandbox(self, sid: str) -> None:
+        self.conn.execute("DELETE FROM sandboxes WHERE id=?", (sid,))
+
+    def family_sandboxes(self, family_id: str) -> list[SandboxRow]:
+        rows = self.conn.execute("SELECT * FROM sandboxes WHERE family_id=?", (family_id,))
+        return [_sandbox(r) for r in rows.fetchall()]
+
+    # checkpoints
+    def put_checkpoint(self, c: CheckpointRow) -> None:
+        d = asdict(c)
+        d["reasons"] = json.dumps(c.reasons)
+        cols = ", ".join(d)
+        marks = ", ".join(f":{k}" for k in d)
+        self.conn.execute(f"INSERT OR REPLACE INTO checkpoints ({cols}) VALUES ({marks})", d)
+
+    def get_checkpoint(self, cid: str) -> CheckpointRow | None:
+        r = self.conn.execute("SELECT * FROM checkpoints WHERE id=?", (cid,)).fetchone()
+        return _checkpoint(r) if r else None
+
+    def family_checkpoints(self, family_id: str) -> list[CheckpointRow]:
+        rows = self.conn.execute(
+            "SELECT * FROM checkpoints WHERE family_id=? ORDER BY created_at", (family_id,))
+        return [_checkpoint(r) for r in rows.fetchall()]
+
+    def all_checkpoints(self) -> list[CheckpointRow]:
+        rows = self.conn.execute("SELECT * FROM checkpoints ORDER BY created_at").fetchall()
+        return [_checkpoint(r) for r in rows]
+
+    def delete_checkpoint(self, cid: str) -> None:
+        self.conn.execute("DELETE FROM checkpoints WHERE id=?", (cid,))
+
+    def reparent(self, old_parent: str, new_parent: str | None) -> None:
+        self.conn.execute("UPDATE checkpoints SET parent_id=? WHERE parent_id=?",
+                          (new_parent, old_parent))
+        self.conn.execute("UPDATE sandboxes SET head_cp=? WHERE head_cp=?",
+                          (new_parent, old_parent))
+
+    def layer_refs(self, layer_id: str) -> int:
+        r = self.conn.execute("SELECT COUNT(*) FROM checkpoints WHERE layer_id=?", (layer_id,))
+        n = r.fetchone()[0]
+        r = self.conn.execute("SELECT COUNT(*) FROM sandboxes WHERE layer_id=?", (layer_id,))
+        return int(n) + int(r.fetchone()[0])
+
+    def referenced_layers(self) -> set[str]:
+        a = self.conn.execute("SELECT layer_id FROM checkpoints").fetchall()
+        b = self.conn.execute("SELECT layer_id FROM sandboxes").fetchall()
+        return {r[0] for r in a} | {r[0] for r in b}
+
+
+def _sandbox(r: sqlite3.Row) -> SandboxRow:
+    d = dict(r)
+    d["env"] = json.loads(d["env"])
+    return SandboxRow(**d)
+
+
+def _checkpoint(r: sqlite3.Row) -> CheckpointRow:
+    d = dict(r)
+    d["reasons"] = json.loads(d["reasons"])
+    return CheckpointRow(**d)

@@ -1,0 +1,119 @@
+"""deltaboxd: the privileged daemon that owns every sandbox, layer and checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import trio
+
+from ..errors import DeltaBoxError
+from ..fs.store import open_store
+from ..sandbox.cgroups import CgroupDriver
+from .db import Database
+from .server import Servicer, make_server
+from .service import Config, Daemon
+
+DEFAULT_STATE_DIR = "/var/lib/deltabox"
+DEFAULT_SOCKET = "/run/deltabox/deltabox.sock"
+log = logging.getLogger("deltaboxd")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="deltaboxd", description="DeltaBox daemon: sandboxes with millisecond "
+        "checkpoint, rollback and fork. Runs as root; clients talk gRPC on a unix socket.",
+        epilog="example: deltaboxd --state-dir /var/lib/deltabox --socket "
+        "/run/deltabox/deltabox.sock")
+    p.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
+                   help=f"metadata, layers and the store image (default {DEFAULT_STATE_DIR})")
+    p.add_argument("--socket", default=os.environ.get("DELTABOX_SOCKET", DEFAULT_SOCKET),
+                   help=f"unix socket to serve on (default $DELTABOX_SOCKET or {DEFAULT_SOCKET})")
+    p.add_argument("--listen", metavar="HOST:PORT",
+                   help="also serve on TCP for remote workers (requires --token-file)")
+    p.add_argument("--token-file", help="file holding the token TCP clients must send")
+    p.add_argument("--store", choices=("auto", "btrfs", "copy"), default="auto",
+                   help="layer store backend (default auto: btrfs in place or on a loop image, "
+                   "else copy)")
+    p.add_argument("--store-size-gb", type=int, default=64,
+                   help="size of the sparse btrfs image when the state dir is not btrfs")
+    p.add_argument("--default-memory-mb", type=int, default=4096)
+    p.add_argument("--default-pids-max", type=int, default=4096)
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s deltaboxd %(levelname)s %(message)s")
+    if os.geteuid() != 0:
+        print("deltaboxd: must run as root (it mounts, makes namespaces and cgroups)",
+              file=sys.stderr)
+        return 1
+    if args.listen and not args.token_file:
+        print("deltaboxd: --listen needs --token-file (TCP clients must authenticate)",
+              file=sys.stderr)
+        return 2
+    try:
+        trio.run(serve, args)
+    except DeltaBoxError as e:
+        print(f"deltaboxd: {e.message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _lock_state_dir(state_dir: Path) -> int:
+    """One daemon per state dir: a second one would fight over mounts and cgroups."""
+    fd = os.open(state_dir / "daemon.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SystemExit(f"deltaboxd: another daemon is using {state_dir}")
+    return fd
+
+
+async def serve(args: argparse.Namespace) -> None:
+    state_dir = Path(args.state_dir).resolve()
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    lock_fd = _lock_state_dir(state_dir)
+    cfg = Config(state_dir=state_dir, socket=args.socket, store_size_gb=args.store_size_gb,
+                 store_backend=args.store, default_memory_mb=args.default_memory_mb,
+                 default_pids_max=args.default_pids_max)
+    store = open_store(state_dir, args.store_size_gb, args.store)
+    db = Database(state_dir / "deltabox.db")
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    sock = Path(args.socket)
+    sock.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    sock.unlink(missing_ok=True)
+    async with trio.open_nursery() as nursery:
+        daemon = Daemon(cfg, store, db, CgroupDriver(), nursery)
+        try:
+            await daemon.recover()
+            server = make_server(Servicer(daemon, trio.lowlevel.current_trio_token(), token),
+                                 str(sock), args.listen)
+            server.start()
+            os.chmod(sock, 0o660)
+            log.info("serving on unix:%s%s (store %s at %s)", sock,
+                     f" and {args.listen}" if args.listen else "", store.backend, store.root)
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    log.info("%s: shutting down", signal.Signals(signum).name)
+                    break
+            stopped = server.stop(grace=2)
+            await trio.to_thread.run_sync(stopped.wait)
+        finally:
+            await daemon.shutdown()
+            sock.unlink(missing_ok=True)
+            nursery.cancel_scope.cancel()
+    os.close(lock_fd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

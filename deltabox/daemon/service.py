@@ -1,0 +1,596 @@
+"""The daemon's core: sandboxes, checkpoints, rollback and fork (all async, on trio).
+
+Every operation that changes a sandbox's file system or processes holds that sandbox's lock;
+the SQLite transaction at the end of each operation is its commit point. What exists on disk
+but is not committed is garbage that `recover()` removes on the next start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from .. import __version__
+from ..errors import (DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument,
+                      NotFound, ResourceExhausted)
+from ..fs import image as images
+from ..fs.diff import diff_layers
+from ..fs.files import SandboxFiles
+from ..fs.mask import build_mask
+from ..fs.store import Store, close_store
+from ..models import CreateParams
+from ..sandbox import execute, runtime
+from ..sandbox.cgroups import Cgroup, CgroupDriver, Limits
+from ..sandbox.session import Session
+from .db import CheckpointRow, Database, SandboxRow
+
+log = logging.getLogger("deltaboxd")
+
+SANDBOX_ID = re.compile(r"^sb-[0-9a-f]{10}$")
+CHECKPOINT_ID = re.compile(r"^cp-[0-9a-f]{10}$")
+SESSION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+    "USER": "root",
+}
+MAX_FORK = 256
+
+
+@dataclass
+class Config:
+    state_dir: Path
+    socket: str
+    store_size_gb: int = 64
+    store_backend: str = "auto"
+    default_memory_mb: int = 4096
+    default_pids_max: int = 4096
+    max_sandboxes: int = 1024
+
+
+@dataclass
+class Live:
+    """Daemon-side state of a running sandbox (nothing here is durable)."""
+
+    rt: runtime.Runtime
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    sessions: dict[str, Session] = field(default_factory=dict)
+    restarted: set[str] = field(default_factory=set)     # sessions lost by a rollback
+    procs: set[trio.Process] = field(default_factory=set)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(5)}"
+
+
+class Daemon:
+    def __init__(self, cfg: Config, store: Store, db: Database, cgroups: CgroupDriver,
+                 background: trio.Nursery) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.db = db
+        self.cgroups = cgroups
+        self.background = background
+        self.live: dict[str, Live] = {}
+        self.run_dir = cfg.state_dir / "run"
+        self.mountpoint = self.run_dir / "rootmnt"
+        self.masks: dict[str, Path] = {}
+        self.family_locks: dict[str, trio.Lock] = {}
+
+    # ---- lookups and validation ------------------------------------------------------
+
+    def _sandbox(self, sid: str) -> SandboxRow:
+        if not SANDBOX_ID.match(sid or ""):
+            raise InvalidArgument(f"{sid!r} is not a sandbox id (like sb-0123456789); "
+                                  "`deltabox ls` lists them")
+        row = self.db.get_sandbox(sid)
+        if row is None:
+            raise NotFound(f"no sandbox {sid}: it was removed or never existed; "
+                           "`deltabox ls` lists sandboxes")
+        return row
+
+    def _checkpoint(self, cid: str) -> CheckpointRow:
+        if not CHECKPOINT_ID.match(cid or ""):
+            raise InvalidArgument(f"{cid!r} is not a checkpoint id (like cp-0123456789)")
+        row = self.db.get_checkpoint(cid)
+        if row is None:
+            raise NotFound(f"no checkpoint {cid}: it was deleted or never existed; "
+                           "`deltabox checkpoints SANDBOX` lists them")
+        return row
+
+    def _live(self, sid: str) -> Live:
+        self._sandbox(sid)
+        live = self.live.get(sid)
+        if live is None or live.rt.generation is None:
+            raise FailedPrecondition(f"sandbox {sid} is not running; roll it back to a "
+                                     "checkpoint to start it again")
+        return live
+
+    def _image(self, spec: str) -> images.Image:
+        return images.from_spec(spec, self.store.root / "images")
+
+    def _lowers(self, img: images.Image) -> list[str]:
+        mask = self.masks.get(img.key)
+        if mask is None:
+            mask = self.store.root / "masks" / img.key
+            hidden = [str(self.cfg.state_dir.resolve())]
+            build_mask(mask, img.rootfs, hidden, img.host_root)
+            self.masks[img.key] = mask
+        return [str(mask), str(img.rootfs)]
+
+    def _env(self, row: SandboxRow, extra: dict[str, str] | None) -> dict[str, str]:
+        env = dict(BASE_ENV, HOSTNAME=row.hostname)
+        env.update(row.env)
+        env.update(extra or {})
+        for k in env:
+            if not k or "=" in k or "\0" in k or "\0" in env[k]:
+                raise InvalidArgument(f"bad environment variable name or value: {k!r}")
+        return env
+
+    # ---- daemon lifecycle ------------------------------------------------------------
+
+    def info(self) -> dict:
+        usage = shutil.disk_usage(self.store.root)
+        return dict(
+            version=__version__, state_dir=str(self.cfg.state_dir), socket=self.cfg.socket,
+            store_backend=self.store.backend, store_path=str(self.store.root),
+            cgroup_version=self.cgroups.version, sandboxes=len(self.db.sandboxes()),
+            checkpoints=len(self.db.all_checkpoints()), store_bytes_total=usage.total,
+            store_bytes_free=usage.free, process_backend="restart-sessions",
+            inspector_backend="none")
+
+    async def recover(self) -> None:
+        """Clean what a previous daemon left, then boot every sandbox again."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.mountpoint.mkdir(exist_ok=True)
+        for name in self.cgroups.existing():
+            if SANDBOX_ID.match(name):
+                log.info("recover: killing leftover processes of %s", name)
+                Cgroup(self.cgroups, name).remove()
+        self._unmount_leftovers()
+        referenced = self.db.referenced_layers()
+        for layer in self.store.layer_ids():
+            if layer not in referenced:
+                log.info("recover: deleting uncommitted layer %s", layer)
+                self.store.delete(layer)
+        for row in self.db.sandboxes():
+            try:
+                await self._boot(row)
+            except Exception as e:  # keep the daemon up; the sandbox says why
+                log.error("recover: cannot restart sandbox %s: %s", row.id, e)
+                row.state = "stopped"
+                self.db.put_sandbox(row)
+
+    def _unmount_leftovers(self) -> None:
+        prefix = str(self.run_dir) + "/"
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1] for line in f]
+        for mnt in reversed(mounts):
+            if mnt.startswith(prefix):
+                subprocess.run(["umount", "-l", mnt], capture_output=True)
+
+    async def shutdown(self) -> None:
+        """Stop every sandbox (their files stay; they boot again on the next start)."""
+        with trio.CancelScope(shield=True):
+            for sid in list(self.live):
+                await self._stop(sid)
+            self.cgroups.remove_parent()
+            self.db.close()
+            close_store(self.store)
+
+    # ---- sandboxes -------------------------------------------------------------------
+
+    async def create(self, params: CreateParams) -> SandboxRow:
+        if len(self.live) >= self.cfg.max_sandboxes:
+            raise ResourceExhausted(f"{len(self.live)} sandboxes are running (the limit is "
+                                    f"{self.cfg.max_sandboxes}); remove some with `deltabox rm`")
+        img = await trio.to_thread.run_sync(images.resolve, params.image,
+                                            self.store.root / "images")
+        sid = new_id("sb")
+        row = SandboxRow(
+            id=sid, family_id="fam-" + sid[3:], state="running", image=img.spec,
+            layer_id=new_id("L"), head_cp=None,
+            memory_mb=params.memory_mb or self.cfg.default_memory_mb,
+            pids_max=params.pids_max or self.cfg.default_pids_max, cpus=params.cpus,
+            hostname=params.hostname or sid, env=dict(params.env), created_at=time.time())
+        self._env(row, None)
+        self.store.new_layer(row.layer_id)
+        try:
+            row.base_gen = self.store.generation(row.layer_id)
+            await self._boot(row)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self._stop(sid)
+                self.store.delete(row.layer_id)
+            raise
+        self.db.put_sandbox(row)
+        return row
+
+    async def _boot(self, row: SandboxRow) -> None:
+        """Start init and the first file-system generation of a sandbox."""
+        limits = Limits(row.memory_mb, row.pids_max, row.cpus)
+        cg = self.cgroups.create(row.id, limits)
+        rt = await runtime.start_init(row.id, cg, row.hostname)
+        live = Live(rt)
+        self.live[row.id] = live
+        self.background.start_soon(self._watch, row.id, rt)
+        lowers = self._lowers(self._image(row.image))
+        rt.generation = await runtime.build_generation(
+            rt, row.layer_id, lowers, self.store.layer_path(row.layer_id), self.mountpoint)
+        row.state = "running"
+
+    async def _watch(self, sid: str, rt: runtime.Runtime) -> None:
+        """Reap the launcher; if init dies on its own the sandbox is stopped."""
+        await rt.launcher.wait()
+        rt.exited.set()
+        live = self.live.get(sid)
+        if live is not None and live.rt is rt:
+            log.warning("sandbox %s: init exited (status %s)", sid, rt.launcher.returncode)
+
+    async def _stop(self, sid: str) -> None:
+        live = self.live.pop(sid, None)
+        if live is None:
+            Cgroup(self.cgroups, sid).remove()
+            return
+        for s in live.sessions.values():
+            await s.close()
+        for p in list(live.procs):
+            _kill(p)
+        await runtime.stop(live.rt)
+        live.rt.cgroup.remove()
+
+    def get(self, sid: str) -> SandboxRow:
+        return self._sandbox(sid)
+
+    def list(self) -> list[SandboxRow]:
+        return self.db.sandboxes()
+
+    def init_pid(self, sid: str) -> int:
+        live = self.live.get(sid)
+        return live.rt.init_pid if live else 0
+
+    async def remove(self, sid: str) -> int:
+        """Remove a sandbox; when it was the last of its family, free the family's checkpoints."""
+        row = self._sandbox(sid)
+        lock = self.live[sid].lock if sid in self.live else trio.Lock()
+        async with lock:
+            await self._stop(sid)
+            freed = 0
+            others = [s for s in self.db.family_sandboxes(row.family_id) if s.id != sid]
+            cps = [] if others else self.db.family_checkpoints(row.family_id)
+            with self.db.transaction():
+                self.db.delete_sandbox(sid)
+                for cp in cps:
+                    self.db.delete_checkpoint(cp.id)
+            self._delete_layer_later(row.layer_id)
+            for cp in cps:
+                if self.db.layer_refs(cp.layer_id) == 0:
+                    self._delete_layer_later(cp.layer_id)
+                    freed += 1
+            return freed
+
+    def _delete_layer_later(self, layer_id: str) -> None:
+        """Deleting a subvolume is off the hot path: do it after the call returned."""
+        async def delete() -> None:
+            await trio.sleep(0)
+            try:
+                await trio.to_thread.run_sync(self.store.delete, layer_id)
+            except Exception as e:  # retried on the next start (orphan layer)
+                log.warning("deleting layer %s failed: %s (retried at restart)", layer_id, e)
+        self.background.start_soon(delete)
+
+    # ---- running commands ------------------------------------------------------------
+
+    async def exec(self, sid: str, argv: list[str], shell: str, cwd: str, env: dict[str, str],
+                   stdin: bytes, timeout: float,
+                   sink: Callable[[str, bytes], None] | None = None) -> execute.ExecOutput:
+        """Run a command to completion; background jobs it starts keep running."""
+        if shell:
+            argv = ["bash", "-c", shell]
+        if not argv or any("\0" in a for a in argv):
+            raise InvalidArgument("nothing to run: give a command (argv or shell), no NUL bytes")
+        _check_timeout(timeout)
+        cwd = _abs_in_sandbox(cwd)
+        env = self._env(self._sandbox(sid), env)
+        live = self._live(sid)
+        # Spawn under the lock, so a concurrent rollback either precedes this command or
+        # sees it in `procs` and kills it.
+        async with live.lock:
+            live = self._live(sid)
+            running = await execute.spawn(live.rt, argv, cwd=cwd, env=env, stdin=stdin,
+                                          background=self.background, sink=sink)
+            live.procs.add(running.proc)
+        try:
+            out = await execute.wait(running, timeout or None)
+        finally:
+            live.procs.discard(running.proc)
+        if out.timed_out:
+            raise DeadlineExceeded(_timeout_message(" ".join(argv)[:200], timeout, out))
+        return out
+
+    async def session_run(self, sid: str, name: str, command: str,
+                          timeout: float) -> tuple[execute.ExecOutput, str]:
+        """Run bash source in a named persistent shell (created on first use)."""
+        if not SESSION_NAME.match(name or ""):
+            raise InvalidArgument(f"session name {name!r}: use 1-64 of A-Z a-z 0-9 _ . -")
+        if "\0" in command:
+            raise InvalidArgument("command contains a NUL byte")
+        _check_timeout(timeout)
+        row = self._sandbox(sid)
+        live = self._live(sid)
+        note = ""
+        async with live.lock:
+            live = self._live(sid)
+            session = live.sessions.get(name)
+            if session is None or not session.alive:
+                if name in live.restarted:
+                    note = f"session {name!r} was restarted: the sandbox was rolled back"
+                    live.restarted.discard(name)
+                elif session is not None:
+                    note = f"session {name!r} was restarted: its shell had exited"
+                session = Session(name)
+                await session.start(live.rt, self._env(row, {"TERM": "dumb"}), self.background)
+                live.sessions[name] = session
+                assert session.proc is not None
+            live.procs.add(session.proc)
+        async with session.lock:
+            out = await session.run(command, timeout or None)
+        if out.timed_out:
+            live.sessions.pop(name, None)
+            raise DeadlineExceeded(_timeout_message(command[:200], timeout, out) +
+                                   f"; session {name!r} was killed and restarts on next use")
+        return out, note
+
+    async def session_close(self, sid: str, name: str) -> None:
+        live = self._live(sid)
+        session = live.sessions.pop(name, None)
+        if session is None:
+            raise NotFound(f"sandbox {sid} has no session {name!r}")
+        await session.close()
+
+    def sessions(self, sid: str) -> list[str]:
+        live = self._live(sid)
+        return sorted(n for n, s in live.sessions.items() if s.alive)
+
+    # ---- files -----------------------------------------------------------------------
+
+    async def files(self, sid: str, op: str, *args: object, **kw: object) -> object:
+        """Run a SandboxFiles operation on the sandbox's current root (under its lock, so a
+        rollback cannot swap the root underneath)."""
+        live = self._live(sid)
+        async with live.lock:
+            live = self._live(sid)
+            assert live.rt.generation is not None
+            fs = SandboxFiles(live.rt.generation.rootfd)
+            return await trio.to_thread.run_sync(lambda: getattr(fs, op)(*args, **kw))
+
+    # ---- checkpoints -----------------------------------------------------------------
+
+    async def checkpoint(self, sid: str, mode: str, label: str) -> CheckpointRow:
+        """Freeze the writable layer into a read-only snapshot: the new checkpoint."""
+        if mode not in ("", "auto", "fs", "full"):
+            raise InvalidArgument(f"checkpoint mode {mode!r}: use auto, fs or full")
+        if len(label) > 200:
+            raise InvalidArgument("label longer than 200 characters")
+        live = self._live(sid)
+        async with live.lock:
+            row = self._sandbox(sid)
+            live = self._live(sid)
+            t0 = time.perf_counter()
+            cp_id, layer = new_id("cp"), new_id("L")
+            # Flush dirty data first so the snapshot inside the freeze window is short.
+            await trio.to_thread.run_sync(self.store.sync)
+            t_freeze = time.perf_counter()
+            live.rt.cgroup.freeze()
+            try:
+                self.store.freeze(row.layer_id, layer)
+            finally:
+                live.rt.cgroup.thaw()
+            freeze_ms = (time.perf_counter() - t_freeze) * 1000
+            changes = self.store.changes_since(row.layer_id, row.base_gen)
+            row.base_gen = self.store.generation(row.layer_id)
+            cp = CheckpointRow(
+                id=cp_id, family_id=row.family_id, sandbox_id=sid, parent_id=row.head_cp,
+                layer_id=layer, image=row.image, kind="fs", label=label,
+                created_at=time.time(), duration_ms=0.0,
+                files_changed=changes.files if changes else 0,
+                bytes_changed=changes.bytes if changes else 0, freeze_ms=freeze_ms,
+                reasons=["file state captured; processes are not (sessions restart on "
+                         "rollback)"] + ([] if changes else ["change summary unavailable "
+                                                             "on the copy store"]))
+            cp.duration_ms = (time.perf_counter() - t0) * 1000
+            row.head_cp = cp_id
+            with self.db.transaction():
+                self.db.put_checkpoint(cp)
+                self.db.put_sandbox(row)
+            return cp
+
+    async def rollback(self, sid: str, cp_id: str) -> dict:
+        """Make the sandbox's files exactly the checkpoint's; processes restart."""
+        row = self._sandbox(sid)
+        cp = self._checkpoint(cp_id)
+        if cp.family_id != row.family_id:
+            raise FailedPrecondition(
+                f"checkpoint {cp_id} belongs to another sandbox family than {sid}; roll back "
+                f"to one of `deltabox checkpoints {sid}`, or `deltabox fork {cp_id}`")
+        live = self.live.get(sid)
+        if live is None:  # stopped: boot it on the checkpoint
+            return await self._rollback_stopped(row, cp)
+        async with live.lock:
+            t0 = time.perf_counter()
+            row = self._sandbox(sid)
+            cp = self._checkpoint(cp_id)
+            layer = new_id("L")
+            self.store.clone(cp.layer_id, layer)
+            try:
+                killed = self._kill_processes(live)
+                old = live.rt.generation
+                live.rt.generation = await runtime.build_generation(
+                    live.rt, layer, self._lowers(self._image(row.image)),
+                    self.store.layer_path(layer), self.mountpoint)
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    self.store.delete(layer)
+                raise
+            if old is not None:
+                old.close()
+            old_layer, row.layer_id, row.head_cp = row.layer_id, layer, cp_id
+            row.base_gen = self.store.generation(layer)
+            with self.db.transaction():
+                self.db.put_sandbox(row)
+            self._delete_layer_later(old_layer)
+            restarted = sorted(live.sessions)
+            live.restarted.update(restarted)
+            live.sessions.clear()
+            return dict(sandbox_id=sid, checkpoint_id=cp_id,
+                        duration_ms=(time.perf_counter() - t0) * 1000,
+                        sessions_restarted=restarted, processes_killed=killed,
+                        process_state="restarted")
+
+    def _kill_processes(self, live: Live) -> int:
+        """Kill everything in the sandbox but its init (the pid namespace must live on)."""
+        for p in list(live.procs):
+            _kill(p)
+        live.procs.clear()
+        return live.rt.cgroup.kill(keep=live.rt.keep_pids)
+
+    async def _rollback_stopped(self, row: SandboxRow, cp: CheckpointRow) -> dict:
+        t0 = time.perf_counter()
+        layer = new_id("L")
+        self.store.clone(cp.layer_id, layer)
+        old_layer, row.layer_id, row.head_cp = row.layer_id, layer, cp.id
+        row.base_gen = self.store.generation(layer)
+        try:
+            await self._boot(row)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self._stop(row.id)
+                self.store.delete(layer)
+            raise
+        with self.db.transaction():
+            self.db.put_sandbox(row)
+        self._delete_layer_later(old_layer)
+        return dict(sandbox_id=row.id, checkpoint_id=cp.id,
+                    duration_ms=(time.perf_counter() - t0) * 1000, sessions_restarted=[],
+                    processes_killed=0, process_state="restarted")
+
+    async def fork(self, cp_id: str, count: int) -> list[SandboxRow]:
+        """N new, independent sandboxes whose files are the checkpoint's."""
+        cp = self._checkpoint(cp_id)
+        count = count or 1
+        if not 1 <= count <= MAX_FORK:
+            raise InvalidArgument(f"fork count must be 1..{MAX_FORK}, got {count}")
+        if len(self.live) + count > self.cfg.max_sandboxes:
+            raise ResourceExhausted(f"forking {count} would exceed the limit of "
+                                    f"{self.cfg.max_sandboxes} sandboxes")
+        src = self.db.get_sandbox(cp.sandbox_id)
+        rows: list[SandboxRow] = []
+        for _ in range(count):
+            sid = new_id("sb")
+            rows.append(SandboxRow(
+                id=sid, family_id=cp.family_id, state="running", image=cp.image,
+                layer_id=new_id("L"), head_cp=cp.id,
+                memory_mb=src.memory_mb if src else self.cfg.default_memory_mb,
+                pids_max=src.pids_max if src else self.cfg.default_pids_max,
+                cpus=src.cpus if src else 0.0, hostname=sid,
+                env=dict(src.env) if src else {}, created_at=time.time()))
+        try:
+            for r in rows:
+                self.store.clone(cp.layer_id, r.layer_id)
+                r.base_gen = self.store.generation(r.layer_id)
+            async with trio.open_nursery() as n:
+                for r in rows:
+                    n.start_soon(self._boot, r)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                for r in rows:
+                    await self._stop(r.id)
+                    self.store.delete(r.layer_id)
+            raise
+        with self.db.transaction():
+            for r in rows:
+                self.db.put_sandbox(r)
+        return rows
+
+    def checkpoints(self, sid: str) -> list[CheckpointRow]:
+        row = self._sandbox(sid)
+        return _tree_order(self.db.family_checkpoints(row.family_id))
+
+    def get_checkpoint(self, cp_id: str) -> CheckpointRow:
+        return self._checkpoint(cp_id)
+
+    async def delete_checkpoint(self, cp_id: str) -> bool:
+        """Forget a checkpoint; its children hang from its parent; its layer is freed when
+        nothing else references it."""
+        cp = self._checkpoint(cp_id)
+        with self.db.transaction():
+            self.db.delete_checkpoint(cp_id)
+            self.db.reparent(cp_id, cp.parent_id)
+        if self.db.layer_refs(cp.layer_id) == 0:
+            self._delete_layer_later(cp.layer_id)
+            return True
+        return False
+
+    async def diff(self, a_id: str, b_id: str) -> tuple[list[str], list[str], list[str]]:
+        a, b = self._checkpoint(a_id), self._checkpoint(b_id)
+        if a.image != b.image:
+            raise FailedPrecondition(f"{a_id} and {b_id} have different images "
+                                     f"({a.image} vs {b.image}); diff compares one image's layers")
+        lowers = self._lowers(self._image(a.image))
+        r = await trio.to_thread.run_sync(
+            diff_layers, str(self.store.layer_path(a.layer_id) / "upper"),
+            str(self.store.layer_path(b.layer_id) / "upper"), lowers)
+        return list(r.added), list(r.modified), list(r.deleted)
+
+
+def _check_timeout(timeout: float) -> None:
+    if timeout < 0 or timeout != timeout:
+        raise InvalidArgument(f"timeout must be >= 0 seconds (0 = none), got {timeout}")
+
+
+def _abs_in_sandbox(cwd: str) -> str:
+    if not cwd:
+        return "/workspace"
+    if "\0" in cwd:
+        raise InvalidArgument("cwd contains a NUL byte")
+    return cwd if cwd.startswith("/") else "/workspace/" + cwd
+
+
+def _timeout_message(what: str, timeout: float, out: execute.ExecOutput) -> str:
+    tail = out.stdout[-500:].decode(errors="replace")
+    return (f"command {what!r} ran past its timeout of {timeout:g}s and was killed "
+            f"(raise the timeout or run it in the background); last output: {tail!r}")
+
+
+def _tree_order(cps: list[CheckpointRow]) -> list[CheckpointRow]:
+    """Parents before children, siblings by creation time."""
+    by_parent: dict[str | None, list[CheckpointRow]] = {}
+    ids = {c.id for c in cps}
+    for c in cps:
+        by_parent.setdefault(c.parent_id if c.parent_id in ids else None, []).append(c)
+    out: list[CheckpointRow] = []
+    stack = list(reversed(by_parent.get(None, [])))
+    while stack:
+        c = stack.pop()
+        out.append(c)
+        stack.extend(reversed(by_parent.get(c.id, [])))
+    return out
+
+
+def _kill(p: trio.Process) -> None:
+    if p.returncode is None:
+        try:
+            p.kill()
+        except ProcessLookupError:
+            pass

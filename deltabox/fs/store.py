@@ -1,0 +1,230 @@
+"""DeltaFS layer store: writable layers, frozen checkpoint layers, and their lifecycle.
+
+A layer is a directory holding `upper/` (the overlay upperdir) and `work/` (its workdir).
+- btrfs backend: every layer is a subvolume. Freezing a sandbox's writable layer is a
+  read-only snapshot (copy-on-write, milliseconds, running processes untouched); rollback and
+  fork make a writable snapshot of a frozen one. Layers never depend on each other, so any
+  checkpoint can be deleted at any time.
+- copy backend (hosts without btrfs or loop devices): the same operations by copying the
+  layer (reflinks where the filesystem has them). Slow, but correct; the benchmark baseline.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ..errors import FailedPrecondition, Internal, ResourceExhausted
+from . import btrfs
+
+
+@dataclass(frozen=True)
+class Changes:
+    files: int
+    bytes: int
+
+
+class Store(Protocol):
+    backend: str
+    root: Path
+
+    def layer_path(self, layer_id: str) -> Path: ...
+    def new_layer(self, layer_id: str) -> None: ...
+    def freeze(self, src_id: str, dst_id: str) -> None: ...
+    def clone(self, src_id: str, dst_id: str) -> None: ...
+    def delete(self, layer_id: str) -> None: ...
+    def generation(self, layer_id: str) -> int: ...
+    def changes_since(self, layer_id: str, gen: int) -> Changes | None: ...
+    def sync(self) -> None: ...
+    def layer_ids(self) -> list[str]: ...
+
+
+class _BaseStore:
+    backend = "?"
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.layers = root / "layers"
+        self.layers.mkdir(parents=True, exist_ok=True)
+
+    def layer_path(self, layer_id: str) -> Path:
+        return self.layers / layer_id
+
+    def layer_ids(self) -> list[str]:
+        return sorted(p.name for p in self.layers.iterdir())
+
+    def sync(self) -> None:
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            _syncfs(fd)
+        finally:
+            os.close(fd)
+
+    def _make_dirs(self, path: Path) -> None:
+        (path / "upper").mkdir(mode=0o755, exist_ok=True)
+        (path / "work").mkdir(mode=0o700, exist_ok=True)
+
+
+def _syncfs(fd: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syncfs(fd) != 0:
+        err = ctypes.get_errno()
+        raise Internal(f"syncfs failed: {os.strerror(err)}")
+
+
+class BtrfsStore(_BaseStore):
+    backend = "btrfs"
+
+    def new_layer(self, layer_id: str) -> None:
+        path = self.layer_path(layer_id)
+        btrfs.create_subvolume(str(path))
+        self._make_dirs(path)
+
+    def freeze(self, src_id: str, dst_id: str) -> None:
+        btrfs.snapshot(str(self.layer_path(src_id)), str(self.layer_path(dst_id)), readonly=True)
+
+    def clone(self, src_id: str, dst_id: str) -> None:
+        btrfs.snapshot(str(self.layer_path(src_id)), str(self.layer_path(dst_id)), readonly=False)
+
+    def delete(self, layer_id: str) -> None:
+        path = self.layer_path(layer_id)
+        if path.exists():
+            btrfs.delete_tree(str(path))
+
+    def generation(self, layer_id: str) -> int:
+        return btrfs.generation(str(self.layer_path(layer_id)))
+
+    def changes_since(self, layer_id: str, gen: int) -> Changes | None:
+        s = btrfs.changed_since(str(self.layer_path(layer_id)), gen)
+        return Changes(files=s.files, bytes=s.bytes)
+
+
+class CopyStore(_BaseStore):
+    backend = "copy"
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.backend = "copy-reflink" if _reflink_works(root) else "copy"
+
+    def new_layer(self, layer_id: str) -> None:
+        path = self.layer_path(layer_id)
+        path.mkdir()
+        self._make_dirs(path)
+
+    def _copy(self, src: Path, dst: Path) -> None:
+        tmp = dst.with_name(dst.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        r = subprocess.run(["cp", "-a", "--reflink=auto", str(src), str(tmp)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if "No space" in r.stderr:
+                raise ResourceExhausted(f"store full while copying a layer: {r.stderr.strip()}")
+            raise Internal(f"copying layer {src.name}: {r.stderr.strip()}")
+        shutil.rmtree(tmp / "work", ignore_errors=True)
+        (tmp / "work").mkdir(mode=0o700)
+        tmp.rename(dst)
+
+    def freeze(self, src_id: str, dst_id: str) -> None:
+        self._copy(self.layer_path(src_id), self.layer_path(dst_id))
+
+    def clone(self, src_id: str, dst_id: str) -> None:
+        self._copy(self.layer_path(src_id), self.layer_path(dst_id))
+
+    def delete(self, layer_id: str) -> None:
+        shutil.rmtree(self.layer_path(layer_id), ignore_errors=True)
+
+    def generation(self, layer_id: str) -> int:
+        return 0
+
+    def changes_since(self, layer_id: str, gen: int) -> Changes | None:
+        return None  # unknown without walking; the daemon reports it as such
+
+    def layer_ids(self) -> list[str]:
+        return sorted(p.name for p in self.layers.iterdir() if not p.name.endswith(".partial"))
+
+
+def _reflink_works(root: Path) -> bool:
+    a, b = root / ".reflink-probe", root / ".reflink-probe2"
+    try:
+        a.write_bytes(b"x")
+        r = subprocess.run(["cp", "--reflink=always", str(a), str(b)], capture_output=True)
+        return r.returncode == 0
+    finally:
+        a.unlink(missing_ok=True)
+        b.unlink(missing_ok=True)
+
+
+# ---- opening the embedded default store -------------------------------------------------
+
+def _mounted_at(path: Path) -> str | None:
+    """Filesystem type mounted exactly at `path` in our mount namespace, if any."""
+    target = str(path)
+    fstype = None
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if parts[1] == target:
+                fstype = parts[2]
+    return fstype
+
+
+def open_store(state_dir: Path, size_gb: int, backend: str = "auto") -> Store:
+    """The store for `state_dir`: btrfs in place, btrfs on a loop image, or copy.
+
+    backend: "auto" (the default), "btrfs" (fail if impossible) or "copy" (force).
+    """
+    mnt = state_dir / "store"
+    mnt.mkdir(parents=True, exist_ok=True)
+    if backend == "copy":
+        return CopyStore(mnt)
+    if btrfs.is_btrfs(str(state_dir)):
+        s = BtrfsStore(mnt)
+        return s
+    if _mounted_at(mnt) == "btrfs":  # left by a previous daemon: reuse it
+        s = BtrfsStore(mnt)
+        s.backend = "btrfs-loop"
+        return s
+    try:
+        _mount_loop_image(state_dir / "store.img", mnt, size_gb)
+    except FailedPrecondition:
+        if backend == "btrfs":
+            raise
+        return CopyStore(mnt)
+    s = BtrfsStore(mnt)
+    s.backend = "btrfs-loop"
+    return s
+
+
+def _mount_loop_image(img: Path, mnt: Path, size_gb: int) -> None:
+    if shutil.which("mkfs.btrfs") is None:
+        raise FailedPrecondition("mkfs.btrfs not found: install btrfs-progs (make install)")
+    fresh = not img.exists()
+    if fresh:
+        with open(img, "wb") as f:
+            f.truncate(size_gb << 30)
+        r = subprocess.run(["mkfs.btrfs", "-q", "-f", str(img)], capture_output=True, text=True)
+        if r.returncode != 0:
+            img.unlink(missing_ok=True)
+            raise FailedPrecondition(f"mkfs.btrfs failed: {r.stderr.strip()}")
+    r = subprocess.run(["mount", "-o", "loop,noatime", str(img), str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise FailedPrecondition(f"cannot loop-mount {img} at {mnt}: {r.stderr.strip()}")
+
+
+def close_store(store: Store) -> None:
+    """Unmount a loop store (the loop device detaches itself: mount -o loop sets autoclear)."""
+    if store.backend != "btrfs-loop":
+        return
+    r = subprocess.run(["umount", str(store.root)], capture_output=True, text=True)
+    if r.returncode != 0:
+        # Still busy (a sandbox namespace not yet torn down): detach lazily; the kernel
+        # unmounts and frees the loop device when the last user goes.
+        subprocess.run(["umount", "-l", str(store.root)], capture_output=True)

@@ -1,0 +1,104 @@
+"""Pydantic models at the API boundary: what the SDK returns and the daemon validates."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class ExecResult(_Model):
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration_ms: float
+    stdout_bytes: bytes = b""
+    stderr_bytes: bytes = b""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+class Checkpoint(_Model):
+    id: str
+    parent_id: str | None
+    sandbox_id: str
+    family_id: str
+    kind: str
+    created_at: float
+    duration_ms: float
+    files_changed: int = 0
+    bytes_changed: int = 0
+    label: str = ""
+    reasons: list[str] = Field(default_factory=list)
+    freeze_ms: float = 0.0
+
+
+class RollbackResult(_Model):
+    sandbox_id: str
+    checkpoint_id: str
+    duration_ms: float
+    sessions_restarted: list[str] = Field(default_factory=list)
+    processes_killed: int = 0
+    process_state: str = ""
+
+
+class DiffResult(_Model):
+    added: list[str]
+    modified: list[str]
+    deleted: list[str]
+
+
+class FileInfo(_Model):
+    path: str
+    type: str
+    size: int
+    mode: int
+    mtime: float
+    link_target: str = ""
+
+
+class SandboxInfo(_Model):
+    id: str
+    family_id: str
+    state: str
+    image: str
+    head_checkpoint_id: str | None
+    memory_mb: int
+    pids_max: int
+    cpus: float
+    created_at: float
+    init_pid: int
+    hostname: str = ""
+
+
+class DaemonInfo(_Model):
+    version: str
+    state_dir: str
+    socket: str
+    store_backend: str
+    store_path: str
+    cgroup_version: str
+    sandboxes: int
+    checkpoints: int
+    store_bytes_total: int
+    store_bytes_free: int
+    process_backend: str
+    inspector_backend: str
+
+
+class CreateParams(_Model):
+    """Validated CreateSandbox request (daemon side)."""
+
+    image: str = ""
+    memory_mb: int = Field(default=0, ge=0, le=1 << 20)
+    pids_max: int = Field(default=0, ge=0, le=1 << 22)
+    cpus: float = Field(default=0.0, ge=0.0, le=1024.0)
+    hostname: str = Field(default="", max_length=63, pattern=r"^[A-Za-z0-9.-]*$")
+    env: dict[str, str] = Field(default_factory=dict)

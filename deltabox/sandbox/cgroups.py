@@ -1,0 +1,229 @@
+"""Cgroup driver: one cgroup per sandbox with memory / pids / cpu limits and a freezer.
+
+Supports cgroup v1 (one hierarchy per controller, as on these machines) and v2 (unified).
+Every sandbox cgroup lives under a `deltabox` parent so a restarted daemon can find and remove
+what a previous one left.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import Internal, ResourceExhausted
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PARENT = "deltabox"
+V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
+
+
+@dataclass(frozen=True)
+class Limits:
+    memory_mb: int
+    pids_max: int
+    cpus: float  # 0 = unlimited
+
+
+def _write(path: Path, value: str) -> None:
+    try:
+        path.write_text(value)
+    except OSError as e:
+        raise Internal(f"cgroup: cannot write {value!r} to {path}: {e.strerror}") from e
+
+
+def _v1_mounts() -> dict[str, Path]:
+    """Controller name -> mount point of its v1 hierarchy."""
+    found: dict[str, Path] = {}
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        dev, mnt, fstype, opts, *_ = line.split()
+        if fstype != "cgroup":
+            continue
+        for opt in opts.split(","):
+            if opt in V1_CONTROLLERS or opt == "cpu":
+                found.setdefault(opt, Path(mnt))
+    return found
+
+
+def detect_version() -> str:
+    controllers = CGROUP_ROOT / "cgroup.controllers"
+    if controllers.exists() and "memory" in controllers.read_text().split():
+        return "v2"
+    return "v1"
+
+
+class Cgroup:
+    """The cgroup(s) of one sandbox."""
+
+    def __init__(self, driver: CgroupDriver, name: str) -> None:
+        self.driver = driver
+        self.name = name
+        self.dirs = driver.dirs_for(name)
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in self.dirs]
+
+    def pids(self) -> set[int]:
+        try:
+            text = (self.driver.procs_dir(self.name) / "cgroup.procs").read_text()
+        except FileNotFoundError:
+            return set()
+        return {int(x) for x in text.split()}
+
+    def apply(self, limits: Limits) -> None:
+        self.driver.apply(self.name, limits)
+
+    def freeze(self) -> None:
+        self.driver.set_frozen(self.name, True)
+
+    def thaw(self) -> None:
+        self.driver.set_frozen(self.name, False)
+
+    def kill(self, keep: set[int] = frozenset(), timeout: float = 5.0) -> int:
+        """SIGKILL every process except `keep`; returns how many were killed.
+
+        Frozen first, so nothing can fork while we walk the list.
+        """
+        self.freeze()
+        try:
+            victims = self.pids() - set(keep)
+            for pid in victims:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        finally:
+            self.thaw()
+        deadline = time.monotonic() + timeout
+        while self.pids() - set(keep):
+            if time.monotonic() > deadline:
+                raise Internal(f"cgroup {self.name}: processes {sorted(self.pids() - set(keep))} "
+                               "survived SIGKILL")
+            time.sleep(0.001)
+        return len(victims)
+
+    def memory_usage(self) -> int:
+        return self.driver.memory_usage(self.name)
+
+    def remove(self) -> None:
+        """Kill everything and delete the cgroup directories (idempotent)."""
+        if any(d.exists() for d in self.dirs):
+            self.kill()
+        for d in self.dirs:
+            _rmdir_retry(d)
+
+
+def _rmdir_retry(d: Path, timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            d.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            # EBUSY: the last task is exiting but not yet uncharged.
+            if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise Internal(f"cgroup: cannot remove {d}: {e.strerror}") from e
+            time.sleep(0.005)
+
+
+class CgroupDriver:
+    """Creates, limits, freezes and removes sandbox cgroups on v1 or v2."""
+
+    def __init__(self, version: str | None = None) -> None:
+        self.version = version or detect_version()
+        self.v1 = _v1_mounts() if self.version == "v1" else {}
+        if self.version == "v1":
+            missing = [c for c in V1_CONTROLLERS if c not in self.v1]
+            if missing:
+                raise Internal(f"cgroup v1 controllers not mounted: {', '.join(missing)}")
+
+    def _parents(self) -> list[Path]:
+        if self.version == "v2":
+            return [CGROUP_ROOT / PARENT]
+        return [self.v1[c] / PARENT for c in V1_CONTROLLERS]
+
+    def dirs_for(self, name: str) -> list[Path]:
+        return [p / name for p in self._parents()]
+
+    def procs_dir(self, name: str) -> Path:
+        return self.dirs_for(name)[-1] if self.version == "v1" else self.dirs_for(name)[0]
+
+    def setup(self) -> None:
+        for p in self._parents():
+            p.mkdir(exist_ok=True)
+        if self.version == "v2":
+            for d in (CGROUP_ROOT, CGROUP_ROOT / PARENT):
+                _write(d / "cgroup.subtree_control", "+memory +pids +cpu")
+
+    def create(self, name: str, limits: Limits) -> Cgroup:
+        self.setup()
+        for d in self.dirs_for(name):
+            d.mkdir(exist_ok=True)
+        cg = Cgroup(self, name)
+        cg.apply(limits)
+        return cg
+
+    def existing(self) -> list[str]:
+        """Names of sandbox cgroups present (from any daemon)."""
+        names: set[str] = set()
+        for p in self._parents():
+            if p.is_dir():
+                names.update(c.name for c in p.iterdir() if c.is_dir())
+        return sorted(names)
+
+    def remove_parent(self) -> None:
+        for p in self._parents():
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+
+    def apply(self, name: str, limits: Limits) -> None:
+        mem = limits.memory_mb * 1024 * 1024
+        if self.version == "v2":
+            d = CGROUP_ROOT / PARENT / name
+            _write(d / "memory.max", str(mem))
+            _write(d / "memory.swap.max", "0") if (d / "memory.swap.max").exists() else None
+            _write(d / "pids.max", str(limits.pids_max))
+            quota = f"{int(limits.cpus * 100000)} 100000" if limits.cpus else "max 100000"
+            _write(d / "cpu.max", quota)
+            return
+        _write(self.v1["memory"] / PARENT / name / "memory.limit_in_bytes", str(mem))
+        _write(self.v1["pids"] / PARENT / name / "pids.max", str(limits.pids_max))
+        cpu = self.v1["cpu"] / PARENT / name
+        _write(cpu / "cpu.cfs_period_us", "100000")
+        _write(cpu / "cpu.cfs_quota_us", str(int(limits.cpus * 100000)) if limits.cpus else "-1")
+
+    def set_frozen(self, name: str, frozen: bool, timeout: float = 5.0) -> None:
+        if self.version == "v2":
+            d = CGROUP_ROOT / PARENT / name
+            _write(d / "cgroup.freeze", "1" if frozen else "0")
+            want = f"frozen {1 if frozen else 0}"
+            check = lambda: want in (d / "cgroup.events").read_text()  # noqa: E731
+        else:
+            state = self.v1["freezer"] / PARENT / name / "freezer.state"
+            target = "FROZEN" if frozen else "THAWED"
+            _write(state, target)
+            check = lambda: state.read_text().strip() == target  # noqa: E731
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                raise ResourceExhausted(f"cgroup {name}: not {'frozen' if frozen else 'thawed'} "
+                                        f"after {timeout}s")
+            time.sleep(0.0002)
+
+    def memory_usage(self, name: str) -> int:
+        if self.version == "v2":
+            f = CGROUP_ROOT / PARENT / name / "memory.current"
+        else:
+            f = self.v1["memory"] / PARENT / name / "memory.usage_in_bytes"
+        try:
+            return int(f.read_text())
+        except (OSError, ValueError):
+            return 0

@@ -1,0 +1,167 @@
+"""A running sandbox: its cgroup, its init (pid 1 of its namespaces) and its current
+file-system generation (a mount namespace whose root is the overlay of its writable layer).
+
+Processes are started by the native helpers in deltabox/libexec (see native/*.c):
+dbx-init starts the namespaces, dbx-mkroot builds a generation, dbx-enter runs a command.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from ..errors import FailedPrecondition, Internal
+from .cgroups import Cgroup
+
+LIBEXEC = Path(__file__).resolve().parent.parent / "libexec"
+
+
+def helper(name: str) -> str:
+    path = LIBEXEC / name
+    if not os.access(path, os.X_OK):
+        raise FailedPrecondition(f"native helper {path} is missing: run `make install`")
+    return str(path)
+
+
+@dataclass
+class Generation:
+    """One mount namespace of the sandbox; closing the fds lets the kernel tear it down."""
+
+    layer_id: str
+    mntfd: int
+    rootfd: int
+
+    def close(self) -> None:
+        for fd in (self.mntfd, self.rootfd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.mntfd = self.rootfd = -1
+
+
+@dataclass
+class Runtime:
+    sandbox_id: str
+    cgroup: Cgroup
+    launcher: trio.Process
+    init_pid: int
+    pidfd: int
+    generation: Generation | None = None
+    exited: trio.Event = field(default_factory=trio.Event)
+
+    @property
+    def keep_pids(self) -> set[int]:
+        """Processes a rollback must not kill: the launcher and init."""
+        return {self.launcher.pid, self.init_pid}
+
+    def enter_argv(self, argv: list[str], cwd: str, env: dict[str, str]) -> list[str]:
+        """The dbx-enter command line that runs argv inside this sandbox."""
+        assert self.generation is not None
+        cmd = [helper("dbx-enter"), "--pidfd", str(self.pidfd),
+               "--mntfd", str(self.generation.mntfd), "--cwd", cwd]
+        for f in self.cgroup.procs_files:
+            cmd += ["--cgroup", f]
+        for k, v in env.items():
+            cmd += ["--env", f"{k}={v}"]
+        return cmd + ["--"] + argv
+
+    @property
+    def pass_fds(self) -> tuple[int, ...]:
+        assert self.generation is not None
+        return (self.pidfd, self.generation.mntfd)
+
+    def close(self) -> None:
+        if self.generation:
+            self.generation.close()
+            self.generation = None
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+async def start_init(sandbox_id: str, cgroup: Cgroup, hostname: str) -> Runtime:
+    """Start dbx-init in the cgroup; returns once init's pid is known."""
+    cmd = [helper("dbx-init"), "--hostname", hostname]
+    for f in cgroup.procs_files:
+        cmd += ["--cgroup", f]
+    proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    line = await _read_line(proc.stdout)
+    if not line.strip().isdigit():
+        err = await _drain(proc)
+        raise Internal(f"sandbox {sandbox_id}: init did not start: {err or line!r}")
+    init_pid = int(line)
+    pidfd = os.pidfd_open(init_pid)
+    return Runtime(sandbox_id, cgroup, proc, init_pid, pidfd)
+
+
+async def build_generation(rt: Runtime, layer_id: str, lower: list[str], layer: Path,
+                           mountpoint: Path) -> Generation:
+    """Mount a fresh overlay of `layer` in a new mount namespace of the sandbox."""
+    cmd = [helper("dbx-mkroot"), "--pidfd", str(rt.pidfd), "--lower", ":".join(lower),
+           "--upper", str(layer / "upper"), "--work", str(layer / "work"),
+           "--mountpoint", str(mountpoint)]
+    proc = await trio.lowlevel.open_process(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        pass_fds=(rt.pidfd,))
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        lines = [await _read_line(proc.stdout), await _read_line(proc.stdout)]
+        pids = [x for x in lines if x.strip().isdigit()]
+        if "ready" not in [x.strip() for x in lines] or not pids:
+            err = await _drain(proc)
+            raise Internal(f"sandbox {rt.sandbox_id}: building its file system failed: "
+                           f"{err or lines!r}")
+        pid = int(pids[0])
+        mntfd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        rootfd = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    finally:
+        await proc.stdin.aclose()
+        with trio.move_on_after(5):
+            await proc.wait()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return Generation(layer_id, mntfd, rootfd)
+
+
+async def stop(rt: Runtime) -> None:
+    """Kill every process of the sandbox and wait for its launcher."""
+    try:
+        rt.cgroup.kill()
+    finally:
+        if rt.launcher.returncode is None:
+            try:
+                rt.launcher.send_signal(signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        await rt.launcher.wait()
+        rt.close()
+
+
+async def _read_line(stream: trio.abc.ReceiveStream, limit: int = 4096) -> str:
+    buf = b""
+    while not buf.endswith(b"\n") and len(buf) < limit:
+        chunk = await stream.receive_some(1)
+        if not chunk:
+            break
+        buf += chunk
+    return buf.decode(errors="replace").strip()
+
+
+async def _drain(proc: trio.Process) -> str:
+    """Collect a failed helper's stderr (its one-line reason)."""
+    err = b""
+    if proc.stderr is not None:
+        with trio.move_on_after(2):
+            while chunk := await proc.stderr.receive_some(65536):
+                err += chunk
+    with trio.move_on_after(2):
+        await proc.wait()
+    return err.decode(errors="replace").strip()

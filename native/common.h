@@ -1,0 +1,32 @@
+/* Shared helpers for the small setuid-free root helpers in native/.
+ * Each helper is a short-lived process spawned by deltaboxd; on failure it prints one line
+ * "dbx-<name>: <step>: <reason>" to stderr and exits with DBX_EXIT_SETUP, so the daemon can
+ * tell a setup failure apart from the exit code of the command it ran. */
+#ifndef DBX_COMMON_H
+#define DBX_COMMON_H
+
+#include <stdarg.h>
+#include <stddef.h>
+
+/* Exit code of a helper whose own setup failed (before or instead of running a command). */
+#define DBX_EXIT_SETUP 125
+
+/* Namespaces a sandbox process shares with the sandbox's init (all but mount). */
+#define DBX_NS_FLAGS (CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWCGROUP)
+
+void dbx_set_progname(const char *name);
+/* Print "<prog>: <formatted>: strerror(errno)" and exit DBX_EXIT_SETUP. */
+__attribute__((noreturn, format(printf, 1, 2))) void dbx_die_errno(const char *fmt, ...);
+/* Print "<prog>: <formatted>" and exit DBX_EXIT_SETUP. */
+__attribute__((noreturn, format(printf, 1, 2))) void dbx_die(const char *fmt, ...);
+
+/* Write our pid into a cgroup.procs (v1 or v2) file; returns 0 or -1 with errno. */
+int dbx_join_cgroup(const char *procs_file);
+/* Parse a decimal fd number given on the command line; dies on garbage. */
+int dbx_parse_fd(const char *arg, const char *what);
+/* Write all of buf to fd, retrying on EINTR/short writes. Returns 0 or -1. */
+int dbx_write_all(int fd, const char *buf, size_t len);
+/* Map a wait status to a shell-style exit code: code, or 128+signal. */
+int dbx_exit_code(int status);
+
+#endif

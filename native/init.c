@@ -1,0 +1,190 @@
+/* dbx-init: start a sandbox.
+ *
+ *   dbx-init [--cgroup PROCS_FILE]... [--hostname NAME]
+ *
+ * The launcher joins the sandbox's cgroups, unshares every namespace a sandbox has (mount,
+ * pid, uts, ipc, net, cgroup), names the host, raises loopback and forks. The child is pid 1
+ * of the new pid namespace: it parks itself in an empty read-only tmpfs root (so that
+ * /proc/1/root, which any sandbox process can open, leads nowhere) and reaps orphans forever.
+ * The sandbox's file system is not init's: each generation of it lives in a mount namespace
+ * built by dbx-mkroot, so a rollback can replace it while init (and so the pid namespace)
+ * stays alive.
+ *
+ * The launcher prints init's host pid on stdout and then waits for init, exiting with its
+ * status, so deltaboxd sees the sandbox die as its child exiting.
+ */
+#include "common.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <net/if.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MAX_CGROUPS 16
+
+struct init_opts {
+	const char *cgroups[MAX_CGROUPS];
+	int n_cgroups;
+	const char *hostname;
+};
+
+static void parse_args(int argc, char **argv, struct init_opts *o)
+{
+	static const struct option longopts[] = {
+		{"cgroup", required_argument, NULL, 'c'},
+		{"hostname", required_argument, NULL, 'h'},
+		{NULL, 0, NULL, 0},
+	};
+	int c;
+
+	memset(o, 0, sizeof(*o));
+	while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
+		switch (c) {
+		case 'c':
+			if (o->n_cgroups == MAX_CGROUPS)
+				dbx_die("too many --cgroup (max %d)", MAX_CGROUPS);
+			o->cgroups[o->n_cgroups++] = optarg;
+			break;
+		case 'h':
+			o->hostname = optarg;
+			break;
+		default:
+			dbx_die("usage: dbx-init [--cgroup PROCS_FILE]... [--hostname NAME]");
+		}
+	}
+}
+
+/* A fresh net namespace has only "lo", and it is down. */
+static void loopback_up(void)
+{
+	struct ifreq ifr;
+	int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+
+	if (fd < 0)
+		dbx_die_errno("socket for loopback");
+	memset(&ifr, 0, sizeof(ifr));
+	strncpy(ifr.ifr_name, "lo", IFNAMSIZ - 1);
+	if (ioctl(fd, SIOCGIFFLAGS, &ifr) < 0)
+		dbx_die_errno("SIOCGIFFLAGS lo");
+	ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+	if (ioctl(fd, SIOCSIFFLAGS, &ifr) < 0)
+		dbx_die_errno("SIOCSIFFLAGS lo up");
+	close(fd);
+}
+
+/* Give init an empty, read-only root. Runs in init's private mount namespace, so mounting a
+ * tmpfs over the host's /tmp here changes nothing the host sees. pivot_root(".", ".") stacks
+ * the old root under the new one; the lazy unmount of "." then drops it. */
+static void park_in_empty_root(void)
+{
+	if (mount("dbx-init", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+		  "size=4k,mode=0555") < 0)
+		dbx_die_errno("mount tmpfs for init's root");
+	if (chdir("/tmp") < 0)
+		dbx_die_errno("chdir to init's root");
+	if (syscall(SYS_pivot_root, ".", ".") < 0)
+		dbx_die_errno("pivot_root into init's root");
+	if (umount2(".", MNT_DETACH) < 0)
+		dbx_die_errno("detach the host root from init");
+	if (chdir("/") < 0)
+		dbx_die_errno("chdir /");
+	if (mount(NULL, "/", NULL, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+		  NULL) < 0)
+		dbx_die_errno("remount init's root read-only");
+}
+
+static void redirect_stdio_to_null(void)
+{
+	int fd = open("/dev/null", O_RDWR | O_CLOEXEC);
+
+	if (fd < 0)
+		dbx_die_errno("open /dev/null");
+	for (int i = 0; i < 3; i++)
+		if (dup2(fd, i) < 0)
+			dbx_die_errno("dup2 /dev/null to %d", i);
+	close(fd);
+}
+
+static void reap_all(void)
+{
+	while (waitpid(-1, NULL, WNOHANG) > 0)
+		;
+}
+
+/* pid 1: the kernel delivers only signals it has handlers for (from inside the namespace),
+ * so SIGCHLD and SIGTERM are taken synchronously with sigwaitinfo. SIGTERM from the host ends
+ * the sandbox: when pid 1 exits, the kernel kills every process of the namespace. */
+static __attribute__((noreturn)) void run_init(void)
+{
+	sigset_t set;
+	siginfo_t info;
+
+	if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0)
+		dbx_die_errno("PR_SET_PDEATHSIG");
+	redirect_stdio_to_null();
+	park_in_empty_root();
+	sigemptyset(&set);
+	sigaddset(&set, SIGCHLD);
+	sigaddset(&set, SIGTERM);
+	sigaddset(&set, SIGINT);
+	if (sigprocmask(SIG_BLOCK, &set, NULL) < 0)
+		dbx_die_errno("sigprocmask");
+	for (;;) {
+		reap_all();
+		if (sigwaitinfo(&set, &info) < 0) {
+			if (errno == EINTR)
+				continue;
+			dbx_die_errno("sigwaitinfo");
+		}
+		if (info.si_signo == SIGTERM || info.si_signo == SIGINT)
+			_exit(0);
+	}
+}
+
+int main(int argc, char **argv)
+{
+	struct init_opts o;
+	pid_t child;
+	int status;
+	char line[32];
+
+	dbx_set_progname("dbx-init");
+	parse_args(argc, argv, &o);
+	for (int i = 0; i < o.n_cgroups; i++)
+		if (dbx_join_cgroup(o.cgroups[i]) < 0)
+			dbx_die_errno("join cgroup %s", o.cgroups[i]);
+	if (unshare(CLONE_NEWNS | DBX_NS_FLAGS) < 0)
+		dbx_die_errno("unshare namespaces");
+	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
+		dbx_die_errno("make mounts private");
+	if (o.hostname && sethostname(o.hostname, strlen(o.hostname)) < 0)
+		dbx_die_errno("sethostname %s", o.hostname);
+	loopback_up();
+
+	child = fork();
+	if (child < 0)
+		dbx_die_errno("fork init");
+	if (child == 0)
+		run_init();
+
+	snprintf(line, sizeof(line), "%d\n", child);
+	if (dbx_write_all(STDOUT_FILENO, line, strlen(line)) < 0)
+		dbx_die_errno("report init pid %d", child);
+	close(STDOUT_FILENO);
+	while (waitpid(child, &status, 0) < 0)
+		if (errno != EINTR)
+			dbx_die_errno("wait for init %d", child);
+	return dbx_exit_code(status);
+}

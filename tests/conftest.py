@@ -1,0 +1,113 @@
+"""A real deltaboxd per test session, on its own state dir and socket, checked for leaks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class DaemonProc:
+    state_dir: Path
+    socket: str
+    proc: subprocess.Popen | None
+    log: Path
+
+    def start(self, *extra: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "deltabox.daemon.main", "--state-dir", str(self.state_dir),
+             "--socket", self.socket, "--store-size-gb", "16", *extra],
+            stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, cwd=ROOT)
+        wait_ready(self)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+
+def wait_ready(d: DaemonProc, timeout: float = 60) -> None:
+    import deltabox
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if d.proc is not None and d.proc.poll() is not None:
+            raise RuntimeError(f"deltaboxd exited: {d.log.read_text()[-3000:]}")
+        if os.path.exists(d.socket):
+            try:
+                deltabox.info(socket=d.socket)
+                return
+            except deltabox.DeltaBoxError:
+                pass
+        time.sleep(0.05)
+    raise RuntimeError(f"deltaboxd not ready: {d.log.read_text()[-3000:]}")
+
+
+def leaks(state_dir: Path) -> list[str]:
+    """What a stopped daemon left behind (the checks of ../shared/tools/leakcheck)."""
+    found = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            dev, mnt, fstype = line.split()[:3]
+            if str(state_dir) in mnt or fstype == "overlay" and "deltabox" in line:
+                found.append(f"mount {fstype} {mnt}")
+    loops = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    found += [f"loop {line}" for line in loops.splitlines() if str(state_dir) in line]
+    for base in Path("/sys/fs/cgroup").glob("*/deltabox"):
+        found += [f"cgroup {c}" for c in base.iterdir() if c.is_dir()]
+    if Path("/sys/fs/cgroup/deltabox").exists():
+        found += [f"cgroup {c}" for c in Path("/sys/fs/cgroup/deltabox").iterdir() if c.is_dir()]
+    ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    found += [f"process {line.strip()}" for line in ps.splitlines()
+              if "libexec/dbx-" in line]
+    return found
+
+
+@pytest.fixture(scope="session")
+def daemon() -> DaemonProc:
+    base = Path(tempfile.mkdtemp(prefix="dbx-test-", dir="/var/tmp"))
+    d = DaemonProc(base / "state", str(base / "deltabox.sock"), None, base / "daemon.log")
+    os.environ["DELTABOX_SOCKET"] = d.socket
+    try:
+        d.start()
+        yield d
+    finally:
+        d.stop()
+        left = leaks(base)
+        if not left:
+            shutil.rmtree(base, ignore_errors=True)
+        assert not left, f"deltaboxd left behind: {left}"
+
+
+@pytest.fixture
+def sbx(daemon: DaemonProc):
+    from deltabox import Sandbox
+
+    s = Sandbox.create(socket=daemon.socket)
+    try:
+        yield s
+    finally:
+        try:
+            s.kill()
+        except Exception:
+            pass
