@@ -73,10 +73,11 @@ def leaks(state_dir: Path) -> list[str]:
                 found.append(f"mount {fstype} {mnt}")
     loops = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
     found += [f"loop {line}" for line in loops.splitlines() if str(state_dir) in line]
-    for base in Path("/sys/fs/cgroup").glob("*/deltabox"):
-        found += [f"cgroup {c}" for c in base.iterdir() if c.is_dir()]
-    if Path("/sys/fs/cgroup/deltabox").exists():
-        found += [f"cgroup {c}" for c in Path("/sys/fs/cgroup/deltabox").iterdir() if c.is_dir()]
+    from deltabox.sandbox.cgroups import parent_name
+
+    parent = parent_name(str((state_dir / "state").resolve()))
+    found += [f"cgroup {c}" for c in Path("/sys/fs/cgroup").glob(f"*/{parent}")]
+    found += [f"cgroup {c}" for c in Path("/sys/fs/cgroup").glob(parent)]
     ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
     found += [f"process {line.strip()}" for line in ps.splitlines()
               if "libexec/dbx-" in line]

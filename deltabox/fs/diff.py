@@ -175,16 +175,22 @@ class _Differ:
         self.truncated: list[str] = []
 
     # ---- directory listing and name resolution -------------------------------------
-    def _list(self, d: _Dir) -> dict[str, os.DirEntry]:
+    def _list(self, d: _Dir, limit: int | None = None) -> tuple[dict[str, os.DirEntry], bool]:
+        """The entries of one layer directory (at most `limit`), and whether that is all."""
         if d.sealed:
-            return {}
+            return {}, True
+        out: dict[str, os.DirEntry] = {}
         try:
             with os.scandir(d.path) as it:
-                return {e.name: e for e in it}
+                for e in it:
+                    if limit is not None and len(out) >= limit:
+                        return out, False
+                    out[e.name] = e
         except (FileNotFoundError, NotADirectoryError):
-            return {}
+            return {}, True
         except OSError as e:
             raise Internal(f"diff: cannot list {d.path!r}: {e}") from e
+        return out, True
 
     def _resolve(self, stack: tuple[_Dir, ...], name: str,
                  listings: dict[tuple[int, str], dict[str, os.DirEntry]]) -> _Node | None:
@@ -290,20 +296,24 @@ class _Differ:
         # The uppers' own entries are always walked: they are what can differ.
         for d in (*stack_a, *stack_b):
             if d.layer == 0 and d.key() not in listings:
-                listings[d.key()] = entries = self._list(d)
+                listings[d.key()] = entries = self._list(d)[0]
                 names.update(entries)
         if not (stack_a and stack_b and lower_a == lower_b):
             # The views merge different lower directories here (or the directory exists in
             # one view only): every name in the lower directories can differ too.
-            if self.budget <= 0:
-                self.truncated.append(rel)
-            else:
-                for d in (*stack_a, *stack_b):
-                    if d.layer > 0 and d.key() not in listings:
-                        listings[d.key()] = entries = self._list(d)
-                        before = len(names)
-                        names.update(entries)
-                        self.budget -= len(names) - before
+            for d in (*stack_a, *stack_b):
+                if d.layer == 0 or d.key() in listings:
+                    continue
+                entries, complete = self._list(d, limit=max(self.budget, 0))
+                before = len(names)
+                names.update(entries)
+                self.budget -= len(names) - before
+                if not complete:
+                    # Capped: the names read so far are still resolved exactly (a partial
+                    # listing is not used for lookups), the rest are left out.
+                    self.truncated.append(rel)
+                    break
+                listings[d.key()] = entries
 
         prefix = rel if rel.endswith("/") else rel + "/"
         subdirs = []

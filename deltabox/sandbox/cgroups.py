@@ -1,8 +1,9 @@
 """Cgroup driver: one cgroup per sandbox with memory / pids / cpu limits and a freezer.
 
 Supports cgroup v1 (one hierarchy per controller, as on these machines) and v2 (unified).
-Every sandbox cgroup lives under a `deltabox` parent so a restarted daemon can find and remove
-what a previous one left.
+Every sandbox cgroup lives under a parent named for the daemon's state dir
+(`deltabox-<hash>`), so a restarted daemon finds and removes exactly what its previous run left,
+and never touches the sandboxes of another daemon on the same host.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from pathlib import Path
 from ..errors import Internal, ResourceExhausted
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-PARENT = "deltabox"
 V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
 
 
@@ -135,7 +135,8 @@ def _rmdir_retry(d: Path, timeout: float = 2.0) -> None:
 class CgroupDriver:
     """Creates, limits, freezes and removes sandbox cgroups on v1 or v2."""
 
-    def __init__(self, version: str | None = None) -> None:
+    def __init__(self, parent: str, version: str | None = None) -> None:
+        self.parent = parent
         self.version = version or detect_version()
         self.v1 = _v1_mounts() if self.version == "v1" else {}
         if self.version == "v1":
@@ -145,8 +146,8 @@ class CgroupDriver:
 
     def _parents(self) -> list[Path]:
         if self.version == "v2":
-            return [CGROUP_ROOT / PARENT]
-        return [self.v1[c] / PARENT for c in V1_CONTROLLERS]
+            return [CGROUP_ROOT / self.parent]
+        return [self.v1[c] / self.parent for c in V1_CONTROLLERS]
 
     def dirs_for(self, name: str) -> list[Path]:
         return [p / name for p in self._parents()]
@@ -158,7 +159,7 @@ class CgroupDriver:
         for p in self._parents():
             p.mkdir(exist_ok=True)
         if self.version == "v2":
-            for d in (CGROUP_ROOT, CGROUP_ROOT / PARENT):
+            for d in (CGROUP_ROOT, CGROUP_ROOT / self.parent):
                 _write(d / "cgroup.subtree_control", "+memory +pids +cpu")
 
     def create(self, name: str, limits: Limits) -> Cgroup:
@@ -187,27 +188,27 @@ class CgroupDriver:
     def apply(self, name: str, limits: Limits) -> None:
         mem = limits.memory_mb * 1024 * 1024
         if self.version == "v2":
-            d = CGROUP_ROOT / PARENT / name
+            d = CGROUP_ROOT / self.parent / name
             _write(d / "memory.max", str(mem))
             _write(d / "memory.swap.max", "0") if (d / "memory.swap.max").exists() else None
             _write(d / "pids.max", str(limits.pids_max))
             quota = f"{int(limits.cpus * 100000)} 100000" if limits.cpus else "max 100000"
             _write(d / "cpu.max", quota)
             return
-        _write(self.v1["memory"] / PARENT / name / "memory.limit_in_bytes", str(mem))
-        _write(self.v1["pids"] / PARENT / name / "pids.max", str(limits.pids_max))
-        cpu = self.v1["cpu"] / PARENT / name
+        _write(self.v1["memory"] / self.parent / name / "memory.limit_in_bytes", str(mem))
+        _write(self.v1["pids"] / self.parent / name / "pids.max", str(limits.pids_max))
+        cpu = self.v1["cpu"] / self.parent / name
         _write(cpu / "cpu.cfs_period_us", "100000")
         _write(cpu / "cpu.cfs_quota_us", str(int(limits.cpus * 100000)) if limits.cpus else "-1")
 
     def set_frozen(self, name: str, frozen: bool, timeout: float = 5.0) -> None:
         if self.version == "v2":
-            d = CGROUP_ROOT / PARENT / name
+            d = CGROUP_ROOT / self.parent / name
             _write(d / "cgroup.freeze", "1" if frozen else "0")
             want = f"frozen {1 if frozen else 0}"
             check = lambda: want in (d / "cgroup.events").read_text()  # noqa: E731
         else:
-            state = self.v1["freezer"] / PARENT / name / "freezer.state"
+            state = self.v1["freezer"] / self.parent / name / "freezer.state"
             target = "FROZEN" if frozen else "THAWED"
             _write(state, target)
             check = lambda: state.read_text().strip() == target  # noqa: E731
@@ -220,10 +221,17 @@ class CgroupDriver:
 
     def memory_usage(self, name: str) -> int:
         if self.version == "v2":
-            f = CGROUP_ROOT / PARENT / name / "memory.current"
+            f = CGROUP_ROOT / self.parent / name / "memory.current"
         else:
-            f = self.v1["memory"] / PARENT / name / "memory.usage_in_bytes"
+            f = self.v1["memory"] / self.parent / name / "memory.usage_in_bytes"
         try:
             return int(f.read_text())
         except (OSError, ValueError):
             return 0
+
+
+def parent_name(state_dir: str) -> str:
+    """The cgroup parent of one daemon (one state dir)."""
+    import hashlib
+
+    return "deltabox-" + hashlib.sha256(state_dir.encode()).hexdigest()[:8]

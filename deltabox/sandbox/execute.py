@@ -136,9 +136,16 @@ async def wait(r: Running, timeout: float | None) -> ExecOutput:
     with trio.move_on_after(EXIT_GRACE_S):
         await r.out.eof.wait()
         await r.err.eof.wait()
-    code = r.proc.returncode if r.proc.returncode is not None else -1
-    return ExecOutput(code, r.out.detach(), r.err.detach(), (time.perf_counter() - r.t0) * 1000,
+    return ExecOutput(exit_code(r.proc), r.out.detach(), r.err.detach(), (time.perf_counter() - r.t0) * 1000,
                       timed_out, r.out.truncated, r.err.truncated)
+
+
+def exit_code(proc: trio.Process) -> int:
+    """Shell convention: the exit status, or 128+N when killed by signal N."""
+    rc = proc.returncode
+    if rc is None:
+        return -1
+    return 128 - rc if rc < 0 else rc
 
 
 async def _terminate(proc: trio.Process) -> None:

@@ -15,7 +15,7 @@ import time
 
 import trio
 
-from .execute import OUTPUT_LIMIT, ExecOutput, _terminate
+from .execute import OUTPUT_LIMIT, ExecOutput, _terminate, exit_code
 from .runtime import Runtime
 
 _TAIL = 512
@@ -117,7 +117,7 @@ class Session:
         else:  # the shell exited (e.g. `exit 3`) or was killed
             await self.close()
             assert self.proc is not None
-            code = self.proc.returncode if self.proc.returncode is not None else -1
+            code = exit_code(self.proc)
         return ExecOutput(code, stdout, stderr, (time.perf_counter() - t0) * 1000, timed_out,
                           out_trunc and self.out.total > self.out.limit,
                           err_trunc and self.err.total > self.err.limit)

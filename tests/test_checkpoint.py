@@ -1,0 +1,187 @@
+"""DeltaFS checkpoint, rollback, fork, the checkpoint tree, diff and deletion."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import deltabox
+from deltabox import Sandbox
+
+
+def test_checkpoint_rollback_restores_files_and_restarts_sessions(sbx: Sandbox) -> None:
+    sbx.files.write("keep.txt", "v1")
+    s = sbx.session("main")
+    s.run("cd /tmp && export X=1")
+    cp = sbx.checkpoint()
+    assert cp.sandbox_id == sbx.id and cp.parent_id is None and cp.kind == "fs"
+    assert cp.files_changed >= 1 and cp.bytes_changed >= 2 and cp.duration_ms > 0
+    sbx.files.write("keep.txt", "v2")
+    sbx.exec("echo new > /workspace/new.txt; rm -rf /usr/share/doc; touch /etc/deltabox-x")
+    res = sbx.rollback(cp)
+    assert res.sessions_restarted == ["main"] and res.process_state == "restarted"
+    assert sbx.files.read("keep.txt") == b"v1"
+    assert not sbx.files.exists("new.txt")
+    assert sbx.exec("test -d /usr/share/doc && test ! -e /etc/deltabox-x").exit_code == 0
+    r = s.run("pwd; echo ${X:-unset}")
+    assert r.stdout == "/workspace\nunset\n" and "rolled back" in r.note
+
+
+def test_rollback_kills_processes(sbx: Sandbox) -> None:
+    sbx.exec("nohup sleep 1000 >/dev/null 2>&1 &")
+    cp = sbx.checkpoint()
+    res = sbx.rollback(cp)
+    assert res.processes_killed >= 1
+    assert "sleep" not in sbx.exec("ps -eo comm").stdout
+
+
+def test_checkpoint_tree_and_parents(sbx: Sandbox) -> None:
+    a = sbx.checkpoint(label="a")
+    sbx.files.write("f", "1")
+    b = sbx.checkpoint()
+    sbx.rollback(a)
+    sbx.files.write("f", "2")
+    c = sbx.checkpoint()
+    assert b.parent_id == a.id and c.parent_id == a.id
+    tree = sbx.checkpoints()
+    assert [x.id for x in tree] == [a.id, b.id, c.id]
+    assert tree[0].label == "a"
+    sbx.rollback(b)
+    assert sbx.files.read("f") == b"1"
+    sbx.rollback(c)
+    assert sbx.files.read("f") == b"2"
+
+
+def test_fork_children_are_independent(sbx: Sandbox) -> None:
+    sbx.files.write("shared", "base")
+    cp = sbx.checkpoint()
+    kids = sbx.fork(cp, count=3)
+    try:
+        assert len({k.id for k in kids}) == 3
+        for i, k in enumerate(kids):
+            assert k.files.read("shared") == b"base"
+            k.files.write("shared", f"child{i}")
+        assert [k.files.read("shared") for k in kids] == [b"child0", b"child1", b"child2"]
+        assert sbx.files.read("shared") == b"base"
+        # Children are in the family: they can roll back to the parent's checkpoints,
+        # and cannot see each other's processes.
+        kids[0].exec("nohup sleep 1000 >/dev/null 2>&1 &")
+        assert "sleep" not in kids[1].exec("ps -eo comm").stdout
+        kids[0].rollback(cp)
+        assert kids[0].files.read("shared") == b"base"
+        cp2 = kids[1].checkpoint()
+        assert cp2.parent_id == cp.id
+        assert cp2.id in [c.id for c in sbx.checkpoints()]
+    finally:
+        for k in kids:
+            k.kill()
+
+
+def test_rollback_to_another_family_is_refused(daemon, sbx: Sandbox) -> None:
+    with Sandbox.create(socket=daemon.socket) as other:
+        cp = other.checkpoint()
+        sbx.files.write("mine", "x")
+        with pytest.raises(deltabox.FailedPrecondition, match="family"):
+            sbx.rollback(cp)
+        assert sbx.files.read("mine") == b"x"  # nothing changed
+
+
+def test_bad_ids(daemon, sbx: Sandbox) -> None:
+    with pytest.raises(deltabox.NotFound):
+        sbx.rollback("cp-0000000000")
+    with pytest.raises(deltabox.InvalidArgument):
+        sbx.rollback("not-a-checkpoint")
+    with pytest.raises(deltabox.NotFound):
+        Sandbox.fork_from("cp-0000000000", count=2, socket=daemon.socket)
+    cp = sbx.checkpoint()
+    with pytest.raises(deltabox.InvalidArgument):
+        sbx.fork(cp, count=100000)
+    with pytest.raises(deltabox.InvalidArgument):
+        sbx.checkpoint(mode="bogus")
+    assert [c.id for c in sbx.checkpoints()] == [cp.id]  # rejected calls changed nothing
+
+
+def test_diff(sbx: Sandbox) -> None:
+    sbx.files.write("m.txt", "1")
+    sbx.files.write("d.txt", "x")
+    a = sbx.checkpoint()
+    sbx.files.write("m.txt", "2")
+    sbx.files.remove("d.txt")
+    sbx.files.write("new/a.txt", "n")
+    sbx.exec("rm /etc/hostname")
+    b = sbx.checkpoint()
+    d = sbx.diff(a, b)
+    assert d.added == ["/workspace/new", "/workspace/new/a.txt"]
+    assert d.modified == ["/workspace/m.txt"]
+    assert d.deleted == ["/etc/hostname", "/workspace/d.txt"]
+    back = sbx.diff(b, a)
+    assert back.added == d.deleted and back.deleted == d.added
+
+
+def test_delete_checkpoint_reparents_and_frees(sbx: Sandbox) -> None:
+    a = sbx.checkpoint()
+    sbx.files.write("f", "b")
+    b = sbx.checkpoint()
+    sbx.files.write("f", "c")
+    c = sbx.checkpoint()
+    assert sbx.delete_checkpoint(b) is True
+    cps = {x.id: x for x in sbx.checkpoints()}
+    assert b.id not in cps and cps[c.id].parent_id == a.id
+    with pytest.raises(deltabox.NotFound):
+        sbx.rollback(b)
+    sbx.rollback(c)
+    assert sbx.files.read("f") == b"c"
+
+
+def test_concurrent_checkpoints_of_one_sandbox(daemon, sbx: Sandbox) -> None:
+    results: list[object] = []
+
+    def take() -> None:
+        results.append(Sandbox.connect(sbx.id, socket=daemon.socket).checkpoint())
+
+    threads = [threading.Thread(target=take) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ids = {c.id for c in results}
+    assert len(ids) == 6
+    # Serialised: they form a chain, each the parent of the next.
+    parents = {c.parent_id for c in results}
+    assert len(parents) == 6
+
+
+def test_rollback_while_exec_runs(sbx: Sandbox) -> None:
+    cp = sbx.checkpoint()
+    got: list[object] = []
+
+    def long_exec() -> None:
+        try:
+            got.append(sbx.exec("sleep 30; echo done", timeout=60))
+        except deltabox.DeltaBoxError as e:
+            got.append(e)
+
+    t = threading.Thread(target=long_exec)
+    t.start()
+    time.sleep(0.5)
+    sbx.rollback(cp)
+    t.join(20)
+    assert not t.is_alive()
+    r = got[0]
+    assert not isinstance(r, Exception) and r.exit_code == 137  # killed by the rollback
+    assert sbx.exec("echo fine").stdout == "fine\n"
+
+
+def test_remove_frees_family_checkpoints(daemon) -> None:
+    sbx = Sandbox.create(socket=daemon.socket)
+    cp = sbx.checkpoint()
+    kid = sbx.fork(cp)[0]
+    sbx.kill()
+    # The fork keeps the family alive: its checkpoint is still there.
+    assert [c.id for c in kid.checkpoints()] == [cp.id]
+    kid.rollback(cp)
+    assert kid.kill() == 1  # last of the family: its checkpoint is freed
+    with pytest.raises(deltabox.NotFound):
+        kid.exec("true")

@@ -1,0 +1,50 @@
+"""The `deltabox` CLI end to end (a thin client of the same gRPC API)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def cli(daemon, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "deltabox.cli", "--socket", daemon.socket, *args],
+                       capture_output=True, text=True, timeout=120)
+    if check and r.returncode != 0:
+        raise AssertionError(f"deltabox {args}: {r.returncode} {r.stderr}")
+    return r
+
+
+def test_cli_workflow(daemon) -> None:
+    sid = cli(daemon, "create").stdout.strip()
+    try:
+        assert cli(daemon, "exec", sid, "--", "sh", "-c", "echo hi > f; exit 3",
+                   check=False).returncode == 3
+        cp = cli(daemon, "checkpoint", sid).stdout.strip()
+        cli(daemon, "exec", sid, "--", "rm", "f")
+        cli(daemon, "rollback", sid, cp)
+        assert cli(daemon, "exec", sid, "--", "cat", "f").stdout == "hi\n"
+        r = cli(daemon, "--json", "exec", sid, "--session", "s", "--", "cd /tmp; pwd")
+        assert json.loads(r.stdout)["stdout"] == "/tmp\n"
+        kids = cli(daemon, "fork", cp, "--count", "2").stdout.split()
+        assert len(kids) == 2
+        cp2 = cli(daemon, "checkpoint", kids[0]).stdout.strip()
+        tree = cli(daemon, "checkpoints", sid).stdout
+        assert cp in tree and cp2 in tree
+        listed = json.loads(cli(daemon, "--json", "checkpoints", sid).stdout)
+        assert {c["id"] for c in listed} == {cp, cp2}
+        assert sid in cli(daemon, "ls").stdout
+        info = json.loads(cli(daemon, "--json", "info").stdout)
+        assert info["store_backend"].startswith("btrfs")
+        cli(daemon, "rm", *kids)
+    finally:
+        cli(daemon, "rm", sid, check=False)
+
+
+def test_cli_errors(daemon) -> None:
+    r = cli(daemon, "rollback", "sb-0000000000", "cp-0000000000", check=False)
+    assert r.returncode == 1 and "no sandbox" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "deltabox.cli", "info"], capture_output=True,
+                       text=True, env=dict(os.environ, DELTABOX_SOCKET="/nonexistent.sock"))
+    assert r.returncode == 1 and "is it running" in r.stderr
