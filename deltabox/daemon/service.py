@@ -121,6 +121,12 @@ class Daemon:
         return images.from_spec(spec, self.store.root / "images")
 
     def _lowers(self, img: images.Image) -> list[str]:
+        if os.stat(self.store.root).st_dev == os.stat(img.rootfs).st_dev:
+            # overlayfs refuses a layer stack where one layer lies inside another (ELOOP).
+            raise FailedPrecondition(
+                f"the {self.store.backend} store at {self.store.root} is on the same filesystem "
+                f"as the image {img.spec}, which overlayfs cannot stack: put --state-dir on "
+                "another filesystem, or let the daemon use btrfs (--store auto)")
         mask = self.masks.get(img.key)
         if mask is None:
             mask = self.store.root / "masks" / img.key

@@ -25,7 +25,10 @@ Semantics worth knowing:
   sandbox); stat has lstat semantics; write (non-append), remove and tar extraction act on
   the final component itself: write *replaces* a symlink with a regular file atomically rather
   than writing through it, remove deletes the link, not its target.
-* A trailing '/' makes the path name a directory (like POSIX): stat("link/") follows.
+* A trailing '/' makes the path name a directory, like POSIX, for stat/read/list/download_tar
+  (stat("link/") follows the link); write refuses it; remove and mkdir ignore it.
+* upload_tar validates the whole archive before writing anything, but a failure half-way
+  through extraction (disk full, a type conflict) leaves the members extracted so far.
 * New files and directories take the owner of their parent directory; a replaced file keeps
   its owner and (unless `mode` is given) its permission bits. This keeps files usable by the
   sandbox's own (possibly user-namespace-mapped) users although the daemon is host root.
@@ -825,8 +828,10 @@ class SandboxFiles:
                         if err.errno != errno.EXDEV:
                             raise
                         st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                        self._add(tf, buf, self._info(rel, st, tarfile.DIRTYPE), None, limit, sub)
-                        continue  # a mount point: recorded, not entered
+                        if stat.S_ISDIR(st.st_mode):  # a mount point: recorded, not entered
+                            self._add(tf, buf, self._info(rel, st, tarfile.DIRTYPE), None,
+                                      limit, sub)
+                        continue
                     with _owned(pin):
                         st = os.fstat(pin)
                         if not stat.S_ISDIR(st.st_mode):
