@@ -350,7 +350,8 @@ class SandboxFiles:
         """
         t = self._target(path)
         if t.name is None or t.trailing_slash:
-            raise FailedPrecondition(f"cannot write a file at {t.display}: the path names a directory")
+            raise FailedPrecondition(f"cannot write a file at {t.display}: "
+                                     "the path names a directory")
         if mode is not None and (not isinstance(mode, int) or not 0 <= mode <= 0o7777):
             raise InvalidArgument(f"mode must be between 0 and 0o7777, got {mode!r}")
         try:
@@ -366,7 +367,8 @@ class SandboxFiles:
         return FileStat.from_stat(t.display, st)
 
     def stat(self, path: str) -> FileStat:
-        """lstat semantics: a final symlink is reported, not followed (unless the path ends in '/')."""
+        """lstat semantics: a final symlink is reported, not followed (unless the path ends
+        in '/'), so callers can see links without us ever resolving them."""
         t = self._target(path)
         with _confined_errors(t.display), contextlib.ExitStack() as stack:
             if t.name is None or t.trailing_slash:
@@ -504,13 +506,15 @@ class SandboxFiles:
             st = os.fstat(pin)
             with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
                 if stat.S_ISDIR(st.st_mode):
-                    dfd = stack.enter_context(_owned(self._reopen(pin, os.O_RDONLY | os.O_DIRECTORY)))
+                    dfd = stack.enter_context(
+                        _owned(self._reopen(pin, os.O_RDONLY | os.O_DIRECTORY)))
                     self._tar_tree(tf, buf, dfd, t.display, max_bytes)
                 else:
                     name = posixpath.basename(t.display)
                     self._tar_entry(tf, buf, pin, st, name, t.display, max_bytes)
         if buf.tell() > max_bytes:
-            raise ResourceExhausted(f"archive of {t.display} is larger than the {max_bytes}-byte limit")
+            raise ResourceExhausted(f"archive of {t.display} is larger than the "
+                                    f"{max_bytes}-byte limit")
         return buf.getvalue()
 
     # ---- resolution ------------------------------------------------------------------------
