@@ -453,6 +453,8 @@ def cmd_diff(args: argparse.Namespace, client: Client) -> int:
     else:
         for line in render_diff(diff):
             print(line)
+        if diff.note:
+            print(f"deltabox: note: {diff.note}", file=sys.stderr)
     return 0
 
 

@@ -55,7 +55,7 @@ def rollback_result(msg: pb.RollbackResponse) -> models.RollbackResult:
 
 def diff_result(msg: pb.DiffResponse) -> models.DiffResult:
     return models.DiffResult(added=list(msg.added), modified=list(msg.modified),
-                             deleted=list(msg.deleted))
+                             deleted=list(msg.deleted), note=msg.note)
 
 
 def file_info(msg: pb.FileStat) -> models.FileInfo:

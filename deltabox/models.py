@@ -53,6 +53,7 @@ class DiffResult(_Model):
     added: list[str]
     modified: list[str]
     deleted: list[str]
+    note: str = ""
 
 
 class FileInfo(_Model):

@@ -78,9 +78,10 @@ def leaks(state_dir: Path) -> list[str]:
     parent = parent_name(str((state_dir / "state").resolve()))
     found += [f"cgroup {c}" for c in Path("/sys/fs/cgroup").glob(f"*/{parent}")]
     found += [f"cgroup {c}" for c in Path("/sys/fs/cgroup").glob(parent)]
+    # Our helpers' command lines name this daemon's cgroup parent (other daemons may run).
     ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
     found += [f"process {line.strip()}" for line in ps.splitlines()
-              if "libexec/dbx-" in line]
+              if "libexec/dbx-" in line and parent in line]
     return found
 
 

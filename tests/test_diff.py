@@ -70,6 +70,15 @@ def walk(mnt):
 
 spec = json.loads(sys.argv[1])
 result = {}
+for mp in spec.pop("tmpfs", []):  # something mounted inside a layer
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", mp], check=True)
+    with open(os.path.join(mp, "hidden"), "w") as f:
+        f.write("only visible through the mount")
+diff_args = spec.pop("diff", None)
+if diff_args:  # diff_layers as seen from inside this mount namespace
+    from deltabox.fs.diff import diff_layers
+    d = diff_layers(*diff_args)
+    result["diff"] = [d.added, d.modified, d.deleted]
 for key, view in spec.items():
     subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
                     "lowerdir=" + ":".join(view["layers"]), view["mnt"]], check=True)
@@ -81,19 +90,28 @@ print(json.dumps(result))
 """
 
 
-def overlay_truth(work: str, upper_a: str, upper_b: str, lowers: list[str]) -> DiffResult:
-    """The diff as two real overlay mounts show it."""
-    spec = {}
+def overlay_truth(work: str, upper_a: str, upper_b: str, lowers: list[str],
+                  tmpfs: list[str] = (), views_out: dict | None = None) -> DiffResult:
+    """The diff as two real overlay mounts show it. `tmpfs`: directories to mount a tmpfs
+    on (holding a file) first; then diff_layers also runs in that namespace, its result
+    returned in views_out["diff"]."""
+    spec: dict = {}
     for key, upper in (("a", upper_a), ("b", upper_b)):
         mnt = os.path.join(work, f"mnt-{key}")
         os.makedirs(mnt, exist_ok=True)
         spec[key] = {"mnt": mnt, "layers": [upper, *lowers]}
+    if tmpfs:
+        spec["tmpfs"] = list(tmpfs)
+        spec["diff"] = [upper_a, upper_b, lowers]
     proc = subprocess.run(
         ["unshare", "-m", "--propagation", "private", sys.executable, "-c", _GROUND_TRUTH,
          json.dumps(spec)],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr
     views = json.loads(proc.stdout)
+    if views_out is not None:
+        views_out.update(views)
     a, b = views["a"], views["b"]
     return DiffResult(
         added=sorted(set(b) - set(a)),
@@ -312,6 +330,19 @@ def test_opaque_on_the_upper_root_is_ignored(layers):
     os.setxattr(ub, "trusted.overlay.opaque", b"y")
     got = check(work, ua, ub, [mask, image])
     assert got == DiffResult([], [], [])
+
+
+def test_mounts_inside_a_lower_are_not_crossed(layers):
+    work, ua, ub, mask, image = layers
+    mp = mkdir(image, "mp")
+    mkdir(image, "keep")
+    whiteout(ub, "mp")  # B deletes the mount point; overlay never saw the mount's files
+    mkdir(ua, "keep", opaque=True)
+    out: dict = {}
+    want = overlay_truth(work, ua, ub, [mask, image], tmpfs=[mp], views_out=out)
+    assert "/mp/hidden" not in out["a"]
+    assert out["diff"] == [want.added, want.modified, want.deleted]
+    assert want.deleted == ["/mp"]
 
 
 def test_walk_cap(layers):

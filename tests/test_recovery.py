@@ -12,6 +12,7 @@ import pytest
 
 from deltabox import Sandbox
 from deltabox.fs import btrfs
+from deltabox.sandbox.cgroups import parent_name
 
 from conftest import DaemonProc, leaks
 
@@ -29,14 +30,16 @@ def own_daemon():
         assert not left, f"left behind: {left}"
 
 
-def _dbx_processes() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "libexec/dbx-"], capture_output=True, text=True)
+def _dbx_processes(d: DaemonProc) -> set[int]:
+    """Processes of this daemon's sandboxes (their command lines name its cgroup parent)."""
+    parent = parent_name(str(d.state_dir.resolve()))
+    out = subprocess.run(["pgrep", "-f", f"libexec/dbx-.*{parent}"], capture_output=True,
+                         text=True)
     return {int(p) for p in out.stdout.split()}
 
 
 def test_kill9_then_restart(own_daemon: DaemonProc) -> None:
     d = own_daemon
-    before = _dbx_processes()
     d.start()
     sbx = Sandbox.create(socket=d.socket)
     sbx.files.write("state.txt", "at checkpoint")
@@ -46,7 +49,7 @@ def test_kill9_then_restart(own_daemon: DaemonProc) -> None:
     kid = sbx.fork(cp)[0]
     d.kill9()
     # Sandbox processes outlive the daemon until it comes back...
-    assert _dbx_processes() - before
+    assert _dbx_processes(d)
     # ...plus an uncommitted layer, as if the crash hit in the middle of a checkpoint.
     store = d.state_dir / "store" / "layers"
     btrfs.create_subvolume(str(store / "L-halfmade01"))
@@ -64,7 +67,7 @@ def test_kill9_then_restart(own_daemon: DaemonProc) -> None:
     assert Sandbox.connect(kid.id, socket=d.socket).files.read("state.txt") == b"at checkpoint"
     d.stop()
     # After a clean stop: no processes of ours, no mounts, no cgroups.
-    assert _dbx_processes() - before == set()
+    assert _dbx_processes(d) == set()
     assert not leaks(d.state_dir.parent)
 
 

@@ -249,9 +249,9 @@ class Servicer(pb_grpc.DeltaBoxServicer):
         return pb.DeleteCheckpointResponse(layer_freed=freed)
 
     def Diff(self, request, context):  # noqa: N802
-        a, m, d = self._run(context, self.d.diff, request.from_checkpoint_id,
-                            request.to_checkpoint_id)
-        return pb.DiffResponse(added=a, modified=m, deleted=d)
+        a, m, d, note = self._run(context, self.d.diff, request.from_checkpoint_id,
+                                  request.to_checkpoint_id)
+        return pb.DiffResponse(added=a, modified=m, deleted=d, note=note)
 
 
 def _cancel(scope: trio.CancelScope, token: trio.lowlevel.TrioToken) -> None:

@@ -121,7 +121,7 @@ class Daemon:
         return images.from_spec(spec, self.store.root / "images")
 
     def _lowers(self, img: images.Image) -> list[str]:
-        if os.stat(self.store.root).st_dev == os.stat(img.rootfs).st_dev:
+        if _nested(self.store.root, img.rootfs):
             # overlayfs refuses a layer stack where one layer lies inside another (ELOOP).
             raise FailedPrecondition(
                 f"the {self.store.backend} store at {self.store.root} is on the same filesystem "
@@ -213,7 +213,7 @@ class Daemon:
         self._env(row, None)
         self.store.new_layer(row.layer_id)
         try:
-            row.base_gen = self.store.generation(row.layer_id)
+            row.base_gen = 0  # a new layer: everything in it is a change
             await self._boot(row)
         except BaseException:
             with trio.CancelScope(shield=True):
@@ -404,8 +404,9 @@ class Daemon:
             finally:
                 live.rt.cgroup.thaw()
             freeze_ms = (time.perf_counter() - t_freeze) * 1000
-            changes = self.store.changes_since(row.layer_id, row.base_gen)
-            row.base_gen = self.store.generation(row.layer_id)
+            changes = self.store.changes_since(layer, row.base_gen)
+            # The snapshot committed its transaction: later writes are strictly newer.
+            row.base_gen = self.store.generation(layer)
             cp = CheckpointRow(
                 id=cp_id, family_id=row.family_id, sandbox_id=sid, parent_id=row.head_cp,
                 layer_id=layer, image=row.image, kind="fs", label=label,
@@ -548,7 +549,7 @@ class Daemon:
             return True
         return False
 
-    async def diff(self, a_id: str, b_id: str) -> tuple[list[str], list[str], list[str]]:
+    async def diff(self, a_id: str, b_id: str) -> tuple[list[str], list[str], list[str], str]:
         a, b = self._checkpoint(a_id), self._checkpoint(b_id)
         if a.image != b.image:
             raise FailedPrecondition(f"{a_id} and {b_id} have different images "
@@ -557,7 +558,14 @@ class Daemon:
         r = await trio.to_thread.run_sync(
             diff_layers, str(self.store.layer_path(a.layer_id) / "upper"),
             str(self.store.layer_path(b.layer_id) / "upper"), lowers)
-        return list(r.added), list(r.modified), list(r.deleted)
+        return list(r.added), list(r.modified), list(r.deleted), r.note
+
+
+def _nested(store_root: Path, image_root: Path) -> bool:
+    """Whether the store's layers would lie inside the image on the same filesystem."""
+    if os.stat(store_root).st_dev != os.stat(image_root).st_dev:
+        return False
+    return store_root.resolve().is_relative_to(image_root.resolve())
 
 
 def _check_timeout(timeout: float) -> None:

@@ -12,7 +12,6 @@ is kept on the exception as `.errno` (and the OSError is chained as __cause__).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno as _errno
 import fcntl
 import os
@@ -177,7 +176,7 @@ _U32_MAX = (1 << 32) - 1
 
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # the C library already loaded in this process
 _libc.syncfs.argtypes = [ctypes.c_int]
 _libc.syncfs.restype = ctypes.c_int
 _libc.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
@@ -246,7 +245,7 @@ def is_subvolume(path: str) -> bool:
 
 
 def generation(path: str) -> int:
-    """The generation (last committed transid) of the subvolume containing `path`.
+    """The generation (last committed transid) of the subvolume containing directory `path`.
 
     It advances when a transaction that changed the subvolume commits (sync, snapshot,
     the periodic commit), so "write then sync" makes it grow.
@@ -467,8 +466,8 @@ class ChangeSummary:
 
 
 def changed_since(subvol_path: str, min_transid: int) -> ChangeSummary:
-    """Count regular files in the subvolume containing `subvol_path` whose inode item was
-    changed by a transaction newer than `min_transid`, and sum their sizes.
+    """Count regular files in the subvolume containing directory `subvol_path` whose inode
+    item was changed by a transaction newer than `min_transid`, and sum their sizes.
 
     Uses BTRFS_IOC_TREE_SEARCH_V2 on the subvolume's own tree with min_transid set, so the
     kernel skips every tree block that has not been rewritten since then (the mechanism

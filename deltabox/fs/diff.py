@@ -103,7 +103,7 @@ def _mountpoints_below(roots: list[str]) -> set[str]:
         if len(parts) < 5:
             continue
         mp = _unescape_mountinfo(parts[4])
-        if mp.startswith(prefixes) and mp not in roots:
+        if mp.startswith(prefixes):  # a layer root under another layer seals it there
             out.add(mp)
     return out
 
