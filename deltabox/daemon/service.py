@@ -233,7 +233,8 @@ class Daemon:
         self.background.start_soon(self._watch, row.id, rt)
         lowers = self._lowers(self._image(row.image))
         rt.generation = await runtime.build_generation(
-            rt, row.layer_id, lowers, self.store.layer_path(row.layer_id), self.mountpoint)
+            rt, row.layer_id, lowers, self.store.layer_path(row.layer_id), self.mountpoint,
+            self.background)
         row.state = "running"
 
     async def _watch(self, sid: str, rt: runtime.Runtime) -> None:
@@ -285,6 +286,19 @@ class Daemon:
                     self._delete_layer_later(cp.layer_id)
                     freed += 1
             return freed
+
+    def _retire_later(self, gen: runtime.Generation | None, layer_id: str) -> None:
+        """Drop an old generation and its layer after the call returned. Closing the last
+        reference to a mount namespace unmounts its tree synchronously (milliseconds of RCU
+        grace periods), so it happens in a worker thread, then the layer goes."""
+        async def retire() -> None:
+            if gen is not None:
+                await trio.to_thread.run_sync(gen.close)
+            try:
+                await trio.to_thread.run_sync(self.store.delete, layer_id)
+            except Exception as e:  # retried on the next start (orphan layer)
+                log.warning("deleting layer %s failed: %s (retried at restart)", layer_id, e)
+        self.background.start_soon(retire)
 
     def _delete_layer_later(self, layer_id: str) -> None:
         """Deleting a subvolume is off the hot path: do it after the call returned."""
@@ -395,8 +409,9 @@ class Daemon:
             live = self._live(sid)
             t0 = time.perf_counter()
             cp_id, layer = new_id("cp"), new_id("L")
-            # Flush dirty data first so the snapshot inside the freeze window is short.
-            await trio.to_thread.run_sync(self.store.sync)
+            # Flush a large dirty set first, so the snapshot inside the freeze window is short.
+            if self.store.needs_sync():
+                await trio.to_thread.run_sync(self.store.sync)
             t_freeze = time.perf_counter()
             live.rt.cgroup.freeze()
             try:
@@ -439,24 +454,25 @@ class Daemon:
             row = self._sandbox(sid)
             cp = self._checkpoint(cp_id)
             layer = new_id("L")
-            self.store.clone(cp.layer_id, layer)
             try:
-                killed = self._kill_processes(live)
+                # The snapshot ioctl (a transaction commit) runs in a worker thread while this
+                # thread kills the sandbox's processes.
+                async with trio.open_nursery() as n:
+                    n.start_soon(trio.to_thread.run_sync, self.store.clone, cp.layer_id, layer)
+                    killed = self._kill_processes(live)
                 old = live.rt.generation
                 live.rt.generation = await runtime.build_generation(
                     live.rt, layer, self._lowers(self._image(row.image)),
-                    self.store.layer_path(layer), self.mountpoint)
+                    self.store.layer_path(layer), self.mountpoint, self.background)
             except BaseException:
                 with trio.CancelScope(shield=True):
                     self.store.delete(layer)
                 raise
-            if old is not None:
-                old.close()
             old_layer, row.layer_id, row.head_cp = row.layer_id, layer, cp_id
             row.base_gen = self.store.generation(layer)
             with self.db.transaction():
                 self.db.put_sandbox(row)
-            self._delete_layer_later(old_layer)
+            self._retire_later(old, old_layer)
             restarted = sorted(live.sessions)
             live.restarted.update(restarted)
             live.sessions.clear()

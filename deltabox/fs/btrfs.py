@@ -165,6 +165,9 @@ BTRFS_IOC_SUBVOL_GETFLAGS = _IOR(BTRFS_IOCTL_MAGIC, 25, 8)  # __u64
 BTRFS_IOC_SUBVOL_SETFLAGS = _IOW(BTRFS_IOCTL_MAGIC, 26, 8)  # __u64
 BTRFS_IOC_GET_SUBVOL_INFO = _IOR(BTRFS_IOCTL_MAGIC, 60, _SUBVOL_INFO_SIZE)
 BTRFS_IOC_SNAP_DESTROY_V2 = _IOW(BTRFS_IOCTL_MAGIC, 63, _VOL_ARGS_V2_SIZE)
+# struct btrfs_ioctl_fs_info_args: max_id u64, num_devices u64, fsid u8[16], ... = 1024 bytes
+_FS_INFO_SIZE = 1024
+BTRFS_IOC_FS_INFO = _IOR(BTRFS_IOCTL_MAGIC, 31, _FS_INFO_SIZE)
 
 BTRFS_SUBVOL_RDONLY = 1 << 1
 
@@ -230,6 +233,31 @@ def is_btrfs(path: str) -> bool:
         raise _error("statfs", path, OSError(code, os.strerror(code)))
     f_type = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF  # __fsword_t f_type @0
     return f_type == BTRFS_SUPER_MAGIC
+
+
+def fsid(path: str) -> str:
+    """The filesystem's UUID, as named under /sys/fs/btrfs/."""
+    fd = _open_dir(path, "fs_info")
+    try:
+        buf = bytearray(_FS_INFO_SIZE)
+        _ioctl(fd, BTRFS_IOC_FS_INFO, buf, "BTRFS_IOC_FS_INFO", path)
+    finally:
+        os.close(fd)
+    h = bytes(buf[16:32]).hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def pending_data_bytes(fs_uuid: str) -> int | None:
+    """Dirty data not yet written (delalloc reservations) on this filesystem, or None.
+
+    /sys/fs/btrfs/<fsid>/allocation/data/bytes_may_use counts the space reserved for buffered
+    writes that have not been allocated yet: per filesystem, unlike /proc/meminfo's Dirty.
+    """
+    try:
+        with open(f"/sys/fs/btrfs/{fs_uuid}/allocation/data/bytes_may_use") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def is_subvolume(path: str) -> bool:

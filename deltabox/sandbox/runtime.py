@@ -102,8 +102,11 @@ async def start_init(sandbox_id: str, cgroup: Cgroup, hostname: str) -> Runtime:
 
 
 async def build_generation(rt: Runtime, layer_id: str, lower: list[str], layer: Path,
-                           mountpoint: Path) -> Generation:
-    """Mount a fresh overlay of `layer` in a new mount namespace of the sandbox."""
+                           mountpoint: Path, background: trio.Nursery) -> Generation:
+    """Mount a fresh overlay of `layer` in a new mount namespace of the sandbox.
+
+    Returns as soon as the namespace is ready and held; the helper's exit is awaited in
+    `background`, off the critical path of a rollback."""
     cmd = [helper("dbx-mkroot"), "--pidfd", str(rt.pidfd), "--lower", ":".join(lower),
            "--upper", str(layer / "upper"), "--work", str(layer / "work"),
            "--mountpoint", str(mountpoint)]
@@ -121,14 +124,23 @@ async def build_generation(rt: Runtime, layer_id: str, lower: list[str], layer: 
         pid = int(pids[0])
         mntfd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
         rootfd = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    finally:
-        await proc.stdin.aclose()
-        with trio.move_on_after(5):
-            await proc.wait()
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await _release_helper(proc)
+        raise
+    background.start_soon(_release_helper, proc)
     return Generation(layer_id, mntfd, rootfd)
+
+
+async def _release_helper(proc: trio.Process) -> None:
+    """Close dbx-mkroot's stdin (its cue to exit) and reap it."""
+    assert proc.stdin is not None
+    await proc.stdin.aclose()
+    with trio.move_on_after(5):
+        await proc.wait()
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
 
 
 async def stop(rt: Runtime) -> None:
