@@ -147,3 +147,22 @@ def test_unknown_and_malformed_ids(daemon) -> None:
         Sandbox.connect("sb-0000000000", socket=daemon.socket)
     with pytest.raises(deltabox.InvalidArgument):
         Sandbox.connect("../../etc", socket=daemon.socket)
+
+
+def test_tar_upload_download(sbx: Sandbox) -> None:
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        for name, data in (("pkg/a.py", b"print(1)\n"), ("pkg/sub/b.txt", b"\x00\x01")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = 0o640
+            t.addfile(info, io.BytesIO(data))
+    assert sbx.files.upload_tar("/workspace/up", buf.getvalue()) >= 2
+    assert sbx.exec("cat /workspace/up/pkg/a.py; stat -c %a /workspace/up/pkg/a.py").stdout \
+        == "print(1)\n640\n"
+    out = tarfile.open(fileobj=io.BytesIO(sbx.files.download_tar("/workspace/up")))
+    names = {m.name.lstrip("./") for m in out.getmembers()}
+    assert {"pkg/a.py", "pkg/sub/b.txt"} <= names
