@@ -126,6 +126,22 @@ static void reap_all(void)
 /* pid 1: the kernel delivers only signals it has handlers for (from inside the namespace),
  * so SIGCHLD and SIGTERM are taken synchronously with sigwaitinfo. SIGTERM from the host ends
  * the sandbox: when pid 1 exits, the kernel kills every process of the namespace. */
+/* The sandbox's memory limit applies to init too; if the OOM killer chose init, the pid
+ * namespace would die with every process in it. Sandbox processes are started by dbx-enter,
+ * not forked from init, so they do not inherit this. Lowering the score needs
+ * CAP_SYS_RESOURCE, which some hosts withhold even from root: then this is skipped, and
+ * deltaboxd notices a dead init and stops the sandbox. */
+static void protect_from_oom_killer(void)
+{
+	int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+
+	if (fd < 0)
+		return;
+	if (dbx_write_all(fd, "-1000", 5) < 0 && errno != EACCES && errno != EPERM)
+		dbx_die_errno("write /proc/self/oom_score_adj");
+	close(fd);
+}
+
 static __attribute__((noreturn)) void run_init(void)
 {
 	sigset_t set;
@@ -133,6 +149,7 @@ static __attribute__((noreturn)) void run_init(void)
 
 	if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0)
 		dbx_die_errno("PR_SET_PDEATHSIG");
+	protect_from_oom_killer();
 	redirect_stdio_to_null();
 	park_in_empty_root();
 	sigemptyset(&set);

@@ -185,3 +185,44 @@ def test_remove_frees_family_checkpoints(daemon) -> None:
     assert kid.kill() == 1  # last of the family: its checkpoint is freed
     with pytest.raises(deltabox.NotFound):
         kid.exec("true")
+
+
+def test_sandbox_whose_init_died_is_stopped_and_rollback_boots_it(sbx: Sandbox) -> None:
+    import os
+    import signal
+    import time
+
+    sbx.files.write("f", "kept")
+    cp = sbx.checkpoint()
+    os.kill(sbx.info().init_pid, signal.SIGKILL)  # as if the kernel had killed it
+    deadline = time.monotonic() + 10
+    while sbx.info().state != "stopped" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(deltabox.FailedPrecondition, match="not running"):
+        sbx.exec("true")
+    sbx.rollback(cp)
+    assert sbx.info().state == "running"
+    assert sbx.exec("cat f").stdout == "kept"
+
+
+def test_no_fd_leak_in_the_daemon(daemon, sbx: Sandbox) -> None:
+    import os
+
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
+
+    cp = sbx.checkpoint()
+    sbx.rollback(cp)
+    sbx.session("s").run("true")
+    Sandbox.connect(sbx.id, socket=daemon.socket).exec("true")
+    before = fds()
+    for _ in range(10):
+        sbx.rollback(cp)
+        sbx.session("s").run("echo x")
+        sbx.exec("true")
+        kid = sbx.fork(cp)[0]
+        kid.kill()
+        sbx.delete_checkpoint(sbx.checkpoint())
+    import time
+    time.sleep(0.5)  # background retirement of old generations
+    assert fds() <= before + 2

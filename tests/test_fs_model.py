@@ -61,6 +61,7 @@ PWRITE_PY = ("import os,sys\nfd=os.open(sys.argv[1], os.O_WRONLY)\n"
              "d=memoryview(sys.stdin.buffer.read()); off=int(sys.argv[2])\n"
              "while d:\n n=os.pwrite(fd, d, off); d=d[n:]; off+=n\n"
              "os.close(fd)\n")
+RENAME_PY = "import os,sys\nos.rename(sys.argv[1], sys.argv[2])\n"
 TREE_PY = r'''
 import errno, hashlib, json, os, stat, sys
 B = 65536
@@ -219,6 +220,8 @@ class Model:
             self.unlink(q)
 
     def rename(self, src: str, dst: str) -> None:
+        if self.same_inode(src, dst):
+            return  # rename(2) of two links to one inode does nothing
         if dst in self.entries:
             self.unlink(dst)  # rename_ok() guaranteed it is a non-dir or an empty dir
         moved = [src] + self.subtree(src)
@@ -238,9 +241,10 @@ class Model:
                        for q in [src] + self.subtree(src))
         if kd == "d":
             return False
-        if ks == "f" and kd == "f" and self.entries[src] == self.entries[dst]:
-            return False  # hard links to one inode: mv refuses ("are the same file")
         return depth(dst) <= MAX_DEPTH
+
+    def same_inode(self, p: str, q: str) -> bool:
+        return self.kind(p) == "f" and self.entries.get(q) == self.entries[p]
 
     def mkdir(self, p: str) -> None:
         mode = 0o755
@@ -381,6 +385,16 @@ def op_api_write(s: Sandbox, m: Model, p: str, data: bytes, mode: int | None) ->
     m.new_file(p, keep if mode is None else mode).replace(data)
 
 
+def op_rename(s: Sandbox, m: Model, src: str, dst: str) -> None:
+    if dst in m.entries and ("l" in (m.kind(src), m.kind(dst)) or m.same_inode(src, dst)):
+        # mv refuses these ("are the same file" when one is a link to the other, or both are
+        # hard links of one inode): plain rename(2), which replaces resp. does nothing.
+        run(s, ["python3", "-c", RENAME_PY, full(src), full(dst)])
+    else:
+        run(s, ["mv", "-f", "-T", full(src), full(dst)])
+    m.rename(src, dst)
+
+
 def op_chmod(s: Sandbox, m: Model, p: str, mode: int) -> None:
     # Five octal digits: GNU chmod keeps a directory's setuid/setgid bits on a plain "0755".
     run(s, ["chmod", f"0{mode:04o}", full(p)])
@@ -451,6 +465,11 @@ class FsMachine(RuleBasedStateMachine):
             m.entries["y/d"] = m.entries["x/y/c"]
             run(s, ["ln", "-s", "-T", "../a", full("x/a")])
             m.entries["x/a"] = ("l", "../a")
+            op_chmod(s, m, "a", 0o4755)
+            op_chmod(s, m, "y", 0o1777)
+            run(s, ["truncate", "-s", "1G", full("b")])
+            m.new_file("b").truncate(GiB)
+            op_pwrite(s, m, "b", (1 << 29) + 3, b"in the middle of a sparse file")
 
     def teardown(self) -> None:
         if self.sbx is not None:
@@ -518,8 +537,7 @@ class FsMachine(RuleBasedStateMachine):
                           if m.rename_ok(src, d)], "dst")
         if dst is None:
             return
-        run(self.sbx, ["mv", "-f", "-T", full(src), full(dst)])
-        m.rename(src, dst)
+        op_rename(self.sbx, m, src, dst)
 
     @precondition(lambda self: self.model.dirs(False))
     @rule(data=st.data())
@@ -530,8 +548,7 @@ class FsMachine(RuleBasedStateMachine):
                           if m.rename_ok(src, d)], "dst")
         if dst is None:
             return
-        run(self.sbx, ["mv", "-f", "-T", full(src), full(dst)])
-        m.rename(src, dst)
+        op_rename(self.sbx, m, src, dst)
 
     @precondition(lambda self: self.model.nondirs())
     @rule(data=st.data())
@@ -639,8 +656,14 @@ class FsMachine(RuleBasedStateMachine):
             check_tree(self.sbx, self.model, "after the last step")
 
 
-def test_fs_model_state_machine(daemon):
+@pytest.mark.timeout(900)
+def test_fs_model_state_machine(daemon, monkeypatch):
     FsMachine.socket = daemon.socket
+    # Every example drives a real sandbox (~1-2 s), so shrinking a failure is slow: cap it at
+    # 2 minutes instead of hypothesis' 5 (a private knob; harmless if it goes away).
+    from hypothesis.internal.conjecture import engine
+    if hasattr(engine, "MAX_SHRINKING_SECONDS"):
+        monkeypatch.setattr(engine, "MAX_SHRINKING_SECONDS", 120)
     try:
         run_state_machine_as_test(FsMachine, settings=SETTINGS)
     finally:

@@ -15,6 +15,7 @@ import trio
 from ..errors import DeltaBoxError
 from ..fs.store import open_store
 from ..sandbox.cgroups import CgroupDriver, parent_name
+from ..background import GuardedNursery
 from .db import Database
 from .server import Servicer, make_server
 from .service import Config, Daemon
@@ -93,7 +94,8 @@ async def serve(args: argparse.Namespace) -> None:
     sock.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
     sock.unlink(missing_ok=True)
     async with trio.open_nursery() as nursery:
-        daemon = Daemon(cfg, store, db, CgroupDriver(parent_name(str(state_dir))), nursery)
+        background = GuardedNursery(nursery)
+        daemon = Daemon(cfg, store, db, CgroupDriver(parent_name(str(state_dir))), background)
         try:
             await daemon.recover()
             server = make_server(Servicer(daemon, trio.lowlevel.current_trio_token(), token),

@@ -32,6 +32,7 @@ from ..models import CreateParams
 from ..sandbox import execute, runtime
 from ..sandbox.cgroups import Cgroup, CgroupDriver, Limits
 from ..sandbox.session import Session
+from ..background import GuardedNursery
 from .db import CheckpointRow, Database, SandboxRow
 
 log = logging.getLogger("deltaboxd")
@@ -76,7 +77,7 @@ def new_id(prefix: str) -> str:
 
 class Daemon:
     def __init__(self, cfg: Config, store: Store, db: Database, cgroups: CgroupDriver,
-                 background: trio.Nursery) -> None:
+                 background: GuardedNursery) -> None:
         self.cfg = cfg
         self.store = store
         self.db = db
@@ -112,9 +113,9 @@ class Daemon:
     def _live(self, sid: str) -> Live:
         self._sandbox(sid)
         live = self.live.get(sid)
-        if live is None or live.rt.generation is None:
-            raise FailedPrecondition(f"sandbox {sid} is not running; roll it back to a "
-                                     "checkpoint to start it again")
+        if live is None or live.rt.generation is None or live.rt.exited.is_set():
+            raise FailedPrecondition(f"sandbox {sid} is not running (its init exited); roll it "
+                                     "back to a checkpoint to start it again")
         return live
 
     def _image(self, spec: str) -> images.Image:
@@ -187,10 +188,14 @@ class Daemon:
                 subprocess.run(["umount", "-l", mnt], capture_output=True)
 
     async def shutdown(self) -> None:
-        """Stop every sandbox (their files stay; they boot again on the next start)."""
+        """Stop every sandbox (their files stay; they boot again on the next start). One
+        sandbox failing to stop must not keep the others or the store from being released."""
         with trio.CancelScope(shield=True):
             for sid in list(self.live):
-                await self._stop(sid)
+                try:
+                    await self._stop(sid)
+                except Exception:
+                    log.exception("shutdown: stopping sandbox %s failed", sid)
             self.cgroups.remove_parent()
             self.db.close()
             close_store(self.store)
@@ -238,12 +243,18 @@ class Daemon:
         row.state = "running"
 
     async def _watch(self, sid: str, rt: runtime.Runtime) -> None:
-        """Reap the launcher; if init dies on its own the sandbox is stopped."""
+        """Reap the launcher. If init dies on its own, the pid namespace is gone: the sandbox
+        is stopped (its files stay; a rollback boots it again)."""
         await rt.launcher.wait()
         rt.exited.set()
         live = self.live.get(sid)
-        if live is not None and live.rt is rt:
-            log.warning("sandbox %s: init exited (status %s)", sid, rt.launcher.returncode)
+        if live is None or live.rt is not rt:
+            return  # stopped on purpose
+        log.warning("sandbox %s: init exited unexpectedly (status %s); sandbox stopped",
+                    sid, rt.launcher.returncode)
+        async with live.lock:
+            if self.live.get(sid) is live:
+                await self._stop(sid)
 
     async def _stop(self, sid: str) -> None:
         live = self.live.pop(sid, None)

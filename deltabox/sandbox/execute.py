@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import trio
 
+from ..background import GuardedNursery
+
 from .runtime import Runtime
 
 # How long, after the command exits, we wait for its output pipes to reach EOF before
@@ -99,7 +101,7 @@ class Running:
 
 
 async def spawn(rt: Runtime, argv: list[str], *, cwd: str, env: dict[str, str], stdin: bytes,
-                background: trio.Nursery, sink: ChunkSink | None = None,
+                background: GuardedNursery, sink: ChunkSink | None = None,
                 limit: int = OUTPUT_LIMIT) -> Running:
     """Start argv in the sandbox. Output pumps live in the daemon's background nursery:
     they may outlive the call (a background job holding the pipes)."""

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import trio
 
+from ..background import GuardedNursery
+
 from ..errors import FailedPrecondition, Internal
 from .cgroups import Cgroup
 
@@ -102,7 +104,7 @@ async def start_init(sandbox_id: str, cgroup: Cgroup, hostname: str) -> Runtime:
 
 
 async def build_generation(rt: Runtime, layer_id: str, lower: list[str], layer: Path,
-                           mountpoint: Path, background: trio.Nursery) -> Generation:
+                           mountpoint: Path, background: GuardedNursery) -> Generation:
     """Mount a fresh overlay of `layer` in a new mount namespace of the sandbox.
 
     Returns as soon as the namespace is ready and held; the helper's exit is awaited in
@@ -140,7 +142,7 @@ async def _release_helper(proc: trio.Process) -> None:
         await proc.wait()
     if proc.returncode is None:
         proc.kill()
-        await proc.wait()
+    await close_process(proc)
 
 
 async def stop(rt: Runtime) -> None:
@@ -153,8 +155,16 @@ async def stop(rt: Runtime) -> None:
                 rt.launcher.send_signal(signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        await rt.launcher.wait()
+        await close_process(rt.launcher)
         rt.close()
+
+
+async def close_process(proc: trio.Process) -> None:
+    """Reap a helper and close our ends of its pipes (each one an fd of the daemon)."""
+    await proc.wait()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            await stream.aclose()
 
 
 async def _read_line(stream: trio.abc.ReceiveStream, limit: int = 4096) -> str:

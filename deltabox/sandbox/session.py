@@ -15,6 +15,8 @@ import time
 
 import trio
 
+from ..background import GuardedNursery
+
 from .execute import OUTPUT_LIMIT, ExecOutput, _terminate, exit_code
 from .runtime import Runtime
 
@@ -78,7 +80,7 @@ class Session:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
 
-    async def start(self, rt: Runtime, env: dict[str, str], background: trio.Nursery) -> None:
+    async def start(self, rt: Runtime, env: dict[str, str], background: GuardedNursery) -> None:
         argv = ["bash", "--noprofile", "--norc"]
         self.proc = await trio.lowlevel.open_process(
             rt.enter_argv(argv, "/workspace", env), stdin=subprocess.PIPE,

@@ -1,0 +1,1270 @@
+/* DeltaCR core: remote system calls by ptrace, process templates and children forked from
+ * them.  x86_64 only.  See fork_template.h for the API and DESIGN.md sections 3 and 4b.
+ *
+ * How a system call is run inside a tracee
+ * ----------------------------------------
+ *  - PTRACE_SEIZE + PTRACE_INTERRUPT: the tracee stops in a PTRACE_EVENT_STOP trap taken
+ *    inside get_signal(); unlike PTRACE_ATTACH no SIGSTOP is queued, so no group stop
+ *    happens and the tracee's parent sees nothing (no CLD_STOPPED, nothing for WUNTRACED).
+ *  - Registers (PTRACE_GETREGS), the FPU/xstate area (PTRACE_GETREGSET NT_X86_XSTATE) and
+ *    the signal mask (PTRACE_GETSIGMASK, which returns saved_sigmask while a ppoll/pselect/
+ *    sigsuspend temporary mask is installed) are saved.  While we work, every blockable
+ *    signal is blocked with PTRACE_SETSIGMASK so signals arriving meanwhile stay pending
+ *    for the program instead of interrupting our calls.
+ *  - Syscall site: we execute the bytes 0f 05 found in the tracee's [vdso].  The vdso is
+ *    mapped executable in every process of this kernel, is never written by the program,
+ *    and any 0f 05 pair decodes as `syscall` when jumped to, so nothing in the tracee's
+ *    memory is modified and nothing has to be cleaned up in the template's children
+ *    (alternatives: poking `syscall; int3` over program text would have to be undone in
+ *    every fork; mapping a stub page needs a syscall site first and leaves a mapping in
+ *    every child).  If there is no vdso we fall back to the `syscall` the tracee is stopped
+ *    after (rip - 2), which exists whenever it was interrupted inside a system call.
+ *  - We set rip = site, rax = nr, args in rdi/rsi/rdx/r10/r8/r9, orig_rax = -1, and resume
+ *    with PTRACE_SINGLESTEP.  With TF set the kernel reports the step at syscall exit
+ *    (syscall_exit_work -> user_single_step_report -> SIGTRAP), so the tracee stops right
+ *    after the syscall instruction in a SIGTRAP signal-delivery-stop, which we suppress.
+ *    orig_rax = -1 tells the signal code that the stop it resumes from is not inside a
+ *    system call, so our register image is never "restarted".
+ *  - Restoring: every stop we ever leave a tracee in (the interrupt trap, the single-step
+ *    SIGTRAP, a new child's first trap) is taken inside get_signal().  When such a tracee
+ *    is resumed, get_signal() finds no signal and arch_do_signal_or_restart() applies the
+ *    syscall restart rules to the *current* registers: if orig_rax >= 0 and rax is
+ *    -ERESTARTSYS / -ERESTARTNOINTR / -ERESTARTNOHAND it sets rax = orig_rax and rip -= 2
+ *    (the call is re-executed), and for -ERESTART_RESTARTBLOCK it sets rax =
+ *    __NR_restart_syscall, rip -= 2 (continues from current->restart_block, e.g. nanosleep
+ *    to its original deadline).  If a signal with a handler is delivered instead,
+ *    handle_signal() turns them into -EINTR or a restart depending on SA_RESTART.  So
+ *    writing back the *exact* saved registers (rax = -ERESTART*, orig_rax = nr, rip after
+ *    the syscall) gives the program precisely the semantics it would have had without us;
+ *    rewinding rip ourselves would be wrong (a handler run at that point would then
+ *    restart a call that must return EINTR).  The same holds in forked children: fork
+ *    copies restart_block with the task, and their last stop is also inside get_signal().
+ *  - A signal the interrupt stop reported as a signal-delivery-stop has been dequeued; we
+ *    keep its siginfo and hand it back at the final stop (PTRACE_SETSIGINFO + resume with
+ *    that signal), after the mask is restored, so it is delivered exactly once.  An
+ *    unblockable SIGSTOP arriving while we work is re-raised with tgkill.
+ *
+ * Templates and children
+ * ----------------------
+ *  - make_template injects clone(CLONE_PARENT) into the process: the template becomes a
+ *    sibling (child of the process's parent, with the process's own exit signal), so the
+ *    process itself can never wait for it or get SIGCHLD for it.  PTRACE_O_TRACECLONE
+ *    auto-attaches the template at birth; a seized tracer's auto-attached child starts with
+ *    a PTRACE_EVENT_STOP trap before ever returning to user mode, so it runs no program
+ *    code.  It is then parked: all signals blocked, registers set to run exit_group(0) if it
+ *    were ever resumed, and PTRACE_O_EXITKILL (inherited from the options set on the
+ *    original) kills it if the tracer thread dies.
+ *  - spawn injects clone3(CLONE_PARENT, set_tid) into the template: the child is again a
+ *    sibling, i.e. it takes the original's place under the same parent with the same exit
+ *    signal (and with set_tid the same pid).  In the child, before it runs anything, we
+ *    inject the re-rooting calls, then write back the checkpointed registers, xstate and
+ *    signal mask and detach.
+ *  - Descriptors from the caller (fresh stdio pipes, a mount namespace fd) reach the child
+ *    through a socketpair created *in the child*: we take one end with pidfd_getfd(2) (the
+ *    direction it supports), sendmsg SCM_RIGHTS on it, and the child recvmsg's them.  This
+ *    works across pid and mount namespaces, unlike opening /proc/<our pid>/fd/N in the
+ *    child (our pid and /proc are not visible inside a sandbox).
+ */
+#include "fork_template.h"
+
+#include <elf.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <dirent.h>
+#include <sys/mman.h>
+#include <sys/ptrace.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <sys/user.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#if !defined(__x86_64__)
+#error "fork_template.c supports x86_64 only"
+#endif
+
+/* Kernel-internal restart codes, as seen in rax at a stop inside an interrupted syscall. */
+#define KERN_ERESTARTSYS 512
+#define KERN_ERESTARTNOINTR 513
+#define KERN_ERESTARTNOHAND 514
+#define KERN_ERESTART_RESTARTBLOCK 516
+
+#define USER_CS_64 0x33		/* __USER_CS: a 64-bit task; 0x23 would be ia32 */
+#define SCRATCH_LEN (4 * 4096)	/* template-private page(s) for syscall arguments */
+#define MAX_XFER_FDS 64
+#define MAX_EXTRA_SIGS 8
+
+/* Layout of struct clone_args (CLONE_ARGS_SIZE_VER2, 88 bytes), kept local so we do not
+ * depend on the installed uapi headers' version. */
+struct dbx_clone_args {
+	uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls,
+		set_tid, set_tid_size, cgroup;
+};
+
+/* One stopped tracee and what we must give back to it. */
+struct tracee {
+	pid_t pid;
+	struct user_regs_struct regs;	/* registers at attach (what the program sees) */
+	void *xstate;			/* NT_X86_XSTATE image, xstate_len bytes */
+	size_t xstate_len;
+	uint64_t sigmask;		/* blocked signals at attach */
+	unsigned long site;		/* address of a 0f 05 pair */
+	bool in_signal_stop;		/* current stop is a signal-delivery-stop */
+	int deferred_sig;		/* dequeued by a signal-delivery-stop, to hand back */
+	siginfo_t deferred_info;
+	int extra_sigs[MAX_EXTRA_SIGS];	/* further stop signals to re-raise */
+	int nextra;
+	pid_t new_child;		/* set by PTRACE_EVENT_{FORK,VFORK,CLONE} */
+};
+
+struct dbxcr_template {
+	pid_t pid;		/* the template, ptrace-stopped, traced by tracer_tid */
+	pid_t origin;		/* the process it was forked from */
+	pid_t tracer_tid;	/* thread that owns the ptrace link */
+	struct user_regs_struct regs;	/* origin's registers at checkpoint */
+	void *xstate;
+	size_t xstate_len;
+	uint64_t sigmask;	/* origin's blocked mask at checkpoint */
+	unsigned long site;	/* syscall site, valid in the template and its children */
+	unsigned long scratch;	/* SCRATCH_LEN bytes mapped in the template (and children) */
+	struct user_regs_struct park;	/* template's registers while idle */
+};
+
+/* ---------- errors ---------- */
+
+__attribute__((format(printf, 4, 5)))
+static int fail(struct dbxcr_error *err, int code, pid_t pid, const char *fmt, ...)
+{
+	char step[384];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(step, sizeof(step), fmt, ap);
+	va_end(ap);
+	if (err) {
+		err->code = code;
+		if (code)
+			snprintf(err->msg, sizeof(err->msg), "pid %d: %s: %s", (int)pid, step,
+				 strerror(code));
+		else
+			snprintf(err->msg, sizeof(err->msg), "pid %d: %s", (int)pid, step);
+	}
+	errno = code;
+	return -1;
+}
+
+static void clear_error(struct dbxcr_error *err)
+{
+	if (err) {
+		err->code = 0;
+		err->msg[0] = '\0';
+	}
+}
+
+static pid_t current_tid(void)
+{
+	return (pid_t)syscall(SYS_gettid);
+}
+
+/* ---------- /proc ---------- */
+
+static int read_small_file(const char *path, char *buf, size_t len)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	ssize_t n;
+	size_t got = 0;
+
+	if (fd < 0)
+		return -1;
+	while (got + 1 < len) {
+		n = read(fd, buf + got, len - 1 - got);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0)
+			break;
+		got += (size_t)n;
+	}
+	buf[got] = '\0';
+	close(fd);
+	return 0;
+}
+
+static int count_threads(pid_t pid)
+{
+	char path[64];
+	DIR *d;
+	struct dirent *de;
+	int n = 0;
+
+	snprintf(path, sizeof(path), "/proc/%d/task", (int)pid);
+	d = opendir(path);
+	if (!d)
+		return -1;
+	while ((de = readdir(d)) != NULL)
+		if (de->d_name[0] != '.')
+			n++;
+	closedir(d);
+	return n;
+}
+
+static const char *status_field(const char *status, const char *name)
+{
+	size_t len = strlen(name);
+	const char *p = status;
+
+	while (p && *p) {
+		if (strncmp(p, name, len) == 0 && p[len] == ':')
+			return p + len + 1;
+		p = strchr(p, '\n');
+		if (p)
+			p++;
+	}
+	return NULL;
+}
+
+int dbxcr_describe(pid_t pid, struct dbxcr_info *out, struct dbxcr_error *err)
+{
+	char path[64], status[8192];
+	const char *v;
+
+	clear_error(err);
+	memset(out, 0, sizeof(*out));
+	snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+	if (read_small_file(path, status, sizeof(status)) < 0)
+		return fail(err, errno, pid, "read %s", path);
+	out->threads = count_threads(pid);
+	if (out->threads < 0)
+		return fail(err, errno, pid, "list /proc/%d/task", (int)pid);
+	if ((v = status_field(status, "State")))
+		sscanf(v, " %c", &out->state);
+	if ((v = status_field(status, "TracerPid")))
+		out->tracer_pid = atoi(v);
+	if ((v = status_field(status, "PPid")))
+		out->ppid = atoi(v);
+	if ((v = status_field(status, "Seccomp")))
+		out->seccomp = atoi(v);
+	if ((v = status_field(status, "NSpid"))) {
+		const char *end = strchr(v, '\n');
+		char *next;
+
+		for (;;) {
+			long x = strtol(v, &next, 10);
+
+			if (next == v || (end && next > end))
+				break;
+			out->nspid = (int)x;
+			out->nspid_depth++;
+			v = next;
+		}
+	}
+	return 0;
+}
+
+/* ---------- ptrace stops ---------- */
+
+/* Wait for the next stop of a tracee; a tracee that exits or is killed is an error. */
+static int wait_stop(pid_t pid, int *status, struct dbxcr_error *err)
+{
+	for (;;) {
+		pid_t r = waitpid(pid, status, __WALL);
+
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r < 0)
+			return fail(err, errno, pid, "waitpid");
+		if (WIFSTOPPED(*status))
+			return 0;
+		if (WIFEXITED(*status))
+			return fail(err, ESRCH, pid, "exited with status %d while traced",
+				    WEXITSTATUS(*status));
+		if (WIFSIGNALED(*status))
+			return fail(err, ESRCH, pid, "killed by signal %d while traced",
+				    WTERMSIG(*status));
+	}
+}
+
+static int stop_event(int status)
+{
+	return (unsigned)status >> 16;
+}
+
+/* A signal-delivery-stop for a signal other than our single-step trap: remember it so the
+ * program still gets it.  Everything but SIGKILL/SIGSTOP is blocked while we work, so
+ * apart from the attach stop this is only ever SIGSTOP. */
+static int defer_signal(struct tracee *t, int sig, struct dbxcr_error *err)
+{
+	if (t->deferred_sig == 0) {
+		if (ptrace(PTRACE_GETSIGINFO, t->pid, 0, &t->deferred_info) < 0)
+			return fail(err, errno, t->pid, "PTRACE_GETSIGINFO for signal %d", sig);
+		t->deferred_sig = sig;
+		return 0;
+	}
+	if (t->nextra >= MAX_EXTRA_SIGS)
+		return fail(err, EOVERFLOW, t->pid, "too many signals arrived while stopped");
+	t->extra_sigs[t->nextra++] = sig;
+	return 0;
+}
+
+/* ---------- memory ---------- */
+
+static int mem_write(pid_t pid, unsigned long addr, const void *buf, size_t len,
+		     struct dbxcr_error *err)
+{
+	struct iovec local = { (void *)buf, len }, remote = { (void *)addr, len };
+	ssize_t n = process_vm_writev(pid, &local, 1, &remote, 1, 0);
+
+	if (n < 0)
+		return fail(err, errno, pid, "write %zu bytes at %#lx", len, addr);
+	if ((size_t)n != len)
+		return fail(err, EIO, pid, "short write at %#lx (%zd of %zu)", addr, n, len);
+	return 0;
+}
+
+static int mem_read(pid_t pid, unsigned long addr, void *buf, size_t len,
+		    struct dbxcr_error *err)
+{
+	struct iovec local = { buf, len }, remote = { (void *)addr, len };
+	ssize_t n = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+
+	if (n < 0)
+		return fail(err, errno, pid, "read %zu bytes at %#lx", len, addr);
+	if ((size_t)n != len)
+		return fail(err, EIO, pid, "short read at %#lx (%zd of %zu)", addr, n, len);
+	return 0;
+}
+
+/* Find the [vdso] mapping in /proc/pid/maps. */
+static int find_vdso(pid_t pid, unsigned long *start, unsigned long *end)
+{
+	char path[64], line[512];
+	FILE *f;
+	int found = -1;
+
+	snprintf(path, sizeof(path), "/proc/%d/maps", (int)pid);
+	f = fopen(path, "re");
+	if (!f)
+		return -1;
+	while (fgets(line, sizeof(line), f)) {
+		if (strstr(line, "[vdso]") && sscanf(line, "%lx-%lx", start, end) == 2) {
+			found = 0;
+			break;
+		}
+	}
+	fclose(f);
+	if (found < 0)
+		errno = ENOENT;
+	return found;
+}
+
+/* Address of an executable `syscall` instruction in the tracee (see the file comment). */
+static int find_syscall_site(struct tracee *t, struct dbxcr_error *err)
+{
+	unsigned long start, end;
+
+	if (find_vdso(t->pid, &start, &end) == 0 && end > start && end - start <= (1 << 20)) {
+		size_t len = end - start;
+		unsigned char *buf = malloc(len);
+		char path[64];
+		int fd;
+		ssize_t n = -1;
+
+		if (!buf)
+			return fail(err, ENOMEM, t->pid, "allocate vdso copy");
+		/* /proc/pid/mem reads with FOLL_FORCE, so it works on the r-x vdso. */
+		snprintf(path, sizeof(path), "/proc/%d/mem", (int)t->pid);
+		fd = open(path, O_RDONLY | O_CLOEXEC);
+		if (fd >= 0) {
+			n = pread(fd, buf, len, (off_t)start);
+			close(fd);
+		}
+		for (ssize_t i = 0; n > 1 && i + 1 < n; i++) {
+			if (buf[i] == 0x0f && buf[i + 1] == 0x05) {
+				t->site = start + (unsigned long)i;
+				free(buf);
+				return 0;
+			}
+		}
+		free(buf);
+	}
+	/* Interrupted inside a syscall: the instruction before rip is that syscall. */
+	if ((long)t->regs.orig_rax >= 0) {
+		errno = 0;
+		long word = ptrace(PTRACE_PEEKTEXT, t->pid, t->regs.rip - 2, 0);
+
+		if (errno == 0 && (word & 0xffff) == 0x050f) {
+			t->site = t->regs.rip - 2;
+			return 0;
+		}
+	}
+	return fail(err, ENOEXEC, t->pid,
+		    "no syscall instruction found (no [vdso] and not stopped in a syscall)");
+}
+
+/* ---------- attach / save / restore ---------- */
+
+static int save_xstate(pid_t pid, void **out, size_t *out_len, struct dbxcr_error *err)
+{
+	/* The kernel truncates to iov_len and reports the real size; SETREGSET later needs
+	 * exactly that size (fpu_user_cfg.max_size). */
+	size_t cap = 64 * 1024;
+	void *buf = calloc(1, cap);
+	struct iovec iov = { buf, cap };
+
+	if (!buf)
+		return fail(err, ENOMEM, pid, "allocate xstate buffer");
+	if (ptrace(PTRACE_GETREGSET, pid, (void *)NT_X86_XSTATE, &iov) < 0) {
+		int e = errno;
+
+		free(buf);
+		return fail(err, e, pid, "PTRACE_GETREGSET NT_X86_XSTATE");
+	}
+	*out = buf;
+	*out_len = iov.iov_len;
+	return 0;
+}
+
+static int set_xstate(pid_t pid, void *xstate, size_t len, struct dbxcr_error *err)
+{
+	struct iovec iov = { xstate, len };
+
+	if (ptrace(PTRACE_SETREGSET, pid, (void *)NT_X86_XSTATE, &iov) < 0)
+		return fail(err, errno, pid, "PTRACE_SETREGSET NT_X86_XSTATE");
+	return 0;
+}
+
+static int set_sigmask(pid_t pid, uint64_t mask, struct dbxcr_error *err)
+{
+	if (ptrace(PTRACE_SETSIGMASK, pid, (void *)sizeof(mask), &mask) < 0)
+		return fail(err, errno, pid, "PTRACE_SETSIGMASK");
+	return 0;
+}
+
+/* Options for every tracee: fork events to auto-attach children, EXITKILL so nothing we
+ * hold can run half-set-up registers if the tracer dies, and seccomp suspended so a filter
+ * cannot veto (or kill the process for) an injected call. */
+#define BASE_OPTIONS (PTRACE_O_TRACEFORK | PTRACE_O_TRACEVFORK | PTRACE_O_TRACECLONE | \
+		      PTRACE_O_EXITKILL)
+
+static int seize(pid_t pid, struct dbxcr_error *err)
+{
+	if (ptrace(PTRACE_SEIZE, pid, 0, (void *)(long)(BASE_OPTIONS | PTRACE_O_SUSPEND_SECCOMP)) == 0)
+		return 0;
+	/* SUSPEND_SECCOMP needs CAP_SYS_ADMIN and CONFIG_CHECKPOINT_RESTORE; without it we
+	 * can still work on processes that have no seccomp filter. */
+	if (errno == EINVAL || errno == EPERM) {
+		if (ptrace(PTRACE_SEIZE, pid, 0, (void *)(long)BASE_OPTIONS) == 0)
+			return 0;
+	}
+	if (errno == EPERM)
+		return fail(err, EPERM, pid, "PTRACE_SEIZE (already traced, or not permitted)");
+	return fail(err, errno, pid, "PTRACE_SEIZE");
+}
+
+/* Record the state of a stopped tracee that we must give back. */
+static int save_state(struct tracee *t, struct dbxcr_error *err)
+{
+	uint64_t all = ~0ULL;
+
+	if (ptrace(PTRACE_GETREGS, t->pid, 0, &t->regs) < 0)
+		return fail(err, errno, t->pid, "PTRACE_GETREGS");
+	if (t->regs.cs != USER_CS_64)
+		return fail(err, ENOEXEC, t->pid, "not a 64-bit process (cs=%#llx)",
+			    (unsigned long long)t->regs.cs);
+	if (save_xstate(t->pid, &t->xstate, &t->xstate_len, err) < 0)
+		return -1;
+	if (ptrace(PTRACE_GETSIGMASK, t->pid, (void *)sizeof(t->sigmask), &t->sigmask) < 0)
+		return fail(err, errno, t->pid, "PTRACE_GETSIGMASK");
+	return set_sigmask(t->pid, all, err);
+}
+
+/* Attach with PTRACE_SEIZE and stop the tracee with PTRACE_INTERRUPT. */
+static int attach(struct tracee *t, pid_t pid, struct dbxcr_error *err)
+{
+	int status;
+
+	memset(t, 0, sizeof(*t));
+	t->pid = pid;
+	if (seize(pid, err) < 0)
+		return -1;
+	if (ptrace(PTRACE_INTERRUPT, pid, 0, 0) < 0) {
+		fail(err, errno, pid, "PTRACE_INTERRUPT");
+		ptrace(PTRACE_DETACH, pid, 0, 0);
+		return -1;
+	}
+	if (wait_stop(pid, &status, err) < 0)
+		return -1;
+	if (stop_event(status) == 0 && WSTOPSIG(status) != SIGTRAP) {
+		/* A signal was being delivered when we interrupted: it is out of the queue
+		 * now, so keep it (the interrupt trap itself will follow on resume). */
+		t->in_signal_stop = true;
+		if (defer_signal(t, WSTOPSIG(status), err) < 0)
+			goto undo;
+	}
+	if (save_state(t, err) < 0)
+		goto undo;
+	if (find_syscall_site(t, err) < 0)
+		goto undo;
+	return 0;
+undo:
+	if (t->deferred_sig)
+		ptrace(PTRACE_DETACH, pid, 0, (void *)(long)t->deferred_sig);
+	else
+		ptrace(PTRACE_DETACH, pid, 0, 0);
+	free(t->xstate);
+	t->xstate = NULL;
+	return -1;
+}
+
+/* Take a tracee that is already stopped under our ptrace (a new child) into a struct. */
+static int adopt(struct tracee *t, pid_t pid, unsigned long site, struct dbxcr_error *err)
+{
+	memset(t, 0, sizeof(*t));
+	t->pid = pid;
+	t->site = site;
+	if (ptrace(PTRACE_GETREGS, pid, 0, &t->regs) < 0)
+		return fail(err, errno, pid, "PTRACE_GETREGS");
+	return 0;
+}
+
+/* Run one system call in a stopped tracee; see the file comment for the mechanism. */
+static int remote_syscall(struct tracee *t, long nr, const long a[6], long *ret,
+			  struct dbxcr_error *err)
+{
+	struct user_regs_struct r = t->regs;
+	int status;
+
+	r.rip = t->site;
+	r.rax = (unsigned long)nr;
+	r.orig_rax = (unsigned long)-1;
+	r.rdi = (unsigned long)a[0];
+	r.rsi = (unsigned long)a[1];
+	r.rdx = (unsigned long)a[2];
+	r.r10 = (unsigned long)a[3];
+	r.r8 = (unsigned long)a[4];
+	r.r9 = (unsigned long)a[5];
+	r.eflags &= ~0x100ULL;	/* TF: the kernel sets it for PTRACE_SINGLESTEP */
+	if (ptrace(PTRACE_SETREGS, t->pid, 0, &r) < 0)
+		return fail(err, errno, t->pid, "PTRACE_SETREGS for syscall %ld", nr);
+	for (;;) {
+		int sig, ev;
+
+		/* Always resume with SINGLESTEP: resuming a fork-event stop with PTRACE_CONT
+		 * would drop the single-step and let the tracee run off. */
+		if (ptrace(PTRACE_SINGLESTEP, t->pid, 0, 0) < 0)
+			return fail(err, errno, t->pid, "PTRACE_SINGLESTEP for syscall %ld", nr);
+		if (wait_stop(t->pid, &status, err) < 0)
+			return -1;
+		sig = WSTOPSIG(status);
+		ev = stop_event(status);
+		if (ev == PTRACE_EVENT_FORK || ev == PTRACE_EVENT_VFORK || ev == PTRACE_EVENT_CLONE) {
+			unsigned long msg;
+
+			if (ptrace(PTRACE_GETEVENTMSG, t->pid, 0, &msg) < 0)
+				return fail(err, errno, t->pid, "PTRACE_GETEVENTMSG");
+			t->new_child = (pid_t)msg;
+			continue;
+		}
+		if (ev != 0)	/* PTRACE_EVENT_STOP: pending interrupt or group stop */
+			continue;
+		if (sig != SIGTRAP) {
+			if (defer_signal(t, sig, err) < 0)
+				return -1;
+			continue;
+		}
+		break;
+	}
+	t->in_signal_stop = true;
+	if (ptrace(PTRACE_GETREGS, t->pid, 0, &r) < 0)
+		return fail(err, errno, t->pid, "PTRACE_GETREGS after syscall %ld", nr);
+	if (r.rip != t->site + 2)
+		return fail(err, EFAULT, t->pid, "syscall %ld: stopped at %#llx, expected %#lx",
+			    nr, (unsigned long long)r.rip, t->site + 2);
+	*ret = (long)r.rax;
+	return 0;
+}
+
+/* remote_syscall that treats a negative return as an error named after the step. */
+__attribute__((format(printf, 5, 6)))
+static long rsys(struct tracee *t, long nr, const long a[6], struct dbxcr_error *err,
+		 const char *fmt, ...)
+{
+	long ret;
+	char step[256];
+	va_list ap;
+
+	if (remote_syscall(t, nr, a, &ret, err) < 0)
+		return -1;
+	if (ret < 0 && ret > -4096) {
+		va_start(ap, fmt);
+		vsnprintf(step, sizeof(step), fmt, ap);
+		va_end(ap);
+		fail(err, (int)-ret, t->pid, "%s", step);
+		return -1;
+	}
+	return ret;
+}
+
+/* Re-raise stop signals that arrived while we worked (mask is still all-blocked; SIGSTOP
+ * is unblockable and will take effect on resume). */
+static int reraise_extra(struct tracee *t, struct dbxcr_error *err)
+{
+	for (int i = 0; i < t->nextra; i++) {
+		long a[6] = { 0 }, self;
+
+		self = rsys(t, SYS_getpid, a, err, "getpid to re-raise signal");
+		if (self < 0)
+			return -1;
+		a[0] = self;
+		a[1] = self;
+		a[2] = t->extra_sigs[i];
+		if (rsys(t, SYS_tgkill, a, err, "re-raise signal %d", t->extra_sigs[i]) < 0)
+			return -1;
+	}
+	t->nextra = 0;
+	return 0;
+}
+
+/* Give back registers, xstate and mask, then detach; a dequeued signal is handed back
+ * through the current signal-delivery-stop. */
+static int restore_and_detach(struct tracee *t, struct dbxcr_error *err)
+{
+	long sig = 0;
+
+	if (reraise_extra(t, err) < 0)
+		return -1;
+	if (set_sigmask(t->pid, t->sigmask, err) < 0)
+		return -1;
+	if (set_xstate(t->pid, t->xstate, t->xstate_len, err) < 0)
+		return -1;
+	if (ptrace(PTRACE_SETREGS, t->pid, 0, &t->regs) < 0)
+		return fail(err, errno, t->pid, "PTRACE_SETREGS (restore)");
+	if (t->deferred_sig) {
+		/* PTRACE_DETACH's signal is delivered only from a signal-delivery-stop; every
+		 * injected call ends in one and the attach stop was one if we deferred. */
+		if (!t->in_signal_stop)
+			return fail(err, EINVAL, t->pid, "cannot hand back signal %d",
+				    t->deferred_sig);
+		if (ptrace(PTRACE_SETSIGINFO, t->pid, 0, &t->deferred_info) < 0)
+			return fail(err, errno, t->pid, "PTRACE_SETSIGINFO");
+		sig = t->deferred_sig;
+	}
+	if (ptrace(PTRACE_DETACH, t->pid, 0, (void *)sig) < 0)
+		return fail(err, errno, t->pid, "PTRACE_DETACH");
+	return 0;
+}
+
+static void tracee_free(struct tracee *t)
+{
+	free(t->xstate);
+	t->xstate = NULL;
+}
+
+/* Kill a half-made child that we trace and reap what we can of it. */
+static void kill_traced(pid_t pid)
+{
+	int status;
+
+	if (pid <= 0)
+		return;
+	kill(pid, SIGKILL);
+	for (;;) {
+		pid_t r = waitpid(pid, &status, __WALL);
+
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r < 0 || WIFEXITED(status) || WIFSIGNALED(status))
+			break;
+	}
+}
+
+/* ---------- public: single injection ---------- */
+
+int dbxcr_inject_syscall(pid_t pid, long nr, const long args[6], long *ret,
+			 struct dbxcr_error *err)
+{
+	struct tracee t;
+	int rc;
+
+	clear_error(err);
+	if (attach(&t, pid, err) < 0)
+		return -1;
+	rc = remote_syscall(&t, nr, args, ret, err);
+	if (rc < 0) {
+		/* Still try to give the process back its state; keep the first error. */
+		struct dbxcr_error ignored;
+
+		restore_and_detach(&t, &ignored);
+	} else {
+		rc = restore_and_detach(&t, err);
+	}
+	tracee_free(&t);
+	return rc;
+}
+
+/* ---------- templates ---------- */
+
+static int check_templatable(pid_t pid, struct dbxcr_error *err)
+{
+	struct dbxcr_info info;
+
+	if (dbxcr_describe(pid, &info, err) < 0)
+		return -1;
+	if (info.threads != 1)
+		return fail(err, ENOTSUP, pid,
+			    "process has %d threads; only single-threaded processes can be "
+			    "templated (fork copies only the calling thread)", info.threads);
+	if (info.tracer_pid != 0)
+		return fail(err, EBUSY, pid, "already traced by pid %d", info.tracer_pid);
+	if (info.state == 'Z' || info.state == 'X')
+		return fail(err, ESRCH, pid, "process is exiting (state %c)", info.state);
+	return 0;
+}
+
+/* Wait for an auto-attached child's first stop (PTRACE_EVENT_STOP before user mode). */
+static int wait_birth(pid_t child, struct dbxcr_error *err)
+{
+	int status;
+
+	if (wait_stop(child, &status, err) < 0)
+		return -1;
+	if (stop_event(status) != PTRACE_EVENT_STOP)
+		return fail(err, EPROTO, child, "unexpected first stop (status %#x)", status);
+	return 0;
+}
+
+/* Registers a parked template holds: were it ever resumed without us it would run
+ * exit_group(0) at the syscall site instead of program code. */
+static void park_regs(struct dbxcr_template *tpl, const struct user_regs_struct *base)
+{
+	tpl->park = *base;
+	tpl->park.rip = tpl->site;
+	tpl->park.rax = SYS_exit_group;
+	tpl->park.orig_rax = (unsigned long)-1;
+	tpl->park.rdi = 0;
+	tpl->park.eflags &= ~0x100ULL;
+}
+
+static int park(struct dbxcr_template *tpl, struct dbxcr_error *err)
+{
+	if (ptrace(PTRACE_SETREGS, tpl->pid, 0, &tpl->park) < 0)
+		return fail(err, errno, tpl->pid, "PTRACE_SETREGS (park template)");
+	return 0;
+}
+
+/* Fork the template out of the stopped original (clone with CLONE_PARENT). */
+static pid_t fork_template_from(struct tracee *orig, struct dbxcr_error *err)
+{
+	long a[6] = { CLONE_PARENT, 0, 0, 0, 0, 0 };
+	long ret;
+
+	orig->new_child = 0;
+	if (remote_syscall(orig, SYS_clone, a, &ret, err) < 0) {
+		kill_traced(orig->new_child);
+		return -1;
+	}
+	if (ret < 0) {
+		if (ret == -EINVAL)
+			return fail(err, EINVAL, orig->pid,
+				    "clone(CLONE_PARENT) refused: the process is the init of its "
+				    "pid namespace, which cannot be templated");
+		return fail(err, (int)-ret, orig->pid, "injected clone");
+	}
+	if (orig->new_child <= 0)
+		return fail(err, EPROTO, orig->pid, "clone returned %ld but no fork event", ret);
+	return orig->new_child;
+}
+
+/* Map the template's scratch area (it and all its children have it; children unmap it). */
+static int map_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err)
+{
+	struct tracee t;
+	long a[6] = { 0, SCRATCH_LEN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0 };
+	long addr;
+
+	if (adopt(&t, tpl->pid, tpl->site, err) < 0)
+		return -1;
+	addr = rsys(&t, SYS_mmap, a, err, "mmap template scratch");
+	if (addr < 0)
+		return -1;
+	tpl->scratch = (unsigned long)addr;
+	park_regs(tpl, &t.regs);
+	return park(tpl, err);
+}
+
+struct dbxcr_template *dbxcr_make_template(pid_t pid, struct dbxcr_error *err)
+{
+	struct dbxcr_template *tpl;
+	struct tracee orig;
+	pid_t child;
+
+	clear_error(err);
+	if (check_templatable(pid, err) < 0)
+		return NULL;
+	tpl = calloc(1, sizeof(*tpl));
+	if (!tpl) {
+		fail(err, ENOMEM, pid, "allocate template");
+		return NULL;
+	}
+	if (attach(&orig, pid, err) < 0) {
+		free(tpl);
+		return NULL;
+	}
+	child = fork_template_from(&orig, err);
+	if (child > 0 && wait_birth(child, err) < 0) {
+		kill_traced(child);
+		child = -1;
+	}
+	/* The original goes back first, whatever happened to the template. */
+	if (child < 0) {
+		struct dbxcr_error ignored;
+
+		restore_and_detach(&orig, &ignored);
+		tracee_free(&orig);
+		free(tpl);
+		return NULL;
+	}
+	if (restore_and_detach(&orig, err) < 0) {
+		kill_traced(child);
+		tracee_free(&orig);
+		free(tpl);
+		return NULL;
+	}
+	tpl->pid = child;
+	tpl->origin = pid;
+	tpl->tracer_tid = current_tid();
+	tpl->regs = orig.regs;
+	tpl->xstate = orig.xstate;
+	tpl->xstate_len = orig.xstate_len;
+	tpl->sigmask = orig.sigmask;
+	tpl->site = orig.site;
+	orig.xstate = NULL;
+	/* The template inherited the all-blocked mask we set on the original, so signals sent
+	 * to it stay pending (and fork does not pass pending signals to children). */
+	if (map_scratch(tpl, err) < 0) {
+		struct dbxcr_error ignored;
+
+		dbxcr_release_template(tpl, &ignored);
+		return NULL;
+	}
+	return tpl;
+}
+
+pid_t dbxcr_template_pid(const struct dbxcr_template *tpl)
+{
+	return tpl->pid;
+}
+
+pid_t dbxcr_template_origin(const struct dbxcr_template *tpl)
+{
+	return tpl->origin;
+}
+
+static int check_owner(const struct dbxcr_template *tpl, struct dbxcr_error *err)
+{
+	if (current_tid() != tpl->tracer_tid)
+		return fail(err, EPERM, tpl->pid,
+			    "template is ptrace-held by thread %d; called from thread %d",
+			    (int)tpl->tracer_tid, (int)current_tid());
+	return 0;
+}
+
+int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err)
+{
+	int status, rc = 0;
+	pid_t pid;
+
+	clear_error(err);
+	if (!tpl)
+		return 0;
+	pid = tpl->pid;
+	if (check_owner(tpl, err) < 0) {
+		/* We cannot reap it from here; SIGKILL still ends it (its parent reaps it). */
+		kill(pid, SIGKILL);
+		rc = -1;
+	} else if (kill(pid, SIGKILL) < 0 && errno != ESRCH) {
+		rc = fail(err, errno, pid, "kill template");
+	} else {
+		/* As its tracer we see its death first; reaping it here releases it fully when
+		 * we are also its parent, otherwise hands the zombie to its parent, which gets
+		 * SIGCHLD (the template carries the original's exit signal). */
+		for (;;) {
+			pid_t r = waitpid(pid, &status, __WALL);
+
+			if (r < 0 && errno == EINTR)
+				continue;
+			if (r < 0) {
+				if (errno != ECHILD)
+					rc = fail(err, errno, pid, "reap template");
+				break;
+			}
+			if (WIFEXITED(status) || WIFSIGNALED(status))
+				break;
+		}
+	}
+	free(tpl->xstate);
+	free(tpl);
+	return rc;
+}
+
+/* ---------- spawning ---------- */
+
+static pid_t clone_from_template(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *o,
+				 struct dbxcr_error *err)
+{
+	struct dbx_clone_args ca;
+	struct tracee t;
+	long a[6] = { 0 };
+	long ret;
+	unsigned long tid_addr = tpl->scratch + sizeof(ca);
+
+	if (o->set_tid_size > 32)
+		return fail(err, EINVAL, tpl->pid, "set_tid has %zu entries (max 32)",
+			    o->set_tid_size);
+	memset(&ca, 0, sizeof(ca));
+	/* CLONE_PARENT: the child takes the template's (= the original's) parent and exit
+	 * signal; clone3 requires exit_signal == 0 with CLONE_PARENT. */
+	ca.flags = CLONE_PARENT;
+	if (o->set_tid_size) {
+		ca.set_tid = tid_addr;
+		ca.set_tid_size = o->set_tid_size;
+		if (mem_write(tpl->pid, tid_addr, o->set_tid, o->set_tid_size * sizeof(pid_t),
+			      err) < 0)
+			return -1;
+	}
+	if (mem_write(tpl->pid, tpl->scratch, &ca, sizeof(ca), err) < 0)
+		return -1;
+	if (adopt(&t, tpl->pid, tpl->site, err) < 0)
+		return -1;
+	t.regs = tpl->park;
+	a[0] = (long)tpl->scratch;
+	a[1] = sizeof(ca);
+	if (remote_syscall(&t, SYS_clone3, a, &ret, err) < 0) {
+		kill_traced(t.new_child);
+		return -1;
+	}
+	if (park(tpl, err) < 0) {
+		kill_traced(t.new_child);
+		return -1;
+	}
+	if (t.deferred_sig)	/* e.g. SIGSTOP sent to the template's process group */
+		t.deferred_sig = 0;
+	if (ret < 0) {
+		int e = (int)-ret;
+
+		if (e == EEXIST)
+			return fail(err, e, tpl->pid,
+				    "clone3 set_tid: pid %d is in use in the target pid namespace",
+				    o->set_tid[0]);
+		if (e == EPERM)
+			return fail(err, e, tpl->pid,
+				    "clone3 set_tid: no CAP_SYS_ADMIN over the target pid namespace");
+		if (e == EINVAL && o->set_tid_size)
+			return fail(err, e, tpl->pid,
+				    "clone3 set_tid: %zu entries exceed the template's pid namespace "
+				    "depth, or a pid is invalid", o->set_tid_size);
+		return fail(err, e, tpl->pid, "injected clone3");
+	}
+	if (t.new_child <= 0)
+		return fail(err, EPROTO, tpl->pid, "clone3 returned %ld but no fork event", ret);
+	return t.new_child;
+}
+
+/* Give the child copies of the caller's descriptors through a socketpair made in the
+ * child.  out[i] receives the child's fd number for src[i]. */
+static int transfer_fds(struct tracee *c, unsigned long scratch, const int *src, size_t n,
+			int *out, struct dbxcr_error *err)
+{
+	long a[6] = { 0 };
+	int sv[2], pidfd = -1, local = -1, rc = -1;
+	unsigned long msg_addr = scratch + 64, iov_addr = scratch + 128, data_addr = scratch + 160;
+	unsigned long ctl_addr = scratch + 256;
+	size_t ctl_len = CMSG_SPACE(sizeof(int) * MAX_XFER_FDS);
+	char byte = 'x';
+
+	a[0] = AF_UNIX;
+	a[1] = SOCK_DGRAM | SOCK_CLOEXEC;
+	a[3] = (long)scratch;
+	if (rsys(c, SYS_socketpair, a, err, "socketpair in child") < 0)
+		return -1;
+	if (mem_read(c->pid, scratch, sv, sizeof(sv), err) < 0)
+		return -1;
+	/* Our end of the pair: pidfd_getfd copies a descriptor *out of* another process. */
+	pidfd = (int)syscall(SYS_pidfd_open, c->pid, 0);
+	if (pidfd < 0) {
+		fail(err, errno, c->pid, "pidfd_open");
+		goto close_child;
+	}
+	local = (int)syscall(SYS_pidfd_getfd, pidfd, sv[0], 0);
+	if (local < 0) {
+		fail(err, errno, c->pid, "pidfd_getfd of child socket %d", sv[0]);
+		goto close_child;
+	}
+	{
+		union {
+			char buf[CMSG_SPACE(sizeof(int) * MAX_XFER_FDS)];
+			struct cmsghdr align;
+		} u;
+		struct iovec iov = { &byte, 1 };
+		struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+				     .msg_controllen = CMSG_SPACE(sizeof(int) * n) };
+		struct cmsghdr *cm;
+
+		memset(u.buf, 0, sizeof(u.buf));
+		cm = CMSG_FIRSTHDR(&mh);
+		cm->cmsg_level = SOL_SOCKET;
+		cm->cmsg_type = SCM_RIGHTS;
+		cm->cmsg_len = CMSG_LEN(sizeof(int) * n);
+		memcpy(CMSG_DATA(cm), src, sizeof(int) * n);
+		if (sendmsg(local, &mh, MSG_NOSIGNAL) < 0) {
+			fail(err, errno, c->pid, "sendmsg SCM_RIGHTS to child");
+			goto close_child;
+		}
+	}
+	{
+		/* Child side: recvmsg(sv[1], &msg, MSG_CMSG_CLOEXEC) with msghdr, iovec and a
+		 * control buffer laid out in the scratch area. */
+		struct msghdr rm = { 0 };
+		struct iovec riov = { (void *)data_addr, 1 };
+		union {
+			char buf[CMSG_SPACE(sizeof(int) * MAX_XFER_FDS)];
+			struct cmsghdr align;
+		} u;
+		struct cmsghdr *cm;
+
+		rm.msg_iov = (struct iovec *)iov_addr;
+		rm.msg_iovlen = 1;
+		rm.msg_control = (void *)ctl_addr;
+		rm.msg_controllen = ctl_len;
+		if (mem_write(c->pid, iov_addr, &riov, sizeof(riov), err) < 0 ||
+		    mem_write(c->pid, msg_addr, &rm, sizeof(rm), err) < 0)
+			goto close_child;
+		a[0] = sv[1];
+		a[1] = (long)msg_addr;
+		a[2] = MSG_CMSG_CLOEXEC | MSG_DONTWAIT;
+		if (rsys(c, SYS_recvmsg, a, err, "recvmsg in child") < 0)
+			goto close_child;
+		if (mem_read(c->pid, msg_addr, &rm, sizeof(rm), err) < 0 ||
+		    mem_read(c->pid, ctl_addr, u.buf, ctl_len, err) < 0)
+			goto close_child;
+		if (rm.msg_flags & MSG_CTRUNC) {
+			fail(err, EMFILE, c->pid, "child could not receive all descriptors");
+			goto close_child;
+		}
+		rm.msg_control = u.buf;
+		cm = CMSG_FIRSTHDR(&rm);
+		if (!cm || cm->cmsg_type != SCM_RIGHTS || cm->cmsg_len != CMSG_LEN(sizeof(int) * n)) {
+			fail(err, EPROTO, c->pid, "child received no descriptors");
+			goto close_child;
+		}
+		memcpy(out, CMSG_DATA(cm), sizeof(int) * n);
+	}
+	rc = 0;
+close_child:
+	if (local >= 0)
+		close(local);
+	if (pidfd >= 0)
+		close(pidfd);
+	for (int i = 0; i < 2; i++) {
+		struct dbxcr_error e2;
+
+		a[0] = sv[i];
+		if (rsys(c, SYS_close, a, &e2, "close child socket %d", sv[i]) < 0 && rc == 0) {
+			*err = e2;
+			rc = -1;
+		}
+	}
+	return rc;
+}
+
+static bool is_target(const struct dbxcr_spawn_opts *o, int fd)
+{
+	for (size_t i = 0; i < o->nfiles; i++)
+		if (o->files[i].fd == fd)
+			return true;
+	for (size_t i = 0; i < o->nfds; i++)
+		if (o->fds[i].target == fd)
+			return true;
+	return false;
+}
+
+static int max_target(const struct dbxcr_spawn_opts *o)
+{
+	int m = 2;
+
+	for (size_t i = 0; i < o->nfiles; i++)
+		if (o->files[i].fd > m)
+			m = o->files[i].fd;
+	for (size_t i = 0; i < o->nfds; i++)
+		if (o->fds[i].target > m)
+			m = o->fds[i].target;
+	return m;
+}
+
+/* Received descriptors land on the lowest free numbers; move any that sits on a number we
+ * are about to fill so a later dup3 cannot close it. */
+static int move_off_targets(struct tracee *c, const struct dbxcr_spawn_opts *o, int *fds,
+			    size_t n, struct dbxcr_error *err)
+{
+	for (size_t i = 0; i < n; i++) {
+		long a[6] = { fds[i], F_DUPFD_CLOEXEC, max_target(o) + 1, 0, 0, 0 };
+		long nfd;
+
+		if (!is_target(o, fds[i]))
+			continue;
+		nfd = rsys(c, SYS_fcntl, a, err, "move received fd %d", fds[i]);
+		if (nfd < 0)
+			return -1;
+		a[1] = 0;
+		if (rsys(c, SYS_close, a, err, "close received fd %d", fds[i]) < 0)
+			return -1;
+		fds[i] = (int)nfd;
+	}
+	return 0;
+}
+
+static int put_string(struct tracee *c, unsigned long scratch, const char *s, const char *what,
+		      struct dbxcr_error *err)
+{
+	size_t len = strlen(s) + 1;
+
+	if (len > SCRATCH_LEN)
+		return fail(err, ENAMETOOLONG, c->pid, "%s is %zu bytes", what, len);
+	return mem_write(c->pid, scratch, s, len, err);
+}
+
+/* Reopen one regular file at its fd number with its own file description and offset. */
+static int reopen_file(struct tracee *c, unsigned long scratch, const struct dbxcr_file *f,
+		       struct dbxcr_error *err)
+{
+	int flags = f->flags & ~(O_CREAT | O_EXCL | O_TRUNC);
+	long a[6] = { AT_FDCWD, (long)scratch, flags, 0, 0, 0 };
+	long nfd;
+
+	if (put_string(c, scratch, f->path, "file path", err) < 0)
+		return -1;
+	nfd = rsys(c, SYS_openat, a, err, "reopen fd %d: open %s", f->fd, f->path);
+	if (nfd < 0)
+		return -1;
+	if (nfd != f->fd) {
+		long d[6] = { nfd, f->fd, flags & O_CLOEXEC, 0, 0, 0 };
+
+		if (rsys(c, SYS_dup3, d, err, "reopen fd %d: dup3", f->fd) < 0)
+			return -1;
+		d[1] = 0;
+		d[2] = 0;
+		if (rsys(c, SYS_close, d, err, "reopen fd %d: close %ld", f->fd, nfd) < 0)
+			return -1;
+	}
+	if (!(flags & O_APPEND) && f->offset >= 0) {
+		long s[6] = { f->fd, (long)f->offset, SEEK_SET, 0, 0, 0 };
+
+		if (rsys(c, SYS_lseek, s, err, "reopen fd %d: lseek %lld", f->fd, f->offset) < 0)
+			return -1;
+	}
+	return 0;
+}
+
+/* Everything done inside the new child before it is let go. */
+static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
+		       const struct dbxcr_spawn_opts *o, struct dbxcr_error *err)
+{
+	int src[MAX_XFER_FDS], got[MAX_XFER_FDS];
+	size_t n = 0, first_fd = 0;
+	unsigned long scratch = tpl->scratch;
+	long a[6] = { 0 };
+
+	if (o->mntns_fd >= 0) {
+		src[n++] = o->mntns_fd;
+		first_fd = 1;
+	}
+	if (o->nfds + n > MAX_XFER_FDS)
+		return fail(err, E2BIG, c->pid, "%zu descriptors to install (max %d)", o->nfds,
+			    MAX_XFER_FDS - 1);
+	for (size_t i = 0; i < o->nfds; i++)
+		src[n++] = o->fds[i].src;
+	if (n && transfer_fds(c, scratch, src, n, got, err) < 0)
+		return -1;
+	if (n && move_off_targets(c, o, got, n, err) < 0)
+		return -1;
+	if (o->mntns_fd >= 0) {
+		/* A fresh fork is single-threaded with its own fs_struct, as setns(CLONE_NEWNS)
+		 * requires; it also resets root and cwd to the namespace's root. */
+		a[0] = got[0];
+		a[1] = CLONE_NEWNS;
+		if (rsys(c, SYS_setns, a, err, "setns into mount namespace") < 0)
+			return -1;
+		a[1] = 0;
+		if (rsys(c, SYS_close, a, err, "close mount namespace fd") < 0)
+			return -1;
+	}
+	if (o->cwd) {
+		if (put_string(c, scratch, o->cwd, "cwd", err) < 0)
+			return -1;
+		a[0] = (long)scratch;
+		if (rsys(c, SYS_chdir, a, err, "chdir %s", o->cwd) < 0)
+			return -1;
+	}
+	for (size_t i = 0; i < o->nfiles; i++)
+		if (reopen_file(c, scratch, &o->files[i], err) < 0)
+			return -1;
+	for (size_t i = 0; i < o->nfds; i++) {
+		long d[6] = { got[first_fd + i], o->fds[i].target,
+			      o->fds[i].cloexec ? O_CLOEXEC : 0, 0, 0, 0 };
+
+		if (rsys(c, SYS_dup3, d, err, "install fd %d", o->fds[i].target) < 0)
+			return -1;
+		d[1] = 0;
+		d[2] = 0;
+		if (rsys(c, SYS_close, d, err, "close received fd %ld", d[0]) < 0)
+			return -1;
+	}
+	a[0] = (long)scratch;
+	a[1] = SCRATCH_LEN;
+	if (rsys(c, SYS_munmap, a, err, "munmap scratch") < 0)
+		return -1;
+	return 0;
+}
+
+pid_t dbxcr_spawn(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
+		  struct dbxcr_error *err)
+{
+	static const struct dbxcr_spawn_opts none = { .mntns_fd = -1 };
+	const struct dbxcr_spawn_opts *o = opts ? opts : &none;
+	struct tracee c;
+	pid_t child;
+
+	clear_error(err);
+	if (check_owner(tpl, err) < 0)
+		return -1;
+	child = clone_from_template(tpl, o, err);
+	if (child < 0)
+		return -1;
+	if (wait_birth(child, err) < 0 || adopt(&c, child, tpl->site, err) < 0)
+		goto kill;
+	if (setup_child(&c, tpl, o, err) < 0)
+		goto kill;
+	/* Hand the child the original's checkpointed state (see the file comment on why the
+	 * exact registers give the right restart semantics). */
+	c.regs = tpl->regs;
+	c.sigmask = tpl->sigmask;
+	c.xstate = tpl->xstate;
+	c.xstate_len = tpl->xstate_len;
+	c.deferred_sig = 0;	/* a SIGSTOP aimed at the child's group while we worked */
+	if (restore_and_detach(&c, err) < 0)
+		goto kill;
+	return child;
+kill:
+	kill_traced(child);
+	return -1;
+}
