@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 native: $(NATIVE_BINS)
 $(LIBEXEC)/dbx-%: native/%.c native/common.h
 	@mkdir -p $(LIBEXEC)
-	$(CC) $(CFLAGS) -o $@ $< native/common.c
+	$(CC) $(CFLAGS) -static -o $@ $< native/common.c
 
 proto: $(PROTO_OUT)
 $(PROTO_OUT): deltabox/api/deltabox.proto $(VENV)/.installed

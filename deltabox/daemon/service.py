@@ -47,6 +47,7 @@ BASE_ENV = {
     "USER": "root",
 }
 MAX_FORK = 256
+MAX_SPARES = 1024
 
 
 @dataclass
@@ -87,6 +88,10 @@ class Daemon:
         self.run_dir = cfg.state_dir / "run"
         self.mountpoint = self.run_dir / "rootmnt"
         self.masks: dict[str, Path] = {}
+        # checkpoint id -> a writable clone of it made in the background, so that a rollback
+        # or fork does not pay for a snapshot (a transaction commit) on its critical path.
+        # Not durable: after a crash they are unreferenced layers, removed by recover().
+        self.spares: dict[str, str] = {}
         self.family_locks: dict[str, trio.Lock] = {}
 
     # ---- lookups and validation ------------------------------------------------------
@@ -293,6 +298,7 @@ class Daemon:
                     self.db.delete_checkpoint(cp.id)
             self._delete_layer_later(row.layer_id)
             for cp in cps:
+                self._drop_spare(cp.id)
                 if self.db.layer_refs(cp.layer_id) == 0:
                     self._delete_layer_later(cp.layer_id)
                     freed += 1
@@ -447,6 +453,7 @@ class Daemon:
             with self.db.transaction():
                 self.db.put_checkpoint(cp)
                 self.db.put_sandbox(row)
+            self._prepare_spare(cp)
             return cp
 
     async def rollback(self, sid: str, cp_id: str) -> dict:
@@ -469,7 +476,7 @@ class Daemon:
                 # The snapshot ioctl (a transaction commit) runs in a worker thread while this
                 # thread kills the sandbox's processes.
                 async with trio.open_nursery() as n:
-                    n.start_soon(trio.to_thread.run_sync, self.store.clone, cp.layer_id, layer)
+                    n.start_soon(self._clone_into, cp, layer)
                     killed = self._kill_processes(live)
                 old = live.rt.generation
                 live.rt.generation = await runtime.build_generation(
@@ -492,6 +499,36 @@ class Daemon:
                         sessions_restarted=restarted, processes_killed=killed,
                         process_state="restarted")
 
+    def _prepare_spare(self, cp: CheckpointRow) -> None:
+        """Make a writable clone of `cp` in the background (the agent is thinking)."""
+        if not self.store.cheap_clone or cp.id in self.spares or len(self.spares) >= MAX_SPARES:
+            return
+
+        async def make() -> None:
+            layer = new_id("L")
+            await trio.to_thread.run_sync(self.store.clone, cp.layer_id, layer)
+            if self.db.get_checkpoint(cp.id) is None or cp.id in self.spares:
+                await trio.to_thread.run_sync(self.store.delete, layer)
+            else:
+                self.spares[cp.id] = layer
+        self.background.start_soon(make)
+
+    async def _clone_into(self, cp: CheckpointRow, layer: str) -> str:
+        """A writable layer with the checkpoint's files, named `layer`: the spare if one is
+        ready (renamed: no snapshot on the critical path), else a fresh clone."""
+        spare = self.spares.pop(cp.id, None)
+        if spare is not None:
+            os.rename(self.store.layer_path(spare), self.store.layer_path(layer))
+            self._prepare_spare(cp)
+        else:
+            await trio.to_thread.run_sync(self.store.clone, cp.layer_id, layer)
+        return layer
+
+    def _drop_spare(self, cp_id: str) -> None:
+        spare = self.spares.pop(cp_id, None)
+        if spare is not None:
+            self._delete_layer_later(spare)
+
     def _kill_processes(self, live: Live) -> int:
         """Kill everything in the sandbox but its init (the pid namespace must live on)."""
         for p in list(live.procs):
@@ -501,8 +538,7 @@ class Daemon:
 
     async def _rollback_stopped(self, row: SandboxRow, cp: CheckpointRow) -> dict:
         t0 = time.perf_counter()
-        layer = new_id("L")
-        self.store.clone(cp.layer_id, layer)
+        layer = await self._clone_into(cp, new_id("L"))
         old_layer, row.layer_id, row.head_cp = row.layer_id, layer, cp.id
         row.base_gen = self.store.generation(layer)
         try:
@@ -540,8 +576,11 @@ class Daemon:
                 cpus=src.cpus if src else 0.0, hostname=sid,
                 env=dict(src.env) if src else {}, created_at=time.time()))
         try:
+            # Concurrent snapshot ioctls join one btrfs transaction commit.
+            async with trio.open_nursery() as n:
+                for r in rows:
+                    n.start_soon(self._clone_into, cp, r.layer_id)
             for r in rows:
-                self.store.clone(cp.layer_id, r.layer_id)
                 r.base_gen = self.store.generation(r.layer_id)
             async with trio.open_nursery() as n:
                 for r in rows:
@@ -571,6 +610,7 @@ class Daemon:
         with self.db.transaction():
             self.db.delete_checkpoint(cp_id)
             self.db.reparent(cp_id, cp.parent_id)
+        self._drop_spare(cp_id)
         if self.db.layer_refs(cp.layer_id) == 0:
             self._delete_layer_later(cp.layer_id)
             return True

@@ -31,6 +31,7 @@ class Changes:
 class Store(Protocol):
     backend: str
     root: Path
+    cheap_clone: bool
 
     def layer_path(self, layer_id: str) -> Path: ...
     def new_layer(self, layer_id: str) -> None: ...
@@ -46,6 +47,7 @@ class Store(Protocol):
 
 class _BaseStore:
     backend = "?"
+    cheap_clone = False  # whether a spare clone per checkpoint costs only metadata
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -90,6 +92,7 @@ def _syncfs(fd: int) -> None:
 
 class BtrfsStore(_BaseStore):
     backend = "btrfs"
+    cheap_clone = True
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
