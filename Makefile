@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CC ?= gcc
 CFLAGS ?= -O2 -g -Wall -Wextra -Werror -std=gnu11 -D_GNU_SOURCE
 LIBEXEC := deltabox/libexec
-NATIVE_BINS := $(LIBEXEC)/dbx-init $(LIBEXEC)/dbx-enter $(LIBEXEC)/dbx-mkroot
+NATIVE_BINS := $(LIBEXEC)/dbx-init $(LIBEXEC)/dbx-enter $(LIBEXEC)/dbx-mkroot $(LIBEXEC)/libdbxcr.so
 PROTO_OUT := deltabox/api/deltabox_pb2.py
 
 .PHONY: install deps venv native proto demo test bench clean
@@ -23,6 +23,9 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 native: $(NATIVE_BINS)
+$(LIBEXEC)/libdbxcr.so: native/fork_template.c native/fork_template.h
+	@mkdir -p $(LIBEXEC)
+	$(CC) $(CFLAGS) -fPIC -shared -o $@ native/fork_template.c
 $(LIBEXEC)/dbx-%: native/%.c native/common.h
 	@mkdir -p $(LIBEXEC)
 	$(CC) $(CFLAGS) -static -o $@ $< native/common.c
@@ -37,6 +40,7 @@ demo: install
 	$(PY) -m deltabox.demo
 
 test: install
+	bash native/tests/run.sh
 	$(PY) -m pytest -q tests
 
 bench: install

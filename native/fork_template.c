@@ -121,6 +121,7 @@ struct tracee {
 	uint64_t sigmask;		/* blocked signals at attach */
 	unsigned long site;		/* address of a 0f 05 pair */
 	bool in_signal_stop;		/* current stop is a signal-delivery-stop */
+	bool in_get_signal;		/* current stop was taken inside get_signal() */
 	int deferred_sig;		/* dequeued by a signal-delivery-stop, to hand back */
 	siginfo_t deferred_info;
 	int extra_sigs[MAX_EXTRA_SIGS];	/* further stop signals to re-raise */
@@ -504,6 +505,8 @@ static int attach(struct tracee *t, pid_t pid, struct dbxcr_error *err)
 	}
 	if (wait_stop(pid, &status, err) < 0)
 		return -1;
+	/* Both the PTRACE_EVENT_STOP trap and a signal-delivery-stop happen in get_signal(). */
+	t->in_get_signal = true;
 	if (stop_event(status) == 0 && WSTOPSIG(status) != SIGTRAP) {
 		/* A signal was being delivered when we interrupted: it is out of the queue
 		 * now, so keep it (the interrupt trap itself will follow on resume). */
@@ -526,20 +529,39 @@ undo:
 	return -1;
 }
 
-/* Take a tracee that is already stopped under our ptrace (a new child) into a struct. */
+/* Take a tracee that is already stopped under our ptrace into a struct: a new child at its
+ * birth trap, or a parked template at its last single-step stop (both in get_signal()). */
 static int adopt(struct tracee *t, pid_t pid, unsigned long site, struct dbxcr_error *err)
 {
 	memset(t, 0, sizeof(*t));
 	t->pid = pid;
 	t->site = site;
+	t->in_get_signal = true;
 	if (ptrace(PTRACE_GETREGS, pid, 0, &t->regs) < 0)
 		return fail(err, errno, pid, "PTRACE_GETREGS");
 	return 0;
 }
 
-/* Run one system call in a stopped tracee; see the file comment for the mechanism. */
+static int remote_syscall_once(struct tracee *t, long nr, const long a[6], long *ret,
+			       struct dbxcr_error *err);
+
+/* Run one system call in a stopped tracee; see the file comment for the mechanism.
+ * fork/clone return -ERESTARTNOINTR when a signal (here only an unblockable SIGSTOP) is
+ * pending; the kernel would re-execute them, and so do we. */
 static int remote_syscall(struct tracee *t, long nr, const long a[6], long *ret,
 			  struct dbxcr_error *err)
+{
+	for (int i = 0; i < 8; i++) {
+		if (remote_syscall_once(t, nr, a, ret, err) < 0)
+			return -1;
+		if (*ret != -KERN_ERESTARTNOINTR)
+			return 0;
+	}
+	return fail(err, EAGAIN, t->pid, "syscall %ld kept asking to be restarted", nr);
+}
+
+static int remote_syscall_once(struct tracee *t, long nr, const long a[6], long *ret,
+			       struct dbxcr_error *err)
 {
 	struct user_regs_struct r = t->regs;
 	int status;
@@ -585,6 +607,7 @@ static int remote_syscall(struct tracee *t, long nr, const long a[6], long *ret,
 		break;
 	}
 	t->in_signal_stop = true;
+	t->in_get_signal = true;
 	if (ptrace(PTRACE_GETREGS, t->pid, 0, &r) < 0)
 		return fail(err, errno, t->pid, "PTRACE_GETREGS after syscall %ld", nr);
 	if (r.rip != t->site + 2)
@@ -635,12 +658,38 @@ static int reraise_extra(struct tracee *t, struct dbxcr_error *err)
 	return 0;
 }
 
+/* The interrupted-syscall state a register image carries, if any (see the file comment):
+ * orig_rax >= 0 says "stopped in a system call", rax says how the kernel will resume it. */
+static const char *pending_restart(const struct user_regs_struct *r)
+{
+	if ((long)r->orig_rax < 0)
+		return NULL;
+	switch ((long)r->rax) {
+	case -KERN_ERESTARTSYS:
+		return "ERESTARTSYS";
+	case -KERN_ERESTARTNOINTR:
+		return "ERESTARTNOINTR";
+	case -KERN_ERESTARTNOHAND:
+		return "ERESTARTNOHAND";
+	case -KERN_ERESTART_RESTARTBLOCK:
+		return "ERESTART_RESTARTBLOCK";
+	}
+	return NULL;
+}
+
 /* Give back registers, xstate and mask, then detach; a dequeued signal is handed back
  * through the current signal-delivery-stop. */
 static int restore_and_detach(struct tracee *t, struct dbxcr_error *err)
 {
 	long sig = 0;
+	const char *restart = pending_restart(&t->regs);
 
+	/* The kernel applies the restart rules to these exact registers only when the task
+	 * resumes from a stop inside get_signal(); from any other stop (e.g. a syscall-exit
+	 * stop, which we never use) it would return -ERESTART* to the program. */
+	if (restart && !t->in_get_signal)
+		return fail(err, EPROTO, t->pid, "cannot restore a pending %s outside get_signal()",
+			    restart);
 	if (reraise_extra(t, err) < 0)
 		return -1;
 	if (set_sigmask(t->pid, t->sigmask, err) < 0)
@@ -690,13 +739,35 @@ static void kill_traced(pid_t pid)
 
 /* ---------- public: single injection ---------- */
 
+/* PTRACE_INTERRUPT only takes effect when the task next passes get_signal(): a task in
+ * uninterruptible sleep (state D, e.g. a vfork parent waiting for its child, or stuck I/O)
+ * would keep us in waitpid indefinitely, and a seized task can only be detached once
+ * stopped.  Refuse those up front (racy, but it covers the long waits). */
+static int check_stoppable(pid_t pid, const struct dbxcr_info *info, struct dbxcr_error *err)
+{
+	if (info->state == 'Z' || info->state == 'X')
+		return fail(err, ESRCH, pid, "process is exiting (state %c)", info->state);
+	if (info->state == 'D')
+		return fail(err, EAGAIN, pid,
+			    "process is in uninterruptible sleep (state D, e.g. vfork or I/O); "
+			    "it cannot be stopped now");
+	return 0;
+}
+
 int dbxcr_inject_syscall(pid_t pid, long nr, const long args[6], long *ret,
 			 struct dbxcr_error *err)
 {
 	struct tracee t;
 	int rc;
 
+	struct dbxcr_info info;
+
 	clear_error(err);
+	if (dbxcr_describe(pid, &info, err) < 0 || check_stoppable(pid, &info, err) < 0)
+		return -1;
+	if (info.threads != 1)
+		return fail(err, ENOTSUP, pid, "process has %d threads; injection supports "
+			    "single-threaded processes only", info.threads);
 	if (attach(&t, pid, err) < 0)
 		return -1;
 	rc = remote_syscall(&t, nr, args, ret, err);
@@ -726,9 +797,7 @@ static int check_templatable(pid_t pid, struct dbxcr_error *err)
 			    "templated (fork copies only the calling thread)", info.threads);
 	if (info.tracer_pid != 0)
 		return fail(err, EBUSY, pid, "already traced by pid %d", info.tracer_pid);
-	if (info.state == 'Z' || info.state == 'X')
-		return fail(err, ESRCH, pid, "process is exiting (state %c)", info.state);
-	return 0;
+	return check_stoppable(pid, &info, err);
 }
 
 /* Wait for an auto-attached child's first stop (PTRACE_EVENT_STOP before user mode). */

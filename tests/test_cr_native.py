@@ -137,6 +137,14 @@ def spawn_child(tpl, files, **kw) -> Proc:
     return Proc(pid, w_in, r_out)
 
 
+def _try(fn) -> list[BaseException]:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - handed back to the test thread
+        return [e]
+    return []
+
+
 def kill_reap(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -169,6 +177,14 @@ def test_template_fork_rollback_python(native, tmp_path: Path) -> None:
         tpl = native.make_template(p.pid)
         assert tpl.origin == p.pid and native.describe(tpl.pid).state == "t"
         assert native.describe(p.pid).tracer_pid == 0
+
+        # The template belongs to this thread's ptrace link; other threads are refused.
+        import threading
+        caught: list[BaseException] = []
+        t = threading.Thread(target=lambda: caught.extend(_try(tpl.spawn)))
+        t.start()
+        t.join()
+        assert len(caught) == 1 and caught[0].errno == errno.EPERM, caught
 
         # The original goes on and changes its state and its file offset.
         orig.ask("inc")

@@ -34,6 +34,7 @@ from ..sandbox.cgroups import Cgroup, CgroupDriver, Limits
 from ..sandbox.session import Session
 from ..background import GuardedNursery
 from .db import CheckpointRow, Database, SandboxRow
+from .warm import WarmPool
 
 log = logging.getLogger("deltaboxd")
 
@@ -47,7 +48,6 @@ BASE_ENV = {
     "USER": "root",
 }
 MAX_FORK = 256
-MAX_SPARES = 1024
 
 
 @dataclass
@@ -88,10 +88,10 @@ class Daemon:
         self.run_dir = cfg.state_dir / "run"
         self.mountpoint = self.run_dir / "rootmnt"
         self.masks: dict[str, Path] = {}
-        # checkpoint id -> a writable clone of it made in the background, so that a rollback
-        # or fork does not pay for a snapshot (a transaction commit) on its critical path.
-        # Not durable: after a crash they are unreferenced layers, removed by recover().
-        self.spares: dict[str, str] = {}
+        self.warm = WarmPool(store, background, self._build_for,
+                             lambda cp_id: self.db.get_checkpoint(cp_id) is not None,
+                             lambda sid, rt: sid in self.live and self.live[sid].rt is rt)
+        self.warm.new_id = lambda: new_id("L")
         self.family_locks: dict[str, trio.Lock] = {}
 
     # ---- lookups and validation ------------------------------------------------------
@@ -201,6 +201,7 @@ class Daemon:
                     await self._stop(sid)
                 except Exception:
                     log.exception("shutdown: stopping sandbox %s failed", sid)
+            self.warm.close()
             self.cgroups.remove_parent()
             self.db.close()
             close_store(self.store)
@@ -262,6 +263,7 @@ class Daemon:
                 await self._stop(sid)
 
     async def _stop(self, sid: str) -> None:
+        self.warm.drop_sandbox(sid)
         live = self.live.pop(sid, None)
         if live is None:
             Cgroup(self.cgroups, sid).remove()
@@ -298,7 +300,7 @@ class Daemon:
                     self.db.delete_checkpoint(cp.id)
             self._delete_layer_later(row.layer_id)
             for cp in cps:
-                self._drop_spare(cp.id)
+                self.warm.drop_checkpoint(cp.id)
                 if self.db.layer_refs(cp.layer_id) == 0:
                     self._delete_layer_later(cp.layer_id)
                     freed += 1
@@ -453,7 +455,7 @@ class Daemon:
             with self.db.transaction():
                 self.db.put_checkpoint(cp)
                 self.db.put_sandbox(row)
-            self._prepare_spare(cp)
+            self.warm.prepare(sid, cp.id, cp.layer_id)
             return cp
 
     async def rollback(self, sid: str, cp_id: str) -> dict:
@@ -471,26 +473,20 @@ class Daemon:
             t0 = time.perf_counter()
             row = self._sandbox(sid)
             cp = self._checkpoint(cp_id)
-            layer = new_id("L")
-            try:
-                # The snapshot ioctl (a transaction commit) runs in a worker thread while this
-                # thread kills the sandbox's processes.
-                async with trio.open_nursery() as n:
-                    n.start_soon(self._clone_into, cp, layer)
-                    killed = self._kill_processes(live)
-                old = live.rt.generation
-                live.rt.generation = await runtime.build_generation(
-                    live.rt, layer, self._lowers(self._image(row.image)),
-                    self.store.layer_path(layer), self.mountpoint, self.background)
-            except BaseException:
-                with trio.CancelScope(shield=True):
-                    self.store.delete(layer)
-                raise
+            ready = self.warm.take_ready(sid, cp_id, live.rt)
+            if ready is not None:  # prepared in the background: no snapshot, no mount
+                layer, new_gen = ready.layer_id, ready.generation
+                killed = self._kill_processes(live)
+            else:
+                layer, killed, new_gen = await self._fresh_generation(live, row, cp)
+            old = live.rt.generation
+            live.rt.generation = new_gen
             old_layer, row.layer_id, row.head_cp = row.layer_id, layer, cp_id
             row.base_gen = self.store.generation(layer)
             with self.db.transaction():
                 self.db.put_sandbox(row)
             self._retire_later(old, old_layer)
+            self.warm.prepare(sid, cp_id, cp.layer_id)  # for the next rollback to it
             restarted = sorted(live.sessions)
             live.restarted.update(restarted)
             live.sessions.clear()
@@ -499,35 +495,43 @@ class Daemon:
                         sessions_restarted=restarted, processes_killed=killed,
                         process_state="restarted")
 
-    def _prepare_spare(self, cp: CheckpointRow) -> None:
-        """Make a writable clone of `cp` in the background (the agent is thinking)."""
-        if not self.store.cheap_clone or cp.id in self.spares or len(self.spares) >= MAX_SPARES:
-            return
+    async def _build_for(self, sid: str, layer: str
+                         ) -> tuple[runtime.Generation, runtime.Runtime] | None:
+        """Build a generation of a live sandbox on `layer` (for the warm pool)."""
+        live = self.live.get(sid)
+        if live is None:
+            return None
+        async with live.lock:
+            row = self.db.get_sandbox(sid)
+            if self.live.get(sid) is not live or live.rt.exited.is_set() or row is None:
+                return None
+            gen = await runtime.build_generation(
+                live.rt, layer, self._lowers(self._image(row.image)),
+                self.store.layer_path(layer), self.mountpoint, self.background)
+            return gen, live.rt
 
-        async def make() -> None:
-            layer = new_id("L")
-            await trio.to_thread.run_sync(self.store.clone, cp.layer_id, layer)
-            if self.db.get_checkpoint(cp.id) is None or cp.id in self.spares:
-                await trio.to_thread.run_sync(self.store.delete, layer)
-            else:
-                self.spares[cp.id] = layer
-        self.background.start_soon(make)
+    async def _fresh_generation(self, live: Live, row: SandboxRow, cp: CheckpointRow
+                                ) -> tuple[str, int, runtime.Generation]:
+        """Clone the checkpoint (in a worker thread, while this thread kills the sandbox's
+        processes) and mount a generation on it."""
+        layer = ""
 
-    async def _clone_into(self, cp: CheckpointRow, layer: str) -> str:
-        """A writable layer with the checkpoint's files, named `layer`: the spare if one is
-        ready (renamed: no snapshot on the critical path), else a fresh clone."""
-        spare = self.spares.pop(cp.id, None)
-        if spare is not None:
-            os.rename(self.store.layer_path(spare), self.store.layer_path(layer))
-            self._prepare_spare(cp)
-        else:
-            await trio.to_thread.run_sync(self.store.clone, cp.layer_id, layer)
-        return layer
+        async def take() -> None:
+            nonlocal layer
+            layer = await self.warm.take_layer(cp.id, cp.layer_id)
 
-    def _drop_spare(self, cp_id: str) -> None:
-        spare = self.spares.pop(cp_id, None)
-        if spare is not None:
-            self._delete_layer_later(spare)
+        async with trio.open_nursery() as n:
+            n.start_soon(take)
+            killed = self._kill_processes(live)
+        try:
+            gen = await runtime.build_generation(
+                live.rt, layer, self._lowers(self._image(row.image)),
+                self.store.layer_path(layer), self.mountpoint, self.background)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                self.store.delete(layer)
+            raise
+        return layer, killed, gen
 
     def _kill_processes(self, live: Live) -> int:
         """Kill everything in the sandbox but its init (the pid namespace must live on)."""
@@ -538,7 +542,7 @@ class Daemon:
 
     async def _rollback_stopped(self, row: SandboxRow, cp: CheckpointRow) -> dict:
         t0 = time.perf_counter()
-        layer = await self._clone_into(cp, new_id("L"))
+        layer = await self.warm.take_layer(cp.id, cp.layer_id)
         old_layer, row.layer_id, row.head_cp = row.layer_id, layer, cp.id
         row.base_gen = self.store.generation(layer)
         try:
@@ -577,9 +581,12 @@ class Daemon:
                 env=dict(src.env) if src else {}, created_at=time.time()))
         try:
             # Concurrent snapshot ioctls join one btrfs transaction commit.
+            async def take(r: SandboxRow) -> None:
+                r.layer_id = await self.warm.take_layer(cp.id, cp.layer_id)
+
             async with trio.open_nursery() as n:
                 for r in rows:
-                    n.start_soon(self._clone_into, cp, r.layer_id)
+                    n.start_soon(take, r)
             for r in rows:
                 r.base_gen = self.store.generation(r.layer_id)
             async with trio.open_nursery() as n:
@@ -610,7 +617,7 @@ class Daemon:
         with self.db.transaction():
             self.db.delete_checkpoint(cp_id)
             self.db.reparent(cp_id, cp.parent_id)
-        self._drop_spare(cp_id)
+        self.warm.drop_checkpoint(cp_id)
         if self.db.layer_refs(cp.layer_id) == 0:
             self._delete_layer_later(cp.layer_id)
             return True

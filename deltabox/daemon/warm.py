@@ -1,0 +1,141 @@
+"""The warm pool of file-system state: work done for a rollback before it is asked for.
+
+After a checkpoint, while the agent is thinking, the daemon prepares in the background
+- a *spare*: a writable clone of the checkpoint (a btrfs snapshot costs a transaction commit,
+  milliseconds that would otherwise sit on the critical path of every rollback and fork);
+- for the sandbox that took the checkpoint, a *ready generation*: the spare already mounted as
+  that sandbox's root in a new mount namespace. Rolling back to it is then a kill of the
+  sandbox's processes and a swap of two file descriptors.
+
+Nothing here is durable: after a crash, spares are unreferenced layers that recovery removes.
+Ready generations hold a mount namespace each, so they are bounded per sandbox (oldest out).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+
+from ..background import GuardedNursery
+from ..fs.store import Store
+from ..sandbox.runtime import Generation, Runtime
+
+log = logging.getLogger("deltaboxd")
+
+# (sandbox id, layer id) -> a generation of that sandbox on that layer, and the runtime it is
+# valid for (a generation is bound to the sandbox's pid namespace).
+BuildFn = Callable[[str, str], Awaitable[tuple[Generation, Runtime] | None]]
+
+
+@dataclass
+class Ready:
+    layer_id: str
+    generation: Generation
+    runtime: Runtime
+
+
+class WarmPool:
+    def __init__(self, store: Store, background: GuardedNursery, build: BuildFn,
+                 exists: Callable[[str], bool], is_current: Callable[[str, Runtime], bool],
+                 per_sandbox: int = 8, max_spares: int = 1024) -> None:
+        self.store = store
+        self.background = background
+        self.build = build
+        self.exists = exists
+        self.is_current = is_current
+        self.per_sandbox = per_sandbox
+        self.max_spares = max_spares
+        self.spares: dict[str, str] = {}                    # checkpoint -> layer
+        self.ready: dict[str, OrderedDict[str, Ready]] = {}  # sandbox -> checkpoint -> Ready
+        self.new_id: Callable[[], str] = lambda: ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.store.cheap_clone
+
+    def prepare(self, sandbox_id: str | None, cp_id: str, cp_layer: str) -> None:
+        """Start preparing for a rollback (or fork) to `cp_id`, in the background."""
+        if not self.enabled:
+            return
+        self.background.start_soon(self._prepare, sandbox_id, cp_id, cp_layer)
+
+    async def _prepare(self, sandbox_id: str | None, cp_id: str, cp_layer: str) -> None:
+        if cp_id not in self.spares and len(self.spares) < self.max_spares:
+            layer = self.new_id()
+            await trio.to_thread.run_sync(self.store.clone, cp_layer, layer)
+            if not self.exists(cp_id) or cp_id in self.spares:
+                await trio.to_thread.run_sync(self.store.delete, layer)
+            else:
+                self.spares[cp_id] = layer
+        if sandbox_id is not None:
+            await self._make_ready(sandbox_id, cp_id, cp_layer)
+
+    async def _make_ready(self, sandbox_id: str, cp_id: str, cp_layer: str) -> None:
+        if cp_id in self.ready.get(sandbox_id, {}):
+            return
+        layer = self.spares.pop(cp_id, None)
+        if layer is None:
+            return
+        built = await self.build(sandbox_id, layer)
+        if built is None or not self.exists(cp_id) or not self.is_current(sandbox_id, built[1]):
+            await trio.to_thread.run_sync(self.store.delete, layer)
+            if built is not None:
+                await trio.to_thread.run_sync(built[0].close)
+            return
+        slot = self.ready.setdefault(sandbox_id, OrderedDict())
+        slot[cp_id] = Ready(layer, built[0], built[1])
+        while len(slot) > self.per_sandbox:
+            _, old = slot.popitem(last=False)
+            self._discard(old)
+        self.background.start_soon(self._prepare, None, cp_id, cp_layer)  # a new spare
+
+    def take_ready(self, sandbox_id: str, cp_id: str, rt: Runtime) -> Ready | None:
+        """A prepared generation of this sandbox on a clone of `cp_id`, if one is ready."""
+        ready = self.ready.get(sandbox_id, {}).pop(cp_id, None)
+        if ready is not None and ready.runtime is not rt:  # the sandbox was rebooted
+            self._discard(ready)
+            return None
+        return ready
+
+    async def take_layer(self, cp_id: str, cp_layer: str) -> str:
+        """A writable clone of the checkpoint: the spare if ready, else a fresh snapshot."""
+        layer = self.spares.pop(cp_id, None)
+        if layer is None:
+            layer = self.new_id()
+            await trio.to_thread.run_sync(self.store.clone, cp_layer, layer)
+        self.prepare(None, cp_id, cp_layer)
+        return layer
+
+    def drop_checkpoint(self, cp_id: str) -> None:
+        layer = self.spares.pop(cp_id, None)
+        if layer is not None:
+            self.background.start_soon(trio.to_thread.run_sync, self.store.delete, layer)
+        for slot in self.ready.values():
+            ready = slot.pop(cp_id, None)
+            if ready is not None:
+                self._discard(ready)
+
+    def drop_sandbox(self, sandbox_id: str) -> None:
+        for ready in self.ready.pop(sandbox_id, {}).values():
+            self._discard(ready)
+
+    def close(self) -> None:
+        """At shutdown: release every prepared namespace and layer now."""
+        for slot in self.ready.values():
+            for ready in slot.values():
+                ready.generation.close()
+                self.store.delete(ready.layer_id)
+        self.ready.clear()
+        for layer in self.spares.values():
+            self.store.delete(layer)
+        self.spares.clear()
+
+    def _discard(self, ready: Ready) -> None:
+        async def discard() -> None:
+            await trio.to_thread.run_sync(ready.generation.close)
+            await trio.to_thread.run_sync(self.store.delete, ready.layer_id)
+        self.background.start_soon(discard)
