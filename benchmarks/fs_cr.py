@@ -95,6 +95,7 @@ class Plan:
     suite_reps: int
     suite_warmup: bool
     seed: int
+    baseline_reps: int  # copytree baselines per k (each copies the whole layer: seconds)
     ks: tuple[int, ...] = KS
 
 
@@ -108,9 +109,11 @@ class Series:
     checkpoint_freeze_ms: list[float] = field(default_factory=list)
     checkpoint_files_changed: list[int] = field(default_factory=list)
     copytree_ms: list[float] = field(default_factory=list)
+    copytree_turns: list[int] = field(default_factory=list)
     rollback_ms: list[float] = field(default_factory=list)
     rollback_server_ms: list[float] = field(default_factory=list)
     rmtree_copytree_ms: list[float] = field(default_factory=list)
+    rmtree_copytree_turns: list[int] = field(default_factory=list)
     rollback_verified: int = 0
 
 
@@ -170,14 +173,24 @@ def last_line(data: bytes) -> str:
 
 # ---- the measurements ------------------------------------------------------------------------
 
+def baseline_turns(turns: int, reps: int) -> set[int]:
+    """Which turns also run the (slow) copytree baseline: the last two (their copies feed
+    the rollback baseline) plus reps - 2 spread evenly over the earlier turns."""
+    picked = {turns - 1, turns - 2}
+    extra = min(max(0, reps - 2), turns - 2)
+    picked |= {int((i + 0.5) * (turns - 2) / extra) for i in range(extra)}
+    return picked
+
+
 def run_series(d: PrivateDaemon, sbx: Any, k: int, files: list[str], plan: Plan,
                rng: random.Random) -> Series:
     s = Series(k)
     scratch = d.scratch
     upper = writable_upper(d, sbx.id)   # a checkpoint keeps the sandbox's writable layer
     cps: list[tuple[Any, str, str]] = []  # (checkpoint, a path changed in its turn, its tag)
-    saved: Path | None = None
-    log(f"k={k}: {plan.turns} checkpoint turns")
+    copies: list[Path] = []               # the newest two baseline copies are kept
+    with_baseline = baseline_turns(plan.turns, plan.baseline_reps)
+    log(f"k={k}: {plan.turns} checkpoint turns ({len(with_baseline)} with a copytree baseline)")
     for t in range(plan.turns):
         paths = rng.sample(files, k)
         tag = f"# deltabox-bench k={k} checkpoint turn {t}"
@@ -189,34 +202,39 @@ def run_series(d: PrivateDaemon, sbx: Any, k: int, files: list[str], plan: Plan,
         s.checkpoint_freeze_ms.append(cp.freeze_ms)
         s.checkpoint_files_changed.append(cp.files_changed)
         cps.append((cp, paths[0], tag))
-        # Baseline: copy the same writable layer, in the same state.
-        dst = scratch / f"cp-k{k}-{t}"
-        with Timer() as tb:
-            shutil.copytree(upper, dst, symlinks=True)
-        s.copytree_ms.append(tb.ms)
-        if saved is not None:
-            shutil.rmtree(saved)
-        saved = dst  # the newest copy stands for "a saved checkpoint" below
-    assert saved is not None
+        if t in with_baseline:
+            # Baseline: copy the same writable layer, in the same state.
+            dst = scratch / f"cp-k{k}-{t}"
+            with Timer() as tb:
+                shutil.copytree(upper, dst, symlinks=True)
+            s.copytree_ms.append(tb.ms)
+            s.copytree_turns.append(t)
+            copies.append(dst)
+            while len(copies) > 2:
+                shutil.rmtree(copies.pop(0))
+    # The rollback baseline restores `saved` (a checkpoint copy) over `work` (the live
+    # layer's copy, which gets the same k changes as the sandbox before each restore).
+    work, saved = copies
 
-    log(f"k={k}: {plan.turns} rollback turns")
-    work = scratch / f"work-k{k}"
-    shutil.copytree(upper, work, symlinks=True)
+    log(f"k={k}: {plan.turns} rollback turns ({len(with_baseline)} with an rmtree+copytree "
+        "baseline)")
     rel_src = Path(SANDBOX_SRC.lstrip("/"))
     for t in range(plan.turns):
         paths = rng.sample(files, k)
         tag = f"# deltabox-bench k={k} rollback turn {t}"
         change_in_sandbox(sbx, paths, tag)
-        change_on_host(work / rel_src, paths, tag)
         cp, probe, probe_tag = rng.choice(cps)
         with Timer() as tm:
             rb = sbx.rollback(cp)
         s.rollback_ms.append(tm.ms)
         s.rollback_server_ms.append(rb.duration_ms)
-        with Timer() as tb:
-            shutil.rmtree(work)
-            shutil.copytree(saved, work, symlinks=True)
-        s.rmtree_copytree_ms.append(tb.ms)
+        if t in with_baseline:
+            change_on_host(work / rel_src, paths, tag)
+            with Timer() as tb:
+                shutil.rmtree(work)
+                shutil.copytree(saved, work, symlinks=True)
+            s.rmtree_copytree_ms.append(tb.ms)
+            s.rmtree_copytree_turns.append(t)
         # Untimed check that the rollback really restored the checkpoint's files.
         got = last_line(sbx.files.read(f"{SANDBOX_SRC}/{probe}"))
         if not got.endswith(probe_tag):  # endswith: a file may lack a final newline
@@ -474,6 +492,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tmp-parent", type=Path, default=Path("/var/tmp"),
                    help="where the private daemon's state dir and the baseline copies go")
     p.add_argument("--turns", type=int, help="turns per k (default 100, --quick 20)")
+    p.add_argument("--baseline-reps", type=int,
+                   help="copytree baselines per k and op (default 5, --quick 2); each copies "
+                   "the whole layer, which takes seconds")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-suite", action="store_true", help="skip the test-suite comparison")
     p.add_argument("--keep-state", action="store_true",
@@ -483,15 +504,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.turns is not None and args.turns < 2:
+        print("benchmarks.fs_cr: --turns must be at least 2", file=sys.stderr)
+        return 2
     if os.geteuid() != 0:
         print("benchmarks.fs_cr: run as root (it starts a private deltaboxd)", file=sys.stderr)
         return 1
     if args.quick:
         plan = Plan(turns=args.turns or 20, fork_reps=3, fork_count=16, creates=10,
-                    suite_reps=2, suite_warmup=True, seed=args.seed)
+                    suite_reps=2, suite_warmup=True, seed=args.seed,
+                    baseline_reps=args.baseline_reps or 2)
     else:
         plan = Plan(turns=args.turns or 100, fork_reps=10, fork_count=16, creates=30,
-                    suite_reps=5, suite_warmup=True, seed=args.seed)
+                    suite_reps=5, suite_warmup=True, seed=args.seed,
+                    baseline_reps=args.baseline_reps or 5)
     rng = random.Random(args.seed)
     t_start = time.time()
     load_start = os.getloadavg()
@@ -533,14 +559,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{upload['ms']:.0f} ms")
             with Timer() as tm:
                 cp0 = sbx.checkpoint(label="tree uploaded")
-            upper = writable_upper(daemon, sbx.id)
-            with Timer() as tb:
-                shutil.copytree(upper, daemon.scratch / "initial", symlinks=True)
-            shutil.rmtree(daemon.scratch / "initial")
             initial = {"checkpoint_ms": tm.ms, "checkpoint_server_ms": cp0.duration_ms,
-                       "files_changed": cp0.files_changed, "copytree_ms": tb.ms,
-                       "upload": upload}
-            log(f"first checkpoint (whole tree new): {tm.ms:.1f} ms; copytree {tb.ms:.0f} ms")
+                       "files_changed": cp0.files_changed, "upload": upload}
+            log(f"first checkpoint (whole tree new): {tm.ms:.1f} ms")
 
             for k in plan.ks:
                 series.append(run_series(daemon, sbx, k, rel_files, plan, rng))
@@ -570,9 +591,11 @@ def main(argv: list[str] | None = None) -> int:
                     "timing": "client-side wall time around one SDK call (time.perf_counter)",
                     "change": "one untimed sbx.exec appends a line to k random files",
                     "checkpoint_baseline": "shutil.copytree(writable upper dir, new dir, "
-                    "symlinks=True) right after the same change",
+                    "symlinks=True) right after the same change, on baseline_reps turns "
+                    "per k spread over the series (copytree_turns)",
                     "rollback_baseline": "shutil.rmtree(work copy) + shutil.copytree(saved "
-                    "checkpoint copy, work copy); the work copy got the same k changes",
+                    "checkpoint copy, work copy); the work copy got the same k changes; on "
+                    "baseline_reps turns per k (rmtree_copytree_turns)",
                     "rollback_target": "a random checkpoint of the same k series; the "
                     "restored content is verified (untimed) after every rollback",
                 },

@@ -448,28 +448,30 @@ class FsMachine(RuleBasedStateMachine):
         self.snapshots: dict[str, Model] = {}
         self.sbx: Sandbox | None = None
 
-    @initialize(populate=st.booleans(), payload=payloads)
-    def start(self, populate, payload) -> None:
-        self.sbx = Sandbox.create(socket=self.socket)
-        _created.append(self.sbx)
-        run(self.sbx, ["mkdir", "-p", "-m", "0755", TOP])
-        if populate:  # a starting tree, so directory operations have something to work on
-            s, m = self.sbx, self.model
-            for d in ("x", "x/y", "y"):
-                run(s, ["mkdir", "-m", "0755", full(d)])
-                m.mkdir(d)
-            op_write(s, m, "a", payload)
-            op_write(s, m, "x/b", b"x/b")
-            op_write(s, m, "x/y/c", payload[::-1])
-            run(s, ["ln", "-T", full("x/y/c"), full("y/d")])
-            m.entries["y/d"] = m.entries["x/y/c"]
-            run(s, ["ln", "-s", "-T", "../a", full("x/a")])
-            m.entries["x/a"] = ("l", "../a")
-            op_chmod(s, m, "a", 0o4755)
-            op_chmod(s, m, "y", 0o1777)
-            run(s, ["truncate", "-s", "1G", full("b")])
-            m.new_file("b").truncate(GiB)
-            op_pwrite(s, m, "b", (1 << 29) + 3, b"in the middle of a sparse file")
+    @initialize(target=checkpoints, payload=payloads)
+    def start(self, payload) -> str:
+        """A fresh sandbox with a starting tree that has one of everything (so directory
+        operations and rollbacks have something to work on), checkpointed."""
+        self.sbx = s = Sandbox.create(socket=self.socket)
+        _created.append(s)
+        m = self.model
+        run(s, ["mkdir", "-p", "-m", "0755", TOP])
+        for d in ("x", "x/y", "y"):
+            run(s, ["mkdir", "-m", "0755", full(d)])
+            m.mkdir(d)
+        op_write(s, m, "a", payload)
+        op_write(s, m, "x/b", b"x/b")
+        op_write(s, m, "x/y/c", payload[::-1])
+        run(s, ["ln", "-T", full("x/y/c"), full("y/d")])
+        m.entries["y/d"] = m.entries["x/y/c"]
+        run(s, ["ln", "-s", "-T", "../a", full("x/a")])
+        m.entries["x/a"] = ("l", "../a")
+        op_chmod(s, m, "a", 0o4755)
+        op_chmod(s, m, "y", 0o1777)
+        run(s, ["truncate", "-s", "1G", full("b")])
+        m.new_file("b").truncate(GiB)
+        op_pwrite(s, m, "b", (1 << 29) + 3, b"in the middle of a sparse file")
+        return self.checkpoint()
 
     def teardown(self) -> None:
         if self.sbx is not None:

@@ -45,6 +45,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="size of the sparse btrfs image when the state dir is not btrfs")
     p.add_argument("--default-memory-mb", type=int, default=4096)
     p.add_argument("--default-pids-max", type=int, default=4096)
+    p.add_argument("--warm-generations", type=int, default=32, metavar="N",
+                   help="per sandbox, how many recent checkpoints keep a mounted clone ready, "
+                   "so a rollback to them skips the snapshot and the mount (default 32; 0 "
+                   "disables; measured ~0.6 MiB kernel memory per checkpoint, all included)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -86,7 +90,8 @@ async def serve(args: argparse.Namespace) -> None:
     lock_fd = _lock_state_dir(state_dir)
     cfg = Config(state_dir=state_dir, socket=args.socket, store_size_gb=args.store_size_gb,
                  store_backend=args.store, default_memory_mb=args.default_memory_mb,
-                 default_pids_max=args.default_pids_max)
+                 default_pids_max=args.default_pids_max,
+                 warm_per_sandbox=args.warm_generations)
     store = open_store(state_dir, args.store_size_gb, args.store)
     db = Database(state_dir / "deltabox.db")
     token = Path(args.token_file).read_text().strip() if args.token_file else None

@@ -59,6 +59,7 @@ class Config:
     default_memory_mb: int = 4096
     default_pids_max: int = 4096
     max_sandboxes: int = 1024
+    warm_per_sandbox: int = 32
 
 
 @dataclass
@@ -90,7 +91,8 @@ class Daemon:
         self.masks: dict[str, Path] = {}
         self.warm = WarmPool(store, background, self._build_for,
                              lambda cp_id: self.db.get_checkpoint(cp_id) is not None,
-                             lambda sid, rt: sid in self.live and self.live[sid].rt is rt)
+                             lambda sid, rt: sid in self.live and self.live[sid].rt is rt,
+                             per_sandbox=cfg.warm_per_sandbox)
         self.warm.new_id = lambda: new_id("L")
         self.family_locks: dict[str, trio.Lock] = {}
 

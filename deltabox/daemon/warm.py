@@ -75,7 +75,7 @@ class WarmPool:
             await self._make_ready(sandbox_id, cp_id, cp_layer)
 
     async def _make_ready(self, sandbox_id: str, cp_id: str, cp_layer: str) -> None:
-        if cp_id in self.ready.get(sandbox_id, {}):
+        if self.per_sandbox <= 0 or cp_id in self.ready.get(sandbox_id, {}):
             return
         layer = self.spares.pop(cp_id, None)
         if layer is None:
