@@ -265,8 +265,13 @@ def own_leaks(base: Path, state_dir: Path) -> list[str]:
 def other_daemons() -> list[str]:
     """Command lines of deltaboxd processes not started by us (they add noise to timings)."""
     r = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True)
-    return [line.strip() for line in r.stdout.splitlines()
-            if "deltabox.daemon.main" in line or "deltaboxd" in line.split(None, 1)[-1][:40]]
+    out = []
+    for line in r.stdout.splitlines():
+        args = line.split(None, 1)[1:] or [""]
+        argv0 = os.path.basename(args[0].split(" ", 1)[0])
+        if "deltabox.daemon.main" in args[0] or argv0 == "deltaboxd":
+            out.append(line.strip())
+    return out
 
 
 def leakcheck() -> tuple[bool, str]:
@@ -456,7 +461,8 @@ def pyplot() -> Any:
 def latency_boxplot(ax: Any, groups: Mapping[str, Mapping[str, Sequence[float]]],
                     colors: Mapping[str, str] | None = None, log_scale: bool = True,
                     ylabel: str = "latency (ms)", title: str = "",
-                    hlines: Iterable[tuple[float, str]] = ()) -> None:
+                    hlines: Iterable[tuple[float, str]] = (),
+                    legend_loc: str = "center right") -> None:
     """Grouped box plots: one cluster per group (x tick), one box per series in it.
 
     groups = {"k=1": {"deltabox": [...], "copytree": [...]}, "k=10": {...}}
@@ -501,7 +507,7 @@ def latency_boxplot(ax: Any, groups: Mapping[str, Mapping[str, Sequence[float]]]
     from matplotlib.patches import Patch
 
     ax.legend(handles=[Patch(facecolor=colors[s], alpha=0.75, label=s) for s in series],
-              fontsize=8, loc="upper left")
+              fontsize=8, loc=legend_loc)
 
 
 def _fmt_ms(v: float) -> str:

@@ -55,7 +55,7 @@ class Suite:
 
 
 # attrs' suite (~1,300 tests, hypothesis with a fixed seed). test_unknown expects a warning
-# that newer pytest versions swallow; it fails identically on the host and in a sandbox.
+# that newer pytest versions swallow (it fails on the host too), so it is deselected.
 SUITE = Suite(
     sdist="attrs==23.2.0",
     env={"PYTHONPATH": "src"},
@@ -212,6 +212,7 @@ def run_series(d: PrivateDaemon, sbx: Any, k: int, files: list[str], plan: Plan,
             copies.append(dst)
             while len(copies) > 2:
                 shutil.rmtree(copies.pop(0))
+            os.sync()  # untimed: the copy's writeback must not land in the next turn's timing
     # The rollback baseline restores `saved` (a checkpoint copy) over `work` (the live
     # layer's copy, which gets the same k changes as the sandbox before each restore).
     work, saved = copies
@@ -235,6 +236,7 @@ def run_series(d: PrivateDaemon, sbx: Any, k: int, files: list[str], plan: Plan,
                 shutil.copytree(saved, work, symlinks=True)
             s.rmtree_copytree_ms.append(tb.ms)
             s.rmtree_copytree_turns.append(t)
+            os.sync()  # as above
         # Untimed check that the rollback really restored the checkpoint's files.
         got = last_line(sbx.files.read(f"{SANDBOX_SRC}/{probe}"))
         if not got.endswith(probe_tag):  # endswith: a file may lack a final newline
@@ -243,6 +245,7 @@ def run_series(d: PrivateDaemon, sbx: Any, k: int, files: list[str], plan: Plan,
         s.rollback_verified += 1
     shutil.rmtree(work)
     shutil.rmtree(saved)
+    os.sync()
     return s
 
 
@@ -284,42 +287,72 @@ def run_create(d: PrivateDaemon, plan: Plan) -> dict[str, Any]:
     return {"create_ms": create_ms, "kill_ms": kill_ms}
 
 
+def suite_interpreter() -> tuple[str, dict[str, str]]:
+    """An interpreter both the host and a sandbox can run, and the env that gives it the
+    venv's pytest + hypothesis.
+
+    A sandbox on the host root sees /work/main/.venv, but the venv's python is a symlink into
+    /root/.pyenv, and the sandbox masks /root (host secrets). So: the system python of the
+    same minor version, with the venv's site-packages on PYTHONPATH (pytest and hypothesis
+    are pure Python)."""
+    import sysconfig
+
+    venv_sp = sysconfig.get_paths()["purelib"]
+    want = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for cand in (f"/usr/bin/{want}", f"/usr/local/bin/{want}"):
+        if os.access(cand, os.X_OK) and not os.path.realpath(cand).startswith(
+                ("/root/", "/home/", "/tmp/", "/var/tmp/")):
+            return cand, {"PYTHONPATH": venv_sp, "PYTHONNOUSERSITE": "1"}
+    raise RuntimeError(f"no {want} outside /root and /home for the test-suite comparison; "
+                       "use --no-suite")
+
+
 def run_suite(d: PrivateDaemon, suite_tree: Path, plan: Plan) -> dict[str, Any]:
     """The same test suite, same interpreter and env, on the host and in a sandbox."""
     from deltabox import Sandbox
 
     name = suite_tree.name
-    argv = [sys.executable, "-m", "pytest", *SUITE.args]
+    python, py_env = suite_interpreter()
+    argv = [python, "-m", "pytest", *SUITE.args]
+    env = dict(SUITE.env)
+    env["PYTHONPATH"] = ":".join(x for x in (env.get("PYTHONPATH"), py_env["PYTHONPATH"]) if x)
+    env.update({k: v for k, v in py_env.items() if k != "PYTHONPATH"})
     host_tree = d.scratch / "suite-host" / name
     shutil.copytree(suite_tree, host_tree, symlinks=True)
-    host_env = dict(SANDBOX_ENV, **SUITE.env)
+    host_env = dict(SANDBOX_ENV, **env)
     host_ms: list[float] = []
     sbx_ms: list[float] = []
     sbx_server_ms: list[float] = []
     exits: dict[str, list[int]] = {"host": [], "sandbox": []}
     tails: dict[str, str] = {}
+    cwd = f"/workspace/{name}"
     box = Sandbox.create(socket=d.socket)
     try:
         box.files.upload_tar("/workspace", tar_bytes(suite_tree))
-        cwd = f"/workspace/{name}"
 
         def on_host(record: bool) -> None:
             with Timer() as tm:
                 r = subprocess.run(argv, cwd=host_tree, env=host_env, capture_output=True,
                                    text=True, timeout=1800)
+            tails["host"] = (r.stdout + r.stderr)[-400:]
+            if r.returncode != 0:
+                raise RuntimeError(f"test suite failed on the host ({r.returncode}):\n"
+                                   f"{tails['host']}")
             if record:
                 host_ms.append(tm.ms)
                 exits["host"].append(r.returncode)
-            tails["host"] = (r.stdout + r.stderr)[-400:]
 
         def in_sandbox(record: bool) -> None:
             with Timer() as tm:
-                r = box.exec(argv, cwd=cwd, env=SUITE.env, timeout=1800)
+                r = box.exec(argv, cwd=cwd, env=env, timeout=1800)
+            tails["sandbox"] = (r.stdout + r.stderr)[-400:]
+            if r.exit_code != 0:
+                raise RuntimeError(f"test suite failed in the sandbox ({r.exit_code}):\n"
+                                   f"{tails['sandbox']}")
             if record:
                 sbx_ms.append(tm.ms)
                 sbx_server_ms.append(r.duration_ms)
                 exits["sandbox"].append(r.exit_code)
-            tails["sandbox"] = (r.stdout + r.stderr)[-400:]
 
         if plan.suite_warmup:  # bytecode caches, page cache: untimed, once each
             log(f"test suite {name}: warm-up on host and in sandbox")
@@ -335,7 +368,8 @@ def run_suite(d: PrivateDaemon, suite_tree: Path, plan: Plan) -> dict[str, Any]:
         shutil.rmtree(d.scratch / "suite-host", ignore_errors=True)
     pair_ratios = [s / h for s, h in zip(sbx_ms, host_ms)]
     return {
-        "suite": SUITE.sdist, "argv": argv, "env": SUITE.env, "reps": plan.suite_reps,
+        "suite": SUITE.sdist, "argv": argv, "env": env, "reps": plan.suite_reps,
+        "host_env": host_env, "sandbox_cwd": cwd,
         "host_ms": host_ms, "sandbox_ms": sbx_ms, "sandbox_server_ms": sbx_server_ms,
         "exit_codes": exits, "output_tail": tails,
         "median_ratio": ratio(percentile(sbx_ms, 50), percentile(host_ms, 50)),
@@ -557,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
                 upload["bytes"] += len(data)
             log(f"uploaded {upload['entries']} entries ({upload['bytes'] >> 20} MiB) in "
                 f"{upload['ms']:.0f} ms")
+            os.sync()
             with Timer() as tm:
                 cp0 = sbx.checkpoint(label="tree uploaded")
             initial = {"checkpoint_ms": tm.ms, "checkpoint_server_ms": cp0.duration_ms,
@@ -574,7 +609,13 @@ def main(argv: list[str] | None = None) -> int:
             fork = run_fork(daemon, sbx, fork_cp, plan)
             sbx.kill()
             create = run_create(daemon, plan)
-            suite = None if suite_tree is None else run_suite(daemon, suite_tree, plan)
+            suite, suite_error = None, None
+            if suite_tree is not None:
+                try:
+                    suite = run_suite(daemon, suite_tree, plan)
+                except Exception as e:  # keep the file-state results
+                    suite_error = f"{type(e).__name__}: {e}"
+                    log(f"test-suite comparison failed: {suite_error}")
 
             summary = summarize(series, fork, create, suite)
             targets = evaluate_targets(summary)
@@ -589,6 +630,9 @@ def main(argv: list[str] | None = None) -> int:
                            "sandbox_path": SANDBOX_SRC},
                 "method": {
                     "timing": "client-side wall time around one SDK call (time.perf_counter)",
+                    "isolation": "os.sync() (untimed) after every baseline copy/delete, so "
+                    "its writeback does not land in a DeltaBox timing; the baselines' own "
+                    "timings do not include flushing what they wrote",
                     "change": "one untimed sbx.exec appends a line to k random files",
                     "checkpoint_baseline": "shutil.copytree(writable upper dir, new dir, "
                     "symlinks=True) right after the same change, on baseline_reps turns "
@@ -600,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
                     "restored content is verified (untimed) after every rollback",
                 },
                 "initial": initial,
+                "suite_error": suite_error,
                 "summary": summary,
                 "targets": targets,
                 "raw": {

@@ -79,5 +79,5 @@ def daemon_info(msg: pb.InfoResponse) -> models.DaemonInfo:
         cgroup_version=msg.cgroup_version, sandboxes=msg.sandboxes,
         checkpoints=msg.checkpoints, store_bytes_total=msg.store_bytes_total,
         store_bytes_free=msg.store_bytes_free, process_backend=msg.process_backend,
-        inspector_backend=msg.inspector_backend,
+        inspector_backend=msg.inspector_backend, store_durability=msg.store_durability,
     )

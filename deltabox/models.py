@@ -92,6 +92,7 @@ class DaemonInfo(_Model):
     store_bytes_free: int
     process_backend: str
     inspector_backend: str
+    store_durability: str = ""
 
 
 class CreateParams(_Model):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import random
 from dataclasses import dataclass, field
 
@@ -428,7 +429,9 @@ link_targets = st.sampled_from([
 ])
 
 SETTINGS = settings(
-    max_examples=25, stateful_step_count=30, deadline=None,
+    # DELTABOX_FS_MODEL_EXAMPLES=500 for a longer bug hunt; the default keeps the file ~1 min.
+    max_examples=int(os.environ.get("DELTABOX_FS_MODEL_EXAMPLES", "25")),
+    stateful_step_count=30, deadline=None,
     suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
 )
 

@@ -79,3 +79,14 @@ def test_second_daemon_on_same_state_dir_is_refused(own_daemon: DaemonProc) -> N
                        env=dict(os.environ, PATH=os.path.dirname(os.sys.executable) + ":" +
                                 os.environ["PATH"]))
     assert r.returncode != 0 and "another daemon" in r.stderr
+
+
+def test_durable_store_is_reported(own_daemon: DaemonProc) -> None:
+    import deltabox
+
+    own_daemon.start("--durable")
+    info = deltabox.info(socket=own_daemon.socket)
+    assert info.store_backend == "btrfs-loop" and info.store_durability == "host-crash-safe"
+    mounts = open("/proc/self/mounts").read()
+    line = next(x for x in mounts.splitlines() if str(own_daemon.state_dir / "store") in x)
+    assert "nobarrier" not in line

@@ -41,6 +41,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--store", choices=("auto", "btrfs", "copy"), default="auto",
                    help="layer store backend (default auto: btrfs in place or on a loop image, "
                    "else copy)")
+    p.add_argument("--durable", action="store_true",
+                   help="keep cache flushes on the embedded loop store: checkpoints then also "
+                   "survive a host crash, at ~5 ms more per checkpoint (without it they survive "
+                   "any crash or kill of the daemon, but a power loss right after a checkpoint "
+                   "can lose it)")
     p.add_argument("--store-size-gb", type=int, default=64,
                    help="size of the sparse btrfs image when the state dir is not btrfs")
     p.add_argument("--default-memory-mb", type=int, default=4096)
@@ -91,8 +96,8 @@ async def serve(args: argparse.Namespace) -> None:
     cfg = Config(state_dir=state_dir, socket=args.socket, store_size_gb=args.store_size_gb,
                  store_backend=args.store, default_memory_mb=args.default_memory_mb,
                  default_pids_max=args.default_pids_max,
-                 warm_per_sandbox=args.warm_generations)
-    store = open_store(state_dir, args.store_size_gb, args.store)
+                 warm_per_sandbox=args.warm_generations, durable=args.durable)
+    store = open_store(state_dir, args.store_size_gb, args.store, args.durable)
     db = Database(state_dir / "deltabox.db")
     token = Path(args.token_file).read_text().strip() if args.token_file else None
     sock = Path(args.socket)

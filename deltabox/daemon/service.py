@@ -60,6 +60,7 @@ class Config:
     default_pids_max: int = 4096
     max_sandboxes: int = 1024
     warm_per_sandbox: int = 32
+    durable: bool = False
 
 
 @dataclass
@@ -162,7 +163,16 @@ class Daemon:
             cgroup_version=self.cgroups.version, sandboxes=len(self.db.sandboxes()),
             checkpoints=len(self.db.all_checkpoints()), store_bytes_total=usage.total,
             store_bytes_free=usage.free, process_backend="restart-sessions",
-            inspector_backend="none")
+            inspector_backend="none",
+            store_durability=self._durability())
+
+    def _durability(self) -> str:
+        """What a committed checkpoint survives (copies are never fsynced; the loop store
+        drops cache flushes unless --durable; an admin's btrfs keeps its own settings)."""
+        if self.store.backend == "btrfs" or (self.store.backend == "btrfs-loop"
+                                            and self.cfg.durable):
+            return "host-crash-safe"
+        return "daemon-crash-safe"
 
     async def recover(self) -> None:
         """Clean what a previous daemon left, then boot every sandbox again."""
