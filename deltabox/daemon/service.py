@@ -393,8 +393,8 @@ class Daemon:
                 session = Session(name)
                 await session.start(live.rt, self._env(row, {"TERM": "dumb"}), self.background)
                 live.sessions[name] = session
-                assert session.proc is not None
-            live.procs.add(session.proc)
+            if session.spawned is not None:
+                live.procs.add(session.spawned)
         async with session.lock:
             out = await session.run(command, timeout or None)
         if out.timed_out:

@@ -9,9 +9,12 @@ stderr. Output up to the markers is the command's.
 
 from __future__ import annotations
 
+import os
 import secrets
+import signal
 import subprocess
 import time
+from dataclasses import dataclass
 
 import trio
 
@@ -66,32 +69,95 @@ async def _pump(stream: trio.abc.ReceiveStream, target: _Stream) -> None:
         target.eof.set()
 
 
+class SpawnedShell:
+    """A shell the daemon started (through dbx-enter, its child)."""
+
+    def __init__(self, proc: trio.Process) -> None:
+        self.proc = proc
+        assert proc.stdin and proc.stdout and proc.stderr
+        self.stdin, self.stdout, self.stderr = proc.stdin, proc.stdout, proc.stderr
+
+    def alive(self) -> bool:
+        return self.proc.returncode is None
+
+    def exit_code(self) -> int:
+        return exit_code(self.proc)
+
+    async def terminate(self) -> None:
+        await _terminate(self.proc)
+
+
+@dataclass
+class AdoptedShell:
+    """A shell restored from a checkpoint: not the daemon's child, so it is watched through a
+    pidfd and its exit status is unknown; its pipes are the ones the restore gave it."""
+
+    pid: int          # host pid; the shell leads its own process group
+    pidfd: int
+    stdin: trio.lowlevel.FdStream
+    stdout: trio.lowlevel.FdStream
+    stderr: trio.lowlevel.FdStream
+
+    def alive(self) -> bool:
+        try:
+            signal.pidfd_send_signal(self.pidfd, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def exit_code(self) -> int:
+        return -1  # not our child: its status went to the sandbox's init
+
+    async def terminate(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.close(self.pidfd)
+        except OSError:
+            pass
+        self.pidfd = -1
+
+
+Shell = SpawnedShell | AdoptedShell
+
+
 class Session:
     """A bash shell living in the sandbox; `run` is serialized per session."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.proc: trio.Process | None = None
+        self.shell: Shell | None = None
         self.lock = trio.Lock()
         self.out = _Stream(OUTPUT_LIMIT)
         self.err = _Stream(OUTPUT_LIMIT)
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
+        return self.shell is not None and self.shell.alive()
+
+    @property
+    def spawned(self) -> trio.Process | None:
+        """The dbx-enter process behind a shell the daemon started (None if adopted)."""
+        return self.shell.proc if isinstance(self.shell, SpawnedShell) else None
 
     async def start(self, rt: Runtime, env: dict[str, str], background: GuardedNursery) -> None:
         argv = ["bash", "--noprofile", "--norc"]
-        self.proc = await trio.lowlevel.open_process(
+        proc = await trio.lowlevel.open_process(
             rt.enter_argv(argv, "/workspace", env), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=rt.pass_fds)
+        self.attach(SpawnedShell(proc), background)
+
+    def attach(self, shell: Shell, background: GuardedNursery) -> None:
+        """Talk to `shell` from now on (a new one, or one restored by a rollback)."""
+        self.shell = shell
         self.out, self.err = _Stream(OUTPUT_LIMIT), _Stream(OUTPUT_LIMIT)
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        background.start_soon(_pump, self.proc.stdout, self.out)
-        background.start_soon(_pump, self.proc.stderr, self.err)
+        background.start_soon(_pump, shell.stdout, self.out)
+        background.start_soon(_pump, shell.stderr, self.err)
 
     async def run(self, command: str, timeout: float | None) -> ExecOutput:
-        assert self.proc is not None and self.proc.stdin is not None
+        assert self.shell is not None
         t0 = time.perf_counter()
         nonce = secrets.token_hex(8)
         rc_marker = f"\n__DBX_{nonce}_RC=".encode()
@@ -103,7 +169,7 @@ class Session:
                   f"printf '\\n__DBX_{nonce}_RC=%d\\n' $?\n"
                   f"printf '\\n__DBX_{nonce}_END\\n' >&2\n")
         try:
-            await self.proc.stdin.send_all(script.encode())
+            await self.shell.stdin.send_all(script.encode())
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the shell is gone; reported below from its exit status
         timed_out = False
@@ -118,8 +184,7 @@ class Session:
             code = int(rest.split(b"\n", 1)[0] or b"0")
         else:  # the shell exited (e.g. `exit 3`) or was killed
             await self.close()
-            assert self.proc is not None
-            code = exit_code(self.proc)
+            code = self.shell.exit_code()
         return ExecOutput(code, stdout, stderr, (time.perf_counter() - t0) * 1000, timed_out,
                           out_trunc and self.out.total > self.out.limit,
                           err_trunc and self.err.total > self.err.limit)
@@ -142,13 +207,8 @@ class Session:
 
     async def close(self) -> None:
         """Kill the shell and every job in its process group."""
-        if self.proc is None:
+        if self.shell is None:
             return
-        if self.proc.stdin is not None:
-            with trio.CancelScope(shield=True):
-                await self.proc.stdin.aclose()
         with trio.CancelScope(shield=True):
-            await _terminate(self.proc)
-
-
-__all__ = ["Session"]
+            await self.shell.stdin.aclose()
+            await self.shell.terminate()
