@@ -8,10 +8,13 @@ links, chmod (0o000 .. 0o4755 and friends), plus writes through the Files API (w
 the inode atomically). Every mutation is a real command run with `sbx.exec([...])` (or the
 Files API); an in-memory model applies the same operation.
 
-Interleaved with that: `checkpoint` (the model is snapshotted under the checkpoint id),
-`rollback` to any earlier checkpoint (the model becomes that snapshot), and `fork` (1-2
-children of a random checkpoint must each equal that snapshot; a child is then changed and
-the parent and the other child must be unaffected).
+Each example starts from a tree with one of everything (dirs, a suid file, a hard-linked
+pair, a symlink, a sticky dir, a sparse 1 GiB file), checkpointed, so rollbacks always have
+something to restore. Interleaved with the mutations: `checkpoint` (the model is
+snapshotted under the checkpoint id), `rollback` to any earlier checkpoint or to the newest
+one (the model becomes that snapshot), and `fork` (1-2 children of a random checkpoint must
+each equal that snapshot; a child is then changed and the parent and the other child must be
+unaffected; the children are killed).
 
 After every step the tree is read back with ONE exec of a small python3 script inside the
 sandbox (the image is the host root, so /usr/bin/python3 is there) that walks /workspace/m
@@ -428,9 +431,11 @@ link_targets = st.sampled_from([
     f"{TOP}/a", f"{TOP}/x/y", "/etc/hostname", "/nonexistent/dangling",   # absolute
 ])
 
+# DELTABOX_FS_MODEL_EXAMPLES=400 for a longer bug hunt (~2 s an example); the default keeps
+# the file at about a minute.
+EXAMPLES = int(os.environ.get("DELTABOX_FS_MODEL_EXAMPLES", "25"))
 SETTINGS = settings(
-    # DELTABOX_FS_MODEL_EXAMPLES=500 for a longer bug hunt; the default keeps the file ~1 min.
-    max_examples=int(os.environ.get("DELTABOX_FS_MODEL_EXAMPLES", "25")),
+    max_examples=EXAMPLES,
     stateful_step_count=30, deadline=None,
     suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
 )
@@ -661,7 +666,7 @@ class FsMachine(RuleBasedStateMachine):
             check_tree(self.sbx, self.model, "after the last step")
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(600 + 5 * EXAMPLES)
 def test_fs_model_state_machine(daemon, monkeypatch):
     FsMachine.socket = daemon.socket
     # Every example drives a real sandbox (~1-2 s), so shrinking a failure is slow: cap it at
