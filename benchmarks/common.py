@@ -99,6 +99,7 @@ class PrivateDaemon:
         self.proc: subprocess.Popen | None = None
         self.cleanup_problems: list[str] = []
         self.leaks: list[str] = []
+        self._stopped = False
 
     # paths (valid after start)
     @property
@@ -124,6 +125,7 @@ class PrivateDaemon:
     def start(self, timeout: float = 60) -> PrivateDaemon:
         self.parent.mkdir(parents=True, exist_ok=True)
         self.base = Path(tempfile.mkdtemp(prefix="dbx-bench-", dir=self.parent))
+        self._stopped = False
         self.scratch.mkdir()
         with open(self.log_path, "ab") as logf:
             # Own session: a Ctrl-C meant for the benchmark must not reach the daemon before
@@ -163,29 +165,44 @@ class PrivateDaemon:
 
         return deltabox.info(socket=self.socket)
 
-    def kill_all_sandboxes(self) -> int:
-        """Remove every sandbox the daemon knows; returns how many."""
-        from deltabox import DeltaBoxError, Sandbox
+    def kill_all_sandboxes(self, timeout: float = 60) -> int:
+        """Remove every sandbox the daemon knows; returns how many. Every call has a
+        deadline, so a hung daemon cannot hang the cleanup."""
+        from deltabox import DeltaBoxError
+        from deltabox.api import deltabox_pb2 as pb
+        from deltabox.client import connect
 
         n = 0
         try:
-            boxes = Sandbox.list(socket=self.socket)
+            with connect(self.socket) as client:
+                resp = client.call("ListSandboxes", pb.ListSandboxesRequest(), timeout=timeout)
+                for box in resp.sandboxes:
+                    try:
+                        client.call("RemoveSandbox", pb.SandboxRef(sandbox_id=box.id),
+                                    timeout=timeout)
+                        n += 1
+                    except DeltaBoxError as e:
+                        self.cleanup_problems.append(f"cannot remove {box.id}: {e}")
         except DeltaBoxError as e:
             self.cleanup_problems.append(f"cannot list sandboxes: {e}")
-            return 0
-        for info in boxes:
-            try:
-                Sandbox.connect(info.id, socket=self.socket).kill()
-                n += 1
-            except DeltaBoxError as e:
-                self.cleanup_problems.append(f"cannot remove {info.id}: {e}")
         return n
 
     def stop(self) -> None:
         """Kill sandboxes, SIGTERM the daemon, and remove the temp dir (unless something is
-        still mounted under it, or keep=True). Safe to call more than once."""
-        if self.base is None:
+        still mounted under it, or keep=True). Safe to call more than once. SIGINT, SIGTERM
+        and SIGHUP wait until it is done (a second Ctrl-C must not strand the daemon)."""
+        if self.base is None or self._stopped:
             return
+        self._stopped = True
+        sigs = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+        try:
+            self._stop()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+    def _stop(self) -> None:
+        assert self.base is not None
         try:
             if self.proc is not None and self.proc.poll() is None:
                 self.kill_all_sandboxes()
@@ -367,11 +384,12 @@ def fs_type(path: str | Path) -> str:
     return kind
 
 
-def _git_commit() -> str | None:
+def _git(*args: str) -> str | None:
+    """Output of a read-only git command in the repository, or None."""
     try:
-        r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
-                           capture_output=True, text=True, timeout=10)
-        return r.stdout.strip() or None
+        r = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                           timeout=10)
+        return r.stdout.strip() if r.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired):
         return None
 
@@ -392,7 +410,8 @@ def machine_info(socket: str | None = None) -> dict[str, Any]:
         "memory_bytes": _mem_total_bytes(),
         "python": sys.version.split()[0],
         "python_executable": sys.executable,
-        "git_commit": _git_commit(),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_modified_files": (_git("diff", "--name-only", "HEAD") or "").split(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if socket is not None:
@@ -400,12 +419,8 @@ def machine_info(socket: str | None = None) -> dict[str, Any]:
 
         try:
             d = deltabox.info(socket=socket)
-            info["deltabox"] = {
-                "version": d.version, "store_backend": d.store_backend,
-                "store_path": d.store_path, "store_fs": fs_type(d.store_path),
-                "state_dir_fs": fs_type(d.state_dir), "cgroup_version": d.cgroup_version,
-                "process_backend": d.process_backend,
-            }
+            info["deltabox"] = dict(d.model_dump(), store_fs=fs_type(d.store_path),
+                                    state_dir_fs=fs_type(d.state_dir))
         except deltabox.DeltaBoxError as e:
             info["deltabox"] = {"error": str(e)}
     return info
@@ -466,7 +481,7 @@ def latency_boxplot(ax: Any, groups: Mapping[str, Mapping[str, Sequence[float]]]
     """Grouped box plots: one cluster per group (x tick), one box per series in it.
 
     groups = {"k=1": {"deltabox": [...], "copytree": [...]}, "k=10": {...}}
-    Boxes span p25-p75, whiskers p1-p99; the p50 is written above each box.
+    Boxes span p25-p75, whiskers p1-p99, dots beyond; each box's p50 is written above it.
     hlines: (y, label) reference lines, e.g. a target.
     """
     series = list(dict.fromkeys(s for g in groups.values() for s in g))
@@ -488,9 +503,8 @@ def latency_boxplot(ax: Any, groups: Mapping[str, Mapping[str, Sequence[float]]]
             for patch in bp["boxes"]:
                 patch.set_facecolor(colors[s])
                 patch.set_alpha(0.75)
-            p50 = percentile(vals, 50)
-            ax.annotate(_fmt_ms(p50), (x, percentile(vals, 99)), textcoords="offset points",
-                        xytext=(0, 3), ha="center", fontsize=7)
+            ax.annotate(_fmt_ms(percentile(vals, 50)), (x, max(vals)),
+                        textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
     for y, label in hlines:
         ax.axhline(y, color="gray", linestyle="--", linewidth=0.8)
         ax.annotate(label, (len(groups) - 0.5, y), textcoords="offset points", xytext=(0, 2),
@@ -512,10 +526,10 @@ def latency_boxplot(ax: Any, groups: Mapping[str, Mapping[str, Sequence[float]]]
 
 def _fmt_ms(v: float) -> str:
     if v >= 1000:
-        return f"{v / 1000:.2f}s"
+        return f"{v / 1000:.2f} s"
     if v >= 10:
-        return f"{v:.0f}"
-    return f"{v:.2g}" if v < 1 else f"{v:.1f}"
+        return f"{v:.0f} ms"
+    return f"{v:.2g} ms" if v < 1 else f"{v:.1f} ms"
 
 
 # ---- real-world source trees from PyPI -------------------------------------------------------

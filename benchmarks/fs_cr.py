@@ -21,6 +21,7 @@ Writes <out>/fs_cr.json (every latency, summaries, ratios, targets) and <out>/fs
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -35,7 +36,7 @@ from typing import Any
 from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, Timer, count_files,
                                default_cache_dir, download_sdists, fs_type, latency_boxplot,
                                leakcheck, list_files, log, machine_info, other_daemons,
-                               percentile, pyplot, ratio, stats, tar_bytes,
+                               percentile, pyplot, ratio, stats, tar_bytes, Terminated,
                                terminate_as_exception, unpack_sdist, write_json)
 
 # Real project sources: 6772 + 1883 + 2448 = 11,103 files.
@@ -112,6 +113,8 @@ class Series:
     copytree_turns: list[int] = field(default_factory=list)
     rollback_ms: list[float] = field(default_factory=list)
     rollback_server_ms: list[float] = field(default_factory=list)
+    rollback_target_age: list[int] = field(default_factory=list)  # 0 = the newest checkpoint
+    rollback_process_state: list[str] = field(default_factory=list)
     rmtree_copytree_ms: list[float] = field(default_factory=list)
     rmtree_copytree_turns: list[int] = field(default_factory=list)
     rollback_verified: int = 0
@@ -224,11 +227,14 @@ def run_series(d: PrivateDaemon, sbx: Any, k: int, files: list[str], plan: Plan,
         paths = rng.sample(files, k)
         tag = f"# deltabox-bench k={k} rollback turn {t}"
         change_in_sandbox(sbx, paths, tag)
-        cp, probe, probe_tag = rng.choice(cps)
+        idx = rng.randrange(len(cps))
+        cp, probe, probe_tag = cps[idx]
         with Timer() as tm:
             rb = sbx.rollback(cp)
         s.rollback_ms.append(tm.ms)
         s.rollback_server_ms.append(rb.duration_ms)
+        s.rollback_target_age.append(len(cps) - 1 - idx)
+        s.rollback_process_state.append(rb.process_state)
         if t in with_baseline:
             change_on_host(work / rel_src, paths, tag)
             with Timer() as tb:
@@ -393,6 +399,7 @@ def summarize(series: list[Series], fork: dict, create: dict, suite: dict | None
             "rollback_ms": rb, "rollback_server_ms": stats(s.rollback_server_ms),
             "rmtree_copytree_ms": rbb,
             "rollback_speedup_p50": ratio(rbb["p50"], rb["p50"]),
+            "rollback_ms_by_target_age": _by_age(s),
         }
     out: dict[str, Any] = {
         "per_k": per_k,
@@ -405,6 +412,19 @@ def summarize(series: list[Series], fork: dict, create: dict, suite: dict | None
                         "sandbox_ms": stats(suite["sandbox_ms"]),
                         "median_ratio": suite["median_ratio"],
                         "median_of_pair_ratios": suite["median_of_pair_ratios"]}
+    return out
+
+
+AGE_BUCKETS = ((0, 9), (10, 31), (32, 10**9))
+
+
+def _by_age(s: Series) -> dict[str, Any]:
+    """Rollback latency by how many checkpoints of the series are newer than the target."""
+    out = {}
+    for lo, hi in AGE_BUCKETS:
+        vals = [ms for ms, age in zip(s.rollback_ms, s.rollback_target_age) if lo <= age <= hi]
+        if vals:
+            out[f"{lo}+" if hi >= 10**9 else f"{lo}-{hi}"] = stats(vals)
     return out
 
 
@@ -505,7 +525,8 @@ def plot(series: list[Series], fork: dict, create: dict, suite: dict | None,
         f"DeltaBox fs checkpoint/rollback{' (quick)' if quick else ''}: {machine['nfiles']} "
         f"files, {len(series[0].checkpoint_ms) if series else 0} turns per k; "
         f"store {dbx.get('store_backend', '?')}; {machine['cpu_model']}, {machine['nproc']} "
-        f"cpus; {machine['uname']['release']}", fontsize=10)
+        f"cpus; {machine['uname']['release']}; commit "
+        f"{(machine.get('git_commit') or '?')[:10]}", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -533,11 +554,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-suite", action="store_true", help="skip the test-suite comparison")
     p.add_argument("--keep-state", action="store_true",
                    help="keep the daemon's temp dir (for debugging)")
+    p.add_argument("--replot", type=Path, metavar="JSON",
+                   help="only redraw the PNG (next to JSON) from an earlier run's fs_cr.json")
     return p.parse_args(argv)
+
+
+def replot(json_path: Path) -> int:
+    doc = json.loads(json_path.read_text())
+    raw = doc["raw"]
+    series = [Series(**s) for s in raw["series"]]
+    png = json_path.with_suffix(".png")
+    plot(series, raw["fork"], raw["create"], raw.get("suite"), doc["machine"], png,
+         doc.get("mode") == "quick")
+    print(f"PNG:  {png}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot is not None:
+        return replot(args.replot)
     if args.turns is not None and args.turns < 2:
         print("benchmarks.fs_cr: --turns must be at least 2", file=sys.stderr)
         return 2
@@ -671,4 +707,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        log("interrupted; the private daemon was stopped (cleanup problems, if any, above)")
+        sys.exit(130)
+    except Terminated as e:
+        log(f"terminated by {e}; the private daemon was stopped (cleanup problems, if any, "
+            "above)")
+        sys.exit(143)

@@ -50,6 +50,7 @@ def rollback_result(msg: pb.RollbackResponse) -> models.RollbackResult:
         sandbox_id=msg.sandbox_id, checkpoint_id=msg.checkpoint_id,
         duration_ms=msg.duration_ms, sessions_restarted=list(msg.sessions_restarted),
         processes_killed=msg.processes_killed, process_state=msg.process_state,
+        note=msg.note,
     )
 
 

@@ -47,6 +47,7 @@ class RollbackResult(_Model):
     sessions_restarted: list[str] = Field(default_factory=list)
     processes_killed: int = 0
     process_state: str = ""
+    note: str = ""
 
 
 class DiffResult(_Model):

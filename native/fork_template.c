@@ -59,6 +59,31 @@
  *    signal (and with set_tid the same pid).  In the child, before it runs anything, we
  *    inject the re-rooting calls, then write back the checkpointed registers, xstate and
  *    signal mask and detach.
+ *  - Pending signals: fork() does not copy them, so the signals queued for the original at
+ *    its stop (PTRACE_PEEKSIGINFO, both queues, with their siginfo; plus a signal the stop
+ *    had dequeued) are queued again in every child with rt_[tg]sigqueueinfo to itself
+ *    while its mask is still all-blocked.  SIGKILL and SIGSTOP are not copied.
+ *
+ * Stopping a frozen tree at one instant (dbxcr_stop_*)
+ * ---------------------------------------------------
+ *  - A task frozen by the v1 freezer sleeps in TASK_FROZEN (in the refrigerator, or frozen
+ *    in place in a freezable sleep such as nanosleep).  PTRACE_SEIZE works on it, and
+ *    PTRACE_INTERRUPT sets JOBCTL_TRAP_STOP + TIF_SIGPENDING; its wake-up cannot wake a
+ *    frozen task but marks the saved sleep state runnable, so at the thaw the task runs
+ *    into get_signal(), which serves the pending trap before anything else: it reports
+ *    PTRACE_EVENT_STOP without having run user code.  Hence begin never waits, and wait
+ *    comes after the thaw.
+ *  - Exception: a task frozen in place in a group stop (it reads as state D with wchan
+ *    do_signal_stop).  The kernel re-traps a stopped task into a ptrace stop only when it
+ *    is seized while in TASK_STOPPED; seized while frozen, it would go back to plain
+ *    TASK_STOPPED at the thaw and never report.  We seize it in dbxcr_stop_wait instead
+ *    (after the thaw; a stopped task runs nothing unless someone sends SIGCONT).
+ *  - The seize sets no EXITKILL and no fork events: while it is only stopped, nothing of
+ *    the tracee is changed and a dying tracer simply lets it go.  dbxcr_template_stopped
+ *    sets them for the injected clone and puts registers, xstate, mask and options back
+ *    right after, so the process sits at its stop exactly as it was until resumed.
+ *  - A tracer can detach only a stopped tracee.  A handle aborted before its stop (still
+ *    frozen) is kept in a list and detached by dbxcr_stop_sweep once it has stopped.
  *  - Descriptors from the caller (fresh stdio pipes, a mount namespace fd) reach the child
  *    through a socketpair created *in the child*: we take one end with pidfd_getfd(2) (the
  *    direction it supports), sendmsg SCM_RIGHTS on it, and the child recvmsg's them.  This
@@ -81,6 +106,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <dirent.h>
+#include <pthread.h>
+#include <time.h>
 #include <sys/mman.h>
 #include <sys/ptrace.h>
 #include <sys/socket.h>
@@ -129,6 +156,15 @@ struct tracee {
 	pid_t new_child;		/* set by PTRACE_EVENT_{FORK,VFORK,CLONE} */
 };
 
+/* Signals queued for a process at its stop (PTRACE_PEEKSIGINFO), to queue again in the
+ * template's children: fork() does not copy pending signals. */
+#define MAX_PENDING 64
+struct pending_sigs {
+	siginfo_t info[MAX_PENDING];
+	bool shared[MAX_PENDING];	/* process-wide queue (kill) vs thread queue (tgkill) */
+	int n;
+};
+
 struct dbxcr_template {
 	pid_t pid;		/* the template, ptrace-stopped, traced by tracer_tid */
 	pid_t origin;		/* the process it was forked from */
@@ -140,6 +176,7 @@ struct dbxcr_template {
 	unsigned long site;	/* syscall site, valid in the template and its children */
 	unsigned long scratch;	/* SCRATCH_LEN bytes mapped in the template (and children) */
 	struct user_regs_struct park;	/* template's registers while idle */
+	struct pending_sigs pend;	/* origin's pending signals at checkpoint */
 };
 
 /* ---------- errors ---------- */
@@ -457,26 +494,30 @@ static int set_sigmask(pid_t pid, uint64_t mask, struct dbxcr_error *err)
 #define BASE_OPTIONS (PTRACE_O_TRACEFORK | PTRACE_O_TRACEVFORK | PTRACE_O_TRACECLONE | \
 		      PTRACE_O_EXITKILL)
 
-static int seize(pid_t pid, struct dbxcr_error *err)
+/* Seize pid with opts, adding PTRACE_O_SUSPEND_SECCOMP when we may; *got receives the
+ * options in effect (to set them again later with PTRACE_SETOPTIONS). */
+static int seize(pid_t pid, long opts, long *got, struct dbxcr_error *err)
 {
-	if (ptrace(PTRACE_SEIZE, pid, 0, (void *)(long)(BASE_OPTIONS | PTRACE_O_SUSPEND_SECCOMP)) == 0)
+	if (ptrace(PTRACE_SEIZE, pid, 0, (void *)(opts | PTRACE_O_SUSPEND_SECCOMP)) == 0) {
+		*got = opts | PTRACE_O_SUSPEND_SECCOMP;
 		return 0;
+	}
 	/* SUSPEND_SECCOMP needs CAP_SYS_ADMIN and CONFIG_CHECKPOINT_RESTORE; without it we
 	 * can still work on processes that have no seccomp filter. */
 	if (errno == EINVAL || errno == EPERM) {
-		if (ptrace(PTRACE_SEIZE, pid, 0, (void *)(long)BASE_OPTIONS) == 0)
+		if (ptrace(PTRACE_SEIZE, pid, 0, (void *)opts) == 0) {
+			*got = opts;
 			return 0;
+		}
 	}
 	if (errno == EPERM)
 		return fail(err, EPERM, pid, "PTRACE_SEIZE (already traced, or not permitted)");
 	return fail(err, errno, pid, "PTRACE_SEIZE");
 }
 
-/* Record the state of a stopped tracee that we must give back. */
+/* Record the state of a stopped tracee that we must give back (nothing is changed). */
 static int save_state(struct tracee *t, struct dbxcr_error *err)
 {
-	uint64_t all = ~0ULL;
-
 	if (ptrace(PTRACE_GETREGS, t->pid, 0, &t->regs) < 0)
 		return fail(err, errno, t->pid, "PTRACE_GETREGS");
 	if (t->regs.cs != USER_CS_64)
@@ -486,17 +527,68 @@ static int save_state(struct tracee *t, struct dbxcr_error *err)
 		return -1;
 	if (ptrace(PTRACE_GETSIGMASK, t->pid, (void *)sizeof(t->sigmask), &t->sigmask) < 0)
 		return fail(err, errno, t->pid, "PTRACE_GETSIGMASK");
-	return set_sigmask(t->pid, all, err);
+	return 0;
 }
 
-/* Attach with PTRACE_SEIZE and stop the tracee with PTRACE_INTERRUPT. */
+/* Before injecting: block every blockable signal so signals arriving meanwhile stay
+ * pending for the program instead of interrupting our calls. */
+static int block_all(struct tracee *t, struct dbxcr_error *err)
+{
+	return set_sigmask(t->pid, ~0ULL, err);
+}
+
+/* Kinds of the first stop of a seized tracee (fork_template.h: enum dbxcr_stop_kind). */
+static int classify_stop(struct tracee *t, int status, int *kind, struct dbxcr_error *err)
+{
+	int ev = stop_event(status), sig = WSTOPSIG(status);
+
+	/* The PTRACE_EVENT_STOP trap (interrupt or group stop) and a signal-delivery-stop
+	 * both happen in get_signal(). */
+	t->in_get_signal = true;
+	if (ev == PTRACE_EVENT_STOP) {
+		*kind = sig == SIGTRAP ? DBXCR_STOP_INTERRUPT : DBXCR_STOP_GROUP;
+		return 0;
+	}
+	if (ev == 0) {
+		/* A signal was being delivered when we interrupted: it is out of the queue
+		 * now, so keep it (the interrupt trap itself will follow on resume).  With
+		 * no syscall tracing or single-step yet, even SIGTRAP here is a real signal. */
+		*kind = DBXCR_STOP_SIGNAL;
+		t->in_signal_stop = true;
+		return defer_signal(t, sig, err);
+	}
+	return fail(err, EPROTO, t->pid, "unexpected first stop (status %#x)", status);
+}
+
+/* After the first stop: save what we must give back and find a syscall site. */
+static int take_stop(struct tracee *t, int status, int *kind, struct dbxcr_error *err)
+{
+	if (classify_stop(t, status, kind, err) < 0 || save_state(t, err) < 0 ||
+	    find_syscall_site(t, err) < 0)
+		return -1;
+	return 0;
+}
+
+/* Leave a tracee at its first stop, nothing changed, handing back a dequeued signal. */
+static void detach_unchanged(struct tracee *t)
+{
+	if (t->deferred_sig)
+		ptrace(PTRACE_DETACH, t->pid, 0, (void *)(long)t->deferred_sig);
+	else
+		ptrace(PTRACE_DETACH, t->pid, 0, 0);
+	free(t->xstate);
+	t->xstate = NULL;
+}
+
+/* Attach with PTRACE_SEIZE, stop the tracee with PTRACE_INTERRUPT and block its signals. */
 static int attach(struct tracee *t, pid_t pid, struct dbxcr_error *err)
 {
-	int status;
+	int status, kind;
+	long opts;
 
 	memset(t, 0, sizeof(*t));
 	t->pid = pid;
-	if (seize(pid, err) < 0)
+	if (seize(pid, BASE_OPTIONS, &opts, err) < 0)
 		return -1;
 	if (ptrace(PTRACE_INTERRUPT, pid, 0, 0) < 0) {
 		fail(err, errno, pid, "PTRACE_INTERRUPT");
@@ -505,28 +597,11 @@ static int attach(struct tracee *t, pid_t pid, struct dbxcr_error *err)
 	}
 	if (wait_stop(pid, &status, err) < 0)
 		return -1;
-	/* Both the PTRACE_EVENT_STOP trap and a signal-delivery-stop happen in get_signal(). */
-	t->in_get_signal = true;
-	if (stop_event(status) == 0 && WSTOPSIG(status) != SIGTRAP) {
-		/* A signal was being delivered when we interrupted: it is out of the queue
-		 * now, so keep it (the interrupt trap itself will follow on resume). */
-		t->in_signal_stop = true;
-		if (defer_signal(t, WSTOPSIG(status), err) < 0)
-			goto undo;
+	if (take_stop(t, status, &kind, err) < 0 || block_all(t, err) < 0) {
+		detach_unchanged(t);
+		return -1;
 	}
-	if (save_state(t, err) < 0)
-		goto undo;
-	if (find_syscall_site(t, err) < 0)
-		goto undo;
 	return 0;
-undo:
-	if (t->deferred_sig)
-		ptrace(PTRACE_DETACH, pid, 0, (void *)(long)t->deferred_sig);
-	else
-		ptrace(PTRACE_DETACH, pid, 0, 0);
-	free(t->xstate);
-	t->xstate = NULL;
-	return -1;
 }
 
 /* Take a tracee that is already stopped under our ptrace into a struct: a new child at its
@@ -677,11 +752,9 @@ static const char *pending_restart(const struct user_regs_struct *r)
 	return NULL;
 }
 
-/* Give back registers, xstate and mask, then detach; a dequeued signal is handed back
- * through the current signal-delivery-stop. */
-static int restore_and_detach(struct tracee *t, struct dbxcr_error *err)
+/* Give back registers, xstate and mask; the tracee stays stopped. */
+static int restore_state(struct tracee *t, struct dbxcr_error *err)
 {
-	long sig = 0;
 	const char *restart = pending_restart(&t->regs);
 
 	/* The kernel applies the restart rules to these exact registers only when the task
@@ -698,6 +771,14 @@ static int restore_and_detach(struct tracee *t, struct dbxcr_error *err)
 		return -1;
 	if (ptrace(PTRACE_SETREGS, t->pid, 0, &t->regs) < 0)
 		return fail(err, errno, t->pid, "PTRACE_SETREGS (restore)");
+	return 0;
+}
+
+/* Detach; a dequeued signal is handed back through the current signal-delivery-stop. */
+static int detach_tracee(struct tracee *t, struct dbxcr_error *err)
+{
+	long sig = 0;
+
 	if (t->deferred_sig) {
 		/* PTRACE_DETACH's signal is delivered only from a signal-delivery-stop; every
 		 * injected call ends in one and the attach stop was one if we deferred. */
@@ -711,6 +792,13 @@ static int restore_and_detach(struct tracee *t, struct dbxcr_error *err)
 	if (ptrace(PTRACE_DETACH, t->pid, 0, (void *)sig) < 0)
 		return fail(err, errno, t->pid, "PTRACE_DETACH");
 	return 0;
+}
+
+static int restore_and_detach(struct tracee *t, struct dbxcr_error *err)
+{
+	if (restore_state(t, err) < 0)
+		return -1;
+	return detach_tracee(t, err);
 }
 
 static void tracee_free(struct tracee *t)
@@ -871,64 +959,6 @@ static int map_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err)
 	return park(tpl, err);
 }
 
-struct dbxcr_template *dbxcr_make_template(pid_t pid, struct dbxcr_error *err)
-{
-	struct dbxcr_template *tpl;
-	struct tracee orig;
-	pid_t child;
-
-	clear_error(err);
-	if (check_templatable(pid, err) < 0)
-		return NULL;
-	tpl = calloc(1, sizeof(*tpl));
-	if (!tpl) {
-		fail(err, ENOMEM, pid, "allocate template");
-		return NULL;
-	}
-	if (attach(&orig, pid, err) < 0) {
-		free(tpl);
-		return NULL;
-	}
-	child = fork_template_from(&orig, err);
-	if (child > 0 && wait_birth(child, err) < 0) {
-		kill_traced(child);
-		child = -1;
-	}
-	/* The original goes back first, whatever happened to the template. */
-	if (child < 0) {
-		struct dbxcr_error ignored;
-
-		restore_and_detach(&orig, &ignored);
-		tracee_free(&orig);
-		free(tpl);
-		return NULL;
-	}
-	if (restore_and_detach(&orig, err) < 0) {
-		kill_traced(child);
-		tracee_free(&orig);
-		free(tpl);
-		return NULL;
-	}
-	tpl->pid = child;
-	tpl->origin = pid;
-	tpl->tracer_tid = current_tid();
-	tpl->regs = orig.regs;
-	tpl->xstate = orig.xstate;
-	tpl->xstate_len = orig.xstate_len;
-	tpl->sigmask = orig.sigmask;
-	tpl->site = orig.site;
-	orig.xstate = NULL;
-	/* The template inherited the all-blocked mask we set on the original, so signals sent
-	 * to it stay pending (and fork does not pass pending signals to children). */
-	if (map_scratch(tpl, err) < 0) {
-		struct dbxcr_error ignored;
-
-		dbxcr_release_template(tpl, &ignored);
-		return NULL;
-	}
-	return tpl;
-}
-
 pid_t dbxcr_template_pid(const struct dbxcr_template *tpl)
 {
 	return tpl->pid;
@@ -946,6 +976,468 @@ static int check_owner(const struct dbxcr_template *tpl, struct dbxcr_error *err
 			    "template is ptrace-held by thread %d; called from thread %d",
 			    (int)tpl->tracer_tid, (int)current_tid());
 	return 0;
+}
+
+/* ---------- stopping for a checkpoint (see fork_template.h) ---------- */
+
+enum { ST_BEGUN = 1, ST_STOPPED, ST_DONE };
+
+struct dbxcr_stop {
+	struct tracee t;
+	pid_t tracer_tid;
+	int state;
+	bool seized;		/* false while the seize waits for the thaw (group stop) */
+	bool modified;		/* mask/options/registers differ from the stop */
+	long opts;		/* options given at seize (no EXITKILL, no fork events) */
+	int kind;		/* enum dbxcr_stop_kind */
+	int signal;
+	struct pending_sigs pend;	/* queued at the stop (and the dequeued one) */
+	struct dbxcr_stop *next;	/* in the limbo list */
+};
+
+/* Copy (without dequeuing) the signals queued for a stopped tracee. */
+static int peek_pending(struct tracee *t, struct pending_sigs *p, struct dbxcr_error *err)
+{
+	p->n = 0;
+	if (t->deferred_sig) {	/* dequeued by the signal-delivery-stop: still pending */
+		p->info[p->n] = t->deferred_info;
+		p->shared[p->n++] = false;
+	}
+	for (int shared = 0; shared < 2; shared++) {
+		for (uint64_t off = 0;; off++) {
+			struct __ptrace_peeksiginfo_args a = {
+				.off = off, .flags = shared ? PTRACE_PEEKSIGINFO_SHARED : 0, .nr = 1 };
+			siginfo_t si;
+			long got = ptrace(PTRACE_PEEKSIGINFO, t->pid, &a, &si);
+
+			if (got < 0)
+				return fail(err, errno, t->pid, "PTRACE_PEEKSIGINFO");
+			if (got == 0)
+				break;
+			/* SIGKILL: a dying process, nothing to copy; SIGSTOP: children are
+			 * never started group-stopped (see spawn). */
+			if (si.si_signo == SIGKILL || si.si_signo == SIGSTOP)
+				continue;
+			if (p->n == MAX_PENDING)
+				return fail(err, EOVERFLOW, t->pid, "more than %d pending signals",
+					    MAX_PENDING);
+			p->info[p->n] = si;
+			p->shared[p->n++] = shared;
+		}
+	}
+	return 0;
+}
+
+/* Aborted handles whose tracee had not stopped yet: the kernel lets a tracer detach only
+ * a stopped tracee, so they wait here for dbxcr_stop_sweep (by their own thread). */
+static struct dbxcr_stop *limbo;
+static pthread_mutex_t limbo_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int owns(const struct dbxcr_stop *s, struct dbxcr_error *err)
+{
+	if (current_tid() != s->tracer_tid)
+		return fail(err, EPERM, s->t.pid,
+			    "stopped process is ptrace-held by thread %d; called from thread %d",
+			    (int)s->tracer_tid, (int)current_tid());
+	return 0;
+}
+
+static void read_wchan(pid_t pid, char *buf, size_t len)
+{
+	char path[64];
+
+	snprintf(path, sizeof(path), "/proc/%d/wchan", (int)pid);
+	if (read_small_file(path, buf, len) < 0)
+		snprintf(buf, len, "?");
+}
+
+int dbxcr_stop_begin(pid_t pid, struct dbxcr_stop **out, struct dbxcr_error *err)
+{
+	struct dbxcr_info info;
+	struct dbxcr_stop *s;
+	char wchan[64];
+
+	clear_error(err);
+	*out = NULL;
+	dbxcr_stop_sweep(0);
+	if (dbxcr_describe(pid, &info, err) < 0)
+		return -1;
+	if (info.threads != 1)
+		return fail(err, ENOTSUP, pid,
+			    "process has %d threads; only single-threaded processes can be "
+			    "templated (fork copies only the calling thread)", info.threads);
+	if (info.tracer_pid != 0)
+		return fail(err, EBUSY, pid, "already traced by pid %d", info.tracer_pid);
+	if (info.state == 'Z' || info.state == 'X')
+		return fail(err, ESRCH, pid, "process is exiting (state %c)", info.state);
+	s = calloc(1, sizeof(*s));
+	if (!s)
+		return fail(err, ENOMEM, pid, "allocate stop handle");
+	s->t.pid = pid;
+	s->tracer_tid = current_tid();
+	s->state = ST_BEGUN;
+	/* Frozen in place in a group stop (a frozen task reads as D): seizing it now would
+	 * miss the kernel's re-trap of stopped tasks, and PTRACE_INTERRUPT cannot wake a
+	 * stopped task, so it would never report.  Seize it after the thaw instead. */
+	read_wchan(pid, wchan, sizeof(wchan));
+	if (info.state == 'D' && strcmp(wchan, "do_signal_stop") == 0) {
+		*out = s;
+		return 0;
+	}
+	if (seize(pid, 0, &s->opts, err) < 0) {
+		free(s);
+		return -1;
+	}
+	s->seized = true;
+	if (ptrace(PTRACE_INTERRUPT, pid, 0, 0) < 0) {
+		/* Only fails if the task is exiting; it cannot be detached unstopped. */
+		int e = errno;
+
+		dbxcr_stop_abort(s);
+		return fail(err, e, pid, "PTRACE_INTERRUPT");
+	}
+	*out = s;
+	return 0;
+}
+
+static long long mono_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
+}
+
+/* waitpid with a timeout (polling: a ptrace stop gives no pidfd event). 0 on a report,
+ * 1 on timeout, -1 on error (errno). */
+static int wait_report(pid_t pid, int *status, int timeout_ms)
+{
+	long long deadline = mono_ms() + (timeout_ms > 0 ? timeout_ms : 0);
+	useconds_t nap = 100;
+
+	for (;;) {
+		pid_t r = waitpid(pid, status, __WALL | (timeout_ms >= 0 ? WNOHANG : 0));
+
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r < 0)
+			return -1;
+		if (r > 0)
+			return 0;
+		if (mono_ms() >= deadline)
+			return 1;
+		usleep(nap);
+		if (nap < 5000)
+			nap *= 2;
+	}
+}
+
+int dbxcr_stop_wait(struct dbxcr_stop *s, int timeout_ms, struct dbxcr_error *err)
+{
+	pid_t pid = s->t.pid;
+	int status, r, kind = 0;
+
+	clear_error(err);
+	if (owns(s, err) < 0)
+		return -1;
+	if (s->state == ST_STOPPED)
+		return 0;
+	if (s->state != ST_BEGUN)
+		return fail(err, EINVAL, pid, "stop handle is finished");
+	if (!s->seized) {
+		if (seize(pid, 0, &s->opts, err) < 0) {
+			s->state = ST_DONE;
+			return -1;
+		}
+		s->seized = true;
+		if (ptrace(PTRACE_INTERRUPT, pid, 0, 0) < 0)
+			return fail(err, errno, pid, "PTRACE_INTERRUPT");
+	}
+	r = wait_report(pid, &status, timeout_ms);
+	if (r < 0) {
+		s->state = ST_DONE;
+		return fail(err, errno, pid, "waitpid");
+	}
+	if (r > 0) {
+		char wchan[64];
+		struct dbxcr_info info;
+		struct dbxcr_error e2;
+
+		read_wchan(pid, wchan, sizeof(wchan));
+		if (dbxcr_describe(pid, &info, &e2) < 0)
+			info.state = '?';
+		return fail(err, ETIMEDOUT, pid,
+			    "no stop within %d ms (state %c, wchan %s; cgroup still frozen, or "
+			    "uninterruptible sleep?)", timeout_ms, info.state, wchan);
+	}
+	if (WIFEXITED(status) || WIFSIGNALED(status)) {
+		s->state = ST_DONE;
+		if (WIFEXITED(status))
+			return fail(err, ESRCH, pid, "exited with status %d before it stopped",
+				    WEXITSTATUS(status));
+		return fail(err, ESRCH, pid, "killed by signal %d before it stopped",
+			    WTERMSIG(status));
+	}
+	if (take_stop(&s->t, status, &kind, err) < 0 || peek_pending(&s->t, &s->pend, err) < 0) {
+		detach_unchanged(&s->t);
+		s->state = ST_DONE;
+		return -1;
+	}
+	s->kind = kind;
+	s->signal = kind == DBXCR_STOP_INTERRUPT ? 0 : WSTOPSIG(status);
+	s->state = ST_STOPPED;
+	return 0;
+}
+
+void dbxcr_stop_get_info(const struct dbxcr_stop *s, struct dbxcr_stop_info *out)
+{
+	out->pid = s->t.pid;
+	out->kind = s->state == ST_STOPPED ? s->kind : DBXCR_STOP_NONE;
+	out->signal = s->state == ST_STOPPED ? s->signal : 0;
+	out->done = s->state == ST_DONE;
+}
+
+/* Put the tracee back exactly as at its stop (it stays stopped) and drop EXITKILL. */
+static int unmodify(struct dbxcr_stop *s, struct dbxcr_error *err)
+{
+	if (restore_state(&s->t, err) < 0)
+		return -1;
+	if (ptrace(PTRACE_SETOPTIONS, s->t.pid, 0, (void *)s->opts) < 0)
+		return fail(err, errno, s->t.pid, "PTRACE_SETOPTIONS (restore)");
+	s->modified = false;
+	return 0;
+}
+
+struct dbxcr_template *dbxcr_template_stopped(struct dbxcr_stop *s, struct dbxcr_error *err)
+{
+	struct dbxcr_template *tpl;
+	pid_t pid = s->t.pid, child;
+	int rc;
+
+	clear_error(err);
+	if (owns(s, err) < 0)
+		return NULL;
+	if (s->state != ST_STOPPED) {
+		fail(err, EINVAL, pid, "process is not stopped (call dbxcr_stop_wait first)");
+		return NULL;
+	}
+	tpl = calloc(1, sizeof(*tpl));
+	if (!tpl) {
+		fail(err, ENOMEM, pid, "allocate template");
+		return NULL;
+	}
+	tpl->xstate = malloc(s->t.xstate_len);
+	if (!tpl->xstate) {
+		free(tpl);
+		fail(err, ENOMEM, pid, "allocate template xstate");
+		return NULL;
+	}
+	/* From here on the registers are not the program's: a tracer that dies must take the
+	 * process (and the template, which inherits the options) with it. */
+	s->modified = true;
+	if (ptrace(PTRACE_SETOPTIONS, pid, 0, (void *)(s->opts | BASE_OPTIONS)) < 0) {
+		fail(err, errno, pid, "PTRACE_SETOPTIONS");
+		child = -1;
+	} else if (block_all(&s->t, err) < 0) {
+		child = -1;
+	} else {
+		child = fork_template_from(&s->t, err);
+		if (child > 0 && wait_birth(child, err) < 0) {
+			kill_traced(child);
+			child = -1;
+		}
+	}
+	/* The original goes back first, whatever happened to the template. */
+	if (child < 0) {
+		struct dbxcr_error ignored;
+
+		unmodify(s, &ignored);
+		free(tpl->xstate);
+		free(tpl);
+		return NULL;
+	}
+	rc = unmodify(s, err);
+	if (rc < 0) {
+		kill_traced(child);
+		free(tpl->xstate);
+		free(tpl);
+		return NULL;
+	}
+	tpl->pid = child;
+	tpl->origin = pid;
+	tpl->tracer_tid = s->tracer_tid;
+	tpl->regs = s->t.regs;
+	memcpy(tpl->xstate, s->t.xstate, s->t.xstate_len);
+	tpl->xstate_len = s->t.xstate_len;
+	tpl->sigmask = s->t.sigmask;
+	tpl->site = s->t.site;
+	tpl->pend = s->pend;
+	/* The template inherited the all-blocked mask we set on the original, so signals sent
+	 * to it stay pending (and fork does not pass pending signals to children). */
+	if (map_scratch(tpl, err) < 0) {
+		struct dbxcr_error ignored;
+
+		dbxcr_release_template(tpl, &ignored);
+		return NULL;
+	}
+	return tpl;
+}
+
+int dbxcr_stop_resume(struct dbxcr_stop *s, struct dbxcr_error *err)
+{
+	clear_error(err);
+	if (owns(s, err) < 0)
+		return -1;
+	if (s->state != ST_STOPPED)
+		return fail(err, EINVAL, s->t.pid, "process is not stopped%s",
+			    s->state == ST_DONE ? " (already resumed or gone)" : " yet");
+	if (s->modified && unmodify(s, err) < 0)
+		return -1;
+	if (detach_tracee(&s->t, err) < 0)
+		return -1;
+	s->state = ST_DONE;
+	tracee_free(&s->t);
+	return 0;
+}
+
+/* One poll of a seized tracee that has not reported its stop: detach it if it stopped.
+ * Returns true when the tracee needs nothing more from us. */
+static bool settle_unstopped(struct dbxcr_stop *s)
+{
+	int status;
+	pid_t r;
+
+	do
+		r = waitpid(s->t.pid, &status, __WALL | WNOHANG);
+	while (r < 0 && errno == EINTR);
+	if (r < 0)
+		return true;	/* ECHILD: not ours any more */
+	if (r == 0)
+		return false;
+	if (WIFEXITED(status) || WIFSIGNALED(status))
+		return true;
+	/* Nothing was changed: a signal-delivery-stop gets its signal back, any other
+	 * stop (interrupt, group stop) is simply left. */
+	if (stop_event(status) == 0)
+		ptrace(PTRACE_DETACH, s->t.pid, 0, (void *)(long)WSTOPSIG(status));
+	else
+		ptrace(PTRACE_DETACH, s->t.pid, 0, 0);
+	return true;
+}
+
+void dbxcr_stop_abort(struct dbxcr_stop *s)
+{
+	struct dbxcr_error ignored;
+
+	if (!s)
+		return;
+	if (s->state == ST_BEGUN && s->seized) {
+		if (current_tid() == s->tracer_tid && settle_unstopped(s))
+			s->state = ST_DONE;
+		else {
+			tracee_free(&s->t);
+			pthread_mutex_lock(&limbo_lock);
+			s->next = limbo;
+			limbo = s;
+			pthread_mutex_unlock(&limbo_lock);
+			return;
+		}
+	} else if (s->state == ST_STOPPED) {
+		if (current_tid() != s->tracer_tid) {
+			/* Cannot touch it from here; park it for its own thread's sweep. */
+			pthread_mutex_lock(&limbo_lock);
+			s->next = limbo;
+			limbo = s;
+			pthread_mutex_unlock(&limbo_lock);
+			return;
+		}
+		if (dbxcr_stop_resume(s, &ignored) < 0 && s->modified) {
+			/* Its registers are ours, not the program's: it must not run. */
+			kill(s->t.pid, SIGKILL);
+		}
+		if (s->state != ST_DONE)
+			ptrace(PTRACE_DETACH, s->t.pid, 0, 0);
+	}
+	tracee_free(&s->t);
+	free(s);
+}
+
+int dbxcr_stop_sweep(int timeout_ms)
+{
+	long long deadline = mono_ms() + (timeout_ms > 0 ? timeout_ms : 0);
+	pid_t me = current_tid();
+	useconds_t nap = 100;
+	int left;
+
+	for (;;) {
+		struct dbxcr_stop **pp, *s, *done = NULL;
+
+		left = 0;
+		pthread_mutex_lock(&limbo_lock);
+		for (pp = &limbo; (s = *pp) != NULL;) {
+			if (s->tracer_tid != me) {
+				pp = &s->next;
+				continue;
+			}
+			*pp = s->next;
+			s->next = done;
+			done = s;
+		}
+		pthread_mutex_unlock(&limbo_lock);
+		/* Work on our own entries outside the lock; put back what is not settled. */
+		while ((s = done) != NULL) {
+			done = s->next;
+			if (s->state == ST_STOPPED) {	/* aborted from another thread */
+				dbxcr_stop_abort(s);
+				continue;
+			}
+			if (settle_unstopped(s)) {
+				free(s);
+				continue;
+			}
+			left++;
+			pthread_mutex_lock(&limbo_lock);
+			s->next = limbo;
+			limbo = s;
+			pthread_mutex_unlock(&limbo_lock);
+		}
+		if (left == 0 || (timeout_ms >= 0 && mono_ms() >= deadline))
+			return left;
+		usleep(nap);
+		if (nap < 5000)
+			nap *= 2;
+	}
+}
+
+/* One-shot: stop, template and resume pid. */
+struct dbxcr_template *dbxcr_make_template(pid_t pid, struct dbxcr_error *err)
+{
+	struct dbxcr_template *tpl;
+	struct dbxcr_stop *s;
+
+	clear_error(err);
+	if (check_templatable(pid, err) < 0)
+		return NULL;
+	if (dbxcr_stop_begin(pid, &s, err) < 0)
+		return NULL;
+	if (dbxcr_stop_wait(s, -1, err) < 0) {
+		dbxcr_stop_abort(s);
+		return NULL;
+	}
+	tpl = dbxcr_template_stopped(s, err);
+	if (!tpl) {
+		dbxcr_stop_abort(s);
+		return NULL;
+	}
+	if (dbxcr_stop_resume(s, err) < 0) {
+		struct dbxcr_error ignored;
+
+		dbxcr_release_template(tpl, &ignored);
+		dbxcr_stop_abort(s);
+		return NULL;
+	}
+	dbxcr_stop_abort(s);
+	return tpl;
 }
 
 int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err)
@@ -1244,6 +1736,41 @@ static int reopen_file(struct tracee *c, unsigned long scratch, const struct dbx
 	return 0;
 }
 
+/* Queue the origin's pending signals (with their siginfo) in the child; its mask is still
+ * all-blocked, so they wait for the checkpointed mask.  Sending to itself, the child may
+ * queue any si_code. */
+static int requeue_pending(struct tracee *c, struct dbxcr_template *tpl,
+			   struct dbxcr_error *err)
+{
+	long a[6] = { 0 }, self;
+
+	if (tpl->pend.n == 0)
+		return 0;
+	self = rsys(c, SYS_getpid, a, err, "getpid to queue pending signals");
+	if (self < 0)
+		return -1;
+	for (int i = 0; i < tpl->pend.n; i++) {
+		const siginfo_t *si = &tpl->pend.info[i];
+
+		if (mem_write(c->pid, tpl->scratch, si, sizeof(*si), err) < 0)
+			return -1;
+		if (tpl->pend.shared[i]) {
+			long q[6] = { self, si->si_signo, (long)tpl->scratch, 0, 0, 0 };
+
+			if (rsys(c, SYS_rt_sigqueueinfo, q, err, "queue pending signal %d",
+				 si->si_signo) < 0)
+				return -1;
+		} else {
+			long q[6] = { self, self, si->si_signo, (long)tpl->scratch, 0, 0 };
+
+			if (rsys(c, SYS_rt_tgsigqueueinfo, q, err, "queue pending signal %d",
+				 si->si_signo) < 0)
+				return -1;
+		}
+	}
+	return 0;
+}
+
 /* Everything done inside the new child before it is let go. */
 static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		       const struct dbxcr_spawn_opts *o, struct dbxcr_error *err)
@@ -1298,6 +1825,8 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		if (rsys(c, SYS_close, d, err, "close received fd %ld", d[0]) < 0)
 			return -1;
 	}
+	if (requeue_pending(c, tpl, err) < 0)
+		return -1;
 	a[0] = (long)scratch;
 	a[1] = SCRATCH_LEN;
 	if (rsys(c, SYS_munmap, a, err, "munmap scratch") < 0)

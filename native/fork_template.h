@@ -46,6 +46,78 @@ struct dbxcr_template *dbxcr_make_template(pid_t pid, struct dbxcr_error *err);
 pid_t dbxcr_template_pid(const struct dbxcr_template *tpl);
 pid_t dbxcr_template_origin(const struct dbxcr_template *tpl);
 
+/* ---------- stopping a whole process tree at one instant ----------
+ *
+ * For a consistent checkpoint of a sandbox (memory and files agree):
+ *   1. freeze the sandbox cgroup (v1: freezer.state = FROZEN, wait until it reads FROZEN);
+ *   2. dbxcr_stop_begin() for every pid: PTRACE_SEIZE + PTRACE_INTERRUPT, no waiting (a
+ *      v1-frozen task only reaches the interrupt stop once thawed);
+ *   3. thaw: every task leaves the refrigerator straight into the pending interrupt stop,
+ *      inside get_signal(), before any user code runs;
+ *   4. dbxcr_stop_wait() for every handle;
+ *   5. (snapshot the file system: every task is stopped);
+ *   6. dbxcr_template_stopped() for every handle;
+ *   7. dbxcr_stop_resume() for every handle, then dbxcr_stop_abort() to free it.
+ * On any error: dbxcr_stop_abort() every handle (any state), thaw, and if some handle had
+ * not stopped yet, dbxcr_stop_sweep() to detach it once it stops.
+ *
+ * All calls on a handle (and on templates made from it) must come from the thread that
+ * called dbxcr_stop_begin (ptrace rule; checked, EPERM otherwise).
+ *
+ * While merely stopped (between wait and template/resume) nothing of the tracee is
+ * changed and PTRACE_O_EXITKILL is not set: if the tracer dies, the process just goes on.
+ * During dbxcr_template_stopped EXITKILL is set (injected registers must never run).
+ * A process frozen while in a group stop (SIGSTOP/SIGTSTP) is seized only in
+ * dbxcr_stop_wait, after the thaw: the kernel re-traps a stopped task only when it is
+ * seized outside the refrigerator.  It stays group-stopped after resume. */
+
+struct dbxcr_stop;
+
+enum dbxcr_stop_kind {
+	DBXCR_STOP_NONE = 0,		/* not stopped (yet) */
+	DBXCR_STOP_INTERRUPT = 1,	/* our PTRACE_INTERRUPT trap */
+	DBXCR_STOP_SIGNAL = 2,		/* a signal-delivery-stop: signal dequeued, handed back
+					 * on resume */
+	DBXCR_STOP_GROUP = 3,		/* the task is in a group stop (job control) */
+};
+
+struct dbxcr_stop_info {
+	pid_t pid;
+	int kind;	/* enum dbxcr_stop_kind */
+	int signal;	/* the group-stop signal, or the dequeued signal, or 0 */
+	int done;	/* resumed, detached or gone: only dbxcr_stop_abort is left */
+};
+
+/* Seize pid and request an interrupt stop; never waits.  Refuses (before seizing)
+ * multi-threaded (ENOTSUP), already traced (EBUSY) and exiting (ESRCH) processes. */
+int dbxcr_stop_begin(pid_t pid, struct dbxcr_stop **out, struct dbxcr_error *err);
+
+/* Wait until the tracee reports its stop, then record its registers, xstate and signal
+ * mask.  timeout_ms < 0 waits forever; on timeout: ETIMEDOUT (wait again or abort).  A
+ * process that exits meanwhile: ESRCH ("exited"/"killed by signal N before it stopped"). */
+int dbxcr_stop_wait(struct dbxcr_stop *s, int timeout_ms, struct dbxcr_error *err);
+
+void dbxcr_stop_get_info(const struct dbxcr_stop *s, struct dbxcr_stop_info *out);
+
+/* Fork the stopped process into a template (as dbxcr_make_template does).  The process
+ * is put back exactly as it was at its stop and stays stopped.  Signals pending at the
+ * stop are queued again in every child spawned from the template (except SIGKILL and
+ * SIGSTOP).  A child of a group-stopped process starts running (not stopped). */
+struct dbxcr_template *dbxcr_template_stopped(struct dbxcr_stop *s, struct dbxcr_error *err);
+
+/* Give the process back its registers, restart semantics, mask and any dequeued signal,
+ * and detach.  The handle must still be freed with dbxcr_stop_abort. */
+int dbxcr_stop_resume(struct dbxcr_stop *s, struct dbxcr_error *err);
+
+/* Best effort: resume/detach whatever state the handle is in, then free it (NULL is ok).
+ * A tracee that has not reached its stop yet (still frozen) cannot be detached by the
+ * kernel's rules; it is remembered and detached by dbxcr_stop_sweep once it stops. */
+void dbxcr_stop_abort(struct dbxcr_stop *s);
+
+/* Detach aborted tracees (of the calling thread) that have stopped since; wait up to
+ * timeout_ms (0: just poll, < 0: forever).  Returns how many are still pending. */
+int dbxcr_stop_sweep(int timeout_ms);
+
 /* A regular file to reopen in the child at fd, with open(2) flags and a file offset.
  * The path is resolved in the child after the optional setns and chdir. */
 struct dbxcr_file {

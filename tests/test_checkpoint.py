@@ -11,11 +11,11 @@ import deltabox
 from deltabox import Sandbox
 
 
-def test_checkpoint_rollback_restores_files_and_restarts_sessions(sbx: Sandbox) -> None:
+def test_fs_checkpoint_rollback_restores_files_and_restarts_sessions(sbx: Sandbox) -> None:
     sbx.files.write("keep.txt", "v1")
     s = sbx.session("main")
     s.run("cd /tmp && export X=1")
-    cp = sbx.checkpoint()
+    cp = sbx.checkpoint(mode="fs")
     assert cp.sandbox_id == sbx.id and cp.parent_id is None and cp.kind == "fs"
     assert cp.files_changed >= 1 and cp.bytes_changed >= 2 and cp.duration_ms > 0
     sbx.files.write("keep.txt", "v2")
@@ -31,10 +31,21 @@ def test_checkpoint_rollback_restores_files_and_restarts_sessions(sbx: Sandbox) 
 
 def test_rollback_kills_processes(sbx: Sandbox) -> None:
     sbx.exec("nohup sleep 1000 >/dev/null 2>&1 &")
-    cp = sbx.checkpoint()
+    cp = sbx.checkpoint(mode="fs")
     res = sbx.rollback(cp)
-    assert res.processes_killed >= 1
+    assert res.processes_killed >= 1 and res.process_state == "restarted"
     assert "sleep" not in sbx.exec("ps -eo comm").stdout
+
+
+def test_full_rollback_keeps_only_the_checkpoints_processes(sbx: Sandbox) -> None:
+    sbx.exec("nohup sleep 1001 >/dev/null 2>&1 &")
+    cp = sbx.checkpoint()
+    sbx.exec("nohup sleep 1002 >/dev/null 2>&1 &")
+    res = sbx.rollback(cp)
+    assert res.process_state == "restored"
+    running = [line for line in sbx.exec("ps -eo stat,args").stdout.splitlines()
+               if "sleep" in line and not line.startswith("t")]  # t: templates
+    assert len(running) == 1 and "1001" in running[0]
 
 
 def test_checkpoint_tree_and_parents(sbx: Sandbox) -> None:

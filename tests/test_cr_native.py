@@ -282,3 +282,285 @@ def test_refuses_multithreaded_python(native) -> None:
     finally:
         p.kill()
         p.wait()
+
+
+# ---------- one-instant stop of a frozen process tree ----------
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+TREE = r"""
+import ctypes, json, os, signal, sys, time
+cnt_path, cmd_fd, rep_fd, info_fd = sys.argv[1], *map(int, sys.argv[2:5])
+libc = ctypes.CDLL(None, use_errno=True)
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+os.read(0, 1)                       # go: we are in the cgroup now
+marker = 0
+
+def report(**kw):
+    os.write(rep_fd, (json.dumps({"pid": os.getpid(), "marker": marker, **kw}) + "\n").encode())
+
+sleeper = os.fork()
+if sleeper == 0:                    # nanosleep via libc: an EINTR would be visible
+    marker = 111
+    t0 = time.monotonic()
+    ts = (ctypes.c_long * 2)(1, 0)
+    rc = libc.nanosleep(ts, None)
+    report(rc=rc, errno=ctypes.get_errno() if rc else 0, elapsed=time.monotonic() - t0)
+    os._exit(0)
+reader = os.fork()
+if reader == 0:
+    marker = 222
+    report(data=os.read(cmd_fd, 100).decode())
+    os._exit(0)
+fd = os.open(cnt_path, os.O_WRONLY | os.O_APPEND)
+os.write(info_fd, json.dumps({"kids": [sleeper, reader], "fd": fd}).encode() + b"\n")
+c, nxt = 0, time.monotonic()
+while True:                         # busy loop, one line per millisecond
+    while time.monotonic() < nxt:
+        pass
+    nxt += 0.001
+    c += 1
+    os.write(fd, b"%d\n" % c)
+"""
+
+
+def _lines(path: Path) -> list[int]:
+    return [int(x) for x in path.read_text().split()]
+
+
+def _wait(cond, timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.005)
+
+
+def _in_syscall(pid: int, nr: str) -> bool:
+    try:
+        return Path(f"/proc/{pid}/syscall").read_text().split()[0] == nr
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+class Freezer:
+    """A cgroup v1 freezer cgroup for the test (removed on close)."""
+
+    def __init__(self) -> None:
+        self.path = FREEZER / f"dbx-test-{os.getpid()}-{os.urandom(4).hex()}"
+        self.path.mkdir()
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def set(self, state: str) -> None:
+        (self.path / "freezer.state").write_text(state)
+        _wait(lambda: (self.path / "freezer.state").read_text().strip() == state, 2.0,
+              f"freezer {state}")
+
+    def thaw_now(self) -> None:
+        """Thaw without waiting (cleanup: v1-frozen tasks die of SIGKILL only once thawed)."""
+        try:
+            (self.path / "freezer.state").write_text("THAWED")
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.thaw_now()
+        deadline = time.monotonic() + 2
+        while self.path.exists():
+            try:
+                self.path.rmdir()
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+
+@pytest.mark.skipif(not FREEZER.is_dir(), reason="no cgroup v1 freezer")
+def test_stop_frozen_tree_python(native, tmp_path: Path) -> None:
+    cnt, snap = tmp_path / "counter", tmp_path / "counter.snap"
+    cnt.write_text("")
+    cmd_r, cmd_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    info_r, info_w = os.pipe()
+    cg = Freezer()
+    stops, tpls, extra, kids = [], [], [], []
+    p = None
+    try:
+        p = subprocess.Popen([sys.executable, "-c", TREE, str(cnt), str(cmd_r), str(rep_w),
+                              str(info_w)], stdin=subprocess.PIPE,
+                             pass_fds=(cmd_r, rep_w, info_w))
+        for fd in (cmd_r, rep_w, info_w):
+            os.close(fd)
+        cg.add(p.pid)
+        p.stdin.write(b"g")
+        p.stdin.flush()
+        info = Lines(info_r).read()
+        kids = info["kids"]
+        pids = [p.pid, *kids]
+        _wait(lambda: _in_syscall(kids[0], "230"), what="sleeper in clock_nanosleep")
+        _wait(lambda: _in_syscall(kids[1], "0"), what="reader in read")
+        _wait(lambda: len(_lines(cnt)) > 50, what="counter counting")
+
+        cg.set("FROZEN")
+        frozen_size = cnt.stat().st_size
+        t0 = time.monotonic()
+        stops = [native.begin_stop(pid) for pid in pids]
+        assert time.monotonic() - t0 < 0.5          # never waits for a frozen task
+        assert [s.kind for s in stops] == ["none"] * 3
+        cg.set("THAWED")
+        assert [s.wait(timeout=3) for s in stops] == ["interrupt"] * 3
+        assert [native.proc_status(pid).state for pid in pids] == ["t"] * 3
+        assert native.proc_status(kids[0]).tracer_pid == os.getpid()
+
+        # Everything is stopped: the file holds still; snapshot it.
+        # No user code ran between the thaw and the stops: not a single new line.
+        assert cnt.stat().st_size == frozen_size
+        time.sleep(0.03)
+        assert cnt.stat().st_size == frozen_size
+        snap.write_bytes(cnt.read_bytes())
+        last = len(_lines(snap))
+        assert _lines(snap) == list(range(1, last + 1))
+
+        tpls = [s.make_template() for s in stops]
+        for s in stops:
+            s.resume()
+        assert [native.proc_status(pid).tracer_pid for pid in pids] == [0] * 3
+
+        # The originals continue: counting without gap, sleep without EINTR, read gets data.
+        _wait(lambda: len(_lines(cnt)) > last + 20, what="counter continues")
+        got = _lines(cnt)
+        assert got == list(range(1, len(got) + 1))
+        os.write(cmd_w, b"after")
+        reports = Lines(rep_r)
+        by_pid = {}
+        while len(by_pid) < 2:
+            r = reports.read(timeout=3)
+            by_pid[r["pid"]] = r
+        assert by_pid[kids[1]] == {"pid": kids[1], "marker": 222, "data": "after"}
+        r = by_pid[kids[0]]
+        assert (r["rc"], r["errno"], r["marker"]) == (0, 0, 111) and 0.99 <= r["elapsed"] < 2.5
+
+        # Children of the templates start from the stop instant.
+        r_in, w_in = os.pipe()
+        try:
+            extra.append(tpls[0].spawn(files=[native.ReopenFile(
+                info["fd"], str(snap), os.O_WRONLY | os.O_APPEND, 0)]))
+            extra.append(tpls[1].spawn())
+            extra.append(tpls[2].spawn(fds={cmd_r: r_in}))
+        finally:
+            os.close(r_in)
+        _wait(lambda: len(_lines(snap)) > last + 20, what="counter child counting")
+        got = _lines(snap)
+        assert got == list(range(1, len(got) + 1)), f"first new value {got[last]} != {last + 1}"
+        os.write(w_in, b"tpl")
+        os.close(w_in)
+        by_pid = {}
+        while len(by_pid) < 2:
+            r = reports.read(timeout=3)
+            by_pid[r["pid"]] = r
+        assert by_pid[extra[2]] == {"pid": extra[2], "marker": 222, "data": "tpl"}
+        r = by_pid[extra[1]]
+        assert (r["rc"], r["errno"], r["marker"]) == (0, 0, 111) and 0.99 <= r["elapsed"] < 3
+    finally:
+        for s in stops:
+            s.abort()
+        for t in tpls:
+            t.release()
+        cg.thaw_now()
+        for pid in extra + kids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if extra:
+            kill_reap(extra[0])     # a sibling of the tree parent: our child
+        if p is not None:
+            p.kill()
+            p.wait()
+        for fd in (cmd_w, rep_r, info_r):
+            os.close(fd)
+        cg.close()
+        assert native.sweep_stops(0) == 0
+
+
+def test_stop_refusals_and_abort_python(native) -> None:
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        _wait(lambda: _in_syscall(p.pid, "230"), what="sleeping")
+        with native.begin_stop(p.pid) as s:
+            import threading
+            caught: list[BaseException] = []
+            t = threading.Thread(target=lambda: caught.extend(_try(s.wait)))
+            t.start()
+            t.join()
+            assert len(caught) == 1 and caught[0].errno == errno.EPERM, caught
+            assert s.wait(timeout=2) == "interrupt"
+            with pytest.raises(native.CRError) as e:
+                native.begin_stop(p.pid)
+            assert e.value.errno == errno.EBUSY and f"pid {p.pid}" in str(e.value)
+        assert native.proc_status(p.pid).tracer_pid == 0
+        _wait(lambda: _in_syscall(p.pid, "230"), what="sleeping again after abort")
+    finally:
+        p.kill()
+        p.wait()
+
+
+FD_HOLDER = r"""
+import json, os, socket, sys, time
+d = sys.argv[1]
+reg = os.open(os.path.join(d, "reg"), os.O_RDWR | os.O_CREAT)
+os.write(reg, b"hello")
+gone = os.open(os.path.join(d, "gone"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+os.unlink(os.path.join(d, "gone"))
+pr, pw = os.pipe()
+lst = socket.socket()
+lst.bind(("127.0.0.1", 0))
+lst.listen()
+a, b = socket.socketpair()
+ev = os.eventfd(0)
+null = os.open("/dev/null", os.O_RDONLY)
+dirfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+print(json.dumps({"reg": reg, "gone": gone, "pr": pr, "pw": pw, "lst": lst.fileno(),
+                  "port": lst.getsockname()[1], "a": a.fileno(), "b": b.fileno(), "ev": ev,
+                  "null": null, "dir": dirfd}), flush=True)
+time.sleep(30)
+"""
+
+
+def test_fds_inventory_python(native, tmp_path: Path) -> None:
+    p = subprocess.Popen([sys.executable, "-c", FD_HOLDER, str(tmp_path)],
+                         stdout=subprocess.PIPE)
+    try:
+        n = Lines(p.stdout.fileno()).read()
+        inv = {f.fd: f for f in native.fds(p.pid)}
+        reg, gone = inv[n["reg"]], inv[n["gone"]]
+        assert (reg.kind, reg.target, reg.deleted, reg.pos, reg.flags & 3) == (
+            "file", str(tmp_path / "reg"), False, 5, os.O_RDWR)
+        assert (gone.kind, gone.target, gone.deleted) == ("file", str(tmp_path / "gone"), True)
+        assert gone.flags & os.O_APPEND
+        pr, pw = inv[n["pr"]], inv[n["pw"]]
+        assert pr.kind == pw.kind == "pipe" and pr.inode == pw.inode > 0
+        assert pr.target == f"pipe:[{pr.inode}]" and pw.flags & 3 == os.O_WRONLY
+        lst = inv[n["lst"]]
+        assert lst.kind == "socket" and lst.socket == native.SockInfo(
+            "inet", "tcp", "listen", f"127.0.0.1:{n['port']}", "0.0.0.0:0")
+        assert lst.socket.listening
+        assert lst.describe() == f"inet tcp listen 127.0.0.1:{n['port']}"
+        a, b = inv[n["a"]], inv[n["b"]]
+        assert a.socket.family == b.socket.family == "unix"
+        assert (a.socket.type, a.socket.state) == ("stream", "connected") and a.inode != b.inode
+        ev = inv[n["ev"]]
+        assert (ev.kind, ev.target) == ("anon", "anon_inode:[eventfd]")
+        null = inv[n["null"]]
+        assert (null.kind, null.target, null.rdev) == ("chr", "/dev/null", (1, 3))
+        assert (inv[n["dir"]].kind, inv[n["dir"]].target) == ("dir", str(tmp_path))
+
+        st = native.proc_status(p.pid)
+        assert (st.ppid, st.threads, st.tracer_pid, st.nspid) == (os.getpid(), 1, 0, (p.pid,))
+        assert st.pgid == os.getpgid(p.pid) and st.sid == os.getsid(p.pid)
+        assert st.state in "SR"
+    finally:
+        p.kill()
+        p.wait()

@@ -6,8 +6,22 @@
                       files=regular_files(pid), cwd="/work", set_tid=[pid_in_ns])
     tpl.release()                             # SIGKILL + reap
 
-Threading rule: a template is ptrace-held by the OS thread that created it; spawn and
-release must be called from that same thread (the library checks and raises EPERM).  Run
+A whole sandbox at one instant (memory and files agree), see fork_template.h:
+
+    freeze the cgroup (v1 freezer.state = FROZEN, wait for FROZEN)
+    stops = [begin_stop(pid) for pid in pids]  # seize + interrupt, never waits
+    thaw the cgroup                           # tasks go straight into the ptrace stop
+    for s in stops: s.wait(timeout=2.0)       # CRError ESRCH if it exited meanwhile
+    snapshot the file system                  # every task is stopped
+    tpls = [s.make_template() for s in stops]
+    for s in stops: s.resume()                # exactly as before, detached
+    # on any error: s.abort() for every handle, thaw, then sweep_stops(timeout)
+
+fds(pid) and proc_status(pid) read /proc so the daemon can refuse what it cannot restore.
+
+Threading rule: a template or a Stopped handle is ptrace-held by the OS thread that
+created it; every call on it must come from that same thread (the kernel lets only the
+tracer thread wait for, resume or detach a tracee) (the library checks and raises EPERM).  Run
 all template work on one dedicated thread (for example a single-thread executor), never on
 a pool.  Everything here is x86_64 Linux and needs root (CAP_SYS_PTRACE, CAP_SYS_ADMIN).
 
@@ -19,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import errno as _errno
+import ipaddress
 import os
 import stat as _stat
 import threading
@@ -52,6 +67,11 @@ class _File(ctypes.Structure):
 
 class _FdMap(ctypes.Structure):
     _fields_ = [("src", ctypes.c_int), ("target", ctypes.c_int), ("cloexec", ctypes.c_int)]
+
+
+class _StopInfo(ctypes.Structure):
+    _fields_ = [("pid", ctypes.c_int), ("kind", ctypes.c_int), ("signal", ctypes.c_int),
+                ("done", ctypes.c_int)]
 
 
 class _SpawnOpts(ctypes.Structure):
@@ -95,6 +115,20 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_spawn.restype = ctypes.c_int
         lib.dbxcr_release_template.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_release_template.restype = ctypes.c_int
+        lib.dbxcr_stop_begin.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), err]
+        lib.dbxcr_stop_begin.restype = ctypes.c_int
+        lib.dbxcr_stop_wait.argtypes = [ctypes.c_void_p, ctypes.c_int, err]
+        lib.dbxcr_stop_wait.restype = ctypes.c_int
+        lib.dbxcr_stop_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(_StopInfo)]
+        lib.dbxcr_stop_get_info.restype = None
+        lib.dbxcr_template_stopped.argtypes = [ctypes.c_void_p, err]
+        lib.dbxcr_template_stopped.restype = ctypes.c_void_p
+        lib.dbxcr_stop_resume.argtypes = [ctypes.c_void_p, err]
+        lib.dbxcr_stop_resume.restype = ctypes.c_int
+        lib.dbxcr_stop_abort.argtypes = [ctypes.c_void_p]
+        lib.dbxcr_stop_abort.restype = None
+        lib.dbxcr_stop_sweep.argtypes = [ctypes.c_int]
+        lib.dbxcr_stop_sweep.restype = ctypes.c_int
         _lib = lib
         return lib
 
@@ -267,3 +301,264 @@ def spawn(template: Template, **kwargs) -> int:
 
 def release_template(template: Template) -> None:
     template.release()
+
+
+# ---------- stopping a process tree at one instant ----------
+
+STOP_KINDS = {0: "none", 1: "interrupt", 2: "signal", 3: "group-stop"}
+
+
+class Stopped:
+    """A process seized for a checkpoint (dbxcr_stop_*).  Every method must be called on
+    the OS thread that called begin_stop (EPERM otherwise).
+
+    .kind after wait(): "interrupt" (our stop), "signal" (a signal was being delivered:
+    it is handed back on resume) or "group-stop" (job-control stopped: stays stopped)."""
+
+    def __init__(self, handle: int, pid: int) -> None:
+        self._handle: int | None = handle
+        self.pid = pid
+        self.owner_thread = threading.get_native_id()
+
+    def _h(self) -> int:
+        if self._handle is None:
+            raise CRError(_errno.EINVAL, f"pid {self.pid}: stop handle already finished")
+        return self._handle
+
+    def _info(self) -> _StopInfo:
+        info = _StopInfo()
+        _load().dbxcr_stop_get_info(self._h(), ctypes.byref(info))
+        return info
+
+    @property
+    def kind(self) -> str:
+        return "none" if self._handle is None else STOP_KINDS[self._info().kind]
+
+    @property
+    def signal(self) -> int:
+        """The group-stop signal, or the signal that was being delivered, else 0."""
+        return 0 if self._handle is None else self._info().signal
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Wait for the stop (None: forever) and record registers/mask; returns .kind.
+        CRError ETIMEDOUT if still not stopped (wait again or abort), ESRCH if the process
+        exited or was killed meanwhile."""
+        ms = -1 if timeout is None else max(0, int(timeout * 1000))
+        err = _Err()
+        if _load().dbxcr_stop_wait(self._h(), ms, ctypes.byref(err)) < 0:
+            _raise(err)
+        return self.kind
+
+    def make_template(self) -> Template:
+        """Fork the stopped process into a Template; the process stays stopped, unchanged."""
+        lib = _load()
+        err = _Err()
+        handle = lib.dbxcr_template_stopped(self._h(), ctypes.byref(err))
+        if not handle:
+            _raise(err)
+        return Template(handle, lib.dbxcr_template_pid(handle),
+                        lib.dbxcr_template_origin(handle))
+
+    def resume(self) -> None:
+        """Give the process back exactly as it was stopped and detach; frees the handle."""
+        err = _Err()
+        if _load().dbxcr_stop_resume(self._h(), ctypes.byref(err)) < 0:
+            _raise(err)
+        self.abort()
+
+    def abort(self) -> None:
+        """Best effort resume/detach in any state, then free.  Idempotent.  A process that
+        has not stopped yet (cgroup still frozen) is detached later by sweep_stops()."""
+        if self._handle is None:
+            return
+        handle, self._handle = self._handle, None
+        _load().dbxcr_stop_abort(handle)
+
+    def __enter__(self) -> "Stopped":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+    def __repr__(self) -> str:
+        return f"<Stopped pid={self.pid} {self.kind}>"
+
+
+def begin_stop(pid: int) -> Stopped:
+    """PTRACE_SEIZE + PTRACE_INTERRUPT pid without waiting (safe on a frozen cgroup).
+    Raises CRError for multi-threaded (ENOTSUP), traced (EBUSY) or exiting (ESRCH) pids."""
+    lib = _load()
+    handle, err = ctypes.c_void_p(), _Err()
+    if lib.dbxcr_stop_begin(pid, ctypes.byref(handle), ctypes.byref(err)) < 0:
+        _raise(err)
+    return Stopped(handle.value, pid)
+
+
+def sweep_stops(timeout: float = 0.0) -> int:
+    """Detach aborted handles (of this thread) whose process has stopped since; waits up
+    to timeout seconds.  Returns how many are still pending."""
+    return _load().dbxcr_stop_sweep(int(timeout * 1000))
+
+
+# ---------- /proc inventory ----------
+
+@dataclass(frozen=True)
+class ProcStatus:
+    ppid: int
+    pgid: int
+    sid: int
+    threads: int
+    state: str          # R, S, D, T, t, Z, ...
+    tracer_pid: int
+    nspid: tuple[int, ...]  # outermost (ours) first, innermost last
+
+
+def proc_status(pid: int) -> ProcStatus:
+    """Process tree and tracing facts from /proc/pid/stat and /proc/pid/status."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    f = stat[stat.rindex(")") + 2:].split()
+    status = dict(line.split(":", 1) for line in
+                  Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return ProcStatus(ppid=int(f[1]), pgid=int(f[2]), sid=int(f[3]), threads=int(f[17]),
+                      state=f[0], tracer_pid=int(status["TracerPid"]),
+                      nspid=tuple(int(x) for x in status.get("NSpid", str(pid)).split()))
+
+
+@dataclass(frozen=True)
+class SockInfo:
+    family: str         # "unix", "inet", "inet6", "netlink", "packet", "unknown"
+    type: str           # unix: "stream"/"dgram"/"seqpacket"; inet: "tcp"/"udp"; else ""
+    state: str          # "listen", "connected", "unconnected", or a TCP state name
+    local: str = ""     # unix path ("@name" abstract) or "addr:port"
+    remote: str = ""    # "addr:port" for inet; "" for unix (peer needs sock_diag)
+
+    @property
+    def listening(self) -> bool:
+        return self.state == "listen"
+
+
+@dataclass(frozen=True)
+class FdInfo:
+    fd: int
+    kind: str           # file, dir, pipe, fifo, socket, chr, blk, anon, other
+    target: str         # readlink of /proc/pid/fd/N (" (deleted)" removed if deleted)
+    deleted: bool = False
+    flags: int = 0      # open(2) flags from fdinfo
+    pos: int = 0
+    inode: int = 0      # pipe / socket / file inode
+    rdev: tuple[int, int] | None = None   # (major, minor) for chr / blk
+    socket: SockInfo | None = None
+
+    @property
+    def path(self) -> str:
+        """Alias of target."""
+        return self.target
+
+    def describe(self) -> str:
+        """One line for error messages, e.g. "inet tcp listen 127.0.0.1:8000"."""
+        if self.socket is not None:
+            k = self.socket
+            peer = k.remote if k.remote not in ("", "0.0.0.0:0", "[::]:0") else ""
+            ends = " ".join(x for x in (k.local, peer and f"-> {peer}") if x)
+            return " ".join(x for x in (k.family, k.type, k.state, ends) if x)
+        if self.rdev is not None:
+            return f"{self.target} ({self.kind} {self.rdev[0]}:{self.rdev[1]})"
+        return f"{self.target}{' (deleted)' if self.deleted else ''}"
+
+
+_TCP_STATES = {1: "established", 2: "syn-sent", 3: "syn-recv", 4: "fin-wait1",
+               5: "fin-wait2", 6: "time-wait", 7: "close", 8: "close-wait", 9: "last-ack",
+               10: "listen", 11: "closing"}
+_UNIX_TYPES = {1: "stream", 2: "dgram", 5: "seqpacket"}
+
+
+def _inet_addr(hexaddr: str) -> str:
+    ip, port = hexaddr.split(":")
+    raw = bytes.fromhex(ip)
+    # /proc prints each 32-bit word in host (little-endian) order.
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    addr = ipaddress.ip_address(raw)
+    return (f"[{addr}]" if addr.version == 6 else str(addr)) + f":{int(port, 16)}"
+
+
+def _sockets(pid: int) -> dict[int, SockInfo]:
+    """Sockets of pid's network namespace by inode, from /proc/pid/net/*."""
+    out: dict[int, SockInfo] = {}
+    net = Path(f"/proc/{pid}/net")
+
+    def rows(name: str) -> list[list[str]]:
+        try:
+            return [line.split() for line in (net / name).read_text().splitlines()[1:]]
+        except OSError:
+            return []
+
+    for name, fam, proto in (("tcp", "inet", "tcp"), ("tcp6", "inet6", "tcp"),
+                             ("udp", "inet", "udp"), ("udp6", "inet6", "udp")):
+        for r in rows(name):
+            if len(r) < 10:
+                continue
+            st = int(r[3], 16)
+            local, remote = _inet_addr(r[1]), _inet_addr(r[2])
+            if proto == "tcp":
+                state = "listen" if st == 10 else "connected" if st == 1 else _TCP_STATES.get(
+                    st, str(st))
+            else:
+                state = "connected" if st == 1 else "unconnected"
+            out[int(r[9])] = SockInfo(fam, proto, state, local, remote)
+    for r in rows("unix"):
+        if len(r) < 7:
+            continue
+        flags, typ, st = int(r[3], 16), int(r[4], 16), int(r[5], 16)
+        state = ("listen" if flags & 0x10000 else "connected" if st == 3 else
+                 "connecting" if st == 2 else "unconnected")
+        out[int(r[6])] = SockInfo("unix", _UNIX_TYPES.get(typ, str(typ)), state,
+                                  r[7] if len(r) > 7 else "")
+    for name, fam in (("netlink", "netlink"), ("packet", "packet")):
+        for r in rows(name):
+            if r and r[-1].isdigit():
+                out.setdefault(int(r[-1]), SockInfo(fam, "", ""))
+    return out
+
+
+def fds(pid: int) -> list[FdInfo]:
+    """Inventory of pid's open descriptors (a descriptor closed meanwhile is skipped)."""
+    base = Path(f"/proc/{pid}")
+    socks: dict[int, SockInfo] | None = None
+    out = []
+    for entry in sorted(os.listdir(base / "fd"), key=int):
+        fd = int(entry)
+        try:
+            target = os.readlink(base / "fd" / entry)
+            st = os.stat(base / "fd" / entry)
+            info = (base / "fdinfo" / entry).read_text()
+        except FileNotFoundError:
+            continue
+        fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+        flags, pos = int(fields["flags"].strip(), 8), int(fields["pos"].strip())
+        mode, deleted, rdev, sock = st.st_mode, False, None, None
+        if target.startswith("pipe:["):
+            kind = "pipe"
+        elif target.startswith("socket:["):
+            kind = "socket"
+            if socks is None:
+                socks = _sockets(pid)
+            sock = socks.get(st.st_ino, SockInfo("unknown", "", ""))
+        elif target.startswith("anon_inode:") or target.startswith("/memfd:"):
+            kind = "anon"
+        elif _stat.S_ISREG(mode):
+            kind = "file"
+            deleted = st.st_nlink == 0
+        elif _stat.S_ISDIR(mode):
+            kind = "dir"
+        elif _stat.S_ISFIFO(mode):
+            kind = "fifo"
+        elif _stat.S_ISCHR(mode) or _stat.S_ISBLK(mode):
+            kind = "chr" if _stat.S_ISCHR(mode) else "blk"
+            rdev = (os.major(st.st_rdev), os.minor(st.st_rdev))
+        else:
+            kind = "other"
+        if target.endswith(" (deleted)") and (deleted or kind == "anon"):
+            deleted = True
+            target = target[:-len(" (deleted)")]
+        out.append(FdInfo(fd, kind, target, deleted, flags, pos, st.st_ino, rdev, sock))
+    return out

@@ -15,7 +15,10 @@ import trio
 from ..errors import DeltaBoxError
 from ..fs.store import open_store
 from ..sandbox.cgroups import CgroupDriver, parent_name
+from ..sandbox.reaper import become_subreaper, reap_orphans
 from ..background import GuardedNursery
+from ..cr.engine import DeltaCR
+from ..cr.worker import PtraceWorker
 from .db import Database
 from .server import Servicer, make_server
 from .service import Config, Daemon
@@ -78,6 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+async def _reap_forever() -> None:
+    """Orphaned sandbox processes become our zombies (we are a subreaper): reap them."""
+    while True:
+        reap_orphans()
+        await trio.sleep(0.2)
+
+
 def _lock_state_dir(state_dir: Path) -> int:
     """One daemon per state dir: a second one would fight over mounts and cgroups."""
     fd = os.open(state_dir / "daemon.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -90,6 +100,7 @@ def _lock_state_dir(state_dir: Path) -> int:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    become_subreaper()
     state_dir = Path(args.state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     lock_fd = _lock_state_dir(state_dir)
@@ -103,9 +114,11 @@ async def serve(args: argparse.Namespace) -> None:
     sock = Path(args.socket)
     sock.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
     sock.unlink(missing_ok=True)
-    async with trio.open_nursery() as nursery:
+    async with PtraceWorker() as ptrace, trio.open_nursery() as nursery:
         background = GuardedNursery(nursery)
-        daemon = Daemon(cfg, store, db, CgroupDriver(parent_name(str(state_dir))), background)
+        daemon = Daemon(cfg, store, db, CgroupDriver(parent_name(str(state_dir))), background,
+                        DeltaCR(ptrace))
+        nursery.start_soon(_reap_forever)
         try:
             await daemon.recover()
             server = make_server(Servicer(daemon, trio.lowlevel.current_trio_token(), token),

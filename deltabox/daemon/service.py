@@ -31,8 +31,11 @@ from ..fs.store import Store, close_store
 from ..models import CreateParams
 from ..sandbox import execute, runtime
 from ..sandbox.cgroups import Cgroup, CgroupDriver, Limits
-from ..sandbox.session import Session
+from ..sandbox.reaper import reap_orphans
+from ..sandbox.session import AdoptedShell, Session
 from ..background import GuardedNursery
+from ..cr import native
+from ..cr.engine import DeltaCR, ProcessState
 from .db import CheckpointRow, Database, SandboxRow
 from .warm import WarmPool
 
@@ -72,6 +75,13 @@ class Live:
     sessions: dict[str, Session] = field(default_factory=dict)
     restarted: set[str] = field(default_factory=set)     # sessions lost by a rollback
     procs: set[trio.Process] = field(default_factory=set)
+    # checkpoint id -> its processes (templates live in this sandbox's pid namespace)
+    captured: dict[str, ProcessState] = field(default_factory=dict)
+    held_fds: list[int] = field(default_factory=list)    # pipe ends kept for restored processes
+
+    @property
+    def template_pids(self) -> set[int]:
+        return {p for st in self.captured.values() for p in st.template_pids}
 
 
 def new_id(prefix: str) -> str:
@@ -80,12 +90,13 @@ def new_id(prefix: str) -> str:
 
 class Daemon:
     def __init__(self, cfg: Config, store: Store, db: Database, cgroups: CgroupDriver,
-                 background: GuardedNursery) -> None:
+                 background: GuardedNursery, cr: DeltaCR) -> None:
         self.cfg = cfg
         self.store = store
         self.db = db
         self.cgroups = cgroups
         self.background = background
+        self.cr = cr
         self.live: dict[str, Live] = {}
         self.run_dir = cfg.state_dir / "run"
         self.mountpoint = self.run_dir / "rootmnt"
@@ -162,7 +173,7 @@ class Daemon:
             store_backend=self.store.backend, store_path=str(self.store.root),
             cgroup_version=self.cgroups.version, sandboxes=len(self.db.sandboxes()),
             checkpoints=len(self.db.all_checkpoints()), store_bytes_total=usage.total,
-            store_bytes_free=usage.free, process_backend="restart-sessions",
+            store_bytes_free=usage.free, process_backend="templates (ptrace fork)",
             inspector_backend="none",
             store_durability=self._durability())
 
@@ -284,6 +295,10 @@ class Daemon:
             await s.close()
         for p in list(live.procs):
             _kill(p)
+        for state in live.captured.values():
+            await self.cr.release(state)
+        for fd in live.held_fds:
+            os.close(fd)
         await runtime.stop(live.rt)
         live.rt.cgroup.remove()
 
@@ -444,31 +459,115 @@ class Daemon:
             if self.store.needs_sync():
                 await trio.to_thread.run_sync(self.store.sync)
             t_freeze = time.perf_counter()
+            captured: ProcessState | None = None
             live.rt.cgroup.freeze()
-            try:
-                self.store.freeze(row.layer_id, layer)
-            finally:
-                live.rt.cgroup.thaw()
+            if mode == "fs":
+                try:
+                    self.store.freeze(row.layer_id, layer)
+                finally:
+                    live.rt.cgroup.thaw()
+            else:
+                captured = await self._capture(live, row.layer_id, layer)
             freeze_ms = (time.perf_counter() - t_freeze) * 1000
             changes = self.store.changes_since(layer, row.base_gen)
             # The snapshot committed its transaction: later writes are strictly newer.
             row.base_gen = self.store.generation(layer)
+            if captured is None:
+                reasons = ["mode=fs: file state only (processes restart on rollback)"]
+            else:
+                reasons = [f"{len(captured.records)} processes captured as templates"]
+            if not changes:
+                reasons.append("change summary unavailable on the copy store")
             cp = CheckpointRow(
                 id=cp_id, family_id=row.family_id, sandbox_id=sid, parent_id=row.head_cp,
-                layer_id=layer, image=row.image, kind="fs", label=label,
-                created_at=time.time(), duration_ms=0.0,
+                layer_id=layer, image=row.image, kind="fs" if captured is None else "full",
+                label=label, created_at=time.time(), duration_ms=0.0,
                 files_changed=changes.files if changes else 0,
                 bytes_changed=changes.bytes if changes else 0, freeze_ms=freeze_ms,
-                reasons=["file state captured; processes are not (sessions restart on "
-                         "rollback)"] + ([] if changes else ["change summary unavailable "
-                                                             "on the copy store"]))
+                reasons=reasons)
             cp.duration_ms = (time.perf_counter() - t0) * 1000
             row.head_cp = cp_id
-            with self.db.transaction():
-                self.db.put_checkpoint(cp)
-                self.db.put_sandbox(row)
+            try:
+                with self.db.transaction():
+                    self.db.put_checkpoint(cp)
+                    self.db.put_sandbox(row)
+            except BaseException:
+                if captured is not None:
+                    with trio.CancelScope(shield=True):
+                        await self.cr.release(captured)
+                raise
+            if captured is not None:
+                live.captured[cp_id] = captured
             self.warm.prepare(sid, cp.id, cp.layer_id)
             return cp
+
+    async def _capture(self, live: Live, src_layer: str, layer: str) -> ProcessState:
+        """With the cgroup frozen: capture every process of the sandbox and snapshot the
+        files at the same instant (DeltaCR). Thaws the cgroup whatever happens; on failure
+        the snapshot is removed and nothing changed."""
+        thawed = False
+
+        def thaw() -> None:
+            nonlocal thawed
+            if not thawed:
+                live.rt.cgroup.thaw()
+                thawed = True
+
+        async def snapshot() -> None:
+            self.store.freeze(src_layer, layer)
+
+        try:
+            pids = self._sandbox_processes(live)
+            if not pids:  # nothing runs but init: the snapshot alone is the whole state
+                await snapshot()
+                return ProcessState([], {}, {}, {})
+            session_inodes, daemon_inodes = self._daemon_pipes(live)
+            return await self.cr.capture(
+                pids, live.rt.cgroup.freeze, thaw, snapshot, session_inodes, daemon_inodes,
+                tracer_ok=set())
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                thaw()
+                if self.store.layer_path(layer).exists():
+                    self.store.delete(layer)
+            raise
+        finally:
+            thaw()
+
+    def _sandbox_processes(self, live: Live) -> list[int]:
+        """Host pids of the sandbox's own processes: in its cgroup and its pid namespace,
+        not init, not our templates, not zombies (cgroup frozen by the caller)."""
+        skip = live.rt.keep_pids | live.template_pids
+        out = []
+        for pid in sorted(live.rt.cgroup.pids() - skip):
+            try:
+                st = native.proc_status(pid)
+            except OSError:
+                continue  # exited meanwhile
+            if len(st.nspid) >= 2 and st.state != "Z":
+                out.append(pid)
+        return out
+
+    def _daemon_pipes(self, live: Live) -> tuple[dict[int, str], set[int]]:
+        """Inodes of pipes whose other end is ours: sessions' (name:fd) and all others."""
+        sessions: dict[int, str] = {}
+        for name, sess in live.sessions.items():
+            if sess.shell is None:
+                continue
+            for n, stream in enumerate((sess.shell.stdin, sess.shell.stdout, sess.shell.stderr)):
+                try:
+                    sessions[os.fstat(stream.fileno()).st_ino] = f"{name}:{n}"
+                except (OSError, AttributeError):
+                    pass
+        ours = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("pipe:["):
+                ours.add(int(target[6:-1]))
+        return sessions, ours
 
     async def rollback(self, sid: str, cp_id: str) -> dict:
         """Make the sandbox's files exactly the checkpoint's; processes restart."""
@@ -499,13 +598,46 @@ class Daemon:
                 self.db.put_sandbox(row)
             self._retire_later(old, old_layer)
             self.warm.prepare(sid, cp_id, cp.layer_id)  # for the next rollback to it
-            restarted = sorted(live.sessions)
+            old_sessions, live.sessions = live.sessions, {}
+            for sess in old_sessions.values():
+                await sess.close()  # their shells are dead: release our pipe ends
+            state, note = await self._restore_processes(live, cp, new_gen)
+            restarted = sorted(set(old_sessions) - set(live.sessions))
             live.restarted.update(restarted)
-            live.sessions.clear()
             return dict(sandbox_id=sid, checkpoint_id=cp_id,
                         duration_ms=(time.perf_counter() - t0) * 1000,
                         sessions_restarted=restarted, processes_killed=killed,
-                        process_state="restarted")
+                        process_state=state, note=note)
+
+    async def _restore_processes(self, live: Live, cp: CheckpointRow,
+                                 gen: runtime.Generation) -> tuple[str, str]:
+        """Bring back the checkpoint's processes from their templates, if this sandbox holds
+        them. Returns (process_state, note)."""
+        captured = live.captured.get(cp.id)
+        if captured is None:
+            why = ("it is file-state only (mode=fs)" if cp.kind == "fs" else
+                   "its process templates live in another sandbox or were lost in a restart")
+            return "restarted", f"processes restarted: {why}"
+        reap_orphans()  # the killed originals' pids must be free for set_tid
+        try:
+            restored = await self.cr.restore(captured, gen.mntfd)
+        except Exception as e:
+            log.error("rollback %s: restoring processes failed: %s", cp.id, e)
+            return "restarted", f"restoring the processes failed ({e}); sessions restart"
+        for name, (pid, stdin_w, out_r, err_r) in restored.session_fds.items():
+            sess = Session(name)
+            sess.attach(AdoptedShell(pid, os.pidfd_open(pid), trio.lowlevel.FdStream(stdin_w),
+                                     trio.lowlevel.FdStream(out_r),
+                                     trio.lowlevel.FdStream(err_r)), self.background)
+            live.sessions[name] = sess
+        for fd, is_read in restored.daemon_fds:
+            if is_read:  # a restored process writes to us: drain it, as for any exec
+                sink = execute.Capture("drain", 0, None)
+                sink.detach()
+                self.background.start_soon(execute.pump, trio.lowlevel.FdStream(fd), sink)
+            else:        # it reads from us: keep the pipe open, as it was
+                live.held_fds.append(fd)
+        return "restored", f"{len(restored.pids)} processes restored from templates"
 
     async def _build_for(self, sid: str, layer: str
                          ) -> tuple[runtime.Generation, runtime.Runtime] | None:
@@ -546,11 +678,16 @@ class Daemon:
         return layer, killed, gen
 
     def _kill_processes(self, live: Live) -> int:
-        """Kill everything in the sandbox but its init (the pid namespace must live on)."""
+        """Kill everything in the sandbox but its init (the pid namespace must live on) and
+        the templates of its checkpoints."""
+        helpers = sum(p.returncode is None for p in live.procs)
         for p in list(live.procs):
-            _kill(p)
+            _kill(p)  # dbx-enter: its command dies with it (PDEATHSIG)
         live.procs.clear()
-        return live.rt.cgroup.kill(keep=live.rt.keep_pids)
+        for fd in live.held_fds:
+            os.close(fd)
+        live.held_fds.clear()
+        return helpers + live.rt.cgroup.kill(keep=live.rt.keep_pids | live.template_pids)
 
     async def _rollback_stopped(self, row: SandboxRow, cp: CheckpointRow) -> dict:
         t0 = time.perf_counter()
@@ -569,7 +706,8 @@ class Daemon:
         self._delete_layer_later(old_layer)
         return dict(sandbox_id=row.id, checkpoint_id=cp.id,
                     duration_ms=(time.perf_counter() - t0) * 1000, sessions_restarted=[],
-                    processes_killed=0, process_state="restarted")
+                    processes_killed=0, process_state="restarted",
+                    note="the sandbox was stopped: it booted again; processes restarted")
 
     async def fork(self, cp_id: str, count: int) -> list[SandboxRow]:
         """N new, independent sandboxes whose files are the checkpoint's."""
@@ -630,6 +768,10 @@ class Daemon:
             self.db.delete_checkpoint(cp_id)
             self.db.reparent(cp_id, cp.parent_id)
         self.warm.drop_checkpoint(cp_id)
+        for live in self.live.values():
+            state = live.captured.pop(cp_id, None)
+            if state is not None:
+                await self.cr.release(state)
         if self.db.layer_refs(cp.layer_id) == 0:
             self._delete_layer_later(cp.layer_id)
             return True

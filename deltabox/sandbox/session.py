@@ -92,7 +92,7 @@ class AdoptedShell:
     """A shell restored from a checkpoint: not the daemon's child, so it is watched through a
     pidfd and its exit status is unknown; its pipes are the ones the restore gave it."""
 
-    pid: int          # host pid; the shell leads its own process group
+    pid: int          # host pid (not a group leader: its group also holds the template)
     pidfd: int
     stdin: trio.lowlevel.FdStream
     stdout: trio.lowlevel.FdStream
@@ -110,8 +110,8 @@ class AdoptedShell:
 
     async def terminate(self) -> None:
         try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        except (ProcessLookupError, OSError):
             pass
         try:
             os.close(self.pidfd)

@@ -17,6 +17,8 @@
 #include <string.h>
 #include <dirent.h>
 #include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
@@ -908,6 +910,638 @@ static void test_refuse_threads(void)
 	close(ready[0]);
 }
 
+/* ---------- 3. stopping a frozen process tree at one instant ---------- */
+
+#define CG_FREEZER "/sys/fs/cgroup/freezer"
+
+static char cg_dir[128];
+
+static int cg_write(const char *file, const char *val)
+{
+	char path[256];
+	int fd, rc = -1;
+
+	snprintf(path, sizeof(path), "%s/%s", cg_dir, file);
+	fd = open(path, O_WRONLY | O_CLOEXEC);
+	if (fd >= 0) {
+		rc = write(fd, val, strlen(val)) == (ssize_t)strlen(val) ? 0 : -1;
+		close(fd);
+	}
+	return rc;
+}
+
+static int cg_add(pid_t pid)
+{
+	char v[32];
+
+	snprintf(v, sizeof(v), "%d", (int)pid);
+	return cg_write("cgroup.procs", v);
+}
+
+/* Set freezer.state and wait until the cgroup reports it (FREEZING -> FROZEN). */
+static int cg_set(const char *state)
+{
+	char path[256], buf[64];
+
+	if (cg_write("freezer.state", state) < 0)
+		return -1;
+	snprintf(path, sizeof(path), "%s/freezer.state", cg_dir);
+	for (int i = 0; i < 400; i++) {
+		int fd = open(path, O_RDONLY | O_CLOEXEC);
+		ssize_t n = fd >= 0 ? read(fd, buf, sizeof(buf) - 1) : -1;
+
+		if (fd >= 0)
+			close(fd);
+		if (n > 0) {
+			buf[n] = '\0';
+			if (strncmp(buf, state, strlen(state)) == 0)
+				return 0;
+		}
+		sleep_ms(5);
+	}
+	return -1;
+}
+
+static int cg_create(void)
+{
+	unsigned int r;
+
+	if (getrandom(&r, sizeof(r), 0) != sizeof(r))
+		r = (unsigned int)now_ms();
+	snprintf(cg_dir, sizeof(cg_dir), CG_FREEZER "/dbx-test-%d-%08x", (int)getpid(), r);
+	return mkdir(cg_dir, 0755);
+}
+
+/* Thaw and remove the cgroup; its tasks must have been killed. */
+static void cg_remove(void)
+{
+	if (!cg_dir[0])
+		return;
+	cg_write("freezer.state", "THAWED");
+	for (int i = 0; i < 200 && rmdir(cg_dir) < 0 && errno == EBUSY; i++)
+		sleep_ms(10);
+	CHECK(access(cg_dir, F_OK) < 0, "cgroup %s not removed", cg_dir);
+	cg_dir[0] = '\0';
+}
+
+struct tree_report {
+	int who;	/* 1: the sleeper, 2: the reader */
+	int pid, rc, err, marker;
+	long long elapsed_ms;
+	char data[16];
+};
+
+#define TREE_CMD_FD 20		/* the reader's pipe */
+#define TREE_REP_FD 21		/* reports from sleeper and reader */
+#define TREE_CNT_FD 22		/* the counter file, O_APPEND */
+#define TREE_SLEEP_MS 1200
+
+static volatile long tree_counter;	/* same address in every copy */
+static volatile int tree_marker;
+
+static long long now_us(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1000000LL + ts.tv_nsec / 1000;
+}
+
+static void tree_report_send(struct tree_report *r)
+{
+	r->pid = getpid();
+	r->marker = tree_marker;
+	if (write(TREE_REP_FD, r, sizeof(*r)) != sizeof(*r))
+		_exit(5);
+}
+
+/* The tree: the parent forks a sleeper and a reader, then appends its counter (8 bytes)
+ * to the counter file once per millisecond, spinning in user mode in between. */
+static void tree_parent(int go, int info)
+{
+	pid_t kids[2];
+	char c;
+
+	if (read(go, &c, 1) != 1)
+		_exit(1);
+	signal(SIGCHLD, SIG_IGN);	/* sleeper, reader and their copies are auto-reaped */
+	kids[0] = fork();
+	if (kids[0] == 0) {
+		struct timespec ts = { TREE_SLEEP_MS / 1000, (TREE_SLEEP_MS % 1000) * 1000000L };
+		struct tree_report r = { .who = 1 };
+		long long t0;
+
+		tree_marker = 111;
+		t0 = now_ms();
+		r.rc = nanosleep(&ts, NULL);
+		r.err = r.rc ? errno : 0;
+		r.elapsed_ms = now_ms() - t0;
+		tree_report_send(&r);
+		_exit(0);
+	}
+	kids[1] = fork();
+	if (kids[1] == 0) {
+		struct tree_report r = { .who = 2 };
+
+		tree_marker = 222;
+		r.rc = (int)read(TREE_CMD_FD, r.data, sizeof(r.data) - 1);
+		r.err = r.rc < 0 ? errno : 0;
+		tree_report_send(&r);
+		_exit(0);
+	}
+	close(TREE_CMD_FD);
+	close(TREE_REP_FD);
+	if (write(info, kids, sizeof(kids)) != sizeof(kids))
+		_exit(1);
+	for (long long next = now_us();; next += 1000) {
+		while (now_us() < next)
+			;
+		tree_counter++;
+		if (write(TREE_CNT_FD, (const void *)&tree_counter, 8) != 8)
+			_exit(2);
+	}
+}
+
+/* Read the counter file; returns the number of records, *seq_ok = records are 1..n. */
+static long read_counter_file(const char *path, long **out, bool *seq_ok)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	long cap = 1 << 16, n = 0;
+	long *v = malloc((size_t)cap * sizeof(long));
+	ssize_t r;
+
+	*seq_ok = false;
+	if (fd < 0 || !v) {
+		if (fd >= 0)
+			close(fd);
+		free(v);
+		return -1;
+	}
+	while ((r = read(fd, v + n, (size_t)(cap - n) * sizeof(long))) > 0) {
+		n += r / (ssize_t)sizeof(long);
+		if (n == cap) {
+			long *nv = realloc(v, (size_t)(cap *= 2) * sizeof(long));
+
+			if (!nv)
+				break;
+			v = nv;
+		}
+	}
+	close(fd);
+	*seq_ok = true;
+	for (long i = 0; i < n; i++)
+		if (v[i] != i + 1)
+			*seq_ok = false;
+	if (out)
+		*out = v;
+	else
+		free(v);
+	return n;
+}
+
+static off_t file_size(const char *path)
+{
+	struct stat st;
+
+	return stat(path, &st) == 0 ? st.st_size : -1;
+}
+
+static int copy_file(const char *from, const char *to)
+{
+	char buf[65536];
+	int a = open(from, O_RDONLY | O_CLOEXEC), b = open(to, O_WRONLY | O_CREAT | O_TRUNC |
+							O_CLOEXEC, 0644);
+	ssize_t n;
+	int rc = (a >= 0 && b >= 0) ? 0 : -1;
+
+	while (rc == 0 && (n = read(a, buf, sizeof(buf))) > 0)
+		if (write(b, buf, (size_t)n) != n)
+			rc = -1;
+	if (a >= 0)
+		close(a);
+	if (b >= 0)
+		close(b);
+	return rc;
+}
+
+/* Wait for a tree report from pid (reports of other pids are kept for later calls). */
+static struct tree_report pending_reports[8];
+static int npending;
+
+static int tree_report_from(int fd, pid_t pid, struct tree_report *out, int ms)
+{
+	long long deadline = now_ms() + ms;
+
+	for (;;) {
+		for (int i = 0; i < npending; i++) {
+			if (pending_reports[i].pid == pid) {
+				*out = pending_reports[i];
+				pending_reports[i] = pending_reports[--npending];
+				return 0;
+			}
+		}
+		if (now_ms() >= deadline || npending == 8)
+			return -1;
+		if (read_timeout(fd, &pending_reports[npending], sizeof(*out),
+				 (int)(deadline - now_ms())) < 0)
+			return -1;
+		npending++;
+	}
+}
+
+static bool wait_file_grows(const char *path, off_t beyond, int ms)
+{
+	for (int i = 0; i < ms / 5; i++) {
+		if (file_size(path) > beyond)
+			return true;
+		sleep_ms(5);
+	}
+	return false;
+}
+
+static void test_stop_frozen_tree(void)
+{
+	struct dbxcr_error err;
+	struct dbxcr_stop *st[3] = { 0 };
+	struct dbxcr_template *tpl[3] = { 0 };
+	pid_t pids[3] = { -1, -1, -1 }, extra[3] = { -1, -1, -1 };
+	int go[2], info[2], cmd[2], rep[2], cfd;
+	char cnt_path[64], snap_path[80];
+	long last = -1, n_snap;
+	bool seq;
+	off_t snap_size, frozen_size;
+
+	current_test = "stop-frozen-tree";
+	npending = 0;
+	snprintf(cnt_path, sizeof(cnt_path), "/tmp/dbxcr-tree-XXXXXX");
+	cfd = mkstemp(cnt_path);
+	snprintf(snap_path, sizeof(snap_path), "%s.snap", cnt_path);
+	if (cfd < 0 || pipe2(go, O_CLOEXEC) < 0 || pipe2(info, O_CLOEXEC) < 0 ||
+	    pipe2(cmd, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0)
+		abort();
+	close(cfd);
+	if (cg_create() < 0) {
+		CHECK(0, "mkdir freezer cgroup: %s", strerror(errno));
+		cg_dir[0] = '\0';
+		goto out;
+	}
+	pids[0] = fork();
+	if (pids[0] == 0) {
+		int f = open(cnt_path, O_WRONLY | O_APPEND);
+
+		if (f < 0 || dup2(f, TREE_CNT_FD) < 0 || dup2(cmd[0], TREE_CMD_FD) < 0 ||
+		    dup2(rep[1], TREE_REP_FD) < 0)
+			_exit(6);
+		tree_parent(go[0], info[1]);
+	}
+	close(cmd[0]);
+	close(rep[1]);
+	close(info[1]);
+	close(go[0]);
+	CHECK(cg_add(pids[0]) == 0, "move tree parent into the cgroup");
+	CHECK(write(go[1], "g", 1) == 1, "go");
+	{
+		pid_t kids[2];
+
+		if (read_timeout(info[0], kids, sizeof(kids), 5000) < 0) {
+			CHECK(0, "tree parent did not start its children");
+			goto out;
+		}
+		pids[1] = kids[0];
+		pids[2] = kids[1];
+	}
+	CHECK(wait_in_syscall(pids[1], SYS_clock_nanosleep) == 0, "sleeper never slept");
+	CHECK(wait_in_syscall(pids[2], SYS_read) == 0, "reader never blocked in read");
+	CHECK(wait_file_grows(cnt_path, 8 * 50, 5000), "counter not counting");
+
+	/* 1-2: freeze, then seize + interrupt without waiting. */
+	CHECK(cg_set("FROZEN") == 0, "freeze");
+	frozen_size = file_size(cnt_path);
+	{
+		long long t0 = now_ms();
+
+		for (int i = 0; i < 3; i++)
+			CHECK(dbxcr_stop_begin(pids[i], &st[i], &err) == 0, "stop_begin %d: %s", i,
+			      err.msg);
+		CHECK(now_ms() - t0 < 500, "stop_begin waited (%lld ms)", now_ms() - t0);
+		sleep_ms(30);
+		CHECK(file_size(cnt_path) == frozen_size, "counter ran while frozen");
+		for (int i = 0; i < 3; i++) {
+			struct dbxcr_stop_info si;
+
+			if (!st[i])
+				continue;
+			dbxcr_stop_get_info(st[i], &si);
+			CHECK(si.kind == DBXCR_STOP_NONE && !si.done, "%d stopped while frozen", i);
+		}
+	}
+	/* 3-4: thaw; every task goes from the refrigerator into the interrupt stop. */
+	CHECK(cg_set("THAWED") == 0, "thaw");
+	for (int i = 0; i < 3; i++) {
+		struct dbxcr_stop_info si;
+
+		if (!st[i])
+			continue;
+		CHECK(dbxcr_stop_wait(st[i], 3000, &err) == 0, "stop_wait %d: %s", i, err.msg);
+		dbxcr_stop_get_info(st[i], &si);
+		CHECK(si.kind == DBXCR_STOP_INTERRUPT && si.pid == pids[i], "%d: stop kind %d", i,
+		      si.kind);
+		CHECK(proc_state(pids[i]) == 't', "%d: state %c, want t", i, proc_state(pids[i]));
+	}
+	/* 5: every task is stopped: the file does not change; snapshot it. */
+	snap_size = file_size(cnt_path);
+	CHECK(snap_size == frozen_size, "user code ran between thaw and stop (%lld -> %lld)",
+	      (long long)frozen_size, (long long)snap_size);
+	sleep_ms(30);
+	CHECK(file_size(cnt_path) == snap_size, "counter ran while stopped (%lld -> %lld)",
+	      (long long)snap_size, (long long)file_size(cnt_path));
+	CHECK(copy_file(cnt_path, snap_path) == 0, "snapshot copy");
+	n_snap = read_counter_file(snap_path, NULL, &seq);
+	CHECK(n_snap > 0 && seq, "snapshot has %ld records, sequential %d", n_snap, seq);
+	last = n_snap;
+	/* 6: templates. */
+	for (int i = 0; i < 3; i++) {
+		if (!st[i])
+			continue;
+		tpl[i] = dbxcr_template_stopped(st[i], &err);
+		CHECK(tpl[i] != NULL, "template %d: %s", i, err.msg);
+	}
+	if (tpl[0]) {
+		long mem = -1;
+		struct iovec l = { &mem, sizeof(mem) }, r = { (void *)&tree_counter, sizeof(mem) };
+
+		CHECK(process_vm_readv(dbxcr_template_pid(tpl[0]), &l, 1, &r, 1, 0) ==
+		      sizeof(mem), "read template counter: %s", strerror(errno));
+		/* Stopped either after a write (== last) or between ++ and write (last + 1). */
+		CHECK(mem == last || mem == last + 1, "template counter %ld, file's last %ld", mem,
+		      last);
+	}
+	/* 7: resume the originals. */
+	for (int i = 0; i < 3; i++) {
+		if (!st[i])
+			continue;
+		CHECK(dbxcr_stop_resume(st[i], &err) == 0, "resume %d: %s", i, err.msg);
+		dbxcr_stop_abort(st[i]);
+		st[i] = NULL;
+		CHECK(proc_state(pids[i]) != 't', "%d still traced", i);
+	}
+	/* The originals continue correctly. */
+	CHECK(wait_file_grows(cnt_path, snap_size + 8 * 20, 3000), "counter stopped counting");
+	CHECK(read_counter_file(cnt_path, NULL, &seq) > last && seq,
+	      "original counter file not sequential after resume");
+	CHECK(write(cmd[1], "after", 5) == 5, "write to reader");
+	{
+		struct tree_report r;
+
+		CHECK(tree_report_from(rep[0], pids[2], &r, 3000) == 0 && r.rc == 5 &&
+		      memcmp(r.data, "after", 5) == 0 && r.marker == 222,
+		      "reader: rc %d errno %d '%.5s' marker %d", r.rc, r.err, r.data, r.marker);
+		CHECK(tree_report_from(rep[0], pids[1], &r, 3000) == 0 && r.rc == 0 &&
+		      r.elapsed_ms >= TREE_SLEEP_MS - 5 && r.elapsed_ms < TREE_SLEEP_MS + 1500,
+		      "sleeper: rc %d errno %d after %lld ms", r.rc, r.err, r.elapsed_ms);
+	}
+	/* Children of the templates hold the state of the stop instant. */
+	if (tpl[0]) {
+		struct dbxcr_file f = { TREE_CNT_FD, O_WRONLY | O_APPEND, 0, snap_path };
+		struct dbxcr_spawn_opts o = { .mntns_fd = -1, .files = &f, .nfiles = 1 };
+		long *v = NULL, n;
+
+		extra[0] = dbxcr_spawn(tpl[0], &o, &err);
+		CHECK(extra[0] > 0, "spawn counter: %s", err.msg);
+		if (extra[0] > 0) {
+			CHECK(wait_file_grows(snap_path, snap_size + 8 * 20, 3000),
+			      "counter child does not count");
+			kill_reap(extra[0]);
+			extra[0] = -1;
+			n = read_counter_file(snap_path, &v, &seq);
+			CHECK(n > last + 20 && seq, "counter child: %ld records, sequential %d "
+			      "(first new record %ld, want %ld)", n, seq, v && n > last ? v[last] : -1,
+			      last + 1);
+			free(v);
+		}
+	}
+	if (tpl[1]) {
+		struct tree_report r;
+
+		extra[1] = dbxcr_spawn(tpl[1], NULL, &err);
+		CHECK(extra[1] > 0, "spawn sleeper: %s", err.msg);
+		CHECK(extra[1] > 0 && tree_report_from(rep[0], extra[1], &r, 5000) == 0 &&
+		      r.rc == 0 && r.marker == 111 && r.elapsed_ms >= TREE_SLEEP_MS - 5 &&
+		      r.elapsed_ms < TREE_SLEEP_MS + 2500,
+		      "sleeper child: rc %d errno %d marker %d after %lld ms", r.rc, r.err,
+		      r.marker, r.elapsed_ms);
+	}
+	if (tpl[2]) {
+		int p2[2];
+		struct dbxcr_fdmap m;
+		struct dbxcr_spawn_opts o = { .mntns_fd = -1, .fds = &m, .nfds = 1 };
+		struct tree_report r;
+
+		if (pipe2(p2, O_CLOEXEC) < 0)
+			abort();
+		m = (struct dbxcr_fdmap){ p2[0], TREE_CMD_FD, 0 };
+		extra[2] = dbxcr_spawn(tpl[2], &o, &err);
+		close(p2[0]);
+		CHECK(extra[2] > 0, "spawn reader: %s", err.msg);
+		CHECK(write(p2[1], "tpl", 3) == 3, "write to reader child");
+		CHECK(extra[2] > 0 && tree_report_from(rep[0], extra[2], &r, 3000) == 0 &&
+		      r.rc == 3 && memcmp(r.data, "tpl", 3) == 0 && r.marker == 222,
+		      "reader child: rc %d errno %d '%.3s' marker %d", r.rc, r.err, r.data,
+		      r.marker);
+		close(p2[1]);
+	}
+out:
+	for (int i = 0; i < 3; i++) {
+		dbxcr_stop_abort(st[i]);
+		if (tpl[i])
+			CHECK(dbxcr_release_template(tpl[i], &err) == 0, "release %d: %s", i,
+			      err.msg);
+	}
+	cg_write("freezer.state", "THAWED");
+	for (int i = 2; i >= 0; i--) {
+		if (extra[i] > 0)
+			kill(extra[i], SIGKILL);
+		if (pids[i] > 0)
+			kill(pids[i], SIGKILL);
+	}
+	if (extra[0] > 0)
+		reap(extra[0]);
+	if (pids[0] > 0)
+		reap(pids[0]);
+	cg_remove();
+	CHECK(dbxcr_stop_sweep(0) == 0, "stop handles left in limbo");
+	close(go[1]), close(info[0]), close(cmd[1]), close(rep[0]);
+	unlink(cnt_path);
+	unlink(snap_path);
+}
+
+static volatile sig_atomic_t usr1_hits;
+
+static void count_usr1(int sig)
+{
+	(void)sig;
+	usr1_hits++;
+}
+
+/* A frozen group-stopped process, one that dies while frozen, one with a signal sent while
+ * frozen, and an aborted handle that had not stopped yet. */
+static void test_stop_frozen_edge_cases(void)
+{
+	struct dbxcr_error err;
+	struct dbxcr_stop *sg = NULL, *se = NULL, *ss = NULL, *sa = NULL;
+	struct dbxcr_template *tg = NULL, *ts = NULL;
+	pid_t g = -1, e = -1, sp = -1, a = -1;
+	int gp[2], sigp[2], status;
+
+	current_test = "stop-frozen-edge-cases";
+	if (pipe2(gp, O_CLOEXEC) < 0 || pipe2(sigp, O_CLOEXEC) < 0)
+		abort();
+	if (cg_create() < 0) {
+		CHECK(0, "mkdir freezer cgroup: %s", strerror(errno));
+		cg_dir[0] = '\0';
+		goto out;
+	}
+	g = fork();
+	if (g == 0) {
+		raise(SIGSTOP);
+		if (write(gp[1], "x", 1) < 0)
+			_exit(2);
+		_exit(0);
+	}
+	e = fork();
+	if (e == 0)
+		for (;;)
+			pause();
+	sp = fork();
+	if (sp == 0) {
+		struct sigaction sa_ = { .sa_handler = count_usr1 };
+
+		sigaction(SIGUSR1, &sa_, NULL);
+		for (;;) {
+			pause();
+			int n = usr1_hits;
+
+			if (write(sigp[1], &n, sizeof(n)) < 0)
+				_exit(2);
+		}
+	}
+	a = fork();
+	if (a == 0)
+		for (;;)
+			pause();
+	close(gp[1]);
+	close(sigp[1]);
+	CHECK(waitpid(g, &status, WUNTRACED) == g && WIFSTOPPED(status), "g not stopped");
+	CHECK(wait_in_syscall(e, SYS_pause) == 0 && wait_in_syscall(sp, SYS_pause) == 0 &&
+	      wait_in_syscall(a, SYS_pause) == 0, "children not paused");
+	CHECK(cg_add(g) == 0 && cg_add(e) == 0 && cg_add(sp) == 0 && cg_add(a) == 0,
+	      "move into cgroup");
+	CHECK(cg_set("FROZEN") == 0, "freeze");
+	CHECK(dbxcr_stop_begin(g, &sg, &err) == 0, "begin group-stopped: %s", err.msg);
+	CHECK(dbxcr_stop_begin(e, &se, &err) == 0, "begin doomed: %s", err.msg);
+	CHECK(dbxcr_stop_begin(sp, &ss, &err) == 0, "begin signalled: %s", err.msg);
+	CHECK(dbxcr_stop_begin(a, &sa, &err) == 0, "begin aborted: %s", err.msg);
+	/* A handle that cannot be detached yet goes to limbo. */
+	dbxcr_stop_abort(sa);
+	sa = NULL;
+	CHECK(dbxcr_stop_sweep(0) == 1, "aborted unstopped handle not pending");
+	kill(e, SIGKILL);
+	kill(sp, SIGUSR1);
+	sleep_ms(20);
+	{
+		/* Waiting while frozen times out clearly. */
+		long long t0 = now_ms();
+
+		CHECK(ss && dbxcr_stop_wait(ss, 50, &err) < 0 && err.code == ETIMEDOUT &&
+		      strstr(err.msg, "no stop within"), "wait while frozen: %s", err.msg);
+		CHECK(now_ms() - t0 < 1000, "timeout took %lld ms", now_ms() - t0);
+	}
+	CHECK(cg_set("THAWED") == 0, "thaw");
+	CHECK(dbxcr_stop_sweep(2000) == 0, "limbo handle not detached after thaw");
+	CHECK(wait_in_syscall(a, SYS_pause) == 0, "aborted process state %c, not in pause",
+	      proc_state(a));
+	{
+		struct dbxcr_info info;
+
+		CHECK(dbxcr_describe(a, &info, &err) == 0 && info.tracer_pid == 0,
+		      "aborted process still traced by %d", info.tracer_pid);
+	}
+	if (se) {
+		CHECK(dbxcr_stop_wait(se, 2000, &err) < 0 && err.code == ESRCH &&
+		      strstr(err.msg, "killed by signal 9"), "killed process: %s", err.msg);
+		e = -1;	/* reaped by the wait (we are its parent and tracer) */
+	}
+	if (sg) {
+		struct dbxcr_stop_info si;
+
+		CHECK(dbxcr_stop_wait(sg, 2000, &err) == 0, "wait group-stopped: %s", err.msg);
+		dbxcr_stop_get_info(sg, &si);
+		CHECK(si.kind == DBXCR_STOP_GROUP && si.signal == SIGSTOP, "kind %d signal %d",
+		      si.kind, si.signal);
+		tg = dbxcr_template_stopped(sg, &err);
+		CHECK(tg != NULL, "template of group-stopped: %s", err.msg);
+		CHECK(dbxcr_stop_resume(sg, &err) == 0, "resume group-stopped: %s", err.msg);
+		sleep_ms(50);
+		CHECK(proc_state(g) == 'T', "group-stopped process state %c, want T",
+		      proc_state(g));
+		CHECK(!readable_now(gp[0], 0), "group-stopped process ran");
+		CHECK(waitpid(g, &status, WNOHANG | WUNTRACED | WCONTINUED) == 0,
+		      "parent saw a stop/continue report (status %#x)", status);
+		kill(g, SIGCONT);
+		{
+			char c;
+
+			CHECK(read_timeout(gp[0], &c, 1, 3000) == 0, "no output after SIGCONT");
+		}
+	}
+	if (ss) {
+		struct dbxcr_stop_info si;
+		int n = -1;
+
+		CHECK(dbxcr_stop_wait(ss, 2000, &err) == 0, "wait signalled: %s", err.msg);
+		dbxcr_stop_get_info(ss, &si);
+		CHECK(si.kind == DBXCR_STOP_INTERRUPT || si.kind == DBXCR_STOP_SIGNAL,
+		      "kind %d", si.kind);
+		CHECK(!readable_now(sigp[0], 30), "signal handled while stopped");
+		ts = dbxcr_template_stopped(ss, &err);
+		CHECK(ts != NULL, "template of signalled: %s", err.msg);
+		CHECK(dbxcr_stop_resume(ss, &err) == 0, "resume signalled: %s", err.msg);
+		CHECK(read_timeout(sigp[0], &n, sizeof(n), 3000) == 0 && n == 1,
+		      "SIGUSR1 handler ran %d times, want 1", n);
+		CHECK(!readable_now(sigp[0], 50), "signal delivered twice");
+		/* The template's children get the signal that was pending at the stop. */
+		if (ts) {
+			pid_t c = dbxcr_spawn(ts, NULL, &err);
+
+			n = -1;
+			CHECK(c > 0, "spawn signalled: %s", err.msg);
+			CHECK(c > 0 && read_timeout(sigp[0], &n, sizeof(n), 3000) == 0 && n == 1,
+			      "child: SIGUSR1 handler ran %d times, want 1", n);
+			CHECK(!readable_now(sigp[0], 50), "child: signal delivered twice");
+			kill_reap(c);
+		}
+	}
+out:
+	dbxcr_stop_abort(sg);
+	dbxcr_stop_abort(se);
+	dbxcr_stop_abort(ss);
+	dbxcr_stop_abort(sa);
+	if (tg)
+		CHECK(dbxcr_release_template(tg, &err) == 0, "release: %s", err.msg);
+	if (ts)
+		CHECK(dbxcr_release_template(ts, &err) == 0, "release: %s", err.msg);
+	cg_write("freezer.state", "THAWED");
+	kill_reap(g);
+	kill_reap(e);
+	kill_reap(sp);
+	kill_reap(a);
+	cg_remove();
+	CHECK(dbxcr_stop_sweep(0) == 0, "stop handles left in limbo");
+	CHECK(count_zombie_children() == 0, "zombies left: %d", count_zombie_children());
+	close(gp[0]);
+	close(sigp[0]);
+}
+
 int main(void)
 {
 	int fd;
@@ -942,6 +1576,8 @@ int main(void)
 		{ "spawn-mntns", test_spawn_mntns },
 		{ "template-nanosleep", test_template_nanosleep },
 		{ "refuse-threads", test_refuse_threads },
+		{ "stop-frozen-tree", test_stop_frozen_tree },
+		{ "stop-frozen-edge-cases", test_stop_frozen_edge_cases },
 	};
 	for (size_t i = 0; i < sizeof(tests) / sizeof(tests[0]); i++) {
 		int before = failures;

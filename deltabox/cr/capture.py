@@ -1,0 +1,123 @@
+"""What a checkpoint records of each sandbox process, and what it refuses to capture.
+
+Refusing is the safety net of DeltaCR: a process holding state that the restore cannot
+recreate faithfully (a second thread, a socket, an eventfd, a deleted file, a device other
+than the harmless ones...) makes the checkpoint fail with the pid, the command and the reason,
+rather than come back subtly wrong after a rollback.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from . import native
+
+# Character devices a restored process may hold: reopened by path.
+# null zero full random urandom tty ptmx; pty slaves are major 136.
+HARMLESS_CHR = {(1, 3), (1, 5), (1, 7), (1, 8), (1, 9), (5, 0), (5, 2)}
+PTY_MAJOR = 136
+
+
+@dataclass(frozen=True)
+class Refusal:
+    pid: int
+    cmd: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} ({self.cmd}): {self.reason}"
+
+
+@dataclass
+class ProcessRecord:
+    """One process at the checkpoint instant (pids as the sandbox sees them)."""
+
+    pid: int                  # host pid of the original at checkpoint time
+    nspid: int                # its pid inside the sandbox
+    ppid: int                 # ppid, pgid and sid as the host sees them (/proc/pid/stat)
+    pgid: int
+    sid: int
+    cmd: str
+    cwd: str                  # inside the sandbox
+    threads: int
+    fds: list[native.FdInfo] = field(default_factory=list)
+    rss_kb: int = 0
+    mappings: int = 0
+
+    def summary(self) -> dict:
+        return dict(pid=self.nspid, ppid=self.ppid, pgid=self.pgid, sid=self.sid,
+                    cmd=self.cmd, cwd=self.cwd, threads=self.threads, rss_kb=self.rss_kb,
+                    mappings=self.mappings,
+                    fds=[dict(fd=f.fd, kind=f.kind, path=f.path, flags=f.flags, pos=f.pos)
+                         for f in self.fds])
+
+
+def cmdline(pid: int) -> str:
+    try:
+        raw = open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return "?"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:120] or "?"
+
+
+def _mem(pid: int) -> tuple[int, int]:
+    rss = 0
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1])
+        maps = sum(1 for _ in open(f"/proc/{pid}/maps"))
+    except OSError:
+        return 0, 0
+    return rss, maps
+
+
+def record(pid: int) -> ProcessRecord:
+    """Read one stopped or frozen process from /proc."""
+    st = native.proc_status(pid)
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        cwd = "/"
+    rss, maps = _mem(pid)
+    nspid = st.nspid[-1] if st.nspid else pid
+    return ProcessRecord(pid=pid, nspid=nspid, ppid=st.ppid, pgid=st.pgid, sid=st.sid,
+                         cmd=cmdline(pid), cwd=cwd, threads=st.threads,
+                         fds=native.fds(pid), rss_kb=rss, mappings=maps)
+
+
+def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
+    """Everything about this process that a restore could not recreate faithfully."""
+    out: list[Refusal] = []
+
+    def refuse(reason: str) -> None:
+        out.append(Refusal(rec.nspid, rec.cmd, reason))
+
+    st = native.proc_status(rec.pid)
+    if rec.threads > 1:
+        refuse(f"{rec.threads} threads: multi-threaded processes are not captured yet")
+    if st.tracer_pid and st.tracer_pid not in tracer_ok:
+        refuse(f"traced by pid {st.tracer_pid}")
+    for f in rec.fds:
+        reason = _fd_refusal(f)
+        if reason:
+            refuse(f"fd {f.fd}: {reason}")
+    return out
+
+
+def _fd_refusal(f: native.FdInfo) -> str | None:
+    if f.kind in ("file", "dir", "pipe"):
+        if f.kind == "file" and f.deleted:
+            return f"deleted-but-open file {f.path} (its content is not captured yet)"
+        return None
+    if f.kind == "chr":
+        if f.rdev in HARMLESS_CHR or (f.rdev and f.rdev[0] == PTY_MAJOR):
+            return None
+        return f"device {f.path} ({f.rdev[0]}:{f.rdev[1]}) is not one of " \
+               "null/zero/full/random/urandom/tty/pty" if f.rdev else f"device {f.path}"
+    if f.kind == "socket":
+        return f"socket {f.describe()}: sockets are not captured yet"
+    if f.kind == "fifo":
+        return f"named pipe {f.path}: FIFOs are not captured yet"
+    return f"{f.path}: this kind of descriptor is not captured"

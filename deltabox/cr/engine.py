@@ -1,0 +1,386 @@
+"""DeltaCR: capture a sandbox's processes at a checkpoint, and bring them back on rollback.
+
+Capture (the checkpoint instant): with the sandbox's cgroup frozen, every process is
+PTRACE_SEIZEd and interrupted; the thaw lets each fall straight into its ptrace stop before it
+runs a single instruction. Now nothing moves: the file layer is snapshotted, each process is
+forked into a stopped *template* (copy-on-write: costs page tables, not memory), unread data
+of pipes is copied aside with tee(2), and the processes resume.
+
+Restore (rollback): the live processes are killed; each template forks a child that joins the
+new mount namespace, takes the original pid in the sandbox's pid namespace (clone3 set_tid),
+its cwd, its regular files reopened at their offsets (no file description shared with the
+template) and fresh pipes, so pipes between restored processes work and the daemon's ends
+(session shells, drained output) are reconnected.
+
+What is preserved: memory, registers, signal state, process group and session, cwd, files and
+offsets, pipes (with unread data), and the pid of every process that did not lead its process
+group or session. Not preserved:
+- the pid of a group or session leader: the kernel keeps a pid number allocated while any
+  process uses it as a group or session id, and the template is such a process; the leader
+  comes back with a new pid (its group and session ids, and its own idea of `$$`, unchanged);
+- a restored process's *parent*: it is the parent its template had, which is the sandbox's
+  init when the original parent died in the rollback (so a shell's `wait` no longer sees its
+  restored background jobs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from ..errors import FailedPrecondition, Internal
+from . import native
+from ..sandbox.reaper import reap_orphans
+from .capture import ProcessRecord, Refusal, record, refusals
+from .worker import PtraceWorker
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_SYS_PIDFD_GETFD = 438
+SPLICE_F_NONBLOCK = 2
+
+
+def _pidfd_getfd(pidfd: int, fd: int) -> int:
+    r = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+    if r < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"pidfd_getfd: {os.strerror(e)}")
+    return int(r)
+
+
+def _tee_copy(src_read: int) -> int | None:
+    """A new pipe holding a copy of what `src_read` has unread (without consuming it);
+    returns its read end, or None if there was nothing."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    try:
+        n = _libc.tee(src_read, w, 1 << 20, SPLICE_F_NONBLOCK)
+        if n <= 0:
+            os.close(r)
+            return None
+        return r
+    finally:
+        os.close(w)
+
+
+@dataclass
+class PipeEnd:
+    pid: int            # host pid of the process holding it
+    fd: int
+    write: bool
+
+
+@dataclass
+class PipeGroup:
+    inode: int
+    ends: list[PipeEnd] = field(default_factory=list)
+    saved: int | None = None        # read end of a tee'd copy of unread data
+    owner: str = ""                 # "session:<name>:<0|1|2>" | "daemon" | "" (nobody else)
+
+
+@dataclass
+class ProcessState:
+    """What a checkpoint holds for DeltaCR (in memory: templates are processes)."""
+
+    records: list[ProcessRecord]
+    templates: dict[int, native.Template]          # host pid at checkpoint -> template
+    pipes: dict[int, PipeGroup]
+    sessions: dict[str, int]                         # session name -> host pid of its shell
+
+    @property
+    def template_pids(self) -> set[int]:
+        return {t.pid for t in self.templates.values() if not t.released}
+
+
+@dataclass
+class Restored:
+    pids: dict[int, int]                 # nspid -> new host pid
+    session_fds: dict[str, tuple[int, int, int, int]]   # name -> (pid, stdin_w, out_r, err_r)
+    daemon_fds: list[tuple[int, bool]]   # our ends: (fd, is_read_end) to drain or hold
+
+
+class DeltaCR:
+    def __init__(self, worker: PtraceWorker) -> None:
+        self.worker = worker
+
+    # ---- capture -----------------------------------------------------------------------
+
+    async def capture(self, pids: list[int], freeze: Callable[[], None],
+                      thaw: Callable[[], None], snapshot_files: Callable[[], Awaitable[None]],
+                      session_inodes: dict[int, str], daemon_inodes: set[int],
+                      tracer_ok: set[int]) -> ProcessState:
+        """Stop `pids` (the sandbox's processes, cgroup frozen by the caller before listing
+        them), snapshot the files, template every process, resume. Raises
+        FailedPrecondition listing every process that cannot be captured, changing nothing."""
+        records = [record(p) for p in pids]
+        refused: list[Refusal] = [r for rec in records for r in refusals(rec, tracer_ok)]
+        if refused:
+            thaw()
+            raise FailedPrecondition(
+                "cannot capture the sandbox's processes faithfully: " +
+                "; ".join(str(r) for r in refused) +
+                ". Stop those processes, or checkpoint with mode=\"fs\" (files only)")
+        stopped: list[native.Stopped] = []
+        try:
+            stopped = await self.worker.run(_begin_stops, pids)
+        finally:
+            thaw()
+        templates: dict[int, native.Template] = {}
+        try:
+            await self.worker.run(_wait_all, stopped)
+            await snapshot_files()
+            pipes = _pipe_groups(records, session_inodes, daemon_inodes)
+            _save_unread(pipes)
+            templates = await self.worker.run(_templates, stopped)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self.worker.run(_abort_all, stopped)
+                await self.worker.run(_release_all, list(templates.values()))
+            raise
+        await self.worker.run(_resume_all, stopped)
+        sessions = {}
+        for g in pipes.values():
+            if g.owner.startswith("session:") and g.owner.endswith(":0"):
+                for e in g.ends:
+                    if e.fd == 0:
+                        sessions[g.owner.split(":")[1]] = e.pid
+        return ProcessState(records, templates, pipes, sessions)
+
+    # ---- restore -----------------------------------------------------------------------
+
+    async def restore(self, state: ProcessState, mntfd: int) -> Restored:
+        """Spawn every template's child into the generation `mntfd` (caller killed the live
+        processes). On failure, kills what it spawned and raises."""
+        plan = _PipePlan(state.pipes)
+        spawned: dict[int, int] = {}
+        try:
+            for rec in state.records:
+                tpl = state.templates[rec.pid]
+                fdmap = {e.fd: plan.child_end(g, e) for g in state.pipes.values()
+                         for e in g.ends if e.pid == rec.pid}
+                files = [native.ReopenFile(f.fd, _reopen_path(f), f.flags, f.pos)
+                         for f in rec.fds if f.kind in ("file", "dir", "chr")]
+                # A group or session leader's pid stays allocated while its template (a
+                # member of that group and session) exists: it comes back with a new pid.
+                keep_pid = rec.pid not in (rec.pgid, rec.sid)  # host-namespace ids
+                spawned[rec.nspid] = await self.worker.run(
+                    _spawn_retrying, tpl, fdmap, files, rec.cwd, mntfd,
+                    rec.nspid if keep_pid else None)
+        except BaseException:
+            for pid in spawned.values():
+                _kill(pid)
+            plan.close_all()
+            raise
+        sessions = {name: (spawned[_nspid(state, pid)], *plan.session_ends(name))
+                    for name, pid in state.sessions.items()}
+        daemon = plan.daemon_ends()
+        plan.close_child_ends()
+        return Restored(spawned, sessions, daemon)
+
+    async def release(self, state: ProcessState) -> None:
+        await self.worker.run(_release_all, list(state.templates.values()))
+        for g in state.pipes.values():
+            if g.saved is not None:
+                os.close(g.saved)
+                g.saved = None
+
+
+def _nspid(state: ProcessState, host_pid: int) -> int:
+    return next(r.nspid for r in state.records if r.pid == host_pid)
+
+
+def _reopen_path(f: native.FdInfo) -> str:
+    return f.path
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# ---- pipes ---------------------------------------------------------------------------------
+
+def _pipe_groups(records: list[ProcessRecord], session_inodes: dict[int, str],
+                 daemon_inodes: set[int]) -> dict[int, PipeGroup]:
+    groups: dict[int, PipeGroup] = {}
+    for rec in records:
+        for f in rec.fds:
+            if f.kind != "pipe" or f.inode is None:
+                continue
+            g = groups.setdefault(f.inode, PipeGroup(f.inode))
+            g.ends.append(PipeEnd(rec.pid, f.fd, (f.flags & os.O_ACCMODE) != os.O_RDONLY))
+    for g in groups.values():
+        if g.inode in session_inodes:
+            g.owner = "session:" + session_inodes[g.inode]
+        elif g.inode in daemon_inodes:
+            g.owner = "daemon"
+    return groups
+
+
+def _save_unread(groups: dict[int, PipeGroup]) -> None:
+    """Copy the data waiting in pipes that captured processes read from."""
+    for g in groups.values():
+        reader = next((e for e in g.ends if not e.write), None)
+        if reader is None or g.owner.startswith("session:"):
+            continue
+        pidfd = os.pidfd_open(reader.pid)
+        try:
+            fd = _pidfd_getfd(pidfd, reader.fd)
+            try:
+                g.saved = _tee_copy(fd)
+            finally:
+                os.close(fd)
+        finally:
+            os.close(pidfd)
+
+
+class _PipePlan:
+    """Fresh pipes for one restore: one per captured pipe, refilled with its unread data."""
+
+    def __init__(self, groups: dict[int, PipeGroup]) -> None:
+        self.groups = groups
+        self.fresh: dict[int, tuple[int, int]] = {}
+        for g in groups.values():
+            r, w = os.pipe2(os.O_CLOEXEC)
+            if g.saved is not None:
+                _libc.tee(g.saved, w, 1 << 20, SPLICE_F_NONBLOCK)
+            self.fresh[g.inode] = (r, w)
+
+    def child_end(self, g: PipeGroup, e: PipeEnd) -> int:
+        r, w = self.fresh[g.inode]
+        return w if e.write else r
+
+    def session_ends(self, name: str) -> tuple[int, int, int]:
+        """Our ends for a restored session shell: (stdin write, stdout read, stderr read)."""
+        ends = []
+        for stream in ("0", "1", "2"):
+            g = next((g for g in self.groups.values() if g.owner == f"session:{name}:{stream}"),
+                     None)
+            if g is None:
+                raise Internal(f"session {name}: its pipe for fd {stream} was not captured")
+            r, w = self.fresh[g.inode]
+            ends.append(w if stream == "0" else r)
+        return ends[0], ends[1], ends[2]
+
+    def daemon_ends(self) -> list[tuple[int, bool]]:
+        """Other ends the daemon keeps: a read end to drain, or a write end to hold open."""
+        out = []
+        for g in self.groups.values():
+            if g.owner != "daemon":
+                continue
+            r, w = self.fresh[g.inode]
+            writers = any(e.write for e in g.ends)
+            out.append((r, True) if writers else (w, False))
+        return out
+
+    def close_child_ends(self) -> None:
+        """Close our copies of every end now held by a restored process (or by nobody)."""
+        keep = set()
+        for g in self.groups.values():
+            r, w = self.fresh[g.inode]
+            if g.owner.startswith("session:"):
+                keep.add(w if g.owner.endswith(":0") else r)
+            elif g.owner == "daemon":
+                keep.add(r if any(e.write for e in g.ends) else w)
+        for r, w in self.fresh.values():
+            for fd in (r, w):
+                if fd not in keep:
+                    os.close(fd)
+
+    def close_all(self) -> None:
+        for r, w in self.fresh.values():
+            for fd in (r, w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+# ---- jobs run on the ptrace thread ------------------------------------------------------------
+
+def _begin_stops(pids: list[int]) -> list[native.Stopped]:
+    out: list[native.Stopped] = []
+    try:
+        for pid in pids:
+            out.append(native.begin_stop(pid))
+    except BaseException:
+        _abort_all(out)
+        raise
+    return out
+
+
+STOP_TIMEOUT_S = 5.0
+
+
+def _wait_all(stopped: list[native.Stopped]) -> None:
+    for s in stopped:
+        try:
+            s.wait(STOP_TIMEOUT_S)
+        except native.CRError as e:
+            raise FailedPrecondition(f"pid {s.pid}: did not stop for the checkpoint: {e}. "
+                                     "Retry, or checkpoint with mode=\"fs\"") from e
+
+
+def _templates(stopped: list[native.Stopped]) -> dict[int, native.Template]:
+    out: dict[int, native.Template] = {}
+    try:
+        for s in stopped:
+            out[s.pid] = s.make_template()
+    except BaseException:
+        _release_all(list(out.values()))
+        raise
+    return out
+
+
+def _resume_all(stopped: list[native.Stopped]) -> None:
+    errors = []
+    for s in stopped:
+        try:
+            s.resume()
+        except native.CRError as e:
+            errors.append(str(e))
+    if errors:
+        raise Internal("resuming after the checkpoint failed: " + "; ".join(errors))
+
+
+def _abort_all(stopped: list[native.Stopped]) -> None:
+    """Undo stops in any state (the cgroup is thawed by now); handles that had not stopped
+    yet are detached by the sweep once they do."""
+    for s in stopped:
+        try:
+            s.abort()
+        except native.CRError:
+            pass
+    native.sweep_stops(1.0)
+
+
+def _release_all(templates: list[native.Template]) -> None:
+    for t in templates:
+        try:
+            t.release()
+        except native.CRError:
+            pass
+
+
+def _spawn_retrying(tpl: native.Template, fdmap: dict[int, int],
+                    files: list[native.ReopenFile], cwd: str, mntfd: int,
+                    nspid: int | None) -> int:
+    """Spawn with the original pid (if given); the killed original may not be reaped yet
+    (EEXIST), so reap and retry for a while."""
+    deadline = time.monotonic() + 2.0
+    set_tid = [nspid] if nspid is not None else None
+    while True:
+        try:
+            return tpl.spawn(fds=fdmap, files=files, cwd=cwd, mntns_fd=mntfd, set_tid=set_tid)
+        except native.CRError as e:
+            if e.errno != errno.EEXIST or time.monotonic() > deadline:
+                raise
+            reap_orphans()  # the killed original may be a zombie waiting for us
+            time.sleep(0.001)
