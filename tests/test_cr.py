@@ -153,5 +153,85 @@ def _report(sbx: Sandbox) -> str:
     if sbx.files.exists("state"):
         sbx.files.remove("state")
     _ask(sbx, "report")
-    _wait_file(sbx, "state")
+    _wait(lambda: sbx.files.exists("state") and sbx.files.read("state").strip() != b"")
     return sbx.files.read("state").decode()
+
+
+def test_evicted_templates_restart_with_a_reason(daemon) -> None:
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from conftest import DaemonProc
+
+    base = Path(tempfile.mkdtemp(prefix="dbx-evict-", dir="/var/tmp"))
+    d = DaemonProc(base / "state", str(base / "d.sock"), None, base / "daemon.log")
+    try:
+        d.start("--templates", "2")
+        with Sandbox.create(socket=d.socket) as sbx:
+            s = sbx.session("main")
+            s.run("export N=0")
+            cps = []
+            for i in range(3):
+                s.run(f"export N={i}")
+                cps.append(sbx.checkpoint())
+            res = sbx.rollback(cps[0])  # the oldest: its templates were evicted
+            assert res.process_state == "restarted" and "evicted" in res.note
+            res = sbx.rollback(cps[2])
+            assert res.process_state == "restored"
+            assert s.run("echo $N").stdout == "2\n"
+    finally:
+        d.stop()
+        subprocess.run(["rm", "-rf", str(base)])
+
+
+def test_sqlite_held_open_by_a_long_lived_process(sbx: Sandbox) -> None:
+    code = ("import sqlite3, os, time\n"
+            "db = sqlite3.connect('/workspace/db.sqlite', isolation_level=None)\n"
+            "db.execute('create table if not exists t (v integer)')\n"
+            "n = 0\n"
+            "while True:\n"
+            "    if os.path.exists('/workspace/add'):\n"
+            "        os.remove('/workspace/add'); n += 1; db.execute('insert into t values (?)', (n,))\n"
+            "    if os.path.exists('/workspace/report'):\n"
+            "        os.remove('/workspace/report')\n"
+            "        rows = [r[0] for r in db.execute('select v from t order by v')]\n"
+            "        open('/workspace/state', 'w').write(f'{n} {rows}')\n"
+            "    time.sleep(0.01)\n")
+    sbx.files.write("db.py", code)
+    sbx.exec("nohup python3 /workspace/db.py >/dev/null 2>&1 &")
+    _ask(sbx, "add")
+    _ask(sbx, "add")
+    before = _report(sbx)
+    assert before == "2 [1, 2]"
+    cp = sbx.checkpoint()
+    _ask(sbx, "add")
+    assert _report(sbx) == "3 [1, 2, 3]"
+    sbx.rollback(cp)
+    assert _report(sbx) == before  # memory (n) and database file agree, as at the checkpoint
+    _ask(sbx, "add")
+    assert _report(sbx) == "3 [1, 2, 3]"
+
+
+def test_nested_children_and_process_group(sbx: Sandbox) -> None:
+    sbx.exec("nohup sh -c 'sh -c \"sleep 1003 & sleep 1004; wait\" & sleep 1005; wait' "
+             ">/dev/null 2>&1 &")
+    time.sleep(0.3)
+
+    def tree() -> list[tuple[str, str, str]]:
+        out = sbx.exec("ps -eo stat=,pid=,pgid=,args=").stdout.splitlines()
+        rows = [line.split(None, 3) for line in out]
+        return sorted((r[1], r[2], r[3]) for r in rows
+                      if not r[0].startswith("t") and ("sleep 10" in r[3] or "sh -c" in r[3]))
+
+    before = tree()
+    assert len(before) == 5
+    cp = sbx.checkpoint()
+    sbx.exec("pkill -f 'sleep 100'; true")
+    sbx.rollback(cp)
+    after = tree()
+    # Same processes, same process group; pids too except the group leader's (see engine.py).
+    assert [(g, a) for _, g, a in after] == [(g, a) for _, g, a in before]
+    leader = [p for p, g, _ in before if p == g]
+    assert {p for p, _, _ in after} - set(leader) == {p for p, _, _ in before} - set(leader)

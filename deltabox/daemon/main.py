@@ -57,6 +57,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="per sandbox, how many recent checkpoints keep a mounted clone ready, "
                    "so a rollback to them skips the snapshot and the mount (default 32; 0 "
                    "disables; measured ~0.6 MiB kernel memory per checkpoint, all included)")
+    p.add_argument("--templates", type=int, default=32, metavar="N",
+                   help="per sandbox, how many checkpoints keep their process templates "
+                   "(least recently used out; default 32). A template costs the pages its "
+                   "process dirtied since the checkpoint")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -107,7 +111,8 @@ async def serve(args: argparse.Namespace) -> None:
     cfg = Config(state_dir=state_dir, socket=args.socket, store_size_gb=args.store_size_gb,
                  store_backend=args.store, default_memory_mb=args.default_memory_mb,
                  default_pids_max=args.default_pids_max,
-                 warm_per_sandbox=args.warm_generations, durable=args.durable)
+                 warm_per_sandbox=args.warm_generations, durable=args.durable,
+                 templates_per_sandbox=args.templates)
     store = open_store(state_dir, args.store_size_gb, args.store, args.durable)
     db = Database(state_dir / "deltabox.db")
     token = Path(args.token_file).read_text().strip() if args.token_file else None

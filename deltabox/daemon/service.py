@@ -64,6 +64,7 @@ class Config:
     max_sandboxes: int = 1024
     warm_per_sandbox: int = 32
     durable: bool = False
+    templates_per_sandbox: int = 32
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Live:
     # checkpoint id -> its processes (templates live in this sandbox's pid namespace)
     captured: dict[str, ProcessState] = field(default_factory=dict)
     held_fds: list[int] = field(default_factory=list)    # pipe ends kept for restored processes
+    evicted: set[str] = field(default_factory=set)       # checkpoints whose templates went
 
     @property
     def template_pids(self) -> set[int]:
@@ -498,8 +500,18 @@ class Daemon:
                 raise
             if captured is not None:
                 live.captured[cp_id] = captured
+                self._evict_templates(live)
             self.warm.prepare(sid, cp.id, cp.layer_id)
             return cp
+
+    def _evict_templates(self, live: Live) -> None:
+        """Keep the templates of the most recently used checkpoints only: each holds the
+        pages its processes dirtied since. The checkpoint keeps its files; a rollback to it
+        restarts processes and says why."""
+        while len(live.captured) > self.cfg.templates_per_sandbox:
+            cp_id = next(iter(live.captured))
+            self.background.start_soon(self.cr.release, live.captured.pop(cp_id))
+            live.evicted.add(cp_id)
 
     async def _capture(self, live: Live, src_layer: str, layer: str) -> ProcessState:
         """With the cgroup frozen: capture every process of the sandbox and snapshot the
@@ -613,11 +625,17 @@ class Daemon:
                                  gen: runtime.Generation) -> tuple[str, str]:
         """Bring back the checkpoint's processes from their templates, if this sandbox holds
         them. Returns (process_state, note)."""
-        captured = live.captured.get(cp.id)
+        captured = live.captured.pop(cp.id, None)
         if captured is None:
-            why = ("it is file-state only (mode=fs)" if cp.kind == "fs" else
-                   "its process templates live in another sandbox or were lost in a restart")
+            if cp.kind == "fs":
+                why = "the checkpoint is file-state only (mode=fs)"
+            elif cp.id in live.evicted:
+                why = (f"its process templates were evicted (deltaboxd keeps "
+                       f"{self.cfg.templates_per_sandbox} per sandbox, least recently used out)")
+            else:
+                why = "its process templates live in another sandbox or were lost in a restart"
             return "restarted", f"processes restarted: {why}"
+        live.captured[cp.id] = captured  # most recently used last
         reap_orphans()  # the killed originals' pids must be free for set_tid
         try:
             restored = await self.cr.restore(captured, gen.mntfd)
