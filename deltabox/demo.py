@@ -68,14 +68,18 @@ def demo(socket: str) -> None:
         step("write 3 files", lambda: [sbx.files.write(f"app/file{i}.txt", f"version 1 of {i}\n")
                                        for i in range(3)])
         cp = step("checkpoint", lambda: sbx.checkpoint(label="good"))
-        print(f"            {cp.id}: {cp.files_changed} files, {cp.bytes_changed} bytes changed; "
-              f"daemon-side {cp.duration_ms:.1f} ms, frozen {cp.freeze_ms:.1f} ms")
+        print(f"            {cp.id} ({cp.kind}: {', '.join(cp.reasons)}): {cp.files_changed} files, "
+              f"{cp.bytes_changed} bytes changed; daemon-side {cp.duration_ms:.1f} ms")
         step("change: rm -rf app, write junk", lambda: sbx.exec(
             "rm -rf /workspace/app && echo junk > /workspace/junk"))
         print("            ls /workspace:", sbx.exec("ls /workspace").stdout.split())
+        sh.run("cd / && export STAGE=two")
         res = step("rollback to the checkpoint", lambda: sbx.rollback(cp))
         print(f"            ls /workspace: {sbx.exec('ls /workspace').stdout.split()}; "
-              f"sessions restarted: {res.sessions_restarted}")
+              f"processes {res.process_state} ({res.note})")
+        r = sh.run("pwd; echo $STAGE")
+        print(f"            the session continues: pwd={r.stdout.split()[0]} "
+              f"STAGE={r.stdout.split()[1]}")
         print("            app/file1.txt:", sbx.files.read("app/file1.txt").decode().strip())
         kids = step("fork 4 sandboxes from the checkpoint", lambda: sbx.fork(cp, count=4))
         for i, k in enumerate(kids):
