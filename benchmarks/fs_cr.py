@@ -97,6 +97,7 @@ class Plan:
     suite_warmup: bool
     seed: int
     baseline_reps: int  # copytree baselines per k (each copies the whole layer: seconds)
+    checkpoint_mode: str = "fs"
     ks: tuple[int, ...] = KS
 
 
@@ -109,6 +110,7 @@ class Series:
     checkpoint_server_ms: list[float] = field(default_factory=list)
     checkpoint_freeze_ms: list[float] = field(default_factory=list)
     checkpoint_files_changed: list[int] = field(default_factory=list)
+    checkpoint_kind: list[str] = field(default_factory=list)
     copytree_ms: list[float] = field(default_factory=list)
     copytree_turns: list[int] = field(default_factory=list)
     rollback_ms: list[float] = field(default_factory=list)
@@ -199,11 +201,12 @@ def run_series(d: PrivateDaemon, sbx: Any, k: int, files: list[str], plan: Plan,
         tag = f"# deltabox-bench k={k} checkpoint turn {t}"
         change_in_sandbox(sbx, paths, tag)
         with Timer() as tm:
-            cp = sbx.checkpoint()
+            cp = sbx.checkpoint(mode=plan.checkpoint_mode)
         s.checkpoint_ms.append(tm.ms)
         s.checkpoint_server_ms.append(cp.duration_ms)
         s.checkpoint_freeze_ms.append(cp.freeze_ms)
         s.checkpoint_files_changed.append(cp.files_changed)
+        s.checkpoint_kind.append(cp.kind)
         cps.append((cp, paths[0], tag))
         if t in with_baseline:
             # Baseline: copy the same writable layer, in the same state.
@@ -484,7 +487,7 @@ def print_summary(summary: dict, targets: dict, json_path: Path, png_path: Path)
 
 
 def plot(series: list[Series], fork: dict, create: dict, suite: dict | None,
-         machine: dict, path: Path, quick: bool) -> None:
+         machine: dict, path: Path, quick: bool, checkpoint_mode: str = "fs") -> None:
     plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     colors = {"deltabox": "#1f77b4", "copytree": "#d62728", "rmtree+copytree": "#d62728",
@@ -522,7 +525,8 @@ def plot(series: list[Series], fork: dict, create: dict, suite: dict | None,
         ax.set_axis_off()
     dbx = machine.get("deltabox", {})
     fig.suptitle(
-        f"DeltaBox fs checkpoint/rollback{' (quick)' if quick else ''}: {machine['nfiles']} "
+        f"DeltaBox checkpoint(mode={checkpoint_mode})/rollback{' (quick)' if quick else ''}: "
+        f"{machine['nfiles']} "
         f"files, {len(series[0].checkpoint_ms) if series else 0} turns per k; "
         f"store {dbx.get('store_backend', '?')}; {machine['cpu_model']}, {machine['nproc']} "
         f"cpus; {machine['uname']['release']}; commit "
@@ -550,6 +554,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--baseline-reps", type=int,
                    help="copytree baselines per k and op (default 5, --quick 2); each copies "
                    "the whole layer, which takes seconds")
+    p.add_argument("--checkpoint-mode", choices=("fs", "auto", "full"), default="fs",
+                   help="sbx.checkpoint(mode=...): fs = file state only (default; what this "
+                   "benchmark is about); auto/full also capture the sandbox's processes")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-suite", action="store_true", help="skip the test-suite comparison")
     p.add_argument("--keep-state", action="store_true",
@@ -565,7 +572,7 @@ def replot(json_path: Path) -> int:
     series = [Series(**s) for s in raw["series"]]
     png = json_path.with_suffix(".png")
     plot(series, raw["fork"], raw["create"], raw.get("suite"), doc["machine"], png,
-         doc.get("mode") == "quick")
+         doc.get("mode") == "quick", doc.get("plan", {}).get("checkpoint_mode", "auto"))
     print(f"PNG:  {png}")
     return 0
 
@@ -583,11 +590,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         plan = Plan(turns=args.turns or 20, fork_reps=3, fork_count=16, creates=10,
                     suite_reps=2, suite_warmup=True, seed=args.seed,
-                    baseline_reps=args.baseline_reps or 2)
+                    baseline_reps=args.baseline_reps or 2, checkpoint_mode=args.checkpoint_mode)
     else:
         plan = Plan(turns=args.turns or 100, fork_reps=10, fork_count=16, creates=30,
                     suite_reps=5, suite_warmup=True, seed=args.seed,
-                    baseline_reps=args.baseline_reps or 5)
+                    baseline_reps=args.baseline_reps or 5, checkpoint_mode=args.checkpoint_mode)
     rng = random.Random(args.seed)
     t_start = time.time()
     load_start = os.getloadavg()
@@ -629,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{upload['ms']:.0f} ms")
             os.sync()
             with Timer() as tm:
-                cp0 = sbx.checkpoint(label="tree uploaded")
+                cp0 = sbx.checkpoint(mode=plan.checkpoint_mode, label="tree uploaded")
             initial = {"checkpoint_ms": tm.ms, "checkpoint_server_ms": cp0.duration_ms,
                        "files_changed": cp0.files_changed, "upload": upload}
             log(f"first checkpoint (whole tree new): {tm.ms:.1f} ms")
@@ -641,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"copytree {percentile(s.copytree_ms, 50):.0f} ms; rollback p50 "
                     f"{percentile(s.rollback_ms, 50):.2f} ms vs "
                     f"{percentile(s.rmtree_copytree_ms, 50):.0f} ms")
-            fork_cp = sbx.checkpoint(label="fork source")
+            fork_cp = sbx.checkpoint(mode=plan.checkpoint_mode, label="fork source")
             fork = run_fork(daemon, sbx, fork_cp, plan)
             sbx.kill()
             create = run_create(daemon, plan)
@@ -666,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
                            "sandbox_path": SANDBOX_SRC},
                 "method": {
                     "timing": "client-side wall time around one SDK call (time.perf_counter)",
+                    "checkpoint": f"sbx.checkpoint(mode={plan.checkpoint_mode!r})",
                     "isolation": "os.sync() (untimed) after every baseline copy/delete, so "
                     "its writeback does not land in a DeltaBox timing; the baselines' own "
                     "timings do not include flushing what they wrote",
@@ -701,7 +709,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
     json_path = write_json(out / "fs_cr.json", result, machine)
     png_path = out / "fs_cr.png"
-    plot(series, fork, create, suite, machine, png_path, args.quick)
+    plot(series, fork, create, suite, machine, png_path, args.quick, plan.checkpoint_mode)
     print_summary(result["summary"], result["targets"], json_path, png_path)
     return 0 if not daemon.leaks else 3
 

@@ -661,16 +661,20 @@ class Daemon:
                          ) -> tuple[runtime.Generation, runtime.Runtime] | None:
         """Build a generation of a live sandbox on `layer` (for the warm pool)."""
         live = self.live.get(sid)
-        if live is None:
+        row = self.db.get_sandbox(sid)
+        if live is None or live.rt.exited.is_set() or row is None or live.rt.pidfd < 0:
             return None
-        async with live.lock:
-            row = self.db.get_sandbox(sid)
-            if self.live.get(sid) is not live or live.rt.exited.is_set() or row is None:
-                return None
+        # Not under the sandbox's lock (a rollback must not wait for this): our own dup of
+        # init's pidfd cannot be closed underneath us, and the pool drops the result if the
+        # sandbox changed meanwhile.
+        rt, pidfd = live.rt, os.dup(live.rt.pidfd)
+        try:
             gen = await runtime.build_generation(
-                live.rt, layer, self._lowers(self._image(row.image)),
-                self.store.layer_path(layer), self.mountpoint, self.background)
-            return gen, live.rt
+                rt, layer, self._lowers(self._image(row.image)), self.store.layer_path(layer),
+                self.mountpoint, self.background, pidfd=pidfd)
+        finally:
+            os.close(pidfd)
+        return gen, rt
 
     async def _fresh_generation(self, live: Live, row: SandboxRow, cp: CheckpointRow
                                 ) -> tuple[str, int, runtime.Generation]:

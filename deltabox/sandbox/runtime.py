@@ -104,17 +104,19 @@ async def start_init(sandbox_id: str, cgroup: Cgroup, hostname: str) -> Runtime:
 
 
 async def build_generation(rt: Runtime, layer_id: str, lower: list[str], layer: Path,
-                           mountpoint: Path, background: GuardedNursery) -> Generation:
+                           mountpoint: Path, background: GuardedNursery,
+                           pidfd: int | None = None) -> Generation:
     """Mount a fresh overlay of `layer` in a new mount namespace of the sandbox.
 
     Returns as soon as the namespace is ready and held; the helper's exit is awaited in
     `background`, off the critical path of a rollback."""
-    cmd = [helper("dbx-mkroot"), "--pidfd", str(rt.pidfd), "--lower", ":".join(lower),
+    pidfd = rt.pidfd if pidfd is None else pidfd
+    cmd = [helper("dbx-mkroot"), "--pidfd", str(pidfd), "--lower", ":".join(lower),
            "--upper", str(layer / "upper"), "--work", str(layer / "work"),
            "--mountpoint", str(mountpoint)]
     proc = await trio.lowlevel.open_process(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        pass_fds=(rt.pidfd,))
+        pass_fds=(pidfd,))
     assert proc.stdin is not None and proc.stdout is not None
     try:
         lines = [await _read_line(proc.stdout), await _read_line(proc.stdout)]
