@@ -477,7 +477,7 @@ def latency_boxplot(ax: Any, groups: Mapping[str, Mapping[str, Sequence[float]]]
                     colors: Mapping[str, str] | None = None, log_scale: bool = True,
                     ylabel: str = "latency (ms)", title: str = "",
                     hlines: Iterable[tuple[float, str]] = (),
-                    legend_loc: str = "center right") -> None:
+                    legend_loc: str = "above") -> None:
     """Grouped box plots: one cluster per group (x tick), one box per series in it.
 
     groups = {"k=1": {"deltabox": [...], "copytree": [...]}, "k=10": {...}}
@@ -516,12 +516,16 @@ def latency_boxplot(ax: Any, groups: Mapping[str, Mapping[str, Sequence[float]]]
         ax.set_yscale("log")
     ax.set_ylabel(ylabel)
     if title:
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title, fontsize=10, loc="left")
     ax.grid(axis="y", which="both", alpha=0.25)
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(facecolor=colors[s], alpha=0.75, label=s) for s in series],
-              fontsize=8, loc=legend_loc)
+    handles = [Patch(facecolor=colors[s], alpha=0.75, label=s) for s in series]
+    if legend_loc == "above":  # right of a left-aligned title, outside the data
+        ax.legend(handles=handles, fontsize=8, loc="lower right", bbox_to_anchor=(1.0, 1.0),
+                  ncol=len(series), frameon=False, borderaxespad=0.2)
+    else:
+        ax.legend(handles=handles, fontsize=8, loc=legend_loc)
 
 
 def _fmt_ms(v: float) -> str:

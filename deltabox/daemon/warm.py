@@ -41,7 +41,7 @@ class Ready:
 class WarmPool:
     def __init__(self, store: Store, background: GuardedNursery, build: BuildFn,
                  exists: Callable[[str], bool], is_current: Callable[[str, Runtime], bool],
-                 per_sandbox: int = 8, max_spares: int = 1024) -> None:
+                 per_sandbox: int = 8, max_spares: int = 1024, delay: float = 0.02) -> None:
         self.store = store
         self.background = background
         self.build = build
@@ -49,6 +49,7 @@ class WarmPool:
         self.is_current = is_current
         self.per_sandbox = per_sandbox
         self.max_spares = max_spares
+        self.delay = delay
         self.spares: dict[str, str] = {}                    # checkpoint -> layer
         self.ready: dict[str, OrderedDict[str, Ready]] = {}  # sandbox -> checkpoint -> Ready
         self.new_id: Callable[[], str] = lambda: ""
@@ -64,6 +65,9 @@ class WarmPool:
         self.background.start_soon(self._prepare, sandbox_id, cp_id, cp_layer)
 
     async def _prepare(self, sandbox_id: str | None, cp_id: str, cp_layer: str) -> None:
+        # Let the call that triggered this, and the agent's next step, go first: a snapshot
+        # here shares btrfs's transaction commit with their snapshots.
+        await trio.sleep(self.delay)
         if cp_id not in self.spares and len(self.spares) < self.max_spares:
             layer = self.new_id()
             await trio.to_thread.run_sync(self.store.clone, cp_layer, layer)
