@@ -6,8 +6,9 @@ A >= 10,000-file tree of real project sources (sdists from PyPI: Django, SymPy, 
 uploaded into a sandbox's /workspace/src and checkpointed once. Then, for k in 1, 10, 100:
 
 - checkpoint: T turns; each changes k random files (one `exec`, untimed), then times
-  `sbx.checkpoint()` client-side. Baseline on the same data: `shutil.copytree` of the
-  sandbox's writable layer (its overlay upper dir on the host) right after the same change.
+  `sbx.checkpoint(mode="fs")` client-side. Baseline on the same data (on a few of the
+  turns, as it takes seconds): `shutil.copytree` of the sandbox's writable layer (its
+  overlay upper dir on the host) right after the same change.
 - rollback: T turns; each changes k random files (untimed), then times
   `sbx.rollback(cp)` to a random checkpoint of this k's series. Baseline: a host copy of the
   writable layer gets the same change, then `rmtree(work) + copytree(saved checkpoint copy ->

@@ -804,9 +804,17 @@ def print_summary(summary: dict, targets: dict, json_path: Path, png_path: Path)
           f" | {_fmt(r['restart_replay_ms'].get('p50'), 7, 0)} "
           f"{_fmt(r['fork_floor_ms'].get('p50'), 6, 2)} | "
           f"{_fmt(r['rollback_speedup_vs_restart_replay_p50'], 8, 1)}x "
-          f"{_fmt(r['checkpoint_over_floor_p50'], 6, 1)}x {_fmt(r['rollback_over_floor_p50'], 5, 1)}x"
-          f" | {r['rollbacks'] - r['not_restored']:>4}/{r['rollbacks']:<3} "
+          f"{_fmt(r['checkpoint_over_floor_p50'], 6, 1)}x "
+          f"{_fmt(r['rollback_over_floor_p50'], 5, 1)}x | "
+          f"{r['rollbacks'] - r['not_restored']:>4}/{r['rollbacks']:<3} "
           f"{r['hash_checks'] - r['hash_mismatches']:>3}/{r['hash_checks']:<3}")
+    p("")
+    p("daemon side (p50, ms): checkpoint (of which cgroup frozen) / rollback newest / older")
+    for name, r in summary["per_config"].items():
+        p(f"{name:8} {_fmt(r['checkpoint_server_ms'].get('p50'))} "
+          f"({_fmt(r['checkpoint_freeze_ms'].get('p50'), 5)}) / "
+          f"{_fmt(r['rollback_newest_server_ms'].get('p50'))} / "
+          f"{_fmt(r['rollback_older_server_ms'].get('p50'))}")
     if "fork" in summary:
         p("")
         p("fan-out fork (file-state fork: children's processes are restarted, not restored)")
