@@ -473,6 +473,20 @@ def pyplot() -> Any:
     return plt
 
 
+def finish_figure(fig: Any, path: Path, title: str, machine: Mapping[str, Any]) -> None:
+    """Title a figure with the machine and commit it was measured on, and save it."""
+    plt = pyplot()
+    dbx = machine.get("deltabox", {})
+    fig.suptitle(
+        f"{title}; store {dbx.get('store_backend', '?')}; {machine.get('cpu_model', '?')}, "
+        f"{machine.get('nproc', '?')} cpus; {machine.get('uname', {}).get('release', '?')}; "
+        f"commit {(machine.get('git_commit') or '?')[:10]}", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def latency_boxplot(ax: Any, groups: Mapping[str, Mapping[str, Sequence[float]]],
                     colors: Mapping[str, str] | None = None, log_scale: bool = True,
                     ylabel: str = "latency (ms)", title: str = "",

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, Timer, count_files,
+from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, Timer, count_files, finish_figure,
                                default_cache_dir, download_sdists, fs_type, latency_boxplot,
                                leakcheck, list_files, log, machine_info, other_daemons,
                                percentile, pyplot, ratio, stats, tar_bytes, Terminated,
@@ -529,18 +529,10 @@ def plot(series: list[Series], fork: dict, create: dict, suite: dict | None,
         ax.grid(axis="y", alpha=0.25)
     else:
         ax.set_axis_off()
-    dbx = machine.get("deltabox", {})
-    fig.suptitle(
-        f"DeltaBox checkpoint(mode={checkpoint_mode})/rollback{' (quick)' if quick else ''}: "
-        f"{machine['nfiles']} "
-        f"files, {len(series[0].checkpoint_ms) if series else 0} turns per k; "
-        f"store {dbx.get('store_backend', '?')}; {machine['cpu_model']}, {machine['nproc']} "
-        f"cpus; {machine['uname']['release']}; commit "
-        f"{(machine.get('git_commit') or '?')[:10]}", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_figure(fig, path,
+                  f"DeltaBox checkpoint(mode={checkpoint_mode})/rollback"
+                  f"{' (quick)' if quick else ''}: {machine['nfiles']} files, "
+                  f"{len(series[0].checkpoint_ms) if series else 0} turns per k", machine)
 
 
 # ---- main ------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, Timer, latency_boxplot, leakcheck,
+from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, Timer, finish_figure, latency_boxplot, leakcheck,
                                log, machine_info, other_daemons, percentile, pyplot, ratio,
                                stats, Terminated, terminate_as_exception, write_json)
 
@@ -961,17 +961,9 @@ def plot(series: list[Series], fork: dict | None, tmem: list[dict] | None, machi
         ax.grid(axis="y", alpha=0.25)
     else:
         ax.set_axis_off()
-    dbx = machine.get("deltabox", {})
     reps = len(series[0].checkpoint_ms) if series else 0
-    fig.suptitle(
-        f"DeltaBox process state (DeltaCR){' (quick)' if quick else ''}: {reps} reps per "
-        f"config; store {dbx.get('store_backend', '?')}; {machine.get('cpu_model', '?')}, "
-        f"{machine.get('nproc', '?')} cpus; {machine.get('uname', {}).get('release', '?')}; "
-        f"commit {(machine.get('git_commit') or '?')[:10]}", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_figure(fig, path, f"DeltaBox process state (DeltaCR){' (quick)' if quick else ''}: "
+                  f"{reps} reps per config", machine)
 
 
 # ---- main ------------------------------------------------------------------------------------
