@@ -302,6 +302,15 @@ def leakcheck() -> tuple[bool, str]:
 
 # ---- statistics ------------------------------------------------------------------------------
 
+def record_cleanup(result: dict[str, Any], daemon: PrivateDaemon) -> None:
+    """Record in the result what the run left behind (its own leaks, and the machine's)."""
+    clean, report = leakcheck()
+    result["cleanup"] = {"own_leaks": daemon.leaks, "problems": daemon.cleanup_problems,
+                         "leakcheck_clean": clean, "leakcheck": report}
+    if not clean:
+        log(f"leakcheck (whole machine; other runs count too):\n{report}")
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """q in [0, 100]; linear interpolation between closest ranks (numpy's default)."""
     if not values:

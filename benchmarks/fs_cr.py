@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, Timer, count_files, finish_figure,
-                               default_cache_dir, download_sdists, fs_type, latency_boxplot,
-                               leakcheck, list_files, log, machine_info, other_daemons,
-                               percentile, pyplot, ratio, stats, tar_bytes, Terminated,
+from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, Terminated, Timer, count_files,
+                               default_cache_dir, download_sdists, finish_figure, fs_type,
+                               latency_boxplot, list_files, log, machine_info, other_daemons,
+                               percentile, pyplot, ratio, record_cleanup, stats, tar_bytes,
                                terminate_as_exception, unpack_sdist, write_json)
 
 # Real project sources: 6772 + 1883 + 2448 = 11,103 files.
@@ -703,11 +703,7 @@ def main(argv: list[str] | None = None) -> int:
             daemon.stop()
     if not result:
         return 1
-    clean, report = leakcheck()
-    result["cleanup"] = {"own_leaks": daemon.leaks, "problems": daemon.cleanup_problems,
-                         "leakcheck_clean": clean, "leakcheck": report}
-    if not clean:
-        log(f"leakcheck (whole machine; other runs count too):\n{report}")
+    record_cleanup(result, daemon)
     out = args.out
     json_path = write_json(out / "fs_cr.json", result, machine)
     png_path = out / "fs_cr.png"

@@ -43,9 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, Timer, finish_figure, latency_boxplot, leakcheck,
-                               log, machine_info, other_daemons, percentile, pyplot, ratio,
-                               stats, Terminated, terminate_as_exception, write_json)
+from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, Terminated, Timer, finish_figure,
+                               latency_boxplot, log, machine_info, other_daemons, percentile,
+                               pyplot, ratio, record_cleanup, stats, terminate_as_exception,
+                               write_json)
 
 MiB = 1 << 20
 CTL = "/workspace/ctl"
@@ -1120,11 +1121,7 @@ def main(argv: list[str] | None = None) -> int:
             daemon.stop()
     if not result:
         return 1
-    clean, report = leakcheck()
-    result["cleanup"] = {"own_leaks": daemon.leaks, "problems": daemon.cleanup_problems,
-                         "leakcheck_clean": clean, "leakcheck": report}
-    if not clean:
-        log(f"leakcheck (whole machine; other runs count too):\n{report}")
+    record_cleanup(result, daemon)
     out = args.out
     json_path = write_json(out / "process_cr.json", result, machine)
     png_path = out / "process_cr.png"
