@@ -41,6 +41,7 @@ class ProcessRecord:
     cmd: str
     cwd: str                  # inside the sandbox
     threads: int
+    tracer_pid: int = 0
     fds: list[native.FdInfo] = field(default_factory=list)
     rss_kb: int = 0
     mappings: int = 0
@@ -73,9 +74,8 @@ def _mem(pid: int) -> tuple[int, int]:
     return rss, maps
 
 
-def record(pid: int) -> ProcessRecord:
-    """Read one stopped or frozen process from /proc."""
-    st = native.proc_status(pid)
+def record(pid: int, st: native.ProcStatus) -> ProcessRecord:
+    """Read one stopped or frozen process from /proc (its status already read)."""
     try:
         cwd = os.readlink(f"/proc/{pid}/cwd")
     except OSError:
@@ -84,6 +84,7 @@ def record(pid: int) -> ProcessRecord:
     nspid = st.nspid[-1] if st.nspid else pid
     return ProcessRecord(pid=pid, nspid=nspid, ppid=st.ppid, pgid=st.pgid, sid=st.sid,
                          cmd=cmdline(pid), cwd=cwd, threads=st.threads,
+                         tracer_pid=st.tracer_pid,
                          fds=native.fds(pid), rss_kb=rss, mappings=maps)
 
 
@@ -94,11 +95,10 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
     def refuse(reason: str) -> None:
         out.append(Refusal(rec.nspid, rec.cmd, reason))
 
-    st = native.proc_status(rec.pid)
     if rec.threads > 1:
         refuse(f"{rec.threads} threads: multi-threaded processes are not captured yet")
-    if st.tracer_pid and st.tracer_pid not in tracer_ok:
-        refuse(f"traced by pid {st.tracer_pid}")
+    if rec.tracer_pid and rec.tracer_pid not in tracer_ok:
+        refuse(f"traced by pid {rec.tracer_pid}")
     for f in rec.fds:
         reason = _fd_refusal(f)
         if reason:

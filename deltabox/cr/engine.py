@@ -110,14 +110,15 @@ class DeltaCR:
 
     # ---- capture -----------------------------------------------------------------------
 
-    async def capture(self, pids: list[int], freeze: Callable[[], None],
-                      thaw: Callable[[], None], snapshot_files: Callable[[], Awaitable[None]],
+    async def capture(self, procs: dict[int, native.ProcStatus], thaw: Callable[[], None],
+                      snapshot_files: Callable[[], Awaitable[None]],
                       session_inodes: dict[int, str], daemon_inodes: set[int],
                       tracer_ok: set[int]) -> ProcessState:
-        """Stop `pids` (the sandbox's processes, cgroup frozen by the caller before listing
-        them), snapshot the files, template every process, resume. Raises
+        """Stop `procs` (the sandbox's processes and their status, cgroup frozen by the caller
+        before listing them), snapshot the files, template every process, resume. Raises
         FailedPrecondition listing every process that cannot be captured, changing nothing."""
-        records = [record(p) for p in pids]
+        pids = list(procs)
+        records = [record(p, st) for p, st in procs.items()]
         refused: list[Refusal] = [r for rec in records for r in refusals(rec, tracer_ok)]
         if refused:
             thaw()
@@ -163,7 +164,7 @@ class DeltaCR:
                 tpl = state.templates[rec.pid]
                 fdmap = {e.fd: plan.child_end(g, e) for g in state.pipes.values()
                          for e in g.ends if e.pid == rec.pid}
-                files = [native.ReopenFile(f.fd, _reopen_path(f), f.flags, f.pos)
+                files = [native.ReopenFile(f.fd, f.path, f.flags, f.pos)
                          for f in rec.fds if f.kind in ("file", "dir", "chr")]
                 # A group or session leader's pid stays allocated while its template (a
                 # member of that group and session) exists: it comes back with a new pid.
@@ -192,10 +193,6 @@ class DeltaCR:
 
 def _nspid(state: ProcessState, host_pid: int) -> int:
     return next(r.nspid for r in state.records if r.pid == host_pid)
-
-
-def _reopen_path(f: native.FdInfo) -> str:
-    return f.path
 
 
 def _kill(pid: int) -> None:

@@ -194,24 +194,8 @@ def regular_files(pid: int) -> list[ReopenFile]:
     """The regular files pid has open, with flags and offsets from /proc/pid/fdinfo.
     Paths are as seen from the caller's root and mount namespace (readlink of
     /proc/pid/fd/N); files that were deleted are skipped."""
-    out = []
-    base = Path(f"/proc/{pid}")
-    for entry in sorted(os.listdir(base / "fd"), key=int):
-        fd = int(entry)
-        try:
-            target = os.readlink(base / "fd" / entry)
-            st = os.stat(base / "fd" / entry)
-            info = (base / "fdinfo" / entry).read_text()
-        except FileNotFoundError:
-            continue
-        if not target.startswith("/") or target.endswith(" (deleted)"):
-            continue
-        if not _stat.S_ISREG(st.st_mode):
-            continue
-        fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-        out.append(ReopenFile(fd, target, int(fields["flags"].strip(), 8),
-                              int(fields["pos"].strip())))
-    return out
+    return [ReopenFile(f.fd, f.path, f.flags, f.pos) for f in fds(pid)
+            if f.kind == "file" and not f.deleted and f.path.startswith("/")]
 
 
 class Template:

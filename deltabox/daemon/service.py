@@ -327,16 +327,17 @@ class Daemon:
                 self.db.delete_sandbox(sid)
                 for cp in cps:
                     self.db.delete_checkpoint(cp.id)
-            self._delete_layer_later(row.layer_id)
+            self._retire_later(None, row.layer_id)
             for cp in cps:
                 self.warm.drop_checkpoint(cp.id)
                 if self.db.layer_refs(cp.layer_id) == 0:
-                    self._delete_layer_later(cp.layer_id)
+                    self._retire_later(None, cp.layer_id)
                     freed += 1
             return freed
 
     def _retire_later(self, gen: runtime.Generation | None, layer_id: str) -> None:
-        """Drop an old generation and its layer after the call returned. Closing the last
+        """Drop a layer (and the generation mounted on it, if any) after the call returned,
+        off the hot path. Closing the last
         reference to a mount namespace unmounts its tree synchronously (milliseconds of RCU
         grace periods), so it happens in a worker thread, then the layer goes."""
         async def retire() -> None:
@@ -347,16 +348,6 @@ class Daemon:
             except Exception as e:  # retried on the next start (orphan layer)
                 log.warning("deleting layer %s failed: %s (retried at restart)", layer_id, e)
         self.background.start_soon(retire)
-
-    def _delete_layer_later(self, layer_id: str) -> None:
-        """Deleting a subvolume is off the hot path: do it after the call returned."""
-        async def delete() -> None:
-            await trio.sleep(0)
-            try:
-                await trio.to_thread.run_sync(self.store.delete, layer_id)
-            except Exception as e:  # retried on the next start (orphan layer)
-                log.warning("deleting layer %s failed: %s (retried at restart)", layer_id, e)
-        self.background.start_soon(delete)
 
     # ---- running commands ------------------------------------------------------------
 
@@ -529,14 +520,13 @@ class Daemon:
             self.store.freeze(src_layer, layer)
 
         try:
-            pids = self._sandbox_processes(live)
-            if not pids:  # nothing runs but init: the snapshot alone is the whole state
+            procs = self._sandbox_processes(live)
+            if not procs:  # nothing runs but init: the snapshot alone is the whole state
                 await snapshot()
                 return ProcessState([], {}, {}, {})
             session_inodes, daemon_inodes = self._daemon_pipes(live)
             return await self.cr.capture(
-                pids, live.rt.cgroup.freeze, thaw, snapshot, session_inodes, daemon_inodes,
-                tracer_ok=set())
+                procs, thaw, snapshot, session_inodes, daemon_inodes, tracer_ok=set())
         except BaseException:
             with trio.CancelScope(shield=True):
                 thaw()
@@ -546,18 +536,19 @@ class Daemon:
         finally:
             thaw()
 
-    def _sandbox_processes(self, live: Live) -> list[int]:
-        """Host pids of the sandbox's own processes: in its cgroup and its pid namespace,
-        not init, not our templates, not zombies (cgroup frozen by the caller)."""
+    def _sandbox_processes(self, live: Live) -> dict[int, native.ProcStatus]:
+        """The sandbox's own processes (host pid -> status, read once for the whole capture):
+        in its cgroup and its pid namespace, not init, not our templates, not zombies (cgroup
+        frozen by the caller)."""
         skip = live.rt.keep_pids | live.template_pids
-        out = []
+        out = {}
         for pid in sorted(live.rt.cgroup.pids() - skip):
             try:
                 st = native.proc_status(pid)
             except OSError:
                 continue  # exited meanwhile
             if len(st.nspid) >= 2 and st.state != "Z":
-                out.append(pid)
+                out[pid] = st
         return out
 
     def _daemon_pipes(self, live: Live) -> tuple[dict[int, str], set[int]]:
@@ -725,7 +716,7 @@ class Daemon:
             raise
         with self.db.transaction():
             self.db.put_sandbox(row)
-        self._delete_layer_later(old_layer)
+        self._retire_later(None, old_layer)
         return dict(sandbox_id=row.id, checkpoint_id=cp.id,
                     duration_ms=(time.perf_counter() - t0) * 1000, sessions_restarted=[],
                     processes_killed=0, process_state="restarted",
@@ -795,7 +786,7 @@ class Daemon:
             if state is not None:
                 await self.cr.release(state)
         if self.db.layer_refs(cp.layer_id) == 0:
-            self._delete_layer_later(cp.layer_id)
+            self._retire_later(None, cp.layer_id)
             return True
         return False
 
