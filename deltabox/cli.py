@@ -413,6 +413,8 @@ def cmd_fork(args: argparse.Namespace, client: Client) -> int:
     else:
         for kid in kids:
             print(kid.id)
+        if resp.note:  # to stderr: stdout stays a clean list of ids for scripts
+            print(f"processes {resp.process_state}: {resp.note}", file=sys.stderr)
     return 0
 
 

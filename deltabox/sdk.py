@@ -69,6 +69,10 @@ class Sandbox:
         self.id = sandbox_id
         self._client = client
         self.files = Files(self)
+        # Set on sandboxes returned by fork: "restored" (the checkpoint's processes run
+        # here too) or "restarted" (files only), and the daemon's reason.
+        self.process_state = ""
+        self.fork_note = ""
 
     # --- construction -------------------------------------------------------------------
 
@@ -234,7 +238,10 @@ def _fork(client: Client, checkpoint_id: str, count: int) -> builtins.list[Sandb
     if count < 1:
         raise errors.InvalidArgument(f"fork count must be at least 1, got {count}")
     resp = client.call("Fork", pb.ForkRequest(checkpoint_id=checkpoint_id, count=count))
-    return [Sandbox(s.id, client) for s in resp.sandboxes]
+    out = [Sandbox(s.id, client) for s in resp.sandboxes]
+    for sbx in out:  # what the fork brought along, as the daemon reported it
+        sbx.process_state, sbx.fork_note = resp.process_state, resp.note
+    return out
 
 
 class Session:

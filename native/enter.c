@@ -177,8 +177,15 @@ int main(int argc, char **argv)
 	child_pgid = child;
 	forward_termination();
 	sigprocmask(SIG_SETMASK, &old, NULL);
-	while (waitpid(child, &status, 0) < 0)
-		if (errno != EINTR)
+	/* Reap every child, not only the command: processes restored into forks from the
+	 * command's templates are our children too (a template's children take its parent). */
+	for (;;) {
+		pid_t r = waitpid(-1, &status, 0);
+
+		if (r == child)
+			break;
+		if (r < 0 && errno != EINTR)
 			dbx_die_errno("wait for command pid %d", child);
+	}
 	return dbx_exit_code(status);
 }

@@ -108,6 +108,7 @@
 #include <dirent.h>
 #include <pthread.h>
 #include <time.h>
+#include <netinet/in.h>
 #include <sys/mman.h>
 #include <sys/ptrace.h>
 #include <sys/socket.h>
@@ -1440,6 +1441,28 @@ struct dbxcr_template *dbxcr_make_template(pid_t pid, struct dbxcr_error *err)
 	return tpl;
 }
 
+int dbxcr_template_close(struct dbxcr_template *tpl, const int *fds, size_t n,
+			 struct dbxcr_error *err)
+{
+	struct dbxcr_error ignored;
+	struct tracee t;
+	int rc = 0;
+
+	clear_error(err);
+	if (check_owner(tpl, err) < 0 || adopt(&t, tpl->pid, tpl->site, err) < 0)
+		return -1;
+	t.regs = tpl->park;
+	for (size_t i = 0; i < n && rc == 0; i++) {
+		long a[6] = { fds[i], 0, 0, 0, 0, 0 };
+
+		if (rsys(&t, SYS_close, a, err, "close fd %d in the template", fds[i]) < 0)
+			rc = -1;
+	}
+	if (park(tpl, rc ? &ignored : err) < 0)
+		rc = -1;
+	return rc;
+}
+
 int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err)
 {
 	int status, rc = 0;
@@ -1480,8 +1503,73 @@ int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err)
 
 /* ---------- spawning ---------- */
 
+static int transfer_fds(struct tracee *c, unsigned long scratch, const int *src, size_t n,
+			int *out, struct dbxcr_error *err);
+
+/* The template's pid namespace for children, switched to a nested one for one clone3 and
+ * back.  setns(CLONE_NEWPID) accepts only the caller's active pid namespace or one nested
+ * below it, and changes only where the caller's *children* are born. */
+struct pidns_switch {
+	int target;	/* in the template: fd of the namespace to be born in, or -1 */
+	int own;	/* in the template: fd of its active pid namespace, or -1 */
+};
+
+static int switch_pidns_in(struct tracee *t, struct dbxcr_template *tpl, int pidns_fd,
+			   struct pidns_switch *sw, struct dbxcr_error *err)
+{
+	char path[64];
+	int src[2], got[2], own;
+	long a[6] = { 0 };
+
+	sw->target = sw->own = -1;
+	snprintf(path, sizeof(path), "/proc/%d/ns/pid", (int)tpl->pid);
+	own = open(path, O_RDONLY | O_CLOEXEC);
+	if (own < 0)
+		return fail(err, errno, tpl->pid, "open %s", path);
+	src[0] = pidns_fd;
+	src[1] = own;
+	if (transfer_fds(t, tpl->scratch, src, 2, got, err) < 0) {
+		close(own);
+		return -1;
+	}
+	close(own);
+	sw->target = got[0];
+	sw->own = got[1];
+	a[0] = sw->target;
+	a[1] = CLONE_NEWPID;
+	if (rsys(t, SYS_setns, a, err, "setns into the target pid namespace") < 0)
+		return -1;
+	return 0;
+}
+
+/* Back to the template's own pid namespace; close the two fds (best effort on error). */
+static int switch_pidns_back(struct tracee *t, struct pidns_switch *sw, struct dbxcr_error *err)
+{
+	long a[6] = { 0 };
+	int rc = 0;
+
+	if (sw->own >= 0) {
+		a[0] = sw->own;
+		a[1] = CLONE_NEWPID;
+		if (rsys(t, SYS_setns, a, err, "setns back into the template's pid namespace") < 0)
+			rc = -1;
+	}
+	for (int i = 0; i < 2; i++) {
+		struct dbxcr_error e2;
+
+		a[0] = i ? sw->own : sw->target;
+		a[1] = 0;
+		if (a[0] >= 0 && rsys(t, SYS_close, a, &e2, "close pid namespace fd %ld", a[0]) < 0 &&
+		    rc == 0) {
+			*err = e2;
+			rc = -1;
+		}
+	}
+	return rc;
+}
+
 static pid_t clone_from_template(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *o,
-				 struct dbxcr_error *err)
+				 struct pidns_switch *sw, struct dbxcr_error *err)
 {
 	struct dbx_clone_args ca;
 	struct tracee t;
@@ -1489,9 +1577,20 @@ static pid_t clone_from_template(struct dbxcr_template *tpl, const struct dbxcr_
 	long ret;
 	unsigned long tid_addr = tpl->scratch + sizeof(ca);
 
+	sw->target = sw->own = -1;
 	if (o->set_tid_size > 32)
 		return fail(err, EINVAL, tpl->pid, "set_tid has %zu entries (max 32)",
 			    o->set_tid_size);
+	if (adopt(&t, tpl->pid, tpl->site, err) < 0)
+		return -1;
+	t.regs = tpl->park;
+	if (o->pidns_fd > 0 && switch_pidns_in(&t, tpl, o->pidns_fd, sw, err) < 0) {
+		struct dbxcr_error ignored;
+
+		switch_pidns_back(&t, sw, &ignored);
+		park(tpl, &ignored);
+		return -1;
+	}
 	memset(&ca, 0, sizeof(ca));
 	/* CLONE_PARENT: the child takes the template's (= the original's) parent and exit
 	 * signal; clone3 requires exit_signal == 0 with CLONE_PARENT. */
@@ -1501,17 +1600,19 @@ static pid_t clone_from_template(struct dbxcr_template *tpl, const struct dbxcr_
 		ca.set_tid_size = o->set_tid_size;
 		if (mem_write(tpl->pid, tid_addr, o->set_tid, o->set_tid_size * sizeof(pid_t),
 			      err) < 0)
-			return -1;
+			goto undo;
 	}
 	if (mem_write(tpl->pid, tpl->scratch, &ca, sizeof(ca), err) < 0)
-		return -1;
-	if (adopt(&t, tpl->pid, tpl->site, err) < 0)
-		return -1;
-	t.regs = tpl->park;
+		goto undo;
 	a[0] = (long)tpl->scratch;
 	a[1] = sizeof(ca);
 	if (remote_syscall(&t, SYS_clone3, a, &ret, err) < 0) {
 		kill_traced(t.new_child);
+		goto undo;
+	}
+	if (sw->own >= 0 && switch_pidns_back(&t, sw, err) < 0) {
+		kill_traced(t.new_child);
+		park(tpl, err);
 		return -1;
 	}
 	if (park(tpl, err) < 0) {
@@ -1539,6 +1640,30 @@ static pid_t clone_from_template(struct dbxcr_template *tpl, const struct dbxcr_
 	if (t.new_child <= 0)
 		return fail(err, EPROTO, tpl->pid, "clone3 returned %ld but no fork event", ret);
 	return t.new_child;
+undo:
+	{
+		struct dbxcr_error ignored;
+
+		if (sw->own >= 0)
+			switch_pidns_back(&t, sw, &ignored);
+		park(tpl, &ignored);
+	}
+	return -1;
+}
+
+/* Move a newborn child into the target sandbox's cgroups before it runs a single
+ * instruction of its own (a cgroup.procs write takes a pid in the writer's namespace). */
+static int move_to_cgroups(pid_t child, const struct dbxcr_spawn_opts *o,
+			   struct dbxcr_error *err)
+{
+	char buf[32];
+	int len = snprintf(buf, sizeof(buf), "%d", (int)child);
+
+	for (size_t i = 0; i < o->ncgroup_fds; i++)
+		if (write(o->cgroup_fds[i], buf, (size_t)len) != len)
+			return fail(err, errno, child, "move into cgroup (cgroup.procs fd %d)",
+				    o->cgroup_fds[i]);
+	return 0;
 }
 
 /* Give the child copies of the caller's descriptors through a socketpair made in the
@@ -1771,32 +1896,135 @@ static int requeue_pending(struct tracee *c, struct dbxcr_template *tpl,
 	return 0;
 }
 
+/* Create a listening TCP socket like the original's and install it at l->fd.  Bound with
+ * SO_REUSEADDR so connections of the killed original lingering in TIME_WAIT cannot block
+ * the port; the original's own SO_REUSEADDR value is set afterwards. */
+static int recreate_listen(struct tracee *c, unsigned long scratch, const struct dbxcr_listen *l,
+			   struct dbxcr_error *err)
+{
+	long a[6] = { l->family, l->type, l->protocol, 0, 0, 0 };
+	long s, d[6] = { 0 };
+	int one = 1;
+
+	if (l->addrlen > sizeof(l->addr))
+		return fail(err, EINVAL, c->pid, "listening socket fd %d: address of %u bytes",
+			    l->fd, l->addrlen);
+	s = rsys(c, SYS_socket, a, err, "listening socket fd %d: socket", l->fd);
+	if (s < 0)
+		return -1;
+	if (mem_write(c->pid, scratch, &one, sizeof(one), err) < 0)
+		return -1;
+	d[0] = s;
+	d[1] = SOL_SOCKET;
+	d[2] = SO_REUSEADDR;
+	d[3] = (long)scratch;
+	d[4] = sizeof(int);
+	if (rsys(c, SYS_setsockopt, d, err, "listening socket fd %d: SO_REUSEADDR", l->fd) < 0)
+		return -1;
+	if (l->reuseport) {
+		d[2] = SO_REUSEPORT;
+		if (rsys(c, SYS_setsockopt, d, err, "listening socket fd %d: SO_REUSEPORT",
+			 l->fd) < 0)
+			return -1;
+	}
+	if (l->family == AF_INET6) {
+		if (mem_write(c->pid, scratch, &l->v6only, sizeof(int), err) < 0)
+			return -1;
+		d[1] = IPPROTO_IPV6;
+		d[2] = IPV6_V6ONLY;
+		if (rsys(c, SYS_setsockopt, d, err, "listening socket fd %d: IPV6_V6ONLY",
+			 l->fd) < 0)
+			return -1;
+	}
+	if (mem_write(c->pid, scratch + 64, l->addr, l->addrlen, err) < 0)
+		return -1;
+	d[1] = (long)(scratch + 64);
+	d[2] = l->addrlen;
+	if (rsys(c, SYS_bind, d, err, "listening socket fd %d: bind", l->fd) < 0)
+		return -1;
+	d[1] = l->backlog;
+	if (rsys(c, SYS_listen, d, err, "listening socket fd %d: listen", l->fd) < 0)
+		return -1;
+	if (!l->reuseaddr) {
+		int zero = 0;
+
+		if (mem_write(c->pid, scratch, &zero, sizeof(zero), err) < 0)
+			return -1;
+		d[1] = SOL_SOCKET;
+		d[2] = SO_REUSEADDR;
+		d[3] = (long)scratch;
+		d[4] = sizeof(int);
+		if (rsys(c, SYS_setsockopt, d, err, "listening socket fd %d: SO_REUSEADDR=0",
+			 l->fd) < 0)
+			return -1;
+	}
+	if (s != l->fd) {
+		d[0] = s;
+		d[1] = l->fd;
+		d[2] = (l->type & SOCK_CLOEXEC) ? O_CLOEXEC : 0;
+		if (rsys(c, SYS_dup3, d, err, "listening socket fd %d: dup3", l->fd) < 0)
+			return -1;
+		d[1] = d[2] = 0;
+		if (rsys(c, SYS_close, d, err, "listening socket fd %d: close %ld", l->fd, s) < 0)
+			return -1;
+	}
+	return 0;
+}
+
+/* Join the target sandbox's namespaces other than pid (born there) and mount (a
+ * generation of its file system, joined next). */
+static int join_sandbox_ns(struct tracee *c, int pidfd, struct dbxcr_error *err)
+{
+	long a[6] = { pidfd, CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWCGROUP,
+		      0, 0, 0, 0 };
+
+	if (rsys(c, SYS_setns, a, err, "setns into the sandbox's net/uts/ipc/cgroup namespaces") < 0)
+		return -1;
+	a[1] = 0;
+	return rsys(c, SYS_close, a, err, "close sandbox init pidfd") < 0 ? -1 : 0;
+}
+
 /* Everything done inside the new child before it is let go. */
 static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
-		       const struct dbxcr_spawn_opts *o, struct dbxcr_error *err)
+		       const struct dbxcr_spawn_opts *o, const struct pidns_switch *sw,
+		       struct dbxcr_error *err)
 {
 	int src[MAX_XFER_FDS], got[MAX_XFER_FDS];
 	size_t n = 0, first_fd = 0;
+	int mnt_at = -1, ns_at = -1;
 	unsigned long scratch = tpl->scratch;
 	long a[6] = { 0 };
 
-	if (o->mntns_fd >= 0) {
-		src[n++] = o->mntns_fd;
-		first_fd = 1;
+	/* The child was born holding the template's two pid namespace fds. */
+	for (int i = 0; i < 2; i++) {
+		a[0] = i ? sw->own : sw->target;
+		if (a[0] >= 0 && rsys(c, SYS_close, a, err, "close inherited pid namespace fd") < 0)
+			return -1;
 	}
+	if (o->mntns_fd >= 0) {
+		mnt_at = (int)n;
+		src[n++] = o->mntns_fd;
+	}
+	if (o->ns_pidfd > 0) {
+		ns_at = (int)n;
+		src[n++] = o->ns_pidfd;
+	}
+	first_fd = n;
 	if (o->nfds + n > MAX_XFER_FDS)
-		return fail(err, E2BIG, c->pid, "%zu descriptors to install (max %d)", o->nfds,
-			    MAX_XFER_FDS - 1);
+		return fail(err, E2BIG, c->pid, "%zu descriptors to install (max %zu)", o->nfds,
+			    MAX_XFER_FDS - n);
 	for (size_t i = 0; i < o->nfds; i++)
 		src[n++] = o->fds[i].src;
 	if (n && transfer_fds(c, scratch, src, n, got, err) < 0)
 		return -1;
 	if (n && move_off_targets(c, o, got, n, err) < 0)
 		return -1;
-	if (o->mntns_fd >= 0) {
+	if (ns_at >= 0 && join_sandbox_ns(c, got[ns_at], err) < 0)
+		return -1;
+	if (mnt_at >= 0) {
 		/* A fresh fork is single-threaded with its own fs_struct, as setns(CLONE_NEWNS)
 		 * requires; it also resets root and cwd to the namespace's root. */
-		a[0] = got[0];
+		a[0] = got[mnt_at];
 		a[1] = CLONE_NEWNS;
 		if (rsys(c, SYS_setns, a, err, "setns into mount namespace") < 0)
 			return -1;
@@ -1814,6 +2042,9 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 	for (size_t i = 0; i < o->nfiles; i++)
 		if (reopen_file(c, scratch, &o->files[i], err) < 0)
 			return -1;
+	for (size_t i = 0; i < o->nlistens; i++)
+		if (recreate_listen(c, scratch, &o->listens[i], err) < 0)
+			return -1;
 	for (size_t i = 0; i < o->nfds; i++) {
 		long d[6] = { got[first_fd + i], o->fds[i].target,
 			      o->fds[i].cloexec ? O_CLOEXEC : 0, 0, 0, 0 };
@@ -1824,6 +2055,23 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		d[2] = 0;
 		if (rsys(c, SYS_close, d, err, "close received fd %ld", d[0]) < 0)
 			return -1;
+	}
+	if (o->pgid) {
+		long g[6] = { 0, o->pgid > 0 ? o->pgid : 0, 0, 0, 0, 0 };
+		long ret;
+
+		/* Joining fails (EPERM) when the group's restored members have all exited
+		 * already, e.g. a shell whose children are no longer its children: lead a group
+		 * of our own then, never stay in the template's (another sandbox's) group. */
+		if (remote_syscall(c, SYS_setpgid, g, &ret, err) < 0)
+			return -1;
+		if (ret == -EPERM && o->pgid > 0) {
+			g[1] = 0;
+			if (remote_syscall(c, SYS_setpgid, g, &ret, err) < 0)
+				return -1;
+		}
+		if (ret < 0)
+			return fail(err, (int)-ret, c->pid, "setpgid(0, %d)", o->pgid > 0 ? o->pgid : 0);
 	}
 	if (requeue_pending(c, tpl, err) < 0)
 		return -1;
@@ -1839,18 +2087,20 @@ pid_t dbxcr_spawn(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opt
 {
 	static const struct dbxcr_spawn_opts none = { .mntns_fd = -1 };
 	const struct dbxcr_spawn_opts *o = opts ? opts : &none;
+	struct pidns_switch sw;
 	struct tracee c;
 	pid_t child;
 
 	clear_error(err);
 	if (check_owner(tpl, err) < 0)
 		return -1;
-	child = clone_from_template(tpl, o, err);
+	child = clone_from_template(tpl, o, &sw, err);
 	if (child < 0)
 		return -1;
-	if (wait_birth(child, err) < 0 || adopt(&c, child, tpl->site, err) < 0)
+	if (wait_birth(child, err) < 0 || move_to_cgroups(child, o, err) < 0 ||
+	    adopt(&c, child, tpl->site, err) < 0)
 		goto kill;
-	if (setup_child(&c, tpl, o, err) < 0)
+	if (setup_child(&c, tpl, o, &sw, err) < 0)
 		goto kill;
 	/* Hand the child the original's checkpointed state (see the file comment on why the
 	 * exact registers give the right restart semantics). */

@@ -134,6 +134,22 @@ struct dbxcr_fdmap {
 	int cloexec;
 };
 
+/* A listening TCP socket to create afresh in the child (in its network namespace, after
+ * joining it) and install at fd.  The template holds no listening socket: it would keep
+ * the port bound and queue connections nobody accepts (see dbxcr_template_close). */
+struct dbxcr_listen {
+	int fd;
+	int family;		/* AF_INET or AF_INET6 */
+	int type;		/* SOCK_STREAM | SOCK_NONBLOCK / SOCK_CLOEXEC as the original had */
+	int protocol;
+	int backlog;
+	int reuseaddr;		/* SO_REUSEADDR value to leave set (bind always uses 1) */
+	int reuseport;
+	int v6only;		/* IPV6_V6ONLY, AF_INET6 only */
+	unsigned int addrlen;
+	unsigned char addr[128];	/* the bound address (getsockname) */
+};
+
 struct dbxcr_spawn_opts {
 	int mntns_fd;			/* caller's fd of a mount namespace to join, or -1 */
 	const char *cwd;		/* directory to chdir to (after setns), or NULL */
@@ -143,12 +159,28 @@ struct dbxcr_spawn_opts {
 	size_t nfds;
 	const pid_t *set_tid;		/* clone3 set_tid: [0] innermost namespace, or NULL */
 	size_t set_tid_size;
+	/* Spawning into another sandbox (a fork): */
+	int pidns_fd;			/* caller's fd of a pid namespace nested in the
+					 * template's to be born in, or -1 (the template's) */
+	int ns_pidfd;			/* pidfd of the target sandbox's init: join its net,
+					 * uts, ipc and cgroup namespaces; or -1 */
+	const int *cgroup_fds;		/* caller's open cgroup.procs files: the child is
+					 * moved into each right after birth */
+	size_t ncgroup_fds;
+	int pgid;			/* 0: keep the template's process group;
+					 * -1: setpgid(0, 0); > 0: setpgid(0, pgid) */
+	const struct dbxcr_listen *listens;	/* listening sockets to recreate */
+	size_t nlistens;
 };
 
 /* Fork a child from the template, re-root it as asked, restore the checkpointed registers
  * and signal mask and let it run.  Returns the child's pid in the caller's namespace. */
 pid_t dbxcr_spawn(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
 		  struct dbxcr_error *err);
+
+/* Close descriptors in the parked template (its children fork without them). */
+int dbxcr_template_close(struct dbxcr_template *tpl, const int *fds, size_t n,
+			 struct dbxcr_error *err);
 
 /* SIGKILL the template, reap it as its tracer and free tpl (always freed). */
 int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err);

@@ -1,6 +1,6 @@
 /* dbx-init: start a sandbox.
  *
- *   dbx-init [--cgroup PROCS_FILE]... [--hostname NAME]
+ *   dbx-init [--cgroup PROCS_FILE]... [--hostname NAME] [--nest-under PID]
  *
  * The launcher joins the sandbox's cgroups, unshares every namespace a sandbox has (mount,
  * pid, uts, ipc, net, cgroup), names the host, raises loopback and forks. The child is pid 1
@@ -12,6 +12,13 @@
  *
  * The launcher prints init's host pid on stdout and then waits for init, exiting with its
  * status, so deltaboxd sees the sandbox die as its child exiting.
+ *
+ * --nest-under PID makes the new pid namespace a child of PID's (a fork whose processes are
+ * restored from templates living in that namespace: they can spawn only into it or below).
+ * unshare(CLONE_NEWPID) requires the caller's pid namespace for children to be its active
+ * one, so after setns() into PID's namespace a helper forked there does the unsharing and
+ * creates init with CLONE_PARENT: init stays the launcher's child, found in
+ * /proc/self/task/<tid>/children once the helper has exited.
  */
 #include "common.h"
 
@@ -38,6 +45,7 @@ struct init_opts {
 	const char *cgroups[MAX_CGROUPS];
 	int n_cgroups;
 	const char *hostname;
+	pid_t nest_under;
 };
 
 static void parse_args(int argc, char **argv, struct init_opts *o)
@@ -45,6 +53,7 @@ static void parse_args(int argc, char **argv, struct init_opts *o)
 	static const struct option longopts[] = {
 		{"cgroup", required_argument, NULL, 'c'},
 		{"hostname", required_argument, NULL, 'h'},
+		{"nest-under", required_argument, NULL, 'n'},
 		{NULL, 0, NULL, 0},
 	};
 	int c;
@@ -60,8 +69,14 @@ static void parse_args(int argc, char **argv, struct init_opts *o)
 		case 'h':
 			o->hostname = optarg;
 			break;
+		case 'n':
+			o->nest_under = (pid_t)atoi(optarg);
+			if (o->nest_under <= 0)
+				dbx_die("--nest-under %s: not a pid", optarg);
+			break;
 		default:
-			dbx_die("usage: dbx-init [--cgroup PROCS_FILE]... [--hostname NAME]");
+			dbx_die("usage: dbx-init [--cgroup PROCS_FILE]... [--hostname NAME] "
+				"[--nest-under PID]");
 		}
 	}
 }
@@ -170,6 +185,65 @@ static __attribute__((noreturn)) void run_init(void)
 	}
 }
 
+/* New namespaces for the sandbox, in the calling process (whose children will be born in
+ * the new pid namespace). */
+static void make_namespaces(const struct init_opts *o)
+{
+	if (unshare(CLONE_NEWNS | DBX_NS_FLAGS) < 0)
+		dbx_die_errno("unshare namespaces");
+	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
+		dbx_die_errno("make mounts private");
+	if (o->hostname && sethostname(o->hostname, strlen(o->hostname)) < 0)
+		dbx_die_errno("sethostname %s", o->hostname);
+	loopback_up();
+}
+
+/* The nested case (see the file comment); returns init's pid as we see it. */
+static pid_t start_nested_init(const struct init_opts *o)
+{
+	char path[64], buf[64];
+	int pidfd, status, fd;
+	ssize_t n;
+	pid_t helper, init;
+
+	pidfd = (int)syscall(SYS_pidfd_open, o->nest_under, 0);
+	if (pidfd < 0)
+		dbx_die_errno("pidfd_open %d (--nest-under)", (int)o->nest_under);
+	if (setns(pidfd, CLONE_NEWPID) < 0)
+		dbx_die_errno("setns into the pid namespace of %d", (int)o->nest_under);
+	close(pidfd);
+	helper = fork();
+	if (helper < 0)
+		dbx_die_errno("fork namespace helper");
+	if (helper == 0) {
+		make_namespaces(o);
+		init = (pid_t)syscall(SYS_clone, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0);
+		if (init < 0)
+			dbx_die_errno("clone init (CLONE_PARENT)");
+		if (init == 0)
+			run_init();
+		_exit(0);
+	}
+	while (waitpid(helper, &status, 0) < 0)
+		if (errno != EINTR)
+			dbx_die_errno("wait for namespace helper %d", (int)helper);
+	if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+		dbx_die("namespace helper failed (status %#x)", status);
+	snprintf(path, sizeof(path), "/proc/self/task/%d/children", (int)syscall(SYS_gettid));
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		dbx_die_errno("open %s", path);
+	n = read(fd, buf, sizeof(buf) - 1);
+	if (n < 0)
+		dbx_die_errno("read %s", path);
+	close(fd);
+	buf[n] = 0;
+	init = (pid_t)atoi(buf);
+	if (init <= 0)
+		dbx_die("init was not created (no child in %s)", path);
+	return init;
+}
+
 int main(int argc, char **argv)
 {
 	struct init_opts o;
@@ -182,19 +256,16 @@ int main(int argc, char **argv)
 	for (int i = 0; i < o.n_cgroups; i++)
 		if (dbx_join_cgroup(o.cgroups[i]) < 0)
 			dbx_die_errno("join cgroup %s", o.cgroups[i]);
-	if (unshare(CLONE_NEWNS | DBX_NS_FLAGS) < 0)
-		dbx_die_errno("unshare namespaces");
-	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
-		dbx_die_errno("make mounts private");
-	if (o.hostname && sethostname(o.hostname, strlen(o.hostname)) < 0)
-		dbx_die_errno("sethostname %s", o.hostname);
-	loopback_up();
-
-	child = fork();
-	if (child < 0)
-		dbx_die_errno("fork init");
-	if (child == 0)
-		run_init();
+	if (o.nest_under) {
+		child = start_nested_init(&o);
+	} else {
+		make_namespaces(&o);
+		child = fork();
+		if (child < 0)
+			dbx_die_errno("fork init");
+		if (child == 0)
+			run_init();
+	}
 
 	snprintf(line, sizeof(line), "%d\n", child);
 	if (dbx_write_all(STDOUT_FILENO, line, strlen(line)) < 0)

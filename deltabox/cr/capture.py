@@ -8,7 +8,10 @@ rather than come back subtly wrong after a rollback.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import socket
+import struct
 from dataclasses import dataclass, field
 
 from . import native
@@ -45,6 +48,7 @@ class ProcessRecord:
     fds: list[native.FdInfo] = field(default_factory=list)
     rss_kb: int = 0
     mappings: int = 0
+    listens: list[native.ListenSocket] = field(default_factory=list)
 
     def summary(self) -> dict:
         return dict(pid=self.nspid, ppid=self.ppid, pgid=self.pgid, sid=self.sid,
@@ -117,7 +121,81 @@ def _fd_refusal(f: native.FdInfo) -> str | None:
         return f"device {f.path} ({f.rdev[0]}:{f.rdev[1]}) is not one of " \
                "null/zero/full/random/urandom/tty/pty" if f.rdev else f"device {f.path}"
     if f.kind == "socket":
-        return f"socket {f.describe()}: sockets are not captured yet"
+        if is_tcp_listener(f):
+            return None
+        return f"socket {f.describe()}: only listening TCP sockets are captured"
     if f.kind == "fifo":
         return f"named pipe {f.path}: FIFOs are not captured yet"
     return f"{f.path}: this kind of descriptor is not captured"
+
+
+def is_tcp_listener(f: native.FdInfo) -> bool:
+    k = f.socket
+    return k is not None and k.family in ("inet", "inet6") and k.type == "tcp" and k.listening
+
+
+_SYS_PIDFD_GETFD = 438
+_TCP_INFO_BACKLOG = struct.Struct("=8x4xIIIII")  # after rto: ato snd_mss rcv_mss unacked sacked
+
+
+def _sockaddr(family: int, name: tuple) -> bytes:
+    """The raw struct sockaddr_in/_in6 for a getsockname() tuple."""
+    if family == socket.AF_INET:
+        host, port = name
+        return struct.pack("=H", family) + struct.pack("!H", port) + \
+            socket.inet_pton(family, host) + bytes(8)
+    host, port, flow, scope = name
+    return struct.pack("=H", family) + struct.pack("!HI", port, flow) + \
+        socket.inet_pton(family, host.split("%")[0]) + struct.pack("=I", scope)
+
+
+def listen_socket(pid: int, f: native.FdInfo) -> tuple[native.ListenSocket, int]:
+    """What it takes to create this listening socket afresh, and how many connections wait
+    in its accept queue (TCP_INFO on a listener reports both queue and backlog)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(pid)
+    try:
+        fd = libc.syscall(_SYS_PIDFD_GETFD, pidfd, f.fd, 0)
+        if fd < 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"pid {pid}: pidfd_getfd {f.fd}: {os.strerror(e)}")
+    finally:
+        os.close(pidfd)
+    with socket.socket(fileno=fd) as s:
+        info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        _ato, _smss, _rmss, queued, backlog = _TCP_INFO_BACKLOG.unpack_from(info)
+        typ = socket.SOCK_STREAM
+        if f.flags & os.O_NONBLOCK:
+            typ |= socket.SOCK_NONBLOCK
+        if f.flags & os.O_CLOEXEC:
+            typ |= socket.SOCK_CLOEXEC
+        v6only = (s.family == socket.AF_INET6 and
+                  bool(s.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)))
+        ls = native.ListenSocket(
+            fd=f.fd, family=int(s.family), type=typ,
+            protocol=s.getsockopt(socket.SOL_SOCKET, socket.SO_PROTOCOL),
+            addr=_sockaddr(s.family, s.getsockname()), backlog=max(1, backlog),
+            reuseaddr=bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)),
+            reuseport=bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT)),
+            v6only=v6only)
+    return ls, queued
+
+
+def add_listeners(rec: ProcessRecord) -> list[Refusal]:
+    """Fill rec.listens; refuse a listener with connections waiting to be accepted (the
+    restored copy could not have them)."""
+    out = []
+    for f in rec.fds:
+        if f.kind != "socket" or not is_tcp_listener(f):
+            continue
+        try:
+            ls, queued = listen_socket(rec.pid, f)
+        except OSError as e:
+            out.append(Refusal(rec.nspid, rec.cmd, f"fd {f.fd}: reading the socket: {e}"))
+            continue
+        if queued:
+            out.append(Refusal(rec.nspid, rec.cmd,
+                               f"fd {f.fd}: {f.describe()} has {queued} connection(s) waiting "
+                               "to be accepted"))
+        rec.listens.append(ls)
+    return out

@@ -21,6 +21,11 @@ group or session. Not preserved:
 - a restored process's *parent*: it is the parent its template had, which is the sandbox's
   init when the original parent died in the rollback (so a shell's `wait` no longer sees its
   restored background jobs).
+
+Restoring into a fork (`Elsewhere`): the fork's pid namespace is nested below the templates'
+sandbox's, so a template can give birth there (setns into it around clone3); the child joins
+the fork's other namespaces and cgroups. Every pid is free there, leaders' too; process
+groups are re-made in the fork (setpgid), since the templates' groups belong to the source.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import trio
 from ..errors import FailedPrecondition, Internal
 from . import native
 from ..sandbox.reaper import reap_orphans
-from .capture import ProcessRecord, Refusal, record, refusals
+from .capture import ProcessRecord, Refusal, add_listeners, record, refusals
 from .worker import PtraceWorker
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -120,6 +125,8 @@ class DeltaCR:
         pids = list(procs)
         records = [record(p, st) for p, st in procs.items()]
         refused: list[Refusal] = [r for rec in records for r in refusals(rec, tracer_ok)]
+        if not refused:
+            refused = [r for rec in records for r in add_listeners(rec)]
         if refused:
             thaw()
             raise FailedPrecondition(
@@ -138,6 +145,7 @@ class DeltaCR:
             pipes = _pipe_groups(records, session_inodes, daemon_inodes)
             _save_unread(pipes)
             templates = await self.worker.run(_templates, stopped)
+            await self.worker.run(_drop_listeners, templates, records)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await self.worker.run(_abort_all, stopped)
@@ -154,24 +162,42 @@ class DeltaCR:
 
     # ---- restore -----------------------------------------------------------------------
 
-    async def restore(self, state: ProcessState, mntfd: int) -> Restored:
-        """Spawn every template's child into the generation `mntfd` (caller killed the live
-        processes). On failure, kills what it spawned and raises."""
+    async def restore(self, state: ProcessState, mntfd: int,
+                      into: Elsewhere | None = None) -> Restored:
+        """Spawn every template's child into the generation `mntfd`: in the templates' own
+        sandbox (rollback: the caller killed the live processes), or `into` another sandbox
+        whose pid namespace is nested below theirs (fork). On failure, kills what it spawned
+        and raises."""
         plan = _PipePlan(state.pipes)
         spawned: dict[int, int] = {}
+        groups: dict[int, int] = {}          # host pgid at checkpoint -> pgid in the target
         try:
-            for rec in state.records:
+            for rec in _leaders_first(state.records) if into else state.records:
                 tpl = state.templates[rec.pid]
                 fdmap = {e.fd: plan.child_end(g, e) for g in state.pipes.values()
                          for e in g.ends if e.pid == rec.pid}
                 files = [native.ReopenFile(f.fd, f.path, f.flags, f.pos)
                          for f in rec.fds if f.kind in ("file", "dir", "chr")]
-                # A group or session leader's pid stays allocated while its template (a
-                # member of that group and session) exists: it comes back with a new pid.
-                keep_pid = rec.pid not in (rec.pgid, rec.sid)  # host-namespace ids
-                spawned[rec.nspid] = await self.worker.run(
-                    _spawn_retrying, tpl, fdmap, files, rec.cwd, mntfd,
-                    rec.nspid if keep_pid else None)
+                spawn = _Spawn(tpl, fdmap, files, rec.cwd, mntfd, rec.listens)
+                if into is None:
+                    # A group or session leader's pid stays allocated while its template
+                    # (a member of that group and session) exists: it comes back with a
+                    # new pid.
+                    keep_pid = rec.pid not in (rec.pgid, rec.sid)  # host-namespace ids
+                    spawn.nspid = rec.nspid if keep_pid else None
+                else:
+                    # A fresh pid namespace: every pid is free. The template's process
+                    # group belongs to the source sandbox, so each child leads or joins a
+                    # group of the target's own (sessions stay the source's: see module doc).
+                    # In a pid namespace that already holds templates of its own, a group
+                    # leader's pid may still be allocated (see above): new pid then.
+                    leader = rec.pid in (rec.pgid, rec.sid)
+                    spawn.nspid = rec.nspid if into.fresh or not leader else None
+                    spawn.into = into
+                    spawn.pgid = groups.get(rec.pgid, -1)
+                spawned[rec.nspid] = await self.worker.run(_spawn_retrying, spawn)
+                if into is not None:
+                    groups.setdefault(rec.pgid, rec.nspid)
         except BaseException:
             for pid in spawned.values():
                 _kill(pid)
@@ -336,6 +362,15 @@ def _templates(stopped: list[native.Stopped]) -> dict[int, native.Template]:
     return out
 
 
+def _drop_listeners(templates: dict[int, native.Template],
+                    records: list[ProcessRecord]) -> None:
+    """A template holding a listening socket would keep its port bound and queue
+    connections nobody accepts; restored children get a fresh socket instead."""
+    for rec in records:
+        if rec.listens:
+            templates[rec.pid].close_fds([ls.fd for ls in rec.listens])
+
+
 def _resume_all(stopped: list[native.Stopped]) -> None:
     errors = []
     for s in stopped:
@@ -366,16 +401,48 @@ def _release_all(templates: list[native.Template]) -> None:
             pass
 
 
-def _spawn_retrying(tpl: native.Template, fdmap: dict[int, int],
-                    files: list[native.ReopenFile], cwd: str, mntfd: int,
-                    nspid: int | None) -> int:
+@dataclass
+class Elsewhere:
+    """Another sandbox to restore into (a fork): its pid namespace (nested below the
+    templates'), a pidfd of its init (for its net/uts/ipc/cgroup namespaces) and its open
+    cgroup.procs files."""
+    pidns_fd: int
+    init_pidfd: int
+    cgroup_fds: list[int]
+    fresh: bool = True      # a new fork: no pid of the namespace is taken yet
+
+
+@dataclass
+class _Spawn:
+    tpl: native.Template
+    fdmap: dict[int, int]
+    files: list[native.ReopenFile]
+    cwd: str
+    mntfd: int
+    listens: list[native.ListenSocket]
+    nspid: int | None = None
+    into: Elsewhere | None = None
+    pgid: int = 0
+
+
+def _leaders_first(records: list[ProcessRecord]) -> list[ProcessRecord]:
+    """Group leaders before the members that join their group (stable otherwise)."""
+    return sorted(records, key=lambda r: r.pid != r.pgid)
+
+
+def _spawn_retrying(sp: _Spawn) -> int:
     """Spawn with the original pid (if given); the killed original may not be reaped yet
     (EEXIST), so reap and retry for a while."""
     deadline = time.monotonic() + 2.0
-    set_tid = [nspid] if nspid is not None else None
+    set_tid = [sp.nspid] if sp.nspid is not None else None
+    into = sp.into
     while True:
         try:
-            return tpl.spawn(fds=fdmap, files=files, cwd=cwd, mntns_fd=mntfd, set_tid=set_tid)
+            return sp.tpl.spawn(
+                fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd, set_tid=set_tid,
+                pidns_fd=into.pidns_fd if into else None,
+                ns_pidfd=into.init_pidfd if into else None,
+                cgroup_fds=into.cgroup_fds if into else (), pgid=sp.pgid, listens=sp.listens)
         except native.CRError as e:
             if e.errno != errno.EEXIST or time.monotonic() > deadline:
                 raise

@@ -74,11 +74,23 @@ class _StopInfo(ctypes.Structure):
                 ("done", ctypes.c_int)]
 
 
+class _Listen(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int), ("family", ctypes.c_int), ("type", ctypes.c_int),
+                ("protocol", ctypes.c_int), ("backlog", ctypes.c_int),
+                ("reuseaddr", ctypes.c_int), ("reuseport", ctypes.c_int),
+                ("v6only", ctypes.c_int), ("addrlen", ctypes.c_uint),
+                ("addr", ctypes.c_ubyte * 128)]
+
+
 class _SpawnOpts(ctypes.Structure):
     _fields_ = [("mntns_fd", ctypes.c_int), ("cwd", ctypes.c_char_p),
                 ("files", ctypes.POINTER(_File)), ("nfiles", ctypes.c_size_t),
                 ("fds", ctypes.POINTER(_FdMap)), ("nfds", ctypes.c_size_t),
-                ("set_tid", ctypes.POINTER(ctypes.c_int)), ("set_tid_size", ctypes.c_size_t)]
+                ("set_tid", ctypes.POINTER(ctypes.c_int)), ("set_tid_size", ctypes.c_size_t),
+                ("pidns_fd", ctypes.c_int), ("ns_pidfd", ctypes.c_int),
+                ("cgroup_fds", ctypes.POINTER(ctypes.c_int)), ("ncgroup_fds", ctypes.c_size_t),
+                ("pgid", ctypes.c_int),
+                ("listens", ctypes.POINTER(_Listen)), ("nlistens", ctypes.c_size_t)]
 
 
 _lib: ctypes.CDLL | None = None
@@ -113,6 +125,9 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_template_origin.restype = ctypes.c_int
         lib.dbxcr_spawn.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SpawnOpts), err]
         lib.dbxcr_spawn.restype = ctypes.c_int
+        lib.dbxcr_template_close.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
+                                             ctypes.c_size_t, err]
+        lib.dbxcr_template_close.restype = ctypes.c_int
         lib.dbxcr_release_template.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_release_template.restype = ctypes.c_int
         lib.dbxcr_stop_begin.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), err]
@@ -157,6 +172,28 @@ class ProcInfo:
         if self.state in ("Z", "X"):
             return "exiting"
         return None
+
+
+@dataclass(frozen=True)
+class ListenSocket:
+    """A listening TCP socket to create afresh in a spawned child and install at fd."""
+    fd: int
+    family: int
+    type: int            # SOCK_STREAM | SOCK_NONBLOCK / SOCK_CLOEXEC as the original
+    protocol: int
+    addr: bytes          # raw sockaddr (getsockname)
+    backlog: int = 128
+    reuseaddr: bool = False
+    reuseport: bool = False
+    v6only: bool = False
+
+    def _c(self) -> _Listen:
+        if len(self.addr) > 128:
+            raise CRError(_errno.EINVAL, f"fd {self.fd}: socket address too long")
+        c = _Listen(self.fd, self.family, self.type, self.protocol, self.backlog,
+                    int(self.reuseaddr), int(self.reuseport), int(self.v6only), len(self.addr))
+        ctypes.memmove(c.addr, self.addr, len(self.addr))
+        return c
 
 
 @dataclass(frozen=True)
@@ -214,14 +251,21 @@ class Template:
     def spawn(self, *, fds: Mapping[int, int] | None = None,
               files: Iterable[ReopenFile | tuple] = (), cwd: str | None = None,
               mntns_fd: int | None = None, set_tid: Sequence[int] | None = None,
-              cloexec_fds: Iterable[int] = ()) -> int:
+              cloexec_fds: Iterable[int] = (), pidns_fd: int | None = None,
+              ns_pidfd: int | None = None, cgroup_fds: Sequence[int] = (), pgid: int = 0,
+              listens: Sequence[ListenSocket] = ()) -> int:
         """Fork a child that continues where the origin was at checkpoint time.
 
         fds: {target_fd_in_child: our_fd}, e.g. fresh stdio pipes ({0: r, 1: w, 2: w}).
         files: regular files reopened at their fd with flags and offset (own description).
         cwd: chdir in the child (after joining mntns_fd).
         mntns_fd: our fd of a mount namespace the child joins (setns).
-        set_tid: clone3 set_tid, [0] = pid in the template's own (innermost) namespace.
+        set_tid: clone3 set_tid, [0] = pid in the innermost namespace the child is born in.
+        pidns_fd: our fd of a pid namespace nested below the template's: born there.
+        ns_pidfd: pidfd of another sandbox's init: join its net/uts/ipc/cgroup namespaces.
+        cgroup_fds: our open cgroup.procs files, the child is moved into before it runs.
+        pgid: 0 keep the template's process group, -1 lead a new one, > 0 join that one.
+        listens: listening TCP sockets created afresh (after joining the net namespace).
         Returns the child's pid in our namespace; it is a sibling of the origin (same
         parent, same exit signal)."""
         if self._handle is None:
@@ -237,15 +281,31 @@ class Template:
             *[_File(f.fd, f.flags, f.offset, p) for f, p in zip(file_items, paths)])
         tids = list(set_tid or [])
         ctids = (ctypes.c_int * max(1, len(tids)))(*tids)
+        cg = list(cgroup_fds)
+        ccg = (ctypes.c_int * max(1, len(cg)))(*cg)
+        lst = list(listens)
+        clst = (_Listen * max(1, len(lst)))(*[x._c() for x in lst])
         opts = _SpawnOpts(-1 if mntns_fd is None else mntns_fd,
                           os.fsencode(cwd) if cwd is not None else None,
                           cfiles, len(file_items), fdmaps, len(fd_items),
-                          ctids if tids else None, len(tids))
+                          ctids if tids else None, len(tids),
+                          -1 if pidns_fd is None else pidns_fd,
+                          -1 if ns_pidfd is None else ns_pidfd,
+                          ccg, len(cg), pgid, clst, len(lst))
         err = _Err()
         pid = lib.dbxcr_spawn(self._handle, ctypes.byref(opts), ctypes.byref(err))
         if pid < 0:
             _raise(err)
         return pid
+
+    def close_fds(self, fds: Sequence[int]) -> None:
+        """Close descriptors in the template (its later children are born without them)."""
+        if self._handle is None:
+            raise CRError(_errno.EINVAL, f"template {self.pid} was released")
+        arr = (ctypes.c_int * max(1, len(fds)))(*fds)
+        err = _Err()
+        if _load().dbxcr_template_close(self._handle, arr, len(fds), ctypes.byref(err)) < 0:
+            _raise(err)
 
     def release(self) -> None:
         """SIGKILL the template and reap it.  Idempotent."""

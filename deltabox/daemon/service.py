@@ -35,7 +35,7 @@ from ..sandbox.reaper import reap_orphans
 from ..sandbox.session import AdoptedShell, Session
 from ..background import GuardedNursery
 from ..cr import native
-from ..cr.engine import DeltaCR, ProcessState
+from ..cr.engine import DeltaCR, Elsewhere, ProcessState, Restored
 from .db import CheckpointRow, Database, SandboxRow
 from .warm import WarmPool
 
@@ -51,6 +51,8 @@ BASE_ENV = {
     "USER": "root",
 }
 MAX_FORK = 256
+# The kernel nests pid namespaces at most 32 deep (host = level 0); leave headroom.
+MAX_NEST_LEVEL = 30
 
 
 @dataclass
@@ -80,6 +82,9 @@ class Live:
     captured: dict[str, ProcessState] = field(default_factory=dict)
     held_fds: list[int] = field(default_factory=list)    # pipe ends kept for restored processes
     evicted: set[str] = field(default_factory=set)       # checkpoints whose templates went
+    # A fork that runs processes restored from another sandbox's templates lives in a pid
+    # namespace nested below that sandbox's (see fork()): its id, else None.
+    nest_parent: str | None = None
 
     @property
     def template_pids(self) -> set[int]:
@@ -109,6 +114,10 @@ class Daemon:
                              per_sandbox=cfg.warm_per_sandbox)
         self.warm.new_id = lambda: new_id("L")
         self.family_locks: dict[str, trio.Lock] = {}
+        # Removed sandboxes whose init must live on because forks' pid namespaces are
+        # nested in theirs (init's exit would kill every nested process): id -> (runtime,
+        # its own nest parent). Only init remains in them.
+        self.holders: dict[str, tuple[runtime.Runtime, str | None]] = {}
 
     # ---- lookups and validation ------------------------------------------------------
 
@@ -226,6 +235,10 @@ class Daemon:
                     await self._stop(sid)
                 except Exception:
                     log.exception("shutdown: stopping sandbox %s failed", sid)
+            for rt, _ in list(self.holders.values()):  # left only if something failed above
+                await runtime.stop(rt)
+                rt.cgroup.remove()
+            self.holders.clear()
             self.warm.close()
             self.cgroups.remove_parent()
             self.db.close()
@@ -259,12 +272,14 @@ class Daemon:
         self.db.put_sandbox(row)
         return row
 
-    async def _boot(self, row: SandboxRow) -> None:
-        """Start init and the first file-system generation of a sandbox."""
+    async def _boot(self, row: SandboxRow, nest_under: str | None = None) -> None:
+        """Start init and the first file-system generation of a sandbox (its pid namespace
+        nested below the live sandbox `nest_under`'s, if given)."""
         limits = Limits(row.memory_mb, row.pids_max, row.cpus)
         cg = self.cgroups.create(row.id, limits)
-        rt = await runtime.start_init(row.id, cg, row.hostname)
-        live = Live(rt)
+        parent_pid = self.live[nest_under].rt.init_pid if nest_under else None
+        rt = await runtime.start_init(row.id, cg, row.hostname, nest_under=parent_pid)
+        live = Live(rt, nest_parent=nest_under)
         self.live[row.id] = live
         self.background.start_soon(self._watch, row.id, rt)
         lowers = self._lowers(self._image(row.image))
@@ -301,8 +316,38 @@ class Daemon:
             await self.cr.release(state)
         for fd in live.held_fds:
             os.close(fd)
+        if self._nested_in(sid):
+            # Forks live in pid namespaces below ours: keep init (and the namespace) alive,
+            # everything else goes.
+            live.rt.cgroup.kill(keep=live.rt.keep_pids)
+            if live.rt.generation is not None:
+                await trio.to_thread.run_sync(live.rt.generation.close)
+                live.rt.generation = None
+            self.holders[sid] = (live.rt, live.nest_parent)
+            return
         await runtime.stop(live.rt)
         live.rt.cgroup.remove()
+        await self._release_holders(live.nest_parent)
+
+    def _nested_in(self, sid: str) -> bool:
+        """Whether a sandbox (live or held) has its pid namespace nested below sid's."""
+        return (any(lv.nest_parent == sid for lv in self.live.values()) or
+                any(parent == sid for _, parent in self.holders.values()))
+
+    async def _release_holders(self, sid: str | None) -> None:
+        """Stop held inits that no nested sandbox needs any more, up the chain."""
+        while sid is not None and sid in self.holders and not self._nested_in(sid):
+            rt, parent = self.holders.pop(sid)
+            await runtime.stop(rt)
+            rt.cgroup.remove()
+            sid = parent
+
+    def _nest_level(self, sid: str) -> int:
+        """How deep a live sandbox's pid namespace is (the host's is 0)."""
+        try:
+            return len(native.proc_status(self.live[sid].rt.init_pid).nspid) - 1
+        except OSError:
+            return MAX_NEST_LEVEL
 
     def get(self, sid: str) -> SandboxRow:
         return self._sandbox(sid)
@@ -617,6 +662,20 @@ class Daemon:
         """Bring back the checkpoint's processes from their templates, if this sandbox holds
         them. Returns (process_state, note)."""
         captured = live.captured.pop(cp.id, None)
+        holder = None if captured is not None else self._ancestor_holding(live, cp.id)
+        if holder is not None:  # a fork rolling back to a checkpoint of its ancestor
+            async with holder.lock:
+                state = holder.captured.get(cp.id)
+                if state is not None:
+                    reap_orphans()
+                    try:
+                        await self._restore_into(live, state, fresh=False)
+                    except Exception as e:
+                        log.error("rollback %s: restoring processes failed: %s", cp.id, e)
+                        return "restarted", (f"restoring the processes failed ({e}); "
+                                             "sessions restart")
+                    return "restored", (f"{len(state.records)} processes restored from "
+                                        "templates held by an ancestor sandbox")
         if captured is None:
             if cp.kind == "fs":
                 why = "the checkpoint is file-state only (mode=fs)"
@@ -633,6 +692,22 @@ class Daemon:
         except Exception as e:
             log.error("rollback %s: restoring processes failed: %s", cp.id, e)
             return "restarted", f"restoring the processes failed ({e}); sessions restart"
+        self._adopt(live, restored)
+        return "restored", f"{len(restored.pids)} processes restored from templates"
+
+    def _ancestor_holding(self, live: Live, cp_id: str) -> Live | None:
+        """The sandbox up our pid-namespace chain that holds cp's templates, if any."""
+        sid = live.nest_parent
+        while sid is not None and sid in self.live:
+            anc = self.live[sid]
+            if cp_id in anc.captured:
+                return anc
+            sid = anc.nest_parent
+        return None
+
+    def _adopt(self, live: Live, restored: Restored) -> None:
+        """Take over the daemon's side of restored processes: their session shells, and
+        pipes they write to us (drained) or read from us (held open)."""
         for name, (pid, stdin_w, out_r, err_r) in restored.session_fds.items():
             sess = Session(name)
             sess.attach(AdoptedShell(pid, os.pidfd_open(pid), trio.lowlevel.FdStream(stdin_w),
@@ -646,7 +721,6 @@ class Daemon:
                 self.background.start_soon(execute.pump, trio.lowlevel.FdStream(fd), sink)
             else:        # it reads from us: keep the pipe open, as it was
                 live.held_fds.append(fd)
-        return "restored", f"{len(restored.pids)} processes restored from templates"
 
     async def _build_for(self, sid: str, layer: str
                          ) -> tuple[runtime.Generation, runtime.Runtime] | None:
@@ -722,8 +796,15 @@ class Daemon:
                     processes_killed=0, process_state="restarted",
                     note="the sandbox was stopped: it booted again; processes restarted")
 
-    async def fork(self, cp_id: str, count: int) -> list[SandboxRow]:
-        """N new, independent sandboxes whose files are the checkpoint's."""
+    async def fork(self, cp_id: str, count: int) -> tuple[list[SandboxRow], str, str]:
+        """N new sandboxes whose files are the checkpoint's and, when its process templates
+        are at hand, whose processes are the checkpoint's too. Returns (rows, process_state,
+        note).
+
+        Isolation: a template can spawn only into its own pid namespace or one nested
+        below it (kernel rule), so forks that get processes have their pid namespace nested
+        in the template holder's sandbox: forks cannot see or signal one another, nor the
+        holder; the holder's processes can see and signal its forks' (one agent's tree)."""
         cp = self._checkpoint(cp_id)
         count = count or 1
         if not 1 <= count <= MAX_FORK:
@@ -731,6 +812,67 @@ class Daemon:
         if len(self.live) + count > self.cfg.max_sandboxes:
             raise ResourceExhausted(f"forking {count} would exceed the limit of "
                                     f"{self.cfg.max_sandboxes} sandboxes")
+        owner, why = self._template_owner(cp)
+        if owner is None:
+            rows = await self._fork_files(cp, count, None)
+            return rows, "restarted", f"processes restarted: {why}"
+        live_owner = self.live[owner]
+        async with live_owner.lock:  # its templates stay put while we spawn from them
+            if self.live.get(owner) is not live_owner or cp.id not in live_owner.captured:
+                rows = await self._fork_files(cp, count, None)
+                return rows, "restarted", "processes restarted: the templates went meanwhile"
+            rows = await self._fork_files(cp, count, owner)
+            state = live_owner.captured[cp.id]
+            try:
+                for r in rows:
+                    await self._restore_into(self.live[r.id], state)
+            except Exception as e:
+                log.error("fork %s: restoring processes failed: %s", cp.id, e)
+                with trio.CancelScope(shield=True):
+                    for r in rows:
+                        await self._stop(r.id)
+                        self.store.delete(r.layer_id)
+                    with self.db.transaction():
+                        for r in rows:
+                            self.db.delete_sandbox(r.id)
+                raise
+        n = len(state.records)
+        return rows, "restored", f"{n} processes restored from templates in each fork"
+
+    def _template_owner(self, cp: CheckpointRow) -> tuple[str | None, str]:
+        """The live sandbox holding cp's templates, if forks can be spawned from them."""
+        if cp.kind == "fs":
+            return None, "the checkpoint is file-state only (mode=fs)"
+        for sid, live in self.live.items():
+            if cp.id in live.captured:
+                if self._nest_level(sid) >= MAX_NEST_LEVEL:
+                    return None, (f"forks of forks nest pid namespaces, and {sid} is "
+                                  f"{MAX_NEST_LEVEL} deep already")
+                return sid, ""
+            if cp.id in live.evicted:
+                return None, "its process templates were evicted"
+        return None, "its process templates are gone (their sandbox was removed or restarted)"
+
+    async def _restore_into(self, live: Live, state: ProcessState, fresh: bool = True) -> None:
+        """Spawn a checkpoint's processes (templates of an ancestor sandbox) into a fork:
+        a new one (`fresh`), or one rolling back."""
+        rt = live.rt
+        assert rt.generation is not None
+        pidns = os.open(f"/proc/{rt.init_pid}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        cg_fds: list[int] = []
+        try:
+            for f in rt.cgroup.procs_files:
+                cg_fds.append(os.open(f, os.O_WRONLY | os.O_CLOEXEC))
+            restored = await self.cr.restore(
+                state, rt.generation.mntfd, Elsewhere(pidns, rt.pidfd, cg_fds, fresh))
+        finally:
+            for fd in [pidns, *cg_fds]:
+                os.close(fd)
+        self._adopt(live, restored)
+
+    async def _fork_files(self, cp: CheckpointRow, count: int,
+                          nest_under: str | None) -> list[SandboxRow]:
+        """Boot `count` sandboxes on clones of the checkpoint's layer and commit them."""
         src = self.db.get_sandbox(cp.sandbox_id)
         rows: list[SandboxRow] = []
         for _ in range(count):
@@ -754,7 +896,7 @@ class Daemon:
                 r.base_gen = self.store.generation(r.layer_id)
             async with trio.open_nursery() as n:
                 for r in rows:
-                    n.start_soon(self._boot, r)
+                    n.start_soon(self._boot, r, nest_under)
         except BaseException:
             with trio.CancelScope(shield=True):
                 for r in rows:

@@ -87,9 +87,13 @@ class Runtime:
             self.pidfd = -1
 
 
-async def start_init(sandbox_id: str, cgroup: Cgroup, hostname: str) -> Runtime:
-    """Start dbx-init in the cgroup; returns once init's pid is known."""
+async def start_init(sandbox_id: str, cgroup: Cgroup, hostname: str,
+                     nest_under: int | None = None) -> Runtime:
+    """Start dbx-init in the cgroup; returns once init's pid is known. `nest_under`: a
+    host pid whose pid namespace becomes the parent of the sandbox's."""
     cmd = [helper("dbx-init"), "--hostname", hostname]
+    if nest_under is not None:
+        cmd += ["--nest-under", str(nest_under)]
     for f in cgroup.procs_files:
         cmd += ["--cgroup", f]
     proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

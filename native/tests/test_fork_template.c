@@ -17,7 +17,9 @@
 #include <string.h>
 #include <dirent.h>
 #include <sys/mman.h>
+#include <netinet/in.h>
 #include <sys/random.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -1542,6 +1544,79 @@ out:
 	close(sigp[0]);
 }
 
+/* A server blocked in accept(): its template drops the listening socket (the port is free
+ * once the original dies), and a child spawned with the socket recreated at the same fd
+ * resumes its accept() on the new socket and serves. */
+static void test_listen_socket(void)
+{
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl;
+	struct sockaddr_in sa = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	socklen_t len = sizeof(sa);
+	struct dbxcr_listen l;
+	struct dbxcr_spawn_opts o;
+	int ls, ready[2], c;
+	pid_t srv, child = -1;
+	char buf[4] = { 0 }, x;
+
+	current_test = "listen-socket";
+	ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	CHECK(ls >= 0 && bind(ls, (struct sockaddr *)&sa, sizeof(sa)) == 0 && listen(ls, 7) == 0 &&
+	      getsockname(ls, (struct sockaddr *)&sa, &len) == 0, "listen: %s", strerror(errno));
+	if (pipe(ready) < 0)
+		abort();
+	srv = fork();
+	if (srv == 0) {
+		if (write(ready[1], "x", 1) < 0)
+			_exit(1);
+		int a = accept(ls, NULL, NULL);
+
+		if (a < 0 || write(a, "hi", 2) != 2)
+			_exit(2);
+		_exit(0);
+	}
+	close(ready[1]);
+	CHECK(read_timeout(ready[0], &x, 1, 5000) == 0, "server not ready");
+	close(ready[0]);
+	close(ls);
+	CHECK(wait_in_syscall(srv, SYS_accept) == 0, "server never blocked in accept");
+	tpl = dbxcr_make_template(srv, &err);
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (tpl) {
+		CHECK(dbxcr_template_close(tpl, &ls, 1, &err) == 0, "template_close: %s", err.msg);
+		kill_reap(srv);
+		srv = -1;
+		c = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+		CHECK(connect(c, (struct sockaddr *)&sa, sizeof(sa)) < 0 && errno == ECONNREFUSED,
+		      "the template still holds the port");
+		close(c);
+		memset(&l, 0, sizeof(l));
+		l.fd = ls;
+		l.family = AF_INET;
+		l.type = SOCK_STREAM | SOCK_CLOEXEC;
+		l.backlog = 7;
+		l.addrlen = sizeof(sa);
+		memcpy(l.addr, &sa, sizeof(sa));
+		memset(&o, 0, sizeof(o));
+		o.mntns_fd = -1;
+		o.listens = &l;
+		o.nlistens = 1;
+		child = dbxcr_spawn(tpl, &o, &err);
+		CHECK(child > 0, "spawn: %s", err.msg);
+		c = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+		CHECK(connect(c, (struct sockaddr *)&sa, sizeof(sa)) == 0, "connect: %s",
+		      strerror(errno));
+		CHECK(read_timeout(c, buf, 2, 5000) == 0 && memcmp(buf, "hi", 2) == 0,
+		      "restored server did not answer ('%s')", buf);
+		close(c);
+		CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
+	}
+	if (child > 0)
+		CHECK(reap(child) == 0, "restored server exit status");
+	if (srv > 0)
+		kill_reap(srv);
+}
+
 int main(void)
 {
 	int fd;
@@ -1574,6 +1649,7 @@ int main(void)
 		{ "inject-group-stopped", test_inject_group_stopped },
 		{ "templates", test_templates },
 		{ "spawn-mntns", test_spawn_mntns },
+		{ "listen-socket", test_listen_socket },
 		{ "template-nanosleep", test_template_nanosleep },
 		{ "refuse-threads", test_refuse_threads },
 		{ "stop-frozen-tree", test_stop_frozen_tree },
