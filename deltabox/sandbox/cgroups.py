@@ -48,6 +48,14 @@ def _v1_mounts() -> dict[str, Path]:
     return found
 
 
+def _unified_mount() -> Path | None:
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        dev, mnt, fstype, *_ = line.split()
+        if fstype == "cgroup2":
+            return Path(mnt)
+    return None
+
+
 def detect_version() -> str:
     controllers = CGROUP_ROOT / "cgroup.controllers"
     if controllers.exists() and "memory" in controllers.read_text().split():
@@ -109,6 +117,10 @@ class Cgroup:
     def memory_usage(self) -> int:
         return self.driver.memory_usage(self.name)
 
+    @property
+    def bpf_id(self) -> int | None:
+        return self.driver.bpf_id(self.name)
+
     def remove(self) -> None:
         """Kill everything and delete the cgroup directories (idempotent)."""
         if any(d.exists() for d in self.dirs):
@@ -139,6 +151,9 @@ class CgroupDriver:
         self.parent = parent
         self.version = version or detect_version()
         self.v1 = _v1_mounts() if self.version == "v1" else {}
+        # Hybrid hosts mount cgroup2 beside the v1 hierarchies (controller-less): sandbox
+        # processes are put there too, so eBPF can tell them apart by cgroup id.
+        self.unified = _unified_mount() if self.version == "v1" else None
         if self.version == "v1":
             missing = [c for c in V1_CONTROLLERS if c not in self.v1]
             if missing:
@@ -147,13 +162,30 @@ class CgroupDriver:
     def _parents(self) -> list[Path]:
         if self.version == "v2":
             return [CGROUP_ROOT / self.parent]
-        return [self.v1[c] / self.parent for c in V1_CONTROLLERS]
+        out = [self.v1[c] / self.parent for c in V1_CONTROLLERS]
+        if self.unified is not None:
+            out.append(self.unified / self.parent)
+        return out
 
     def dirs_for(self, name: str) -> list[Path]:
         return [p / name for p in self._parents()]
 
     def procs_dir(self, name: str) -> Path:
-        return self.dirs_for(name)[-1] if self.version == "v1" else self.dirs_for(name)[0]
+        if self.version == "v1":
+            return self.v1["freezer"] / self.parent / name
+        return self.dirs_for(name)[0]
+
+    def bpf_id(self, name: str) -> int | None:
+        """The cgroup-v2 id of a sandbox (what bpf_get_current_cgroup_id() returns for its
+        processes): the inode of its directory in the unified hierarchy. On a v1 host the
+        sandbox is placed in the hybrid unified hierarchy too, for this; None without one."""
+        d = (self.unified if self.version == "v1" else CGROUP_ROOT)
+        if d is None:
+            return None
+        try:
+            return os.stat(d / self.parent / name).st_ino
+        except OSError:
+            return None
 
     def setup(self) -> None:
         for p in self._parents():
