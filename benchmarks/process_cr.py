@@ -23,9 +23,10 @@ in the same run:
   one process for the multi-process configurations), until every child has written a byte
   to a pipe.
 
-Plus fan-out `sbx.fork(cp, count=N)` for N = 1..32 from the full scenario's checkpoint (a
-*file-state* fork: the children get the checkpoint's files, their processes are restarted, not
-restored; the children are inspected and what they run is reported), and the memory a
+Plus fan-out `sbx.fork(cp, count=N)` for N = 1..32 from the full scenario's checkpoint (each
+child gets the checkpoint's files and its processes restored from the templates, in a pid
+namespace nested below the source's; the children are inspected and what they run, and the
+fork's process_state, are reported), and the memory a
 template holds after the live process dirtied D MB (its /proc/<pid>/smaps_rollup
 Private_Clean + Private_Dirty). Writes <out>/process_cr.json and <out>/process_cr.png.
 """
@@ -626,6 +627,7 @@ def run_fork(d: PrivateDaemon, plan: Plan) -> dict[str, Any]:
                 with Timer() as tm:
                     kids = sbx.fork(cp, count=n)
                 total.append(tm.ms)
+                states = {k.process_state for k in kids}
                 try:
                     if rep == 0:
                         for k in {id(kids[0]): kids[0], id(kids[-1]): kids[-1]}.values():
@@ -635,7 +637,7 @@ def run_fork(d: PrivateDaemon, plan: Plan) -> dict[str, Any]:
                         for k in kids:
                             k.kill()
                     kill_ms.append(tk.ms)
-            per_n[str(n)] = {"count": n, "total_ms": total,
+            per_n[str(n)] = {"count": n, "total_ms": total, "process_state": sorted(states),
                              "per_child_ms": [t / n for t in total], "kill_all_ms": kill_ms,
                              "children_inspected": inspected}
             log(f"fork({n}): total p50 {percentile(total, 50):.1f} ms; child runs the "
@@ -643,9 +645,9 @@ def run_fork(d: PrivateDaemon, plan: Plan) -> dict[str, Any]:
         source_checkpoint = cp.model_dump()
     finally:
         sbx.kill()
-    return {"kind": "file-state fork: the children get the checkpoint's files; their "
-                    "processes are restarted (not restored) - templates cannot spawn into "
-                    "another sandbox's pid namespace yet",
+    return {"kind": "fork with processes: the children get the checkpoint's files and its "
+                    "processes, spawned from the source's templates into pid namespaces "
+                    "nested below the source's",
             "source": "bash session + python 200 MB + 10k-file tree",
             "source_checkpoint": source_checkpoint, "per_n": per_n}
 
@@ -818,7 +820,7 @@ def print_summary(summary: dict, targets: dict, json_path: Path, png_path: Path)
           f"{_fmt(r['rollback_older_server_ms'].get('p50'))}")
     if "fork" in summary:
         p("")
-        p("fan-out fork (file-state fork: children's processes are restarted, not restored)")
+        p("fan-out fork (files + processes restored from templates in every child)")
         p(f"{'N':>4} | {'total p50':>9} {'p90':>7} | {'per child':>9} | children run workload")
         for n, f in summary["fork"]["per_n"].items():
             p(f"{n:>4} | {_fmt(f['total_ms'].get('p50'), 9)} {_fmt(f['total_ms'].get('p90'))} | "
@@ -918,8 +920,8 @@ def plot(series: list[Series], fork: dict | None, tmem: list[dict] | None, machi
         ax.set_yscale("log")
         ax.set_xlabel("children N")
         ax.set_ylabel("latency (ms), p50 with p10-p90")
-        ax.set_title("fan-out fork from the full checkpoint (file-state fork: "
-                     "processes restarted)", fontsize=9)
+        ax.set_title("fan-out fork from the full checkpoint (files + processes "
+                     "restored)", fontsize=9)
         ax.grid(which="both", alpha=0.25)
         ax.legend(fontsize=7)
     else:
