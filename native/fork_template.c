@@ -874,18 +874,27 @@ int dbxcr_inject_syscall(pid_t pid, long nr, const long args[6], long *ret,
 
 /* ---------- templates ---------- */
 
+/* fork() copies only the calling thread, and a process has one tracer. */
+static int check_single_untraced(pid_t pid, const struct dbxcr_info *info,
+				 struct dbxcr_error *err)
+{
+	if (info->threads != 1)
+		return fail(err, ENOTSUP, pid,
+			    "process has %d threads; only single-threaded processes can be "
+			    "templated (fork copies only the calling thread)", info->threads);
+	if (info->tracer_pid != 0)
+		return fail(err, EBUSY, pid, "already traced by pid %d", info->tracer_pid);
+	return 0;
+}
+
 static int check_templatable(pid_t pid, struct dbxcr_error *err)
 {
 	struct dbxcr_info info;
 
 	if (dbxcr_describe(pid, &info, err) < 0)
 		return -1;
-	if (info.threads != 1)
-		return fail(err, ENOTSUP, pid,
-			    "process has %d threads; only single-threaded processes can be "
-			    "templated (fork copies only the calling thread)", info.threads);
-	if (info.tracer_pid != 0)
-		return fail(err, EBUSY, pid, "already traced by pid %d", info.tracer_pid);
+	if (check_single_untraced(pid, &info, err) < 0)
+		return -1;
 	return check_stoppable(pid, &info, err);
 }
 
@@ -1063,12 +1072,8 @@ int dbxcr_stop_begin(pid_t pid, struct dbxcr_stop **out, struct dbxcr_error *err
 	dbxcr_stop_sweep(0);
 	if (dbxcr_describe(pid, &info, err) < 0)
 		return -1;
-	if (info.threads != 1)
-		return fail(err, ENOTSUP, pid,
-			    "process has %d threads; only single-threaded processes can be "
-			    "templated (fork copies only the calling thread)", info.threads);
-	if (info.tracer_pid != 0)
-		return fail(err, EBUSY, pid, "already traced by pid %d", info.tracer_pid);
+	if (check_single_untraced(pid, &info, err) < 0)
+		return -1;
 	if (info.state == 'Z' || info.state == 'X')
 		return fail(err, ESRCH, pid, "process is exiting (state %c)", info.state);
 	s = calloc(1, sizeof(*s));

@@ -8,7 +8,6 @@ rather than come back subtly wrong after a rollback.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import socket
 import struct
@@ -134,7 +133,6 @@ def is_tcp_listener(f: native.FdInfo) -> bool:
     return k is not None and k.family in ("inet", "inet6") and k.type == "tcp" and k.listening
 
 
-_SYS_PIDFD_GETFD = 438
 _TCP_INFO_BACKLOG = struct.Struct("=8x4xIIIII")  # after rto: ato snd_mss rcv_mss unacked sacked
 
 
@@ -152,16 +150,7 @@ def _sockaddr(family: int, name: tuple) -> bytes:
 def listen_socket(pid: int, f: native.FdInfo) -> tuple[native.ListenSocket, int]:
     """What it takes to create this listening socket afresh, and how many connections wait
     in its accept queue (TCP_INFO on a listener reports both queue and backlog)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    pidfd = os.pidfd_open(pid)
-    try:
-        fd = libc.syscall(_SYS_PIDFD_GETFD, pidfd, f.fd, 0)
-        if fd < 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"pid {pid}: pidfd_getfd {f.fd}: {os.strerror(e)}")
-    finally:
-        os.close(pidfd)
-    with socket.socket(fileno=fd) as s:
+    with socket.socket(fileno=native.copy_fd(pid, f.fd)) as s:
         info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
         _ato, _smss, _rmss, queued, backlog = _TCP_INFO_BACKLOG.unpack_from(info)
         typ = socket.SOCK_STREAM

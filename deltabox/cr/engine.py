@@ -47,16 +47,7 @@ from .capture import ProcessRecord, Refusal, add_listeners, record, refusals
 from .worker import PtraceWorker
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_SYS_PIDFD_GETFD = 438
 SPLICE_F_NONBLOCK = 2
-
-
-def _pidfd_getfd(pidfd: int, fd: int) -> int:
-    r = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
-    if r < 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"pidfd_getfd: {os.strerror(e)}")
-    return int(r)
 
 
 def _tee_copy(src_read: int) -> int | None:
@@ -253,15 +244,11 @@ def _save_unread(groups: dict[int, PipeGroup]) -> None:
         reader = next((e for e in g.ends if not e.write), None)
         if reader is None or g.owner.startswith("session:"):
             continue
-        pidfd = os.pidfd_open(reader.pid)
+        fd = native.copy_fd(reader.pid, reader.fd)
         try:
-            fd = _pidfd_getfd(pidfd, reader.fd)
-            try:
-                g.saved = _tee_copy(fd)
-            finally:
-                os.close(fd)
+            g.saved = _tee_copy(fd)
         finally:
-            os.close(pidfd)
+            os.close(fd)
 
 
 class _PipePlan:

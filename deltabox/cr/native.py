@@ -564,6 +564,24 @@ def _sockets(pid: int) -> dict[int, SockInfo]:
     return out
 
 
+_SYS_PIDFD_GETFD = 438
+_libc_raw = ctypes.CDLL(None, use_errno=True)
+
+
+def copy_fd(pid: int, fd: int) -> int:
+    """Our own duplicate of another process's descriptor (pidfd_getfd): same open file
+    description. The caller closes it."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        r = _libc_raw.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+    finally:
+        os.close(pidfd)
+    if r < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"pid {pid}: pidfd_getfd {fd}: {os.strerror(e)}")
+    return int(r)
+
+
 def fds(pid: int) -> list[FdInfo]:
     """Inventory of pid's open descriptors (a descriptor closed meanwhile is skipped)."""
     base = Path(f"/proc/{pid}")
