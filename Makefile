@@ -46,6 +46,7 @@ test: install
 bench: install
 	$(PY) -m benchmarks.fs_cr --quick
 	$(PY) -m benchmarks.process_cr --quick
+	$(PY) -m benchmarks.swebench.run --quick --out benchmarks/out/swebench
 
 clean:
 	rm -rf $(LIBEXEC) $(PROTO_OUT) deltabox/api/deltabox_pb2_grpc.py build

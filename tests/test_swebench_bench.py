@@ -1,0 +1,103 @@
+"""benchmarks.swebench's core on a tiny synthetic trajectory (no downloads, no venv): every
+system must replay the same tree with the same exit codes and states, and results.json
+must carry the runner's contract (every operation's latency, e2e per system, DeltaBox's
+overhead_pct against the floor)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.common import write_json
+from benchmarks.swebench import core, env, report, trajectory
+from benchmarks.swebench.modes import mcts_schedule
+
+WORKDIR = "/testbed"
+# Each command's exit code depends on the state it runs in, so a system that restores the
+# wrong state (a file from a later step left behind, an edit not undone, a line appended
+# twice) gets a different code than DeltaBox.
+ACTIONS = [
+    {"kind": "create", "path": "notes.txt", "content": "a\n"},
+    {"kind": "shell", "cmd": "test ! -e made_later && echo one >> log.txt", "returncode": 0},
+    {"kind": "edit", "path": "pkg/mod.py", "old": "VALUE = 1", "new": "VALUE = 2"},
+    {"kind": "shell", "cmd": "python3 -c 'import pkg.mod as m; raise SystemExit(m.VALUE)'",
+     "returncode": 2},
+    {"kind": "shell", "cmd": "touch made_later && git status --porcelain | grep -c .",
+     "returncode": 0},
+    {"kind": "shell", "cmd": "test $(wc -l < log.txt) -eq 1 && ! grep -q 'VALUE = 1' pkg/mod.py",
+     "returncode": 0},
+]
+SEED = 3
+
+
+def tiny_trajectory() -> trajectory.Trajectory:
+    return trajectory.from_dict({
+        "instance_id": "tiny-1", "agent": "test", "model": "none", "workdir": WORKDIR,
+        "interpreter": ["bash", "-c"], "env": {"PAGER": "cat"},
+        "pypi": {"name": "tinypkg", "version": "0.1"}, "actions": ACTIONS}, "tiny.json")
+
+
+def tiny_package(root: Path) -> Path:
+    tree = root / "tinypkg-0.1"
+    (tree / "pkg").mkdir(parents=True)
+    (tree / "pkg" / "__init__.py").write_text("")
+    (tree / "pkg" / "mod.py").write_text("VALUE = 1\n")
+    (tree / "README").write_text("tiny\n")
+    return tree
+
+
+def test_schedule_is_seeded_and_counts_rollbacks() -> None:
+    a = mcts_schedule(len(ACTIONS), 10, 4, SEED)
+    assert a == mcts_schedule(len(ACTIONS), 10, 4, SEED)
+    assert sum(s.rollback for s in a) == 4
+    assert [s.node for s in a] == list(range(1, 11))
+    # the tree goes back before `touch made_later` after it ran: the test below is meaningful
+    touched = next(s.step for s in a if s.action == 4)
+    assert any(s.rollback and s.action <= 1 for s in a if s.step > touched)
+
+
+def test_replay_agrees_across_systems(daemon, tmp_path: Path) -> None:
+    traj = tiny_trajectory()
+    host = env.HostEnv(tree=tiny_package(tmp_path), wheelhouse=None, source="local")
+    plan = core.Plan(modes=("linear", "mcts"), expansions=10, rollbacks=4, seed=SEED,
+                     timeout=30, think=0.0, warmup_actions=0)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    out = core.replay_trajectory(daemon.socket, daemon.state_dir, scratch, traj, host, plan)
+    doc = core.results_doc([out], plan, "test", "test")
+    path = write_json(tmp_path / "results.json", doc, {"cpu_model": "test"})
+    doc = json.loads(path.read_text())
+
+    runs = {r["mode"]: r for r in doc["trajectories"][0]["runs"]}
+    assert set(runs) == {"linear", "mcts"}
+    for mode, run in runs.items():
+        s = run["summary"]
+        assert s["codes_agree"], (mode, s["codes_vs_deltabox"])
+        assert s["hashes_agree"], (mode, s["hashes_vs_deltabox"])
+        for name, res in run["systems"].items():
+            assert res["ops"] and all(o["ms"] >= 0 and o["op"] for o in res["ops"])
+            timed = sum(o["ms"] for o in res["ops"])
+            assert abs(res["e2e_ms"] - timed) < 1e-6 * max(1.0, timed), name
+            assert isinstance(res["overhead_pct"], float)
+        assert isinstance(run["systems"]["deltabox"]["overhead_pct"], float)
+        assert isinstance(s["overhead_pct"], float)
+
+    lin = runs["linear"]["systems"]
+    assert set(lin) == {"floor", "deltabox", "copytree", "docker_commit"}
+    # the replayed codes are the states' real ones (the edit took effect, nothing leaked)
+    assert [lin["deltabox"]["codes"][str(i)] for i in range(len(ACTIONS))] == [0, 0, 0, 2, 0, 0]
+    assert sum(o["op"] == "checkpoint" for o in lin["deltabox"]["ops"]) == len(ACTIONS) + 1
+
+    mcts = runs["mcts"]
+    assert set(mcts["systems"]) == set(core.ORDER)
+    assert mcts["schedule"]["rollbacks"] == 4
+    dbx_rb = [o for o in mcts["systems"]["deltabox"]["ops"] if o["op"] == "rollback"]
+    assert len(dbx_rb) == 4 and all(o["process_state"] for o in dbx_rb)
+    steps = {st["step"]: st for st in mcts["steps"]}
+    for name in ("copytree", "docker_commit", "restart_replay"):
+        assert mcts["systems"][name]["codes"] == mcts["systems"]["deltabox"]["codes"], name
+    for step, code in mcts["systems"]["deltabox"]["codes"].items():
+        action = ACTIONS[steps[int(step)]["action"]]
+        assert code == action.get("returncode", 0), (step, action, code)
+    assert "mcts" in doc["summary"] and "targets" in doc
+    assert "| tiny |" in report.markdown(doc | {"duration_s": 1.0}, "x")
