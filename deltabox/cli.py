@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 from deltabox import convert, errors
 from deltabox.api import deltabox_pb2 as pb
 from deltabox.client import Client, connect
-from deltabox.models import Checkpoint, DiffResult
+from deltabox.models import Checkpoint, DiffResult, TurnReport
 from deltabox.sdk import Sandbox
 
 PROG = "deltabox"
@@ -144,6 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
              "head (the checkpoint it last took or rolled back to).",
              "deltabox checkpoints $id", common)
     p.add_argument("id", metavar="ID", help="sandbox id")
+
+    p = _add(sub, "effects", "show what a sandbox's processes did in a turn",
+             "Show what the sandbox's processes did since its last checkpoint or rollback (files "
+             "written, created, deleted; processes forked, exited, run; sockets), as the eBPF "
+             "inspector saw it, or with --checkpoint the turn that checkpoint closed and the "
+             "policy's decision (skipped / fs / full and why).",
+             "deltabox effects $id --json", common)
+    p.add_argument("id", metavar="ID", help="sandbox id")
+    p.add_argument("--checkpoint", default="", metavar="CP",
+                   help="the turn this checkpoint closed (default: the current turn so far)")
 
     p = _add(sub, "diff", "show files that changed between two checkpoints",
              "List paths added (A), modified (M) and deleted (D) going from checkpoint A to B.",
@@ -300,6 +310,47 @@ def render_diff(diff: DiffResult) -> list[str]:
     return [f"{mark} {path}" for mark, path in sorted(entries, key=lambda e: (e[1], e[0]))]
 
 
+def render_effects(rep: TurnReport) -> list[str]:
+    """A turn's effects, one line per kind of effect that happened."""
+    lines = [f"inspector: {rep.backend}"]
+    if rep.kind:
+        lines.append(f"decision: {rep.kind}" + (f" ({'; '.join(rep.reasons)})"
+                                               if rep.reasons else ""))
+    e = rep.effects
+    if e is None:
+        lines.append("not watched: the inspector did not see this turn")
+        return lines
+    if not e.complete or e.lost_events:
+        lines.append("INCOMPLETE: " + "; ".join(
+            e.incomplete_reasons or [f"{e.lost_events} events lost"]))
+
+    def some(label: str, items: Sequence[object]) -> None:
+        if items:
+            shown = ", ".join(str(i) for i in items[:8])
+            more = f" (+{len(items) - 8} more)" if len(items) > 8 else ""
+            lines.append(f"{label}: {shown}{more}")
+
+    for label, paths in (("written", e.files_written), ("created", e.files_created),
+                         ("deleted", e.files_deleted), ("renamed", e.files_renamed),
+                         ("chmod", e.files_chmodded), ("truncated", e.files_truncated),
+                         ("attributes", e.files_attrs_changed),
+                         ("transient", e.files_transient)):
+        some(f"files {label}", paths)
+    some("processes forked", [f"{p.pid} ({p.comm})" for p in e.processes_forked])
+    some("processes execed", [p.filename for p in e.processes_execed])
+    some("processes exited", [f"{p.pid} ({p.comm})" for p in e.processes_exited])
+    some("processes ran", [f"{p.pid} ({p.comm}: {p.how})" for p in e.processes_ran])
+    some("address spaces changed", [f"{a.pid} ({a.comm})" for a in e.address_space_changed])
+    some("signals", [f"{s.signal} -> {s.pid} ({s.how})" for s in e.processes_signalled])
+    some("sockets", [f"{s.op} {s.family} {s.address or ''}{':' if s.port is not None else ''}"
+                     f"{s.port if s.port is not None else ''} ({s.comm})" for s in e.sockets])
+    some("other", e.other_effects)
+    some("entered from outside", e.outside_entries)
+    if len(lines) == (2 if rep.kind else 1):
+        lines.append("nothing recovery-relevant happened")
+    return lines
+
+
 def parse_cp_spec(spec: str) -> tuple[str | None, str]:
     """`ID:PATH` -> (ID, PATH); a local path (no colon, or a slash before it) -> (None, spec)."""
     head, sep, tail = spec.partition(":")
@@ -447,6 +498,16 @@ def cmd_checkpoints(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def cmd_effects(args: argparse.Namespace, client: Client) -> int:
+    rep = _sandbox(client, args.id).turn_effects(args.checkpoint or None)
+    if args.json:
+        _print_json(rep)
+        return 0
+    for line in render_effects(rep):
+        print(line)
+    return 0
+
+
 def cmd_diff(args: argparse.Namespace, client: Client) -> int:
     req = pb.DiffRequest(from_checkpoint_id=args.a, to_checkpoint_id=args.b)
     diff = convert.diff_result(client.call("Diff", req))
@@ -565,7 +626,7 @@ def run_daemon(args: argparse.Namespace) -> int:
 HANDLERS: dict[str, Handler] = {
     "create": cmd_create, "exec": cmd_exec, "checkpoint": cmd_checkpoint,
     "rollback": cmd_rollback, "fork": cmd_fork, "ls": cmd_ls, "checkpoints": cmd_checkpoints,
-    "diff": cmd_diff, "rm": cmd_rm, "rmcp": cmd_rmcp, "info": cmd_info, "cp": cmd_cp,
+    "diff": cmd_diff, "effects": cmd_effects, "rm": cmd_rm, "rmcp": cmd_rmcp, "info": cmd_info, "cp": cmd_cp,
 }
 
 

@@ -37,8 +37,15 @@ def checkpoint(msg: pb.CheckpointInfo) -> models.Checkpoint:
         family_id=msg.family_id, kind=msg.kind, created_at=msg.created_at,
         duration_ms=msg.duration_ms, files_changed=msg.files_changed,
         bytes_changed=msg.bytes_changed, label=msg.label, reasons=list(msg.reasons),
-        freeze_ms=msg.freeze_ms,
+        freeze_ms=msg.freeze_ms, processes_from=msg.processes_from or None,
     )
+
+
+def turn_report(msg: pb.TurnEffectsResponse) -> models.TurnReport:
+    eff = (models.TurnEffects.model_validate_json(msg.effects_json) if msg.effects_json
+           else None)
+    return models.TurnReport(backend=msg.backend, effects=eff, kind=msg.kind,
+                             reasons=list(msg.reasons))
 
 
 def checkpoints(msgs: Iterable[pb.CheckpointInfo]) -> list[models.Checkpoint]:

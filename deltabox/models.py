@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deltabox.inspector.effects import TurnEffects
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -38,6 +40,9 @@ class Checkpoint(_Model):
     label: str = ""
     reasons: list[str] = Field(default_factory=list)
     freeze_ms: float = 0.0
+    # The checkpoint whose captured processes a rollback to this one restores (itself for
+    # "full"; the parent's for "fs"/"skipped" decided by the policy); None: files only.
+    processes_from: str | None = None
 
 
 class RollbackResult(_Model):
@@ -105,3 +110,12 @@ class CreateParams(_Model):
     cpus: float = Field(default=0.0, ge=0.0, le=1024.0)
     hostname: str = Field(default="", max_length=63, pattern=r"^[A-Za-z0-9.-]*$")
     env: dict[str, str] = Field(default_factory=dict)
+
+
+class TurnReport(_Model):
+    """What a sandbox did in a turn, as the eBPF inspector saw it (`Sandbox.turn_effects`)."""
+
+    backend: str                     # inspector backend, or "none: <why>"
+    effects: TurnEffects | None      # None: the inspector did not watch this turn
+    kind: str = ""                   # for a checkpoint's turn: skipped | fs | full
+    reasons: list[str] = Field(default_factory=list)

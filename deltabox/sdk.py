@@ -23,7 +23,7 @@ from deltabox import convert, errors
 from deltabox.api import deltabox_pb2 as pb
 from deltabox.client import Client, connect, default_socket
 from deltabox.models import (Checkpoint, DaemonInfo, DiffResult, ExecResult, FileInfo,
-                             RollbackResult, SandboxInfo)
+                             RollbackResult, SandboxInfo, TurnReport)
 
 __all__ = ["Sandbox", "Session", "Files", "info"]
 
@@ -168,6 +168,14 @@ class Sandbox:
         """Capture the sandbox's state. mode: "auto" | "fs" (files only) | "full"."""
         req = pb.CheckpointRequest(sandbox_id=self.id, mode=mode, label=label)
         return convert.checkpoint(self._client.call("Checkpoint", req))
+
+    def turn_effects(self, cp: CheckpointLike | None = None) -> TurnReport:
+        """What the sandbox's processes did since its last checkpoint (or rollback), as the
+        eBPF inspector saw it; with `cp`: the turn that checkpoint closed, and the policy's
+        decision (kind, reasons). `.effects` is None when the inspector did not watch."""
+        req = pb.TurnEffectsRequest(sandbox_id=self.id,
+                                    checkpoint_id=_cp_id(cp) if cp is not None else "")
+        return convert.turn_report(self._client.call("TurnEffects", req))
 
     def rollback(self, cp: CheckpointLike) -> RollbackResult:
         """Return this sandbox to `cp` (a checkpoint of its own family)."""

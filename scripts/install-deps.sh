@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # Installs the Debian packages DeltaBox needs, once. Idempotent: does nothing when all present.
 set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+# bcc and kernel headers for the turn inspector (eBPF). Not fatal: without them the daemon
+# runs with the conservative fallback (every checkpoint "full") and says why.
+bcc() {
+  bash "$here/setup-bcc.sh" --venv "$here/../.venv" ||
+    echo "install-deps: warning: eBPF inspector not set up (see above); checkpoints will not be skipped" >&2
+}
 need=()
 command -v mkfs.btrfs >/dev/null || need+=(btrfs-progs)
 command -v losetup >/dev/null || need+=(mount)
 command -v gcc >/dev/null || need+=(gcc libc6-dev)
 command -v tar >/dev/null || need+=(tar)
 command -v ip >/dev/null || need+=(iproute2)
-[ ${#need[@]} -eq 0 ] && exit 0
+if [ ${#need[@]} -eq 0 ]; then bcc; exit 0; fi
 if [ "$(id -u)" != 0 ]; then
   echo "install-deps: need root to install ${need[*]} (apt-get)" >&2; exit 1
 fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get install -y -q "${need[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null; apt-get install -y -q "${need[@]}" >/dev/null; }
 echo "install-deps: installed ${need[*]}"
+bcc

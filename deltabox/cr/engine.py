@@ -87,6 +87,8 @@ class ProcessState:
     templates: dict[int, native.Template]          # host pid at checkpoint -> template
     pipes: dict[int, PipeGroup]
     sessions: dict[str, int]                         # session name -> host pid of its shell
+    # session name -> digest of its shell's state at the capture (daemon/turns.py)
+    session_states: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def template_pids(self) -> set[int]:

@@ -25,7 +25,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
   layer_id TEXT NOT NULL, image TEXT NOT NULL, kind TEXT NOT NULL, label TEXT NOT NULL,
   created_at REAL NOT NULL, duration_ms REAL NOT NULL, files_changed INTEGER NOT NULL,
   bytes_changed INTEGER NOT NULL, freeze_ms REAL NOT NULL, gen INTEGER NOT NULL DEFAULT 0,
-  reasons TEXT NOT NULL DEFAULT '[]'
+  reasons TEXT NOT NULL DEFAULT '[]', procs_of TEXT
 );
 CREATE INDEX IF NOT EXISTS cp_family ON checkpoints(family_id);
 """
@@ -65,6 +65,9 @@ class CheckpointRow:
     freeze_ms: float
     gen: int = 0
     reasons: list[str] = field(default_factory=list)
+    # The checkpoint whose captured processes this one restores: itself for "full", the
+    # parent's for a policy "fs" or "skipped" (nothing ran since), None for file state only.
+    procs_of: str | None = None
 
 
 class Database:
@@ -76,6 +79,14 @@ class Database:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
         self.conn.executescript(SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Bring a state dir made by an older daemon up to this schema."""
+        cols = {r[1] for r in self.conn.execute("PRAGMA table_info(checkpoints)")}
+        if "procs_of" not in cols:
+            self.conn.execute("ALTER TABLE checkpoints ADD COLUMN procs_of TEXT")
+            self.conn.execute("UPDATE checkpoints SET procs_of=id WHERE kind='full'")
 
     def close(self) -> None:
         self.conn.close()
@@ -143,6 +154,11 @@ class Database:
                           (new_parent, old_parent))
         self.conn.execute("UPDATE sandboxes SET head_cp=? WHERE head_cp=?",
                           (new_parent, old_parent))
+
+    def procs_refs(self, cp_id: str) -> int:
+        """How many checkpoints restore the processes captured at cp_id."""
+        r = self.conn.execute("SELECT COUNT(*) FROM checkpoints WHERE procs_of=?", (cp_id,))
+        return int(r.fetchone()[0])
 
     def layer_refs(self, layer_id: str) -> int:
         r = self.conn.execute("SELECT COUNT(*) FROM checkpoints WHERE layer_id=?", (layer_id,))

@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="per sandbox, how many checkpoints keep their process templates "
                    "(least recently used out; default 32). A template costs the pages its "
                    "process dirtied since the checkpoint")
+    p.add_argument("--no-inspector", action="store_true",
+                   help="do not load the eBPF turn inspector: every auto checkpoint is then "
+                   "full (the conservative fallback, also used when bcc cannot load)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -130,6 +133,7 @@ async def serve(args: argparse.Namespace) -> None:
                                  str(sock), args.listen)
             server.start()
             os.chmod(sock, 0o660)
+            nursery.start_soon(daemon.turns.load, background, not args.no_inspector)
             log.info("serving on unix:%s%s (store %s at %s)", sock,
                      f" and {args.listen}" if args.listen else "", store.backend, store.root)
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

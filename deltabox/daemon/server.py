@@ -44,7 +44,7 @@ def checkpoint_pb(c: CheckpointRow) -> pb.CheckpointInfo:
         id=c.id, parent_id=c.parent_id or "", sandbox_id=c.sandbox_id, family_id=c.family_id,
         kind=c.kind, created_at=c.created_at, duration_ms=c.duration_ms,
         files_changed=c.files_changed, bytes_changed=c.bytes_changed, label=c.label,
-        reasons=c.reasons, freeze_ms=c.freeze_ms)
+        reasons=c.reasons, freeze_ms=c.freeze_ms, processes_from=c.procs_of or "")
 
 
 def stat_pb(s: FileStat) -> pb.FileStat:
@@ -252,6 +252,14 @@ class Servicer(pb_grpc.DeltaBoxServicer):
         a, m, d, note = self._run(context, self.d.diff, request.from_checkpoint_id,
                                   request.to_checkpoint_id)
         return pb.DiffResponse(added=a, modified=m, deleted=d, note=note)
+
+    def TurnEffects(self, request, context):  # noqa: N802
+        backend, eff, decision = self._sync(context, self.d.turn_effects, request.sandbox_id,
+                                            request.checkpoint_id)
+        return pb.TurnEffectsResponse(
+            backend=backend, effects_json=eff.model_dump_json() if eff is not None else "",
+            kind=decision.kind if decision else "",
+            reasons=decision.reasons if decision else [])
 
 
 def _cancel(scope: trio.CancelScope, token: trio.lowlevel.TrioToken) -> None:

@@ -36,7 +36,9 @@ from ..sandbox.session import AdoptedShell, Session
 from ..background import GuardedNursery
 from ..cr import native
 from ..cr.engine import DeltaCR, Elsewhere, ProcessState, Restored
+from ..inspector import Decision, TurnEffects
 from .db import CheckpointRow, Database, SandboxRow
+from .turns import Turns
 from .warm import WarmPool
 
 log = logging.getLogger("deltaboxd")
@@ -78,13 +80,18 @@ class Live:
     sessions: dict[str, Session] = field(default_factory=dict)
     restarted: set[str] = field(default_factory=set)     # sessions lost by a rollback
     procs: set[trio.Process] = field(default_factory=set)
-    # checkpoint id -> its processes (templates live in this sandbox's pid namespace)
+    # checkpoint id -> the processes captured at it (templates live in this sandbox's pid
+    # namespace); checkpoints whose `procs_of` names it restore these
     captured: dict[str, ProcessState] = field(default_factory=dict)
     held_fds: list[int] = field(default_factory=list)    # pipe ends kept for restored processes
     evicted: set[str] = field(default_factory=set)       # checkpoints whose templates went
     # A fork that runs processes restored from another sandbox's templates lives in a pid
     # namespace nested below that sandbox's (see fork()): its id, else None.
     nest_parent: str | None = None
+    # The `procs_of` of the checkpoint the running processes were restored from or captured
+    # at (None: they were started afresh since): a checkpoint may reuse its parent's
+    # captured processes only if they are the ones running (daemon/turns.py).
+    procs_from: str | None = None
 
     @property
     def template_pids(self) -> set[int]:
@@ -118,6 +125,7 @@ class Daemon:
         # nested in theirs (init's exit would kill every nested process): id -> (runtime,
         # its own nest parent). Only init remains in them.
         self.holders: dict[str, tuple[runtime.Runtime, str | None]] = {}
+        self.turns = Turns()
 
     # ---- lookups and validation ------------------------------------------------------
 
@@ -185,7 +193,7 @@ class Daemon:
             cgroup_version=self.cgroups.version, sandboxes=len(self.db.sandboxes()),
             checkpoints=len(self.db.all_checkpoints()), store_bytes_total=usage.total,
             store_bytes_free=usage.free, process_backend="templates (ptrace fork)",
-            inspector_backend="none",
+            inspector_backend=self.turns.status,
             store_durability=self._durability())
 
     def _durability(self) -> str:
@@ -239,6 +247,7 @@ class Daemon:
                 await runtime.stop(rt)
                 rt.cgroup.remove()
             self.holders.clear()
+            self.turns.close()
             self.warm.close()
             self.cgroups.remove_parent()
             self.db.close()
@@ -287,6 +296,15 @@ class Daemon:
             rt, row.layer_id, lowers, self.store.layer_path(row.layer_id), self.mountpoint,
             self.background)
         row.state = "running"
+        self._new_turn(row.id, live)
+
+    def _new_turn(self, sid: str, live: Live, pids: set[int] | None = None) -> None:
+        """A turn of the sandbox begins (boot, rollback, fork): the inspector follows its
+        cgroup from here, knowing init and `pids` (restored processes)."""
+        cgid = live.rt.cgroup.bpf_id
+        if cgid is None:
+            return
+        self.turns.watch(sid, cgid, live.rt.keep_pids | (pids or set()))
 
     async def _watch(self, sid: str, rt: runtime.Runtime) -> None:
         """Reap the launcher. If init dies on its own, the pid namespace is gone: the sandbox
@@ -304,6 +322,7 @@ class Daemon:
 
     async def _stop(self, sid: str) -> None:
         self.warm.drop_sandbox(sid)
+        self.turns.unwatch(sid)
         live = self.live.pop(sid, None)
         if live is None:
             Cgroup(self.cgroups, sid).remove()
@@ -415,6 +434,7 @@ class Daemon:
             running = await execute.spawn(live.rt, argv, cwd=cwd, env=env, stdin=stdin,
                                           background=self.background, sink=sink)
             live.procs.add(running.proc)
+            self.turns.expect_entry(sid, running.proc.pid)
         try:
             out = await execute.wait(running, timeout or None)
         finally:
@@ -446,6 +466,8 @@ class Daemon:
                 session = Session(name)
                 await session.start(live.rt, self._env(row, {"TERM": "dumb"}), self.background)
                 live.sessions[name] = session
+                if session.spawned is not None:
+                    self.turns.expect_entry(sid, session.spawned.pid)
             if session.spawned is not None:
                 live.procs.add(session.spawned)
         async with session.lock:
@@ -477,13 +499,21 @@ class Daemon:
             live = self._live(sid)
             assert live.rt.generation is not None
             fs = SandboxFiles(live.rt.generation.rootfd)
-            return await trio.to_thread.run_sync(lambda: getattr(fs, op)(*args, **kw))
+            try:
+                return await trio.to_thread.run_sync(lambda: getattr(fs, op)(*args, **kw))
+            finally:  # even a failed write may have changed something
+                if args and isinstance(args[0], str):
+                    self.turns.note_files(sid, op, args[0])  # invisible to the inspector
 
     # ---- checkpoints -----------------------------------------------------------------
 
     async def checkpoint(self, sid: str, mode: str, label: str) -> CheckpointRow:
-        """Freeze the writable layer into a read-only snapshot: the new checkpoint."""
-        if mode not in ("", "auto", "fs", "full"):
+        """Capture the sandbox's state as a new checkpoint, child of its head. mode "auto"
+        (the default) does only what the turn since the parent needs (daemon/turns.py):
+        nothing (`skipped`), a file snapshot (`fs`) or files and processes (`full`);
+        "fs" forces file state only, "full" forces a capture of both."""
+        mode = mode or "auto"
+        if mode not in ("auto", "fs", "full"):
             raise InvalidArgument(f"checkpoint mode {mode!r}: use auto, fs or full")
         if len(label) > 200:
             raise InvalidArgument("label longer than 200 characters")
@@ -493,36 +523,36 @@ class Daemon:
             live = self._live(sid)
             t0 = time.perf_counter()
             cp_id, layer = new_id("cp"), new_id("L")
+            parent = self.db.get_checkpoint(row.head_cp) if row.head_cp else None
             # Flush a large dirty set first, so the snapshot inside the freeze window is short.
             if self.store.needs_sync():
                 await trio.to_thread.run_sync(self.store.sync)
             t_freeze = time.perf_counter()
             captured: ProcessState | None = None
             live.rt.cgroup.freeze()
-            if mode == "fs":
-                try:
+            try:
+                alive = live.rt.cgroup.pids() - live.rt.keep_pids - live.template_pids
+                effects = self.turns.end_turn(sid, alive)
+                decision = self._decide(mode, live, parent, effects, alive)
+                if decision.kind == "full":
+                    captured = await self._capture(live, row.layer_id, layer)
+                elif decision.kind == "fs":
                     self.store.freeze(row.layer_id, layer)
-                finally:
-                    live.rt.cgroup.thaw()
-            else:
-                captured = await self._capture(live, row.layer_id, layer)
+            except BaseException:
+                self.turns.lost_turn(sid)  # what it did is not in any checkpoint
+                raise
+            finally:
+                live.rt.cgroup.thaw()
             freeze_ms = (time.perf_counter() - t_freeze) * 1000
-            changes = self.store.changes_since(layer, row.base_gen)
-            # The snapshot committed its transaction: later writes are strictly newer.
-            row.base_gen = self.store.generation(layer)
-            if captured is None:
-                reasons = ["mode=fs: file state only (processes restart on rollback)"]
+            if decision.kind == "full":
+                procs_of: str | None = cp_id
+            elif mode == "auto" and parent is not None:
+                procs_of = parent.procs_of  # the policy saw no process change since it
             else:
-                reasons = [f"{len(captured.records)} processes captured as templates"]
-            if not changes:
-                reasons.append("change summary unavailable on the copy store")
-            cp = CheckpointRow(
-                id=cp_id, family_id=row.family_id, sandbox_id=sid, parent_id=row.head_cp,
-                layer_id=layer, image=row.image, kind="fs" if captured is None else "full",
-                label=label, created_at=time.time(), duration_ms=0.0,
-                files_changed=changes.files if changes else 0,
-                bytes_changed=changes.bytes if changes else 0, freeze_ms=freeze_ms,
-                reasons=reasons)
+                procs_of = None
+            cp = self._checkpoint_row(cp_id, row, parent, layer, decision, captured, label,
+                                      procs_of)
+            cp.freeze_ms = freeze_ms
             cp.duration_ms = (time.perf_counter() - t0) * 1000
             row.head_cp = cp_id
             try:
@@ -530,15 +560,81 @@ class Daemon:
                     self.db.put_checkpoint(cp)
                     self.db.put_sandbox(row)
             except BaseException:
-                if captured is not None:
-                    with trio.CancelScope(shield=True):
+                self.turns.lost_turn(sid)
+                with trio.CancelScope(shield=True):
+                    if captured is not None:
                         await self.cr.release(captured)
+                    if decision.kind != "skipped":
+                        self.store.delete(layer)
                 raise
+            self.turns.record(sid, cp_id, effects, decision)
+            for sess in live.sessions.values():
+                sess.turn_state = sess.state
             if captured is not None:
+                captured.session_states = {n: s.state for n, s in live.sessions.items()}
                 live.captured[cp_id] = captured
+                live.procs_from = cp_id
                 self._evict_templates(live)
             self.warm.prepare(sid, cp.id, cp.layer_id)
             return cp
+
+    def _decide(self, mode: str, live: Live, parent: CheckpointRow | None,
+                effects, alive: set[int]) -> Decision:
+        """The checkpoint's kind: forced by `mode`, else the turn policy."""
+        if mode != "auto":
+            why = ("file state only (processes restart on rollback)" if mode == "fs"
+                   else "files and processes")
+            return Decision(kind=mode, reasons=[f"mode={mode} requested: {why}"])
+        reuse = None
+        if parent is not None:
+            if parent.procs_of != live.procs_from:
+                reuse = ("the running processes are not the ones the parent checkpoint "
+                         "holds (they were restarted since)")
+            elif parent.procs_of is not None and not self._procs_available(live,
+                                                                           parent.procs_of):
+                reuse = "the parent checkpoint's process templates were evicted"
+            elif parent.procs_of is None and alive:
+                reuse = "the parent checkpoint holds file state only"
+        quiet = set()
+        for sess in live.sessions.values():
+            pid = sess.shell_pid(exclude=live.template_pids) if sess.alive else None
+            if pid is not None and sess.state is not None and sess.state == sess.turn_state:
+                quiet.add(pid)
+        return self.turns.decide(effects, parent_reuse=reuse, has_parent=parent is not None,
+                                 processes_alive=bool(alive), quiet=quiet)
+
+    def _checkpoint_row(self, cp_id: str, row: SandboxRow, parent: CheckpointRow | None,
+                        layer: str, decision: Decision, captured: ProcessState | None,
+                        label: str, procs_of: str | None) -> CheckpointRow:
+        """The new checkpoint's metadata (advances the sandbox's change generation)."""
+        reasons = list(decision.reasons)
+        files = nbytes = 0
+        if decision.kind == "skipped":
+            assert parent is not None
+            layer = parent.layer_id
+            reasons.append(f"aliases {parent.id}: no snapshot, no capture")
+        else:
+            changes = self.store.changes_since(layer, row.base_gen)
+            # The snapshot committed its transaction: later writes are strictly newer.
+            row.base_gen = self.store.generation(layer)
+            if changes:
+                files, nbytes = changes.files, changes.bytes
+            else:
+                reasons.append("change summary unavailable on the copy store")
+            if decision.kind == "full":
+                reasons.append(f"{len(captured.records) if captured else 0} processes "
+                               "captured as templates")
+            elif procs_of is not None:
+                reasons.append(f"processes: those captured at {procs_of} (unchanged)")
+        return CheckpointRow(
+            id=cp_id, family_id=row.family_id, sandbox_id=row.id, parent_id=row.head_cp,
+            layer_id=layer, image=row.image, kind=decision.kind, label=label,
+            created_at=time.time(), duration_ms=0.0, files_changed=files,
+            bytes_changed=nbytes, freeze_ms=0.0, reasons=reasons, procs_of=procs_of)
+
+    def _procs_available(self, live: Live, key: str) -> bool:
+        """Whether the processes captured at checkpoint `key` can be restored here."""
+        return key in live.captured or self._ancestor_holding(live, key) is not None
 
     def _evict_templates(self, live: Live) -> None:
         """Keep the templates of the most recently used checkpoints only: each holds the
@@ -649,7 +745,9 @@ class Daemon:
             old_sessions, live.sessions = live.sessions, {}
             for sess in old_sessions.values():
                 await sess.close()  # their shells are dead: release our pipe ends
-            state, note = await self._restore_processes(live, cp, new_gen)
+            state, note, pids = await self._restore_processes(live, cp, new_gen)
+            live.procs_from = cp.procs_of if state == "restored" else None
+            self._new_turn(sid, live, pids)
             restarted = sorted(set(old_sessions) - set(live.sessions))
             live.restarted.update(restarted)
             return dict(sandbox_id=sid, checkpoint_id=cp_id,
@@ -658,42 +756,53 @@ class Daemon:
                         process_state=state, note=note)
 
     async def _restore_processes(self, live: Live, cp: CheckpointRow,
-                                 gen: runtime.Generation) -> tuple[str, str]:
-        """Bring back the checkpoint's processes from their templates, if this sandbox holds
-        them. Returns (process_state, note)."""
-        captured = live.captured.pop(cp.id, None)
-        holder = None if captured is not None else self._ancestor_holding(live, cp.id)
+                                 gen: runtime.Generation) -> tuple[str, str, set[int]]:
+        """Bring back the checkpoint's processes from their templates, held by this sandbox
+        or an ancestor. Returns (process_state, note, host pids restored)."""
+        key = cp.procs_of
+        captured = live.captured.pop(key, None) if key else None
+        holder = None if captured is not None or key is None else \
+            self._ancestor_holding(live, key)
         if holder is not None:  # a fork rolling back to a checkpoint of its ancestor
             async with holder.lock:
-                state = holder.captured.get(cp.id)
+                state = holder.captured.get(key)
                 if state is not None:
-                    reap_orphans()
-                    try:
-                        await self._restore_into(live, state, fresh=False)
-                    except Exception as e:
-                        log.error("rollback %s: restoring processes failed: %s", cp.id, e)
-                        return "restarted", (f"restoring the processes failed ({e}); "
-                                             "sessions restart")
-                    return "restored", (f"{len(state.records)} processes restored from "
-                                        "templates held by an ancestor sandbox")
+                    return await self._restore_logged(
+                        live, state, cp, f"{len(state.records)} processes restored from "
+                        "templates held by an ancestor sandbox", fresh=False)
         if captured is None:
-            if cp.kind == "fs":
-                why = "the checkpoint is file-state only (mode=fs)"
-            elif cp.id in live.evicted:
+            if key is None:
+                why = "the checkpoint holds file state only"
+            elif key in live.evicted:
                 why = (f"its process templates were evicted (deltaboxd keeps "
                        f"{self.cfg.templates_per_sandbox} per sandbox, least recently used out)")
             else:
                 why = "its process templates live in another sandbox or were lost in a restart"
-            return "restarted", f"processes restarted: {why}"
-        live.captured[cp.id] = captured  # most recently used last
+            return "restarted", f"processes restarted: {why}", set()
+        live.captured[key] = captured  # most recently used last
+        return await self._restore_logged(
+            live, captured, cp, f"{len(captured.records)} processes restored from templates",
+            fresh=None, gen=gen)
+
+    async def _restore_logged(self, live: Live, state: ProcessState, cp: CheckpointRow,
+                              note: str, fresh: bool | None,
+                              gen: runtime.Generation | None = None
+                              ) -> tuple[str, str, set[int]]:
+        """Restore into `live` (its own templates when `fresh` is None, else an
+        ancestor's); a failure restarts the processes and says why."""
         reap_orphans()  # the killed originals' pids must be free for set_tid
         try:
-            restored = await self.cr.restore(captured, gen.mntfd)
+            if fresh is None:
+                assert gen is not None
+                restored = await self.cr.restore(state, gen.mntfd)
+                self._adopt(live, restored, state)
+                pids = set(restored.pids.values())
+            else:
+                pids = await self._restore_into(live, state, fresh=fresh)
         except Exception as e:
             log.error("rollback %s: restoring processes failed: %s", cp.id, e)
-            return "restarted", f"restoring the processes failed ({e}); sessions restart"
-        self._adopt(live, restored)
-        return "restored", f"{len(restored.pids)} processes restored from templates"
+            return "restarted", f"restoring the processes failed ({e}); sessions restart", set()
+        return "restored", note, pids
 
     def _ancestor_holding(self, live: Live, cp_id: str) -> Live | None:
         """The sandbox up our pid-namespace chain that holds cp's templates, if any."""
@@ -705,7 +814,7 @@ class Daemon:
             sid = anc.nest_parent
         return None
 
-    def _adopt(self, live: Live, restored: Restored) -> None:
+    def _adopt(self, live: Live, restored: Restored, state: ProcessState) -> None:
         """Take over the daemon's side of restored processes: their session shells, and
         pipes they write to us (drained) or read from us (held open)."""
         for name, (pid, stdin_w, out_r, err_r) in restored.session_fds.items():
@@ -713,6 +822,7 @@ class Daemon:
             sess.attach(AdoptedShell(pid, os.pidfd_open(pid), trio.lowlevel.FdStream(stdin_w),
                                      trio.lowlevel.FdStream(out_r),
                                      trio.lowlevel.FdStream(err_r)), self.background)
+            sess.state = sess.turn_state = state.session_states.get(name)
             live.sessions[name] = sess
         for fd, is_read in restored.daemon_fds:
             if is_read:  # a restored process writes to us: drain it, as for any exec
@@ -816,16 +926,19 @@ class Daemon:
         if owner is None:
             rows = await self._fork_files(cp, count, None)
             return rows, "restarted", f"processes restarted: {why}"
-        live_owner = self.live[owner]
+        live_owner, key = self.live[owner], cp.procs_of
         async with live_owner.lock:  # its templates stay put while we spawn from them
-            if self.live.get(owner) is not live_owner or cp.id not in live_owner.captured:
+            if self.live.get(owner) is not live_owner or key not in live_owner.captured:
                 rows = await self._fork_files(cp, count, None)
                 return rows, "restarted", "processes restarted: the templates went meanwhile"
             rows = await self._fork_files(cp, count, owner)
-            state = live_owner.captured[cp.id]
+            state = live_owner.captured[key]
             try:
                 for r in rows:
-                    await self._restore_into(self.live[r.id], state)
+                    kid = self.live[r.id]
+                    pids = await self._restore_into(kid, state)
+                    kid.procs_from = key
+                    self._new_turn(r.id, kid, pids)
             except Exception as e:
                 log.error("fork %s: restoring processes failed: %s", cp.id, e)
                 with trio.CancelScope(shield=True):
@@ -841,21 +954,23 @@ class Daemon:
 
     def _template_owner(self, cp: CheckpointRow) -> tuple[str | None, str]:
         """The live sandbox holding cp's templates, if forks can be spawned from them."""
-        if cp.kind == "fs":
+        key = cp.procs_of
+        if key is None:
             return None, "the checkpoint is file-state only (mode=fs)"
         for sid, live in self.live.items():
-            if cp.id in live.captured:
+            if key in live.captured:
                 if self._nest_level(sid) >= MAX_NEST_LEVEL:
                     return None, (f"forks of forks nest pid namespaces, and {sid} is "
                                   f"{MAX_NEST_LEVEL} deep already")
                 return sid, ""
-            if cp.id in live.evicted:
+            if key in live.evicted:
                 return None, "its process templates were evicted"
         return None, "its process templates are gone (their sandbox was removed or restarted)"
 
-    async def _restore_into(self, live: Live, state: ProcessState, fresh: bool = True) -> None:
+    async def _restore_into(self, live: Live, state: ProcessState,
+                            fresh: bool = True) -> set[int]:
         """Spawn a checkpoint's processes (templates of an ancestor sandbox) into a fork:
-        a new one (`fresh`), or one rolling back."""
+        a new one (`fresh`), or one rolling back. Returns their host pids."""
         rt = live.rt
         assert rt.generation is not None
         pidns = os.open(f"/proc/{rt.init_pid}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
@@ -868,7 +983,8 @@ class Daemon:
         finally:
             for fd in [pidns, *cg_fds]:
                 os.close(fd)
-        self._adopt(live, restored)
+        self._adopt(live, restored, state)
+        return set(restored.pids.values())
 
     async def _fork_files(self, cp: CheckpointRow, count: int,
                           nest_under: str | None) -> list[SandboxRow]:
@@ -908,6 +1024,25 @@ class Daemon:
                 self.db.put_sandbox(r)
         return rows
 
+    def turn_effects(self, sid: str, cp_id: str = ""
+                     ) -> tuple[str, TurnEffects | None, Decision | None]:
+        """What the sandbox did in its current turn so far (`cp_id` empty), or in the turn
+        that checkpoint `cp_id` closed: (inspector backend, effects, the policy's decision).
+        Effects are None when the inspector did not watch (the backend says why)."""
+        self._sandbox(sid)
+        if not cp_id:
+            self._live(sid)
+            return self.turns.status, self.turns.current(sid), None
+        cp = self._checkpoint(cp_id)
+        if cp.sandbox_id != sid:
+            raise InvalidArgument(f"checkpoint {cp_id} was taken of {cp.sandbox_id}, not {sid}")
+        got = self.turns.recorded(sid, cp_id)
+        if got is None:
+            raise NotFound(f"the turn that {cp_id} closed is no longer kept (the daemon keeps "
+                           f"the last few per sandbox, in memory); its reasons are in "
+                           f"`deltabox checkpoints {sid}`")
+        return self.turns.status, got[0], got[1]
+
     def checkpoints(self, sid: str) -> list[CheckpointRow]:
         row = self._sandbox(sid)
         return _tree_order(self.db.family_checkpoints(row.family_id))
@@ -923,10 +1058,12 @@ class Daemon:
             self.db.delete_checkpoint(cp_id)
             self.db.reparent(cp_id, cp.parent_id)
         self.warm.drop_checkpoint(cp_id)
-        for live in self.live.values():
-            state = live.captured.pop(cp_id, None)
-            if state is not None:
-                await self.cr.release(state)
+        key = cp.procs_of
+        if key is not None and self.db.procs_refs(key) == 0:  # no checkpoint restores them
+            for live in self.live.values():
+                state = live.captured.pop(key, None)
+                if state is not None:
+                    await self.cr.release(state)
         if self.db.layer_refs(cp.layer_id) == 0:
             self._retire_later(None, cp.layer_id)
             return True

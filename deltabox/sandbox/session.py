@@ -5,15 +5,26 @@ run sends the command as a quoted here-document (so no quoting of the command is
 syntax error in it cannot swallow what follows), evaluates it in the shell itself with stdin
 from /dev/null, then prints a per-run random marker with the exit status on stdout and one on
 stderr. Output up to the markers is the command's.
+
+After each command the shell also reports its own state on stderr, between a state marker
+and the end marker: variables, functions, aliases, options, traps, umask, limits, directory
+stack and jobs, all from builtins (no process is started). The daemon keeps a digest of it
+(`Session.state`): when a checkpoint's turn ran commands in a session but the digest did not
+change, the shell's running changed nothing a rollback would bring back (daemon/turns.py).
+Variables that change by themselves on every command ($_, $RANDOM, $SECONDS, $LINENO, ...)
+and the session's own bookkeeping are left out.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import secrets
 import signal
 import subprocess
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import trio
@@ -24,6 +35,23 @@ from .execute import OUTPUT_LIMIT, ExecOutput, _terminate, exit_code
 from .runtime import Runtime
 
 _TAIL = 512
+# Bash builtins that print the shell's state (stdout), run after every command.
+_STATE_SCRIPT = ("{ declare -p; declare -f; alias -p; shopt -p; set +o; trap -p; umask; "
+                 "ulimit -a; dirs -l -p; jobs -l; } >&2 2>/dev/null")
+# Variables that differ after every command whatever it did; and our own.
+_VOLATILE = re.compile(
+    rb"^declare -[-a-zA-Z]* (_|RANDOM|SRANDOM|SECONDS|EPOCHSECONDS|EPOCHREALTIME|LINENO|"
+    rb"BASH_COMMAND|PIPESTATUS|BASH_LINENO|BASH_SOURCE|FUNCNAME|BASH_ARGC|BASH_ARGV|"
+    rb"BASH_ARGV0|BASHPID|BASH_CMDS|HISTCMD|COLUMNS|LINES|BASH_SUBSHELL|__dbx_[a-z]+)(=|$)")
+
+
+def state_digest(report: bytes) -> str:
+    """Digest of a shell's state report, without the volatile lines."""
+    h = hashlib.sha256()
+    for line in report.split(b"\n"):
+        if not _VOLATILE.match(line):
+            h.update(line + b"\n")
+    return h.hexdigest()[:32]
 
 
 class _Stream:
@@ -132,6 +160,10 @@ class Session:
         self.lock = trio.Lock()
         self.out = _Stream(OUTPUT_LIMIT)
         self.err = _Stream(OUTPUT_LIMIT)
+        # Digest of the shell's state after its last command (None: unknown), and what it
+        # was when the current turn began (set by the daemon at checkpoints and restores).
+        self.state: str | None = None
+        self.turn_state: str | None = None
 
     @property
     def alive(self) -> bool:
@@ -148,6 +180,21 @@ class Session:
             rt.enter_argv(argv, "/workspace", env), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=rt.pass_fds)
         self.attach(SpawnedShell(proc), background)
+
+    def shell_pid(self, exclude: Collection[int] = ()) -> int | None:
+        """Host pid of the bash process (a spawned shell is dbx-enter's child; so are the
+        templates made of it, which the caller excludes)."""
+        if isinstance(self.shell, AdoptedShell):
+            return self.shell.pid
+        if isinstance(self.shell, SpawnedShell):
+            helper = self.shell.proc.pid
+            try:
+                with open(f"/proc/{helper}/task/{helper}/children") as f:
+                    kids = [int(k) for k in f.read().split() if int(k) not in exclude]
+            except OSError:
+                return None
+            return kids[0] if len(kids) == 1 else None
+        return None
 
     def attach(self, shell: Shell, background: GuardedNursery) -> None:
         """Talk to `shell` from now on (a new one, or one restored by a rollback)."""
@@ -167,6 +214,9 @@ class Session:
                   f"__DBX_EOF_{nonce}\n"
                   'eval "$__dbx_cmd" </dev/null\n'
                   f"printf '\\n__DBX_{nonce}_RC=%d\\n' $?\n"
+                  "unset __dbx_cmd\n"  # multi-line; and not the shell's own state
+                  f"printf '\\n__DBX_{nonce}_STATE\\n' >&2\n"
+                  f"{_STATE_SCRIPT}\n"
                   f"printf '\\n__DBX_{nonce}_END\\n' >&2\n")
         try:
             await self.shell.stdin.send_all(script.encode())
@@ -180,6 +230,8 @@ class Session:
             await self.close()
         stdout, out_trunc, rest = self.out.result()
         stderr, err_trunc, _ = self.err.result()
+        stderr, self.state = _split_state(stderr, f"\n__DBX_{nonce}_STATE\n".encode(),
+                                          err_trunc)
         if self.out.found.is_set():
             code = int(rest.split(b"\n", 1)[0] or b"0")
         else:  # the shell exited (e.g. `exit 3`) or was killed
@@ -212,3 +264,11 @@ class Session:
         with trio.CancelScope(shield=True):
             await self.shell.stdin.aclose()
             await self.shell.terminate()
+
+
+def _split_state(stderr: bytes, marker: bytes, truncated: bool) -> tuple[bytes, str | None]:
+    """(the command's stderr, the digest of the state report after it or None)."""
+    i = stderr.rfind(marker)
+    if i < 0:
+        return stderr, None
+    return stderr[:i], None if truncated else state_digest(stderr[i + len(marker):])
