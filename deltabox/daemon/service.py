@@ -116,7 +116,7 @@ class Daemon:
         self.mountpoint = self.run_dir / "rootmnt"
         self.masks: dict[str, Path] = {}
         self.warm = WarmPool(store, background, self._build_for,
-                             lambda cp_id: self.db.get_checkpoint(cp_id) is not None,
+                             lambda layer: self.db.layer_refs(layer) > 0,
                              lambda sid, rt: sid in self.live and self.live[sid].rt is rt,
                              per_sandbox=cfg.warm_per_sandbox)
         self.warm.new_id = lambda: new_id("L")
@@ -392,10 +392,10 @@ class Daemon:
                 for cp in cps:
                     self.db.delete_checkpoint(cp.id)
             self._retire_later(None, row.layer_id)
-            for cp in cps:
-                self.warm.drop_checkpoint(cp.id)
-                if self.db.layer_refs(cp.layer_id) == 0:
-                    self._retire_later(None, cp.layer_id)
+            for layer in dict.fromkeys(cp.layer_id for cp in cps):  # aliases share layers
+                if self.db.layer_refs(layer) == 0:
+                    self.warm.drop_layer(layer)
+                    self._retire_later(None, layer)
                     freed += 1
             return freed
 
@@ -575,7 +575,7 @@ class Daemon:
                 live.captured[cp_id] = captured
                 live.procs_from = cp_id
                 self._evict_templates(live)
-            self.warm.prepare(sid, cp.id, cp.layer_id)
+            self.warm.prepare(sid, cp.layer_id)
             return cp
 
     def _decide(self, mode: str, live: Live, parent: CheckpointRow | None,
@@ -728,7 +728,7 @@ class Daemon:
             t0 = time.perf_counter()
             row = self._sandbox(sid)
             cp = self._checkpoint(cp_id)
-            ready = self.warm.take_ready(sid, cp_id, live.rt)
+            ready = self.warm.take_ready(sid, cp.layer_id, live.rt)
             if ready is not None:  # prepared in the background: no snapshot, no mount
                 layer, new_gen = ready.layer_id, ready.generation
                 killed = self._kill_processes(live)
@@ -741,7 +741,7 @@ class Daemon:
             with self.db.transaction():
                 self.db.put_sandbox(row)
             self._retire_later(old, old_layer)
-            self.warm.prepare(sid, cp_id, cp.layer_id)  # for the next rollback to it
+            self.warm.prepare(sid, cp.layer_id)  # for the next rollback to it
             old_sessions, live.sessions = live.sessions, {}
             for sess in old_sessions.values():
                 await sess.close()  # their shells are dead: release our pipe ends
@@ -859,7 +859,7 @@ class Daemon:
 
         async def take() -> None:
             nonlocal layer
-            layer = await self.warm.take_layer(cp.id, cp.layer_id)
+            layer = await self.warm.take_layer(cp.layer_id)
 
         async with trio.open_nursery() as n:
             n.start_soon(take)
@@ -888,7 +888,7 @@ class Daemon:
 
     async def _rollback_stopped(self, row: SandboxRow, cp: CheckpointRow) -> dict:
         t0 = time.perf_counter()
-        layer = await self.warm.take_layer(cp.id, cp.layer_id)
+        layer = await self.warm.take_layer(cp.layer_id)
         old_layer, row.layer_id, row.head_cp = row.layer_id, layer, cp.id
         row.base_gen = self.store.generation(layer)
         try:
@@ -1003,7 +1003,7 @@ class Daemon:
         try:
             # Concurrent snapshot ioctls join one btrfs transaction commit.
             async def take(r: SandboxRow) -> None:
-                r.layer_id = await self.warm.take_layer(cp.id, cp.layer_id)
+                r.layer_id = await self.warm.take_layer(cp.layer_id)
 
             async with trio.open_nursery() as n:
                 for r in rows:
@@ -1057,14 +1057,14 @@ class Daemon:
         with self.db.transaction():
             self.db.delete_checkpoint(cp_id)
             self.db.reparent(cp_id, cp.parent_id)
-        self.warm.drop_checkpoint(cp_id)
         key = cp.procs_of
         if key is not None and self.db.procs_refs(key) == 0:  # no checkpoint restores them
             for live in self.live.values():
                 state = live.captured.pop(key, None)
                 if state is not None:
                     await self.cr.release(state)
-        if self.db.layer_refs(cp.layer_id) == 0:
+        if self.db.layer_refs(cp.layer_id) == 0:  # skipped checkpoints share their parent's
+            self.warm.drop_layer(cp.layer_id)
             self._retire_later(None, cp.layer_id)
             return True
         return False

@@ -7,6 +7,9 @@ After a checkpoint, while the agent is thinking, the daemon prepares in the back
   that sandbox's root in a new mount namespace. Rolling back to it is then a kill of the
   sandbox's processes and a swap of two file descriptors.
 
+Everything is keyed by the checkpoint's *layer*: checkpoints that alias their parent (a
+skipped checkpoint) share its layer, and so its spare and ready generation.
+
 Nothing here is durable: after a crash, spares are unreferenced layers that recovery removes.
 Ready generations hold a mount namespace each, so they are bounded per sandbox (oldest out).
 """
@@ -50,76 +53,84 @@ class WarmPool:
         self.per_sandbox = per_sandbox
         self.max_spares = max_spares
         self.delay = delay
-        self.spares: dict[str, str] = {}                    # checkpoint -> layer
-        self.ready: dict[str, OrderedDict[str, Ready]] = {}  # sandbox -> checkpoint -> Ready
+        self.spares: dict[str, str] = {}                    # checkpoint layer -> its clone
+        # sandbox -> checkpoint layer -> Ready
+        self.ready: dict[str, OrderedDict[str, Ready]] = {}
         self.new_id: Callable[[], str] = lambda: ""
 
     @property
     def enabled(self) -> bool:
         return self.store.cheap_clone
 
-    def prepare(self, sandbox_id: str | None, cp_id: str, cp_layer: str) -> None:
-        """Start preparing for a rollback (or fork) to `cp_id`, in the background."""
+    def prepare(self, sandbox_id: str | None, cp_layer: str) -> None:
+        """Start preparing for a rollback (or fork) to the checkpoint(s) on `cp_layer`, in
+        the background (nothing to do if it is prepared already)."""
         if not self.enabled:
             return
-        self.background.start_soon(self._prepare, sandbox_id, cp_id, cp_layer)
+        if cp_layer in self.spares and (sandbox_id is None or
+                                        cp_layer in self.ready.get(sandbox_id, {})):
+            return
+        self.background.start_soon(self._prepare, sandbox_id, cp_layer)
 
-    async def _prepare(self, sandbox_id: str | None, cp_id: str, cp_layer: str) -> None:
+    async def _prepare(self, sandbox_id: str | None, cp_layer: str) -> None:
         # Let the call that triggered this, and the agent's next step, go first: a snapshot
         # here shares btrfs's transaction commit with their snapshots.
         await trio.sleep(self.delay)
-        if cp_id not in self.spares and len(self.spares) < self.max_spares:
+        if cp_layer not in self.spares and len(self.spares) < self.max_spares:
             layer = self.new_id()
             await trio.to_thread.run_sync(self.store.clone, cp_layer, layer)
-            if not self.exists(cp_id) or cp_id in self.spares:
+            if not self.exists(cp_layer) or cp_layer in self.spares:
                 await trio.to_thread.run_sync(self.store.delete, layer)
             else:
-                self.spares[cp_id] = layer
+                self.spares[cp_layer] = layer
         if sandbox_id is not None:
-            await self._make_ready(sandbox_id, cp_id, cp_layer)
+            await self._make_ready(sandbox_id, cp_layer)
 
-    async def _make_ready(self, sandbox_id: str, cp_id: str, cp_layer: str) -> None:
-        if self.per_sandbox <= 0 or cp_id in self.ready.get(sandbox_id, {}):
+    async def _make_ready(self, sandbox_id: str, cp_layer: str) -> None:
+        if self.per_sandbox <= 0 or cp_layer in self.ready.get(sandbox_id, {}):
             return
-        layer = self.spares.pop(cp_id, None)
+        layer = self.spares.pop(cp_layer, None)
         if layer is None:
             return
         built = await self.build(sandbox_id, layer)
-        if built is None or not self.exists(cp_id) or not self.is_current(sandbox_id, built[1]):
+        if built is None or not self.exists(cp_layer) or \
+                not self.is_current(sandbox_id, built[1]):
             await trio.to_thread.run_sync(self.store.delete, layer)
             if built is not None:
                 await trio.to_thread.run_sync(built[0].close)
             return
         slot = self.ready.setdefault(sandbox_id, OrderedDict())
-        slot[cp_id] = Ready(layer, built[0], built[1])
+        slot[cp_layer] = Ready(layer, built[0], built[1])
         while len(slot) > self.per_sandbox:
             _, old = slot.popitem(last=False)
             self._discard(old)
-        self.background.start_soon(self._prepare, None, cp_id, cp_layer)  # a new spare
+        self.background.start_soon(self._prepare, None, cp_layer)  # a new spare
 
-    def take_ready(self, sandbox_id: str, cp_id: str, rt: Runtime) -> Ready | None:
-        """A prepared generation of this sandbox on a clone of `cp_id`, if one is ready."""
-        ready = self.ready.get(sandbox_id, {}).pop(cp_id, None)
+    def take_ready(self, sandbox_id: str, cp_layer: str, rt: Runtime) -> Ready | None:
+        """A prepared generation of this sandbox on a clone of `cp_layer`, if ready."""
+        ready = self.ready.get(sandbox_id, {}).pop(cp_layer, None)
         if ready is not None and ready.runtime is not rt:  # the sandbox was rebooted
             self._discard(ready)
             return None
         return ready
 
-    async def take_layer(self, cp_id: str, cp_layer: str) -> str:
-        """A writable clone of the checkpoint: the spare if ready, else a fresh snapshot."""
-        layer = self.spares.pop(cp_id, None)
+    async def take_layer(self, cp_layer: str) -> str:
+        """A writable clone of a checkpoint's layer: the spare if ready, else a fresh
+        snapshot."""
+        layer = self.spares.pop(cp_layer, None)
         if layer is None:
             layer = self.new_id()
             await trio.to_thread.run_sync(self.store.clone, cp_layer, layer)
-        self.prepare(None, cp_id, cp_layer)
+        self.prepare(None, cp_layer)
         return layer
 
-    def drop_checkpoint(self, cp_id: str) -> None:
-        layer = self.spares.pop(cp_id, None)
+    def drop_layer(self, cp_layer: str) -> None:
+        """No checkpoint uses `cp_layer` any more: drop what was prepared for it."""
+        layer = self.spares.pop(cp_layer, None)
         if layer is not None:
             self.background.start_soon(trio.to_thread.run_sync, self.store.delete, layer)
         for slot in self.ready.values():
-            ready = slot.pop(cp_id, None)
+            ready = slot.pop(cp_layer, None)
             if ready is not None:
                 self._discard(ready)
 
