@@ -89,6 +89,7 @@ class ProcessState:
     sessions: dict[str, int]                         # session name -> host pid of its shell
     # session name -> digest of its shell's state at the capture (daemon/turns.py)
     session_states: dict[str, str | None] = field(default_factory=dict)
+    last_used: float = field(default_factory=time.monotonic)   # daemon/budget.py
 
     @property
     def template_pids(self) -> set[int]:

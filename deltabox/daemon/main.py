@@ -61,6 +61,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="per sandbox, how many checkpoints keep their process templates "
                    "(least recently used out; default 32). A template costs the pages its "
                    "process dirtied since the checkpoint")
+    p.add_argument("--template-memory-mb", type=int, default=None, metavar="MB",
+                   help="host-wide memory budget for process templates: over it, the least "
+                   "recently used checkpoints' templates are released (their rollbacks then "
+                   "restart processes). Default: a quarter of RAM; 0: no limit")
     p.add_argument("--no-inspector", action="store_true",
                    help="do not load the eBPF turn inspector: every auto checkpoint is then "
                    "full (the conservative fallback, also used when bcc cannot load)")
@@ -95,6 +99,14 @@ async def _reap_forever() -> None:
         await trio.sleep(0.2)
 
 
+def _template_budget(mb: int | None) -> int:
+    if mb is not None:
+        return max(mb, 0)
+    total_kb = int(next(line.split()[1] for line in open("/proc/meminfo")
+                        if line.startswith("MemTotal:")))
+    return total_kb // 1024 // 4
+
+
 def _lock_state_dir(state_dir: Path) -> int:
     """One daemon per state dir: a second one would fight over mounts and cgroups."""
     fd = os.open(state_dir / "daemon.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -115,7 +127,8 @@ async def serve(args: argparse.Namespace) -> None:
                  store_backend=args.store, default_memory_mb=args.default_memory_mb,
                  default_pids_max=args.default_pids_max,
                  warm_per_sandbox=args.warm_generations, durable=args.durable,
-                 templates_per_sandbox=args.templates)
+                 templates_per_sandbox=args.templates,
+                 template_budget_mb=_template_budget(args.template_memory_mb))
     store = open_store(state_dir, args.store_size_gb, args.store, args.durable)
     db = Database(state_dir / "deltabox.db")
     token = Path(args.token_file).read_text().strip() if args.token_file else None
@@ -134,6 +147,7 @@ async def serve(args: argparse.Namespace) -> None:
             server.start()
             os.chmod(sock, 0o660)
             nursery.start_soon(daemon.turns.load, background, not args.no_inspector)
+            nursery.start_soon(daemon.enforce_template_budget)
             log.info("serving on unix:%s%s (store %s at %s)", sock,
                      f" and {args.listen}" if args.listen else "", store.backend, store.root)
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -37,6 +37,7 @@ from ..background import GuardedNursery
 from ..cr import native
 from ..cr.engine import DeltaCR, Elsewhere, ProcessState, Restored
 from ..inspector import Decision, TurnEffects
+from . import budget
 from .db import CheckpointRow, Database, SandboxRow
 from .turns import Turns
 from .warm import WarmPool
@@ -69,6 +70,7 @@ class Config:
     warm_per_sandbox: int = 32
     durable: bool = False
     templates_per_sandbox: int = 32
+    template_budget_mb: int = 0          # host-wide memory for templates; 0 = no limit
 
 
 @dataclass
@@ -636,6 +638,34 @@ class Daemon:
         """Whether the processes captured at checkpoint `key` can be restored here."""
         return key in live.captured or self._ancestor_holding(live, key) is not None
 
+    async def enforce_template_budget(self, interval: float = 2.0) -> None:
+        """Forever: keep all sandboxes' templates within the memory budget (budget.py)."""
+        limit = self.cfg.template_budget_mb << 20
+        if limit <= 0:
+            return
+        while True:
+            await trio.sleep(interval)
+            held = [(sid, key, st) for sid, live in self.live.items()
+                    for key, st in live.captured.items()]
+            if not held:
+                continue
+            costs = await trio.to_thread.run_sync(
+                lambda: [budget.state_bytes(st) for _, _, st in held])
+            where = {key: (sid, st) for sid, key, st in held}
+            for key in budget.over_budget(
+                    [(key, st, c) for (_, key, st), c in zip(held, costs)], limit):
+                sid, st = where[key]
+                live = self.live.get(sid)
+                if live is None:
+                    continue
+                async with live.lock:
+                    if live.captured.get(key) is st:
+                        del live.captured[key]
+                        live.evicted.add(key)
+                        await self.cr.release(st)
+                        log.info("templates of %s (sandbox %s) evicted: over the %d MiB "
+                                 "template budget", key, sid, self.cfg.template_budget_mb)
+
     def _evict_templates(self, live: Live) -> None:
         """Keep the templates of the most recently used checkpoints only: each holds the
         pages its processes dirtied since. The checkpoint keeps its files; a rollback to it
@@ -791,6 +821,7 @@ class Daemon:
         """Restore into `live` (its own templates when `fresh` is None, else an
         ancestor's); a failure restarts the processes and says why."""
         reap_orphans()  # the killed originals' pids must be free for set_tid
+        budget.touch(state)
         try:
             if fresh is None:
                 assert gen is not None
@@ -933,6 +964,7 @@ class Daemon:
                 return rows, "restarted", "processes restarted: the templates went meanwhile"
             rows = await self._fork_files(cp, count, owner)
             state = live_owner.captured[key]
+            budget.touch(state)
             try:
                 for r in rows:
                     kid = self.live[r.id]

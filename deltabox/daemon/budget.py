@@ -1,0 +1,57 @@
+"""A host-wide memory budget for process templates, least recently used out.
+
+A template shares its pages copy-on-write with the process it was made from; what it costs is
+the pages only it still maps: those the live process (or a restored child) has written since
+the checkpoint. The kernel reports exactly that per process as `Private_Clean +
+Private_Dirty` in /proc/PID/smaps_rollup (a page mapped by one process only is private).
+
+The daemon measures its templates every `interval` seconds, off the trio thread, and when
+their sum exceeds the budget releases whole checkpoints' templates, least recently used
+first (used = captured, restored or forked from). An evicted checkpoint keeps its files; a
+rollback to it restarts processes and says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from ..cr.engine import ProcessState
+
+
+def process_private_bytes(pid: int) -> int:
+    """Memory only this process maps (0 if it is gone)."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total
+
+
+def state_bytes(state: ProcessState) -> int:
+    """What one checkpoint's templates cost now."""
+    return sum(process_private_bytes(p) for p in state.template_pids)
+
+
+def touch(state: ProcessState) -> None:
+    """Mark a checkpoint's templates as just used."""
+    state.last_used = time.monotonic()
+
+
+def over_budget(states: Iterable[tuple[str, ProcessState, int]], budget: int
+                ) -> list[str]:
+    """Keys of the least recently used states to evict so that the rest fit in `budget`.
+    `states`: (key, state, its cost in bytes)."""
+    ordered = sorted(states, key=lambda t: t[1].last_used)
+    total = sum(cost for _, _, cost in ordered)
+    out: list[str] = []
+    for key, _, cost in ordered:
+        if total <= budget:
+            break
+        out.append(key)
+        total -= cost
+    return out
