@@ -39,6 +39,7 @@ from ..cr.engine import DeltaCR, Elsewhere, ProcessState, Restored
 from ..inspector import Decision, TurnEffects
 from . import budget
 from .db import CheckpointRow, Database, SandboxRow
+from .scheduler import IOScheduler
 from .turns import Turns
 from .warm import WarmPool
 
@@ -117,10 +118,11 @@ class Daemon:
         self.run_dir = cfg.state_dir / "run"
         self.mountpoint = self.run_dir / "rootmnt"
         self.masks: dict[str, Path] = {}
+        self.io = IOScheduler()
         self.warm = WarmPool(store, background, self._build_for,
                              lambda layer: self.db.layer_refs(layer) > 0,
                              lambda sid, rt: sid in self.live and self.live[sid].rt is rt,
-                             per_sandbox=cfg.warm_per_sandbox)
+                             self.io, per_sandbox=cfg.warm_per_sandbox)
         self.warm.new_id = lambda: new_id("L")
         self.family_locks: dict[str, trio.Lock] = {}
         # Removed sandboxes whose init must live on because forks' pid namespaces are
@@ -409,8 +411,9 @@ class Daemon:
         async def retire() -> None:
             if gen is not None:
                 await trio.to_thread.run_sync(gen.close)
+            await self.io.wait(layer_id)  # a clone of it still being made
             try:
-                await trio.to_thread.run_sync(self.store.delete, layer_id)
+                await self.io.run(layer_id, self.store.delete, layer_id)
             except Exception as e:  # retried on the next start (orphan layer)
                 log.warning("deleting layer %s failed: %s (retried at restart)", layer_id, e)
         self.background.start_soon(retire)

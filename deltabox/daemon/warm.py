@@ -26,6 +26,7 @@ import trio
 from ..background import GuardedNursery
 from ..fs.store import Store
 from ..sandbox.runtime import Generation, Runtime
+from .scheduler import IOScheduler
 
 log = logging.getLogger("deltaboxd")
 
@@ -44,8 +45,10 @@ class Ready:
 class WarmPool:
     def __init__(self, store: Store, background: GuardedNursery, build: BuildFn,
                  exists: Callable[[str], bool], is_current: Callable[[str, Runtime], bool],
-                 per_sandbox: int = 8, max_spares: int = 1024, delay: float = 0.02) -> None:
+                 io: IOScheduler, per_sandbox: int = 8, max_spares: int = 1024,
+                 delay: float = 0.02) -> None:
         self.store = store
+        self.io = io
         self.background = background
         self.build = build
         self.exists = exists
@@ -78,7 +81,9 @@ class WarmPool:
         await trio.sleep(self.delay)
         if cp_layer not in self.spares and len(self.spares) < self.max_spares:
             layer = self.new_id()
-            await trio.to_thread.run_sync(self.store.clone, cp_layer, layer)
+            if not self.exists(cp_layer):
+                return
+            await self.io.run(cp_layer, self.store.clone, cp_layer, layer)
             if not self.exists(cp_layer) or cp_layer in self.spares:
                 await trio.to_thread.run_sync(self.store.delete, layer)
             else:
@@ -92,7 +97,8 @@ class WarmPool:
         layer = self.spares.pop(cp_layer, None)
         if layer is None:
             return
-        built = await self.build(sandbox_id, layer)
+        async with self.io.slot(cp_layer):
+            built = await self.build(sandbox_id, layer)
         if built is None or not self.exists(cp_layer) or \
                 not self.is_current(sandbox_id, built[1]):
             await trio.to_thread.run_sync(self.store.delete, layer)
