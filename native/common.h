@@ -29,4 +29,18 @@ int dbx_write_all(int fd, const char *buf, size_t len);
 /* Map a wait status to a shell-style exit code: code, or 128+signal. */
 int dbx_exit_code(int status);
 
+
+/* Confinement of sandbox processes (native/common.c: dbx_confine).
+ *
+ * Capabilities kept in every sandbox process (bounding, permitted, effective; inheritable and
+ * ambient empty). The list and the reason for each is in README.md, "Security". */
+#define DBX_KEPT_CAPS                                                                        \
+	X(CAP_CHOWN) X(CAP_DAC_OVERRIDE) X(CAP_FOWNER) X(CAP_FSETID) X(CAP_KILL)              \
+	X(CAP_SETGID) X(CAP_SETUID) X(CAP_SETPCAP) X(CAP_NET_BIND_SERVICE) X(CAP_NET_RAW)     \
+	X(CAP_SYS_CHROOT) X(CAP_AUDIT_WRITE) X(CAP_SETFCAP) X(CAP_SYS_ADMIN)
+
+/* Drop capabilities to DBX_KEPT_CAPS, set no_new_privs and install the sandbox's seccomp
+ * filter, in this order. Dies (DBX_EXIT_SETUP) on failure. Single-threaded callers only. */
+void dbx_confine(void);
+
 #endif

@@ -9,7 +9,8 @@
  * cwd to that namespace's root). A process does not move into a pid namespace itself, only its
  * later children do, so the command runs in a forked child. The child gets a new session (its
  * own process group), so a timeout can kill everything the command started in the foreground.
- * The environment is exactly the --env list.
+ * The environment is exactly the --env list. The command runs confined: capabilities cut to the
+ * sandbox's set, no_new_privs and the sandbox's seccomp filter (dbx_confine, common.c).
  *
  * The parent stays outside, waits, and exits with the command's exit code (128+N if killed by
  * signal N). SIGTERM/SIGINT/SIGHUP to the parent kill the child's whole process group; if the
@@ -127,6 +128,9 @@ static __attribute__((noreturn)) void exec_command(const struct enter_opts *o)
 			strerror(errno));
 		_exit(126);
 	}
+	/* Last: capabilities down to the sandbox's set, no_new_privs, the seccomp filter
+	 * (common.c); nothing after this but the exec. */
+	dbx_confine();
 	environ = (char **)o->env;
 	execvp(o->argv[0], o->argv);
 	fprintf(stderr, "dbx-enter: %s: %s\n", o->argv[0], strerror(errno));

@@ -167,6 +167,12 @@ static __attribute__((noreturn)) void run_init(void)
 	protect_from_oom_killer();
 	redirect_stdio_to_null();
 	park_in_empty_root();
+	/* Init is confined exactly like the sandbox's processes: with more capabilities than
+	 * theirs, the kernel would refuse their (daemon-injected) setns through init's pidfd
+	 * (validate_nsset checks ptrace access); with fewer, nothing changes for them. The
+	 * seccomp filter keeps a sandbox process that ptraces init (it may: same credentials)
+	 * from gaining anything; the filter itself refuses ptrace of pid 1. */
+	dbx_confine();
 	sigemptyset(&set);
 	sigaddset(&set, SIGCHLD);
 	sigaddset(&set, SIGTERM);

@@ -5,8 +5,9 @@
  * Joins the sandbox's pid/net/... namespaces (through a pidfd of its init) and forks, so the
  * child is a process of the sandbox: /proc mounted by it shows the sandbox's pids and /sys its
  * network devices. The child unshares a mount namespace, mounts the overlay (lower = mask +
- * image, upper = the writable DeltaFS layer), mounts /proc, /sys (read-only), a minimal /dev
- * and /dev/pts, pivots into the overlay and drops every host mount. It then prints "ready" and
+ * image, upper = the writable DeltaFS layer), mounts /proc (host-kernel knobs read-only,
+ * kernel-revealing files masked), /sys (read-only, firmware and the like masked), a minimal
+ * /dev and /dev/pts, pivots into the overlay and drops every host mount. It then prints "ready" and
  * waits for stdin to close: meanwhile deltaboxd opens /proc/<pid>/ns/mnt (to enter this
  * namespace later) and /proc/<pid>/root (the root of the files API). The namespace lives on
  * as long as deltaboxd holds those or a sandbox process is inside.
@@ -50,6 +51,21 @@ static const char *const proc_readonly[] = {
 	"sys", "sysrq-trigger", "irq", "bus", "fs",
 };
 
+/* Paths that show or touch the host kernel and hardware (runc's default masked paths and a
+ * few more that leak kernel addresses or physical memory layout): a file is covered by a
+ * bind of /dev/null, a directory by an empty read-only tmpfs. Sandbox code cannot unmount
+ * them (the seccomp filter refuses umount2 and every other mount call). */
+static const char *const masked_paths[] = {
+	"proc/kcore", "proc/keys", "proc/key-users", "proc/timer_list", "proc/timer_stats",
+	"proc/sched_debug", "proc/latency_stats", "proc/kallsyms", "proc/kpagecount",
+	"proc/kpageflags", "proc/kpagecgroup", "proc/vmallocinfo", "proc/slabinfo",
+	"proc/iomem", "proc/ioports", "proc/mtrr", "proc/kmsg", "proc/acpi", "proc/asound",
+	"proc/scsi", "proc/driver", "proc/bootconfig",
+	"sys/firmware", "sys/devices/virtual/powercap", "sys/kernel/debug",
+	"sys/kernel/tracing", "sys/kernel/security", "sys/kernel/vmcoreinfo", "sys/fs/bpf",
+	"sys/fs/cgroup",
+};
+
 static void parse_args(int argc, char **argv, struct mkroot_opts *o)
 {
 	static const struct option longopts[] = {
@@ -79,6 +95,8 @@ static void parse_args(int argc, char **argv, struct mkroot_opts *o)
 		dbx_die("--pidfd, --lower, --upper, --work and --mountpoint are required");
 }
 
+/* nodev: device nodes in the image or the layer do not open (only /dev, a tmpfs of its own,
+ * has devices). */
 static void mount_overlay(const struct mkroot_opts *o)
 {
 	size_t len = strlen(o->lower) + strlen(o->upper) + strlen(o->work) + 64;
@@ -87,7 +105,7 @@ static void mount_overlay(const struct mkroot_opts *o)
 	if (!data)
 		dbx_die("out of memory");
 	snprintf(data, len, "lowerdir=%s,upperdir=%s,workdir=%s", o->lower, o->upper, o->work);
-	if (mount("deltabox", o->mountpoint, "overlay", 0, data) < 0)
+	if (mount("deltabox", o->mountpoint, "overlay", MS_NODEV, data) < 0)
 		dbx_die_errno("mount overlay at %s (%s)", o->mountpoint, data);
 	free(data);
 }
@@ -135,6 +153,24 @@ static void bind_readonly(const char *path)
 		dbx_die_errno("remount %s read-only", path);
 }
 
+static void mask_path(const char *path)
+{
+	struct stat st;
+
+	if (lstat(path, &st) < 0) {
+		if (errno == ENOENT)
+			return;
+		dbx_die_errno("stat %s", path);
+	}
+	if (S_ISDIR(st.st_mode)) {
+		mount_at("dbx-mask", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+			 "size=0,mode=0555");
+		return;
+	}
+	if (mount("dev/null", path, NULL, MS_BIND, NULL) < 0)
+		dbx_die_errno("mask %s", path);
+}
+
 static void mount_pseudo_filesystems(void)
 {
 	char path[64];
@@ -147,6 +183,8 @@ static void mount_pseudo_filesystems(void)
 	mount_at("sysfs", "sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, NULL);
 	mount_at("dev", "dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k");
 	make_dev();
+	for (size_t i = 0; i < sizeof(masked_paths) / sizeof(masked_paths[0]); i++)
+		mask_path(masked_paths[i]);
 }
 
 static void pivot_into(const char *mountpoint)

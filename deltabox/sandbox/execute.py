@@ -17,7 +17,7 @@ import trio
 
 from ..background import GuardedNursery
 
-from .runtime import Runtime
+from .runtime import HELPER_ENV, Runtime
 
 # How long, after the command exits, we wait for its output pipes to reach EOF before
 # assuming a background job holds them.
@@ -109,7 +109,8 @@ async def spawn(rt: Runtime, argv: list[str], *, cwd: str, env: dict[str, str], 
     proc = await trio.lowlevel.open_process(
         rt.enter_argv(argv, cwd, env),
         stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=rt.pass_fds)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=rt.pass_fds,
+        env=HELPER_ENV)
     assert proc.stdout is not None and proc.stderr is not None
     out, err = Capture("stdout", limit, sink), Capture("stderr", limit, sink)
     background.start_soon(pump, proc.stdout, out)

@@ -21,6 +21,11 @@ from ..errors import FailedPrecondition, Internal
 from .cgroups import Cgroup
 
 LIBEXEC = Path(__file__).resolve().parent.parent / "libexec"
+# The environment of every helper that runs in (or is visible from) a sandbox: never the
+# daemon's own, which a sandbox process could read in /proc/1/environ (init's) or in a
+# helper's /proc/<pid>/environ, and which may hold tokens.
+HELPER_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+              "LANG": "C.UTF-8"}
 
 
 def helper(name: str) -> str:
@@ -96,7 +101,8 @@ async def start_init(sandbox_id: str, cgroup: Cgroup, hostname: str,
         cmd += ["--nest-under", str(nest_under)]
     for f in cgroup.procs_files:
         cmd += ["--cgroup", f]
-    proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            env=HELPER_ENV)
     assert proc.stdout is not None and proc.stderr is not None
     line = await _read_line(proc.stdout)
     if not line.strip().isdigit():
@@ -120,7 +126,7 @@ async def build_generation(rt: Runtime, layer_id: str, lower: list[str], layer: 
            "--mountpoint", str(mountpoint)]
     proc = await trio.lowlevel.open_process(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        pass_fds=(pidfd,))
+        pass_fds=(pidfd,), env=HELPER_ENV)
     assert proc.stdin is not None and proc.stdout is not None
     try:
         lines = [await _read_line(proc.stdout), await _read_line(proc.stdout)]

@@ -32,7 +32,7 @@ import trio
 from ..background import GuardedNursery
 
 from .execute import OUTPUT_LIMIT, ExecOutput, _terminate, exit_code
-from .runtime import Runtime
+from .runtime import HELPER_ENV, Runtime
 
 _TAIL = 512
 # Bash builtins that print the shell's state (stdout), run after every command.
@@ -178,7 +178,8 @@ class Session:
         argv = ["bash", "--noprofile", "--norc"]
         proc = await trio.lowlevel.open_process(
             rt.enter_argv(argv, "/workspace", env), stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=rt.pass_fds)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=rt.pass_fds,
+            env=HELPER_ENV)
         self.attach(SpawnedShell(proc), background)
 
     def shell_pid(self, exclude: Collection[int] = ()) -> int | None:
