@@ -122,68 +122,12 @@
 #error "fork_template.c supports x86_64 only"
 #endif
 
-/* Kernel-internal restart codes, as seen in rax at a stop inside an interrupted syscall. */
-#define KERN_ERESTARTSYS 512
-#define KERN_ERESTARTNOINTR 513
-#define KERN_ERESTARTNOHAND 514
-#define KERN_ERESTART_RESTARTBLOCK 516
-
-#define USER_CS_64 0x33		/* __USER_CS: a 64-bit task; 0x23 would be ia32 */
-#define SCRATCH_LEN (4 * 4096)	/* template-private page(s) for syscall arguments */
-#define MAX_XFER_FDS 64
-#define MAX_EXTRA_SIGS 8
-
-/* Layout of struct clone_args (CLONE_ARGS_SIZE_VER2, 88 bytes), kept local so we do not
- * depend on the installed uapi headers' version. */
-struct dbx_clone_args {
-	uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls,
-		set_tid, set_tid_size, cgroup;
-};
-
-/* One stopped tracee and what we must give back to it. */
-struct tracee {
-	pid_t pid;
-	struct user_regs_struct regs;	/* registers at attach (what the program sees) */
-	void *xstate;			/* NT_X86_XSTATE image, xstate_len bytes */
-	size_t xstate_len;
-	uint64_t sigmask;		/* blocked signals at attach */
-	unsigned long site;		/* address of a 0f 05 pair */
-	bool in_signal_stop;		/* current stop is a signal-delivery-stop */
-	bool in_get_signal;		/* current stop was taken inside get_signal() */
-	int deferred_sig;		/* dequeued by a signal-delivery-stop, to hand back */
-	siginfo_t deferred_info;
-	int extra_sigs[MAX_EXTRA_SIGS];	/* further stop signals to re-raise */
-	int nextra;
-	pid_t new_child;		/* set by PTRACE_EVENT_{FORK,VFORK,CLONE} */
-};
-
-/* Signals queued for a process at its stop (PTRACE_PEEKSIGINFO), to queue again in the
- * template's children: fork() does not copy pending signals. */
-#define MAX_PENDING 64
-struct pending_sigs {
-	siginfo_t info[MAX_PENDING];
-	bool shared[MAX_PENDING];	/* process-wide queue (kill) vs thread queue (tgkill) */
-	int n;
-};
-
-struct dbxcr_template {
-	pid_t pid;		/* the template, ptrace-stopped, traced by tracer_tid */
-	pid_t origin;		/* the process it was forked from */
-	pid_t tracer_tid;	/* thread that owns the ptrace link */
-	struct user_regs_struct regs;	/* origin's registers at checkpoint */
-	void *xstate;
-	size_t xstate_len;
-	uint64_t sigmask;	/* origin's blocked mask at checkpoint */
-	unsigned long site;	/* syscall site, valid in the template and its children */
-	unsigned long scratch;	/* SCRATCH_LEN bytes mapped in the template (and children) */
-	struct user_regs_struct park;	/* template's registers while idle */
-	struct pending_sigs pend;	/* origin's pending signals at checkpoint */
-};
+#include "dbxcr_internal.h"
 
 /* ---------- errors ---------- */
 
 __attribute__((format(printf, 4, 5)))
-static int fail(struct dbxcr_error *err, int code, pid_t pid, const char *fmt, ...)
+int fail(struct dbxcr_error *err, int code, pid_t pid, const char *fmt, ...)
 {
 	char step[384];
 	va_list ap;
@@ -203,7 +147,7 @@ static int fail(struct dbxcr_error *err, int code, pid_t pid, const char *fmt, .
 	return -1;
 }
 
-static void clear_error(struct dbxcr_error *err)
+void clear_error(struct dbxcr_error *err)
 {
 	if (err) {
 		err->code = 0;
@@ -211,14 +155,14 @@ static void clear_error(struct dbxcr_error *err)
 	}
 }
 
-static pid_t current_tid(void)
+pid_t current_tid(void)
 {
 	return (pid_t)syscall(SYS_gettid);
 }
 
 /* ---------- /proc ---------- */
 
-static int read_small_file(const char *path, char *buf, size_t len)
+int read_small_file(const char *path, char *buf, size_t len)
 {
 	int fd = open(path, O_RDONLY | O_CLOEXEC);
 	ssize_t n;
@@ -313,7 +257,7 @@ int dbxcr_describe(pid_t pid, struct dbxcr_info *out, struct dbxcr_error *err)
 /* ---------- ptrace stops ---------- */
 
 /* Wait for the next stop of a tracee; a tracee that exits or is killed is an error. */
-static int wait_stop(pid_t pid, int *status, struct dbxcr_error *err)
+int wait_stop(pid_t pid, int *status, struct dbxcr_error *err)
 {
 	for (;;) {
 		pid_t r = waitpid(pid, status, __WALL);
@@ -357,7 +301,7 @@ static int defer_signal(struct tracee *t, int sig, struct dbxcr_error *err)
 
 /* ---------- memory ---------- */
 
-static int mem_write(pid_t pid, unsigned long addr, const void *buf, size_t len,
+int mem_write(pid_t pid, unsigned long addr, const void *buf, size_t len,
 		     struct dbxcr_error *err)
 {
 	struct iovec local = { (void *)buf, len }, remote = { (void *)addr, len };
@@ -370,7 +314,7 @@ static int mem_write(pid_t pid, unsigned long addr, const void *buf, size_t len,
 	return 0;
 }
 
-static int mem_read(pid_t pid, unsigned long addr, void *buf, size_t len,
+int mem_read(pid_t pid, unsigned long addr, void *buf, size_t len,
 		    struct dbxcr_error *err)
 {
 	struct iovec local = { buf, len }, remote = { (void *)addr, len };
@@ -384,7 +328,7 @@ static int mem_read(pid_t pid, unsigned long addr, void *buf, size_t len,
 }
 
 /* Find the [vdso] mapping in /proc/pid/maps. */
-static int find_vdso(pid_t pid, unsigned long *start, unsigned long *end)
+int find_vdso(pid_t pid, unsigned long *start, unsigned long *end)
 {
 	char path[64], line[512];
 	FILE *f;
@@ -407,7 +351,7 @@ static int find_vdso(pid_t pid, unsigned long *start, unsigned long *end)
 }
 
 /* Address of an executable `syscall` instruction in the tracee (see the file comment). */
-static int find_syscall_site(struct tracee *t, struct dbxcr_error *err)
+int find_syscall_site(struct tracee *t, struct dbxcr_error *err)
 {
 	unsigned long start, end;
 
@@ -452,7 +396,7 @@ static int find_syscall_site(struct tracee *t, struct dbxcr_error *err)
 
 /* ---------- attach / save / restore ---------- */
 
-static int save_xstate(pid_t pid, void **out, size_t *out_len, struct dbxcr_error *err)
+int save_xstate(pid_t pid, void **out, size_t *out_len, struct dbxcr_error *err)
 {
 	/* The kernel truncates to iov_len and reports the real size; SETREGSET later needs
 	 * exactly that size (fpu_user_cfg.max_size). */
@@ -473,7 +417,7 @@ static int save_xstate(pid_t pid, void **out, size_t *out_len, struct dbxcr_erro
 	return 0;
 }
 
-static int set_xstate(pid_t pid, void *xstate, size_t len, struct dbxcr_error *err)
+int set_xstate(pid_t pid, void *xstate, size_t len, struct dbxcr_error *err)
 {
 	struct iovec iov = { xstate, len };
 
@@ -482,7 +426,7 @@ static int set_xstate(pid_t pid, void *xstate, size_t len, struct dbxcr_error *e
 	return 0;
 }
 
-static int set_sigmask(pid_t pid, uint64_t mask, struct dbxcr_error *err)
+int set_sigmask(pid_t pid, uint64_t mask, struct dbxcr_error *err)
 {
 	if (ptrace(PTRACE_SETSIGMASK, pid, (void *)sizeof(mask), &mask) < 0)
 		return fail(err, errno, pid, "PTRACE_SETSIGMASK");
@@ -492,12 +436,11 @@ static int set_sigmask(pid_t pid, uint64_t mask, struct dbxcr_error *err)
 /* Options for every tracee: fork events to auto-attach children, EXITKILL so nothing we
  * hold can run half-set-up registers if the tracer dies, and seccomp suspended so a filter
  * cannot veto (or kill the process for) an injected call. */
-#define BASE_OPTIONS (PTRACE_O_TRACEFORK | PTRACE_O_TRACEVFORK | PTRACE_O_TRACECLONE | \
-		      PTRACE_O_EXITKILL)
+/* BASE_OPTIONS: see dbxcr_internal.h. */
 
 /* Seize pid with opts, adding PTRACE_O_SUSPEND_SECCOMP when we may; *got receives the
  * options in effect (to set them again later with PTRACE_SETOPTIONS). */
-static int seize(pid_t pid, long opts, long *got, struct dbxcr_error *err)
+int seize(pid_t pid, long opts, long *got, struct dbxcr_error *err)
 {
 	if (ptrace(PTRACE_SEIZE, pid, 0, (void *)(opts | PTRACE_O_SUSPEND_SECCOMP)) == 0) {
 		*got = opts | PTRACE_O_SUSPEND_SECCOMP;
@@ -533,7 +476,7 @@ static int save_state(struct tracee *t, struct dbxcr_error *err)
 
 /* Before injecting: block every blockable signal so signals arriving meanwhile stay
  * pending for the program instead of interrupting our calls. */
-static int block_all(struct tracee *t, struct dbxcr_error *err)
+int block_all(struct tracee *t, struct dbxcr_error *err)
 {
 	return set_sigmask(t->pid, ~0ULL, err);
 }
@@ -571,7 +514,7 @@ static int take_stop(struct tracee *t, int status, int *kind, struct dbxcr_error
 }
 
 /* Leave a tracee at its first stop, nothing changed, handing back a dequeued signal. */
-static void detach_unchanged(struct tracee *t)
+void detach_unchanged(struct tracee *t)
 {
 	if (t->deferred_sig)
 		ptrace(PTRACE_DETACH, t->pid, 0, (void *)(long)t->deferred_sig);
@@ -582,7 +525,7 @@ static void detach_unchanged(struct tracee *t)
 }
 
 /* Attach with PTRACE_SEIZE, stop the tracee with PTRACE_INTERRUPT and block its signals. */
-static int attach(struct tracee *t, pid_t pid, struct dbxcr_error *err)
+int attach(struct tracee *t, pid_t pid, struct dbxcr_error *err)
 {
 	int status, kind;
 	long opts;
@@ -607,7 +550,7 @@ static int attach(struct tracee *t, pid_t pid, struct dbxcr_error *err)
 
 /* Take a tracee that is already stopped under our ptrace into a struct: a new child at its
  * birth trap, or a parked template at its last single-step stop (both in get_signal()). */
-static int adopt(struct tracee *t, pid_t pid, unsigned long site, struct dbxcr_error *err)
+int adopt(struct tracee *t, pid_t pid, unsigned long site, struct dbxcr_error *err)
 {
 	memset(t, 0, sizeof(*t));
 	t->pid = pid;
@@ -624,7 +567,7 @@ static int remote_syscall_once(struct tracee *t, long nr, const long a[6], long 
 /* Run one system call in a stopped tracee; see the file comment for the mechanism.
  * fork/clone return -ERESTARTNOINTR when a signal (here only an unblockable SIGSTOP) is
  * pending; the kernel would re-execute them, and so do we. */
-static int remote_syscall(struct tracee *t, long nr, const long a[6], long *ret,
+int remote_syscall(struct tracee *t, long nr, const long a[6], long *ret,
 			  struct dbxcr_error *err)
 {
 	for (int i = 0; i < 8; i++) {
@@ -695,7 +638,7 @@ static int remote_syscall_once(struct tracee *t, long nr, const long a[6], long 
 
 /* remote_syscall that treats a negative return as an error named after the step. */
 __attribute__((format(printf, 5, 6)))
-static long rsys(struct tracee *t, long nr, const long a[6], struct dbxcr_error *err,
+long rsys(struct tracee *t, long nr, const long a[6], struct dbxcr_error *err,
 		 const char *fmt, ...)
 {
 	long ret;
@@ -795,21 +738,21 @@ static int detach_tracee(struct tracee *t, struct dbxcr_error *err)
 	return 0;
 }
 
-static int restore_and_detach(struct tracee *t, struct dbxcr_error *err)
+int restore_and_detach(struct tracee *t, struct dbxcr_error *err)
 {
 	if (restore_state(t, err) < 0)
 		return -1;
 	return detach_tracee(t, err);
 }
 
-static void tracee_free(struct tracee *t)
+void tracee_free(struct tracee *t)
 {
 	free(t->xstate);
 	t->xstate = NULL;
 }
 
 /* Kill a half-made child that we trace and reap what we can of it. */
-static void kill_traced(pid_t pid)
+void kill_traced(pid_t pid)
 {
 	int status;
 
@@ -899,7 +842,7 @@ static int check_templatable(pid_t pid, struct dbxcr_error *err)
 }
 
 /* Wait for an auto-attached child's first stop (PTRACE_EVENT_STOP before user mode). */
-static int wait_birth(pid_t child, struct dbxcr_error *err)
+int wait_birth(pid_t child, struct dbxcr_error *err)
 {
 	int status;
 
@@ -912,7 +855,7 @@ static int wait_birth(pid_t child, struct dbxcr_error *err)
 
 /* Registers a parked template holds: were it ever resumed without us it would run
  * exit_group(0) at the syscall site instead of program code. */
-static void park_regs(struct dbxcr_template *tpl, const struct user_regs_struct *base)
+void park_regs(struct dbxcr_template *tpl, const struct user_regs_struct *base)
 {
 	tpl->park = *base;
 	tpl->park.rip = tpl->site;
@@ -922,7 +865,7 @@ static void park_regs(struct dbxcr_template *tpl, const struct user_regs_struct 
 	tpl->park.eflags &= ~0x100ULL;
 }
 
-static int park(struct dbxcr_template *tpl, struct dbxcr_error *err)
+int park(struct dbxcr_template *tpl, struct dbxcr_error *err)
 {
 	if (ptrace(PTRACE_SETREGS, tpl->pid, 0, &tpl->park) < 0)
 		return fail(err, errno, tpl->pid, "PTRACE_SETREGS (park template)");
@@ -979,7 +922,7 @@ pid_t dbxcr_template_origin(const struct dbxcr_template *tpl)
 	return tpl->origin;
 }
 
-static int check_owner(const struct dbxcr_template *tpl, struct dbxcr_error *err)
+int check_owner(const struct dbxcr_template *tpl, struct dbxcr_error *err)
 {
 	if (current_tid() != tpl->tracer_tid)
 		return fail(err, EPERM, tpl->pid,
@@ -1508,7 +1451,7 @@ int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err)
 
 /* ---------- spawning ---------- */
 
-static int transfer_fds(struct tracee *c, unsigned long scratch, const int *src, size_t n,
+int transfer_fds(struct tracee *c, unsigned long scratch, const int *src, size_t n,
 			int *out, struct dbxcr_error *err);
 
 /* The template's pid namespace for children, switched to a nested one for one clone3 and
@@ -1673,7 +1616,7 @@ static int move_to_cgroups(pid_t child, const struct dbxcr_spawn_opts *o,
 
 /* Give the child copies of the caller's descriptors through a socketpair made in the
  * child.  out[i] receives the child's fd number for src[i]. */
-static int transfer_fds(struct tracee *c, unsigned long scratch, const int *src, size_t n,
+int transfer_fds(struct tracee *c, unsigned long scratch, const int *src, size_t n,
 			int *out, struct dbxcr_error *err)
 {
 	long a[6] = { 0 };

@@ -19,6 +19,34 @@ A whole sandbox at one instant (memory and files agree), see fork_template.h:
 
 fds(pid) and proc_status(pid) read /proc so the daemon can refuse what it cannot restore.
 
+Images on disk (native/criu_incr.c, format in native/IMAGE_FORMAT.md):
+
+    st = dump(tpl, img_dir, parent=prev_img_dir)   # DumpStats; delta against prev image
+    verify_image(img_dir)                          # ImageCorrupt if damaged (any thread)
+    tpl = restore_template(host_pid, img_dir, root_dir)   # a Template again, from disk
+    image_depends_on(img_dir)                      # ancestor dirs it needs, nearest first
+
+  - Threads: dump() and restore_template() run on the template owner thread (the ptrace
+    worker); restore_template's Template belongs to the calling thread.  verify_image(),
+    image_info() and image_depends_on() touch no process: any thread.
+  - State: dump() takes any held Template (made by make_template, Stopped.make_template or
+    restore_template); it stays parked and usable.  The live process is not touched.
+  - Directory: core.img, mm.img, pagemap.img (checksummed headers with the image's random
+    id) and pages.img (every page checked against its hash when read); created atomically
+    (temp sibling + rename; fsync=True to make it durable); the path must not exist.
+  - Chains: with parent=, only pages whose content changed since the parent image are
+    written; the parent is recorded relative to the new directory (move image trees as a
+    whole) with its id.  Restore follows parent links back `depth` generations, never
+    further: an image of depth d needs its d nearest ancestors for as long as it exists;
+    depth 0 (full) needs nothing.  max_chain (default 8) forces a full image when the
+    parent's depth + 1 would reach it.
+  - Restore: the process is forked from host_pid (e.g. the sandbox's init): it lives in
+    host's namespaces and cgroup, children spawned from it are host's children; mapped
+    files are opened under root_dir and must be unchanged (size, mtime); no descriptors
+    are held (pass them to spawn).  Same kernel (vDSO) and CPU (xstate size) only.
+  - Errors: CRError naming pid and step; a damaged/truncated/missing image or ancestor
+    raises ImageCorrupt (a CRError, errno EBADMSG) naming the file.
+
 Threading rule: a template or a Stopped handle is ptrace-held by the OS thread that
 created it; every call on it must come from that same thread (the kernel lets only the
 tracer thread wait for, resume or detach a tracee) (the library checks and raises EPERM).  Run
@@ -623,4 +651,204 @@ def fds(pid: int) -> list[FdInfo]:
             deleted = True
             target = target[:-len(" (deleted)")]
         out.append(FdInfo(fd, kind, target, deleted, flags, pos, st.st_ino, rdev, sock))
+    return out
+
+
+# ---------- images on disk (native/criu_incr.c, format in native/IMAGE_FORMAT.md) ----------
+#
+# Durable process state, for evicting templates and surviving a daemon restart.
+#
+#   stats = dump(tpl, "/state/img/ck7/p42", parent="/state/img/ck6/p42")  # delta vs ck6
+#   verify_image("/state/img/ck7/p42")                 # optional deep check, any thread
+#   tpl2 = restore_template(host_pid, "/state/img/ck7/p42", root_dir="/path/to/ck7/rootfs")
+#   child = tpl2.spawn(fds=..., files=..., cwd=..., set_tid=[pid])  # exactly as before
+#
+# Threads: dump() takes a Template, so it must run on the thread that owns the template
+#   (the ptrace worker), like every Template call.  restore_template() returns a Template
+#   owned by the calling thread: call it on the ptrace worker too.  verify_image() touches
+#   no process and may run on any thread (it reads and hashes the whole chain: I/O bound).
+# Template state: any held (not released) Template, from make_template, Stopped.make_template
+#   or restore_template; it is parked and stays usable (spawn/dump again) after the dump.
+#   The live process is not involved at all: dumping never stops or slows it.
+# Image directory (created atomically: written under a temporary sibling name, renamed;
+#   fsync=True also fsyncs files and directories): core.img (registers, xstate, signal
+#   mask/handlers/pending, mm fields, auxv, rseq, ids, parent link), mm.img (VMAs),
+#   pagemap.img (per-page index with 128-bit content hashes), pages.img (raw pages).  Every
+#   metadata file has a header with a checksum and the image's random id; pages are checked
+#   against their hashes when read.  Damage raises ImageCorrupt naming the file.
+# Chains: with parent=, only pages whose content differs from the parent image's page at
+#   the same address are written; unchanged pages are references to the ancestor image that
+#   holds the bytes.  The parent is recorded as a path relative to the new image directory
+#   (so a whole tree of images can be moved together) plus its image id.  The chain is
+#   bounded: when the parent's depth + 1 reaches max_chain (default 8) a full image is
+#   written instead (stats.depth == 0).  An image of depth d needs its d nearest ancestors
+#   (parent, grandparent, ...) intact and in place for as long as it exists; an image of
+#   depth 0 needs nothing else.  So delete an image only when no image within max_chain - 1
+#   generations below it refers to it (image_depends_on() lists what one needs).
+# Restore: the new process is forked from host_pid (injected clone; pick the sandbox's init
+#   or any single-threaded process in the target namespaces), so it lives in host's pid,
+#   mount, net namespaces and cgroup with host's credentials changed to the dumped uid/gid;
+#   mapped files are opened under root_dir (RESOLVE_IN_ROOT) and must have the size and
+#   mtime they had at dump time.  Its children (spawn) are born as host's children.  The
+#   restored template holds no file descriptors: pass stdio and files to spawn as usual.
+#   Same machine type and kernel only (the vdso must be identical; checked).
+
+
+class ImageCorrupt(CRError):
+    """An image (or an ancestor it depends on) is damaged, truncated, mismatched or missing."""
+
+
+@dataclass(frozen=True)
+class DumpStats:
+    pages_total: int     # candidate pages examined (present private memory)
+    pages_written: int   # stored in this image's pages.img
+    pages_parent: int    # unchanged: referenced in an ancestor image
+    pages_zero: int      # all-zero: no data stored
+    bytes_written: int   # all files of this image
+    vmas: int
+    depth: int           # 0: full image
+    ms: float
+
+
+class _DumpOpts(ctypes.Structure):
+    _fields_ = [("parent_path", ctypes.c_char_p), ("parent_ref", ctypes.c_char_p),
+                ("max_chain", ctypes.c_int), ("fsync", ctypes.c_int),
+                ("strip_prefix", ctypes.c_char_p)]
+
+
+class _ImageInfo(ctypes.Structure):
+    _fields_ = [("depth", ctypes.c_int), ("origin_pid", ctypes.c_int),
+                ("parent_ref", ctypes.c_char * 4096)]
+
+
+class _DumpStats(ctypes.Structure):
+    _fields_ = [("pages_total", ctypes.c_uint64), ("pages_written", ctypes.c_uint64),
+                ("pages_parent", ctypes.c_uint64), ("pages_zero", ctypes.c_uint64),
+                ("bytes_written", ctypes.c_uint64), ("vmas", ctypes.c_uint64),
+                ("depth", ctypes.c_int), ("ms", ctypes.c_double)]
+
+
+_img_bound = False
+
+
+def _load_images() -> ctypes.CDLL:
+    global _img_bound
+    lib = _load()
+    if not _img_bound:
+        if not hasattr(lib, "dbxcr_dump"):
+            raise CRError(_errno.ENOSYS, f"{library_path()} was built without criu_incr.c "
+                          "(run `make native`)")
+        err = ctypes.POINTER(_Err)
+        lib.dbxcr_dump.argtypes = [ctypes.c_void_p, ctypes.c_char_p,
+                                   ctypes.POINTER(_DumpOpts), ctypes.POINTER(_DumpStats), err]
+        lib.dbxcr_dump.restype = ctypes.c_int
+        lib.dbxcr_verify_image.argtypes = [ctypes.c_int, err]
+        lib.dbxcr_verify_image.restype = ctypes.c_int
+        lib.dbxcr_restore_template.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, err]
+        lib.dbxcr_restore_template.restype = ctypes.c_void_p
+        lib.dbxcr_image_info.argtypes = [ctypes.c_int, ctypes.POINTER(_ImageInfo), err]
+        lib.dbxcr_image_info.restype = ctypes.c_int
+        _img_bound = True
+    return lib
+
+
+def _raise_img(err: _Err) -> None:
+    code = err.code or _errno.EIO
+    msg = err.msg.decode(errors="replace") or os.strerror(code)
+    if code == _errno.EBADMSG:
+        raise ImageCorrupt(code, msg)
+    raise CRError(code, msg)
+
+
+def dump(template: Template, path: str | os.PathLike, parent: str | os.PathLike | None = None,
+         *, max_chain: int = 8, fsync: bool = False,
+         strip_prefix: str | None = None) -> DumpStats:
+    """Write the template's checkpoint state into the new directory `path` (must not
+    exist), as a delta against the image `parent` if given.  strip_prefix: the sandbox's
+    root as this process sees it, removed from mapped file paths so they resolve under the
+    root_dir given at restore.  Call on the template's owner thread."""
+    if template.released:
+        raise CRError(_errno.EINVAL, f"template {template.pid} was released")
+    lib = _load_images()
+    path = os.path.abspath(os.fspath(path))
+    ppath = pref = None
+    if parent is not None:
+        parent_abs = os.path.abspath(os.fspath(parent))
+        ppath = os.fsencode(parent_abs)
+        pref = os.fsencode(os.path.relpath(parent_abs, path))
+    opts = _DumpOpts(ppath, pref, max_chain, int(fsync),
+                     os.fsencode(strip_prefix) if strip_prefix else None)
+    st, err = _DumpStats(), _Err()
+    if lib.dbxcr_dump(template._handle, os.fsencode(path), ctypes.byref(opts),
+                      ctypes.byref(st), ctypes.byref(err)) < 0:
+        _raise_img(err)
+    return DumpStats(st.pages_total, st.pages_written, st.pages_parent, st.pages_zero,
+                     st.bytes_written, st.vmas, st.depth, st.ms)
+
+
+def verify_image(path: str | os.PathLike) -> None:
+    """Check every checksum and page hash of the image and the ancestors it depends on.
+    Raises ImageCorrupt if anything is damaged or missing."""
+    lib = _load_images()
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError as e:
+        raise ImageCorrupt(_errno.EBADMSG, f"image {path} is missing") from e
+    try:
+        err = _Err()
+        if lib.dbxcr_verify_image(fd, ctypes.byref(err)) < 0:
+            _raise_img(err)
+    finally:
+        os.close(fd)
+
+
+def restore_template(host_pid: int, image_dir: str | os.PathLike,
+                     root_dir: str | os.PathLike = "/") -> Template:
+    """Rebuild a parked Template from an image (see the section comment above).  Owned by
+    the calling thread.  Raises ImageCorrupt for a damaged image, CRError otherwise."""
+    lib = _load_images()
+    try:
+        ifd = os.open(os.fspath(image_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError as e:
+        raise ImageCorrupt(_errno.EBADMSG, f"image {image_dir} is missing") from e
+    try:
+        rfd = os.open(os.fspath(root_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            err = _Err()
+            handle = lib.dbxcr_restore_template(host_pid, ifd, rfd, ctypes.byref(err))
+            if not handle:
+                _raise_img(err)
+        finally:
+            os.close(rfd)
+    finally:
+        os.close(ifd)
+    return Template(handle, lib.dbxcr_template_pid(handle), lib.dbxcr_template_origin(handle))
+
+
+def image_info(path: str | os.PathLike) -> tuple[int, int, str]:
+    """(depth, origin pid, parent reference relative to path or "") of an image; checks
+    core.img's checksum only."""
+    lib = _load_images()
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError as e:
+        raise ImageCorrupt(_errno.EBADMSG, f"image {path} is missing") from e
+    try:
+        info, err = _ImageInfo(), _Err()
+        if lib.dbxcr_image_info(fd, ctypes.byref(info), ctypes.byref(err)) < 0:
+            _raise_img(err)
+    finally:
+        os.close(fd)
+    return info.depth, info.origin_pid, info.parent_ref.decode()
+
+
+def image_depends_on(path: str | os.PathLike) -> list[str]:
+    """The ancestor image directories `path` needs (nearest first).  Reads core.img files
+    only; does not verify page data (use verify_image)."""
+    out: list[str] = []
+    cur = os.path.abspath(os.fspath(path))
+    depth = image_info(cur)[0]
+    for _ in range(depth):
+        cur = os.path.normpath(os.path.join(cur, image_info(cur)[2]))
+        out.append(cur)
     return out

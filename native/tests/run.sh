@@ -7,15 +7,24 @@ CC=${CC:-gcc}
 BASE=(-O2 -g -Wall -Wextra -Werror -std=gnu11 -D_GNU_SOURCE)
 mkdir -p deltabox/libexec build/native-tests
 
-"$CC" "${BASE[@]}" -fPIC -shared -o deltabox/libexec/libdbxcr.so native/fork_template.c
+"$CC" "${BASE[@]}" -fPIC -shared -o deltabox/libexec/libdbxcr.so native/fork_template.c \
+	native/criu_incr.c
 
 "$CC" "${BASE[@]}" -O1 -fno-omit-frame-pointer -fsanitize=address,undefined \
 	-fno-sanitize-recover=undefined -pthread \
 	-o build/native-tests/test_fork_template \
 	native/tests/test_fork_template.c native/fork_template.c
 
+"$CC" "${BASE[@]}" -O1 -fno-omit-frame-pointer -fsanitize=address,undefined \
+	-fno-sanitize-recover=undefined -pthread \
+	-o build/native-tests/test_criu_incr \
+	native/tests/test_criu_incr.c native/criu_incr.c native/fork_template.c
+# The process the image tests dump and restore: no sanitizer runtime in it.
+"$CC" "${BASE[@]}" -o build/native-tests/criu_target native/tests/criu_target.c
+
 # LeakSanitizer stops the world with ptrace at exit; our forked tracees must not inherit
 # its handling, and a tracee of ours must not be considered by it: children _exit().
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
-exec build/native-tests/test_fork_template
+build/native-tests/test_fork_template
+exec build/native-tests/test_criu_incr build/native-tests/criu_target

@@ -1,0 +1,2704 @@
+/* DeltaCR images: incremental dumps of process templates and restore from disk.
+ * See criu_incr.h for the API and IMAGE_FORMAT.md for the files.  x86_64 only.
+ *
+ * Dump
+ * ----
+ * A template (fork_template.c) is a ptrace-stopped fork of the process at checkpoint time:
+ * its address space *is* the checkpointed memory (copy-on-write shared with the live
+ * process) and its struct holds the checkpointed registers, xstate, signal mask and
+ * pending signals.  Dumping reads it from outside and by injected system calls:
+ *   - /proc/T/smaps: the VMAs with protections, flags (VmFlags: gd, hg, nh, wf, dd), file
+ *     path and offset; the template's own scratch area is cut out.
+ *   - /proc/T/pagemap: which pages to store.  Private anonymous VMAs: every present or
+ *     swapped page.  Private file VMAs: only present pages that are not page-cache pages
+ *     (PM_FILE clear: the copy-on-write anonymous copies), so text and read-only data
+ *     come back from the file.  Shared file VMAs: nothing (the file is the content).
+ *     Shared anonymous memory (/dev/zero, memfd, deleted files): every page, restored as a
+ *     fresh anonymous mapping of the same kind (sharing with other processes is lost).
+ *     SysV shm and device mappings are refused.
+ *   - page contents with process_vm_readv (or /proc/T/mem for unreadable VMAs); all-zero
+ *     pages are recorded without data (anonymous: not at all, fresh memory is zero).
+ *   - injected into the parked template: brk(0), rt_sigaction(sig, NULL, &old) for every
+ *     signal, sigaltstack(NULL, &old); from ptrace: the rseq registration; from /proc:
+ *     mm fields (stat), auxv, exe, comm, umask, personality, credentials.
+ *
+ * Incremental dumps: per-page content hashes
+ * ------------------------------------------
+ * Every page an image stores has a 128-bit content hash in its pagemap.img (in pages.img
+ * order).  A dump given the parent image hashes each candidate page and, when the parent's
+ * run for that address points at a page with the same hash, references that page (its
+ * level and offset) instead of writing it.  Why hashes and not uffd write-protect +
+ * PAGEMAP_SCAN: a template is a fresh fork at every checkpoint, so dirty tracking would
+ * have to live in the *live* process (an injected userfaultfd the program can see, one
+ * more descriptor, re-armed at every checkpoint, lost on exec and not inherited by forks),
+ * and any gap in that tracking silently loses writes.  Hashing needs nothing from the
+ * live process and is self-checking.  Measured here (benchmarks/dump_cr.py --quick, 200
+ * MiB python process): the hash alone runs at 7.5-8.5 GB/s; an incremental dump with
+ * nothing dirtied (PAGEMAP_SCAN + process_vm_readv + hash of all 200 MiB) takes 60-140
+ * ms, i.e. ~1.5-3 GB/s of resident memory, off the critical path (dumps run in the
+ * background); bytes written are 1.19x the bytes dirtied at 1 MiB (the interpreter
+ * dirties ~200 KB itself per command) and 1.01-1.02x at 10-100 MiB.  The same hashes
+ * verify every page at restore, so they double as the checksum of pages.img.  A hash
+ * collision at the same address (2^-128 by chance; the hash is not cryptographic, so only
+ * a process crafting one against itself could) would keep the parent's bytes.
+ *
+ * Chains: a run of the index says which ancestor level holds the bytes (0 = this image,
+ * 1 = parent, ...).  Each image's index describes the *whole* memory, so restore never
+ * merges indexes; it only opens the pages.img of `depth` ancestors.  When the parent's
+ * depth + 1 reaches max_chain the dump is full (depth 0) and depends on nothing.
+ *
+ * Restore
+ * -------
+ *  1. A fresh process: clone(SIGCHLD) injected into `host` (e.g. the sandbox's init), so
+ *     the new process R is host's child in host's pid/mount/net namespaces and cgroup.
+ *     PTRACE_O_TRACEFORK attaches R at birth, before it runs any code.
+ *  2. In R, by injected calls from a syscall site in its (host-inherited) vdso:
+ *     close_range(0, ~0) (a restored template holds no descriptors; spawn installs what
+ *     the caller gives); unregister R's rseq area (the kernel would write to it once the
+ *     memory under it is gone and kill R); map a one-page code area C (a `syscall`
+ *     instruction, our syscall site from now on) and the scratch area D, both at addresses
+ *     no dumped VMA uses; munmap everything else except the vdso and its vvar pages.
+ *  3. Move [vvar], [vvar_vclock], [vdso] to their dumped addresses with mremap (through a
+ *     temporary area if the ranges overlap).  The kernel's vdso mremap hook updates the
+ *     mm's vdso pointer.  The vdso must be byte-identical to the dumped one (same kernel):
+ *     checked by hash, refused otherwise (saved registers may point into it).
+ *  4. mmap every dumped VMA at its address (MAP_FIXED_NOREPLACE), file-backed ones from
+ *     files opened here with openat2(root, path, RESOLVE_IN_ROOT) whose size and mtime must
+ *     match the dump, and passed into R with SCM_RIGHTS (transfer_fds); VMAs that receive
+ *     page contents are mapped writable first and mprotect'ed to their protections after.
+ *  5. Page contents: pread from the pages.img of the right level, hash-checked, written
+ *     with process_vm_writev.
+ *  6. prctl(PR_SET_MM, PR_SET_MM_MAP): code/data/brk/stack/arg/env bounds, auxv, exe file.
+ *     rseq registered again as dumped; sigactions, sigaltstack, umask, personality, comm;
+ *     credentials last (setgroups/setresgid/setresuid) when they differ from host's.
+ *  7. The syscall site moves to the restored vdso, C is unmapped, and R is parked exactly
+ *     like a template made by dbxcr_template_stopped (all signals blocked, registers set to
+ *     exit_group if ever resumed, EXITKILL).  Registers, xstate (same size as this CPU's,
+ *     checked), mask and pending signals come from the image into the template struct.
+ * Not restored (documented limits): SysV shm, device mappings, VMA names ([anon:x]),
+ * mlock, seccomp filters (refused at dump), capabilities other than those implied by the
+ * uids, rlimits/session/timers (host's apply), sharing of shared-anonymous memory.
+ */
+#include "criu_incr.h"
+#include "dbxcr_internal.h"
+
+#include <dirent.h>
+#include <elf.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <linux/openat2.h>
+#include <linux/prctl.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/ptrace.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <sys/user.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define PAGE 4096UL
+#define IMG_MAGIC "DBXCRIMG"
+#define IMG_VERSION 1
+#define KIND_CORE 1
+#define KIND_MM 2
+#define KIND_PAGEMAP 3
+#define DEFAULT_MAX_CHAIN 8
+#define MAX_DEPTH 64
+#define CHUNK_PAGES 256		/* 1 MiB of page data per read/write batch */
+#define NSIG_K 64
+#define MAX_GROUPS 64
+#define TASK_TOP 0x7ffffffff000UL
+
+#define PM_PRESENT (1ULL << 63)
+#define PM_SWAP (1ULL << 62)
+#define PM_FILE (1ULL << 61)
+
+/* VMA flags in mm.img */
+#define VMA_SHARED 0x1
+#define VMA_FILE 0x2		/* map from the file in the root at restore */
+#define VMA_SPECIAL 0x4		/* [vdso], [vvar], [vvar_vclock]: moved, not mapped */
+#define VMA_GROWSDOWN 0x8
+#define VMA_WHOLE 0x10		/* every page stored; restored as anonymous memory */
+#define VMA_HUGE 0x20		/* MADV_HUGEPAGE */
+#define VMA_NOHUGE 0x40		/* MADV_NOHUGEPAGE */
+#define VMA_WIPEONFORK 0x80
+#define VMA_DONTDUMP 0x100
+#define VMA_HEAP 0x200
+#define VMA_STACK 0x400
+
+#define RUN_ZERO 0x1
+
+/* PTRACE_GET_RSEQ_CONFIGURATION's result (linux/ptrace.h clashes with sys/ptrace.h). */
+struct rseq_conf {
+	uint64_t rseq_abi_pointer;
+	uint32_t rseq_abi_size;
+	uint32_t signature;
+	uint32_t flags;
+	uint32_t pad;
+};
+
+struct img_hdr {
+	char magic[8];
+	uint32_t kind;
+	uint32_t version;
+	uint64_t payload_len;
+	uint64_t checksum;	/* first half of dbxcr_hash128(payload) */
+	uint8_t image_id[16];	/* the same in every file of one image */
+};
+
+struct ksigaction {
+	uint64_t handler, flags, restorer, mask;
+};
+
+struct core_fixed {
+	uint32_t arch;		/* EM_X86_64 */
+	uint32_t depth;		/* 0: full dump; else parent's depth + 1 */
+	uint8_t parent_id[16];
+	int32_t origin_pid;
+	int32_t template_pid;
+	struct user_regs_struct regs;
+	uint64_t sigmask;
+	struct ksigaction sig[NSIG_K];	/* index sig-1 */
+	uint64_t ss_sp;
+	int32_t ss_flags;
+	uint32_t has_rseq;
+	uint64_t ss_size;
+	uint64_t rseq_ptr;
+	uint32_t rseq_len, rseq_sig;
+	uint64_t mm[11];	/* start_code end_code start_data end_data start_brk brk
+				 * start_stack arg_start arg_end env_start env_end */
+	uint32_t umask, personality;
+	uint32_t uid[3], gid[3];	/* real, effective, saved */
+	uint32_t ngroups;
+	uint32_t groups[MAX_GROUPS];
+	char comm[16];
+	uint64_t vdso_hash[2];
+	uint64_t vdso_size;
+	uint32_t xstate_len, npending, auxv_len, exe_len, parent_ref_len, pad;
+	uint8_t pend_shared[64];
+	/* followed by: xstate, npending * siginfo_t, auxv, exe path, parent_ref */
+};
+
+struct vma_img {
+	uint64_t start, end, pgoff;
+	uint32_t prot, flags;
+	uint32_t name_off, name_len;	/* in the string table after the records */
+	int64_t fsize;			/* file VMAs: size and mtime at dump, checked */
+	int64_t mtime_sec, mtime_nsec;
+};
+
+struct mm_fixed {
+	uint32_t nvma, pad;
+	uint64_t strtab_len;
+	/* followed by nvma * struct vma_img, then the string table */
+};
+
+struct run_img {
+	uint64_t vaddr;
+	uint32_t npages;
+	uint16_t level;		/* 0: this image's pages.img, k: k-th ancestor's */
+	uint16_t flags;		/* RUN_ZERO: all-zero pages, no data */
+	uint64_t off;		/* page index in that level's pages.img */
+};
+
+struct pagemap_fixed {
+	uint64_t data_pages;	/* pages in this image's pages.img */
+	uint64_t nruns;
+	uint64_t npages;	/* sum of run npages (pages the index describes) */
+	/* followed by nruns * struct run_img, then data_pages * 2 * uint64_t: the hash of
+	 * each page of this image's pages.img, in file order */
+};
+
+/* ---------- hash ---------- */
+
+#define HK1 0x9E3779B185EBCA87ULL
+#define HK2 0xC2B2AE3D27D4EB4FULL
+#define HK3 0x165667B19E3779F9ULL
+#define HK4 0xD6E8FEB86659FD93ULL
+
+static inline uint64_t rotl64(uint64_t x, int r)
+{
+	return (x << r) | (x >> (64 - r));
+}
+
+static inline uint64_t fmix64(uint64_t x)
+{
+	x ^= x >> 31;
+	x *= HK2;
+	x ^= x >> 29;
+	x *= HK3;
+	x ^= x >> 32;
+	return x;
+}
+
+/* Four independent multiply-rotate lanes over 32-byte blocks, folded and finalised twice. */
+void dbxcr_hash128(const void *data, size_t len, uint64_t out[2])
+{
+	const unsigned char *p = data;
+	uint64_t a = HK1 ^ len, b = HK2 + len, c = HK3, d = HK4 - len;
+	size_t i = 0;
+
+	for (; i + 32 <= len; i += 32) {
+		uint64_t w[4];
+
+		memcpy(w, p + i, 32);
+		a = rotl64(a + w[0] * HK2, 31) * HK1;
+		b = rotl64(b + w[1] * HK2, 31) * HK1;
+		c = rotl64(c + w[2] * HK2, 31) * HK1;
+		d = rotl64(d + w[3] * HK2, 31) * HK1;
+	}
+	if (i < len) {
+		uint64_t w[4] = { 0, 0, 0, 0 };
+
+		memcpy(w, p + i, len - i);
+		a = rotl64(a + w[0] * HK2, 31) * HK1;
+		b = rotl64(b + w[1] * HK2, 31) * HK1;
+		c = rotl64(c + w[2] * HK2, 31) * HK1;
+		d = rotl64(d + w[3] * HK2, 31) * HK1;
+		a ^= (uint64_t)(len - i) * HK4;
+	}
+	out[0] = fmix64(a ^ rotl64(b, 17) ^ rotl64(c, 29) ^ rotl64(d, 43) ^ len);
+	out[1] = fmix64(b ^ rotl64(c, 13) ^ rotl64(d, 37) ^ rotl64(a, 51) ^ out[0] ^ HK3);
+}
+
+static bool page_is_zero(const void *p)
+{
+	const uint64_t *w = p;
+
+	for (size_t i = 0; i < PAGE / 8; i += 8)
+		if (w[i] | w[i + 1] | w[i + 2] | w[i + 3] | w[i + 4] | w[i + 5] | w[i + 6] | w[i + 7])
+			return false;
+	return true;
+}
+
+static double now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+/* ---------- growable buffers ---------- */
+
+struct buf {
+	unsigned char *p;
+	size_t len, cap;
+};
+
+static int buf_add(struct buf *b, const void *data, size_t len)
+{
+	if (b->len + len > b->cap) {
+		size_t cap = b->cap ? b->cap : 4096;
+		void *np;
+
+		while (cap < b->len + len)
+			cap *= 2;
+		np = realloc(b->p, cap);
+		if (!np)
+			return -1;
+		b->p = np;
+		b->cap = cap;
+	}
+	if (data)
+		memcpy(b->p + b->len, data, len);
+	else
+		memset(b->p + b->len, 0, len);
+	b->len += len;
+	return 0;
+}
+
+static void buf_free(struct buf *b)
+{
+	free(b->p);
+	b->p = NULL;
+	b->len = b->cap = 0;
+}
+
+/* ---------- image files ---------- */
+
+static int full_write(int fd, const void *data, size_t len)
+{
+	const char *p = data;
+
+	while (len) {
+		ssize_t n = write(fd, p, len);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0)
+			return -1;
+		p += n;
+		len -= (size_t)n;
+	}
+	return 0;
+}
+
+static int full_pread(int fd, void *data, size_t len, off_t off)
+{
+	char *p = data;
+
+	while (len) {
+		ssize_t n = pread(fd, p, len, off);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0)
+			return -1;
+		if (n == 0) {
+			errno = ENODATA;
+			return -1;
+		}
+		p += n;
+		len -= (size_t)n;
+		off += n;
+	}
+	return 0;
+}
+
+static void fd_path(int fd, char *out, size_t len)
+{
+	char link[64];
+	ssize_t n;
+
+	snprintf(link, sizeof(link), "/proc/self/fd/%d", fd);
+	n = readlink(link, out, len - 1);
+	if (n < 0)
+		snprintf(out, len, "(fd %d)", fd);
+	else
+		out[n] = '\0';
+}
+
+static int write_img(int dirfd, const char *name, uint32_t kind, const uint8_t id[16],
+		     const void *payload, size_t len, bool do_fsync, uint64_t *bytes,
+		     pid_t pid, struct dbxcr_error *err)
+{
+	struct img_hdr h;
+	uint64_t hh[2];
+	int fd = openat(dirfd, name, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+
+	if (fd < 0)
+		return fail(err, errno, pid, "create image file %s", name);
+	memset(&h, 0, sizeof(h));
+	memcpy(h.magic, IMG_MAGIC, 8);
+	h.kind = kind;
+	h.version = IMG_VERSION;
+	h.payload_len = len;
+	dbxcr_hash128(payload, len, hh);
+	h.checksum = hh[0];
+	memcpy(h.image_id, id, 16);
+	if (full_write(fd, &h, sizeof(h)) < 0 || full_write(fd, payload, len) < 0 ||
+	    (do_fsync && fsync(fd) < 0)) {
+		int e = errno;
+
+		close(fd);
+		return fail(err, e, pid, "write image file %s", name);
+	}
+	close(fd);
+	*bytes += sizeof(h) + len;
+	return 0;
+}
+
+/* Read and check one metadata file; *payload is malloc'ed.  Damage is EBADMSG. */
+static int read_img(int dirfd, const char *name, uint32_t kind, const uint8_t *want_id,
+		    uint8_t id_out[16], void **payload, size_t *len, pid_t pid,
+		    struct dbxcr_error *err)
+{
+	char where[PATH_MAX];
+	struct img_hdr h;
+	struct stat st;
+	uint64_t hh[2];
+	void *p = NULL;
+	int fd;
+
+	*payload = NULL;
+	fd_path(dirfd, where, sizeof(where));
+	fd = openat(dirfd, name, O_RDONLY | O_CLOEXEC);
+	if (fd < 0) {
+		if (errno == ENOENT)
+			return fail(err, EBADMSG, pid, "image %s: %s is missing", where, name);
+		return fail(err, errno, pid, "image %s: open %s", where, name);
+	}
+	if (fstat(fd, &st) < 0) {
+		close(fd);
+		return fail(err, errno, pid, "image %s: stat %s", where, name);
+	}
+	if ((size_t)st.st_size < sizeof(h) || full_pread(fd, &h, sizeof(h), 0) < 0) {
+		close(fd);
+		return fail(err, EBADMSG, pid, "image %s: %s is truncated (%lld bytes)", where, name,
+			    (long long)st.st_size);
+	}
+	if (memcmp(h.magic, IMG_MAGIC, 8) != 0 || h.kind != kind) {
+		close(fd);
+		return fail(err, EBADMSG, pid, "image %s: %s has a bad header", where, name);
+	}
+	if (h.version != IMG_VERSION) {
+		close(fd);
+		return fail(err, EBADMSG, pid, "image %s: %s has format version %u (want %u)",
+			    where, name, h.version, IMG_VERSION);
+	}
+	if ((uint64_t)st.st_size != sizeof(h) + h.payload_len) {
+		close(fd);
+		return fail(err, EBADMSG, pid, "image %s: %s is %lld bytes, header says %llu "
+			    "(truncated or extended)", where, name, (long long)st.st_size,
+			    (unsigned long long)(sizeof(h) + h.payload_len));
+	}
+	p = malloc(h.payload_len ? h.payload_len : 1);
+	if (!p) {
+		close(fd);
+		return fail(err, ENOMEM, pid, "image %s: allocate %s", where, name);
+	}
+	if (full_pread(fd, p, h.payload_len, sizeof(h)) < 0) {
+		int e = errno;
+
+		close(fd);
+		free(p);
+		return fail(err, e == ENODATA ? EBADMSG : e, pid, "image %s: read %s", where, name);
+	}
+	close(fd);
+	dbxcr_hash128(p, h.payload_len, hh);
+	if (hh[0] != h.checksum) {
+		free(p);
+		return fail(err, EBADMSG, pid, "image %s: %s checksum mismatch (corrupted)", where,
+			    name);
+	}
+	if (want_id && memcmp(want_id, h.image_id, 16) != 0) {
+		free(p);
+		return fail(err, EBADMSG, pid, "image %s: %s belongs to another image "
+			    "(image id mismatch)", where, name);
+	}
+	if (id_out)
+		memcpy(id_out, h.image_id, 16);
+	*payload = p;
+	*len = h.payload_len;
+	return 0;
+}
+
+/* A loaded image: core + mm + pagemap, checked for internal consistency. */
+struct image {
+	uint8_t id[16];
+	void *core_raw, *mm_raw, *pm_raw;
+	size_t core_len, mm_len, pm_len;
+	struct core_fixed *core;
+	const unsigned char *xstate;
+	const siginfo_t *pending;	/* may be unaligned-safe: copied on use */
+	const unsigned char *auxv;
+	char *exe;		/* NUL-terminated copies */
+	char *parent_ref;
+	struct mm_fixed *mm;
+	struct vma_img *vmas;
+	const char *strtab;
+	struct pagemap_fixed *pm;
+	struct run_img *runs;
+	uint64_t *hashes;	/* 2 per page of this image's pages.img, in file order */
+};
+
+static void image_free(struct image *im)
+{
+	free(im->core_raw);
+	free(im->mm_raw);
+	free(im->pm_raw);
+	free(im->exe);
+	free(im->parent_ref);
+	memset(im, 0, sizeof(*im));
+}
+
+static char *dup_str(const unsigned char *p, size_t n)
+{
+	char *s = malloc(n + 1);
+
+	if (s) {
+		memcpy(s, p, n);
+		s[n] = '\0';
+	}
+	return s;
+}
+
+static int image_load(int dirfd, const uint8_t *want_id, struct image *im, pid_t pid,
+		      struct dbxcr_error *err)
+{
+	char where[PATH_MAX];
+	size_t need;
+	const unsigned char *q;
+
+	memset(im, 0, sizeof(*im));
+	fd_path(dirfd, where, sizeof(where));
+	if (read_img(dirfd, "core.img", KIND_CORE, want_id, im->id, &im->core_raw, &im->core_len,
+		     pid, err) < 0)
+		goto bad;
+	if (read_img(dirfd, "mm.img", KIND_MM, im->id, NULL, &im->mm_raw, &im->mm_len, pid,
+		     err) < 0)
+		goto bad;
+	if (read_img(dirfd, "pagemap.img", KIND_PAGEMAP, im->id, NULL, &im->pm_raw, &im->pm_len,
+		     pid, err) < 0)
+		goto bad;
+	if (im->core_len < sizeof(struct core_fixed))
+		goto inconsistent;
+	im->core = im->core_raw;
+	if (im->core->arch != EM_X86_64 || im->core->npending > 64 || im->core->depth > MAX_DEPTH)
+		goto inconsistent;
+	need = sizeof(struct core_fixed) + (size_t)im->core->xstate_len +
+	       (size_t)im->core->npending * sizeof(siginfo_t) + im->core->auxv_len +
+	       im->core->exe_len + im->core->parent_ref_len;
+	if (need != im->core_len)
+		goto inconsistent;
+	q = (const unsigned char *)im->core_raw + sizeof(struct core_fixed);
+	im->xstate = q;
+	q += im->core->xstate_len;
+	im->pending = (const siginfo_t *)q;
+	q += (size_t)im->core->npending * sizeof(siginfo_t);
+	im->auxv = q;
+	q += im->core->auxv_len;
+	im->exe = dup_str(q, im->core->exe_len);
+	q += im->core->exe_len;
+	im->parent_ref = dup_str(q, im->core->parent_ref_len);
+	if (!im->exe || !im->parent_ref) {
+		fail(err, ENOMEM, pid, "image %s: allocate", where);
+		goto bad;
+	}
+	if ((im->core->depth > 0) != (im->core->parent_ref_len > 0))
+		goto inconsistent;
+	if (im->mm_len < sizeof(struct mm_fixed))
+		goto inconsistent;
+	im->mm = im->mm_raw;
+	if (sizeof(struct mm_fixed) + (size_t)im->mm->nvma * sizeof(struct vma_img) +
+	    im->mm->strtab_len != im->mm_len)
+		goto inconsistent;
+	im->vmas = (struct vma_img *)((char *)im->mm_raw + sizeof(struct mm_fixed));
+	im->strtab = (const char *)(im->vmas + im->mm->nvma);
+	for (uint32_t i = 0; i < im->mm->nvma; i++) {
+		struct vma_img *v = &im->vmas[i];
+
+		if ((uint64_t)v->name_off + v->name_len > im->mm->strtab_len ||
+		    v->start >= v->end || v->start % PAGE || v->end % PAGE ||
+		    (i && v->start < im->vmas[i - 1].end))
+			goto inconsistent;
+	}
+	if (im->pm_len < sizeof(struct pagemap_fixed))
+		goto inconsistent;
+	im->pm = im->pm_raw;
+	if (im->pm->nruns > im->pm_len || im->pm->data_pages > im->pm_len ||
+	    sizeof(struct pagemap_fixed) + im->pm->nruns * sizeof(struct run_img) +
+	    im->pm->data_pages * 16 != im->pm_len)
+		goto inconsistent;
+	im->runs = (struct run_img *)((char *)im->pm_raw + sizeof(struct pagemap_fixed));
+	im->hashes = (uint64_t *)(im->runs + im->pm->nruns);
+	{
+		uint64_t total = 0;
+
+		for (uint64_t i = 0; i < im->pm->nruns; i++) {
+			struct run_img *r = &im->runs[i];
+
+			if (r->level > im->core->depth || r->npages == 0 ||
+			    (i && r->vaddr < im->runs[i - 1].vaddr +
+				  (uint64_t)im->runs[i - 1].npages * PAGE) ||
+			    (r->level == 0 && !(r->flags & RUN_ZERO) &&
+			     r->off + r->npages > im->pm->data_pages))
+				goto inconsistent;
+			total += r->npages;
+		}
+		if (total != im->pm->npages)
+			goto inconsistent;
+	}
+	return 0;
+inconsistent:
+	fail(err, EBADMSG, pid, "image %s: inconsistent contents (corrupted or mixed images)",
+	     where);
+bad:
+	image_free(im);
+	return -1;
+}
+
+/* ---------- parsing /proc ---------- */
+
+struct vma {
+	uint64_t start, end, pgoff;
+	uint32_t prot, flags;
+	char *path;		/* NULL for anonymous */
+	char special[24];	/* [vdso] etc. */
+	int64_t fsize, mtime_sec, mtime_nsec;
+};
+
+struct vma_list {
+	struct vma *v;
+	size_t n, cap;
+};
+
+static void vmas_free(struct vma_list *l)
+{
+	for (size_t i = 0; i < l->n; i++)
+		free(l->v[i].path);
+	free(l->v);
+	memset(l, 0, sizeof(*l));
+}
+
+static int vmas_push(struct vma_list *l, const struct vma *v)
+{
+	if (l->n == l->cap) {
+		size_t cap = l->cap ? l->cap * 2 : 64;
+		struct vma *nv = realloc(l->v, cap * sizeof(*nv));
+
+		if (!nv)
+			return -1;
+		l->v = nv;
+		l->cap = cap;
+	}
+	l->v[l->n++] = *v;
+	return 0;
+}
+
+static bool is_special_name(const char *name)
+{
+	return strcmp(name, "[vdso]") == 0 || strcmp(name, "[vvar]") == 0 ||
+	       strcmp(name, "[vvar_vclock]") == 0;
+}
+
+/* Parse /proc/pid/smaps (or maps if !smaps).  Raw: no classification. */
+struct raw_vma {
+	uint64_t start, end, pgoff;
+	char perms[8];
+	unsigned long inode;
+	char name[PATH_MAX];
+	char vmflags[256];
+};
+
+typedef int (*raw_cb)(const struct raw_vma *r, void *ctx);
+
+static int walk_maps(pid_t pid, bool smaps, raw_cb cb, void *ctx, struct dbxcr_error *err)
+{
+	char path[64];
+	char *line = NULL;
+	size_t cap = 0;
+	struct raw_vma r;
+	bool have = false;
+	FILE *f;
+	int rc = 0;
+
+	snprintf(path, sizeof(path), "/proc/%d/%s", (int)pid, smaps ? "smaps" : "maps");
+	f = fopen(path, "re");
+	if (!f)
+		return fail(err, errno, pid, "open %s", path);
+	memset(&r, 0, sizeof(r));
+	while (getline(&line, &cap, f) > 0) {
+		unsigned long long s, e, off;
+		char perms[8];
+		int pos = 0;
+
+		line[strcspn(line, "\n")] = '\0';
+		if (sscanf(line, "%llx-%llx %7s %llx %*s %lu %n", &s, &e, perms, &off, &r.inode,
+			   &pos) >= 5 && pos > 0) {
+			if (have && (rc = cb(&r, ctx)) < 0)
+				break;
+			r.start = s;
+			r.end = e;
+			r.pgoff = off / PAGE;
+			snprintf(r.perms, sizeof(r.perms), "%s", perms);
+			snprintf(r.name, sizeof(r.name), "%s", line + pos);
+			r.vmflags[0] = '\0';
+			have = true;
+		} else if (strncmp(line, "VmFlags:", 8) == 0) {
+			snprintf(r.vmflags, sizeof(r.vmflags), " %s ", line + 8);
+		}
+	}
+	if (rc == 0 && have)
+		rc = cb(&r, ctx);
+	free(line);
+	fclose(f);
+	return rc;
+}
+
+struct dump_ctx {
+	pid_t pid;
+	struct vma_list *out;
+	unsigned long scratch;
+	const char *strip;
+	struct dbxcr_error *err;
+};
+
+static bool has_flag(const char *vmflags, const char *fl)
+{
+	char pat[8];
+
+	snprintf(pat, sizeof(pat), " %s ", fl);
+	return strstr(vmflags, pat) != NULL;
+}
+
+static int classify_cb(const struct raw_vma *r, void *arg)
+{
+	struct dump_ctx *c = arg;
+	struct vma v;
+	const char *name = r->name;
+	size_t nl = strlen(name);
+	bool deleted = nl > 10 && strcmp(name + nl - 10, " (deleted)") == 0;
+
+	if (r->start >= TASK_TOP)	/* [vsyscall] */
+		return 0;
+	memset(&v, 0, sizeof(v));
+	v.start = r->start;
+	v.end = r->end;
+	v.pgoff = r->pgoff;
+	v.fsize = -1;
+	v.prot = (r->perms[0] == 'r' ? PROT_READ : 0) | (r->perms[1] == 'w' ? PROT_WRITE : 0) |
+		 (r->perms[2] == 'x' ? PROT_EXEC : 0);
+	if (r->perms[3] == 's')
+		v.flags |= VMA_SHARED;
+	if (has_flag(r->vmflags, "gd"))
+		v.flags |= VMA_GROWSDOWN;
+	if (has_flag(r->vmflags, "hg"))
+		v.flags |= VMA_HUGE;
+	if (has_flag(r->vmflags, "nh"))
+		v.flags |= VMA_NOHUGE;
+	if (has_flag(r->vmflags, "wf"))
+		v.flags |= VMA_WIPEONFORK;
+	if (has_flag(r->vmflags, "dd"))
+		v.flags |= VMA_DONTDUMP;
+	if (has_flag(r->vmflags, "io") || has_flag(r->vmflags, "pf"))
+		if (!is_special_name(name))
+			return fail(c->err, ENOTSUP, c->pid, "mapping %#llx-%#llx (%s) is device "
+				    "memory (VM_IO/VM_PFNMAP); cannot be dumped",
+				    (unsigned long long)r->start, (unsigned long long)r->end, name);
+	if (name[0] == '[') {
+		if (is_special_name(name)) {
+			v.flags |= VMA_SPECIAL;
+			memcpy(v.special, name, strlen(name));
+		} else if (strcmp(name, "[heap]") == 0) {
+			v.flags |= VMA_HEAP;
+		} else if (strcmp(name, "[stack]") == 0) {
+			v.flags |= VMA_STACK;
+		} else if (strncmp(name, "[anon:", 6) == 0) {
+			/* named private anonymous memory: restored unnamed */
+		} else if (strncmp(name, "[anon_shmem:", 12) == 0) {
+			v.flags |= VMA_WHOLE;
+		} else {
+			return fail(c->err, ENOTSUP, c->pid, "mapping %#llx-%#llx: unsupported "
+				    "special mapping %s", (unsigned long long)r->start,
+				    (unsigned long long)r->end, name);
+		}
+	} else if (name[0] == '/') {
+		if (strncmp(name, "/SYSV", 5) == 0)
+			return fail(c->err, ENOTSUP, c->pid, "mapping %#llx-%#llx: SysV shared "
+				    "memory cannot be dumped", (unsigned long long)r->start,
+				    (unsigned long long)r->end);
+		if (strncmp(name, "/dev/", 5) == 0 && strcmp(name, "/dev/zero (deleted)") != 0 &&
+		    strcmp(name, "/dev/zero") != 0)
+			return fail(c->err, ENOTSUP, c->pid, "mapping %#llx-%#llx: device %s "
+				    "cannot be dumped", (unsigned long long)r->start,
+				    (unsigned long long)r->end, name);
+		if (deleted || strncmp(name, "/memfd:", 7) == 0 || strncmp(name, "/dev/zero", 9) == 0) {
+			/* No file to map at restore: keep every page, restore anonymous. */
+			v.flags |= VMA_WHOLE;
+		} else {
+			char mf[96];
+			struct stat st;
+			const char *p = name;
+			size_t sl = c->strip ? strlen(c->strip) : 0;
+
+			v.flags |= VMA_FILE;
+			if (sl && strncmp(p, c->strip, sl) == 0 && (p[sl] == '/' || p[sl] == '\0'))
+				p += sl;
+			v.path = strdup(*p ? p : "/");
+			if (!v.path)
+				return fail(c->err, ENOMEM, c->pid, "allocate path");
+			snprintf(mf, sizeof(mf), "/proc/%d/map_files/%llx-%llx", (int)c->pid,
+				 (unsigned long long)r->start, (unsigned long long)r->end);
+			if (stat(mf, &st) == 0) {
+				v.fsize = st.st_size;
+				v.mtime_sec = st.st_mtim.tv_sec;
+				v.mtime_nsec = st.st_mtim.tv_nsec;
+			}
+		}
+	} else if (name[0] != '\0') {
+		return fail(c->err, ENOTSUP, c->pid, "mapping %#llx-%#llx: unsupported mapping %s",
+			    (unsigned long long)r->start, (unsigned long long)r->end, name);
+	}
+	if ((v.flags & VMA_SHARED) && !(v.flags & (VMA_FILE | VMA_WHOLE | VMA_SPECIAL))) {
+		/* shared anonymous shows as /dev/zero (deleted); anything else is unexpected */
+		v.flags |= VMA_WHOLE;
+	}
+	/* Cut the template's own scratch area out (it may have merged with a neighbour). */
+	if (c->scratch && v.start < c->scratch + SCRATCH_LEN && c->scratch < v.end) {
+		struct vma lo = v, hi = v;
+		int rc = 0;
+
+		lo.end = c->scratch;
+		hi.start = c->scratch + SCRATCH_LEN;
+		hi.pgoff = v.pgoff + (hi.start - v.start) / PAGE;
+		if (v.path && lo.start < lo.end && hi.start < hi.end) {
+			hi.path = strdup(v.path);
+			if (!hi.path) {
+				free(v.path);
+				return fail(c->err, ENOMEM, c->pid, "allocate path");
+			}
+		}
+		if (lo.start < lo.end)
+			rc = vmas_push(c->out, &lo);
+		else
+			free(lo.path);
+		if (rc == 0 && hi.start < hi.end)
+			rc = vmas_push(c->out, &hi);
+		else if (hi.path != lo.path)
+			free(hi.path);
+		return rc < 0 ? fail(c->err, ENOMEM, c->pid, "allocate vma list") : 0;
+	}
+	if (vmas_push(c->out, &v) < 0) {
+		free(v.path);
+		return fail(c->err, ENOMEM, c->pid, "allocate vma list");
+	}
+	return 0;
+}
+
+/* Fields of /proc/pid/stat after the comm (field numbers are 1-based, as in proc(5)). */
+static int read_stat_mm(pid_t pid, uint64_t mm[11], struct dbxcr_error *err)
+{
+	char path[64], buf[4096], *p;
+	unsigned long long f[64];
+	int n = 0;
+
+	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+	if (read_small_file(path, buf, sizeof(buf)) < 0)
+		return fail(err, errno, pid, "read %s", path);
+	p = strrchr(buf, ')');
+	if (!p)
+		return fail(err, EPROTO, pid, "parse %s", path);
+	p += 2;			/* field 3 (state) */
+	p = strchr(p, ' ');	/* skip state */
+	/* f[k] = field k+4 */
+	while (p && n < 60) {
+		char *end;
+
+		f[n] = strtoull(p, &end, 10);
+		if (end == p)
+			break;
+		n++;
+		p = end;
+	}
+	if (n < 48)
+		return fail(err, EPROTO, pid, "%s has %d fields", path, n + 3);
+#define FLD(k) f[(k) - 4]
+	mm[0] = FLD(26);	/* start_code */
+	mm[1] = FLD(27);	/* end_code */
+	mm[2] = FLD(45);	/* start_data */
+	mm[3] = FLD(46);	/* end_data */
+	mm[4] = FLD(47);	/* start_brk */
+	mm[5] = 0;		/* brk: asked with brk(0) */
+	mm[6] = FLD(28);	/* start_stack */
+	mm[7] = FLD(48);	/* arg_start */
+	mm[8] = FLD(49);	/* arg_end */
+	mm[9] = FLD(50);	/* env_start */
+	mm[10] = FLD(51);	/* env_end */
+#undef FLD
+	return 0;
+}
+
+static void parse_ids(const char *v, uint32_t out[3])
+{
+	unsigned a = 0, b = 0, c = 0;
+
+	sscanf(v, " %u %u %u", &a, &b, &c);
+	out[0] = a;
+	out[1] = b;
+	out[2] = c;
+}
+
+static int read_status_bits(pid_t pid, struct core_fixed *core, struct dbxcr_error *err)
+{
+	char path[64], status[8192], *v;
+
+	snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+	if (read_small_file(path, status, sizeof(status)) < 0)
+		return fail(err, errno, pid, "read %s", path);
+	if ((v = strstr(status, "\nUmask:")))
+		core->umask = (uint32_t)strtoul(v + 7, NULL, 8);
+	if ((v = strstr(status, "\nUid:")))
+		parse_ids(v + 5, core->uid);
+	if ((v = strstr(status, "\nGid:")))
+		parse_ids(v + 5, core->gid);
+	if ((v = strstr(status, "\nSeccomp:")) && atoi(v + 9) != 0)
+		return fail(err, ENOTSUP, pid, "process has a seccomp filter; it cannot be "
+			    "restored from disk");
+	core->ngroups = 0;
+	if ((v = strstr(status, "\nGroups:"))) {
+		char *end = strchr(v + 1, '\n'), *p = v + 8;
+
+		while (core->ngroups < MAX_GROUPS) {
+			char *e2;
+			unsigned long g = strtoul(p, &e2, 10);
+
+			if (e2 == p || (end && e2 > end))
+				break;
+			core->groups[core->ngroups++] = (uint32_t)g;
+			p = e2;
+		}
+	}
+	snprintf(path, sizeof(path), "/proc/%d/personality", (int)pid);
+	if (read_small_file(path, status, sizeof(status)) == 0)
+		core->personality = (uint32_t)strtoul(status, NULL, 16);
+	snprintf(path, sizeof(path), "/proc/%d/comm", (int)pid);
+	if (read_small_file(path, status, sizeof(status)) == 0) {
+		status[strcspn(status, "\n")] = '\0';
+		memset(core->comm, 0, sizeof(core->comm));
+		memcpy(core->comm, status, strnlen(status, sizeof(core->comm) - 1));
+	}
+	return 0;
+}
+
+static int read_whole(const char *path, struct buf *b)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	char tmp[4096];
+	ssize_t n;
+
+	if (fd < 0)
+		return -1;
+	while ((n = read(fd, tmp, sizeof(tmp))) > 0)
+		if (buf_add(b, tmp, (size_t)n) < 0) {
+			close(fd);
+			errno = ENOMEM;
+			return -1;
+		}
+	close(fd);
+	return n < 0 ? -1 : 0;
+}
+
+/* Hash of the vdso of pid (read through /proc/pid/mem). */
+static int vdso_hash(pid_t pid, uint64_t out[2], uint64_t *size, struct dbxcr_error *err)
+{
+	unsigned long s, e;
+	char path[64];
+	unsigned char *b;
+	int fd;
+
+	if (find_vdso(pid, &s, &e) < 0) {
+		out[0] = out[1] = 0;
+		*size = 0;
+		return 0;
+	}
+	b = malloc(e - s);
+	if (!b)
+		return fail(err, ENOMEM, pid, "allocate vdso copy");
+	snprintf(path, sizeof(path), "/proc/%d/mem", (int)pid);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0 || full_pread(fd, b, e - s, (off_t)s) < 0) {
+		int e2 = errno;
+
+		if (fd >= 0)
+			close(fd);
+		free(b);
+		return fail(err, e2, pid, "read vdso");
+	}
+	close(fd);
+	dbxcr_hash128(b, e - s, out);
+	*size = e - s;
+	free(b);
+	return 0;
+}
+
+/* ---------- chains ---------- */
+
+struct chain {
+	struct image im[MAX_DEPTH + 1];		/* [0] the image, [k] its k-th ancestor */
+	int pages_fd[MAX_DEPTH + 1];
+	int n;
+};
+
+static void chain_free(struct chain *c)
+{
+	for (int i = 0; i < c->n; i++) {
+		image_free(&c->im[i]);
+		if (c->pages_fd[i] >= 0)
+			close(c->pages_fd[i]);
+	}
+	c->n = 0;
+}
+
+/* Load the image and the ancestors its pages live in; check ids and pages.img sizes. */
+static int chain_load(int dirfd, struct chain *c, pid_t pid, struct dbxcr_error *err)
+{
+	int cur = dirfd, depth;
+
+	memset(c, 0, sizeof(*c));
+	for (int i = 0; i <= MAX_DEPTH; i++)
+		c->pages_fd[i] = -1;
+	for (int lv = 0;; lv++) {
+		char where[PATH_MAX];
+		struct stat st;
+		const uint8_t *want = lv ? c->im[lv - 1].core->parent_id : NULL;
+
+		if (image_load(cur, want, &c->im[lv], pid, err) < 0)
+			goto bad;
+		c->n = lv + 1;
+		fd_path(cur, where, sizeof(where));
+		c->pages_fd[lv] = openat(cur, "pages.img", O_RDONLY | O_CLOEXEC);
+		if (c->pages_fd[lv] < 0 || fstat(c->pages_fd[lv], &st) < 0) {
+			fail(err, EBADMSG, pid, "image %s: pages.img is missing", where);
+			goto bad;
+		}
+		if ((uint64_t)st.st_size != c->im[lv].pm->data_pages * PAGE) {
+			fail(err, EBADMSG, pid, "image %s: pages.img is %lld bytes, expected %llu "
+			     "(truncated or extended)", where, (long long)st.st_size,
+			     (unsigned long long)(c->im[lv].pm->data_pages * PAGE));
+			goto bad;
+		}
+		depth = (int)c->im[0].core->depth;
+		if (lv >= depth)
+			break;
+		if (c->im[lv].core->depth != (uint32_t)(depth - lv)) {
+			fail(err, EBADMSG, pid, "image %s: chain depth %u, expected %d", where,
+			     c->im[lv].core->depth, depth - lv);
+			goto bad;
+		}
+		{
+			int next = openat(cur, c->im[lv].parent_ref, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+
+			if (next < 0) {
+				fail(err, EBADMSG, pid, "image %s: parent image %s is missing (%s)",
+				     where, c->im[lv].parent_ref, strerror(errno));
+				if (cur != dirfd)
+					close(cur);
+				goto bad;
+			}
+			if (cur != dirfd)
+				close(cur);
+			cur = next;
+		}
+	}
+	if (cur != dirfd)
+		close(cur);
+	/* Every data reference of every level must fall inside the pages.img it names. */
+	for (int lv = 0; lv < c->n; lv++)
+		for (uint64_t i = 0; i < c->im[lv].pm->nruns; i++) {
+			const struct run_img *r = &c->im[lv].runs[i];
+
+			if (r->flags & RUN_ZERO)
+				continue;
+			if (lv + r->level >= c->n ||
+			    r->off + r->npages > c->im[lv + r->level].pm->data_pages) {
+				char where[PATH_MAX];
+
+				fd_path(dirfd, where, sizeof(where));
+				fail(err, EBADMSG, pid, "image %s (level %d): page run at %#llx points "
+				     "outside the pages.img of level %d", where, lv,
+				     (unsigned long long)r->vaddr, lv + r->level);
+				goto bad;
+			}
+		}
+	return 0;
+bad:
+	if (cur != dirfd && cur >= 0)
+		close(cur);
+	chain_free(c);
+	return -1;
+}
+
+/* ---------- dump ---------- */
+
+/* The parent's index, walked with a cursor in increasing address order. */
+struct parent_idx {
+	const struct chain *c;		/* the parent image and its ancestors, or NULL */
+	uint64_t run;			/* current run of c->im[0] */
+};
+
+static bool parent_lookup(struct parent_idx *pi, uint64_t addr, int *level, uint64_t *off,
+			  const uint64_t **hash)
+{
+	const struct image *im;
+
+	if (!pi->c)
+		return false;
+	im = &pi->c->im[0];
+	while (pi->run < im->pm->nruns) {
+		const struct run_img *r = &im->runs[pi->run];
+		uint64_t end = r->vaddr + (uint64_t)r->npages * PAGE;
+
+		if (addr < r->vaddr)
+			return false;
+		if (addr < end) {
+			uint64_t k = (addr - r->vaddr) / PAGE;
+
+			if (r->flags & RUN_ZERO)
+				return false;
+			*level = r->level;
+			*off = r->off + k;
+			*hash = pi->c->im[r->level].hashes + 2 * *off;
+			return true;
+		}
+		pi->run++;
+	}
+	return false;
+}
+
+struct dump_out {
+	struct buf runs, hashes;	/* hashes: of the pages written, in file order */
+	uint64_t npages;
+	int pages_fd;
+	uint64_t data_pages;
+	struct dbxcr_dump_stats *st;
+};
+
+static int add_page(struct dump_out *o, uint64_t addr, int level, uint64_t off, uint16_t flags)
+{
+	struct run_img *last = o->runs.len ? (struct run_img *)(o->runs.p + o->runs.len -
+								sizeof(struct run_img)) : NULL;
+	if (last && last->vaddr + (uint64_t)last->npages * PAGE == addr && last->level == level &&
+	    last->flags == flags && (flags & RUN_ZERO || last->off + last->npages == off) &&
+	    last->npages < UINT32_MAX) {
+		last->npages++;
+	} else {
+		struct run_img r = { .vaddr = addr, .npages = 1, .level = (uint16_t)level,
+				     .flags = flags, .off = (flags & RUN_ZERO) ? 0 : off };
+
+		if (buf_add(&o->runs, &r, sizeof(r)) < 0)
+			return -1;
+	}
+	o->npages++;
+	return 0;
+}
+
+/* PAGEMAP_SCAN (Linux 6.7+; the installed uapi headers predate it). */
+#define PM_SCAN_IOCTL _IOWR('f', 16, struct pm_scan_arg_k)
+#define PAGE_IS_FILE (1 << 2)
+#define PAGE_IS_PRESENT (1 << 3)
+#define PAGE_IS_SWAPPED (1 << 4)
+#define PAGE_IS_PFNZERO (1 << 5)
+
+struct page_region_k {
+	uint64_t start, end, categories;
+};
+
+struct pm_scan_arg_k {
+	uint64_t size, flags, start, end, walk_end, vec, vec_len, max_pages;
+	uint64_t category_inverted, category_mask, category_anyof_mask, return_mask;
+};
+
+/* Page ranges of a VMA worth storing (see the file comment), as [start, end) segments. */
+struct seg {
+	uint64_t s, e;
+};
+
+static int add_seg(struct buf *b, uint64_t s, uint64_t e)
+{
+	struct seg *last = b->len ? (struct seg *)(b->p + b->len - sizeof(struct seg)) : NULL;
+	struct seg x = { s, e };
+
+	if (last && last->e == s) {
+		last->e = e;
+		return 0;
+	}
+	return buf_add(b, &x, sizeof(x));
+}
+
+static bool scan_works = true;
+
+static int vma_segments(pid_t pid, int pmfd, const struct vma *v, struct buf *segs,
+			struct dbxcr_error *err)
+{
+	bool file = v->flags & VMA_FILE;
+
+	segs->len = 0;
+	if (v->flags & VMA_WHOLE)
+		return add_seg(segs, v->start, v->end) < 0 ? fail(err, ENOMEM, pid, "allocate") : 0;
+	if (scan_works) {
+		struct page_region_k vec[512];
+		struct pm_scan_arg_k a;
+		uint64_t at = v->start;
+
+		while (at < v->end) {
+			long n;
+
+			memset(&a, 0, sizeof(a));
+			a.size = sizeof(a);
+			a.start = at;
+			a.end = v->end;
+			a.vec = (uint64_t)(uintptr_t)vec;
+			a.vec_len = 512;
+			a.category_anyof_mask = PAGE_IS_PRESENT | PAGE_IS_SWAPPED;
+			a.return_mask = PAGE_IS_PRESENT | PAGE_IS_SWAPPED | PAGE_IS_FILE |
+					PAGE_IS_PFNZERO;
+			n = ioctl(pmfd, PM_SCAN_IOCTL, &a);
+			if (n < 0 && (errno == ENOTTY || errno == EINVAL) && at == v->start) {
+				scan_works = false;
+				break;
+			}
+			if (n < 0)
+				return fail(err, errno, pid, "PAGEMAP_SCAN %#llx-%#llx",
+					    (unsigned long long)at, (unsigned long long)v->end);
+			for (long i = 0; i < n; i++) {
+				uint64_t c = vec[i].categories;
+
+				if (c & PAGE_IS_PFNZERO)
+					continue;	/* the shared zero page: reads as zero */
+				if (file && (c & PAGE_IS_FILE))
+					continue;	/* page cache: identical to the file */
+				if (add_seg(segs, vec[i].start, vec[i].end) < 0)
+					return fail(err, ENOMEM, pid, "allocate");
+			}
+			if (a.walk_end <= at)
+				return fail(err, EPROTO, pid, "PAGEMAP_SCAN made no progress at %#llx",
+					    (unsigned long long)at);
+			at = a.walk_end;
+		}
+		if (scan_works)
+			return 0;
+		segs->len = 0;
+	}
+	/* Fallback: /proc/pid/pagemap entries. */
+	for (uint64_t addr = v->start; addr < v->end;) {
+		uint64_t pm[512];
+		uint64_t n = (v->end - addr) / PAGE;
+
+		if (n > 512)
+			n = 512;
+		if (full_pread(pmfd, pm, n * 8, (off_t)(addr / PAGE * 8)) < 0)
+			return fail(err, errno, pid, "read pagemap at %#llx", (unsigned long long)addr);
+		for (uint64_t k = 0; k < n; k++) {
+			bool want = file ? (((pm[k] & PM_PRESENT) && !(pm[k] & PM_FILE)) ||
+					    (pm[k] & PM_SWAP))
+					 : (pm[k] & (PM_PRESENT | PM_SWAP)) != 0;
+
+			if (want && add_seg(segs, addr + k * PAGE, addr + (k + 1) * PAGE) < 0)
+				return fail(err, ENOMEM, pid, "allocate");
+		}
+		addr += n * PAGE;
+	}
+	return 0;
+}
+
+/* Dump the candidate pages of one VMA. */
+static int dump_vma(pid_t pid, int memfd, int pmfd, const struct vma *v, struct parent_idx *pi,
+		    int max_level, struct dump_out *o, unsigned char *chunk, struct buf *outbuf,
+		    struct buf *segbuf, struct dbxcr_error *err)
+{
+	bool file = v->flags & VMA_FILE;
+	const struct seg *segs;
+	size_t nseg, si = 0;
+	uint64_t at;
+
+	if (v->flags & VMA_SPECIAL)
+		return 0;
+	if (file && (v->flags & VMA_SHARED))
+		return 0;	/* the file is the content */
+	if (vma_segments(pid, pmfd, v, segbuf, err) < 0)
+		return -1;
+	segs = (const struct seg *)segbuf->p;
+	nseg = segbuf->len / sizeof(struct seg);
+	at = nseg ? segs[0].s : 0;
+	while (si < nseg) {
+		struct iovec liov, riov[CHUNK_PAGES];
+		uint64_t addrs[CHUNK_PAGES];
+		size_t ni = 0, nsel = 0;
+
+		/* Up to CHUNK_PAGES pages from the segments. */
+		while (si < nseg && nsel < CHUNK_PAGES) {
+			uint64_t take = (segs[si].e - at) / PAGE;
+
+			if (take > CHUNK_PAGES - nsel)
+				take = CHUNK_PAGES - nsel;
+			riov[ni].iov_base = (void *)(uintptr_t)at;
+			riov[ni].iov_len = take * PAGE;
+			ni++;
+			for (uint64_t k = 0; k < take; k++)
+				addrs[nsel++] = at + k * PAGE;
+			at += take * PAGE;
+			if (at >= segs[si].e && ++si < nseg)
+				at = segs[si].s;
+		}
+		liov.iov_base = chunk;
+		liov.iov_len = nsel * PAGE;
+		if (v->prot & PROT_READ) {
+			ssize_t got = process_vm_readv(pid, &liov, 1, riov, ni, 0);
+
+			if (got < 0)
+				return fail(err, errno, pid, "process_vm_readv at %p", riov[0].iov_base);
+			if ((size_t)got != nsel * PAGE)
+				return fail(err, EIO, pid, "short read at %p (%zd of %zu)",
+					    riov[0].iov_base, got, nsel * PAGE);
+		} else {
+			/* /proc/pid/mem reads with FOLL_FORCE (PROT_NONE, write-only VMAs). */
+			size_t off = 0;
+
+			for (size_t i = 0; i < ni; i++) {
+				if (full_pread(memfd, chunk + off, riov[i].iov_len,
+					       (off_t)(uintptr_t)riov[i].iov_base) < 0)
+					return fail(err, errno, pid, "read /proc/%d/mem at %p",
+						    (int)pid, riov[i].iov_base);
+				off += riov[i].iov_len;
+			}
+		}
+		for (size_t s = 0; s < nsel; s++) {
+			unsigned char *pg = chunk + s * PAGE;
+			uint64_t addr = addrs[s];
+			uint64_t h[2], poff = 0;
+			const uint64_t *ph;
+			int plevel;
+
+			o->st->pages_total++;
+			if (page_is_zero(pg)) {
+				o->st->pages_zero++;
+				if (file && add_page(o, addr, 0, 0, RUN_ZERO) < 0)
+					return fail(err, ENOMEM, pid, "allocate page index");
+				continue;
+			}
+			dbxcr_hash128(pg, PAGE, h);
+			if (parent_lookup(pi, addr, &plevel, &poff, &ph) && plevel + 1 <= max_level &&
+			    ph[0] == h[0] && ph[1] == h[1]) {
+				o->st->pages_parent++;
+				if (add_page(o, addr, plevel + 1, poff, 0) < 0)
+					return fail(err, ENOMEM, pid, "allocate page index");
+				continue;
+			}
+			if (add_page(o, addr, 0, o->data_pages, 0) < 0 ||
+			    buf_add(&o->hashes, h, sizeof(h)) < 0 || buf_add(outbuf, pg, PAGE) < 0)
+				return fail(err, ENOMEM, pid, "allocate page index");
+			o->data_pages++;
+			o->st->pages_written++;
+		}
+		if (outbuf->len >= 4 << 20) {
+			if (full_write(o->pages_fd, outbuf->p, outbuf->len) < 0)
+				return fail(err, errno, pid, "write pages.img");
+			o->st->bytes_written += outbuf->len;
+			outbuf->len = 0;
+		}
+	}
+	return 0;
+}
+
+/* Ask the parked template for brk, sigactions and sigaltstack with injected calls. */
+static int query_template(struct dbxcr_template *tpl, struct core_fixed *core,
+			  struct dbxcr_error *err)
+{
+	struct tracee t;
+	struct dbxcr_error ignored;
+	long a[6] = { 0 }, r;
+	int rc = -1;
+
+	if (adopt(&t, tpl->pid, tpl->site, err) < 0)
+		return -1;
+	t.regs = tpl->park;
+	r = rsys(&t, SYS_brk, a, err, "brk(0) in the template");
+	if (r < 0)
+		goto out;
+	core->mm[5] = (uint64_t)r;
+	for (int sig = 1; sig <= NSIG_K; sig++) {
+		long q[6] = { sig, 0, (long)tpl->scratch, 8, 0, 0 };
+
+		if (rsys(&t, SYS_rt_sigaction, q, err, "rt_sigaction(%d) in the template", sig) < 0)
+			goto out;
+		if (mem_read(tpl->pid, tpl->scratch, &core->sig[sig - 1],
+			     sizeof(struct ksigaction), err) < 0)
+			goto out;
+	}
+	{
+		long q[6] = { 0, (long)tpl->scratch, 0, 0, 0, 0 };
+		stack_t ss;
+
+		if (rsys(&t, SYS_sigaltstack, q, err, "sigaltstack in the template") < 0)
+			goto out;
+		if (mem_read(tpl->pid, tpl->scratch, &ss, sizeof(ss), err) < 0)
+			goto out;
+		core->ss_sp = (uint64_t)(uintptr_t)ss.ss_sp;
+		core->ss_flags = ss.ss_flags;
+		core->ss_size = ss.ss_size;
+	}
+	rc = 0;
+out:
+	if (park(tpl, rc ? &ignored : err) < 0)
+		rc = -1;
+	return rc;
+}
+
+static int rm_tree_at(int dirfd, const char *name)
+{
+	int fd = openat(dirfd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
+	DIR *d;
+	struct dirent *de;
+
+	if (fd < 0)
+		return unlinkat(dirfd, name, 0);
+	d = fdopendir(fd);
+	if (!d) {
+		close(fd);
+		return -1;
+	}
+	while ((de = readdir(d)) != NULL)
+		if (strcmp(de->d_name, ".") && strcmp(de->d_name, ".."))
+			unlinkat(fd, de->d_name, 0);
+	closedir(d);
+	return unlinkat(dirfd, name, AT_REMOVEDIR);
+}
+
+int dbxcr_dump(struct dbxcr_template *tpl, const char *path, const struct dbxcr_dump_opts *opts,
+	       struct dbxcr_dump_stats *stats, struct dbxcr_error *err)
+{
+	static const struct dbxcr_dump_opts none = { 0 };
+	const struct dbxcr_dump_opts *o = opts ? opts : &none;
+	double t0 = now_ms();
+	struct dbxcr_dump_stats st;
+	struct core_fixed *core = NULL;
+	struct vma_list vl = { 0 };
+	struct chain *parent = NULL;
+	bool have_parent = false;
+	struct parent_idx pi = { 0 };
+	struct dump_out out = { .pages_fd = -1 };
+	struct buf corebuf = { 0 }, mmbuf = { 0 }, strtab = { 0 }, pmbuf = { 0 }, outbuf = { 0 };
+	struct buf auxv = { 0 }, segbuf = { 0 };
+	unsigned char *chunk = NULL;
+	char tmpname[PATH_MAX], dirpath[PATH_MAX], exe[PATH_MAX] = "";
+	const char *base;
+	int pdirfd = -1, tmpfd = -1, memfd = -1, pmfd = -1, rc = -1, max_chain;
+	uint8_t id[16];
+	pid_t pid;
+	char pp[64];
+
+	clear_error(err);
+	memset(&st, 0, sizeof(st));
+	if (check_owner(tpl, err) < 0)
+		return -1;
+	pid = tpl->pid;
+	max_chain = o->max_chain > 0 ? o->max_chain : DEFAULT_MAX_CHAIN;
+	if (max_chain > MAX_DEPTH)
+		max_chain = MAX_DEPTH;
+	out.st = &st;
+
+	/* Where: a temporary sibling of path, renamed at the end. */
+	snprintf(dirpath, sizeof(dirpath), "%s", path);
+	while (strlen(dirpath) > 1 && dirpath[strlen(dirpath) - 1] == '/')
+		dirpath[strlen(dirpath) - 1] = '\0';
+	base = strrchr(dirpath, '/');
+	if (base) {
+		dirpath[base - dirpath] = '\0';
+		base = path + (base - dirpath) + 1;
+		if (dirpath[0] == '\0')
+			snprintf(dirpath, sizeof(dirpath), "/");
+	} else {
+		snprintf(dirpath, sizeof(dirpath), ".");
+		base = path;
+	}
+	{
+		uint32_t rnd;
+
+		if (getrandom(&rnd, sizeof(rnd), 0) != sizeof(rnd))
+			rnd = (uint32_t)now_ms();
+		snprintf(tmpname, sizeof(tmpname), ".%s.tmp-%d-%08x", base, (int)getpid(), rnd);
+	}
+	if (getrandom(id, sizeof(id), 0) != sizeof(id))
+		return fail(err, errno, pid, "getrandom for the image id");
+
+	/* Parent */
+	if (o->parent_path) {
+		int fd = open(o->parent_path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+
+		if (fd < 0)
+			return fail(err, errno, pid, "open parent image %s", o->parent_path);
+		parent = calloc(1, sizeof(*parent));
+		if (!parent) {
+			close(fd);
+			return fail(err, ENOMEM, pid, "allocate");
+		}
+		if (chain_load(fd, parent, pid, err) < 0) {
+			close(fd);
+			free(parent);
+			return -1;
+		}
+		close(fd);
+		if ((int)parent->im[0].core->depth + 1 < max_chain) {
+			have_parent = true;
+			pi.c = parent;
+		}
+	}
+
+	core = calloc(1, sizeof(*core));
+	chunk = malloc(CHUNK_PAGES * PAGE);
+	if (!core || !chunk) {
+		fail(err, ENOMEM, pid, "allocate");
+		goto out;
+	}
+	core->arch = EM_X86_64;
+	core->depth = have_parent ? parent->im[0].core->depth + 1 : 0;
+	if (have_parent)
+		memcpy(core->parent_id, parent->im[0].id, 16);
+	core->origin_pid = tpl->origin;
+	core->template_pid = tpl->pid;
+	core->regs = tpl->regs;
+	core->sigmask = tpl->sigmask;
+	core->xstate_len = (uint32_t)tpl->xstate_len;
+	core->npending = (uint32_t)tpl->pend.n;
+	for (int i = 0; i < tpl->pend.n; i++)
+		core->pend_shared[i] = tpl->pend.shared[i];
+
+	/* Process state */
+	{
+		struct dump_ctx c = { pid, &vl, tpl->scratch, o->strip_prefix, err };
+
+		if (walk_maps(pid, true, classify_cb, &c, err) < 0)
+			goto out;
+	}
+	if (read_stat_mm(pid, core->mm, err) < 0 || read_status_bits(pid, core, err) < 0 ||
+	    query_template(tpl, core, err) < 0 ||
+	    vdso_hash(pid, core->vdso_hash, &core->vdso_size, err) < 0)
+		goto out;
+	{
+		struct rseq_conf rc2;
+		long n = ptrace(PTRACE_GET_RSEQ_CONFIGURATION, pid, (void *)sizeof(rc2), &rc2);
+
+		if (n > 0 && rc2.rseq_abi_pointer) {
+			core->has_rseq = 1;
+			core->rseq_ptr = rc2.rseq_abi_pointer;
+			core->rseq_len = rc2.rseq_abi_size;
+			core->rseq_sig = rc2.signature;
+		}
+	}
+	snprintf(pp, sizeof(pp), "/proc/%d/auxv", (int)pid);
+	if (read_whole(pp, &auxv) < 0) {
+		fail(err, errno, pid, "read %s", pp);
+		goto out;
+	}
+	core->auxv_len = (uint32_t)auxv.len;
+	snprintf(pp, sizeof(pp), "/proc/%d/exe", (int)pid);
+	{
+		ssize_t n = readlink(pp, exe, sizeof(exe) - 1);
+
+		exe[n > 0 ? n : 0] = '\0';
+		if (n > 10 && strcmp(exe + n - 10, " (deleted)") == 0)
+			exe[0] = '\0';
+		if (exe[0] && o->strip_prefix) {
+			size_t sl = strlen(o->strip_prefix);
+
+			if (sl && strncmp(exe, o->strip_prefix, sl) == 0 && exe[sl] == '/')
+				memmove(exe, exe + sl, strlen(exe + sl) + 1);
+		}
+	}
+	core->exe_len = (uint32_t)strlen(exe);
+	{
+		const char *ref = have_parent ? (o->parent_ref ? o->parent_ref : o->parent_path) : "";
+
+		core->parent_ref_len = (uint32_t)strlen(ref);
+		if (buf_add(&corebuf, core, sizeof(*core)) < 0 ||
+		    buf_add(&corebuf, tpl->xstate, tpl->xstate_len) < 0 ||
+		    buf_add(&corebuf, tpl->pend.info, sizeof(siginfo_t) * (size_t)tpl->pend.n) < 0 ||
+		    buf_add(&corebuf, auxv.p, auxv.len) < 0 ||
+		    buf_add(&corebuf, exe, core->exe_len) < 0 ||
+		    buf_add(&corebuf, ref, core->parent_ref_len) < 0) {
+			fail(err, ENOMEM, pid, "allocate core image");
+			goto out;
+		}
+	}
+
+	/* Files */
+	pdirfd = open(dirpath, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (pdirfd < 0) {
+		fail(err, errno, pid, "open %s", dirpath);
+		goto out;
+	}
+	if (faccessat(pdirfd, base, F_OK, AT_SYMLINK_NOFOLLOW) == 0) {
+		fail(err, EEXIST, pid, "image directory %s", path);
+		goto out;
+	}
+	if (mkdirat(pdirfd, tmpname, 0700) < 0) {
+		fail(err, errno, pid, "mkdir %s/%s", dirpath, tmpname);
+		goto out;
+	}
+	tmpfd = openat(pdirfd, tmpname, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (tmpfd < 0) {
+		fail(err, errno, pid, "open %s/%s", dirpath, tmpname);
+		goto out;
+	}
+	out.pages_fd = openat(tmpfd, "pages.img", O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+	snprintf(pp, sizeof(pp), "/proc/%d/mem", (int)pid);
+	memfd = open(pp, O_RDONLY | O_CLOEXEC);
+	snprintf(pp, sizeof(pp), "/proc/%d/pagemap", (int)pid);
+	pmfd = open(pp, O_RDONLY | O_CLOEXEC);
+	if (out.pages_fd < 0 || memfd < 0 || pmfd < 0) {
+		fail(err, errno, pid, "open pages.img, /proc/%d/mem or pagemap", (int)pid);
+		goto out;
+	}
+
+	/* Pages */
+	for (size_t i = 0; i < vl.n; i++)
+		if (dump_vma(pid, memfd, pmfd, &vl.v[i], &pi, have_parent ? max_chain - 1 : 0,
+			     &out, chunk, &outbuf, &segbuf, err) < 0)
+			goto out;
+	if (outbuf.len) {
+		if (full_write(out.pages_fd, outbuf.p, outbuf.len) < 0) {
+			fail(err, errno, pid, "write pages.img");
+			goto out;
+		}
+		st.bytes_written += outbuf.len;
+	}
+	if (o->fsync && fsync(out.pages_fd) < 0) {
+		fail(err, errno, pid, "fsync pages.img");
+		goto out;
+	}
+
+	/* mm.img */
+	{
+		struct mm_fixed mf = { .nvma = (uint32_t)vl.n };
+
+		for (size_t i = 0; i < vl.n; i++) {
+			const struct vma *v = &vl.v[i];
+			const char *nm = v->path ? v->path : v->special;
+			struct vma_img vi = { .start = v->start, .end = v->end, .pgoff = v->pgoff,
+					      .prot = v->prot, .flags = v->flags,
+					      .name_off = (uint32_t)strtab.len,
+					      .name_len = (uint32_t)strlen(nm), .fsize = v->fsize,
+					      .mtime_sec = v->mtime_sec, .mtime_nsec = v->mtime_nsec };
+
+			if (buf_add(&strtab, nm, vi.name_len) < 0 ||
+			    buf_add(&mmbuf, &vi, sizeof(vi)) < 0) {
+				fail(err, ENOMEM, pid, "allocate mm image");
+				goto out;
+			}
+		}
+		mf.strtab_len = strtab.len;
+		{
+			struct buf all = { 0 };
+
+			if (buf_add(&all, &mf, sizeof(mf)) < 0 || buf_add(&all, mmbuf.p, mmbuf.len) < 0 ||
+			    buf_add(&all, strtab.p, strtab.len) < 0) {
+				buf_free(&all);
+				fail(err, ENOMEM, pid, "allocate mm image");
+				goto out;
+			}
+			buf_free(&mmbuf);
+			mmbuf = all;
+		}
+	}
+	/* pagemap.img */
+	{
+		struct pagemap_fixed pf = { .data_pages = out.data_pages,
+					    .nruns = out.runs.len / sizeof(struct run_img),
+					    .npages = out.npages };
+
+		if (buf_add(&pmbuf, &pf, sizeof(pf)) < 0 || buf_add(&pmbuf, out.runs.p, out.runs.len) < 0 ||
+		    buf_add(&pmbuf, out.hashes.p, out.hashes.len) < 0) {
+			fail(err, ENOMEM, pid, "allocate pagemap image");
+			goto out;
+		}
+	}
+	if (write_img(tmpfd, "pagemap.img", KIND_PAGEMAP, id, pmbuf.p, pmbuf.len, o->fsync,
+		      &st.bytes_written, pid, err) < 0 ||
+	    write_img(tmpfd, "mm.img", KIND_MM, id, mmbuf.p, mmbuf.len, o->fsync,
+		      &st.bytes_written, pid, err) < 0 ||
+	    write_img(tmpfd, "core.img", KIND_CORE, id, corebuf.p, corebuf.len, o->fsync,
+		      &st.bytes_written, pid, err) < 0)
+		goto out;
+	if (o->fsync && fsync(tmpfd) < 0) {
+		fail(err, errno, pid, "fsync image directory");
+		goto out;
+	}
+	if (syscall(SYS_renameat2, pdirfd, tmpname, pdirfd, base, RENAME_NOREPLACE) < 0) {
+		fail(err, errno, pid, "rename image into place as %s", path);
+		goto out;
+	}
+	tmpname[0] = '\0';
+	if (o->fsync && fsync(pdirfd) < 0) {
+		fail(err, errno, pid, "fsync %s", dirpath);
+		goto out;
+	}
+	st.vmas = vl.n;
+	st.depth = (int)core->depth;
+	rc = 0;
+out:
+	if (out.pages_fd >= 0)
+		close(out.pages_fd);
+	if (memfd >= 0)
+		close(memfd);
+	if (pmfd >= 0)
+		close(pmfd);
+	if (tmpfd >= 0)
+		close(tmpfd);
+	if (rc < 0 && pdirfd >= 0 && tmpname[0])
+		rm_tree_at(pdirfd, tmpname);
+	if (pdirfd >= 0)
+		close(pdirfd);
+	if (parent) {
+		chain_free(parent);
+		free(parent);
+	}
+	vmas_free(&vl);
+	buf_free(&corebuf);
+	buf_free(&mmbuf);
+	buf_free(&strtab);
+	buf_free(&pmbuf);
+	buf_free(&outbuf);
+	buf_free(&auxv);
+	buf_free(&segbuf);
+	buf_free(&out.runs);
+	buf_free(&out.hashes);
+	free(core);
+	free(chunk);
+	st.ms = now_ms() - t0;
+	if (stats)
+		*stats = st;
+	return rc;
+}
+
+int dbxcr_image_info(int image_dirfd, struct dbxcr_image_info *out, struct dbxcr_error *err)
+{
+	struct image im;
+
+	clear_error(err);
+	memset(out, 0, sizeof(*out));
+	if (image_load(image_dirfd, NULL, &im, 0, err) < 0)
+		return -1;
+	out->depth = (int)im.core->depth;
+	out->origin_pid = im.core->origin_pid;
+	snprintf(out->parent_ref, sizeof(out->parent_ref), "%s", im.parent_ref);
+	image_free(&im);
+	return 0;
+}
+
+/* Read pages of runs [*ri..] into buf (up to CHUNK_PAGES), checking hashes.  Fills riov
+ * with the destination addresses.  Returns pages read. */
+struct reader {
+	struct chain *c;
+	int base;	/* the image whose index is read: c->im[base] (0 for a restore) */
+	uint64_t run, page_in_run;
+};
+
+static long read_chunk(struct reader *rd, unsigned char *buf, struct iovec *liov,
+		       struct iovec *riov, size_t *niov, pid_t pid, struct dbxcr_error *err)
+{
+	const struct image *im = &rd->c->im[rd->base];
+	size_t got = 0, ni = 0;
+
+	while (got < CHUNK_PAGES && rd->run < im->pm->nruns) {
+		const struct run_img *r = &im->runs[rd->run];
+		uint64_t left = r->npages - rd->page_in_run;
+		uint64_t take = left < CHUNK_PAGES - got ? left : CHUNK_PAGES - got;
+		uint64_t addr = r->vaddr + rd->page_in_run * PAGE;
+
+		if (r->flags & RUN_ZERO) {
+			memset(buf + got * PAGE, 0, take * PAGE);
+		} else {
+			off_t off = (off_t)((r->off + rd->page_in_run) * PAGE);
+
+			if (full_pread(rd->c->pages_fd[rd->base + r->level], buf + got * PAGE, take * PAGE, off) < 0) {
+				char where[PATH_MAX];
+
+				fd_path(rd->c->pages_fd[rd->base + r->level], where, sizeof(where));
+				return fail(err, errno == ENODATA ? EBADMSG : errno, pid,
+					    "read %s at page %lld", where, (long long)(off / PAGE));
+			}
+			for (uint64_t k = 0; k < take; k++) {
+				uint64_t h[2];
+				const uint64_t *want = rd->c->im[rd->base + r->level].hashes +
+						       2 * (r->off + rd->page_in_run + k);
+
+				dbxcr_hash128(buf + (got + k) * PAGE, PAGE, h);
+				if (h[0] != want[0] || h[1] != want[1]) {
+					char where[PATH_MAX];
+
+					fd_path(rd->c->pages_fd[rd->base + r->level], where, sizeof(where));
+					return fail(err, EBADMSG, pid, "%s: page %llu (address %#llx) "
+						    "fails its hash check (corrupted)", where,
+						    (unsigned long long)(r->off + rd->page_in_run + k),
+						    (unsigned long long)(addr + k * PAGE));
+				}
+			}
+		}
+		if (ni && (uint64_t)(uintptr_t)riov[ni - 1].iov_base + riov[ni - 1].iov_len == addr) {
+			riov[ni - 1].iov_len += take * PAGE;
+		} else {
+			riov[ni].iov_base = (void *)(uintptr_t)addr;
+			riov[ni].iov_len = take * PAGE;
+			ni++;
+		}
+		got += take;
+		rd->page_in_run += take;
+		if (rd->page_in_run == r->npages) {
+			rd->run++;
+			rd->page_in_run = 0;
+		}
+	}
+	liov->iov_base = buf;
+	liov->iov_len = got * PAGE;
+	*niov = ni;
+	return (long)got;
+}
+
+int dbxcr_verify_image(int image_dirfd, struct dbxcr_error *err)
+{
+	struct chain *c = calloc(1, sizeof(*c));
+	unsigned char *buf = malloc(CHUNK_PAGES * PAGE);
+	int rc = -1;
+
+	clear_error(err);
+	if (!c || !buf) {
+		fail(err, ENOMEM, 0, "allocate");
+		goto out;
+	}
+	/* Metadata checksums, ids, sizes and references of the whole chain ... */
+	if (chain_load(image_dirfd, c, 0, err) < 0)
+		goto out;
+	/* ... and every page of every pages.img against its hash, in file order: every page
+	 * the image (or any level) refers to is some level's own page. */
+	rc = 0;
+	for (int lv = 0; lv < c->n && rc == 0; lv++) {
+		uint64_t n = c->im[lv].pm->data_pages;
+
+		for (uint64_t at = 0; at < n && rc == 0; at += CHUNK_PAGES) {
+			uint64_t take = n - at < CHUNK_PAGES ? n - at : CHUNK_PAGES;
+			char where[PATH_MAX];
+
+			if (full_pread(c->pages_fd[lv], buf, take * PAGE, (off_t)(at * PAGE)) < 0) {
+				fd_path(c->pages_fd[lv], where, sizeof(where));
+				rc = fail(err, errno == ENODATA ? EBADMSG : errno, 0, "read %s", where);
+				break;
+			}
+			for (uint64_t k = 0; k < take; k++) {
+				uint64_t h[2];
+				const uint64_t *want = c->im[lv].hashes + 2 * (at + k);
+
+				dbxcr_hash128(buf + k * PAGE, PAGE, h);
+				if (h[0] != want[0] || h[1] != want[1]) {
+					fd_path(c->pages_fd[lv], where, sizeof(where));
+					rc = fail(err, EBADMSG, 0, "%s: page %llu fails its hash check "
+						  "(corrupted)", where, (unsigned long long)(at + k));
+					break;
+				}
+			}
+		}
+	}
+	chain_free(c);
+out:
+	free(c);
+	free(buf);
+	return rc;
+}
+
+/* ---------- restore ---------- */
+
+struct range {
+	uint64_t s, e;
+};
+
+static int cmp_range(const void *a, const void *b)
+{
+	const struct range *x = a, *y = b;
+
+	return x->s < y->s ? -1 : x->s > y->s;
+}
+
+/* A free gap of len bytes (with 1 MiB of margin) above 4 GiB, avoiding all ranges. */
+static uint64_t find_gap(struct range *rs, size_t n, uint64_t len)
+{
+	uint64_t margin = 1 << 20, cur = 1ULL << 32;
+
+	qsort(rs, n, sizeof(*rs), cmp_range);
+	for (size_t i = 0; i < n; i++) {
+		if (rs[i].e <= cur)
+			continue;
+		if (rs[i].s >= cur + len + 2 * margin)
+			return cur + margin;
+		if (rs[i].e > cur)
+			cur = rs[i].e;
+	}
+	if (cur + len + 2 * margin < TASK_TOP - (1ULL << 30))
+		return cur + margin;
+	return 0;
+}
+
+struct cur_maps {
+	struct range *r;
+	char (*name)[24];
+	size_t n, cap;
+};
+
+static int cur_cb(const struct raw_vma *r, void *arg)
+{
+	struct cur_maps *m = arg;
+
+	if (r->start >= TASK_TOP)
+		return 0;
+	if (m->n == m->cap) {
+		size_t cap = m->cap ? m->cap * 2 : 64;
+		void *a = realloc(m->r, cap * sizeof(*m->r)), *b;
+
+		if (!a)
+			return -1;
+		m->r = a;
+		b = realloc(m->name, cap * sizeof(*m->name));
+		if (!b)
+			return -1;
+		m->name = b;
+		m->cap = cap;
+	}
+	m->r[m->n].s = r->start;
+	m->r[m->n].e = r->end;
+	memset(m->name[m->n], 0, sizeof(m->name[0]));
+	if (is_special_name(r->name))
+		memcpy(m->name[m->n], r->name, strlen(r->name));
+	m->n++;
+	return 0;
+}
+
+static void cur_free(struct cur_maps *m)
+{
+	free(m->r);
+	free(m->name);
+	memset(m, 0, sizeof(*m));
+}
+
+/* Run a syscall in R; on failure the message names the step. */
+#define RS(t, nr, err, ...) rsys((t), (nr), a, (err), __VA_ARGS__)
+
+static pid_t fork_from_host(pid_t host, struct dbxcr_error *err)
+{
+	struct dbxcr_info info;
+	struct tracee h;
+	long a[6] = { SIGCHLD, 0, 0, 0, 0, 0 }, ret;
+	struct dbxcr_error ignored;
+	pid_t child;
+
+	if (dbxcr_describe(host, &info, err) < 0)
+		return -1;
+	if (info.threads != 1)
+		return fail(err, ENOTSUP, host, "host process has %d threads (need 1)", info.threads);
+	if (info.tracer_pid)
+		return fail(err, EBUSY, host, "host process is traced by %d", info.tracer_pid);
+	if (info.state == 'Z' || info.state == 'X' || info.state == 'D')
+		return fail(err, EAGAIN, host, "host process is in state %c", info.state);
+	if (attach(&h, host, err) < 0)
+		return -1;
+	h.new_child = 0;
+	if (remote_syscall(&h, SYS_clone, a, &ret, err) < 0) {
+		kill_traced(h.new_child);
+		restore_and_detach(&h, &ignored);
+		tracee_free(&h);
+		return -1;
+	}
+	child = h.new_child;
+	if (restore_and_detach(&h, err) < 0) {
+		kill_traced(child);
+		tracee_free(&h);
+		return -1;
+	}
+	tracee_free(&h);
+	if (ret < 0)
+		return fail(err, (int)-ret, host, "injected clone in the host");
+	if (child <= 0)
+		return fail(err, EPROTO, host, "clone returned %ld but no fork event", ret);
+	if (wait_birth(child, err) < 0) {
+		kill_traced(child);
+		return -1;
+	}
+	return child;
+}
+
+/* Open a mapped file in the root (no escape through .. or symlinks) and check it is the
+ * file that was mapped at dump time. */
+static int open_in_root(int root, const struct vma_img *v, const char *path, pid_t pid,
+			struct dbxcr_error *err)
+{
+	struct open_how how;
+	struct stat st;
+	int fd;
+
+	memset(&how, 0, sizeof(how));
+	how.flags = ((v->flags & VMA_SHARED) && (v->prot & PROT_WRITE) ? O_RDWR : O_RDONLY) |
+		    O_CLOEXEC;
+	how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS;
+	fd = (int)syscall(SYS_openat2, root, path, &how, sizeof(how));
+	if (fd < 0)
+		return fail(err, errno, pid, "open mapped file %s in the root", path);
+	if (fstat(fd, &st) < 0) {
+		int e = errno;
+
+		close(fd);
+		return fail(err, e, pid, "stat mapped file %s", path);
+	}
+	if (v->fsize >= 0 && (st.st_size != v->fsize || st.st_mtim.tv_sec != v->mtime_sec ||
+			      st.st_mtim.tv_nsec != v->mtime_nsec)) {
+		close(fd);
+		return fail(err, ESTALE, pid, "mapped file %s changed since the dump (size %lld, "
+			    "was %lld, or mtime differs)", path, (long long)st.st_size,
+			    (long long)v->fsize);
+	}
+	return fd;
+}
+
+static bool vma_gets_pages(const struct image *im, const struct vma_img *v, uint64_t *run_i)
+{
+	/* runs are sorted; advance the shared cursor */
+	while (*run_i < im->pm->nruns &&
+	       im->runs[*run_i].vaddr + (uint64_t)im->runs[*run_i].npages * PAGE <= v->start)
+		(*run_i)++;
+	return *run_i < im->pm->nruns && im->runs[*run_i].vaddr < v->end;
+}
+
+struct restore {
+	struct tracee t;
+	struct chain *c;
+	struct image *im;
+	pid_t pid;
+	int root;
+	uint64_t code, scratch;		/* C and D */
+	bool *extra_write;		/* per VMA: mapped with PROT_WRITE added */
+};
+
+static int r_unmap_old(struct restore *R, struct dbxcr_error *err)
+{
+	struct cur_maps m = { 0 };
+	long a[6] = { 0 };
+	int rc = -1;
+
+	if (walk_maps(R->pid, false, cur_cb, &m, err) < 0) {
+		if (!err || !err->code)
+			fail(err, ENOMEM, R->pid, "read maps");
+		goto out;
+	}
+	for (size_t i = 0; i < m.n;) {
+		uint64_t s = m.r[i].s, e = m.r[i].e;
+
+		if (m.name[i][0] || s == R->code || s == R->scratch) {
+			i++;
+			continue;
+		}
+		while (i + 1 < m.n && m.r[i + 1].s == e && !m.name[i + 1][0] &&
+		       m.r[i + 1].s != R->code && m.r[i + 1].s != R->scratch)
+			e = m.r[++i].e;
+		i++;
+		a[0] = (long)s;
+		a[1] = (long)(e - s);
+		if (RS(&R->t, SYS_munmap, err, "munmap old mapping %#llx-%#llx",
+		       (unsigned long long)s, (unsigned long long)e) < 0)
+			goto out;
+	}
+	rc = 0;
+out:
+	cur_free(&m);
+	return rc;
+}
+
+/* Move the current vdso/vvar pages to the dumped addresses. */
+static int r_move_vdso(struct restore *R, struct dbxcr_error *err)
+{
+	struct cur_maps m = { 0 };
+	const struct image *im = R->im;
+	struct range occ[3 + 8];
+	size_t nocc = 0, nspec = 0;
+	uint64_t lo = UINT64_MAX, hi = 0, tmp;
+	long a[6] = { 0 };
+	int rc = -1;
+	struct {
+		uint64_t s, e, to;
+	} sp[8];
+
+	if (walk_maps(R->pid, false, cur_cb, &m, err) < 0)
+		goto out;
+	for (size_t i = 0; i < m.n; i++) {
+		bool found = false;
+
+		if (!m.name[i][0])
+			continue;
+		if (nspec == 8)
+			goto layout;
+		for (uint32_t j = 0; j < im->mm->nvma; j++) {
+			const struct vma_img *v = &im->vmas[j];
+
+			if ((v->flags & VMA_SPECIAL) && v->name_len == strlen(m.name[i]) &&
+			    memcmp(im->strtab + v->name_off, m.name[i], v->name_len) == 0) {
+				if (v->end - v->start != m.r[i].e - m.r[i].s)
+					goto layout;
+				sp[nspec].to = v->start;
+				found = true;
+			}
+		}
+		if (!found)
+			goto layout;
+		sp[nspec].s = m.r[i].s;
+		sp[nspec].e = m.r[i].e;
+		if (sp[nspec].s < lo)
+			lo = sp[nspec].s;
+		if (sp[nspec].e > hi)
+			hi = sp[nspec].e;
+		nspec++;
+	}
+	{
+		uint32_t nd = 0;
+
+		for (uint32_t j = 0; j < im->mm->nvma; j++)
+			nd += (im->vmas[j].flags & VMA_SPECIAL) != 0;
+		if (nd != nspec)
+			goto layout;
+	}
+	if (nspec == 0) {
+		rc = 0;
+		goto out;
+	}
+	{
+		bool same = true;
+
+		for (size_t i = 0; i < nspec; i++)
+			same = same && sp[i].s == sp[i].to;
+		if (same) {
+			rc = 0;
+			goto out;
+		}
+	}
+	/* Through a temporary place that overlaps nothing, current or target. */
+	for (size_t i = 0; i < nspec; i++) {
+		occ[nocc].s = sp[i].to;
+		occ[nocc++].e = sp[i].to + (sp[i].e - sp[i].s);
+	}
+	occ[nocc].s = lo;
+	occ[nocc++].e = hi;
+	occ[nocc].s = R->code;
+	occ[nocc++].e = R->code + PAGE;
+	occ[nocc].s = R->scratch;
+	occ[nocc++].e = R->scratch + SCRATCH_LEN;
+	{
+		struct range all[64];
+		size_t na = 0;
+
+		for (size_t i = 0; i < nocc; i++)
+			all[na++] = occ[i];
+		for (uint32_t j = 0; j < im->mm->nvma && na < 64; j++) {
+			all[na].s = im->vmas[j].start;
+			all[na++].e = im->vmas[j].end;
+		}
+		/* (the dump's VMAs are not mapped yet, only the targets matter) */
+		tmp = find_gap(all, na < 64 ? na : 64, hi - lo);
+	}
+	if (!tmp) {
+		fail(err, ENOMEM, R->pid, "no room to move the vdso");
+		goto out;
+	}
+	for (int pass = 0; pass < 2; pass++)
+		for (size_t i = 0; i < nspec; i++) {
+			uint64_t from = pass ? tmp + (sp[i].s - lo) : sp[i].s;
+			uint64_t to = pass ? sp[i].to : tmp + (sp[i].s - lo);
+
+			a[0] = (long)from;
+			a[1] = a[2] = (long)(sp[i].e - sp[i].s);
+			a[3] = MREMAP_MAYMOVE | MREMAP_FIXED;
+			a[4] = (long)to;
+			if (RS(&R->t, SYS_mremap, err, "mremap vdso/vvar %#llx -> %#llx",
+			       (unsigned long long)from, (unsigned long long)to) < 0)
+				goto out;
+		}
+	rc = 0;
+	goto out;
+layout:
+	fail(err, ENOTSUP, R->pid, "the vdso/vvar layout of this kernel differs from the dump "
+	     "(different kernel?)");
+out:
+	cur_free(&m);
+	return rc;
+}
+
+/* mmap every dumped VMA; files are opened here and passed in batches. */
+static int r_map_vmas(struct restore *R, struct dbxcr_error *err)
+{
+	const struct image *im = R->im;
+	uint32_t nv = im->mm->nvma;
+	uint64_t run_i = 0;
+	long a[6] = { 0 };
+
+	for (uint32_t i = 0; i < nv;) {
+		int local[60], remote[60];
+		uint32_t vidx[60];
+		size_t nf = 0;
+		uint32_t j;
+
+		/* Collect the next batch of file VMAs (anonymous ones in between are mapped
+		 * in order below). */
+		for (j = i; j < nv && nf < 60; j++) {
+			const struct vma_img *v = &im->vmas[j];
+			char path[PATH_MAX];
+			int fd;
+
+			if (!(v->flags & VMA_FILE))
+				continue;
+			if (v->name_len >= sizeof(path)) {
+				fail(err, ENAMETOOLONG, R->pid, "mapped file name");
+				goto fail_batch;
+			}
+			memcpy(path, im->strtab + v->name_off, v->name_len);
+			path[v->name_len] = '\0';
+			fd = open_in_root(R->root, v, path, R->pid, err);
+			if (fd < 0)
+				goto fail_batch;
+			local[nf] = fd;
+			vidx[nf++] = j;
+		}
+		if (nf && transfer_fds(&R->t, R->scratch, local, nf, remote, err) < 0)
+			goto fail_batch;
+		for (size_t k = 0; k < nf; k++)
+			close(local[k]);
+		for (uint32_t k = i; k < j; k++) {
+			const struct vma_img *v = &im->vmas[k];
+			long prot = v->prot, flags = MAP_FIXED_NOREPLACE, fd = -1, off = 0, got;
+
+			if (v->flags & VMA_SPECIAL)
+				continue;
+			R->extra_write[k] = vma_gets_pages(im, v, &run_i) && !(prot & PROT_WRITE);
+			if (R->extra_write[k])
+				prot |= PROT_WRITE;
+			flags |= (v->flags & VMA_SHARED) ? MAP_SHARED : MAP_PRIVATE;
+			if (v->flags & VMA_GROWSDOWN)
+				flags |= MAP_GROWSDOWN;
+			if (v->flags & VMA_FILE) {
+				for (size_t q = 0; q < nf; q++)
+					if (vidx[q] == k)
+						fd = remote[q];
+				off = (long)(v->pgoff * PAGE);
+			} else {
+				flags |= MAP_ANONYMOUS;
+			}
+			a[0] = (long)v->start;
+			a[1] = (long)(v->end - v->start);
+			a[2] = prot;
+			a[3] = flags;
+			a[4] = fd;
+			a[5] = off;
+			got = RS(&R->t, SYS_mmap, err, "mmap %#llx-%#llx (%.*s)",
+				 (unsigned long long)v->start, (unsigned long long)v->end,
+				 (int)(v->name_len > 200 ? 200 : v->name_len),
+				 v->name_len ? im->strtab + v->name_off : "anon");
+			if (got < 0)
+				return -1;
+			if ((uint64_t)got != v->start)
+				return fail(err, EEXIST, R->pid, "mmap at %#llx landed at %#lx",
+					    (unsigned long long)v->start, got);
+			{
+				static const struct { uint32_t f; int adv; } madv[] = {
+					{ VMA_HUGE, MADV_HUGEPAGE }, { VMA_NOHUGE, MADV_NOHUGEPAGE },
+					{ VMA_WIPEONFORK, MADV_WIPEONFORK },
+					{ VMA_DONTDUMP, MADV_DONTDUMP } };
+
+				for (size_t q = 0; q < sizeof(madv) / sizeof(madv[0]); q++) {
+					if (!(v->flags & madv[q].f))
+						continue;
+					a[0] = (long)v->start;
+					a[1] = (long)(v->end - v->start);
+					a[2] = madv[q].adv;
+					if (RS(&R->t, SYS_madvise, err, "madvise(%d) %#llx",
+					       madv[q].adv, (unsigned long long)v->start) < 0)
+						return -1;
+				}
+			}
+		}
+		for (size_t k = 0; k < nf; k++) {
+			a[0] = remote[k];
+			if (RS(&R->t, SYS_close, err, "close mapped file fd") < 0)
+				return -1;
+		}
+		i = j;
+		continue;
+fail_batch:
+		for (size_t k = 0; k < nf; k++)
+			close(local[k]);
+		return -1;
+	}
+	return 0;
+}
+
+static int r_write_pages(struct restore *R, struct dbxcr_error *err)
+{
+	unsigned char *buf = malloc(CHUNK_PAGES * PAGE);
+	struct iovec liov, riov[CHUNK_PAGES];
+	struct reader rd = { .c = R->c };
+	size_t ni = 0;
+	long n;
+
+	if (!buf)
+		return fail(err, ENOMEM, R->pid, "allocate page buffer");
+	while ((n = read_chunk(&rd, buf, &liov, riov, &ni, R->pid, err)) > 0) {
+		ssize_t w = process_vm_writev(R->pid, &liov, 1, riov, ni, 0);
+
+		if (w < 0 || (size_t)w != liov.iov_len) {
+			int e = w < 0 ? errno : EIO;
+
+			free(buf);
+			return fail(err, e, R->pid, "process_vm_writev %zu bytes at %p", liov.iov_len,
+				    riov[0].iov_base);
+		}
+	}
+	free(buf);
+	return n < 0 ? -1 : 0;
+}
+
+/* mm fields and /proc/pid/exe with one prctl(PR_SET_MM, PR_SET_MM_MAP) (the only form that
+ * needs no CAP_SYS_RESOURCE).  Done right after the old mappings are gone: the kernel
+ * refuses to replace an exe file that is still mapped (EBUSY, e.g. when host runs the same
+ * binary), and the map is validated against address limits only, not against VMAs. */
+static int r_set_mm(struct restore *R, struct dbxcr_error *err)
+{
+	const struct image *im = R->im;
+	const struct core_fixed *core = im->core;
+	long a[6] = { 0 };
+	int exe_remote = -1;
+
+	if (im->exe[0]) {
+		struct vma_img fake = { .fsize = -1, .prot = PROT_READ };
+		int fd = open_in_root(R->root, &fake, im->exe, R->pid, err);
+
+		if (fd < 0)
+			return -1;
+		if (transfer_fds(&R->t, R->scratch, &fd, 1, &exe_remote, err) < 0) {
+			close(fd);
+			return -1;
+		}
+		close(fd);
+	}
+	{
+		struct prctl_mm_map mm;
+		unsigned long auxv_at = R->scratch + 512;
+
+		memset(&mm, 0, sizeof(mm));
+		mm.start_code = core->mm[0];
+		mm.end_code = core->mm[1];
+		mm.start_data = core->mm[2];
+		mm.end_data = core->mm[3];
+		mm.start_brk = core->mm[4];
+		mm.brk = core->mm[5];
+		mm.start_stack = core->mm[6];
+		mm.arg_start = core->mm[7];
+		mm.arg_end = core->mm[8];
+		mm.env_start = core->mm[9];
+		mm.env_end = core->mm[10];
+		mm.auxv = (__u64 *)auxv_at;
+		mm.auxv_size = core->auxv_len;
+		mm.exe_fd = (uint32_t)exe_remote;
+		if (core->auxv_len > SCRATCH_LEN - 1024)
+			return fail(err, E2BIG, R->pid, "auxv of %u bytes", core->auxv_len);
+		if (mem_write(R->pid, auxv_at, im->auxv, core->auxv_len, err) < 0 ||
+		    mem_write(R->pid, R->scratch, &mm, sizeof(mm), err) < 0)
+			return -1;
+		a[0] = PR_SET_MM;
+		a[1] = PR_SET_MM_MAP;
+		a[2] = (long)R->scratch;
+		a[3] = sizeof(mm);
+		if (RS(&R->t, SYS_prctl, err, "prctl(PR_SET_MM_MAP)") < 0)
+			return -1;
+	}
+	if (exe_remote >= 0) {
+		a[0] = exe_remote;
+		a[1] = a[2] = a[3] = 0;
+		if (RS(&R->t, SYS_close, err, "close exe fd") < 0)
+			return -1;
+	}
+	return 0;
+}
+
+static int r_finish_mm(struct restore *R, struct dbxcr_error *err)
+{
+	const struct image *im = R->im;
+	const struct core_fixed *core = im->core;
+	long a[6] = { 0 };
+
+	for (uint32_t k = 0; k < im->mm->nvma; k++) {
+		const struct vma_img *v = &im->vmas[k];
+
+		if (!R->extra_write[k])
+			continue;
+		a[0] = (long)v->start;
+		a[1] = (long)(v->end - v->start);
+		a[2] = v->prot;
+		if (RS(&R->t, SYS_mprotect, err, "mprotect %#llx", (unsigned long long)v->start) < 0)
+			return -1;
+	}
+	if (core->has_rseq) {
+		a[0] = (long)core->rseq_ptr;
+		a[1] = core->rseq_len;
+		a[2] = 0;
+		a[3] = core->rseq_sig;
+		if (RS(&R->t, SYS_rseq, err, "rseq register %#llx",
+		       (unsigned long long)core->rseq_ptr) < 0)
+			return -1;
+	}
+	return 0;
+}
+
+static int r_signals_and_ids(struct restore *R, struct dbxcr_error *err)
+{
+	const struct core_fixed *core = R->im->core;
+	long a[6] = { 0 };
+
+	for (int sig = 1; sig <= NSIG_K; sig++) {
+		if (sig == SIGKILL || sig == SIGSTOP)
+			continue;
+		if (mem_write(R->pid, R->scratch, &core->sig[sig - 1], sizeof(struct ksigaction),
+			      err) < 0)
+			return -1;
+		a[0] = sig;
+		a[1] = (long)R->scratch;
+		a[2] = 0;
+		a[3] = 8;
+		if (RS(&R->t, SYS_rt_sigaction, err, "rt_sigaction(%d)", sig) < 0)
+			return -1;
+	}
+	{
+		stack_t ss;
+
+		memset(&ss, 0, sizeof(ss));
+		ss.ss_sp = (void *)(uintptr_t)core->ss_sp;
+		ss.ss_size = core->ss_size;
+		ss.ss_flags = core->ss_flags & ~SS_ONSTACK;
+		if (ss.ss_flags & SS_DISABLE) {
+			ss.ss_sp = NULL;
+			ss.ss_size = 0;
+		}
+		if (mem_write(R->pid, R->scratch, &ss, sizeof(ss), err) < 0)
+			return -1;
+		a[0] = (long)R->scratch;
+		a[1] = 0;
+		if (RS(&R->t, SYS_sigaltstack, err, "sigaltstack") < 0)
+			return -1;
+	}
+	a[0] = core->umask;
+	if (RS(&R->t, SYS_umask, err, "umask") < 0)
+		return -1;
+	a[0] = core->personality;
+	if (RS(&R->t, SYS_personality, err, "personality(%#x)", core->personality) < 0)
+		return -1;
+	if (mem_write(R->pid, R->scratch, core->comm, sizeof(core->comm), err) < 0)
+		return -1;
+	a[0] = PR_SET_NAME;
+	a[1] = (long)R->scratch;
+	if (RS(&R->t, SYS_prctl, err, "prctl(PR_SET_NAME)") < 0)
+		return -1;
+	/* Credentials last: after dropping root nothing above would be allowed. */
+	{
+		struct core_fixed now;
+		struct dbxcr_error e2;
+
+		memset(&now, 0, sizeof(now));
+		if (read_status_bits(R->pid, &now, &e2) < 0)
+			return fail(err, e2.code, R->pid, "%s", e2.msg);
+		if (now.ngroups != core->ngroups ||
+		    memcmp(now.groups, core->groups, sizeof(uint32_t) * core->ngroups) ||
+		    memcmp(now.gid, core->gid, sizeof(now.gid)) ||
+		    memcmp(now.uid, core->uid, sizeof(now.uid))) {
+			uint32_t g[MAX_GROUPS];
+
+			memcpy(g, core->groups, sizeof(g));
+			if (mem_write(R->pid, R->scratch, g, sizeof(uint32_t) * core->ngroups + 4,
+				      err) < 0)
+				return -1;
+			a[0] = core->ngroups;
+			a[1] = (long)R->scratch;
+			if (RS(&R->t, SYS_setgroups, err, "setgroups") < 0)
+				return -1;
+			a[0] = core->gid[0];
+			a[1] = core->gid[1];
+			a[2] = core->gid[2];
+			if (RS(&R->t, SYS_setresgid, err, "setresgid") < 0)
+				return -1;
+			a[0] = core->uid[0];
+			a[1] = core->uid[1];
+			a[2] = core->uid[2];
+			if (RS(&R->t, SYS_setresuid, err, "setresuid") < 0)
+				return -1;
+		}
+	}
+	return 0;
+}
+
+struct dbxcr_template *dbxcr_restore_template(pid_t host, int image_dirfd, int root_dirfd,
+					      struct dbxcr_error *err)
+{
+	struct restore R;
+	struct chain *c = NULL;
+	struct dbxcr_template *tpl = NULL;
+	struct dbxcr_error ignored;
+	long a[6] = { 0 };
+	void *cur_x = NULL;
+	size_t cur_xlen = 0;
+	pid_t child = -1;
+
+	clear_error(err);
+	memset(&R, 0, sizeof(R));
+	c = calloc(1, sizeof(*c));
+	if (!c) {
+		fail(err, ENOMEM, host, "allocate");
+		return NULL;
+	}
+	if (chain_load(image_dirfd, c, host, err) < 0)
+		goto out_nochild;
+	R.c = c;
+	R.im = &c->im[0];
+	R.root = root_dirfd;
+	R.extra_write = calloc(R.im->mm->nvma + 1, sizeof(bool));
+	if (!R.extra_write) {
+		fail(err, ENOMEM, host, "allocate");
+		goto out_nochild;
+	}
+	child = fork_from_host(host, err);
+	if (child < 0)
+		goto out_nochild;
+	R.pid = child;
+	if (adopt(&R.t, child, 0, err) < 0 || find_syscall_site(&R.t, err) < 0)
+		goto kill;
+	if (save_xstate(child, &cur_x, &cur_xlen, err) < 0)
+		goto kill;
+	if (cur_xlen != R.im->core->xstate_len) {
+		fail(err, ENOTSUP, child, "xstate size %zu differs from the dump's %u (another CPU?)",
+		     cur_xlen, R.im->core->xstate_len);
+		goto kill;
+	}
+	{
+		uint64_t h[2], sz;
+
+		if (vdso_hash(child, h, &sz, err) < 0)
+			goto kill;
+		if (sz != R.im->core->vdso_size || h[0] != R.im->core->vdso_hash[0] ||
+		    h[1] != R.im->core->vdso_hash[1]) {
+			fail(err, ENOTSUP, child, "this kernel's vdso (%llu bytes) differs from the "
+			     "dumped one (%llu bytes): the image needs the same kernel",
+			     (unsigned long long)sz, (unsigned long long)R.im->core->vdso_size);
+			goto kill;
+		}
+	}
+	/* 2. descriptors, rseq, code page, scratch, old mappings */
+	a[0] = 0;
+	a[1] = ~0U;
+	a[2] = 0;
+	if (RS(&R.t, SYS_close_range, err, "close_range") < 0)
+		goto kill;
+	{
+		struct rseq_conf rc2;
+
+		if (ptrace(PTRACE_GET_RSEQ_CONFIGURATION, child, (void *)sizeof(rc2), &rc2) > 0 &&
+		    rc2.rseq_abi_pointer) {
+			a[0] = (long)rc2.rseq_abi_pointer;
+			a[1] = rc2.rseq_abi_size;
+			a[2] = 1;	/* RSEQ_FLAG_UNREGISTER */
+			a[3] = rc2.signature;
+			if (RS(&R.t, SYS_rseq, err, "rseq unregister") < 0)
+				goto kill;
+		}
+	}
+	{
+		struct cur_maps m = { 0 };
+		struct range *all;
+		size_t na = 0;
+		long got;
+		static const unsigned char code[16] = { 0x0f, 0x05, 0xcc, 0xcc, 0xcc, 0xcc, 0xcc,
+							0xcc, 0xcc, 0xcc, 0xcc, 0xcc, 0xcc, 0xcc,
+							0xcc, 0xcc };
+
+		if (walk_maps(child, false, cur_cb, &m, err) < 0)
+			goto kill;
+		all = calloc(m.n + R.im->mm->nvma + 2, sizeof(*all));
+		if (!all) {
+			cur_free(&m);
+			fail(err, ENOMEM, child, "allocate");
+			goto kill;
+		}
+		for (size_t i = 0; i < m.n; i++)
+			all[na++] = m.r[i];
+		for (uint32_t j = 0; j < R.im->mm->nvma; j++) {
+			all[na].s = R.im->vmas[j].start;
+			all[na++].e = R.im->vmas[j].end;
+		}
+		cur_free(&m);
+		R.code = find_gap(all, na, PAGE + SCRATCH_LEN + (4 << 20));
+		free(all);
+		if (!R.code) {
+			fail(err, ENOMEM, child, "no free address range for the restorer");
+			goto kill;
+		}
+		R.scratch = R.code + (2 << 20);
+		a[0] = (long)R.code;
+		a[1] = PAGE;
+		a[2] = PROT_READ | PROT_WRITE;
+		a[3] = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE;
+		a[4] = -1;
+		a[5] = 0;
+		got = RS(&R.t, SYS_mmap, err, "mmap restorer code page");
+		if (got < 0)
+			goto kill;
+		a[0] = (long)R.scratch;
+		a[1] = SCRATCH_LEN;
+		got = RS(&R.t, SYS_mmap, err, "mmap template scratch");
+		if (got < 0)
+			goto kill;
+		if (mem_write(child, R.code, code, sizeof(code), err) < 0)
+			goto kill;
+		a[0] = (long)R.code;
+		a[1] = PAGE;
+		a[2] = PROT_READ | PROT_EXEC;
+		if (RS(&R.t, SYS_mprotect, err, "mprotect restorer code page") < 0)
+			goto kill;
+		R.t.site = R.code;
+	}
+	if (r_unmap_old(&R, err) < 0 || r_set_mm(&R, err) < 0 || r_move_vdso(&R, err) < 0 || r_map_vmas(&R, err) < 0 ||
+	    r_write_pages(&R, err) < 0 || r_finish_mm(&R, err) < 0)
+		goto kill;
+	if (r_signals_and_ids(&R, err) < 0)
+		goto kill;
+	/* 7. syscall site back in the (moved) vdso, code page gone, park. */
+	{
+		struct tracee probe = R.t;
+
+		if (find_syscall_site(&probe, err) < 0)
+			goto kill;
+		a[0] = (long)R.code;
+		a[1] = PAGE;
+		if (RS(&R.t, SYS_munmap, err, "munmap restorer code page") < 0)
+			goto kill;
+		R.t.site = probe.site;
+		(void)R.t;
+	}
+	tpl = calloc(1, sizeof(*tpl));
+	if (!tpl) {
+		fail(err, ENOMEM, child, "allocate template");
+		goto kill;
+	}
+	tpl->xstate = malloc(cur_xlen);
+	if (!tpl->xstate) {
+		free(tpl);
+		tpl = NULL;
+		fail(err, ENOMEM, child, "allocate template");
+		goto kill;
+	}
+	memcpy(tpl->xstate, R.im->xstate, cur_xlen);
+	tpl->xstate_len = cur_xlen;
+	tpl->pid = child;
+	tpl->origin = R.im->core->origin_pid;
+	tpl->tracer_tid = current_tid();
+	tpl->regs = R.im->core->regs;
+	tpl->sigmask = R.im->core->sigmask;
+	tpl->site = R.t.site;
+	tpl->scratch = R.scratch;
+	tpl->pend.n = (int)R.im->core->npending;
+	for (int i = 0; i < tpl->pend.n; i++) {
+		memcpy(&tpl->pend.info[i], (const char *)R.im->pending + i * sizeof(siginfo_t),
+		       sizeof(siginfo_t));
+		tpl->pend.shared[i] = R.im->core->pend_shared[i];
+	}
+	park_regs(tpl, &R.t.regs);
+	if (park(tpl, err) < 0) {
+		free(tpl->xstate);
+		free(tpl);
+		tpl = NULL;
+		goto kill;
+	}
+	goto out;
+kill:
+	kill_traced(child);
+out:
+	(void)ignored;
+	free(cur_x);
+out_nochild:
+	free(R.extra_write);
+	chain_free(c);
+	free(c);
+	return tpl;
+}

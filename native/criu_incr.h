@@ -1,0 +1,76 @@
+/* DeltaCR images: dump a process template to disk (optionally as a delta against the
+ * parent checkpoint's image) and rebuild a template from such an image.  x86_64 only.
+ * The on-disk format is described in native/IMAGE_FORMAT.md.
+ *
+ * Threading: like every call taking a template (fork_template.h), dbxcr_dump must run on
+ * the thread that created the template, and dbxcr_restore_template returns a template owned
+ * by the calling thread.  dbxcr_verify_image touches no process and may run anywhere.
+ *
+ * Errors: -1 / NULL with struct dbxcr_error filled ("pid N: step: reason").  A damaged,
+ * truncated or mismatched image (bad checksum, wrong image id, missing parent, page hash
+ * mismatch) is reported with code EBADMSG and a message naming the file; no other failure
+ * uses EBADMSG. */
+#ifndef DBX_CRIU_INCR_H
+#define DBX_CRIU_INCR_H
+
+#include <stdint.h>
+#include "fork_template.h"
+
+struct dbxcr_dump_opts {
+	/* Parent image to write a delta against, opened as given (relative to the caller's
+	 * cwd), or NULL for a full dump. */
+	const char *parent_path;
+	/* How the new image names its parent, resolved relative to the new image directory
+	 * at restore (e.g. "../ckpt-3/proc-12"); NULL: parent_path is stored as is. */
+	const char *parent_ref;
+	/* Longest allowed chain: when the parent's depth + 1 reaches this, a full dump is
+	 * written instead (depth 0, no parent).  <= 0: default 8. */
+	int max_chain;
+	int fsync;		/* fsync files and directories before/after the rename */
+	/* Strip this prefix from mapped file paths (the sandbox root as the dumping process
+	 * sees it), so that paths are relative to the root given at restore; or NULL. */
+	const char *strip_prefix;
+};
+
+struct dbxcr_dump_stats {
+	uint64_t pages_total;	/* candidate pages examined (present, private) */
+	uint64_t pages_written;	/* page contents written to this image's pages.img */
+	uint64_t pages_parent;	/* pages referenced in an ancestor image (unchanged) */
+	uint64_t pages_zero;	/* all-zero pages (no data stored) */
+	uint64_t bytes_written;	/* all files of this image */
+	uint64_t vmas;
+	int depth;		/* 0: full dump */
+	double ms;		/* wall time of the whole dump */
+};
+
+/* Write the template's checkpoint state into a new directory `path` (must not exist; it
+ * is created atomically by renaming a temporary sibling).  The template stays usable. */
+int dbxcr_dump(struct dbxcr_template *tpl, const char *path, const struct dbxcr_dump_opts *opts,
+	       struct dbxcr_dump_stats *stats, struct dbxcr_error *err);
+
+/* Check every checksum of the image at image_dirfd and of the ancestors it depends on,
+ * including every page hash.  0 if intact; -1 with EBADMSG if damaged. */
+int dbxcr_verify_image(int image_dirfd, struct dbxcr_error *err);
+
+/* Rebuild a stopped template from the image at image_dirfd.  The new process is forked
+ * from `host` (injected clone: it becomes a child of host, in host's namespaces, cgroup and
+ * credentials) and then gets the dumped address space, mm fields, signal handlers and
+ * credentials.  Mapped files are opened in root_dirfd (RESOLVE_IN_ROOT).  The returned
+ * template works with dbxcr_spawn / dbxcr_template_close / dbxcr_release_template; its
+ * children are born as children of host (CLONE_PARENT).  It holds no descriptors. */
+struct dbxcr_template *dbxcr_restore_template(pid_t host, int image_dirfd, int root_dirfd,
+					      struct dbxcr_error *err);
+
+struct dbxcr_image_info {
+	int depth;		/* 0: full image */
+	int origin_pid;		/* the process the template was made from */
+	char parent_ref[4096];	/* parent image, relative to this image's directory, or "" */
+};
+
+/* Read core.img only (checksum checked, pages not): what the image depends on. */
+int dbxcr_image_info(int image_dirfd, struct dbxcr_image_info *out, struct dbxcr_error *err);
+
+/* The 128-bit content hash used for pages and files (exposed for tests). */
+void dbxcr_hash128(const void *data, size_t len, uint64_t out[2]);
+
+#endif

@@ -1,0 +1,113 @@
+/* Private interface shared by fork_template.c and criu_incr.c (not installed, not part of
+ * the library's ABI: every symbol here has hidden visibility). */
+#ifndef DBX_INTERNAL_H
+#define DBX_INTERNAL_H
+
+#include "fork_template.h"
+
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/user.h>
+
+#pragma GCC visibility push(hidden)
+
+/* Kernel-internal restart codes, as seen in rax at a stop inside an interrupted syscall. */
+#define KERN_ERESTARTSYS 512
+#define KERN_ERESTARTNOINTR 513
+#define KERN_ERESTARTNOHAND 514
+#define KERN_ERESTART_RESTARTBLOCK 516
+
+#define USER_CS_64 0x33		/* __USER_CS: a 64-bit task; 0x23 would be ia32 */
+#define SCRATCH_LEN (4 * 4096)	/* template-private page(s) for syscall arguments */
+#define MAX_XFER_FDS 64
+#define MAX_EXTRA_SIGS 8
+
+/* Layout of struct clone_args (CLONE_ARGS_SIZE_VER2, 88 bytes), kept local so we do not
+ * depend on the installed uapi headers' version. */
+struct dbx_clone_args {
+	uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls,
+		set_tid, set_tid_size, cgroup;
+};
+
+/* One stopped tracee and what we must give back to it. */
+struct tracee {
+	pid_t pid;
+	struct user_regs_struct regs;	/* registers at attach (what the program sees) */
+	void *xstate;			/* NT_X86_XSTATE image, xstate_len bytes */
+	size_t xstate_len;
+	uint64_t sigmask;		/* blocked signals at attach */
+	unsigned long site;		/* address of a 0f 05 pair */
+	bool in_signal_stop;		/* current stop is a signal-delivery-stop */
+	bool in_get_signal;		/* current stop was taken inside get_signal() */
+	int deferred_sig;		/* dequeued by a signal-delivery-stop, to hand back */
+	siginfo_t deferred_info;
+	int extra_sigs[MAX_EXTRA_SIGS];	/* further stop signals to re-raise */
+	int nextra;
+	pid_t new_child;		/* set by PTRACE_EVENT_{FORK,VFORK,CLONE} */
+};
+
+/* Signals queued for a process at its stop (PTRACE_PEEKSIGINFO), to queue again in the
+ * template's children: fork() does not copy pending signals. */
+#define MAX_PENDING 64
+struct pending_sigs {
+	siginfo_t info[MAX_PENDING];
+	bool shared[MAX_PENDING];	/* process-wide queue (kill) vs thread queue (tgkill) */
+	int n;
+};
+
+struct dbxcr_template {
+	pid_t pid;		/* the template, ptrace-stopped, traced by tracer_tid */
+	pid_t origin;		/* the process it was forked from */
+	pid_t tracer_tid;	/* thread that owns the ptrace link */
+	struct user_regs_struct regs;	/* origin's registers at checkpoint */
+	void *xstate;
+	size_t xstate_len;
+	uint64_t sigmask;	/* origin's blocked mask at checkpoint */
+	unsigned long site;	/* syscall site, valid in the template and its children */
+	unsigned long scratch;	/* SCRATCH_LEN bytes mapped in the template (and children) */
+	struct user_regs_struct park;	/* template's registers while idle */
+	struct pending_sigs pend;	/* origin's pending signals at checkpoint */
+};
+
+/* Options for every tracee we inject into (see fork_template.c). */
+#define BASE_OPTIONS (PTRACE_O_TRACEFORK | PTRACE_O_TRACEVFORK | PTRACE_O_TRACECLONE | \
+		      PTRACE_O_EXITKILL)
+
+__attribute__((format(printf, 4, 5)))
+int fail(struct dbxcr_error *err, int code, pid_t pid, const char *fmt, ...);
+void clear_error(struct dbxcr_error *err);
+pid_t current_tid(void);
+int read_small_file(const char *path, char *buf, size_t len);
+int wait_stop(pid_t pid, int *status, struct dbxcr_error *err);
+int mem_write(pid_t pid, unsigned long addr, const void *buf, size_t len,
+	      struct dbxcr_error *err);
+int mem_read(pid_t pid, unsigned long addr, void *buf, size_t len, struct dbxcr_error *err);
+int find_vdso(pid_t pid, unsigned long *start, unsigned long *end);
+int find_syscall_site(struct tracee *t, struct dbxcr_error *err);
+int save_xstate(pid_t pid, void **out, size_t *out_len, struct dbxcr_error *err);
+int set_xstate(pid_t pid, void *xstate, size_t len, struct dbxcr_error *err);
+int set_sigmask(pid_t pid, uint64_t mask, struct dbxcr_error *err);
+int seize(pid_t pid, long opts, long *got, struct dbxcr_error *err);
+int block_all(struct tracee *t, struct dbxcr_error *err);
+void detach_unchanged(struct tracee *t);
+int attach(struct tracee *t, pid_t pid, struct dbxcr_error *err);
+int adopt(struct tracee *t, pid_t pid, unsigned long site, struct dbxcr_error *err);
+int remote_syscall(struct tracee *t, long nr, const long a[6], long *ret,
+		   struct dbxcr_error *err);
+__attribute__((format(printf, 5, 6)))
+long rsys(struct tracee *t, long nr, const long a[6], struct dbxcr_error *err,
+	  const char *fmt, ...);
+int restore_and_detach(struct tracee *t, struct dbxcr_error *err);
+void tracee_free(struct tracee *t);
+void kill_traced(pid_t pid);
+int wait_birth(pid_t child, struct dbxcr_error *err);
+void park_regs(struct dbxcr_template *tpl, const struct user_regs_struct *base);
+int park(struct dbxcr_template *tpl, struct dbxcr_error *err);
+int check_owner(const struct dbxcr_template *tpl, struct dbxcr_error *err);
+int transfer_fds(struct tracee *c, unsigned long scratch, const int *src, size_t n, int *out,
+		 struct dbxcr_error *err);
+
+#pragma GCC visibility pop
+
+#endif

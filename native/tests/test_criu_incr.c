@@ -1,0 +1,404 @@
+/* Tests for native/criu_incr.c on real processes (root, ptrace).  Built with ASan/UBSan by
+ * native/tests/run.sh; the dumped process is native/tests/criu_target.c (no sanitizers),
+ * exec'ed from here.  Exits non-zero if any check fails. */
+#include "../criu_incr.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <dirent.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static int failures;
+static const char *current_test = "";
+static char target_bin[4096];
+
+#define CHECK(cond, ...)                                                            \
+	do {                                                                        \
+		if (!(cond)) {                                                      \
+			failures++;                                                 \
+			fprintf(stderr, "FAIL %s:%d [%s] %s: ", __FILE__, __LINE__, \
+				current_test, #cond);                               \
+			fprintf(stderr, __VA_ARGS__);                               \
+			fputc('\n', stderr);                                        \
+		}                                                                   \
+	} while (0)
+
+static double ms_now(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+struct proc {
+	pid_t pid;
+	int in, out;	/* our ends: its stdin, its stdout */
+};
+
+static pid_t start_target(const char *arg, struct proc *p)
+{
+	int a[2], b[2];
+	pid_t pid;
+
+	if (pipe2(a, O_CLOEXEC) < 0 || pipe2(b, O_CLOEXEC) < 0)
+		return -1;
+	pid = fork();
+	if (pid == 0) {
+		dup2(a[0], 0);
+		dup2(b[1], 1);
+		execl(target_bin, target_bin, arg, (char *)NULL);
+		_exit(127);
+	}
+	close(a[0]);
+	close(b[1]);
+	p->pid = pid;
+	p->in = a[1];
+	p->out = b[0];
+	return pid;
+}
+
+static int ask(struct proc *p, const char *cmd, char *reply, size_t len)
+{
+	size_t n = 0;
+
+	if (write(p->in, cmd, strlen(cmd)) != (ssize_t)strlen(cmd))
+		return -1;
+	while (n + 1 < len) {
+		struct pollfd pf = { p->out, POLLIN, 0 };
+		char c;
+
+		if (poll(&pf, 1, 10000) <= 0 || read(p->out, &c, 1) != 1)
+			return -1;
+		if (c == '\n')
+			break;
+		reply[n++] = c;
+	}
+	reply[n] = '\0';
+	return 0;
+}
+
+/* Wait until pid blocks in read(2) (first field of /proc/pid/syscall is 0), twice. */
+static void wait_in_read(pid_t pid)
+{
+	char path[64], buf[64];
+	int seen = 0;
+
+	snprintf(path, sizeof(path), "/proc/%d/syscall", (int)pid);
+	for (int i = 0; i < 500 && seen < 2; i++) {
+		int fd = open(path, O_RDONLY);
+		ssize_t n = fd >= 0 ? read(fd, buf, sizeof(buf) - 1) : -1;
+
+		if (fd >= 0)
+			close(fd);
+		seen = (n > 1 && buf[0] == '0' && buf[1] == ' ') ? seen + 1 : 0;
+		usleep(10000);
+	}
+}
+
+static void rm_rf(const char *dir)
+{
+	DIR *d = opendir(dir);
+	struct dirent *de;
+	char p[4096];
+
+	if (!d)
+		return;
+	while ((de = readdir(d)) != NULL) {
+		if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, ".."))
+			continue;
+		snprintf(p, sizeof(p), "%s/%s", dir, de->d_name);
+		if (de->d_type == DT_DIR)
+			rm_rf(p);
+		else
+			unlink(p);
+	}
+	closedir(d);
+	rmdir(dir);
+}
+
+static void flip_byte(const char *path, off_t off)
+{
+	int fd = open(path, O_RDWR);
+	unsigned char c;
+
+	if (fd < 0 || pread(fd, &c, 1, off) != 1) {
+		CHECK(0, "cannot open %s", path);
+		if (fd >= 0)
+			close(fd);
+		return;
+	}
+	c ^= 0x40;
+	if (pwrite(fd, &c, 1, off) != 1)
+		CHECK(0, "cannot write %s", path);
+	close(fd);
+}
+
+static void kill_wait(pid_t pid)
+{
+	if (pid > 0) {
+		kill(pid, SIGKILL);
+		waitpid(pid, NULL, 0);
+	}
+}
+
+/* Spawn a child of tpl with fresh stdio pipes. */
+static pid_t spawn_child(struct dbxcr_template *tpl, struct proc *p, struct dbxcr_error *err)
+{
+	int a[2], b[2];
+	struct dbxcr_fdmap m[2];
+	struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1 };
+	pid_t pid;
+
+	if (pipe2(a, O_CLOEXEC) < 0 || pipe2(b, O_CLOEXEC) < 0)
+		return -1;
+	m[0] = (struct dbxcr_fdmap){ a[0], 0, 0 };
+	m[1] = (struct dbxcr_fdmap){ b[1], 1, 0 };
+	o.fds = m;
+	o.nfds = 2;
+	pid = dbxcr_spawn(tpl, &o, err);
+	close(a[0]);
+	close(b[1]);
+	if (pid < 0) {
+		close(a[1]);
+		close(b[0]);
+		return -1;
+	}
+	p->pid = pid;
+	p->in = a[1];
+	p->out = b[0];
+	return pid;
+}
+
+static void close_proc(struct proc *p)
+{
+	if (p->in >= 0)
+		close(p->in);
+	if (p->out >= 0)
+		close(p->out);
+	p->in = p->out = -1;
+}
+
+static void test_dump_restore(const char *base)
+{
+	struct dbxcr_error err;
+	struct dbxcr_dump_stats st1, st2;
+	struct dbxcr_template *t1 = NULL, *t2 = NULL, *r = NULL;
+	struct proc orig = { -1, -1, -1 }, host = { -1, -1, -1 }, ch = { -1, -1, -1 };
+	char s0[128] = "", s1[128] = "", rep[128], da[1024], db[1024], path[4096];
+	const long npages = 4096;	/* 16 MiB */
+	int fa = -1, fb = -1, root = -1;
+
+	current_test = "dump_restore";
+	snprintf(da, sizeof(da), "%s/a", base);
+	snprintf(db, sizeof(db), "%s/b", base);
+	{
+		char arg[32];
+
+		snprintf(arg, sizeof(arg), "%ld", npages);
+		if (start_target(arg, &orig) < 0) {
+			CHECK(0, "start target");
+			return;
+		}
+	}
+	CHECK(ask(&orig, "s\n", s0, sizeof(s0)) == 0, "no answer from target");
+	wait_in_read(orig.pid);
+	t1 = dbxcr_make_template(orig.pid, &err);
+	CHECK(t1 != NULL, "make_template: %s", err.msg);
+	if (!t1)
+		goto out;
+	{
+		double t0 = ms_now();
+
+		CHECK(dbxcr_dump(t1, da, NULL, &st1, &err) == 0, "dump a: %s", err.msg);
+		fprintf(stderr, "  full dump: %llu pages total, %llu written, %llu zero, %llu bytes, "
+			"%.1f ms (%.1f)\n", (unsigned long long)st1.pages_total,
+			(unsigned long long)st1.pages_written, (unsigned long long)st1.pages_zero,
+			(unsigned long long)st1.bytes_written, st1.ms, ms_now() - t0);
+	}
+	CHECK(st1.pages_written >= (uint64_t)npages, "full dump wrote %llu pages",
+	      (unsigned long long)st1.pages_written);
+	CHECK(st1.depth == 0, "depth %d", st1.depth);
+	/* the target dumps again fine after a change; only the changed pages are written */
+	CHECK(ask(&orig, "m 100\n", rep, sizeof(rep)) == 0 && !strcmp(rep, "ok"), "mutate: %s", rep);
+	CHECK(ask(&orig, "s\n", s1, sizeof(s1)) == 0, "no answer");
+	CHECK(strcmp(s0, s1) != 0, "mutation did not change the sum");
+	wait_in_read(orig.pid);
+	t2 = dbxcr_make_template(orig.pid, &err);
+	CHECK(t2 != NULL, "make_template 2: %s", err.msg);
+	if (!t2)
+		goto out;
+	{
+		struct dbxcr_dump_opts o = { .parent_path = da, .parent_ref = "../a" };
+
+		CHECK(dbxcr_dump(t2, db, &o, &st2, &err) == 0, "dump b: %s", err.msg);
+		fprintf(stderr, "  incremental dump: %llu pages total, %llu written, %llu from parent, "
+			"%llu bytes, %.1f ms\n", (unsigned long long)st2.pages_total,
+			(unsigned long long)st2.pages_written, (unsigned long long)st2.pages_parent,
+			(unsigned long long)st2.bytes_written, st2.ms);
+		CHECK(st2.depth == 1, "depth %d", st2.depth);
+		CHECK(st2.pages_written >= 100 && st2.pages_written <= 100 + 24,
+		      "incremental dump wrote %llu pages for 100 changed",
+		      (unsigned long long)st2.pages_written);
+		CHECK(dbxcr_dump(t2, db, &o, &st2, &err) < 0 && err.code == EEXIST,
+		      "dump over an existing image: %s", err.msg);
+	}
+	dbxcr_release_template(t1, &err);
+	dbxcr_release_template(t2, &err);
+	t1 = t2 = NULL;
+	kill_wait(orig.pid);
+	close_proc(&orig);
+	orig.pid = -1;
+
+	/* Restore b into a template in a host process, spawn twice. */
+	if (start_target("host", &host) < 0) {
+		CHECK(0, "start host");
+		goto out;
+	}
+	usleep(50000);
+	fa = open(da, O_RDONLY | O_DIRECTORY);
+	fb = open(db, O_RDONLY | O_DIRECTORY);
+	root = open("/", O_RDONLY | O_DIRECTORY);
+	CHECK(dbxcr_verify_image(fb, &err) == 0, "verify b: %s", err.msg);
+	{
+		double t0 = ms_now();
+
+		r = dbxcr_restore_template(host.pid, fb, root, &err);
+		fprintf(stderr, "  restore b: %.1f ms\n", ms_now() - t0);
+	}
+	CHECK(r != NULL, "restore b: %s", err.msg);
+	if (!r)
+		goto out;
+	for (int i = 0; i < 2; i++) {
+		if (spawn_child(r, &ch, &err) < 0) {
+			CHECK(0, "spawn from restored template: %s", err.msg);
+			break;
+		}
+		CHECK(ask(&ch, "s\n", rep, sizeof(rep)) == 0, "restored child %d did not answer",
+		      ch.pid);
+		/* same memory; the command counter is one higher than at the checkpoint */
+		CHECK(strncmp(rep, s1, 21) == 0, "restored sum '%s', expected '%s'", rep, s1);
+		CHECK(strstr(rep, " 4 2.500") != NULL, "registers/stack state: '%s'", rep);
+		CHECK(ask(&ch, "m 3\n", rep, sizeof(rep)) == 0 && !strcmp(rep, "ok"),
+		      "restored child mutates: '%s'", rep);
+		CHECK(ask(&ch, "q\n", rep, sizeof(rep)) < 0, "quit");
+		close_proc(&ch);
+		kill(ch.pid, SIGKILL);
+	}
+	dbxcr_release_template(r, &err);
+	r = NULL;
+	/* Restore the full image a too. */
+	r = dbxcr_restore_template(host.pid, fa, root, &err);
+	CHECK(r != NULL, "restore a: %s", err.msg);
+	if (r && spawn_child(r, &ch, &err) > 0) {
+		CHECK(ask(&ch, "s\n", rep, sizeof(rep)) == 0, "no answer");
+		CHECK(strncmp(rep, s0, 21) == 0, "restored sum '%s', expected '%s'", rep, s0);
+		close_proc(&ch);
+		kill(ch.pid, SIGKILL);
+	}
+	dbxcr_release_template(r, &err);
+	r = NULL;
+
+	/* Corruption: a flipped byte in the parent's pages, in core.img; truncation. */
+	current_test = "corruption";
+	snprintf(path, sizeof(path), "%s/pages.img", da);
+	flip_byte(path, 4096 * 3000 + 17);
+	CHECK(dbxcr_verify_image(fb, &err) < 0 && err.code == EBADMSG, "verify b: %d %s", err.code,
+	      err.msg);
+	fprintf(stderr, "  detected: %s\n", err.msg);
+	r = dbxcr_restore_template(host.pid, fb, root, &err);
+	CHECK(r == NULL && err.code == EBADMSG, "restore corrupted b: %d %s", err.code, err.msg);
+	dbxcr_release_template(r, &err);
+	r = NULL;
+	flip_byte(path, 4096 * 3000 + 17);
+	CHECK(dbxcr_verify_image(fb, &err) == 0, "verify b after repair: %s", err.msg);
+	snprintf(path, sizeof(path), "%s/core.img", db);
+	flip_byte(path, 200);
+	CHECK(dbxcr_verify_image(fb, &err) < 0 && err.code == EBADMSG, "core: %s", err.msg);
+	fprintf(stderr, "  detected: %s\n", err.msg);
+	flip_byte(path, 200);
+	snprintf(path, sizeof(path), "%s/pagemap.img", db);
+	{
+		struct stat sb;
+
+		if (stat(path, &sb) == 0 && truncate(path, sb.st_size - 8) == 0) {
+			CHECK(dbxcr_verify_image(fb, &err) < 0 && err.code == EBADMSG, "pagemap: %s",
+			      err.msg);
+			fprintf(stderr, "  detected: %s\n", err.msg);
+		}
+	}
+	snprintf(path, sizeof(path), "%s/pages.img", db);
+	if (truncate(path, 4096) == 0) {
+		r = dbxcr_restore_template(host.pid, fb, root, &err);
+		CHECK(r == NULL && err.code == EBADMSG, "truncated pages: %s", err.msg);
+		dbxcr_release_template(r, &err);
+		r = NULL;
+	}
+out:
+	if (t1)
+		dbxcr_release_template(t1, &err);
+	if (t2)
+		dbxcr_release_template(t2, &err);
+	if (r)
+		dbxcr_release_template(r, &err);
+	kill_wait(orig.pid);
+	kill_wait(host.pid);
+	close_proc(&orig);
+	close_proc(&host);
+	close_proc(&ch);
+	if (fa >= 0)
+		close(fa);
+	if (fb >= 0)
+		close(fb);
+	if (root >= 0)
+		close(root);
+}
+
+static void test_hash(void)
+{
+	unsigned char buf[4096];
+	uint64_t h1[2], h2[2];
+
+	current_test = "hash";
+	memset(buf, 0, sizeof(buf));
+	dbxcr_hash128(buf, sizeof(buf), h1);
+	buf[4095] = 1;
+	dbxcr_hash128(buf, sizeof(buf), h2);
+	CHECK(h1[0] != h2[0] && h1[1] != h2[1], "hash ignores a byte");
+	dbxcr_hash128(buf, 4095, h2);
+	CHECK(h1[0] != h2[0], "hash ignores the length");
+}
+
+int main(int argc, char **argv)
+{
+	char base[] = "/tmp/dbxcr-img-XXXXXX";
+
+	if (argc > 1)
+		snprintf(target_bin, sizeof(target_bin), "%s", argv[1]);
+	else
+		snprintf(target_bin, sizeof(target_bin), "build/native-tests/criu_target");
+	if (!mkdtemp(base)) {
+		perror("mkdtemp");
+		return 1;
+	}
+	test_hash();
+	test_dump_restore(base);
+	rm_rf(base);
+	if (failures) {
+		fprintf(stderr, "test_criu_incr: %d failure(s)\n", failures);
+		return 1;
+	}
+	fprintf(stderr, "test_criu_incr: all passed\n");
+	return 0;
+}
