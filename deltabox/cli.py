@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", metavar="MB", type=int, help="memory limit in MiB")
     p.add_argument("--pids", metavar="N", type=int, help="maximum number of processes")
     p.add_argument("--cpus", metavar="X", type=float, help="CPU limit, e.g. 1.5")
+    p.add_argument("--disk", metavar="MB", type=int,
+                   help="quota on what the sandbox writes (default: the daemon's)")
     p.add_argument("--hostname", help="hostname inside the sandbox (default: its id)")
     p.add_argument("--env", metavar="K=V", type=_env_pair, action="append", default=[],
                    help="environment variable for every command (repeatable)")
@@ -390,7 +392,8 @@ def cmd_create(args: argparse.Namespace, client: Client) -> int:
         image = os.path.abspath(image)  # the daemon does not share our cwd
     req = pb.CreateSandboxRequest(image=image, memory_mb=args.memory or 0,
                                   pids_max=args.pids or 0, cpus=args.cpus or 0.0,
-                                  hostname=args.hostname or "", env=dict(args.env))
+                                  hostname=args.hostname or "", env=dict(args.env),
+                                  disk_mb=args.disk or 0)
     info = convert.sandbox_info(client.call("CreateSandbox", req))
     if args.json:
         _print_json(info)

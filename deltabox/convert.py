@@ -76,7 +76,7 @@ def sandbox_info(msg: pb.SandboxInfo) -> models.SandboxInfo:
         id=msg.id, family_id=msg.family_id, state=msg.state, image=msg.image,
         head_checkpoint_id=msg.head_checkpoint_id or None, memory_mb=msg.memory_mb,
         pids_max=msg.pids_max, cpus=msg.cpus, created_at=msg.created_at,
-        init_pid=msg.init_pid, hostname=msg.hostname,
+        init_pid=msg.init_pid, hostname=msg.hostname, disk_mb=msg.disk_mb,
     )
 
 
@@ -88,4 +88,5 @@ def daemon_info(msg: pb.InfoResponse) -> models.DaemonInfo:
         checkpoints=msg.checkpoints, store_bytes_total=msg.store_bytes_total,
         store_bytes_free=msg.store_bytes_free, process_backend=msg.process_backend,
         inspector_backend=msg.inspector_backend, store_durability=msg.store_durability,
+        disk_quota=msg.disk_quota,
     )

@@ -83,6 +83,7 @@ class SandboxInfo(_Model):
     created_at: float
     init_pid: int
     hostname: str = ""
+    disk_mb: int = 0
 
 
 class DaemonInfo(_Model):
@@ -99,6 +100,7 @@ class DaemonInfo(_Model):
     process_backend: str
     inspector_backend: str
     store_durability: str = ""
+    disk_quota: str = ""
 
 
 class CreateParams(_Model):
@@ -110,6 +112,7 @@ class CreateParams(_Model):
     cpus: float = Field(default=0.0, ge=0.0, le=1024.0)
     hostname: str = Field(default="", max_length=63, pattern=r"^[A-Za-z0-9.-]*$")
     env: dict[str, str] = Field(default_factory=dict)
+    disk_mb: int = Field(default=0, ge=0, le=1 << 30)
 
 
 class TurnReport(_Model):

@@ -575,34 +575,28 @@ def test_cpu_limit_holds(daemon) -> None:
         assert used < 2 * 0.25 * 1.6, f"{used} CPU-seconds in 2 s at cpus=0.25"
 
 
-@pytest.mark.xfail(run=False, strict=True,
-                   reason="the daemon does not put a quota on writable layers yet: a sandbox "
-                          "can fill the shared store (mechanism: deltabox/sandbox/quota.py)")
-def test_fill_the_disk_default(daemon) -> None:
-    raise AssertionError("not run")
-
-
-def test_fill_the_disk_with_layer_quota(daemon, host: Host) -> None:
-    """With a quota on the writable layer (btrfs simple quota, applied here by the test as
-    the daemon will), a full disk is a clear EDQUOT inside; nothing else is affected."""
-    from deltabox.sandbox import quota
-
-    store = daemon.state_dir / "store"
-    if not quota.supported(store):
-        pytest.skip("store is not btrfs with simple-quota support")
-    with Sandbox.create(socket=daemon.socket) as sbx, \
+def test_fill_the_disk_hits_the_sandbox_quota(daemon, host: Host) -> None:
+    """Each writable layer has a quota (btrfs simple quota, `disk_mb`; the daemon's default
+    otherwise): filling the disk is a clear EDQUOT inside, the files API says
+    RESOURCE_EXHAUSTED with what to do, other sandboxes and the host are unaffected, and a
+    rollback's new layer has the quota too."""
+    assert deltabox.info(socket=daemon.socket).disk_quota.startswith("btrfs simple quota")
+    with Sandbox.create(socket=daemon.socket, disk_mb=64) as sbx, \
             Sandbox.create(socket=daemon.socket) as other:
-        upper = [o.split("=", 1)[1] for line in sbx.exec("cat /proc/mounts").stdout.splitlines()
-                 if line.startswith("deltabox / ") for o in line.split()[3].split(",")
-                 if o.startswith("upperdir=")][0]
-        quota.enable(store)
-        quota.limit(Path(upper).parent, 64 << 20)
+        assert sbx.info().disk_mb == 64 and other.info().disk_mb > 0
+        cp = sbx.checkpoint()
         r = sbx.exec("dd if=/dev/zero of=/workspace/fill bs=1M count=512 conv=fsync 2>&1; "
                      "echo rc=$?", timeout=60)
-        assert "Disk quota exceeded" in r.stdout and "rc=0" not in r.stdout
-        assert sbx.exec("echo alive > /workspace/small && cat /workspace/small").exit_code in (0, 1)
+        assert "Disk quota exceeded" in r.stdout and "rc=0" not in r.stdout, r.stdout
+        with pytest.raises(deltabox.ResourceExhausted, match="quota"):
+            sbx.files.write("/workspace/more", b"x" * (80 << 20))
         other.files.write("ok.txt", "x" * 100000)  # the store still has room for others
         assert other.exec("wc -c < /workspace/ok.txt").stdout.strip() == "100000"
-        cp = other.checkpoint()
-        assert cp.id
+        assert other.checkpoint().id
+        sbx.exec("rm -f /workspace/fill /workspace/more")
+        assert sbx.checkpoint(mode="fs").kind == "fs"  # the sandbox keeps working
+        sbx.rollback(cp)
+        r = sbx.exec("dd if=/dev/zero of=/workspace/fill bs=1M count=512 conv=fsync 2>&1; "
+                     "echo rc=$?", timeout=60)
+        assert "Disk quota exceeded" in r.stdout, r.stdout
     host.assert_unchanged()

@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="size of the sparse btrfs image when the state dir is not btrfs")
     p.add_argument("--default-memory-mb", type=int, default=4096)
     p.add_argument("--default-pids-max", type=int, default=4096)
+    p.add_argument("--default-disk-mb", type=int, default=None, metavar="MB",
+                   help="quota on what a sandbox writes into each writable layer, on the "
+                   "embedded btrfs store (default: 10240, at most half the store; 0: none)")
     p.add_argument("--warm-generations", type=int, default=32, metavar="N",
                    help="per sandbox, how many recent checkpoints keep a mounted clone ready, "
                    "so a rollback to them skips the snapshot and the mount (default 32; 0 "
@@ -126,6 +129,8 @@ async def serve(args: argparse.Namespace) -> None:
     cfg = Config(state_dir=state_dir, socket=args.socket, store_size_gb=args.store_size_gb,
                  store_backend=args.store, default_memory_mb=args.default_memory_mb,
                  default_pids_max=args.default_pids_max,
+                 default_disk_mb=(min(10240, args.store_size_gb * 512)
+                                  if args.default_disk_mb is None else args.default_disk_mb),
                  warm_per_sandbox=args.warm_generations, durable=args.durable,
                  templates_per_sandbox=args.templates,
                  template_budget_mb=_template_budget(args.template_memory_mb))

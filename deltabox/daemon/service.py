@@ -30,6 +30,7 @@ from ..fs.mask import build_mask
 from ..fs.store import Store, close_store
 from ..models import CreateParams
 from ..sandbox import execute, runtime
+from ..sandbox import quota
 from ..sandbox.cgroups import Cgroup, CgroupDriver, Limits
 from ..sandbox.reaper import reap_orphans
 from ..sandbox.session import AdoptedShell, Session
@@ -67,6 +68,7 @@ class Config:
     store_backend: str = "auto"
     default_memory_mb: int = 4096
     default_pids_max: int = 4096
+    default_disk_mb: int = 10240         # quota per writable layer; 0 = none
     max_sandboxes: int = 1024
     warm_per_sandbox: int = 32
     durable: bool = False
@@ -119,6 +121,7 @@ class Daemon:
         self.mountpoint = self.run_dir / "rootmnt"
         self.masks: dict[str, Path] = {}
         self.io = IOScheduler()
+        self.disk_quota = self._enable_quota()
         self.warm = WarmPool(store, background, self._build_for,
                              lambda layer: self.db.layer_refs(layer) > 0,
                              lambda sid, rt: sid in self.live and self.live[sid].rt is rt,
@@ -197,8 +200,22 @@ class Daemon:
             cgroup_version=self.cgroups.version, sandboxes=len(self.db.sandboxes()),
             checkpoints=len(self.db.all_checkpoints()), store_bytes_total=usage.total,
             store_bytes_free=usage.free, process_backend="templates (ptrace fork)",
+            disk_quota="btrfs simple quota per writable layer" if self.disk_quota else
+            "none (the store is not btrfs with simple quotas)",
             inspector_backend=self.turns.status,
             store_durability=self._durability())
+
+    def _enable_quota(self) -> bool:
+        """Simple quotas on the embedded loop store (ours); an administrator's btrfs keeps
+        its own settings (enable them there with `btrfs quota enable --simple`)."""
+        if self.store.backend != "btrfs-loop":
+            return False
+        try:
+            quota.enable(self.store.root)
+        except FailedPrecondition as e:
+            log.warning("no disk quotas for sandboxes: %s", e)
+            return False
+        return True
 
     def _durability(self) -> str:
         """What a committed checkpoint survives (copies are never fsynced; the loop store
@@ -271,7 +288,8 @@ class Daemon:
             layer_id=new_id("L"), head_cp=None,
             memory_mb=params.memory_mb or self.cfg.default_memory_mb,
             pids_max=params.pids_max or self.cfg.default_pids_max, cpus=params.cpus,
-            hostname=params.hostname or sid, env=dict(params.env), created_at=time.time())
+            hostname=params.hostname or sid, env=dict(params.env), created_at=time.time(),
+            disk_mb=params.disk_mb or self.cfg.default_disk_mb)
         self._env(row, None)
         self.store.new_layer(row.layer_id)
         try:
@@ -288,6 +306,7 @@ class Daemon:
     async def _boot(self, row: SandboxRow, nest_under: str | None = None) -> None:
         """Start init and the first file-system generation of a sandbox (its pid namespace
         nested below the live sandbox `nest_under`'s, if given)."""
+        self._limit_disk(row, row.layer_id)
         limits = Limits(row.memory_mb, row.pids_max, row.cpus)
         cg = self.cgroups.create(row.id, limits)
         parent_pid = self.live[nest_under].rt.init_pid if nest_under else None
@@ -309,6 +328,12 @@ class Daemon:
         if cgid is None:
             return
         self.turns.watch(sid, cgid, live.rt.keep_pids | (pids or set()))
+
+    def _limit_disk(self, row: SandboxRow, layer: str) -> None:
+        """Put the sandbox's disk quota on a writable layer it is about to use (btrfs simple
+        quota: a write beyond it fails with EDQUOT inside the sandbox; sandbox/quota.py)."""
+        if row.disk_mb and self.disk_quota:
+            quota.limit(self.store.layer_path(layer), row.disk_mb << 20)
 
     async def _watch(self, sid: str, rt: runtime.Runtime) -> None:
         """Reap the launcher. If init dies on its own, the pid namespace is gone: the sandbox
@@ -767,6 +792,7 @@ class Daemon:
                 killed = self._kill_processes(live)
             else:
                 layer, killed, new_gen = await self._fresh_generation(live, row, cp)
+            self._limit_disk(row, layer)
             old = live.rt.generation
             live.rt.generation = new_gen
             old_layer, row.layer_id, row.head_cp = row.layer_id, layer, cp_id
