@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from deltabox.inspector.effects import TurnEffects
 
@@ -103,6 +103,10 @@ class DaemonInfo(_Model):
     disk_quota: str = ""
 
 
+MIN_PIDS = 8
+MIN_CPUS = 0.01
+
+
 class CreateParams(_Model):
     """Validated CreateSandbox request (daemon side)."""
 
@@ -113,6 +117,22 @@ class CreateParams(_Model):
     hostname: str = Field(default="", max_length=63, pattern=r"^[A-Za-z0-9.-]*$")
     env: dict[str, str] = Field(default_factory=dict)
     disk_mb: int = Field(default=0, ge=0, le=1 << 30)
+
+    @field_validator("cpus")
+    @classmethod
+    def _enough_cpu(cls, v: float) -> float:
+        # the kernel's smallest CFS quota is 1 ms per 100 ms period
+        if 0 < v < MIN_CPUS:
+            raise ValueError(f"must be 0 (unlimited) or at least {MIN_CPUS}")
+        return v
+
+    @field_validator("pids_max")
+    @classmethod
+    def _enough_pids(cls, v: int) -> int:
+        # init, the exec helper and a shell need a few; fewer cannot even start the sandbox
+        if 0 < v < MIN_PIDS:
+            raise ValueError(f"must be 0 (the daemon's default) or at least {MIN_PIDS}")
+        return v
 
 
 class TurnReport(_Model):

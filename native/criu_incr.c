@@ -914,7 +914,8 @@ static void parse_ids(const char *v, uint32_t out[3])
 	out[2] = c;
 }
 
-static int read_status_bits(pid_t pid, struct core_fixed *core, struct dbxcr_error *err)
+static int read_status_bits(pid_t pid, struct core_fixed *core, int seccomp_ok,
+			    struct dbxcr_error *err)
 {
 	char path[64], status[8192], *v;
 
@@ -927,7 +928,7 @@ static int read_status_bits(pid_t pid, struct core_fixed *core, struct dbxcr_err
 		parse_ids(v + 5, core->uid);
 	if ((v = strstr(status, "\nGid:")))
 		parse_ids(v + 5, core->gid);
-	if ((v = strstr(status, "\nSeccomp:")) && atoi(v + 9) != 0)
+	if (!seccomp_ok && (v = strstr(status, "\nSeccomp:")) && atoi(v + 9) != 0)
 		return fail(err, ENOTSUP, pid, "process has a seccomp filter; it cannot be "
 			    "restored from disk");
 	core->ngroups = 0;
@@ -1546,7 +1547,8 @@ int dbxcr_dump(struct dbxcr_template *tpl, const char *path, const struct dbxcr_
 		if (walk_maps(pid, true, classify_cb, &c, err) < 0)
 			goto out;
 	}
-	if (read_stat_mm(pid, core->mm, err) < 0 || read_status_bits(pid, core, err) < 0 ||
+	if (read_stat_mm(pid, core->mm, err) < 0 ||
+	    read_status_bits(pid, core, o->seccomp_ok, err) < 0 ||
 	    query_template(tpl, core, err) < 0 ||
 	    vdso_hash(pid, core->vdso_hash, &core->vdso_size, err) < 0)
 		goto out;
@@ -2479,7 +2481,7 @@ static int r_signals_and_ids(struct restore *R, struct dbxcr_error *err)
 		struct dbxcr_error e2;
 
 		memset(&now, 0, sizeof(now));
-		if (read_status_bits(R->pid, &now, &e2) < 0)
+		if (read_status_bits(R->pid, &now, 1, &e2) < 0)
 			return fail(err, e2.code, R->pid, "%s", e2.msg);
 		if (now.ngroups != core->ngroups ||
 		    memcmp(now.groups, core->groups, sizeof(uint32_t) * core->ngroups) ||

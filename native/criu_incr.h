@@ -30,6 +30,11 @@ struct dbxcr_dump_opts {
 	/* Strip this prefix from mapped file paths (the sandbox root as the dumping process
 	 * sees it), so that paths are relative to the root given at restore; or NULL. */
 	const char *strip_prefix;
+	/* Dump a process that has a seccomp filter.  The filter is not in the image: the
+	 * restored process has the filter of the host it is forked from, so set this only when
+	 * that host carries the same filter (deltaboxd: sandbox processes and their init are
+	 * confined alike, and the daemon compares filter counts).  0: refuse (ENOTSUP). */
+	int seccomp_ok;
 };
 
 struct dbxcr_dump_stats {

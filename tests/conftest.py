@@ -24,11 +24,13 @@ class DaemonProc:
     proc: subprocess.Popen | None
     log: Path
 
-    def start(self, *extra: str) -> None:
+    def start(self, *extra: str, env: dict[str, str] | None = None) -> None:
+        """Start deltaboxd; `env` is added to its environment (e.g. DELTABOX_CRASH_AT)."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "deltabox.daemon.main", "--state-dir", str(self.state_dir),
              "--socket", self.socket, "--store-size-gb", "16", *extra],
-            stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, cwd=ROOT)
+            stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, cwd=ROOT,
+            env={**os.environ, **env} if env else None)
         wait_ready(self)
 
     def stop(self) -> None:

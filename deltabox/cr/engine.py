@@ -90,6 +90,10 @@ class ProcessState:
     # session name -> digest of its shell's state at the capture (daemon/turns.py)
     session_states: dict[str, str | None] = field(default_factory=dict)
     last_used: float = field(default_factory=time.monotonic)   # daemon/budget.py
+    # Set when the templates were rebuilt from this checkpoint's dump (daemon/dumps.py):
+    # they are init's children, in init's process group and session, so they restore
+    # like a fork (process groups re-made with setpgid), never keeping their group.
+    from_dump: str | None = None
 
     @property
     def template_pids(self) -> set[int]:
@@ -400,6 +404,10 @@ class Elsewhere:
     init_pidfd: int
     cgroup_fds: list[int]
     fresh: bool = True      # a new fork: no pid of the namespace is taken yet
+    # A pid still taken (e.g. as the process-group id of another checkpoint's template)
+    # gives the process a new pid instead of failing the restore (templates rebuilt from
+    # a dump restoring into their own sandbox).
+    pid_fallback: bool = False
 
 
 @dataclass
@@ -434,6 +442,10 @@ def _spawn_retrying(sp: _Spawn) -> int:
                 ns_pidfd=into.init_pidfd if into else None,
                 cgroup_fds=into.cgroup_fds if into else (), pgid=sp.pgid, listens=sp.listens)
         except native.CRError as e:
+            if (e.errno == errno.EEXIST and set_tid and into is not None and
+                    into.pid_fallback and time.monotonic() > deadline - 1.7):
+                set_tid = None  # still taken after 0.3 s of reaping: a new pid
+                continue
             if e.errno != errno.EEXIST or time.monotonic() > deadline:
                 raise
             reap_orphans()  # the killed original may be a zombie waiting for us

@@ -713,7 +713,7 @@ class DumpStats:
 class _DumpOpts(ctypes.Structure):
     _fields_ = [("parent_path", ctypes.c_char_p), ("parent_ref", ctypes.c_char_p),
                 ("max_chain", ctypes.c_int), ("fsync", ctypes.c_int),
-                ("strip_prefix", ctypes.c_char_p)]
+                ("strip_prefix", ctypes.c_char_p), ("seccomp_ok", ctypes.c_int)]
 
 
 class _ImageInfo(ctypes.Structure):
@@ -762,11 +762,13 @@ def _raise_img(err: _Err) -> None:
 
 def dump(template: Template, path: str | os.PathLike, parent: str | os.PathLike | None = None,
          *, max_chain: int = 8, fsync: bool = False,
-         strip_prefix: str | None = None) -> DumpStats:
+         strip_prefix: str | None = None, seccomp_ok: bool = False) -> DumpStats:
     """Write the template's checkpoint state into the new directory `path` (must not
     exist), as a delta against the image `parent` if given.  strip_prefix: the sandbox's
     root as this process sees it, removed from mapped file paths so they resolve under the
-    root_dir given at restore.  Call on the template's owner thread."""
+    root_dir given at restore.  seccomp_ok: dump a process with a seccomp filter (not in the
+    image: the restored process gets its restore host's filter; pass it only when that host
+    is confined alike).  Call on the template's owner thread."""
     if template.released:
         raise CRError(_errno.EINVAL, f"template {template.pid} was released")
     lib = _load_images()
@@ -777,7 +779,7 @@ def dump(template: Template, path: str | os.PathLike, parent: str | os.PathLike 
         ppath = os.fsencode(parent_abs)
         pref = os.fsencode(os.path.relpath(parent_abs, path))
     opts = _DumpOpts(ppath, pref, max_chain, int(fsync),
-                     os.fsencode(strip_prefix) if strip_prefix else None)
+                     os.fsencode(strip_prefix) if strip_prefix else None, int(seccomp_ok))
     st, err = _DumpStats(), _Err()
     if lib.dbxcr_dump(template._handle, os.fsencode(path), ctypes.byref(opts),
                       ctypes.byref(st), ctypes.byref(err)) < 0:

@@ -42,11 +42,12 @@ def touch(state: ProcessState) -> None:
     state.last_used = time.monotonic()
 
 
-def over_budget(states: Iterable[tuple[str, ProcessState, int]], budget: int
-                ) -> list[str]:
-    """Keys of the least recently used states to evict so that the rest fit in `budget`.
+def over_budget(states: Iterable[tuple[str, ProcessState, int]], budget: int,
+                prefer: set[str] = frozenset()) -> list[str]:
+    """Keys of the least recently used states to evict so that the rest fit in `budget`,
+    those in `prefer` (a complete dump can rebuild them) first.
     `states`: (key, state, its cost in bytes)."""
-    ordered = sorted(states, key=lambda t: t[1].last_used)
+    ordered = sorted(states, key=lambda t: (t[0] not in prefer, t[1].last_used))
     total = sum(cost for _, _, cost in ordered)
     out: list[str] = []
     for key, _, cost in ordered:

@@ -7,6 +7,7 @@ but is not committed is garbage that `recover()` removes on the next start.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -39,7 +40,9 @@ from ..cr import native
 from ..cr.engine import DeltaCR, Elsewhere, ProcessState, Restored
 from ..inspector import Decision, TurnEffects
 from . import budget
+from .faults import crash_point
 from .db import CheckpointRow, Database, SandboxRow
+from .dumps import NOT_COMPLETED, Dumps, init_seccomp_filters
 from .scheduler import IOScheduler
 from .turns import Turns
 from .warm import WarmPool
@@ -121,6 +124,10 @@ class Daemon:
         self.mountpoint = self.run_dir / "rootmnt"
         self.masks: dict[str, Path] = {}
         self.io = IOScheduler()
+        # Durable process state: background dumps of full checkpoints (daemon/dumps.py).
+        self.dumps = Dumps(db, cfg.state_dir / "dumps", cr, self.io, fsync=cfg.durable,
+                           sandbox_lock=lambda sid: self.live[sid].lock
+                           if sid in self.live else None)
         self.disk_quota = self._enable_quota()
         self.warm = WarmPool(store, background, self._build_for,
                              lambda layer: self.db.layer_refs(layer) > 0,
@@ -187,7 +194,8 @@ class Daemon:
         env.update(extra or {})
         for k in env:
             if not k or "=" in k or "\0" in k or "\0" in env[k]:
-                raise InvalidArgument(f"bad environment variable name or value: {k!r}")
+                raise InvalidArgument(f"bad environment variable name or value: {k[:100]!r}")
+        _check_args([], env)
         return env
 
     # ---- daemon lifecycle ------------------------------------------------------------
@@ -239,6 +247,7 @@ class Daemon:
             if layer not in referenced:
                 log.info("recover: deleting uncommitted layer %s", layer)
                 self.store.delete(layer)
+        self.dumps.recover({c.id for c in self.db.all_checkpoints()})
         for row in self.db.sandboxes():
             try:
                 await self._boot(row)
@@ -416,19 +425,23 @@ class Daemon:
             freed = 0
             others = [s for s in self.db.family_sandboxes(row.family_id) if s.id != sid]
             cps = [] if others else self.db.family_checkpoints(row.family_id)
+            crash_point("remove.before_commit")
             with self.db.transaction():
                 self.db.delete_sandbox(sid)
                 for cp in cps:
                     self.db.delete_checkpoint(cp.id)
-            self._retire_later(None, row.layer_id)
+            crash_point("remove.after_commit")
+            self.dumps.drop([cp.id for cp in cps])
+            self._retire_later(None, row.layer_id, "remove.before_layer_delete")
             for layer in dict.fromkeys(cp.layer_id for cp in cps):  # aliases share layers
                 if self.db.layer_refs(layer) == 0:
                     self.warm.drop_layer(layer)
-                    self._retire_later(None, layer)
+                    self._retire_later(None, layer, "remove.before_layer_delete")
                     freed += 1
             return freed
 
-    def _retire_later(self, gen: runtime.Generation | None, layer_id: str) -> None:
+    def _retire_later(self, gen: runtime.Generation | None, layer_id: str,
+                      step: str = "") -> None:
         """Drop a layer (and the generation mounted on it, if any) after the call returned,
         off the hot path. Closing the last
         reference to a mount namespace unmounts its tree synchronously (milliseconds of RCU
@@ -437,6 +450,8 @@ class Daemon:
             if gen is not None:
                 await trio.to_thread.run_sync(gen.close)
             await self.io.wait(layer_id)  # a clone of it still being made
+            if step:
+                crash_point(step)  # test-only (faults.py)
             try:
                 await self.io.run(layer_id, self.store.delete, layer_id)
             except Exception as e:  # retried on the next start (orphan layer)
@@ -456,6 +471,7 @@ class Daemon:
         _check_timeout(timeout)
         cwd = _abs_in_sandbox(cwd)
         env = self._env(self._sandbox(sid), env)
+        _check_args(argv + [cwd], env)
         live = self._live(sid)
         # Spawn under the lock, so a concurrent rollback either precedes this command or
         # sees it in `procs` and kills it.
@@ -561,6 +577,7 @@ class Daemon:
             captured: ProcessState | None = None
             live.rt.cgroup.freeze()
             try:
+                crash_point("checkpoint.frozen")
                 alive = live.rt.cgroup.pids() - live.rt.keep_pids - live.template_pids
                 effects = self.turns.end_turn(sid, alive)
                 decision = self._decide(mode, live, parent, effects, alive)
@@ -568,11 +585,13 @@ class Daemon:
                     captured = await self._capture(live, row.layer_id, layer)
                 elif decision.kind == "fs":
                     self.store.freeze(row.layer_id, layer)
+                crash_point("checkpoint.snapshotted")
             except BaseException:
                 self.turns.lost_turn(sid)  # what it did is not in any checkpoint
                 raise
             finally:
                 live.rt.cgroup.thaw()
+            crash_point("checkpoint.captured")
             freeze_ms = (time.perf_counter() - t_freeze) * 1000
             if decision.kind == "full":
                 procs_of: str | None = cp_id
@@ -585,10 +604,12 @@ class Daemon:
             cp.freeze_ms = freeze_ms
             cp.duration_ms = (time.perf_counter() - t0) * 1000
             row.head_cp = cp_id
+            crash_point("checkpoint.before_commit")
             try:
                 with self.db.transaction():
                     self.db.put_checkpoint(cp)
                     self.db.put_sandbox(row)
+                crash_point("checkpoint.after_commit")
             except BaseException:
                 self.turns.lost_turn(sid)
                 with trio.CancelScope(shield=True):
@@ -604,6 +625,8 @@ class Daemon:
                 captured.session_states = {n: s.state for n, s in live.sessions.items()}
                 live.captured[cp_id] = captured
                 live.procs_from = cp_id
+                self.dumps.schedule(self.background.start_soon, sid, cp_id, captured,
+                                    init_seccomp_filters(live.rt.init_pid))
                 self._evict_templates(live)
             self.warm.prepare(sid, cp.layer_id)
             return cp
@@ -664,7 +687,8 @@ class Daemon:
 
     def _procs_available(self, live: Live, key: str) -> bool:
         """Whether the processes captured at checkpoint `key` can be restored here."""
-        return key in live.captured or self._ancestor_holding(live, key) is not None
+        return (key in live.captured or self._ancestor_holding(live, key) is not None or
+                self.dumps.complete(key) or self.dumps.pending(key))
 
     async def enforce_template_budget(self, interval: float = 2.0) -> None:
         """Forever: keep all sandboxes' templates within the memory budget (budget.py)."""
@@ -681,7 +705,8 @@ class Daemon:
                 lambda: [budget.state_bytes(st) for _, _, st in held])
             where = {key: (sid, st) for sid, key, st in held}
             for key in budget.over_budget(
-                    [(key, st, c) for (_, key, st), c in zip(held, costs)], limit):
+                    [(key, st, c) for (_, key, st), c in zip(held, costs)], limit,
+                    prefer={key for _, key, _ in held if self.dumps.complete(key)}):
                 sid, st = where[key]
                 live = self.live.get(sid)
                 if live is None:
@@ -699,9 +724,21 @@ class Daemon:
         pages its processes dirtied since. The checkpoint keeps its files; a rollback to it
         restarts processes and says why."""
         while len(live.captured) > self.cfg.templates_per_sandbox:
-            cp_id = next(iter(live.captured))
-            self.background.start_soon(self.cr.release, live.captured.pop(cp_id))
+            # Least recently used first, preferring those a complete dump can rebuild.
+            cp_id = next((k for k in live.captured if self.dumps.complete(k)),
+                         next(iter(live.captured)))
+            self._release_later(live, live.captured.pop(cp_id))
             live.evicted.add(cp_id)
+
+    def _release_later(self, live: Live, state: ProcessState) -> None:
+        """Release templates in the background, under the sandbox's lock: templates live
+        in the sandbox's cgroup, and on cgroup v1 a frozen task cannot die, so reaping one
+        during a checkpoint's freeze would block the ptrace thread that the checkpoint
+        needs to thaw (a deadlock seen in fault tests)."""
+        async def release() -> None:
+            async with live.lock:
+                await self.cr.release(state)
+        self.background.start_soon(release)
 
     async def _capture(self, live: Live, src_layer: str, layer: str) -> ProcessState:
         """With the cgroup frozen: capture every process of the sandbox and snapshot the
@@ -726,11 +763,13 @@ class Daemon:
             session_inodes, daemon_inodes = self._daemon_pipes(live)
             return await self.cr.capture(
                 procs, thaw, snapshot, session_inodes, daemon_inodes, tracer_ok=set())
-        except BaseException:
+        except BaseException as e:
             with trio.CancelScope(shield=True):
                 thaw()
                 if self.store.layer_path(layer).exists():
                     self.store.delete(layer)
+            if (limit := _cr_limit_error(e, "capturing")) is not None:
+                raise limit from e
             raise
         finally:
             thaw()
@@ -792,13 +831,16 @@ class Daemon:
                 killed = self._kill_processes(live)
             else:
                 layer, killed, new_gen = await self._fresh_generation(live, row, cp)
+            crash_point("rollback.generation")
             self._limit_disk(row, layer)
             old = live.rt.generation
             live.rt.generation = new_gen
             old_layer, row.layer_id, row.head_cp = row.layer_id, layer, cp_id
             row.base_gen = self.store.generation(layer)
+            crash_point("rollback.before_commit")
             with self.db.transaction():
                 self.db.put_sandbox(row)
+            crash_point("rollback.after_commit")
             self._retire_later(old, old_layer)
             self.warm.prepare(sid, cp.layer_id)  # for the next rollback to it
             old_sessions, live.sessions = live.sessions, {}
@@ -829,6 +871,15 @@ class Daemon:
                     return await self._restore_logged(
                         live, state, cp, f"{len(state.records)} processes restored from "
                         "templates held by an ancestor sandbox", fresh=False)
+        if captured is None and key is not None and holder is None:
+            disk = await self._restore_from_disk(live, cp, key, gen)
+            if disk is not None:
+                return disk
+        if captured is not None and captured.from_dump is not None:
+            live.captured[key] = captured  # rebuilt from disk: restore as into a fork
+            return await self._restore_logged(
+                live, captured, cp, f"{len(captured.records)} processes restored from "
+                f"templates (rebuilt from the dump of {captured.from_dump})", fresh=False)
         if captured is None:
             if key is None:
                 why = "the checkpoint holds file state only"
@@ -850,6 +901,7 @@ class Daemon:
         """Restore into `live` (its own templates when `fresh` is None, else an
         ancestor's); a failure restarts the processes and says why."""
         reap_orphans()  # the killed originals' pids must be free for set_tid
+        crash_point("rollback.restoring")
         budget.touch(state)
         try:
             if fresh is None:
@@ -863,6 +915,46 @@ class Daemon:
             log.error("rollback %s: restoring processes failed: %s", cp.id, e)
             return "restarted", f"restoring the processes failed ({e}); sessions restart", set()
         return "restored", note, pids
+
+    async def _restore_from_disk(self, live: Live, cp: CheckpointRow, key: str,
+                                 gen: runtime.Generation) -> tuple[str, str, set[int]] | None:
+        """Rebuild the templates of `key` from its dump (templates evicted, or lost in a
+        daemon restart) and restore from them. None: no dump to use (the caller says why).
+        The rebuilt templates are init's children, in init's process group and session:
+        processes get their own process groups again (setpgid, as in a fork); sessions are
+        init's; leaders of groups come back with new pids, as in any rollback."""
+        if self.dumps.pending(key):  # never wait under the lock (dumps.py): it needs it
+            return ("restarted", "processes restarted: its templates were evicted before its "
+                    "process dump completed", set())
+        row = self.dumps.row(key)
+        if row is None:
+            if key in live.evicted:
+                return None
+            return ("restarted", "processes restarted: its process templates are gone and it "
+                    "has no process dump", set())
+        if row.state != "complete":
+            why = NOT_COMPLETED if row.error == NOT_COMPLETED else \
+                f"its templates are gone and its process dump failed ({row.error})"
+            return "restarted", f"processes restarted: {why}", set()
+        t0 = time.perf_counter()
+        try:
+            state = await self.dumps.load(key, live.rt.init_pid, f"/proc/self/fd/{gen.rootfd}",
+                                          reserve_pids=True)
+        except Exception as e:
+            log.error("rollback %s: restoring from the dump of %s failed: %s", cp.id, key, e)
+            return ("restarted", f"processes restarted: restoring from the dump of {key} "
+                    f"failed: {e}", set())
+        load_ms = (time.perf_counter() - t0) * 1000
+        live.captured[key] = state
+        live.evicted.discard(key)
+        got = await self._restore_logged(
+            live, state, cp, f"{len(state.records)} processes restored from disk (dump of "
+            f"{key}; templates rebuilt in {load_ms:.0f} ms)", fresh=False)
+        if got[0] != "restored" and live.captured.get(key) is state:
+            del live.captured[key]
+            await self.cr.release(state)
+        self._evict_templates(live)
+        return got
 
     def _ancestor_holding(self, live: Live, cp_id: str) -> Live | None:
         """The sandbox up our pid-namespace chain that holds cp's templates, if any."""
@@ -944,7 +1036,9 @@ class Daemon:
         for fd in live.held_fds:
             os.close(fd)
         live.held_fds.clear()
-        return helpers + live.rt.cgroup.kill(keep=live.rt.keep_pids | live.template_pids)
+        killed = helpers + live.rt.cgroup.kill(keep=live.rt.keep_pids | live.template_pids)
+        crash_point("rollback.killed")
+        return killed
 
     async def _rollback_stopped(self, row: SandboxRow, cp: CheckpointRow) -> dict:
         t0 = time.perf_counter()
@@ -983,15 +1077,33 @@ class Daemon:
             raise ResourceExhausted(f"forking {count} would exceed the limit of "
                                     f"{self.cfg.max_sandboxes} sandboxes")
         owner, why = self._template_owner(cp)
+        disk = None
+        if owner is None:  # rebuild the templates from the dump, in a live family sandbox
+            owner, disk = await self._dump_holder(cp, why)
+            why = disk if owner is None else why
         if owner is None:
             rows = await self._fork_files(cp, count, None)
             return rows, "restarted", f"processes restarted: {why}"
         live_owner, key = self.live[owner], cp.procs_of
         async with live_owner.lock:  # its templates stay put while we spawn from them
-            if self.live.get(owner) is not live_owner or key not in live_owner.captured:
+            if self.live.get(owner) is not live_owner or (key not in live_owner.captured
+                                                          and disk is None):
                 rows = await self._fork_files(cp, count, None)
                 return rows, "restarted", "processes restarted: the templates went meanwhile"
             rows = await self._fork_files(cp, count, owner)
+            if key not in live_owner.captured:
+                kid_gen = self.live[rows[0].id].rt.generation  # the checkpoint's files
+                assert kid_gen is not None
+                try:
+                    live_owner.captured[key] = await self.dumps.load(
+                        key, live_owner.rt.init_pid, f"/proc/self/fd/{kid_gen.rootfd}")
+                except Exception as e:
+                    log.error("fork %s: restoring from the dump of %s failed: %s", cp.id,
+                              key, e)
+                    return rows, "restarted", (f"processes restarted: restoring from the "
+                                               f"dump of {key} failed: {e}")
+                live_owner.evicted.discard(key)
+                disk = "loaded"
             state = live_owner.captured[key]
             budget.touch(state)
             try:
@@ -1009,9 +1121,34 @@ class Daemon:
                     with self.db.transaction():
                         for r in rows:
                             self.db.delete_sandbox(r.id)
+                if (limit := _cr_limit_error(e, "restoring")) is not None:
+                    raise limit from e
                 raise
+        if self.live.get(owner) is live_owner:
+            self._evict_templates(live_owner)  # if the dump added templates
         n = len(state.records)
-        return rows, "restored", f"{n} processes restored from templates in each fork"
+        src = f"disk (dump of {key})" if disk == "loaded" else "templates"
+        return rows, "restored", f"{n} processes restored from {src} in each fork"
+
+    async def _dump_holder(self, cp: CheckpointRow, why: str) -> tuple[str | None, str]:
+        """A live sandbox of cp's family to rebuild cp's templates in from its dump (the
+        forks nest below it), or (None, why not)."""
+        key = cp.procs_of
+        if key is None:
+            return None, why
+        row = self.dumps.row(key)  # a pending dump cannot be used: its templates went
+        if row is None or row.state != "complete":
+            return None, (why if row is None else NOT_COMPLETED
+                          if row.error == NOT_COMPLETED else
+                          f"{why}, and its process dump failed ({row.error})")
+        family = [cp.sandbox_id] + [r.id for r in self.db.family_sandboxes(cp.family_id)]
+        for sid in family:
+            live = self.live.get(sid)
+            if (live is not None and live.rt.generation is not None
+                    and not live.rt.exited.is_set()
+                    and self._nest_level(sid) < MAX_NEST_LEVEL):
+                return sid, ""
+        return None, f"{why}; no sandbox of its family runs to rebuild them from its dump in"
 
     def _template_owner(self, cp: CheckpointRow) -> tuple[str | None, str]:
         """The live sandbox holding cp's templates, if forks can be spawned from them."""
@@ -1040,7 +1177,9 @@ class Daemon:
             for f in rt.cgroup.procs_files:
                 cg_fds.append(os.open(f, os.O_WRONLY | os.O_CLOEXEC))
             restored = await self.cr.restore(
-                state, rt.generation.mntfd, Elsewhere(pidns, rt.pidfd, cg_fds, fresh))
+                state, rt.generation.mntfd,
+                Elsewhere(pidns, rt.pidfd, cg_fds, fresh,
+                          pid_fallback=state.from_dump is not None and not fresh))
         finally:
             for fd in [pidns, *cg_fds]:
                 os.close(fd)
@@ -1069,17 +1208,20 @@ class Daemon:
             async with trio.open_nursery() as n:
                 for r in rows:
                     n.start_soon(take, r)
+            crash_point("fork.cloned")
             for r in rows:
                 r.base_gen = self.store.generation(r.layer_id)
             async with trio.open_nursery() as n:
                 for r in rows:
                     n.start_soon(self._boot, r, nest_under)
+            crash_point("fork.booted")
         except BaseException:
             with trio.CancelScope(shield=True):
                 for r in rows:
                     await self._stop(r.id)
                     self.store.delete(r.layer_id)
             raise
+        crash_point("fork.before_commit")
         with self.db.transaction():
             for r in rows:
                 self.db.put_sandbox(r)
@@ -1106,24 +1248,35 @@ class Daemon:
 
     def checkpoints(self, sid: str) -> list[CheckpointRow]:
         row = self._sandbox(sid)
-        return _tree_order(self.db.family_checkpoints(row.family_id))
+        return [self._with_dump(c) for c in
+                _tree_order(self.db.family_checkpoints(row.family_id))]
 
     def get_checkpoint(self, cp_id: str) -> CheckpointRow:
-        return self._checkpoint(cp_id)
+        return self._with_dump(self._checkpoint(cp_id))
+
+    def _with_dump(self, c: CheckpointRow) -> CheckpointRow:
+        """The row with the state of its process dump as a last reason (not stored)."""
+        line = self.dumps.describe(c.id) if c.procs_of == c.id else None
+        if line:
+            c.reasons = [*c.reasons, line]
+        return c
 
     async def delete_checkpoint(self, cp_id: str) -> bool:
         """Forget a checkpoint; its children hang from its parent; its layer is freed when
         nothing else references it."""
         cp = self._checkpoint(cp_id)
+        crash_point("delete_checkpoint.before_commit")
         with self.db.transaction():
             self.db.delete_checkpoint(cp_id)
             self.db.reparent(cp_id, cp.parent_id)
+        crash_point("delete_checkpoint.after_commit")
         key = cp.procs_of
         if key is not None and self.db.procs_refs(key) == 0:  # no checkpoint restores them
             for live in self.live.values():
                 state = live.captured.pop(key, None)
                 if state is not None:
-                    await self.cr.release(state)
+                    self._release_later(live, state)  # not while it may be frozen
+            self.dumps.drop([key])
         if self.db.layer_refs(cp.layer_id) == 0:  # skipped checkpoints share their parent's
             self.warm.drop_layer(cp.layer_id)
             self._retire_later(None, cp.layer_id)
@@ -1147,6 +1300,34 @@ def _nested(store_root: Path, image_root: Path) -> bool:
     if os.stat(store_root).st_dev != os.stat(image_root).st_dev:
         return False
     return store_root.resolve().is_relative_to(image_root.resolve())
+
+
+def _cr_limit_error(e: BaseException, what: str) -> ResourceExhausted | None:
+    """A DeltaCR failure that is the sandbox's own limits (templates and restored
+    processes count against its pids and memory limits), as a clear RESOURCE_EXHAUSTED."""
+    if isinstance(e, native.CRError) and e.errno in (errno.EAGAIN, errno.ENOMEM):
+        return ResourceExhausted(
+            f"{what} the sandbox's processes hit its limits ({e}): every captured process "
+            "is kept as a template that counts against the sandbox's pids_max and memory_mb; "
+            "create it with higher limits, or checkpoint with mode=fs (files only)")
+    return None
+
+
+# Linux refuses an exec whose single argument or environment entry exceeds MAX_ARG_STRLEN
+# (128 KiB) or whose whole argv + environment exceeds ARG_MAX (a quarter of the stack limit,
+# 2 MiB by default); the daemon's helpers add their own few arguments.
+MAX_ARG_BYTES = 128 * 1024 - 1
+MAX_ARGS_TOTAL = 1 << 20
+
+
+def _check_args(argv: list[str], env: dict[str, str]) -> None:
+    sizes = [len(a.encode(errors="surrogateescape")) + 1 for a in argv]
+    sizes += [len(f"{k}={v}".encode(errors="surrogateescape")) + 1 for k, v in env.items()]
+    if any(n > MAX_ARG_BYTES for n in sizes) or sum(sizes) > MAX_ARGS_TOTAL:
+        raise InvalidArgument(
+            f"command line and environment too large ({sum(sizes)} bytes; at most "
+            f"{MAX_ARG_BYTES} per argument or variable and {MAX_ARGS_TOTAL} in all): pass "
+            "large data through stdin or a file")
 
 
 def _check_timeout(timeout: float) -> None:

@@ -194,6 +194,10 @@ def _error(step: str, path: str, exc: OSError) -> DeltaBoxError:
     name = _errno.errorcode.get(code, str(code))
     msg = f"btrfs {step} failed for {path!r}: {name} ({os.strerror(code) if code else exc})"
     cls = ResourceExhausted if code in (_errno.ENOSPC, _errno.EDQUOT) else Internal
+    if cls is ResourceExhausted:
+        msg += (": the layer store is full; free space by deleting files in sandboxes, "
+                "checkpoints (`deltabox rmcp`) or sandboxes (`deltabox rm`) no longer needed, "
+                "then retry")
     err = cls(msg)
     err.errno = code  # type: ignore[attr-defined]
     return err

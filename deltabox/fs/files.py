@@ -178,7 +178,9 @@ def _error_for(err: OSError, where: str) -> DeltaBoxError:
     if code == errno.EINVAL:
         return InvalidArgument(f"invalid argument: {where}")
     if code in (errno.ENOSPC, errno.EDQUOT):
-        return ResourceExhausted(f"no space left in the sandbox's file system: {where}")
+        return ResourceExhausted(f"no space left in the sandbox's file system: {where} (the "
+                                 "layer store is full or the sandbox's disk quota is reached: "
+                                 "delete files, or checkpoints and sandboxes no longer needed)")
     if code in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EFBIG):
         return ResourceExhausted(f"{os.strerror(code).lower()}: {where}")
     if code == errno.ENOSYS:
@@ -476,18 +478,46 @@ class SandboxFiles:
             plan = _plan_tar(members)
             dest = t.stripped.rstrip("/")
             dir_times: list[tuple[str, int]] = []
-            with _confined_errors(t.display):
-                os.close(self._ensure_dir(t.full))
-            for member, rel, link_rel in plan:
-                full = f"{dest}/{rel}" if rel else t.full
-                with _confined_errors(_display(full)):
-                    link_full = f"{dest}/{link_rel}" if link_rel is not None else None
-                    self._extract(tf, member, full, bool(rel), link_full, dir_times)
+            # What this call creates (the topmost new path of each member), so that a member
+            # failing half-way (e.g. a name leading through a symlink the archive itself made)
+            # leaves no new entries behind. Entries it replaced stay replaced.
+            created: list[str] = []
+            try:
+                self._note_created(t.full, created)
+                with _confined_errors(t.display):
+                    os.close(self._ensure_dir(t.full))
+                for member, rel, link_rel in plan:
+                    full = f"{dest}/{rel}" if rel else t.full
+                    self._note_created(full, created)
+                    with _confined_errors(_display(full)):
+                        link_full = f"{dest}/{link_rel}" if link_rel is not None else None
+                        self._extract(tf, member, full, bool(rel), link_full, dir_times)
+            except BaseException:
+                for full in reversed(created):
+                    try:
+                        self.remove(_display(full), recursive=True)
+                    except Exception:
+                        pass
+                raise
             # Directory mtimes last, since creating their children changed them.
             for full, mtime_ns in reversed(dir_times):
                 with _confined_errors(_display(full)), _owned(self._open_dir(full)) as fd:
                     os.utime(fd, ns=(mtime_ns, mtime_ns))
         return len(plan)
+
+    def _note_created(self, full: str, created: list[str]) -> None:
+        """Append the topmost component of `full` that does not exist yet (if any)."""
+        prefix = ""
+        for comp in (c for c in full.split("/") if c):
+            prefix += "/" + comp
+            try:
+                os.close(self._open_full(prefix, os.O_PATH | os.O_NOFOLLOW))
+            except FileNotFoundError:
+                if comp not in (".", "..") and prefix not in created:
+                    created.append(prefix)
+                return
+            except OSError:
+                return  # not ours to judge here: extraction reports it
 
     def download_tar(self, path: str, max_bytes: int = _DEFAULT_MAX) -> bytes:
         """An uncompressed tar of a file or a directory tree.

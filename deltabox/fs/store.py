@@ -102,21 +102,34 @@ class BtrfsStore(_BaseStore):
         pending = btrfs.pending_data_bytes(self.fs_uuid)
         return pending is None or pending > SYNC_THRESHOLD_BYTES
 
+    def _full_retry(self, fn, *args) -> None:
+        """Run a btrfs mutation; on ENOSPC commit the transaction and try once more: space
+        freed by deletions (of files, of checkpoints' subvolumes) is pinned until the
+        transaction that freed it commits, so a nearly full store says ENOSPC while it is
+        not full."""
+        try:
+            fn(*args)
+        except ResourceExhausted:
+            btrfs.sync(str(self.root))
+            fn(*args)
+
     def new_layer(self, layer_id: str) -> None:
         path = self.layer_path(layer_id)
-        btrfs.create_subvolume(str(path))
+        self._full_retry(btrfs.create_subvolume, str(path))
         self._make_dirs(path)
 
     def freeze(self, src_id: str, dst_id: str) -> None:
-        btrfs.snapshot(str(self.layer_path(src_id)), str(self.layer_path(dst_id)), readonly=True)
+        self._full_retry(btrfs.snapshot, str(self.layer_path(src_id)),
+                         str(self.layer_path(dst_id)), True)
 
     def clone(self, src_id: str, dst_id: str) -> None:
-        btrfs.snapshot(str(self.layer_path(src_id)), str(self.layer_path(dst_id)), readonly=False)
+        self._full_retry(btrfs.snapshot, str(self.layer_path(src_id)),
+                         str(self.layer_path(dst_id)), False)
 
     def delete(self, layer_id: str) -> None:
         path = self.layer_path(layer_id)
         if path.exists():
-            btrfs.delete_tree(str(path))
+            self._full_retry(btrfs.delete_tree, str(path))
 
     def generation(self, layer_id: str) -> int:
         return btrfs.generation(str(self.layer_path(layer_id)))

@@ -1,0 +1,422 @@
+"""Durable process state: background dumps of checkpoints' templates, restore from disk.
+
+After a "full" checkpoint commits, every template of its ProcessState is dumped (native
+`dump`, an incremental image against the same sandbox process's previous dump) into
+`<state_dir>/dumps/<cp_id>/<nspid>/`, beside `state.json`: what a restore needs besides
+memory (process records with fds and listeners, pipe groups, sessions) and the unread data
+of pipes (`pipe-<inode>.data`). The whole directory is written as `.<cp_id>.tmp` and renamed
+when complete; the `dumps` table records pending -> complete | failed. A dump that had not
+completed when the daemon stopped is never used (recovery marks it failed and removes it).
+
+Images of later dumps refer to their parent's images (chains, native/IMAGE_FORMAT.md): a
+dropped checkpoint's directory stays until no other image depends on it (`image_depends_on`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from ..cr import native
+from ..cr.capture import ProcessRecord
+from ..cr.engine import DeltaCR, PipeEnd, PipeGroup, ProcessState, SPLICE_F_NONBLOCK, _libc
+from .db import Database
+from .scheduler import IOScheduler
+
+log = logging.getLogger("deltaboxd")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS dumps (
+  cp_id TEXT PRIMARY KEY, sandbox_id TEXT NOT NULL, state TEXT NOT NULL,
+  bytes INTEGER NOT NULL DEFAULT 0, ms REAL NOT NULL DEFAULT 0, error TEXT NOT NULL DEFAULT '',
+  created_at REAL NOT NULL
+);
+"""
+NOT_COMPLETED = "its process dump had not completed when the daemon stopped"
+F_SETPIPE_SZ = 1031
+# Test-only: hold every dump back this long (tests/test_cr_durable.py kills the daemon while
+# a dump is pending). Never set in production.
+TEST_DELAY_S = float(os.environ.get("DELTABOX_TEST_DUMP_DELAY", "0") or 0)
+
+
+@dataclass
+class DumpRow:
+    cp_id: str
+    sandbox_id: str
+    state: str          # pending | complete | failed | dropped (checkpoint gone, dir kept)
+    bytes: int = 0
+    ms: float = 0.0
+    error: str = ""
+    created_at: float = 0.0
+
+
+class Dumps:
+    def __init__(self, db: Database, root: Path, cr: DeltaCR, io: IOScheduler,
+                 fsync: bool = False, sandbox_lock=lambda sid: None) -> None:
+        self.db, self.root, self.cr, self.io, self.fsync = db, root, cr, io, fsync
+        # The sandbox's operation lock (or None), held around each process image: a dump
+        # resumes the template for injected calls, which would hang in a cgroup frozen by a
+        # checkpoint (and hang the ptrace thread with it). So a rollback or fork must never
+        # wait for a pending dump while holding that lock.
+        self.sandbox_lock = sandbox_lock
+        db.conn.executescript(SCHEMA)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.locks: dict[str, trio.Lock] = {}            # one dump at a time per sandbox
+        self.events: dict[str, trio.Event] = {}          # cp id -> set when its dump ends
+        self.last: dict[tuple[str, int, str], Path] = {}  # (sandbox, nspid, cmd) -> image
+        self.in_use: set[Path] = set()                    # parent images being read
+        self.worker_ms_max = 0.0     # longest single dump job on the ptrace thread
+
+    # ---- rows --------------------------------------------------------------------------
+
+    def row(self, cp_id: str) -> DumpRow | None:
+        r = self.db.conn.execute("SELECT * FROM dumps WHERE cp_id=?", (cp_id,)).fetchone()
+        return DumpRow(**dict(r)) if r else None
+
+    def _put(self, r: DumpRow) -> None:
+        d = dataclasses.asdict(r)
+        cols = ", ".join(d)
+        self.db.conn.execute(f"INSERT OR REPLACE INTO dumps ({cols}) VALUES "
+                             f"({', '.join(':' + k for k in d)})", d)
+
+    def _rows(self, where: str = "1", *args: object) -> list[DumpRow]:
+        rows = self.db.conn.execute(f"SELECT * FROM dumps WHERE {where} ORDER BY created_at",
+                                    args).fetchall()
+        return [DumpRow(**dict(r)) for r in rows]
+
+    def path(self, cp_id: str) -> Path:
+        return self.root / cp_id
+
+    def describe(self, cp_id: str) -> str | None:
+        """One line for a checkpoint's reasons, or None if it has no dump."""
+        r = self.row(cp_id)
+        if r is None or r.state == "dropped":
+            return None
+        if r.state == "complete":
+            return f"process dump: complete ({r.bytes / 2**20:.1f} MiB, {r.ms:.0f} ms)"
+        if r.state == "failed":
+            return f"process dump: failed ({r.error})"
+        return "process dump: pending"
+
+    def complete(self, cp_id: str) -> bool:
+        r = self.row(cp_id)
+        return r is not None and r.state == "complete"
+
+    def pending(self, cp_id: str) -> bool:
+        ev = self.events.get(cp_id)
+        return ev is not None and not ev.is_set()
+
+    async def wait(self, cp_id: str) -> None:
+        """Until the dump of cp_id (if one is under way) has ended."""
+        ev = self.events.get(cp_id)
+        if ev is not None:
+            await ev.wait()
+        await self.io.wait(cp_id)
+
+    # ---- recovery and garbage collection -------------------------------------------------
+
+    def recover(self, live_checkpoints: set[str]) -> None:
+        """At start: a dump that had not completed is never used; dumps of checkpoints
+        that are gone are dropped; leftovers are removed."""
+        with self.db.transaction():
+            for r in self._rows("state='pending'"):
+                r.state, r.error = "failed", NOT_COMPLETED
+                self._put(r)
+            for r in self._rows("state!='dropped'"):
+                if r.cp_id not in live_checkpoints:
+                    r.state = "dropped"
+                    self._put(r)
+        keep = {r.cp_id for r in self._rows("state IN ('complete', 'dropped')")}
+        for entry in self.root.iterdir():
+            if entry.name not in keep:
+                log.info("recover: removing incomplete process dump %s", entry.name)
+                shutil.rmtree(entry, ignore_errors=True)
+        self.gc()
+
+    def drop(self, cp_ids: list[str]) -> None:
+        """The checkpoints are gone: their dumps go once no other image needs them."""
+        if not cp_ids:
+            return
+        with self.db.transaction():
+            for cp_id in cp_ids:
+                r = self.row(cp_id)
+                if r is not None:
+                    r.state = "dropped" if r.state in ("complete", "dropped") else "failed"
+                    self._put(r)
+                    if r.state == "failed":
+                        self.db.conn.execute("DELETE FROM dumps WHERE cp_id=?", (cp_id,))
+        gone = {self.path(c) for c in cp_ids}
+        self.last = {k: v for k, v in self.last.items() if v.parent not in gone}
+        self.gc()
+
+    def gc(self) -> int:
+        """Delete dropped dumps no remaining image depends on; returns how many."""
+        needed: set[Path] = {p for p in self.in_use}
+        for r in self._rows("state='complete'"):
+            for img in _images(self.path(r.cp_id)):
+                try:
+                    needed.update(Path(p) for p in native.image_depends_on(img))
+                except native.CRError:
+                    pass
+        freed = 0
+        for r in self._rows("state='dropped'"):
+            d = self.path(r.cp_id)
+            if any(p.parent == d for p in needed):
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+            self.db.conn.execute("DELETE FROM dumps WHERE cp_id=?", (r.cp_id,))
+            freed += 1
+        for r in self._rows("state='failed'"):
+            if r.error != NOT_COMPLETED:
+                shutil.rmtree(self.path(r.cp_id), ignore_errors=True)
+        return freed
+
+    # ---- dump ------------------------------------------------------------------------------
+
+    def schedule(self, start_soon, sid: str, cp_id: str, state: ProcessState,
+                 seccomp_filters: int) -> None:
+        """Record a pending dump of cp_id's templates and start it in the background."""
+        if not state.records:
+            self._put(DumpRow(cp_id, sid, "complete", 0, 0.0, "", time.time()))
+            self._write_meta_sync(self.root / f".{cp_id}.tmp", state)
+            os.rename(self.root / f".{cp_id}.tmp", self.path(cp_id))
+            return
+        self._put(DumpRow(cp_id, sid, "pending", 0, 0.0, "", time.time()))
+        self.events[cp_id] = trio.Event()
+        start_soon(self._dump, sid, cp_id, state, seccomp_filters)
+
+    async def _dump(self, sid: str, cp_id: str, state: ProcessState,
+                    seccomp_filters: int) -> None:
+        t0 = time.perf_counter()
+        tmp = self.root / f".{cp_id}.tmp"
+        total = 0
+        parents: list[Path] = []
+        job_ms = 0.0
+        try:
+            async with self.locks.setdefault(sid, trio.Lock()), self.io.slot(cp_id):
+                if TEST_DELAY_S:
+                    await trio.sleep(TEST_DELAY_S)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                for rec in state.records:
+                    tpl = state.templates[rec.pid]
+                    if tpl.released:
+                        raise native.CRError(22, f"the templates of {cp_id} were released "
+                                             "before their dump")
+                    ok = _seccomp_filters(tpl.pid) <= seccomp_filters
+                    parent = self.last.get((sid, rec.nspid, rec.cmd))
+                    if parent is not None and not parent.is_dir():
+                        parent = None
+                    if parent is not None:
+                        self.in_use.add(parent)
+                        parents.append(parent)
+                    try:
+                        st = await self._dump_one(sid, tpl, tmp / str(rec.nspid), parent, ok)
+                    except native.CRError:
+                        if parent is None:
+                            raise
+                        shutil.rmtree(tmp / str(rec.nspid), ignore_errors=True)
+                        st = await self._dump_one(sid, tpl, tmp / str(rec.nspid), None, ok)
+                    total += st.bytes_written
+                    job_ms = max(job_ms, st.ms)
+                total += await trio.to_thread.run_sync(self._write_meta_sync, tmp, state)
+                if self.db.get_checkpoint(cp_id) is None:
+                    raise native.CRError(2, "the checkpoint was deleted meanwhile")
+                os.rename(tmp, self.path(cp_id))
+                ms = (time.perf_counter() - t0) * 1000
+                self._put(DumpRow(cp_id, sid, "complete", total, ms, "", time.time()))
+                for rec in state.records:
+                    self.last[(sid, rec.nspid, rec.cmd)] = self.path(cp_id) / str(rec.nspid)
+                log.info("process dump of %s: %d processes, %.1f MiB, %.0f ms (longest job "
+                         "on the ptrace thread %.0f ms)", cp_id, len(state.records),
+                         total / 2**20, ms, job_ms)
+        except Exception as e:
+            log.warning("process dump of %s failed: %s", cp_id, e)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if self.row(cp_id) is not None:
+                self._put(DumpRow(cp_id, sid, "failed", 0, 0.0, str(e), time.time()))
+        finally:
+            for p in parents:
+                self.in_use.discard(p)
+            ev = self.events.pop(cp_id, None)
+            if ev is not None:
+                ev.set()
+
+    async def _dump_one(self, sid: str, tpl: native.Template, path: Path,
+                        parent: Path | None, seccomp_ok: bool) -> native.DumpStats:
+        """One process image, one job on the (shared) ptrace thread."""
+        lock = self.sandbox_lock(sid)
+        async with lock if lock is not None else trio.Lock():
+            if tpl.released:
+                raise native.CRError(22, "the templates were released before their dump")
+            t0 = time.perf_counter()
+            st = await self.cr.worker.run(
+                lambda: native.dump(tpl, path, parent, fsync=self.fsync,
+                                    seccomp_ok=seccomp_ok))
+        self.worker_ms_max = max(self.worker_ms_max, (time.perf_counter() - t0) * 1000)
+        return st
+
+    def _write_meta_sync(self, tmp: Path, state: ProcessState) -> int:
+        tmp.mkdir(exist_ok=True)
+        pipes = {}
+        total = 0
+        for g in state.pipes.values():
+            saved = None
+            if g.saved is not None:
+                data = _peek(g.saved)
+                if data:
+                    saved = f"pipe-{g.inode}.data"
+                    (tmp / saved).write_bytes(data)
+                    total += len(data)
+            pipes[str(g.inode)] = dict(ends=[dataclasses.asdict(e) for e in g.ends],
+                                       owner=g.owner, saved=saved)
+        meta = dict(version=1, records=[_rec_json(r) for r in state.records], pipes=pipes,
+                    sessions=state.sessions, session_states=state.session_states)
+        raw = json.dumps(meta).encode()
+        with open(tmp / "state.json", "wb") as f:
+            f.write(raw)
+            if self.fsync:
+                os.fsync(f.fileno())
+        return total + len(raw)
+
+    # ---- restore ------------------------------------------------------------------------
+
+    async def load(self, cp_id: str, host_pid: int, root_dir: str,
+                   reserve_pids: bool = False) -> ProcessState:
+        """Rebuild cp_id's templates from its dump, forked from host_pid (the sandbox's
+        init) with mapped files resolved under root_dir. reserve_pids: the processes will
+        be restored into host_pid's own pid namespace, so the templates must not take
+        their pids. Raises ImageCorrupt / CRError / OSError / ValueError; nothing is left
+        behind on failure."""
+        d = self.path(cp_id)
+        try:
+            meta = json.loads((d / "state.json").read_text())
+        except (OSError, ValueError) as e:
+            raise native.ImageCorrupt(74, f"{d / 'state.json'}: {e}") from e
+        records = [_rec_from(r) for r in meta["records"]]
+        if reserve_pids and records:
+            await _skip_pids(host_pid, max(r.nspid for r in records))
+        templates: dict[int, native.Template] = {}
+        pipes: dict[int, PipeGroup] = {}
+        try:
+            for rec in records:
+                templates[rec.pid] = await self.cr.worker.run(
+                    native.restore_template, host_pid, d / str(rec.nspid), root_dir)
+            for ino, g in meta["pipes"].items():
+                pg = PipeGroup(int(ino), [PipeEnd(**e) for e in g["ends"]], None, g["owner"])
+                if g["saved"]:
+                    pg.saved = _refill((d / g["saved"]).read_bytes())
+                pipes[pg.inode] = pg
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                for t in templates.values():
+                    await self.cr.worker.run(t.release)
+                for pg in pipes.values():
+                    if pg.saved is not None:
+                        os.close(pg.saved)
+            raise
+        return ProcessState(records, templates, pipes,
+                            {k: int(v) for k, v in meta["sessions"].items()},
+                            dict(meta["session_states"]), from_dump=cp_id)
+
+
+async def _skip_pids(host_pid: int, last: int) -> None:
+    """Let host_pid's pid namespace allocate new pids above `last` (ns_last_pid, written
+    by a process whose active pid namespace it is): after a daemon restart the namespace
+    is fresh, and rebuilt templates would otherwise take the very pids (low numbers) their
+    processes must get back."""
+    r = await trio.run_process(
+        ["nsenter", "-t", str(host_pid), "-p", "--", "sh", "-c",
+         f"echo {last} > /proc/sys/kernel/ns_last_pid"], check=False, capture_stderr=True)
+    if r.returncode != 0:
+        log.warning("setting ns_last_pid in the pid namespace of %d failed: %s", host_pid,
+                    r.stderr.decode(errors="replace").strip())
+
+
+def _images(d: Path) -> list[Path]:
+    try:
+        return [p for p in d.iterdir() if p.is_dir() and p.name.isdigit()]
+    except OSError:
+        return []
+
+
+def _seccomp_filters(pid: int) -> int:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("Seccomp_filters:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 1 << 30
+
+
+def init_seccomp_filters(pid: int) -> int:
+    """How many seccomp filters the sandbox's init carries (restored processes are forked
+    from it and get exactly its filters)."""
+    n = _seccomp_filters(pid)
+    return -1 if n == 1 << 30 else n
+
+
+def _peek(saved: int) -> bytes:
+    """The unread pipe data held in `saved` (a pipe's read end), without consuming it."""
+    r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        fcntl.fcntl(w, F_SETPIPE_SZ, 1 << 20)
+    except OSError:
+        pass
+    try:
+        n = _libc.tee(saved, w, 1 << 20, SPLICE_F_NONBLOCK)
+        os.close(w)
+        w = -1
+        out = b""
+        while n > 0 and len(out) < n:
+            chunk = os.read(r, n - len(out))
+            if not chunk:
+                break
+            out += chunk
+        return out
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+def _refill(data: bytes) -> int:
+    r, w = os.pipe2(os.O_CLOEXEC)
+    try:
+        if len(data) > 65536:
+            fcntl.fcntl(w, F_SETPIPE_SZ, len(data))
+        os.write(w, data)
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    return r
+
+
+def _rec_json(r: ProcessRecord) -> dict:
+    d = dataclasses.asdict(r)
+    d["listens"] = [dict(dataclasses.asdict(ls), addr=ls.addr.hex()) for ls in r.listens]
+    return d
+
+
+def _rec_from(d: dict) -> ProcessRecord:
+    fds = []
+    for f in d.pop("fds"):
+        sock = f.pop("socket")
+        rdev = f.pop("rdev")
+        fds.append(native.FdInfo(**f, rdev=tuple(rdev) if rdev else None,
+                                 socket=native.SockInfo(**sock) if sock else None))
+    listens = [native.ListenSocket(**dict(ls, addr=bytes.fromhex(ls["addr"])))
+               for ls in d.pop("listens")]
+    return ProcessRecord(**d, fds=fds, listens=listens)

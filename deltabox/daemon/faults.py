@@ -1,0 +1,76 @@
+"""Test-only fault injection: make deltaboxd kill itself (SIGKILL) at a named step.
+
+    DELTABOX_CRASH_AT=<step>        die the first time <step> is reached
+    DELTABOX_CRASH_AT=<step>:<n>    die the n-th time (1-based)
+
+The kill is real (`kill -9` of the daemon's own pid: no cleanup, no atexit, no finally), so a
+restart exercises the same recovery as a crash or an OOM kill of the daemon would. Used by
+tests/test_faults.py; the steps are the `crash_point("...")` calls in daemon/service.py
+(listed in STEPS). Unset (the normal case), `crash_point` is a dict lookup and a return.
+Never set this in production.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+log = logging.getLogger("deltaboxd")
+
+# Every named step, so a test can parametrize over them and a typo fails loudly.
+STEPS = (
+    "checkpoint.frozen",          # cgroup frozen, nothing captured yet
+    "checkpoint.snapshotted",     # file layer snapshotted (fs) / captured (full), still frozen
+    "checkpoint.captured",        # thawed; capture done, metadata not written
+    "checkpoint.before_commit",   # just before the SQLite transaction
+    "checkpoint.after_commit",    # just after it
+    "rollback.killed",            # the sandbox's processes were killed
+    "rollback.generation",        # the new file-system generation is built (uncommitted)
+    "rollback.before_commit",
+    "rollback.after_commit",
+    "rollback.restoring",         # committed; restoring processes from templates
+    "fork.cloned",                # the forks' layers were cloned
+    "fork.booted",                # the forks are booted (uncommitted)
+    "fork.before_commit",
+    "remove.before_commit",       # sandbox stopped, rows not yet deleted
+    "remove.after_commit",
+    "remove.before_layer_delete",  # rows gone, layers not yet deleted
+    "delete_checkpoint.before_commit",
+    "delete_checkpoint.after_commit",
+)
+
+
+def _parse(spec: str) -> tuple[str, int] | None:
+    if not spec:
+        return None
+    name, _, nth = spec.partition(":")
+    if name not in STEPS:
+        log.error("DELTABOX_CRASH_AT=%r: unknown step (known: %s); ignored", spec,
+                  ", ".join(STEPS))
+        return None
+    try:
+        n = int(nth) if nth else 1
+    except ValueError:
+        log.error("DELTABOX_CRASH_AT=%r: the count after ':' must be an integer; ignored", spec)
+        return None
+    return name, max(n, 1)
+
+
+_target = _parse(os.environ.get("DELTABOX_CRASH_AT", ""))
+_hits: dict[str, int] = {}
+
+
+def crash_point(name: str) -> None:
+    """Kill this process with SIGKILL if DELTABOX_CRASH_AT names this step (and count)."""
+    if _target is None or _target[0] != name:
+        return
+    _hits[name] = _hits.get(name, 0) + 1
+    if _hits[name] >= _target[1]:
+        log.warning("DELTABOX_CRASH_AT=%s: killing deltaboxd (SIGKILL) at %s", name, name)
+        for h in logging.getLogger().handlers + log.handlers:
+            try:
+                h.flush()
+            except Exception:
+                pass
+        os.kill(os.getpid(), signal.SIGKILL)

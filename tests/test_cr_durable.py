@@ -1,0 +1,163 @@
+"""Durable process state (daemon/dumps.py): background dumps of full checkpoints, restore from
+disk after kill -9 of the daemon, after template eviction, into forks; corrupt images and
+dumps that had not completed restart processes and say why. A real private daemon."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from deltabox import Sandbox
+
+from conftest import DaemonProc, leaks
+
+ARGS = ("--no-inspector", "--templates", "1")
+MB = 100
+# Patterned memory and a counter; answers requests made through files (the daemon's files
+# API), so nothing but its memory tells what state it is in.
+PROGRAM = f"""
+import hashlib, json, os, time
+buf = bytearray({MB} << 20)
+for i in range({MB}):
+    buf[i << 20:(i + 1) << 20] = hashlib.sha256(i.to_bytes(4, "little")).digest() * 32768
+n = 0
+while True:
+    if os.path.exists("/workspace/req"):
+        req = open("/workspace/req").read()
+        os.unlink("/workspace/req")
+        n += 1
+        if req == "mutate":
+            for off in range(10 << 20, 20 << 20, 4096):
+                buf[off] ^= 0xFF
+        out = json.dumps({{"hash": hashlib.sha256(buf).hexdigest(), "n": n}})
+        open("/workspace/resp.tmp", "w").write(out)
+        os.rename("/workspace/resp.tmp", "/workspace/resp")
+    time.sleep(0.02)
+"""
+SHELL = "X=hello; declare -A M=([k]=v); f() { echo fn$1; }; cd /tmp; echo ok"
+PROBE = 'echo "$X ${M[k]} $(f 1) $PWD"'
+
+
+@pytest.fixture
+def d():
+    base = Path(tempfile.mkdtemp(prefix="dbx-durable-", dir="/var/tmp"))
+    dp = DaemonProc(base / "state", str(base / "d.sock"), None, base / "daemon.log")
+    try:
+        yield dp
+    finally:
+        dp.stop()
+        left = leaks(base)
+        if not left:
+            shutil.rmtree(base, ignore_errors=True)
+        assert not left, f"left behind: {left}"
+
+
+def ask(sbx: Sandbox, what: str = "hash", timeout: float = 30) -> dict:
+    sbx.exec("rm -f /workspace/resp")
+    sbx.files.write("req", what)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sbx.files.exists("resp"):
+            return json.loads(sbx.files.read("resp"))
+        time.sleep(0.05)
+    raise TimeoutError("the python process did not answer")
+
+
+def dump_state(sbx: Sandbox, cp_id: str, timeout: float = 60) -> str:
+    """The process-dump line of a checkpoint's reasons, once it is no longer pending."""
+    deadline = time.monotonic() + timeout
+    while True:
+        cp = next(c for c in sbx.checkpoints() if c.id == cp_id)
+        line = next((r for r in cp.reasons if r.startswith("process dump:")), "")
+        if "pending" not in line or time.monotonic() > deadline:
+            return line
+        time.sleep(0.1)
+
+
+def start_processes(sbx: Sandbox) -> dict:
+    assert sbx.session("s").run(SHELL).stdout.strip() == "ok"
+    sbx.files.write("prog.py", PROGRAM)
+    sbx.exec("nohup python3 /workspace/prog.py >/dev/null 2>&1 &")
+    return ask(sbx, timeout=60)
+
+
+def test_restart_evict_fork_corrupt(d: DaemonProc) -> None:
+    d.start(*ARGS)
+    sbx = Sandbox.create(socket=d.socket)
+    h0 = start_processes(sbx)
+    cp1 = sbx.checkpoint(mode="full")
+    assert "complete" in dump_state(sbx, cp1.id)
+    assert ask(sbx, "mutate")["hash"] != h0["hash"]
+    sbx.session("s").run("X=changed; cd /")
+
+    # kill -9 of the daemon: the templates are gone, the dump is not.
+    d.kill9()
+    d.start(*ARGS)
+    sbx = Sandbox.connect(sbx.id, socket=d.socket)
+    assert "complete" in dump_state(sbx, cp1.id)
+    r = sbx.rollback(cp1)
+    assert r.process_state == "restored", r.note
+    assert f"restored from disk (dump of {cp1.id}" in r.note
+    assert sbx.session("s").run(PROBE).stdout.strip() == "hello v fn1 /tmp"
+    got = ask(sbx)
+    assert got["hash"] == h0["hash"] and got["n"] == h0["n"] + 1
+
+    # --templates 1: a new full checkpoint evicts cp1's (rebuilt) templates; its dump is
+    # complete, so a rollback to it restores from disk again (through an incremental chain).
+    cp2 = sbx.checkpoint(mode="full")
+    assert "complete" in dump_state(sbx, cp2.id)
+    ask(sbx, "mutate")
+    r = sbx.rollback(cp1)
+    assert r.process_state == "restored" and f"dump of {cp1.id}" in r.note, r.note
+    assert ask(sbx)["hash"] == h0["hash"]
+    assert sbx.session("s").run(PROBE).stdout.strip() == "hello v fn1 /tmp"
+
+    # A fork of cp2 (its templates evicted by the rollback above): rebuilt from its dump.
+    kid = sbx.fork(cp2)[0]
+    k = ask(kid)
+    assert k["hash"] == h0["hash"] and k["n"] == h0["n"] + 2
+    assert kid.session("s").run(PROBE).stdout.strip() == "hello v fn1 /tmp"
+    kid.kill()
+
+    # A corrupt image: the rollback restarts processes and names the damage.
+    sbx.checkpoint(mode="full")  # evicts cp1's templates
+    images = sorted((d.state_dir / "dumps" / cp1.id).glob("*/pages.img"),
+                    key=lambda p: p.stat().st_size)
+    pages = images[-1]  # the python process's (full) image
+    with open(pages, "r+b") as f:
+        f.seek(pages.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    r = sbx.rollback(cp1)
+    assert r.process_state == "restarted", r.note
+    assert f"restoring from the dump of {cp1.id} failed" in r.note and "pages.img" in r.note
+    ps = sbx.exec("ps -eo stat=,comm=").stdout.splitlines()
+    assert all(line.split()[0].startswith("t") for line in ps if "python3" in line), ps
+
+    # Deleting checkpoints frees their dumps once no other image depends on them.
+    for c in sbx.checkpoints():
+        sbx.delete_checkpoint(c.id)
+    assert list((d.state_dir / "dumps").iterdir()) == []
+
+
+def test_incomplete_dump_is_file_state_only(d: DaemonProc) -> None:
+    d.start(*ARGS, env={"DELTABOX_TEST_DUMP_DELAY": "30"})
+    sbx = Sandbox.create(socket=d.socket)
+    start_processes(sbx)
+    cp = sbx.checkpoint(mode="full")
+    assert "pending" in next(c for c in sbx.checkpoints() if c.id == cp.id).reasons[-1]
+    d.kill9()
+    d.start(*ARGS)
+    sbx = Sandbox.connect(sbx.id, socket=d.socket)
+    assert "had not completed when the daemon stopped" in dump_state(sbx, cp.id)
+    assert [p.name for p in (d.state_dir / "dumps").iterdir()] == []
+    r = sbx.rollback(cp)
+    assert r.process_state == "restarted"
+    assert "its process dump had not completed when the daemon stopped" in r.note
+    assert sbx.files.exists("prog.py")

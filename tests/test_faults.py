@@ -1,0 +1,358 @@
+"""kill -9 of deltaboxd at named steps inside checkpoint, rollback, fork, rm and
+delete-checkpoint (DELTABOX_CRASH_AT, deltabox/daemon/faults.py: the daemon really SIGKILLs
+itself), then a restart without the switch: every checkpoint committed before the crash is
+there and rolls back to its exact files, the interrupted operation either fully happened (the
+crash came after its commit) or left no trace, and nothing leaks once the daemon stops.
+
+Also: a full store during a checkpoint, and an OOM inside a sandbox during a checkpoint.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import sqlite3
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import deltabox
+from deltabox import Sandbox
+from deltabox.daemon.faults import STEPS
+from deltabox.sandbox.cgroups import parent_name
+
+from conftest import DaemonProc, leaks
+
+# Fault tests run without the eBPF inspector (it loads for seconds in the background) and
+# without warm ready generations; spare clones are uncommitted layers that recovery removes.
+FLAGS = ("--no-inspector", "--warm-generations", "0")
+
+# (step, operation, whether the operation is committed when the crash hits)
+CASES = [
+    ("checkpoint.frozen", "checkpoint", False),
+    ("checkpoint.snapshotted", "checkpoint", False),
+    ("checkpoint.snapshotted", "checkpoint-fs", False),
+    ("checkpoint.captured", "checkpoint", False),
+    ("checkpoint.before_commit", "checkpoint", False),
+    ("checkpoint.after_commit", "checkpoint", True),
+    ("rollback.killed", "rollback", False),
+    ("rollback.generation", "rollback", False),
+    ("rollback.before_commit", "rollback", False),
+    ("rollback.after_commit", "rollback", True),
+    ("rollback.restoring", "rollback", True),
+    ("fork.cloned", "fork", False),
+    ("fork.booted", "fork", False),
+    ("fork.before_commit", "fork", False),
+    ("remove.before_commit", "remove", False),
+    ("remove.after_commit", "remove", True),
+    ("remove.before_layer_delete", "remove", True),
+    ("delete_checkpoint.before_commit", "delete_checkpoint", False),
+    ("delete_checkpoint.after_commit", "delete_checkpoint", True),
+]
+# How many times the setup passes each step before the operation under test.
+SETUP_HITS = {"checkpoint": 3}
+
+
+def test_every_step_is_covered() -> None:
+    assert {c[0] for c in CASES} == set(STEPS)
+
+
+@pytest.fixture(scope="module")
+def base():
+    """One state dir (and loop store) for the whole module: each test starts and stops its
+    own daemon on it."""
+    b = Path(tempfile.mkdtemp(prefix="dbx-faults-", dir="/var/tmp"))
+    yield b
+    left = leaks(b)
+    if not left:
+        shutil.rmtree(b, ignore_errors=True)
+    assert not left, f"left behind: {left}"
+
+
+@pytest.fixture
+def d(base: Path):
+    dp = DaemonProc(base / "state", str(base / "d.sock"), None, base / "daemon.log")
+    try:
+        yield dp
+    finally:
+        if dp.proc is not None and dp.proc.poll() is None:
+            # whatever a failed test left: remove it, so the next test starts clean
+            try:
+                for s in Sandbox.list(socket=dp.socket):
+                    Sandbox.connect(s.id, socket=dp.socket).kill()
+            except Exception:
+                pass
+        dp.stop()
+
+
+def _db(d: DaemonProc) -> tuple[dict[str, tuple[str, str | None]], dict[str, str]]:
+    """Committed state read straight from SQLite: sandboxes {id: (layer, head)}, checkpoints
+    {id: layer}."""
+    con = sqlite3.connect(f"file:{d.state_dir / 'deltabox.db'}?mode=ro", uri=True)
+    try:
+        sbs = {r[0]: (r[1], r[2]) for r in con.execute(
+            "SELECT id, layer_id, head_cp FROM sandboxes")}
+        cps = {r[0]: r[1] for r in con.execute("SELECT id, layer_id FROM checkpoints")}
+    finally:
+        con.close()
+    return sbs, cps
+
+
+def _layers_on_disk(d: DaemonProc) -> set[str]:
+    return {p.name for p in (d.state_dir / "store" / "layers").iterdir()}
+
+
+def _sandbox_processes(d: DaemonProc) -> set[int]:
+    parent = parent_name(str(d.state_dir.resolve()))
+    out = subprocess.run(["pgrep", "-f", f"libexec/dbx-.*{parent}"], capture_output=True,
+                         text=True)
+    return {int(p) for p in out.stdout.split()}
+
+
+def _wait_layers_settle(d: DaemonProc, timeout: float = 10.0) -> None:
+    """Every layer on disk is referenced by a committed row and vice versa (layers of
+    removed sandboxes go in the background: wait for that)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sbs, cps = _db(d)
+        referenced = {v[0] for v in sbs.values()} | set(cps.values())
+        disk = _layers_on_disk(d)
+        if disk == referenced or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert referenced <= disk, f"committed layers missing on disk: {referenced - disk}"
+    assert disk == referenced, f"uncommitted layers left on disk: {disk - referenced}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("step,op,committed", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_crash_at(d: DaemonProc, step: str, op: str, committed: bool) -> None:
+    kind = op.split("-")[0]
+    nth = SETUP_HITS.get(kind, 0) + 1
+    d.start(*FLAGS, env={"DELTABOX_CRASH_AT": f"{step}:{nth}"})
+    s = d.socket
+
+    # ---- state committed before the crash
+    by = Sandbox.create(socket=s)
+    by.files.write("b.txt", "bystander")
+    bcp = by.checkpoint(mode="fs")
+    sb = Sandbox.create(socket=s)
+    sb.files.write("a.txt", "v1")
+    sb.session("main").run("cd /tmp && export X=1")
+    cp1 = sb.checkpoint(mode="full")
+    sb.files.write("a.txt", "v2")
+    cp2 = sb.checkpoint(mode="fs")
+    sb.files.write("a.txt", "v3")
+    content = {bcp.id: ("b.txt", b"bystander"), cp1.id: ("a.txt", b"v1"),
+               cp2.id: ("a.txt", b"v2")}
+    sbs_before, cps_before = _db(d)
+    assert d.proc is not None and d.proc.poll() is None, "crashed during the setup"
+
+    # ---- the operation: the daemon kills itself at `step`
+    ops = {
+        "checkpoint": lambda: sb.checkpoint(mode="fs" if op.endswith("-fs") else "full"),
+        "rollback": lambda: sb.rollback(cp1),
+        "fork": lambda: sb.fork(cp1, count=2),
+        "remove": lambda: sb.kill(),
+        "delete_checkpoint": lambda: sb.delete_checkpoint(cp2),
+    }
+    try:
+        ops[kind]()
+        # only a crash in the background after the reply (layer deletion) may let it succeed
+        assert step == "remove.before_layer_delete", f"{op} succeeded despite the crash"
+    except deltabox.DeltaBoxError as e:
+        assert isinstance(e, deltabox.Unavailable), f"{type(e).__name__}: {e}"
+    assert d.proc.wait(30) == -signal.SIGKILL
+    assert f"killing deltaboxd (SIGKILL) at {step}" in d.log.read_text()
+    assert _sandbox_processes(d), "sandbox processes should outlive the daemon"
+
+    # ---- restart without the switch
+    d.start(*FLAGS)
+    deltabox.info(socket=s)
+    sbs, cps = _db(d)
+    expect_cps = set(cps_before)
+    expect_sbs = set(sbs_before)
+    head, files = cp2.id, b"v3"
+    if kind == "checkpoint" and committed:
+        (new,) = set(cps) - set(cps_before)
+        content[new] = ("a.txt", b"v3")
+        expect_cps.add(new)
+        head = new
+    elif kind == "rollback" and committed:
+        head, files = cp1.id, b"v1"
+    elif kind == "remove" and committed:
+        expect_sbs.discard(sb.id)
+        expect_cps -= {cp1.id, cp2.id}   # the family's last sandbox: its checkpoints go
+    elif kind == "delete_checkpoint" and committed:
+        expect_cps.discard(cp2.id)
+        head = cp1.id                    # the head moves up to the deleted one's parent
+    assert set(cps) == expect_cps, "checkpoints after the restart"
+    assert set(sbs) == expect_sbs, "sandboxes after the restart"
+    _wait_layers_settle(d)
+
+    # every sandbox boots again on its committed files
+    assert Sandbox.connect(by.id, socket=s).files.read("b.txt") == b"bystander"
+    if sb.id in expect_sbs:
+        sb = Sandbox.connect(sb.id, socket=s)
+        info = sb.info()
+        assert info.state == "running" and info.head_checkpoint_id == head
+        assert sb.files.read("a.txt") == files
+        assert sb.exec("echo ok").stdout == "ok\n"
+    # every committed checkpoint rolls back to its exact content
+    for cp_id, (path, data) in content.items():
+        if cp_id not in expect_cps:
+            continue
+        owner = by if cp_id == bcp.id else sb
+        owner.rollback(cp_id)
+        assert owner.files.read(path) == data, f"rollback to {cp_id}"
+    for cp_id in content:
+        if cp_id not in expect_cps:
+            with pytest.raises(deltabox.NotFound):
+                Sandbox.connect(by.id, socket=s).rollback(cp_id)
+
+    # ---- nothing leaks
+    for info in Sandbox.list(socket=s):
+        Sandbox.connect(info.id, socket=s).kill()
+    _wait_layers_settle(d)
+    assert _layers_on_disk(d) == set()
+    d.stop()
+    assert d.proc.returncode == 0
+    assert _sandbox_processes(d) == set()
+    assert not leaks(d.state_dir.parent)
+
+
+# ---- a full store, an OOM ------------------------------------------------------------------
+
+PROPER = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED",
+          "DEADLINE_EXCEEDED"}
+
+
+@pytest.fixture
+def small_store():
+    """A daemon on the smallest loop store (1 GiB), which a sandbox fills in seconds."""
+    b = Path(tempfile.mkdtemp(prefix="dbx-full-", dir="/var/tmp"))
+    dp = DaemonProc(b / "state", str(b / "d.sock"), None, b / "daemon.log")
+    try:
+        # no per-sandbox disk quota: the point is the whole store filling up (as many
+        # sandboxes together would)
+        dp.start("--no-inspector", "--store-size-gb", "1", "--default-disk-mb", "0")
+        yield dp
+    finally:
+        try:
+            for info in Sandbox.list(socket=dp.socket):
+                Sandbox.connect(info.id, socket=dp.socket).kill()
+        except Exception:
+            pass
+        dp.stop()
+        left = leaks(b)
+        if not left:
+            shutil.rmtree(b, ignore_errors=True)
+        assert not left, f"left behind: {left}"
+
+
+def test_full_store_during_checkpoint(small_store: DaemonProc) -> None:
+    """Data full: snapshots are metadata only, so checkpoints still work and writes fail
+    with RESOURCE_EXHAUSTED. Keep checkpointing until metadata is full too: the checkpoint
+    fails with RESOURCE_EXHAUSTED saying what to do, leaves no row, and the sandbox runs on;
+    once space is freed, checkpoints work again."""
+    d = small_store
+    sb = Sandbox.create(socket=d.socket)
+    sb.files.write("keep.txt", "kept")
+    first = sb.checkpoint(mode="fs")
+    filler = Sandbox.create(socket=d.socket)          # another tenant fills the store
+    r = filler.exec("dd if=/dev/zero of=/workspace/big bs=1M; sync", timeout=120)
+    assert "No space left on device" in r.stderr
+    assert sb.exec("echo more > /workspace/more.txt").exit_code != 0  # ENOSPC inside
+    with pytest.raises(deltabox.ResourceExhausted) as ei:
+        sb.files.write("x.txt", b"y" * 100_000)
+    assert "no space left" in ei.value.message and "delete files" in ei.value.message
+    cp = sb.checkpoint(mode="fs")                     # data full: a snapshot still fits
+    assert cp.kind == "fs"
+    err = None
+    for _ in range(3000):                             # ~300 snapshots fill 1 GiB's metadata
+        try:
+            sb.checkpoint(mode="fs")
+        except deltabox.ResourceExhausted as e:
+            err = e
+            break
+    assert err is not None, "the store never filled up"
+    assert "ENOSPC" in err.message and "layer store is full" in err.message
+    assert "rmcp" in err.message
+    n = len(sb.checkpoints())
+    # the sandbox keeps running, the daemon answers, the failed checkpoint left no row
+    assert sb.exec("echo alive").stdout == "alive\n"
+    assert sb.info().state == "running"
+    assert deltabox.info(socket=d.socket).checkpoints == n
+    # free space: remove the filler and most checkpoints; checkpoints work again
+    filler.kill()
+    for c in sb.checkpoints():
+        if c.id != first.id:
+            sb.delete_checkpoint(c)
+    deadline = time.monotonic() + 60
+    while True:                                       # btrfs frees deleted snapshots lazily
+        try:
+            sb.files.write("keep.txt", "after")
+            again = sb.checkpoint(mode="fs")
+            break
+        except deltabox.ResourceExhausted:
+            assert time.monotonic() < deadline, "space never came back"
+            time.sleep(0.5)
+    sb.rollback(first)
+    assert sb.files.read("keep.txt") == b"kept"
+    sb.rollback(again)
+    assert sb.files.read("keep.txt") == b"after"
+
+
+def test_oom_during_checkpoint(d: DaemonProc) -> None:
+    """A sandbox with 64 MiB of memory runs hogs that get OOM-killed while checkpoints are
+    taken: every call ends with a proper status, the daemon stays healthy, the sandbox runs."""
+    import grpc
+
+    d.start("--no-inspector")
+    sb = Sandbox.create(socket=d.socket, memory_mb=64)
+    sb.files.write("a.txt", "before")
+    base_cp = sb.checkpoint(mode="fs")
+    hog = ("python3 -c 'import time\nb=[]\nwhile True:\n    b.append(bytearray(8<<20))\n"
+           "    time.sleep(0.01)'")
+    results: list[str] = []
+    stop = threading.Event()
+
+    def hogs() -> None:
+        while not stop.is_set():
+            try:
+                r = sb.exec(hog, timeout=30)
+                results.append(f"hog exit {r.exit_code}")
+            except deltabox.DeltaBoxError as e:
+                results.append(f"hog {e.code.name}")
+
+    t = threading.Thread(target=hogs)
+    t.start()
+    codes: list[str] = []
+    try:
+        for i in range(30):
+            try:
+                sb.checkpoint(mode="full" if i % 2 else "fs")
+                codes.append("OK")
+            except deltabox.DeltaBoxError as e:
+                codes.append(e.code.name)
+                assert e.message, "an error without a message"
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        t.join(60)
+    assert set(codes) <= PROPER, codes
+    assert codes.count("OK") >= 10, codes
+    assert any("exit 137" in r for r in results), results   # the hog was OOM-killed (SIGKILL)
+    # the daemon is healthy: alive, answering, the sandbox runs and rolls back
+    assert d.proc is not None and d.proc.poll() is None
+    deltabox.info(socket=d.socket)
+    assert sb.exec("echo ok").stdout == "ok\n"
+    sb.rollback(base_cp)
+    assert sb.files.read("a.txt") == b"before"
+    oom = Path(d.log).read_text()
+    assert "internal error" not in oom.lower(), oom[-2000:]
+    assert grpc  # noqa: the import documents the status names used above
