@@ -174,6 +174,13 @@ def test_mkdir_without_parents(box: Box) -> None:
     box.files.write("/workspace/file", b"")
     with pytest.raises(FailedPrecondition, match="not a directory"):
         box.files.mkdir("/workspace/file")
+    # A rejected `mkdir -p` takes back the parents it made (found by tests/test_api_fuzz.py).
+    before = sorted(box.files.list("/workspace"), key=lambda f: f.path)
+    with pytest.raises(FailedPrecondition, match="not a directory"):
+        box.files.mkdir("/workspace/cp-new/x/../../file/y")
+    with pytest.raises(FailedPrecondition, match="not a directory"):
+        box.files.mkdir("/workspace/a/b/c/../../../file/z")
+    assert sorted(box.files.list("/workspace"), key=lambda f: f.path) == before
 
 
 def test_binary_and_large_round_trip(box: Box) -> None:

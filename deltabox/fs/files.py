@@ -591,6 +591,7 @@ class SandboxFiles:
         except FileNotFoundError:
             pass
         cur = self._open_dir("/")
+        made: list[str] = []   # what we created, to take back if a later component fails
         try:
             prefix = ""
             for comp in (c for c in full.split("/") if c):
@@ -600,14 +601,31 @@ class SandboxFiles:
                 except FileNotFoundError:
                     if comp in (".", ".."):
                         raise
-                    self._make_subdir(cur, comp)
+                    if self._make_subdir(cur, comp):
+                        made.append(prefix)
                     nxt = self._open_dir(prefix)  # ENOENT again: a dangling symlink is in the way
                 cur, old = nxt, cur
                 os.close(old)
             return cur
         except BaseException:
             os.close(cur)
+            self._unmake(made)  # a rejected call changes nothing
             raise
+
+    def _unmake(self, made: list[str]) -> None:
+        """Remove directories `_ensure_dir` created, deepest first, if they are still empty."""
+        for path in reversed(made):
+            parent, _, name = path.rpartition("/")
+            try:
+                pfd = self._open_dir(parent or "/")
+            except OSError:
+                continue
+            try:
+                os.rmdir(name, dir_fd=pfd)
+            except OSError:
+                pass
+            finally:
+                os.close(pfd)
 
     def _make_subdir(self, pfd: int, name: str) -> bool:
         """mkdirat, then give the new directory its parent's owner and 0o755 (not the daemon's

@@ -1,0 +1,153 @@
+"""The DeltaCR fidelity catalog (tests/test_cr.py) through the restore-from-disk path.
+
+The same case functions, with two more ways of bringing a checkpoint back, both a rollback of
+the sandbox on a private daemon started with `--templates 1`:
+
+- `disk-evicted`: once the checkpoint's process dump is complete, one more full checkpoint
+  evicts its templates; the rollback rebuilds them from the dump (daemon/dumps.py).
+- `disk-restart`: once the dump is complete, kill -9 of the daemon and a restart (the
+  templates are gone with it); the rollback rebuilds them from the dump.
+- `disk-restart-fork`: the same restart, then a fork of the checkpoint (the catalog's fork
+  assertions apply: the child is a new sandbox, the source keeps its own state).
+
+Each rollback must say "restored from disk (dump of <cp>". A disk restore restores as into a
+fork (the rebuilt templates are init's children): where that differs from a rollback from
+templates, the case asserts it under `restore.disk` (see the cases in test_cr.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import deltabox
+from deltabox import Sandbox
+
+from conftest import DaemonProc, leaks
+from test_cr import (Restore, test_bash_session_state, test_counter_file_and_memory_agree,  # noqa: F401
+                     test_loopback_tcp_server_answers, test_nested_children_and_process_group,
+                     test_pipeline_alive, test_python_process_memory, test_reader_offset,
+                     test_sqlite_held_open_by_a_long_lived_process)
+
+ARGS = ("--no-inspector", "--templates", "1")
+
+
+@pytest.fixture(scope="module")
+def disk_daemon() -> Iterator[DaemonProc]:
+    base = Path(tempfile.mkdtemp(prefix="dbx-catdisk-", dir="/var/tmp"))
+    d = DaemonProc(base / "state", str(base / "d.sock"), None, base / "daemon.log")
+    try:
+        d.start(*ARGS)
+        yield d
+    finally:
+        d.stop()
+        left = leaks(base)
+        if not left:
+            shutil.rmtree(base, ignore_errors=True)
+        assert not left, f"left behind: {left}"
+
+
+@pytest.fixture
+def sbx(disk_daemon: DaemonProc) -> Iterator[Sandbox]:
+    if disk_daemon.proc is None or disk_daemon.proc.poll() is not None:
+        disk_daemon.start(*ARGS)  # a case that failed midway through a restart
+    s = Sandbox.create(socket=disk_daemon.socket)
+    try:
+        yield s
+    finally:
+        try:
+            s.kill()
+        except Exception:
+            pass
+
+
+def dump_complete(sbx: Sandbox, cp_id: str, timeout: float = 60) -> None:
+    """Until the checkpoint's process dump is no longer pending; it must be complete."""
+    deadline = time.monotonic() + timeout
+    while True:
+        cp = next(c for c in sbx.checkpoints() if c.id == cp_id)
+        line = next((r for r in cp.reasons if r.startswith("process dump:")), "")
+        if "pending" not in line:
+            assert "complete" in line, cp.reasons
+            return
+        assert time.monotonic() < deadline, "the process dump did not complete"
+        time.sleep(0.1)
+
+
+@pytest.fixture(params=["disk-evicted", "disk-restart", "disk-restart-fork"])
+def restore(request, disk_daemon: DaemonProc) -> Iterator[Restore]:
+    """Roll the sandbox back to the checkpoint (or, disk-restart-fork: fork a child from it
+    after the restart), its processes rebuilt from their dump."""
+    kids: list[Sandbox] = []
+
+    def do(sbx: Sandbox, cp: deltabox.Checkpoint) -> Sandbox:
+        dump_complete(sbx, cp.id)
+        if request.param == "disk-evicted":
+            # --templates 1: a newer full checkpoint evicts cp's (its dump is complete).
+            sbx.checkpoint(mode="full")
+        else:
+            disk_daemon.kill9()
+            disk_daemon.start(*ARGS)
+        if request.param == "disk-restart-fork":
+            kid = sbx.fork(cp)[0]
+            kids.append(kid)
+            assert kid.process_state == "restored", kid.fork_note
+            assert f"restored from disk (dump of {cp.id})" in kid.fork_note, kid.fork_note
+            return kid
+        res = sbx.rollback(cp)
+        assert res.process_state == "restored", res
+        assert f"restored from disk (dump of {cp.id}" in res.note, res.note
+        return sbx
+
+    do.mode = request.param  # type: ignore[attr-defined]
+    do.disk = True  # type: ignore[attr-defined]
+    try:
+        yield do
+    finally:
+        for k in kids:
+            try:
+                k.kill()
+            except deltabox.DeltaBoxError:
+                pass
+
+
+def test_truncated_images_are_refused_with_a_clear_error(sbx: Sandbox,
+                                                         disk_daemon: DaemonProc) -> None:
+    """Issue 4 part 5 through the daemon: a dump whose files were cut short (a process's
+    page data, its core image, the checkpoint's state.json) is refused — the rollback
+    restarts the processes and names the damaged file — and restores once intact again.
+    (Flipped bytes: tests/test_cr_durable.py; every image file: tests/test_cr_dump.py.)"""
+    sbx.files.write("prog.py", "import os, time\nb = bytearray(os.urandom(1 << 20)) * 8\n"
+                    "n = 41\nwhile True:\n    if os.path.exists('/workspace/bump'):\n"
+                    "        os.remove('/workspace/bump'); n += 1\n"
+                    "        open('/workspace/n', 'w').write(str(n))\n    time.sleep(0.01)\n")
+    sbx.exec("nohup python3 /workspace/prog.py >/dev/null 2>&1 &")
+    time.sleep(0.5)
+    cp = sbx.checkpoint(mode="full")
+    dump_complete(sbx, cp.id)
+    sbx.checkpoint(mode="full")  # evicts cp's templates (--templates 1)
+    d = disk_daemon.state_dir / "dumps" / cp.id
+    img = max(d.glob("*/pages.img"), key=lambda p: p.stat().st_size).parent
+    for f, cut in ((img / "pages.img", 4096), (img / "core.img", 3), (d / "state.json", 10)):
+        good = f.read_bytes()
+        f.write_bytes(good[:-cut])
+        r = sbx.rollback(cp)
+        assert r.process_state == "restarted", (f.name, r.note)
+        assert f"restoring from the dump of {cp.id} failed" in r.note and f.name in r.note, \
+            r.note
+        live = [line for line in sbx.exec("ps -eo stat=,args=").stdout.splitlines()
+                if "prog.py" in line and not line.startswith("t")]
+        assert live == [], live  # nothing half-restored
+        f.write_bytes(good)
+    r = sbx.rollback(cp)
+    assert r.process_state == "restored" and f"dump of {cp.id}" in r.note, r.note
+    sbx.files.write("bump", "1")
+    deadline = time.monotonic() + 20
+    while not (sbx.files.exists("n") and sbx.files.read("n") == b"42"):
+        assert time.monotonic() < deadline, "the restored process did not answer"
+        time.sleep(0.05)
