@@ -261,7 +261,9 @@ def _forget_client(socket: str) -> None:
 
 def own_leaks(base: Path, state_dir: Path) -> list[str]:
     """What one stopped daemon left behind: mounts, loop devices and processes naming its
-    temp dir, and its cgroup parent (other daemons on the host are not counted)."""
+    temp dir, its cgroup parent and helpers naming it (the checks of ../shared/tools/leakcheck
+    and tests/conftest.py's `leaks`, restricted to this daemon: other daemons on the host are
+    not counted)."""
     found = [f"mount {m}" for m in _mounts_under(base)]
     r = subprocess.run(["losetup", "-a"], capture_output=True, text=True)
     found += [f"loop {line}" for line in r.stdout.splitlines() if str(base) in line]
@@ -274,6 +276,9 @@ def own_leaks(base: Path, state_dir: Path) -> list[str]:
         name = parent_name(str(state_dir.resolve()))
         found += [f"cgroup {c}" for c in Path("/sys/fs/cgroup").glob(f"*/{name}")]
         found += [f"cgroup {c}" for c in Path("/sys/fs/cgroup").glob(name)]
+        # the daemon's helpers (native/dbx-*) name its cgroup parent on their command line
+        found += [f"process {line.strip()}" for line in r.stdout.splitlines()
+                  if "libexec/dbx-" in line and name in line and str(base) not in line]
     except ImportError:
         pass
     return found

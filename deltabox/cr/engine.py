@@ -122,6 +122,12 @@ class DeltaCR:
         FailedPrecondition listing every process that cannot be captured, changing nothing."""
         pids = list(procs)
         records = [record(p, st) for p, st in procs.items()]
+        own = {int(t) for t in os.listdir("/proc/self/task")}
+        if any(r.tracer_pid in own for r in records):
+            # Still attached by our own ptrace thread: an aborted stop of an earlier capture
+            # whose tracee had not stopped yet (it is detached once it does). Detach it now.
+            await self.worker.run(native.sweep_stops, 0.5)
+            records = [record(p, native.proc_status(p)) for p in pids]
         refused: list[Refusal] = [r for rec in records for r in refusals(rec, tracer_ok)]
         if not refused:
             refused = [r for rec in records for r in add_listeners(rec)]

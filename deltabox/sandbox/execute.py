@@ -7,8 +7,11 @@ draining the pipes in the background (discarding), so the job is never hit by SI
 
 from __future__ import annotations
 
+import fcntl
 import signal
 import subprocess
+import sys
+import termios
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ from .runtime import HELPER_ENV, Runtime
 # How long, after the command exits, we wait for its output pipes to reach EOF before
 # assuming a background job holds them.
 EXIT_GRACE_S = 0.02
+DRAIN_LIMIT_S = 5.0   # at most this long reading what an exited command left in its pipes
 OUTPUT_LIMIT = 64 << 20
 
 ChunkSink = Callable[[str, bytes], None]  # ("stdout" | "stderr", data)
@@ -49,6 +53,7 @@ class Capture:
         self.truncated = False
         self.attached = True
         self.eof = trio.Event()
+        self.fd = -1           # our end of the pipe (for FIONREAD), set by spawn
 
     def feed(self, data: bytes) -> None:
         if not self.attached:
@@ -113,6 +118,7 @@ async def spawn(rt: Runtime, argv: list[str], *, cwd: str, env: dict[str, str], 
         env=HELPER_ENV)
     assert proc.stdout is not None and proc.stderr is not None
     out, err = Capture("stdout", limit, sink), Capture("stderr", limit, sink)
+    out.fd, err.fd = proc.stdout.fileno(), proc.stderr.fileno()
     background.start_soon(pump, proc.stdout, out)
     background.start_soon(pump, proc.stderr, err)
     if stdin and proc.stdin is not None:
@@ -139,8 +145,25 @@ async def wait(r: Running, timeout: float | None) -> ExecOutput:
     with trio.move_on_after(EXIT_GRACE_S):
         await r.out.eof.wait()
         await r.err.eof.wait()
+    # A background job may hold the pipes open (no EOF); but all the command wrote is in
+    # them once it exited: let the pumps read it before we detach (under load they may not
+    # have run yet; the soak benchmark lost output without this).
+    deadline = trio.current_time() + DRAIN_LIMIT_S
+    for cap in (r.out, r.err):
+        while not cap.eof.is_set() and _unread(cap.fd) and trio.current_time() < deadline:
+            await trio.sleep(0.001)
     return ExecOutput(exit_code(r.proc), r.out.detach(), r.err.detach(), (time.perf_counter() - r.t0) * 1000,
                       timed_out, r.out.truncated, r.err.truncated)
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting in a pipe (0 if it is closed meanwhile)."""
+    buf = bytearray(4)
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, buf)
+    except OSError:
+        return 0
+    return int.from_bytes(buf, sys.byteorder)
 
 
 def exit_code(proc: trio.Process) -> int:
