@@ -144,7 +144,9 @@ class DeltaCR:
             thaw()
         templates: dict[int, native.Template] = {}
         try:
-            await self.worker.run(_wait_all, stopped)
+            stopped = await self.worker.run(_wait_all, stopped)
+            alive = {s.pid for s in stopped}
+            records = [r for r in records if r.pid in alive]  # the rest died meanwhile
             await snapshot_files()
             pipes = _pipe_groups(records, session_inodes, daemon_inodes)
             _save_unread(pipes)
@@ -329,33 +331,67 @@ class _PipePlan:
 # ---- jobs run on the ptrace thread ------------------------------------------------------------
 
 def _begin_stops(pids: list[int]) -> list[native.Stopped]:
+    """Seize every process; one already exiting (killed, e.g. by the OOM killer, while
+    the cgroup froze) is gone at the checkpoint instant: it is left out."""
     out: list[native.Stopped] = []
     try:
         for pid in pids:
-            out.append(native.begin_stop(pid))
+            try:
+                out.append(native.begin_stop(pid))
+            except native.CRError as e:
+                # The kernel refuses to seize a task that is exiting (EPERM) or gone (ESRCH).
+                if e.errno not in (errno.ESRCH, errno.EPERM) or not _exiting(pid):
+                    raise
     except BaseException:
         _abort_all(out)
         raise
     return out
 
 
+def _exiting(pid: int) -> bool:
+    """Gone, a zombie, or with SIGKILL pending (it dies as soon as it runs)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return True
+    if fields.get("State", "").strip()[:1] in ("Z", "X"):
+        return True
+    sigkill = 1 << (signal.SIGKILL - 1)
+    return any(int(fields.get(k, "0").strip() or "0", 16) & sigkill for k in ("SigPnd", "ShdPnd"))
+
+
 STOP_TIMEOUT_S = 5.0
 
 
-def _wait_all(stopped: list[native.Stopped]) -> None:
+def _wait_all(stopped: list[native.Stopped]) -> list[native.Stopped]:
+    """Wait for every stop; those that exited before stopping are left out (freed)."""
+    out: list[native.Stopped] = []
     for s in stopped:
         try:
             s.wait(STOP_TIMEOUT_S)
+            out.append(s)
         except native.CRError as e:
+            if e.errno == errno.ESRCH:
+                s.abort()
+                continue
             raise FailedPrecondition(f"pid {s.pid}: did not stop for the checkpoint: {e}. "
                                      "Retry, or checkpoint with mode=\"fs\"") from e
+    return out
 
 
 def _templates(stopped: list[native.Stopped]) -> dict[int, native.Template]:
     out: dict[int, native.Template] = {}
     try:
         for s in stopped:
-            out[s.pid] = s.make_template()
+            try:
+                out[s.pid] = s.make_template()
+            except native.CRError as e:
+                if e.errno != errno.ESRCH:
+                    raise
+                raise FailedPrecondition(
+                    f"pid {s.pid} died while it was being checkpointed ({e}; a SIGKILL, e.g. "
+                    "the sandbox ran out of memory): retry the checkpoint") from e
     except BaseException:
         _release_all(list(out.values()))
         raise
