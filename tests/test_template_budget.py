@@ -61,3 +61,21 @@ def test_templates_over_the_budget_are_evicted_lru(tmp_path: Path) -> None:
     finally:
         d.stop()
     assert not leaks(tmp_path)
+
+
+def test_over_budget_keeps_templates_whose_dump_is_pending_unless_it_must() -> None:
+    from deltabox.cr.engine import ProcessState
+    from deltabox.daemon.budget import over_budget
+
+    def st(t: float) -> ProcessState:
+        s = ProcessState([], {}, {}, {})
+        s.last_used = t
+        return s
+
+    states = [("a", st(1), 40), ("b", st(2), 40), ("c", st(3), 40)]
+    # Oldest first; "a" is being dumped: "b" goes instead.
+    assert over_budget(states, 80, keep={"a"}) == ["b"]
+    # Complete dumps first.
+    assert over_budget(states, 80, prefer={"c"}) == ["c"]
+    # When nothing else can make room, a pending one goes too (memory first).
+    assert over_budget(states, 30, keep={"a", "b"}) == ["c", "a", "b"]

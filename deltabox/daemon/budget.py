@@ -43,9 +43,10 @@ def touch(state: ProcessState) -> None:
 
 
 def over_budget(states: Iterable[tuple[str, ProcessState, int]], budget: int,
-                prefer: set[str] = frozenset()) -> list[str]:
+                prefer: set[str] = frozenset(), keep: set[str] = frozenset()) -> list[str]:
     """Keys of the least recently used states to evict so that the rest fit in `budget`,
-    those in `prefer` (a complete dump can rebuild them) first.
+    those in `prefer` (a complete dump can rebuild them) first, those in `keep` (their dump
+    is still being written from them) only if the budget cannot be met otherwise.
     `states`: (key, state, its cost in bytes)."""
     ordered = sorted(states, key=lambda t: (t[0] not in prefer, t[1].last_used))
     total = sum(cost for _, _, cost in ordered)
@@ -53,6 +54,14 @@ def over_budget(states: Iterable[tuple[str, ProcessState, int]], budget: int,
     for key, _, cost in ordered:
         if total <= budget:
             break
+        if key in keep:
+            continue
         out.append(key)
         total -= cost
+    for key, _, cost in ordered:   # memory first: a dump backlog must not grow without bound
+        if total <= budget:
+            break
+        if key in keep:
+            out.append(key)
+            total -= cost
     return out

@@ -100,10 +100,14 @@ class Live:
     # at (None: they were started afresh since): a checkpoint may reuse its parent's
     # captured processes only if they are the ones running (daemon/turns.py).
     procs_from: str | None = None
+    # Evicted or deleted checkpoints' templates waiting to be released (_release_later):
+    # still processes of the sandbox, and ours, until then.
+    releasing: list[ProcessState] = field(default_factory=list)
 
     @property
     def template_pids(self) -> set[int]:
-        return {p for st in self.captured.values() for p in st.template_pids}
+        return {p for st in [*self.captured.values(), *self.releasing]
+                for p in st.template_pids}
 
 
 def new_id(prefix: str) -> str:
@@ -706,7 +710,8 @@ class Daemon:
             where = {key: (sid, st) for sid, key, st in held}
             for key in budget.over_budget(
                     [(key, st, c) for (_, key, st), c in zip(held, costs)], limit,
-                    prefer={key for _, key, _ in held if self.dumps.complete(key)}):
+                    prefer={key for _, key, _ in held if self.dumps.complete(key)},
+                    keep={key for _, key, _ in held if self.dumps.pending(key)}):
                 sid, st = where[key]
                 live = self.live.get(sid)
                 if live is None:
@@ -724,9 +729,14 @@ class Daemon:
         pages its processes dirtied since. The checkpoint keeps its files; a rollback to it
         restarts processes and says why."""
         while len(live.captured) > self.cfg.templates_per_sandbox:
-            # Least recently used first, preferring those a complete dump can rebuild.
-            cp_id = next((k for k in live.captured if self.dumps.complete(k)),
-                         next(iter(live.captured)))
+            # Least recently used first, preferring those a complete dump can rebuild; not
+            # those whose dump is still being written from them (they go at a later call).
+            free = [k for k in live.captured if not self.dumps.pending(k)]
+            if not free:
+                if len(live.captured) <= 2 * self.cfg.templates_per_sandbox:
+                    return
+                free = list(live.captured)  # a dump backlog must not hold templates forever
+            cp_id = next((k for k in free if self.dumps.complete(k)), free[0])
             self._release_later(live, live.captured.pop(cp_id))
             live.evicted.add(cp_id)
 
@@ -735,9 +745,14 @@ class Daemon:
         in the sandbox's cgroup, and on cgroup v1 a frozen task cannot die, so reaping one
         during a checkpoint's freeze would block the ptrace thread that the checkpoint
         needs to thaw (a deadlock seen in fault tests)."""
+        live.releasing.append(state)
+
         async def release() -> None:
             async with live.lock:
-                await self.cr.release(state)
+                try:
+                    await self.cr.release(state)
+                finally:
+                    live.releasing.remove(state)
         self.background.start_soon(release)
 
     async def _capture(self, live: Live, src_layer: str, layer: str) -> ProcessState:
