@@ -100,7 +100,8 @@ class WarmPool:
         async with self.io.slot(cp_layer):
             built = await self.build(sandbox_id, layer)
         if built is None or not self.exists(cp_layer) or \
-                not self.is_current(sandbox_id, built[1]):
+                not self.is_current(sandbox_id, built[1]) or \
+                cp_layer in self.ready.get(sandbox_id, {}):  # a concurrent prepare won
             await trio.to_thread.run_sync(self.store.delete, layer)
             if built is not None:
                 await trio.to_thread.run_sync(built[0].close)
