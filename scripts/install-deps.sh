@@ -14,6 +14,9 @@ command -v losetup >/dev/null || need+=(mount)
 command -v gcc >/dev/null || need+=(gcc libc6-dev)
 command -v tar >/dev/null || need+=(tar)
 command -v ip >/dev/null || need+=(iproute2)
+# The tests' and benchmarks' agent workloads run the host's git and pip inside sandboxes.
+command -v git >/dev/null || need+=(git)
+/usr/bin/python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
 if [ ${#need[@]} -eq 0 ]; then bcc; exit 0; fi
 if [ "$(id -u)" != 0 ]; then
   echo "install-deps: need root to install ${need[*]} (apt-get)" >&2; exit 1

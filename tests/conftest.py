@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,13 +89,13 @@ def leaks(state_dir: Path) -> list[str]:
     return found
 
 
-@pytest.fixture(scope="session")
-def daemon() -> DaemonProc:
-    base = Path(tempfile.mkdtemp(prefix="dbx-test-", dir="/var/tmp"))
-    d = DaemonProc(base / "state", str(base / "deltabox.sock"), None, base / "daemon.log")
-    os.environ["DELTABOX_SOCKET"] = d.socket
+@contextlib.contextmanager
+def private_daemon(prefix: str, sock: str = "d.sock") -> Iterator[DaemonProc]:
+    """A DaemonProc (not started) on a fresh state dir under /var/tmp; stopped afterwards,
+    its dir removed, and nothing it made may be left behind."""
+    base = Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp"))
+    d = DaemonProc(base / "state", str(base / sock), None, base / "daemon.log")
     try:
-        d.start()
         yield d
     finally:
         d.stop()
@@ -101,6 +103,14 @@ def daemon() -> DaemonProc:
         if not left:
             shutil.rmtree(base, ignore_errors=True)
         assert not left, f"deltaboxd left behind: {left}"
+
+
+@pytest.fixture(scope="session")
+def daemon() -> DaemonProc:
+    with private_daemon("dbx-test-", "deltabox.sock") as d:
+        os.environ["DELTABOX_SOCKET"] = d.socket
+        d.start()
+        yield d
 
 
 @pytest.fixture

@@ -17,18 +17,15 @@ templates, the case asserts it under `restore.disk` (see the cases in test_cr.py
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 import deltabox
 from deltabox import Sandbox
 
-from conftest import DaemonProc, leaks
+from conftest import DaemonProc, private_daemon
 from test_cr import (Restore, test_bash_session_state, test_counter_file_and_memory_agree,  # noqa: F401
                      test_loopback_tcp_server_answers, test_nested_children_and_process_group,
                      test_pipeline_alive, test_python_process_memory, test_reader_offset,
@@ -39,17 +36,9 @@ ARGS = ("--no-inspector", "--templates", "1")
 
 @pytest.fixture(scope="module")
 def disk_daemon() -> Iterator[DaemonProc]:
-    base = Path(tempfile.mkdtemp(prefix="dbx-catdisk-", dir="/var/tmp"))
-    d = DaemonProc(base / "state", str(base / "d.sock"), None, base / "daemon.log")
-    try:
+    with private_daemon("dbx-catdisk-") as d:
         d.start(*ARGS)
         yield d
-    finally:
-        d.stop()
-        left = leaks(base)
-        if not left:
-            shutil.rmtree(base, ignore_errors=True)
-        assert not left, f"left behind: {left}"
 
 
 @pytest.fixture

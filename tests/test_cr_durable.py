@@ -5,16 +5,13 @@ dumps that had not completed restart processes and say why. A real private daemo
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
 from deltabox import Sandbox
 
-from conftest import DaemonProc, leaks
+from conftest import DaemonProc, private_daemon
 
 ARGS = ("--no-inspector", "--templates", "1")
 MB = 100
@@ -45,16 +42,8 @@ PROBE = 'echo "$X ${M[k]} $(f 1) $PWD"'
 
 @pytest.fixture
 def d():
-    base = Path(tempfile.mkdtemp(prefix="dbx-durable-", dir="/var/tmp"))
-    dp = DaemonProc(base / "state", str(base / "d.sock"), None, base / "daemon.log")
-    try:
+    with private_daemon("dbx-durable-") as dp:
         yield dp
-    finally:
-        dp.stop()
-        left = leaks(base)
-        if not left:
-            shutil.rmtree(base, ignore_errors=True)
-        assert not left, f"left behind: {left}"
 
 
 def ask(sbx: Sandbox, what: str = "hash", timeout: float = 30) -> dict:
