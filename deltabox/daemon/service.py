@@ -586,7 +586,7 @@ class Daemon:
                 effects = self.turns.end_turn(sid, alive)
                 decision = self._decide(mode, live, parent, effects, alive)
                 if decision.kind == "full":
-                    captured = await self._capture(live, row.layer_id, layer)
+                    captured = await self._capture(live, row.layer_id, layer, alive)
                 elif decision.kind == "fs":
                     self.store.freeze(row.layer_id, layer)
                 crash_point("checkpoint.snapshotted")
@@ -755,7 +755,8 @@ class Daemon:
                     live.releasing.remove(state)
         self.background.start_soon(release)
 
-    async def _capture(self, live: Live, src_layer: str, layer: str) -> ProcessState:
+    async def _capture(self, live: Live, src_layer: str, layer: str,
+                       candidates: set[int]) -> ProcessState:
         """With the cgroup frozen: capture every process of the sandbox and snapshot the
         files at the same instant (DeltaCR). Thaws the cgroup whatever happens; on failure
         the snapshot is removed and nothing changed."""
@@ -771,7 +772,7 @@ class Daemon:
             self.store.freeze(src_layer, layer)
 
         try:
-            procs = self._sandbox_processes(live)
+            procs = self._sandbox_processes(candidates)
             if not procs:  # nothing runs but init: the snapshot alone is the whole state
                 await snapshot()
                 return ProcessState([], {}, {}, {})
@@ -789,13 +790,12 @@ class Daemon:
         finally:
             thaw()
 
-    def _sandbox_processes(self, live: Live) -> dict[int, native.ProcStatus]:
-        """The sandbox's own processes (host pid -> status, read once for the whole capture):
-        in its cgroup and its pid namespace, not init, not our templates, not zombies (cgroup
-        frozen by the caller)."""
-        skip = live.rt.keep_pids | live.template_pids
+    def _sandbox_processes(self, candidates: set[int]) -> dict[int, native.ProcStatus]:
+        """The sandbox's own processes (host pid -> status, read once for the whole capture)
+        among `candidates` (its cgroup's processes but init and our templates, listed by the
+        caller with the cgroup frozen): those in its pid namespace, not zombies."""
         out = {}
-        for pid in sorted(live.rt.cgroup.pids() - skip):
+        for pid in sorted(candidates):
             try:
                 st = native.proc_status(pid)
             except OSError:
