@@ -245,10 +245,17 @@ class CgroupDriver:
             _write(state, target)
             check = lambda: state.read_text().strip() == target  # noqa: E731
         deadline = time.monotonic() + timeout
+        kick = time.monotonic() + 0.05
         while not check():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise ResourceExhausted(f"cgroup {name}: not {'frozen' if frozen else 'thawed'} "
                                         f"after {timeout}s")
+            if self.version == "v1" and frozen and now > kick:
+                # v1 signals each task once per write; one that forked or was in a
+                # non-freezable sleep at that moment can stay FREEZING: ask again.
+                _write(state, target)
+                kick = now + 0.05
             time.sleep(0.0002)
 
     def memory_usage(self, name: str) -> int:
