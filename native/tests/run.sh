@@ -7,7 +7,7 @@ CC=${CC:-gcc}
 BASE=(-O2 -g -Wall -Wextra -Werror -std=gnu11 -D_GNU_SOURCE)
 mkdir -p deltabox/libexec build/native-tests
 
-"$CC" "${BASE[@]}" -fPIC -shared -o deltabox/libexec/libdbxcr.so native/fork_template.c \
+"$CC" "${BASE[@]}" -pthread -fPIC -shared -o deltabox/libexec/libdbxcr.so native/fork_template.c \
 	native/criu_incr.c
 
 "$CC" "${BASE[@]}" -O1 -fno-omit-frame-pointer -fsanitize=address,undefined \
