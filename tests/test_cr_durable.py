@@ -150,3 +150,38 @@ def test_incomplete_dump_is_file_state_only(d: DaemonProc) -> None:
     assert r.process_state == "restarted"
     assert "its process dump had not completed when the daemon stopped" in r.note
     assert sbx.files.exists("prog.py")
+
+
+def test_rollback_waits_for_pending_dump(d: DaemonProc) -> None:
+    """Templates evicted while their dump is still being written (a dump backlog: more than
+    twice --templates checkpoints pending) are released only after the dump; a rollback to
+    that checkpoint waits for the dump and restores from disk, instead of losing the
+    processes."""
+    d.start(*ARGS, env={"DELTABOX_TEST_DUMP_DELAY": "2"})
+    sbx = Sandbox.create(socket=d.socket)
+    h0 = start_processes(sbx)
+    cp1 = sbx.checkpoint(mode="full")
+    sbx.checkpoint(mode="full")
+    sbx.checkpoint(mode="full")  # third pending dump: cp1's templates are evicted now
+    assert "pending" in dump_state(sbx, cp1.id, timeout=0)
+    ask(sbx, "mutate")
+    sbx.session("s").run("X=changed; cd /")
+    r = sbx.rollback(cp1)
+    assert r.process_state == "restored", r.note
+    assert f"restored from disk (dump of {cp1.id}" in r.note, r.note
+    assert "complete" in dump_state(sbx, cp1.id, timeout=0)
+    got = ask(sbx)
+    assert got["hash"] == h0["hash"] and got["n"] == h0["n"] + 1
+    assert sbx.session("s").run(PROBE).stdout.strip() == "hello v fn1 /tmp"
+
+    # The same for a fork of such a checkpoint.
+    cp4 = sbx.checkpoint(mode="full")
+    sbx.checkpoint(mode="full")
+    sbx.checkpoint(mode="full")
+    assert "pending" in dump_state(sbx, cp4.id, timeout=0)
+    kid = sbx.fork(cp4)[0]
+    assert kid.process_state == "restored", kid.fork_note
+    k = ask(kid)
+    assert k["hash"] == h0["hash"] and k["n"] == got["n"] + 1
+    assert kid.session("s").run(PROBE).stdout.strip() == "hello v fn1 /tmp"
+    kid.kill()

@@ -735,19 +735,26 @@ class Daemon:
             if not free:
                 if len(live.captured) <= 2 * self.cfg.templates_per_sandbox:
                     return
-                free = list(live.captured)  # a dump backlog must not hold templates forever
+                # A dump backlog must not keep templates usable forever: evict one now,
+                # release it once its dump has been written (a rollback to it waits).
+                free = list(live.captured)
             cp_id = next((k for k in free if self.dumps.complete(k)), free[0])
-            self._release_later(live, live.captured.pop(cp_id))
+            self._release_later(live, live.captured.pop(cp_id),
+                                after_dump=cp_id if self.dumps.pending(cp_id) else None)
             live.evicted.add(cp_id)
 
-    def _release_later(self, live: Live, state: ProcessState) -> None:
+    def _release_later(self, live: Live, state: ProcessState,
+                       after_dump: str | None = None) -> None:
         """Release templates in the background, under the sandbox's lock: templates live
         in the sandbox's cgroup, and on cgroup v1 a frozen task cannot die, so reaping one
         during a checkpoint's freeze would block the ptrace thread that the checkpoint
-        needs to thaw (a deadlock seen in fault tests)."""
+        needs to thaw (a deadlock seen in fault tests). after_dump: not before that
+        checkpoint's process dump (written from these templates) has ended."""
         live.releasing.append(state)
 
         async def release() -> None:
+            if after_dump is not None:
+                await self.dumps.wait(after_dump)  # not under the lock: the dump needs it
             async with live.lock:
                 try:
                     await self.cr.release(state)
@@ -836,8 +843,9 @@ class Daemon:
         live = self.live.get(sid)
         if live is None:  # stopped: boot it on the checkpoint
             return await self._rollback_stopped(row, cp)
+        t0 = time.perf_counter()
+        await self._await_dump_if_needed(sid, live, cp)
         async with live.lock:
-            t0 = time.perf_counter()
             row = self._sandbox(sid)
             cp = self._checkpoint(cp_id)
             ready = self.warm.take_ready(sid, cp.layer_id, live.rt)
@@ -870,6 +878,16 @@ class Daemon:
                         duration_ms=(time.perf_counter() - t0) * 1000,
                         sessions_restarted=restarted, processes_killed=killed,
                         process_state=state, note=note)
+
+    async def _await_dump_if_needed(self, sid: str, live: Live, cp: CheckpointRow) -> None:
+        """If cp's processes can only come back from a process dump still being written
+        (its templates were evicted from a dump backlog), wait for that dump. Not under
+        the sandbox's lock: the dump takes it for every process image (dumps.py)."""
+        key = cp.procs_of
+        if (key is not None and key not in live.captured and self.dumps.pending(key)
+                and self._ancestor_holding(live, key) is None):
+            log.info("rollback of %s to %s waits for the process dump of %s", sid, cp.id, key)
+            await self.dumps.wait(key)
 
     async def _restore_processes(self, live: Live, cp: CheckpointRow,
                                  gen: runtime.Generation) -> tuple[str, str, set[int]]:
@@ -1092,6 +1110,9 @@ class Daemon:
             raise ResourceExhausted(f"forking {count} would exceed the limit of "
                                     f"{self.cfg.max_sandboxes} sandboxes")
         owner, why = self._template_owner(cp)
+        if owner is None and cp.procs_of is not None and self.dumps.pending(cp.procs_of):
+            await self.dumps.wait(cp.procs_of)  # templates evicted from a dump backlog
+            owner, why = self._template_owner(cp)
         disk = None
         if owner is None:  # rebuild the templates from the dump, in a live family sandbox
             owner, disk = await self._dump_holder(cp, why)
