@@ -113,6 +113,26 @@ def test_counter_file_and_memory_agree(sbx: Sandbox, restore: Restore) -> None:
     assert nxt and nxt[0] == str(int(at_cp[-1]) + 1), (at_cp[-3:], nxt[:3])
 
 
+def test_checkpoint_while_processes_spawn(sbx: Sandbox) -> None:
+    """Shells and Python's subprocess start every command with vfork(): a process inside
+    vfork() cannot be stopped until its child execs. Checkpoints taken while such
+    spawners run flat out still succeed (no 5 s stop timeout), and roll back."""
+    sbx.exec("nohup sh -c 'while :; do /bin/true; done' >/dev/null 2>&1 &")
+    sbx.exec("nohup python3 -c 'import subprocess\nwhile True: subprocess.run([\"/bin/true\"])' "
+             ">/dev/null 2>&1 &")
+    time.sleep(0.3)
+    cps = []
+    for i in range(15):
+        sbx.files.write("i", str(i))
+        cps.append(sbx.checkpoint(mode="full"))
+    r = sbx.rollback(cps[7])
+    assert r.process_state == "restored", r.note
+    assert sbx.files.read("i") == b"7"
+    # One live loop (templates, state t, are the checkpoints' stopped copies).
+    ps = sbx.exec("ps -eo stat=,args= | grep -v '^t' | grep -c 'sh -c [w]hile :'")
+    assert ps.stdout.strip() == "1", ps.stdout
+
+
 def test_pipeline_alive(sbx: Sandbox, restore: Restore) -> None:
     sbx.exec("nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i; sleep 0.02; done "
              "| while read x; do echo $x > /workspace/last; done' >/dev/null 2>&1 &")

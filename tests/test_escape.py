@@ -600,3 +600,61 @@ def test_fill_the_disk_hits_the_sandbox_quota(daemon, host: Host) -> None:
                      "echo rc=$?", timeout=60)
         assert "Disk quota exceeded" in r.stdout, r.stdout
     host.assert_unchanged()
+
+
+# ---- races ----------------------------------------------------------------------------
+
+
+def test_rollback_races_the_files_api(box: Sandbox, host: Host) -> None:
+    """The files API and rollbacks, concurrently, while a process inside (restored by every
+    rollback) keeps swapping a path between a directory and symlinks to the host's root:
+    no write lands on the host or in the checkpoint's snapshot, every call either succeeds
+    or gets a proper error, and afterwards the files API and the sandbox's processes see
+    the same root."""
+    box.exec("mkdir -p /workspace/keep && echo base > /workspace/keep/f")
+    box.exec("nohup sh -c 'cd /workspace; while :; do rm -rf d; ln -s / d; rm -f d; "
+             "ln -s /proc/1/root/etc d; rm -f d; mkdir d; done' >/dev/null 2>&1 &")
+    cp = box.checkpoint(mode="full")
+    stop = threading.Event()
+    errors: list[str] = []
+    wrote = [0]
+    targets = [f"d/root/dbx-pwned-{host.tag}", f"d/dbx-pwned-{host.tag}",
+               f"d/tmp/dbx-pwned-{host.tag}", f"/workspace/d/../../var/tmp/dbx-pwned-{host.tag}"]
+    refused = (deltabox.InvalidArgument, deltabox.NotFound, deltabox.FailedPrecondition)
+
+    def files_api() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                box.files.write(f"keep/n{i}", str(i))
+                wrote[0] += 1
+                box.files.write(targets[i % len(targets)], "pwned")
+            except refused:
+                pass
+            except Exception as e:  # noqa: BLE001 - anything else is a finding
+                errors.append(f"files: {type(e).__name__}: {e}")
+            try:
+                box.files.read("keep/f")
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"read: {type(e).__name__}: {e}")
+
+    t = threading.Thread(target=files_api)
+    t.start()
+    try:
+        for _ in range(20):
+            r = box.rollback(cp)
+            assert r.process_state == "restored", r.note
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    assert not errors, errors[:5]
+    assert wrote[0] > 0
+    box.rollback(cp)
+    # The checkpoint's snapshot took none of the writes.
+    assert box.exec("cat /workspace/keep/f; ls /workspace/keep").stdout.split() == ["base", "f"]
+    assert box.exec("find / /workspace -xdev -name 'dbx-pwned-*' 2>/dev/null").stdout == ""
+    # Files API and processes share the new root.
+    box.files.write("keep/g", "after")
+    assert box.exec("cat /workspace/keep/g").stdout == "after"
+    assert box.files.read("keep/f") == b"base\n"

@@ -361,6 +361,25 @@ def _exiting(pid: int) -> bool:
     return any(int(fields.get(k, "0").strip() or "0", 16) & sigkill for k in ("SigPnd", "ShdPnd"))
 
 
+# Where a process inside vfork() sleeps until its child execs or exits (the wait is inlined
+# into kernel_clone on this kernel). Only a fatal signal ends that wait, so a ptrace stop
+# never reaches such a process, and its child shares its memory until the exec.
+VFORK_WCHANS = frozenset({"kernel_clone", "wait_for_vfork_done"})
+
+
+def in_vfork(pids: list[int]) -> list[int]:
+    """Those of `pids` that are waiting inside vfork() for their child."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/wchan") as f:
+                if f.read().strip() in VFORK_WCHANS:
+                    out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
 STOP_TIMEOUT_S = 5.0
 
 

@@ -37,7 +37,7 @@ from ..sandbox.reaper import reap_orphans
 from ..sandbox.session import AdoptedShell, Session
 from ..background import GuardedNursery
 from ..cr import native
-from ..cr.engine import DeltaCR, Elsewhere, ProcessState, Restored
+from ..cr.engine import DeltaCR, Elsewhere, ProcessState, Restored, in_vfork
 from ..inspector import Decision, TurnEffects
 from . import budget
 from .faults import crash_point
@@ -61,6 +61,8 @@ BASE_ENV = {
 MAX_FORK = 256
 # The kernel nests pid namespaces at most 32 deep (host = level 0); leave headroom.
 MAX_NEST_LEVEL = 30
+VFORK_ATTEMPTS = 20   # thaw-and-refreeze rounds while a process is inside vfork()
+VFORK_WAIT_S = 0.2    # per round, for its child to exec
 
 
 @dataclass
@@ -779,7 +781,7 @@ class Daemon:
             self.store.freeze(src_layer, layer)
 
         try:
-            procs = self._sandbox_processes(candidates)
+            procs = await self._settle_vforks(live, self._sandbox_processes(candidates))
             if not procs:  # nothing runs but init: the snapshot alone is the whole state
                 await snapshot()
                 return ProcessState([], {}, {}, {})
@@ -796,6 +798,36 @@ class Daemon:
             raise
         finally:
             thaw()
+
+    async def _settle_vforks(self, live: Live, procs: dict[int, native.ProcStatus]
+                             ) -> dict[int, native.ProcStatus]:
+        """With the cgroup frozen: if a process is inside vfork() (shells and Python's
+        subprocess use it for every command), no ptrace stop can reach it until its child
+        execs. Thaw briefly until it has, freeze again and list anew; a process that stays
+        in vfork() is refused by name."""
+        for _ in range(VFORK_ATTEMPTS):
+            busy = in_vfork(list(procs))
+            if not busy:
+                return procs
+            live.rt.cgroup.thaw()
+            deadline = trio.current_time() + VFORK_WAIT_S
+            while in_vfork(busy) and trio.current_time() < deadline:
+                await trio.sleep(0.001)
+            live.rt.cgroup.freeze()
+            procs = self._sandbox_processes(
+                live.rt.cgroup.pids() - live.rt.keep_pids - live.template_pids)
+        busy = in_vfork(list(procs))
+        if not busy:
+            return procs
+        pid = busy[0]
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            comm = "?"
+        raise FailedPrecondition(
+            f"pid {pid} ({comm}) stayed inside vfork(), waiting for its child "
+            f"to exec, at each of {VFORK_ATTEMPTS} attempts: it cannot be stopped there. "
+            f"Retry the checkpoint, or checkpoint with mode=\"fs\" (files only)")
 
     def _sandbox_processes(self, candidates: set[int]) -> dict[int, native.ProcStatus]:
         """The sandbox's own processes (host pid -> status, read once for the whole capture)
