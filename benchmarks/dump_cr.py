@@ -14,6 +14,12 @@ from disk latency.  No daemon: it drives deltabox.cr.native directly on real pro
    posix_fadvise(DONTNEED) (cold), beside a fresh start of the same process (interpreter
    start + building the same memory) and beside a spawn from the in-memory template.
    Target: warm restore of a 200 MB process <= 150 ms.
+4. Through the daemon (a private deltaboxd, `--templates 1`, a bash session + a 200 MB
+   python process in the sandbox), client-side SDK latency of: a rollback whose templates
+   were evicted (restored from disk) beside a rollback to the same checkpoint from its
+   templates; and a rollback issued right after a full checkpoint, while that checkpoint's
+   process dump is being written, beside the same rollback with no dump in flight (dumps
+   copy pages off the ptrace thread and outside the sandbox's lock).
 Writes <out>/dump_cr.json and <out>/dump_cr.png.
 """
 
@@ -31,7 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import DEFAULT_OUT, log, machine_info, stats, write_json
+from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, log, machine_info, ratio, stats,
+                               write_json)
 
 PROGRAM = r"""
 import hashlib, json, os, sys
@@ -290,11 +297,98 @@ def run_restore(native: Any, work: Path, sizes: list[int], reps: int,
     return out
 
 
+SANDBOX_PROGRAM = """
+import hashlib, time
+buf = bytearray({mb} << 20)
+for i in range({mb}):
+    buf[i << 20:(i + 1) << 20] = hashlib.sha256(i.to_bytes(4, "little")).digest() * 32768
+open("/workspace/ready", "w").close()
+while True:
+    time.sleep(0.05)
+"""
+
+
+def _dump_done(sbx: Any, cp_id: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        cp = next(c for c in sbx.checkpoints() if c.id == cp_id)
+        line = next((r for r in cp.reasons if r.startswith("process dump:")), "")
+        if "complete" in line:
+            return
+        if "failed" in line:
+            raise RuntimeError(f"{cp_id}: {line}")
+        time.sleep(0.02)
+    raise TimeoutError(f"the dump of {cp_id} did not complete")
+
+
+def _timed(fn: Any) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    r = fn()
+    return (time.perf_counter() - t0) * 1000, r
+
+
+def run_daemon(mb: int, reps: int, tmp_parent: Path) -> dict[str, Any]:
+    """Section 4: restore from disk and rollbacks during dumps, through a real daemon."""
+    from deltabox import Sandbox
+    disk, tpl, during, idle = [], [], [], []
+    with PrivateDaemon(parent=tmp_parent, extra_args=["--no-inspector", "--templates", "1"]
+                       ) as d:
+        d.start()
+        sbx = Sandbox.create(socket=d.socket)
+        try:
+            sbx.session("s").run("X=1; cd /tmp")
+            sbx.files.write("prog.py", SANDBOX_PROGRAM.format(mb=mb))
+            sbx.exec("nohup python3 /workspace/prog.py >/dev/null 2>&1 &")
+            deadline = time.monotonic() + 120
+            while not sbx.files.exists("ready"):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the sandbox program did not start")
+                time.sleep(0.05)
+            cps = [sbx.checkpoint(mode="full") for _ in range(2)]
+            for c in cps:
+                _dump_done(sbx, c.id)
+            for i in range(reps):
+                cp = cps[i % 2]  # the other one's templates were evicted by the last rollback
+                ms, r = _timed(lambda: sbx.rollback(cp))
+                if "from disk" not in r.note:
+                    raise RuntimeError(f"expected a restore from disk: {r.note}")
+                disk.append(ms)
+                ms, r = _timed(lambda: sbx.rollback(cp))
+                if r.process_state != "restored" or "from disk" in r.note:
+                    raise RuntimeError(f"expected a restore from templates: {r.note}")
+                tpl.append(ms)
+            base = cps[-1]
+            for _ in range(reps):
+                new = sbx.checkpoint(mode="full")
+                ms, r = _timed(lambda: sbx.rollback(base))  # the dump of `new` is running
+                during.append(ms)
+                _dump_done(sbx, new.id)
+                sbx.rollback(base)
+                new = sbx.checkpoint(mode="full")
+                _dump_done(sbx, new.id)
+                ms, r = _timed(lambda: sbx.rollback(base))
+                idle.append(ms)
+        finally:
+            sbx.kill()
+    out = {"rss_mb": mb, "rollback_from_disk_ms": stats(disk),
+           "rollback_from_templates_ms": stats(tpl),
+           "rollback_during_dump_ms": stats(during), "rollback_no_dump_ms": stats(idle)}
+    out["ratio_disk_to_templates"] = ratio(out["rollback_from_disk_ms"]["p50"],
+                                           out["rollback_from_templates_ms"]["p50"])
+    out["ratio_during_dump_to_no_dump"] = ratio(out["rollback_during_dump_ms"]["p50"],
+                                                out["rollback_no_dump_ms"]["p50"])
+    log(f"daemon, {mb} MiB: rollback from disk p50 {out['rollback_from_disk_ms']['p50']:.1f} ms"
+        f" vs from templates {out['rollback_from_templates_ms']['p50']:.1f} ms; during a dump "
+        f"{out['rollback_during_dump_ms']['p50']:.1f} ms vs no dump "
+        f"{out['rollback_no_dump_ms']['p50']:.1f} ms")
+    return out
+
+
 def plot(doc: dict[str, Any], png: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(17, 4.5))
     rows = [r for r in doc["incremental"]["rows"] if r["dirtied_mb"] is not None]
     xs = [r["dirtied_mb"] for r in rows]
     a1.plot(xs, [r["incremental"]["bytes_written"] / 2**20 for r in rows], "o-",
@@ -322,6 +416,18 @@ def plot(doc: dict[str, Any], png: Path) -> None:
     a2.set_ylabel("latency p50 (ms)")
     a2.set_title("restore from disk")
     a2.legend(fontsize=8)
+    dm = doc.get("daemon")
+    if dm:
+        keys = [("rollback_from_templates_ms", "from templates"),
+                ("rollback_from_disk_ms", "from disk\n(evicted)"),
+                ("rollback_no_dump_ms", "no dump\nin flight"),
+                ("rollback_during_dump_ms", "during a\ndump")]
+        a3.bar([lab for _, lab in keys], [dm[k]["p50"] for k, _ in keys],
+               color=["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"])
+        a3.axhline(150, color="r", ls="--", lw=0.8, label="target 150 ms (from disk)")
+        a3.set_ylabel("rollback latency p50 (ms, SDK)")
+        a3.set_title(f"through the daemon, bash + {dm['rss_mb']} MiB python")
+        a3.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
@@ -351,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"page hash: {hr:.2f} GB/s")
         inc = run_incremental(native, work, inc_size, dirties, cleanup)
         rest = run_restore(native, work, sizes, reps, cleanup)
+        dmn = run_daemon(200, reps * 2, args.img_dir)
     finally:
         for fn in reversed(cleanup):
             try:
@@ -368,10 +475,13 @@ def main(argv: list[str] | None = None) -> int:
             "warm_p50_ms": r200["restore_warm_ms"]["p50"] if r200 else None,
             "cold_p50_ms": r200["restore_cold_ms"]["p50"] if r200 else None,
             "ok": bool(r200) and r200["restore_warm_ms"]["p50"] <= 150},
+        "daemon_rollback_from_disk_200mb_le_150ms": {
+            "p50_ms": dmn["rollback_from_disk_ms"]["p50"],
+            "ok": dmn["rollback_from_disk_ms"]["p50"] <= 150},
     }
     doc = {"benchmark": "dump_cr", "quick": args.quick, "seconds": time.time() - t0,
            "img_dir": str(args.img_dir), "hash_gb_per_s": hr, "incremental": inc,
-           "restore": rest, "targets": targets}
+           "restore": rest, "daemon": dmn, "targets": targets}
     args.out.mkdir(parents=True, exist_ok=True)
     jp = write_json(args.out / "dump_cr.json", doc, machine_info())
     png = args.out / "dump_cr.png"

@@ -87,6 +87,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
@@ -1203,7 +1204,8 @@ static int add_seg(struct buf *b, uint64_t s, uint64_t e)
 	return buf_add(b, &x, sizeof(x));
 }
 
-static bool scan_works = true;
+/* Cleared once if the kernel lacks PAGEMAP_SCAN; dumps may finish on several threads. */
+static _Atomic bool scan_works = true;
 
 static int vma_segments(pid_t pid, int pmfd, const struct vma *v, struct buf *segs,
 			struct dbxcr_error *err)
@@ -1279,11 +1281,39 @@ static int vma_segments(pid_t pid, int pmfd, const struct vma *v, struct buf *se
 	return 0;
 }
 
+struct dbxcr_dump_job {
+	pid_t pid;
+	int pidfd, pdirfd, tmpfd, memfd, pmfd, max_level, fsync;
+	double t0;
+	struct dbxcr_dump_stats st;
+	struct core_fixed *core;
+	struct vma_list vl;
+	struct chain *parent;
+	struct parent_idx pi;
+	struct dump_out out;
+	struct buf corebuf, auxv;
+	unsigned char *chunk;
+	uint8_t id[16];
+	char tmpname[PATH_MAX], dirpath[PATH_MAX], base[PATH_MAX], path[PATH_MAX];
+};
+
+/* Whether the process behind pidfd has not exited (pidfds poll readable on exit). */
+static bool task_alive(int pidfd)
+{
+	struct pollfd p = { .fd = pidfd, .events = POLLIN };
+
+	return poll(&p, 1, 0) == 0;
+}
+
 /* Dump the candidate pages of one VMA. */
-static int dump_vma(pid_t pid, int memfd, int pmfd, const struct vma *v, struct parent_idx *pi,
-		    int max_level, struct dump_out *o, unsigned char *chunk, struct buf *outbuf,
+static int dump_vma(struct dbxcr_dump_job *j, const struct vma *v, struct buf *outbuf,
 		    struct buf *segbuf, struct dbxcr_error *err)
 {
+	pid_t pid = j->pid;
+	int memfd = j->memfd, pmfd = j->pmfd, max_level = j->max_level;
+	struct parent_idx *pi = &j->pi;
+	struct dump_out *o = &j->out;
+	unsigned char *chunk = j->chunk;
 	bool file = v->flags & VMA_FILE;
 	const struct seg *segs;
 	size_t nseg, si = 0;
@@ -1328,6 +1358,8 @@ static int dump_vma(pid_t pid, int memfd, int pmfd, const struct vma *v, struct 
 			if ((size_t)got != nsel * PAGE)
 				return fail(err, EIO, pid, "short read at %p (%zd of %zu)",
 					    riov[0].iov_base, got, nsel * PAGE);
+			if (!task_alive(j->pidfd))	/* the pid may name another process now */
+				return fail(err, ESRCH, pid, "the template exited during its dump");
 		} else {
 			/* /proc/pid/mem reads with FOLL_FORCE (PROT_NONE, write-only VMAs). */
 			size_t off = 0;
@@ -1442,96 +1474,125 @@ static int rm_tree_at(int dirfd, const char *name)
 	return unlinkat(dirfd, name, AT_REMOVEDIR);
 }
 
-int dbxcr_dump(struct dbxcr_template *tpl, const char *path, const struct dbxcr_dump_opts *opts,
-	       struct dbxcr_dump_stats *stats, struct dbxcr_error *err)
+/* A dump is two steps.  dbxcr_dump_begin reads everything that needs the template's
+ * tracer or its live task (injected calls, ptrace requests, /proc files), creates the
+ * temporary image directory and opens the template's memory.  dbxcr_dump_finish copies,
+ * hashes and writes the pages and the image files: the bulk of the time, on any thread,
+ * without the tracer, while the template may be spawned from (spawning only runs injected
+ * calls on registers and the scratch page, which is not dumped).  /proc/pid/pagemap opened
+ * in begin stays bound to the template's address space, and every process_vm_readv by pid
+ * is checked against a pidfd afterwards (a pid is reused only after its process exited),
+ * so a template released meanwhile makes the finish fail, never read another process. */
+
+static void job_free(struct dbxcr_dump_job *j)
 {
-	static const struct dbxcr_dump_opts none = { 0 };
-	const struct dbxcr_dump_opts *o = opts ? opts : &none;
-	double t0 = now_ms();
-	struct dbxcr_dump_stats st;
-	struct core_fixed *core = NULL;
-	struct vma_list vl = { 0 };
-	struct chain *parent = NULL;
-	bool have_parent = false;
-	struct parent_idx pi = { 0 };
-	struct dump_out out = { .pages_fd = -1 };
-	struct buf corebuf = { 0 }, mmbuf = { 0 }, strtab = { 0 }, pmbuf = { 0 }, outbuf = { 0 };
-	struct buf auxv = { 0 }, segbuf = { 0 };
-	unsigned char *chunk = NULL;
-	char tmpname[PATH_MAX], dirpath[PATH_MAX], exe[PATH_MAX] = "";
-	const char *base;
-	int pdirfd = -1, tmpfd = -1, memfd = -1, pmfd = -1, rc = -1, max_chain;
-	uint8_t id[16];
-	pid_t pid;
-	char pp[64];
+	if (!j)
+		return;
+	if (j->out.pages_fd >= 0)
+		close(j->out.pages_fd);
+	if (j->memfd >= 0)
+		close(j->memfd);
+	if (j->pmfd >= 0)
+		close(j->pmfd);
+	if (j->pidfd >= 0)
+		close(j->pidfd);
+	if (j->tmpfd >= 0)
+		close(j->tmpfd);
+	if (j->pdirfd >= 0 && j->tmpname[0])
+		rm_tree_at(j->pdirfd, j->tmpname);
+	if (j->pdirfd >= 0)
+		close(j->pdirfd);
+	if (j->parent) {
+		chain_free(j->parent);
+		free(j->parent);
+	}
+	vmas_free(&j->vl);
+	buf_free(&j->corebuf);
+	buf_free(&j->auxv);
+	buf_free(&j->out.runs);
+	buf_free(&j->out.hashes);
+	free(j->core);
+	free(j->chunk);
+	free(j);
+}
 
-	clear_error(err);
-	memset(&st, 0, sizeof(st));
-	if (check_owner(tpl, err) < 0)
-		return -1;
-	pid = tpl->pid;
-	max_chain = o->max_chain > 0 ? o->max_chain : DEFAULT_MAX_CHAIN;
-	if (max_chain > MAX_DEPTH)
-		max_chain = MAX_DEPTH;
-	out.st = &st;
+void dbxcr_dump_abort(struct dbxcr_dump_job *job)
+{
+	job_free(job);
+}
 
-	/* Where: a temporary sibling of path, renamed at the end. */
-	snprintf(dirpath, sizeof(dirpath), "%s", path);
-	while (strlen(dirpath) > 1 && dirpath[strlen(dirpath) - 1] == '/')
-		dirpath[strlen(dirpath) - 1] = '\0';
-	base = strrchr(dirpath, '/');
-	if (base) {
-		dirpath[base - dirpath] = '\0';
-		base = path + (base - dirpath) + 1;
-		if (dirpath[0] == '\0')
-			snprintf(dirpath, sizeof(dirpath), "/");
+/* Split path into its directory and last component; pick the temporary sibling's name. */
+static int job_paths(struct dbxcr_dump_job *j, const char *path, struct dbxcr_error *err)
+{
+	const char *slash;
+	uint32_t rnd;
+
+	if (strlen(path) >= sizeof(j->path))
+		return fail(err, ENAMETOOLONG, j->pid, "image path %s", path);
+	snprintf(j->path, sizeof(j->path), "%s", path);
+	while (strlen(j->path) > 1 && j->path[strlen(j->path) - 1] == '/')
+		j->path[strlen(j->path) - 1] = '\0';
+	slash = strrchr(j->path, '/');
+	if (slash) {
+		snprintf(j->base, sizeof(j->base), "%s", slash + 1);
+		snprintf(j->dirpath, sizeof(j->dirpath), "%.*s", (int)(slash - j->path), j->path);
+		if (j->dirpath[0] == '\0')
+			snprintf(j->dirpath, sizeof(j->dirpath), "/");
 	} else {
-		snprintf(dirpath, sizeof(dirpath), ".");
-		base = path;
+		snprintf(j->base, sizeof(j->base), "%s", j->path);
+		snprintf(j->dirpath, sizeof(j->dirpath), ".");
 	}
-	{
-		uint32_t rnd;
+	if (getrandom(&rnd, sizeof(rnd), 0) != sizeof(rnd))
+		rnd = (uint32_t)now_ms();
+	snprintf(j->tmpname, sizeof(j->tmpname), ".%.200s.tmp-%d-%08x", j->base, (int)getpid(),
+		 rnd);
+	return 0;
+}
 
-		if (getrandom(&rnd, sizeof(rnd), 0) != sizeof(rnd))
-			rnd = (uint32_t)now_ms();
-		snprintf(tmpname, sizeof(tmpname), ".%s.tmp-%d-%08x", base, (int)getpid(), rnd);
-	}
-	if (getrandom(id, sizeof(id), 0) != sizeof(id))
-		return fail(err, errno, pid, "getrandom for the image id");
+/* The parent image, if any and if the chain may grow by one. */
+static int job_parent(struct dbxcr_dump_job *j, const struct dbxcr_dump_opts *o,
+		      int max_chain, struct dbxcr_error *err)
+{
+	int fd;
 
-	/* Parent */
-	if (o->parent_path) {
-		int fd = open(o->parent_path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-
-		if (fd < 0)
-			return fail(err, errno, pid, "open parent image %s", o->parent_path);
-		parent = calloc(1, sizeof(*parent));
-		if (!parent) {
-			close(fd);
-			return fail(err, ENOMEM, pid, "allocate");
-		}
-		if (chain_load(fd, parent, pid, err) < 0) {
-			close(fd);
-			free(parent);
-			return -1;
-		}
+	if (!o->parent_path)
+		return 0;
+	fd = open(o->parent_path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (fd < 0)
+		return fail(err, errno, j->pid, "open parent image %s", o->parent_path);
+	j->parent = calloc(1, sizeof(*j->parent));
+	if (!j->parent) {
 		close(fd);
-		if ((int)parent->im[0].core->depth + 1 < max_chain) {
-			have_parent = true;
-			pi.c = parent;
-		}
+		return fail(err, ENOMEM, j->pid, "allocate");
 	}
+	if (chain_load(fd, j->parent, j->pid, err) < 0) {
+		close(fd);
+		free(j->parent);
+		j->parent = NULL;
+		return -1;
+	}
+	close(fd);
+	if ((int)j->parent->im[0].core->depth + 1 < max_chain) {
+		j->pi.c = j->parent;
+		j->max_level = max_chain - 1;
+	}
+	return 0;
+}
 
-	core = calloc(1, sizeof(*core));
-	chunk = malloc(CHUNK_PAGES * PAGE);
-	if (!core || !chunk) {
-		fail(err, ENOMEM, pid, "allocate");
-		goto out;
-	}
+/* core.img's content: registers and signals from the parked template, mm fields, ids,
+ * brk and sigactions (injected calls), vdso, rseq, auxv, exe. */
+static int job_core(struct dbxcr_dump_job *j, struct dbxcr_template *tpl,
+		    const struct dbxcr_dump_opts *o, struct dbxcr_error *err)
+{
+	struct core_fixed *core = j->core;
+	pid_t pid = j->pid;
+	char pp[64], exe[PATH_MAX] = "";
+	const char *ref;
+
 	core->arch = EM_X86_64;
-	core->depth = have_parent ? parent->im[0].core->depth + 1 : 0;
-	if (have_parent)
-		memcpy(core->parent_id, parent->im[0].id, 16);
+	core->depth = j->pi.c ? j->parent->im[0].core->depth + 1 : 0;
+	if (j->pi.c)
+		memcpy(core->parent_id, j->parent->im[0].id, 16);
 	core->origin_pid = tpl->origin;
 	core->template_pid = tpl->pid;
 	core->regs = tpl->regs;
@@ -1540,19 +1601,17 @@ int dbxcr_dump(struct dbxcr_template *tpl, const char *path, const struct dbxcr_
 	core->npending = (uint32_t)tpl->pend.n;
 	for (int i = 0; i < tpl->pend.n; i++)
 		core->pend_shared[i] = tpl->pend.shared[i];
-
-	/* Process state */
 	{
-		struct dump_ctx c = { pid, &vl, tpl->scratch, o->strip_prefix, err };
+		struct dump_ctx c = { pid, &j->vl, tpl->scratch, o->strip_prefix, err };
 
 		if (walk_maps(pid, true, classify_cb, &c, err) < 0)
-			goto out;
+			return -1;
 	}
 	if (read_stat_mm(pid, core->mm, err) < 0 ||
 	    read_status_bits(pid, core, o->seccomp_ok, err) < 0 ||
 	    query_template(tpl, core, err) < 0 ||
 	    vdso_hash(pid, core->vdso_hash, &core->vdso_size, err) < 0)
-		goto out;
+		return -1;
 	{
 		struct rseq_conf rc2;
 		long n = ptrace(PTRACE_GET_RSEQ_CONFIGURATION, pid, (void *)sizeof(rc2), &rc2);
@@ -1565,11 +1624,9 @@ int dbxcr_dump(struct dbxcr_template *tpl, const char *path, const struct dbxcr_
 		}
 	}
 	snprintf(pp, sizeof(pp), "/proc/%d/auxv", (int)pid);
-	if (read_whole(pp, &auxv) < 0) {
-		fail(err, errno, pid, "read %s", pp);
-		goto out;
-	}
-	core->auxv_len = (uint32_t)auxv.len;
+	if (read_whole(pp, &j->auxv) < 0)
+		return fail(err, errno, pid, "read %s", pp);
+	core->auxv_len = (uint32_t)j->auxv.len;
 	snprintf(pp, sizeof(pp), "/proc/%d/exe", (int)pid);
 	{
 		ssize_t n = readlink(pp, exe, sizeof(exe) - 1);
@@ -1585,168 +1642,207 @@ int dbxcr_dump(struct dbxcr_template *tpl, const char *path, const struct dbxcr_
 		}
 	}
 	core->exe_len = (uint32_t)strlen(exe);
-	{
-		const char *ref = have_parent ? (o->parent_ref ? o->parent_ref : o->parent_path) : "";
+	ref = j->pi.c ? (o->parent_ref ? o->parent_ref : o->parent_path) : "";
+	core->parent_ref_len = (uint32_t)strlen(ref);
+	if (buf_add(&j->corebuf, core, sizeof(*core)) < 0 ||
+	    buf_add(&j->corebuf, tpl->xstate, tpl->xstate_len) < 0 ||
+	    buf_add(&j->corebuf, tpl->pend.info, sizeof(siginfo_t) * (size_t)tpl->pend.n) < 0 ||
+	    buf_add(&j->corebuf, j->auxv.p, j->auxv.len) < 0 ||
+	    buf_add(&j->corebuf, exe, core->exe_len) < 0 ||
+	    buf_add(&j->corebuf, ref, core->parent_ref_len) < 0)
+		return fail(err, ENOMEM, pid, "allocate core image");
+	return 0;
+}
 
-		core->parent_ref_len = (uint32_t)strlen(ref);
-		if (buf_add(&corebuf, core, sizeof(*core)) < 0 ||
-		    buf_add(&corebuf, tpl->xstate, tpl->xstate_len) < 0 ||
-		    buf_add(&corebuf, tpl->pend.info, sizeof(siginfo_t) * (size_t)tpl->pend.n) < 0 ||
-		    buf_add(&corebuf, auxv.p, auxv.len) < 0 ||
-		    buf_add(&corebuf, exe, core->exe_len) < 0 ||
-		    buf_add(&corebuf, ref, core->parent_ref_len) < 0) {
-			fail(err, ENOMEM, pid, "allocate core image");
-			goto out;
-		}
-	}
+/* The temporary image directory, pages.img in it, and the template's memory. */
+static int job_open(struct dbxcr_dump_job *j, struct dbxcr_error *err)
+{
+	pid_t pid = j->pid;
+	char pp[64];
 
-	/* Files */
-	pdirfd = open(dirpath, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-	if (pdirfd < 0) {
-		fail(err, errno, pid, "open %s", dirpath);
-		goto out;
+	j->pdirfd = open(j->dirpath, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (j->pdirfd < 0)
+		return fail(err, errno, pid, "open %s", j->dirpath);
+	if (faccessat(j->pdirfd, j->base, F_OK, AT_SYMLINK_NOFOLLOW) == 0)
+		return fail(err, EEXIST, pid, "image directory %s", j->path);
+	if (mkdirat(j->pdirfd, j->tmpname, 0700) < 0) {
+		fail(err, errno, pid, "mkdir %s/%s", j->dirpath, j->tmpname);
+		j->tmpname[0] = '\0';	/* not ours to remove */
+		return -1;
 	}
-	if (faccessat(pdirfd, base, F_OK, AT_SYMLINK_NOFOLLOW) == 0) {
-		fail(err, EEXIST, pid, "image directory %s", path);
-		goto out;
-	}
-	if (mkdirat(pdirfd, tmpname, 0700) < 0) {
-		fail(err, errno, pid, "mkdir %s/%s", dirpath, tmpname);
-		goto out;
-	}
-	tmpfd = openat(pdirfd, tmpname, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-	if (tmpfd < 0) {
-		fail(err, errno, pid, "open %s/%s", dirpath, tmpname);
-		goto out;
-	}
-	out.pages_fd = openat(tmpfd, "pages.img", O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+	j->tmpfd = openat(j->pdirfd, j->tmpname, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (j->tmpfd < 0)
+		return fail(err, errno, pid, "open %s/%s", j->dirpath, j->tmpname);
+	j->out.pages_fd = openat(j->tmpfd, "pages.img", O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC,
+				 0600);
 	snprintf(pp, sizeof(pp), "/proc/%d/mem", (int)pid);
-	memfd = open(pp, O_RDONLY | O_CLOEXEC);
+	j->memfd = open(pp, O_RDONLY | O_CLOEXEC);
 	snprintf(pp, sizeof(pp), "/proc/%d/pagemap", (int)pid);
-	pmfd = open(pp, O_RDONLY | O_CLOEXEC);
-	if (out.pages_fd < 0 || memfd < 0 || pmfd < 0) {
-		fail(err, errno, pid, "open pages.img, /proc/%d/mem or pagemap", (int)pid);
-		goto out;
-	}
+	j->pmfd = open(pp, O_RDONLY | O_CLOEXEC);
+	j->pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+	if (j->out.pages_fd < 0 || j->memfd < 0 || j->pmfd < 0 || j->pidfd < 0)
+		return fail(err, errno, pid, "open pages.img, /proc/%d/mem, pagemap or a pidfd",
+			    (int)pid);
+	return 0;
+}
 
-	/* Pages */
-	for (size_t i = 0; i < vl.n; i++)
-		if (dump_vma(pid, memfd, pmfd, &vl.v[i], &pi, have_parent ? max_chain - 1 : 0,
-			     &out, chunk, &outbuf, &segbuf, err) < 0)
+int dbxcr_dump_begin(struct dbxcr_template *tpl, const char *path,
+		     const struct dbxcr_dump_opts *opts, struct dbxcr_dump_job **job,
+		     struct dbxcr_error *err)
+{
+	static const struct dbxcr_dump_opts none = { 0 };
+	const struct dbxcr_dump_opts *o = opts ? opts : &none;
+	struct dbxcr_dump_job *j;
+	int max_chain;
+
+	clear_error(err);
+	*job = NULL;
+	if (check_owner(tpl, err) < 0)
+		return -1;
+	j = calloc(1, sizeof(*j));
+	if (!j)
+		return fail(err, ENOMEM, tpl->pid, "allocate dump job");
+	j->t0 = now_ms();
+	j->pid = tpl->pid;
+	j->pidfd = j->pdirfd = j->tmpfd = j->memfd = j->pmfd = j->out.pages_fd = -1;
+	j->fsync = o->fsync;
+	j->out.st = &j->st;
+	max_chain = o->max_chain > 0 ? o->max_chain : DEFAULT_MAX_CHAIN;
+	if (max_chain > MAX_DEPTH)
+		max_chain = MAX_DEPTH;
+	j->core = calloc(1, sizeof(*j->core));
+	j->chunk = malloc(CHUNK_PAGES * PAGE);
+	if (!j->core || !j->chunk) {
+		fail(err, ENOMEM, j->pid, "allocate");
+		goto fail;
+	}
+	if (job_paths(j, path, err) < 0)
+		goto fail;
+	if (getrandom(j->id, sizeof(j->id), 0) != sizeof(j->id)) {
+		fail(err, errno, j->pid, "getrandom for the image id");
+		goto fail;
+	}
+	if (job_parent(j, o, max_chain, err) < 0 || job_core(j, tpl, o, err) < 0 ||
+	    job_open(j, err) < 0)
+		goto fail;
+	*job = j;
+	return 0;
+fail:
+	job_free(j);
+	return -1;
+}
+
+/* mm.img: every VMA with its name in a string table. */
+static int mm_image(const struct vma_list *vl, struct buf *mmbuf, pid_t pid,
+		    struct dbxcr_error *err)
+{
+	struct mm_fixed mf = { .nvma = (uint32_t)vl->n };
+	struct buf vmas = { 0 }, strtab = { 0 };
+	int rc = -1;
+
+	for (size_t i = 0; i < vl->n; i++) {
+		const struct vma *v = &vl->v[i];
+		const char *nm = v->path ? v->path : v->special;
+		struct vma_img vi = { .start = v->start, .end = v->end, .pgoff = v->pgoff,
+				      .prot = v->prot, .flags = v->flags,
+				      .name_off = (uint32_t)strtab.len,
+				      .name_len = (uint32_t)strlen(nm), .fsize = v->fsize,
+				      .mtime_sec = v->mtime_sec, .mtime_nsec = v->mtime_nsec };
+
+		if (buf_add(&strtab, nm, vi.name_len) < 0 || buf_add(&vmas, &vi, sizeof(vi)) < 0)
+			goto out;
+	}
+	mf.strtab_len = strtab.len;
+	if (buf_add(mmbuf, &mf, sizeof(mf)) < 0 || buf_add(mmbuf, vmas.p, vmas.len) < 0 ||
+	    buf_add(mmbuf, strtab.p, strtab.len) < 0)
+		goto out;
+	rc = 0;
+out:
+	buf_free(&vmas);
+	buf_free(&strtab);
+	return rc < 0 ? fail(err, ENOMEM, pid, "allocate mm image") : 0;
+}
+
+int dbxcr_dump_finish(struct dbxcr_dump_job *j, struct dbxcr_dump_stats *stats,
+		      struct dbxcr_error *err)
+{
+	struct buf mmbuf = { 0 }, pmbuf = { 0 }, outbuf = { 0 }, segbuf = { 0 };
+	pid_t pid = j->pid;
+	int rc = -1;
+
+	clear_error(err);
+	for (size_t i = 0; i < j->vl.n; i++)
+		if (dump_vma(j, &j->vl.v[i], &outbuf, &segbuf, err) < 0)
 			goto out;
 	if (outbuf.len) {
-		if (full_write(out.pages_fd, outbuf.p, outbuf.len) < 0) {
+		if (full_write(j->out.pages_fd, outbuf.p, outbuf.len) < 0) {
 			fail(err, errno, pid, "write pages.img");
 			goto out;
 		}
-		st.bytes_written += outbuf.len;
+		j->st.bytes_written += outbuf.len;
 	}
-	if (o->fsync && fsync(out.pages_fd) < 0) {
+	if (j->fsync && fsync(j->out.pages_fd) < 0) {
 		fail(err, errno, pid, "fsync pages.img");
 		goto out;
 	}
-
-	/* mm.img */
+	if (mm_image(&j->vl, &mmbuf, pid, err) < 0)
+		goto out;
 	{
-		struct mm_fixed mf = { .nvma = (uint32_t)vl.n };
+		struct pagemap_fixed pf = { .data_pages = j->out.data_pages,
+					    .nruns = j->out.runs.len / sizeof(struct run_img),
+					    .npages = j->out.npages };
 
-		for (size_t i = 0; i < vl.n; i++) {
-			const struct vma *v = &vl.v[i];
-			const char *nm = v->path ? v->path : v->special;
-			struct vma_img vi = { .start = v->start, .end = v->end, .pgoff = v->pgoff,
-					      .prot = v->prot, .flags = v->flags,
-					      .name_off = (uint32_t)strtab.len,
-					      .name_len = (uint32_t)strlen(nm), .fsize = v->fsize,
-					      .mtime_sec = v->mtime_sec, .mtime_nsec = v->mtime_nsec };
-
-			if (buf_add(&strtab, nm, vi.name_len) < 0 ||
-			    buf_add(&mmbuf, &vi, sizeof(vi)) < 0) {
-				fail(err, ENOMEM, pid, "allocate mm image");
-				goto out;
-			}
-		}
-		mf.strtab_len = strtab.len;
-		{
-			struct buf all = { 0 };
-
-			if (buf_add(&all, &mf, sizeof(mf)) < 0 || buf_add(&all, mmbuf.p, mmbuf.len) < 0 ||
-			    buf_add(&all, strtab.p, strtab.len) < 0) {
-				buf_free(&all);
-				fail(err, ENOMEM, pid, "allocate mm image");
-				goto out;
-			}
-			buf_free(&mmbuf);
-			mmbuf = all;
-		}
-	}
-	/* pagemap.img */
-	{
-		struct pagemap_fixed pf = { .data_pages = out.data_pages,
-					    .nruns = out.runs.len / sizeof(struct run_img),
-					    .npages = out.npages };
-
-		if (buf_add(&pmbuf, &pf, sizeof(pf)) < 0 || buf_add(&pmbuf, out.runs.p, out.runs.len) < 0 ||
-		    buf_add(&pmbuf, out.hashes.p, out.hashes.len) < 0) {
+		if (buf_add(&pmbuf, &pf, sizeof(pf)) < 0 ||
+		    buf_add(&pmbuf, j->out.runs.p, j->out.runs.len) < 0 ||
+		    buf_add(&pmbuf, j->out.hashes.p, j->out.hashes.len) < 0) {
 			fail(err, ENOMEM, pid, "allocate pagemap image");
 			goto out;
 		}
 	}
-	if (write_img(tmpfd, "pagemap.img", KIND_PAGEMAP, id, pmbuf.p, pmbuf.len, o->fsync,
-		      &st.bytes_written, pid, err) < 0 ||
-	    write_img(tmpfd, "mm.img", KIND_MM, id, mmbuf.p, mmbuf.len, o->fsync,
-		      &st.bytes_written, pid, err) < 0 ||
-	    write_img(tmpfd, "core.img", KIND_CORE, id, corebuf.p, corebuf.len, o->fsync,
-		      &st.bytes_written, pid, err) < 0)
+	if (write_img(j->tmpfd, "pagemap.img", KIND_PAGEMAP, j->id, pmbuf.p, pmbuf.len, j->fsync,
+		      &j->st.bytes_written, pid, err) < 0 ||
+	    write_img(j->tmpfd, "mm.img", KIND_MM, j->id, mmbuf.p, mmbuf.len, j->fsync,
+		      &j->st.bytes_written, pid, err) < 0 ||
+	    write_img(j->tmpfd, "core.img", KIND_CORE, j->id, j->corebuf.p, j->corebuf.len,
+		      j->fsync, &j->st.bytes_written, pid, err) < 0)
 		goto out;
-	if (o->fsync && fsync(tmpfd) < 0) {
+	if (j->fsync && fsync(j->tmpfd) < 0) {
 		fail(err, errno, pid, "fsync image directory");
 		goto out;
 	}
-	if (syscall(SYS_renameat2, pdirfd, tmpname, pdirfd, base, RENAME_NOREPLACE) < 0) {
-		fail(err, errno, pid, "rename image into place as %s", path);
+	if (syscall(SYS_renameat2, j->pdirfd, j->tmpname, j->pdirfd, j->base,
+		    RENAME_NOREPLACE) < 0) {
+		fail(err, errno, pid, "rename image into place as %s", j->path);
 		goto out;
 	}
-	tmpname[0] = '\0';
-	if (o->fsync && fsync(pdirfd) < 0) {
-		fail(err, errno, pid, "fsync %s", dirpath);
+	j->tmpname[0] = '\0';
+	if (j->fsync && fsync(j->pdirfd) < 0) {
+		fail(err, errno, pid, "fsync %s", j->dirpath);
 		goto out;
 	}
-	st.vmas = vl.n;
-	st.depth = (int)core->depth;
+	j->st.vmas = j->vl.n;
+	j->st.depth = (int)j->core->depth;
 	rc = 0;
 out:
-	if (out.pages_fd >= 0)
-		close(out.pages_fd);
-	if (memfd >= 0)
-		close(memfd);
-	if (pmfd >= 0)
-		close(pmfd);
-	if (tmpfd >= 0)
-		close(tmpfd);
-	if (rc < 0 && pdirfd >= 0 && tmpname[0])
-		rm_tree_at(pdirfd, tmpname);
-	if (pdirfd >= 0)
-		close(pdirfd);
-	if (parent) {
-		chain_free(parent);
-		free(parent);
-	}
-	vmas_free(&vl);
-	buf_free(&corebuf);
 	buf_free(&mmbuf);
-	buf_free(&strtab);
 	buf_free(&pmbuf);
 	buf_free(&outbuf);
-	buf_free(&auxv);
 	buf_free(&segbuf);
-	buf_free(&out.runs);
-	buf_free(&out.hashes);
-	free(core);
-	free(chunk);
-	st.ms = now_ms() - t0;
+	j->st.ms = now_ms() - j->t0;
 	if (stats)
-		*stats = st;
+		*stats = j->st;
+	job_free(j);
 	return rc;
+}
+
+int dbxcr_dump(struct dbxcr_template *tpl, const char *path, const struct dbxcr_dump_opts *opts,
+	       struct dbxcr_dump_stats *stats, struct dbxcr_error *err)
+{
+	struct dbxcr_dump_job *j;
+
+	if (dbxcr_dump_begin(tpl, path, opts, &j, err) < 0)
+		return -1;
+	return dbxcr_dump_finish(j, stats, err);
 }
 
 int dbxcr_image_info(int image_dirfd, struct dbxcr_image_info *out, struct dbxcr_error *err)

@@ -2,8 +2,9 @@
  * parent checkpoint's image) and rebuild a template from such an image.  x86_64 only.
  * The on-disk format is described in native/IMAGE_FORMAT.md.
  *
- * Threading: like every call taking a template (fork_template.h), dbxcr_dump must run on
- * the thread that created the template, and dbxcr_restore_template returns a template owned
+ * Threading: like every call taking a template (fork_template.h), dbxcr_dump and
+ * dbxcr_dump_begin must run on the thread that created the template (dbxcr_dump_finish may
+ * run anywhere), and dbxcr_restore_template returns a template owned
  * by the calling thread.  dbxcr_verify_image touches no process and may run anywhere.
  *
  * Errors: -1 / NULL with struct dbxcr_error filled ("pid N: step: reason").  A damaged,
@@ -52,6 +53,21 @@ struct dbxcr_dump_stats {
  * is created atomically by renaming a temporary sibling).  The template stays usable. */
 int dbxcr_dump(struct dbxcr_template *tpl, const char *path, const struct dbxcr_dump_opts *opts,
 	       struct dbxcr_dump_stats *stats, struct dbxcr_error *err);
+
+/* The same in two steps, so the long part can leave the template's owner thread.
+ * dbxcr_dump_begin (owner thread; the template must be parked and must not run) reads the
+ * process state that needs the tracer, creates the temporary image directory and opens the
+ * template's memory.  dbxcr_dump_finish (any thread, any time while the template is not
+ * released; spawning from it meanwhile is fine) copies and hashes the pages, writes the
+ * image and renames it into place; it frees the job, as dbxcr_dump_abort does without
+ * writing anything.  A template released before the finish makes it fail (ESRCH). */
+struct dbxcr_dump_job;
+int dbxcr_dump_begin(struct dbxcr_template *tpl, const char *path,
+		     const struct dbxcr_dump_opts *opts, struct dbxcr_dump_job **job,
+		     struct dbxcr_error *err);
+int dbxcr_dump_finish(struct dbxcr_dump_job *job, struct dbxcr_dump_stats *stats,
+		      struct dbxcr_error *err);
+void dbxcr_dump_abort(struct dbxcr_dump_job *job);
 
 /* Check every checksum of the image at image_dirfd and of the ancestors it depends on,
  * including every page hash.  0 if intact; -1 with EBADMSG if damaged. */

@@ -742,6 +742,14 @@ def _load_images() -> ctypes.CDLL:
         lib.dbxcr_dump.argtypes = [ctypes.c_void_p, ctypes.c_char_p,
                                    ctypes.POINTER(_DumpOpts), ctypes.POINTER(_DumpStats), err]
         lib.dbxcr_dump.restype = ctypes.c_int
+        lib.dbxcr_dump_begin.argtypes = [ctypes.c_void_p, ctypes.c_char_p,
+                                         ctypes.POINTER(_DumpOpts),
+                                         ctypes.POINTER(ctypes.c_void_p), err]
+        lib.dbxcr_dump_begin.restype = ctypes.c_int
+        lib.dbxcr_dump_finish.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DumpStats), err]
+        lib.dbxcr_dump_finish.restype = ctypes.c_int
+        lib.dbxcr_dump_abort.argtypes = [ctypes.c_void_p]
+        lib.dbxcr_dump_abort.restype = None
         lib.dbxcr_verify_image.argtypes = [ctypes.c_int, err]
         lib.dbxcr_verify_image.restype = ctypes.c_int
         lib.dbxcr_restore_template.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, err]
@@ -760,6 +768,22 @@ def _raise_img(err: _Err) -> None:
     raise CRError(code, msg)
 
 
+def _dump_opts(path: str, parent: str | os.PathLike | None, max_chain: int, fsync: bool,
+               strip_prefix: str | None, seccomp_ok: bool) -> _DumpOpts:
+    ppath = pref = None
+    if parent is not None:
+        parent_abs = os.path.abspath(os.fspath(parent))
+        ppath = os.fsencode(parent_abs)
+        pref = os.fsencode(os.path.relpath(parent_abs, path))
+    return _DumpOpts(ppath, pref, max_chain, int(fsync),
+                     os.fsencode(strip_prefix) if strip_prefix else None, int(seccomp_ok))
+
+
+def _stats(st: _DumpStats) -> DumpStats:
+    return DumpStats(st.pages_total, st.pages_written, st.pages_parent, st.pages_zero,
+                     st.bytes_written, st.vmas, st.depth, st.ms)
+
+
 def dump(template: Template, path: str | os.PathLike, parent: str | os.PathLike | None = None,
          *, max_chain: int = 8, fsync: bool = False,
          strip_prefix: str | None = None, seccomp_ok: bool = False) -> DumpStats:
@@ -769,23 +793,51 @@ def dump(template: Template, path: str | os.PathLike, parent: str | os.PathLike 
     root_dir given at restore.  seccomp_ok: dump a process with a seccomp filter (not in the
     image: the restored process gets its restore host's filter; pass it only when that host
     is confined alike).  Call on the template's owner thread."""
+    return dump_begin(template, path, parent, max_chain=max_chain, fsync=fsync,
+                      strip_prefix=strip_prefix, seccomp_ok=seccomp_ok).finish()
+
+
+class DumpJob:
+    """A dump begun on the template's owner thread (dump_begin): finish() copies the pages
+    and writes the image on any thread, without the tracer; abort() drops it. Exactly one
+    of the two must be called."""
+
+    def __init__(self, handle: int, pid: int) -> None:
+        self._handle: int | None = handle
+        self.pid = pid
+
+    def finish(self) -> DumpStats:
+        handle, self._handle = self._handle, None
+        if handle is None:
+            raise CRError(_errno.EINVAL, f"dump of {self.pid} already finished or aborted")
+        st, err = _DumpStats(), _Err()
+        if _load_images().dbxcr_dump_finish(handle, ctypes.byref(st), ctypes.byref(err)) < 0:
+            _raise_img(err)
+        return _stats(st)
+
+    def abort(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            _load_images().dbxcr_dump_abort(handle)
+
+
+def dump_begin(template: Template, path: str | os.PathLike,
+               parent: str | os.PathLike | None = None, *, max_chain: int = 8,
+               fsync: bool = False, strip_prefix: str | None = None,
+               seccomp_ok: bool = False) -> DumpJob:
+    """The part of dump() that needs the tracer (call on the template's owner thread,
+    with the template able to run injected calls); the returned job does the rest."""
     if template.released:
         raise CRError(_errno.EINVAL, f"template {template.pid} was released")
     lib = _load_images()
     path = os.path.abspath(os.fspath(path))
-    ppath = pref = None
-    if parent is not None:
-        parent_abs = os.path.abspath(os.fspath(parent))
-        ppath = os.fsencode(parent_abs)
-        pref = os.fsencode(os.path.relpath(parent_abs, path))
-    opts = _DumpOpts(ppath, pref, max_chain, int(fsync),
-                     os.fsencode(strip_prefix) if strip_prefix else None, int(seccomp_ok))
-    st, err = _DumpStats(), _Err()
-    if lib.dbxcr_dump(template._handle, os.fsencode(path), ctypes.byref(opts),
-                      ctypes.byref(st), ctypes.byref(err)) < 0:
+    opts = _dump_opts(path, parent, max_chain, fsync, strip_prefix, seccomp_ok)
+    handle, err = ctypes.c_void_p(), _Err()
+    if lib.dbxcr_dump_begin(template._handle, os.fsencode(path), ctypes.byref(opts),
+                            ctypes.byref(handle), ctypes.byref(err)) < 0:
         _raise_img(err)
-    return DumpStats(st.pages_total, st.pages_written, st.pages_parent, st.pages_zero,
-                     st.bytes_written, st.vmas, st.depth, st.ms)
+    assert handle.value is not None
+    return DumpJob(handle.value, template.pid)
 
 
 def verify_image(path: str | os.PathLike) -> None:

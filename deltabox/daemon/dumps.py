@@ -253,17 +253,25 @@ class Dumps:
 
     async def _dump_one(self, sid: str, tpl: native.Template, path: Path,
                         parent: Path | None, seccomp_ok: bool) -> native.DumpStats:
-        """One process image, one job on the (shared) ptrace thread."""
+        """One process image: what needs the tracer is a short job on the (shared) ptrace
+        thread under the sandbox's lock; copying and hashing the pages (the bulk) runs on
+        a plain thread, so checkpoints and rollbacks need not wait for it. Releasing the
+        templates meanwhile makes this dump fail, never read another process
+        (native/criu_incr.h)."""
         lock = self.sandbox_lock(sid)
         async with lock if lock is not None else trio.Lock():
             if tpl.released:
                 raise native.CRError(22, "the templates were released before their dump")
             t0 = time.perf_counter()
-            st = await self.cr.worker.run(
-                lambda: native.dump(tpl, path, parent, fsync=self.fsync,
-                                    seccomp_ok=seccomp_ok))
+            job = await self.cr.worker.run(
+                lambda: native.dump_begin(tpl, path, parent, fsync=self.fsync,
+                                          seccomp_ok=seccomp_ok))
         self.worker_ms_max = max(self.worker_ms_max, (time.perf_counter() - t0) * 1000)
-        return st
+        try:
+            return await trio.to_thread.run_sync(job.finish)
+        except BaseException:
+            job.abort()  # cancelled before the thread took it (else a no-op)
+            raise
 
     def _write_meta_sync(self, tmp: Path, state: ProcessState) -> int:
         tmp.mkdir(exist_ok=True)

@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -365,6 +366,90 @@ out:
 		close(root);
 }
 
+struct finish_arg {
+	struct dbxcr_dump_job *job;
+	struct dbxcr_dump_stats st;
+	struct dbxcr_error err;
+	int rc;
+};
+
+static void *finish_thread(void *arg)
+{
+	struct finish_arg *f = arg;
+
+	f->rc = dbxcr_dump_finish(f->job, &f->st, &f->err);
+	return NULL;
+}
+
+/* dbxcr_dump_begin on the owner thread, dbxcr_dump_finish on another thread while the
+ * owner spawns from the template; abort leaves nothing; a template released before the
+ * finish makes it fail without an image. */
+static void test_dump_two_steps(const char *base)
+{
+	struct dbxcr_error err;
+	struct dbxcr_template *t = NULL;
+	struct dbxcr_dump_job *job = NULL;
+	struct proc orig = { -1, -1, -1 }, ch = { -1, -1, -1 };
+	struct finish_arg f = { 0 };
+	char sum[128], rep[128], dc[1024], dd[1024], de[1024];
+	pthread_t th;
+	int fd;
+
+	current_test = "dump_two_steps";
+	snprintf(dc, sizeof(dc), "%s/c", base);
+	snprintf(dd, sizeof(dd), "%s/d", base);
+	snprintf(de, sizeof(de), "%s/e", base);
+	if (start_target("2048", &orig) < 0) {
+		CHECK(0, "start target");
+		return;
+	}
+	CHECK(ask(&orig, "s\n", sum, sizeof(sum)) == 0, "no answer from target");
+	wait_in_read(orig.pid);
+	t = dbxcr_make_template(orig.pid, &err);
+	CHECK(t != NULL, "make_template: %s", err.msg);
+	if (!t)
+		goto out;
+
+	CHECK(dbxcr_dump_begin(t, dc, NULL, &f.job, &err) == 0, "begin c: %s", err.msg);
+	if (f.job && pthread_create(&th, NULL, finish_thread, &f) == 0) {
+		if (spawn_child(t, &ch, &err) > 0) {	/* meanwhile, on the owner thread */
+			CHECK(ask(&ch, "s\n", rep, sizeof(rep)) == 0 && !strncmp(rep, sum, 21),
+			      "child spawned during the finish: '%s'", rep);
+			close_proc(&ch);
+			kill_wait(ch.pid);
+		} else {
+			CHECK(0, "spawn during the finish: %s", err.msg);
+		}
+		pthread_join(th, NULL);
+		CHECK(f.rc == 0, "finish c on another thread: %s", f.err.msg);
+		CHECK(f.st.pages_written >= 2048, "finish c wrote %llu pages",
+		      (unsigned long long)f.st.pages_written);
+		fd = open(dc, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+		CHECK(fd >= 0 && dbxcr_verify_image(fd, &err) == 0, "verify c: %s", err.msg);
+		if (fd >= 0)
+			close(fd);
+	}
+
+	CHECK(dbxcr_dump_begin(t, dd, NULL, &job, &err) == 0, "begin d: %s", err.msg);
+	dbxcr_dump_abort(job);
+	job = NULL;
+	CHECK(access(dd, F_OK) < 0 && errno == ENOENT, "aborted dump left %s", dd);
+	CHECK(dbxcr_dump(t, dd, NULL, NULL, &err) == 0, "dump after an abort: %s", err.msg);
+
+	CHECK(dbxcr_dump_begin(t, de, NULL, &job, &err) == 0, "begin e: %s", err.msg);
+	dbxcr_release_template(t, &err);
+	t = NULL;
+	if (job) {
+		CHECK(dbxcr_dump_finish(job, NULL, &err) < 0, "finish after release succeeded");
+		fprintf(stderr, "  released before the finish: %s\n", err.msg);
+		CHECK(access(de, F_OK) < 0 && errno == ENOENT, "failed dump left %s", de);
+	}
+out:
+	dbxcr_release_template(t, &err);
+	close_proc(&orig);
+	kill_wait(orig.pid);
+}
+
 static void test_hash(void)
 {
 	unsigned char buf[4096];
@@ -394,6 +479,7 @@ int main(int argc, char **argv)
 	}
 	test_hash();
 	test_dump_restore(base);
+	test_dump_two_steps(base);
 	rm_rf(base);
 	if (failures) {
 		fprintf(stderr, "test_criu_incr: %d failure(s)\n", failures);
