@@ -327,6 +327,18 @@ def _timed(fn: Any) -> tuple[float, Any]:
     return (time.perf_counter() - t0) * 1000, r
 
 
+def _start_program(sbx: Any, mb: int) -> None:
+    """A bash session and a python process holding `mb` MiB of patterned memory."""
+    sbx.session("s").run("X=1; cd /tmp")
+    sbx.files.write("prog.py", SANDBOX_PROGRAM.format(mb=mb))
+    sbx.exec("nohup python3 /workspace/prog.py >/dev/null 2>&1 &")
+    deadline = time.monotonic() + 120
+    while not sbx.files.exists("ready"):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the sandbox program did not start")
+        time.sleep(0.05)
+
+
 def run_daemon(mb: int, reps: int, tmp_parent: Path) -> dict[str, Any]:
     """Section 4: restore from disk and rollbacks during dumps, through a real daemon."""
     from deltabox import Sandbox
@@ -336,28 +348,33 @@ def run_daemon(mb: int, reps: int, tmp_parent: Path) -> dict[str, Any]:
         d.start()
         sbx = Sandbox.create(socket=d.socket)
         try:
-            sbx.session("s").run("X=1; cd /tmp")
-            sbx.files.write("prog.py", SANDBOX_PROGRAM.format(mb=mb))
-            sbx.exec("nohup python3 /workspace/prog.py >/dev/null 2>&1 &")
-            deadline = time.monotonic() + 120
-            while not sbx.files.exists("ready"):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the sandbox program did not start")
-                time.sleep(0.05)
-            cps = [sbx.checkpoint(mode="full") for _ in range(2)]
-            for c in cps:
-                _dump_done(sbx, c.id)
+            _start_program(sbx, mb)
+            cps = []
+            for _ in range(2):  # the second evicts the first's templates (dump complete)
+                cps.append(sbx.checkpoint(mode="full"))
+                _dump_done(sbx, cps[-1].id)
+            # Alternating pairs: the first rollback to a checkpoint rebuilds its templates
+            # from disk (the other one's were evicted: one template set kept), the second
+            # uses them. Each is classified by the path the response names.
             for i in range(reps):
-                cp = cps[i % 2]  # the other one's templates were evicted by the last rollback
-                ms, r = _timed(lambda: sbx.rollback(cp))
-                if "from disk" not in r.note:
-                    raise RuntimeError(f"expected a restore from disk: {r.note}")
-                disk.append(ms)
-                ms, r = _timed(lambda: sbx.rollback(cp))
-                if r.process_state != "restored" or "from disk" in r.note:
-                    raise RuntimeError(f"expected a restore from templates: {r.note}")
-                tpl.append(ms)
-            base = cps[-1]
+                cp = cps[i % 2]
+                for _ in range(2):
+                    ms, r = _timed(lambda: sbx.rollback(cp))
+                    if r.process_state != "restored":
+                        raise RuntimeError(f"processes not restored: {r.note}")
+                    (disk if "from disk" in r.note else tpl).append(ms)
+            if not disk or not tpl:
+                raise RuntimeError(f"no samples: {len(disk)} from disk, {len(tpl)} templates")
+        finally:
+            sbx.kill()
+    # Rollbacks during dumps: default template count, so `base` keeps its templates.
+    with PrivateDaemon(parent=tmp_parent, extra_args=["--no-inspector"]) as d:
+        d.start()
+        sbx = Sandbox.create(socket=d.socket)
+        try:
+            _start_program(sbx, mb)
+            base = sbx.checkpoint(mode="full")
+            _dump_done(sbx, base.id)
             for _ in range(reps):
                 new = sbx.checkpoint(mode="full")
                 ms, r = _timed(lambda: sbx.rollback(base))  # the dump of `new` is running
@@ -453,11 +470,12 @@ def main(argv: list[str] | None = None) -> int:
     cleanup: list = []
     t0 = time.time()
     try:
+        # First: the gRPC client must not live in a process that later forks (run_restore).
+        dmn = run_daemon(200, reps * 2, args.img_dir)
         hr = hash_rate(native)
         log(f"page hash: {hr:.2f} GB/s")
         inc = run_incremental(native, work, inc_size, dirties, cleanup)
         rest = run_restore(native, work, sizes, reps, cleanup)
-        dmn = run_daemon(200, reps * 2, args.img_dir)
     finally:
         for fn in reversed(cleanup):
             try:
