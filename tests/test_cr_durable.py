@@ -189,3 +189,18 @@ def test_rollback_waits_for_pending_dump(d: DaemonProc) -> None:
     assert k["hash"] == h0["hash"] and k["n"] == got["n"] + 1
     assert kid.session("s").run(PROBE).stdout.strip() == "hello v fn1 /tmp"
     kid.kill()
+
+
+def test_template_count_enforced_once_dumps_end(d: DaemonProc) -> None:
+    """Templates kept over --templates while their dumps were pending are evicted once the
+    dumps have ended (the daemon's periodic check), not only at the next checkpoint."""
+    d.start(*ARGS)
+    sbx = Sandbox.create(socket=d.socket)
+    start_processes(sbx)
+    cp1 = sbx.checkpoint(mode="full")
+    cp2 = sbx.checkpoint(mode="full")  # cp1's dump may still be pending: both kept
+    assert "complete" in dump_state(sbx, cp1.id) and "complete" in dump_state(sbx, cp2.id)
+    time.sleep(3)  # the check runs every 2 s
+    r = sbx.rollback(cp1)
+    assert r.process_state == "restored" and f"restored from disk (dump of {cp1.id}" in r.note, \
+        r.note

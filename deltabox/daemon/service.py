@@ -697,12 +697,16 @@ class Daemon:
                 self.dumps.complete(key) or self.dumps.pending(key))
 
     async def enforce_template_budget(self, interval: float = 2.0) -> None:
-        """Forever: keep all sandboxes' templates within the memory budget (budget.py)."""
+        """Forever: keep all sandboxes' templates within the memory budget (budget.py), and
+        within the per-sandbox count once the dumps that held them over it have ended."""
         limit = self.cfg.template_budget_mb << 20
-        if limit <= 0:
-            return
         while True:
             await trio.sleep(interval)
+            for live in list(self.live.values()):
+                if len(live.captured) > self.cfg.templates_per_sandbox:
+                    self._evict_templates(live)
+            if limit <= 0:
+                continue
             held = [(sid, key, st) for sid, live in self.live.items()
                     for key, st in live.captured.items()]
             if not held:
