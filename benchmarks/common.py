@@ -123,6 +123,10 @@ class PrivateDaemon:
         return self.base / "scratch"
 
     def start(self, timeout: float = 60) -> PrivateDaemon:
+        if self.proc is not None and self.proc.poll() is None:
+            # `with PrivateDaemon() as d` has started it already: a second daemon would
+            # replace this one's handle and be left running.
+            raise RuntimeError("this PrivateDaemon is already running")
         self.parent.mkdir(parents=True, exist_ok=True)
         self.base = Path(tempfile.mkdtemp(prefix="dbx-bench-", dir=self.parent))
         self._stopped = False
@@ -219,6 +223,10 @@ class PrivateDaemon:
         finally:
             _forget_client(self.socket)
             self.leaks = own_leaks(self.base, self.state_dir)
+            deadline = time.monotonic() + 5  # a loop device detaches a moment after umount
+            while self.leaks and time.monotonic() < deadline:
+                time.sleep(0.1)
+                self.leaks = own_leaks(self.base, self.state_dir)
             self.cleanup_problems += [f"left behind: {x}" for x in self.leaks]
             left = _mounts_under(self.base)
             if left:

@@ -345,7 +345,6 @@ def run_daemon(mb: int, reps: int, tmp_parent: Path) -> dict[str, Any]:
     disk, tpl, during, idle = [], [], [], []
     with PrivateDaemon(parent=tmp_parent, extra_args=["--no-inspector", "--templates", "1"]
                        ) as d:
-        d.start()
         sbx = Sandbox.create(socket=d.socket)
         try:
             _start_program(sbx, mb)
@@ -369,7 +368,6 @@ def run_daemon(mb: int, reps: int, tmp_parent: Path) -> dict[str, Any]:
             sbx.kill()
     # Rollbacks during dumps: default template count, so `base` keeps its templates.
     with PrivateDaemon(parent=tmp_parent, extra_args=["--no-inspector"]) as d:
-        d.start()
         sbx = Sandbox.create(socket=d.socket)
         try:
             _start_program(sbx, mb)

@@ -100,6 +100,10 @@ def private_daemon(prefix: str, sock: str = "d.sock") -> Iterator[DaemonProc]:
     finally:
         d.stop()
         left = leaks(base)
+        deadline = time.monotonic() + 5  # a loop device detaches a moment after its umount
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = leaks(base)
         if not left:
             shutil.rmtree(base, ignore_errors=True)
         assert not left, f"deltaboxd left behind: {left}"
