@@ -14,6 +14,7 @@ dropped checkpoint's directory stays until no other image depends on it (`image_
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fcntl
 import json
@@ -70,7 +71,9 @@ class Dumps:
         self.sandbox_lock = sandbox_lock
         db.conn.executescript(SCHEMA)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.locks: dict[str, trio.Lock] = {}            # one dump at a time per sandbox
+        # One dump at a time per sandbox, in checkpoint order: a queue and one task
+        # draining it (a parked task per pending dump costs ~13 KiB; backlogs happen).
+        self.queues: dict[str, collections.deque[tuple[str, ProcessState, int]]] = {}
         self.events: dict[str, trio.Event] = {}          # cp id -> set when its dump ends
         self.last: dict[tuple[str, int, str], Path] = {}  # (sandbox, nspid, cmd) -> image
         self.in_use: set[Path] = set()                    # parent images being read
@@ -192,7 +195,25 @@ class Dumps:
             return
         self._put(DumpRow(cp_id, sid, "pending", 0, 0.0, "", time.time()))
         self.events[cp_id] = trio.Event()
-        start_soon(self._dump, sid, cp_id, state, seccomp_filters)
+        queue = self.queues.get(sid)
+        if queue is None:
+            queue = self.queues[sid] = collections.deque()
+            start_soon(self._drain, sid, queue)
+        queue.append((cp_id, state, seccomp_filters))
+
+    async def _drain(self, sid: str, queue: collections.deque) -> None:
+        """Dump the sandbox's queued checkpoints one after the other, then end."""
+        try:
+            while queue:
+                cp_id, state, seccomp_filters = queue[0]
+                await self._dump(sid, cp_id, state, seccomp_filters)
+                queue.popleft()
+        finally:
+            self.queues.pop(sid, None)
+            for cp_id, _, _ in queue:  # cancelled (shutdown): nobody may wait forever
+                ev = self.events.pop(cp_id, None)
+                if ev is not None:
+                    ev.set()
 
     async def _dump(self, sid: str, cp_id: str, state: ProcessState,
                     seccomp_filters: int) -> None:
@@ -202,7 +223,13 @@ class Dumps:
         parents: list[Path] = []
         job_ms = 0.0
         try:
-            async with self.locks.setdefault(sid, trio.Lock()), self.io.slot(cp_id):
+            # Gone before its turn: fail without waiting for an I/O slot.
+            if self.db.get_checkpoint(cp_id) is None:
+                raise native.CRError(2, "the checkpoint was deleted before its dump")
+            if any(t.released for t in state.templates.values()):
+                raise native.CRError(22, f"the templates of {cp_id} were released before "
+                                     "their dump")
+            async with self.io.slot(cp_id):
                 if TEST_DELAY_S:
                     await trio.sleep(TEST_DELAY_S)
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -236,8 +263,8 @@ class Dumps:
                 self._put(DumpRow(cp_id, sid, "complete", total, ms, "", time.time()))
                 for rec in state.records:
                     self.last[(sid, rec.nspid, rec.cmd)] = self.path(cp_id) / str(rec.nspid)
-                log.info("process dump of %s: %d processes, %.1f MiB, %.0f ms (longest job "
-                         "on the ptrace thread %.0f ms)", cp_id, len(state.records),
+                log.info("process dump of %s: %d processes, %.1f MiB, %.0f ms (longest "
+                         "process image %.0f ms)", cp_id, len(state.records),
                          total / 2**20, ms, job_ms)
         except Exception as e:
             log.warning("process dump of %s failed: %s", cp_id, e)

@@ -95,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _reap_forever() -> None:
+async def _reap_forever(daemon: Daemon) -> None:
     """Orphaned sandbox processes become our zombies (we are a subreaper): reap them."""
     while True:
-        reap_orphans()
+        reap_orphans(skip=daemon.template_pids())
         await trio.sleep(0.2)
 
 
@@ -144,7 +144,7 @@ async def serve(args: argparse.Namespace) -> None:
         background = GuardedNursery(nursery)
         daemon = Daemon(cfg, store, db, CgroupDriver(parent_name(str(state_dir))), background,
                         DeltaCR(ptrace))
-        nursery.start_soon(_reap_forever)
+        nursery.start_soon(_reap_forever, daemon)
         try:
             await daemon.recover()
             server = make_server(Servicer(daemon, trio.lowlevel.current_trio_token(), token),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import re
 import secrets
@@ -61,6 +62,7 @@ BASE_ENV = {
 MAX_FORK = 256
 # The kernel nests pid namespaces at most 32 deep (host = level 0); leave headroom.
 MAX_NEST_LEVEL = 30
+RETIRE_WORKERS = 2    # tasks deleting retired layers (each job also takes an I/O slot)
 VFORK_ATTEMPTS = 20   # thaw-and-refreeze rounds while a process is inside vfork()
 VFORK_WAIT_S = 0.2    # per round, for its child to exec
 
@@ -130,6 +132,7 @@ class Daemon:
         self.mountpoint = self.run_dir / "rootmnt"
         self.masks: dict[str, Path] = {}
         self.io = IOScheduler()
+        self._retire_send: trio.MemorySendChannel | None = None  # _retire_later's queue
         # Durable process state: background dumps of full checkpoints (daemon/dumps.py).
         self.dumps = Dumps(db, cfg.state_dir / "dumps", cr, self.io, fsync=cfg.durable,
                            sandbox_lock=lambda sid: self.live[sid].lock
@@ -418,6 +421,10 @@ class Daemon:
     def list(self) -> list[SandboxRow]:
         return self.db.sandboxes()
 
+    def template_pids(self) -> set[int]:
+        """Every sandbox's process templates (host pids): children of ours, never orphans."""
+        return set().union(*(live.template_pids for live in self.live.values()))
+
     def init_pid(self, sid: str) -> int:
         live = self.live.get(sid)
         return live.rt.init_pid if live else 0
@@ -451,18 +458,34 @@ class Daemon:
         """Drop a layer (and the generation mounted on it, if any) after the call returned,
         off the hot path. Closing the last
         reference to a mount namespace unmounts its tree synchronously (milliseconds of RCU
-        grace periods), so it happens in a worker thread, then the layer goes."""
-        async def retire() -> None:
-            if gen is not None:
-                await trio.to_thread.run_sync(gen.close)
-            await self.io.wait(layer_id)  # a clone of it still being made
-            if step:
-                crash_point(step)  # test-only (faults.py)
-            try:
-                await self.io.run(layer_id, self.store.delete, layer_id)
-            except Exception as e:  # retried on the next start (orphan layer)
-                log.warning("deleting layer %s failed: %s (retried at restart)", layer_id, e)
-        self.background.start_soon(retire)
+        grace periods), so it happens in a worker thread, then the layer goes. Queued for
+        RETIRE_WORKERS tasks: a task per retirement would hold ~13 KiB each while waiting
+        for an I/O slot, and under load they pile up."""
+        if self._retire_send is None:
+            self._retire_send, recv = trio.open_memory_channel(math.inf)
+            for _ in range(RETIRE_WORKERS):
+                self.background.start_soon(self._retire_worker, recv.clone())
+            recv.close()
+        self._retire_send.send_nowait((gen, layer_id, step))
+
+    async def _retire_worker(self, recv: trio.MemoryReceiveChannel) -> None:
+        async with recv:
+            async for gen, layer_id, step in recv:
+                try:
+                    await self._retire(gen, layer_id, step)
+                except Exception:
+                    log.exception("retiring layer %s failed", layer_id)
+
+    async def _retire(self, gen: runtime.Generation | None, layer_id: str, step: str) -> None:
+        if gen is not None:
+            await trio.to_thread.run_sync(gen.close)
+        await self.io.wait(layer_id)  # a clone of it still being made
+        if step:
+            crash_point(step)  # test-only (faults.py)
+        try:
+            await self.io.run(layer_id, self.store.delete, layer_id)
+        except Exception as e:  # retried on the next start (orphan layer)
+            log.warning("deleting layer %s failed: %s (retried at restart)", layer_id, e)
 
     # ---- running commands ------------------------------------------------------------
 
@@ -969,7 +992,7 @@ class Daemon:
                               ) -> tuple[str, str, set[int]]:
         """Restore into `live` (its own templates when `fresh` is None, else an
         ancestor's); a failure restarts the processes and says why."""
-        reap_orphans()  # the killed originals' pids must be free for set_tid
+        reap_orphans(skip=self.template_pids())  # the killed originals' pids must be free
         crash_point("rollback.restoring")
         budget.touch(state)
         try:

@@ -34,6 +34,8 @@ log = logging.getLogger("deltaboxd")
 # valid for (a generation is bound to the sandbox's pid namespace).
 BuildFn = Callable[[str, str], Awaitable[tuple[Generation, Runtime] | None]]
 
+MAX_QUEUED = 64   # background I/O jobs waiting for a slot beyond which nothing is prepared
+
 
 @dataclass
 class Ready:
@@ -57,6 +59,7 @@ class WarmPool:
         self.max_spares = max_spares
         self.delay = delay
         self.spares: dict[str, str] = {}                    # checkpoint layer -> its clone
+        self.preparing: set[tuple[str | None, str]] = set()  # (sandbox, layer) under way
         # sandbox -> checkpoint layer -> Ready
         self.ready: dict[str, OrderedDict[str, Ready]] = {}
         self.new_id: Callable[[], str] = lambda: ""
@@ -73,9 +76,22 @@ class WarmPool:
         if cp_layer in self.spares and (sandbox_id is None or
                                         cp_layer in self.ready.get(sandbox_id, {})):
             return
+        key = (sandbox_id, cp_layer)
+        # Once per (sandbox, layer) at a time; and none while background I/O is backed up:
+        # warm state only saves a rollback a clone it can make on demand, and each queued
+        # job holds memory until it runs (a soak of 32 sandboxes grew the queue unbounded).
+        if key in self.preparing or self.io.queued >= MAX_QUEUED:
+            return
+        self.preparing.add(key)
         self.background.start_soon(self._prepare, sandbox_id, cp_layer)
 
     async def _prepare(self, sandbox_id: str | None, cp_layer: str) -> None:
+        try:
+            await self._prepare_now(sandbox_id, cp_layer)
+        finally:
+            self.preparing.discard((sandbox_id, cp_layer))
+
+    async def _prepare_now(self, sandbox_id: str | None, cp_layer: str) -> None:
         # Let the call that triggered this, and the agent's next step, go first: a snapshot
         # here shares btrfs's transaction commit with their snapshots.
         await trio.sleep(self.delay)
@@ -111,7 +127,7 @@ class WarmPool:
         while len(slot) > self.per_sandbox:
             _, old = slot.popitem(last=False)
             self._discard(old)
-        self.background.start_soon(self._prepare, None, cp_layer)  # a new spare
+        self.prepare(None, cp_layer)  # a new spare
 
     def take_ready(self, sandbox_id: str, cp_layer: str, rt: Runtime) -> Ready | None:
         """A prepared generation of this sandbox on a clone of `cp_layer`, if ready."""
