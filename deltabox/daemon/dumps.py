@@ -229,43 +229,43 @@ class Dumps:
             if any(t.released for t in state.templates.values()):
                 raise native.CRError(22, f"the templates of {cp_id} were released before "
                                      "their dump")
+            if TEST_DELAY_S:
+                await trio.sleep(TEST_DELAY_S)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            for rec in state.records:
+                tpl = state.templates[rec.pid]
+                if tpl.released:
+                    raise native.CRError(22, f"the templates of {cp_id} were released "
+                                         "before their dump")
+                ok = _seccomp_filters(tpl.pid) <= seccomp_filters
+                parent = self.last.get((sid, rec.nspid, rec.cmd))
+                if parent is not None and not parent.is_dir():
+                    parent = None
+                if parent is not None:
+                    self.in_use.add(parent)
+                    parents.append(parent)
+                try:
+                    st = await self._dump_one(sid, tpl, tmp / str(rec.nspid), parent, ok)
+                except native.CRError:
+                    if parent is None:
+                        raise
+                    shutil.rmtree(tmp / str(rec.nspid), ignore_errors=True)
+                    st = await self._dump_one(sid, tpl, tmp / str(rec.nspid), None, ok)
+                total += st.bytes_written
+                job_ms = max(job_ms, st.ms)
             async with self.io.slot(cp_id):
-                if TEST_DELAY_S:
-                    await trio.sleep(TEST_DELAY_S)
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir()
-                for rec in state.records:
-                    tpl = state.templates[rec.pid]
-                    if tpl.released:
-                        raise native.CRError(22, f"the templates of {cp_id} were released "
-                                             "before their dump")
-                    ok = _seccomp_filters(tpl.pid) <= seccomp_filters
-                    parent = self.last.get((sid, rec.nspid, rec.cmd))
-                    if parent is not None and not parent.is_dir():
-                        parent = None
-                    if parent is not None:
-                        self.in_use.add(parent)
-                        parents.append(parent)
-                    try:
-                        st = await self._dump_one(sid, tpl, tmp / str(rec.nspid), parent, ok)
-                    except native.CRError:
-                        if parent is None:
-                            raise
-                        shutil.rmtree(tmp / str(rec.nspid), ignore_errors=True)
-                        st = await self._dump_one(sid, tpl, tmp / str(rec.nspid), None, ok)
-                    total += st.bytes_written
-                    job_ms = max(job_ms, st.ms)
                 total += await trio.to_thread.run_sync(self._write_meta_sync, tmp, state)
-                if self.db.get_checkpoint(cp_id) is None:
-                    raise native.CRError(2, "the checkpoint was deleted meanwhile")
-                os.rename(tmp, self.path(cp_id))
-                ms = (time.perf_counter() - t0) * 1000
-                self._put(DumpRow(cp_id, sid, "complete", total, ms, "", time.time()))
-                for rec in state.records:
-                    self.last[(sid, rec.nspid, rec.cmd)] = self.path(cp_id) / str(rec.nspid)
-                log.info("process dump of %s: %d processes, %.1f MiB, %.0f ms (longest "
-                         "process image %.0f ms)", cp_id, len(state.records),
-                         total / 2**20, ms, job_ms)
+            if self.db.get_checkpoint(cp_id) is None:
+                raise native.CRError(2, "the checkpoint was deleted meanwhile")
+            os.rename(tmp, self.path(cp_id))
+            ms = (time.perf_counter() - t0) * 1000
+            self._put(DumpRow(cp_id, sid, "complete", total, ms, "", time.time()))
+            for rec in state.records:
+                self.last[(sid, rec.nspid, rec.cmd)] = self.path(cp_id) / str(rec.nspid)
+            log.info("process dump of %s: %d processes, %.1f MiB, %.0f ms (longest "
+                     "process image %.0f ms)", cp_id, len(state.records),
+                     total / 2**20, ms, job_ms)
         except Exception as e:
             log.warning("process dump of %s failed: %s", cp_id, e)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -295,7 +295,8 @@ class Dumps:
                                           seccomp_ok=seccomp_ok))
         self.worker_ms_max = max(self.worker_ms_max, (time.perf_counter() - t0) * 1000)
         try:
-            return await trio.to_thread.run_sync(job.finish)
+            async with self.io.slot(str(path)):  # the I/O: pages copied, hashed, written
+                return await trio.to_thread.run_sync(job.finish)
         except BaseException:
             job.abort()  # cancelled before the thread took it (else a no-op)
             raise

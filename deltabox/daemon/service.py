@@ -107,6 +107,7 @@ class Live:
     # Evicted or deleted checkpoints' templates waiting to be released (_release_later):
     # still processes of the sandbox, and ours, until then.
     releasing: list[ProcessState] = field(default_factory=list)
+    held_for_dump: int = 0  # of those, how many wait for their own pending dump first
 
     @property
     def template_pids(self) -> set[int]:
@@ -458,27 +459,36 @@ class Daemon:
         """Drop a layer (and the generation mounted on it, if any) after the call returned,
         off the hot path. Closing the last
         reference to a mount namespace unmounts its tree synchronously (milliseconds of RCU
-        grace periods), so it happens in a worker thread, then the layer goes. Queued for
-        RETIRE_WORKERS tasks: a task per retirement would hold ~13 KiB each while waiting
-        for an I/O slot, and under load they pile up."""
+        grace periods), so it happens in a worker thread at once (it holds two fds and a
+        mount namespace), then the layer goes through a queue drained by RETIRE_WORKERS
+        tasks: a task per deletion would hold ~13 KiB each while waiting for an I/O slot,
+        and under load they pile up."""
         if self._retire_send is None:
             self._retire_send, recv = trio.open_memory_channel(math.inf)
             for _ in range(RETIRE_WORKERS):
                 self.background.start_soon(self._retire_worker, recv.clone())
             recv.close()
-        self._retire_send.send_nowait((gen, layer_id, step))
+        send = self._retire_send
+        if gen is None:
+            send.send_nowait((layer_id, step))
+            return
+
+        async def close_then_queue() -> None:
+            try:
+                await trio.to_thread.run_sync(gen.close)
+            finally:
+                send.send_nowait((layer_id, step))
+        self.background.start_soon(close_then_queue)
 
     async def _retire_worker(self, recv: trio.MemoryReceiveChannel) -> None:
         async with recv:
-            async for gen, layer_id, step in recv:
+            async for layer_id, step in recv:
                 try:
-                    await self._retire(gen, layer_id, step)
+                    await self._retire(layer_id, step)
                 except Exception:
                     log.exception("retiring layer %s failed", layer_id)
 
-    async def _retire(self, gen: runtime.Generation | None, layer_id: str, step: str) -> None:
-        if gen is not None:
-            await trio.to_thread.run_sync(gen.close)
+    async def _retire(self, layer_id: str, step: str) -> None:
         await self.io.wait(layer_id)  # a clone of it still being made
         if step:
             crash_point(step)  # test-only (faults.py)
@@ -765,11 +775,15 @@ class Daemon:
                 if len(live.captured) <= 2 * self.cfg.templates_per_sandbox:
                     return
                 # A dump backlog must not keep templates usable forever: evict one now,
-                # release it once its dump has been written (a rollback to it waits).
+                # release it once its dump has been written (a rollback to it waits) --
+                # unless as many again (at least 8) already wait so: then at once (its dump
+                # fails, the checkpoint keeps its files and says so): memory stays bounded.
                 free = list(live.captured)
             cp_id = next((k for k in free if self.dumps.complete(k)), free[0])
-            self._release_later(live, live.captured.pop(cp_id),
-                                after_dump=cp_id if self.dumps.pending(cp_id) else None)
+            after = (cp_id if self.dumps.pending(cp_id) and
+                     live.held_for_dump < max(8, 2 * self.cfg.templates_per_sandbox)
+                     else None)
+            self._release_later(live, live.captured.pop(cp_id), after_dump=after)
             live.evicted.add(cp_id)
 
     def _release_later(self, live: Live, state: ProcessState,
@@ -780,10 +794,14 @@ class Daemon:
         needs to thaw (a deadlock seen in fault tests). after_dump: not before that
         checkpoint's process dump (written from these templates) has ended."""
         live.releasing.append(state)
+        live.held_for_dump += after_dump is not None
 
         async def release() -> None:
             if after_dump is not None:
-                await self.dumps.wait(after_dump)  # not under the lock: the dump needs it
+                try:
+                    await self.dumps.wait(after_dump)  # not under the lock: the dump needs it
+                finally:
+                    live.held_for_dump -= 1
             async with live.lock:
                 try:
                     await self.cr.release(state)
