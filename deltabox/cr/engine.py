@@ -168,6 +168,28 @@ class DeltaCR:
 
     # ---- restore -----------------------------------------------------------------------
 
+    async def _spawn_retrying(self, sp: _Spawn) -> int:
+        """Spawn with the original pid (if given); the killed original may not be reaped yet
+        (EEXIST), so reap and retry for a while, with backoff and off the ptrace thread
+        between attempts (other sandboxes' operations need it)."""
+        deadline = trio.current_time() + 2.0
+        set_tid = [sp.nspid] if sp.nspid is not None else None
+        into = sp.into
+        delay = 0.001
+        while True:
+            try:
+                return await self.worker.run(_spawn_once, sp, set_tid)
+            except native.CRError as e:
+                if (e.errno == errno.EEXIST and set_tid and into is not None and
+                        into.pid_fallback and trio.current_time() > deadline - 1.7):
+                    set_tid = None  # still taken after 0.3 s of reaping: a new pid
+                    continue
+                if e.errno != errno.EEXIST or trio.current_time() > deadline:
+                    raise
+            reap_orphans()  # the killed original may be a zombie waiting for us
+            await trio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
     async def restore(self, state: ProcessState, mntfd: int,
                       into: Elsewhere | None = None) -> Restored:
         """Spawn every template's child into the generation `mntfd`: in the templates' own
@@ -201,7 +223,7 @@ class DeltaCR:
                     spawn.nspid = rec.nspid if into.fresh or not leader else None
                     spawn.into = into
                     spawn.pgid = groups.get(rec.pgid, -1)
-                spawned[rec.nspid] = await self.worker.run(_spawn_retrying, spawn)
+                spawned[rec.nspid] = await self._spawn_retrying(spawn)
                 if into is not None:
                     groups.setdefault(rec.pgid, rec.nspid)
         except BaseException:
@@ -489,25 +511,10 @@ def _leaders_first(records: list[ProcessRecord]) -> list[ProcessRecord]:
     return sorted(records, key=lambda r: r.pid != r.pgid)
 
 
-def _spawn_retrying(sp: _Spawn) -> int:
-    """Spawn with the original pid (if given); the killed original may not be reaped yet
-    (EEXIST), so reap and retry for a while."""
-    deadline = time.monotonic() + 2.0
-    set_tid = [sp.nspid] if sp.nspid is not None else None
+def _spawn_once(sp: _Spawn, set_tid: list[int] | None) -> int:
     into = sp.into
-    while True:
-        try:
-            return sp.tpl.spawn(
-                fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd, set_tid=set_tid,
-                pidns_fd=into.pidns_fd if into else None,
-                ns_pidfd=into.init_pidfd if into else None,
-                cgroup_fds=into.cgroup_fds if into else (), pgid=sp.pgid, listens=sp.listens)
-        except native.CRError as e:
-            if (e.errno == errno.EEXIST and set_tid and into is not None and
-                    into.pid_fallback and time.monotonic() > deadline - 1.7):
-                set_tid = None  # still taken after 0.3 s of reaping: a new pid
-                continue
-            if e.errno != errno.EEXIST or time.monotonic() > deadline:
-                raise
-            reap_orphans()  # the killed original may be a zombie waiting for us
-            time.sleep(0.001)
+    return sp.tpl.spawn(
+        fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd, set_tid=set_tid,
+        pidns_fd=into.pidns_fd if into else None,
+        ns_pidfd=into.init_pidfd if into else None,
+        cgroup_fds=into.cgroup_fds if into else (), pgid=sp.pgid, listens=sp.listens)

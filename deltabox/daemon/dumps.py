@@ -77,6 +77,7 @@ class Dumps:
         self.events: dict[str, trio.Event] = {}          # cp id -> set when its dump ends
         self.last: dict[tuple[str, int, str], Path] = {}  # (sandbox, nspid, cmd) -> image
         self.in_use: set[Path] = set()                    # parent images being read
+        self._deps: dict[str, set[Path]] = {}             # complete dump -> images it needs
         self.worker_ms_max = 0.0     # longest single dump job on the ptrace thread
 
     # ---- rows --------------------------------------------------------------------------
@@ -113,6 +114,11 @@ class Dumps:
     def complete(self, cp_id: str) -> bool:
         r = self.row(cp_id)
         return r is not None and r.state == "complete"
+
+    def complete_among(self, cp_ids: set[str]) -> set[str]:
+        """Those of cp_ids whose dump is complete (one query, for many)."""
+        rows = self.db.conn.execute("SELECT cp_id FROM dumps WHERE state='complete'")
+        return {r[0] for r in rows} & cp_ids
 
     def pending(self, cp_id: str) -> bool:
         ev = self.events.get(cp_id)
@@ -165,23 +171,35 @@ class Dumps:
         """Delete dropped dumps no remaining image depends on; returns how many."""
         needed: set[Path] = {p for p in self.in_use}
         for r in self._rows("state='complete'"):
-            for img in _images(self.path(r.cp_id)):
-                try:
-                    needed.update(Path(p) for p in native.image_depends_on(img))
-                except native.CRError:
-                    pass
+            needed.update(self._depends_on(r.cp_id))
         freed = 0
+        needed_dirs = {p.parent for p in needed}
         for r in self._rows("state='dropped'"):
             d = self.path(r.cp_id)
-            if any(p.parent == d for p in needed):
+            if d in needed_dirs:
                 continue
             shutil.rmtree(d, ignore_errors=True)
             self.db.conn.execute("DELETE FROM dumps WHERE cp_id=?", (r.cp_id,))
+            self._deps.pop(r.cp_id, None)
             freed += 1
         for r in self._rows("state='failed'"):
             if r.error != NOT_COMPLETED:
                 shutil.rmtree(self.path(r.cp_id), ignore_errors=True)
         return freed
+
+    def _depends_on(self, cp_id: str) -> set[Path]:
+        """Images a complete dump's images depend on (cached: complete images never change;
+        reading every image's header at every deletion was O(all dumps))."""
+        deps = self._deps.get(cp_id)
+        if deps is None:
+            deps = set()
+            for img in _images(self.path(cp_id)):
+                try:
+                    deps.update(Path(p) for p in native.image_depends_on(img))
+                except native.CRError:
+                    pass
+            self._deps[cp_id] = deps
+        return deps
 
     # ---- dump ------------------------------------------------------------------------------
 
