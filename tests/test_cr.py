@@ -6,6 +6,9 @@ Each case ends exact, or refused with a clear error naming the process; never wr
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 
@@ -359,3 +362,54 @@ def test_forks_are_isolated_from_each_other(sbx: Sandbox) -> None:
     finally:
         for k in kids:
             k.kill()
+
+
+def _host_pid_in_ns(init_pid: int, nspid: int) -> int | None:
+    """The host pid of the process whose pid is `nspid` in init_pid's pid namespace."""
+    ns = os.readlink(f"/proc/{init_pid}/ns/pid")
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{d}/ns/pid") != ns:
+                continue
+            for line in open(f"/proc/{d}/status"):
+                if line.startswith("NSpid:") and int(line.split()[-1]) == nspid:
+                    return int(d)
+        except OSError:
+            continue
+    return None
+
+
+def test_pid_taken_meanwhile_is_restored_with_a_new_pid(sbx: Sandbox) -> None:
+    """A process whose pid is still allocated at the rollback (here: a session id of a
+    process the rollback does not kill; in practice another checkpoint's template group)
+    comes back with a new pid, and the note says which; its siblings and the session are
+    restored as they were, nothing restarts."""
+    s = sbx.session("s")
+    s.run("X=kept; cd /tmp")
+    x = int(s.run("sleep 1000 & echo $!").stdout.strip())
+    cp = sbx.checkpoint(mode="full")
+    s.run(f"kill {x}; wait {x} 2>/dev/null; true")
+    deadline = time.monotonic() + 10
+    while sbx.exec(f"test -e /proc/{x}").exit_code == 0:  # reaped, pid free
+        assert time.monotonic() < deadline, f"pid {x} still exists"
+        time.sleep(0.05)
+    init = sbx.info().init_pid
+    # The next pid the namespace hands out is x: a session leader outside the sandbox's
+    # cgroup (so the rollback leaves it alone) takes it.
+    subprocess.run(["nsenter", "-t", str(init), "-p", "--", "sh", "-c",
+                    f"echo {x - 1} > /proc/sys/kernel/ns_last_pid; "
+                    "exec setsid -f sleep 1000 >/dev/null 2>&1 </dev/null"],
+                   check=True)
+    holder = _host_pid_in_ns(init, x)
+    assert holder is not None, sbx.exec("ps -eo pid,pgid,sid,stat,args").stdout
+    try:
+        r = sbx.rollback(cp)
+        assert r.process_state == "restored", r.note
+        assert f"pid {x} was in use" in r.note, r.note
+        assert s.run('echo "$X $PWD"').stdout.strip() == "kept /tmp"
+        ps = sbx.exec("ps -eo stat=,args= | grep -v '^t' | grep -c '[s]leep 1000'").stdout
+        assert ps.strip() == "2", ps  # the restored job (new pid) and the holder
+    finally:
+        os.kill(holder, signal.SIGKILL)

@@ -18,6 +18,8 @@ group or session. Not preserved:
 - the pid of a group or session leader: the kernel keeps a pid number allocated while any
   process uses it as a group or session id, and the template is such a process; the leader
   comes back with a new pid (its group and session ids, and its own idea of `$$`, unchanged);
+  the same for any process whose pid is, by the rollback, another template's group or
+  session id (the response's note names those pids);
 - a restored process's *parent*: it is the parent its template had, which is the sandbox's
   init when the original parent died in the rollback (so a shell's `wait` no longer sees its
   restored background jobs).
@@ -105,6 +107,9 @@ class Restored:
     pids: dict[int, int]                 # nspid -> new host pid
     session_fds: dict[str, tuple[int, int, int, int]]   # name -> (pid, stdin_w, out_r, err_r)
     daemon_fds: list[tuple[int, bool]]   # our ends: (fd, is_read_end) to drain or hold
+    # pids (in the sandbox) that were still allocated, as another template's process group
+    # or session id, so their processes came back with new pids
+    renumbered: list[int] = field(default_factory=list)
 
 
 class DeltaCR:
@@ -180,9 +185,14 @@ class DeltaCR:
             try:
                 return await self.worker.run(_spawn_once, sp, set_tid)
             except native.CRError as e:
-                if (e.errno == errno.EEXIST and set_tid and into is not None and
-                        into.pid_fallback and trio.current_time() > deadline - 1.7):
-                    set_tid = None  # still taken after 0.3 s of reaping: a new pid
+                # Still taken after 0.3 s of reaping: not a killed original waiting to be
+                # reaped but a live group or session id (of another checkpoint's templates,
+                # or of processes rebuilt from a dump): a new pid, as for a leader.
+                if (e.errno == errno.EEXIST and set_tid and
+                        (into is None or into.pid_fallback) and
+                        trio.current_time() > deadline - 1.7):
+                    set_tid = None
+                    sp.renumbered = True
                     continue
                 if e.errno != errno.EEXIST or trio.current_time() > deadline:
                     raise
@@ -198,6 +208,7 @@ class DeltaCR:
         and raises."""
         plan = _PipePlan(state.pipes)
         spawned: dict[int, int] = {}
+        renumbered: list[int] = []
         groups: dict[int, int] = {}          # host pgid at checkpoint -> pgid in the target
         try:
             for rec in _leaders_first(state.records) if into else state.records:
@@ -224,6 +235,8 @@ class DeltaCR:
                     spawn.into = into
                     spawn.pgid = groups.get(rec.pgid, -1)
                 spawned[rec.nspid] = await self._spawn_retrying(spawn)
+                if spawn.renumbered:
+                    renumbered.append(rec.nspid)
                 if into is not None:
                     groups.setdefault(rec.pgid, rec.nspid)
         except BaseException:
@@ -235,7 +248,7 @@ class DeltaCR:
                     for name, pid in state.sessions.items()}
         daemon = plan.daemon_ends()
         plan.close_child_ends()
-        return Restored(spawned, sessions, daemon)
+        return Restored(spawned, sessions, daemon, renumbered)
 
     async def release(self, state: ProcessState) -> None:
         await self.worker.run(_release_all, list(state.templates.values()))
@@ -504,6 +517,7 @@ class _Spawn:
     nspid: int | None = None
     into: Elsewhere | None = None
     pgid: int = 0
+    renumbered: bool = False   # the original pid was held: restored with a new one
 
 
 def _leaders_first(records: list[ProcessRecord]) -> list[ProcessRecord]:

@@ -1019,13 +1019,15 @@ class Daemon:
                 assert gen is not None
                 restored = await self.cr.restore(state, gen.mntfd)
                 self._adopt(live, restored, state)
-                pids = set(restored.pids.values())
             else:
-                pids = await self._restore_into(live, state, fresh=fresh)
+                restored = await self._restore_into(live, state, fresh=fresh)
         except Exception as e:
             log.error("rollback %s: restoring processes failed: %s", cp.id, e)
             return "restarted", f"restoring the processes failed ({e}); sessions restart", set()
-        return "restored", note, pids
+        if restored.renumbered:
+            note += (f"; pid {', '.join(map(str, restored.renumbered))} was in use as another "
+                     "checkpoint's process group or session id: restored with a new pid")
+        return "restored", note, set(restored.pids.values())
 
     async def _restore_from_disk(self, live: Live, cp: CheckpointRow, key: str,
                                  gen: runtime.Generation) -> tuple[str, str, set[int]] | None:
@@ -1223,7 +1225,7 @@ class Daemon:
             try:
                 for r in rows:
                     kid = self.live[r.id]
-                    pids = await self._restore_into(kid, state)
+                    pids = set((await self._restore_into(kid, state)).pids.values())
                     kid.procs_from = key
                     self._new_turn(r.id, kid, pids)
             except Exception as e:
@@ -1280,9 +1282,9 @@ class Daemon:
         return None, "its process templates are gone (their sandbox was removed or restarted)"
 
     async def _restore_into(self, live: Live, state: ProcessState,
-                            fresh: bool = True) -> set[int]:
+                            fresh: bool = True) -> Restored:
         """Spawn a checkpoint's processes (templates of an ancestor sandbox) into a fork:
-        a new one (`fresh`), or one rolling back. Returns their host pids."""
+        a new one (`fresh`), or one rolling back."""
         rt = live.rt
         assert rt.generation is not None
         pidns = os.open(f"/proc/{rt.init_pid}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
@@ -1298,7 +1300,7 @@ class Daemon:
             for fd in [pidns, *cg_fds]:
                 os.close(fd)
         self._adopt(live, restored, state)
-        return set(restored.pids.values())
+        return restored
 
     async def _fork_files(self, cp: CheckpointRow, count: int,
                           nest_under: str | None) -> list[SandboxRow]:
