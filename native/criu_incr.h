@@ -60,7 +60,7 @@ int dbxcr_dump(struct dbxcr_template *tpl, const char *path, const struct dbxcr_
  * template's memory.  dbxcr_dump_finish (any thread, any time while the template is not
  * released; spawning from it meanwhile is fine) copies and hashes the pages, writes the
  * image and renames it into place; it frees the job, as dbxcr_dump_abort does without
- * writing anything.  A template released before the finish makes it fail (ESRCH). */
+ * writing anything.  A template released before the finish makes it fail (ESRCH), never read another process. */
 struct dbxcr_dump_job;
 int dbxcr_dump_begin(struct dbxcr_template *tpl, const char *path,
 		     const struct dbxcr_dump_opts *opts, struct dbxcr_dump_job **job,

@@ -213,6 +213,15 @@ def blocked_in_read(pid: int, timeout: float = 10.0) -> None:
     raise TimeoutError(f"pid {pid} never blocked in read")
 
 
+def private_mb(pid: int) -> float:
+    """Memory only this process maps (smaps_rollup Private_Clean + Private_Dirty)."""
+    kb = 0
+    for line in open(f"/proc/{pid}/smaps_rollup"):
+        if line.startswith(("Private_Clean:", "Private_Dirty:")):
+            kb += int(line.split()[1])
+    return kb / 1024
+
+
 def kill_original(world: World, proc: Proc) -> None:
     for p in world.popens:
         if p.pid == proc.pid:
@@ -228,6 +237,10 @@ def test_dump_restore_python_200mb_incremental(native, world: World) -> None:
     blocked_in_read(proc.pid)
     tpl = world.keep(native.make_template(proc.pid))
     full = native.dump(tpl, world.dir / "c1")
+    # Dumping reads the template's pages without unsharing them from the live process (a
+    # pinned read would: then every template cost its whole RSS and its process too).
+    assert private_mb(tpl.pid) < 20 and private_mb(proc.pid) < 20, \
+        (private_mb(tpl.pid), private_mb(proc.pid))
     assert full.depth == 0
     assert full.pages_written >= 200 * 256
     assert full.bytes_written >= 200 << 20
