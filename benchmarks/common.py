@@ -25,10 +25,10 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "out"
@@ -64,6 +64,21 @@ def terminate_as_exception() -> Iterator[None]:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def run_main(main: Callable[[], int],
+             stopped: str = "the private daemon was stopped (cleanup problems, if any, above)"
+             ) -> NoReturn:
+    """A benchmark's entry point: its exit status; 130 on Ctrl-C, 143 on SIGTERM/SIGHUP
+    (raised as Terminated inside `terminate_as_exception`), after its cleanups ran."""
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        log(f"interrupted; {stopped}")
+        sys.exit(130)
+    except Terminated as e:
+        log(f"terminated by {e}; {stopped}")
+        sys.exit(143)
 
 
 # ---- a private daemon ------------------------------------------------------------------------

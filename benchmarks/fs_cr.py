@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, Terminated, Timer, count_files,
-                               default_cache_dir, download_sdists, finish_figure, fs_type,
-                               latency_boxplot, list_files, log, machine_info, other_daemons,
-                               percentile, pyplot, ratio, record_cleanup, stats, tar_bytes,
+from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, Timer, count_files, default_cache_dir,
+                               download_sdists, finish_figure, fs_type, latency_boxplot,
+                               list_files, log, machine_info, other_daemons, percentile, pyplot,
+                               ratio, record_cleanup, run_main, stats, tar_bytes,
                                terminate_as_exception, unpack_sdist, write_json)
 
 # Real project sources: 6772 + 1883 + 2448 = 11,103 files.
@@ -713,12 +713,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        log("interrupted; the private daemon was stopped (cleanup problems, if any, above)")
-        sys.exit(130)
-    except Terminated as e:
-        log(f"terminated by {e}; the private daemon was stopped (cleanup problems, if any, "
-            "above)")
-        sys.exit(143)
+    run_main(main)

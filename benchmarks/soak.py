@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, Terminated, finish_figure,
-                               latency_boxplot, log, machine_info, other_daemons, pyplot,
-                               record_cleanup, stats, terminate_as_exception, write_json)
+from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, latency_boxplot, log,
+                               machine_info, other_daemons, pyplot, record_cleanup, run_main,
+                               stats, terminate_as_exception, write_json)
 
 WORK = "/workspace/w"
 N_FILES = 24
@@ -731,11 +731,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        log("interrupted; the private daemon was stopped")
-        sys.exit(130)
-    except Terminated as e:
-        log(f"terminated by {e}; the private daemon was stopped")
-        sys.exit(143)
+    run_main(main)

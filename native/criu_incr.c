@@ -1850,6 +1850,23 @@ struct reader {
 	uint64_t run, page_in_run;
 };
 
+/* Pages of the current run the reader can take, at most `room`. */
+static uint64_t reader_take(const struct reader *rd, uint64_t room)
+{
+	uint64_t left = rd->c->im[rd->base].runs[rd->run].npages - rd->page_in_run;
+
+	return left < room ? left : room;
+}
+
+static void reader_advance(struct reader *rd, uint64_t pages)
+{
+	rd->page_in_run += pages;
+	if (rd->page_in_run == rd->c->im[rd->base].runs[rd->run].npages) {
+		rd->run++;
+		rd->page_in_run = 0;
+	}
+}
+
 static long read_chunk(struct reader *rd, unsigned char *buf, struct iovec *liov,
 		       struct iovec *riov, size_t *niov, pid_t pid, struct dbxcr_error *err)
 {
@@ -1858,8 +1875,7 @@ static long read_chunk(struct reader *rd, unsigned char *buf, struct iovec *liov
 
 	while (got < CHUNK_PAGES && rd->run < im->pm->nruns) {
 		const struct run_img *r = &im->runs[rd->run];
-		uint64_t left = r->npages - rd->page_in_run;
-		uint64_t take = left < CHUNK_PAGES - got ? left : CHUNK_PAGES - got;
+		uint64_t take = reader_take(rd, CHUNK_PAGES - got);
 		uint64_t addr = r->vaddr + rd->page_in_run * PAGE;
 
 		if (r->flags & RUN_ZERO) {
@@ -1899,11 +1915,7 @@ static long read_chunk(struct reader *rd, unsigned char *buf, struct iovec *liov
 			ni++;
 		}
 		got += take;
-		rd->page_in_run += take;
-		if (rd->page_in_run == r->npages) {
-			rd->run++;
-			rd->page_in_run = 0;
-		}
+		reader_advance(rd, take);
 	}
 	liov->iov_base = buf;
 	liov->iov_len = got * PAGE;
@@ -2415,15 +2427,10 @@ static bool reader_skip(struct reader *rd)
 	if (rd->run >= im->pm->nruns)
 		return false;
 	while (got < CHUNK_PAGES && rd->run < im->pm->nruns) {
-		uint64_t left = im->runs[rd->run].npages - rd->page_in_run;
-		uint64_t take = left < CHUNK_PAGES - got ? left : CHUNK_PAGES - got;
+		uint64_t take = reader_take(rd, CHUNK_PAGES - got);
 
 		got += take;
-		rd->page_in_run += take;
-		if (rd->page_in_run == im->runs[rd->run].npages) {
-			rd->run++;
-			rd->page_in_run = 0;
-		}
+		reader_advance(rd, take);
 	}
 	return true;
 }

@@ -117,11 +117,12 @@ def daemon() -> DaemonProc:
         yield d
 
 
-@pytest.fixture
-def sbx(daemon: DaemonProc):
+@contextlib.contextmanager
+def new_sandbox(socket: str):
+    """A sandbox on the daemon at `socket`, killed afterwards (whatever state it is in)."""
     from deltabox import Sandbox
 
-    s = Sandbox.create(socket=daemon.socket)
+    s = Sandbox.create(socket=socket)
     try:
         yield s
     finally:
@@ -129,3 +130,9 @@ def sbx(daemon: DaemonProc):
             s.kill()
         except Exception:
             pass
+
+
+@pytest.fixture
+def sbx(daemon: DaemonProc):
+    with new_sandbox(daemon.socket) as s:
+        yield s

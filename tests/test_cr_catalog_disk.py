@@ -25,7 +25,7 @@ import pytest
 import deltabox
 from deltabox import Sandbox
 
-from conftest import DaemonProc, private_daemon
+from conftest import DaemonProc, new_sandbox, private_daemon
 from test_cr import (Restore, test_bash_session_state, test_counter_file_and_memory_agree,  # noqa: F401
                      test_loopback_tcp_server_answers, test_nested_children_and_process_group,
                      test_pipeline_alive, test_python_process_memory, test_reader_offset,
@@ -45,14 +45,8 @@ def disk_daemon() -> Iterator[DaemonProc]:
 def sbx(disk_daemon: DaemonProc) -> Iterator[Sandbox]:
     if disk_daemon.proc is None or disk_daemon.proc.poll() is not None:
         disk_daemon.start(*ARGS)  # a case that failed midway through a restart
-    s = Sandbox.create(socket=disk_daemon.socket)
-    try:
+    with new_sandbox(disk_daemon.socket) as s:
         yield s
-    finally:
-        try:
-            s.kill()
-        except Exception:
-            pass
 
 
 def dump_complete(sbx: Sandbox, cp_id: str, timeout: float = 60) -> None:

@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import DEFAULT_OUT as COMMON_OUT
-from benchmarks.common import (PrivateDaemon, Terminated, default_cache_dir, finish_figure,
-                               leakcheck, log, machine_info, other_daemons, percentile,
-                               pyplot, terminate_as_exception, write_json)
+from benchmarks.common import (PrivateDaemon, default_cache_dir, finish_figure, leakcheck, log,
+                               machine_info, other_daemons, percentile, pyplot, run_main,
+                               terminate_as_exception, write_json)
 
 from . import core, env
 from .report import _f, machine_lines, short
@@ -1057,11 +1057,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        log("interrupted; the private daemons were stopped")
-        sys.exit(130)
-    except Terminated as e:
-        log(f"terminated by {e}; the private daemons were stopped")
-        sys.exit(143)
+    run_main(main, "the private daemons were stopped")

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import DEFAULT_OUT as COMMON_OUT
-from benchmarks.common import (PrivateDaemon, Terminated, default_cache_dir, log, machine_info,
-                               other_daemons, record_cleanup, terminate_as_exception,
-                               write_json)
+from benchmarks.common import (PrivateDaemon, default_cache_dir, log, machine_info, other_daemons,
+                               record_cleanup, run_main, terminate_as_exception, write_json)
 
 from . import core, env, report
 from .trajectory import TRAJECTORY_DIR, Trajectory, all_files, load
@@ -168,11 +167,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        log("interrupted; the private daemon was stopped (cleanup problems, if any, above)")
-        sys.exit(130)
-    except Terminated as e:
-        log(f"terminated by {e}; the private daemon was stopped")
-        sys.exit(143)
+    run_main(main)

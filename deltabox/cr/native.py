@@ -735,13 +735,10 @@ def _load_images() -> ctypes.CDLL:
     global _img_bound
     lib = _load()
     if not _img_bound:
-        if not hasattr(lib, "dbxcr_dump"):
+        if not hasattr(lib, "dbxcr_dump_begin"):
             raise CRError(_errno.ENOSYS, f"{library_path()} was built without criu_incr.c "
                           "(run `make native`)")
         err = ctypes.POINTER(_Err)
-        lib.dbxcr_dump.argtypes = [ctypes.c_void_p, ctypes.c_char_p,
-                                   ctypes.POINTER(_DumpOpts), ctypes.POINTER(_DumpStats), err]
-        lib.dbxcr_dump.restype = ctypes.c_int
         lib.dbxcr_dump_begin.argtypes = [ctypes.c_void_p, ctypes.c_char_p,
                                          ctypes.POINTER(_DumpOpts),
                                          ctypes.POINTER(ctypes.c_void_p), err]

@@ -24,7 +24,7 @@ from pathlib import Path
 import trio
 
 from .. import __version__
-from ..errors import (DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument,
+from ..errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument,
                       NotFound, ResourceExhausted)
 from ..fs import image as images
 from ..fs.diff import diff_layers
@@ -618,7 +618,7 @@ class Daemon:
             live.rt.cgroup.freeze()
             try:
                 crash_point("checkpoint.frozen")
-                alive = live.rt.cgroup.pids() - live.rt.keep_pids - live.template_pids
+                alive = self._candidates(live)
                 effects = self.turns.end_turn(sid, alive)
                 decision = self._decide(mode, live, parent, effects, alive)
                 if decision.kind == "full":
@@ -860,8 +860,7 @@ class Daemon:
             while in_vfork(busy) and trio.current_time() < deadline:
                 await trio.sleep(0.001)
             live.rt.cgroup.freeze()
-            procs = self._sandbox_processes(
-                live.rt.cgroup.pids() - live.rt.keep_pids - live.template_pids)
+            procs = self._sandbox_processes(self._candidates(live))
         busy = in_vfork(list(procs))
         if not busy:
             return procs
@@ -874,6 +873,12 @@ class Daemon:
             f"pid {pid} ({comm}) stayed inside vfork(), waiting for its child "
             f"to exec, at each of {VFORK_ATTEMPTS} attempts: it cannot be stopped there. "
             f"Retry the checkpoint, or checkpoint with mode=\"fs\" (files only)")
+
+    @staticmethod
+    def _candidates(live: Live) -> set[int]:
+        """The cgroup's processes but init, our helpers and the templates (list it with
+        the cgroup frozen)."""
+        return live.rt.cgroup.pids() - live.rt.keep_pids - live.template_pids
 
     def _sandbox_processes(self, candidates: set[int]) -> dict[int, native.ProcStatus]:
         """The sandbox's own processes (host pid -> status, read once for the whole capture)
