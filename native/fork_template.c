@@ -1517,7 +1517,8 @@ static int switch_pidns_back(struct tracee *t, struct pidns_switch *sw, struct d
 }
 
 static pid_t clone_from_template(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *o,
-				 struct pidns_switch *sw, struct dbxcr_error *err)
+				 unsigned long flags, struct pidns_switch *sw,
+				 struct dbxcr_error *err)
 {
 	struct dbx_clone_args ca;
 	struct tracee t;
@@ -1542,7 +1543,7 @@ static pid_t clone_from_template(struct dbxcr_template *tpl, const struct dbxcr_
 	memset(&ca, 0, sizeof(ca));
 	/* CLONE_PARENT: the child takes the template's (= the original's) parent and exit
 	 * signal; clone3 requires exit_signal == 0 with CLONE_PARENT. */
-	ca.flags = CLONE_PARENT;
+	ca.flags = CLONE_PARENT | flags;
 	if (o->set_tid_size) {
 		ca.set_tid = tid_addr;
 		ca.set_tid_size = o->set_tid_size;
@@ -1933,9 +1934,22 @@ static int join_sandbox_ns(struct tracee *c, int pidfd, struct dbxcr_error *err)
 }
 
 /* Everything done inside the new child before it is let go. */
+/* Last steps in a child before it gets the checkpointed registers: queue the original's
+ * pending signals again (fork does not copy them) and unmap the scratch page. */
+static int finish_child(struct tracee *c, struct dbxcr_template *tpl, struct dbxcr_error *err)
+{
+	long a[6] = { (long)tpl->scratch, SCRATCH_LEN, 0, 0, 0, 0 };
+
+	if (requeue_pending(c, tpl, err) < 0)
+		return -1;
+	if (rsys(c, SYS_munmap, a, err, "munmap scratch") < 0)
+		return -1;
+	return 0;
+}
+
 static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		       const struct dbxcr_spawn_opts *o, const struct pidns_switch *sw,
-		       struct dbxcr_error *err)
+		       bool carrier, struct dbxcr_error *err)
 {
 	int src[MAX_XFER_FDS], got[MAX_XFER_FDS];
 	size_t n = 0, first_fd = 0;
@@ -2021,46 +2035,276 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		if (ret < 0)
 			return fail(err, (int)-ret, c->pid, "setpgid(0, %d)", o->pgid > 0 ? o->pgid : 0);
 	}
-	if (requeue_pending(c, tpl, err) < 0)
-		return -1;
-	a[0] = (long)scratch;
-	a[1] = SCRATCH_LEN;
-	if (rsys(c, SYS_munmap, a, err, "munmap scratch") < 0)
-		return -1;
-	return 0;
+	if (carrier)	/* pending signals and the scratch page are the birth's business */
+		return 0;
+	return finish_child(c, tpl, err);
 }
 
-pid_t dbxcr_spawn(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
-		  struct dbxcr_error *err)
+/* Fork and re-root a child, leaving it stopped in our trace with the template's registers,
+ * mask and xstate in `c` (xstate still the template's buffer), ready for restore_and_detach.
+ * A carrier (see dbxcr_spawn_carrier) keeps its scratch page and queues no signals. */
+static pid_t spawn_prepared(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
+			    bool carrier, struct tracee *c, struct dbxcr_error *err)
 {
 	static const struct dbxcr_spawn_opts none = { .mntns_fd = -1 };
 	const struct dbxcr_spawn_opts *o = opts ? opts : &none;
 	struct pidns_switch sw;
-	struct tracee c;
 	pid_t child;
 
 	clear_error(err);
 	if (check_owner(tpl, err) < 0)
 		return -1;
-	child = clone_from_template(tpl, o, &sw, err);
+	child = clone_from_template(tpl, o, 0, &sw, err);
 	if (child < 0)
 		return -1;
 	if (wait_birth(child, err) < 0 || move_to_cgroups(child, o, err) < 0 ||
-	    adopt(&c, child, tpl->site, err) < 0)
+	    adopt(c, child, tpl->site, err) < 0)
 		goto kill;
-	if (setup_child(&c, tpl, o, &sw, err) < 0)
+	if (setup_child(c, tpl, o, &sw, carrier, err) < 0)
 		goto kill;
 	/* Hand the child the original's checkpointed state (see the file comment on why the
 	 * exact registers give the right restart semantics). */
-	c.regs = tpl->regs;
-	c.sigmask = tpl->sigmask;
-	c.xstate = tpl->xstate;
-	c.xstate_len = tpl->xstate_len;
-	c.deferred_sig = 0;	/* a SIGSTOP aimed at the child's group while we worked */
-	if (restore_and_detach(&c, err) < 0)
-		goto kill;
+	c->regs = tpl->regs;
+	c->sigmask = tpl->sigmask;
+	c->xstate = tpl->xstate;
+	c->xstate_len = tpl->xstate_len;
+	c->deferred_sig = 0;	/* a SIGSTOP aimed at the child's group while we worked */
 	return child;
 kill:
 	kill_traced(child);
 	return -1;
+}
+
+pid_t dbxcr_spawn(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
+		  struct dbxcr_error *err)
+{
+	struct tracee c;
+	pid_t child = spawn_prepared(tpl, opts, false, &c, err);
+
+	if (child < 0)
+		return -1;
+	if (restore_and_detach(&c, err) < 0) {
+		kill_traced(child);
+		return -1;
+	}
+	return child;
+}
+
+/* ---------- carriers and keepers (spawned ahead of a rollback) ----------
+ *
+ * A carrier is a child of a template, re-rooted like any spawn (namespaces, cwd, files,
+ * pipes) but left stopped in our trace.  Its birth gives the real process: an injected
+ * clone3(CLONE_VM | CLONE_PARENT) with the wanted pid (set_tid) -- no page tables to copy,
+ * the child shares the carrier's address space -- which gets its own copies of the
+ * carrier's descriptor table and fs_struct, the original's pending signals, registers,
+ * xstate and mask, and runs.  The carrier closes all its descriptors and stays, stopped,
+ * as the *keeper* of that address space: while it lives, the process's exit (a rollback
+ * killing it) only drops a reference to its mm instead of tearing down every page
+ * mapping, so its pid is free (once reaped) in microseconds rather than milliseconds per
+ * 100 MB.  Kill the keeper after the process has exited; the teardown runs then, off the
+ * rollback's path.  The carrier holds a copy of the template's state: the template may be
+ * released before the birth. */
+
+struct dbxcr_carrier {
+	struct dbxcr_template t;	/* pid = the carrier; regs/xstate/mask/pend: origin's */
+	bool born;
+};
+
+pid_t dbxcr_spawn_carrier(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
+			  struct dbxcr_carrier **out, struct dbxcr_error *err)
+{
+	struct dbxcr_carrier *k;
+	struct tracee c;
+	pid_t child;
+
+	*out = NULL;
+	k = calloc(1, sizeof(*k));
+	if (!k)
+		return fail(err, ENOMEM, tpl->pid, "allocating a carrier");
+	child = spawn_prepared(tpl, opts, true, &c, err);
+	if (child < 0) {
+		free(k);
+		return -1;
+	}
+	k->t = *tpl;
+	k->t.pid = child;
+	k->t.tracer_tid = current_tid();
+	k->t.xstate = NULL;
+	if (tpl->xstate_len) {
+		k->t.xstate = malloc(tpl->xstate_len);
+		if (!k->t.xstate) {
+			kill_traced(child);
+			free(k);
+			return fail(err, ENOMEM, child, "copying xstate (%zu bytes)",
+				    tpl->xstate_len);
+		}
+		memcpy(k->t.xstate, tpl->xstate, tpl->xstate_len);
+	}
+	/* Idle like a template: if it ever ran unsupervised it would exit at once. */
+	park_regs(&k->t, &c.regs);
+	if (park(&k->t, err) < 0) {
+		kill_traced(child);
+		free(k->t.xstate);
+		free(k);
+		return -1;
+	}
+	*out = k;
+	return child;
+}
+
+pid_t dbxcr_carrier_pid(const struct dbxcr_carrier *k)
+{
+	return k->t.pid;
+}
+
+/* The carrier drops every descriptor: the process has its own copies, and a keeper must
+ * not hold a pipe open (a reader would never see EOF) or a file of the old generation. */
+static int become_keeper(struct dbxcr_carrier *k, struct dbxcr_error *err)
+{
+	struct tracee t;
+	long a[6] = { 0, ~0L, 0, 0, 0, 0 };
+
+	if (adopt(&t, k->t.pid, k->t.site, err) < 0)
+		return -1;
+	t.regs = k->t.park;
+	if (rsys(&t, SYS_close_range, a, err, "close_range in the keeper") < 0)
+		return -1;
+	return park(&k->t, err);
+}
+
+pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t set_tid_size,
+			  struct dbxcr_error *err)
+{
+	struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1,
+				      .set_tid = set_tid, .set_tid_size = set_tid_size };
+	struct pidns_switch sw;
+	struct tracee c;
+	pid_t child;
+
+	clear_error(err);
+	if (check_owner(&k->t, err) < 0)
+		return -1;
+	if (k->born)
+		return fail(err, EINVAL, k->t.pid, "carrier has given birth already");
+	/* EEXIST (the pid is still taken) leaves the carrier as it was: retry later. */
+	child = clone_from_template(&k->t, &o, CLONE_VM, &sw, err);
+	if (child < 0)
+		return -1;
+	if (wait_birth(child, err) < 0 || adopt(&c, child, k->t.site, err) < 0 ||
+	    finish_child(&c, &k->t, err) < 0)
+		goto kill;
+	c.regs = k->t.regs;
+	c.sigmask = k->t.sigmask;
+	c.xstate = k->t.xstate;
+	c.xstate_len = k->t.xstate_len;
+	c.deferred_sig = 0;
+	if (restore_and_detach(&c, err) < 0)
+		goto kill;
+	k->born = true;
+	if (become_keeper(k, err) < 0) {
+		/* The process runs fine without a keeper (its exit is just slower); but a
+		 * carrier we cannot drive any more must not hold its descriptors: kill it now,
+		 * reaped (and its pid freed) only by dbxcr_carrier_kill. */
+		kill(k->t.pid, SIGKILL);
+		clear_error(err);
+	}
+	return child;
+kill:
+	kill_traced(child);
+	return -1;
+}
+
+int dbxcr_carrier_kill(struct dbxcr_carrier *k, struct dbxcr_error *err)
+{
+	clear_error(err);
+	if (check_owner(&k->t, err) < 0)
+		return -1;
+	kill_traced(k->t.pid);
+	free(k->t.xstate);
+	free(k);
+	return 0;
+}
+
+/* ---------- memory a template holds ---------- */
+
+/* pagemap entry bits (Documentation/admin-guide/mm/pagemap.rst) */
+#define PM_PRESENT (1ULL << 63)
+#define PM_SWAPPED (1ULL << 62)
+#define PM_PFN_MASK ((1ULL << 55) - 1)
+#define PM_BATCH 512
+
+static int count_range(int pagemap, int kpagecount, unsigned long start, unsigned long end,
+		       int max_maps, uint64_t *pages, pid_t pid, struct dbxcr_error *err)
+{
+	uint64_t ent[PM_BATCH];
+
+	for (unsigned long a = start; a < end;) {
+		size_t n = (end - a) / 4096;
+		ssize_t got;
+
+		if (n > PM_BATCH)
+			n = PM_BATCH;
+		got = pread(pagemap, ent, n * sizeof(ent[0]), (off_t)(a / 4096 * sizeof(ent[0])));
+		if (got < 0)
+			return fail(err, errno, pid, "read /proc/%d/pagemap at %#lx", (int)pid, a);
+		if (got == 0)
+			break;
+		n = (size_t)got / sizeof(ent[0]);
+		for (size_t i = 0; i < n; i++) {
+			uint64_t pfn = ent[i] & PM_PFN_MASK, count = 0;
+
+			if (!(ent[i] & PM_PRESENT) || (ent[i] & PM_SWAPPED) || pfn == 0)
+				continue;
+			if (pread(kpagecount, &count, sizeof(count), (off_t)(pfn * 8)) !=
+			    (ssize_t)sizeof(count))
+				return fail(err, errno ? errno : EIO, pid, "read /proc/kpagecount");
+			if (count >= 1 && count <= (uint64_t)max_maps)
+				(*pages)++;
+		}
+		a += n * 4096;
+	}
+	return 0;
+}
+
+int dbxcr_exclusive_bytes(pid_t pid, int max_maps, uint64_t *out, struct dbxcr_error *err)
+{
+	char path[64], line[512];
+	FILE *maps;
+	int pagemap = -1, kpagecount = -1, rc = -1;
+	uint64_t pages = 0;
+
+	clear_error(err);
+	*out = 0;
+	snprintf(path, sizeof(path), "/proc/%d/maps", (int)pid);
+	maps = fopen(path, "re");
+	if (!maps)
+		return fail(err, errno, pid, "open %s", path);
+	snprintf(path, sizeof(path), "/proc/%d/pagemap", (int)pid);
+	pagemap = open(path, O_RDONLY | O_CLOEXEC);
+	if (pagemap < 0) {
+		fail(err, errno, pid, "open %s", path);
+		goto out;
+	}
+	kpagecount = open("/proc/kpagecount", O_RDONLY | O_CLOEXEC);
+	if (kpagecount < 0) {
+		fail(err, errno, pid, "open /proc/kpagecount");
+		goto out;
+	}
+	while (fgets(line, sizeof(line), maps)) {
+		unsigned long start, end;
+
+		if (sscanf(line, "%lx-%lx", &start, &end) != 2 || strstr(line, "[vsyscall]"))
+			continue;
+		if (count_range(pagemap, kpagecount, start, end, max_maps, &pages, pid, err) < 0)
+			goto out;
+	}
+	*out = pages * 4096;
+	rc = 0;
+out:
+	if (kpagecount >= 0)
+		close(kpagecount);
+	if (pagemap >= 0)
+		close(pagemap);
+	fclose(maps);
+	return rc;
 }

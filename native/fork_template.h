@@ -13,6 +13,7 @@
 #define DBX_FORK_TEMPLATE_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <sys/types.h>
 
 struct dbxcr_error {
@@ -177,6 +178,29 @@ struct dbxcr_spawn_opts {
  * and signal mask and let it run.  Returns the child's pid in the caller's namespace. */
 pid_t dbxcr_spawn(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
 		  struct dbxcr_error *err);
+
+/* Carriers (a rollback's warm pool; see the section in fork_template.c): a child of the
+ * template spawned ahead, re-rooted as dbxcr_spawn would (opts), held stopped.
+ * dbxcr_carrier_birth clones the real process out of it (sharing its address space, with
+ * the given pid if set_tid_size; EEXIST while that pid is taken, and the carrier stays
+ * usable), which continues from the checkpoint; the carrier then holds no descriptors and
+ * keeps the address space alive (a *keeper*), so killing the process is quick.
+ * dbxcr_carrier_kill kills the carrier or keeper, reaps it as its tracer and frees k;
+ * kill the process it carried first.  All on the thread that spawned the carrier; the
+ * template is not needed after dbxcr_spawn_carrier. */
+struct dbxcr_carrier;
+
+pid_t dbxcr_spawn_carrier(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
+			  struct dbxcr_carrier **out, struct dbxcr_error *err);
+pid_t dbxcr_carrier_pid(const struct dbxcr_carrier *k);
+pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t set_tid_size,
+			  struct dbxcr_error *err);
+int dbxcr_carrier_kill(struct dbxcr_carrier *k, struct dbxcr_error *err);
+
+/* Bytes of pid's resident pages mapped by at most max_maps page tables (/proc/kpagecount):
+ * what a template costs when max_maps - 1 carriers (which never write) share its pages;
+ * with max_maps 1, its private memory. */
+int dbxcr_exclusive_bytes(pid_t pid, int max_maps, uint64_t *out, struct dbxcr_error *err);
 
 /* Close descriptors in the parked template (its children fork without them). */
 int dbxcr_template_close(struct dbxcr_template *tpl, const int *fds, size_t n,

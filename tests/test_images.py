@@ -62,3 +62,16 @@ def test_bad_images(daemon, tmp_path: Path) -> None:
         Sandbox.create(image=str(junk), socket=daemon.socket)
     with pytest.raises(deltabox.InvalidArgument):
         Sandbox.create(image="relative/path", socket=daemon.socket)
+    # procfs cannot be an overlay layer: refused clearly (was an INTERNAL mount failure,
+    # found by the API fuzzer)
+    with pytest.raises(deltabox.InvalidArgument, match="procfs"):
+        Sandbox.create(image="/proc", socket=daemon.socket)
+
+
+def test_path_to_host_root_is_the_masked_host(daemon) -> None:
+    """A directory that resolves to / (here /proc/self/root) is the host image, with the
+    host's secrets masked, never the bare host root."""
+    with Sandbox.create(image="/proc/self/root", socket=daemon.socket) as sbx:
+        assert sbx.info().image == "host"
+        r = sbx.exec(["bash", "-c", "cat /etc/shadow 2>/dev/null | wc -c"])
+        assert r.stdout.strip() == "0"

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import signal
 import time
@@ -48,6 +49,7 @@ from ..sandbox.reaper import reap_orphans
 from .capture import ProcessRecord, Refusal, add_listeners, record, refusals
 from .worker import PtraceWorker
 
+log = logging.getLogger("deltaboxd")
 _libc = ctypes.CDLL(None, use_errno=True)
 SPLICE_F_NONBLOCK = 2
 
@@ -110,6 +112,20 @@ class Restored:
     # pids (in the sandbox) that were still allocated, as another template's process group
     # or session id, so their processes came back with new pids
     renumbered: list[int] = field(default_factory=list)
+    # host pid of a process born from a carrier -> its keeper (native.Carrier): kill the
+    # process first, then the keeper
+    keepers: dict[int, native.Carrier] = field(default_factory=dict)
+
+
+@dataclass
+class Prespawned:
+    """Carriers of a checkpoint's processes spawned ahead of a rollback into the generation
+    it will use (DeltaCR.prespawn): stopped, traced by the ptrace thread, in the sandbox's
+    cgroup (keep them out of kills and captures), with the restore's pipes."""
+    state: ProcessState
+    plan: _PipePlan
+    carriers: dict[int, native.Carrier]  # record pid (host pid at the checkpoint) -> carrier
+    spawned: set[int] = field(default_factory=set)   # every carrier's pid
 
 
 class DeltaCR:
@@ -173,16 +189,18 @@ class DeltaCR:
 
     # ---- restore -----------------------------------------------------------------------
 
-    async def _spawn_retrying(self, sp: _Spawn) -> int:
-        """Spawn with the original pid (if given); the killed original may not be reaped yet
-        (EEXIST), so reap and retry for a while, with backoff and off the ptrace thread
-        between attempts (other sandboxes' operations need it)."""
+    async def _spawn_retrying(self, sp: _Spawn, carrier: native.Carrier | None = None) -> int:
+        """Spawn (or birth from `carrier`) with the original pid (if given); the killed
+        original may not be reaped yet (EEXIST), so reap and retry for a while, with backoff
+        and off the ptrace thread between attempts (other sandboxes' operations need it)."""
         deadline = trio.current_time() + 2.0
         set_tid = [sp.nspid] if sp.nspid is not None else None
         into = sp.into
-        delay = 0.001
+        delay = 0.0002
         while True:
             try:
+                if carrier is not None:
+                    return await self.worker.run(carrier.birth, set_tid)
                 return await self.worker.run(_spawn_once, sp, set_tid)
             except native.CRError as e:
                 # Still taken after 0.3 s of reaping: not a killed original waiting to be
@@ -196,59 +214,140 @@ class DeltaCR:
                     continue
                 if e.errno != errno.EEXIST or trio.current_time() > deadline:
                     raise
-            reap_orphans()  # the killed original may be a zombie waiting for us
+            if reap_orphans():  # the killed original was a zombie waiting for us
+                continue
             await trio.sleep(delay)
             delay = min(delay * 2, 0.05)
 
     async def restore(self, state: ProcessState, mntfd: int,
-                      into: Elsewhere | None = None) -> Restored:
+                      into: Elsewhere | None = None,
+                      pids_freed: Callable[[], Awaitable[None]] | None = None,
+                      pre: Prespawned | None = None) -> Restored:
         """Spawn every template's child into the generation `mntfd`: in the templates' own
-        sandbox (rollback: the caller killed the live processes), or `into` another sandbox
-        whose pid namespace is nested below theirs (fork). On failure, kills what it spawned
-        and raises."""
-        plan = _PipePlan(state.pipes)
-        spawned: dict[int, int] = {}
-        renumbered: list[int] = []
+        sandbox (rollback: the caller killed the live processes; `pids_freed` waits until
+        they have exited), or `into` another sandbox whose pid namespace is nested below
+        theirs (fork). Processes that get a new pid anyway come first, while the killed
+        ones are still dying. Those with a carrier in `pre` (spawned ahead into this same
+        generation; consumed here) are born from it, and keep it as their keeper. On
+        failure, kills what it spawned and raises."""
+        plan = pre.plan if pre is not None else _PipePlan(state.pipes)
+        out = Restored({}, {}, [])
         groups: dict[int, int] = {}          # host pgid at checkpoint -> pgid in the target
         try:
-            for rec in _leaders_first(state.records) if into else state.records:
-                tpl = state.templates[rec.pid]
-                fdmap = {e.fd: plan.child_end(g, e) for g in state.pipes.values()
-                         for e in g.ends if e.pid == rec.pid}
-                files = [native.ReopenFile(f.fd, f.path, f.flags, f.pos)
-                         for f in rec.fds if f.kind in ("file", "dir", "chr")]
-                spawn = _Spawn(tpl, fdmap, files, rec.cwd, mntfd, rec.listens)
+            for rec in _leaders_first(state.records):
+                spawn = _spawn_args(state, plan, rec, mntfd)
                 if into is None:
                     # A group or session leader's pid stays allocated while its template
                     # (a member of that group and session) exists: it comes back with a
                     # new pid.
-                    keep_pid = rec.pid not in (rec.pgid, rec.sid)  # host-namespace ids
+                    keep_pid = not _leader(rec)
                     spawn.nspid = rec.nspid if keep_pid else None
+                    if keep_pid and pids_freed is not None:
+                        await pids_freed()
+                        pids_freed = None
                 else:
                     # A fresh pid namespace: every pid is free. The template's process
                     # group belongs to the source sandbox, so each child leads or joins a
                     # group of the target's own (sessions stay the source's: see module doc).
                     # In a pid namespace that already holds templates of its own, a group
                     # leader's pid may still be allocated (see above): new pid then.
-                    leader = rec.pid in (rec.pgid, rec.sid)
-                    spawn.nspid = rec.nspid if into.fresh or not leader else None
+                    spawn.nspid = rec.nspid if into.fresh or not _leader(rec) else None
                     spawn.into = into
                     spawn.pgid = groups.get(rec.pgid, -1)
-                spawned[rec.nspid] = await self._spawn_retrying(spawn)
+                carrier = pre.carriers.pop(rec.pid, None) if pre is not None else None
+                pid = await self._born_or_spawned(spawn, carrier)
+                out.pids[rec.nspid] = pid
+                if carrier is not None and carrier.child == pid:
+                    out.keepers[pid] = carrier
                 if spawn.renumbered:
-                    renumbered.append(rec.nspid)
+                    out.renumbered.append(rec.nspid)
                 if into is not None:
                     groups.setdefault(rec.pgid, rec.nspid)
         except BaseException:
-            for pid in spawned.values():
+            for pid in out.pids.values():
                 _kill(pid)
+            with trio.CancelScope(shield=True):
+                await self.kill_carriers(list(out.keepers.values()))
             plan.close_all()
             raise
-        sessions = {name: (spawned[_nspid(state, pid)], *plan.session_ends(name))
-                    for name, pid in state.sessions.items()}
-        daemon = plan.daemon_ends()
+        finally:
+            if pre is not None and pre.carriers:  # none left on success
+                leftover = list(pre.carriers.values())
+                pre.carriers.clear()
+                with trio.CancelScope(shield=True):
+                    await self.kill_carriers(leftover)
+        out.session_fds = {name: (out.pids[_nspid(state, pid)], *plan.session_ends(name))
+                           for name, pid in state.sessions.items()}
+        out.daemon_fds = plan.daemon_ends()
         plan.close_child_ends()
-        return Restored(spawned, sessions, daemon, renumbered)
+        return out
+
+    async def _born_or_spawned(self, spawn: _Spawn, carrier: native.Carrier | None) -> int:
+        """The process from its carrier if it has one, else (or if that fails: a carrier
+        the sandbox killed while it waited) spawned from its template."""
+        if carrier is not None:
+            try:
+                return await self._spawn_retrying(spawn, carrier)
+            except native.CRError as e:
+                if e.errno == errno.EEXIST:
+                    raise
+                log.warning("the carrier %d of pid %s failed (%s): spawning it anew",
+                            carrier.pid, spawn.nspid, e)
+                await self.kill_carriers([carrier])
+        return await self._spawn_retrying(spawn)
+
+    async def prespawn(self, state: ProcessState, mntfd: int) -> Prespawned | None:
+        """Carriers, in the generation `mntfd` that a rollback to `state` will use, of
+        every process but those that listen on a port (the live process still holds it):
+        restore(pre=...) gives birth to the processes from them. None if none."""
+        recs = [r for r in state.records if not r.listens]
+        if not recs:
+            return None
+        pre = Prespawned(state, _PipePlan(state.pipes), {})
+        try:
+            for rec in recs:
+                spawn = _spawn_args(state, pre.plan, rec, mntfd)
+                carrier = pre.carriers[rec.pid] = await self.worker.run(_carrier_of, spawn)
+                pre.spawned.add(carrier.pid)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self.discard(pre)
+            raise
+        return pre
+
+    async def discard(self, pre: Prespawned) -> None:
+        """Kill the carriers no rollback used and close their pipes (a rollback that did
+        not use them, or a warm generation dropped)."""
+        carriers = list(pre.carriers.values())
+        pre.carriers.clear()
+        pre.plan.close_all()
+        await self.kill_carriers(carriers)
+
+    async def kill_carriers(self, carriers: list[native.Carrier]) -> None:
+        """Kill carriers or keepers and reap them. Their exit (a page-table teardown, or
+        a whole address space for a keeper) runs while this task waits, not on the ptrace
+        thread, which only reaps them once they have exited. Kill a keeper's process
+        first. (On cgroup v1 a frozen task cannot die: this then waits for the thaw.)"""
+        fds = []
+        try:
+            for c in carriers:
+                if c.killed:
+                    continue
+                try:  # our unreaped tracee: its pid cannot have been reused
+                    fds.append(os.pidfd_open(c.pid))
+                    # Its exit tears down an address space: CPU time nobody waits for,
+                    # taken only when a CPU is idle (the kernel does it in its context).
+                    os.sched_setscheduler(c.pid, os.SCHED_IDLE, os.sched_param(0))
+                    os.kill(c.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for fd in fds:
+                await trio.lowlevel.wait_readable(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+            with trio.CancelScope(shield=True):
+                await self.worker.run(_kill_carriers, carriers)
 
     async def release(self, state: ProcessState) -> None:
         await self.worker.run(_release_all, list(state.templates.values()))
@@ -520,9 +619,39 @@ class _Spawn:
     renumbered: bool = False   # the original pid was held: restored with a new one
 
 
+def _leader(rec: ProcessRecord) -> bool:
+    """Leads its process group or session (host-namespace ids at the checkpoint)."""
+    return rec.pid in (rec.pgid, rec.sid)
+
+
+def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
+                mntfd: int) -> _Spawn:
+    """What a child of rec's template needs: its pipes from `plan`, its files, its cwd."""
+    fdmap = {e.fd: plan.child_end(g, e) for g in state.pipes.values()
+             for e in g.ends if e.pid == rec.pid}
+    files = [native.ReopenFile(f.fd, f.path, f.flags, f.pos)
+             for f in rec.fds if f.kind in ("file", "dir", "chr")]
+    return _Spawn(state.templates[rec.pid], fdmap, files, rec.cwd, mntfd, rec.listens)
+
+
+def _carrier_of(sp: _Spawn) -> native.Carrier:
+    return sp.tpl.spawn_carrier(fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd)
+
+
+def _kill_carriers(carriers: list[native.Carrier]) -> None:
+    """Kill and reap carriers or keepers (ptrace thread)."""
+    for c in carriers:
+        try:
+            c.kill()
+        except native.CRError:
+            pass
+
+
 def _leaders_first(records: list[ProcessRecord]) -> list[ProcessRecord]:
-    """Group leaders before the members that join their group (stable otherwise)."""
-    return sorted(records, key=lambda r: r.pid != r.pgid)
+    """Group and session leaders first (stable otherwise): in a fork, before the members
+    that join their group; in a rollback, they get new pids, so need not wait for the
+    killed processes to free theirs."""
+    return sorted(records, key=lambda r: not _leader(r))
 
 
 def _spawn_once(sp: _Spawn, set_tid: list[int] | None) -> int:

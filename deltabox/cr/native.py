@@ -59,6 +59,7 @@ not call waitpid(-1, __WALL) (plain waitpid(pid) of its own children is fine).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno as _errno
 import ipaddress
@@ -67,7 +68,7 @@ import stat as _stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 LIB_ENV = "DELTABOX_LIBDBXCR"
 DEFAULT_LIB = Path(__file__).resolve().parent.parent / "libexec" / "libdbxcr.so"
@@ -153,6 +154,17 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_template_origin.restype = ctypes.c_int
         lib.dbxcr_spawn.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SpawnOpts), err]
         lib.dbxcr_spawn.restype = ctypes.c_int
+        lib.dbxcr_spawn_carrier.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SpawnOpts),
+                                            ctypes.POINTER(ctypes.c_void_p), err]
+        lib.dbxcr_spawn_carrier.restype = ctypes.c_int
+        lib.dbxcr_carrier_birth.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
+                                            ctypes.c_size_t, err]
+        lib.dbxcr_carrier_birth.restype = ctypes.c_int
+        lib.dbxcr_carrier_kill.argtypes = [ctypes.c_void_p, err]
+        lib.dbxcr_carrier_kill.restype = ctypes.c_int
+        lib.dbxcr_exclusive_bytes.argtypes = [ctypes.c_int, ctypes.c_int,
+                                              ctypes.POINTER(ctypes.c_uint64), err]
+        lib.dbxcr_exclusive_bytes.restype = ctypes.c_int
         lib.dbxcr_template_close.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
                                              ctypes.c_size_t, err]
         lib.dbxcr_template_close.restype = ctypes.c_int
@@ -296,9 +308,36 @@ class Template:
         listens: listening TCP sockets created afresh (after joining the net namespace).
         Returns the child's pid in our namespace; it is a sibling of the origin (same
         parent, same exit signal)."""
+        with self._opts(fds, files, cwd, mntns_fd, set_tid, cloexec_fds, pidns_fd, ns_pidfd,
+                        cgroup_fds, pgid, listens) as opts:
+            err = _Err()
+            pid = _load().dbxcr_spawn(self._handle, ctypes.byref(opts), ctypes.byref(err))
+        if pid < 0:
+            _raise(err)
+        return pid
+
+    def spawn_carrier(self, **kwargs) -> Carrier:
+        """A carrier of this template's process, re-rooted as spawn() would (same
+        arguments), held stopped until Carrier.birth(). Same thread."""
+        with self._opts(**kwargs) as opts:
+            err = _Err()
+            handle = ctypes.c_void_p()
+            pid = _load().dbxcr_spawn_carrier(self._handle, ctypes.byref(opts),
+                                              ctypes.byref(handle), ctypes.byref(err))
+        if pid < 0:
+            _raise(err)
+        return Carrier(handle.value, pid)
+
+    @contextlib.contextmanager
+    def _opts(self, fds: Mapping[int, int] | None = None,
+              files: Iterable[ReopenFile | tuple] = (), cwd: str | None = None,
+              mntns_fd: int | None = None, set_tid: Sequence[int] | None = None,
+              cloexec_fds: Iterable[int] = (), pidns_fd: int | None = None,
+              ns_pidfd: int | None = None, cgroup_fds: Sequence[int] = (), pgid: int = 0,
+              listens: Sequence[ListenSocket] = ()) -> Iterator[_SpawnOpts]:
+        """The C options of a spawn (valid inside the block: it owns the arrays)."""
         if self._handle is None:
             raise CRError(_errno.EINVAL, f"template {self.pid} was released")
-        lib = _load()
         cloexec = set(cloexec_fds)
         fd_items = list((fds or {}).items())
         fdmaps = (_FdMap * max(1, len(fd_items)))(
@@ -313,18 +352,13 @@ class Template:
         ccg = (ctypes.c_int * max(1, len(cg)))(*cg)
         lst = list(listens)
         clst = (_Listen * max(1, len(lst)))(*[x._c() for x in lst])
-        opts = _SpawnOpts(-1 if mntns_fd is None else mntns_fd,
-                          os.fsencode(cwd) if cwd is not None else None,
-                          cfiles, len(file_items), fdmaps, len(fd_items),
-                          ctids if tids else None, len(tids),
-                          -1 if pidns_fd is None else pidns_fd,
-                          -1 if ns_pidfd is None else ns_pidfd,
-                          ccg, len(cg), pgid, clst, len(lst))
-        err = _Err()
-        pid = lib.dbxcr_spawn(self._handle, ctypes.byref(opts), ctypes.byref(err))
-        if pid < 0:
-            _raise(err)
-        return pid
+        cwd_b = os.fsencode(cwd) if cwd is not None else None
+        yield _SpawnOpts(-1 if mntns_fd is None else mntns_fd, cwd_b,
+                         cfiles, len(file_items), fdmaps, len(fd_items),
+                         ctids if tids else None, len(tids),
+                         -1 if pidns_fd is None else pidns_fd,
+                         -1 if ns_pidfd is None else ns_pidfd,
+                         ccg, len(cg), pgid, clst, len(lst))
 
     def close_fds(self, fds: Sequence[int]) -> None:
         """Close descriptors in the template (its later children are born without them)."""
@@ -354,6 +388,79 @@ class Template:
     def __repr__(self) -> str:
         state = "released" if self.released else "held"
         return f"<Template pid={self.pid} origin={self.origin} {state}>"
+
+
+class Carrier:
+    """A child of a template spawned ahead of a rollback (native/fork_template.c, carriers
+    and keepers): stopped, our tracee, re-rooted. birth() clones the process itself out of
+    it, sharing its address space; the carrier then stays as that process's *keeper*
+    (kill the process first, then the keeper: the process's exit is then quick). kill()
+    once, at the end. Every call on the thread that spawned it."""
+
+    def __init__(self, handle: int, pid: int) -> None:
+        self._handle: int | None = handle
+        self.pid = pid
+        self.child: int | None = None        # the process, once born
+        self.owner_thread = threading.get_native_id()
+
+    def _h(self) -> int:
+        if self._handle is None:
+            raise CRError(_errno.EINVAL, f"carrier {self.pid} was killed")
+        if threading.get_native_id() != self.owner_thread:
+            raise CRError(_errno.EPERM, f"carrier {self.pid} is ptrace-held by thread "
+                          f"{self.owner_thread}; called from {threading.get_native_id()}")
+        return self._handle
+
+    def birth(self, set_tid: Sequence[int] | None = None) -> int:
+        """The process, continuing from the checkpoint, with pid set_tid[0] in its pid
+        namespace if given (CRError EEXIST while that pid is taken: retry). Its pid."""
+        tids = list(set_tid or [])
+        ctids = (ctypes.c_int * max(1, len(tids)))(*tids)
+        err = _Err()
+        pid = _load().dbxcr_carrier_birth(self._h(), ctids if tids else None, len(tids),
+                                          ctypes.byref(err))
+        if pid < 0:
+            _raise(err)
+        self.child = pid
+        return pid
+
+    def kill(self) -> None:
+        if self._handle is None:
+            return
+        handle = self._h()
+        self._handle = None
+        err = _Err()
+        if _load().dbxcr_carrier_kill(handle, ctypes.byref(err)) < 0:
+            _raise(err)
+
+    @property
+    def killed(self) -> bool:
+        return self._handle is None
+
+    def __repr__(self) -> str:
+        state = "killed" if self._handle is None else (
+            f"keeper of {self.child}" if self.child else "carrier")
+        return f"<Carrier pid={self.pid} {state}>"
+
+
+def exclusive_bytes(pid: int, max_maps: int = 1) -> int:
+    """Bytes of pid's resident pages that at most `max_maps` page tables map (pid's own
+    and max_maps - 1 others'). Any thread; CRError if pid is gone."""
+    out = ctypes.c_uint64()
+    err = _Err()
+    if _load().dbxcr_exclusive_bytes(pid, max_maps, ctypes.byref(out), ctypes.byref(err)) < 0:
+        _raise(err)
+    return out.value
+
+
+_SYS_KCMP = 312
+_KCMP_VM = 1
+
+
+def same_address_space(a: int, b: int) -> bool:
+    """Do processes a and b share one address space (kcmp KCMP_VM)? False if either is
+    gone or has none (a zombie)."""
+    return _libc_raw.syscall(_SYS_KCMP, a, b, _KCMP_VM, 0, 0) == 0
 
 
 def make_template(pid: int) -> Template:

@@ -3,7 +3,9 @@
 A template shares its pages copy-on-write with the process it was made from; what it costs is
 the pages only it still maps: those the live process (or a restored child) has written since
 the checkpoint. The kernel reports exactly that per process as `Private_Clean +
-Private_Dirty` in /proc/PID/smaps_rollup (a page mapped by one process only is private).
+Private_Dirty` in /proc/PID/smaps_rollup (a page mapped by one process only is private);
+while carriers spawned ahead from the templates share those pages (warm.py), the pages
+mapped by no more than the template and its carriers are counted (/proc/kpagecount).
 
 The daemon measures its templates every `interval` seconds, off the trio thread, and when
 their sum exceeds the budget releases whole checkpoints' templates, least recently used
@@ -16,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+from ..cr import native
 from ..cr.engine import ProcessState
 
 
@@ -32,9 +35,19 @@ def process_private_bytes(pid: int) -> int:
     return total
 
 
-def state_bytes(state: ProcessState) -> int:
-    """What one checkpoint's templates cost now."""
-    return sum(process_private_bytes(p) for p in state.template_pids)
+def state_bytes(state: ProcessState, carriers: int = 0) -> int:
+    """What one checkpoint's templates cost now. `carriers`: how many sets of carriers
+    spawned ahead from them exist (warm.py): they map the same pages and never write, so
+    a page the live process no longer maps is mapped by the template and each carrier."""
+    if not carriers:
+        return sum(process_private_bytes(p) for p in state.template_pids)
+    total = 0
+    for p in state.template_pids:
+        try:
+            total += native.exclusive_bytes(p, 1 + carriers)
+        except native.CRError:
+            pass  # gone
+    return total
 
 
 def touch(state: ProcessState) -> None:

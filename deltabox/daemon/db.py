@@ -165,6 +165,13 @@ class Database:
         r = self.conn.execute("SELECT COUNT(*) FROM checkpoints WHERE procs_of=?", (cp_id,))
         return int(r.fetchone()[0])
 
+    def procs_of_layer(self, layer_id: str) -> str | None:
+        """The process state a rollback to the checkpoint(s) on `layer_id` restores (they
+        share it: a checkpoint shares a layer only with the parent it aliases)."""
+        r = self.conn.execute("SELECT procs_of FROM checkpoints WHERE layer_id=? "
+                              "ORDER BY created_at DESC LIMIT 1", (layer_id,)).fetchone()
+        return None if r is None else r[0]
+
     def layer_refs(self, layer_id: str) -> int:
         r = self.conn.execute("SELECT COUNT(*) FROM checkpoints WHERE layer_id=?", (layer_id,))
         n = r.fetchone()[0]

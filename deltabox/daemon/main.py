@@ -153,6 +153,7 @@ async def serve(args: argparse.Namespace) -> None:
             os.chmod(sock, 0o660)
             nursery.start_soon(daemon.turns.load, background, not args.no_inspector)
             nursery.start_soon(daemon.enforce_template_budget)
+            nursery.start_soon(daemon.sweep_keepers)
             log.info("serving on unix:%s%s (store %s at %s)", sock,
                      f" and {args.listen}" if args.listen else "", store.backend, store.root)
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -35,11 +35,11 @@ from ..models import CreateParams
 from ..sandbox import execute, runtime
 from ..sandbox import quota
 from ..sandbox.cgroups import Cgroup, CgroupDriver, Limits
-from ..sandbox.reaper import reap_orphans
+from ..sandbox.reaper import wait_exited
 from ..sandbox.session import AdoptedShell, Session
 from ..background import GuardedNursery
 from ..cr import native
-from ..cr.engine import DeltaCR, Elsewhere, ProcessState, Restored, in_vfork
+from ..cr.engine import DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, in_vfork
 from ..inspector import Decision, TurnEffects
 from . import budget
 from .faults import crash_point
@@ -47,7 +47,7 @@ from .db import CheckpointRow, Database, SandboxRow
 from .dumps import NOT_COMPLETED, Dumps, init_seccomp_filters
 from .scheduler import IOScheduler
 from .turns import Turns
-from .warm import WarmPool
+from .warm import Ready, WarmPool
 
 log = logging.getLogger("deltaboxd")
 
@@ -109,11 +109,38 @@ class Live:
     # still processes of the sandbox, and ours, until then.
     releasing: list[ProcessState] = field(default_factory=list)
     held_for_dump: int = 0  # of those, how many wait for their own pending dump first
+    # pidfds of processes a rollback killed that may not have exited yet (reaper.wait_exited)
+    dying: list[int] = field(default_factory=list)
+    # carriers spawned ahead for rollbacks (warm.py), held stopped: not running yet
+    prespawned: set[int] = field(default_factory=set)
+    # host pid of a running process born from a carrier -> its keeper (engine.restore)
+    keepers: dict[int, native.Carrier] = field(default_factory=dict)
+    # keepers of processes a rollback killed, until reaped (_victims_gone)
+    old_keepers: list[OldKeepers] = field(default_factory=list)
 
     @property
     def template_pids(self) -> set[int]:
-        return {p for st in [*self.captured.values(), *self.releasing]
-                for p in st.template_pids}
+        """The daemon's stopped processes in the sandbox's cgroup: templates, carriers and
+        keepers. Not the sandbox's own (never captured or killed as such)."""
+        return ({p for st in [*self.captured.values(), *self.releasing]
+                 for p in st.template_pids} | self.prespawned |
+                {k.pid for k in self.keepers.values()} |
+                {k.pid for old in self.old_keepers for k in old.carriers})
+
+
+@dataclass
+class OldKeepers:
+    """The keepers of the processes one rollback killed: killed once those have exited
+    (then their address spaces are torn down, off the rollback's path); the old
+    generation, where they live, is retired after them."""
+    carriers: list[native.Carrier]
+    gone: trio.Event = field(default_factory=trio.Event)
+    reaping: bool = False
+
+
+# After a rollback, how long its killed processes' keepers wait before dying (their exit
+# tears down the address spaces: CPU time better spent after the client has its answer).
+KEEPER_KILL_DELAY_S = 0.05
 
 
 def new_id(prefix: str) -> str:
@@ -145,6 +172,8 @@ class Daemon:
                              lambda sid, rt: sid in self.live and self.live[sid].rt is rt,
                              self.io, per_sandbox=cfg.warm_per_sandbox)
         self.warm.new_id = lambda: new_id("L")
+        self.warm.prespawn = self._prespawn
+        self.warm.discard_procs = self._discard_prespawned
         self.family_locks: dict[str, trio.Lock] = {}
         # Removed sandboxes whose init must live on because forks' pid namespaces are
         # nested in theirs (init's exit would kill every nested process): id -> (runtime,
@@ -382,7 +411,14 @@ class Daemon:
             _kill(p)
         for state in live.captured.values():
             await self.cr.release(state)
+        # Keepers after their processes (killed here; they are not the keepers' children).
+        for fd in live.rt.cgroup.kill_now(keep=live.rt.keep_pids | live.template_pids):
+            os.close(fd)
+        await self.cr.kill_carriers(list(live.keepers.values()))
+        live.keepers.clear()
         for fd in live.held_fds:
+            os.close(fd)
+        for fd in live.dying:
             os.close(fd)
         if self._nested_in(sid):
             # Forks live in pid namespaces below ours: keep init (and the namespace) alive,
@@ -456,9 +492,10 @@ class Daemon:
             return freed
 
     def _retire_later(self, gen: runtime.Generation | None, layer_id: str,
-                      step: str = "") -> None:
+                      step: str = "", after: list[trio.Event] | None = None) -> None:
         """Drop a layer (and the generation mounted on it, if any) after the call returned,
-        off the hot path. Closing the last
+        off the hot path, and after `after` (keepers living in the generation). Closing the
+        last
         reference to a mount namespace unmounts its tree synchronously (milliseconds of RCU
         grace periods), so it happens in a worker thread at once (it holds two fds and a
         mount namespace), then the layer goes through a queue drained by RETIRE_WORKERS
@@ -476,6 +513,8 @@ class Daemon:
 
         async def close_then_queue() -> None:
             try:
+                for ev in after or ():
+                    await ev.wait()
                 await trio.to_thread.run_sync(gen.close)
             finally:
                 send.send_nowait((layer_id, step))
@@ -745,8 +784,9 @@ class Daemon:
                     for key, st in live.captured.items()]
             if not held:
                 continue
+            carriers = [self.warm.carriers_of(sid, st) for sid, _, st in held]
             costs = await trio.to_thread.run_sync(
-                lambda: [budget.state_bytes(st) for _, _, st in held])
+                lambda: [budget.state_bytes(st, c) for (_, _, st), c in zip(held, carriers)])
             where = {key: (sid, st) for sid, key, st in held}
             for key in budget.over_budget(
                     [(key, st, c) for (_, key, st), c in zip(held, costs)], limit,
@@ -760,9 +800,23 @@ class Daemon:
                     if live.captured.get(key) is st:
                         del live.captured[key]
                         live.evicted.add(key)
+                        self.warm.drop_procs(sid, st)
                         await self.cr.release(st)
                         log.info("templates of %s (sandbox %s) evicted: over the %d MiB "
                                  "template budget", key, sid, self.cfg.template_budget_mb)
+
+    async def sweep_keepers(self, interval: float = 2.0) -> None:
+        """Forever: a keeper whose process has exited or called execve holds an address
+        space nobody uses (its memory stays charged to the sandbox): kill it."""
+        while True:
+            await trio.sleep(interval)
+            for live in list(self.live.values()):
+                stale = [pid for pid, k in live.keepers.items()
+                         if not native.same_address_space(pid, k.pid)]
+                if stale:
+                    old = OldKeepers([live.keepers.pop(pid) for pid in stale], reaping=True)
+                    live.old_keepers.append(old)
+                    self.background.start_soon(self._reap_keepers, live, old)
 
     def _evict_templates(self, live: Live) -> None:
         """Keep the templates of the most recently used checkpoints only: each holds the
@@ -796,6 +850,7 @@ class Daemon:
         checkpoint's process dump (written from these templates) has ended."""
         live.releasing.append(state)
         live.held_for_dump += after_dump is not None
+        self.warm.drop_procs(live.rt.sandbox_id, state)
 
         async def release() -> None:
             if after_dump is not None:
@@ -932,11 +987,32 @@ class Daemon:
             row = self._sandbox(sid)
             cp = self._checkpoint(cp_id)
             ready = self.warm.take_ready(sid, cp.layer_id, live.rt)
-            if ready is not None:  # prepared in the background: no snapshot, no mount
-                layer, new_gen = ready.layer_id, ready.generation
-                killed = self._kill_processes(live)
-            else:
-                layer, killed, new_gen = await self._fresh_generation(live, row, cp)
+            pre = ready.procs if ready is not None else None
+            try:
+                if ready is not None:  # prepared in the background: no snapshot, no mount
+                    layer, new_gen = ready.layer_id, ready.generation
+                    killed = self._kill_processes(live)
+                else:
+                    layer, killed, new_gen = await self._fresh_generation(live, row, cp)
+            except BaseException:
+                if pre is not None:
+                    with trio.CancelScope(shield=True):
+                        await self._discard_prespawned(None, pre, live)
+                raise
+            try:
+                return await self._rollback_to(live, row, cp, t0, layer, killed, new_gen, pre)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._victims_gone(live)
+                self._kill_old_keepers(live)
+
+    async def _rollback_to(self, live: Live, row: SandboxRow, cp: CheckpointRow, t0: float,
+                           layer: str, killed: int, new_gen: runtime.Generation,
+                           pre: Prespawned | None) -> dict:
+        """The rest of a rollback, under the sandbox's lock, once its processes are killed:
+        switch to the new generation, commit, restore the processes."""
+        sid, cp_id = row.id, cp.id
+        try:
             crash_point("rollback.generation")
             self._limit_disk(row, layer)
             old = live.rt.generation
@@ -947,20 +1023,49 @@ class Daemon:
             with self.db.transaction():
                 self.db.put_sandbox(row)
             crash_point("rollback.after_commit")
-            self._retire_later(old, old_layer)
+            self._retire_later(old, old_layer, after=[k.gone for k in live.old_keepers])
             self.warm.prepare(sid, cp.layer_id)  # for the next rollback to it
             old_sessions, live.sessions = live.sessions, {}
             for sess in old_sessions.values():
                 await sess.close()  # their shells are dead: release our pipe ends
-            state, note, pids = await self._restore_processes(live, cp, new_gen)
-            live.procs_from = cp.procs_of if state == "restored" else None
-            self._new_turn(sid, live, pids)
-            restarted = sorted(set(old_sessions) - set(live.sessions))
-            live.restarted.update(restarted)
-            return dict(sandbox_id=sid, checkpoint_id=cp_id,
-                        duration_ms=(time.perf_counter() - t0) * 1000,
-                        sessions_restarted=restarted, processes_killed=killed,
-                        process_state=state, note=note)
+            pre, taken = None, pre  # the restore owns it now
+            state, note, pids = await self._restore_processes(live, cp, new_gen, taken)
+        finally:
+            if pre is not None:  # failed before the restore
+                with trio.CancelScope(shield=True):
+                    await self._discard_prespawned(None, pre, live)
+        await self._victims_gone(live)  # if no restore waited: nothing killed lingers
+        live.procs_from = cp.procs_of if state == "restored" else None
+        self._new_turn(sid, live, pids)
+        restarted = sorted(set(old_sessions) - set(live.sessions))
+        live.restarted.update(restarted)
+        return dict(sandbox_id=sid, checkpoint_id=cp_id,
+                    duration_ms=(time.perf_counter() - t0) * 1000,
+                    sessions_restarted=restarted, processes_killed=killed,
+                    process_state=state, note=note)
+
+    async def _victims_gone(self, live: Live) -> None:
+        """Wait until the processes a rollback killed have exited (their pids are about to
+        be reused)."""
+        await wait_exited(live.dying)
+
+    def _kill_old_keepers(self, live: Live) -> None:
+        """Once the processes a rollback killed have exited, their keepers: they tear the
+        address spaces down in the background (after the rollback: milliseconds of CPU per
+        100 MB the restore should not share), and the old generation is retired after
+        them."""
+        for old in live.old_keepers:
+            if not old.reaping:
+                old.reaping = True
+                self.background.start_soon(self._reap_keepers, live, old)
+
+    async def _reap_keepers(self, live: Live, old: OldKeepers) -> None:
+        try:
+            await trio.sleep(KEEPER_KILL_DELAY_S)  # let the rollback's response go first
+            await self.cr.kill_carriers(old.carriers)
+        finally:
+            old.gone.set()
+            live.old_keepers.remove(old)
 
     async def _await_dump_if_needed(self, sid: str, live: Live, cp: CheckpointRow) -> None:
         """If cp's processes can only come back from a process dump still being written
@@ -973,11 +1078,18 @@ class Daemon:
             await self.dumps.wait(key)
 
     async def _restore_processes(self, live: Live, cp: CheckpointRow,
-                                 gen: runtime.Generation) -> tuple[str, str, set[int]]:
+                                 gen: runtime.Generation, pre: Prespawned | None = None
+                                 ) -> tuple[str, str, set[int]]:
         """Bring back the checkpoint's processes from their templates, held by this sandbox
-        or an ancestor. Returns (process_state, note, host pids restored)."""
+        or an ancestor (`pre`: some spawned ahead into `gen`). Returns (process_state,
+        note, host pids restored)."""
         key = cp.procs_of
-        captured = live.captured.pop(key, None) if key else None
+        captured = live.captured.get(key) if key else None
+        if pre is not None and (captured is None or pre.state is not captured):
+            await self._discard_prespawned(None, pre, live)
+            pre = None
+        if key:
+            live.captured.pop(key, None)
         holder = None if captured is not None or key is None else \
             self._ancestor_holding(live, key)
         if holder is not None:  # a fork rolling back to a checkpoint of its ancestor
@@ -1008,23 +1120,69 @@ class Daemon:
         live.captured[key] = captured  # most recently used last
         return await self._restore_logged(
             live, captured, cp, f"{len(captured.records)} processes restored from templates",
-            fresh=None, gen=gen)
+            fresh=None, gen=gen, pre=pre)
+
+    async def _prespawn(self, sid: str, cp_layer: str, ready: Ready) -> None:
+        """Warm pool hook: spawn ahead, into `ready`'s generation, the processes a rollback
+        to the checkpoint on `cp_layer` gives new pids (engine.DeltaCR.prespawn)."""
+        live = self.live.get(sid)
+        key = self.db.procs_of_layer(cp_layer)
+        if live is None or key is None:
+            return
+        async with live.lock:
+            state = live.captured.get(key)
+            # Templates rebuilt from a dump restore as into a fork (_restore_from_disk).
+            if (state is None or state.from_dump is not None or live.rt is not ready.runtime
+                    or not self.warm.is_ready(sid, cp_layer, ready)):
+                return
+            try:
+                pre = await self.cr.prespawn(state, ready.generation.mntfd)
+            except Exception as e:  # the rollback will spawn them itself
+                log.warning("sandbox %s: spawning ahead for %s failed: %s", sid, key, e)
+                return
+            if pre is not None:
+                ready.procs = pre
+                live.prespawned |= pre.spawned
+
+    async def _discard_prespawned(self, sid: str | None, pre: Prespawned,
+                                  live: Live | None = None) -> None:
+        """Kill children spawned ahead that no rollback used. Under the sandbox's lock
+        (given `live`: the caller holds it): on cgroup v1 a frozen task cannot die, and a
+        checkpoint freezes the cgroup while it needs the ptrace thread."""
+        if live is not None:
+            await self.cr.discard(pre)
+            live.prespawned -= pre.spawned
+            return
+        live = self.live.get(sid) if sid is not None else None
+        if live is None:
+            await self.cr.discard(pre)
+            return
+        async with live.lock:
+            await self.cr.discard(pre)
+            live.prespawned -= pre.spawned
 
     async def _restore_logged(self, live: Live, state: ProcessState, cp: CheckpointRow,
                               note: str, fresh: bool | None,
-                              gen: runtime.Generation | None = None
+                              gen: runtime.Generation | None = None,
+                              pre: Prespawned | None = None
                               ) -> tuple[str, str, set[int]]:
         """Restore into `live` (its own templates when `fresh` is None, else an
         ancestor's); a failure restarts the processes and says why."""
-        reap_orphans(skip=self.template_pids())  # the killed originals' pids must be free
         crash_point("rollback.restoring")
         budget.touch(state)
         try:
             if fresh is None:
                 assert gen is not None
-                restored = await self.cr.restore(state, gen.mntfd)
+                try:
+                    restored = await self.cr.restore(
+                        state, gen.mntfd, pids_freed=lambda: self._victims_gone(live), pre=pre)
+                finally:
+                    if pre is not None:  # born by the restore, or killed by it
+                        live.prespawned -= pre.spawned
+                live.keepers.update(restored.keepers)
                 self._adopt(live, restored, state)
             else:
+                await self._victims_gone(live)  # the killed originals' pids must be free
                 restored = await self._restore_into(live, state, fresh=fresh)
         except Exception as e:
             log.error("rollback %s: restoring processes failed: %s", cp.id, e)
@@ -1146,17 +1304,25 @@ class Daemon:
 
     def _kill_processes(self, live: Live) -> int:
         """Kill everything in the sandbox but its init (the pid namespace must live on) and
-        the templates of its checkpoints."""
+        the templates of its checkpoints. Not waited for: see `live.dying`."""
         helpers = sum(p.returncode is None for p in live.procs)
+        # dbx-enter: its command dies with it (PDEATHSIG); trio waits for it (and reaps it:
+        # never reap it ourselves, its exit status would be lost), and its pid is not one
+        # of the sandbox's.
+        ours = {p.pid for p in live.procs}
         for p in list(live.procs):
-            _kill(p)  # dbx-enter: its command dies with it (PDEATHSIG)
+            _kill(p)
         live.procs.clear()
         for fd in live.held_fds:
             os.close(fd)
         live.held_fds.clear()
-        killed = helpers + live.rt.cgroup.kill(keep=live.rt.keep_pids | live.template_pids)
+        dying = live.rt.cgroup.kill_now(keep=live.rt.keep_pids | live.template_pids | ours)
+        live.dying.extend(dying)
+        if live.keepers:  # killed once their processes have exited (_victims_gone)
+            live.old_keepers.append(OldKeepers(list(live.keepers.values())))
+            live.keepers = {}
         crash_point("rollback.killed")
-        return killed
+        return helpers + len(dying)
 
     async def _rollback_stopped(self, row: SandboxRow, cp: CheckpointRow) -> dict:
         t0 = time.perf_counter()

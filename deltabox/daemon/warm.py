@@ -5,7 +5,11 @@ After a checkpoint, while the agent is thinking, the daemon prepares in the back
   milliseconds that would otherwise sit on the critical path of every rollback and fork);
 - for the sandbox that took the checkpoint, a *ready generation*: the spare already mounted as
   that sandbox's root in a new mount namespace. Rolling back to it is then a kill of the
-  sandbox's processes and a swap of two file descriptors.
+  sandbox's processes and a swap of two file descriptors;
+- in that generation, the checkpoint's processes that a rollback gives new pids anyway
+  (group and session leaders: every session shell) spawned ahead from their templates and
+  held stopped (DeltaCR.prespawn): the rollback lets them run. The others need their pid,
+  which the live process holds until the rollback kills it.
 
 Everything is keyed by the checkpoint's *layer*: checkpoints that alias their parent (a
 skipped checkpoint) share its layer, and so its spare and ready generation.
@@ -17,6 +21,9 @@ Ready generations hold a mount namespace each, so they are bounded per sandbox (
 from __future__ import annotations
 
 import logging
+import os
+import select
+import signal
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 import trio
 
 from ..background import GuardedNursery
+from ..cr.engine import ProcessState, Prespawned
 from ..fs.store import Store
 from ..sandbox.runtime import Generation, Runtime
 from .scheduler import IOScheduler
@@ -42,6 +50,13 @@ class Ready:
     layer_id: str
     generation: Generation
     runtime: Runtime
+    procs: Prespawned | None = None     # set by the `prespawn` hook
+
+
+# Hooks the daemon sets: spawn a Ready's processes ahead (sets ready.procs), and discard
+# processes spawned ahead (under the sandbox's lock).
+PrespawnFn = Callable[[str, str, Ready], Awaitable[None]]
+DiscardFn = Callable[[str, Prespawned], Awaitable[None]]
 
 
 class WarmPool:
@@ -63,6 +78,8 @@ class WarmPool:
         # sandbox -> checkpoint layer -> Ready
         self.ready: dict[str, OrderedDict[str, Ready]] = {}
         self.new_id: Callable[[], str] = lambda: ""
+        self.prespawn: PrespawnFn | None = None
+        self.discard_procs: DiscardFn | None = None
 
     @property
     def enabled(self) -> bool:
@@ -123,19 +140,37 @@ class WarmPool:
                 await trio.to_thread.run_sync(built[0].close)
             return
         slot = self.ready.setdefault(sandbox_id, OrderedDict())
-        slot[cp_layer] = Ready(layer, built[0], built[1])
+        ready = slot[cp_layer] = Ready(layer, built[0], built[1])
         while len(slot) > self.per_sandbox:
             _, old = slot.popitem(last=False)
-            self._discard(old)
+            self._discard(old, sandbox_id)
         self.prepare(None, cp_layer)  # a new spare
+        if self.prespawn is not None:
+            await self.prespawn(sandbox_id, cp_layer, ready)
+
+    def is_ready(self, sandbox_id: str, cp_layer: str, ready: Ready) -> bool:
+        """`ready` is still the one waiting for a rollback of that sandbox to cp_layer."""
+        return self.ready.get(sandbox_id, {}).get(cp_layer) is ready
 
     def take_ready(self, sandbox_id: str, cp_layer: str, rt: Runtime) -> Ready | None:
         """A prepared generation of this sandbox on a clone of `cp_layer`, if ready."""
         ready = self.ready.get(sandbox_id, {}).pop(cp_layer, None)
         if ready is not None and ready.runtime is not rt:  # the sandbox was rebooted
-            self._discard(ready)
+            self._discard(ready, sandbox_id)
             return None
         return ready
+
+    def carriers_of(self, sandbox_id: str, state: ProcessState) -> int:
+        """How many ready generations hold carriers of `state`'s processes."""
+        return sum(r.procs is not None and r.procs.state is state
+                   for r in self.ready.get(sandbox_id, {}).values())
+
+    def drop_procs(self, sandbox_id: str, state: ProcessState) -> None:
+        """`state`'s templates go (evicted, released): so do its children spawned ahead,
+        which would keep its pages alive."""
+        for ready in self.ready.get(sandbox_id, {}).values():
+            if ready.procs is not None and ready.procs.state is state:
+                self._discard_procs(sandbox_id, ready)
 
     async def take_layer(self, cp_layer: str) -> str:
         """A writable clone of a checkpoint's layer: the spare if ready, else a fresh
@@ -152,19 +187,22 @@ class WarmPool:
         layer = self.spares.pop(cp_layer, None)
         if layer is not None:
             self.background.start_soon(trio.to_thread.run_sync, self.store.delete, layer)
-        for slot in self.ready.values():
+        for sid, slot in self.ready.items():
             ready = slot.pop(cp_layer, None)
             if ready is not None:
-                self._discard(ready)
+                self._discard(ready, sid)
 
     def drop_sandbox(self, sandbox_id: str) -> None:
         for ready in self.ready.pop(sandbox_id, {}).values():
-            self._discard(ready)
+            self._discard(ready, sandbox_id)
 
     def close(self) -> None:
         """At shutdown: release every prepared namespace and layer now."""
         for slot in self.ready.values():
             for ready in slot.values():
+                if ready.procs is not None:  # the sandboxes are being stopped: kill only
+                    _kill_now(ready.procs.spawned)
+                    ready.procs.plan.close_all()
                 ready.generation.close()
                 self.store.delete(ready.layer_id)
         self.ready.clear()
@@ -172,8 +210,39 @@ class WarmPool:
             self.store.delete(layer)
         self.spares.clear()
 
-    def _discard(self, ready: Ready) -> None:
+    def _discard_procs(self, sandbox_id: str, ready: Ready) -> None:
+        procs, ready.procs = ready.procs, None
+        if procs is not None and self.discard_procs is not None:
+            self.background.start_soon(self.discard_procs, sandbox_id, procs)
+
+    def _discard(self, ready: Ready, sandbox_id: str) -> None:
+        procs, ready.procs = ready.procs, None
+
         async def discard() -> None:
+            if procs is not None and self.discard_procs is not None:
+                await self.discard_procs(sandbox_id, procs)  # they live in the generation
             await trio.to_thread.run_sync(ready.generation.close)
             await trio.to_thread.run_sync(self.store.delete, ready.layer_id)
         self.background.start_soon(discard)
+
+
+def _kill_now(pids: set[int], timeout: float = 1.0) -> None:
+    """SIGKILL and wait (a pidfd polls readable at exit): they hold the generation's mount
+    namespace and files of its layer until then."""
+    fds = []
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        fds.append(fd)
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        for fd in fds:
+            select.select([fd], [], [], timeout)
+    finally:
+        for fd in fds:
+            os.close(fd)

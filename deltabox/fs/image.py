@@ -7,6 +7,7 @@ unpacked once into the store, keyed by its path, size and mtime.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
@@ -18,6 +19,7 @@ from pathlib import Path
 from ..errors import InvalidArgument, NotFound, ResourceExhausted
 
 HOST = "host"
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,28 @@ def resolve(spec: str, images_dir: Path) -> Image:
         raise NotFound(f"image {spec} does not exist (give a rootfs directory or a tarball)")
     if path.is_dir():
         real = path.resolve()
+        if real == Path("/"):  # e.g. /proc/self/root: the host, with its secrets masked
+            return Image(HOST, Path("/"), HOST, True)
+        if _fs_type(real) == PROC_SUPER_MAGIC:
+            raise InvalidArgument(f"image {spec} is on procfs, which cannot be an overlay "
+                                  "layer: give a root file system directory or a tarball")
         return Image(str(real), real, "dir-" + _digest(str(real)), False)
     if not tarfile.is_tarfile(path):
         raise InvalidArgument(f"image {spec} is neither a directory nor a tar archive")
     st = path.stat()
     key = "tar-" + _digest(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}")
     return Image(str(path.resolve()), _unpack(path, images_dir / key), key, False)
+
+
+PROC_SUPER_MAGIC = 0x9FA0
+
+
+def _fs_type(path: Path) -> int:
+    """statfs(2)'s f_type (the first field of struct statfs), 0 if unknown."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on x86_64
+    if _libc.statfs(os.fsencode(path), buf) != 0:
+        return 0
+    return ctypes.c_long.from_buffer(buf).value
 
 
 def from_spec(spec: str, images_dir: Path) -> Image:

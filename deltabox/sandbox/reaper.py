@@ -15,6 +15,10 @@ import glob
 import os
 from collections.abc import Collection
 
+import trio
+
+from ..errors import Internal
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -77,3 +81,24 @@ def reap_orphans(skip: Collection[int] = ()) -> int:
             except ChildProcessError:
                 pass
     return n
+
+
+async def wait_exited(pidfds: list[int], timeout: float = 5.0) -> None:
+    """Wait until every process behind `pidfds` (killed by us) has exited, reap those that
+    are our children (orphans adopted by the subreaper), close the pidfds (and empty the
+    list). The sandbox's init reaps the rest; until it has, their pids are still taken
+    (restores retry)."""
+    try:
+        with trio.move_on_after(timeout) as scope:
+            for fd in pidfds:
+                await trio.lowlevel.wait_readable(fd)  # a pidfd polls readable at exit
+                try:
+                    os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
+                except ChildProcessError:
+                    pass  # not our child
+    finally:
+        for fd in pidfds:
+            os.close(fd)
+        pidfds.clear()
+    if scope.cancelled_caught:
+        raise Internal(f"processes killed with SIGKILL had not exited after {timeout:g} s")

@@ -724,6 +724,122 @@ static void test_templates(void)
 	free(copy);
 }
 
+static int count_fds(pid_t pid)
+{
+	char path[64];
+	DIR *d;
+	struct dirent *de;
+	int n = 0;
+
+	snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
+	d = opendir(path);
+	if (!d)
+		return -1;
+	while ((de = readdir(d)) != NULL)
+		n += de->d_name[0] != '.';
+	closedir(d);
+	return n;
+}
+
+/* Carriers: spawned ahead (template released meanwhile), born with the original's pid
+ * once it is free, continuing from the checkpoint; the carrier then keeps the address
+ * space, holding no descriptor (so the process's pipes see EOF when it exits). */
+static void test_carriers(void)
+{
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl;
+	struct dbxcr_carrier *k = NULL;
+	struct dbxcr_info info;
+	struct state_report r;
+	struct proc orig, c = { -1, -1, -1 };
+	int cmd[2], rep[2];
+	struct dbxcr_fdmap fds[2];
+	struct dbxcr_file file = { FILE_FD, O_RDONLY, 10, file_path };
+	struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1 };
+	uint64_t sum_a;
+	pid_t kpid, orig_pid, child;
+	char byte;
+
+	current_test = "carriers";
+	fill_pattern(shared_buf, 3);
+	sum_a = checksum(shared_buf, BUF_SIZE);
+	orig = start_program();
+	CHECK(wait_in_syscall(orig.pid, SYS_read) == 0, "program never blocked in read");
+	tpl = dbxcr_make_template(orig.pid, &err);
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (!tpl) {
+		stop_program(&orig);
+		return;
+	}
+	ask(&orig, 'm', NULL);	/* the original moves on from the checkpoint */
+
+	if (pipe2(cmd, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0)
+		abort();
+	fds[0] = (struct dbxcr_fdmap){ cmd[0], CMD_FD, 0 };
+	fds[1] = (struct dbxcr_fdmap){ rep[1], REP_FD, 0 };
+	o.files = &file;
+	o.nfiles = 1;
+	o.fds = fds;
+	o.nfds = 2;
+	o.cwd = "/tmp";
+	kpid = dbxcr_spawn_carrier(tpl, &o, &k, &err);
+	close(cmd[0]);
+	close(rep[1]);
+	c.cmd = cmd[1];
+	c.rep = rep[0];
+	CHECK(kpid > 0 && k && dbxcr_carrier_pid(k) == kpid, "spawn_carrier: %s", err.msg);
+	CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
+	if (kpid <= 0) {
+		stop_program(&orig);
+		close(c.cmd), close(c.rep);
+		return;
+	}
+	CHECK(dbxcr_describe(kpid, &info, &err) == 0 && info.state == 't' &&
+	      info.tracer_pid == getpid(), "carrier not held: state %c tracer %d", info.state,
+	      info.tracer_pid);
+
+	/* The original still holds its pid: refused, and the carrier stays usable. */
+	orig_pid = orig.pid;
+	child = dbxcr_carrier_birth(k, &orig_pid, 1, &err);
+	CHECK(child < 0 && err.code == EEXIST, "birth on a live pid: %d, %s", child, err.msg);
+
+	stop_program(&orig);
+	child = dbxcr_carrier_birth(k, &orig_pid, 1, &err);
+	CHECK(child == orig_pid, "birth pid %d want %d: %s", child, orig_pid, err.msg);
+	c.pid = child;
+	if (child > 0) {
+		CHECK(ask(&c, 'r', &r) == 0 && r.pid == orig_pid && r.counter == 0 &&
+		      r.checksum == sum_a && r.eintr == 0,
+		      "born: pid %d counter %d eintr %d checksum ok %d", r.pid, r.counter, r.eintr,
+		      r.checksum == sum_a);
+		CHECK(ask(&c, 'f', &r) == 0 && memcmp(r.data, "abcde", 5) == 0 && r.off == 15,
+		      "born file: '%.5s' off %lld", r.data, r.off);
+		CHECK(count_fds(kpid) == 0, "keeper holds %d descriptors", count_fds(kpid));
+		CHECK(dbxcr_describe(kpid, &info, &err) == 0 && info.state == 't',
+		      "keeper state %c", info.state);
+		{
+			char a[64], cwd[PATH_MAX];
+			ssize_t n;
+
+			snprintf(a, sizeof(a), "/proc/%d/cwd", child);
+			n = readlink(a, cwd, sizeof(cwd) - 1);
+			cwd[n > 0 ? n : 0] = '\0';
+			CHECK(strcmp(cwd, "/tmp") == 0, "born cwd %s", cwd);
+		}
+		CHECK(dbxcr_carrier_birth(k, NULL, 0, &err) < 0 && err.code == EINVAL,
+		      "second birth: %s", err.msg);
+		/* It quits: its report pipe reaches EOF (no copy left in the keeper). */
+		ask(&c, 'q', NULL);
+		CHECK(readable_now(c.rep, 2000) && read(c.rep, &byte, 1) == 0,
+		      "report pipe not at EOF after the process quit");
+		CHECK(WIFEXITED(reap(child)), "born process exit");
+	}
+	CHECK(dbxcr_carrier_kill(k, &err) == 0, "carrier_kill: %s", err.msg);
+	CHECK(kill(kpid, 0) < 0 && errno == ESRCH, "keeper still exists");
+	close(c.cmd), close(c.rep);
+	CHECK(count_zombie_children() == 0, "zombies left: %d", count_zombie_children());
+}
+
 /* Children can be put into another mount namespace (the caller passes its fd). */
 static void test_spawn_mntns(void)
 {
@@ -1648,6 +1764,7 @@ int main(void)
 		{ "inject-wait4", test_inject_wait4 },
 		{ "inject-group-stopped", test_inject_group_stopped },
 		{ "templates", test_templates },
+		{ "carriers", test_carriers },
 		{ "spawn-mntns", test_spawn_mntns },
 		{ "listen-socket", test_listen_socket },
 		{ "template-nanosleep", test_template_nanosleep },

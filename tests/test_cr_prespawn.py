@@ -1,0 +1,149 @@
+"""Rollbacks from carriers spawned ahead (daemon/warm.py, native carriers and keepers).
+
+After a checkpoint the warm pool spawns a stopped *carrier* of every process into the
+generation the next rollback to it will use; the rollback gives birth to the processes from
+them (with their pids) and the carriers stay as *keepers* of the processes' memory, so that
+the next rollback's kill is quick. These tests check what a user relies on: exact state
+across repeated rollbacks, no descriptor or memory held for a process once it has exited.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+from deltabox import Sandbox
+
+_libc = ctypes.CDLL(None, use_errno=True)
+SYS_KCMP, KCMP_VM = 312, 1
+
+
+def _wait(cond, timeout: float = 15.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what or cond}"
+        time.sleep(0.05)
+
+
+def _stopped(sbx: Sandbox, marker: str) -> int:
+    """Stopped copies (templates, carriers, keepers: state t) of processes with `marker`."""
+    ps = sbx.exec("ps -eo stat=,args=").stdout.splitlines()
+    return sum(1 for line in ps if line.startswith("t") and marker in line)
+
+
+def _host_procs(marker: str) -> dict[int, str]:
+    """Host pid -> state of every process whose command line contains `marker`."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if marker.encode() not in f.read():
+                    continue
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+            out[int(d)] = stat[stat.rfind(")") + 2]
+        except OSError:
+            continue
+    return out
+
+
+def _same_vm(a: int, b: int) -> bool:
+    return _libc.syscall(SYS_KCMP, a, b, KCMP_VM, 0, 0) == 0
+
+
+PROG = r"""
+import os, sys, time, zlib
+marker = sys.argv[1]
+buf = bytearray(os.urandom(1 << 16)) * 1600      # 100 MiB
+d = {"n": 0}
+open("/workspace/ready", "w").write(str(os.getpid()))
+while not os.path.exists("/workspace/quit"):
+    if os.path.exists("/workspace/bump"):
+        d["n"] += 1
+        buf[d["n"] * 4096] ^= 0xFF
+        os.remove("/workspace/bump")
+    if os.path.exists("/workspace/report"):
+        os.remove("/workspace/report")
+        tmp = "/workspace/.state"
+        open(tmp, "w").write(f"{os.getpid()} {d['n']} {zlib.crc32(buf)}")
+        os.rename(tmp, "/workspace/state")
+    time.sleep(0.01)
+"""
+
+
+def _ask(sbx: Sandbox, what: str) -> None:
+    sbx.files.write(what, "1")
+    _wait(lambda: not sbx.files.exists(what), what=what)
+
+
+def _report(sbx: Sandbox) -> str:
+    if sbx.files.exists("state"):
+        sbx.files.remove("state")
+    _ask(sbx, "report")
+    _wait(lambda: sbx.files.exists("state"), what="state")
+    return sbx.files.read("state").decode()
+
+
+def test_repeated_rollbacks_from_carriers_are_exact(sbx: Sandbox) -> None:
+    """Each rollback gives birth to the process from a carrier (the previous one's keeper
+    goes): same pid, the memory and dict as at the checkpoint, every time."""
+    marker = "carrier-exact"
+    sbx.files.write("prog.py", PROG)
+    sbx.exec(f"nohup python3 /workspace/prog.py {marker} >/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("ready"), what="ready")
+    _ask(sbx, "bump")
+    at_cp = _report(sbx)
+    cp = sbx.checkpoint(mode="full")
+    for i in range(4):
+        # the template and a carrier spawned ahead for this rollback
+        _wait(lambda: _stopped(sbx, marker) >= 2, what="a carrier")
+        for _ in range(i + 1):
+            _ask(sbx, "bump")
+        assert _report(sbx) != at_cp
+        r = sbx.rollback(cp)
+        assert r.process_state == "restored", r.note
+        assert _report(sbx) == at_cp, f"rollback {i}"
+        live = [ln for ln in sbx.exec("ps -eo stat=,args=").stdout.splitlines()
+                if marker in ln and not ln.startswith("t")]
+        assert len(live) == 1, live
+
+
+def test_keeper_goes_when_its_process_exits(sbx: Sandbox) -> None:
+    """A process born from a carrier shares its memory with the carrier (its keeper);
+    once the process exits, the keeper goes too (its memory is not held)."""
+    marker = "carrier-exit"
+    sbx.files.write("prog.py", PROG)
+    sbx.exec(f"nohup python3 /workspace/prog.py {marker} >/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("ready"), what="ready")
+    cp = sbx.checkpoint(mode="full")
+    _wait(lambda: _stopped(sbx, marker) >= 2, what="a carrier")
+    assert sbx.rollback(cp).process_state == "restored"
+    procs = _host_procs(marker)
+    live = [p for p, st in procs.items() if st != "t"]
+    assert len(live) == 1, procs
+    keepers = [p for p, st in procs.items() if st == "t" and _same_vm(live[0], p)]
+    assert len(keepers) == 1, procs  # born from a carrier, which keeps its memory
+    sbx.files.write("quit", "1")
+    _wait(lambda: not os.path.exists(f"/proc/{live[0]}") or
+          _host_procs(marker).get(live[0]) in (None, "Z"), what="the process to exit")
+    _wait(lambda: not os.path.exists(f"/proc/{keepers[0]}"), timeout=10,
+          what="the keeper to go")
+
+
+def test_restored_pipeline_sees_eof(sbx: Sandbox) -> None:
+    """Carriers and keepers hold no pipe ends: after a rollback, when the producer of a
+    pipeline exits, its consumer reads EOF."""
+    sbx.exec("nohup sh -c 'while [ ! -e /workspace/quit ]; do echo x; sleep 0.02; done "
+             "| (while read x; do echo $x > /workspace/last; done; echo eof > /workspace/eof)"
+             "' >/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("last"), what="the pipeline")
+    cp = sbx.checkpoint(mode="full")
+    _wait(lambda: _stopped(sbx, "/workspace/quit") >= 2, what="carriers")
+    assert sbx.rollback(cp).process_state == "restored"
+    sbx.files.remove("last")
+    _wait(lambda: sbx.files.exists("last"), what="the restored pipeline")
+    sbx.files.write("quit", "1")
+    _wait(lambda: sbx.files.exists("eof"), timeout=10, what="EOF at the consumer")
