@@ -168,10 +168,34 @@ class DeltaCR:
             stopped = await self.worker.run(_wait_all, stopped)
             alive = {s.pid for s in stopped}
             records = [r for r in records if r.pid in alive]  # the rest died meanwhile
-            await snapshot_files()
             pipes = _pipe_groups(records, session_inodes, daemon_inodes)
             _save_unread(pipes)
-            templates = await self.worker.run(_templates, stopped)
+
+            # Everything is stopped: the file snapshot (a btrfs transaction commit) and the
+            # templates (page-table copies on the ptrace thread) go at the same time. Their
+            # errors are raised as they are (not as a group: they map to gRPC statuses).
+            errors: list[Exception] = []
+
+            async def make_templates() -> None:
+                # Not cancellable once the ptrace thread runs it: keep what it made, so
+                # that the failure path releases it.
+                with trio.CancelScope(shield=True):
+                    try:
+                        templates.update(await self.worker.run(_templates, stopped))
+                    except Exception as e:
+                        errors.append(e)
+
+            async def snapshot() -> None:
+                try:
+                    await snapshot_files()
+                except Exception as e:
+                    errors.append(e)
+
+            async with trio.open_nursery() as n:
+                n.start_soon(make_templates)
+                n.start_soon(snapshot)
+            if errors:
+                raise errors[0]
             await self.worker.run(_drop_listeners, templates, records)
         except BaseException:
             with trio.CancelScope(shield=True):

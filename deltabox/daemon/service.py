@@ -879,7 +879,7 @@ class Daemon:
                 thawed = True
 
         async def snapshot() -> None:
-            self.store.freeze(src_layer, layer)
+            await trio.to_thread.run_sync(self.store.freeze, src_layer, layer)
 
         try:
             procs = await self._settle_vforks(live, self._sandbox_processes(candidates))
