@@ -1405,7 +1405,7 @@ static int query_template(struct dbxcr_template *tpl, struct core_fixed *core,
 	long a[6] = { 0 }, r;
 	int rc = -1;
 
-	if (adopt(&t, tpl->pid, tpl->site, err) < 0)
+	if (template_scratch(tpl, err) < 0 || adopt(&t, tpl->pid, tpl->site, err) < 0)
 		return -1;
 	t.regs = tpl->park;
 	r = rsys(&t, SYS_brk, a, err, "brk(0) in the template");
@@ -1585,6 +1585,8 @@ static int job_core(struct dbxcr_dump_job *j, struct dbxcr_template *tpl,
 	core->npending = (uint32_t)tpl->pend.n;
 	for (int i = 0; i < tpl->pend.n; i++)
 		core->pend_shared[i] = tpl->pend.shared[i];
+	if (template_scratch(tpl, err) < 0)	/* before listing its mappings: cut out below */
+		return -1;
 	{
 		struct dump_ctx c = { pid, &j->vl, tpl->scratch, o->strip_prefix, err };
 

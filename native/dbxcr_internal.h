@@ -93,6 +93,9 @@ int block_all(struct tracee *t, struct dbxcr_error *err);
 void detach_unchanged(struct tracee *t);
 int attach(struct tracee *t, pid_t pid, struct dbxcr_error *err);
 int adopt(struct tracee *t, pid_t pid, unsigned long site, struct dbxcr_error *err);
+/* The template's scratch area, mapped at its first use (a spawn, a dump) rather than in the
+ * checkpoint's freeze window. */
+int template_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err);
 int remote_syscall(struct tracee *t, long nr, const long a[6], long *ret,
 		   struct dbxcr_error *err);
 __attribute__((format(printf, 5, 6)))

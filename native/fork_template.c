@@ -895,7 +895,26 @@ static pid_t fork_template_from(struct tracee *orig, struct dbxcr_error *err)
 	return orig->new_child;
 }
 
+/* Park a template just forked, without a scratch area yet: the checkpoint's freeze window
+ * holds one injected call (the fork) per process, the mmap waits for the first spawn. */
+static int park_new(struct dbxcr_template *tpl, struct dbxcr_error *err)
+{
+	struct tracee t;
+
+	if (adopt(&t, tpl->pid, tpl->site, err) < 0)
+		return -1;
+	park_regs(tpl, &t.regs);
+	return park(tpl, err);
+}
+
 /* Map the template's scratch area (it and all its children have it; children unmap it). */
+static int map_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err);
+
+int template_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err)
+{
+	return tpl->scratch ? 0 : map_scratch(tpl, err);
+}
+
 static int map_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err)
 {
 	struct tracee t;
@@ -1223,7 +1242,7 @@ struct dbxcr_template *dbxcr_template_stopped(struct dbxcr_stop *s, struct dbxcr
 	tpl->pend = s->pend;
 	/* The template inherited the all-blocked mask we set on the original, so signals sent
 	 * to it stay pending (and fork does not pass pending signals to children). */
-	if (map_scratch(tpl, err) < 0) {
+	if (park_new(tpl, err) < 0) {
 		struct dbxcr_error ignored;
 
 		dbxcr_release_template(tpl, &ignored);
@@ -1524,12 +1543,15 @@ static pid_t clone_from_template(struct dbxcr_template *tpl, const struct dbxcr_
 	struct tracee t;
 	long a[6] = { 0 };
 	long ret;
-	unsigned long tid_addr = tpl->scratch + sizeof(ca);
+	unsigned long tid_addr;
 
 	sw->target = sw->own = -1;
 	if (o->set_tid_size > 32)
 		return fail(err, EINVAL, tpl->pid, "set_tid has %zu entries (max 32)",
 			    o->set_tid_size);
+	if (template_scratch(tpl, err) < 0)
+		return -1;
+	tid_addr = tpl->scratch + sizeof(ca);
 	if (adopt(&t, tpl->pid, tpl->site, err) < 0)
 		return -1;
 	t.regs = tpl->park;

@@ -159,9 +159,19 @@ def test_reader_offset(sbx: Sandbox, restore: Restore) -> None:
     cp = sbx.checkpoint()
     time.sleep(0.3)
     target = restore(sbx, cp)
-    at = int(target.files.read("pos").decode().strip()[4:])
+
+    def pos() -> int:
+        # The reader truncates, then writes: a read in between sees an empty file.
+        for _ in range(100):
+            text = target.files.read("pos").decode().strip()
+            if text:
+                return int(text[4:])
+            time.sleep(0.01)
+        raise AssertionError("pos stayed empty")
+
+    at = pos()
     time.sleep(0.2)
-    later = int(target.files.read("pos").decode().strip()[4:])
+    later = pos()
     assert later > at and later - at < 10  # continues from the checkpoint's offset
 
 

@@ -12,6 +12,14 @@ its cwd, its regular files reopened at their offsets (no file description shared
 template) and fresh pipes, so pipes between restored processes work and the daemon's ends
 (session shells, drained output) are reconnected.
 
+Ahead of a rollback (prespawn, driven by daemon/warm.py) that child is made in advance as a
+stopped *carrier*, re-rooted into the generation the rollback will use; the rollback clones
+the process out of it with CLONE_VM (no page tables to copy) and the pid it needs, once the
+killed original has released that pid. The carrier stays as the process's *keeper*: while
+it holds the address space, killing the process does not tear it down, so the next
+rollback's pid is free at once; the keeper is killed afterwards (kill_carriers), off the
+rollback's path.
+
 What is preserved: memory, registers, signal state, process group and session, cwd, files and
 offsets, pipes (with unread data), and the pid of every process that did not lead its process
 group or session. Not preserved:
