@@ -43,6 +43,10 @@ log = logging.getLogger("deltaboxd")
 BuildFn = Callable[[str, str], Awaitable[tuple[Generation, Runtime] | None]]
 
 MAX_QUEUED = 64   # background I/O jobs waiting for a slot beyond which nothing is prepared
+# Ready generations per sandbox that hold carriers (the most recently prepared): each set is
+# stopped processes in the sandbox's cgroup (a checkpoint's freeze and listing pay for them)
+# and their page tables and pipes; older ready generations keep only their mount.
+MAX_CARRIER_SETS = 8
 
 
 @dataclass
@@ -147,6 +151,9 @@ class WarmPool:
         self.prepare(None, cp_layer)  # a new spare
         if self.prespawn is not None:
             await self.prespawn(sandbox_id, cp_layer, ready)
+            holding = [r for r in slot.values() if r.procs is not None]  # oldest first
+            for old_ready in holding[:max(0, len(holding) - MAX_CARRIER_SETS)]:
+                self._discard_procs(sandbox_id, old_ready)
 
     def is_ready(self, sandbox_id: str, cp_layer: str, ready: Ready) -> bool:
         """`ready` is still the one waiting for a rollback of that sandbox to cp_layer."""
