@@ -24,6 +24,12 @@ class PtraceWorker:
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._active = 0   # jobs queued or running (trio thread only)
+
+    @property
+    def busy(self) -> bool:
+        """Some job is queued or running: optional work (warm.py) had better wait."""
+        return self._active > 0
 
     async def __aenter__(self) -> PtraceWorker:
         self._thread = threading.Thread(target=self._loop, name="deltabox-ptrace", daemon=True)
@@ -58,9 +64,11 @@ class PtraceWorker:
         event = trio.Event()
 
         def done(r: outcome.Outcome) -> None:
+            self._active -= 1
             result.append(r)
             event.set()
 
+        self._active += 1
         self._jobs.put((fn, args, trio.lowlevel.current_trio_token(), done))
         with trio.CancelScope(shield=True):
             await event.wait()
