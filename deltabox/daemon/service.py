@@ -732,7 +732,11 @@ class Daemon:
                 reuse = "the parent checkpoint's process templates were evicted"
             elif parent.procs_of is None and alive:
                 reuse = "the parent checkpoint holds file state only"
-        quiet = set()
+        # Never captured, so their running changes no process state of the checkpoint:
+        # the sandbox's init and launcher (they reap), the daemon's dbx-enter helpers (they
+        # wait for their commands; they also reap the daemon's carriers and keepers when the
+        # daemon kills them in the background). A child they reap shows as its own exit.
+        quiet = set(live.rt.keep_pids) | {p.pid for p in live.procs}
         for sess in live.sessions.values():
             pid = sess.shell_pid(exclude=live.template_pids) if sess.alive else None
             if pid is not None and sess.state is not None and sess.state == sess.turn_state:
