@@ -2886,3 +2886,79 @@ out_nochild:
 	free(c);
 	return tpl;
 }
+
+/* ---------- memory a template holds (dbxcr_exclusive_bytes) ---------- */
+
+#define PM_PFN_MASK ((1ULL << 55) - 1)	/* pagemap bits 0-54 (with CAP_SYS_ADMIN) */
+#define PM_BATCH 512
+
+struct excl_ctx {
+	pid_t pid;
+	int pagemap, kpagecount, max_maps;
+	uint64_t pages;
+	struct dbxcr_error *err;
+};
+
+static int excl_cb(const struct raw_vma *r, void *ctx)
+{
+	struct excl_ctx *x = ctx;
+	uint64_t ent[PM_BATCH];
+
+	if (strstr(r->name, "[vsyscall]"))
+		return 0;
+	for (uint64_t a = r->start; a < r->end;) {
+		size_t n = (size_t)((r->end - a) / PAGE);
+		ssize_t got;
+
+		if (n > PM_BATCH)
+			n = PM_BATCH;
+		got = pread(x->pagemap, ent, n * sizeof(ent[0]), (off_t)(a / PAGE * sizeof(ent[0])));
+		if (got < 0)
+			return fail(x->err, errno, x->pid, "read /proc/%d/pagemap at %#llx",
+				    (int)x->pid, (unsigned long long)a);
+		if (got == 0)
+			break;
+		n = (size_t)got / sizeof(ent[0]);
+		for (size_t i = 0; i < n; i++) {
+			uint64_t pfn = ent[i] & PM_PFN_MASK, count = 0;
+
+			if (!(ent[i] & PM_PRESENT) || (ent[i] & PM_SWAP) || pfn == 0)
+				continue;
+			if (pread(x->kpagecount, &count, sizeof(count), (off_t)(pfn * 8)) !=
+			    (ssize_t)sizeof(count))
+				return fail(x->err, errno ? errno : EIO, x->pid, "read /proc/kpagecount");
+			if (count >= 1 && count <= (uint64_t)x->max_maps)
+				x->pages++;
+		}
+		a += n * PAGE;
+	}
+	return 0;
+}
+
+int dbxcr_exclusive_bytes(pid_t pid, int max_maps, uint64_t *out, struct dbxcr_error *err)
+{
+	struct excl_ctx x = { pid, -1, -1, max_maps, 0, err };
+	char path[64];
+	int rc = -1;
+
+	clear_error(err);
+	*out = 0;
+	snprintf(path, sizeof(path), "/proc/%d/pagemap", (int)pid);
+	x.pagemap = open(path, O_RDONLY | O_CLOEXEC);
+	if (x.pagemap < 0)
+		return fail(err, errno, pid, "open %s", path);
+	x.kpagecount = open("/proc/kpagecount", O_RDONLY | O_CLOEXEC);
+	if (x.kpagecount < 0) {
+		fail(err, errno, pid, "open /proc/kpagecount");
+		goto out;
+	}
+	if (walk_maps(pid, false, excl_cb, &x, err) < 0)
+		goto out;
+	*out = x.pages * PAGE;
+	rc = 0;
+out:
+	if (x.kpagecount >= 0)
+		close(x.kpagecount);
+	close(x.pagemap);
+	return rc;
+}

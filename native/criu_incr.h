@@ -91,6 +91,11 @@ struct dbxcr_image_info {
 /* Read core.img only (checksum checked, pages not): what the image depends on. */
 int dbxcr_image_info(int image_dirfd, struct dbxcr_image_info *out, struct dbxcr_error *err);
 
+/* Bytes of pid's resident pages mapped by at most max_maps page tables (/proc/kpagecount):
+ * what a template costs when max_maps - 1 carriers (which never write) share its pages;
+ * with max_maps 1, its private memory. */
+int dbxcr_exclusive_bytes(pid_t pid, int max_maps, uint64_t *out, struct dbxcr_error *err);
+
 /* The 128-bit content hash used for pages and files (exposed for tests). */
 void dbxcr_hash128(const void *data, size_t len, uint64_t out[2]);
 

@@ -13,7 +13,6 @@
 #define DBX_FORK_TEMPLATE_H
 
 #include <stddef.h>
-#include <stdint.h>
 #include <sys/types.h>
 
 struct dbxcr_error {
@@ -196,11 +195,6 @@ pid_t dbxcr_carrier_pid(const struct dbxcr_carrier *k);
 pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t set_tid_size,
 			  struct dbxcr_error *err);
 int dbxcr_carrier_kill(struct dbxcr_carrier *k, struct dbxcr_error *err);
-
-/* Bytes of pid's resident pages mapped by at most max_maps page tables (/proc/kpagecount):
- * what a template costs when max_maps - 1 carriers (which never write) share its pages;
- * with max_maps 1, its private memory. */
-int dbxcr_exclusive_bytes(pid_t pid, int max_maps, uint64_t *out, struct dbxcr_error *err);
 
 /* Close descriptors in the parked template (its children fork without them). */
 int dbxcr_template_close(struct dbxcr_template *tpl, const int *fds, size_t n,

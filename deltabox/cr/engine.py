@@ -46,7 +46,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import trio
@@ -614,12 +614,17 @@ def _abort_all(stopped: list[native.Stopped]) -> None:
     native.sweep_stops(1.0)
 
 
-def _release_all(templates: list[native.Template]) -> None:
-    for t in templates:
+def _quietly(calls: Iterable[Callable[[], None]]) -> None:
+    """Best-effort cleanup on the ptrace thread: each call, whatever the others did."""
+    for call in calls:
         try:
-            t.release()
+            call()
         except native.CRError:
             pass
+
+
+def _release_all(templates: list[native.Template]) -> None:
+    _quietly(t.release for t in templates)
 
 
 @dataclass
@@ -672,11 +677,7 @@ def _carrier_of(sp: _Spawn) -> native.Carrier:
 
 def _kill_carriers(carriers: list[native.Carrier]) -> None:
     """Kill and reap carriers or keepers (ptrace thread)."""
-    for c in carriers:
-        try:
-            c.kill()
-        except native.CRError:
-            pass
+    _quietly(c.kill for c in carriers)
 
 
 def _leaders_first(records: list[ProcessRecord]) -> list[ProcessRecord]:
