@@ -162,9 +162,6 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_carrier_birth.restype = ctypes.c_int
         lib.dbxcr_carrier_kill.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_carrier_kill.restype = ctypes.c_int
-        lib.dbxcr_exclusive_bytes.argtypes = [ctypes.c_int, ctypes.c_int,
-                                              ctypes.POINTER(ctypes.c_uint64), err]
-        lib.dbxcr_exclusive_bytes.restype = ctypes.c_int
         lib.dbxcr_template_close.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
                                              ctypes.c_size_t, err]
         lib.dbxcr_template_close.restype = ctypes.c_int
@@ -448,7 +445,8 @@ def exclusive_bytes(pid: int, max_maps: int = 1) -> int:
     and max_maps - 1 others'). Any thread; CRError if pid is gone."""
     out = ctypes.c_uint64()
     err = _Err()
-    if _load().dbxcr_exclusive_bytes(pid, max_maps, ctypes.byref(out), ctypes.byref(err)) < 0:
+    lib = _load_images()  # native/criu_incr.c, with the other page-level code
+    if lib.dbxcr_exclusive_bytes(pid, max_maps, ctypes.byref(out), ctypes.byref(err)) < 0:
         _raise(err)
     return out.value
 
@@ -860,6 +858,9 @@ def _load_images() -> ctypes.CDLL:
         lib.dbxcr_restore_template.restype = ctypes.c_void_p
         lib.dbxcr_image_info.argtypes = [ctypes.c_int, ctypes.POINTER(_ImageInfo), err]
         lib.dbxcr_image_info.restype = ctypes.c_int
+        lib.dbxcr_exclusive_bytes.argtypes = [ctypes.c_int, ctypes.c_int,
+                                              ctypes.POINTER(ctypes.c_uint64), err]
+        lib.dbxcr_exclusive_bytes.restype = ctypes.c_int
         _img_bound = True
     return lib
 
