@@ -409,7 +409,6 @@ def _kill_pidfds(pids: Iterable[int]) -> list[int]:
     return fds
 
 
-
 # ---- pipes ---------------------------------------------------------------------------------
 
 def _pipe_groups(records: list[ProcessRecord], session_inodes: dict[int, str],
