@@ -1598,6 +1598,10 @@ static int job_core(struct dbxcr_dump_job *j, struct dbxcr_template *tpl,
 	    query_template(tpl, core, err) < 0 ||
 	    vdso_hash(pid, core->vdso_hash, &core->vdso_size, err) < 0)
 		return -1;
+	if (tpl->comm[0]) {	/* the template is named TEMPLATE_COMM; the image keeps the origin's */
+		memset(core->comm, 0, sizeof(core->comm));
+		memcpy(core->comm, tpl->comm, strnlen(tpl->comm, sizeof(core->comm) - 1));
+	}
 	{
 		struct rseq_conf rc2;
 		long n = ptrace(PTRACE_GET_RSEQ_CONFIGURATION, pid, (void *)sizeof(rc2), &rc2);
@@ -2651,11 +2655,8 @@ static int r_signals_and_ids(struct restore *R, struct dbxcr_error *err)
 	a[0] = core->personality;
 	if (RS(&R->t, SYS_personality, err, "personality(%#x)", core->personality) < 0)
 		return -1;
-	if (mem_write(R->pid, R->scratch, core->comm, sizeof(core->comm), err) < 0)
-		return -1;
-	a[0] = PR_SET_NAME;
-	a[1] = (long)R->scratch;
-	if (RS(&R->t, SYS_prctl, err, "prctl(PR_SET_NAME)") < 0)
+	/* The restored process is a template: its children get core->comm back (tpl->comm). */
+	if (set_comm(&R->t, R->scratch, TEMPLATE_COMM, err) < 0)
 		return -1;
 	/* Credentials last: after dropping root nothing above would be allowed. */
 	{
@@ -2861,6 +2862,9 @@ struct dbxcr_template *dbxcr_restore_template(pid_t host, int image_dirfd, int r
 	tpl->sigmask = R.im->core->sigmask;
 	tpl->site = R.t.site;
 	tpl->scratch = R.scratch;
+	memcpy(tpl->comm, R.im->core->comm, sizeof(tpl->comm));
+	tpl->comm[sizeof(tpl->comm) - 1] = '\0';
+	tpl->named = true;
 	tpl->pend.n = (int)R.im->core->npending;
 	for (int i = 0; i < tpl->pend.n; i++) {
 		memcpy(&tpl->pend.info[i], (const char *)R.im->pending + i * sizeof(siginfo_t),

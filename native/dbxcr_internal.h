@@ -22,6 +22,11 @@
 #define SCRATCH_LEN (4 * 4096)	/* template-private page(s) for syscall arguments */
 #define MAX_XFER_FDS 64
 #define MAX_EXTRA_SIGS 8
+/* Task names (comm, 15 bytes at most) of the processes we hold in a sandbox: `ps -o comm`
+ * and `pgrep NAME` there tell them from the processes they copy (their command lines are
+ * the copied process's: /proc/pid/cmdline reads the shared address space). */
+#define TEMPLATE_COMM "dbx-template"
+#define CARRIER_COMM "dbx-carrier"
 
 /* Layout of struct clone_args (CLONE_ARGS_SIZE_VER2, 88 bytes), kept local so we do not
  * depend on the installed uapi headers' version. */
@@ -68,6 +73,8 @@ struct dbxcr_template {
 	unsigned long scratch;	/* SCRATCH_LEN bytes mapped in the template (and children) */
 	struct user_regs_struct park;	/* template's registers while idle */
 	struct pending_sigs pend;	/* origin's pending signals at checkpoint */
+	char comm[16];		/* origin's name; the template itself is named TEMPLATE_COMM */
+	bool named;		/* ... already (see name_new_template) */
 };
 
 /* Options for every tracee we inject into (see fork_template.c). */
@@ -96,6 +103,8 @@ int adopt(struct tracee *t, pid_t pid, unsigned long site, struct dbxcr_error *e
 /* The template's scratch area, mapped at its first use (a spawn, a dump) rather than in the
  * checkpoint's freeze window. */
 int template_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err);
+/* prctl(PR_SET_NAME) injected into a stopped tracee, the name passed through `scratch`. */
+int set_comm(struct tracee *t, unsigned long scratch, const char *name, struct dbxcr_error *err);
 int remote_syscall(struct tracee *t, long nr, const long a[6], long *ret,
 		   struct dbxcr_error *err);
 __attribute__((format(printf, 5, 6)))

@@ -110,6 +110,7 @@
 #include <time.h>
 #include <netinet/in.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/ptrace.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -895,13 +896,57 @@ static pid_t fork_template_from(struct tracee *orig, struct dbxcr_error *err)
 	return orig->new_child;
 }
 
-/* Park a template just forked, without a scratch area yet: the checkpoint's freeze window
- * holds one injected call (the fork) per process, the mmap waits for the first spawn. */
+/* Name the template TEMPLATE_COMM, remembering its origin's name (fork copied it) for its
+ * children; the name is passed through `at`, 16 writable bytes of the template. */
+static int name_template(struct dbxcr_template *tpl, struct tracee *t, unsigned long at,
+			 struct dbxcr_error *err)
+{
+	char path[64];
+
+	if (!tpl->comm[0]) {
+		snprintf(path, sizeof(path), "/proc/%d/comm", (int)tpl->pid);
+		if (read_small_file(path, tpl->comm, sizeof(tpl->comm)) < 0)
+			return fail(err, errno, tpl->pid, "reading %s", path);
+		tpl->comm[strcspn(tpl->comm, "\n")] = '\0';
+	}
+	if (set_comm(t, at, TEMPLATE_COMM, err) < 0)
+		return -1;
+	tpl->named = true;
+	return 0;
+}
+
+/* A template is named while the checkpoint still holds every process of the sandbox
+ * stopped, so nothing in the sandbox ever lists it under the program's name.  It has no
+ * scratch area yet (mapped at its first spawn or dump, outside that window): the name goes
+ * through the 16 bytes at its stack pointer, put back right after -- the template never
+ * runs program code again and its children are forked later, so its memory is unchanged.
+ * If that memory cannot be used, map_scratch names it. */
+static int name_new_template(struct dbxcr_template *tpl, struct tracee *t,
+			     struct dbxcr_error *err)
+{
+	unsigned long at = t->regs.rsp;
+	char saved[16];
+
+	if (mem_read(tpl->pid, at, saved, sizeof(saved), err) < 0) {
+		clear_error(err);
+		return 0;
+	}
+	if (name_template(tpl, t, at, err) < 0) {
+		struct dbxcr_error ignored;
+
+		mem_write(tpl->pid, at, saved, sizeof(saved), &ignored);
+		return -1;
+	}
+	return mem_write(tpl->pid, at, saved, sizeof(saved), err);
+}
+
+/* Park a template just forked, without a scratch area yet: the checkpoint's stop window
+ * holds the fork and the naming per process, the mmap waits for the first spawn. */
 static int park_new(struct dbxcr_template *tpl, struct dbxcr_error *err)
 {
 	struct tracee t;
 
-	if (adopt(&t, tpl->pid, tpl->site, err) < 0)
+	if (adopt(&t, tpl->pid, tpl->site, err) < 0 || name_new_template(tpl, &t, err) < 0)
 		return -1;
 	park_regs(tpl, &t.regs);
 	return park(tpl, err);
@@ -913,6 +958,17 @@ static int map_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err);
 int template_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err)
 {
 	return tpl->scratch ? 0 : map_scratch(tpl, err);
+}
+
+int set_comm(struct tracee *t, unsigned long scratch, const char *name, struct dbxcr_error *err)
+{
+	char buf[16] = { 0 };
+	long a[6] = { PR_SET_NAME, (long)scratch, 0, 0, 0, 0 };
+
+	strncpy(buf, name, sizeof(buf) - 1);
+	if (mem_write(t->pid, scratch, buf, sizeof(buf), err) < 0)
+		return -1;
+	return rsys(t, SYS_prctl, a, err, "prctl(PR_SET_NAME, %s)", buf) < 0 ? -1 : 0;
 }
 
 static int map_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err)
@@ -927,6 +983,10 @@ static int map_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err)
 	if (addr < 0)
 		return -1;
 	tpl->scratch = (unsigned long)addr;
+	/* Children forked from here on carry the name until finish_child gives them back
+	 * the origin's. */
+	if (!tpl->named && name_template(tpl, &t, tpl->scratch, err) < 0)
+		return -1;
 	park_regs(tpl, &t.regs);
 	return park(tpl, err);
 }
@@ -1964,6 +2024,8 @@ static int finish_child(struct tracee *c, struct dbxcr_template *tpl, struct dbx
 
 	if (requeue_pending(c, tpl, err) < 0)
 		return -1;
+	if (tpl->comm[0] && set_comm(c, tpl->scratch, tpl->comm, err) < 0)
+		return -1;
 	if (rsys(c, SYS_munmap, a, err, "munmap scratch") < 0)
 		return -1;
 	return 0;
@@ -1979,6 +2041,8 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 	unsigned long scratch = tpl->scratch;
 	long a[6] = { 0 };
 
+	if (carrier && set_comm(c, scratch, CARRIER_COMM, err) < 0)
+		return -1;
 	/* The child was born holding the template's two pid namespace fds. */
 	for (int i = 0; i < 2; i++) {
 		a[0] = i ? sw->own : sw->target;

@@ -17,6 +17,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# `ps` inside a sandbox without the stopped copies the daemon holds there: templates,
+# carriers and keepers, named dbx-template / dbx-carrier (their command lines are the
+# copied process's). Append the output format: f"{OWN_PS} stat=,args=".
+OWN_PS = "ps -N -C dbx-template,dbx-carrier -o"
+HELD = ("dbx-template", "dbx-carrier")
 
 
 @dataclass

@@ -10,6 +10,8 @@ import pytest
 import deltabox
 from deltabox import Sandbox
 
+from conftest import OWN_PS
+
 
 def test_fs_checkpoint_rollback_restores_files_and_restarts_sessions(sbx: Sandbox) -> None:
     sbx.files.write("keep.txt", "v1")
@@ -43,8 +45,8 @@ def test_full_rollback_keeps_only_the_checkpoints_processes(sbx: Sandbox) -> Non
     sbx.exec("nohup sleep 1002 >/dev/null 2>&1 &")
     res = sbx.rollback(cp)
     assert res.process_state == "restored"
-    running = [line for line in sbx.exec("ps -eo stat,args").stdout.splitlines()
-               if "sleep" in line and not line.startswith("t")]  # t: templates
+    running = [line for line in sbx.exec(f"{OWN_PS} args=").stdout.splitlines()
+               if "sleep" in line]
     assert len(running) == 1 and "1001" in running[0]
 
 

@@ -17,6 +17,8 @@ import pytest
 import deltabox
 from deltabox import Sandbox
 
+from conftest import OWN_PS
+
 Restore = Callable[[Sandbox, deltabox.Checkpoint], Sandbox]
 
 
@@ -94,9 +96,9 @@ def test_python_process_memory(sbx: Sandbox, restore: Restore) -> None:
     assert _report(sbx).split()[0] == str(int(before.split()[0]) + 2)
     target = restore(sbx, cp)
     assert _report(target) == before  # counter and 200 MB of memory as at the checkpoint
-    # One live copy (templates show up as stopped processes, state 't').
-    live = [line for line in target.exec("ps -eo stat,args").stdout.splitlines()
-            if "prog.py" in line and not line.startswith("t")]
+    # One live copy (templates, carriers and keepers have its command line too).
+    live = [line for line in target.exec(f"{OWN_PS} args=").stdout.splitlines()
+            if "prog.py" in line]
     assert len(live) == 1, live
 
 
@@ -131,10 +133,10 @@ def test_checkpoint_while_processes_spawn(sbx: Sandbox) -> None:
     r = sbx.rollback(cps[7])
     assert r.process_state == "restored", r.note
     assert sbx.files.read("i") == b"7"
-    # One live loop (templates, state t, are the checkpoints' stopped copies; a vfork
-    # child of the loop shows the loop's command line until it execs: same group).
-    ps = sbx.exec("ps -eo stat=,pgid=,args= | grep -v '^t' | grep 'sh -c [w]hile :' "
-                  "| awk '{print $2}' | sort -u | wc -l")
+    # One live loop (templates are the checkpoints' stopped copies; a vfork child of the
+    # loop shows the loop's command line until it execs: same group).
+    ps = sbx.exec(f"{OWN_PS} pgid=,args= | grep 'sh -c [w]hile :' "
+                  "| awk '{print $1}' | sort -u | wc -l")
     assert ps.stdout.strip() == "1", ps.stdout
 
 
@@ -323,10 +325,9 @@ def test_nested_children_and_process_group(sbx: Sandbox, restore: Restore) -> No
     time.sleep(0.3)
 
     def tree(box: Sandbox) -> list[tuple[str, str, str]]:
-        out = box.exec("ps -eo stat=,pid=,pgid=,args=").stdout.splitlines()
-        rows = [line.split(None, 3) for line in out]
-        return sorted((r[1], r[2], r[3]) for r in rows
-                      if not r[0].startswith("t") and ("sleep 10" in r[3] or "sh -c" in r[3]))
+        out = box.exec(f"{OWN_PS} pid=,pgid=,args=").stdout.splitlines()
+        rows = [line.split(None, 2) for line in out]
+        return sorted((r[0], r[1], r[2]) for r in rows if "sleep 10" in r[2] or "sh -c" in r[2])
 
     before = tree(sbx)
     assert len(before) == 5
@@ -421,7 +422,7 @@ def test_pid_taken_meanwhile_is_restored_with_a_new_pid(sbx: Sandbox) -> None:
         assert r.process_state == "restored", r.note
         assert f"pid {x} was in use" in r.note, r.note
         assert s.run('echo "$X $PWD"').stdout.strip() == "kept /tmp"
-        ps = sbx.exec("ps -eo stat=,args= | grep -v '^t' | grep -c '[s]leep 1000'").stdout
+        ps = sbx.exec(f"{OWN_PS} args= | grep -c '[s]leep 1000'").stdout
         assert ps.strip() == "2", ps  # the restored job (new pid) and the holder
     finally:
         os.kill(holder, signal.SIGKILL)

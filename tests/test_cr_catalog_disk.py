@@ -25,7 +25,7 @@ import pytest
 import deltabox
 from deltabox import Sandbox
 
-from conftest import DaemonProc, new_sandbox, private_daemon
+from conftest import OWN_PS, DaemonProc, new_sandbox, private_daemon
 from test_cr import (Restore, test_bash_session_state, test_counter_file_and_memory_agree,  # noqa: F401
                      test_loopback_tcp_server_answers, test_nested_children_and_process_group,
                      test_pipeline_alive, test_python_process_memory, test_reader_offset,
@@ -123,8 +123,8 @@ def test_truncated_images_are_refused_with_a_clear_error(sbx: Sandbox,
         assert r.process_state == "restarted", (f.name, r.note)
         assert f"restoring from the dump of {cp.id} failed" in r.note and f.name in r.note, \
             r.note
-        live = [line for line in sbx.exec("ps -eo stat=,args=").stdout.splitlines()
-                if "prog.py" in line and not line.startswith("t")]
+        live = [line for line in sbx.exec(f"{OWN_PS} args=").stdout.splitlines()
+                if "prog.py" in line]
         assert live == [], live  # nothing half-restored
         f.write_bytes(good)
     r = sbx.rollback(cp)

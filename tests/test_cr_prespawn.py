@@ -15,6 +15,8 @@ import time
 
 from deltabox import Sandbox
 
+from conftest import HELD, OWN_PS
+
 _libc = ctypes.CDLL(None, use_errno=True)
 SYS_KCMP, KCMP_VM = 312, 1
 
@@ -27,13 +29,13 @@ def _wait(cond, timeout: float = 15.0, what: str = "") -> None:
 
 
 def _stopped(sbx: Sandbox, marker: str) -> int:
-    """Stopped copies (templates, carriers, keepers: state t) of processes with `marker`."""
-    ps = sbx.exec("ps -eo stat=,args=").stdout.splitlines()
+    """Stopped copies (templates, carriers, keepers) of processes with `marker`."""
+    ps = sbx.exec(f"ps -C {','.join(HELD)} -o stat=,args=").stdout.splitlines()
     return sum(1 for line in ps if line.startswith("t") and marker in line)
 
 
-def _host_procs(marker: str) -> dict[int, str]:
-    """Host pid -> state of every process whose command line contains `marker`."""
+def _host_procs(marker: str) -> dict[int, tuple[str, str]]:
+    """Host pid -> (state, name) of every process whose command line contains `marker`."""
     out = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -44,7 +46,7 @@ def _host_procs(marker: str) -> dict[int, str]:
                     continue
             with open(f"/proc/{d}/stat") as f:
                 stat = f.read()
-            out[int(d)] = stat[stat.rfind(")") + 2]
+            out[int(d)] = (stat[stat.rfind(")") + 2], stat[stat.find("(") + 1:stat.rfind(")")])
         except OSError:
             continue
     return out
@@ -106,8 +108,7 @@ def test_repeated_rollbacks_from_carriers_are_exact(sbx: Sandbox) -> None:
         r = sbx.rollback(cp)
         assert r.process_state == "restored", r.note
         assert _report(sbx) == at_cp, f"rollback {i}"
-        live = [ln for ln in sbx.exec("ps -eo stat=,args=").stdout.splitlines()
-                if marker in ln and not ln.startswith("t")]
+        live = [ln for ln in sbx.exec(f"{OWN_PS} args=").stdout.splitlines() if marker in ln]
         assert len(live) == 1, live
 
 
@@ -122,13 +123,14 @@ def test_keeper_goes_when_its_process_exits(sbx: Sandbox) -> None:
     _wait(lambda: _stopped(sbx, marker) >= 2, what="a carrier")
     assert sbx.rollback(cp).process_state == "restored"
     procs = _host_procs(marker)
-    live = [p for p, st in procs.items() if st != "t"]
+    live = [p for p, (_, name) in procs.items() if name not in HELD]
     assert len(live) == 1, procs
-    keepers = [p for p, st in procs.items() if st == "t" and _same_vm(live[0], p)]
+    keepers = [p for p, (st, name) in procs.items()
+               if (st, name) == ("t", "dbx-carrier") and _same_vm(live[0], p)]
     assert len(keepers) == 1, procs  # born from a carrier, which keeps its memory
     sbx.files.write("quit", "1")
     _wait(lambda: not os.path.exists(f"/proc/{live[0]}") or
-          _host_procs(marker).get(live[0]) in (None, "Z"), what="the process to exit")
+          _host_procs(marker).get(live[0], ("Z",))[0] == "Z", what="the process to exit")
     _wait(lambda: not os.path.exists(f"/proc/{keepers[0]}"), timeout=10,
           what="the keeper to go")
 

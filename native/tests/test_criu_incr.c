@@ -2,6 +2,7 @@
  * native/tests/run.sh; the dumped process is native/tests/criu_target.c (no sanitizers),
  * exec'ed from here.  Exits non-zero if any check fails. */
 #include "../criu_incr.h"
+#include "test_util.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -288,6 +289,15 @@ static void test_dump_restore(const char *base)
 		}
 		CHECK(ask(&ch, "s\n", rep, sizeof(rep)) == 0, "restored child %d did not answer",
 		      ch.pid);
+		{
+			char cn[32], tn[32];
+
+			/* the image keeps the program's name; the restored template is named apart */
+			comm_of(ch.pid, cn);
+			comm_of(dbxcr_template_pid(r), tn);
+			CHECK(!strcmp(cn, "criu_target") && !strcmp(tn, "dbx-template"),
+			      "names: child '%s', template '%s'", cn, tn);
+		}
 		/* same memory; the command counter is one higher than at the checkpoint */
 		CHECK(strncmp(rep, s1, 21) == 0, "restored sum '%s', expected '%s'", rep, s1);
 		CHECK(strstr(rep, " 4 2.500") != NULL, "registers/stack state: '%s'", rep);

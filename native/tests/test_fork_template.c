@@ -1,6 +1,7 @@
 /* Tests for native/fork_template.c on real processes (needs root and ptrace).
  * Built with ASan/UBSan by native/tests/run.sh; exits non-zero if any check fails. */
 #include "../fork_template.h"
+#include "test_util.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -631,6 +632,12 @@ static void test_templates(void)
 	      info.tracer_pid, info.ppid, getpid(), getpid());
 	CHECK(dbxcr_describe(orig.pid, &info, &err) == 0 && info.tracer_pid == 0,
 	      "original still traced");
+	{
+		char t[32];
+
+		/* named from the start (ps tells it from the program) */
+		CHECK(strcmp(comm_of(tpid, t), "dbx-template") == 0, "template named '%s'", t);
+	}
 
 	/* The original goes on: its read restarted, it mutates memory and the file offset. */
 	CHECK(ask(&orig, 'r', &r) == 0 && r.counter == 0 && r.checksum == sum_a &&
@@ -673,6 +680,14 @@ static void test_templates(void)
 		CHECK(fd_pos(orig.pid, FILE_FD) == 15 && fd_pos(tpid, FILE_FD) == 15,
 		      "children moved the original's offset: %lld",
 		      fd_pos(orig.pid, FILE_FD));
+		{
+			char a[32], b[32], t[32];
+
+			/* ps tells the template from the program; its children are the program */
+			CHECK(strcmp(comm_of(tpid, t), "dbx-template") == 0 &&
+			      strcmp(comm_of(c1.pid, a), comm_of(orig.pid, b)) == 0 && a[0],
+			      "names: template '%s', child '%s', original '%s'", t, a, b);
+		}
 	}
 	{
 		struct iovec l = { copy, BUF_SIZE }, rm = { shared_buf, BUF_SIZE };
@@ -797,16 +812,33 @@ static void test_carriers(void)
 	CHECK(dbxcr_describe(kpid, &info, &err) == 0 && info.state == 't' &&
 	      info.tracer_pid == getpid(), "carrier not held: state %c tracer %d", info.state,
 	      info.tracer_pid);
+	{
+		char a[32];
+
+		CHECK(strcmp(comm_of(kpid, a), "dbx-carrier") == 0, "carrier named '%s'", a);
+	}
 
 	/* The original still holds its pid: refused, and the carrier stays usable. */
 	orig_pid = orig.pid;
 	child = dbxcr_carrier_birth(k, &orig_pid, 1, &err);
 	CHECK(child < 0 && err.code == EEXIST, "birth on a live pid: %d, %s", child, err.msg);
 
-	stop_program(&orig);
-	child = dbxcr_carrier_birth(k, &orig_pid, 1, &err);
-	CHECK(child == orig_pid, "birth pid %d want %d: %s", child, orig_pid, err.msg);
-	c.pid = child;
+	{
+		char name[32];
+
+		comm_of(orig.pid, name);
+		stop_program(&orig);
+		child = dbxcr_carrier_birth(k, &orig_pid, 1, &err);
+		CHECK(child == orig_pid, "birth pid %d want %d: %s", child, orig_pid, err.msg);
+		c.pid = child;
+		if (child > 0) {
+			char a[32], b[32];
+
+			CHECK(strcmp(comm_of(child, a), name) == 0 &&
+			      strcmp(comm_of(kpid, b), "dbx-carrier") == 0,
+			      "born named '%s' (want '%s'), keeper '%s'", a, name, b);
+		}
+	}
 	if (child > 0) {
 		CHECK(ask(&c, 'r', &r) == 0 && r.pid == orig_pid && r.counter == 0 &&
 		      r.checksum == sum_a && r.eintr == 0,
