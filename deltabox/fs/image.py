@@ -37,6 +37,14 @@ def resolve(spec: str, images_dir: Path) -> Image:
     path = Path(spec)
     if not path.is_absolute():
         raise InvalidArgument(f"image path must be absolute (the daemon has no cwd): {spec!r}")
+    try:
+        return _resolve_path(spec, path, images_dir)
+    except OSError as e:  # e.g. /proc/1/root of a process the daemon may not look into
+        raise InvalidArgument(f"image {spec} cannot be read by the daemon ({e.strerror}): "
+                              "give a root file system directory or a tarball") from e
+
+
+def _resolve_path(spec: str, path: Path, images_dir: Path) -> Image:
     if not path.exists():
         raise NotFound(f"image {spec} does not exist (give a rootfs directory or a tarball)")
     if path.is_dir():
