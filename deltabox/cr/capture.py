@@ -65,16 +65,11 @@ def cmdline(pid: int) -> str:
     return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:120] or "?"
 
 
-def _mem(pid: int) -> tuple[int, int]:
-    rss = 0
+def _mappings(pid: int) -> int:
     try:
-        for line in open(f"/proc/{pid}/status"):
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1])
-        maps = sum(1 for _ in open(f"/proc/{pid}/maps"))
+        return native.read_proc(f"/proc/{pid}/maps").count(b"\n")
     except OSError:
-        return 0, 0
-    return rss, maps
+        return 0
 
 
 def record(pid: int, st: native.ProcStatus) -> ProcessRecord:
@@ -83,12 +78,11 @@ def record(pid: int, st: native.ProcStatus) -> ProcessRecord:
         cwd = os.readlink(f"/proc/{pid}/cwd")
     except OSError:
         cwd = "/"
-    rss, maps = _mem(pid)
     nspid = st.nspid[-1] if st.nspid else pid
     return ProcessRecord(pid=pid, nspid=nspid, ppid=st.ppid, pgid=st.pgid, sid=st.sid,
                          cmd=cmdline(pid), cwd=cwd, threads=st.threads,
                          tracer_pid=st.tracer_pid,
-                         fds=native.fds(pid), rss_kb=rss, mappings=maps)
+                         fds=native.fds(pid), rss_kb=st.rss_kb, mappings=_mappings(pid))
 
 
 def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:

@@ -588,17 +588,55 @@ class ProcStatus:
     state: str          # R, S, D, T, t, Z, ...
     tracer_pid: int
     nspid: tuple[int, ...]  # outermost (ours) first, innermost last
+    rss_kb: int = 0
+
+
+def read_proc(path: str) -> bytes:
+    """A /proc file's whole content (plain reads: no Path or decoding on the hot path of a
+    checkpoint, which reads a few files per process while the sandbox is stopped)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _status_field(text: bytes, name: bytes) -> bytes | None:
+    """The value of `name:` in a /proc text of "name: value" lines (None if absent)."""
+    key = name + b":"
+    if text.startswith(key):
+        start = len(key)
+    else:
+        at = text.find(b"\n" + key)
+        if at < 0:
+            return None
+        start = at + 1 + len(key)
+    end = text.find(b"\n", start)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def _required_field(text: bytes, name: bytes, path: str) -> bytes:
+    value = _status_field(text, name)
+    if value is None:
+        raise OSError(_errno.EPROTO, f"{path} has no {name.decode()} field")
+    return value
 
 
 def proc_status(pid: int) -> ProcStatus:
     """Process tree and tracing facts from /proc/pid/stat and /proc/pid/status."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    f = stat[stat.rindex(")") + 2:].split()
-    status = dict(line.split(":", 1) for line in
-                  Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    stat = read_proc(f"/proc/{pid}/stat")
+    f = stat[stat.rindex(b")") + 2:].split()
+    status = read_proc(f"/proc/{pid}/status")
+    tracer = _required_field(status, b"TracerPid", f"/proc/{pid}/status")
+    nspid = _status_field(status, b"NSpid")
+    rss = _status_field(status, b"VmRSS")
     return ProcStatus(ppid=int(f[1]), pgid=int(f[2]), sid=int(f[3]), threads=int(f[17]),
-                      state=f[0], tracer_pid=int(status["TracerPid"]),
-                      nspid=tuple(int(x) for x in status.get("NSpid", str(pid)).split()))
+                      state=f[0].decode(), tracer_pid=int(tracer),
+                      nspid=tuple(int(x) for x in nspid.split()) if nspid else (pid,),
+                      rss_kb=int(rss.split()[0]) if rss else 0)
 
 
 @dataclass(frozen=True)
@@ -717,19 +755,20 @@ def copy_fd(pid: int, fd: int) -> int:
 
 def fds(pid: int) -> list[FdInfo]:
     """Inventory of pid's open descriptors (a descriptor closed meanwhile is skipped)."""
-    base = Path(f"/proc/{pid}")
     socks: dict[int, SockInfo] | None = None
     out = []
-    for entry in sorted(os.listdir(base / "fd"), key=int):
+    for entry in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
         fd = int(entry)
+        link = f"/proc/{pid}/fd/{entry}"
         try:
-            target = os.readlink(base / "fd" / entry)
-            st = os.stat(base / "fd" / entry)
-            info = (base / "fdinfo" / entry).read_text()
+            target = os.readlink(link)
+            st = os.stat(link)
+            info = read_proc(f"/proc/{pid}/fdinfo/{entry}")
         except FileNotFoundError:
             continue
-        fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-        flags, pos = int(fields["flags"].strip(), 8), int(fields["pos"].strip())
+        where = f"/proc/{pid}/fdinfo/{entry}"
+        flags = int(_required_field(info, b"flags", where), 8)
+        pos = int(_required_field(info, b"pos", where))
         mode, deleted, rdev, sock = st.st_mode, False, None, None
         if target.startswith("pipe:["):
             kind = "pipe"
