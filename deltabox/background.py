@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import trio
 
 log = logging.getLogger("deltaboxd")
+
+
+async def run_all(calls: Iterable[Callable[[], Awaitable[Any]]]) -> None:
+    """Run `calls` concurrently, each to its end (none is cancelled because another failed:
+    no step is left half-done), then raise the first error as itself -- not as an exception
+    group, so that it maps to its gRPC status."""
+    errors: list[Exception] = []
+
+    async def one(fn: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            await fn()
+        except Exception as e:
+            errors.append(e)
+
+    async with trio.open_nursery() as n:
+        for fn in calls:
+            n.start_soon(one, fn)
+    if errors:
+        raise errors[0]
 
 
 class GuardedNursery:

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from . import native
 from ..sandbox.reaper import reap_orphans, wait_exited
@@ -180,30 +181,14 @@ class DeltaCR:
             _save_unread(pipes)
 
             # Everything is stopped: the file snapshot (a btrfs transaction commit) and the
-            # templates (page-table copies on the ptrace thread) go at the same time. Their
-            # errors are raised as they are (not as a group: they map to gRPC statuses).
-            errors: list[Exception] = []
-
+            # templates (page-table copies on the ptrace thread) go at the same time.
             async def make_templates() -> None:
                 # Not cancellable once the ptrace thread runs it: keep what it made, so
                 # that the failure path releases it.
                 with trio.CancelScope(shield=True):
-                    try:
-                        templates.update(await self.worker.run(_templates, stopped))
-                    except Exception as e:
-                        errors.append(e)
+                    templates.update(await self.worker.run(_templates, stopped))
 
-            async def snapshot() -> None:
-                try:
-                    await snapshot_files()
-                except Exception as e:
-                    errors.append(e)
-
-            async with trio.open_nursery() as n:
-                n.start_soon(make_templates)
-                n.start_soon(snapshot)
-            if errors:
-                raise errors[0]
+            await run_all([make_templates, snapshot_files])
             await self.worker.run(_drop_listeners, templates, records)
         except BaseException:
             with trio.CancelScope(shield=True):

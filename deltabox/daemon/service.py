@@ -8,6 +8,7 @@ but is not committed is garbage that `recover()` removes on the next start.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import math
 import os
@@ -37,7 +38,7 @@ from ..sandbox import quota
 from ..sandbox.cgroups import Cgroup, CgroupDriver, Limits
 from ..sandbox.reaper import wait_exited
 from ..sandbox.session import AdoptedShell, Session
-from ..background import GuardedNursery
+from ..background import GuardedNursery, run_all
 from ..cr import native
 from ..cr.engine import DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, in_vfork
 from ..inspector import Decision, TurnEffects
@@ -1303,15 +1304,23 @@ class Daemon:
                                 ) -> tuple[str, int, runtime.Generation]:
         """Clone the checkpoint (in a worker thread, while this thread kills the sandbox's
         processes) and mount a generation on it."""
-        layer = ""
+        layer, killed = "", 0
 
         async def take() -> None:
             nonlocal layer
             layer = await self.warm.take_layer(cp.layer_id)
 
-        async with trio.open_nursery() as n:
-            n.start_soon(take)
+        async def kill() -> None:
+            nonlocal killed
             killed = self._kill_processes(live)
+
+        try:
+            await run_all([take, kill])
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                if layer:
+                    self.store.delete(layer)
+            raise
         try:
             gen = await runtime.build_generation(
                 live.rt, layer, self._lowers(self._image(row.image)),
@@ -1512,15 +1521,11 @@ class Daemon:
             async def take(r: SandboxRow) -> None:
                 r.layer_id = await self.warm.take_layer(cp.layer_id)
 
-            async with trio.open_nursery() as n:
-                for r in rows:
-                    n.start_soon(take, r)
+            await run_all([functools.partial(take, r) for r in rows])
             crash_point("fork.cloned")
             for r in rows:
                 r.base_gen = self.store.generation(r.layer_id)
-            async with trio.open_nursery() as n:
-                for r in rows:
-                    n.start_soon(self._boot, r, nest_under)
+            await run_all([functools.partial(self._boot, r, nest_under) for r in rows])
             crash_point("fork.booted")
         except BaseException:
             with trio.CancelScope(shield=True):

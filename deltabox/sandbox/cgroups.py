@@ -71,6 +71,7 @@ class Cgroup:
         self.driver = driver
         self.name = name
         self.dirs = driver.dirs_for(name)
+        self._frozen: bool | None = None  # None: unknown (e.g. left by a crashed daemon)
 
     @property
     def procs_files(self) -> list[str]:
@@ -87,10 +88,17 @@ class Cgroup:
         self.driver.apply(self.name, limits)
 
     def freeze(self) -> None:
+        self._frozen = None
         self.driver.set_frozen(self.name, True)
+        self._frozen = True
 
     def thaw(self) -> None:
+        """Thaw; a no-op when this object thawed it last (a checkpoint thaws as early as
+        it can and again, to be sure, on its way out)."""
+        if self._frozen is False:
+            return
         self.driver.set_frozen(self.name, False)
+        self._frozen = False
 
     def kill(self, keep: set[int] = frozenset(), timeout: float = 5.0) -> int:
         """SIGKILL every process except `keep`; returns how many were killed.
