@@ -13,6 +13,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/ptrace.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -307,11 +308,37 @@ static void drop_capabilities(void)
 		dbx_die_errno("capset");
 }
 
+/* The daemon raises its own RLIMIT_NOFILE (it holds descriptors for every sandbox) and
+ * passes the soft limit it was started with in DBX_SANDBOX_NOFILE: the sandbox's processes
+ * get that one back, as if they had been started beside the daemon rather than by it. */
+static void restore_nofile(void)
+{
+	const char *v = getenv("DBX_SANDBOX_NOFILE");
+	unsigned long long soft;
+	struct rlimit r;
+	char *end;
+
+	if (!v || !*v)
+		return;
+	errno = 0;
+	soft = strtoull(v, &end, 10);
+	if (errno || *end)
+		dbx_die("DBX_SANDBOX_NOFILE=%s: not a number", v);
+	if (getrlimit(RLIMIT_NOFILE, &r) < 0)
+		dbx_die_errno("getrlimit(RLIMIT_NOFILE)");
+	if (soft >= r.rlim_cur)
+		return;
+	r.rlim_cur = (rlim_t)soft;
+	if (setrlimit(RLIMIT_NOFILE, &r) < 0)
+		dbx_die_errno("setrlimit(RLIMIT_NOFILE, %llu)", soft);
+}
+
 void dbx_confine(void)
 {
 	struct bpf_prog_buf p;
 	struct sock_fprog prog;
 
+	restore_nofile();
 	drop_capabilities();
 	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
 		dbx_die_errno("PR_SET_NO_NEW_PRIVS");

@@ -39,7 +39,8 @@ int dbx_exit_code(int status);
 	X(CAP_SETGID) X(CAP_SETUID) X(CAP_SETPCAP) X(CAP_NET_BIND_SERVICE) X(CAP_NET_RAW)     \
 	X(CAP_SYS_CHROOT) X(CAP_AUDIT_WRITE) X(CAP_SETFCAP) X(CAP_SYS_ADMIN)
 
-/* Drop capabilities to DBX_KEPT_CAPS, set no_new_privs and install the sandbox's seccomp
+/* Set RLIMIT_NOFILE back to the daemon's original soft limit (DBX_SANDBOX_NOFILE), drop
+ * capabilities to DBX_KEPT_CAPS, set no_new_privs and install the sandbox's seccomp
  * filter, in this order. Dies (DBX_EXIT_SETUP) on failure. Single-threaded callers only. */
 void dbx_confine(void);
 

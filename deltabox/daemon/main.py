@@ -16,6 +16,7 @@ from ..errors import DeltaBoxError
 from ..fs.store import open_store
 from ..sandbox.cgroups import CgroupDriver, parent_name
 from ..sandbox.reaper import become_subreaper, reap_orphans
+from ..sandbox.runtime import raise_fd_limit
 from ..background import GuardedNursery
 from ..cr.engine import DeltaCR
 from ..cr.worker import PtraceWorker
@@ -123,6 +124,7 @@ def _lock_state_dir(state_dir: Path) -> int:
 
 async def serve(args: argparse.Namespace) -> None:
     become_subreaper()
+    raise_fd_limit()
     state_dir = Path(args.state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     lock_fd = _lock_state_dir(state_dir)

@@ -8,6 +8,7 @@ dbx-init starts the namespaces, dbx-mkroot builds a generation, dbx-enter runs a
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 from dataclasses import dataclass, field
@@ -26,6 +27,23 @@ LIBEXEC = Path(__file__).resolve().parent.parent / "libexec"
 # helper's /proc/<pid>/environ, and which may hold tokens.
 HELPER_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
               "LANG": "C.UTF-8"}
+
+
+def raise_fd_limit() -> None:
+    """The daemon holds descriptors for every sandbox (pidfds, namespaces, pipes, execs'
+    output): its soft RLIMIT_NOFILE goes up to the hard limit, so that a stock soft limit of
+    1024 does not cap it at a few dozen sandboxes. Sandboxed processes keep the soft limit
+    the daemon was started with (native/common.c sets it back from DBX_SANDBOX_NOFILE)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= hard:
+        return
+    HELPER_ENV["DBX_SANDBOX_NOFILE"] = str(soft)
+    try:
+        nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
+    except (OSError, ValueError):
+        nr_open = 1 << 20
+    target = nr_open if hard == resource.RLIM_INFINITY else min(hard, nr_open)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def helper(name: str) -> str:
