@@ -10,8 +10,9 @@
  * built by dbx-mkroot, so a rollback can replace it while init (and so the pid namespace)
  * stays alive.
  *
- * The launcher prints init's host pid on stdout and then waits for init, exiting with its
- * status, so deltaboxd sees the sandbox die as its child exiting.
+ * The launcher prints init's host pid on stdout once init is confined (see run_init) and then
+ * waits for init, exiting with its status, so deltaboxd sees the sandbox die as its child
+ * exiting.
  *
  * --nest-under PID makes the new pid namespace a child of PID's (a fork whose processes are
  * restored from templates living in that namespace: they can spawn only into it or below).
@@ -157,7 +158,11 @@ static void protect_from_oom_killer(void)
 	close(fd);
 }
 
-static __attribute__((noreturn)) void run_init(void)
+/* `ready`: the write end of a pipe to the launcher, which reports init's pid only once a
+ * byte arrives on it. Until init is confined it has more capabilities than the sandbox's
+ * processes, and the kernel refuses their setns through init's pidfd (EPERM: ptrace access
+ * to init), which processes restored into a fresh sandbox do at once. */
+static __attribute__((noreturn)) void run_init(int ready)
 {
 	sigset_t set;
 	siginfo_t info;
@@ -173,6 +178,9 @@ static __attribute__((noreturn)) void run_init(void)
 	 * seccomp filter keeps a sandbox process that ptraces init (it may: same credentials)
 	 * from gaining anything; the filter itself refuses ptrace of pid 1. */
 	dbx_confine();
+	if (dbx_write_all(ready, "1", 1) < 0)
+		dbx_die_errno("report readiness");
+	close(ready);
 	sigemptyset(&set);
 	sigaddset(&set, SIGCHLD);
 	sigaddset(&set, SIGTERM);
@@ -205,7 +213,7 @@ static void make_namespaces(const struct init_opts *o)
 }
 
 /* The nested case (see the file comment); returns init's pid as we see it. */
-static pid_t start_nested_init(const struct init_opts *o)
+static pid_t start_nested_init(const struct init_opts *o, const int ready[2])
 {
 	char path[64], buf[64];
 	int pidfd, status, fd;
@@ -222,12 +230,13 @@ static pid_t start_nested_init(const struct init_opts *o)
 	if (helper < 0)
 		dbx_die_errno("fork namespace helper");
 	if (helper == 0) {
+		close(ready[0]);
 		make_namespaces(o);
 		init = (pid_t)syscall(SYS_clone, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0);
 		if (init < 0)
 			dbx_die_errno("clone init (CLONE_PARENT)");
 		if (init == 0)
-			run_init();
+			run_init(ready[1]);
 		_exit(0);
 	}
 	while (waitpid(helper, &status, 0) < 0)
@@ -250,11 +259,27 @@ static pid_t start_nested_init(const struct init_opts *o)
 	return init;
 }
 
+/* Block until init reports it is confined (see run_init); die if it never does. */
+static void wait_ready(int rfd, pid_t init)
+{
+	char c;
+	ssize_t n;
+
+	do
+		n = read(rfd, &c, 1);
+	while (n < 0 && errno == EINTR);
+	if (n < 0)
+		dbx_die_errno("wait for init %d to be ready", (int)init);
+	if (n == 0)
+		dbx_die("init %d exited before it was ready", (int)init);
+	close(rfd);
+}
+
 int main(int argc, char **argv)
 {
 	struct init_opts o;
 	pid_t child;
-	int status;
+	int status, ready[2];
 	char line[32];
 
 	dbx_set_progname("dbx-init");
@@ -262,16 +287,22 @@ int main(int argc, char **argv)
 	for (int i = 0; i < o.n_cgroups; i++)
 		if (dbx_join_cgroup(o.cgroups[i]) < 0)
 			dbx_die_errno("join cgroup %s", o.cgroups[i]);
+	if (pipe2(ready, O_CLOEXEC) < 0)
+		dbx_die_errno("pipe for init's readiness");
 	if (o.nest_under) {
-		child = start_nested_init(&o);
+		child = start_nested_init(&o, ready);
 	} else {
 		make_namespaces(&o);
 		child = fork();
 		if (child < 0)
 			dbx_die_errno("fork init");
-		if (child == 0)
-			run_init();
+		if (child == 0) {
+			close(ready[0]);
+			run_init(ready[1]);
+		}
 	}
+	close(ready[1]);
+	wait_ready(ready[0], child);
 
 	snprintf(line, sizeof(line), "%d\n", child);
 	if (dbx_write_all(STDOUT_FILENO, line, strlen(line)) < 0)
