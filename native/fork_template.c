@@ -915,18 +915,46 @@ static int name_template(struct dbxcr_template *tpl, struct tracee *t, unsigned 
 	return 0;
 }
 
+/* Whether [addr, addr + len) lies in one private writable mapping of pid: a write there is
+ * seen by nobody else (a shared one would show it to other processes, and to a file). */
+static bool private_writable(pid_t pid, unsigned long addr, size_t len)
+{
+	char path[64], perms[5], *line = NULL;
+	size_t cap = 0;
+	bool ok = false;
+	FILE *f;
+
+	snprintf(path, sizeof(path), "/proc/%d/maps", (int)pid);
+	f = fopen(path, "re");
+	if (!f)
+		return false;
+	while (getline(&line, &cap, f) > 0) {
+		unsigned long s, e;
+
+		if (sscanf(line, "%lx-%lx %4s", &s, &e, perms) != 3 || addr < s || addr >= e)
+			continue;
+		ok = addr + len <= e && perms[1] == 'w' && perms[3] == 'p';
+		break;
+	}
+	free(line);
+	fclose(f);
+	return ok;
+}
+
 /* A template is named while the checkpoint still holds every process of the sandbox
  * stopped, so nothing in the sandbox ever lists it under the program's name.  It has no
  * scratch area yet (mapped at its first spawn or dump, outside that window): the name goes
  * through the 16 bytes at its stack pointer, put back right after -- the template never
  * runs program code again and its children are forked later, so its memory is unchanged.
- * If that memory cannot be used, map_scratch names it. */
+ * If that memory cannot be used (not private and writable), map_scratch names it. */
 static int name_new_template(struct dbxcr_template *tpl, struct tracee *t,
 			     struct dbxcr_error *err)
 {
 	unsigned long at = t->regs.rsp;
 	char saved[16];
 
+	if (!private_writable(tpl->pid, at, sizeof(saved)))
+		return 0;
 	if (mem_read(tpl->pid, at, saved, sizeof(saved), err) < 0) {
 		clear_error(err);
 		return 0;

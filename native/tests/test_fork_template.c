@@ -930,6 +930,77 @@ static void test_spawn_mntns(void)
 
 /* A template taken during nanosleep: children finish the sleep (to the original deadline)
  * without EINTR. */
+/* A process blocked in read() inside a signal handler that runs on an alternate stack in a
+ * MAP_SHARED mapping: its stack pointer is in memory other processes see. The template is not
+ * named through that memory (a write there would show); it is named at its first spawn. */
+static int shared_stack_pipe = -1;
+
+static void on_shared_stack(int sig)
+{
+	char c;
+
+	(void)sig;
+	while (read(shared_stack_pipe, &c, 1) < 0 && errno == EINTR)
+		;
+	_exit(0);
+}
+
+static void test_template_shared_stack(void)
+{
+	size_t len = 256 * 1024;
+	unsigned char *stk = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+				  -1, 0);
+	int go[2];
+	pid_t pid, child = -1;
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl;
+	char name[32], before[32];
+
+	current_test = "template-shared-stack";
+	if (stk == MAP_FAILED || pipe(go) < 0)
+		abort();
+	pid = fork();
+	if (pid == 0) {
+		stack_t ss = { .ss_sp = stk, .ss_size = len, .ss_flags = 0 };
+		struct sigaction sa;
+
+		close(go[1]);
+		memset(&sa, 0, sizeof(sa));
+		sa.sa_handler = on_shared_stack;
+		sa.sa_flags = SA_ONSTACK;
+		shared_stack_pipe = go[0];
+		if (sigaltstack(&ss, NULL) < 0 || sigaction(SIGUSR1, &sa, NULL) < 0)
+			_exit(2);
+		raise(SIGUSR1);
+		_exit(3);
+	}
+	close(go[0]);
+	CHECK(wait_in_syscall(pid, SYS_read) == 0, "child never blocked in read");
+	comm_of(pid, before);
+	tpl = dbxcr_make_template(pid, &err);
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (tpl) {
+		pid_t tpid = dbxcr_template_pid(tpl);
+
+		CHECK(strcmp(comm_of(tpid, name), before) == 0,
+		      "template named '%s' through its shared stack (want '%s' until its first use)",
+		      name, before);
+		child = dbxcr_spawn(tpl, NULL, &err);
+		CHECK(child > 0, "spawn: %s", err.msg);
+		CHECK(strcmp(comm_of(tpid, name), "dbx-template") == 0,
+		      "template after its first spawn named '%s'", name);
+		CHECK(child <= 0 || strcmp(comm_of(child, name), before) == 0,
+		      "child named '%s', want '%s'", name, before);
+	}
+	close(go[1]);	/* EOF: the original and the child return from the handler and exit */
+	CHECK(WIFEXITED(reap(pid)), "original exit");
+	if (child > 0)
+		CHECK(WIFEXITED(reap(child)), "child exit");
+	if (tpl)
+		CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
+	munmap(stk, len);
+}
+
 static void test_template_nanosleep(void)
 {
 	int rep[2];
@@ -1800,6 +1871,7 @@ int main(void)
 		{ "spawn-mntns", test_spawn_mntns },
 		{ "listen-socket", test_listen_socket },
 		{ "template-nanosleep", test_template_nanosleep },
+		{ "template-shared-stack", test_template_shared_stack },
 		{ "refuse-threads", test_refuse_threads },
 		{ "stop-frozen-tree", test_stop_frozen_tree },
 		{ "stop-frozen-edge-cases", test_stop_frozen_edge_cases },
