@@ -507,6 +507,33 @@ def test_stop_refusals_and_abort_python(native) -> None:
         p.wait()
 
 
+def test_resume_after_a_captured_process_was_killed(native) -> None:
+    """A process SIGKILLed after its template was made (the OOM killer does it: templates'
+    page tables are charged to the sandbox) is not an error at resume: it was captured."""
+    from deltabox.cr.engine import _resume_all
+
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    tpl = None
+    try:
+        _wait(lambda: _in_syscall(p.pid, "230") and _in_syscall(live.pid, "230"),
+              what="sleeping")
+        stops = [native.begin_stop(p.pid), native.begin_stop(live.pid)]
+        assert [s.wait(timeout=3) for s in stops] == ["interrupt"] * 2
+        tpl = stops[0].make_template()
+        os.kill(p.pid, signal.SIGKILL)
+        _resume_all(stops)  # raised Internal("resuming after the checkpoint failed") before
+        assert native.proc_status(live.pid).tracer_pid == 0  # the other one is resumed
+        _wait(lambda: _in_syscall(live.pid, "230"), what="the other sleeping again")
+        assert p.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        if tpl is not None:
+            tpl.release()
+        for q in (p, live):
+            q.kill()
+            q.wait()
+
+
 FD_HOLDER = r"""
 import json, os, socket, sys, time
 d = sys.argv[1]

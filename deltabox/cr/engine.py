@@ -592,6 +592,12 @@ def _resume_all(stopped: list[native.Stopped]) -> None:
         try:
             s.resume()
         except native.CRError as e:
+            s.abort()
+            # SIGKILLed since it was templated (e.g. by the OOM killer: the templates' page
+            # tables are charged to the sandbox): it was captured at the checkpoint instant,
+            # and what happens to it after is the sandbox's own business.
+            if e.errno == errno.ESRCH or _exiting(s.pid):
+                continue
             errors.append(str(e))
     if errors:
         raise Internal("resuming after the checkpoint failed: " + "; ".join(errors))
