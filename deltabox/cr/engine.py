@@ -54,7 +54,7 @@ import trio
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from . import native
-from ..sandbox.reaper import reap_orphans, wait_exited
+from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .capture import ProcessRecord, Refusal, add_listeners, record, refusals
 from .worker import PtraceWorker
 
@@ -283,7 +283,7 @@ class DeltaCR:
         except BaseException:
             with trio.CancelScope(shield=True):
                 # Gone before we say the restore failed: nothing half-restored lingers.
-                await wait_exited(_kill_pidfds(out.pids.values()))
+                await wait_exited(kill_pidfds(out.pids.values()))
                 await self.kill_carriers(list(out.keepers.values()))
             plan.close_all()
             raise
@@ -376,22 +376,6 @@ class DeltaCR:
 
 def _nspid(state: ProcessState, host_pid: int) -> int:
     return next(r.nspid for r in state.records if r.pid == host_pid)
-
-
-def _kill_pidfds(pids: Iterable[int]) -> list[int]:
-    """SIGKILL our just-spawned children through pidfds (for reaper.wait_exited)."""
-    fds = []
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        fds.append(fd)
-        try:
-            signal.pidfd_send_signal(fd, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return fds
 
 
 # ---- pipes ---------------------------------------------------------------------------------

@@ -759,14 +759,13 @@ def fds(pid: int) -> list[FdInfo]:
     out = []
     for entry in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
         fd = int(entry)
-        link = f"/proc/{pid}/fd/{entry}"
+        link, where = f"/proc/{pid}/fd/{entry}", f"/proc/{pid}/fdinfo/{entry}"
         try:
             target = os.readlink(link)
             st = os.stat(link)
-            info = read_proc(f"/proc/{pid}/fdinfo/{entry}")
+            info = read_proc(where)
         except FileNotFoundError:
             continue
-        where = f"/proc/{pid}/fdinfo/{entry}"
         flags = int(_required_field(info, b"flags", where), 8)
         pos = int(_required_field(info, b"pos", where))
         mode, deleted, rdev, sock = st.st_mode, False, None, None

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import select
-import signal
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import trio
 from ..background import GuardedNursery
 from ..cr.engine import ProcessState, Prespawned
 from ..fs.store import Store
+from ..sandbox.reaper import kill_pidfds
 from ..sandbox.runtime import Generation, Runtime
 from .scheduler import IOScheduler
 
@@ -236,17 +236,7 @@ class WarmPool:
 def _kill_now(pids: set[int], timeout: float = 1.0) -> None:
     """SIGKILL and wait (a pidfd polls readable at exit): they hold the generation's mount
     namespace and files of its layer until then."""
-    fds = []
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        fds.append(fd)
-        try:
-            signal.pidfd_send_signal(fd, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    fds = kill_pidfds(pids)
     try:
         for fd in fds:
             select.select([fd], [], [], timeout)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
-from collections.abc import Collection
+import signal
+from collections.abc import Collection, Iterable
 
 import trio
 
@@ -81,6 +82,23 @@ def reap_orphans(skip: Collection[int] = ()) -> int:
             except ChildProcessError:
                 pass
     return n
+
+
+def kill_pidfds(pids: Iterable[int]) -> list[int]:
+    """SIGKILL `pids` through pidfds and return those (for wait_exited, or a poll): a pidfd
+    polls readable once its process has exited. Pids already gone are skipped."""
+    fds = []
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        fds.append(fd)
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return fds
 
 
 async def wait_exited(pidfds: list[int], timeout: float = 5.0) -> None:
