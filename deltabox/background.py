@@ -45,3 +45,13 @@ class GuardedNursery:
             except Exception:
                 log.exception("background task %s failed", getattr(fn, "__name__", fn))
         self.nursery.start_soon(guarded, name=getattr(fn, "__qualname__", None))
+
+    async def start(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """`Nursery.start`: return once `fn` calls `task_status.started()`; it goes on in
+        the background, guarded as in `start_soon`."""
+        async def guarded(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+            try:
+                await fn(*args, task_status=task_status)
+            except Exception:
+                log.exception("background task %s failed", getattr(fn, "__name__", fn))
+        return await self.nursery.start(guarded, name=getattr(fn, "__qualname__", None))

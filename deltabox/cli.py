@@ -26,7 +26,8 @@ PROG = "deltabox"
 
 # Options that take a value; the pre-parsing in `parse_args` must skip their values.
 _GLOBAL_VALUE_OPTIONS = frozenset({"--socket"})
-_EXEC_VALUE_OPTIONS = frozenset({"--socket", "--session", "--timeout", "--cwd", "--env"})
+_EXEC_VALUE_OPTIONS = frozenset({"--socket", "--session", "--timeout", "--cwd", "--env",
+                                 "--checkpoint", "--checkpoint-label"})
 
 
 class UsageError(Exception):
@@ -106,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
              "and run in a persistent session (cwd, env and jobs survive between runs).",
              "deltabox exec $id -- ls -la /workspace\n"
              "deltabox exec $id 'make test 2>&1 | tail'\n"
-             "deltabox exec $id --session main -- cd /tmp '&&' export X=1", common)
+             "deltabox exec $id --session main -- cd /tmp '&&' export X=1\n"
+             "deltabox exec $id --checkpoint auto -- make   # prints the checkpoint id on stderr",
+             common)
     p.add_argument("id", metavar="ID", help="sandbox id")
     p.add_argument("--session", metavar="NAME", help="run in this persistent bash session")
     p.add_argument("--timeout", metavar="S", type=float, help="kill the command after S seconds")
@@ -114,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", metavar="K=V", type=_env_pair, action="append", default=[],
                    help="extra environment variable (repeatable)")
     p.add_argument("-i", "--stdin", action="store_true", help="send our stdin to the command")
+    p.add_argument("--checkpoint", metavar="MODE", choices=("auto", "fs", "full"),
+                   help="checkpoint the sandbox when the command ends (auto, fs or full), in "
+                   "the background; its id is printed on stderr (in the JSON with --json)")
+    p.add_argument("--checkpoint-label", metavar="TEXT", default="",
+                   help="label of that checkpoint")
     p.add_argument("cmd", metavar="CMD", nargs="*",
                    help="command and its arguments (everything after ID's options)")
 
@@ -124,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id", metavar="ID", help="sandbox id")
     p.add_argument("--mode", choices=("auto", "fs", "full"), default="auto")
     p.add_argument("--label", default="", help="free-form note stored with the checkpoint")
+    p.add_argument("--background", action="store_true",
+                   help="print the id at once and take the checkpoint right after, before "
+                   "any later operation on the sandbox (those naming it wait for it)")
 
     p = _add(sub, "rollback", "return a sandbox to a checkpoint",
              "Return a sandbox to one of its family's checkpoints. Changes made since are "
@@ -416,7 +427,9 @@ def cmd_exec(args: argparse.Namespace, client: Client) -> int:
     if args.session:
         if args.cwd or args.env or args.stdin:
             raise UsageError("--cwd, --env and --stdin cannot be used with --session")
-        result = sbx.session(args.session).run(" ".join(args.cmd), timeout=args.timeout)
+        result = sbx.session(args.session).run(" ".join(args.cmd), timeout=args.timeout,
+                                               checkpoint=args.checkpoint,
+                                               checkpoint_label=args.checkpoint_label)
         if not args.json:
             _writer(sys.stdout.buffer)(result.stdout_bytes)
             _writer(sys.stderr.buffer)(result.stderr_bytes)
@@ -427,16 +440,22 @@ def cmd_exec(args: argparse.Namespace, client: Client) -> int:
         streams: dict[str, Any] = {} if args.json else {
             "on_stdout": _writer(sys.stdout.buffer), "on_stderr": _writer(sys.stderr.buffer)}
         result = sbx.exec(cmd, timeout=args.timeout, cwd=args.cwd, env=dict(args.env),
-                          stdin=stdin, **streams)
+                          stdin=stdin, checkpoint=args.checkpoint,
+                          checkpoint_label=args.checkpoint_label, **streams)
     if args.json:
         _print_json(result)
-    elif result.note:
+        return _exit_status(result.exit_code)
+    if result.note:
         print(f"{PROG}: note: {result.note}", file=sys.stderr)
+    if result.checkpoint_id:
+        print(f"{PROG}: checkpoint {result.checkpoint_id} (taken in the background)",
+              file=sys.stderr)
     return _exit_status(result.exit_code)
 
 
 def cmd_checkpoint(args: argparse.Namespace, client: Client) -> int:
-    cp = _sandbox(client, args.id).checkpoint(mode=args.mode, label=args.label)
+    cp = _sandbox(client, args.id).checkpoint(mode=args.mode, label=args.label,
+                                              background=args.background)
     if args.json:
         _print_json(cp)
     else:

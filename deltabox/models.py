@@ -21,6 +21,9 @@ class ExecResult(_Model):
     stdout_truncated: bool = False
     stderr_truncated: bool = False
     note: str = ""
+    # The checkpoint asked for at the command's end (`checkpoint=`): its id, taken in the
+    # background; "" if none was asked for or none could be taken (`note` says why).
+    checkpoint_id: str = ""
 
     @property
     def ok(self) -> bool:

@@ -109,13 +109,18 @@ class Sandbox:
     def exec(self, cmd: str | Sequence[str], timeout: float | None = 30,
              cwd: str | None = None, env: Mapping[str, str] | None = None,
              stdin: bytes | str | None = None, on_stdout: OutputCallback | None = None,
-             on_stderr: OutputCallback | None = None) -> ExecResult:
+             on_stderr: OutputCallback | None = None, checkpoint: str | None = None,
+             checkpoint_label: str = "") -> ExecResult:
         """Run a command to completion. A str runs via `bash -c`; a list is argv.
 
         With `on_stdout`/`on_stderr`, output is streamed to them chunk by chunk as it
         arrives (and still collected in the result). A timeout raises DeadlineExceeded.
+        With `checkpoint` ("auto", "fs" or "full") the sandbox is checkpointed at the
+        command's end, in the background: `result.checkpoint_id` names it at once, and
+        whatever names it later (rollback, fork, get_checkpoint) waits for it.
         """
         req = self._exec_request(cmd, timeout, cwd, env, stdin)
+        req.checkpoint, req.checkpoint_label = checkpoint or "", checkpoint_label
         if on_stdout is None and on_stderr is None:
             resp = self._client.call("Exec", req, timeout=_deadline(timeout))
             return convert.exec_result(resp)
@@ -152,7 +157,9 @@ class Sandbox:
                     on_stderr(chunk.stderr)
             if chunk.done:
                 return convert.exec_result_from_parts(chunk.exit_code, b"".join(out),
-                                                      b"".join(err), chunk.duration_ms)
+                                                      b"".join(err), chunk.duration_ms,
+                                                      note=chunk.note,
+                                                      checkpoint_id=chunk.checkpoint_id)
         raise errors.Internal("ExecStream ended without an exit status")
 
     def session(self, name: str = "main") -> Session:
@@ -165,10 +172,21 @@ class Sandbox:
 
     # --- checkpoints --------------------------------------------------------------------
 
-    def checkpoint(self, mode: str = "auto", label: str = "") -> Checkpoint:
-        """Capture the sandbox's state. mode: "auto" | "fs" (files only) | "full"."""
-        req = pb.CheckpointRequest(sandbox_id=self.id, mode=mode, label=label)
+    def checkpoint(self, mode: str = "auto", label: str = "",
+                   background: bool = False) -> Checkpoint:
+        """Capture the sandbox's state. mode: "auto" | "fs" (files only) | "full".
+
+        `background=True` returns at once a Checkpoint of kind "pending" (its id, sandbox
+        and label); it is taken right after, before any later operation on the sandbox.
+        `get_checkpoint(id)` waits for it and returns it, or raises why it failed."""
+        req = pb.CheckpointRequest(sandbox_id=self.id, mode=mode, label=label,
+                                   background=background)
         return convert.checkpoint(self._client.call("Checkpoint", req))
+
+    def get_checkpoint(self, cp: CheckpointLike) -> Checkpoint:
+        """A checkpoint's record (waits for a pending one)."""
+        req = pb.CheckpointRef(checkpoint_id=_cp_id(cp))
+        return convert.checkpoint(self._client.call("GetCheckpoint", req))
 
     def turn_effects(self, cp: CheckpointLike | None = None) -> TurnReport:
         """What the sandbox's processes did since its last checkpoint (or rollback), as the
@@ -260,10 +278,14 @@ class Session:
         self.sandbox = sandbox
         self.name = name
 
-    def run(self, command: str, timeout: float | None = None) -> ExecResult:
-        """Run bash source in the session. On timeout the session is restarted."""
+    def run(self, command: str, timeout: float | None = None, checkpoint: str | None = None,
+            checkpoint_label: str = "") -> ExecResult:
+        """Run bash source in the session. On timeout the session is restarted.
+        `checkpoint`: as in `Sandbox.exec`."""
         req = pb.SessionRunRequest(sandbox_id=self.sandbox.id, session=self.name,
-                                   command=command, timeout=timeout or 0.0)
+                                   command=command, timeout=timeout or 0.0,
+                                   checkpoint=checkpoint or "",
+                                   checkpoint_label=checkpoint_label)
         resp = self.sandbox._client.call("SessionRun", req, timeout=_deadline(timeout))
         return convert.exec_result(resp)
 

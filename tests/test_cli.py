@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -38,6 +39,24 @@ def test_cli_workflow(daemon) -> None:
         info = json.loads(cli(daemon, "--json", "info").stdout)
         assert info["store_backend"].startswith("btrfs")
         cli(daemon, "rm", *kids)
+    finally:
+        cli(daemon, "rm", sid, check=False)
+
+
+def test_cli_checkpoint_at_the_commands_end(daemon) -> None:
+    sid = cli(daemon, "create").stdout.strip()
+    try:
+        r = cli(daemon, "exec", sid, "--checkpoint", "fs", "--", "sh", "-c", "echo a > f")
+        cp = re.fullmatch(r"deltabox: checkpoint (cp-[0-9a-f]{10}) \(taken in the background\)\n",
+                          r.stderr)
+        assert cp is not None, r.stderr
+        bg = cli(daemon, "checkpoint", sid, "--background").stdout.strip()
+        cli(daemon, "exec", sid, "--", "sh", "-c", "echo b > f")
+        cli(daemon, "rollback", sid, cp.group(1))
+        assert cli(daemon, "exec", sid, "--", "cat", "f").stdout == "a\n"
+        assert bg in cli(daemon, "checkpoints", sid).stdout
+        r = cli(daemon, "exec", sid, "--checkpoint", "sometimes", "--", "true", check=False)
+        assert r.returncode == 2 and "invalid choice" in r.stderr
     finally:
         cli(daemon, "rm", sid, check=False)
 

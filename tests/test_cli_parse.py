@@ -255,3 +255,10 @@ def test_import_is_light() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_exec_checkpoint_options_then_the_command() -> None:
+    args = cli.parse_args(["exec", "x", "--checkpoint", "auto", "--checkpoint-label", "n 1",
+                           "make", "--checkpoint", "full"])
+    assert (args.checkpoint, args.checkpoint_label) == ("auto", "n 1")
+    assert args.cmd == ["make", "--checkpoint", "full"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import logging
 import queue
+import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
@@ -25,7 +26,7 @@ from ..errors import DeltaBoxError, InvalidArgument
 from ..fs.files import FileStat
 from ..models import CreateParams
 from .db import CheckpointRow, SandboxRow
-from .service import Daemon
+from .service import Daemon, Ran
 
 log = logging.getLogger("deltaboxd")
 T = TypeVar("T")
@@ -52,10 +53,12 @@ def stat_pb(s: FileStat) -> pb.FileStat:
                        link_target=s.link_target or "")
 
 
-def exec_pb(out: Any, note: str = "") -> pb.ExecResponse:
+def exec_pb(ran: Ran) -> pb.ExecResponse:
+    out = ran.out
     return pb.ExecResponse(exit_code=out.exit_code, stdout=out.stdout, stderr=out.stderr,
                            duration_ms=out.duration_ms, stdout_truncated=out.stdout_truncated,
-                           stderr_truncated=out.stderr_truncated, note=note)
+                           stderr_truncated=out.stderr_truncated, note=ran.note,
+                           checkpoint_id=ran.checkpoint_id)
 
 
 class Servicer(pb_grpc.DeltaBoxServicer):
@@ -92,6 +95,19 @@ class Servicer(pb_grpc.DeltaBoxServicer):
                           "(see the daemon log)")
         raise AssertionError("unreachable")
 
+    def _answered(self, context: grpc.ServicerContext) -> trio.Event:
+        """An event set in the trio loop once this call has ended (its answer sent), for
+        work the call leaves in the background to wait for."""
+        ev = trio.Event()
+
+        def ended() -> None:
+            try:
+                self.trio_token.run_sync_soon(ev.set)
+            except trio.RunFinishedError:
+                pass
+        context.add_callback(ended)
+        return ev
+
     def _sync(self, context: grpc.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
         async def call() -> T:
             return fn(*args)
@@ -126,13 +142,15 @@ class Servicer(pb_grpc.DeltaBoxServicer):
 
     # -- commands --
     def Exec(self, request, context):  # noqa: N802
-        out = self._run(context, self.d.exec, request.sandbox_id, list(request.argv),
+        ran = self._run(context, self.d.exec, request.sandbox_id, list(request.argv),
                         request.shell, request.cwd, dict(request.env), request.stdin,
-                        request.timeout)
-        return exec_pb(out)
+                        request.timeout, None, request.checkpoint, request.checkpoint_label,
+                        self._answered(context))
+        return exec_pb(ran)
 
     def ExecStream(self, request, context) -> Iterator[pb.ExecChunk]:  # noqa: N802
         self._authorize(context)
+        answered = self._answered(context)
         chunks: queue.SimpleQueue = queue.SimpleQueue()
         scope = trio.CancelScope()
 
@@ -142,11 +160,14 @@ class Servicer(pb_grpc.DeltaBoxServicer):
         async def job() -> None:
             with scope:
                 try:
-                    out = await self.d.exec(request.sandbox_id, list(request.argv),
+                    ran = await self.d.exec(request.sandbox_id, list(request.argv),
                                             request.shell, request.cwd, dict(request.env),
-                                            request.stdin, request.timeout, sink)
-                    chunks.put(pb.ExecChunk(done=True, exit_code=out.exit_code,
-                                            duration_ms=out.duration_ms))
+                                            request.stdin, request.timeout, sink,
+                                            request.checkpoint, request.checkpoint_label,
+                                            answered)
+                    chunks.put(pb.ExecChunk(done=True, exit_code=ran.out.exit_code,
+                                            duration_ms=ran.out.duration_ms,
+                                            checkpoint_id=ran.checkpoint_id, note=ran.note))
                     return
                 except BaseException as e:
                     chunks.put(e)
@@ -173,9 +194,10 @@ class Servicer(pb_grpc.DeltaBoxServicer):
                           else grpc.StatusCode.INTERNAL, f"exec failed: {item!r}")
 
     def SessionRun(self, request, context):  # noqa: N802
-        out, note = self._run(context, self.d.session_run, request.sandbox_id, request.session,
-                              request.command, request.timeout)
-        return exec_pb(out, note)
+        ran = self._run(context, self.d.session_run, request.sandbox_id, request.session,
+                        request.command, request.timeout, request.checkpoint,
+                        request.checkpoint_label, self._answered(context))
+        return exec_pb(ran)
 
     def SessionClose(self, request, context):  # noqa: N802
         self._run(context, self.d.session_close, request.sandbox_id, request.session)
@@ -221,6 +243,17 @@ class Servicer(pb_grpc.DeltaBoxServicer):
 
     # -- checkpoints --
     def Checkpoint(self, request, context):  # noqa: N802
+        if request.background:
+            answered = self._answered(context)
+
+            async def promise() -> pb.CheckpointInfo:
+                cp_id = await self.d.checkpoint_soon(request.sandbox_id, request.mode,
+                                                     request.label, answered)
+                row = self.d.get(request.sandbox_id)
+                return pb.CheckpointInfo(id=cp_id, sandbox_id=row.id, family_id=row.family_id,
+                                         kind="pending", label=request.label,
+                                         created_at=time.time())
+            return self._run(context, promise)
         cp = self._run(context, self.d.checkpoint, request.sandbox_id, request.mode,
                        request.label)
         return checkpoint_pb(cp)
@@ -239,11 +272,11 @@ class Servicer(pb_grpc.DeltaBoxServicer):
         return self._run(context, call)
 
     def ListCheckpoints(self, request, context):  # noqa: N802
-        cps = self._sync(context, self.d.checkpoints, request.sandbox_id)
+        cps = self._run(context, self.d.checkpoints, request.sandbox_id)
         return pb.ListCheckpointsResponse(checkpoints=[checkpoint_pb(c) for c in cps])
 
     def GetCheckpoint(self, request, context):  # noqa: N802
-        return checkpoint_pb(self._sync(context, self.d.get_checkpoint, request.checkpoint_id))
+        return checkpoint_pb(self._run(context, self.d.get_checkpoint, request.checkpoint_id))
 
     def DeleteCheckpoint(self, request, context):  # noqa: N802
         freed = self._run(context, self.d.delete_checkpoint, request.checkpoint_id)
@@ -255,8 +288,8 @@ class Servicer(pb_grpc.DeltaBoxServicer):
         return pb.DiffResponse(added=a, modified=m, deleted=d, note=note)
 
     def TurnEffects(self, request, context):  # noqa: N802
-        backend, eff, decision = self._sync(context, self.d.turn_effects, request.sandbox_id,
-                                            request.checkpoint_id)
+        backend, eff, decision = self._run(context, self.d.turn_effects, request.sandbox_id,
+                                           request.checkpoint_id)
         return pb.TurnEffectsResponse(
             backend=backend, effects_json=eff.model_dump_json() if eff is not None else "",
             kind=decision.kind if decision else "",

@@ -25,8 +25,8 @@ from pathlib import Path
 import trio
 
 from .. import __version__
-from ..errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument,
-                      NotFound, ResourceExhausted)
+from ..errors import (DeadlineExceeded, DeltaBoxError, FailedPrecondition, Internal,
+                      InvalidArgument, NotFound, ResourceExhausted, Unavailable)
 from ..fs import image as images
 from ..fs.diff import diff_layers
 from ..fs.files import SandboxFiles
@@ -46,6 +46,7 @@ from . import budget
 from .faults import crash_point
 from .db import CheckpointRow, Database, SandboxRow
 from .dumps import NOT_COMPLETED, Dumps, init_seccomp_filters
+from .pending import PendingCheckpoints
 from .scheduler import IOScheduler
 from .turns import Turns
 from .warm import Ready, WarmPool
@@ -144,6 +145,9 @@ class OldKeepers:
 PRESPAWN_TRIES = 10
 PRESPAWN_RETRY_S = 0.02
 
+# A background checkpoint waits at most this long for its caller's answer to go out.
+ANSWER_WAIT_S = 0.05
+
 # After a rollback, how long its killed processes' keepers wait before dying (their exit
 # tears down the address spaces: CPU time better spent after the client has its answer).
 KEEPER_KILL_DELAY_S = 0.05
@@ -151,6 +155,26 @@ KEEPER_KILL_DELAY_S = 0.05
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(5)}"
+
+
+def checkpoint_mode(mode: str, label: str) -> str:
+    """A checkpoint request's mode ("" means auto), checked with its label."""
+    mode = mode or "auto"
+    if mode not in ("auto", "fs", "full"):
+        raise InvalidArgument(f"checkpoint mode {mode!r}: use auto, fs or full")
+    if len(label) > 200:
+        raise InvalidArgument("label longer than 200 characters")
+    return mode
+
+
+@dataclass
+class Ran:
+    """A command's end, as Exec and SessionRun report it: its output, a note, and the id of
+    the checkpoint asked for at its end ("" if none was; `note` says why if it could not
+    be)."""
+    out: execute.ExecOutput
+    note: str = ""
+    checkpoint_id: str = ""
 
 
 class Daemon:
@@ -186,6 +210,7 @@ class Daemon:
         # its own nest parent). Only init remains in them.
         self.holders: dict[str, tuple[runtime.Runtime, str | None]] = {}
         self.turns = Turns()
+        self.pending = PendingCheckpoints()
 
     # ---- lookups and validation ------------------------------------------------------
 
@@ -198,6 +223,12 @@ class Daemon:
             raise NotFound(f"no sandbox {sid}: it was removed or never existed; "
                            "`deltabox ls` lists sandboxes")
         return row
+
+    async def _settled_checkpoint(self, cid: str) -> CheckpointRow:
+        """The checkpoint, once committed if it is pending (a background one)."""
+        if CHECKPOINT_ID.match(cid or ""):
+            await self.pending.wait(cid)
+        return self._checkpoint(cid)
 
     def _checkpoint(self, cid: str) -> CheckpointRow:
         if not CHECKPOINT_ID.match(cid or ""):
@@ -547,8 +578,13 @@ class Daemon:
 
     async def exec(self, sid: str, argv: list[str], shell: str, cwd: str, env: dict[str, str],
                    stdin: bytes, timeout: float,
-                   sink: Callable[[str, bytes], None] | None = None) -> execute.ExecOutput:
-        """Run a command to completion; background jobs it starts keep running."""
+                   sink: Callable[[str, bytes], None] | None = None,
+                   checkpoint: str = "", checkpoint_label: str = "",
+                   answered: trio.Event | None = None) -> Ran:
+        """Run a command to completion; background jobs it starts keep running. With
+        `checkpoint` (a mode), a checkpoint is promised at its end (checkpoint_soon)."""
+        if checkpoint:
+            checkpoint = checkpoint_mode(checkpoint, checkpoint_label)
         if shell:
             argv = ["bash", "-c", shell]
         if not argv or any("\0" in a for a in argv):
@@ -572,11 +608,26 @@ class Daemon:
             live.procs.discard(running.proc)
         if out.timed_out:
             raise DeadlineExceeded(_timeout_message(" ".join(argv)[:200], timeout, out))
-        return out
+        return await self._turn_end(sid, Ran(out), checkpoint, checkpoint_label, answered)
 
-    async def session_run(self, sid: str, name: str, command: str,
-                          timeout: float) -> tuple[execute.ExecOutput, str]:
-        """Run bash source in a named persistent shell (created on first use)."""
+    async def _turn_end(self, sid: str, ran: Ran, mode: str, label: str,
+                        answered: trio.Event | None) -> Ran:
+        """Promise the checkpoint a command asked for at its end. If the sandbox cannot
+        take one now (it stopped meanwhile), the output is still returned, with a note."""
+        if mode:
+            try:
+                ran.checkpoint_id = await self.checkpoint_soon(sid, mode, label, answered)
+            except DeltaBoxError as e:
+                ran.note = "; ".join(filter(None, [ran.note, f"no checkpoint taken: {e}"]))
+        return ran
+
+    async def session_run(self, sid: str, name: str, command: str, timeout: float,
+                          checkpoint: str = "", checkpoint_label: str = "",
+                          answered: trio.Event | None = None) -> Ran:
+        """Run bash source in a named persistent shell (created on first use); with
+        `checkpoint`, as in exec."""
+        if checkpoint:
+            checkpoint = checkpoint_mode(checkpoint, checkpoint_label)
         if not SESSION_NAME.match(name or ""):
             raise InvalidArgument(f"session name {name!r}: use 1-64 of A-Z a-z 0-9 _ . -")
         if "\0" in command:
@@ -607,7 +658,7 @@ class Daemon:
             live.sessions.pop(name, None)
             raise DeadlineExceeded(_timeout_message(command[:200], timeout, out) +
                                    f"; session {name!r} was killed and restarts on next use")
-        return out, note
+        return await self._turn_end(sid, Ran(out, note), checkpoint, checkpoint_label, answered)
 
     async def session_close(self, sid: str, name: str) -> None:
         live = self._live(sid)
@@ -643,78 +694,120 @@ class Daemon:
         (the default) does only what the turn since the parent needs (daemon/turns.py):
         nothing (`skipped`), a file snapshot (`fs`) or files and processes (`full`);
         "fs" forces file state only, "full" forces a capture of both."""
-        mode = mode or "auto"
-        if mode not in ("auto", "fs", "full"):
-            raise InvalidArgument(f"checkpoint mode {mode!r}: use auto, fs or full")
-        if len(label) > 200:
-            raise InvalidArgument("label longer than 200 characters")
+        mode = checkpoint_mode(mode, label)
         live = self._live(sid)
         async with live.lock:
-            row = self._sandbox(sid)
-            live = self._live(sid)
-            t0 = time.perf_counter()
-            cp_id, layer = new_id("cp"), new_id("L")
-            parent = self.db.get_checkpoint(row.head_cp) if row.head_cp else None
-            # Flush a large dirty set first, so the snapshot inside the freeze window is short.
-            if self.store.needs_sync():
-                await trio.to_thread.run_sync(self.store.sync)
-            t_freeze = time.perf_counter()
-            captured: ProcessState | None = None
-            live.rt.cgroup.freeze()
-            try:
-                crash_point("checkpoint.frozen")
-                alive = self._candidates(live)
-                effects = self.turns.end_turn(sid, alive)
-                decision = self._decide(mode, live, parent, effects, alive)
-                if decision.kind == "full":
-                    captured = await self._capture(live, row.layer_id, layer, alive)
-                elif decision.kind == "fs":
-                    self.store.freeze(row.layer_id, layer)
-                crash_point("checkpoint.snapshotted")
-            except BaseException:
-                self.turns.lost_turn(sid)  # what it did is not in any checkpoint
-                raise
-            finally:
-                live.rt.cgroup.thaw()
-            crash_point("checkpoint.captured")
-            freeze_ms = (time.perf_counter() - t_freeze) * 1000
+            return await self._checkpoint_locked(sid, mode, label, new_id("cp"))
+
+    async def checkpoint_soon(self, sid: str, mode: str, label: str,
+                              answered: trio.Event | None = None) -> str:
+        """Promise a checkpoint and return its id at once; it is taken right after, before
+        any operation that comes later to the sandbox's lock (daemon/pending.py), and once
+        `answered` is set: the caller's answer has gone out (the capture's Python would
+        otherwise hold the GIL the answer needs, for up to a switch interval, 5 ms)."""
+        mode = checkpoint_mode(mode, label)
+        live = self._live(sid)
+        cp_id = new_id("cp")
+        self.pending.promise(cp_id, sid)
+        try:
+            await self.background.start(self._checkpoint_later, sid, live, mode, label, cp_id,
+                                        answered)
+        except BaseException:
+            self.pending.settle(cp_id, Internal(f"checkpoint {cp_id} of {sid} never started"))
+            raise
+        return cp_id
+
+    async def _checkpoint_later(self, sid: str, live: Live, mode: str, label: str, cp_id: str,
+                                answered: trio.Event | None,
+                                task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                                ) -> None:
+        error: DeltaBoxError | None = Unavailable(
+            "deltaboxd stopped before it was taken; take a new checkpoint")
+        try:
+            async with live.lock:
+                task_status.started()  # in the lock's queue: nothing later goes first
+                with trio.move_on_after(ANSWER_WAIT_S):
+                    await (answered.wait() if answered is not None else trio.sleep(0))
+                await self._checkpoint_locked(sid, mode, label, cp_id)
+            error = None
+        except DeltaBoxError as e:
+            error = e
+        except Exception as e:
+            log.exception("background checkpoint %s of %s failed", cp_id, sid)
+            error = Internal(f"internal error in deltaboxd: {e!r} (see the daemon log)")
+        finally:
+            if error is not None:
+                log.warning("background checkpoint %s of %s: %s", cp_id, sid, error.message)
+            self.pending.settle(cp_id, error)
+
+    async def _checkpoint_locked(self, sid: str, mode: str, label: str,
+                                 cp_id: str) -> CheckpointRow:
+        """The checkpoint itself, under the sandbox's lock."""
+        row = self._sandbox(sid)
+        live = self._live(sid)
+        t0 = time.perf_counter()
+        layer = new_id("L")
+        parent = self.db.get_checkpoint(row.head_cp) if row.head_cp else None
+        # Flush a large dirty set first, so the snapshot inside the freeze window is short.
+        if self.store.needs_sync():
+            await trio.to_thread.run_sync(self.store.sync)
+        t_freeze = time.perf_counter()
+        captured: ProcessState | None = None
+        live.rt.cgroup.freeze()
+        try:
+            crash_point("checkpoint.frozen")
+            alive = self._candidates(live)
+            effects = self.turns.end_turn(sid, alive)
+            decision = self._decide(mode, live, parent, effects, alive)
             if decision.kind == "full":
-                procs_of: str | None = cp_id
-            elif mode == "auto" and parent is not None:
-                procs_of = parent.procs_of  # the policy saw no process change since it
-            else:
-                procs_of = None
-            cp = self._checkpoint_row(cp_id, row, parent, layer, decision, captured, label,
-                                      procs_of)
-            cp.freeze_ms = freeze_ms
-            cp.duration_ms = (time.perf_counter() - t0) * 1000
-            row.head_cp = cp_id
-            crash_point("checkpoint.before_commit")
-            try:
-                with self.db.transaction():
-                    self.db.put_checkpoint(cp)
-                    self.db.put_sandbox(row)
-                crash_point("checkpoint.after_commit")
-            except BaseException:
-                self.turns.lost_turn(sid)
-                with trio.CancelScope(shield=True):
-                    if captured is not None:
-                        await self.cr.release(captured)
-                    if decision.kind != "skipped":
-                        self.store.delete(layer)
-                raise
-            self.turns.record(sid, cp_id, effects, decision)
-            for sess in live.sessions.values():
-                sess.turn_state = sess.state
-            if captured is not None:
-                captured.session_states = {n: s.state for n, s in live.sessions.items()}
-                live.captured[cp_id] = captured
-                live.procs_from = cp_id
-                self.dumps.schedule(self.background.start_soon, sid, cp_id, captured,
-                                    init_seccomp_filters(live.rt.init_pid))
-                self._evict_templates(live)
-            self.warm.prepare(sid, cp.layer_id)
-            return cp
+                captured = await self._capture(live, row.layer_id, layer, alive)
+            elif decision.kind == "fs":
+                self.store.freeze(row.layer_id, layer)
+            crash_point("checkpoint.snapshotted")
+        except BaseException:
+            self.turns.lost_turn(sid)  # what it did is not in any checkpoint
+            raise
+        finally:
+            live.rt.cgroup.thaw()
+        crash_point("checkpoint.captured")
+        freeze_ms = (time.perf_counter() - t_freeze) * 1000
+        if decision.kind == "full":
+            procs_of: str | None = cp_id
+        elif mode == "auto" and parent is not None:
+            procs_of = parent.procs_of  # the policy saw no process change since it
+        else:
+            procs_of = None
+        cp = self._checkpoint_row(cp_id, row, parent, layer, decision, captured, label,
+                                  procs_of)
+        cp.freeze_ms = freeze_ms
+        cp.duration_ms = (time.perf_counter() - t0) * 1000
+        row.head_cp = cp_id
+        crash_point("checkpoint.before_commit")
+        try:
+            with self.db.transaction():
+                self.db.put_checkpoint(cp)
+                self.db.put_sandbox(row)
+            crash_point("checkpoint.after_commit")
+        except BaseException:
+            self.turns.lost_turn(sid)
+            with trio.CancelScope(shield=True):
+                if captured is not None:
+                    await self.cr.release(captured)
+                if decision.kind != "skipped":
+                    self.store.delete(layer)
+            raise
+        self.turns.record(sid, cp_id, effects, decision)
+        for sess in live.sessions.values():
+            sess.turn_state = sess.state
+        if captured is not None:
+            captured.session_states = {n: s.state for n, s in live.sessions.items()}
+            live.captured[cp_id] = captured
+            live.procs_from = cp_id
+            self.dumps.schedule(self.background.start_soon, sid, cp_id, captured,
+                                init_seccomp_filters(live.rt.init_pid))
+            self._evict_templates(live)
+        self.warm.prepare(sid, cp.layer_id)
+        return cp
 
     def _decide(self, mode: str, live: Live, parent: CheckpointRow | None,
                 effects, alive: set[int]) -> Decision:
@@ -983,7 +1076,7 @@ class Daemon:
     async def rollback(self, sid: str, cp_id: str) -> dict:
         """Make the sandbox's files exactly the checkpoint's; processes restart."""
         row = self._sandbox(sid)
-        cp = self._checkpoint(cp_id)
+        cp = await self._settled_checkpoint(cp_id)
         if cp.family_id != row.family_id:
             raise FailedPrecondition(
                 f"checkpoint {cp_id} belongs to another sandbox family than {sid}; roll back "
@@ -1382,7 +1475,7 @@ class Daemon:
         below it (kernel rule), so forks that get processes have their pid namespace nested
         in the template holder's sandbox: forks cannot see or signal one another, nor the
         holder; the holder's processes can see and signal its forks' (one agent's tree)."""
-        cp = self._checkpoint(cp_id)
+        cp = await self._settled_checkpoint(cp_id)
         count = count or 1
         if not 1 <= count <= MAX_FORK:
             raise InvalidArgument(f"fork count must be 1..{MAX_FORK}, got {count}")
@@ -1539,8 +1632,8 @@ class Daemon:
                 self.db.put_sandbox(r)
         return rows
 
-    def turn_effects(self, sid: str, cp_id: str = ""
-                     ) -> tuple[str, TurnEffects | None, Decision | None]:
+    async def turn_effects(self, sid: str, cp_id: str = ""
+                           ) -> tuple[str, TurnEffects | None, Decision | None]:
         """What the sandbox did in its current turn so far (`cp_id` empty), or in the turn
         that checkpoint `cp_id` closed: (inspector backend, effects, the policy's decision).
         Effects are None when the inspector did not watch (the backend says why)."""
@@ -1548,7 +1641,7 @@ class Daemon:
         if not cp_id:
             self._live(sid)
             return self.turns.status, self.turns.current(sid), None
-        cp = self._checkpoint(cp_id)
+        cp = await self._settled_checkpoint(cp_id)
         if cp.sandbox_id != sid:
             raise InvalidArgument(f"checkpoint {cp_id} was taken of {cp.sandbox_id}, not {sid}")
         got = self.turns.recorded(sid, cp_id)
@@ -1558,13 +1651,14 @@ class Daemon:
                            f"`deltabox checkpoints {sid}`")
         return self.turns.status, got[0], got[1]
 
-    def checkpoints(self, sid: str) -> list[CheckpointRow]:
+    async def checkpoints(self, sid: str) -> list[CheckpointRow]:
         row = self._sandbox(sid)
+        await self.pending.wait_sandbox(sid)
         return [self._with_dump(c) for c in
                 _tree_order(self.db.family_checkpoints(row.family_id))]
 
-    def get_checkpoint(self, cp_id: str) -> CheckpointRow:
-        return self._with_dump(self._checkpoint(cp_id))
+    async def get_checkpoint(self, cp_id: str) -> CheckpointRow:
+        return self._with_dump(await self._settled_checkpoint(cp_id))
 
     def _with_dump(self, c: CheckpointRow) -> CheckpointRow:
         """The row with the state of its process dump as a last reason (not stored)."""
@@ -1576,7 +1670,7 @@ class Daemon:
     async def delete_checkpoint(self, cp_id: str) -> bool:
         """Forget a checkpoint; its children hang from its parent; its layer is freed when
         nothing else references it."""
-        cp = self._checkpoint(cp_id)
+        cp = await self._settled_checkpoint(cp_id)
         crash_point("delete_checkpoint.before_commit")
         with self.db.transaction():
             self.db.delete_checkpoint(cp_id)
@@ -1596,7 +1690,7 @@ class Daemon:
         return False
 
     async def diff(self, a_id: str, b_id: str) -> tuple[list[str], list[str], list[str], str]:
-        a, b = self._checkpoint(a_id), self._checkpoint(b_id)
+        a, b = await self._settled_checkpoint(a_id), await self._settled_checkpoint(b_id)
         if a.image != b.image:
             raise FailedPrecondition(f"{a_id} and {b_id} have different images "
                                      f"({a.image} vs {b.image}); diff compares one image's layers")

@@ -1,0 +1,63 @@
+"""Checkpoints promised to a client before they are committed.
+
+A checkpoint requested in the background (`Checkpoint` with `background`, or `checkpoint`
+on `Exec` / `SessionRun`: the turn boundary) gets its id at once; the daemon takes it right
+after, under the sandbox's lock, while the client goes on (an agent's next model call).
+Until it is committed the id is *pending*: an operation that names it waits for it, and if
+it failed, gets its error -- the client has no other way to learn why. A daemon that dies
+before the commit never had the checkpoint: the id is then unknown (NOT_FOUND), never a
+half-made checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import trio
+
+from ..errors import DeltaBoxError
+
+# Failures kept for clients that ask about them later (oldest forgotten first).
+FAILED_KEPT = 1024
+
+
+@dataclass
+class _Promise:
+    sandbox_id: str
+    done: trio.Event = field(default_factory=trio.Event)
+
+
+class PendingCheckpoints:
+    def __init__(self) -> None:
+        self._promised: dict[str, _Promise] = {}
+        self._failed: OrderedDict[str, DeltaBoxError] = OrderedDict()
+
+    def promise(self, cp_id: str, sandbox_id: str) -> None:
+        self._promised[cp_id] = _Promise(sandbox_id)
+
+    def settle(self, cp_id: str, error: DeltaBoxError | None = None) -> None:
+        """The checkpoint is committed (no error) or will never be (its error)."""
+        if error is not None:
+            self._failed[cp_id] = error
+            while len(self._failed) > FAILED_KEPT:
+                self._failed.popitem(last=False)
+        p = self._promised.pop(cp_id, None)
+        if p is not None:
+            p.done.set()
+
+    async def wait(self, cp_id: str) -> None:
+        """Return once `cp_id` is not pending; raise its error if it failed."""
+        p = self._promised.get(cp_id)
+        if p is not None:
+            await p.done.wait()
+        err = self._failed.get(cp_id)
+        if err is not None:
+            raise type(err)(f"checkpoint {cp_id} was requested in the background and failed: "
+                            f"{err.message}")
+
+    async def wait_sandbox(self, sandbox_id: str) -> None:
+        """Return once none of the sandbox's checkpoints is pending (failures not raised:
+        a listing shows what exists)."""
+        for p in [p for p in self._promised.values() if p.sandbox_id == sandbox_id]:
+            await p.done.wait()
