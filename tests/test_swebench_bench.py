@@ -83,7 +83,7 @@ def test_replay_agrees_across_systems(daemon, tmp_path: Path) -> None:
         assert isinstance(s["overhead_pct"], float)
 
     lin = runs["linear"]["systems"]
-    assert set(lin) == {"floor", "deltabox", "copytree", "docker_commit"}
+    assert set(lin) == {"floor", "deltabox", "deltabox_turn", "copytree", "docker_commit"}
     # the replayed codes are the states' real ones (the edit took effect, nothing leaked)
     assert [lin["deltabox"]["codes"][str(i)] for i in range(len(ACTIONS))] == [0, 0, 0, 2, 0, 0]
     assert sum(o["op"] == "checkpoint" for o in lin["deltabox"]["ops"]) == len(ACTIONS) + 1
@@ -94,8 +94,15 @@ def test_replay_agrees_across_systems(daemon, tmp_path: Path) -> None:
     dbx_rb = [o for o in mcts["systems"]["deltabox"]["ops"] if o["op"] == "rollback"]
     assert len(dbx_rb) == 4 and all(o["process_state"] for o in dbx_rb)
     steps = {st["step"]: st for st in mcts["steps"]}
-    for name in ("copytree", "docker_commit", "restart_replay"):
+    for name in ("deltabox_turn", "copytree", "docker_commit", "restart_replay"):
         assert mcts["systems"][name]["codes"] == mcts["systems"]["deltabox"]["codes"], name
+    # turn-boundary checkpoints (think=0: each is still pending when the next call comes)
+    # are all taken, and resolved afterwards to what they were
+    for run in runs.values():
+        turn = [o for o in run["systems"]["deltabox_turn"]["ops"] if o["op"] == "checkpoint"]
+        assert len(turn) == len([o for o in run["systems"]["deltabox"]["ops"]
+                                 if o["op"] == "checkpoint"])
+        assert all(o["kind"] in ("skipped", "fs", "full") for o in turn), turn
     for step, code in mcts["systems"]["deltabox"]["codes"].items():
         action = ACTIONS[steps[int(step)]["action"]]
         assert code == action.get("returncode", 0), (step, action, code)

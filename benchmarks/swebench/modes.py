@@ -107,8 +107,8 @@ def run_tree(system: System, steps: list[Step], linear: bool) -> dict[str, Any]:
                 system.rollback(s.parent, path, s.step)
                 if system.tree:
                     hashes[f"step {s.step} after rollback to node {s.parent}"] = system.hash()
-            codes[s.step] = system.action(s.action, s.step, node=s.node)
-            system.checkpoint(s.node, list(range(s.depth)), s.step)
+            codes[s.step] = system.act_and_checkpoint(s.action, s.step, s.node,
+                                                      list(range(s.depth)))
             if linear and (s.step + 1) % HASH_EVERY_LINEAR == 0:
                 hashes[f"node {s.node}"] = system.hash()
         hashes["final"] = system.hash()

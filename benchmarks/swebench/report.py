@@ -18,7 +18,8 @@ from typing import Any
 
 from benchmarks.common import finish_figure, percentile, pyplot
 
-COLORS = {"floor": "#7f7f7f", "deltabox": "#1f77b4", "copytree": "#d62728",
+COLORS = {"floor": "#7f7f7f", "deltabox": "#1f77b4", "deltabox_turn": "#17becf",
+          "copytree": "#d62728",
           "docker_commit": "#ff7f0e", "restart_replay": "#9467bd"}
 SYSTEMS = tuple(COLORS)
 MD_DEFAULT = Path(__file__).resolve().parent / "RESULTS.md"
@@ -195,10 +196,18 @@ def _agree(c: dict[str, Any]) -> str:
     return f"{n - bad}/{n}" if n else "-"
 
 
+def turn(ps: dict[str, Any]) -> str:
+    """DeltaBox with turn-boundary checkpoints: its e2e time and overhead over the floor."""
+    t = ps.get("deltabox_turn")
+    return "n/a" if t is None else (f"{t['e2e_ms'] / 1000:.2f} s "
+                                    f"({_f(t.get('overhead_pct'), '+.1f', ' %')})")
+
+
 def run_rows(doc: dict[str, Any]) -> list[str]:
     head = ("| trajectory | mode | floor | DeltaBox | overhead | C/R share | repeat: floor, "
-            "DeltaBox | copytree | docker_commit | restart_replay | exit codes | state hashes |")
-    rows = [head, "|" + "---|" * 12]
+            "DeltaBox | DeltaBox, turn checkpoints (overhead) | copytree | docker_commit | "
+            "restart_replay | exit codes | state hashes |")
+    rows = [head, "|" + "---|" * 13]
     for r in _runs(doc):
         s = r["summary"]
         ps = s["per_system"]
@@ -215,7 +224,8 @@ def run_rows(doc: dict[str, Any]) -> list[str]:
             f"{_f(s.get('overhead_pct'), '+.1f', ' %')} | "
             f"{_f(s.get('cr_share_pct'), '.1f', ' %')} | "
             f"{_f(s.get('floor_repeat_pct'), '+.1f', ' %')}, "
-            f"{_f(s.get('deltabox_repeat_pct'), '+.1f', ' %')} | {base('copytree')} | "
+            f"{_f(s.get('deltabox_repeat_pct'), '+.1f', ' %')} | {turn(ps)} | "
+            f"{base('copytree')} | "
             f"{base('docker_commit')} | {base('restart_replay')} | "
             f"{_agree(s['codes_vs_deltabox'])} | {_agree(s['hashes_vs_deltabox'])} |")
     return rows
@@ -382,6 +392,10 @@ def markdown(doc: dict[str, Any], results_dir: str, img_dir: str = "results",
                      f"together: {_f(a.get('total_overhead_pct'), '+.1f', ' %')}; baselines' "
                      "end-to-end time / DeltaBox's: " + ", ".join(
                          f"{b} {x:.2f}x" for b, x in a["total_ratio_vs_deltabox"].items()))
+        if a.get("turn_total_overhead_pct") is not None:
+            lines[-1] += ("; with checkpoints at the actions' ends (exec checkpoint=, taken "
+                          "during the think pause): "
+                          f"{_f(a['turn_total_overhead_pct'], '+.1f', ' %')}")
     lines += ["", "Per step, in this run:", ""] + per_step_lines(doc)
     slower = not_slower_lines(doc)
     if slower:

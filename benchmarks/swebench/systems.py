@@ -68,12 +68,7 @@ def run_action(ctx: Ctx, sbx: Any, action: Action) -> Code:
     from deltabox import errors
 
     if action.kind == "shell":
-        try:
-            r = sbx.exec([*ctx.traj.interpreter, action.cmd], cwd=ctx.env.workdir,
-                         env=ctx.env.exec_env, timeout=ctx.timeout)
-        except errors.DeadlineExceeded:
-            return "timeout"
-        return r.exit_code
+        return run_shell(ctx, sbx, action)[0]
     path = action.path if action.path.startswith("/") else f"{ctx.env.workdir}/{action.path}"
     try:
         if action.kind == "create":
@@ -89,6 +84,19 @@ def run_action(ctx: Ctx, sbx: Any, action: Action) -> Code:
     sbx.files.write(path, text.replace(action.old, action.new, 1).encode(
         "utf-8", errors="surrogateescape"))
     return 0
+
+
+def run_shell(ctx: Ctx, sbx: Any, action: Action, **checkpoint: str) -> tuple[Code, str]:
+    """A shell action; with `checkpoint=MODE, checkpoint_label=...` the sandbox is
+    checkpointed at its end (DeltaBox's turn-boundary checkpoint). (code, checkpoint id)."""
+    from deltabox import errors
+
+    try:
+        r = sbx.exec([*ctx.traj.interpreter, action.cmd], cwd=ctx.env.workdir,
+                     env=ctx.env.exec_env, timeout=ctx.timeout, **checkpoint)
+    except errors.DeadlineExceeded:
+        return "timeout", ""
+    return r.exit_code, r.checkpoint_id
 
 
 def state_hash(ctx: Ctx, sbx: Any) -> dict[str, str]:
@@ -160,6 +168,12 @@ class System:
     def checkpoint(self, node: int, path: list[int], step: int) -> None:
         """Save the live state as `node` (whose path from the root is `path`)."""
 
+    def act_and_checkpoint(self, idx: int, step: int, node: int, path: list[int]) -> Code:
+        """An expansion: action `idx`, then save the result as `node`."""
+        code = self.action(idx, step, node=node)
+        self.checkpoint(node, path, step)
+        return code
+
     def rollback(self, node: int, path: list[int], step: int) -> None:
         raise NotImplementedError
 
@@ -221,6 +235,46 @@ class DeltaBox(System):
         self.record("fork", (time.perf_counter() - t0) * 1000, step=step, node=node, count=n,
                     process_state=kids[0].process_state if kids else "")
         return kids
+
+
+class DeltaBoxTurn(DeltaBox):
+    """DeltaBox with the checkpoint asked for at the action's end, as an agent loop would:
+    `exec(..., checkpoint="auto")` for a shell action, `checkpoint(background=True)` after a
+    file edit. The daemon takes it while the agent thinks (the untimed pause); a rollback
+    or fork naming it waits for it if it is not done. Recorded: the action's time (its
+    answer, which does not wait for the checkpoint), and as the checkpoint's client time
+    only the extra call an edit needs (0 for a shell action); the checkpoint's own daemon
+    time and kind are read afterwards, untimed."""
+
+    name = "deltabox_turn"
+
+    def act_and_checkpoint(self, idx: int, step: int, node: int, path: list[int]) -> Code:
+        action = self.ctx.traj.actions[idx]
+        label = f"node {node}"
+        t0 = time.perf_counter()
+        if action.kind == "shell":
+            code, cp_id = run_shell(self.ctx, self.sbx, action, checkpoint="auto",
+                                    checkpoint_label=label)
+            t1 = t2 = time.perf_counter()
+        else:
+            code = run_action(self.ctx, self.sbx, action)
+            t1 = time.perf_counter()
+            cp_id = self.sbx.checkpoint(label=label, background=True).id
+            t2 = time.perf_counter()
+        self.record("action", (t1 - t0) * 1000, step=step, action=idx, code=code, node=node)
+        self.record("checkpoint", (t2 - t1) * 1000, step=step, node=node, cp_id=cp_id,
+                    attached=action.kind == "shell")
+        self.cps[node] = cp_id
+        return code
+
+    def close(self) -> None:
+        """Untimed: each checkpoint's kind and daemon time, now that all are taken."""
+        for rec in self.ops:
+            if rec["op"] == "checkpoint" and rec.get("cp_id") and self.sbx is not None:
+                cp = self.sbx.get_checkpoint(rec["cp_id"])
+                rec.update(kind=cp.kind, server_ms=cp.duration_ms, freeze_ms=cp.freeze_ms,
+                           reasons=list(cp.reasons))
+        super().close()
 
 
 class Copytree(System):
@@ -475,6 +529,7 @@ class RestartReplay(System):
 
 
 SYSTEMS: dict[str, type[System]] = {c.name: c for c in
-                                    (Floor, DeltaBox, Copytree, DockerCommit, RestartReplay)}
+                                    (Floor, DeltaBox, DeltaBoxTurn, Copytree, DockerCommit,
+                                     RestartReplay)}
 BASELINES = ("copytree", "docker_commit", "restart_replay")
 CR_OPS = ("checkpoint", "rollback", "fork", "child", "copy_out")
