@@ -41,6 +41,7 @@ class Plan:
     think: float = 0.2              # untimed pause before each decision (see README)
     warmup_actions: int = 20        # run untimed once per trajectory before measuring
     repeat: bool = True             # floor, deltabox, deltabox, floor (ABBA), then baselines
+    turn_modes: tuple[str, ...] = ("linear", "mcts")   # where deltabox_turn runs
 
     def json(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,8 +103,9 @@ def run_mode(ctx: Ctx, mode: str, plan: Plan) -> dict[str, Any]:
         if mode == "linear" and name == "restart_replay":
             run["not_run"][name] = "linear has no rollback: restart-and-replay is the floor"
             continue
-        if mode == "fanout" and name == "deltabox_turn":
-            run["not_run"][name] = "fan-out takes one checkpoint: nothing to overlap"
+        if name == "deltabox_turn" and mode not in plan.turn_modes:
+            run["not_run"][name] = ("fan-out takes one checkpoint: nothing to overlap"
+                                    if mode == "fanout" else "not in this plan's turn_modes")
             continue
         (run["repeats"] if key.endswith("#2") else run["systems"])[name] = one(name)
         run["settle_ms"].append(ctx.settle())

@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mode", action="append", choices=core.MODES, default=[],
                    help="linear | mcts | fanout (repeatable; default all three)")
     p.add_argument("--quick", action="store_true",
-                   help="short trajectories, mcts 30 expansions / 14 rollbacks, fan-out N <= 8")
+                   help="short trajectories, mcts 30 expansions / 14 rollbacks, fan-out N <= 8, "
+                   "deltabox_turn in mcts only")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
     p.add_argument("--systems", default=",".join(core.ORDER),
                    help="comma-separated subset of " + ", ".join(core.ORDER))
@@ -92,7 +93,8 @@ def make_plan(args: argparse.Namespace) -> core.Plan:
         seed=args.seed, fanout_counts=tuple(int(x) for x in fan.split(",")),
         replay_fanout_max=args.replay_fanout_max or (4 if args.quick else 8),
         timeout=args.timeout, think=args.think,
-        warmup_actions=args.warmup, repeat=not args.no_repeat)
+        warmup_actions=args.warmup, repeat=not args.no_repeat,
+        turn_modes=("mcts",) if args.quick else ("linear", "mcts"))
 
 
 def pick_trajectories(args: argparse.Namespace) -> list[Trajectory]:
