@@ -95,9 +95,12 @@ class Servicer(pb_grpc.DeltaBoxServicer):
                           "(see the daemon log)")
         raise AssertionError("unreachable")
 
-    def _answered(self, context: grpc.ServicerContext) -> trio.Event:
+    def _answered(self, context: grpc.ServicerContext, wanted: object = True
+                  ) -> trio.Event | None:
         """An event set in the trio loop once this call has ended (its answer sent), for
-        work the call leaves in the background to wait for."""
+        work the call leaves in the background to wait for; None unless `wanted`."""
+        if not wanted:
+            return None
         ev = trio.Event()
 
         def ended() -> None:
@@ -145,12 +148,12 @@ class Servicer(pb_grpc.DeltaBoxServicer):
         ran = self._run(context, self.d.exec, request.sandbox_id, list(request.argv),
                         request.shell, request.cwd, dict(request.env), request.stdin,
                         request.timeout, None, request.checkpoint, request.checkpoint_label,
-                        self._answered(context))
+                        self._answered(context, request.checkpoint))
         return exec_pb(ran)
 
     def ExecStream(self, request, context) -> Iterator[pb.ExecChunk]:  # noqa: N802
         self._authorize(context)
-        answered = self._answered(context)
+        answered = self._answered(context, request.checkpoint)
         chunks: queue.SimpleQueue = queue.SimpleQueue()
         scope = trio.CancelScope()
 
@@ -196,7 +199,7 @@ class Servicer(pb_grpc.DeltaBoxServicer):
     def SessionRun(self, request, context):  # noqa: N802
         ran = self._run(context, self.d.session_run, request.sandbox_id, request.session,
                         request.command, request.timeout, request.checkpoint,
-                        request.checkpoint_label, self._answered(context))
+                        request.checkpoint_label, self._answered(context, request.checkpoint))
         return exec_pb(ran)
 
     def SessionClose(self, request, context):  # noqa: N802
