@@ -17,6 +17,10 @@ in the same run:
 - rollback to the checkpoint just taken and to an older one (the configuration's first),
   timed client-side after a settle pause (the warm pool prepares the rollback meanwhile);
   the response's process_state must be "restored"; memory CRCs and a file are verified;
+- the same checkpoint at the turn boundary: a session command (`:`) with `checkpoint="auto"`
+  beside the same command without it (the workload dirties 1 MB before each); the answer
+  does not wait for the checkpoint, whose daemon time and kind are read afterwards, and a
+  rollback to it (untimed) must restore the file and the memory CRC;
 - restart-and-replay: kill the process(es), start fresh ones, wait until every one has rebuilt
   the same state (allocated and patterned SIZE_MB; its CRC is checked afterwards);
 - physical floor: on the host, fork() of a python process of the same size (nproc forks of
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -242,6 +247,13 @@ class Series:
     floor_ms: list[float] = field(default_factory=list)
     floor_rss_kb: int = 0
     floor_nfork: int = 1
+    # The same checkpoint asked for at a session command's end (turn boundary): that
+    # command's client time, beside the same command without it, and the checkpoint's own
+    # daemon time and kind (read afterwards, untimed).
+    turn_plain_ms: list[float] = field(default_factory=list)
+    turn_ckpt_ms: list[float] = field(default_factory=list)
+    turn_ckpt_server_ms: list[float] = field(default_factory=list)
+    turn_ckpt_kind: list[str] = field(default_factory=list)
 
 
 # ---- the sandbox side ------------------------------------------------------------------------
@@ -506,6 +518,32 @@ def run_config(d: PrivateDaemon, cfg: Config, plan: Plan) -> Series:
             sbx.files.write(probe, "base\n")
             base = sbx.checkpoint(label=f"base after recovery at rep {rep}")
 
+        def turn_boundary(rep: int, verify: bool) -> None:
+            wl.dirty(1, (rep + 17) % cfg.size_mb, 31 + rep % 50)
+            wl.settle()
+            with Timer() as tm:
+                wl.session.run(":")
+            s.turn_plain_ms.append(tm.ms)
+            tag = f"rep {rep} turn\n"
+            sbx.files.write(probe, tag)
+            h_turn = wl.dirty(1, (rep + 19) % cfg.size_mb, 61 + rep % 50, want_hash=verify)
+            wl.settle()
+            with Timer() as tm:
+                r = wl.session.run(":", checkpoint="auto", checkpoint_label=f"turn {rep}")
+            s.turn_ckpt_ms.append(tm.ms)
+            cp = sbx.get_checkpoint(r.checkpoint_id)     # untimed: waits until it is taken
+            s.turn_ckpt_server_ms.append(cp.duration_ms)
+            s.turn_ckpt_kind.append(cp.kind)
+            wl.dirty(1, (rep + 23) % cfg.size_mb, 91 + rep % 50)
+            sbx.files.write(probe, "after the turn\n")
+            rb = sbx.rollback(cp)                        # untimed: it restores exactly
+            if not check_outcome(rb, "turn", rep):
+                recover(rep)
+                return
+            check_file(tag, rep, "turn")
+            if verify:
+                check_hashes(wl.hashes(), h_turn, rep, "turn")
+
         log(f"{cfg.name}: {plan.reps} reps of checkpoint + rollback (newest, older)")
         size_total = cfg.size_mb * cfg.nproc
         for rep in range(plan.reps):
@@ -550,6 +588,14 @@ def run_config(d: PrivateDaemon, cfg: Config, plan: Plan) -> Series:
             check_file("base\n", rep, "older")
             if verify:
                 check_hashes(wl.hashes(), base_hashes, rep, "older")
+
+
+        # The same checkpoint at a session command's end (exec/session checkpoint=): the
+        # command answers before the checkpoint is taken (daemon/pending.py). A loop of its
+        # own, after the series above, whose background work it would otherwise disturb.
+        log(f"{cfg.name}: {plan.reps} reps of a session command with checkpoint=auto")
+        for rep in range(plan.reps):
+            turn_boundary(rep, size_total <= VERIFY_ALL_MAX_MB or rep == plan.reps - 1)
 
         # The session continued across all those rollbacks (its cwd and variable).
         r = wl.session.run(f"echo ${SESSION_VAR}; pwd")
@@ -740,6 +786,13 @@ def summarize(series: list[Series], fork: dict | None, tmem: list[dict] | None) 
             "replay_hash_ok": all(s.replay_hash_ok) if s.replay_hash_ok else None,
             "session_kept": s.session_after.get("ok"),
             "checkpoint_kinds": sorted(set(s.checkpoint_kind)),
+            "turn_command_ms": stats(s.turn_plain_ms),
+            "turn_command_with_checkpoint_ms": stats(s.turn_ckpt_ms),
+            "turn_checkpoint_server_ms": stats(s.turn_ckpt_server_ms),
+            "turn_checkpoint_kinds": sorted(set(s.turn_ckpt_kind)),
+            # what a checkpoint at the turn boundary costs the client: p50 difference
+            "turn_checkpoint_visible_ms": (stats(s.turn_ckpt_ms).get("p50", math.nan)
+                                           - stats(s.turn_plain_ms).get("p50", math.nan)),
         }
     out: dict[str, Any] = {"per_config": per}
     if fork is not None:
@@ -825,6 +878,15 @@ def print_summary(summary: dict, targets: dict, json_path: Path, png_path: Path)
           f"({_fmt(r['checkpoint_freeze_ms'].get('p50'), 5)}) / "
           f"{_fmt(r['rollback_newest_server_ms'].get('p50'))} / "
           f"{_fmt(r['rollback_older_server_ms'].get('p50'))}")
+    p("")
+    p("checkpoint at a session command's end (turn boundary; p50, ms): the command alone / "
+      "with checkpoint= / what the client sees of it / the checkpoint's daemon time (kind)")
+    for name, r in summary["per_config"].items():
+        p(f"{name:8} {_fmt(r['turn_command_ms'].get('p50'))} / "
+          f"{_fmt(r['turn_command_with_checkpoint_ms'].get('p50'))} / "
+          f"{_fmt(r['turn_checkpoint_visible_ms'])} / "
+          f"{_fmt(r['turn_checkpoint_server_ms'].get('p50'))} "
+          f"({', '.join(r['turn_checkpoint_kinds'])})")
     if "fork" in summary:
         p("")
         p("fan-out fork (files + processes restored from templates in every child)")
@@ -1103,6 +1165,12 @@ def main(argv: list[str] | None = None) -> int:
                     "re-checkpointed); the changed file is checked after every rollback and "
                     "the workload's memory CRC-32 after every rollback (configs <= 256 MB in "
                     "all) or every 4th rep and the last",
+                    "turn_boundary": "per rep, the workload dirties 1 MB, pause, "
+                    "session.run(':') timed; a file changes, the workload dirties 1 MB, pause, "
+                    "session.run(':', checkpoint='auto') timed; the checkpoint's record is "
+                    "read afterwards (get_checkpoint waits for it: untimed), then the workload "
+                    "diverges and a rollback to it (untimed) is verified like the others; "
+                    "turn_checkpoint_visible_ms = p50 with - p50 without",
                     "restart_replay": "kill -9 of the workload's processes (one exec, which "
                     "also removes their control files) + start fresh ones from the session + "
                     "poll the files API until each has written its ready file (memory "
