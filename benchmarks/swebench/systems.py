@@ -269,9 +269,15 @@ class DeltaBoxTurn(DeltaBox):
 
     def close(self) -> None:
         """Untimed: each checkpoint's kind and daemon time, now that all are taken."""
+        from deltabox import errors
+
         for rec in self.ops:
             if rec["op"] == "checkpoint" and rec.get("cp_id") and self.sbx is not None:
-                cp = self.sbx.get_checkpoint(rec["cp_id"])
+                try:
+                    cp = self.sbx.get_checkpoint(rec["cp_id"])
+                except errors.DeltaBoxError as e:  # it failed: say why, in its record
+                    rec.update(kind="failed", error=str(e)[:300])
+                    continue
                 rec.update(kind=cp.kind, server_ms=cp.duration_ms, freeze_ms=cp.freeze_ms,
                            reasons=list(cp.reasons))
         super().close()
