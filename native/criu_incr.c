@@ -862,49 +862,6 @@ static int classify_cb(const struct raw_vma *r, void *arg)
 	return 0;
 }
 
-/* Fields of /proc/pid/stat after the comm (field numbers are 1-based, as in proc(5)). */
-static int read_stat_mm(pid_t pid, uint64_t mm[11], struct dbxcr_error *err)
-{
-	char path[64], buf[4096], *p;
-	unsigned long long f[64];
-	int n = 0;
-
-	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-	if (read_small_file(path, buf, sizeof(buf)) < 0)
-		return fail(err, errno, pid, "read %s", path);
-	p = strrchr(buf, ')');
-	if (!p)
-		return fail(err, EPROTO, pid, "parse %s", path);
-	p += 2;			/* field 3 (state) */
-	p = strchr(p, ' ');	/* skip state */
-	/* f[k] = field k+4 */
-	while (p && n < 60) {
-		char *end;
-
-		f[n] = strtoull(p, &end, 10);
-		if (end == p)
-			break;
-		n++;
-		p = end;
-	}
-	if (n < 48)
-		return fail(err, EPROTO, pid, "%s has %d fields", path, n + 3);
-#define FLD(k) f[(k) - 4]
-	mm[0] = FLD(26);	/* start_code */
-	mm[1] = FLD(27);	/* end_code */
-	mm[2] = FLD(45);	/* start_data */
-	mm[3] = FLD(46);	/* end_data */
-	mm[4] = FLD(47);	/* start_brk */
-	mm[5] = 0;		/* brk: asked with brk(0) */
-	mm[6] = FLD(28);	/* start_stack */
-	mm[7] = FLD(48);	/* arg_start */
-	mm[8] = FLD(49);	/* arg_end */
-	mm[9] = FLD(50);	/* env_start */
-	mm[10] = FLD(51);	/* env_end */
-#undef FLD
-	return 0;
-}
-
 static void parse_ids(const char *v, uint32_t out[3])
 {
 	unsigned a = 0, b = 0, c = 0;
@@ -1292,6 +1249,7 @@ struct dbxcr_dump_job {
 	struct dump_out out;
 	struct buf corebuf, auxv;
 	unsigned char *chunk;
+	uint64_t read_at;	/* a page the walk read (0: none yet), for mm_outlived_walk */
 	uint8_t id[16];
 	char tmpname[PATH_MAX], dirpath[PATH_MAX], base[PATH_MAX], path[PATH_MAX];
 };
@@ -1357,6 +1315,8 @@ static int dump_vma(struct dbxcr_dump_job *j, const struct vma *v, struct buf *o
 						    " (the template exited during its dump)" : "");
 				off += riov[i].iov_len;
 			}
+			if (ni && !j->read_at)
+				j->read_at = (uint64_t)(uintptr_t)riov[0].iov_base;
 		}
 		for (size_t s = 0; s < nsel; s++) {
 			unsigned char *pg = chunk + s * PAGE;
@@ -1593,11 +1553,16 @@ static int job_core(struct dbxcr_dump_job *j, struct dbxcr_template *tpl,
 		if (walk_maps(pid, true, classify_cb, &c, err) < 0)
 			return -1;
 	}
-	if (read_stat_mm(pid, core->mm, err) < 0 ||
+	if (read_mm_bounds(pid, core->mm, err) < 0 ||
 	    read_status_bits(pid, core, o->seccomp_ok, err) < 0 ||
 	    query_template(tpl, core, err) < 0 ||
 	    vdso_hash(pid, core->vdso_hash, &core->vdso_size, err) < 0)
 		return -1;
+	if (tpl->args_hidden) {	/* the template's command line is empty; the image keeps the
+				 * origin's (brk, asked above, is the same: a template never runs) */
+		core->mm[MM_ARG_START] = tpl->mm[MM_ARG_START];
+		core->mm[MM_ARG_END] = tpl->mm[MM_ARG_END];
+	}
 	if (tpl->comm[0]) {	/* the template is named TEMPLATE_COMM; the image keeps the origin's */
 		memset(core->comm, 0, sizeof(core->comm));
 		memcpy(core->comm, tpl->comm, strnlen(tpl->comm, sizeof(core->comm) - 1));
@@ -1751,6 +1716,35 @@ out:
 	return rc < 0 ? fail(err, ENOMEM, pid, "allocate mm image") : 0;
 }
 
+/* Whether the template's mm was still alive when the walk ended (so during all of it: an
+ * mm never comes back).  Once a template exits, PAGEMAP_SCAN on the pagemap fd opened at
+ * begin walks an mm without VMAs and reports no page at all (seen on Linux 6.18.44), so
+ * a dump whose template was released meanwhile would otherwise end "successfully" with
+ * its pages missing.  /proc/pid/mem reads need a live mm (mmget_not_zero): one byte of a
+ * page the walk read, or of the first ordinary VMA, tells. */
+static int mm_outlived_walk(struct dbxcr_dump_job *j, struct dbxcr_error *err)
+{
+	uint64_t at = j->read_at;
+	unsigned char byte;
+	ssize_t n;
+
+	for (size_t i = 0; !at && i < j->vl.n; i++)
+		if (!(j->vl.v[i].flags & VMA_SPECIAL))
+			at = j->vl.v[i].start;
+	if (!at)
+		return 0;	/* nothing but special mappings: nothing was read */
+	do
+		n = pread(j->memfd, &byte, 1, (off_t)at);
+	while (n < 0 && errno == EINTR);
+	if (n == 1)
+		return 0;
+	if (n == 0)
+		return fail(err, ESRCH, j->pid, "the template exited during its dump (its "
+			    "memory is gone); no image written");
+	return fail(err, errno, j->pid, "read /proc/%d/mem at %#llx after the walk", (int)j->pid,
+		    (unsigned long long)at);
+}
+
 int dbxcr_dump_finish(struct dbxcr_dump_job *j, struct dbxcr_dump_stats *stats,
 		      struct dbxcr_error *err)
 {
@@ -1762,6 +1756,8 @@ int dbxcr_dump_finish(struct dbxcr_dump_job *j, struct dbxcr_dump_stats *stats,
 	for (size_t i = 0; i < j->vl.n; i++)
 		if (dump_vma(j, &j->vl.v[i], &outbuf, &segbuf, err) < 0)
 			goto out;
+	if (mm_outlived_walk(j, err) < 0)
+		goto out;
 	if (outbuf.len) {
 		if (full_write(j->out.pages_fd, outbuf.p, outbuf.len) < 0) {
 			fail(err, errno, pid, "write pages.img");
@@ -2557,7 +2553,7 @@ static int r_set_mm(struct restore *R, struct dbxcr_error *err)
 		mm.brk = core->mm[5];
 		mm.start_stack = core->mm[6];
 		mm.arg_start = core->mm[7];
-		mm.arg_end = core->mm[8];
+		mm.arg_end = core->mm[7];	/* a template: empty command line (disguise) */
 		mm.env_start = core->mm[9];
 		mm.env_end = core->mm[10];
 		mm.auxv = (__u64 *)auxv_at;
@@ -2865,6 +2861,8 @@ struct dbxcr_template *dbxcr_restore_template(pid_t host, int image_dirfd, int r
 	memcpy(tpl->comm, R.im->core->comm, sizeof(tpl->comm));
 	tpl->comm[sizeof(tpl->comm) - 1] = '\0';
 	tpl->named = true;
+	tpl->args_hidden = true;	/* by r_set_mm; children get the image's bounds back */
+	memcpy(tpl->mm, R.im->core->mm, sizeof(tpl->mm));
 	tpl->pend.n = (int)R.im->core->npending;
 	for (int i = 0; i < tpl->pend.n; i++) {
 		memcpy(&tpl->pend.info[i], (const char *)R.im->pending + i * sizeof(siginfo_t),

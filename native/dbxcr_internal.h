@@ -19,6 +19,11 @@
 #define KERN_ERESTART_RESTARTBLOCK 516
 
 #define USER_CS_64 0x33		/* __USER_CS: a 64-bit task; 0x23 would be ia32 */
+/* An mm's bounds, in the order of struct prctl_mm_map's first fields: start_code end_code
+ * start_data end_data start_brk brk start_stack arg_start arg_end env_start env_end. */
+#define MM_BOUNDS 11
+#define MM_ARG_START 7
+#define MM_ARG_END 8
 #define SCRATCH_LEN (4 * 4096)	/* template-private page(s) for syscall arguments */
 #define MAX_XFER_FDS 64
 #define MAX_EXTRA_SIGS 8
@@ -75,6 +80,11 @@ struct dbxcr_template {
 	struct pending_sigs pend;	/* origin's pending signals at checkpoint */
 	char comm[16];		/* origin's name; the template itself is named TEMPLATE_COMM */
 	bool named;		/* ... already (see name_new_template) */
+	/* The template's command line is empty (its mm's argument bounds cut to nothing), so
+	 * `pgrep -f` / `pkill -f` in the sandbox never take it for the program; mm: the
+	 * origin's bounds, which finish_child gives back to every child (see disguise). */
+	bool args_hidden;
+	uint64_t mm[MM_BOUNDS];
 };
 
 /* Options for every tracee we inject into (see fork_template.c). */
@@ -103,6 +113,12 @@ int adopt(struct tracee *t, pid_t pid, unsigned long site, struct dbxcr_error *e
 /* The template's scratch area, mapped at its first use (a spawn, a dump) rather than in the
  * checkpoint's freeze window. */
 int template_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err);
+/* The mm bounds of pid from /proc/pid/stat; brk (not there) is left 0: ask brk(0). */
+int read_mm_bounds(pid_t pid, uint64_t mm[MM_BOUNDS], struct dbxcr_error *err);
+/* prctl(PR_SET_MM, PR_SET_MM_MAP) injected into a stopped tracee (exe and auxv unchanged),
+ * the map passed through the struct prctl_mm_map-sized area at `scratch`. */
+int set_mm_bounds(struct tracee *t, unsigned long scratch, const uint64_t mm[MM_BOUNDS],
+		  struct dbxcr_error *err);
 /* prctl(PR_SET_NAME) injected into a stopped tracee, the name passed through `scratch`. */
 int set_comm(struct tracee *t, unsigned long scratch, const char *name, struct dbxcr_error *err);
 int remote_syscall(struct tracee *t, long nr, const long a[6], long *ret,

@@ -109,6 +109,7 @@
 #include <pthread.h>
 #include <time.h>
 #include <netinet/in.h>
+#include <linux/prctl.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
@@ -897,10 +898,96 @@ static pid_t fork_template_from(struct tracee *orig, struct dbxcr_error *err)
 	return orig->new_child;
 }
 
-/* Name the template TEMPLATE_COMM, remembering its origin's name (fork copied it) for its
- * children; the name is passed through `at`, 16 writable bytes of the template. */
-static int name_template(struct dbxcr_template *tpl, struct tracee *t, unsigned long at,
-			 struct dbxcr_error *err)
+/* Field numbers are 1-based, as in proc(5). */
+int read_mm_bounds(pid_t pid, uint64_t mm[MM_BOUNDS], struct dbxcr_error *err)
+{
+	char path[64], buf[4096], *p;
+	unsigned long long f[64];
+	int n = 0;
+
+	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+	if (read_small_file(path, buf, sizeof(buf)) < 0)
+		return fail(err, errno, pid, "read %s", path);
+	p = strrchr(buf, ')');
+	if (!p)
+		return fail(err, EPROTO, pid, "parse %s", path);
+	p += 2;			/* field 3 (state) */
+	p = strchr(p, ' ');	/* skip state */
+	/* f[k] = field k+4 */
+	while (p && n < 60) {
+		char *end;
+
+		f[n] = strtoull(p, &end, 10);
+		if (end == p)
+			break;
+		n++;
+		p = end;
+	}
+	if (n < 48)
+		return fail(err, EPROTO, pid, "%s has %d fields", path, n + 3);
+#define FLD(k) f[(k) - 4]
+	mm[0] = FLD(26);	/* start_code */
+	mm[1] = FLD(27);	/* end_code */
+	mm[2] = FLD(45);	/* start_data */
+	mm[3] = FLD(46);	/* end_data */
+	mm[4] = FLD(47);	/* start_brk */
+	mm[5] = 0;		/* brk: asked with brk(0) */
+	mm[6] = FLD(28);	/* start_stack */
+	mm[7] = FLD(48);	/* arg_start */
+	mm[8] = FLD(49);	/* arg_end */
+	mm[9] = FLD(50);	/* env_start */
+	mm[10] = FLD(51);	/* env_end */
+#undef FLD
+	return 0;
+}
+
+int set_mm_bounds(struct tracee *t, unsigned long scratch, const uint64_t mm[MM_BOUNDS],
+		  struct dbxcr_error *err)
+{
+	struct prctl_mm_map map;
+	long a[6] = { PR_SET_MM, PR_SET_MM_MAP, (long)scratch, sizeof(map), 0, 0 };
+
+	memset(&map, 0, sizeof(map));
+	memcpy(&map, mm, sizeof(uint64_t) * MM_BOUNDS);
+	map.exe_fd = (uint32_t)-1;	/* unchanged; auxv too (auxv_size 0) */
+	if (mem_write(t->pid, scratch, &map, sizeof(map), err) < 0)
+		return -1;
+	return rsys(t, SYS_prctl, a, err, "prctl(PR_SET_MM_MAP, args %#" PRIx64 "-%#" PRIx64 ")",
+		    mm[MM_ARG_START], mm[MM_ARG_END]) < 0 ? -1 : 0;
+}
+
+/* Empty the template's command line: /proc/pid/cmdline reads the argument area between
+ * the mm's arg_start and arg_end, so with arg_end = arg_start it reads nothing and
+ * `pgrep -f` / `pkill -f` in the sandbox never match the template (a `pkill -9 -f` would
+ * otherwise lose the checkpoint's process state); ps shows it as [dbx-template].  Only
+ * the mm's bounds change, never its memory.  PR_SET_MM_MAP needs no capability when the
+ * exe file stays; it sets brk too, so brk(0) asks for the current one first. */
+static int hide_args(struct dbxcr_template *tpl, struct tracee *t, unsigned long at,
+		     struct dbxcr_error *err)
+{
+	uint64_t hidden[MM_BOUNDS];
+	long a[6] = { 0 }, brk;
+
+	if (read_mm_bounds(tpl->pid, tpl->mm, err) < 0)
+		return -1;
+	brk = rsys(t, SYS_brk, a, err, "brk(0) in the template");
+	if (brk < 0)
+		return -1;
+	tpl->mm[5] = (uint64_t)brk;
+	memcpy(hidden, tpl->mm, sizeof(hidden));
+	hidden[MM_ARG_END] = hidden[MM_ARG_START];
+	if (set_mm_bounds(t, at, hidden, err) < 0)
+		return -1;
+	tpl->args_hidden = true;
+	return 0;
+}
+
+/* Disguise the template: name it TEMPLATE_COMM, remembering its origin's name (fork copied
+ * it) for its children, and empty its command line; the arguments pass through `at`,
+ * DISGUISE_LEN writable bytes of the template. */
+#define DISGUISE_LEN sizeof(struct prctl_mm_map)
+static int disguise(struct dbxcr_template *tpl, struct tracee *t, unsigned long at,
+		    struct dbxcr_error *err)
 {
 	char path[64];
 
@@ -911,6 +998,8 @@ static int name_template(struct dbxcr_template *tpl, struct tracee *t, unsigned 
 		tpl->comm[strcspn(tpl->comm, "\n")] = '\0';
 	}
 	if (set_comm(t, at, TEMPLATE_COMM, err) < 0)
+		return -1;
+	if (!tpl->args_hidden && hide_args(tpl, t, at, err) < 0)
 		return -1;
 	tpl->named = true;
 	return 0;
@@ -948,17 +1037,18 @@ static bool private_writable(pid_t pid, unsigned long addr, size_t len)
 	       !(q.vma_flags & DBX_PROCMAP_VMA_SHARED);
 }
 
-/* A template is named while the checkpoint still holds every process of the sandbox
- * stopped, so nothing in the sandbox ever lists it under the program's name.  It has no
- * scratch area yet (mapped at its first spawn or dump, outside that window): the name goes
- * through the 16 bytes at its stack pointer, put back right after -- the template never
- * runs program code again and its children are forked later, so its memory is unchanged.
- * If that memory cannot be used (not private and writable), map_scratch names it. */
+/* A template is disguised (named, command line emptied) while the checkpoint still holds
+ * every process of the sandbox stopped, so nothing in the sandbox ever lists it as the
+ * program.  It has no scratch area yet (mapped at its first spawn or dump, outside that
+ * window): the arguments go through the DISGUISE_LEN bytes at its stack pointer, put back
+ * right after -- the template never runs program code again and its children are forked
+ * later, so its memory is unchanged.  If that memory cannot be used (not private and
+ * writable), map_scratch disguises it. */
 static int name_new_template(struct dbxcr_template *tpl, struct tracee *t,
 			     struct dbxcr_error *err)
 {
 	unsigned long at = t->regs.rsp;
-	char saved[16];
+	char saved[DISGUISE_LEN];
 
 	if (!private_writable(tpl->pid, at, sizeof(saved)))
 		return 0;
@@ -966,7 +1056,7 @@ static int name_new_template(struct dbxcr_template *tpl, struct tracee *t,
 		clear_error(err);
 		return 0;
 	}
-	if (name_template(tpl, t, at, err) < 0) {
+	if (disguise(tpl, t, at, err) < 0) {
 		struct dbxcr_error ignored;
 
 		mem_write(tpl->pid, at, saved, sizeof(saved), &ignored);
@@ -1018,9 +1108,9 @@ static int map_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err)
 	if (addr < 0)
 		return -1;
 	tpl->scratch = (unsigned long)addr;
-	/* Children forked from here on carry the name until finish_child gives them back
-	 * the origin's. */
-	if (!tpl->named && name_template(tpl, &t, tpl->scratch, err) < 0)
+	/* Children forked from here on carry the disguise until finish_child gives them back
+	 * the origin's name and command line. */
+	if (!tpl->named && disguise(tpl, &t, tpl->scratch, err) < 0)
 		return -1;
 	park_regs(tpl, &t.regs);
 	return park(tpl, err);
@@ -2052,7 +2142,8 @@ static int join_sandbox_ns(struct tracee *c, int pidfd, struct dbxcr_error *err)
 
 /* Everything done inside the new child before it is let go. */
 /* Last steps in a child before it gets the checkpointed registers: queue the original's
- * pending signals again (fork does not copy them) and unmap the scratch page. */
+ * pending signals again (fork does not copy them), give back the original's name and
+ * command line (the template's disguise) and unmap the scratch page. */
 static int finish_child(struct tracee *c, struct dbxcr_template *tpl, struct dbxcr_error *err)
 {
 	long a[6] = { (long)tpl->scratch, SCRATCH_LEN, 0, 0, 0, 0 };
@@ -2060,6 +2151,8 @@ static int finish_child(struct tracee *c, struct dbxcr_template *tpl, struct dbx
 	if (requeue_pending(c, tpl, err) < 0)
 		return -1;
 	if (tpl->comm[0] && set_comm(c, tpl->scratch, tpl->comm, err) < 0)
+		return -1;
+	if (tpl->args_hidden && set_mm_bounds(c, tpl->scratch, tpl->mm, err) < 0)
 		return -1;
 	if (rsys(c, SYS_munmap, a, err, "munmap scratch") < 0)
 		return -1;

@@ -298,6 +298,17 @@ static void test_dump_restore(const char *base)
 			CHECK(!strcmp(cn, "criu_target") && !strcmp(tn, "dbx-template"),
 			      "names: child '%s', template '%s'", cn, tn);
 		}
+		{
+			char args[4096];
+			ssize_t n = cmdline_of(ch.pid, args, sizeof(args) - 1);
+
+			/* and its command line; the restored template's is empty (disguise) */
+			args[n > 0 ? n : 0] = '\0';
+			CHECK(n > 0 && !strcmp(args, target_bin) &&
+			      cmdline_of(dbxcr_template_pid(r), args, sizeof(args)) == 0,
+			      "command lines: child '%s' (want '%s'), template not empty", args,
+			      target_bin);
+		}
 		/* same memory; the command counter is one higher than at the checkpoint */
 		CHECK(strncmp(rep, s1, 21) == 0, "restored sum '%s', expected '%s'", rep, s1);
 		CHECK(strstr(rep, " 4 2.500") != NULL, "registers/stack state: '%s'", rep);

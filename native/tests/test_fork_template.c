@@ -635,8 +635,11 @@ static void test_templates(void)
 	{
 		char t[32];
 
-		/* named from the start (ps tells it from the program) */
+		/* named from the start (ps tells it from the program), its command line empty
+		 * (pgrep -f / pkill -f do not match it) while the original keeps its own */
 		CHECK(strcmp(comm_of(tpid, t), "dbx-template") == 0, "template named '%s'", t);
+		CHECK(cmdline_of(tpid, t, sizeof(t)) == 0, "template command line not empty");
+		CHECK(cmdline_of(orig.pid, t, sizeof(t)) > 0, "original lost its command line");
 	}
 
 	/* The original goes on: its read restarted, it mutates memory and the file offset. */
@@ -687,6 +690,10 @@ static void test_templates(void)
 			CHECK(strcmp(comm_of(tpid, t), "dbx-template") == 0 &&
 			      strcmp(comm_of(c1.pid, a), comm_of(orig.pid, b)) == 0 && a[0],
 			      "names: template '%s', child '%s', original '%s'", t, a, b);
+			CHECK(same_cmdline(c1.pid, orig.pid) && same_cmdline(c2.pid, orig.pid),
+			      "children's command lines differ from the original's");
+			CHECK(cmdline_of(tpid, t, sizeof(t)) == 0,
+			      "template command line not empty after spawning");
 		}
 	}
 	{
@@ -826,7 +833,12 @@ static void test_carriers(void)
 	{
 		char name[32];
 
+		char args[4096], kargs[16];
+		ssize_t nargs = cmdline_of(orig.pid, args, sizeof(args));
+
 		comm_of(orig.pid, name);
+		/* A carrier is a template's child: disguised until its birth. */
+		CHECK(cmdline_of(kpid, kargs, sizeof(kargs)) == 0, "carrier command line not empty");
 		stop_program(&orig);
 		child = dbxcr_carrier_birth(k, &orig_pid, 1, &err);
 		CHECK(child == orig_pid, "birth pid %d want %d: %s", child, orig_pid, err.msg);
@@ -837,6 +849,13 @@ static void test_carriers(void)
 			CHECK(strcmp(comm_of(child, a), name) == 0 &&
 			      strcmp(comm_of(kpid, b), "dbx-carrier") == 0,
 			      "born named '%s' (want '%s'), keeper '%s'", a, name, b);
+			{
+				char got[4096];
+
+				CHECK(nargs > 0 && cmdline_of(child, got, sizeof(got)) == nargs &&
+				      memcmp(got, args, (size_t)nargs) == 0,
+				      "born process's command line is not the original's");
+			}
 		}
 	}
 	if (child > 0) {

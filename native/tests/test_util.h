@@ -24,4 +24,29 @@ static inline const char *comm_of(pid_t pid, char buf[32])
 	return buf;
 }
 
+/* /proc/pid/cmdline into buf (NULs between arguments kept); its length, -1 if unreadable. */
+static inline ssize_t cmdline_of(pid_t pid, char *buf, size_t len)
+{
+	char path[64];
+	FILE *f;
+	size_t n;
+
+	snprintf(path, sizeof(path), "/proc/%d/cmdline", (int)pid);
+	f = fopen(path, "re");
+	if (!f)
+		return -1;
+	n = fread(buf, 1, len, f);
+	fclose(f);
+	return (ssize_t)n;
+}
+
+/* Whether a and b have the same, non-empty command line. */
+static inline int same_cmdline(pid_t a, pid_t b)
+{
+	char x[4096], y[4096];
+	ssize_t n = cmdline_of(a, x, sizeof(x)), m = cmdline_of(b, y, sizeof(y));
+
+	return n > 0 && n == m && memcmp(x, y, (size_t)n) == 0;
+}
+
 #endif
