@@ -401,15 +401,22 @@ def host_procs(init_pid: int) -> list[dict[str, Any]]:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         rss = fields.get("VmRSS", "0 kB").split()[0]
+        try:
+            exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+        except OSError:
+            exe = ""
         out.append({"pid": pid, "state": fields.get("State", "?").strip(), "cmd": cmd,
-                    "rss_kb": int(rss)})
+                    "exe": exe, "rss_kb": int(rss)})
     return out
 
 
 def workload_templates(init_pid: int) -> set[int]:
-    """Host pids of the workload's templates: same cmdline, in tracing stop."""
+    """Host pids of the workload's templates (and carriers, keepers), in tracing stop: a
+    python whose command line is empty (templates hide theirs: native/fork_template.c
+    `disguise`) or the workload's (a keeper shares its process's)."""
     return {p["pid"] for p in host_procs(init_pid)
-            if p["state"].startswith("t") and "/workspace/w.py" in p["cmd"]}
+            if p["state"].startswith("t") and ("/workspace/w.py" in p["cmd"] or
+                                               (not p["cmd"] and p["exe"].startswith("python")))}
 
 
 def smaps_rollup(pid: int) -> dict[str, int]:

@@ -426,3 +426,39 @@ def test_pid_taken_meanwhile_is_restored_with_a_new_pid(sbx: Sandbox) -> None:
         assert ps.strip() == "2", ps  # the restored job (new pid) and the holder
     finally:
         os.kill(holder, signal.SIGKILL)
+
+
+def test_pkill_f_in_the_sandbox_spares_the_checkpoint(sbx: Sandbox) -> None:
+    """An agent's `pgrep -f` / `pkill -9 -f` inside the sandbox matches its own processes,
+    never the checkpoint's templates or the carriers spawned ahead (they hide their command
+    line; ps shows them as [dbx-template] / [dbx-carrier]): after killing its server the
+    agent can still roll back to a checkpoint that had it running, restored with its pid.
+    (Before: both matched, and `pkill -9 -f` made the rollback restart processes.)"""
+    sbx.files.write("srv.py", "import time\nwhile True:\n    time.sleep(0.05)\n")
+    sbx.exec("nohup python3 /workspace/srv.py --name pkill-target >/dev/null 2>&1 &")
+    pattern = "'pkill-targe[t]'"  # matches the server, not the shell running pgrep
+
+    def pgrep() -> list[int]:
+        return [int(p) for p in sbx.exec(f"pgrep -f {pattern}").stdout.split()]
+
+    deadline = time.monotonic() + 10
+    while not pgrep():
+        assert time.monotonic() < deadline, "the server never started"
+        time.sleep(0.05)
+    (pid,) = pgrep()
+    cp = sbx.checkpoint(mode="full")
+    deadline = time.monotonic() + 10  # a template, and a carrier for the next rollback
+    while not sbx.exec("ps -C dbx-carrier -o pid=").stdout.strip():
+        assert time.monotonic() < deadline, "no carrier spawned"
+        time.sleep(0.05)
+    assert pgrep() == [pid], sbx.exec("ps -eo pid,stat,comm,args").stdout
+    for round_ in range(2):
+        assert sbx.exec(f"pkill -9 -f {pattern}").exit_code == 0
+        deadline = time.monotonic() + 10
+        while pgrep():  # after a rollback its keeper matches too (it shares its memory)
+            assert time.monotonic() < deadline, f"round {round_}: {pgrep()} survived"
+            time.sleep(0.05)
+        r = sbx.rollback(cp)
+        assert r.process_state == "restored", r.note
+        live = sbx.exec(f"{OWN_PS} pid=,args= | grep {pattern}").stdout.split()
+        assert live[:1] == [str(pid)], live

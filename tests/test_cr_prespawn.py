@@ -28,10 +28,15 @@ def _wait(cond, timeout: float = 15.0, what: str = "") -> None:
         time.sleep(0.05)
 
 
-def _stopped(sbx: Sandbox, marker: str) -> int:
-    """Stopped copies (templates, carriers, keepers) of processes with `marker`."""
+def _carriers_ready(sbx: Sandbox) -> bool:
+    """Whether a carrier (not yet born) waits for every template. Both hide their command
+    line, so ps shows them as [dbx-template] / [dbx-carrier]; a keeper shows its process's
+    (it shares the process's memory, where the command line lives)."""
     ps = sbx.exec(f"ps -C {','.join(HELD)} -o stat=,args=").stdout.splitlines()
-    return sum(1 for line in ps if line.startswith("t") and marker in line)
+    held = [line.split(None, 1) for line in ps]
+    templates = sum(1 for st, args in held if st.startswith("t") and args == "[dbx-template]")
+    carriers = sum(1 for st, args in held if st.startswith("t") and args == "[dbx-carrier]")
+    return templates > 0 and carriers >= templates
 
 
 def _host_procs(marker: str) -> dict[int, tuple[str, str]]:
@@ -101,7 +106,7 @@ def test_repeated_rollbacks_from_carriers_are_exact(sbx: Sandbox) -> None:
     cp = sbx.checkpoint(mode="full")
     for i in range(4):
         # the template and a carrier spawned ahead for this rollback
-        _wait(lambda: _stopped(sbx, marker) >= 2, what="a carrier")
+        _wait(lambda: _carriers_ready(sbx), what="a carrier")
         for _ in range(i + 1):
             _ask(sbx, "bump")
         assert _report(sbx) != at_cp
@@ -120,7 +125,7 @@ def test_keeper_goes_when_its_process_exits(sbx: Sandbox) -> None:
     sbx.exec(f"nohup python3 /workspace/prog.py {marker} >/dev/null 2>&1 &")
     _wait(lambda: sbx.files.exists("ready"), what="ready")
     cp = sbx.checkpoint(mode="full")
-    _wait(lambda: _stopped(sbx, marker) >= 2, what="a carrier")
+    _wait(lambda: _carriers_ready(sbx), what="a carrier")
     assert sbx.rollback(cp).process_state == "restored"
     procs = _host_procs(marker)
     live = [p for p, (_, name) in procs.items() if name not in HELD]
@@ -143,7 +148,7 @@ def test_restored_pipeline_sees_eof(sbx: Sandbox) -> None:
              "' >/dev/null 2>&1 &")
     _wait(lambda: sbx.files.exists("last"), what="the pipeline")
     cp = sbx.checkpoint(mode="full")
-    _wait(lambda: _stopped(sbx, "/workspace/quit") >= 2, what="carriers")
+    _wait(lambda: _carriers_ready(sbx), what="carriers")
     assert sbx.rollback(cp).process_state == "restored"
     sbx.files.remove("last")
     _wait(lambda: sbx.files.exists("last"), what="the restored pipeline")
