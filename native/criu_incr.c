@@ -180,7 +180,7 @@ struct core_fixed {
 	uint64_t ss_size;
 	uint64_t rseq_ptr;
 	uint32_t rseq_len, rseq_sig;
-	uint64_t mm[11];	/* start_code end_code start_data end_data start_brk brk
+	uint64_t mm[MM_BOUNDS];	/* start_code end_code start_data end_data start_brk brk
 				 * start_stack arg_start arg_end env_start env_end */
 	uint32_t umask, personality;
 	uint32_t uid[3], gid[3];	/* real, effective, saved */
@@ -1368,10 +1368,12 @@ static int query_template(struct dbxcr_template *tpl, struct core_fixed *core,
 	if (template_scratch(tpl, err) < 0 || adopt(&t, tpl->pid, tpl->site, err) < 0)
 		return -1;
 	t.regs = tpl->park;
-	r = rsys(&t, SYS_brk, a, err, "brk(0) in the template");
-	if (r < 0)
-		goto out;
-	core->mm[5] = (uint64_t)r;
+	if (!tpl->args_hidden) {	/* else the disguise asked already */
+		r = rsys(&t, SYS_brk, a, err, "brk(0) in the template");
+		if (r < 0)
+			goto out;
+		core->mm[MM_BRK] = (uint64_t)r;
+	}
 	for (int sig = 1; sig <= NSIG_K; sig++) {
 		long q[6] = { sig, 0, (long)tpl->scratch, 8, 0, 0 };
 
@@ -1553,16 +1555,16 @@ static int job_core(struct dbxcr_dump_job *j, struct dbxcr_template *tpl,
 		if (walk_maps(pid, true, classify_cb, &c, err) < 0)
 			return -1;
 	}
-	if (read_mm_bounds(pid, core->mm, err) < 0 ||
-	    read_status_bits(pid, core, o->seccomp_ok, err) < 0 ||
+	/* A disguised template's own bounds hide its command line; the image keeps the
+	 * origin's, saved by the disguise (a template never runs: they still hold, brk too). */
+	if (tpl->args_hidden)
+		memcpy(core->mm, tpl->mm, sizeof(core->mm));
+	else if (read_mm_bounds(pid, core->mm, err) < 0)
+		return -1;
+	if (read_status_bits(pid, core, o->seccomp_ok, err) < 0 ||
 	    query_template(tpl, core, err) < 0 ||
 	    vdso_hash(pid, core->vdso_hash, &core->vdso_size, err) < 0)
 		return -1;
-	if (tpl->args_hidden) {	/* the template's command line is empty; the image keeps the
-				 * origin's (brk, asked above, is the same: a template never runs) */
-		core->mm[MM_ARG_START] = tpl->mm[MM_ARG_START];
-		core->mm[MM_ARG_END] = tpl->mm[MM_ARG_END];
-	}
 	if (tpl->comm[0]) {	/* the template is named TEMPLATE_COMM; the image keeps the origin's */
 		memset(core->comm, 0, sizeof(core->comm));
 		memcpy(core->comm, tpl->comm, strnlen(tpl->comm, sizeof(core->comm) - 1));
@@ -2544,18 +2546,7 @@ static int r_set_mm(struct restore *R, struct dbxcr_error *err)
 		struct prctl_mm_map mm;
 		unsigned long auxv_at = R->scratch + 512;
 
-		memset(&mm, 0, sizeof(mm));
-		mm.start_code = core->mm[0];
-		mm.end_code = core->mm[1];
-		mm.start_data = core->mm[2];
-		mm.end_data = core->mm[3];
-		mm.start_brk = core->mm[4];
-		mm.brk = core->mm[5];
-		mm.start_stack = core->mm[6];
-		mm.arg_start = core->mm[7];
-		mm.arg_end = core->mm[7];	/* a template: empty command line (disguise) */
-		mm.env_start = core->mm[9];
-		mm.env_end = core->mm[10];
+		mm_map_of(core->mm, true, &mm);	/* a template: command line hidden */
 		mm.auxv = (__u64 *)auxv_at;
 		mm.auxv_size = core->auxv_len;
 		mm.exe_fd = (uint32_t)exe_remote;

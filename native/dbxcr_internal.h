@@ -22,6 +22,7 @@
 /* An mm's bounds, in the order of struct prctl_mm_map's first fields: start_code end_code
  * start_data end_data start_brk brk start_stack arg_start arg_end env_start env_end. */
 #define MM_BOUNDS 11
+#define MM_BRK 5
 #define MM_ARG_START 7
 #define MM_ARG_END 8
 #define SCRATCH_LEN (4 * 4096)	/* template-private page(s) for syscall arguments */
@@ -115,10 +116,14 @@ int adopt(struct tracee *t, pid_t pid, unsigned long site, struct dbxcr_error *e
 int template_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err);
 /* The mm bounds of pid from /proc/pid/stat; brk (not there) is left 0: ask brk(0). */
 int read_mm_bounds(pid_t pid, uint64_t mm[MM_BOUNDS], struct dbxcr_error *err);
-/* prctl(PR_SET_MM, PR_SET_MM_MAP) injected into a stopped tracee (exe and auxv unchanged),
- * the map passed through the struct prctl_mm_map-sized area at `scratch`. */
+/* A struct prctl_mm_map with these bounds (the command line empty if hide_args), exe and
+ * auxv left unchanged. */
+struct prctl_mm_map;
+void mm_map_of(const uint64_t mm[MM_BOUNDS], bool hide_args, struct prctl_mm_map *map);
+/* prctl(PR_SET_MM, PR_SET_MM_MAP) with mm_map_of's map injected into a stopped tracee,
+ * passed through the struct prctl_mm_map-sized area at `scratch`. */
 int set_mm_bounds(struct tracee *t, unsigned long scratch, const uint64_t mm[MM_BOUNDS],
-		  struct dbxcr_error *err);
+		  bool hide_args, struct dbxcr_error *err);
 /* prctl(PR_SET_NAME) injected into a stopped tracee, the name passed through `scratch`. */
 int set_comm(struct tracee *t, unsigned long scratch, const char *name, struct dbxcr_error *err);
 int remote_syscall(struct tracee *t, long nr, const long a[6], long *ret,

@@ -931,29 +931,36 @@ int read_mm_bounds(pid_t pid, uint64_t mm[MM_BOUNDS], struct dbxcr_error *err)
 	mm[2] = FLD(45);	/* start_data */
 	mm[3] = FLD(46);	/* end_data */
 	mm[4] = FLD(47);	/* start_brk */
-	mm[5] = 0;		/* brk: asked with brk(0) */
+	mm[MM_BRK] = 0;		/* brk: asked with brk(0) */
 	mm[6] = FLD(28);	/* start_stack */
-	mm[7] = FLD(48);	/* arg_start */
-	mm[8] = FLD(49);	/* arg_end */
+	mm[MM_ARG_START] = FLD(48);
+	mm[MM_ARG_END] = FLD(49);
 	mm[9] = FLD(50);	/* env_start */
 	mm[10] = FLD(51);	/* env_end */
 #undef FLD
 	return 0;
 }
 
+void mm_map_of(const uint64_t mm[MM_BOUNDS], bool hide_args, struct prctl_mm_map *map)
+{
+	memset(map, 0, sizeof(*map));
+	memcpy(map, mm, sizeof(uint64_t) * MM_BOUNDS);
+	if (hide_args)
+		map->arg_end = map->arg_start;
+	map->exe_fd = (uint32_t)-1;	/* unchanged; auxv too (auxv_size 0) */
+}
+
 int set_mm_bounds(struct tracee *t, unsigned long scratch, const uint64_t mm[MM_BOUNDS],
-		  struct dbxcr_error *err)
+		  bool hide_args, struct dbxcr_error *err)
 {
 	struct prctl_mm_map map;
 	long a[6] = { PR_SET_MM, PR_SET_MM_MAP, (long)scratch, sizeof(map), 0, 0 };
 
-	memset(&map, 0, sizeof(map));
-	memcpy(&map, mm, sizeof(uint64_t) * MM_BOUNDS);
-	map.exe_fd = (uint32_t)-1;	/* unchanged; auxv too (auxv_size 0) */
+	mm_map_of(mm, hide_args, &map);
 	if (mem_write(t->pid, scratch, &map, sizeof(map), err) < 0)
 		return -1;
-	return rsys(t, SYS_prctl, a, err, "prctl(PR_SET_MM_MAP, args %#" PRIx64 "-%#" PRIx64 ")",
-		    mm[MM_ARG_START], mm[MM_ARG_END]) < 0 ? -1 : 0;
+	return rsys(t, SYS_prctl, a, err, "prctl(PR_SET_MM_MAP, args %#llx-%#llx)",
+		    (unsigned long long)map.arg_start, (unsigned long long)map.arg_end) < 0 ? -1 : 0;
 }
 
 /* Empty the template's command line: /proc/pid/cmdline reads the argument area between
@@ -965,7 +972,6 @@ int set_mm_bounds(struct tracee *t, unsigned long scratch, const uint64_t mm[MM_
 static int hide_args(struct dbxcr_template *tpl, struct tracee *t, unsigned long at,
 		     struct dbxcr_error *err)
 {
-	uint64_t hidden[MM_BOUNDS];
 	long a[6] = { 0 }, brk;
 
 	if (read_mm_bounds(tpl->pid, tpl->mm, err) < 0)
@@ -973,10 +979,8 @@ static int hide_args(struct dbxcr_template *tpl, struct tracee *t, unsigned long
 	brk = rsys(t, SYS_brk, a, err, "brk(0) in the template");
 	if (brk < 0)
 		return -1;
-	tpl->mm[5] = (uint64_t)brk;
-	memcpy(hidden, tpl->mm, sizeof(hidden));
-	hidden[MM_ARG_END] = hidden[MM_ARG_START];
-	if (set_mm_bounds(t, at, hidden, err) < 0)
+	tpl->mm[MM_BRK] = (uint64_t)brk;
+	if (set_mm_bounds(t, at, tpl->mm, true, err) < 0)
 		return -1;
 	tpl->args_hidden = true;
 	return 0;
@@ -999,7 +1003,7 @@ static int disguise(struct dbxcr_template *tpl, struct tracee *t, unsigned long 
 	}
 	if (set_comm(t, at, TEMPLATE_COMM, err) < 0)
 		return -1;
-	if (!tpl->args_hidden && hide_args(tpl, t, at, err) < 0)
+	if (hide_args(tpl, t, at, err) < 0)
 		return -1;
 	tpl->named = true;
 	return 0;
@@ -2140,7 +2144,6 @@ static int join_sandbox_ns(struct tracee *c, int pidfd, struct dbxcr_error *err)
 	return rsys(c, SYS_close, a, err, "close sandbox init pidfd") < 0 ? -1 : 0;
 }
 
-/* Everything done inside the new child before it is let go. */
 /* Last steps in a child before it gets the checkpointed registers: queue the original's
  * pending signals again (fork does not copy them), give back the original's name and
  * command line (the template's disguise) and unmap the scratch page. */
@@ -2152,7 +2155,7 @@ static int finish_child(struct tracee *c, struct dbxcr_template *tpl, struct dbx
 		return -1;
 	if (tpl->comm[0] && set_comm(c, tpl->scratch, tpl->comm, err) < 0)
 		return -1;
-	if (tpl->args_hidden && set_mm_bounds(c, tpl->scratch, tpl->mm, err) < 0)
+	if (tpl->args_hidden && set_mm_bounds(c, tpl->scratch, tpl->mm, false, err) < 0)
 		return -1;
 	if (rsys(c, SYS_munmap, a, err, "munmap scratch") < 0)
 		return -1;
