@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk", metavar="MB", type=int,
                    help="quota on what the sandbox writes (default: the daemon's)")
     p.add_argument("--hostname", help="hostname inside the sandbox (default: its id)")
+    p.add_argument("--userns", action="store_true",
+                   help="give the sandbox a user namespace: its root is an unprivileged "
+                        "host id (deltaboxd --userns-range), not host root")
     p.add_argument("--env", metavar="K=V", type=_env_pair, action="append", default=[],
                    help="environment variable for every command (repeatable)")
 
@@ -404,7 +407,7 @@ def cmd_create(args: argparse.Namespace, client: Client) -> int:
     req = pb.CreateSandboxRequest(image=image, memory_mb=args.memory or 0,
                                   pids_max=args.pids or 0, cpus=args.cpus or 0.0,
                                   hostname=args.hostname or "", env=dict(args.env),
-                                  disk_mb=args.disk or 0)
+                                  disk_mb=args.disk or 0, user_namespace=args.userns)
     info = convert.sandbox_info(client.call("CreateSandbox", req))
     if args.json:
         _print_json(info)

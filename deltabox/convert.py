@@ -80,6 +80,7 @@ def sandbox_info(msg: pb.SandboxInfo) -> models.SandboxInfo:
         head_checkpoint_id=msg.head_checkpoint_id or None, memory_mb=msg.memory_mb,
         pids_max=msg.pids_max, cpus=msg.cpus, created_at=msg.created_at,
         init_pid=msg.init_pid, hostname=msg.hostname, disk_mb=msg.disk_mb,
+        uid_map=msg.uid_map,
     )
 
 

@@ -87,6 +87,7 @@ class SandboxInfo(_Model):
     init_pid: int
     hostname: str = ""
     disk_mb: int = 0
+    uid_map: str = ""         # "0 BASE COUNT" with a user namespace ("" = root is host root)
 
 
 class DaemonInfo(_Model):
@@ -120,6 +121,7 @@ class CreateParams(_Model):
     hostname: str = Field(default="", max_length=63, pattern=r"^[A-Za-z0-9.-]*$")
     env: dict[str, str] = Field(default_factory=dict)
     disk_mb: int = Field(default=0, ge=0, le=1 << 30)
+    user_namespace: bool = False
 
     @field_validator("cpus")
     @classmethod

@@ -80,13 +80,15 @@ class Sandbox:
     def create(cls, image: str | None = None, socket: str | None = None,
                memory_mb: int | None = None, pids_max: int | None = None,
                cpus: float | None = None, env: Mapping[str, str] | None = None,
-               hostname: str | None = None, disk_mb: int | None = None) -> Sandbox:
+               hostname: str | None = None, disk_mb: int | None = None,
+               user_namespace: bool = False) -> Sandbox:
         """Start a new sandbox. `image`: a directory or tarball on the daemon's host; None
-        = the host root, read-only. Unset limits take the daemon's defaults."""
+        = the host root, read-only. Unset limits take the daemon's defaults.
+        `user_namespace`: its root is an unprivileged host id, not host root."""
         req = pb.CreateSandboxRequest(
             image=image or "", memory_mb=memory_mb or 0, pids_max=pids_max or 0,
             cpus=cpus or 0.0, hostname=hostname or "", env=dict(env or {}),
-            disk_mb=disk_mb or 0,
+            disk_mb=disk_mb or 0, user_namespace=user_namespace,
         )
         client = _client(socket)
         return cls(client.call("CreateSandbox", req).id, client)

@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <linux/audit.h>
 #include <linux/capability.h>
 #include <linux/filter.h>
@@ -88,6 +89,18 @@ int dbx_parse_fd(const char *arg, const char *what)
 	if (errno != 0 || end == arg || *end != '\0' || v < 0 || v > 1 << 20)
 		dbx_die("%s: not a file descriptor number: '%s'", what, arg);
 	return (int)v;
+}
+
+void dbx_become_userns_root(void)
+{
+	/* gid first: after setresuid the capability to change it may be gone. setgroups is
+	 * allowed because deltaboxd (privileged in the parent namespace) wrote gid_map. */
+	if (setresgid(0, 0, 0) < 0)
+		dbx_die_errno("setresgid(0) in the sandbox's user namespace");
+	if (setgroups(0, NULL) < 0)
+		dbx_die_errno("setgroups(0) in the sandbox's user namespace");
+	if (setresuid(0, 0, 0) < 0)
+		dbx_die_errno("setresuid(0) in the sandbox's user namespace");
 }
 
 int dbx_exit_code(int status)

@@ -28,6 +28,11 @@ int dbx_parse_fd(const char *arg, const char *what);
 int dbx_write_all(int fd, const char *buf, size_t len);
 /* Map a wait status to a shell-style exit code: code, or 128+signal. */
 int dbx_exit_code(int status);
+/* Right after joining or creating a sandbox's user namespace (optional; deltaboxd
+ * --userns): become its root, uid and gid 0 with no supplementary groups. Until then the
+ * caller's host ids are unmapped there, so the files it would create could not be owned by
+ * anyone inside. Dies (DBX_EXIT_SETUP) on failure. */
+void dbx_become_userns_root(void);
 
 
 /* Confinement of sandbox processes (native/common.c: dbx_confine).

@@ -1,6 +1,6 @@
 /* dbx-enter: run a command inside a sandbox.
  *
- *   dbx-enter --pidfd FD --mntfd FD [--cgroup PROCS_FILE]... [--cwd DIR]
+ *   dbx-enter --pidfd FD --mntfd FD [--userns] [--cgroup PROCS_FILE]... [--cwd DIR]
  *             [--env K=V]... -- ARGV...
  *
  * Joins the sandbox's cgroups, then its pid/net/uts/ipc/cgroup namespaces through a pidfd of
@@ -11,6 +11,11 @@
  * own process group), so a timeout can kill everything the command started in the foreground.
  * The environment is exactly the --env list. The command runs confined: capabilities cut to the
  * sandbox's set, no_new_privs and the sandbox's seccomp filter (dbx_confine, common.c).
+ *
+ * With --userns (the sandbox has a user namespace, see dbx-init) the setns joins that too,
+ * before the mount namespace (owned by it); the child becomes root inside it (uid/gid 0,
+ * the sandbox's root, not host root) before anything else; the parent keeps its host
+ * credentials, outside the sandbox's pid namespace where no sandbox process can reach it.
  *
  * The parent stays outside, waits, and exits with the command's exit code (128+N if killed by
  * signal N). SIGTERM/SIGINT/SIGHUP to the parent kill the child's whole process group; if the
@@ -36,6 +41,7 @@
 struct enter_opts {
 	int pidfd;
 	int mntfd;
+	int userns;
 	const char *cgroups[MAX_CGROUPS];
 	int n_cgroups;
 	const char *cwd;
@@ -54,6 +60,7 @@ static void parse_args(int argc, char **argv, struct enter_opts *o)
 		{"cgroup", required_argument, NULL, 'c'},
 		{"cwd", required_argument, NULL, 'd'},
 		{"env", required_argument, NULL, 'e'},
+		{"userns", no_argument, NULL, 'u'},
 		{NULL, 0, NULL, 0},
 	};
 	int c;
@@ -77,6 +84,9 @@ static void parse_args(int argc, char **argv, struct enter_opts *o)
 		case 'd':
 			o->cwd = optarg;
 			break;
+		case 'u':
+			o->userns = 1;
+			break;
 		case 'e':
 			if (o->n_env == MAX_ENV)
 				dbx_die("too many --env (max %d)", MAX_ENV);
@@ -85,7 +95,7 @@ static void parse_args(int argc, char **argv, struct enter_opts *o)
 			o->env[o->n_env++] = optarg;
 			break;
 		default:
-			dbx_die("usage: dbx-enter --pidfd FD --mntfd FD [--cgroup F]... [--cwd D] "
+			dbx_die("usage: dbx-enter --pidfd FD --mntfd FD [--userns] [--cgroup F]... [--cwd D] "
 				"[--env K=V]... -- ARGV...");
 		}
 	}
@@ -101,8 +111,9 @@ static void enter_sandbox(const struct enter_opts *o)
 	for (int i = 0; i < o->n_cgroups; i++)
 		if (dbx_join_cgroup(o->cgroups[i]) < 0)
 			dbx_die_errno("join cgroup %s", o->cgroups[i]);
-	if (setns(o->pidfd, DBX_NS_FLAGS) < 0)
-		dbx_die_errno("setns into the namespaces of the sandbox init (pidfd %d)", o->pidfd);
+	if (setns(o->pidfd, DBX_NS_FLAGS | (o->userns ? CLONE_NEWUSER : 0)) < 0)
+		dbx_die_errno("setns into the namespaces of the sandbox init (pidfd %d%s)", o->pidfd,
+			      o->userns ? ", with its user namespace" : "");
 	if (setns(o->mntfd, CLONE_NEWNS) < 0)
 		dbx_die_errno("setns into the sandbox mount namespace (fd %d)", o->mntfd);
 	close(o->pidfd);
@@ -123,6 +134,8 @@ static __attribute__((noreturn)) void exec_command(const struct enter_opts *o)
 	 * too late, will never come. */
 	if (getppid() != 0)
 		_exit(DBX_EXIT_SETUP);
+	if (o->userns)
+		dbx_become_userns_root();
 	if (chdir(o->cwd) < 0) {
 		fprintf(stderr, "dbx-enter: cannot change directory to %s: %s\n", o->cwd,
 			strerror(errno));

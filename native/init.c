@@ -1,6 +1,7 @@
 /* dbx-init: start a sandbox.
  *
  *   dbx-init [--cgroup PROCS_FILE]... [--hostname NAME] [--nest-under PID]
+ *            [--userns BASE:COUNT]
  *
  * The launcher joins the sandbox's cgroups, unshares every namespace a sandbox has (mount,
  * pid, uts, ipc, net, cgroup), names the host, raises loopback and forks. The child is pid 1
@@ -20,6 +21,17 @@
  * one, so after setns() into PID's namespace a helper forked there does the unsharing and
  * creates init with CLONE_PARENT: init stays the launcher's child, found in
  * /proc/self/task/<tid>/children once the helper has exited.
+ *
+ * --userns BASE:COUNT gives the sandbox a user namespace mapping its uids and gids
+ * 0..COUNT-1 to the host's BASE..BASE+COUNT-1, so that its root is not host root. It must
+ * own the sandbox's other namespaces (the kernel checks a capability against the user
+ * namespace that owns the object), so it comes first, again in a forked helper: the helper
+ * unshares CLONE_NEWUSER, the launcher writes its uid_map and gid_map (a map of more than
+ * one id must be written from the parent namespace, with CAP_SETUID/CAP_SETGID there), the
+ * helper becomes root inside, makes the other namespaces and creates init as above. With
+ * --nest-under the helper joins PID's user namespace instead of making one: a fork family
+ * shares it, because processes restored into a fork join the fork's namespaces with their
+ * own credentials, which hold capabilities only in their own user namespace.
  */
 #include "common.h"
 
@@ -47,7 +59,28 @@ struct init_opts {
 	int n_cgroups;
 	const char *hostname;
 	pid_t nest_under;
+	unsigned long map_base, map_count; /* --userns; map_count 0: none */
 };
+
+/* BASE:COUNT, both decimal; host id 0 may not be mapped (that would make sandbox root host
+ * root again) and the range must fit below the invalid id (uid_t)-1. */
+static void parse_map(const char *arg, struct init_opts *o)
+{
+	char *end, *count;
+
+	errno = 0;
+	o->map_base = strtoul(arg, &end, 10);
+	if (errno || end == arg || *end != ':')
+		dbx_die("--userns %s: want BASE:COUNT", arg);
+	count = end + 1;
+	o->map_count = strtoul(count, &end, 10);
+	if (errno || end == count || *end)
+		dbx_die("--userns %s: want BASE:COUNT", arg);
+	if (o->map_base == 0 || o->map_count == 0 || o->map_base + o->map_count > 0xffffffffUL ||
+	    o->map_base + o->map_count < o->map_base)
+		dbx_die("--userns %lu:%lu: BASE must be > 0, COUNT > 0, BASE+COUNT <= 4294967295",
+			o->map_base, o->map_count);
+}
 
 static void parse_args(int argc, char **argv, struct init_opts *o)
 {
@@ -55,6 +88,7 @@ static void parse_args(int argc, char **argv, struct init_opts *o)
 		{"cgroup", required_argument, NULL, 'c'},
 		{"hostname", required_argument, NULL, 'h'},
 		{"nest-under", required_argument, NULL, 'n'},
+		{"userns", required_argument, NULL, 'u'},
 		{NULL, 0, NULL, 0},
 	};
 	int c;
@@ -75,9 +109,12 @@ static void parse_args(int argc, char **argv, struct init_opts *o)
 			if (o->nest_under <= 0)
 				dbx_die("--nest-under %s: not a pid", optarg);
 			break;
+		case 'u':
+			parse_map(optarg, o);
+			break;
 		default:
 			dbx_die("usage: dbx-init [--cgroup PROCS_FILE]... [--hostname NAME] "
-				"[--nest-under PID]");
+				"[--nest-under PID] [--userns BASE:COUNT]");
 		}
 	}
 }
@@ -144,17 +181,21 @@ static void reap_all(void)
  * the sandbox: when pid 1 exits, the kernel kills every process of the namespace. */
 /* The sandbox's memory limit applies to init too; if the OOM killer chose init, the pid
  * namespace would die with every process in it. Sandbox processes are started by dbx-enter,
- * not forked from init, so they do not inherit this. Lowering the score needs
- * CAP_SYS_RESOURCE, which some hosts withhold even from root: then this is skipped, and
- * deltaboxd notices a dead init and stops the sandbox. */
-static void protect_from_oom_killer(void)
+ * not forked from init, so they do not inherit this. The launcher sets it: lowering the score
+ * needs CAP_SYS_RESOURCE in the initial user namespace, which init in a user namespace
+ * lacks. Some hosts withhold it even from root: then this is skipped, and deltaboxd
+ * notices a dead init and stops the sandbox. */
+static void shield_from_oom_killer(pid_t init)
 {
-	int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+	char path[64];
+	int fd;
 
+	snprintf(path, sizeof(path), "/proc/%d/oom_score_adj", (int)init);
+	fd = open(path, O_WRONLY | O_CLOEXEC);
 	if (fd < 0)
-		return;
+		dbx_die_errno("open %s", path);
 	if (dbx_write_all(fd, "-1000", 5) < 0 && errno != EACCES && errno != EPERM)
-		dbx_die_errno("write /proc/self/oom_score_adj");
+		dbx_die_errno("write %s", path);
 	close(fd);
 }
 
@@ -169,7 +210,6 @@ static __attribute__((noreturn)) void run_init(int ready)
 
 	if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0)
 		dbx_die_errno("PR_SET_PDEATHSIG");
-	protect_from_oom_killer();
 	redirect_stdio_to_null();
 	park_in_empty_root();
 	/* Init is confined exactly like the sandbox's processes: with more capabilities than
@@ -212,38 +252,100 @@ static void make_namespaces(const struct init_opts *o)
 	loopback_up();
 }
 
-/* The nested case (see the file comment); returns init's pid as we see it. */
-static pid_t start_nested_init(const struct init_opts *o, const int ready[2])
+/* One byte over the launcher/helper socket; dies if the other side is gone. */
+static void sync_send(int fd, const char *step)
+{
+	if (dbx_write_all(fd, "1", 1) < 0)
+		dbx_die_errno("%s", step);
+}
+
+static void sync_wait(int fd, const char *step)
+{
+	char c;
+	ssize_t n;
+
+	do
+		n = read(fd, &c, 1);
+	while (n < 0 && errno == EINTR);
+	if (n < 0)
+		dbx_die_errno("%s", step);
+	if (n == 0)
+		dbx_die("%s: the other side exited", step);
+}
+
+/* In the launcher: "0 BASE COUNT" into the helper's uid_map and gid_map. Written by a
+ * process privileged in the parent namespace, the gid map leaves setgroups(2) allowed
+ * inside, so sandbox root can drop supplementary groups as usual. */
+static void write_id_maps(pid_t helper, const struct init_opts *o)
+{
+	static const char *const maps[] = { "uid_map", "gid_map" };
+	char path[64], line[64];
+	int fd, len;
+
+	len = snprintf(line, sizeof(line), "0 %lu %lu\n", o->map_base, o->map_count);
+	for (int i = 0; i < 2; i++) {
+		snprintf(path, sizeof(path), "/proc/%d/%s", (int)helper, maps[i]);
+		fd = open(path, O_WRONLY | O_CLOEXEC);
+		if (fd < 0)
+			dbx_die_errno("open %s", path);
+		if (dbx_write_all(fd, line, (size_t)len) < 0)
+			dbx_die_errno("write '0 %lu %lu' to %s", o->map_base, o->map_count, path);
+		close(fd);
+	}
+}
+
+/* In the helper: a fresh user namespace mapped by the launcher, or (nested) the one of the
+ * sandbox we nest under; then root inside it. */
+static void enter_user_namespace(const struct init_opts *o, int pidfd, int sync)
+{
+	if (o->nest_under) {
+		if (setns(pidfd, CLONE_NEWUSER) < 0)
+			dbx_die_errno("join the user namespace of %d", (int)o->nest_under);
+	} else {
+		if (unshare(CLONE_NEWUSER) < 0)
+			dbx_die_errno("unshare the user namespace");
+		sync_send(sync, "tell the launcher to write the id maps");
+		sync_wait(sync, "wait for the id maps");
+	}
+	dbx_become_userns_root();
+	/* The uid change made us (and init, which copies our mm) non-dumpable, and our mm
+	 * belongs to the initial user namespace (dbx-init was exec'd there): ptrace access to
+	 * init, which a setns through init's pidfd checks, would need CAP_SYS_PTRACE on the
+	 * host, so processes the daemon restores into a fork could not join its namespaces.
+	 * Dumpable again, init is what it is without a user namespace: reachable by processes
+	 * with its credentials, i.e. the sandbox's own (run_init). */
+	if (prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) < 0)
+		dbx_die_errno("PR_SET_DUMPABLE");
+}
+
+/* The helper (see the file comment): namespaces, then init as the launcher's child. */
+static __attribute__((noreturn)) void run_helper(const struct init_opts *o, int pidfd,
+						 int sync, int ready)
+{
+	pid_t init;
+
+	if (o->map_count)
+		enter_user_namespace(o, pidfd, sync);
+	if (pidfd >= 0)
+		close(pidfd);
+	close(sync);
+	make_namespaces(o);
+	init = (pid_t)syscall(SYS_clone, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0);
+	if (init < 0)
+		dbx_die_errno("clone init (CLONE_PARENT)");
+	if (init == 0)
+		run_init(ready);
+	_exit(0);
+}
+
+/* Init's pid as we see it, once the helper that created it has exited. */
+static pid_t find_init(void)
 {
 	char path[64], buf[64];
-	int pidfd, status, fd;
 	ssize_t n;
-	pid_t helper, init;
+	pid_t init;
+	int fd;
 
-	pidfd = (int)syscall(SYS_pidfd_open, o->nest_under, 0);
-	if (pidfd < 0)
-		dbx_die_errno("pidfd_open %d (--nest-under)", (int)o->nest_under);
-	if (setns(pidfd, CLONE_NEWPID) < 0)
-		dbx_die_errno("setns into the pid namespace of %d", (int)o->nest_under);
-	close(pidfd);
-	helper = fork();
-	if (helper < 0)
-		dbx_die_errno("fork namespace helper");
-	if (helper == 0) {
-		close(ready[0]);
-		make_namespaces(o);
-		init = (pid_t)syscall(SYS_clone, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0);
-		if (init < 0)
-			dbx_die_errno("clone init (CLONE_PARENT)");
-		if (init == 0)
-			run_init(ready[1]);
-		_exit(0);
-	}
-	while (waitpid(helper, &status, 0) < 0)
-		if (errno != EINTR)
-			dbx_die_errno("wait for namespace helper %d", (int)helper);
-	if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-		dbx_die("namespace helper failed (status %#x)", status);
 	snprintf(path, sizeof(path), "/proc/self/task/%d/children", (int)syscall(SYS_gettid));
 	fd = open(path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
@@ -257,6 +359,46 @@ static pid_t start_nested_init(const struct init_opts *o, const int ready[2])
 	if (init <= 0)
 		dbx_die("init was not created (no child in %s)", path);
 	return init;
+}
+
+/* --nest-under and/or --userns: init is made by a forked helper (see the file comment). */
+static pid_t start_init_via_helper(const struct init_opts *o, const int ready[2])
+{
+	int pidfd = -1, status, sync[2];
+	pid_t helper;
+
+	if (o->nest_under) {
+		pidfd = (int)syscall(SYS_pidfd_open, o->nest_under, 0);
+		if (pidfd < 0)
+			dbx_die_errno("pidfd_open %d (--nest-under)", (int)o->nest_under);
+		if (setns(pidfd, CLONE_NEWPID) < 0)
+			dbx_die_errno("setns into the pid namespace of %d", (int)o->nest_under);
+	}
+	if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sync) < 0)
+		dbx_die_errno("socketpair for the namespace helper");
+	helper = fork();
+	if (helper < 0)
+		dbx_die_errno("fork namespace helper");
+	if (helper == 0) {
+		close(ready[0]);
+		close(sync[0]);
+		run_helper(o, pidfd, sync[1], ready[1]);
+	}
+	close(sync[1]);
+	if (pidfd >= 0)
+		close(pidfd);
+	if (o->map_count && !o->nest_under) {
+		sync_wait(sync[0], "wait for the helper's user namespace");
+		write_id_maps(helper, o);
+		sync_send(sync[0], "tell the helper the id maps are written");
+	}
+	close(sync[0]);
+	while (waitpid(helper, &status, 0) < 0)
+		if (errno != EINTR)
+			dbx_die_errno("wait for namespace helper %d", (int)helper);
+	if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+		dbx_die("namespace helper failed (status %#x)", status);
+	return find_init();
 }
 
 /* Block until init reports it is confined (see run_init); die if it never does. */
@@ -289,8 +431,8 @@ int main(int argc, char **argv)
 			dbx_die_errno("join cgroup %s", o.cgroups[i]);
 	if (pipe2(ready, O_CLOEXEC) < 0)
 		dbx_die_errno("pipe for init's readiness");
-	if (o.nest_under) {
-		child = start_nested_init(&o, ready);
+	if (o.nest_under || o.map_count) {
+		child = start_init_via_helper(&o, ready);
 	} else {
 		make_namespaces(&o);
 		child = fork();
@@ -303,6 +445,7 @@ int main(int argc, char **argv)
 	}
 	close(ready[1]);
 	wait_ready(ready[0], child);
+	shield_from_oom_killer(child);
 
 	snprintf(line, sizeof(line), "%d\n", child);
 	if (dbx_write_all(STDOUT_FILENO, line, strlen(line)) < 0)

@@ -18,7 +18,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
   id TEXT PRIMARY KEY, family_id TEXT NOT NULL, state TEXT NOT NULL, image TEXT NOT NULL,
   layer_id TEXT NOT NULL, head_cp TEXT, memory_mb INTEGER NOT NULL, pids_max INTEGER NOT NULL,
   cpus REAL NOT NULL, hostname TEXT NOT NULL, env TEXT NOT NULL, created_at REAL NOT NULL,
-  base_gen INTEGER NOT NULL DEFAULT 0, disk_mb INTEGER NOT NULL DEFAULT 0
+  base_gen INTEGER NOT NULL DEFAULT 0, disk_mb INTEGER NOT NULL DEFAULT 0,
+  userns INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
   id TEXT PRIMARY KEY, family_id TEXT NOT NULL, sandbox_id TEXT NOT NULL, parent_id TEXT,
@@ -47,6 +48,7 @@ class SandboxRow:
     created_at: float
     base_gen: int = 0
     disk_mb: int = 0          # quota on each writable layer it gets (0 = none)
+    userns: bool = False      # has a user namespace (a family shares one; forks keep it)
 
 
 @dataclass
@@ -87,6 +89,9 @@ class Database:
         cols = {r[1] for r in self.conn.execute("PRAGMA table_info(sandboxes)")}
         if "disk_mb" not in cols:
             self.conn.execute("ALTER TABLE sandboxes ADD COLUMN disk_mb INTEGER NOT NULL "
+                              "DEFAULT 0")
+        if "userns" not in cols:
+            self.conn.execute("ALTER TABLE sandboxes ADD COLUMN userns INTEGER NOT NULL "
                               "DEFAULT 0")
         cols = {r[1] for r in self.conn.execute("PRAGMA table_info(checkpoints)")}
         if "procs_of" not in cols:
@@ -187,6 +192,7 @@ class Database:
 def _sandbox(r: sqlite3.Row) -> SandboxRow:
     d = dict(r)
     d["env"] = json.loads(d["env"])
+    d["userns"] = bool(d["userns"])
     return SandboxRow(**d)
 
 

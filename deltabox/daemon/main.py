@@ -17,6 +17,7 @@ from ..fs.store import open_store
 from ..sandbox.cgroups import CgroupDriver, parent_name
 from ..sandbox.reaper import become_subreaper, reap_orphans
 from ..sandbox.runtime import raise_fd_limit
+from ..sandbox.userns import IdMap
 from ..background import GuardedNursery
 from ..cr.engine import DeltaCR
 from ..cr.worker import PtraceWorker
@@ -69,11 +70,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="host-wide memory budget for process templates: over it, the least "
                    "recently used checkpoints' templates are released (their rollbacks then "
                    "restart processes). Default: a quarter of RAM; 0: no limit")
+    p.add_argument("--userns-range", type=_id_map, default=IdMap(100000, 65536),
+                   metavar="BASE:COUNT",
+                   help="host uids and gids for sandboxes created with a user namespace "
+                   "(`deltabox create --userns`): their ids 0..COUNT-1 are the host's "
+                   "BASE..BASE+COUNT-1 (default 100000:65536, as /etc/subuid ranges go)")
     p.add_argument("--no-inspector", action="store_true",
                    help="do not load the eBPF turn inspector: every auto checkpoint is then "
                    "full (the conservative fallback, also used when bcc cannot load)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
+
+
+def _id_map(text: str) -> IdMap:
+    try:
+        return IdMap.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,7 +148,8 @@ async def serve(args: argparse.Namespace) -> None:
                                   if args.default_disk_mb is None else args.default_disk_mb),
                  warm_per_sandbox=args.warm_generations, durable=args.durable,
                  templates_per_sandbox=args.templates,
-                 template_budget_mb=_template_budget(args.template_memory_mb))
+                 template_budget_mb=_template_budget(args.template_memory_mb),
+                 userns=args.userns_range)
     store = open_store(state_dir, args.store_size_gb, args.store, args.durable)
     db = Database(state_dir / "deltabox.db")
     token = Path(args.token_file).read_text().strip() if args.token_file else None

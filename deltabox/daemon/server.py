@@ -37,7 +37,8 @@ def sandbox_pb(d: Daemon, r: SandboxRow, duration_ms: float = 0.0) -> pb.Sandbox
         id=r.id, family_id=r.family_id, state=r.state if r.id in d.live else "stopped",
         image=r.image, head_checkpoint_id=r.head_cp or "", memory_mb=r.memory_mb,
         pids_max=r.pids_max, cpus=r.cpus, created_at=r.created_at, init_pid=d.init_pid(r.id),
-        duration_ms=duration_ms, hostname=r.hostname, disk_mb=r.disk_mb)
+        duration_ms=duration_ms, hostname=r.hostname, disk_mb=r.disk_mb,
+        uid_map=d.uid_map(r))
 
 
 def checkpoint_pb(c: CheckpointRow) -> pb.CheckpointInfo:
@@ -126,7 +127,8 @@ class Servicer(pb_grpc.DeltaBoxServicer):
             params = CreateParams(image=request.image, memory_mb=request.memory_mb,
                                   pids_max=request.pids_max, cpus=request.cpus,
                                   hostname=request.hostname, env=dict(request.env),
-                                  disk_mb=request.disk_mb)
+                                  disk_mb=request.disk_mb,
+                                  user_namespace=request.user_namespace)
             t = trio.current_time()
             row = await self.d.create(params)
             return sandbox_pb(self.d, row, (trio.current_time() - t) * 1000)

@@ -33,11 +33,11 @@ from ..fs.files import SandboxFiles
 from ..fs.mask import build_mask
 from ..fs.store import Store, close_store
 from ..models import CreateParams
-from ..sandbox import execute, runtime
-from ..sandbox import quota
+from ..sandbox import execute, quota, runtime
 from ..sandbox.cgroups import Cgroup, CgroupDriver, Limits
 from ..sandbox.reaper import wait_exited
 from ..sandbox.session import AdoptedShell, Session
+from ..sandbox.userns import IdMap
 from ..background import GuardedNursery, run_all
 from ..cr import native
 from ..cr.engine import DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, in_vfork
@@ -84,6 +84,8 @@ class Config:
     durable: bool = False
     templates_per_sandbox: int = 32
     template_budget_mb: int = 0          # host-wide memory for templates; 0 = no limit
+    # host ids of the sandboxes that have a user namespace (their 0..count-1)
+    userns: IdMap = field(default_factory=lambda: IdMap(100000, 65536))
 
 
 @dataclass
@@ -375,7 +377,7 @@ class Daemon:
             memory_mb=params.memory_mb or self.cfg.default_memory_mb,
             pids_max=params.pids_max or self.cfg.default_pids_max, cpus=params.cpus,
             hostname=params.hostname or sid, env=dict(params.env), created_at=time.time(),
-            disk_mb=params.disk_mb or self.cfg.default_disk_mb)
+            disk_mb=params.disk_mb or self.cfg.default_disk_mb, userns=params.user_namespace)
         self._env(row, None)
         self.store.new_layer(row.layer_id)
         try:
@@ -396,7 +398,8 @@ class Daemon:
         limits = Limits(row.memory_mb, row.pids_max, row.cpus)
         cg = self.cgroups.create(row.id, limits)
         parent_pid = self.live[nest_under].rt.init_pid if nest_under else None
-        rt = await runtime.start_init(row.id, cg, row.hostname, nest_under=parent_pid)
+        rt = await runtime.start_init(row.id, cg, row.hostname, nest_under=parent_pid,
+                                      userns=self.cfg.userns if row.userns else None)
         live = Live(rt, nest_parent=nest_under)
         self.live[row.id] = live
         self.background.start_soon(self._watch, row.id, rt)
@@ -503,6 +506,12 @@ class Daemon:
     def init_pid(self, sid: str) -> int:
         live = self.live.get(sid)
         return live.rt.init_pid if live else 0
+
+    def uid_map(self, row: SandboxRow) -> str:
+        """The sandbox's uid (and gid) map as /proc/pid/uid_map shows it, "" without one."""
+        live = self.live.get(row.id)
+        ids = live.rt.userns if live else (self.cfg.userns if row.userns else None)
+        return f"0 {ids.base} {ids.count}" if ids else ""
 
     async def remove(self, sid: str) -> int:
         """Remove a sandbox; when it was the last of its family, free the family's checkpoints."""
@@ -680,7 +689,7 @@ class Daemon:
         async with live.lock:
             live = self._live(sid)
             assert live.rt.generation is not None
-            fs = SandboxFiles(live.rt.generation.rootfd)
+            fs = SandboxFiles(live.rt.generation.rootfd, ids=live.rt.userns)
             try:
                 return await trio.to_thread.run_sync(lambda: getattr(fs, op)(*args, **kw))
             finally:  # even a failed write may have changed something
@@ -1598,7 +1607,8 @@ class Daemon:
     async def _fork_files(self, cp: CheckpointRow, count: int,
                           nest_under: str | None) -> list[SandboxRow]:
         """Boot `count` sandboxes on clones of the checkpoint's layer and commit them."""
-        src = self.db.get_sandbox(cp.sandbox_id)
+        src = self.db.get_sandbox(cp.sandbox_id) or next(
+            iter(self.db.family_sandboxes(cp.family_id)), None)
         rows: list[SandboxRow] = []
         for _ in range(count):
             sid = new_id("sb")
@@ -1608,7 +1618,9 @@ class Daemon:
                 memory_mb=src.memory_mb if src else self.cfg.default_memory_mb,
                 pids_max=src.pids_max if src else self.cfg.default_pids_max,
                 cpus=src.cpus if src else 0.0, hostname=sid,
-                env=dict(src.env) if src else {}, created_at=time.time()))
+                env=dict(src.env) if src else {}, created_at=time.time(),
+                disk_mb=src.disk_mb if src else self.cfg.default_disk_mb,
+                userns=src.userns if src else False))
         try:
             # Concurrent snapshot ioctls join one btrfs transaction commit.
             async def take(r: SandboxRow) -> None:

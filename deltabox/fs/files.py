@@ -32,6 +32,10 @@ Semantics worth knowing:
 * New files and directories take the owner of their parent directory; a replaced file keeps
   its owner and (unless `mode` is given) its permission bits. This keeps files usable by the
   sandbox's own (possibly user-namespace-mapped) users although the daemon is host root.
+* In a sandbox with a user namespace (`ids`), every operation runs as the sandbox's root
+  (fsuid/fsgid = its host id, capabilities kept; sandbox/userns.py): its layers are mounted
+  idmapped and refuse to create a file for host uid 0, which is not mapped there. Archives
+  from download_tar carry the ids as the sandbox sees them.
 
 Nothing here holds state beyond the fds each call opens and closes; the class is safe to use
 for many sandboxes at once (one call at a time per instance).
@@ -42,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import io
 import os
 import posixpath
@@ -50,7 +55,7 @@ import stat
 import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Concatenate, Literal, ParamSpec, TypeVar
 
 from deltabox.errors import (
     DeltaBoxError,
@@ -60,6 +65,8 @@ from deltabox.errors import (
     NotFound,
     ResourceExhausted,
 )
+
+from deltabox.sandbox.userns import IdMap, acting_as_root_of
 
 __all__ = ["FileStat", "FileType", "SandboxFiles", "MAX_PATH"]
 
@@ -316,17 +323,36 @@ def _plan_tar(members: list[tarfile.TarInfo]) -> _TarPlan:
     return plan
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _as_sandbox_root(method: Callable[Concatenate[SandboxFiles, _P], _R]
+                     ) -> Callable[Concatenate[SandboxFiles, _P], _R]:
+    """A public operation runs as the sandbox's root if it has a user namespace."""
+    @functools.wraps(method)
+    def run(self: SandboxFiles, *args: _P.args, **kw: _P.kwargs) -> _R:
+        if self._ids is None:
+            return method(self, *args, **kw)
+        with acting_as_root_of(self._ids):
+            return method(self, *args, **kw)
+    return run
+
+
 class SandboxFiles:
     """Confined file operations on one sandbox's root file system (see module docstring)."""
 
-    def __init__(self, rootfd: int, workdir: str = "/workspace") -> None:
+    def __init__(self, rootfd: int, workdir: str = "/workspace",
+                 ids: IdMap | None = None) -> None:
         if not isinstance(workdir, str) or not workdir.startswith("/") or "\0" in workdir:
             raise InvalidArgument(f"workdir must be an absolute path: {workdir!r}")
         self._rootfd = rootfd
         self._workdir = workdir.rstrip("/")
+        self._ids = ids
 
     # ---- public API ------------------------------------------------------------------------
 
+    @_as_sandbox_root
     def read(self, path: str, max_bytes: int = _DEFAULT_MAX) -> bytes:
         """Contents of a regular file; a final symlink is followed, but only inside the root."""
         _check_limit(max_bytes, "max_bytes")
@@ -341,6 +367,7 @@ class SandboxFiles:
             fd = stack.enter_context(_owned(self._reopen(pin, os.O_RDONLY)))
             return _read_upto(fd, max_bytes, t.display)
 
+    @_as_sandbox_root
     def write(self, path: str, data: bytes, mode: int | None = None, append: bool = False,
               make_parents: bool = True) -> FileStat:
         """Create or replace a regular file.
@@ -368,6 +395,7 @@ class SandboxFiles:
                 st = self._write_file(pfd, t.name, lambda fd: _write_all(fd, payload), mode)
         return FileStat.from_stat(t.display, st)
 
+    @_as_sandbox_root
     def stat(self, path: str) -> FileStat:
         """lstat semantics: a final symlink is reported, not followed (unless the path ends
         in '/'), so callers can see links without us ever resolving them."""
@@ -383,6 +411,7 @@ class SandboxFiles:
             target = os.readlink("", dir_fd=fd) if stat.S_ISLNK(st.st_mode) else ""
             return FileStat.from_stat(t.display, st, target)
 
+    @_as_sandbox_root
     def list(self, path: str) -> list[FileStat]:
         """Entries of a directory (a final symlink to a directory is followed), sorted by name,
         each with lstat semantics. Mount points show as the kernel's lstat reports them."""
@@ -402,6 +431,7 @@ class SandboxFiles:
                 out.append(FileStat.from_stat(posixpath.join(t.display, name), st, target))
             return out
 
+    @_as_sandbox_root
     def remove(self, path: str, recursive: bool = False) -> None:
         """Remove a file, symlink (the link itself) or directory.
 
@@ -445,6 +475,7 @@ class SandboxFiles:
                     raise
             raise FailedPrecondition(f"{t.display} kept changing while being removed")
 
+    @_as_sandbox_root
     def mkdir(self, path: str, parents: bool = True) -> FileStat:
         """Create a directory (0o755). With `parents` this is `mkdir -p`: missing parents are
         created and an existing directory is fine; without it, the parent must exist and the
@@ -462,6 +493,7 @@ class SandboxFiles:
             fd = stack.enter_context(_owned(self._open_one(pfd, t.name, os.O_PATH)))
             return FileStat.from_stat(t.display, os.fstat(fd))
 
+    @_as_sandbox_root
     def upload_tar(self, path: str, tar_bytes: bytes) -> int:
         """Extract an uncompressed tar into directory `path` (created if missing); returns the
         number of entries. The archive is validated as a whole first (see _plan_tar); then each
@@ -519,6 +551,7 @@ class SandboxFiles:
             except OSError:
                 return  # not ours to judge here: extraction reports it
 
+    @_as_sandbox_root
     def download_tar(self, path: str, max_bytes: int = _DEFAULT_MAX) -> bytes:
         """An uncompressed tar of a file or a directory tree.
 
@@ -923,13 +956,14 @@ class SandboxFiles:
             self._add(tf, buf, info, None, limit, where)
         # sockets cannot be archived; skipped like tar does
 
-    @staticmethod
-    def _info(rel: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
+    def _info(self, rel: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
         info = tarfile.TarInfo(rel)
         info.type = kind
         info.mode = stat.S_IMODE(st.st_mode)
         info.mtime = int(st.st_mtime)
         info.uid, info.gid = st.st_uid, st.st_gid
+        if self._ids is not None:
+            info.uid, info.gid = self._ids.to_sandbox(st.st_uid), self._ids.to_sandbox(st.st_gid)
         return info
 
     @staticmethod

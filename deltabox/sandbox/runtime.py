@@ -20,6 +20,7 @@ from ..background import GuardedNursery
 
 from ..errors import FailedPrecondition, Internal
 from .cgroups import Cgroup
+from .userns import IdMap, userns_of
 
 LIBEXEC = Path(__file__).resolve().parent.parent / "libexec"
 # The environment of every helper that runs in (or is visible from) a sandbox: never the
@@ -77,6 +78,7 @@ class Runtime:
     launcher: trio.Process
     init_pid: int
     pidfd: int
+    userns: IdMap | None = None   # the sandbox's user namespace, if it has one
     generation: Generation | None = None
     exited: trio.Event = field(default_factory=trio.Event)
 
@@ -90,6 +92,8 @@ class Runtime:
         assert self.generation is not None
         cmd = [helper("dbx-enter"), "--pidfd", str(self.pidfd),
                "--mntfd", str(self.generation.mntfd), "--cwd", cwd]
+        if self.userns:
+            cmd.append("--userns")
         for f in self.cgroup.procs_files:
             cmd += ["--cgroup", f]
         for k, v in env.items():
@@ -111,12 +115,15 @@ class Runtime:
 
 
 async def start_init(sandbox_id: str, cgroup: Cgroup, hostname: str,
-                     nest_under: int | None = None) -> Runtime:
+                     nest_under: int | None = None, userns: IdMap | None = None) -> Runtime:
     """Start dbx-init in the cgroup; returns once init's pid is known. `nest_under`: a
-    host pid whose pid namespace becomes the parent of the sandbox's."""
+    host pid whose pid namespace becomes the parent of the sandbox's. `userns`: the sandbox
+    gets a user namespace with this map (nested: it joins `nest_under`'s, which has it)."""
     cmd = [helper("dbx-init"), "--hostname", hostname]
     if nest_under is not None:
         cmd += ["--nest-under", str(nest_under)]
+    if userns is not None:
+        cmd += ["--userns", userns.arg]
     for f in cgroup.procs_files:
         cmd += ["--cgroup", f]
     proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -128,7 +135,7 @@ async def start_init(sandbox_id: str, cgroup: Cgroup, hostname: str,
         raise Internal(f"sandbox {sandbox_id}: init did not start: {err or line!r}")
     init_pid = int(line)
     pidfd = os.pidfd_open(init_pid)
-    return Runtime(sandbox_id, cgroup, proc, init_pid, pidfd)
+    return Runtime(sandbox_id, cgroup, proc, init_pid, pidfd, userns=userns)
 
 
 async def build_generation(rt: Runtime, layer_id: str, lower: list[str], layer: Path,
@@ -142,9 +149,17 @@ async def build_generation(rt: Runtime, layer_id: str, lower: list[str], layer: 
     cmd = [helper("dbx-mkroot"), "--pidfd", str(pidfd), "--lower", ":".join(lower),
            "--upper", str(layer / "upper"), "--work", str(layer / "work"),
            "--mountpoint", str(mountpoint)]
-    proc = await trio.lowlevel.open_process(
-        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        pass_fds=(pidfd,), env=HELPER_ENV)
+    fds = [pidfd]
+    if rt.userns is not None:
+        fds.append(userns_of(pidfd))
+        cmd += ["--userns", str(fds[1]), "--root-id", str(rt.userns.base)]
+    try:
+        proc = await trio.lowlevel.open_process(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=tuple(fds), env=HELPER_ENV)
+    finally:
+        for fd in fds[1:]:
+            os.close(fd)
     assert proc.stdin is not None and proc.stdout is not None
     try:
         lines = [await _read_line(proc.stdout), await _read_line(proc.stdout)]
