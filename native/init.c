@@ -184,18 +184,20 @@ static void reap_all(void)
  * not forked from init, so they do not inherit this. The launcher sets it: lowering the score
  * needs CAP_SYS_RESOURCE in the initial user namespace, which init in a user namespace
  * lacks. Some hosts withhold it even from root: then this is skipped, and deltaboxd
- * notices a dead init and stops the sandbox. */
-static void shield_from_oom_killer(pid_t init)
+ * notices a dead init and stops the sandbox. `proc`: the host's /proc, opened before init
+ * started (without a helper, init shares our mount namespace, and its pivot_root into its
+ * empty root moves our root there too). */
+static void shield_from_oom_killer(int proc, pid_t init)
 {
 	char path[64];
 	int fd;
 
-	snprintf(path, sizeof(path), "/proc/%d/oom_score_adj", (int)init);
-	fd = open(path, O_WRONLY | O_CLOEXEC);
+	snprintf(path, sizeof(path), "%d/oom_score_adj", (int)init);
+	fd = openat(proc, path, O_WRONLY | O_CLOEXEC);
 	if (fd < 0)
-		dbx_die_errno("open %s", path);
+		dbx_die_errno("open /proc/%s", path);
 	if (dbx_write_all(fd, "-1000", 5) < 0 && errno != EACCES && errno != EPERM)
-		dbx_die_errno("write %s", path);
+		dbx_die_errno("write /proc/%s", path);
 	close(fd);
 }
 
@@ -421,7 +423,7 @@ int main(int argc, char **argv)
 {
 	struct init_opts o;
 	pid_t child;
-	int status, ready[2];
+	int status, ready[2], proc;
 	char line[32];
 
 	dbx_set_progname("dbx-init");
@@ -431,6 +433,9 @@ int main(int argc, char **argv)
 			dbx_die_errno("join cgroup %s", o.cgroups[i]);
 	if (pipe2(ready, O_CLOEXEC) < 0)
 		dbx_die_errno("pipe for init's readiness");
+	proc = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (proc < 0)
+		dbx_die_errno("open /proc");
 	if (o.nest_under || o.map_count) {
 		child = start_init_via_helper(&o, ready);
 	} else {
@@ -445,7 +450,8 @@ int main(int argc, char **argv)
 	}
 	close(ready[1]);
 	wait_ready(ready[0], child);
-	shield_from_oom_killer(child);
+	shield_from_oom_killer(proc, child);
+	close(proc);
 
 	snprintf(line, sizeof(line), "%d\n", child);
 	if (dbx_write_all(STDOUT_FILENO, line, strlen(line)) < 0)

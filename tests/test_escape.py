@@ -103,10 +103,12 @@ def host() -> Iterator[Host]:
                 pass
 
 
-@pytest.fixture
-def box(daemon, host: Host) -> Iterator[Sandbox]:
-    """A sandbox per attempt; after it, the host must be unchanged and the daemon healthy."""
-    s = Sandbox.create(socket=daemon.socket)
+@pytest.fixture(params=["root", "userns"])
+def box(request, daemon, host: Host) -> Iterator[Sandbox]:
+    """A sandbox per attempt, each attempt made twice: sandbox root as host uid 0 (the
+    default) and in a user namespace (`create --userns`). After it, the host must be
+    unchanged and the daemon healthy."""
+    s = Sandbox.create(socket=daemon.socket, user_namespace=request.param == "userns")
     try:
         yield s
     finally:
