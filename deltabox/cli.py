@@ -502,9 +502,11 @@ def cmd_ls(args: argparse.Namespace, client: Client) -> int:
         return 0
     rows = [[b.id, b.state, b.head_checkpoint_id or "-", f"{b.memory_mb}M" if b.memory_mb
              else "-", str(b.pids_max or "-"), f"{b.cpus:g}" if b.cpus else "-",
-             _when(b.created_at), b.image or "(host)"] for b in boxes]
-    for line in render_table(["ID", "STATE", "HEAD", "MEMORY", "PIDS", "CPUS", "CREATED",
-                              "IMAGE"], rows):
+             b.uid_map.split()[1] if b.uid_map else "0", _when(b.created_at),
+             b.image or "(host)"] for b in boxes]
+    # ROOT: the host uid of the sandbox's root (not 0 with a user namespace, --userns)
+    for line in render_table(["ID", "STATE", "HEAD", "MEMORY", "PIDS", "CPUS", "ROOT",
+                              "CREATED", "IMAGE"], rows):
         print(line)
     return 0
 
