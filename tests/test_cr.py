@@ -223,6 +223,23 @@ def test_multithreaded_is_refused(sbx: Sandbox) -> None:
         sbx.checkpoint()
 
 
+@pytest.mark.parametrize("userns", [False, True], ids=["root", "userns"])
+def test_ordinary_user_process_is_refused(daemon, userns: bool) -> None:
+    """A process without CAP_SYS_ADMIN (here uid 1000) cannot be restored with its pid (the
+    kernel wants the capability in the process that clones): the checkpoint says so and
+    names it, instead of a rollback that would restart it. (Before, the checkpoint passed
+    and the rollback failed: "clone3 set_tid: no CAP_SYS_ADMIN".)"""
+    with Sandbox.create(socket=daemon.socket, user_namespace=userns) as sbx:
+        sbx.exec("setpriv --reuid 1000 --regid 1000 --clear-groups sleep 1000 "
+                 ">/dev/null 2>&1 &")
+        _wait(lambda: sbx.exec("pgrep -u 1000 -x sleep").exit_code == 0)
+        with pytest.raises(deltabox.FailedPrecondition,
+                           match=r"pid \d+ \(sleep 1000\): runs without CAP_SYS_ADMIN"):
+            sbx.checkpoint(mode="full")
+        assert sbx.checkpoints() == []
+        assert sbx.checkpoint(mode="fs").kind == "fs"
+
+
 def test_deleted_open_file_is_refused(sbx: Sandbox) -> None:
     sbx.exec("nohup python3 -c \"import os, time\nf = open('/tmp/t', 'w')\n"
              "os.unlink('/tmp/t')\ntime.sleep(1000)\" >/dev/null 2>&1 &")

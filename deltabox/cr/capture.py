@@ -19,6 +19,7 @@ from . import native
 # null zero full random urandom tty ptmx; pty slaves are major 136.
 HARMLESS_CHR = {(1, 3), (1, 5), (1, 7), (1, 8), (1, 9), (5, 0), (5, 2)}
 PTY_MAJOR = 136
+CAP_SYS_ADMIN = 21
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class ProcessRecord:
     cwd: str                  # inside the sandbox
     threads: int
     tracer_pid: int = 0
+    cap_eff: int = -1         # effective capabilities (-1: unknown)
+    uid: int = 0              # real uid as the host sees it
     fds: list[native.FdInfo] = field(default_factory=list)
     rss_kb: int = 0
     mappings: int = 0
@@ -81,7 +84,7 @@ def record(pid: int, st: native.ProcStatus) -> ProcessRecord:
     nspid = st.nspid[-1] if st.nspid else pid
     return ProcessRecord(pid=pid, nspid=nspid, ppid=st.ppid, pgid=st.pgid, sid=st.sid,
                          cmd=cmdline(pid), cwd=cwd, threads=st.threads,
-                         tracer_pid=st.tracer_pid,
+                         tracer_pid=st.tracer_pid, cap_eff=st.cap_eff, uid=st.uid,
                          fds=native.fds(pid), rss_kb=st.rss_kb, mappings=_mappings(pid))
 
 
@@ -96,6 +99,12 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
         refuse(f"{rec.threads} threads: multi-threaded processes are not captured yet")
     if rec.tracer_pid and rec.tracer_pid not in tracer_ok:
         refuse(f"traced by pid {rec.tracer_pid}")
+    if rec.cap_eff >= 0 and not rec.cap_eff >> CAP_SYS_ADMIN & 1:
+        # Its restore runs clone3 with set_tid (and, into a new generation or a fork, setns)
+        # as the process itself, which the kernel allows only with that capability.
+        refuse(f"runs without CAP_SYS_ADMIN (uid {rec.uid} as the host sees it: an "
+               "ordinary user's process, or one that dropped capabilities); a restore "
+               "would need it in the process itself, so such processes are not captured")
     for f in rec.fds:
         reason = _fd_refusal(f)
         if reason:

@@ -589,6 +589,8 @@ class ProcStatus:
     tracer_pid: int
     nspid: tuple[int, ...]  # outermost (ours) first, innermost last
     rss_kb: int = 0
+    cap_eff: int = -1       # effective capabilities (CapEff); -1: unknown
+    uid: int = 0            # real uid, as the host sees it
 
 
 def read_proc(path: str) -> bytes:
@@ -633,10 +635,14 @@ def proc_status(pid: int) -> ProcStatus:
     tracer = _required_field(status, b"TracerPid", f"/proc/{pid}/status")
     nspid = _status_field(status, b"NSpid")
     rss = _status_field(status, b"VmRSS")
+    caps = _status_field(status, b"CapEff")
+    uid = _status_field(status, b"Uid")
     return ProcStatus(ppid=int(f[1]), pgid=int(f[2]), sid=int(f[3]), threads=int(f[17]),
                       state=f[0].decode(), tracer_pid=int(tracer),
                       nspid=tuple(int(x) for x in nspid.split()) if nspid else (pid,),
-                      rss_kb=int(rss.split()[0]) if rss else 0)
+                      rss_kb=int(rss.split()[0]) if rss else 0,
+                      cap_eff=int(caps, 16) if caps else -1,
+                      uid=int(uid.split()[0]) if uid else 0)
 
 
 @dataclass(frozen=True)
