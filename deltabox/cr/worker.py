@@ -48,8 +48,11 @@ class PtraceWorker:
                 return
             fn, args, token, done = job
             result = outcome.capture(fn, *args)
+            # Hand the result over without waiting for trio to take it: the next job (e.g.
+            # another fork child's spawn, queued meanwhile) starts at once, while the trio
+            # thread prepares more.
             try:
-                trio.from_thread.run_sync(done, result, trio_token=token)
+                token.run_sync_soon(done, result)
             except trio.RunFinishedError:
                 pass
 

@@ -18,7 +18,7 @@ import shutil
 import stat
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -1508,30 +1508,42 @@ class Daemon:
                                                           and disk is None):
                 rows = await self._fork_files(cp, count, None)
                 return rows, "restarted", "processes restarted: the templates went meanwhile"
-            rows = await self._fork_files(cp, count, owner)
-            if key not in live_owner.captured:
-                kid_gen = self.live[rows[0].id].rt.generation  # the checkpoint's files
-                assert kid_gen is not None
+            if key in live_owner.captured:
+                # Each child's processes are restored as soon as it has booted, while the
+                # others boot: the templates' page-table copies (the bulk of a restore, in
+                # the kernel, on one CPU) overlap the boots. Nothing is committed before
+                # every child is whole (_fork_files undoes them all on a failure).
+                state = live_owner.captured[key]
+                budget.touch(state)
                 try:
-                    live_owner.captured[key] = await self.dumps.load(
-                        key, live_owner.rt.init_pid, f"/proc/self/fd/{kid_gen.rootfd}")
+                    rows = await self._fork_files(
+                        cp, count, owner,
+                        functools.partial(self._restore_fork_child, key, state))
                 except Exception as e:
-                    log.error("fork %s: restoring from the dump of %s failed: %s", cp.id,
-                              key, e)
-                    return rows, "restarted", (f"processes restarted: restoring from the "
-                                               f"dump of {key} failed: {e}")
-                live_owner.evicted.discard(key)
-                disk = "loaded"
+                    if (limit := _fork_failed(cp, e)) is not None:
+                        raise limit from e
+                    raise
+                return rows, "restored", (f"{len(state.records)} processes restored from "
+                                          "templates in each fork")
+            # The templates come from the dump, rebuilt in the holder from the first child's
+            # files: the children boot first, then their processes are restored.
+            rows = await self._fork_files(cp, count, owner)
+            kid_gen = self.live[rows[0].id].rt.generation  # the checkpoint's files
+            assert kid_gen is not None
+            try:
+                live_owner.captured[key] = await self.dumps.load(
+                    key, live_owner.rt.init_pid, f"/proc/self/fd/{kid_gen.rootfd}")
+            except Exception as e:
+                log.error("fork %s: restoring from the dump of %s failed: %s", cp.id, key, e)
+                return rows, "restarted", (f"processes restarted: restoring from the dump "
+                                           f"of {key} failed: {e}")
+            live_owner.evicted.discard(key)
             state = live_owner.captured[key]
             budget.touch(state)
             try:
-                for r in rows:
-                    kid = self.live[r.id]
-                    pids = set((await self._restore_into(kid, state)).pids.values())
-                    kid.procs_from = key
-                    self._new_turn(r.id, kid, pids)
+                await run_all([functools.partial(self._restore_fork_child, key, state, r)
+                               for r in rows])
             except Exception as e:
-                log.error("fork %s: restoring processes failed: %s", cp.id, e)
                 with trio.CancelScope(shield=True):
                     for r in rows:
                         await self._stop(r.id)
@@ -1539,14 +1551,21 @@ class Daemon:
                     with self.db.transaction():
                         for r in rows:
                             self.db.delete_sandbox(r.id)
-                if (limit := _cr_limit_error(e, "restoring")) is not None:
+                if (limit := _fork_failed(cp, e)) is not None:
                     raise limit from e
                 raise
         if self.live.get(owner) is live_owner:
-            self._evict_templates(live_owner)  # if the dump added templates
-        n = len(state.records)
-        src = f"disk (dump of {key})" if disk == "loaded" else "templates"
-        return rows, "restored", f"{n} processes restored from {src} in each fork"
+            self._evict_templates(live_owner)  # the dump added templates
+        return rows, "restored", (f"{len(state.records)} processes restored from disk (dump "
+                                  f"of {key}) in each fork")
+
+    async def _restore_fork_child(self, key: str, state: ProcessState, row: SandboxRow
+                                  ) -> None:
+        """The processes captured at `key`, from their templates, into a booted fork."""
+        kid = self.live[row.id]
+        pids = set((await self._restore_into(kid, state)).pids.values())
+        kid.procs_from = key
+        self._new_turn(row.id, kid, pids)
 
     async def _dump_holder(self, cp: CheckpointRow, why: str) -> tuple[str | None, str]:
         """A live sandbox of cp's family to rebuild cp's templates in from its dump (the
@@ -1604,9 +1623,11 @@ class Daemon:
         self._adopt(live, restored, state)
         return restored
 
-    async def _fork_files(self, cp: CheckpointRow, count: int,
-                          nest_under: str | None) -> list[SandboxRow]:
-        """Boot `count` sandboxes on clones of the checkpoint's layer and commit them."""
+    async def _fork_files(self, cp: CheckpointRow, count: int, nest_under: str | None,
+                          then: Callable[[SandboxRow], Awaitable[None]] | None = None
+                          ) -> list[SandboxRow]:
+        """Boot `count` sandboxes on clones of the checkpoint's layer, each followed by
+        `then` (its processes' restore), and commit them; on any failure, undo them all."""
         src = self.db.get_sandbox(cp.sandbox_id) or next(
             iter(self.db.family_sandboxes(cp.family_id)), None)
         rows: list[SandboxRow] = []
@@ -1630,7 +1651,13 @@ class Daemon:
             crash_point("fork.cloned")
             for r in rows:
                 r.base_gen = self.store.generation(r.layer_id)
-            await run_all([functools.partial(self._boot, r, nest_under) for r in rows])
+
+            async def boot(r: SandboxRow) -> None:
+                await self._boot(r, nest_under)
+                if then is not None:
+                    await then(r)
+
+            await run_all([functools.partial(boot, r) for r in rows])
             crash_point("fork.booted")
         except BaseException:
             with trio.CancelScope(shield=True):
@@ -1718,6 +1745,13 @@ def _nested(store_root: Path, image_root: Path) -> bool:
     if os.stat(store_root).st_dev != os.stat(image_root).st_dev:
         return False
     return store_root.resolve().is_relative_to(image_root.resolve())
+
+
+def _fork_failed(cp: CheckpointRow, e: Exception) -> ResourceExhausted | None:
+    """Log a fork that failed while restoring processes; a kernel limit it hit becomes
+    RESOURCE_EXHAUSTED (else the error is raised as itself)."""
+    log.error("fork %s: booting or restoring the children failed: %s", cp.id, e)
+    return _cr_limit_error(e, "restoring")
 
 
 def _cr_limit_error(e: BaseException, what: str) -> ResourceExhausted | None:
