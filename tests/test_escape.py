@@ -525,8 +525,9 @@ def _cgroup_file(daemon, sid: str, ctrl: str, name: str) -> Path:
     return Path("/sys/fs/cgroup") / ctrl / parent / sid / name
 
 
-def test_fork_bomb_stops(daemon, host: Host) -> None:
-    with Sandbox.create(socket=daemon.socket, pids_max=128) as sbx:
+@pytest.mark.parametrize("userns", [False, True], ids=["root", "userns"])
+def test_fork_bomb_stops(daemon, host: Host, userns: bool) -> None:
+    with Sandbox.create(socket=daemon.socket, pids_max=128, user_namespace=userns) as sbx:
         t = time.monotonic()
         try:
             sbx.exec("bomb() { bomb | bomb & }; bomb; sleep 5", timeout=20)
@@ -553,9 +554,10 @@ def test_default_limits_are_set(daemon) -> None:
         assert mem < 1 << 50
 
 
-def test_memory_exhaustion_kills_inside_only(daemon, host: Host) -> None:
+@pytest.mark.parametrize("userns", [False, True], ids=["root", "userns"])
+def test_memory_exhaustion_kills_inside_only(daemon, host: Host, userns: bool) -> None:
     dpid = daemon.proc.pid
-    with Sandbox.create(socket=daemon.socket, memory_mb=96) as sbx:
+    with Sandbox.create(socket=daemon.socket, memory_mb=96, user_namespace=userns) as sbx:
         s = sbx.session("main")
         s.run("sleep 1000 &")
         r = sbx.exec("python3 -c 'x = []\nwhile True: x.append(bytearray(8 << 20))'",
@@ -568,8 +570,9 @@ def test_memory_exhaustion_kills_inside_only(daemon, host: Host) -> None:
     deltabox.info(socket=daemon.socket)
 
 
-def test_cpu_limit_holds(daemon) -> None:
-    with Sandbox.create(socket=daemon.socket, cpus=0.25) as sbx:
+@pytest.mark.parametrize("userns", [False, True], ids=["root", "userns"])
+def test_cpu_limit_holds(daemon, userns: bool) -> None:
+    with Sandbox.create(socket=daemon.socket, cpus=0.25, user_namespace=userns) as sbx:
         r = sbx.exec("python3 -c 'import os, time\nt = time.time()\n"
                      "while time.time() - t < 2: pass\nprint(os.times().user + os.times().system)'",
                      timeout=30)
@@ -577,13 +580,14 @@ def test_cpu_limit_holds(daemon) -> None:
         assert used < 2 * 0.25 * 1.6, f"{used} CPU-seconds in 2 s at cpus=0.25"
 
 
-def test_fill_the_disk_hits_the_sandbox_quota(daemon, host: Host) -> None:
+@pytest.mark.parametrize("userns", [False, True], ids=["root", "userns"])
+def test_fill_the_disk_hits_the_sandbox_quota(daemon, host: Host, userns: bool) -> None:
     """Each writable layer has a quota (btrfs simple quota, `disk_mb`; the daemon's default
     otherwise): filling the disk is a clear EDQUOT inside, the files API says
     RESOURCE_EXHAUSTED with what to do, other sandboxes and the host are unaffected, and a
     rollback's new layer has the quota too."""
     assert deltabox.info(socket=daemon.socket).disk_quota.startswith("btrfs simple quota")
-    with Sandbox.create(socket=daemon.socket, disk_mb=64) as sbx, \
+    with Sandbox.create(socket=daemon.socket, disk_mb=64, user_namespace=userns) as sbx, \
             Sandbox.create(socket=daemon.socket) as other:
         assert sbx.info().disk_mb == 64 and other.info().disk_mb > 0
         cp = sbx.checkpoint()
