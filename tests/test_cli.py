@@ -67,3 +67,17 @@ def test_cli_errors(daemon) -> None:
     r = subprocess.run([sys.executable, "-m", "deltabox.cli", "info"], capture_output=True,
                        text=True, env=dict(os.environ, DELTABOX_SOCKET="/nonexistent.sock"))
     assert r.returncode == 1 and "is it running" in r.stderr
+
+
+def test_cli_create_with_a_user_namespace(daemon) -> None:
+    info = json.loads(cli(daemon, "--json", "create", "--userns").stdout)
+    try:
+        assert info["uid_map"] == "0 100000 65536"
+        assert cli(daemon, "exec", info["id"], "--", "id", "-u").stdout == "0\n"
+        row = next(line for line in cli(daemon, "ls").stdout.splitlines()
+                   if line.startswith(info["id"]))
+        header = cli(daemon, "ls").stdout.splitlines()[0].split()
+        assert row.split()[header.index("ROOT")] == "100000"
+        assert "--userns" in cli(daemon, "create", "--help").stdout
+    finally:
+        cli(daemon, "rm", info["id"], check=False)
