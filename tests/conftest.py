@@ -123,11 +123,12 @@ def daemon() -> DaemonProc:
 
 
 @contextlib.contextmanager
-def new_sandbox(socket: str):
-    """A sandbox on the daemon at `socket`, killed afterwards (whatever state it is in)."""
+def new_sandbox(socket: str, **create: object):
+    """A sandbox on the daemon at `socket` (`create`: Sandbox.create's options), killed
+    afterwards (whatever state it is in)."""
     from deltabox import Sandbox
 
-    s = Sandbox.create(socket=socket)
+    s = Sandbox.create(socket=socket, **create)
     try:
         yield s
     finally:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-import deltabox
 from deltabox import Sandbox
 from deltabox.sandbox.userns import IdMap
 
@@ -28,14 +27,8 @@ AS_USER = "setpriv --reuid 1000 --regid 1000 --clear-groups"
 
 @pytest.fixture
 def ubox(daemon: DaemonProc) -> Iterator[Sandbox]:
-    s = Sandbox.create(socket=daemon.socket, user_namespace=True)
-    try:
+    with new_sandbox(daemon.socket, user_namespace=True) as s:
         yield s
-    finally:
-        try:
-            s.kill()
-        except deltabox.DeltaBoxError:
-            pass
 
 
 def host_ids(pid: int) -> tuple[int, int]:
