@@ -8,14 +8,16 @@ from __future__ import annotations
 import io
 import os
 import secrets
+import subprocess
 import tarfile
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from deltabox import Sandbox
+from deltabox import FailedPrecondition, Sandbox
 from deltabox.sandbox.userns import IdMap
 
 from conftest import DaemonProc, new_sandbox, private_daemon
@@ -186,3 +188,23 @@ def test_a_sandbox_without_userns_is_unchanged(daemon: DaemonProc) -> None:
 def test_userns_range_is_validated(bad: str) -> None:
     with pytest.raises(ValueError, match="BASE"):
         IdMap.parse(bad)
+
+
+def test_an_image_without_idmapped_mounts_is_a_clear_error(daemon: DaemonProc) -> None:
+    """An image on a filesystem that cannot be idmapped (ramfs, for real) cannot back a
+    sandbox with a user namespace: FAILED_PRECONDITION saying what to do, nothing left
+    behind; the same image serves a sandbox without one."""
+    base = Path(tempfile.mkdtemp(prefix="dbx-ramfs-", dir="/var/tmp"))
+    subprocess.run(["mount", "-t", "ramfs", "dbx-ramfs", str(base)], check=True)
+    try:
+        for d in ("bin", "etc", "workspace", "tmp"):
+            (base / d).mkdir()
+        before = {s.id for s in Sandbox.list(socket=daemon.socket)}
+        with pytest.raises(FailedPrecondition, match="support idmapped mounts"):
+            Sandbox.create(socket=daemon.socket, image=str(base), user_namespace=True)
+        assert {s.id for s in Sandbox.list(socket=daemon.socket)} == before
+        with new_sandbox(daemon.socket, image=str(base)) as plain:
+            assert plain.info().state == "running"
+    finally:
+        subprocess.run(["umount", str(base)], check=True)
+        base.rmdir()

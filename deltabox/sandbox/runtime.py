@@ -132,6 +132,11 @@ async def start_init(sandbox_id: str, cgroup: Cgroup, hostname: str,
     line = await _read_line(proc.stdout)
     if not line.strip().isdigit():
         err = await _drain(proc)
+        if userns is not None and "user namespace" in err:
+            raise FailedPrecondition(
+                f"sandbox {sandbox_id}: its user namespace could not be made ({err}): "
+                "check the host's user.max_user_namespaces, or create it without "
+                "user_namespace")
         raise Internal(f"sandbox {sandbox_id}: init did not start: {err or line!r}")
     init_pid = int(line)
     pidfd = os.pidfd_open(init_pid)
@@ -166,6 +171,11 @@ async def build_generation(rt: Runtime, layer_id: str, lower: list[str], layer: 
         pids = [x for x in lines if x.strip().isdigit()]
         if "ready" not in [x.strip() for x in lines] or not pids:
             err = await _drain(proc)
+            if rt.userns is not None and "idmapped mounts" in err:
+                raise FailedPrecondition(
+                    f"sandbox {rt.sandbox_id}: {err}: put the image and the state dir on "
+                    "filesystems that support idmapped mounts (btrfs, ext4, xfs, tmpfs), "
+                    "or create it without user_namespace")
             raise Internal(f"sandbox {rt.sandbox_id}: building its file system failed: "
                            f"{err or lines!r}")
         pid = int(pids[0])
