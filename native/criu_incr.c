@@ -875,20 +875,15 @@ static void parse_ids(const char *v, uint32_t out[3])
 /* /proc/pid/status shows ids as the reader's user namespace sees them (the daemon's: the
  * host's). Images keep them as the process's own user namespace sees them, which is what a
  * restore's injected setgroups/setresgid/setresuid take, and which stays right if the
- * daemon's host range for sandboxes changes. /proc/pid/{uid,gid}_map lines are "inside
- * outside count", outside as the reader sees it; outside the sandbox's user namespace (the
- * usual case) the map is the identity "0 0 4294967295". */
-static int ids_to_ns(pid_t pid, const char *map, uint32_t *ids, uint32_t n,
+ * daemon's host range for sandboxes changes. /proc/pid/{uid,gid}_map (`map`, read once by
+ * the caller) has lines "inside outside count", outside as the reader sees it; outside the
+ * sandbox's user namespace (the usual case) it is the identity "0 0 4294967295". */
+static int ids_to_ns(pid_t pid, const char *name, const char *map, uint32_t *ids, uint32_t n,
 		     struct dbxcr_error *err)
 {
-	char path[64], buf[4096];
-
-	snprintf(path, sizeof(path), "/proc/%d/%s", (int)pid, map);
-	if (read_small_file(path, buf, sizeof(buf)) < 0)
-		return fail(err, errno, pid, "read %s", path);
 	for (uint32_t i = 0; i < n; i++) {
 		unsigned long in, out, count;
-		const char *line = buf;
+		const char *line = map;
 		int found = 0, used;
 
 		while (!found && sscanf(line, " %lu %lu %lu%n", &in, &out, &count, &used) == 3) {
@@ -899,16 +894,27 @@ static int ids_to_ns(pid_t pid, const char *map, uint32_t *ids, uint32_t n,
 			line += used;
 		}
 		if (!found)
-			return fail(err, EOVERFLOW, pid, "id %u is not in %s: it cannot be "
-				    "restored in the process's user namespace", ids[i], path);
+			return fail(err, EOVERFLOW, pid, "id %u is not in /proc/%d/%s: it cannot be "
+				    "restored in the process's user namespace", ids[i], (int)pid, name);
 	}
+	return 0;
+}
+
+static int read_id_map(pid_t pid, const char *name, char *map, size_t len,
+		       struct dbxcr_error *err)
+{
+	char path[64];
+
+	snprintf(path, sizeof(path), "/proc/%d/%s", (int)pid, name);
+	if (read_small_file(path, map, len) < 0)
+		return fail(err, errno, pid, "read %s", path);
 	return 0;
 }
 
 static int read_status_bits(pid_t pid, struct core_fixed *core, int seccomp_ok,
 			    struct dbxcr_error *err)
 {
-	char path[64], status[8192], *v;
+	char path[64], status[8192], map[4096], *v;
 
 	snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
 	if (read_small_file(path, status, sizeof(status)) < 0)
@@ -936,9 +942,11 @@ static int read_status_bits(pid_t pid, struct core_fixed *core, int seccomp_ok,
 			p = e2;
 		}
 	}
-	if (ids_to_ns(pid, "uid_map", core->uid, 3, err) < 0 ||
-	    ids_to_ns(pid, "gid_map", core->gid, 3, err) < 0 ||
-	    ids_to_ns(pid, "gid_map", core->groups, core->ngroups, err) < 0)
+	if (read_id_map(pid, "uid_map", map, sizeof(map), err) < 0 ||
+	    ids_to_ns(pid, "uid_map", map, core->uid, 3, err) < 0 ||
+	    read_id_map(pid, "gid_map", map, sizeof(map), err) < 0 ||
+	    ids_to_ns(pid, "gid_map", map, core->gid, 3, err) < 0 ||
+	    ids_to_ns(pid, "gid_map", map, core->groups, core->ngroups, err) < 0)
 		return -1;
 	snprintf(path, sizeof(path), "/proc/%d/personality", (int)pid);
 	if (read_small_file(path, status, sizeof(status)) == 0)

@@ -3,9 +3,11 @@
  *   dbx-init [--cgroup PROCS_FILE]... [--hostname NAME] [--nest-under PID]
  *            [--userns BASE:COUNT]
  *
- * The launcher joins the sandbox's cgroups, unshares every namespace a sandbox has (mount,
- * pid, uts, ipc, net, cgroup), names the host, raises loopback and forks. The child is pid 1
- * of the new pid namespace: it parks itself in an empty read-only tmpfs root (so that
+ * The launcher joins the sandbox's cgroups and forks a helper, which unshares every
+ * namespace a sandbox has (mount, pid, uts, ipc, net, cgroup), names the host, raises
+ * loopback and creates init with CLONE_PARENT, so that init is the launcher's child (found
+ * in /proc/self/task/<tid>/children once the helper has exited) while the launcher itself
+ * stays in the host's namespaces. Init is pid 1 of the new pid namespace: it parks itself in an empty read-only tmpfs root (so that
  * /proc/1/root, which any sandbox process can open, leads nowhere) and reaps orphans forever.
  * The sandbox's file system is not init's: each generation of it lives in a mount namespace
  * built by dbx-mkroot, so a rollback can replace it while init (and so the pid namespace)
@@ -18,15 +20,13 @@
  * --nest-under PID makes the new pid namespace a child of PID's (a fork whose processes are
  * restored from templates living in that namespace: they can spawn only into it or below).
  * unshare(CLONE_NEWPID) requires the caller's pid namespace for children to be its active
- * one, so after setns() into PID's namespace a helper forked there does the unsharing and
- * creates init with CLONE_PARENT: init stays the launcher's child, found in
- * /proc/self/task/<tid>/children once the helper has exited.
+ * one, so the launcher setns() into PID's namespace before forking the helper, which is then
+ * born there.
  *
  * --userns BASE:COUNT gives the sandbox a user namespace mapping its uids and gids
  * 0..COUNT-1 to the host's BASE..BASE+COUNT-1, so that its root is not host root. It must
  * own the sandbox's other namespaces (the kernel checks a capability against the user
- * namespace that owns the object), so it comes first, again in a forked helper: the helper
- * unshares CLONE_NEWUSER, the launcher writes its uid_map and gid_map (a map of more than
+ * namespace that owns the object), so the helper makes it first: it unshares CLONE_NEWUSER, the launcher writes its uid_map and gid_map (a map of more than
  * one id must be written from the parent namespace, with CAP_SETUID/CAP_SETGID there), the
  * helper becomes root inside, makes the other namespaces and creates init as above. With
  * --nest-under the helper joins PID's user namespace instead of making one: a fork family
@@ -184,20 +184,18 @@ static void reap_all(void)
  * not forked from init, so they do not inherit this. The launcher sets it: lowering the score
  * needs CAP_SYS_RESOURCE in the initial user namespace, which init in a user namespace
  * lacks. Some hosts withhold it even from root: then this is skipped, and deltaboxd
- * notices a dead init and stops the sandbox. `proc`: the host's /proc, opened before init
- * started (without a helper, init shares our mount namespace, and its pivot_root into its
- * empty root moves our root there too). */
-static void shield_from_oom_killer(int proc, pid_t init)
+ * notices a dead init and stops the sandbox. */
+static void shield_from_oom_killer(pid_t init)
 {
 	char path[64];
 	int fd;
 
-	snprintf(path, sizeof(path), "%d/oom_score_adj", (int)init);
-	fd = openat(proc, path, O_WRONLY | O_CLOEXEC);
+	snprintf(path, sizeof(path), "/proc/%d/oom_score_adj", (int)init);
+	fd = open(path, O_WRONLY | O_CLOEXEC);
 	if (fd < 0)
-		dbx_die_errno("open /proc/%s", path);
+		dbx_die_errno("open %s", path);
 	if (dbx_write_all(fd, "-1000", 5) < 0 && errno != EACCES && errno != EPERM)
-		dbx_die_errno("write /proc/%s", path);
+		dbx_die_errno("write %s", path);
 	close(fd);
 }
 
@@ -330,7 +328,8 @@ static __attribute__((noreturn)) void run_helper(const struct init_opts *o, int 
 		enter_user_namespace(o, pidfd, sync);
 	if (pidfd >= 0)
 		close(pidfd);
-	close(sync);
+	if (sync >= 0)
+		close(sync);
 	make_namespaces(o);
 	init = (pid_t)syscall(SYS_clone, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0);
 	if (init < 0)
@@ -363,10 +362,11 @@ static pid_t find_init(void)
 	return init;
 }
 
-/* --nest-under and/or --userns: init is made by a forked helper (see the file comment). */
-static pid_t start_init_via_helper(const struct init_opts *o, const int ready[2])
+/* Init, made by a forked helper (see the file comment); returns its pid as we see it. */
+static pid_t start_init(const struct init_opts *o, const int ready[2])
 {
-	int pidfd = -1, status, sync[2];
+	int pidfd = -1, status, sync[2] = { -1, -1 };
+	int maps = o->map_count && !o->nest_under; /* a fresh user namespace: we map it */
 	pid_t helper;
 
 	if (o->nest_under) {
@@ -376,25 +376,26 @@ static pid_t start_init_via_helper(const struct init_opts *o, const int ready[2]
 		if (setns(pidfd, CLONE_NEWPID) < 0)
 			dbx_die_errno("setns into the pid namespace of %d", (int)o->nest_under);
 	}
-	if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sync) < 0)
+	if (maps && socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sync) < 0)
 		dbx_die_errno("socketpair for the namespace helper");
 	helper = fork();
 	if (helper < 0)
 		dbx_die_errno("fork namespace helper");
 	if (helper == 0) {
 		close(ready[0]);
-		close(sync[0]);
+		if (maps)
+			close(sync[0]);
 		run_helper(o, pidfd, sync[1], ready[1]);
 	}
-	close(sync[1]);
 	if (pidfd >= 0)
 		close(pidfd);
-	if (o->map_count && !o->nest_under) {
+	if (maps) {
+		close(sync[1]);
 		sync_wait(sync[0], "wait for the helper's user namespace");
 		write_id_maps(helper, o);
 		sync_send(sync[0], "tell the helper the id maps are written");
+		close(sync[0]);
 	}
-	close(sync[0]);
 	while (waitpid(helper, &status, 0) < 0)
 		if (errno != EINTR)
 			dbx_die_errno("wait for namespace helper %d", (int)helper);
@@ -423,7 +424,7 @@ int main(int argc, char **argv)
 {
 	struct init_opts o;
 	pid_t child;
-	int status, ready[2], proc;
+	int status, ready[2];
 	char line[32];
 
 	dbx_set_progname("dbx-init");
@@ -433,25 +434,10 @@ int main(int argc, char **argv)
 			dbx_die_errno("join cgroup %s", o.cgroups[i]);
 	if (pipe2(ready, O_CLOEXEC) < 0)
 		dbx_die_errno("pipe for init's readiness");
-	proc = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);
-	if (proc < 0)
-		dbx_die_errno("open /proc");
-	if (o.nest_under || o.map_count) {
-		child = start_init_via_helper(&o, ready);
-	} else {
-		make_namespaces(&o);
-		child = fork();
-		if (child < 0)
-			dbx_die_errno("fork init");
-		if (child == 0) {
-			close(ready[0]);
-			run_init(ready[1]);
-		}
-	}
+	child = start_init(&o, ready);
 	close(ready[1]);
 	wait_ready(ready[0], child);
-	shield_from_oom_killer(proc, child);
-	close(proc);
+	shield_from_oom_killer(child);
 
 	snprintf(line, sizeof(line), "%d\n", child);
 	if (dbx_write_all(STDOUT_FILENO, line, strlen(line)) < 0)

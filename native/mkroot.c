@@ -173,18 +173,16 @@ static void attach_idmapped(const char *src, const char *dst, int userns)
 	close(fd);
 }
 
-/* Run mount() with fsuid and fsgid `id`, capabilities kept: SECBIT_NO_SETUID_FIXUP stops
+/* fsuid and fsgid `id` (0: back to root), capabilities kept: SECBIT_NO_SETUID_FIXUP stops
  * the kernel from clearing the file capabilities when fsuid leaves 0. */
-static void as_fsid(unsigned long id, int on)
+static void as_fsid(unsigned int id)
 {
-	unsigned int want = on ? (unsigned int)id : 0;
-
-	if (prctl(PR_SET_SECUREBITS, on ? SECBIT_NO_SETUID_FIXUP : 0, 0, 0, 0) < 0)
+	if (prctl(PR_SET_SECUREBITS, id ? SECBIT_NO_SETUID_FIXUP : 0, 0, 0, 0) < 0)
 		dbx_die_errno("PR_SET_SECUREBITS");
-	setfsgid(want);
-	setfsuid(want);
-	if ((unsigned int)setfsuid((uid_t)-1) != want || (unsigned int)setfsgid((gid_t)-1) != want)
-		dbx_die("setfsuid/setfsgid %u refused", want);
+	setfsgid(id);
+	setfsuid(id);
+	if ((unsigned int)setfsuid((uid_t)-1) != id || (unsigned int)setfsgid((gid_t)-1) != id)
+		dbx_die("setfsuid/setfsgid %u refused", id);
 }
 
 /* The overlay of a sandbox with a user namespace (see the file comment): idmapped clones of
@@ -223,9 +221,9 @@ static void mount_idmapped_overlay(const struct mkroot_opts *o)
 		n++;
 	}
 	free(list);
-	as_fsid(o->root, 1);
+	as_fsid((unsigned int)o->root);
 	mount_overlay(o->mountpoint, lowers, upper, work);
-	as_fsid(o->root, 0);
+	as_fsid(0);
 }
 
 /* With a user namespace (root != 0), what mkroot creates in /dev belongs to the sandbox's
