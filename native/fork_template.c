@@ -582,11 +582,12 @@ int remote_syscall(struct tracee *t, long nr, const long a[6], long *ret,
 	return fail(err, EAGAIN, t->pid, "syscall %ld kept asking to be restarted", nr);
 }
 
-static int remote_syscall_once(struct tracee *t, long nr, const long a[6], long *ret,
-			       struct dbxcr_error *err)
+/* Start a system call in a stopped tracee and return at once: the tracee runs it (a fork
+ * of a large process copies page tables for milliseconds, on another CPU) while the caller
+ * drives other tracees.  syscall_finish collects it. */
+static int syscall_start(struct tracee *t, long nr, const long a[6], struct dbxcr_error *err)
 {
 	struct user_regs_struct r = t->regs;
-	int status;
 
 	r.rip = t->site;
 	r.rax = (unsigned long)nr;
@@ -600,13 +601,22 @@ static int remote_syscall_once(struct tracee *t, long nr, const long a[6], long 
 	r.eflags &= ~0x100ULL;	/* TF: the kernel sets it for PTRACE_SINGLESTEP */
 	if (ptrace(PTRACE_SETREGS, t->pid, 0, &r) < 0)
 		return fail(err, errno, t->pid, "PTRACE_SETREGS for syscall %ld", nr);
+	/* Always resume with SINGLESTEP: resuming a fork-event stop with PTRACE_CONT would
+	 * drop the single-step and let the tracee run off. */
+	if (ptrace(PTRACE_SINGLESTEP, t->pid, 0, 0) < 0)
+		return fail(err, errno, t->pid, "PTRACE_SINGLESTEP for syscall %ld", nr);
+	return 0;
+}
+
+/* Wait for the system call syscall_start began: its return value in *ret. */
+static int syscall_finish(struct tracee *t, long nr, long *ret, struct dbxcr_error *err)
+{
+	struct user_regs_struct r;
+	int status;
+
 	for (;;) {
 		int sig, ev;
 
-		/* Always resume with SINGLESTEP: resuming a fork-event stop with PTRACE_CONT
-		 * would drop the single-step and let the tracee run off. */
-		if (ptrace(PTRACE_SINGLESTEP, t->pid, 0, 0) < 0)
-			return fail(err, errno, t->pid, "PTRACE_SINGLESTEP for syscall %ld", nr);
 		if (wait_stop(t->pid, &status, err) < 0)
 			return -1;
 		sig = WSTOPSIG(status);
@@ -617,16 +627,14 @@ static int remote_syscall_once(struct tracee *t, long nr, const long a[6], long 
 			if (ptrace(PTRACE_GETEVENTMSG, t->pid, 0, &msg) < 0)
 				return fail(err, errno, t->pid, "PTRACE_GETEVENTMSG");
 			t->new_child = (pid_t)msg;
-			continue;
+		} else if (ev == 0 && sig == SIGTRAP) {
+			break;
+		} else if (ev == 0 && defer_signal(t, sig, err) < 0) {
+			return -1;
 		}
-		if (ev != 0)	/* PTRACE_EVENT_STOP: pending interrupt or group stop */
-			continue;
-		if (sig != SIGTRAP) {
-			if (defer_signal(t, sig, err) < 0)
-				return -1;
-			continue;
-		}
-		break;
+		/* else PTRACE_EVENT_STOP: pending interrupt or group stop */
+		if (ptrace(PTRACE_SINGLESTEP, t->pid, 0, 0) < 0)
+			return fail(err, errno, t->pid, "PTRACE_SINGLESTEP for syscall %ld", nr);
 	}
 	t->in_signal_stop = true;
 	t->in_get_signal = true;
@@ -637,6 +645,14 @@ static int remote_syscall_once(struct tracee *t, long nr, const long a[6], long 
 			    nr, (unsigned long long)r.rip, t->site + 2);
 	*ret = (long)r.rax;
 	return 0;
+}
+
+static int remote_syscall_once(struct tracee *t, long nr, const long a[6], long *ret,
+			       struct dbxcr_error *err)
+{
+	if (syscall_start(t, nr, a, err) < 0)
+		return -1;
+	return syscall_finish(t, nr, ret, err);
 }
 
 /* remote_syscall that treats a negative return as an error named after the step. */
@@ -875,14 +891,23 @@ int park(struct dbxcr_template *tpl, struct dbxcr_error *err)
 	return 0;
 }
 
-/* Fork the template out of the stopped original (clone with CLONE_PARENT). */
-static pid_t fork_template_from(struct tracee *orig, struct dbxcr_error *err)
+/* Fork the template out of the stopped original (clone with CLONE_PARENT), in two steps:
+ * the clone runs in the original (page tables copied on its CPU) between them. */
+static const long template_clone_args[6] = { CLONE_PARENT, 0, 0, 0, 0, 0 };
+
+static int fork_template_start(struct tracee *orig, struct dbxcr_error *err)
 {
-	long a[6] = { CLONE_PARENT, 0, 0, 0, 0, 0 };
+	orig->new_child = 0;
+	return syscall_start(orig, SYS_clone, template_clone_args, err);
+}
+
+static pid_t fork_template_finish(struct tracee *orig, struct dbxcr_error *err)
+{
 	long ret;
 
-	orig->new_child = 0;
-	if (remote_syscall(orig, SYS_clone, a, &ret, err) < 0) {
+	if (syscall_finish(orig, SYS_clone, &ret, err) < 0 ||
+	    (ret == -KERN_ERESTARTNOINTR &&	/* a SIGSTOP came: the kernel would re-run it */
+	     remote_syscall(orig, SYS_clone, template_clone_args, &ret, err) < 0)) {
 		kill_traced(orig->new_child);
 		return -1;
 	}
@@ -1149,6 +1174,7 @@ struct dbxcr_stop {
 	int state;
 	bool seized;		/* false while the seize waits for the thaw (group stop) */
 	bool modified;		/* mask/options/registers differ from the stop */
+	bool forking;		/* dbxcr_template_start's clone not collected yet */
 	long opts;		/* options given at seize (no EXITKILL, no fork events) */
 	int kind;		/* enum dbxcr_stop_kind */
 	int signal;
@@ -1365,58 +1391,76 @@ static int unmodify(struct dbxcr_stop *s, struct dbxcr_error *err)
 	return 0;
 }
 
-struct dbxcr_template *dbxcr_template_stopped(struct dbxcr_stop *s, struct dbxcr_error *err)
+int dbxcr_template_start(struct dbxcr_stop *s, struct dbxcr_error *err)
+{
+	pid_t pid = s->t.pid;
+
+	clear_error(err);
+	if (owns(s, err) < 0)
+		return -1;
+	if (s->state != ST_STOPPED)
+		return fail(err, EINVAL, pid, "process is not stopped (call dbxcr_stop_wait first)");
+	if (s->forking)
+		return fail(err, EINVAL, pid, "a template of it is being made already");
+	/* From here on the registers are not the program's: a tracer that dies must take the
+	 * process (and the template, which inherits the options) with it. */
+	s->modified = true;
+	if (ptrace(PTRACE_SETOPTIONS, pid, 0, (void *)(s->opts | BASE_OPTIONS)) < 0)
+		fail(err, errno, pid, "PTRACE_SETOPTIONS");
+	else if (block_all(&s->t, err) == 0 && fork_template_start(&s->t, err) == 0) {
+		s->forking = true;
+		return 0;
+	}
+	{
+		struct dbxcr_error ignored;
+
+		unmodify(s, &ignored);	/* the original goes back as it was */
+	}
+	return -1;
+}
+
+/* The clone dbxcr_template_start began, collected; NULL (and no child) on failure. */
+static pid_t finish_fork(struct dbxcr_stop *s, struct dbxcr_error *err)
+{
+	pid_t child;
+
+	s->forking = false;
+	child = fork_template_finish(&s->t, err);
+	if (child > 0 && wait_birth(child, err) < 0) {
+		kill_traced(child);
+		child = -1;
+	}
+	return child;
+}
+
+struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_error *err)
 {
 	struct dbxcr_template *tpl;
 	pid_t pid = s->t.pid, child;
-	int rc;
 
 	clear_error(err);
 	if (owns(s, err) < 0)
 		return NULL;
-	if (s->state != ST_STOPPED) {
-		fail(err, EINVAL, pid, "process is not stopped (call dbxcr_stop_wait first)");
+	if (!s->forking) {
+		fail(err, EINVAL, pid, "no template of it is being made (dbxcr_template_start)");
 		return NULL;
 	}
-	tpl = calloc(1, sizeof(*tpl));
-	if (!tpl) {
+	child = finish_fork(s, err);
+	tpl = child > 0 ? calloc(1, sizeof(*tpl)) : NULL;
+	if (tpl)
+		tpl->xstate = malloc(s->t.xstate_len);
+	if (child > 0 && (!tpl || !tpl->xstate))
 		fail(err, ENOMEM, pid, "allocate template");
-		return NULL;
-	}
-	tpl->xstate = malloc(s->t.xstate_len);
-	if (!tpl->xstate) {
-		free(tpl);
-		fail(err, ENOMEM, pid, "allocate template xstate");
-		return NULL;
-	}
-	/* From here on the registers are not the program's: a tracer that dies must take the
-	 * process (and the template, which inherits the options) with it. */
-	s->modified = true;
-	if (ptrace(PTRACE_SETOPTIONS, pid, 0, (void *)(s->opts | BASE_OPTIONS)) < 0) {
-		fail(err, errno, pid, "PTRACE_SETOPTIONS");
-		child = -1;
-	} else if (block_all(&s->t, err) < 0) {
-		child = -1;
-	} else {
-		child = fork_template_from(&s->t, err);
-		if (child > 0 && wait_birth(child, err) < 0) {
-			kill_traced(child);
-			child = -1;
-		}
-	}
 	/* The original goes back first, whatever happened to the template. */
-	if (child < 0) {
+	if (!tpl || !tpl->xstate || unmodify(s, err) < 0) {
 		struct dbxcr_error ignored;
 
-		unmodify(s, &ignored);
-		free(tpl->xstate);
-		free(tpl);
-		return NULL;
-	}
-	rc = unmodify(s, err);
-	if (rc < 0) {
-		kill_traced(child);
-		free(tpl->xstate);
+		if (child > 0)
+			kill_traced(child);
+		if (s->modified)
+			unmodify(s, &ignored);
+		if (tpl)
+			free(tpl->xstate);
 		free(tpl);
 		return NULL;
 	}
@@ -1440,6 +1484,13 @@ struct dbxcr_template *dbxcr_template_stopped(struct dbxcr_stop *s, struct dbxcr
 	return tpl;
 }
 
+struct dbxcr_template *dbxcr_template_stopped(struct dbxcr_stop *s, struct dbxcr_error *err)
+{
+	if (dbxcr_template_start(s, err) < 0)
+		return NULL;
+	return dbxcr_template_finish(s, err);
+}
+
 int dbxcr_stop_resume(struct dbxcr_stop *s, struct dbxcr_error *err)
 {
 	clear_error(err);
@@ -1448,6 +1499,13 @@ int dbxcr_stop_resume(struct dbxcr_stop *s, struct dbxcr_error *err)
 	if (s->state != ST_STOPPED)
 		return fail(err, EINVAL, s->t.pid, "process is not stopped%s",
 			    s->state == ST_DONE ? " (already resumed or gone)" : " yet");
+	if (s->forking) {	/* a template begun and never collected: it goes */
+		struct dbxcr_error ignored;
+		pid_t child = finish_fork(s, &ignored);
+
+		if (child > 0)
+			kill_traced(child);
+	}
 	if (s->modified && unmodify(s, err) < 0)
 		return -1;
 	if (detach_tracee(&s->t, err) < 0)
@@ -2314,8 +2372,9 @@ pid_t dbxcr_spawn(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opt
  * clone3(CLONE_VM | CLONE_PARENT) with the wanted pid (set_tid) -- no page tables to copy,
  * the child shares the carrier's address space -- which gets its own copies of the
  * carrier's descriptor table and fs_struct, the original's pending signals, registers,
- * xstate and mask, and runs.  The carrier closes all its descriptors and stays, stopped,
- * as the *keeper* of that address space: while it lives, the process's exit (a rollback
+ * xstate and mask, and runs.  Then (dbxcr_carrier_keep, off a rollback's critical path)
+ * the carrier closes all its descriptors and stays, stopped, as the *keeper* of that
+ * address space: while it lives, the process's exit (a rollback
  * killing it) only drops a reference to its mm instead of tearing down every page
  * mapping, so its pid is free (once reaped) in microseconds rather than milliseconds per
  * 100 MB.  Kill the keeper after the process has exited; the teardown runs then, off the
@@ -2325,6 +2384,7 @@ pid_t dbxcr_spawn(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opt
 struct dbxcr_carrier {
 	struct dbxcr_template t;	/* pid = the carrier; regs/xstate/mask/pend: origin's */
 	bool born;
+	bool kept;	/* a keeper now: its descriptors closed */
 };
 
 pid_t dbxcr_spawn_carrier(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
@@ -2418,17 +2478,30 @@ pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t 
 	if (restore_and_detach(&c, err) < 0)
 		goto kill;
 	k->born = true;
+	return child;
+kill:
+	kill_traced(child);
+	return -1;
+}
+
+int dbxcr_carrier_keep(struct dbxcr_carrier *k, struct dbxcr_error *err)
+{
+	clear_error(err);
+	if (check_owner(&k->t, err) < 0)
+		return -1;
+	if (!k->born)
+		return fail(err, EINVAL, k->t.pid, "carrier has not given birth yet");
+	if (k->kept)
+		return 0;
 	if (become_keeper(k, err) < 0) {
 		/* The process runs fine without a keeper (its exit is just slower); but a
 		 * carrier we cannot drive any more must not hold its descriptors: kill it now,
 		 * reaped (and its pid freed) only by dbxcr_carrier_kill. */
 		kill(k->t.pid, SIGKILL);
-		clear_error(err);
+		return -1;
 	}
-	return child;
-kill:
-	kill_traced(child);
-	return -1;
+	k->kept = true;
+	return 0;
 }
 
 int dbxcr_carrier_kill(struct dbxcr_carrier *k, struct dbxcr_error *err)

@@ -56,7 +56,8 @@ pid_t dbxcr_template_origin(const struct dbxcr_template *tpl);
  *      inside get_signal(), before any user code runs;
  *   4. dbxcr_stop_wait() for every handle;
  *   5. (snapshot the file system: every task is stopped);
- *   6. dbxcr_template_stopped() for every handle;
+ *   6. dbxcr_template_stopped() for every handle (or dbxcr_template_start() for all of
+ *      them, then dbxcr_template_finish() for each: their forks run at the same time);
  *   7. dbxcr_stop_resume() for every handle, then dbxcr_stop_abort() to free it.
  * On any error: dbxcr_stop_abort() every handle (any state), thaw, and if some handle had
  * not stopped yet, dbxcr_stop_sweep() to detach it once it stops.
@@ -104,6 +105,16 @@ void dbxcr_stop_get_info(const struct dbxcr_stop *s, struct dbxcr_stop_info *out
  * stop are queued again in every child spawned from the template (except SIGKILL and
  * SIGSTOP).  A child of a group-stopped process starts running (not stopped). */
 struct dbxcr_template *dbxcr_template_stopped(struct dbxcr_stop *s, struct dbxcr_error *err);
+
+/* dbxcr_template_stopped in two halves.  start injects the clone and returns while the
+ * process runs it: the fork of a large process (its page tables copied, milliseconds per
+ * 100 MB) then proceeds on another CPU while the caller starts or finishes other
+ * templates.  finish waits for that clone and makes the template (NULL on failure: the
+ * process is put back as it was, with no template).  A handle started and not finished
+ * is settled by dbxcr_stop_resume / dbxcr_stop_abort (the clone is waited for and its
+ * child killed). */
+int dbxcr_template_start(struct dbxcr_stop *s, struct dbxcr_error *err);
+struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_error *err);
 
 /* Give the process back its registers, restart semantics, mask and any dequeued signal,
  * and detach.  The handle must still be freed with dbxcr_stop_abort. */
@@ -182,8 +193,11 @@ pid_t dbxcr_spawn(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opt
  * template spawned ahead, re-rooted as dbxcr_spawn would (opts), held stopped.
  * dbxcr_carrier_birth clones the real process out of it (sharing its address space, with
  * the given pid if set_tid_size; EEXIST while that pid is taken, and the carrier stays
- * usable), which continues from the checkpoint; the carrier then holds no descriptors and
- * keeps the address space alive (a *keeper*), so killing the process is quick.
+ * usable), which continues from the checkpoint.  dbxcr_carrier_keep, soon after (the
+ * carrier still holds copies of the process's descriptors until then: a pipe's reader
+ * sees no EOF), makes the carrier drop every descriptor and keep only the address space
+ * alive (a *keeper*), so killing the process is quick; if that fails the carrier is
+ * killed (the process runs on; its exit is just slower).
  * dbxcr_carrier_kill kills the carrier or keeper, reaps it as its tracer and frees k;
  * kill the process it carried first.  All on the thread that spawned the carrier; the
  * template is not needed after dbxcr_spawn_carrier. */
@@ -194,6 +208,7 @@ pid_t dbxcr_spawn_carrier(struct dbxcr_template *tpl, const struct dbxcr_spawn_o
 pid_t dbxcr_carrier_pid(const struct dbxcr_carrier *k);
 pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t set_tid_size,
 			  struct dbxcr_error *err);
+int dbxcr_carrier_keep(struct dbxcr_carrier *k, struct dbxcr_error *err);
 int dbxcr_carrier_kill(struct dbxcr_carrier *k, struct dbxcr_error *err);
 
 /* Close descriptors in the parked template (its children fork without them). */

@@ -48,6 +48,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import trio
 
@@ -57,6 +58,8 @@ from . import native
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .capture import ProcessRecord, Refusal, add_listeners, record, refusals
 from .worker import PtraceWorker
+
+T = TypeVar("T")
 
 log = logging.getLogger("deltaboxd")
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -186,7 +189,8 @@ class DeltaCR:
                 # Not cancellable once the ptrace thread runs it: keep what it made, so
                 # that the failure path releases it.
                 with trio.CancelScope(shield=True):
-                    templates.update(await self.worker.run(_templates, stopped))
+                    templates.update(await self.worker.run(
+                        _templates, stopped, {r.pid: r.rss_kb for r in records}))
 
             await run_all([make_templates, snapshot_files])
             await self.worker.run(_drop_listeners, templates, records)
@@ -339,6 +343,12 @@ class DeltaCR:
         pre.carriers.clear()
         pre.plan.close_all()
         await self.kill_carriers(carriers)
+
+    async def keep(self, carriers: list[native.Carrier]) -> None:
+        """Turn carriers that gave birth into keepers (they drop their copies of the
+        processes' descriptors). Left out of restore: the ptrace thread does it while the
+        rollback answers. A carrier that fails is killed (its process runs on)."""
+        await self.worker.run(_keep_all, carriers)
 
     async def kill_carriers(self, carriers: list[native.Carrier]) -> None:
         """Kill carriers or keepers and reap them. Their exit (a page-table teardown, or
@@ -543,22 +553,35 @@ def _wait_all(stopped: list[native.Stopped]) -> list[native.Stopped]:
     return out
 
 
-def _templates(stopped: list[native.Stopped]) -> dict[int, native.Template]:
+def _templates(stopped: list[native.Stopped], rss_kb: dict[int, int]
+               ) -> dict[int, native.Template]:
+    """Template every stopped process. All forks are started first, largest first, and
+    collected smallest first: each fork's page-table copy runs in its own process, so on
+    a second CPU the big ones proceed while we finish the small ones. A fork started and
+    not collected (an error) is settled by the stop's abort."""
     out: dict[int, native.Template] = {}
+    by_size = sorted(stopped, key=lambda s: rss_kb.get(s.pid, 0), reverse=True)
     try:
-        for s in stopped:
-            try:
-                out[s.pid] = s.make_template()
-            except native.CRError as e:
-                if e.errno != errno.ESRCH:
-                    raise
-                raise FailedPrecondition(
-                    f"pid {s.pid} died while it was being checkpointed ({e}; a SIGKILL, e.g. "
-                    "the sandbox ran out of memory): retry the checkpoint") from e
+        for s in by_size:
+            _died_in_checkpoint(s, s.start_template)
+        for s in reversed(by_size):
+            out[s.pid] = _died_in_checkpoint(s, s.finish_template)
     except BaseException:
         _release_all(list(out.values()))
         raise
     return out
+
+
+def _died_in_checkpoint(s: native.Stopped, step: Callable[[], T]) -> T:
+    """step(), with a process killed meanwhile (ESRCH) said as such."""
+    try:
+        return step()
+    except native.CRError as e:
+        if e.errno != errno.ESRCH:
+            raise
+        raise FailedPrecondition(
+            f"pid {s.pid} died while it was being checkpointed ({e}; a SIGKILL, e.g. "
+            "the sandbox ran out of memory): retry the checkpoint") from e
 
 
 def _drop_listeners(templates: dict[int, native.Template],
@@ -657,6 +680,17 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
 
 def _carrier_of(sp: _Spawn) -> native.Carrier:
     return sp.tpl.spawn_carrier(fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd)
+
+
+def _keep_all(carriers: list[native.Carrier]) -> None:
+    for c in carriers:
+        if c.killed:
+            continue
+        try:
+            c.keep()
+        except native.CRError as e:
+            log.warning("carrier %d could not become a keeper (%s): killed; its process "
+                        "runs on", c.pid, e)
 
 
 def _kill_carriers(carriers: list[native.Carrier]) -> None:

@@ -160,6 +160,8 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_carrier_birth.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
                                             ctypes.c_size_t, err]
         lib.dbxcr_carrier_birth.restype = ctypes.c_int
+        lib.dbxcr_carrier_keep.argtypes = [ctypes.c_void_p, err]
+        lib.dbxcr_carrier_keep.restype = ctypes.c_int
         lib.dbxcr_carrier_kill.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_carrier_kill.restype = ctypes.c_int
         lib.dbxcr_template_close.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
@@ -175,6 +177,10 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_stop_get_info.restype = None
         lib.dbxcr_template_stopped.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_template_stopped.restype = ctypes.c_void_p
+        lib.dbxcr_template_start.argtypes = [ctypes.c_void_p, err]
+        lib.dbxcr_template_start.restype = ctypes.c_int
+        lib.dbxcr_template_finish.argtypes = [ctypes.c_void_p, err]
+        lib.dbxcr_template_finish.restype = ctypes.c_void_p
         lib.dbxcr_stop_resume.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_stop_resume.restype = ctypes.c_int
         lib.dbxcr_stop_abort.argtypes = [ctypes.c_void_p]
@@ -421,6 +427,14 @@ class Carrier:
         self.child = pid
         return pid
 
+    def keep(self) -> None:
+        """After birth: drop the carrier's copies of the process's descriptors, keeping
+        only its address space alive (a keeper). On failure the carrier is killed (the
+        process runs on; its exit is just slower) and CRError raised."""
+        err = _Err()
+        if _load().dbxcr_carrier_keep(self._h(), ctypes.byref(err)) < 0:
+            _raise(err)
+
     def kill(self) -> None:
         if self._handle is None:
             return
@@ -528,9 +542,22 @@ class Stopped:
 
     def make_template(self) -> Template:
         """Fork the stopped process into a Template; the process stays stopped, unchanged."""
+        self.start_template()
+        return self.finish_template()
+
+    def start_template(self) -> None:
+        """make_template's first half: the process starts its fork and we return at once
+        (a large process's fork runs on another CPU while we drive others). Then
+        finish_template; resume/abort settle a fork never finished (no template)."""
+        err = _Err()
+        if _load().dbxcr_template_start(self._h(), ctypes.byref(err)) < 0:
+            _raise(err)
+
+    def finish_template(self) -> Template:
+        """Wait for the fork start_template began and return the Template."""
         lib = _load()
         err = _Err()
-        handle = lib.dbxcr_template_stopped(self._h(), ctypes.byref(err))
+        handle = lib.dbxcr_template_finish(self._h(), ctypes.byref(err))
         if not handle:
             _raise(err)
         return Template(handle, lib.dbxcr_template_pid(handle),

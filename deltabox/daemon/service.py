@@ -1303,6 +1303,8 @@ class Daemon:
                     if pre is not None:  # born by the restore, or killed by it
                         live.prespawned -= pre.spawned
                 live.keepers.update(restored.keepers)
+                if restored.keepers:  # on the ptrace thread while the rollback answers
+                    self.background.start_soon(self.cr.keep, list(restored.keepers.values()))
                 self._adopt(live, restored, state)
             else:
                 await self._victims_gone(live)  # the killed originals' pids must be free

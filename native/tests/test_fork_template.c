@@ -825,6 +825,8 @@ static void test_carriers(void)
 		CHECK(strcmp(comm_of(kpid, a), "dbx-carrier") == 0, "carrier named '%s'", a);
 	}
 
+	CHECK(dbxcr_carrier_keep(k, &err) < 0 && err.code == EINVAL, "keep before birth: %s",
+	      err.msg);
 	/* The original still holds its pid: refused, and the carrier stays usable. */
 	orig_pid = orig.pid;
 	child = dbxcr_carrier_birth(k, &orig_pid, 1, &err);
@@ -842,6 +844,7 @@ static void test_carriers(void)
 		stop_program(&orig);
 		child = dbxcr_carrier_birth(k, &orig_pid, 1, &err);
 		CHECK(child == orig_pid, "birth pid %d want %d: %s", child, orig_pid, err.msg);
+		CHECK(child < 0 || dbxcr_carrier_keep(k, &err) == 0, "keep: %s", err.msg);
 		c.pid = child;
 		if (child > 0) {
 			char a[32], b[32];
@@ -1509,11 +1512,14 @@ static void test_stop_frozen_tree(void)
 	n_snap = read_counter_file(snap_path, NULL, &seq);
 	CHECK(n_snap > 0 && seq, "snapshot has %ld records, sequential %d", n_snap, seq);
 	last = n_snap;
-	/* 6: templates. */
-	for (int i = 0; i < 3; i++) {
+	/* 6: templates: all three forks started, then collected in the other order. */
+	for (int i = 0; i < 3; i++)
+		CHECK(!st[i] || dbxcr_template_start(st[i], &err) == 0, "start template %d: %s", i,
+		      err.msg);
+	for (int i = 2; i >= 0; i--) {
 		if (!st[i])
 			continue;
-		tpl[i] = dbxcr_template_stopped(st[i], &err);
+		tpl[i] = dbxcr_template_finish(st[i], &err);
 		CHECK(tpl[i] != NULL, "template %d: %s", i, err.msg);
 	}
 	if (tpl[0]) {
@@ -1792,6 +1798,83 @@ out:
 	close(sigp[0]);
 }
 
+/* The number of children of this process (every thread's), zombies included. */
+static int count_children(void)
+{
+	char path[300], buf[4096];
+	DIR *d = opendir("/proc/self/task");
+	struct dirent *de;
+	int n = 0;
+
+	if (!d)
+		return -1;
+	while ((de = readdir(d)) != NULL) {
+		int fd;
+		ssize_t len;
+
+		if (de->d_name[0] == '.')
+			continue;
+		snprintf(path, sizeof(path), "/proc/self/task/%s/children", de->d_name);
+		fd = open(path, O_RDONLY | O_CLOEXEC);
+		if (fd < 0)
+			continue;
+		len = read(fd, buf, sizeof(buf) - 1);
+		close(fd);
+		for (ssize_t i = 0; i < len; i++)
+			n += buf[i] == ' ';
+	}
+	closedir(d);
+	return n;
+}
+
+/* A template started and never finished (the checkpoint failed elsewhere): resume waits
+ * for its fork and kills the child, and the process goes on as if nothing happened.
+ * Misuse (start twice, finish without start) is refused. */
+static void test_template_start_abandoned(void)
+{
+	struct dbxcr_error err;
+	struct dbxcr_stop *s = NULL;
+	struct dbxcr_template *tpl = NULL;
+	pid_t p;
+	int children;
+
+	current_test = "template-start-abandoned";
+	p = fork();
+	if (p == 0)
+		for (;;)
+			pause();
+	CHECK(wait_in_syscall(p, SYS_pause) == 0, "child not paused");
+	children = count_children();
+	CHECK(dbxcr_stop_begin(p, &s, &err) == 0, "stop_begin: %s", err.msg);
+	if (!s)
+		goto out;
+	CHECK(dbxcr_stop_wait(s, 3000, &err) == 0, "stop_wait: %s", err.msg);
+	tpl = dbxcr_template_finish(s, &err);
+	CHECK(!tpl && err.code == EINVAL, "finish without start: %s", err.msg);
+	CHECK(dbxcr_template_start(s, &err) == 0, "start: %s", err.msg);
+	CHECK(dbxcr_template_start(s, &err) < 0 && err.code == EINVAL,
+	      "second start not refused: %s", err.msg);
+	CHECK(dbxcr_stop_resume(s, &err) == 0, "resume with a fork in flight: %s", err.msg);
+	dbxcr_stop_abort(s);
+	s = NULL;
+	CHECK(count_children() == children, "children %d after resume, %d before (template "
+	      "left behind?)", count_children(), children);
+	CHECK(wait_in_syscall(p, SYS_pause) == 0, "process state %c, not back in pause",
+	      proc_state(p));
+	{
+		struct dbxcr_info info;
+
+		CHECK(dbxcr_describe(p, &info, &err) == 0 && info.tracer_pid == 0,
+		      "process still traced by %d", info.tracer_pid);
+	}
+out:
+	dbxcr_stop_abort(s);
+	if (tpl)
+		dbxcr_release_template(tpl, &err);
+	kill_reap(p);
+	CHECK(count_zombie_children() == 0, "zombies left: %d", count_zombie_children());
+}
+
 /* A server blocked in accept(): its template drops the listening socket (the port is free
  * once the original dies), and a child spawned with the socket recreated at the same fd
  * resumes its accept() on the new socket and serves. */
@@ -1904,6 +1987,7 @@ int main(void)
 		{ "refuse-threads", test_refuse_threads },
 		{ "stop-frozen-tree", test_stop_frozen_tree },
 		{ "stop-frozen-edge-cases", test_stop_frozen_edge_cases },
+		{ "template-start-abandoned", test_template_start_abandoned },
 	};
 	for (size_t i = 0; i < sizeof(tests) / sizeof(tests[0]); i++) {
 		int before = failures;
