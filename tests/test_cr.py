@@ -17,7 +17,7 @@ import pytest
 import deltabox
 from deltabox import Sandbox
 
-from conftest import OWN_PS
+from conftest import HELD, OWN_PS
 
 Restore = Callable[[Sandbox, deltabox.Checkpoint], Sandbox]
 
@@ -426,6 +426,12 @@ def test_pid_taken_meanwhile_is_restored_with_a_new_pid(sbx: Sandbox) -> None:
         assert time.monotonic() < deadline, f"pid {x} still exists"
         time.sleep(0.05)
     init = sbx.info().init_pid
+    # The warm pool spawns carriers into the sandbox's pid namespace after a checkpoint:
+    # let it finish, so that no carrier takes the pid meant for the holder below.
+    deadline = time.monotonic() + 10
+    while "[dbx-carrier]" not in sbx.exec(f"ps -C {','.join(HELD)} -o args=").stdout:
+        assert time.monotonic() < deadline, "the warm pool spawned no carriers"
+        time.sleep(0.05)
     # The next pid the namespace hands out is x: a session leader outside the sandbox's
     # cgroup (so the rollback leaves it alone) takes it.
     subprocess.run(["nsenter", "-t", str(init), "-p", "--", "sh", "-c",
@@ -435,6 +441,12 @@ def test_pid_taken_meanwhile_is_restored_with_a_new_pid(sbx: Sandbox) -> None:
     holder = _host_pid_in_ns(init, x)
     assert holder is not None, sbx.exec("ps -eo pid,pgid,sid,stat,args").stdout
     try:
+        # `setsid -f` returns once it has forked: wait until the holder runs sleep in its
+        # own session, so nothing about it changes while the rollback runs.
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{holder}/comm").read().strip() != "sleep":
+            assert time.monotonic() < deadline, sbx.exec("ps -eo pid,pgid,sid,stat,args").stdout
+            time.sleep(0.01)
         r = sbx.rollback(cp)
         assert r.process_state == "restored", r.note
         assert f"pid {x} was in use" in r.note, r.note
