@@ -68,7 +68,7 @@ import stat as _stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 LIB_ENV = "DELTABOX_LIBDBXCR"
 DEFAULT_LIB = Path(__file__).resolve().parent.parent / "libexec" / "libdbxcr.so"
@@ -542,8 +542,7 @@ class Stopped:
 
     def make_template(self) -> Template:
         """Fork the stopped process into a Template; the process stays stopped, unchanged."""
-        self.start_template()
-        return self.finish_template()
+        return self._template_from(_load().dbxcr_template_stopped)
 
     def start_template(self) -> None:
         """make_template's first half: the process starts its fork and we return at once
@@ -555,9 +554,12 @@ class Stopped:
 
     def finish_template(self) -> Template:
         """Wait for the fork start_template began and return the Template."""
+        return self._template_from(_load().dbxcr_template_finish)
+
+    def _template_from(self, call: Any) -> Template:
         lib = _load()
         err = _Err()
-        handle = lib.dbxcr_template_finish(self._h(), ctypes.byref(err))
+        handle = call(self._h(), ctypes.byref(err))
         if not handle:
             _raise(err)
         return Template(handle, lib.dbxcr_template_pid(handle),
