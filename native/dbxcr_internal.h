@@ -5,6 +5,7 @@
 
 #include "fork_template.h"
 
+#include <sched.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -86,6 +87,10 @@ struct dbxcr_template {
 	 * origin's bounds, which finish_child gives back to every child (see disguise). */
 	bool args_hidden;
 	uint64_t mm[MM_BOUNDS];
+	/* The origin's CPU affinity, which children get (the template itself may be left
+	 * pinned: see colocate in fork_template.c); read at the first spawn. */
+	bool affinity_known;
+	cpu_set_t affinity;
 };
 
 /* Options for every tracee we inject into (see fork_template.c). */

@@ -367,6 +367,38 @@ def test_nested_children_and_process_group(sbx: Sandbox, restore: Restore) -> No
     assert {p for p, _, _ in after} - set(leader) == {p for p, _, _ in before} - set(leader)
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs to pin one")
+def test_cpu_affinity_comes_back_as_it_was(sbx: Sandbox, restore: Restore) -> None:
+    """A process pinned to one CPU stays pinned to it; one free to run anywhere is not
+    left pinned (the daemon pins what it drives to its own CPU while it sets it up)."""
+    last = (os.cpu_count() or 2) - 1
+    sbx.exec(f"nohup python3 -c 'import os, time; os.sched_setaffinity(0, {{{last}}}); "
+             f"time.sleep(1007)' >/dev/null 2>&1 &")
+    sbx.exec("nohup sleep 1008 >/dev/null 2>&1 &")
+
+    def allowed(box: Sandbox) -> dict[str, str]:
+        out = box.exec("for p in $(pgrep -f 'sleep.*100[78]'); do echo $(cat /proc/$p/comm)"
+                       "=$(grep Cpus_allowed_list /proc/$p/status | cut -f2); done").stdout
+        rows = dict(line.split("=", 1) for line in out.splitlines())
+        return {comm: cpus for comm, cpus in rows.items() if comm not in HELD}
+
+    deadline = time.monotonic() + 10
+    while len(before := allowed(sbx)) < 2 or f"{last}" not in before.values():
+        assert time.monotonic() < deadline, before
+        time.sleep(0.05)
+    assert sorted(before.values()) == sorted([f"{last}", f"0-{last}"]), before
+    cp = sbx.checkpoint()
+    if restore.mode == "rollback":  # type: ignore[attr-defined]
+        # Let the warm pool spawn carriers first: the rollback then gives birth from them.
+        deadline = time.monotonic() + 10
+        while "[dbx-carrier]" not in sbx.exec(f"ps -C {','.join(HELD)} -o args=").stdout:
+            assert time.monotonic() < deadline, "the warm pool spawned no carriers"
+            time.sleep(0.05)
+    sbx.exec("pkill -f 'sleep.*100[78]'; true")
+    target = restore(sbx, cp)
+    assert allowed(target) == before
+
+
 def test_forks_are_isolated_from_each_other(sbx: Sandbox) -> None:
     s = sbx.session("main")
     s.run("trap 'echo got >> /workspace/usr1' USR1; sleep 1001 &")

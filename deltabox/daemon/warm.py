@@ -47,6 +47,11 @@ MAX_QUEUED = 64   # background I/O jobs waiting for a slot beyond which nothing 
 # stopped processes in the sandbox's cgroup (a checkpoint's freeze and listing pay for them)
 # and their page tables and pipes; older ready generations keep only their mount.
 MAX_CARRIER_SETS = 8
+# Threads that clone layers on demand at once (a fork of many: concurrent snapshots join one
+# transaction commit). Their own limiter: on trio's default one (40), a fork of 32 or more
+# would hold the threads every other sandbox needs to start a process (trio starts
+# processes from a worker thread) until its clones are done.
+CLONE_THREADS = 32
 
 
 @dataclass
@@ -84,6 +89,7 @@ class WarmPool:
         self.new_id: Callable[[], str] = lambda: ""
         self.prespawn: PrespawnFn | None = None
         self.discard_procs: DiscardFn | None = None
+        self.clone_threads = trio.CapacityLimiter(CLONE_THREADS)
 
     @property
     def enabled(self) -> bool:
@@ -185,7 +191,8 @@ class WarmPool:
         layer = self.spares.pop(cp_layer, None)
         if layer is None:
             layer = self.new_id()
-            await trio.to_thread.run_sync(self.store.clone, cp_layer, layer)
+            await trio.to_thread.run_sync(self.store.clone, cp_layer, layer,
+                                          limiter=self.clone_threads)
         self.prepare(None, cp_layer)
         return layer
 
