@@ -301,3 +301,36 @@ def test_changed_since_is_proportional_to_the_change(fs):
     print(f"changed_since: {cs} in {ms:.2f} ms; full scan {full}")
     btrfs.delete_subvolume(base)
     btrfs.delete_subvolume(L)
+
+
+def test_other_threads_run_while_a_snapshot_commits(fs):
+    """A snapshot is a transaction commit (milliseconds): the daemon's other threads (the
+    ptrace thread making a checkpoint's templates, the trio loop) must run meanwhile. With
+    fcntl.ioctl, which keeps the GIL for buffers over 1024 bytes, none ran at all."""
+    import threading
+
+    btrfs.create_subvolume(f"{fs}/base")
+    stop = threading.Event()
+    woke: list[float] = []
+
+    def other() -> None:
+        while not stop.is_set():
+            woke.append(time.perf_counter())
+            time.sleep(0.0002)
+
+    t = threading.Thread(target=other)
+    t.start()
+    spans = []
+    try:
+        for k in range(5):
+            _write(f"{fs}/base/big{k}", os.urandom(8 << 20))  # a commit with work to do
+            t0 = time.perf_counter()
+            btrfs.snapshot(f"{fs}/base", f"{fs}/s{k}", True)
+            spans.append((t0, time.perf_counter()))
+    finally:
+        stop.set()
+        t.join()
+    busy = sum(b - a for a, b in spans)
+    inside = sum(1 for w in woke for a, b in spans if a + 0.0005 < w < b - 0.0005)
+    assert busy > 0.005, f"snapshots took {busy * 1000:.1f} ms in all: too fast to tell"
+    assert inside > 0, f"no other thread ran during {busy * 1000:.1f} ms of snapshots"

@@ -79,3 +79,27 @@ def test_over_budget_keeps_templates_whose_dump_is_pending_unless_it_must() -> N
     assert over_budget(states, 80, prefer={"c"}) == ["c"]
     # When nothing else can make room, a pending one goes too (memory first).
     assert over_budget(states, 30, keep={"a", "b"}) == ["c", "a", "b"]
+
+
+def test_resident_size_bounds_what_a_process_alone_holds() -> None:
+    """The daemon skips the page walk while the templates' resident sizes sum within the
+    budget: that sum must never be below what the walk would count, for a real process."""
+    import subprocess
+    import sys
+
+    from deltabox.daemon.budget import process_private_bytes, resident_bytes
+
+    p = subprocess.Popen([sys.executable, "-c",
+                          "import sys; b = bytearray(32 << 20)\n"
+                          "for i in range(0, len(b), 4096): b[i] = 1\n"
+                          "print('ready', flush=True); sys.stdin.read()"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        private, resident = process_private_bytes(p.pid), resident_bytes(p.pid)
+        assert private >= 32 << 20
+        assert resident >= private
+    finally:
+        p.kill()
+        p.wait()
+    assert resident_bytes(p.pid) == 0  # gone: costs nothing

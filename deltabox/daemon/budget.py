@@ -15,11 +15,19 @@ rollback to it restarts processes and says so.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 
 from ..cr import native
 from ..cr.engine import ProcessState
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+# The page walk takes at most this share of one CPU: it reads every template's page tables
+# and, for templates with carriers, a page count per page (1 s for 32 checkpoints of a
+# 200 MB process here). Run every 2 s regardless, it kept a CPU half busy and checkpoints
+# took 26 instead of 10 ms (p50) by the 45th checkpoint.
+WALK_SHARE = 0.05
 
 
 def process_private_bytes(pid: int) -> int:
@@ -33,6 +41,22 @@ def process_private_bytes(pid: int) -> int:
     except (OSError, ValueError, IndexError):
         return 0
     return total
+
+
+def resident_bytes(pid: int) -> int:
+    """All of pid's resident memory, from a counter (/proc/pid/statm: no page walk); 0 if
+    it is gone. A template costs at most this."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def states_bound(states: Iterable[ProcessState]) -> int:
+    """An upper bound of what these checkpoints' templates cost, cheap to take: when it is
+    within the budget, nothing can be over it and the page walk (state_bytes) is skipped."""
+    return sum(resident_bytes(p) for st in states for p in st.template_pids)
 
 
 def state_bytes(state: ProcessState, carriers: int = 0) -> int:

@@ -885,8 +885,10 @@ class Daemon:
         """Forever: keep all sandboxes' templates within the memory budget (budget.py), and
         within the per-sandbox count once the dumps that held them over it have ended."""
         limit = self.cfg.template_budget_mb << 20
+        walked = 0.0   # seconds the last page walk took
         while True:
-            await trio.sleep(interval)
+            await trio.sleep(max(interval, walked / budget.WALK_SHARE))
+            walked = 0.0
             for live in list(self.live.values()):
                 if len(live.captured) > self.cfg.templates_per_sandbox:
                     self._evict_templates(live)
@@ -894,11 +896,16 @@ class Daemon:
                 continue
             held = [(sid, key, st) for sid, live in self.live.items()
                     for key, st in live.captured.items()]
-            if not held:
+            if not held or await trio.to_thread.run_sync(
+                    budget.states_bound, [st for _, _, st in held]) <= limit:
                 continue
             carriers = [self.warm.carriers_of(sid, st) for sid, _, st in held]
+            t = time.monotonic()
             costs = await trio.to_thread.run_sync(
                 lambda: [budget.state_bytes(st, c) for (_, _, st), c in zip(held, carriers)])
+            walked = time.monotonic() - t
+            log.debug("template budget: %d checkpoints' templates measured in %.0f ms",
+                      len(held), walked * 1000)
             where = {key: (sid, st) for sid, key, st in held}
             for key in budget.over_budget(
                     [(key, st, c) for (_, key, st), c in zip(held, costs)], limit,

@@ -1,7 +1,8 @@
 """Thin btrfs bindings for DeltaFS: subvolumes, snapshots and "what changed since".
 
 Everything here runs in the hot path of checkpoint and rollback, so it talks to the kernel
-directly with ioctls on bytearrays (fcntl.ioctl) and ctypes, never by spawning `btrfs`.
+directly with ioctls on bytearrays (fcntl.ioctl, or ctypes: see _committing_ioctl), never by
+spawning `btrfs`.
 A call is one or two open()s plus one ioctl: tens of microseconds.
 
 Errors are raised as deltabox.errors exceptions naming the path, the step and the errno:
@@ -184,6 +185,24 @@ _libc.syncfs.argtypes = [ctypes.c_int]
 _libc.syncfs.restype = ctypes.c_int
 _libc.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
 _libc.statfs.restype = ctypes.c_int
+_libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
+_libc.ioctl.restype = ctypes.c_int
+
+
+def _committing_ioctl(fd: int, request: int, buf: bytearray) -> None:
+    """ioctl(fd, request, buf) for the calls that commit a transaction (create, snapshot,
+    destroy: milliseconds, 20+ with a few dozen checkpoints), buf read and written in
+    place; raw OSError.
+
+    Not fcntl.ioctl: given a buffer over 1024 bytes (btrfs's vol_args are 4096) it keeps
+    the GIL for the whole call, so every other thread of the daemon (the ptrace thread
+    making a checkpoint's templates, the trio loop, gRPC) stood still meanwhile. ctypes
+    lets go of the GIL around the call. Quick queries keep fcntl.ioctl: letting go of the
+    GIL for microseconds costs a wait of up to a switch interval to get it back."""
+    arg = (ctypes.c_char * len(buf)).from_buffer(buf)
+    if _libc.ioctl(fd, request, arg) < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
 
 
 # --------------------------------------------------------------------------------------
@@ -219,9 +238,13 @@ def _split(path: str) -> tuple[str, bytes]:
     return parent, os.fsencode(name)
 
 
-def _ioctl(fd: int, request: int, buf: bytearray, step: str, path: str) -> None:
+def _ioctl(fd: int, request: int, buf: bytearray, step: str, path: str,
+           commits: bool = False) -> None:
     try:
-        fcntl.ioctl(fd, request, buf, True)
+        if commits:
+            _committing_ioctl(fd, request, buf)
+        else:
+            fcntl.ioctl(fd, request, buf, True)
     except OSError as e:
         raise _error(step, path, e) from e
 
@@ -331,7 +354,7 @@ def create_subvolume(path: str) -> None:
     buf[_VOL_ARGS_NAME_OFF:_VOL_ARGS_NAME_OFF + len(name)] = name
     fd = _open_dir(parent, "create subvolume")
     try:
-        _ioctl(fd, BTRFS_IOC_SUBVOL_CREATE, buf, "BTRFS_IOC_SUBVOL_CREATE", path)
+        _ioctl(fd, BTRFS_IOC_SUBVOL_CREATE, buf, "BTRFS_IOC_SUBVOL_CREATE", path, commits=True)
     finally:
         os.close(fd)
 
@@ -349,7 +372,7 @@ def snapshot(src: str, dst: str, readonly: bool) -> None:
             struct.pack_into("=qQQ", buf, 0, src_fd, 0, BTRFS_SUBVOL_RDONLY if readonly else 0)
             buf[_VOL_ARGS_V2_NAME_OFF:_VOL_ARGS_V2_NAME_OFF + len(name)] = name
             _ioctl(dst_fd, BTRFS_IOC_SNAP_CREATE_V2, buf,
-                   f"BTRFS_IOC_SNAP_CREATE_V2 (from {src!r})", dst)
+                   f"BTRFS_IOC_SNAP_CREATE_V2 (from {src!r})", dst, commits=True)
         finally:
             os.close(dst_fd)
     finally:
@@ -374,14 +397,14 @@ def _destroy(parent_fd: int, name: bytes) -> None:
     buf = bytearray(_VOL_ARGS_V2_SIZE)
     buf[_VOL_ARGS_V2_NAME_OFF:_VOL_ARGS_V2_NAME_OFF + len(name)] = name
     try:
-        fcntl.ioctl(parent_fd, BTRFS_IOC_SNAP_DESTROY_V2, buf, True)
+        _committing_ioctl(parent_fd, BTRFS_IOC_SNAP_DESTROY_V2, buf)
         return
     except OSError as e:
         if e.errno not in (_errno.ENOTTY, _errno.EOPNOTSUPP):
             raise
     buf = bytearray(_VOL_ARGS_SIZE)
     buf[_VOL_ARGS_NAME_OFF:_VOL_ARGS_NAME_OFF + len(name)] = name
-    fcntl.ioctl(parent_fd, BTRFS_IOC_SNAP_DESTROY, buf, True)
+    _committing_ioctl(parent_fd, BTRFS_IOC_SNAP_DESTROY, buf)
 
 
 def delete_subvolume(path: str) -> None:
