@@ -46,6 +46,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--store", choices=("auto", "btrfs", "copy"), default="auto",
                    help="layer store backend (default auto: btrfs in place or on a loop image, "
                    "else copy)")
+    p.add_argument("--loop-io", choices=["buffered", "direct"], default="buffered",
+                   help="I/O mode of the embedded loop store's device. buffered (default): "
+                   "through the host's page cache, fastest in short sessions; direct: "
+                   "checkpoints stay fast in sessions that hold dozens of checkpoints (18 "
+                   "instead of 31 ms after 50 here), at ~1.2x per checkpoint and ~1.6x per "
+                   "create in fresh ones")
     p.add_argument("--durable", action="store_true",
                    help="keep cache flushes on the embedded loop store: checkpoints then also "
                    "survive a host crash, at ~5 ms more per checkpoint (without it they survive "
@@ -150,7 +156,8 @@ async def serve(args: argparse.Namespace) -> None:
                  templates_per_sandbox=args.templates,
                  template_budget_mb=_template_budget(args.template_memory_mb),
                  userns=args.userns_range)
-    store = open_store(state_dir, args.store_size_gb, args.store, args.durable)
+    store = open_store(state_dir, args.store_size_gb, args.store, args.durable,
+                       direct_io=args.loop_io == "direct")
     db = Database(state_dir / "deltabox.db")
     token = Path(args.token_file).read_text().strip() if args.token_file else None
     sock = Path(args.socket)
