@@ -7,8 +7,9 @@
  * namespace a sandbox has (mount, pid, uts, ipc, net, cgroup), names the host, raises
  * loopback and creates init with CLONE_PARENT, so that init is the launcher's child (found
  * in /proc/self/task/<tid>/children once the helper has exited) while the launcher itself
- * stays in the host's namespaces. Init is pid 1 of the new pid namespace: it parks itself in an empty read-only tmpfs root (so that
- * /proc/1/root, which any sandbox process can open, leads nowhere) and reaps orphans forever.
+ * stays in the host's namespaces. Init is pid 1 of the new pid namespace: it parks itself
+ * in an empty read-only tmpfs root (so that /proc/1/root, which any sandbox process can
+ * open, leads nowhere) and reaps orphans forever.
  * The sandbox's file system is not init's: each generation of it lives in a mount namespace
  * built by dbx-mkroot, so a rollback can replace it while init (and so the pid namespace)
  * stays alive.
@@ -26,8 +27,9 @@
  * --userns BASE:COUNT gives the sandbox a user namespace mapping its uids and gids
  * 0..COUNT-1 to the host's BASE..BASE+COUNT-1, so that its root is not host root. It must
  * own the sandbox's other namespaces (the kernel checks a capability against the user
- * namespace that owns the object), so the helper makes it first: it unshares CLONE_NEWUSER, the launcher writes its uid_map and gid_map (a map of more than
- * one id must be written from the parent namespace, with CAP_SETUID/CAP_SETGID there), the
+ * namespace that owns the object), so the helper makes it first: it unshares
+ * CLONE_NEWUSER, the launcher writes its uid_map and gid_map (a map of more than one id
+ * must be written from the parent namespace, with CAP_SETUID/CAP_SETGID there), the
  * helper becomes root inside, makes the other namespaces and creates init as above. With
  * --nest-under the helper joins PID's user namespace instead of making one: a fork family
  * shares it, because processes restored into a fork join the fork's namespaces with their
