@@ -1419,7 +1419,7 @@ class Daemon:
 
         async def take() -> None:
             nonlocal layer
-            layer = await self.warm.take_layer(cp.layer_id)
+            layer = await self.warm.take_layer(cp.layer_id, spare_after=False)
 
         async def kill() -> None:
             nonlocal killed
@@ -1466,7 +1466,7 @@ class Daemon:
 
     async def _rollback_stopped(self, row: SandboxRow, cp: CheckpointRow) -> dict:
         t0 = time.perf_counter()
-        layer = await self.warm.take_layer(cp.layer_id)
+        layer = await self.warm.take_layer(cp.layer_id, spare_after=False)
         old_layer, row.layer_id, row.head_cp = row.layer_id, layer, cp.id
         row.base_gen = self.store.generation(layer)
         try:

@@ -1,0 +1,68 @@
+"""The warm pool's clones stay bounded: a long session of checkpoints and rollbacks, or forks
+from many checkpoints, must not leave a clone behind per checkpoint (each btrfs snapshot keeps
+back-references in the store's extent tree, and every later commit pays for them: see
+deltabox/daemon/warm.py, MAX_SPARES). Real daemon, real btrfs store."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from conftest import DaemonProc, new_sandbox, private_daemon
+
+from deltabox.daemon.warm import MAX_SPARES
+
+WARM_GENERATIONS = 2
+
+
+def settled_layers(d: DaemonProc) -> int:
+    """How many layers the store holds once the daemon's background work has stopped
+    changing that number for a second."""
+    store = Path(d.state_dir) / "store" / "layers"
+    last, since = -1, time.monotonic()
+    deadline = time.monotonic() + 60
+    while time.monotonic() - since < 1.0:
+        assert time.monotonic() < deadline, "the store's layers never settled"
+        n = len(os.listdir(store))
+        if n != last:
+            last, since = n, time.monotonic()
+        time.sleep(0.05)
+    return last
+
+
+def test_checkpoints_and_rollbacks_keep_no_clone_per_checkpoint() -> None:
+    cycles = 12
+    with private_daemon("dbx-warm-") as d:
+        d.start("--no-inspector", "--warm-generations", str(WARM_GENERATIONS))
+        with new_sandbox(d.socket) as sbx:
+            sbx.exec("true")
+            before = settled_layers(d)
+            for i in range(cycles):
+                sbx.files.write("f", f"{i}")
+                cp = sbx.checkpoint()
+                sbx.files.write("f", "changed")
+                sbx.rollback(cp)
+                assert sbx.files.read("f").decode() == f"{i}"
+            grown = settled_layers(d) - before  # while the sandbox holds its checkpoints
+    # One layer per checkpoint, plus at most the ready generations (their clones) and the
+    # live layer's successor; a spare per checkpoint would add `cycles` more.
+    assert cycles <= grown <= cycles + WARM_GENERATIONS + 1, grown
+
+
+def test_spares_left_by_forks_are_bounded() -> None:
+    forked = MAX_SPARES + 4
+    with private_daemon("dbx-warm-") as d:
+        d.start("--no-inspector", "--warm-generations", "0")
+        with new_sandbox(d.socket) as sbx:
+            sbx.exec("true")
+            before = settled_layers(d)
+            for i in range(forked):
+                sbx.files.write("f", f"{i}")
+                cp = sbx.checkpoint()
+                kid = sbx.fork(cp)[0]
+                assert kid.files.read("f").decode() == f"{i}"
+                kid.kill()
+            grown = settled_layers(d) - before  # while the sandbox holds its checkpoints
+    # One layer per checkpoint, and a spare for at most MAX_SPARES of them.
+    assert forked <= grown <= forked + MAX_SPARES, grown
