@@ -14,6 +14,11 @@ mount options), the same 10,000-file tree in a layer, then CYCLES times: two fil
 a read-only snapshot of the live layer (the checkpoint), a writable snapshot of it (the
 rollback's new live layer), the old live layer deleted. Timed: the read-only snapshot.
 
+Then (--old-rollbacks N) N rollbacks to random checkpoints older than the daemon keeps
+process templates for (restored from their process dumps), each followed by a checkpoint
+there (as a tree search expands the node it went back to) and by a rollback to the newest
+checkpoint of the cycles, the baseline of the same run.
+
 Both: bytes the store's loop device wrote per cycle (/sys/block/loopN/stat). Per decile of
 cycles: p50s, and the ratio of the last decile to the first. Late checkpoints slow down as
 a session holds more checkpoints because every snapshot adds back-references to the extent
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -42,6 +48,10 @@ SETTLE_S = 0.05
 # Cycles run first and not counted: the first checkpoint after the tree was made records 10k
 # changed files, and the first few pay for cold caches.
 WARMUP = 5
+# The daemon keeps the process templates of this many checkpoints per sandbox (deltaboxd
+# --templates, default 32); older ones are restored from their process dumps. Margin: 8.
+TEMPLATE_WINDOW = 40
+DUMPS_SETTLE_S = 3.0
 
 
 def sectors_written(img: Path) -> int:
@@ -52,7 +62,10 @@ def sectors_written(img: Path) -> int:
     return int(Path(f"/sys/block/{os.path.basename(dev)}/stat").read_text().split()[6])
 
 
-def deltabox_cycles(d: PrivateDaemon, cycles: int) -> list[dict[str, float]]:
+def deltabox_cycles(d: PrivateDaemon, cycles: int, old_rollbacks: int
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The cycles; then rollbacks alternating between a random checkpoint older than the
+    daemon keeps templates for (restored from its process dump) and the newest one."""
     img = d.state_dir / "store.img"
     sbx = Sandbox.create(socket=d.socket)
     try:
@@ -61,7 +74,7 @@ def deltabox_cycles(d: PrivateDaemon, cycles: int) -> list[dict[str, float]]:
         make_tree(sbx)
         wl.start()
         wl.settle()
-        rows = []
+        rows, cps = [], []
         for i in range(-WARMUP, cycles):
             w0 = sectors_written(img)
             wl.dirty(1, i % SIZE_MB, 1 + i % 90)
@@ -76,15 +89,47 @@ def deltabox_cycles(d: PrivateDaemon, cycles: int) -> list[dict[str, float]]:
                 raise RuntimeError(f"cycle {i}: processes not restored: {res.note}")
             if i < 0:
                 continue
+            cps.append(cp)
             rows.append({"cycle": i, "checkpoint_client_ms": client,
                          "checkpoint_daemon_ms": cp.duration_ms, "kind": cp.kind,
                          "store_mb_written": (sectors_written(img) - w0) * 512 / 1e6})
             if i % 10 == 9:
                 log(f"deltabox: cycle {i + 1}: checkpoint {client:.1f} ms client, "
                     f"{cp.duration_ms:.1f} daemon; {rows[-1]['store_mb_written']:.1f} MB written")
-        return rows
+        return rows, old_and_new_rollbacks(sbx, wl, cps, old_rollbacks)
     finally:
         sbx.kill()
+
+
+def old_and_new_rollbacks(sbx: Sandbox, wl: Workload, cps: list[Any], n: int
+                          ) -> list[dict[str, Any]]:
+    """n rollbacks to old checkpoints (beyond TEMPLATE_WINDOW from the newest), each followed
+    by a checkpoint there (a tree search expands the node it went back to) and a rollback to
+    the newest of the cycles, after a settle pause (the warm pool's time)."""
+    old = cps[:max(0, len(cps) - TEMPLATE_WINDOW)]
+    if not old or n <= 0:
+        return []
+    newest = cps[-1]
+    time.sleep(DUMPS_SETTLE_S)  # the last checkpoints' process dumps complete
+    rng = random.Random(1)
+    out = []
+    for j in range(n):
+        for which, cp in (("old", rng.choice(old)), ("newest", newest)):
+            wl.dirty(1, j, 3)
+            wl.settle()
+            time.sleep(0.3)
+            t0 = time.perf_counter()
+            res = sbx.rollback(cp)
+            client = (time.perf_counter() - t0) * 1000
+            if res.process_state != "restored":
+                raise RuntimeError(f"rollback to {which} {cp.id}: not restored: {res.note}")
+            out.append({"to": which, "client_ms": client, "daemon_ms": res.duration_ms,
+                        "note": res.note})
+            if which == "old":  # a tree search expands the node it went back to
+                wl.dirty(1, j + 1, 5)
+                wl.settle()
+                cps.append(sbx.checkpoint())
+    return out
 
 
 def floor_cycles(parent: Path, cycles: int) -> list[dict[str, float]]:
@@ -151,6 +196,19 @@ def summarize(dbx: list[dict[str, Any]], floor: list[dict[str, Any]]) -> dict[st
     return out
 
 
+def summarize_rollbacks(rbs: list[dict[str, Any]]) -> dict[str, Any]:
+    """p50 of rollbacks to old checkpoints and to the newest, and their ratio."""
+    out: dict[str, Any] = {}
+    for to in ("old", "newest"):
+        mine = [r for r in rbs if r["to"] == to]
+        if mine:
+            out[to] = {"n": len(mine), **{k: statistics.median(r[k] for r in mine)
+                                          for k in ("client_ms", "daemon_ms")}}
+    if len(out) == 2:
+        out["old_over_newest_client"] = out["old"]["client_ms"] / out["newest"]["client_ms"]
+    return out
+
+
 def plot(dbx: list[dict[str, Any]], floor: list[dict[str, Any]], path: Path) -> Path | None:
     try:
         import matplotlib
@@ -186,6 +244,10 @@ def main() -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.long_session", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cycles", type=int, default=60)
+    p.add_argument("--old-rollbacks", type=int, default=8, metavar="N",
+                   help="afterwards, N rollbacks to random checkpoints older than the "
+                   f"newest {TEMPLATE_WINDOW} (restored from process dumps), each followed by "
+                   "one to the newest (0: none)")
     p.add_argument("--loop-io", choices=("buffered", "direct"), default="buffered",
                    help="the daemon's embedded store I/O mode (deltaboxd --loop-io); the "
                    "floor's store stays buffered")
@@ -196,14 +258,15 @@ def main() -> int:
     with terminate_as_exception(), \
             PrivateDaemon(extra_args=["--loop-io", args.loop_io]) as d:
         log(f"DeltaBox: {args.cycles} checkpoint + rollback cycles")
-        dbx = deltabox_cycles(d, args.cycles)
+        dbx, rbs = deltabox_cycles(d, args.cycles, args.old_rollbacks)
         log(f"floor: {args.cycles} cycles of btrfs alone")
         floor = floor_cycles(d.state_dir.parent, args.cycles)
         info = machine_info(d.socket)
     result: dict[str, Any] = {"benchmark": "long_session", "cycles": args.cycles,
                               "loop_io": args.loop_io,
-                              "deltabox": dbx, "floor": floor,
-                              "summary": summarize(dbx, floor)}
+                              "deltabox": dbx, "floor": floor, "rollbacks": rbs,
+                              "summary": summarize(dbx, floor),
+                              "rollbacks_summary": summarize_rollbacks(rbs)}
     record_cleanup(result, d)
     path = write_json(args.out / "long_session.json", result, info)
     png = plot(dbx, floor, args.out / "long_session.png")
@@ -212,6 +275,12 @@ def main() -> int:
             print(f"{name:8s} {k:22s} p50 per decile: " +
                   " ".join(f"{v:6.1f}" for v in s["p50_per_decile"]) +
                   f"   last/first {s['last_over_first']:.2f}x")
+    rs = result["rollbacks_summary"]
+    if "old_over_newest_client" in rs:
+        print(f"rollback to an old checkpoint (from its dump) p50 {rs['old']['client_ms']:.1f} ms "
+              f"client, {rs['old']['daemon_ms']:.1f} daemon; to the newest "
+              f"{rs['newest']['client_ms']:.1f} / {rs['newest']['daemon_ms']:.1f}; "
+              f"{rs['old_over_newest_client']:.1f}x")
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     return 0
 

@@ -489,6 +489,51 @@ def test_pid_taken_meanwhile_is_restored_with_a_new_pid(sbx: Sandbox) -> None:
         os.kill(holder, signal.SIGKILL)
 
 
+LEADS_LATER = r"""
+import os, time
+value = "at-first"
+open("pid", "w").write(str(os.getpid()))
+while True:
+    if os.path.exists("lead"):
+        os.remove("lead")
+        os.setpgid(0, 0)  # its pid becomes a process-group id...
+        if os.fork() == 0:  # ...that a child holds too
+            while True:
+                time.sleep(1)
+        value = "leader"
+        open("led", "w").write("1")
+    if os.path.exists("report"):
+        open("state.tmp", "w").write(f"{value} {os.getpid()} {os.getpgid(0)}")
+        os.rename("state.tmp", "state")
+        os.remove("report")
+    time.sleep(0.01)
+"""
+
+
+def test_pid_held_as_another_checkpoints_group_comes_back_renumbered(sbx: Sandbox) -> None:
+    """Checkpoint A holds a process as a member of its shell's group; it then leads a
+    group of its own with a child in it, and checkpoint B holds both. B's templates keep
+    that pid allocated as a process-group id for as long as B exists, so a rollback to A
+    gives the process a new pid (and says so); everything else about it is A's."""
+    sbx.files.write("/workspace/p.py", LEADS_LATER)
+    s = sbx.session("s")
+    s.run("cd /workspace && python3 p.py >/dev/null 2>&1 &")
+    _wait_file(sbx, "pid")
+    pid = int(sbx.files.read("pid"))
+    value, _, group = _report(sbx).split()
+    assert (value, int(group) != pid) == ("at-first", True)
+    cp_a = sbx.checkpoint(mode="full")
+    sbx.files.write("lead", "1")
+    _wait_file(sbx, "led")
+    assert _report(sbx).split() == ["leader", str(pid), str(pid)]
+    sbx.checkpoint(mode="full")  # B: its templates hold `pid` as their group id
+    r = sbx.rollback(cp_a)
+    assert r.process_state == "restored", r.note
+    assert f"pid {pid} was in use" in r.note, r.note
+    value, new_pid, new_group = _report(sbx).split()
+    assert value == "at-first" and new_group == group and int(new_pid) != pid
+
+
 def test_pkill_f_in_the_sandbox_spares_the_checkpoint(sbx: Sandbox) -> None:
     """An agent's `pgrep -f` / `pkill -9 -f` inside the sandbox matches its own processes,
     never the checkpoint's templates or the carriers spawned ahead (they hide their command

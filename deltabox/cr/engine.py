@@ -210,29 +210,35 @@ class DeltaCR:
 
     # ---- restore -----------------------------------------------------------------------
 
-    async def _spawn_retrying(self, sp: _Spawn, carrier: native.Carrier | None = None) -> int:
+    async def _spawn_retrying(self, sp: _Spawn, carrier: native.Carrier | None = None,
+                              pid_held: Callable[[int], bool] | None = None) -> int:
         """Spawn (or birth from `carrier`) with the original pid (if given); the killed
         original may not be reaped yet (EEXIST), so reap and retry for a while, with backoff
-        and off the ptrace thread between attempts (other sandboxes' operations need it)."""
+        and off the ptrace thread between attempts (other sandboxes' operations need it).
+        `pid_held`: see restore."""
         deadline = trio.current_time() + 2.0
         set_tid = [sp.nspid] if sp.nspid is not None else None
         into = sp.into
         delay = 0.0002
+        asked = False
         while True:
             try:
                 if carrier is not None:
                     return await self.worker.run(carrier.birth, set_tid)
                 return await self.worker.run(_spawn_once, sp, set_tid)
             except native.CRError as e:
-                # Still taken after 0.3 s of reaping: not a killed original waiting to be
-                # reaped but a live group or session id (of another checkpoint's templates,
-                # or of processes rebuilt from a dump): a new pid, as for a leader.
-                if (e.errno == errno.EEXIST and set_tid and
-                        (into is None or into.pid_fallback) and
-                        trio.current_time() > deadline - 1.7):
-                    set_tid = None
-                    sp.renumbered = True
-                    continue
+                # Taken as a live group or session id (of another checkpoint's templates, or
+                # of processes rebuilt from a dump), not by a killed original waiting to be
+                # reaped: a new pid, as for a leader. Known at once when `pid_held` says so
+                # (asked once), else assumed after 0.3 s of reaping.
+                if e.errno == errno.EEXIST and set_tid and (into is None or into.pid_fallback):
+                    held = False
+                    if pid_held is not None and not asked:
+                        asked, held = True, pid_held(set_tid[0])
+                    if held or trio.current_time() > deadline - 1.7:
+                        set_tid = None
+                        sp.renumbered = True
+                        continue
                 if e.errno != errno.EEXIST or trio.current_time() > deadline:
                     raise
             if reap_orphans():  # the killed original was a zombie waiting for us
@@ -243,14 +249,18 @@ class DeltaCR:
     async def restore(self, state: ProcessState, mntfd: int,
                       into: Elsewhere | None = None,
                       pids_freed: Callable[[], Awaitable[None]] | None = None,
-                      pre: Prespawned | None = None) -> Restored:
+                      pre: Prespawned | None = None,
+                      pid_held: Callable[[int], bool] | None = None) -> Restored:
         """Spawn every template's child into the generation `mntfd`: in the templates' own
         sandbox (rollback: the caller killed the live processes; `pids_freed` waits until
         they have exited), or `into` another sandbox whose pid namespace is nested below
         theirs (fork). Processes that get a new pid anyway come first, while the killed
         ones are still dying. Those with a carrier in `pre` (spawned ahead into this same
-        generation; consumed here) are born from it, and keep it as their keeper. On
-        failure, kills what it spawned and raises."""
+        generation; consumed here) are born from it, and keep it as their keeper.
+        `pid_held(nspid)`: whether a process that will not exit holds that pid of the
+        target namespace (as its pid, group or session id), where a pid may fall back to
+        a new one: then it does at once, not after 0.3 s of retries. On failure, kills
+        what it spawned and raises."""
         plan = pre.plan if pre is not None else _PipePlan(state.pipes)
         out = Restored({}, {}, [])
         groups: dict[int, int] = {}          # host pgid at checkpoint -> pgid in the target
@@ -276,7 +286,7 @@ class DeltaCR:
                     spawn.into = into
                     spawn.pgid = groups.get(rec.pgid, -1)
                 carrier = pre.carriers.pop(rec.pid, None) if pre is not None else None
-                pid = await self._born_or_spawned(spawn, carrier)
+                pid = await self._born_or_spawned(spawn, carrier, pid_held)
                 out.pids[rec.nspid] = pid
                 if carrier is not None and carrier.child == pid:
                     out.keepers[pid] = carrier
@@ -303,19 +313,20 @@ class DeltaCR:
         plan.close_child_ends()
         return out
 
-    async def _born_or_spawned(self, spawn: _Spawn, carrier: native.Carrier | None) -> int:
+    async def _born_or_spawned(self, spawn: _Spawn, carrier: native.Carrier | None,
+                               pid_held: Callable[[int], bool] | None = None) -> int:
         """The process from its carrier if it has one, else (or if that fails: a carrier
         the sandbox killed while it waited) spawned from its template."""
         if carrier is not None:
             try:
-                return await self._spawn_retrying(spawn, carrier)
+                return await self._spawn_retrying(spawn, carrier, pid_held)
             except native.CRError as e:
                 if e.errno == errno.EEXIST:
                     raise
                 log.warning("the carrier %d of pid %s failed (%s): spawning it anew",
                             carrier.pid, spawn.nspid, e)
                 await self.kill_carriers([carrier])
-        return await self._spawn_retrying(spawn)
+        return await self._spawn_retrying(spawn, pid_held=pid_held)
 
     async def prespawn(self, state: ProcessState, mntfd: int) -> Prespawned | None:
         """Carriers, in the generation `mntfd` that a rollback to `state` will use, of

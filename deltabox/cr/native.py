@@ -674,6 +674,26 @@ def proc_status(pid: int) -> ProcStatus:
                       uid=int(uid.split()[0]) if uid else 0)
 
 
+def ids_in_namespace(pid: int, level: int) -> tuple[int, int, int] | None:
+    """(pid, process group id, session id) of a living process as the pid namespace `level`
+    deep below ours sees them (/proc/pid/status NSpid, NSpgid, NSsid); None if it is a
+    zombie, has exited, or lives in no such namespace."""
+    try:
+        status = read_proc(f"/proc/{pid}/status")
+    except OSError:
+        return None
+    state = _status_field(status, b"State")
+    if state is None or state.split()[:1] == [b"Z"]:
+        return None
+    ids = [_status_field(status, k) for k in (b"NSpid", b"NSpgid", b"NSsid")]
+    if any(v is None for v in ids):
+        return None
+    per = [v.split() for v in ids]  # type: ignore[union-attr]
+    if any(len(v) <= level for v in per):
+        return None
+    return int(per[0][level]), int(per[1][level]), int(per[2][level])
+
+
 @dataclass(frozen=True)
 class SockInfo:
     family: str         # "unix", "inet", "inet6", "netlink", "packet", "unknown"

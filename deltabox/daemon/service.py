@@ -1305,7 +1305,8 @@ class Daemon:
                 assert gen is not None
                 try:
                     restored = await self.cr.restore(
-                        state, gen.mntfd, pids_freed=lambda: self._victims_gone(live), pre=pre)
+                        state, gen.mntfd, pids_freed=lambda: self._victims_gone(live), pre=pre,
+                        pid_held=functools.partial(self._pid_held, live))
                 finally:
                     if pre is not None:  # born by the restore, or killed by it
                         live.prespawned -= pre.spawned
@@ -1373,6 +1374,18 @@ class Daemon:
                 return anc
             sid = anc.nest_parent
         return None
+
+    def _pid_held(self, live: Live, nspid: int) -> bool:
+        """Whether a living process in the sandbox's cgroup (a template, a keeper, a carrier:
+        the processes a rollback killed are zombies or gone once it restores a pid) holds
+        `nspid` of the sandbox's pid namespace as its pid, process group or session id: no
+        wait frees it then."""
+        level = len(native.proc_status(live.rt.init_pid).nspid) - 1
+        for pid in live.rt.cgroup.pids():
+            ids = native.ids_in_namespace(pid, level)
+            if ids is not None and nspid in ids:
+                return True
+        return False
 
     def _adopt(self, live: Live, restored: Restored, state: ProcessState) -> None:
         """Take over the daemon's side of restored processes: their session shells, and
@@ -1625,7 +1638,8 @@ class Daemon:
             restored = await self.cr.restore(
                 state, rt.generation.mntfd,
                 Elsewhere(pidns, rt.pidfd, cg_fds, fresh,
-                          pid_fallback=state.from_dump is not None and not fresh))
+                          pid_fallback=state.from_dump is not None and not fresh),
+                pid_held=functools.partial(self._pid_held, live))
         finally:
             for fd in [pidns, *cg_fds]:
                 os.close(fd)
