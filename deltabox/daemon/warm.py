@@ -61,11 +61,11 @@ CLONE_THREADS = 32
 # node's children (~300 for a 10k-file tree) that stays in the extent tree until the snapshot
 # is deleted *and* btrfs's cleaner has dropped it (it runs every 30 s); every later transaction
 # commit rewrites more of the grown extent tree. Hence no spare per checkpoint ahead of need:
-# there was one, re-made after every ready generation built, and 60 checkpoint + rollback
-# cycles of bash + 200 MB python + 10k files wrote 2.5 -> 14.6 MB to the store per cycle
-# (first vs last 10 cycles) where they now write 1.9 -> 8.2, and the last 10 checkpoints took
-# 28.8 ms (daemon p50, mean of four runs) where they now take 22.1 (four interleaved pairs;
-# the pairs' ratios 0.58 to 1.0 on a noisy VM).
+# there was one, re-made after every ready generation built, and in benchmarks/long_session.py
+# (60 checkpoint + rollback cycles of bash + 200 MB python + 10k files, every checkpoint kept)
+# the store wrote 16.2-16.7 MB per cycle by the last 10 cycles where it now writes 9.1-9.2,
+# and those checkpoints took 27.6-29.5 ms (daemon p50) where they now take 19.3-21.5 (two
+# runs each, interleaved).
 MAX_SPARES = 16
 
 
