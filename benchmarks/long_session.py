@@ -96,12 +96,12 @@ def deltabox_cycles(d: PrivateDaemon, cycles: int, old_rollbacks: int
             if i % 10 == 9:
                 log(f"deltabox: cycle {i + 1}: checkpoint {client:.1f} ms client, "
                     f"{cp.duration_ms:.1f} daemon; {rows[-1]['store_mb_written']:.1f} MB written")
-        return rows, old_and_new_rollbacks(sbx, wl, cps, old_rollbacks)
+        return rows, old_node_rollbacks(sbx, wl, cps, old_rollbacks)
     finally:
         sbx.kill()
 
 
-def old_and_new_rollbacks(sbx: Sandbox, wl: Workload, cps: list[Any], n: int
+def old_node_rollbacks(sbx: Sandbox, wl: Workload, cps: list[Any], n: int
                           ) -> list[dict[str, Any]]:
     """n rollbacks to old checkpoints (beyond TEMPLATE_WINDOW from the newest), each followed
     by a checkpoint there (a tree search expands the node it went back to) and a rollback to
