@@ -1379,8 +1379,12 @@ class Daemon:
         """Whether a living process in the sandbox's cgroup (a template, a keeper, a carrier:
         the processes a rollback killed are zombies or gone once it restores a pid) holds
         `nspid` of the sandbox's pid namespace as its pid, process group or session id: no
-        wait frees it then."""
-        level = len(native.proc_status(live.rt.init_pid).nspid) - 1
+        wait frees it then. False when that cannot be told (init gone): the restore then
+        retries as without it."""
+        try:
+            level = len(native.proc_status(live.rt.init_pid).nspid) - 1
+        except OSError:
+            return False
         for pid in live.rt.cgroup.pids():
             ids = native.ids_in_namespace(pid, level)
             if ids is not None and nspid in ids:
