@@ -47,6 +47,7 @@ test: install
 bench: install
 	$(PY) -m benchmarks.fs_cr --quick
 	$(PY) -m benchmarks.process_cr --quick
+	$(PY) -m benchmarks.long_session
 	$(PY) -m benchmarks.swebench.run --quick --out benchmarks/out/swebench
 
 clean:
