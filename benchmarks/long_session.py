@@ -41,7 +41,7 @@ from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, log, machine_info, re
                                run_main, terminate_as_exception, write_json)
 from benchmarks.process_cr import CTL, TREE, TREE_FILES, Workload, make_tree
 from deltabox import Sandbox
-from deltabox.fs.store import _loop_device_of, close_store, open_store
+from deltabox.fs.store import loop_device_of, close_store, open_store
 
 SIZE_MB = 200
 SETTLE_S = 0.05
@@ -56,7 +56,7 @@ DUMPS_SETTLE_S = 3.0
 
 def sectors_written(img: Path) -> int:
     """512-byte sectors the loop device backed by `img` has written since attached."""
-    dev = _loop_device_of(img)
+    dev = loop_device_of(img)
     if dev is None:
         raise RuntimeError(f"no loop device for {img}: is the store a loop image?")
     return int(Path(f"/sys/block/{os.path.basename(dev)}/stat").read_text().split()[6])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deltabox.fs.store import _loop_device_of, close_store, open_store
+from deltabox.fs.store import loop_device_of, close_store, open_store
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("mkfs.btrfs") is None, reason="needs root and mkfs.btrfs")
@@ -20,7 +20,7 @@ def test_loop_store_takes_the_io_mode_asked_for(tmp_path: Path, direct: bool) ->
     store = open_store(tmp_path, 1, direct_io=direct)
     try:
         assert store.backend == "btrfs-loop"
-        dev = _loop_device_of(tmp_path / "store.img")
+        dev = loop_device_of(tmp_path / "store.img")
         assert dev is not None
         mode = Path(f"/sys/block/{os.path.basename(dev)}/loop/dio").read_text().strip()
         assert mode == ("1" if direct else "0")
@@ -32,4 +32,4 @@ def test_loop_store_takes_the_io_mode_asked_for(tmp_path: Path, direct: bool) ->
         for layer in ("b", "a"):
             store.delete(layer)
         close_store(store)
-    assert _loop_device_of(tmp_path / "store.img") is None  # detached (autoclear)
+    assert loop_device_of(tmp_path / "store.img") is None  # detached (autoclear)

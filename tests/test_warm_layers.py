@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from conftest import DaemonProc, new_sandbox, private_daemon
 
+from deltabox import Sandbox
 from deltabox.daemon.warm import MAX_SPARES
 
 WARM_GENERATIONS = 2
@@ -31,20 +33,31 @@ def settled_layers(d: DaemonProc) -> int:
     return last
 
 
-def test_checkpoints_and_rollbacks_keep_no_clone_per_checkpoint() -> None:
-    cycles = 12
+def layers_added(warm_generations: int, step: Callable[[Sandbox, int], None],
+                 n: int) -> int:
+    """Layers the store gained over `n` calls of step(sandbox, i) on a fresh private daemon,
+    counted while the sandbox still holds its checkpoints."""
     with private_daemon("dbx-warm-") as d:
-        d.start("--no-inspector", "--warm-generations", str(WARM_GENERATIONS))
+        d.start("--no-inspector", "--warm-generations", str(warm_generations))
         with new_sandbox(d.socket) as sbx:
             sbx.exec("true")
             before = settled_layers(d)
-            for i in range(cycles):
-                sbx.files.write("f", f"{i}")
-                cp = sbx.checkpoint()
-                sbx.files.write("f", "changed")
-                sbx.rollback(cp)
-                assert sbx.files.read("f").decode() == f"{i}"
-            grown = settled_layers(d) - before  # while the sandbox holds its checkpoints
+            for i in range(n):
+                step(sbx, i)
+            return settled_layers(d) - before
+
+
+def test_checkpoints_and_rollbacks_keep_no_clone_per_checkpoint() -> None:
+    cycles = 12
+
+    def cycle(sbx: Sandbox, i: int) -> None:
+        sbx.files.write("f", f"{i}")
+        cp = sbx.checkpoint()
+        sbx.files.write("f", "changed")
+        sbx.rollback(cp)
+        assert sbx.files.read("f").decode() == f"{i}"
+
+    grown = layers_added(WARM_GENERATIONS, cycle, cycles)
     # One layer per checkpoint, plus at most the ready generations (their clones) and the
     # live layer's successor; a spare per checkpoint would add `cycles` more.
     assert cycles <= grown <= cycles + WARM_GENERATIONS + 1, grown
@@ -52,17 +65,14 @@ def test_checkpoints_and_rollbacks_keep_no_clone_per_checkpoint() -> None:
 
 def test_spares_left_by_forks_are_bounded() -> None:
     forked = MAX_SPARES + 4
-    with private_daemon("dbx-warm-") as d:
-        d.start("--no-inspector", "--warm-generations", "0")
-        with new_sandbox(d.socket) as sbx:
-            sbx.exec("true")
-            before = settled_layers(d)
-            for i in range(forked):
-                sbx.files.write("f", f"{i}")
-                cp = sbx.checkpoint()
-                kid = sbx.fork(cp)[0]
-                assert kid.files.read("f").decode() == f"{i}"
-                kid.kill()
-            grown = settled_layers(d) - before  # while the sandbox holds its checkpoints
+
+    def fork_one(sbx: Sandbox, i: int) -> None:
+        sbx.files.write("f", f"{i}")
+        cp = sbx.checkpoint()
+        kid = sbx.fork(cp)[0]
+        assert kid.files.read("f").decode() == f"{i}"
+        kid.kill()
+
+    grown = layers_added(0, fork_one, forked)
     # One layer per checkpoint, and a spare for at most MAX_SPARES of them.
     assert forked <= grown <= forked + MAX_SPARES, grown

@@ -49,8 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--loop-io", choices=["buffered", "direct"], default="buffered",
                    help="I/O mode of the embedded loop store's device. buffered (default): "
                    "through the host's page cache, fastest in short sessions; direct: "
-                   "checkpoints stay fast in sessions that hold dozens of checkpoints (18 "
-                   "instead of 31 ms after 50 here), at ~1.2x per checkpoint and ~1.6x per "
+                   "late checkpoints of sessions that keep dozens of them are faster (15-17 "
+                   "instead of 18-23 ms after 50 here), at ~1.2x per checkpoint and ~1.6x per "
                    "create in fresh ones")
     p.add_argument("--durable", action="store_true",
                    help="keep cache flushes on the embedded loop store: checkpoints then also "

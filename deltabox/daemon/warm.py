@@ -182,7 +182,11 @@ class WarmPool:
         self.spares[cp_layer] = layer
         while len(self.spares) > self.max_spares:
             _, old = self.spares.popitem(last=False)
-            self.background.start_soon(trio.to_thread.run_sync, self.store.delete, old)
+            self._delete_later(old)
+
+    def _delete_later(self, layer: str) -> None:
+        """Delete an unmounted clone in the background (a transaction commit)."""
+        self.background.start_soon(trio.to_thread.run_sync, self.store.delete, layer)
 
     def is_ready(self, sandbox_id: str, cp_layer: str, ready: Ready) -> bool:
         """`ready` is still the one waiting for a rollback of that sandbox to cp_layer."""
@@ -225,7 +229,7 @@ class WarmPool:
         """No checkpoint uses `cp_layer` any more: drop what was prepared for it."""
         layer = self.spares.pop(cp_layer, None)
         if layer is not None:
-            self.background.start_soon(trio.to_thread.run_sync, self.store.delete, layer)
+            self._delete_later(layer)
         for sid, slot in self.ready.items():
             ready = slot.pop(cp_layer, None)
             if ready is not None:

@@ -227,7 +227,7 @@ def _loop_options(durable: bool) -> str:
 LOOP_SET_DIRECT_IO = 0x4C08   # linux/loop.h
 
 
-def _loop_device_of(img: Path) -> str | None:
+def loop_device_of(img: Path) -> str | None:
     """The loop device whose backing file is `img`, if one is attached."""
     want = os.path.realpath(img)
     for d in Path("/sys/block").glob("loop*"):
@@ -242,16 +242,16 @@ def _loop_device_of(img: Path) -> str | None:
 def _loop_direct_io(img: Path, on: bool) -> None:
     """Put the embedded store's loop device in direct-I/O mode (or back in buffered mode).
 
-    Buffered, every btrfs commit's writes land in the host's page cache for the image file,
-    and a session that holds many checkpoints makes each commit wait longer on them: 60
-    checkpoint + rollback cycles of bash + 200 MB python + 10k files took 11.6 -> 30.8 ms
-    (daemon p50 per 10 cycles), the snapshot inside the freeze growing from 4 to 23 ms; in
-    direct-I/O mode 12.7 -> 18.0 ms. But in a fresh session direct I/O costs: the file-state
-    benchmark's checkpoints of 1 file took 13.3-14.4 vs 10.9-11.6 ms, sandbox creates 17-20
-    vs 10.6-12.8 ms (two runs each). Hence opt-in (deltaboxd --loop-io direct). Best effort:
-    a loop device that refuses (block sizes that do not line up) stays as it was, and the
-    daemon says so in its log."""
-    dev = _loop_device_of(img)
+    Late in a session that keeps its checkpoints, each commit writes more (btrfs's extent
+    tree grows with the snapshots: see deltabox/daemon/warm.py, MAX_SPARES), and in buffered
+    mode those writes go through the host's page cache. benchmarks/long_session.py ended at
+    14.8-16.8 ms per checkpoint (daemon p50, last 10 of 60 cycles) in direct-I/O mode against
+    17.6-23.0 buffered (five runs; the direct-I/O ones right after two of them). But in a
+    fresh session direct I/O costs: the file-state benchmark's checkpoints of 1 file took
+    13.3-14.4 vs 10.9-11.6 ms, sandbox creates 17-20 vs 10.6-12.8 ms (two runs each). Hence
+    opt-in (deltaboxd --loop-io direct). Best effort: a loop device that refuses (block sizes
+    that do not line up) stays as it was, and the daemon says so in its log."""
+    dev = loop_device_of(img)
     if dev is None:
         log.warning("store %s: no loop device found for it; its I/O mode is left as is", img)
         return
