@@ -66,6 +66,25 @@ def terminate_as_exception() -> Iterator[None]:
             signal.signal(s, h)
 
 
+@contextmanager
+def host_thp(mode: str | None) -> Iterator[None]:
+    """For the block: the host's transparent huge page mode set to `mode` ("always",
+    "madvise", "never"; None leaves it), then put back whatever happens (a host setting:
+    a benchmark that changes it must not leave it changed)."""
+    from deltabox.cr import hostmem
+
+    path = hostmem.THP_DIR / "enabled"
+    before = hostmem.selected(path)
+    if mode is None or mode == before:
+        yield
+        return
+    path.write_text(mode)
+    try:
+        yield
+    finally:
+        path.write_text(before)
+
+
 def run_main(main: Callable[[], int],
              stopped: str = "the private daemon was stopped (cleanup problems, if any, above)"
              ) -> NoReturn:

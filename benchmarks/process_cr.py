@@ -50,12 +50,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deltabox.cr import native
+from deltabox.cr import hostmem, native
 
 from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, Terminated, Timer, finish_figure,
-                               latency_boxplot, log, machine_info, other_daemons, percentile,
-                               pyplot, ratio, record_cleanup, stats, terminate_as_exception,
-                               write_json)
+                               host_thp, latency_boxplot, log, machine_info, other_daemons,
+                               percentile, pyplot, ratio, record_cleanup, stats,
+                               terminate_as_exception, write_json)
 
 MiB = 1 << 20
 CTL = "/workspace/ctl"
@@ -1071,6 +1071,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="skip the template memory measurement")
     p.add_argument("--keep-state", action="store_true",
                    help="keep the daemon's temp dir (for debugging)")
+    p.add_argument("--thp", choices=("always", "madvise", "never"),
+                   help="set the host's transparent huge page mode for this run and put it "
+                   "back afterwards (default: leave it; README 'Host tuning')")
     p.add_argument("--replot", type=Path, metavar="JSON",
                    help="only redraw the PNG (next to JSON) from an earlier process_cr.json")
     return p.parse_args(argv)
@@ -1129,11 +1132,12 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {}
     machine: dict[str, Any] = {}
     daemon = PrivateDaemon(parent=args.tmp_parent, keep=args.keep_state)
-    with terminate_as_exception():
+    with terminate_as_exception(), host_thp(args.thp):
         try:
             daemon.start()
             machine = machine_info(daemon.socket)
             machine["transparent_hugepage"] = thp_setting()
+            machine["transparent_hugepage_unadvised_sizes"] = hostmem.unadvised_sizes()
             machine["workload_python"] = sandbox_python()
             log(f"daemon up: store {machine['deltabox'].get('store_backend')}; workload "
                 f"interpreter {machine['workload_python']}")

@@ -105,6 +105,7 @@ class DaemonInfo(_Model):
     inspector_backend: str
     store_durability: str = ""
     disk_quota: str = ""
+    transparent_hugepages: str = ""
 
 
 MIN_PIDS = 8

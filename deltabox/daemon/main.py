@@ -19,6 +19,7 @@ from ..sandbox.reaper import become_subreaper, reap_orphans
 from ..sandbox.runtime import raise_fd_limit
 from ..sandbox.userns import IdMap
 from ..background import GuardedNursery
+from ..cr import hostmem
 from ..cr.engine import DeltaCR
 from ..cr.worker import PtraceWorker
 from .db import Database
@@ -179,6 +180,8 @@ async def serve(args: argparse.Namespace) -> None:
             nursery.start_soon(daemon.sweep_keepers)
             log.info("serving on unix:%s%s (store %s at %s)", sock,
                      f" and {args.listen}" if args.listen else "", store.backend, store.root)
+            if not hostmem.unadvised_sizes():
+                log.info("transparent huge pages: %s", hostmem.describe())
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for signum in signals:
                     log.info("%s: shutting down", signal.Signals(signum).name)

@@ -39,7 +39,7 @@ from ..sandbox.reaper import wait_exited
 from ..sandbox.session import AdoptedShell, Session
 from ..sandbox.userns import IdMap
 from ..background import GuardedNursery, run_all
-from ..cr import native
+from ..cr import hostmem, native
 from ..cr.engine import DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, in_vfork
 from ..inspector import Decision, TurnEffects
 from . import budget
@@ -290,7 +290,7 @@ class Daemon:
             disk_quota="btrfs simple quota per writable layer" if self.disk_quota else
             "none (the store is not btrfs with simple quotas)",
             inspector_backend=self.turns.status,
-            store_durability=self._durability())
+            store_durability=self._durability(), transparent_hugepages=hostmem.describe())
 
     def _enable_quota(self) -> bool:
         """Simple quotas on the embedded loop store (ours); an administrator's btrfs keeps
