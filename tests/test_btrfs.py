@@ -92,6 +92,7 @@ def test_ioctl_numbers_match_the_kernel_headers():
     assert btrfs.BTRFS_IOC_SUBVOL_SETFLAGS == 0x4008941A
     assert btrfs.BTRFS_IOC_GET_SUBVOL_INFO == 0x81F8943C
     assert btrfs.BTRFS_IOC_SNAP_DESTROY_V2 == 0x5000943F
+    assert btrfs.BTRFS_IOC_SYNC == 0x9408
 
 
 def test_is_btrfs(fs):
@@ -334,3 +335,24 @@ def test_other_threads_run_while_a_snapshot_commits(fs):
     inside = sum(1 for w in woke for a, b in spans if a + 0.0005 < w < b - 0.0005)
     assert busy > 0.005, f"snapshots took {busy * 1000:.1f} ms in all: too fast to tell"
     assert inside > 0, f"no other thread ran during {busy * 1000:.1f} ms of snapshots"
+
+
+def deleted_not_dropped(mnt: str) -> int:
+    """Subvolumes deleted but not yet dropped by btrfs's cleaner."""
+    return len(_run("btrfs", "subvolume", "list", "-d", mnt).stdout.splitlines())
+
+
+def test_wake_cleaner_drops_deleted_snapshots_now(fs, btrfs_fs):
+    src = os.path.join(fs, "src")
+    btrfs.create_subvolume(src)
+    for i in range(100):
+        _write(os.path.join(src, f"f{i}"), b"x" * 100)
+    for i in range(20):
+        snap = os.path.join(fs, f"s{i}")
+        btrfs.snapshot(src, snap, False)
+        btrfs.delete_subvolume(snap)
+    btrfs.wake_cleaner(fs)
+    deadline = time.monotonic() + 10  # the cleaner's own wake-up is up to 30 s away
+    while deleted_not_dropped(btrfs_fs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert deleted_not_dropped(btrfs_fs) == 0

@@ -6,6 +6,7 @@ deltabox/daemon/warm.py, MAX_SPARES). Real daemon, real btrfs store."""
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 from conftest import DaemonProc, new_sandbox, private_daemon
 
 from deltabox import Sandbox
+from deltabox.daemon.service import CLEAN_AFTER_DELETES
 from deltabox.daemon.warm import MAX_SPARES
 
 WARM_GENERATIONS = 2
@@ -76,3 +78,25 @@ def test_spares_left_by_forks_are_bounded() -> None:
     grown = layers_added(0, fork_one, forked)
     # One layer per checkpoint, and a spare for at most MAX_SPARES of them.
     assert forked <= grown <= forked + MAX_SPARES, grown
+
+
+def test_removed_forks_are_dropped_from_the_store_within_seconds() -> None:
+    """Forks made and removed in bulk (tree search) leave deleted subvolumes that btrfs's
+    cleaner would drop only at its periodic wake-up (up to 30 s); until then every snapshot
+    pays for them. The daemon has it drop them once enough piled up (clean_store)."""
+    with private_daemon("dbx-warm-") as d:
+        d.start("--no-inspector")
+        store = str(Path(d.state_dir) / "store")
+        with new_sandbox(d.socket) as sbx:
+            sbx.files.write("f", "x")
+            kids = sbx.fork(sbx.checkpoint(), count=CLEAN_AFTER_DELETES + 4)
+            for kid in kids:
+                kid.kill()
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                r = subprocess.run(["btrfs", "subvolume", "list", "-d", store],
+                                   capture_output=True, text=True, check=True)
+                if not r.stdout.strip():
+                    break
+                time.sleep(0.2)
+            assert not r.stdout.strip(), f"still not dropped after 15 s:\n{r.stdout}"

@@ -178,6 +178,7 @@ async def serve(args: argparse.Namespace) -> None:
             nursery.start_soon(daemon.turns.load, background, not args.no_inspector)
             nursery.start_soon(daemon.enforce_template_budget)
             nursery.start_soon(daemon.sweep_keepers)
+            nursery.start_soon(daemon.clean_store)
             log.info("serving on unix:%s%s (store %s at %s)", sock,
                      f" and {args.listen}" if args.listen else "", store.backend, store.root)
             if not hostmem.unadvised_sizes():

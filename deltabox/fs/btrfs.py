@@ -158,6 +158,7 @@ _INODE_ITEM_MIN_LEN = 56
 _SUBVOL_INFO_SIZE = 504
 _SUBVOL_INFO_GENERATION_OFF = 280
 
+BTRFS_IOC_SYNC = _IOC(_IOC_NONE, BTRFS_IOCTL_MAGIC, 8, 0)
 BTRFS_IOC_SUBVOL_CREATE = _IOW(BTRFS_IOCTL_MAGIC, 14, _VOL_ARGS_SIZE)
 BTRFS_IOC_SNAP_DESTROY = _IOW(BTRFS_IOCTL_MAGIC, 15, _VOL_ARGS_SIZE)
 BTRFS_IOC_TREE_SEARCH_V2 = _IOWR(BTRFS_IOCTL_MAGIC, 17, _SEARCH_ARGS_V2_HDR)
@@ -405,6 +406,20 @@ def _destroy(parent_fd: int, name: bytes) -> None:
     buf = bytearray(_VOL_ARGS_SIZE)
     buf[_VOL_ARGS_NAME_OFF:_VOL_ARGS_NAME_OFF + len(name)] = name
     _committing_ioctl(parent_fd, BTRFS_IOC_SNAP_DESTROY, buf)
+
+
+def wake_cleaner(path: str) -> None:
+    """Have btrfs drop deleted subvolumes now (BTRFS_IOC_SYNC: flush, commit, and wake the
+    cleaner thread), not at the cleaner's next periodic wake-up (up to the 30 s commit
+    interval). Until dropped, a deleted snapshot's back-references stay in the extent tree
+    and every later snapshot and commit pays for them (README: fork fan-outs)."""
+    fd = _open_dir(path, "wake cleaner")
+    try:
+        if _libc.ioctl(fd, BTRFS_IOC_SYNC, None) < 0:
+            code = ctypes.get_errno()
+            raise _error("BTRFS_IOC_SYNC", path, OSError(code, os.strerror(code)))
+    finally:
+        os.close(fd)
 
 
 def delete_subvolume(path: str) -> None:

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -47,6 +48,7 @@ class Store(Protocol):
     def sync(self) -> None: ...
     def needs_sync(self) -> bool: ...
     def layer_ids(self) -> list[str]: ...
+    def clean_deleted(self, at_least: int) -> int: ...
 
 
 class _BaseStore:
@@ -67,6 +69,10 @@ class _BaseStore:
     def needs_sync(self) -> bool:
         """Whether enough dirty data waits that flushing it before a freeze pays off."""
         return True
+
+    def clean_deleted(self, at_least: int) -> int:
+        """Deleted layers cost nothing once gone here (only btrfs keeps them around)."""
+        return 0
 
     def sync(self) -> None:
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
@@ -101,6 +107,8 @@ class BtrfsStore(_BaseStore):
     def __init__(self, root: Path) -> None:
         super().__init__(root)
         self.fs_uuid = btrfs.fsid(str(root))
+        self._deleted = 0  # subvolumes deleted since the cleaner was last woken
+        self._deleted_lock = threading.Lock()  # deletes run on worker threads
 
     def needs_sync(self) -> bool:
         pending = btrfs.pending_data_bytes(self.fs_uuid)
@@ -134,6 +142,22 @@ class BtrfsStore(_BaseStore):
         path = self.layer_path(layer_id)
         if path.exists():
             self._full_retry(btrfs.delete_tree, str(path))
+            with self._deleted_lock:
+                self._deleted += 1
+
+    def clean_deleted(self, at_least: int) -> int:
+        """If `at_least` layers were deleted since the last time, have btrfs drop them now
+        (btrfs.wake_cleaner): a fork fan-out removed and made again, 32 children at a
+        time, took 398 -> 606 ms over 8 rounds while they piled up, 355-412 ms with them
+        dropped. Returns how many it asked btrfs to drop (0: not enough to bother; a
+        wake-up per checkpoint cycle did not pay for itself, README)."""
+        with self._deleted_lock:
+            n = self._deleted
+            if n < max(1, at_least):
+                return 0
+            self._deleted = 0
+        btrfs.wake_cleaner(str(self.root))
+        return n
 
     def generation(self, layer_id: str) -> int:
         return btrfs.generation(str(self.layer_path(layer_id)))
