@@ -37,8 +37,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, log, machine_info, record_cleanup,
-                               run_main, terminate_as_exception, write_json)
+from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, log, machine_info,
+                               pyplot, record_cleanup, run_main, terminate_as_exception,
+                               write_json)
 from benchmarks.process_cr import CTL, TREE, TREE_FILES, Workload, make_tree
 from deltabox import Sandbox
 from deltabox.fs.store import loop_device_of, close_store, open_store
@@ -209,11 +210,10 @@ def summarize_rollbacks(rbs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def plot(dbx: list[dict[str, Any]], floor: list[dict[str, Any]], path: Path) -> Path | None:
+def plot(dbx: list[dict[str, Any]], floor: list[dict[str, Any]], path: Path,
+         machine: dict[str, Any]) -> Path | None:
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -233,10 +233,8 @@ def plot(dbx: list[dict[str, Any]], floor: list[dict[str, Any]], path: Path) -> 
     b.set_xlabel("cycle")
     b.set_ylabel("MB written to the store per cycle")
     b.legend(fontsize=7)
-    fig.suptitle("a long session: checkpoint + rollback cycles, every checkpoint kept", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_figure(fig, path, "a long session: checkpoint + rollback cycles, every checkpoint "
+                  "kept", machine)
     return path
 
 
@@ -269,7 +267,7 @@ def main() -> int:
                               "rollbacks_summary": summarize_rollbacks(rbs)}
     record_cleanup(result, d)
     path = write_json(args.out / "long_session.json", result, info)
-    png = plot(dbx, floor, args.out / "long_session.png")
+    png = plot(dbx, floor, args.out / "long_session.png", info)
     for name, keys in result["summary"].items():
         for k, s in keys.items():
             print(f"{name:8s} {k:22s} p50 per decile: " +
