@@ -1686,7 +1686,11 @@ int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err)
 	if (!tpl)
 		return 0;
 	pid = tpl->pid;
-	if (check_owner(tpl, err) < 0) {
+	if (tpl->tracer_tid == 0) {
+		/* A copy between its handover and its adoption: nobody traces it. */
+		if (kill(pid, SIGKILL) < 0 && errno != ESRCH)
+			rc = fail(err, errno, pid, "kill template copy");
+	} else if (check_owner(tpl, err) < 0) {
 		/* We cannot reap it from here; SIGKILL still ends it (its parent reaps it). */
 		kill(pid, SIGKILL);
 		rc = -1;
@@ -1713,6 +1717,120 @@ int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err)
 	free(tpl->xstate);
 	free(tpl);
 	return rc;
+}
+
+/* ---------- template copies: a second fork lane ----------
+ *
+ * A template forks one child at a time, and each fork copies its page tables in the
+ * template's own context, on one CPU: a fan-out of many children from one template is a
+ * chain of such copies.  A copy of the template (the same memory, shared copy-on-write;
+ * the same checkpointed registers, mask and signals) traced by a second thread lets two
+ * chains run on two CPUs.
+ *
+ * ptrace binds a tracee to one thread, and a new child of a tracee is auto-attached to the
+ * tracer of its parent, so the copy is handed over: parked in pause(2) with every blockable
+ * signal blocked, detached (it sleeps there: no program code runs, and nothing but SIGKILL
+ * or SIGSTOP can wake it), then seized by the other thread (dbxcr_template_adopt). */
+
+/* In a freshly born copy stopped at its birth trap: sleep in pause() once detached. */
+static int park_in_pause(struct dbxcr_template *cp, struct dbxcr_error *err)
+{
+	struct user_regs_struct r = cp->park;
+
+	if (set_sigmask(cp->pid, ~0ULL, err) < 0)
+		return -1;
+	r.rax = SYS_pause;
+	if (ptrace(PTRACE_SETREGS, cp->pid, 0, &r) < 0)
+		return fail(err, errno, cp->pid, "PTRACE_SETREGS (pause before the handover)");
+	if (ptrace(PTRACE_DETACH, cp->pid, 0, 0) < 0)
+		return fail(err, errno, cp->pid, "PTRACE_DETACH (handover)");
+	return 0;
+}
+
+static pid_t clone_template(struct dbxcr_template *tpl, struct dbxcr_error *err)
+{
+	struct dbxcr_error ignored;
+	struct tracee t;
+	long ret;
+
+	if (adopt(&t, tpl->pid, tpl->site, err) < 0)
+		return -1;
+	t.regs = tpl->park;
+	if (remote_syscall(&t, SYS_clone, template_clone_args, &ret, err) < 0) {
+		kill_traced(t.new_child);
+		park(tpl, &ignored);
+		return -1;
+	}
+	if (park(tpl, err) < 0) {
+		kill_traced(t.new_child);
+		return -1;
+	}
+	if (ret < 0)
+		return fail(err, (int)-ret, tpl->pid, "injected clone (template copy)");
+	if (t.new_child <= 0)
+		return fail(err, EPROTO, tpl->pid, "clone returned %ld but no fork event", ret);
+	return t.new_child;
+}
+
+struct dbxcr_template *dbxcr_template_copy(struct dbxcr_template *tpl, struct dbxcr_error *err)
+{
+	struct dbxcr_template *cp;
+	pid_t child;
+
+	clear_error(err);
+	if (check_owner(tpl, err) < 0 || template_scratch(tpl, err) < 0)
+		return NULL;
+	cp = malloc(sizeof(*cp));
+	if (!cp) {
+		fail(err, ENOMEM, tpl->pid, "allocate template copy");
+		return NULL;
+	}
+	*cp = *tpl;
+	cp->xstate = malloc(tpl->xstate_len);
+	if (!cp->xstate) {
+		free(cp);
+		fail(err, ENOMEM, tpl->pid, "allocate template copy xstate");
+		return NULL;
+	}
+	memcpy(cp->xstate, tpl->xstate, tpl->xstate_len);
+	child = clone_template(tpl, err);
+	if (child < 0)
+		goto out;
+	cp->pid = child;
+	if (wait_birth(child, err) < 0 || park_in_pause(cp, err) < 0) {
+		kill_traced(child);
+		goto out;
+	}
+	cp->tracer_tid = 0;	/* nobody's until dbxcr_template_adopt */
+	return cp;
+out:
+	free(cp->xstate);
+	free(cp);
+	return NULL;
+}
+
+int dbxcr_template_adopt(struct dbxcr_template *cp, struct dbxcr_error *err)
+{
+	int status;
+	long opts;
+
+	clear_error(err);
+	if (cp->tracer_tid != 0)
+		return fail(err, EBUSY, cp->pid, "template is ptrace-held by thread %d already",
+			    (int)cp->tracer_tid);
+	if (seize(cp->pid, BASE_OPTIONS, &opts, err) < 0)
+		return -1;
+	if (ptrace(PTRACE_INTERRUPT, cp->pid, 0, 0) < 0)
+		return fail(err, errno, cp->pid, "PTRACE_INTERRUPT (template copy)");
+	/* The interrupt takes it out of pause() into a stop inside get_signal(); its
+	 * registers there are pause's, and parking replaces them. */
+	if (wait_stop(cp->pid, &status, err) < 0)
+		return -1;
+	if (stop_event(status) != PTRACE_EVENT_STOP)
+		return fail(err, EPROTO, cp->pid, "unexpected stop of a template copy (status %#x)",
+			    status);
+	cp->tracer_tid = current_tid();
+	return park(cp, err);
 }
 
 /* ---------- tracer and template on one CPU ----------

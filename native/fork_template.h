@@ -215,6 +215,13 @@ int dbxcr_carrier_kill(struct dbxcr_carrier *k, struct dbxcr_error *err);
 int dbxcr_template_close(struct dbxcr_template *tpl, const int *fds, size_t n,
 			 struct dbxcr_error *err);
 
+/* A second template of the same process (a fork lane: two templates fork children on
+ * two CPUs at once).  The copy is handed over: it comes back owned by no thread, and the
+ * thread that is to drive it calls dbxcr_template_adopt once; until then only
+ * dbxcr_release_template (from any thread) may be called on it. */
+struct dbxcr_template *dbxcr_template_copy(struct dbxcr_template *tpl, struct dbxcr_error *err);
+int dbxcr_template_adopt(struct dbxcr_template *cp, struct dbxcr_error *err);
+
 /* SIGKILL the template, reap it as its tracer and free tpl (always freed). */
 int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err);
 

@@ -426,6 +426,72 @@ def test_forks_are_isolated_from_each_other(sbx: Sandbox) -> None:
             k.kill()
 
 
+def _cpus_allowed(pid: int) -> set[str]:
+    """Cpus_allowed_list of every thread of pid."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        for line in open(f"/proc/{pid}/task/{tid}/status"):
+            if line.startswith("Cpus_allowed_list:"):
+                out.add(line.split()[1])
+    return out
+
+
+def _held(comm: str) -> int:
+    """How many host processes are named `comm`."""
+    n = 0
+    for d in os.listdir("/proc"):
+        try:
+            n += d.isdigit() and open(f"/proc/{d}/comm").read().strip() == comm
+        except OSError:
+            pass
+    return n
+
+
+def test_fan_out_restores_every_child_exactly_from_two_lanes(daemon, sbx: Sandbox) -> None:
+    """A fork into many sandboxes spawns from the template and from a copy of it on a
+    second tracer thread (two CPUs): every child continues from the checkpoint, each
+    with its own memory; the copy is gone afterwards and the daemon's threads are not
+    left pinned."""
+    code = ("import time, os\n"
+            "data = bytearray(os.urandom(16)) * (32 * 1024 * 1024 // 16)\n"
+            "d = {'counter': 0}\n"
+            "open('/workspace/ready', 'w').write('1')\n"
+            "while True:\n"
+            "    if os.path.exists('/workspace/bump'):\n"
+            "        d['counter'] += 1; data[::4096] = bytes(len(data[::4096]))\n"
+            "        os.remove('/workspace/bump')\n"
+            "    if os.path.exists('/workspace/report'):\n"
+            "        os.remove('/workspace/report')\n"
+            "        open('/workspace/state', 'w').write(f\"{d['counter']} {hash(bytes(data[::4096]))} "
+            "{os.sched_getaffinity(0) == set(range(os.cpu_count()))}\")\n"
+            "    time.sleep(0.01)\n")
+    sbx.files.write("prog.py", code)
+    sbx.exec("nohup python3 /workspace/prog.py >/dev/null 2>&1 &")
+    _wait_file(sbx, "ready")
+    before = _report(sbx)
+    cp = sbx.checkpoint()
+    _ask(sbx, "bump")
+    assert _report(sbx).split()[:2] != before.split()[:2]
+    assert daemon.proc is not None
+    threads_before = _cpus_allowed(daemon.proc.pid)
+    templates = _held("dbx-template")
+    logged = daemon.log.read_text().count("a second lane for pid")
+    kids = sbx.fork(cp, count=6)
+    try:
+        assert daemon.log.read_text().count("a second lane for pid") == logged + 1
+        for k in kids:
+            assert k.process_state == "restored", k.fork_note
+        reports = [_report(k) for k in kids]
+        assert reports == [before] * 6  # counter, memory and affinity as at the checkpoint
+        _ask(kids[0], "bump")
+        assert _report(kids[1]) == before  # one child's change is its own
+        assert _held("dbx-template") == templates
+        assert _cpus_allowed(daemon.proc.pid) == threads_before
+    finally:
+        for k in kids:
+            k.kill()
+
+
 def _host_pid_in_ns(init_pid: int, nspid: int) -> int | None:
     """The host pid of the process whose pid is `nspid` in init_pid's pid namespace."""
     ns = os.readlink(f"/proc/{init_pid}/ns/pid")

@@ -591,3 +591,103 @@ def test_fds_inventory_python(native, tmp_path: Path) -> None:
     finally:
         p.kill()
         p.wait()
+
+
+class Tracer:
+    """A thread of our own that runs calls one at a time (a tracee belongs to the thread
+    that attached it, and dies when that thread ends: it lives until close())."""
+
+    def __init__(self) -> None:
+        import queue
+        import threading
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            fn, box, done = job
+            try:
+                box.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed back to the test thread
+                box.append((False, e))
+            done.set()
+
+    def run(self, fn):
+        import threading
+        box: list = []
+        done = threading.Event()
+        self.jobs.put((fn, box, done))
+        assert done.wait(30), "tracer thread stuck"
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(30)
+
+
+def test_template_copy_spawns_from_another_thread(native, tmp_path: Path) -> None:
+    """A copy of a template (a fork lane) is driven by the thread that adopts it: its
+    children continue from the checkpoint like the template's own, at the same time."""
+    data = tmp_path / "data.txt"
+    data.write_text("0123456789abcdef")
+    p = subprocess.Popen([sys.executable, "-c", PROGRAM, str(data)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    orig = Proc(p.pid, p.stdin.fileno(), p.stdout.fileno())
+    lane = Tracer()
+    children: list[Proc] = []
+    tpl = copy = None
+    try:
+        assert orig.out.read() == {"ready": True}
+        orig.ask("inc")
+        blocked_in_read(p.pid)
+        files = [f for f in native.regular_files(p.pid) if f.path == str(data)]
+        tpl = native.make_template(p.pid)
+        orig.ask("inc")  # the original moves on: the copy holds the checkpoint
+        copy = tpl.copy()
+        assert copy.pid not in (tpl.pid, p.pid) and copy.origin == p.pid
+        info = native.describe(copy.pid)
+        assert (info.tracer_pid, info.ppid) == (0, os.getpid())  # handed over, asleep
+        with pytest.raises(native.CRError) as e:
+            copy.spawn()  # nobody drives it before it is adopted
+        assert e.value.errno == errno.EPERM
+
+        lane.run(copy.adopt)
+        assert native.describe(copy.pid).tracer_pid == lane.thread.native_id
+        with pytest.raises(native.CRError) as e:
+            spawn_child(copy, files)  # only its adopting thread drives it
+        assert e.value.errno == errno.EPERM
+        children.append(lane.run(lambda: spawn_child(copy, files)))
+        children.append(spawn_child(tpl, files))
+        for c in children:
+            r = c.ask("report")
+            assert (r["counter"], r["items"], r["ppid"]) == (1, {"a": 1, "k1": 1}, os.getpid())
+            assert c.ask("readf") == {"data": "456", "offset": 7}
+        children[0].ask("inc")
+        assert children[1].ask("report")["counter"] == 1  # each its own memory
+
+        copy_pid = copy.pid
+        lane.run(copy.release)
+        assert not Path(f"/proc/{copy_pid}").exists()
+        spare = tpl.copy()  # never adopted: released from any thread
+        spare_pid = spare.pid
+        spare.release()
+        os.waitpid(spare_pid, 0)  # our child (the original's parent is us): reap it
+        assert not Path(f"/proc/{spare_pid}").exists()
+    finally:
+        if copy is not None:
+            try:
+                lane.run(copy.release)
+            except native.CRError:
+                pass
+        lane.close()
+        if tpl is not None:
+            tpl.release()
+        for c in children:
+            kill_reap(c.pid)
+            c.close()
+        p.kill()
+        p.wait()

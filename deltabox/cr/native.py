@@ -167,6 +167,10 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_template_close.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
                                              ctypes.c_size_t, err]
         lib.dbxcr_template_close.restype = ctypes.c_int
+        lib.dbxcr_template_copy.argtypes = [ctypes.c_void_p, err]
+        lib.dbxcr_template_copy.restype = ctypes.c_void_p
+        lib.dbxcr_template_adopt.argtypes = [ctypes.c_void_p, err]
+        lib.dbxcr_template_adopt.restype = ctypes.c_int
         lib.dbxcr_release_template.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_release_template.restype = ctypes.c_int
         lib.dbxcr_stop_begin.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), err]
@@ -371,6 +375,30 @@ class Template:
         err = _Err()
         if _load().dbxcr_template_close(self._handle, arr, len(fds), ctypes.byref(err)) < 0:
             _raise(err)
+
+    def copy(self) -> "Template":
+        """A second template of the same process, to spawn from on another thread at the
+        same time (a fork lane).  It belongs to no thread until that thread calls adopt();
+        release() works from any thread before that."""
+        if self._handle is None:
+            raise CRError(_errno.EINVAL, f"template {self.pid} was released")
+        lib = _load()
+        err = _Err()
+        handle = lib.dbxcr_template_copy(self._handle, ctypes.byref(err))
+        if not handle:
+            _raise(err)
+        cp = Template(handle, lib.dbxcr_template_pid(handle), self.origin)
+        cp.owner_thread = 0
+        return cp
+
+    def adopt(self) -> None:
+        """Make the calling thread this copy's tracer (see copy)."""
+        if self._handle is None:
+            raise CRError(_errno.EINVAL, f"template {self.pid} was released")
+        err = _Err()
+        if _load().dbxcr_template_adopt(self._handle, ctypes.byref(err)) < 0:
+            _raise(err)
+        self.owner_thread = threading.get_native_id()
 
     def release(self) -> None:
         """SIGKILL the template and reap it.  Idempotent."""

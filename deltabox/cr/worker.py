@@ -21,10 +21,16 @@ _STOP = object()
 
 
 class PtraceWorker:
-    def __init__(self) -> None:
+    def __init__(self, name: str = "deltabox-ptrace") -> None:
+        self.name = name
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._active = 0   # jobs queued or running (trio thread only)
+
+    @property
+    def queued(self) -> int:
+        """Jobs queued or running (trio thread only)."""
+        return self._active
 
     @property
     def busy(self) -> bool:
@@ -32,7 +38,7 @@ class PtraceWorker:
         return self._active > 0
 
     async def __aenter__(self) -> PtraceWorker:
-        self._thread = threading.Thread(target=self._loop, name="deltabox-ptrace", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
         self._thread.start()
         return self
 

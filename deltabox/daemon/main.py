@@ -164,10 +164,11 @@ async def serve(args: argparse.Namespace) -> None:
     sock = Path(args.socket)
     sock.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
     sock.unlink(missing_ok=True)
-    async with PtraceWorker() as ptrace, trio.open_nursery() as nursery:
+    async with PtraceWorker() as ptrace, PtraceWorker("deltabox-lane") as lane, \
+            trio.open_nursery() as nursery:
         background = GuardedNursery(nursery)
         daemon = Daemon(cfg, store, db, CgroupDriver(parent_name(str(state_dir))), background,
-                        DeltaCR(ptrace))
+                        DeltaCR(ptrace, lane))
         nursery.start_soon(_reap_forever, daemon)
         try:
             await daemon.recover()

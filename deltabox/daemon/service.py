@@ -1560,11 +1560,15 @@ class Daemon:
                 try:
                     rows = await self._fork_files(
                         cp, count, owner,
-                        functools.partial(self._restore_fork_child, key, state))
+                        functools.partial(self._restore_fork_child, key, state),
+                        alongside=functools.partial(self.cr.open_lanes, state, count))
                 except Exception as e:
                     if (limit := _fork_failed(cp, e)) is not None:
                         raise limit from e
                     raise
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self.cr.close_lanes(state)
                 return rows, "restored", (f"{len(state.records)} processes restored from "
                                           "templates in each fork")
             # The templates come from the dump, rebuilt in the holder from the first child's
@@ -1667,10 +1671,12 @@ class Daemon:
         return restored
 
     async def _fork_files(self, cp: CheckpointRow, count: int, nest_under: str | None,
-                          then: Callable[[SandboxRow], Awaitable[None]] | None = None
+                          then: Callable[[SandboxRow], Awaitable[None]] | None = None,
+                          alongside: Callable[[], Awaitable[None]] | None = None
                           ) -> list[SandboxRow]:
         """Boot `count` sandboxes on clones of the checkpoint's layer, each followed by
-        `then` (its processes' restore), and commit them; on any failure, undo them all."""
+        `then` (its processes' restore), and commit them; on any failure, undo them all.
+        `alongside` runs while the layers are cloned (preparing the restores)."""
         src = self.db.get_sandbox(cp.sandbox_id) or next(
             iter(self.db.family_sandboxes(cp.family_id)), None)
         rows: list[SandboxRow] = []
@@ -1690,7 +1696,8 @@ class Daemon:
             async def take(r: SandboxRow) -> None:
                 r.layer_id = await self.warm.take_layer(cp.layer_id)
 
-            await run_all([functools.partial(take, r) for r in rows])
+            await run_all([functools.partial(take, r) for r in rows] +
+                          ([alongside] if alongside is not None else []))
             crash_point("fork.cloned")
             for r in rows:
                 r.base_gen = self.store.generation(r.layer_id)

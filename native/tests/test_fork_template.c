@@ -746,6 +746,131 @@ static void test_templates(void)
 	free(copy);
 }
 
+/* A template copy driven by a second thread: it adopts the copy, spawns a child from it
+ * while the first thread spawns from the original template, and both children continue
+ * from the checkpoint; the copy is another sibling named like a template. */
+struct lane_job {
+	struct dbxcr_template *copy;
+	struct proc child;
+	int adopt_rc, release_rc;
+	int go[2];		/* a byte here: release the copy (on its own thread) */
+	struct dbxcr_error err, release_err;
+};
+
+static void *lane_thread(void *arg)
+{
+	struct lane_job *j = arg;
+	char c;
+
+	j->adopt_rc = dbxcr_template_adopt(j->copy, &j->err);
+	if (j->adopt_rc == 0)
+		j->child = spawn_program(j->copy, NULL, 0, -1, NULL, &j->err);
+	/* A tracer thread must outlive its tracees' use (they are killed at its exit). */
+	if (read(j->go[0], &c, 1) != 1)
+		c = 0;
+	j->release_rc = dbxcr_release_template(j->copy, &j->release_err);
+	return NULL;
+}
+
+static void test_template_copy(void)
+{
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl, *spare;
+	struct lane_job j = { 0 };
+	struct state_report r;
+	struct dbxcr_info info;
+	struct proc orig, c1;
+	uint64_t sum_a;
+	pthread_t th;
+	pid_t cpid, spid;
+	char name[32];
+
+	current_test = "template-copy";
+	fill_pattern(shared_buf, 3);
+	sum_a = checksum(shared_buf, BUF_SIZE);
+	orig = start_program();
+	CHECK(wait_in_syscall(orig.pid, SYS_read) == 0, "program never blocked in read");
+	tpl = dbxcr_make_template(orig.pid, &err);
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (!tpl) {
+		stop_program(&orig);
+		return;
+	}
+	ask(&orig, 'm', NULL);	/* the original moves on: copies hold the checkpoint */
+
+	j.copy = dbxcr_template_copy(tpl, &err);
+	CHECK(j.copy != NULL, "template_copy: %s", err.msg);
+	if (!j.copy)
+		goto out;
+	cpid = dbxcr_template_pid(j.copy);
+	CHECK(cpid != dbxcr_template_pid(tpl) && dbxcr_template_origin(j.copy) == orig.pid,
+	      "copy pid %d origin %d", cpid, dbxcr_template_origin(j.copy));
+	/* Handed over: asleep, untraced, until the other thread adopts it. */
+	CHECK(dbxcr_describe(cpid, &info, &err) == 0 && info.tracer_pid == 0 &&
+	      info.ppid == getpid(), "copy before adoption: tracer %d ppid %d",
+	      info.tracer_pid, info.ppid);
+	CHECK(strcmp(comm_of(cpid, name), "dbx-template") == 0, "copy named '%s'", name);
+	c1.pid = -1;
+	j.child.pid = -1;
+	if (pipe2(j.go, O_CLOEXEC) < 0)
+		abort();
+	CHECK(pthread_create(&th, NULL, lane_thread, &j) == 0, "pthread_create");
+	c1 = spawn_program(tpl, NULL, 0, -1, NULL, &err);
+	CHECK(c1.pid > 0, "spawn from the template: %s", err.msg);
+	/* wait until the lane thread has spawned (its child answers) */
+	for (int i = 0; i < 500 && j.child.pid <= 0 && j.adopt_rc == 0; i++)
+		usleep(10000);
+	CHECK(j.adopt_rc == 0, "adopt: %s", j.err.msg);
+	CHECK(j.child.pid > 0, "spawn from the copy: %s", j.err.msg);
+	if (c1.pid > 0 && j.child.pid > 0) {
+		CHECK(ask(&c1, 'r', &r) == 0 && r.counter == 0 && r.checksum == sum_a,
+		      "child of the template: counter %d", r.counter);
+		CHECK(ask(&j.child, 'r', &r) == 0 && r.counter == 0 && r.checksum == sum_a &&
+		      r.ppid == getpid() && r.eintr == 0,
+		      "child of the copy: counter %d ppid %d eintr %d", r.counter, r.ppid, r.eintr);
+		CHECK(ask(&j.child, 'f', &r) == 0 && memcmp(r.data, "abcde", 5) == 0 && r.off == 15,
+		      "child of the copy, file: '%.5s' off %lld", r.data, r.off);
+		CHECK(same_cmdline(j.child.pid, orig.pid), "copy's child command line differs");
+	}
+	/* Only the adopting thread may drive the copy. */
+	{
+		struct proc bad = spawn_program(j.copy, NULL, 0, -1, NULL, &err);
+
+		CHECK(bad.pid < 0 && err.code == EPERM, "spawn from a thread that does not own "
+		      "the copy: pid %d, %s", bad.pid, err.msg);
+		close(bad.cmd), close(bad.rep);
+	}
+	ask(&c1, 'q', NULL);
+	CHECK(c1.pid <= 0 || WIFEXITED(reap(c1.pid)), "template's child exit");
+	close(c1.cmd), close(c1.rep);
+	if (j.child.pid > 0) {
+		ask(&j.child, 'q', NULL);
+		CHECK(WIFEXITED(reap(j.child.pid)), "copy's child exit");
+		close(j.child.cmd), close(j.child.rep);
+	}
+	if (write(j.go[1], "x", 1) != 1)
+		abort();
+	pthread_join(th, NULL);
+	close(j.go[0]), close(j.go[1]);
+	CHECK(j.release_rc == 0, "release the copy on its thread: %s", j.release_err.msg);
+	CHECK(kill(cpid, 0) < 0 && errno == ESRCH, "copy still exists");
+
+	/* A copy never adopted is released from any thread. */
+	spare = dbxcr_template_copy(tpl, &err);
+	CHECK(spare != NULL, "second copy: %s", err.msg);
+	if (spare) {
+		spid = dbxcr_template_pid(spare);
+		CHECK(dbxcr_release_template(spare, &err) == 0, "release unadopted copy: %s",
+		      err.msg);
+		CHECK(waitpid(spid, NULL, __WALL) == spid && kill(spid, 0) < 0,
+		      "unadopted copy not gone");
+	}
+out:
+	CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
+	stop_program(&orig);
+	CHECK(count_zombie_children() == 0, "zombies left: %d", count_zombie_children());
+}
+
 static int count_fds(pid_t pid)
 {
 	char path[64];
@@ -1979,6 +2104,7 @@ int main(void)
 		{ "inject-wait4", test_inject_wait4 },
 		{ "inject-group-stopped", test_inject_group_stopped },
 		{ "templates", test_templates },
+		{ "template-copy", test_template_copy },
 		{ "carriers", test_carriers },
 		{ "spawn-mntns", test_spawn_mntns },
 		{ "listen-socket", test_listen_socket },
