@@ -1074,6 +1074,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--thp", choices=("always", "madvise", "never"),
                    help="set the host's transparent huge page mode for this run and put it "
                    "back afterwards (default: leave it; README 'Host tuning')")
+    p.add_argument("--no-fork-lanes", action="store_true",
+                   help="run deltaboxd with --no-fork-lanes: every fork child from the one "
+                   "template (the baseline of the fork lanes, README 'Fork lanes')")
     p.add_argument("--replot", type=Path, metavar="JSON",
                    help="only redraw the PNG (next to JSON) from an earlier process_cr.json")
     return p.parse_args(argv)
@@ -1131,13 +1134,15 @@ def main(argv: list[str] | None = None) -> int:
     tmem: list[dict] | None = None
     result: dict[str, Any] = {}
     machine: dict[str, Any] = {}
-    daemon = PrivateDaemon(parent=args.tmp_parent, keep=args.keep_state)
+    daemon = PrivateDaemon(parent=args.tmp_parent, keep=args.keep_state,
+                           extra_args=["--no-fork-lanes"] if args.no_fork_lanes else [])
     with terminate_as_exception(), host_thp(args.thp):
         try:
             daemon.start()
             machine = machine_info(daemon.socket)
             machine["transparent_hugepage"] = thp_setting()
             machine["transparent_hugepage_unadvised_sizes"] = hostmem.unadvised_sizes()
+            machine["fork_lanes"] = not args.no_fork_lanes
             machine["workload_python"] = sandbox_python()
             log(f"daemon up: store {machine['deltabox'].get('store_backend')}; workload "
                 f"interpreter {machine['workload_python']}")

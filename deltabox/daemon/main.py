@@ -82,6 +82,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="host uids and gids for sandboxes created with a user namespace "
                    "(`deltabox create --userns`): their ids 0..COUNT-1 are the host's "
                    "BASE..BASE+COUNT-1 (default 100000:65536, as /etc/subuid ranges go)")
+    p.add_argument("--no-fork-lanes", action="store_true",
+                   help="fork every child of a fan-out from the one template (by default a "
+                   "fork into 4 or more sandboxes also spawns from a copy of each large "
+                   "template on a second tracer thread, the two threads pinned to two CPUs "
+                   "for the fork's duration)")
     p.add_argument("--no-inspector", action="store_true",
                    help="do not load the eBPF turn inspector: every auto checkpoint is then "
                    "full (the conservative fallback, also used when bcc cannot load)")
@@ -168,7 +173,7 @@ async def serve(args: argparse.Namespace) -> None:
             trio.open_nursery() as nursery:
         background = GuardedNursery(nursery)
         daemon = Daemon(cfg, store, db, CgroupDriver(parent_name(str(state_dir))), background,
-                        DeltaCR(ptrace, lane))
+                        DeltaCR(ptrace, None if args.no_fork_lanes else lane))
         nursery.start_soon(_reap_forever, daemon)
         try:
             await daemon.recover()
