@@ -1135,7 +1135,8 @@ class Daemon:
                         await self._discard_prespawned(None, pre, live)
                 raise
             try:
-                return await self._rollback_to(live, row, cp, t0, layer, killed, new_gen, pre)
+                return await self._rollback_to(live, row, cp, t0, layer, killed, new_gen, pre,
+                                               prepared=ready is not None)
             finally:
                 with trio.CancelScope(shield=True):
                     await self._victims_gone(live)
@@ -1143,13 +1144,14 @@ class Daemon:
 
     async def _rollback_to(self, live: Live, row: SandboxRow, cp: CheckpointRow, t0: float,
                            layer: str, killed: int, new_gen: runtime.Generation,
-                           pre: Prespawned | None) -> dict:
+                           pre: Prespawned | None, prepared: bool = False) -> dict:
         """The rest of a rollback, under the sandbox's lock, once its processes are killed:
         switch to the new generation, commit, restore the processes."""
         sid, cp_id = row.id, cp.id
         try:
             crash_point("rollback.generation")
-            self._limit_disk(row, layer)
+            if not prepared:  # the warm pool sets it as it prepares (_build_for)
+                self._limit_disk(row, layer)
             old = live.rt.generation
             live.rt.generation = new_gen
             old_layer, row.layer_id, row.head_cp = row.layer_id, layer, cp_id
@@ -1435,6 +1437,7 @@ class Daemon:
         # Not under the sandbox's lock (a rollback must not wait for this): our own dup of
         # init's pidfd cannot be closed underneath us, and the pool drops the result if the
         # sandbox changed meanwhile.
+        self._limit_disk(row, layer)  # here, not on the rollback's critical path
         rt, pidfd = live.rt, os.dup(live.rt.pidfd)
         try:
             gen = await runtime.build_generation(
