@@ -129,8 +129,8 @@ async def start_init(sandbox_id: str, cgroup: Cgroup, hostname: str,
     proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                             env=HELPER_ENV)
     assert proc.stdout is not None and proc.stderr is not None
-    line = await _read_line(proc.stdout)
-    if not line.strip().isdigit():
+    line, = await _read_lines(proc.stdout, 1)
+    if not line.isdigit():
         err = await _drain(proc)
         if userns is not None and "user namespace" in err:
             raise FailedPrecondition(
@@ -167,7 +167,7 @@ async def build_generation(rt: Runtime, layer_id: str, lower: list[str], layer: 
             os.close(fd)
     assert proc.stdin is not None and proc.stdout is not None
     try:
-        lines = [await _read_line(proc.stdout), await _read_line(proc.stdout)]
+        lines = await _read_lines(proc.stdout, 2)
         pids = [x for x in lines if x.strip().isdigit()]
         if "ready" not in [x.strip() for x in lines] or not pids:
             err = await _drain(proc)
@@ -222,14 +222,19 @@ async def close_process(proc: trio.Process) -> None:
             await stream.aclose()
 
 
-async def _read_line(stream: trio.abc.ReceiveStream, limit: int = 4096) -> str:
+async def _read_lines(stream: trio.abc.ReceiveStream, count: int,
+                      limit: int = 4096) -> list[str]:
+    """A helper's first `count` lines ("" for those it never wrote). The helpers write each
+    line whole and we read nothing after them, so whole chunks: reading a byte at a time
+    cost the daemon's thread 0.7 ms per boot (cProfile of fork(32))."""
     buf = b""
-    while not buf.endswith(b"\n") and len(buf) < limit:
-        chunk = await stream.receive_some(1)
+    while buf.count(b"\n") < count and len(buf) < limit:
+        chunk = await stream.receive_some(limit)
         if not chunk:
             break
         buf += chunk
-    return buf.decode(errors="replace").strip()
+    lines = [x.strip() for x in buf.decode(errors="replace").split("\n")][:count]
+    return lines + [""] * (count - len(lines))
 
 
 async def _drain(proc: trio.Process) -> str:
