@@ -1042,8 +1042,9 @@ def plot(series: list[Series], fork: dict | None, tmem: list[dict] | None, machi
     else:
         ax.set_axis_off()
     reps = len(series[0].checkpoint_ms) if series else 0
+    lanes = "" if machine.get("fork_lanes", True) else "; fork lanes off (--no-fork-lanes)"
     finish_figure(fig, path, f"DeltaBox process state (DeltaCR){' (quick)' if quick else ''}: "
-                  f"{reps} reps per config", machine)
+                  f"{reps} reps per config{lanes}", machine)
 
 
 # ---- main ------------------------------------------------------------------------------------
