@@ -156,6 +156,17 @@ def kill_reap(pid: int) -> None:
         pass
 
 
+def _clean_up(tpl, children: list[Proc], p: subprocess.Popen) -> None:
+    """Release the template, kill its children and the original."""
+    if tpl is not None:
+        tpl.release()
+    for c in children:
+        kill_reap(c.pid)
+        c.close()
+    p.kill()
+    p.wait()
+
+
 def test_template_fork_rollback_python(native, tmp_path: Path) -> None:
     data = tmp_path / "data.txt"
     data.write_text("0123456789abcdef")
@@ -231,13 +242,7 @@ def test_template_fork_rollback_python(native, tmp_path: Path) -> None:
         with pytest.raises(native.CRError):
             tpl.spawn()
     finally:
-        if tpl is not None:
-            tpl.release()
-        for c in children:
-            kill_reap(c.pid)
-            c.close()
-        p.kill()
-        p.wait()
+        _clean_up(tpl, children, p)
 
 
 def test_inject_getpid_into_sleeping_python(native) -> None:
@@ -684,10 +689,4 @@ def test_template_copy_spawns_from_another_thread(native, tmp_path: Path) -> Non
             except native.CRError:
                 pass
         lane.close()
-        if tpl is not None:
-            tpl.release()
-        for c in children:
-            kill_reap(c.pid)
-            c.close()
-        p.kill()
-        p.wait()
+        _clean_up(tpl, children, p)

@@ -746,6 +746,28 @@ static void test_templates(void)
 	free(copy);
 }
 
+/* A running test program blocked in read, templated; its memory patterned with `pattern`
+ * (*sum: its checksum), then mutated so the template alone holds the checkpoint.  NULL
+ * (the program stopped) if the template could not be made. */
+static struct dbxcr_template *templated_program(int pattern, struct proc *orig, uint64_t *sum)
+{
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl;
+
+	fill_pattern(shared_buf, pattern);
+	*sum = checksum(shared_buf, BUF_SIZE);
+	*orig = start_program();
+	CHECK(wait_in_syscall(orig->pid, SYS_read) == 0, "program never blocked in read");
+	tpl = dbxcr_make_template(orig->pid, &err);
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (!tpl) {
+		stop_program(orig);
+		return NULL;
+	}
+	ask(orig, 'm', NULL);	/* the original moves on from the checkpoint */
+	return tpl;
+}
+
 /* A template copy driven by a second thread: it adopts the copy, spawns a child from it
  * while the first thread spawns from the original template, and both children continue
  * from the checkpoint; the copy is another sibling named like a template. */
@@ -786,17 +808,9 @@ static void test_template_copy(void)
 	char name[32];
 
 	current_test = "template-copy";
-	fill_pattern(shared_buf, 3);
-	sum_a = checksum(shared_buf, BUF_SIZE);
-	orig = start_program();
-	CHECK(wait_in_syscall(orig.pid, SYS_read) == 0, "program never blocked in read");
-	tpl = dbxcr_make_template(orig.pid, &err);
-	CHECK(tpl != NULL, "make_template: %s", err.msg);
-	if (!tpl) {
-		stop_program(&orig);
+	tpl = templated_program(3, &orig, &sum_a);
+	if (!tpl)
 		return;
-	}
-	ask(&orig, 'm', NULL);	/* the original moves on: copies hold the checkpoint */
 
 	j.copy = dbxcr_template_copy(tpl, &err);
 	CHECK(j.copy != NULL, "template_copy: %s", err.msg);
@@ -908,17 +922,9 @@ static void test_carriers(void)
 	char byte;
 
 	current_test = "carriers";
-	fill_pattern(shared_buf, 3);
-	sum_a = checksum(shared_buf, BUF_SIZE);
-	orig = start_program();
-	CHECK(wait_in_syscall(orig.pid, SYS_read) == 0, "program never blocked in read");
-	tpl = dbxcr_make_template(orig.pid, &err);
-	CHECK(tpl != NULL, "make_template: %s", err.msg);
-	if (!tpl) {
-		stop_program(&orig);
+	tpl = templated_program(3, &orig, &sum_a);
+	if (!tpl)
 		return;
-	}
-	ask(&orig, 'm', NULL);	/* the original moves on from the checkpoint */
 
 	if (pipe2(cmd, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0)
 		abort();
