@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import logging
 import os
@@ -169,11 +170,11 @@ async def serve(args: argparse.Namespace) -> None:
     sock = Path(args.socket)
     sock.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
     sock.unlink(missing_ok=True)
-    async with PtraceWorker() as ptrace, PtraceWorker("deltabox-lane") as lane, \
-            trio.open_nursery() as nursery:
+    lanes = contextlib.nullcontext() if args.no_fork_lanes else PtraceWorker("deltabox-lane")
+    async with PtraceWorker() as ptrace, lanes as lane, trio.open_nursery() as nursery:
         background = GuardedNursery(nursery)
         daemon = Daemon(cfg, store, db, CgroupDriver(parent_name(str(state_dir))), background,
-                        DeltaCR(ptrace, None if args.no_fork_lanes else lane))
+                        DeltaCR(ptrace, lane))
         nursery.start_soon(_reap_forever, daemon)
         try:
             await daemon.recover()
