@@ -31,7 +31,7 @@ from ..fs import image as images
 from ..fs.diff import diff_layers
 from ..fs.files import SandboxFiles
 from ..fs.mask import build_mask
-from ..fs.store import Store, close_store
+from ..fs.store import Changes, Store, close_store
 from ..models import CreateParams
 from ..sandbox import execute, quota, runtime
 from ..sandbox.cgroups import Cgroup, CgroupDriver, Limits
@@ -169,6 +169,14 @@ def checkpoint_mode(mode: str, label: str) -> str:
     if len(label) > 200:
         raise InvalidArgument("label longer than 200 characters")
     return mode
+
+
+@dataclass
+class Snapshot:
+    """A checkpoint's frozen layer: what changed since the sandbox's last one (None on the
+    copy store) and the store generation it ends at."""
+    changes: Changes | None
+    generation: int
 
 
 @dataclass
@@ -768,6 +776,7 @@ class Daemon:
             await trio.to_thread.run_sync(self.store.sync)
         t_freeze = time.perf_counter()
         captured: ProcessState | None = None
+        snap: list[Snapshot] = []
         live.rt.cgroup.freeze()
         try:
             crash_point("checkpoint.frozen")
@@ -775,9 +784,9 @@ class Daemon:
             effects = self.turns.end_turn(sid, alive)
             decision = self._decide(mode, live, parent, effects, alive)
             if decision.kind == "full":
-                captured = await self._capture(live, row.layer_id, layer, alive)
+                captured = await self._capture(live, row, layer, alive, snap)
             elif decision.kind == "fs":
-                self.store.freeze(row.layer_id, layer)
+                snap.append(self._snapshot(row, layer))
             crash_point("checkpoint.snapshotted")
         except BaseException:
             self.turns.lost_turn(sid)  # what it did is not in any checkpoint
@@ -793,7 +802,7 @@ class Daemon:
         else:
             procs_of = None
         cp = self._checkpoint_row(cp_id, row, parent, layer, decision, captured, label,
-                                  procs_of)
+                                  procs_of, snap[0] if snap else None)
         cp.freeze_ms = freeze_ms
         cp.duration_ms = (time.perf_counter() - t0) * 1000
         row.head_cp = cp_id
@@ -853,9 +862,20 @@ class Daemon:
         return self.turns.decide(effects, parent_reuse=reuse, has_parent=parent is not None,
                                  processes_alive=bool(alive), quiet=quiet)
 
+    def _snapshot(self, row: SandboxRow, layer: str) -> Snapshot:
+        """Freeze the sandbox's layer as `layer` and summarise what changed since its last
+        checkpoint: in a full checkpoint both run in a worker thread while the templates are
+        made, off the critical path (interleaved A/B, 20 each, three times: daemon p50
+        8.67 vs 8.70, 7.79 vs 8.56, 8.35 vs 9.26 ms)."""
+        self.store.freeze(row.layer_id, layer)
+        # The snapshot committed its transaction: later writes are strictly newer.
+        return Snapshot(self.store.changes_since(layer, row.base_gen),
+                        self.store.generation(layer))
+
     def _checkpoint_row(self, cp_id: str, row: SandboxRow, parent: CheckpointRow | None,
                         layer: str, decision: Decision, captured: ProcessState | None,
-                        label: str, procs_of: str | None) -> CheckpointRow:
+                        label: str, procs_of: str | None, snap: Snapshot | None
+                        ) -> CheckpointRow:
         """The new checkpoint's metadata (advances the sandbox's change generation)."""
         reasons = list(decision.reasons)
         files = nbytes = 0
@@ -864,9 +884,9 @@ class Daemon:
             layer = parent.layer_id
             reasons.append(f"aliases {parent.id}: no snapshot, no capture")
         else:
-            changes = self.store.changes_since(layer, row.base_gen)
-            # The snapshot committed its transaction: later writes are strictly newer.
-            row.base_gen = self.store.generation(layer)
+            assert snap is not None
+            changes = snap.changes
+            row.base_gen = snap.generation
             if changes:
                 files, nbytes = changes.files, changes.bytes
             else:
@@ -1000,11 +1020,11 @@ class Daemon:
                     live.releasing.remove(state)
         self.background.start_soon(release)
 
-    async def _capture(self, live: Live, src_layer: str, layer: str,
-                       candidates: set[int]) -> ProcessState:
+    async def _capture(self, live: Live, row: SandboxRow, layer: str,
+                       candidates: set[int], snap: list[Snapshot]) -> ProcessState:
         """With the cgroup frozen: capture every process of the sandbox and snapshot the
-        files at the same instant (DeltaCR). Thaws the cgroup whatever happens; on failure
-        the snapshot is removed and nothing changed."""
+        files at the same instant (DeltaCR; the snapshot goes to `snap`). Thaws the cgroup
+        whatever happens; on failure the snapshot is removed and nothing changed."""
         thawed = False
 
         def thaw() -> None:
@@ -1014,7 +1034,7 @@ class Daemon:
                 thawed = True
 
         async def snapshot() -> None:
-            await trio.to_thread.run_sync(self.store.freeze, src_layer, layer)
+            snap.append(await trio.to_thread.run_sync(self._snapshot, row, layer))
 
         try:
             procs = await self._settle_vforks(live, self._sandbox_processes(candidates))
