@@ -143,6 +143,10 @@ def test_crash_at(d: DaemonProc, step: str, op: str, committed: bool) -> None:
     sb = Sandbox.create(socket=s)
     sb.files.write("a.txt", "v1")
     sb.session("main").run("cd /tmp && export X=1")
+    # 24 MB resident: a fork into 4 sandboxes copies its template onto the second lane
+    sb.exec("nohup python3 -c 'import time; x = b\"x\" * (24 << 20); "
+            "open(\"/tmp/big\", \"w\").close(); time.sleep(1000)' >/dev/null 2>&1 &")
+    sb.exec("while [ ! -e /tmp/big ]; do sleep 0.01; done", timeout=20)
     cp1 = sb.checkpoint(mode="full")
     sb.files.write("a.txt", "v2")
     cp2 = sb.checkpoint(mode="fs")
@@ -156,7 +160,7 @@ def test_crash_at(d: DaemonProc, step: str, op: str, committed: bool) -> None:
     ops = {
         "checkpoint": lambda: sb.checkpoint(mode="fs" if op.endswith("-fs") else "full"),
         "rollback": lambda: sb.rollback(cp1),
-        "fork": lambda: sb.fork(cp1, count=2),
+        "fork": lambda: sb.fork(cp1, count=4),
         "remove": lambda: sb.kill(),
         "delete_checkpoint": lambda: sb.delete_checkpoint(cp2),
     }
@@ -168,6 +172,8 @@ def test_crash_at(d: DaemonProc, step: str, op: str, committed: bool) -> None:
         assert isinstance(e, deltabox.Unavailable), f"{type(e).__name__}: {e}"
     assert d.proc.wait(30) == -signal.SIGKILL
     assert f"killing deltaboxd (SIGKILL) at {step}" in d.log.read_text()
+    if kind == "fork":  # the crash came with a template copy on the lane thread
+        assert "a second lane for pid" in d.log.read_text()
     assert _sandbox_processes(d), "sandbox processes should outlive the daemon"
 
     # ---- restart without the switch
