@@ -106,12 +106,20 @@ def test_restart_evict_fork_corrupt(d: DaemonProc) -> None:
     assert ask(sbx)["hash"] == h0["hash"]
     assert sbx.session("s").run(PROBE).stdout.strip() == "hello v fn1 /tmp"
 
-    # A fork of cp2 (its templates evicted by the rollback above): rebuilt from its dump.
-    kid = sbx.fork(cp2)[0]
-    k = ask(kid)
-    assert k["hash"] == h0["hash"] and k["n"] == h0["n"] + 2
-    assert kid.session("s").run(PROBE).stdout.strip() == "hello v fn1 /tmp"
-    kid.kill()
+    # A fork of cp2 (its templates evicted by the rollback above): rebuilt from its dump,
+    # into 4 children at once (the 100 MB process's template gets a second fork lane).
+    lanes = d.log.read_text().count("a second lane for pid")
+    kids = sbx.fork(cp2, count=4)
+    try:
+        assert d.log.read_text().count("a second lane for pid") == lanes + 1
+        for kid in kids:
+            assert kid.process_state == "restored", kid.fork_note
+            k = ask(kid)
+            assert k["hash"] == h0["hash"] and k["n"] == h0["n"] + 2
+            assert kid.session("s").run(PROBE).stdout.strip() == "hello v fn1 /tmp"
+    finally:
+        for kid in kids:
+            kid.kill()
 
     # A corrupt image: the rollback restarts processes and names the damage.
     sbx.checkpoint(mode="full")  # evicts cp1's templates

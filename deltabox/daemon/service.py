@@ -1610,6 +1610,7 @@ class Daemon:
             state = live_owner.captured[key]
             budget.touch(state)
             try:
+                await self.cr.open_lanes(state, count)
                 await run_all([functools.partial(self._restore_fork_child, key, state, r)
                                for r in rows])
             except Exception as e:
@@ -1623,6 +1624,9 @@ class Daemon:
                 if (limit := _fork_failed(cp, e)) is not None:
                     raise limit from e
                 raise
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self.cr.close_lanes(state)
         if self.live.get(owner) is live_owner:
             self._evict_templates(live_owner)  # the dump added templates
         return rows, "restored", (f"{len(state.records)} processes restored from disk (dump "
