@@ -54,6 +54,10 @@ class DaemonProc:
         self.proc.kill()
         self.proc.wait()
 
+    def lanes_opened(self) -> int:
+        """How many forks opened fork lanes so far (deltaboxd logs each: cr/engine.py)."""
+        return self.log.read_text().count("a second lane for pid")
+
 
 def wait_ready(d: DaemonProc, timeout: float = 60) -> None:
     import deltabox

@@ -173,7 +173,7 @@ def test_crash_at(d: DaemonProc, step: str, op: str, committed: bool) -> None:
     assert d.proc.wait(30) == -signal.SIGKILL
     assert f"killing deltaboxd (SIGKILL) at {step}" in d.log.read_text()
     if kind == "fork":  # the crash came with a template copy on the lane thread
-        assert "a second lane for pid" in d.log.read_text()
+        assert d.lanes_opened() >= 1
     assert _sandbox_processes(d), "sandbox processes should outlive the daemon"
 
     # ---- restart without the switch

@@ -166,8 +166,10 @@ class DeltaCR:
         for a small fan-out: a copy costs one fork). Best effort: without them a fork
         just spawns every child from the one template. Not cancellable (a copy made is a
         process to release); close_lanes undoes it."""
+        if self.lane_worker is None or children < LANE_MIN_CHILDREN:
+            return
         cpus = sorted(os.sched_getaffinity(0))
-        if self.lane_worker is None or children < LANE_MIN_CHILDREN or len(cpus) < 2:
+        if len(cpus) < 2:
             return
         with trio.CancelScope(shield=True):
             await self._copy_templates(state)

@@ -295,6 +295,11 @@ class Template:
     def released(self) -> bool:
         return self._handle is None
 
+    def _h(self) -> int:
+        if self._handle is None:
+            raise CRError(_errno.EINVAL, f"template {self.pid} was released")
+        return self._handle
+
     def spawn(self, *, fds: Mapping[int, int] | None = None,
               files: Iterable[ReopenFile | tuple] = (), cwd: str | None = None,
               mntns_fd: int | None = None, set_tid: Sequence[int] | None = None,
@@ -343,8 +348,7 @@ class Template:
               ns_pidfd: int | None = None, cgroup_fds: Sequence[int] = (), pgid: int = 0,
               listens: Sequence[ListenSocket] = ()) -> Iterator[_SpawnOpts]:
         """The C options of a spawn (valid inside the block: it owns the arrays)."""
-        if self._handle is None:
-            raise CRError(_errno.EINVAL, f"template {self.pid} was released")
+        self._h()
         cloexec = set(cloexec_fds)
         fd_items = list((fds or {}).items())
         fdmaps = (_FdMap * max(1, len(fd_items)))(
@@ -369,22 +373,19 @@ class Template:
 
     def close_fds(self, fds: Sequence[int]) -> None:
         """Close descriptors in the template (its later children are born without them)."""
-        if self._handle is None:
-            raise CRError(_errno.EINVAL, f"template {self.pid} was released")
+        handle = self._h()
         arr = (ctypes.c_int * max(1, len(fds)))(*fds)
         err = _Err()
-        if _load().dbxcr_template_close(self._handle, arr, len(fds), ctypes.byref(err)) < 0:
+        if _load().dbxcr_template_close(handle, arr, len(fds), ctypes.byref(err)) < 0:
             _raise(err)
 
     def copy(self) -> "Template":
         """A second template of the same process, to spawn from on another thread at the
         same time (a fork lane).  It belongs to no thread until that thread calls adopt();
         release() works from any thread before that."""
-        if self._handle is None:
-            raise CRError(_errno.EINVAL, f"template {self.pid} was released")
         lib = _load()
         err = _Err()
-        handle = lib.dbxcr_template_copy(self._handle, ctypes.byref(err))
+        handle = lib.dbxcr_template_copy(self._h(), ctypes.byref(err))
         if not handle:
             _raise(err)
         cp = Template(handle, lib.dbxcr_template_pid(handle), self.origin)
@@ -393,10 +394,8 @@ class Template:
 
     def adopt(self) -> None:
         """Make the calling thread this copy's tracer (see copy)."""
-        if self._handle is None:
-            raise CRError(_errno.EINVAL, f"template {self.pid} was released")
         err = _Err()
-        if _load().dbxcr_template_adopt(self._handle, ctypes.byref(err)) < 0:
+        if _load().dbxcr_template_adopt(self._h(), ctypes.byref(err)) < 0:
             _raise(err)
         self.owner_thread = threading.get_native_id()
 

@@ -190,7 +190,7 @@ _libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
 _libc.ioctl.restype = ctypes.c_int
 
 
-def _committing_ioctl(fd: int, request: int, buf: bytearray) -> None:
+def _committing_ioctl(fd: int, request: int, buf: bytearray | None) -> None:
     """ioctl(fd, request, buf) for the calls that commit a transaction (create, snapshot,
     destroy: milliseconds, 20+ with a few dozen checkpoints), buf read and written in
     place; raw OSError.
@@ -200,7 +200,7 @@ def _committing_ioctl(fd: int, request: int, buf: bytearray) -> None:
     making a checkpoint's templates, the trio loop, gRPC) stood still meanwhile. ctypes
     lets go of the GIL around the call. Quick queries keep fcntl.ioctl: letting go of the
     GIL for microseconds costs a wait of up to a switch interval to get it back."""
-    arg = (ctypes.c_char * len(buf)).from_buffer(buf)
+    arg = None if buf is None else (ctypes.c_char * len(buf)).from_buffer(buf)
     if _libc.ioctl(fd, request, arg) < 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
@@ -239,7 +239,7 @@ def _split(path: str) -> tuple[str, bytes]:
     return parent, os.fsencode(name)
 
 
-def _ioctl(fd: int, request: int, buf: bytearray, step: str, path: str,
+def _ioctl(fd: int, request: int, buf: bytearray | None, step: str, path: str,
            commits: bool = False) -> None:
     try:
         if commits:
@@ -415,9 +415,7 @@ def wake_cleaner(path: str) -> None:
     and every later snapshot and commit pays for them (README: fork fan-outs)."""
     fd = _open_dir(path, "wake cleaner")
     try:
-        if _libc.ioctl(fd, BTRFS_IOC_SYNC, None) < 0:
-            code = ctypes.get_errno()
-            raise _error("BTRFS_IOC_SYNC", path, OSError(code, os.strerror(code)))
+        _ioctl(fd, BTRFS_IOC_SYNC, None, "BTRFS_IOC_SYNC", path, commits=True)
     finally:
         os.close(fd)
 

@@ -168,8 +168,8 @@ async def build_generation(rt: Runtime, layer_id: str, lower: list[str], layer: 
     assert proc.stdin is not None and proc.stdout is not None
     try:
         lines = await _read_lines(proc.stdout, 2)
-        pids = [x for x in lines if x.strip().isdigit()]
-        if "ready" not in [x.strip() for x in lines] or not pids:
+        pids = [x for x in lines if x.isdigit()]
+        if "ready" not in lines or not pids:
             err = await _drain(proc)
             if rt.userns is not None and "idmapped mounts" in err:
                 raise FailedPrecondition(
