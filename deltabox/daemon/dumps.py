@@ -67,13 +67,17 @@ class DumpRow:
 
 class Dumps:
     def __init__(self, db: Database, root: Path, cr: DeltaCR, io: IOScheduler,
-                 fsync: bool = False, sandbox_lock=lambda sid: None) -> None:
+                 fsync: bool = False, sandbox_lock=lambda sid: None,
+                 ended=lambda sid: None) -> None:
         self.db, self.root, self.cr, self.io, self.fsync = db, root, cr, io, fsync
         # The sandbox's operation lock (or None), held around each process image: a dump
         # resumes the template for injected calls, which would hang in a cgroup frozen by a
         # checkpoint (and hang the ptrace thread with it). So a rollback or fork must never
         # wait for a pending dump while holding that lock.
         self.sandbox_lock = sandbox_lock
+        # Called with the sandbox id after each of its dumps ends: templates kept only
+        # because their dump was under way can go now (Daemon._evict_templates).
+        self.ended = ended
         db.conn.executescript(SCHEMA)
         self.root.mkdir(parents=True, exist_ok=True)
         # One dump at a time per sandbox, in checkpoint order: a queue and one task
@@ -231,6 +235,7 @@ class Dumps:
                 cp_id, state, seccomp_filters = queue[0]
                 await self._dump(sid, cp_id, state, seccomp_filters)
                 queue.popleft()
+                self.ended(sid)
         finally:
             self.queues.pop(sid, None)
             for cp_id, _, _ in queue:  # cancelled (shutdown): nobody may wait forever

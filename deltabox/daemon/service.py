@@ -207,6 +207,8 @@ class Daemon:
         # Durable process state: background dumps of full checkpoints (daemon/dumps.py).
         self.dumps = Dumps(db, cfg.state_dir / "dumps", cr, self.io, fsync=cfg.durable,
                            sandbox_lock=lambda sid: self.live[sid].lock
+                           if sid in self.live else None,
+                           ended=lambda sid: self._evict_templates(self.live[sid])
                            if sid in self.live else None)
         self.disk_quota = self._enable_quota()
         self.warm = WarmPool(store, background, self._build_for,
