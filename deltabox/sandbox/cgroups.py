@@ -19,6 +19,8 @@ from pathlib import Path
 from ..errors import Internal, ResourceExhausted
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# A freeze or thaw is awaited by yielding the CPU this long, then by short sleeps.
+SPIN_S = 0.002
 V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
 
 
@@ -295,8 +297,9 @@ class CgroupDriver:
             target = "FROZEN" if frozen else "THAWED"
             _write(state, target)
             check = lambda: state.read_text().strip() == target  # noqa: E731
-        deadline = time.monotonic() + timeout
-        kick = time.monotonic() + 0.05
+        start = time.monotonic()
+        deadline = start + timeout
+        kick = start + 0.05
         while not check():
             now = time.monotonic()
             if now > deadline:
@@ -307,7 +310,14 @@ class CgroupDriver:
                 # non-freezable sleep at that moment can stay FREEZING: ask again.
                 _write(state, target)
                 kick = now + 0.05
-            time.sleep(0.0002)
+            if now - start < SPIN_S:
+                # Idle tasks freeze within microseconds once they run: yield the CPU to
+                # them and look again, rather than sleep (a 0.2 ms sleep lasts ~0.3 ms
+                # here; freezing a bash and a 200 MB python: p50 0.43 vs 0.73 ms; the
+                # checkpoint's freeze in the full scenario: 0.28 vs 0.58 ms).
+                os.sched_yield()
+            else:
+                time.sleep(0.0002)
 
     def memory_usage(self, name: str) -> int:
         if self.version == "v2":
