@@ -1043,9 +1043,8 @@ class Daemon:
             if not procs:  # nothing runs but init: the snapshot alone is the whole state
                 await snapshot()
                 return ProcessState([], {}, {}, {})
-            session_inodes, daemon_inodes = self._daemon_pipes(live)
             return await self.cr.capture(
-                procs, thaw, snapshot, session_inodes, daemon_inodes, tracer_ok=set())
+                procs, thaw, snapshot, lambda: self._daemon_pipes(live), tracer_ok=set())
         except BaseException as e:
             with trio.CancelScope(shield=True):
                 thaw()
