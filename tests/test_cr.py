@@ -202,14 +202,19 @@ def test_loopback_tcp_server_answers(sbx: Sandbox, restore: Restore) -> None:
 
 
 def test_udp_socket_is_refused_with_a_clear_error(sbx: Sandbox) -> None:
+    """Refused by an fd (known only once the processes are read, which a capture does
+    while it stops them): the error names it, and the process runs on, not left stopped."""
     sbx.exec("nohup python3 -c \"import socket, time\ns = socket.socket(socket.AF_INET, "
-             "socket.SOCK_DGRAM)\ns.bind(('127.0.0.1', 9999))\ntime.sleep(1000)\" "
+             "socket.SOCK_DGRAM)\ns.bind(('127.0.0.1', 9999))\nn = 0\nwhile True:\n"
+             " n += 1\n open('/tmp/ticks', 'w').write(str(n))\n time.sleep(0.02)\" "
              ">/dev/null 2>&1 &")
-    time.sleep(0.3)
+    _wait(lambda: sbx.files.exists("/tmp/ticks"))
     with pytest.raises(deltabox.FailedPrecondition,
                        match=r"(?s)pid \d+ \(python3 -c import socket.*udp.*only listening TCP"):
         sbx.checkpoint()
     assert sbx.checkpoints() == []  # nothing was committed
+    ticks = int(sbx.files.read("/tmp/ticks") or b"0")
+    _wait(lambda: int(sbx.files.read("/tmp/ticks") or b"0") > ticks + 2, timeout=5)
     cp = sbx.checkpoint(mode="fs")  # the documented fallback
     assert cp.kind == "fs"
 
@@ -274,7 +279,6 @@ def _report(sbx: Sandbox) -> str:
 
 def test_evicted_templates_restart_with_a_reason(daemon) -> None:
     import subprocess
-    import sys
     import tempfile
     from pathlib import Path
 

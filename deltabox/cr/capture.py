@@ -88,6 +88,28 @@ def record(pid: int, st: native.ProcStatus) -> ProcessRecord:
                          fds=native.fds(pid), rss_kb=st.rss_kb, mappings=_mappings(pid))
 
 
+def status_refused(st: native.ProcStatus, tracer_ok: set[int]) -> bool:
+    """Whether its status alone refuses the process (threads, another tracer, missing
+    capabilities): what must be known before it is seized and forked into a template."""
+    return bool(_status_reasons(st.threads, st.tracer_pid, st.cap_eff, st.uid, tracer_ok))
+
+
+def _status_reasons(threads: int, tracer_pid: int, cap_eff: int, uid: int,
+                    tracer_ok: set[int]) -> list[str]:
+    out = []
+    if threads > 1:
+        out.append(f"{threads} threads: multi-threaded processes are not captured yet")
+    if tracer_pid and tracer_pid not in tracer_ok:
+        out.append(f"traced by pid {tracer_pid}")
+    if cap_eff >= 0 and not cap_eff >> CAP_SYS_ADMIN & 1:
+        # Its restore runs clone3 with set_tid (and, into a new generation or a fork, setns)
+        # as the process itself, which the kernel allows only with that capability.
+        out.append(f"runs without CAP_SYS_ADMIN (uid {uid} as the host sees it: an "
+                   "ordinary user's process, or one that dropped capabilities); a restore "
+                   "would need it in the process itself, so such processes are not captured")
+    return out
+
+
 def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
     """Everything about this process that a restore could not recreate faithfully."""
     out: list[Refusal] = []
@@ -95,16 +117,9 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
     def refuse(reason: str) -> None:
         out.append(Refusal(rec.nspid, rec.cmd, reason))
 
-    if rec.threads > 1:
-        refuse(f"{rec.threads} threads: multi-threaded processes are not captured yet")
-    if rec.tracer_pid and rec.tracer_pid not in tracer_ok:
-        refuse(f"traced by pid {rec.tracer_pid}")
-    if rec.cap_eff >= 0 and not rec.cap_eff >> CAP_SYS_ADMIN & 1:
-        # Its restore runs clone3 with set_tid (and, into a new generation or a fork, setns)
-        # as the process itself, which the kernel allows only with that capability.
-        refuse(f"runs without CAP_SYS_ADMIN (uid {rec.uid} as the host sees it: an "
-               "ordinary user's process, or one that dropped capabilities); a restore "
-               "would need it in the process itself, so such processes are not captured")
+    for reason in _status_reasons(rec.threads, rec.tracer_pid, rec.cap_eff, rec.uid,
+                                  tracer_ok):
+        refuse(reason)
     for f in rec.fds:
         reason = _fd_refusal(f)
         if reason:

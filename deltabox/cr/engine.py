@@ -57,7 +57,8 @@ from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from . import native
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
-from .capture import ProcessRecord, Refusal, add_listeners, record, refusals
+from .capture import (ProcessRecord, Refusal, add_listeners, record, refusals,
+                      status_refused)
 from .worker import PtraceWorker
 
 T = TypeVar("T")
@@ -255,26 +256,23 @@ class DeltaCR:
         before listing them), snapshot the files, template every process, resume. Raises
         FailedPrecondition listing every process that cannot be captured, changing nothing."""
         pids = list(procs)
-        records = [record(p, st) for p, st in procs.items()]
         own = {int(t) for t in os.listdir("/proc/self/task")}
-        if any(r.tracer_pid in own for r in records):
+        if any(st.tracer_pid in own for st in procs.values()):
             # Still attached by our own ptrace thread: an aborted stop of an earlier capture
             # whose tracee had not stopped yet (it is detached once it does). Detach it now.
             await self.worker.run(native.sweep_stops, 0.5)
-            records = [record(p, native.proc_status(p)) for p in pids]
-        refused: list[Refusal] = [r for rec in records for r in refusals(rec, tracer_ok)]
-        if not refused:
-            refused = [r for rec in records for r in add_listeners(rec)]
-        if refused:
+            procs = {p: native.proc_status(p) for p in pids}
+        if any(status_refused(st, tracer_ok) for st in procs.values()):
+            # What would stop a seize or a template (threads, a tracer, capabilities) is
+            # known from the status alone; name every reason, as below, before any stop.
+            records = [record(p, st) for p, st in procs.items()]
             thaw()
-            raise FailedPrecondition(
-                "cannot capture the sandbox's processes faithfully: " +
-                "; ".join(str(r) for r in refused) +
-                ". Stop those processes, or checkpoint with mode=\"fs\" (files only)")
+            raise _refusal([r for rec in records for r in refusals(rec, tracer_ok)])
         cap = _Pass()
         stops_done = trio.Event()
         token = trio.lowlevel.current_trio_token()
         pipes: dict[int, PipeGroup] = {}
+        refused: list[Refusal] = []
 
         async def ptrace_pass() -> None:
             # Not cancellable once the ptrace thread runs it: the failure path needs what
@@ -284,24 +282,35 @@ class DeltaCR:
                     await self.worker.run(
                         _stop_and_template, cap, pids, thaw,
                         lambda: token.run_sync_soon(stops_done.set),
-                        {r.pid: r.rss_kb for r in records}, records)
+                        {p: st.rss_kb for p, st in procs.items()})
             finally:
                 stops_done.set()  # also when it failed: files() must not wait forever
 
         async def files() -> None:
-            # Everything is stopped: the file snapshot (a btrfs transaction commit) goes
-            # alongside the templates (page-table copies on the ptrace thread).
-            nonlocal records, pipes
+            # While the ptrace thread seizes and stops (the cgroup is frozen: nothing moves
+            # either way), the processes are read from /proc and the daemon's own pipe ends
+            # listed (~0.7 ms of Python in all); once everything is stopped, the file
+            # snapshot (a btrfs transaction commit) goes alongside the templates.
+            nonlocal pipes
             try:
-                # The daemon's own pipe ends (~0.2 ms of fstat) are listed while the
-                # ptrace thread seizes.
+                try:
+                    records = [record(p, st) for p, st in procs.items()]
+                    refused.extend(r for rec in records for r in refusals(rec, tracer_ok))
+                    if not refused:
+                        refused.extend(r for rec in records for r in add_listeners(rec))
+                    cap.records = records
+                    cap.refused = bool(refused)
+                finally:
+                    cap.records_ready.set()
+                if refused:
+                    return
                 session_inodes, daemon_inodes = daemon_pipes()
                 await stops_done.wait()
                 if not cap.stops_done:
                     return
                 alive = {s.pid for s in cap.stopped}
-                records = [r for r in records if r.pid in alive]  # the rest died meanwhile
-                pipes = _pipe_groups(records, session_inodes, daemon_inodes)
+                cap.records = [r for r in records if r.pid in alive]  # the rest died meanwhile
+                pipes = _pipe_groups(cap.records, session_inodes, daemon_inodes)
                 _save_unread(pipes)
                 await snapshot_files()
                 cap.files_ok = True
@@ -310,13 +319,17 @@ class DeltaCR:
 
         try:
             await run_all([ptrace_pass, files])
+            if refused:
+                raise _refusal(refused)
             if not cap.resumed:
                 await self.worker.run(_resume_all, cap.stopped)
-        except BaseException:
+        except BaseException as e:
             with trio.CancelScope(shield=True):
                 if not cap.resumed:
                     await self.worker.run(_abort_all, cap.stopped)
                 await self.worker.run(_release_all, list(cap.templates.values()))
+            if refused and isinstance(e, Exception):  # the reasons, not what the stops made
+                raise _refusal(refused) from None     # of them
             raise
         sessions = {}
         for g in pipes.values():
@@ -324,7 +337,7 @@ class DeltaCR:
                 for e in g.ends:
                     if e.fd == 0:
                         sessions[g.owner.split(":")[1]] = e.pid
-        return ProcessState(records, cap.templates, pipes, sessions)
+        return ProcessState(cap.records, cap.templates, pipes, sessions)
 
     # ---- restore -----------------------------------------------------------------------
 
@@ -613,6 +626,13 @@ class _PipePlan:
                     pass
 
 
+def _refusal(refused: list[Refusal]) -> FailedPrecondition:
+    return FailedPrecondition(
+        "cannot capture the sandbox's processes faithfully: " +
+        "; ".join(str(r) for r in refused) +
+        ". Stop those processes, or checkpoint with mode=\"fs\" (files only)")
+
+
 # ---- jobs run on the ptrace thread ------------------------------------------------------------
 
 @dataclass
@@ -623,6 +643,9 @@ class _Pass:
     stopped: list[native.Stopped] = field(default_factory=list)
     stops_done: bool = False
     templates: dict[int, native.Template] = field(default_factory=dict)
+    records: list[ProcessRecord] = field(default_factory=list)
+    records_ready: threading.Event = field(default_factory=threading.Event)
+    refused: bool = False
     files_done: threading.Event = field(default_factory=threading.Event)
     files_ok: bool = False
     resumed: bool = False
@@ -632,16 +655,19 @@ class _Pass:
 # it resumes the processes itself (one trip less through the trio loop); past that, the
 # capture resumes them once the snapshot is done. Other sandboxes' ptrace work waits as long.
 RESUME_WAIT_S = 0.005
+# The records are read in the trio loop while this thread stops the processes: done by the
+# time they are stopped, or soon after, unless the daemon is in trouble.
+RECORDS_WAIT_S = 10.0
 
 
 def _stop_and_template(cap: _Pass, pids: list[int], thaw: Callable[[], None],
-                       stopped: Callable[[], None], rss_kb: dict[int, int],
-                       records: list[ProcessRecord]) -> None:
+                       stopped: Callable[[], None], rss_kb: dict[int, int]) -> None:
     """A capture's whole ptrace side in one trip to the ptrace thread: stop every process
     (the cgroup thawed once each is seized, so that it can reach its stop), call `stopped`
-    (the file snapshot starts), template them, and resume them if the snapshot has been
-    committed by then. Each hop between this thread and the trio loop costs a thread
-    wake-up (about 0.1 ms)."""
+    (the file snapshot starts), wait for the processes' records (read meanwhile in the trio
+    loop; nothing more if one is refused), template them, and resume them if the snapshot
+    has been committed by then. Each hop between this thread and the trio loop costs a
+    thread wake-up (about 0.1 ms)."""
     try:
         cap.stopped = _begin_stops(pids)
     finally:
@@ -649,8 +675,12 @@ def _stop_and_template(cap: _Pass, pids: list[int], thaw: Callable[[], None],
     cap.stopped = _wait_all(cap.stopped)
     cap.stops_done = True
     stopped()
+    if not cap.records_ready.wait(RECORDS_WAIT_S):
+        raise Internal("the capture's process records were not read in time")
+    if cap.refused:  # never a template of a process that is refused
+        return
     cap.templates = _templates(cap.stopped, rss_kb)
-    _drop_listeners(cap.templates, [r for r in records if r.pid in cap.templates])
+    _drop_listeners(cap.templates, [r for r in cap.records if r.pid in cap.templates])
     if cap.files_done.wait(RESUME_WAIT_S) and cap.files_ok:
         _resume_all(cap.stopped)
         cap.resumed = True
