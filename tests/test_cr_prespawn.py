@@ -137,8 +137,13 @@ def test_keeper_goes_when_its_process_exits(sbx: Sandbox) -> None:
     # Born from a carrier, which keeps its memory. The carrier becomes a keeper (drops its
     # copies of the process's descriptors, running injected calls) while the rollback
     # answers: stopped again a moment later.
-    _wait(lambda: len(keepers()) == 1, timeout=10, what="the keeper")
-    keeper = keepers()[0]
+    found: list[int] = []
+
+    def one_keeper() -> bool:  # its pid as seen stopped: between injected calls it runs
+        found[:] = keepers()
+        return len(found) == 1
+    _wait(one_keeper, timeout=10, what="the keeper")
+    keeper = found[0]
     sbx.files.write("quit", "1")
     _wait(lambda: not os.path.exists(f"/proc/{live[0]}") or
           _host_procs(marker).get(live[0], ("Z",))[0] == "Z", what="the process to exit")
