@@ -53,8 +53,13 @@ def test_kill9_then_restart(own_daemon: DaemonProc) -> None:
     # ...plus an uncommitted layer, as if the crash hit in the middle of a checkpoint.
     store = d.state_dir / "store" / "layers"
     btrfs.create_subvolume(str(store / "L-halfmade01"))
+    # ...and a clone made but not yet renamed into place (fs/store.py BtrfsStore._staged).
+    (store / ".new-L-halfmade02").mkdir()
+    btrfs.snapshot(str(store / "L-halfmade01"), str(store / ".new-L-halfmade02" / "layer"),
+                   False)
     d.start()
     assert not (store / "L-halfmade01").exists()
+    assert not (store / ".new-L-halfmade02").exists()
     sbx = Sandbox.connect(sbx.id, socket=d.socket)
     assert sbx.info().state == "running"
     assert sbx.files.read("state.txt") == b"after checkpoint"  # files survive a restart

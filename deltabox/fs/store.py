@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -89,6 +90,8 @@ class _BaseStore:
 # Below this much unwritten data on the store, the snapshot's own flush is short, and a
 # separate syncfs would only add a second transaction commit to every checkpoint.
 SYNC_THRESHOLD_BYTES = 16 << 20
+# Where BtrfsStore makes a writable layer before renaming it into layers/ (its _staged).
+STAGING_PREFIX = ".new-"
 
 
 def _syncfs(fd: int) -> None:
@@ -125,18 +128,38 @@ class BtrfsStore(_BaseStore):
             btrfs.sync(str(self.root))
             fn(*args)
 
+    def _staged(self, layer_id: str, make: Callable[[str], None]) -> None:
+        """Make a writable subvolume (`make(path)`) in a directory of its own, then rename
+        it into layers/. btrfs holds the parent directory's lock through the transaction
+        commit of a snapshot (or a new subvolume), so those made side by side in one
+        directory commit one after the other; each in its own, they share commits (32
+        concurrent clones of a 2,000-file layer: 27-32 ms against 55-118 ms in layers/
+        itself; one alone: the same; fork(32) of the full scenario, interleaved in one
+        daemon, 6 each, twice: 260 vs 283 and 248 vs 284 ms p50). A read-only snapshot
+        cannot be renamed across directories (EROFS): freeze stays in place. A crash
+        leaves the staging directory, which Daemon.recover deletes as an unreferenced
+        layer."""
+        stage = self.layers / f"{STAGING_PREFIX}{layer_id}"
+        stage.mkdir()
+        try:
+            self._full_retry(make, str(stage / "layer"))
+            os.rename(stage / "layer", self.layer_path(layer_id))
+        except BaseException:
+            btrfs.delete_tree(str(stage))
+            raise
+        stage.rmdir()
+
     def new_layer(self, layer_id: str) -> None:
-        path = self.layer_path(layer_id)
-        self._full_retry(btrfs.create_subvolume, str(path))
-        self._make_dirs(path)
+        self._staged(layer_id, btrfs.create_subvolume)
+        self._make_dirs(self.layer_path(layer_id))
 
     def freeze(self, src_id: str, dst_id: str) -> None:
         self._full_retry(btrfs.snapshot, str(self.layer_path(src_id)),
                          str(self.layer_path(dst_id)), True)
 
     def clone(self, src_id: str, dst_id: str) -> None:
-        self._full_retry(btrfs.snapshot, str(self.layer_path(src_id)),
-                         str(self.layer_path(dst_id)), False)
+        src = str(self.layer_path(src_id))
+        self._staged(dst_id, lambda path: btrfs.snapshot(src, path, False))
 
     def delete(self, layer_id: str) -> None:
         path = self.layer_path(layer_id)
