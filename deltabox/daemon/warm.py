@@ -51,8 +51,9 @@ MAX_QUEUED = 64   # background I/O jobs waiting for a slot beyond which nothing 
 # stopped processes in the sandbox's cgroup (a checkpoint's freeze and listing pay for them)
 # and their page tables and pipes; older ready generations keep only their mount.
 MAX_CARRIER_SETS = 8
-# Threads that clone layers on demand at once (a fork of many: concurrent snapshots join one
-# transaction commit). Their own limiter: on trio's default one (40), a fork of 32 or more
+# Threads that clone layers on demand at once (a fork of many: concurrent snapshots, each in a
+# directory of its own (BtrfsStore._staged), share transaction commits). Their own limiter:
+# on trio's default one (40), a fork of 32 or more
 # would hold the threads every other sandbox needs to start a process (trio starts
 # processes from a worker thread) until its clones are done.
 CLONE_THREADS = 32
