@@ -75,17 +75,26 @@ def _mappings(pid: int) -> int:
         return 0
 
 
-def record(pid: int, st: native.ProcStatus) -> ProcessRecord:
-    """Read one stopped or frozen process from /proc (its status already read)."""
+def record_head(pid: int) -> tuple[str, int]:
+    """(command line, number of mappings): what reading needs the process's mmap lock
+    (a fork of the process holds it throughout)."""
+    return cmdline(pid), _mappings(pid)
+
+
+def record(pid: int, st: native.ProcStatus,
+           head: tuple[str, int] | None = None) -> ProcessRecord:
+    """Read one stopped or frozen process from /proc (its status, and maybe its
+    record_head, already read)."""
+    cmd, mappings = head if head is not None else record_head(pid)
     try:
         cwd = os.readlink(f"/proc/{pid}/cwd")
     except OSError:
         cwd = "/"
     nspid = st.nspid[-1] if st.nspid else pid
     return ProcessRecord(pid=pid, nspid=nspid, ppid=st.ppid, pgid=st.pgid, sid=st.sid,
-                         cmd=cmdline(pid), cwd=cwd, threads=st.threads,
+                         cmd=cmd, cwd=cwd, threads=st.threads,
                          tracer_pid=st.tracer_pid, cap_eff=st.cap_eff, uid=st.uid,
-                         fds=native.fds(pid), rss_kb=st.rss_kb, mappings=_mappings(pid))
+                         fds=native.fds(pid), rss_kb=st.rss_kb, mappings=mappings)
 
 
 def status_refused(st: native.ProcStatus, tracer_ok: set[int]) -> bool:

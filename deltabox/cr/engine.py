@@ -57,8 +57,8 @@ from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from . import native
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
-from .capture import (ProcessRecord, Refusal, add_listeners, record, refusals,
-                      status_refused)
+from .capture import (ProcessRecord, Refusal, add_listeners, record, record_head,
+                      refusals, status_refused)
 from .worker import PtraceWorker
 
 T = TypeVar("T")
@@ -268,6 +268,9 @@ class DeltaCR:
             records = [record(p, st) for p, st in procs.items()]
             thaw()
             raise _refusal([r for rec in records for r in refusals(rec, tracer_ok)])
+        # What reads a process's memory map (its command line, its mappings) is read now:
+        # a template's fork holds that map locked for milliseconds.
+        heads = {p: record_head(p) for p in pids}
         cap = _Pass()
         stops_done = trio.Event()
         token = trio.lowlevel.current_trio_token()
@@ -284,41 +287,46 @@ class DeltaCR:
                         lambda: token.run_sync_soon(stops_done.set),
                         {p: st.rss_kb for p, st in procs.items()})
             finally:
-                stops_done.set()  # also when it failed: files() must not wait forever
+                stops_done.set()  # also when it failed: the others must not wait forever
 
-        async def files() -> None:
-            # While the ptrace thread seizes and stops (the cgroup is frozen: nothing moves
-            # either way), the processes are read from /proc and the daemon's own pipe ends
-            # listed (~0.7 ms of Python in all); once everything is stopped, the file
-            # snapshot (a btrfs transaction commit) goes alongside the templates.
-            nonlocal pipes
+        async def snapshot() -> None:
+            # Everything is stopped: the file snapshot (a btrfs transaction commit) goes
+            # alongside the templates (page-table copies on the ptrace thread).
+            await stops_done.wait()
             try:
-                try:
-                    records = [record(p, st) for p, st in procs.items()]
-                    refused.extend(r for rec in records for r in refusals(rec, tracer_ok))
-                    if not refused:
-                        refused.extend(r for rec in records for r in add_listeners(rec))
-                    cap.records = records
-                    cap.refused = bool(refused)
-                finally:
-                    cap.records_ready.set()
-                if refused:
-                    return
-                session_inodes, daemon_inodes = daemon_pipes()
-                await stops_done.wait()
-                if not cap.stops_done:
-                    return
-                alive = {s.pid for s in cap.stopped}
-                cap.records = [r for r in records if r.pid in alive]  # the rest died meanwhile
-                pipes = _pipe_groups(cap.records, session_inodes, daemon_inodes)
-                _save_unread(pipes)
-                await snapshot_files()
-                cap.files_ok = True
+                if cap.stops_done:
+                    await snapshot_files()
+                    cap.files_ok = True
             finally:
                 cap.files_done.set()
 
+        async def read_processes() -> None:
+            # Meanwhile the processes are read from /proc (~0.7 ms of Python): while the
+            # ptrace thread is inside the templates' forks it needs no GIL, whereas during
+            # the stops it would wait for it (a thread wanting the GIL from a busy one gets
+            # it only when that one blocks, or after the 5 ms switch interval).
+            nonlocal pipes
+            await stops_done.wait()
+            try:
+                if not cap.stops_done:
+                    return
+                await trio.lowlevel.checkpoint()  # the snapshot's thread starts first
+                alive = {s.pid for s in cap.stopped}  # the rest died meanwhile
+                records = [record(p, procs[p], heads[p]) for p in pids if p in alive]
+                refused.extend(r for rec in records for r in refusals(rec, tracer_ok))
+                if not refused:
+                    refused.extend(r for rec in records for r in add_listeners(rec))
+                if refused:
+                    return
+                pipes = _pipe_groups(records, *daemon_pipes())
+                _save_unread(pipes)
+                cap.records = records
+            finally:
+                cap.refused = bool(refused)
+                cap.records_ready.set()
+
         try:
-            await run_all([ptrace_pass, files])
+            await run_all([ptrace_pass, snapshot, read_processes])
             if refused:
                 raise _refusal(refused)
             if not cap.resumed:
@@ -655,8 +663,8 @@ class _Pass:
 # it resumes the processes itself (one trip less through the trio loop); past that, the
 # capture resumes them once the snapshot is done. Other sandboxes' ptrace work waits as long.
 RESUME_WAIT_S = 0.005
-# The records are read in the trio loop while this thread stops the processes: done by the
-# time they are stopped, or soon after, unless the daemon is in trouble.
+# The records are read in the trio loop while this thread makes the templates: done long
+# before, unless the daemon is in trouble.
 RECORDS_WAIT_S = 10.0
 
 
@@ -664,10 +672,10 @@ def _stop_and_template(cap: _Pass, pids: list[int], thaw: Callable[[], None],
                        stopped: Callable[[], None], rss_kb: dict[int, int]) -> None:
     """A capture's whole ptrace side in one trip to the ptrace thread: stop every process
     (the cgroup thawed once each is seized, so that it can reach its stop), call `stopped`
-    (the file snapshot starts), wait for the processes' records (read meanwhile in the trio
-    loop; nothing more if one is refused), template them, and resume them if the snapshot
-    has been committed by then. Each hop between this thread and the trio loop costs a
-    thread wake-up (about 0.1 ms)."""
+    (the file snapshot starts, and the trio loop reads the processes), template them, wait
+    for the records (nothing more if one is refused), drop listeners, and resume them if
+    the snapshot has been committed by then. Each hop between this thread and the trio
+    loop costs a thread wake-up (about 0.1 ms)."""
     try:
         cap.stopped = _begin_stops(pids)
     finally:
@@ -675,11 +683,11 @@ def _stop_and_template(cap: _Pass, pids: list[int], thaw: Callable[[], None],
     cap.stopped = _wait_all(cap.stopped)
     cap.stops_done = True
     stopped()
+    cap.templates = _templates(cap.stopped, rss_kb)
     if not cap.records_ready.wait(RECORDS_WAIT_S):
         raise Internal("the capture's process records were not read in time")
-    if cap.refused:  # never a template of a process that is refused
+    if cap.refused:  # the capture fails: its templates are released
         return
-    cap.templates = _templates(cap.stopped, rss_kb)
     _drop_listeners(cap.templates, [r for r in cap.records if r.pid in cap.templates])
     if cap.files_done.wait(RESUME_WAIT_S) and cap.files_ok:
         _resume_all(cap.stopped)
