@@ -1719,6 +1719,22 @@ int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err)
 	return rc;
 }
 
+/* dst = *src with its own copy of src's xstate (carriers and template copies keep the
+ * checkpointed registers after the template that holds them is released). */
+static int dup_template(struct dbxcr_template *dst, const struct dbxcr_template *src,
+			struct dbxcr_error *err)
+{
+	*dst = *src;
+	dst->xstate = NULL;
+	if (!src->xstate_len)
+		return 0;
+	dst->xstate = malloc(src->xstate_len);
+	if (!dst->xstate)
+		return fail(err, ENOMEM, src->pid, "copying xstate (%zu bytes)", src->xstate_len);
+	memcpy(dst->xstate, src->xstate, src->xstate_len);
+	return 0;
+}
+
 /* ---------- template copies: a second fork lane ----------
  *
  * A template forks one child at a time, and each fork copies its page tables in the
@@ -1785,14 +1801,10 @@ struct dbxcr_template *dbxcr_template_copy(struct dbxcr_template *tpl, struct db
 		fail(err, ENOMEM, tpl->pid, "allocate template copy");
 		return NULL;
 	}
-	*cp = *tpl;
-	cp->xstate = malloc(tpl->xstate_len);
-	if (!cp->xstate) {
+	if (dup_template(cp, tpl, err) < 0) {
 		free(cp);
-		fail(err, ENOMEM, tpl->pid, "allocate template copy xstate");
 		return NULL;
 	}
-	memcpy(cp->xstate, tpl->xstate, tpl->xstate_len);
 	child = clone_template(tpl, err);
 	if (child < 0)
 		goto out;
@@ -2584,20 +2596,13 @@ pid_t dbxcr_spawn_carrier(struct dbxcr_template *tpl, const struct dbxcr_spawn_o
 		free(k);
 		return -1;
 	}
-	k->t = *tpl;
+	if (dup_template(&k->t, tpl, err) < 0) {
+		kill_traced(child);
+		free(k);
+		return -1;
+	}
 	k->t.pid = child;
 	k->t.tracer_tid = current_tid();
-	k->t.xstate = NULL;
-	if (tpl->xstate_len) {
-		k->t.xstate = malloc(tpl->xstate_len);
-		if (!k->t.xstate) {
-			kill_traced(child);
-			free(k);
-			return fail(err, ENOMEM, child, "copying xstate (%zu bytes)",
-				    tpl->xstate_len);
-		}
-		memcpy(k->t.xstate, tpl->xstate, tpl->xstate_len);
-	}
 	/* Idle like a template: if it ever ran unsupervised it would exit at once. */
 	park_regs(&k->t, &c.regs);
 	if (park(&k->t, err) < 0) {

@@ -100,20 +100,20 @@ def record(pid: int, st: native.ProcStatus,
 def status_refused(st: native.ProcStatus, tracer_ok: set[int]) -> bool:
     """Whether its status alone refuses the process (threads, another tracer, missing
     capabilities): what must be known before it is seized and forked into a template."""
-    return bool(_status_reasons(st.threads, st.tracer_pid, st.cap_eff, st.uid, tracer_ok))
+    return bool(_status_reasons(st, tracer_ok))
 
 
-def _status_reasons(threads: int, tracer_pid: int, cap_eff: int, uid: int,
-                    tracer_ok: set[int]) -> list[str]:
+def _status_reasons(st: native.ProcStatus | ProcessRecord, tracer_ok: set[int]) -> list[str]:
+    """The reasons in a process's status (both types carry its fields under one name)."""
     out = []
-    if threads > 1:
-        out.append(f"{threads} threads: multi-threaded processes are not captured yet")
-    if tracer_pid and tracer_pid not in tracer_ok:
-        out.append(f"traced by pid {tracer_pid}")
-    if cap_eff >= 0 and not cap_eff >> CAP_SYS_ADMIN & 1:
+    if st.threads > 1:
+        out.append(f"{st.threads} threads: multi-threaded processes are not captured yet")
+    if st.tracer_pid and st.tracer_pid not in tracer_ok:
+        out.append(f"traced by pid {st.tracer_pid}")
+    if st.cap_eff >= 0 and not st.cap_eff >> CAP_SYS_ADMIN & 1:
         # Its restore runs clone3 with set_tid (and, into a new generation or a fork, setns)
         # as the process itself, which the kernel allows only with that capability.
-        out.append(f"runs without CAP_SYS_ADMIN (uid {uid} as the host sees it: an "
+        out.append(f"runs without CAP_SYS_ADMIN (uid {st.uid} as the host sees it: an "
                    "ordinary user's process, or one that dropped capabilities); a restore "
                    "would need it in the process itself, so such processes are not captured")
     return out
@@ -126,8 +126,7 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
     def refuse(reason: str) -> None:
         out.append(Refusal(rec.nspid, rec.cmd, reason))
 
-    for reason in _status_reasons(rec.threads, rec.tracer_pid, rec.cap_eff, rec.uid,
-                                  tracer_ok):
+    for reason in _status_reasons(rec, tracer_ok):
         refuse(reason)
     for f in rec.fds:
         reason = _fd_refusal(f)

@@ -275,7 +275,6 @@ class DeltaCR:
         stops_done = trio.Event()
         token = trio.lowlevel.current_trio_token()
         pipes: dict[int, PipeGroup] = {}
-        refused: list[Refusal] = []
 
         async def ptrace_pass() -> None:
             # Not cancellable once the ptrace thread runs it: the failure path needs what
@@ -313,22 +312,21 @@ class DeltaCR:
                 await trio.lowlevel.checkpoint()  # the snapshot's thread starts first
                 alive = {s.pid for s in cap.stopped}  # the rest died meanwhile
                 records = [record(p, procs[p], heads[p]) for p in pids if p in alive]
-                refused.extend(r for rec in records for r in refusals(rec, tracer_ok))
-                if not refused:
-                    refused.extend(r for rec in records for r in add_listeners(rec))
-                if refused:
+                cap.refused.extend(r for rec in records for r in refusals(rec, tracer_ok))
+                if not cap.refused:
+                    cap.refused.extend(r for rec in records for r in add_listeners(rec))
+                if cap.refused:
                     return
                 pipes = _pipe_groups(records, *daemon_pipes())
                 _save_unread(pipes)
                 cap.records = records
             finally:
-                cap.refused = bool(refused)
                 cap.records_ready.set()
 
         try:
             await run_all([ptrace_pass, snapshot, read_processes])
-            if refused:
-                raise _refusal(refused)
+            if cap.refused:
+                raise _refusal(cap.refused)
             if not cap.resumed:
                 await self.worker.run(_resume_all, cap.stopped)
         except BaseException as e:
@@ -336,8 +334,8 @@ class DeltaCR:
                 if not cap.resumed:
                     await self.worker.run(_abort_all, cap.stopped)
                 await self.worker.run(_release_all, list(cap.templates.values()))
-            if refused and isinstance(e, Exception):  # the reasons, not what the stops made
-                raise _refusal(refused) from None     # of them
+            if cap.refused and isinstance(e, Exception):  # the reasons, not what the stops
+                raise _refusal(cap.refused) from None     # made of them
             raise
         sessions = {}
         for g in pipes.values():
@@ -653,7 +651,7 @@ class _Pass:
     templates: dict[int, native.Template] = field(default_factory=dict)
     records: list[ProcessRecord] = field(default_factory=list)
     records_ready: threading.Event = field(default_factory=threading.Event)
-    refused: bool = False
+    refused: list[Refusal] = field(default_factory=list)  # final once records_ready is set
     files_done: threading.Event = field(default_factory=threading.Event)
     files_ok: bool = False
     resumed: bool = False

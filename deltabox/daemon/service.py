@@ -778,7 +778,7 @@ class Daemon:
             await trio.to_thread.run_sync(self.store.sync)
         t_freeze = time.perf_counter()
         captured: ProcessState | None = None
-        snap: list[Snapshot] = []
+        snap: Snapshot | None = None
         live.rt.cgroup.freeze()
         try:
             crash_point("checkpoint.frozen")
@@ -786,9 +786,9 @@ class Daemon:
             effects = self.turns.end_turn(sid, alive)
             decision = self._decide(mode, live, parent, effects, alive)
             if decision.kind == "full":
-                captured = await self._capture(live, row, layer, alive, snap)
+                captured, snap = await self._capture(live, row, layer, alive)
             elif decision.kind == "fs":
-                snap.append(self._snapshot(row, layer))
+                snap = self._snapshot(row, layer)
             crash_point("checkpoint.snapshotted")
         except BaseException:
             self.turns.lost_turn(sid)  # what it did is not in any checkpoint
@@ -804,7 +804,7 @@ class Daemon:
         else:
             procs_of = None
         cp = self._checkpoint_row(cp_id, row, parent, layer, decision, captured, label,
-                                  procs_of, snap[0] if snap else None)
+                                  procs_of, snap)
         cp.freeze_ms = freeze_ms
         cp.duration_ms = (time.perf_counter() - t0) * 1000
         row.head_cp = cp_id
@@ -1023,10 +1023,10 @@ class Daemon:
         self.background.start_soon(release)
 
     async def _capture(self, live: Live, row: SandboxRow, layer: str,
-                       candidates: set[int], snap: list[Snapshot]) -> ProcessState:
+                       candidates: set[int]) -> tuple[ProcessState, Snapshot]:
         """With the cgroup frozen: capture every process of the sandbox and snapshot the
-        files at the same instant (DeltaCR; the snapshot goes to `snap`). Thaws the cgroup
-        whatever happens; on failure the snapshot is removed and nothing changed."""
+        files at the same instant (DeltaCR). Thaws the cgroup whatever happens; on failure
+        the snapshot is removed and nothing changed."""
         thawed = False
 
         def thaw() -> None:
@@ -1035,6 +1035,8 @@ class Daemon:
                 live.rt.cgroup.thaw()
                 thawed = True
 
+        snap: list[Snapshot] = []  # set by the engine's call of snapshot()
+
         async def snapshot() -> None:
             snap.append(await trio.to_thread.run_sync(self._snapshot, row, layer))
 
@@ -1042,9 +1044,10 @@ class Daemon:
             procs = await self._settle_vforks(live, self._sandbox_processes(candidates))
             if not procs:  # nothing runs but init: the snapshot alone is the whole state
                 await snapshot()
-                return ProcessState([], {}, {}, {})
-            return await self.cr.capture(
+                return ProcessState([], {}, {}, {}), snap[0]
+            state = await self.cr.capture(
                 procs, thaw, snapshot, lambda: self._daemon_pipes(live), tracer_ok=set())
+            return state, snap[0]
         except BaseException as e:
             with trio.CancelScope(shield=True):
                 thaw()
