@@ -165,3 +165,35 @@ def test_restored_pipeline_sees_eof(sbx: Sandbox) -> None:
     _wait(lambda: sbx.files.exists("last"), what="the restored pipeline")
     sbx.files.write("quit", "1")
     _wait(lambda: sbx.files.exists("eof"), timeout=10, what="EOF at the consumer")
+
+
+def test_processes_born_together_and_one_without_its_carrier(sbx: Sandbox) -> None:
+    """A rollback of several processes, each with a carrier, gives birth to them in one
+    go (engine._births); one whose carrier was killed comes back from its template
+    instead, the other from its carrier. Every time: the session's cwd and variable, the
+    process's pid, dict and memory as at the checkpoint."""
+    marker = "carrier-pair"
+    sbx.files.write("prog.py", PROG)
+    sh = sbx.session("main")
+    sh.run("cd /tmp && V=at-checkpoint")
+    sh.run(f"nohup python3 /workspace/prog.py {marker} >/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("ready"), what="ready")
+    _ask(sbx, "bump")
+    at_cp = _report(sbx)
+    cp = sbx.checkpoint(mode="full")
+    for kill_a_carrier in (False, True, False):
+        _wait(lambda: _carriers_ready(sbx), what="carriers")
+        sh.run("cd / && V=changed")
+        _ask(sbx, "bump")
+        assert _report(sbx) != at_cp
+        if kill_a_carrier:
+            ps = sbx.exec("ps -C dbx-carrier -o pid=,args=").stdout.splitlines()
+            unborn = [int(ln.split()[0]) for ln in ps if ln.split()[1:] == ["[dbx-carrier]"]]
+            assert len(unborn) == 2, ps
+            sbx.exec(f"kill -9 {unborn[0]}")
+        r = sbx.rollback(cp)
+        assert r.process_state == "restored", r.note
+        assert _report(sbx) == at_cp, f"killed a carrier: {kill_a_carrier}"
+        assert sh.run("echo $V $PWD").stdout.split() == ["at-checkpoint", "/tmp"]
+        live = [ln for ln in sbx.exec(f"{OWN_PS} args=").stdout.splitlines() if marker in ln]
+        assert len(live) == 1, live

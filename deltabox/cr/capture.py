@@ -13,6 +13,7 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
+from .. import kernfs
 from . import native
 
 # Character devices a restored process may hold: reopened by path.
@@ -62,7 +63,7 @@ class ProcessRecord:
 
 def cmdline(pid: int) -> str:
     try:
-        raw = open(f"/proc/{pid}/cmdline", "rb").read()
+        raw = kernfs.read(f"/proc/{pid}/cmdline")
     except OSError:
         return "?"
     return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:120] or "?"
@@ -70,7 +71,7 @@ def cmdline(pid: int) -> str:
 
 def _mappings(pid: int) -> int:
     try:
-        return native.read_proc(f"/proc/{pid}/maps").count(b"\n")
+        return kernfs.read(f"/proc/{pid}/maps").count(b"\n")
     except OSError:
         return 0
 

@@ -70,6 +70,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from .. import kernfs
+
 LIB_ENV = "DELTABOX_LIBDBXCR"
 DEFAULT_LIB = Path(__file__).resolve().parent.parent / "libexec" / "libdbxcr.so"
 
@@ -649,19 +651,6 @@ class ProcStatus:
     uid: int = 0            # real uid, as the host sees it
 
 
-def read_proc(path: str) -> bytes:
-    """A /proc file's whole content (plain reads: no Path or decoding on the hot path of a
-    checkpoint, which reads a few files per process while the sandbox is stopped)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        chunks = []
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
 def _status_field(text: bytes, name: bytes) -> bytes | None:
     """The value of `name:` in a /proc text of "name: value" lines (None if absent)."""
     key = name + b":"
@@ -685,9 +674,9 @@ def _required_field(text: bytes, name: bytes, path: str) -> bytes:
 
 def proc_status(pid: int) -> ProcStatus:
     """Process tree and tracing facts from /proc/pid/stat and /proc/pid/status."""
-    stat = read_proc(f"/proc/{pid}/stat")
+    stat = kernfs.read(f"/proc/{pid}/stat")
     f = stat[stat.rindex(b")") + 2:].split()
-    status = read_proc(f"/proc/{pid}/status")
+    status = kernfs.read(f"/proc/{pid}/status")
     tracer = _required_field(status, b"TracerPid", f"/proc/{pid}/status")
     nspid = _status_field(status, b"NSpid")
     rss = _status_field(status, b"VmRSS")
@@ -706,7 +695,7 @@ def ids_in_namespace(pid: int, level: int) -> tuple[int, int, int] | None:
     deep below ours sees them (/proc/pid/status NSpid, NSpgid, NSsid); None if it is a
     zombie, has exited, or lives in no such namespace."""
     try:
-        status = read_proc(f"/proc/{pid}/status")
+        status = kernfs.read(f"/proc/{pid}/status")
     except OSError:
         return None
     state = _status_field(status, b"State")
@@ -845,7 +834,7 @@ def fds(pid: int) -> list[FdInfo]:
         try:
             target = os.readlink(link)
             st = os.stat(link)
-            info = read_proc(where)
+            info = kernfs.read(where)
         except FileNotFoundError:
             continue
         flags = int(_required_field(info, b"flags", where), 8)

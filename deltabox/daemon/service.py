@@ -1347,7 +1347,7 @@ class Daemon:
                 assert gen is not None
                 try:
                     restored = await self.cr.restore(
-                        state, gen.mntfd, pids_freed=lambda: self._victims_gone(live), pre=pre,
+                        state, gen.mntfd, victims=live.dying, pre=pre,
                         pid_held=functools.partial(self._pid_held, live))
                 finally:
                     if pre is not None:  # born by the restore, or killed by it

@@ -24,6 +24,7 @@ from collections import OrderedDict, namedtuple
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from .. import kernfs
 from . import program as P
 from .btf import BTF, BTFError
 from .effects import (LIST_CAP, AddressSpaceChange, ExecedProcess, ExitedProcess,
@@ -87,8 +88,7 @@ def _syscall_name(nr: int) -> str:
 
 def _runtime_ns(pid: int, tid: int) -> int | None:
     try:
-        with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-            return int(f.read().split(maxsplit=1)[0])
+        return int(kernfs.read(f"/proc/{pid}/task/{tid}/schedstat").split(maxsplit=1)[0])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -458,8 +458,7 @@ class Inspector:
                 continue
             w.cwd[pid] = _readlink(f"/proc/{pid}/cwd")
             try:
-                with open(f"/proc/{pid}/comm") as f:
-                    w.comm[pid] = f.read().strip()
+                w.comm[pid] = kernfs.read(f"/proc/{pid}/comm").strip().decode(errors="replace")
             except OSError:
                 pass
             for tid in tids:

@@ -16,6 +16,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import kernfs
 from ..errors import Internal, ResourceExhausted
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -33,7 +34,7 @@ class Limits:
 
 def _write(path: Path, value: str) -> None:
     try:
-        path.write_text(value)
+        kernfs.write(path, value.encode())
     except OSError as e:
         raise Internal(f"cgroup: cannot write {value!r} to {path}: {e.strerror}") from e
 
@@ -81,7 +82,7 @@ class Cgroup:
 
     def pids(self) -> set[int]:
         try:
-            text = (self.driver.procs_dir(self.name) / "cgroup.procs").read_text()
+            text = kernfs.read(self.driver.procs_dir(self.name) / "cgroup.procs")
         except FileNotFoundError:
             return set()
         return {int(x) for x in text.split()}
@@ -290,13 +291,13 @@ class CgroupDriver:
         if self.version == "v2":
             d = CGROUP_ROOT / self.parent / name
             _write(d / "cgroup.freeze", "1" if frozen else "0")
-            want = f"frozen {1 if frozen else 0}"
-            check = lambda: want in (d / "cgroup.events").read_text()  # noqa: E731
+            want = f"frozen {1 if frozen else 0}".encode()
+            check = lambda: want in kernfs.read(d / "cgroup.events")  # noqa: E731
         else:
             state = self.v1["freezer"] / self.parent / name / "freezer.state"
             target = "FROZEN" if frozen else "THAWED"
             _write(state, target)
-            check = lambda: state.read_text().strip() == target  # noqa: E731
+            check = lambda: kernfs.read(state).strip() == target.encode()  # noqa: E731
         start = time.monotonic()
         deadline = start + timeout
         kick = start + 0.05

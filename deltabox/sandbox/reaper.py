@@ -13,7 +13,9 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import select
 import signal
+import time
 from collections.abc import Collection, Iterable
 
 import trio
@@ -101,19 +103,47 @@ def kill_pidfds(pids: Iterable[int]) -> list[int]:
     return fds
 
 
+def _reap(pidfd: int) -> None:
+    try:
+        os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+    except ChildProcessError:
+        pass  # not our child
+
+
+def _exited(pidfd: int) -> bool:
+    return bool(select.select([pidfd], [], [], 0)[0])  # a pidfd polls readable at exit
+
+
+def block_until_exited(pidfds: Iterable[int], timeout: float) -> None:
+    """From a plain thread (the ptrace thread, between births): block until every process
+    behind `pidfds` has exited (or `timeout` passed) and reap those that are our children.
+    The pidfds stay open: wait_exited closes them."""
+    poller = select.poll()
+    pending = set(pidfds)
+    for fd in pending:
+        poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + timeout
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        for fd, _ in poller.poll(left * 1000):
+            pending.discard(fd)
+            poller.unregister(fd)
+            _reap(fd)
+
+
 async def wait_exited(pidfds: list[int], timeout: float = 5.0) -> None:
     """Wait until every process behind `pidfds` (killed by us) has exited, reap those that
     are our children (orphans adopted by the subreaper), close the pidfds (and empty the
     list). The sandbox's init reaps the rest; until it has, their pids are still taken
-    (restores retry)."""
+    (restores retry). Those exited already cost no trip through trio's scheduler."""
     try:
         with trio.move_on_after(timeout) as scope:
             for fd in pidfds:
-                await trio.lowlevel.wait_readable(fd)  # a pidfd polls readable at exit
-                try:
-                    os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
-                except ChildProcessError:
-                    pass  # not our child
+                if not _exited(fd):
+                    await trio.lowlevel.wait_readable(fd)
+                _reap(fd)
     finally:
         for fd in pidfds:
             os.close(fd)
