@@ -432,7 +432,8 @@ class Daemon:
         cgid = live.rt.cgroup.bpf_id
         if cgid is None:
             return
-        self.turns.watch(sid, cgid, live.rt.keep_pids | (pids or set()))
+        keep = live.rt.keep_pids
+        self.turns.watch(sid, cgid, keep | (pids or set()), lived_on=keep)
 
     def _limit_disk(self, row: SandboxRow, layer: str) -> None:
         """Put the sandbox's disk quota on a writable layer it is about to use (btrfs simple

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import trio
 
@@ -79,9 +79,11 @@ class Turns:
 
     # ---- watching --------------------------------------------------------------------
 
-    def watch(self, sid: str, cgroup_id: int, pids: Iterable[int]) -> None:
+    def watch(self, sid: str, cgroup_id: int, pids: Iterable[int],
+              lived_on: Collection[int] = ()) -> None:
         """A turn of `sid` begins now (boot, rollback, fork restore): `pids` are the host
-        pids of the processes in its cgroup that are known to the daemon."""
+        pids of the processes in its cgroup that are known to the daemon; `lived_on`, those
+        of them that were there in the previous turn too (its init)."""
         pids = set(pids)
         self._watched[sid] = (cgroup_id, pids)
         if self.inspector is not None:
@@ -90,12 +92,13 @@ class Turns:
         if self.inspector is None:
             self._partial.add(sid)
             return
-        self._arm(sid, cgroup_id, pids)
+        self._arm(sid, cgroup_id, pids, lived_on)
 
-    def _arm(self, sid: str, cgroup_id: int, pids: set[int]) -> None:
+    def _arm(self, sid: str, cgroup_id: int, pids: set[int],
+             lived_on: Collection[int] = ()) -> None:
         assert self.inspector is not None
         try:
-            self.inspector.watch(sid, cgroup_id, pids=sorted(pids))
+            self.inspector.watch(sid, cgroup_id, pids=sorted(pids), lived_on=lived_on)
         except (InspectorUnavailable, ValueError, KeyError, OSError) as e:
             log.warning("sandbox %s: inspector cannot watch it (%s): its checkpoints are "
                         "full", sid, e)
