@@ -140,15 +140,27 @@ def test_checkpoint_while_processes_spawn(sbx: Sandbox) -> None:
     assert ps.stdout.strip() == "1", ps.stdout
 
 
+def _rewritten_int(box: Sandbox, name: str, skip: int = 0) -> int:
+    """The number a process in `box` keeps rewriting into /workspace/`name` (after `skip`
+    characters). The writer truncates, then writes: a read in between sees an empty file
+    and reads again."""
+    for _ in range(100):
+        text = box.files.read(name).decode().strip()
+        if text:
+            return int(text[skip:])
+        time.sleep(0.01)
+    raise AssertionError(f"{name} stayed empty")
+
+
 def test_pipeline_alive(sbx: Sandbox, restore: Restore) -> None:
     sbx.exec("nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i; sleep 0.02; done "
              "| while read x; do echo $x > /workspace/last; done' >/dev/null 2>&1 &")
     time.sleep(0.3)
     cp = sbx.checkpoint()
     target = restore(sbx, cp)
-    a = int(target.files.read("last"))
+    a = _rewritten_int(target, "last")
     time.sleep(0.3)
-    b = int(target.files.read("last"))
+    b = _rewritten_int(target, "last")
     assert b > a  # producer and consumer still connected through a fresh pipe
 
 
@@ -162,18 +174,9 @@ def test_reader_offset(sbx: Sandbox, restore: Restore) -> None:
     time.sleep(0.3)
     target = restore(sbx, cp)
 
-    def pos() -> int:
-        # The reader truncates, then writes: a read in between sees an empty file.
-        for _ in range(100):
-            text = target.files.read("pos").decode().strip()
-            if text:
-                return int(text[4:])
-            time.sleep(0.01)
-        raise AssertionError("pos stayed empty")
-
-    at = pos()
+    at = _rewritten_int(target, "pos", skip=len("line"))
     time.sleep(0.2)
-    later = pos()
+    later = _rewritten_int(target, "pos", skip=len("line"))
     assert later > at and later - at < 10  # continues from the checkpoint's offset
 
 
