@@ -472,7 +472,8 @@ class DeltaCR:
         before it reuses a pid (each trip costs a thread hand-over both ways, 0.2-0.9 ms
         here, as much as a birth). One attempt each: checkpoint pid -> born pid, or the
         CRError for the usual path to retry or fall back from. Empty (nothing done) unless
-        every process has a carrier."""
+        there are two or more processes and every one has a carrier (a single birth costs
+        one trip either way)."""
         if len(records) < 2 or any(r.pid not in pre.carriers for r in records):
             return {}
         jobs = [(r.pid, pre.carriers[r.pid], None if _leader(r) else [r.nspid])
