@@ -30,7 +30,7 @@ STEPS = (
     "rollback.before_commit",
     "rollback.after_commit",
     "rollback.restoring",         # committed; restoring processes from templates
-    "fork.cloned",                # the forks' layers were cloned
+    "fork.cloned",                # a fork's child is booted on its cloned layer, the lanes open
     "fork.booted",                # the forks are booted (uncommitted)
     "fork.before_commit",
     "remove.before_commit",       # sandbox stopped, rows not yet deleted

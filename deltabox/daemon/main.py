@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 async def _reap_forever(daemon: Daemon) -> None:
     """Orphaned sandbox processes become our zombies (we are a subreaper): reap them."""
     while True:
-        reap_orphans(skip=daemon.template_pids())
+        reap_orphans(skip=daemon.own_children())
         await trio.sleep(0.2)
 
 

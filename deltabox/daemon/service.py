@@ -404,20 +404,31 @@ class Daemon:
         return row
 
     async def _boot(self, row: SandboxRow, nest_under: str | None = None,
-                    begin_turn: bool = True) -> None:
+                    begin_turn: bool = True,
+                    take_layer: Callable[[], Awaitable[None]] | None = None) -> None:
         """Start init and the first file-system generation of a sandbox (its pid namespace
         nested below the live sandbox `nest_under`'s, if given). `begin_turn=False`: the
         caller restores processes into it at once and begins its first turn then (arming
-        the inspector twice cost a fork ~0.4 ms of the daemon's thread per child)."""
-        self._limit_disk(row, row.layer_id)
+        the inspector twice cost a fork ~0.4 ms of the daemon's thread per child).
+        `take_layer`: gets the sandbox its layer (sets row.layer_id) while init starts, which
+        needs none (a fork's children start their inits while their layers are cloned)."""
         limits = Limits(row.memory_mb, row.pids_max, row.cpus)
         cg = self.cgroups.create(row.id, limits)
         parent_pid = self.live[nest_under].rt.init_pid if nest_under else None
-        rt = await runtime.start_init(row.id, cg, row.hostname, nest_under=parent_pid,
-                                      userns=self.cfg.userns if row.userns else None)
-        live = Live(rt, nest_parent=nest_under)
-        self.live[row.id] = live
-        self.background.start_soon(self._watch, row.id, rt)
+
+        async def start() -> None:
+            rt = await runtime.start_init(row.id, cg, row.hostname, nest_under=parent_pid,
+                                          userns=self.cfg.userns if row.userns else None)
+            self.live[row.id] = Live(rt, nest_parent=nest_under)  # _stop finds it from here
+            self.background.start_soon(self._watch, row.id, rt)
+
+        if take_layer is None:
+            await start()
+        else:
+            await run_all([start, take_layer])
+        self._limit_disk(row, row.layer_id)
+        live = self.live[row.id]
+        rt = live.rt
         lowers = self._lowers(self._image(row.image))
         rt.generation = await runtime.build_generation(
             rt, row.layer_id, lowers, self.store.layer_path(row.layer_id), self.mountpoint,
@@ -516,9 +527,11 @@ class Daemon:
     def list(self) -> list[SandboxRow]:
         return self.db.sandboxes()
 
-    def template_pids(self) -> set[int]:
-        """Every sandbox's process templates (host pids): children of ours, never orphans."""
-        return set().union(*(live.template_pids for live in self.live.values()))
+    def own_children(self) -> set[int]:
+        """Children of ours that are never orphans to reap (host pids): every sandbox's
+        process templates and its launcher (reaped by its own wait)."""
+        return set().union(*(live.template_pids | {live.rt.launcher.pid}
+                             for live in self.live.values()))
 
     def init_pid(self, sid: str) -> int:
         live = self.live.get(sid)
@@ -1724,22 +1737,31 @@ class Daemon:
                 disk_mb=src.disk_mb if src else self.cfg.default_disk_mb,
                 userns=src.userns if src else False))
         try:
-            # Concurrent snapshot ioctls join one btrfs transaction commit.
+            # Concurrent snapshot ioctls join one btrfs transaction commit; each child's
+            # init starts meanwhile (_boot), and its processes are restored once the lanes
+            # are ready.
+            lanes_ready = trio.Event()
+
+            async def lanes() -> None:
+                try:
+                    if alongside is not None:
+                        await alongside()
+                finally:
+                    lanes_ready.set()
+
             async def take(r: SandboxRow) -> None:
                 r.layer_id = await self.warm.take_layer(cp.layer_id)
-
-            await run_all([functools.partial(take, r) for r in rows] +
-                          ([alongside] if alongside is not None else []))
-            crash_point("fork.cloned")
-            for r in rows:
                 r.base_gen = self.store.generation(r.layer_id)
 
             async def boot(r: SandboxRow) -> None:
-                await self._boot(r, nest_under, begin_turn=then is None)
+                await self._boot(r, nest_under, begin_turn=then is None,
+                                 take_layer=functools.partial(take, r))
+                await lanes_ready.wait()
+                crash_point("fork.cloned")
                 if then is not None:
                     await then(r)
 
-            await run_all([functools.partial(boot, r) for r in rows])
+            await run_all([lanes] + [functools.partial(boot, r) for r in rows])
             crash_point("fork.booted")
         except BaseException:
             with trio.CancelScope(shield=True):
