@@ -11,13 +11,14 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import kernfs
-from ..errors import Internal, ResourceExhausted
+from ..errors import FailedPrecondition, Internal, ResourceExhausted
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # A freeze or thaw is awaited by yielding the CPU this long, then by short sleeps.
@@ -65,6 +66,59 @@ def detect_version() -> str:
     if controllers.exists() and "memory" in controllers.read_text().split():
         return "v2"
     return "v1"
+
+
+FAVORDYNMODS = "favordynmods"
+
+
+def dynmods_mount(mounts: str) -> tuple[Path, str] | None:
+    """The cgroup hierarchy to remount with favordynmods, from /proc/self/mounts text: the
+    cgroup2 one (v2 host, or the hybrid's unified), else a v1 controller's; with its
+    options. None without any."""
+    v1: tuple[Path, str] | None = None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        if fields[2] == "cgroup2":
+            return Path(fields[1]), fields[3]
+        if fields[2] == "cgroup" and v1 is None and "name=" not in fields[3]:
+            v1 = Path(fields[1]), fields[3]
+    return v1
+
+
+def favors_dynmods(mounts: str | None = None) -> bool:
+    """Whether a cgroup hierarchy is mounted with favordynmods (then a cgroup.procs write
+    does not wait for an RCU grace period; see favor_dynmods)."""
+    text = Path("/proc/self/mounts").read_text() if mounts is None else mounts
+    return any(f[2] in ("cgroup", "cgroup2") and FAVORDYNMODS in f[3].split(",")
+               for f in (line.split() for line in text.splitlines()) if len(f) >= 4)
+
+
+def favor_dynmods() -> str:
+    """Remount a cgroup hierarchy with favordynmods (Linux >= 6.0); returns a line for the
+    log. Moving a process into a cgroup (a write to cgroup.procs: every sandbox's init, each
+    process a fork restores, each exec) takes the kernel's global threadgroup rwsem for
+    writing, which first waits for an RCU grace period, 5-8 ms on these VMs; favordynmods
+    keeps that lock in its slow-reader mode so writers do not wait (forks and exits pay a
+    little more). The lock is global: one hierarchy's option applies to all. Host-wide, and
+    on Linux 6.18 it cannot be turned off again until a reboot: hence opt-in."""
+    text = Path("/proc/self/mounts").read_text()
+    if favors_dynmods(text):
+        return "cgroup favordynmods: already on"
+    target = dynmods_mount(text)
+    if target is None:
+        raise Internal("cgroup favordynmods: no cgroup hierarchy is mounted")
+    mnt, opts = target
+    # mount(8) keeps the hierarchy's other options (a cgroup2 remount resets those not given).
+    done = subprocess.run(["mount", "-o", f"remount,{FAVORDYNMODS}", str(mnt)],
+                          capture_output=True, text=True)
+    if done.returncode != 0 or not favors_dynmods():
+        raise FailedPrecondition(
+            f"cgroup favordynmods: remounting {mnt} ({opts}) with it failed "
+            f"({done.stderr.strip() or 'the option did not stick'}); it needs Linux 6.0 or "
+            "later: start deltaboxd without --cgroup-favordynmods")
+    return f"cgroup favordynmods: on ({mnt} remounted; cgroup.procs writes skip an RCU grace period)"
 
 
 class Cgroup:
