@@ -42,6 +42,16 @@ def _children() -> set[int]:
     return out
 
 
+def _any_zombie() -> bool:
+    """Whether any child of ours (of any of our threads, traced ones included) is a zombie:
+    one waitid that reaps nothing, where the scan reads a file per thread and per child
+    (about 1 ms of the daemon's thread per sweep with a fork's 32 children live, py-spy)."""
+    try:
+        return os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return False
+
+
 def _zombie(pid: int) -> bool:
     """From /proc/pid/stat (short; most children are not zombies: stopped templates)."""
     try:
@@ -75,6 +85,8 @@ def reap_orphans(skip: Collection[int] = ()) -> int:
     """Reap adopted zombies of sandbox processes; returns how many. skip: children known
     not to be orphans (process templates, reaped by their tracer); with many of them
     (each a child of ours once its original's parent died) this is the bulk of the work."""
+    if not _any_zombie():
+        return 0
     n = 0
     for pid in _children() - set(skip):
         if _reapable(pid):
