@@ -257,6 +257,7 @@ class CgroupDriver:
 
     def __init__(self, parent: str, version: str | None = None) -> None:
         self.parent = parent
+        self._set_up = False
         self.version = version or detect_version()
         self.v1 = _v1_mounts() if self.version == "v1" else {}
         # Hybrid hosts mount cgroup2 beside the v1 hierarchies (controller-less): sandbox
@@ -301,14 +302,24 @@ class CgroupDriver:
         if self.version == "v2":
             for d in (CGROUP_ROOT, CGROUP_ROOT / self.parent):
                 _write(d / "cgroup.subtree_control", "+memory +pids +cpu")
+        self._set_up = True
 
     def create(self, name: str, limits: Limits) -> Cgroup:
-        self.setup()
+        """A new sandbox cgroup with `limits` (the parents are made once, not per sandbox:
+        0.13 of the 0.75 ms a create took here; a fork makes one per child)."""
+        if not self._set_up:
+            self.setup()
+        try:
+            self._make(name)
+        except FileNotFoundError:  # a parent was removed from outside: make them again
+            self.setup()
+            self._make(name)
+        self.apply(name, limits, fresh=True)
+        return Cgroup(self, name)
+
+    def _make(self, name: str) -> None:
         for d in self.dirs_for(name):
             d.mkdir(exist_ok=True)
-        cg = Cgroup(self, name)
-        cg.apply(limits)
-        return cg
 
     def existing(self) -> list[str]:
         """Names of sandbox cgroups present (from any daemon)."""
@@ -319,24 +330,31 @@ class CgroupDriver:
         return sorted(names)
 
     def remove_parent(self) -> None:
+        self._set_up = False
         for p in self._parents():
             try:
                 p.rmdir()
             except OSError:
                 pass
 
-    def apply(self, name: str, limits: Limits) -> None:
+    def apply(self, name: str, limits: Limits, fresh: bool = False) -> None:
+        """Set the limits; `fresh`: on a cgroup just made, whose CPU bandwidth is the
+        kernel's default (unlimited, 100 ms period), which needs no write then."""
         mem = limits.memory_mb * 1024 * 1024
+        cpu_default = fresh and not limits.cpus
         if self.version == "v2":
             d = CGROUP_ROOT / self.parent / name
             _write(d / "memory.max", str(mem))
             _write(d / "memory.swap.max", "0") if (d / "memory.swap.max").exists() else None
             _write(d / "pids.max", str(limits.pids_max))
             quota = f"{int(limits.cpus * 100000)} 100000" if limits.cpus else "max 100000"
-            _write(d / "cpu.max", quota)
+            if not cpu_default:
+                _write(d / "cpu.max", quota)
             return
         _write(self.v1["memory"] / self.parent / name / "memory.limit_in_bytes", str(mem))
         _write(self.v1["pids"] / self.parent / name / "pids.max", str(limits.pids_max))
+        if cpu_default:
+            return
         cpu = self.v1["cpu"] / self.parent / name
         _write(cpu / "cpu.cfs_period_us", "100000")
         _write(cpu / "cpu.cfs_quota_us", str(int(limits.cpus * 100000)) if limits.cpus else "-1")
