@@ -450,20 +450,10 @@ def _git(*args: str) -> str | None:
         return None
 
 
-def _favordynmods() -> str:
-    """Whether cgroup migrations skip an RCU grace period here (README 'Host tuning: cgroup
-    favordynmods'): "on", "off", or "on since boot" when the option was turned off again on
-    a kernel that keeps its effect (Linux 6.18 logs so)."""
-    from deltabox.sandbox.cgroups import favors_dynmods
-
-    if favors_dynmods():
-        return "on"
-    dmesg = subprocess.run(["dmesg"], capture_output=True, text=True).stdout
-    return "on since boot" if "rwsem mechanism can't be disabled" in dmesg else "off"
-
-
 def machine_info(socket: str | None = None) -> dict[str, Any]:
     """The machine, Python, and (given a daemon socket) the daemon's store backend."""
+    from deltabox.sandbox import cgroups
+
     u = os.uname()
     try:
         affinity = len(os.sched_getaffinity(0))
@@ -481,7 +471,8 @@ def machine_info(socket: str | None = None) -> dict[str, Any]:
         "git_commit": _git("rev-parse", "HEAD"),
         "git_modified_files": (_git("diff", "--name-only", "HEAD") or "").split(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "cgroup_favordynmods": _favordynmods(),
+        # README 'Host tuning: cgroup favordynmods'
+        "cgroup_favordynmods": cgroups.favordynmods_state(),
     }
     if socket is not None:
         import deltabox

@@ -93,4 +93,5 @@ def daemon_info(msg: pb.InfoResponse) -> models.DaemonInfo:
         store_bytes_free=msg.store_bytes_free, process_backend=msg.process_backend,
         inspector_backend=msg.inspector_backend, store_durability=msg.store_durability,
         disk_quota=msg.disk_quota, transparent_hugepages=msg.transparent_hugepages,
+        cgroup_favordynmods=msg.cgroup_favordynmods,
     )

@@ -106,6 +106,7 @@ class DaemonInfo(_Model):
     store_durability: str = ""
     disk_quota: str = ""
     transparent_hugepages: str = ""
+    cgroup_favordynmods: str = ""
 
 
 MIN_PIDS = 8

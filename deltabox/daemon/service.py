@@ -34,7 +34,7 @@ from ..fs.mask import build_mask
 from ..fs.store import Changes, Store, close_store
 from ..models import CreateParams
 from ..sandbox import execute, quota, runtime
-from ..sandbox.cgroups import Cgroup, CgroupDriver, Limits
+from ..sandbox.cgroups import Cgroup, CgroupDriver, Limits, describe_favordynmods
 from ..sandbox.reaper import wait_exited
 from ..sandbox.session import AdoptedShell, Session
 from ..sandbox.userns import IdMap
@@ -302,7 +302,8 @@ class Daemon:
             disk_quota="btrfs simple quota per writable layer" if self.disk_quota else
             "none (the store is not btrfs with simple quotas)",
             inspector_backend=self.turns.status,
-            store_durability=self._durability(), transparent_hugepages=hostmem.describe())
+            store_durability=self._durability(), transparent_hugepages=hostmem.describe(),
+            cgroup_favordynmods=describe_favordynmods())
 
     def _enable_quota(self) -> bool:
         """Simple quotas on the embedded loop store (ours); an administrator's btrfs keeps

@@ -95,6 +95,25 @@ def favors_dynmods(mounts: str | None = None) -> bool:
                for f in (line.split() for line in text.splitlines()) if len(f) >= 4)
 
 
+def favordynmods_state() -> str:
+    """"on", "off", or "on since boot": the option was turned off again on a kernel that
+    keeps its effect until a reboot (Linux 6.18 logs so)."""
+    if favors_dynmods():
+        return "on"
+    dmesg = subprocess.run(["dmesg"], capture_output=True, text=True).stdout
+    return "on since boot" if "rwsem mechanism can't be disabled" in dmesg else "off"
+
+
+def describe_favordynmods() -> str:
+    """The state, with what "off" costs and how to change it (deltabox info)."""
+    state = favordynmods_state()
+    if state != "off":
+        return state
+    return ("off: moving a process into a cgroup (each sandbox create, fork child and exec) "
+            "waits for an RCU grace period; deltaboxd --cgroup-favordynmods turns it on "
+            "(README 'Host tuning')")
+
+
 def favor_dynmods() -> str:
     """Remount a cgroup hierarchy with favordynmods (Linux >= 6.0); returns a line for the
     log. Moving a process into a cgroup (a write to cgroup.procs: every sandbox's init, each
