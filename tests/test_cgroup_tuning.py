@@ -67,6 +67,7 @@ def test_daemon_remounts_with_favordynmods_and_keeps_other_options():
             assert "favordynmods" in after
             assert set(before.split(",")) <= set(after), "the other options were lost"
             assert "cgroup favordynmods:" in d.log.read_text()
+            assert deltabox.info(socket=d.socket).cgroup_favordynmods == "on"
     finally:
         if "favordynmods" not in before.split(","):
             subprocess.run(["mount", "--options-mode", "ignore", "-o", f"remount,{before}",
