@@ -95,13 +95,21 @@ def favors_dynmods(mounts: str | None = None) -> bool:
                for f in (line.split() for line in text.splitlines()) if len(f) >= 4)
 
 
+_STICKY_CHECK_S = 60.0
+_sticky: dict[str, float | bool] = {"seen": False, "at": -_STICKY_CHECK_S}
+
+
 def favordynmods_state() -> str:
     """"on", "off", or "on since boot": the option was turned off again on a kernel that
-    keeps its effect until a reboot (Linux 6.18 logs so)."""
+    keeps its effect until a reboot (Linux 6.18 logs so). The kernel log is read at most
+    once a minute (dmesg takes ~10 ms; `deltabox info` asks), and never again once seen."""
     if favors_dynmods():
         return "on"
-    dmesg = subprocess.run(["dmesg"], capture_output=True, text=True).stdout
-    return "on since boot" if "rwsem mechanism can't be disabled" in dmesg else "off"
+    now = time.monotonic()
+    if not _sticky["seen"] and now - float(_sticky["at"]) >= _STICKY_CHECK_S:
+        log = subprocess.run(["dmesg"], capture_output=True, text=True).stdout
+        _sticky.update(seen="rwsem mechanism can't be disabled" in log, at=now)
+    return "on since boot" if _sticky["seen"] else "off"
 
 
 def describe_favordynmods() -> str:
