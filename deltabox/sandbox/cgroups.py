@@ -101,8 +101,9 @@ _sticky: dict[str, float | bool] = {"seen": False, "at": -_STICKY_CHECK_S}
 
 def favordynmods_state() -> str:
     """"on", "off", or "on since boot": the option was turned off again on a kernel that
-    keeps its effect until a reboot (Linux 6.18 logs so). The kernel log is read at most
-    once a minute (dmesg takes ~10 ms; `deltabox info` asks), and never again once seen."""
+    keeps its effect until a reboot (Linux 6.18 logs so once). The kernel log is read at most
+    once a minute (dmesg takes ~10 ms; `deltabox info` asks), and never again once seen; a
+    log that has rotated since no longer tells, and then this says "off"."""
     if favors_dynmods():
         return "on"
     now = time.monotonic()
