@@ -413,6 +413,8 @@ class Daemon:
         the inspector twice cost a fork ~0.4 ms of the daemon's thread per child).
         `take_layer`: gets the sandbox its layer (sets row.layer_id) while init starts, which
         needs none (a fork's children start their inits while their layers are cloned)."""
+        if take_layer is None:
+            self._limit_disk(row, row.layer_id)  # before anything runs, as it may fail
         limits = Limits(row.memory_mb, row.pids_max, row.cpus)
         cg = self.cgroups.create(row.id, limits)
         parent_pid = self.live[nest_under].rt.init_pid if nest_under else None
@@ -427,7 +429,7 @@ class Daemon:
             await start()
         else:
             await run_all([start, take_layer])
-        self._limit_disk(row, row.layer_id)
+            self._limit_disk(row, row.layer_id)
         live = self.live[row.id]
         rt = live.rt
         lowers = self._lowers(self._image(row.image))
