@@ -15,7 +15,7 @@ import trio
 
 from ..errors import DeltaBoxError
 from ..fs.store import open_store
-from ..sandbox.cgroups import CgroupDriver, favor_dynmods, favors_dynmods, parent_name
+from ..sandbox.cgroups import CgroupDriver, favor_dynmods, favordynmods_state, parent_name
 from ..sandbox.reaper import become_subreaper, reap_orphans
 from ..sandbox.runtime import raise_fd_limit
 from ..sandbox.userns import IdMap
@@ -158,7 +158,7 @@ async def serve(args: argparse.Namespace) -> None:
     raise_fd_limit()
     if args.cgroup_favordynmods:
         log.info("%s", favor_dynmods())
-    elif not favors_dynmods():
+    elif favordynmods_state() == "off":
         log.info("cgroup: moving a process into a cgroup waits for an RCU grace period on "
                  "this host (each sandbox create, fork child and exec); deltaboxd "
                  "--cgroup-favordynmods avoids that (README 'Host tuning')")

@@ -40,25 +40,28 @@ def _write(path: Path, value: str) -> None:
         raise Internal(f"cgroup: cannot write {value!r} to {path}: {e.strerror}") from e
 
 
+def _cgroup_mounts(mounts: str | None = None) -> list[tuple[Path, str, str]]:
+    """(mount point, "cgroup" or "cgroup2", options) of every cgroup hierarchy, in the
+    order of /proc/self/mounts (or of the given text of it)."""
+    text = Path("/proc/self/mounts").read_text() if mounts is None else mounts
+    return [(Path(f[1]), f[2], f[3]) for f in (line.split() for line in text.splitlines())
+            if len(f) >= 4 and f[2] in ("cgroup", "cgroup2")]
+
+
 def _v1_mounts() -> dict[str, Path]:
     """Controller name -> mount point of its v1 hierarchy."""
     found: dict[str, Path] = {}
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        dev, mnt, fstype, opts, *_ = line.split()
+    for mnt, fstype, opts in _cgroup_mounts():
         if fstype != "cgroup":
             continue
         for opt in opts.split(","):
             if opt in V1_CONTROLLERS or opt == "cpu":
-                found.setdefault(opt, Path(mnt))
+                found.setdefault(opt, mnt)
     return found
 
 
 def _unified_mount() -> Path | None:
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        dev, mnt, fstype, *_ = line.split()
-        if fstype == "cgroup2":
-            return Path(mnt)
-    return None
+    return next((mnt for mnt, fstype, _ in _cgroup_mounts() if fstype == "cgroup2"), None)
 
 
 def detect_version() -> str:
@@ -75,24 +78,15 @@ def dynmods_mount(mounts: str) -> tuple[Path, str] | None:
     """The cgroup hierarchy to remount with favordynmods, from /proc/self/mounts text: the
     cgroup2 one (v2 host, or the hybrid's unified), else a v1 controller's; with its
     options. None without any."""
-    v1: tuple[Path, str] | None = None
-    for line in mounts.splitlines():
-        fields = line.split()
-        if len(fields) < 4:
-            continue
-        if fields[2] == "cgroup2":
-            return Path(fields[1]), fields[3]
-        if fields[2] == "cgroup" and v1 is None and "name=" not in fields[3]:
-            v1 = Path(fields[1]), fields[3]
-    return v1
+    found = _cgroup_mounts(mounts)
+    return next(((mnt, opts) for mnt, fstype, opts in found if fstype == "cgroup2"),
+                next(((mnt, opts) for mnt, _, opts in found if "name=" not in opts), None))
 
 
 def favors_dynmods(mounts: str | None = None) -> bool:
     """Whether a cgroup hierarchy is mounted with favordynmods (then a cgroup.procs write
     does not wait for an RCU grace period; see favor_dynmods)."""
-    text = Path("/proc/self/mounts").read_text() if mounts is None else mounts
-    return any(f[2] in ("cgroup", "cgroup2") and FAVORDYNMODS in f[3].split(",")
-               for f in (line.split() for line in text.splitlines()) if len(f) >= 4)
+    return any(FAVORDYNMODS in opts.split(",") for _, _, opts in _cgroup_mounts(mounts))
 
 
 _STICKY_CHECK_S = 60.0

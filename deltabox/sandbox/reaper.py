@@ -123,7 +123,11 @@ def _reap(pidfd: int) -> None:
 
 
 def _exited(pidfd: int) -> bool:
-    return bool(select.select([pidfd], [], [], 0)[0])  # a pidfd polls readable at exit
+    """Whether the process has exited (a pidfd polls readable then). poll, not select:
+    the daemon's fds go past select's limit of 1024."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def block_until_exited(pidfds: Iterable[int], timeout: float) -> None:
