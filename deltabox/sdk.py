@@ -102,9 +102,11 @@ class Sandbox:
 
     @classmethod
     def fork_from(cls, checkpoint: CheckpointLike, count: int = 1,
-                  socket: str | None = None) -> builtins.list[Sandbox]:
-        """New sandboxes that each start from `checkpoint` (of any family)."""
-        return _fork(_client(socket), _cp_id(checkpoint), count)
+                  socket: str | None = None, shared_layer: bool = False
+                  ) -> builtins.list[Sandbox]:
+        """New sandboxes that each start from `checkpoint` (of any family); see `fork`
+        for `shared_layer`."""
+        return _fork(_client(socket), _cp_id(checkpoint), count, shared_layer)
 
     # --- commands -----------------------------------------------------------------------
 
@@ -203,10 +205,17 @@ class Sandbox:
         req = pb.RollbackRequest(sandbox_id=self.id, checkpoint_id=_cp_id(cp))
         return convert.rollback_result(self._client.call("Rollback", req))
 
-    def fork(self, cp: CheckpointLike | None = None, count: int = 1) -> builtins.list[Sandbox]:
-        """`count` new sandboxes starting from `cp`; None checkpoints this sandbox first."""
+    def fork(self, cp: CheckpointLike | None = None, count: int = 1,
+             shared_layer: bool = False) -> builtins.list[Sandbox]:
+        """`count` new sandboxes starting from `cp`; None checkpoints this sandbox first.
+
+        `shared_layer=True`: the children use the checkpoint's files as a container uses
+        its image, read-only under an empty layer of their own: the files they read share
+        one page cache (warm across children and their rollbacks), but renaming a
+        directory that came from the checkpoint fails with EXDEV, and hard links from it
+        break when one of them is written. Default: each child gets a snapshot."""
         cp_id = _cp_id(cp) if cp is not None else self.checkpoint().id
-        return _fork(self._client, cp_id, count)
+        return _fork(self._client, cp_id, count, shared_layer)
 
     def checkpoints(self) -> builtins.list[Checkpoint]:
         """The whole family's checkpoints, parents before children."""
@@ -263,10 +272,12 @@ class Sandbox:
         return [convert.sandbox_info(s) for s in resp.sandboxes]
 
 
-def _fork(client: Client, checkpoint_id: str, count: int) -> builtins.list[Sandbox]:
+def _fork(client: Client, checkpoint_id: str, count: int,
+          shared_layer: bool = False) -> builtins.list[Sandbox]:
     if count < 1:
         raise errors.InvalidArgument(f"fork count must be at least 1, got {count}")
-    resp = client.call("Fork", pb.ForkRequest(checkpoint_id=checkpoint_id, count=count))
+    resp = client.call("Fork", pb.ForkRequest(checkpoint_id=checkpoint_id, count=count,
+                                              shared_layer=shared_layer))
     out = [Sandbox(s.id, client) for s in resp.sandboxes]
     for sbx in out:  # what the fork brought along, as the daemon reported it
         sbx.process_state, sbx.fork_note = resp.process_state, resp.note

@@ -76,6 +76,25 @@ def test_kill9_then_restart(own_daemon: DaemonProc) -> None:
     assert not leaks(d.state_dir.parent)
 
 
+def test_restart_keeps_a_layer_only_forks_stack(own_daemon: DaemonProc) -> None:
+    """A shared-layer fork's children stack its checkpoint's layer: once that checkpoint is deleted and
+    its sandbox removed, no row names the layer as its own, and recovery must still keep
+    it (it deletes layers nothing references)."""
+    d = own_daemon
+    d.start()
+    src = Sandbox.create(socket=d.socket)
+    src.files.write("/data/f", "base")
+    cp = src.checkpoint()
+    kid = src.fork(cp, shared_layer=True)[0]
+    src.delete_checkpoint(cp)
+    src.kill()
+    d.kill9()
+    d.start()
+    kid = Sandbox.connect(kid.id, socket=d.socket)
+    assert kid.files.read("/data/f") == b"base"
+    kid.kill()
+
+
 def test_second_daemon_on_same_state_dir_is_refused(own_daemon: DaemonProc) -> None:
     d = own_daemon
     d.start()

@@ -56,10 +56,12 @@ class Ctx:
     settle: Callable[[], float] = lambda: 0.0    # between two systems' runs (untimed)
 
     def fresh(self) -> Any:
-        """A new sandbox from the base image (what `docker run IMAGE` is to docker)."""
+        """A new sandbox from the base image (what `docker run IMAGE` is to docker: the
+        image's files read-only and shared under a layer of its own, `shared_layer`)."""
         from deltabox import Sandbox
 
-        return Sandbox.fork_from(self.env.base_checkpoint, socket=self.socket)[0]
+        return Sandbox.fork_from(self.env.base_checkpoint, socket=self.socket,
+                                 shared_layer=True)[0]
 
 
 def run_action(ctx: Ctx, sbx: Any, action: Action) -> Code:

@@ -19,14 +19,14 @@ CREATE TABLE IF NOT EXISTS sandboxes (
   layer_id TEXT NOT NULL, head_cp TEXT, memory_mb INTEGER NOT NULL, pids_max INTEGER NOT NULL,
   cpus REAL NOT NULL, hostname TEXT NOT NULL, env TEXT NOT NULL, created_at REAL NOT NULL,
   base_gen INTEGER NOT NULL DEFAULT 0, disk_mb INTEGER NOT NULL DEFAULT 0,
-  userns INTEGER NOT NULL DEFAULT 0
+  userns INTEGER NOT NULL DEFAULT 0, bases TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
   id TEXT PRIMARY KEY, family_id TEXT NOT NULL, sandbox_id TEXT NOT NULL, parent_id TEXT,
   layer_id TEXT NOT NULL, image TEXT NOT NULL, kind TEXT NOT NULL, label TEXT NOT NULL,
   created_at REAL NOT NULL, duration_ms REAL NOT NULL, files_changed INTEGER NOT NULL,
   bytes_changed INTEGER NOT NULL, freeze_ms REAL NOT NULL, gen INTEGER NOT NULL DEFAULT 0,
-  reasons TEXT NOT NULL DEFAULT '[]', procs_of TEXT
+  reasons TEXT NOT NULL DEFAULT '[]', procs_of TEXT, bases TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS cp_family ON checkpoints(family_id);
 """
@@ -49,6 +49,9 @@ class SandboxRow:
     base_gen: int = 0
     disk_mb: int = 0          # quota on each writable layer it gets (0 = none)
     userns: bool = False      # has a user namespace (a family shares one; forks keep it)
+    # Read-only checkpoint layers stacked under its writable layer, top first (a fork's
+    # children share their source checkpoint's layer this way: see Daemon._fork_files).
+    bases: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -71,6 +74,7 @@ class CheckpointRow:
     # The checkpoint whose captured processes this one restores: itself for "full", the
     # parent's for a policy "fs" or "skipped" (nothing ran since), None for file state only.
     procs_of: str | None = None
+    bases: list[str] = field(default_factory=list)   # those of the sandbox it was taken in
 
 
 class Database:
@@ -93,10 +97,15 @@ class Database:
         if "userns" not in cols:
             self.conn.execute("ALTER TABLE sandboxes ADD COLUMN userns INTEGER NOT NULL "
                               "DEFAULT 0")
+        if "bases" not in cols:
+            self.conn.execute("ALTER TABLE sandboxes ADD COLUMN bases TEXT NOT NULL DEFAULT ''")
         cols = {r[1] for r in self.conn.execute("PRAGMA table_info(checkpoints)")}
         if "procs_of" not in cols:
             self.conn.execute("ALTER TABLE checkpoints ADD COLUMN procs_of TEXT")
             self.conn.execute("UPDATE checkpoints SET procs_of=id WHERE kind='full'")
+        if "bases" not in cols:
+            self.conn.execute("ALTER TABLE checkpoints ADD COLUMN bases TEXT NOT NULL "
+                              "DEFAULT ''")
 
     def close(self) -> None:
         self.conn.close()
@@ -116,6 +125,7 @@ class Database:
     def put_sandbox(self, s: SandboxRow) -> None:
         d = asdict(s)
         d["env"] = json.dumps(s.env)
+        d["bases"] = _join_bases(s.bases)
         cols = ", ".join(d)
         marks = ", ".join(f":{k}" for k in d)
         self.conn.execute(f"INSERT OR REPLACE INTO sandboxes ({cols}) VALUES ({marks})", d)
@@ -139,6 +149,7 @@ class Database:
     def put_checkpoint(self, c: CheckpointRow) -> None:
         d = asdict(c)
         d["reasons"] = json.dumps(c.reasons)
+        d["bases"] = _join_bases(c.bases)
         cols = ", ".join(d)
         marks = ", ".join(f":{k}" for k in d)
         self.conn.execute(f"INSERT OR REPLACE INTO checkpoints ({cols}) VALUES ({marks})", d)
@@ -183,20 +194,50 @@ class Database:
         r = self.conn.execute("SELECT COUNT(*) FROM sandboxes WHERE layer_id=?", (layer_id,))
         return int(n) + int(r.fetchone()[0])
 
+    def base_refs(self, layer_id: str) -> int:
+        """How many rows stack `layer_id` under their layer (as one of their bases)."""
+        pattern = f"%:{layer_id}:%"
+        n = 0
+        for table in ("checkpoints", "sandboxes"):
+            r = self.conn.execute(f"SELECT COUNT(*) FROM {table} WHERE bases != '' AND "
+                                  "':' || bases || ':' LIKE ?", (pattern,))
+            n += int(r.fetchone()[0])
+        return n
+
+    def bases_of_layer(self, layer_id: str) -> list[str]:
+        """The bases of the checkpoint(s) on `layer_id` (those sharing a layer share them)."""
+        r = self.conn.execute("SELECT bases FROM checkpoints WHERE layer_id=? LIMIT 1",
+                              (layer_id,)).fetchone()
+        return _split_bases(r[0]) if r else []
+
     def referenced_layers(self) -> set[str]:
-        a = self.conn.execute("SELECT layer_id FROM checkpoints").fetchall()
-        b = self.conn.execute("SELECT layer_id FROM sandboxes").fetchall()
-        return {r[0] for r in a} | {r[0] for r in b}
+        """Every layer a row names, as its own or as a base."""
+        out: set[str] = set()
+        for table in ("checkpoints", "sandboxes"):
+            for layer, bases in self.conn.execute(f"SELECT layer_id, bases FROM {table}"):
+                out.add(layer)
+                out.update(_split_bases(bases))
+        return out
+
+
+def _join_bases(bases: list[str]) -> str:
+    return ":".join(bases)
+
+
+def _split_bases(text: str) -> list[str]:
+    return [b for b in text.split(":") if b]
 
 
 def _sandbox(r: sqlite3.Row) -> SandboxRow:
     d = dict(r)
     d["env"] = json.loads(d["env"])
     d["userns"] = bool(d["userns"])
+    d["bases"] = _split_bases(d["bases"])
     return SandboxRow(**d)
 
 
 def _checkpoint(r: sqlite3.Row) -> CheckpointRow:
     d = dict(r)
     d["reasons"] = json.loads(d["reasons"])
+    d["bases"] = _split_bases(d["bases"])
     return CheckpointRow(**d)

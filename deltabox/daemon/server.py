@@ -270,7 +270,8 @@ class Servicer(pb_grpc.DeltaBoxServicer):
     def Fork(self, request, context):  # noqa: N802
         async def call() -> pb.ForkResponse:
             t = trio.current_time()
-            rows, state, note = await self.d.fork(request.checkpoint_id, request.count)
+            rows, state, note = await self.d.fork(request.checkpoint_id, request.count,
+                                                  shared_layer=request.shared_layer)
             ms = (trio.current_time() - t) * 1000
             return pb.ForkResponse(sandboxes=[sandbox_pb(self.d, r) for r in rows],
                                    duration_ms=ms, process_state=state, note=note)

@@ -7,6 +7,7 @@ but is not committed is garbage that `recover()` removes on the next start.
 
 from __future__ import annotations
 
+import collections
 import errno
 import functools
 import logging
@@ -28,7 +29,7 @@ from .. import __version__
 from ..errors import (DeadlineExceeded, DeltaBoxError, FailedPrecondition, Internal,
                       InvalidArgument, NotFound, ResourceExhausted, Unavailable)
 from ..fs import image as images
-from ..fs.diff import diff_layers
+from ..fs.diff import diff_stacks
 from ..fs.files import SandboxFiles
 from ..fs.mask import build_mask
 from ..fs.store import Changes, Store, close_store
@@ -63,6 +64,9 @@ BASE_ENV = {
     "USER": "root",
 }
 MAX_FORK = 256
+# Checkpoint layers a sandbox's overlay may stack under its own (each fork adds one; the
+# image's mask and root come below them, and dbx-mkroot takes at most 8 lowers).
+MAX_BASES = 4
 # The kernel nests pid namespaces at most 32 deep (host = level 0); leave headroom.
 MAX_NEST_LEVEL = 30
 RETIRE_WORKERS = 2    # tasks deleting retired layers (each job also takes an I/O slot)
@@ -203,6 +207,8 @@ class Daemon:
         self.mountpoint = self.run_dir / "rootmnt"
         self.masks: dict[str, Path] = {}
         self.io = IOScheduler()
+        # Checkpoint layers a fork in progress stacks under its children (not yet in a row).
+        self._base_pins: collections.Counter[str] = collections.Counter()
         self._retire_send: trio.MemorySendChannel | None = None  # _retire_later's queue
         # Durable process state: background dumps of full checkpoints (daemon/dumps.py).
         self.dumps = Dumps(db, cfg.state_dir / "dumps", cr, self.io, fsync=cfg.durable,
@@ -264,7 +270,13 @@ class Daemon:
     def _image(self, spec: str) -> images.Image:
         return images.from_spec(spec, self.store.root / "images")
 
-    def _lowers(self, img: images.Image) -> list[str]:
+    def _lowers(self, img: images.Image, bases: list[str] = ()) -> list[str]:
+        """The overlay's lower layers: the checkpoint layers `bases` (top first), then
+        the image (its mask over its root)."""
+        return [*(str(self.store.layer_path(b) / "upper") for b in bases),
+                *self._image_lowers(img)]
+
+    def _image_lowers(self, img: images.Image) -> list[str]:
         if _nested(self.store.root, img.rootfs):
             # overlayfs refuses a layer stack where one layer lies inside another (ELOOP).
             raise FailedPrecondition(
@@ -432,7 +444,7 @@ class Daemon:
             self._limit_disk(row, row.layer_id)
         live = self.live[row.id]
         rt = live.rt
-        lowers = self._lowers(self._image(row.image))
+        lowers = self._lowers(self._image(row.image), row.bases)
         rt.generation = await runtime.build_generation(
             rt, row.layer_id, lowers, self.store.layer_path(row.layer_id), self.mountpoint,
             self.background)
@@ -568,6 +580,8 @@ class Daemon:
                     self.warm.drop_layer(layer)
                     self._retire_later(None, layer, "remove.before_layer_delete")
                     freed += 1
+            self._release_bases(list(dict.fromkeys(
+                [*row.bases, *(b for cp in cps for b in cp.bases)])))
             return freed
 
     def _retire_later(self, gen: runtime.Generation | None, layer_id: str,
@@ -609,12 +623,26 @@ class Daemon:
 
     async def _retire(self, layer_id: str, step: str) -> None:
         await self.io.wait(layer_id)  # a clone of it still being made
+        if self._is_base(layer_id):  # deleted with its last dependent (_release_bases)
+            return
         if step:
             crash_point(step)  # test-only (faults.py)
         try:
             await self.io.run(layer_id, self.store.delete, layer_id)
         except Exception as e:  # retried on the next start (orphan layer)
             log.warning("deleting layer %s failed: %s (retried at restart)", layer_id, e)
+
+    def _is_base(self, layer_id: str) -> bool:
+        """Whether a row, or a fork in progress, stacks `layer_id` under its layer."""
+        return self._base_pins[layer_id] > 0 or self.db.base_refs(layer_id) > 0
+
+    def _release_bases(self, bases: list[str]) -> None:
+        """After a commit that dropped references to `bases`: delete those that no row
+        names any more (their checkpoint deleted while they were bases)."""
+        for b in bases:
+            if self.db.layer_refs(b) == 0 and not self._is_base(b):
+                self.warm.drop_layer(b)
+                self._retire_later(None, b)
 
     # ---- running commands ------------------------------------------------------------
 
@@ -919,7 +947,8 @@ class Daemon:
             id=cp_id, family_id=row.family_id, sandbox_id=row.id, parent_id=row.head_cp,
             layer_id=layer, image=row.image, kind=decision.kind, label=label,
             created_at=time.time(), duration_ms=0.0, files_changed=files,
-            bytes_changed=nbytes, freeze_ms=0.0, reasons=reasons, procs_of=procs_of)
+            bytes_changed=nbytes, freeze_ms=0.0, reasons=reasons, procs_of=procs_of,
+            bases=list(parent.bases if decision.kind == "skipped" and parent else row.bases))
 
     def _procs_available(self, live: Live, key: str) -> bool:
         """Whether the processes captured at checkpoint `key` can be restored here."""
@@ -1196,12 +1225,14 @@ class Daemon:
             old = live.rt.generation
             live.rt.generation = new_gen
             old_layer, row.layer_id, row.head_cp = row.layer_id, layer, cp_id
+            old_bases, row.bases = row.bases, list(cp.bases)
             row.base_gen = self.store.generation(layer)
             crash_point("rollback.before_commit")
             with self.db.transaction():
                 self.db.put_sandbox(row)
             crash_point("rollback.after_commit")
             self._retire_later(old, old_layer, after=[k.gone for k in live.old_keepers])
+            self._release_bases([b for b in old_bases if b not in row.bases])
             self.warm.prepare(sid, cp.layer_id)  # for the next rollback to it
             old_sessions, live.sessions = live.sessions, {}
             for sess in old_sessions.values():
@@ -1468,9 +1499,10 @@ class Daemon:
             else:        # it reads from us: keep the pipe open, as it was
                 live.held_fds.append(fd)
 
-    async def _build_for(self, sid: str, layer: str
+    async def _build_for(self, sid: str, cp_layer: str, layer: str
                          ) -> tuple[runtime.Generation, runtime.Runtime] | None:
-        """Build a generation of a live sandbox on `layer` (for the warm pool)."""
+        """Build a generation of a live sandbox on `layer`, a clone of the checkpoint layer
+        `cp_layer` (for the warm pool)."""
         live = self.live.get(sid)
         row = self.db.get_sandbox(sid)
         if live is None or live.rt.exited.is_set() or row is None or live.rt.pidfd < 0:
@@ -1482,8 +1514,9 @@ class Daemon:
         rt, pidfd = live.rt, os.dup(live.rt.pidfd)
         try:
             gen = await runtime.build_generation(
-                rt, layer, self._lowers(self._image(row.image)), self.store.layer_path(layer),
-                self.mountpoint, self.background, pidfd=pidfd)
+                rt, layer, self._lowers(self._image(row.image),
+                                        self.db.bases_of_layer(cp_layer)),
+                self.store.layer_path(layer), self.mountpoint, self.background, pidfd=pidfd)
         finally:
             os.close(pidfd)
         return gen, rt
@@ -1511,7 +1544,7 @@ class Daemon:
             raise
         try:
             gen = await runtime.build_generation(
-                live.rt, layer, self._lowers(self._image(row.image)),
+                live.rt, layer, self._lowers(self._image(row.image), cp.bases),
                 self.store.layer_path(layer), self.mountpoint, self.background)
         except BaseException:
             with trio.CancelScope(shield=True):
@@ -1545,6 +1578,7 @@ class Daemon:
         t0 = time.perf_counter()
         layer = await self.warm.take_layer(cp.layer_id, spare_after=False)
         old_layer, row.layer_id, row.head_cp = row.layer_id, layer, cp.id
+        old_bases, row.bases = row.bases, list(cp.bases)
         row.base_gen = self.store.generation(layer)
         try:
             await self._boot(row)
@@ -1556,15 +1590,17 @@ class Daemon:
         with self.db.transaction():
             self.db.put_sandbox(row)
         self._retire_later(None, old_layer)
+        self._release_bases([b for b in old_bases if b not in row.bases])
         return dict(sandbox_id=row.id, checkpoint_id=cp.id,
                     duration_ms=(time.perf_counter() - t0) * 1000, sessions_restarted=[],
                     processes_killed=0, process_state="restarted",
                     note="the sandbox was stopped: it booted again; processes restarted")
 
-    async def fork(self, cp_id: str, count: int) -> tuple[list[SandboxRow], str, str]:
+    async def fork(self, cp_id: str, count: int, shared_layer: bool = False
+                   ) -> tuple[list[SandboxRow], str, str]:
         """N new sandboxes whose files are the checkpoint's and, when its process templates
-        are at hand, whose processes are the checkpoint's too. Returns (rows, process_state,
-        note).
+        are at hand, whose processes are the checkpoint's too (`shared_layer`: see
+        _fork_files). Returns (rows, process_state, note).
 
         Isolation: a template can spawn only into its own pid namespace or one nested
         below it (kernel rule), so forks that get processes have their pid namespace nested
@@ -1586,13 +1622,13 @@ class Daemon:
             owner, disk = await self._dump_holder(cp, why)
             why = disk if owner is None else why
         if owner is None:
-            rows = await self._fork_files(cp, count, None)
+            rows = await self._fork_files(cp, count, shared_layer, None)
             return rows, "restarted", f"processes restarted: {why}"
         live_owner, key = self.live[owner], cp.procs_of
         async with live_owner.lock:  # its templates stay put while we spawn from them
             if self.live.get(owner) is not live_owner or (key not in live_owner.captured
                                                           and disk is None):
-                rows = await self._fork_files(cp, count, None)
+                rows = await self._fork_files(cp, count, shared_layer, None)
                 return rows, "restarted", "processes restarted: the templates went meanwhile"
             if key in live_owner.captured:
                 # Each child's processes are restored as soon as it has booted, while the
@@ -1603,7 +1639,7 @@ class Daemon:
                 budget.touch(state)
                 try:
                     rows = await self._fork_files(
-                        cp, count, owner,
+                        cp, count, shared_layer, owner,
                         functools.partial(self._restore_fork_child, key, state),
                         alongside=functools.partial(self.cr.open_lanes, state, count))
                 except Exception as e:
@@ -1617,7 +1653,7 @@ class Daemon:
                                           "templates in each fork")
             # The templates come from the dump, rebuilt in the holder from the first child's
             # files: the children boot first, then their processes are restored.
-            rows = await self._fork_files(cp, count, owner)
+            rows = await self._fork_files(cp, count, shared_layer, owner)
             kid_gen = self.live[rows[0].id].rt.generation  # the checkpoint's files
             assert kid_gen is not None
             try:
@@ -1718,13 +1754,49 @@ class Daemon:
         self._adopt(live, restored, state)
         return restored
 
-    async def _fork_files(self, cp: CheckpointRow, count: int, nest_under: str | None,
+    async def _fork_files(self, cp: CheckpointRow, count: int, shared_layer: bool,
+                          nest_under: str | None,
                           then: Callable[[SandboxRow], Awaitable[None]] | None = None,
                           alongside: Callable[[], Awaitable[None]] | None = None
                           ) -> list[SandboxRow]:
-        """Boot `count` sandboxes on clones of the checkpoint's layer, each followed by
-        `then` (its processes' restore), and commit them; on any failure, undo them all.
-        `alongside` runs while the layers are cloned (preparing the restores)."""
+        """Boot `count` sandboxes on the checkpoint's files, each followed by `then` (its
+        processes' restore), and commit them; on any failure, undo them all. `alongside`
+        runs while their layers are made (preparing the restores).
+
+        Each child gets a clone of the checkpoint's layer, unless `shared_layer`: then its
+        writable layer starts empty over the checkpoint's, read-only and shared by all of
+        them (_fork_bases), as a container's over its image: the files they read come from
+        one set of inodes, whose page cache stays warm across the children and their
+        rollbacks to their own checkpoints (with a clone each, every file is read from disk
+        again after each rollback), with overlayfs's limits on lower files (EXDEV on
+        renaming a lower directory, hard links broken by copy-up). Beyond MAX_BASES stacked
+        layers, a child gets a clone."""
+        bases = self._fork_bases(cp) if shared_layer else None
+        if bases is None:
+            return await self._fork_layers(cp, count, nest_under, None, then, alongside)
+        self._base_pins[cp.layer_id] += 1
+        try:
+            return await self._fork_layers(cp, count, nest_under, bases, then, alongside)
+        finally:
+            self._base_pins[cp.layer_id] -= 1
+            if not self._base_pins[cp.layer_id]:
+                del self._base_pins[cp.layer_id]
+            self._release_bases([cp.layer_id])  # deleted meanwhile, and no child was made
+
+    @staticmethod
+    def _fork_bases(cp: CheckpointRow) -> list[str] | None:
+        """The bases of a fork's children: the checkpoint's layer over its own bases; None
+        (a clone of the layer instead) once MAX_BASES would be exceeded."""
+        if len(cp.bases) >= MAX_BASES:
+            return None
+        return [cp.layer_id, *cp.bases]
+
+    async def _fork_layers(self, cp: CheckpointRow, count: int, nest_under: str | None,
+                           bases: list[str] | None,
+                           then: Callable[[SandboxRow], Awaitable[None]] | None,
+                           alongside: Callable[[], Awaitable[None]] | None
+                           ) -> list[SandboxRow]:
+        """_fork_files with the children's bases decided (None: each gets a clone)."""
         src = self.db.get_sandbox(cp.sandbox_id) or next(
             iter(self.db.family_sandboxes(cp.family_id)), None)
         rows: list[SandboxRow] = []
@@ -1753,8 +1825,15 @@ class Daemon:
                     lanes_ready.set()
 
             async def take(r: SandboxRow) -> None:
-                r.layer_id = await self.warm.take_layer(cp.layer_id)
-                r.base_gen = self.store.generation(r.layer_id)
+                if bases is None:
+                    r.layer_id = await self.warm.take_layer(cp.layer_id)
+                    r.bases = list(cp.bases)
+                    r.base_gen = self.store.generation(r.layer_id)
+                    return
+                await trio.to_thread.run_sync(self.store.new_layer, r.layer_id,
+                                              limiter=self.warm.clone_threads)
+                r.bases = list(bases)
+                r.base_gen = 0  # a new layer: everything in it is a change
 
             async def boot(r: SandboxRow) -> None:
                 await self._boot(r, nest_under, begin_turn=then is None,
@@ -1829,8 +1908,11 @@ class Daemon:
                 if state is not None:
                     self._release_later(live, state)  # not while it may be frozen
             self.dumps.drop([key])
+        self._release_bases(cp.bases)
         if self.db.layer_refs(cp.layer_id) == 0:  # skipped checkpoints share their parent's
             self.warm.drop_layer(cp.layer_id)
+            if self._is_base(cp.layer_id):  # its forks' files: kept while they need it
+                return False
             self._retire_later(None, cp.layer_id)
             return True
         return False
@@ -1840,10 +1922,10 @@ class Daemon:
         if a.image != b.image:
             raise FailedPrecondition(f"{a_id} and {b_id} have different images "
                                      f"({a.image} vs {b.image}); diff compares one image's layers")
-        lowers = self._lowers(self._image(a.image))
-        r = await trio.to_thread.run_sync(
-            diff_layers, str(self.store.layer_path(a.layer_id) / "upper"),
-            str(self.store.layer_path(b.layer_id) / "upper"), lowers)
+        img = self._image(a.image)
+        r = await trio.to_thread.run_sync(  # each view: its layer, its bases, the image
+            diff_stacks, self._lowers(img, [a.layer_id, *a.bases]),
+            self._lowers(img, [b.layer_id, *b.bases]))
         return list(r.added), list(r.modified), list(r.deleted), r.note
 
 

@@ -42,9 +42,9 @@ from .scheduler import IOScheduler
 
 log = logging.getLogger("deltaboxd")
 
-# (sandbox id, layer id) -> a generation of that sandbox on that layer, and the runtime it is
-# valid for (a generation is bound to the sandbox's pid namespace).
-BuildFn = Callable[[str, str], Awaitable[tuple[Generation, Runtime] | None]]
+# (sandbox id, checkpoint layer, its clone) -> a generation of that sandbox on the clone, and
+# the runtime it is valid for (a generation is bound to the sandbox's pid namespace).
+BuildFn = Callable[[str, str, str], Awaitable[tuple[Generation, Runtime] | None]]
 
 MAX_QUEUED = 64   # background I/O jobs waiting for a slot beyond which nothing is prepared
 # Ready generations per sandbox that hold carriers (the most recently prepared): each set is
@@ -158,7 +158,7 @@ class WarmPool:
         if layer is None:
             return
         async with self.io.slot(cp_layer):
-            built = await self.build(sandbox_id, layer)
+            built = await self.build(sandbox_id, cp_layer, layer)
         if built is None or not self.exists(cp_layer) or \
                 not self.is_current(sandbox_id, built[1]) or \
                 cp_layer in self.ready.get(sandbox_id, {}):  # a concurrent prepare won

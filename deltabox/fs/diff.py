@@ -17,7 +17,9 @@ Presence is lookup presence: a whiteout in a directory only one layer contribute
 listed by overlayfs' readdir (as "c?????????") but cannot be looked up; it counts as absent.
 
 Only paths present in upper_a or upper_b can differ (the lowers are shared), so the walk
-visits the two upper trees and resolves each of their names in both stacks. Where the two
+visits the two upper trees and resolves each of their names in both stacks. diff_stacks
+takes two whole stacks whose bottom layers are shared: there, every layer above the shared
+ones is walked as the uppers are. Where the two
 stacks' lower parts differ for a directory (opaque in one view only, hidden by a whiteout
 in one view, replaced by a file in one view), the merged subtree is walked in both views,
 so every descendant of a deleted or revealed lower directory is reported. That expansion
@@ -37,7 +39,7 @@ from typing import Iterator
 
 from deltabox.errors import Internal, NotFound
 
-__all__ = ["DiffResult", "diff_layers", "walk_upper", "DEFAULT_MAX_PATHS"]
+__all__ = ["DiffResult", "diff_layers", "diff_stacks", "walk_upper", "DEFAULT_MAX_PATHS"]
 
 OPAQUE_XATTR = "trusted.overlay.opaque"
 DEFAULT_MAX_PATHS = 100_000
@@ -65,7 +67,7 @@ class _Dir:
     __slots__ = ("layer", "path", "sealed")
 
     def __init__(self, layer: int, path: str, sealed: bool) -> None:
-        self.layer = layer  # 0 = the upper, 1.. = lowers[0..]
+        self.layer = layer  # the layer root's index among both views' (_Differ.index)
         self.path = path
         self.sealed = sealed  # a mount point below the layer root: contents invisible
 
@@ -145,28 +147,35 @@ def _canonical_dir(path: str, what: str) -> str:
     return real
 
 
-class _Stack:
-    """The layer stack of one view: its upper over the shared lowers."""
-
-    def __init__(self, upper: str, lowers: list[str]) -> None:
-        self.roots = [upper, *lowers]
-
-    def root_node(self) -> _Node:
-        try:
-            st = os.lstat(self.roots[0])
-        except OSError as e:
-            raise Internal(f"diff: cannot stat layer root {self.roots[0]!r}: {e}") from e
-        node = _Node(0, self.roots[0], st)
-        node.stack = tuple(_Dir(i, r, False) for i, r in enumerate(self.roots))
-        return node
+def _root_node(roots: list[str], index: dict[str, int]) -> _Node:
+    """The merged root of the view whose layer roots are `roots`, top first."""
+    try:
+        st = os.lstat(roots[0])
+    except OSError as e:
+        raise Internal(f"diff: cannot stat layer root {roots[0]!r}: {e}") from e
+    node = _Node(index[roots[0]], roots[0], st)
+    node.stack = tuple(_Dir(index[r], r, False) for r in roots)
+    return node
 
 
 class _Differ:
-    def __init__(self, upper_a: str, upper_b: str, lowers: list[str], max_paths: int) -> None:
-        self.upper_a = _canonical_dir(upper_a, "upper_a")
-        self.upper_b = _canonical_dir(upper_b, "upper_b")
-        self.lowers = [_canonical_dir(p, f"lowers[{i}]") for i, p in enumerate(lowers)]
-        self.mounts = _mountpoints_below([self.upper_a, self.upper_b, *self.lowers])
+    def __init__(self, stack_a: list[str], stack_b: list[str], max_paths: int) -> None:
+        if not stack_a or not stack_b:
+            raise Internal("diff: a view needs at least one layer")
+        self.stack_a = [_canonical_dir(p, f"stack_a[{i}]") for i, p in enumerate(stack_a)]
+        self.stack_b = [_canonical_dir(p, f"stack_b[{i}]") for i, p in enumerate(stack_b)]
+        # The bottom layers both views have in common are shared: only names present in
+        # the others (each view's upper and the layers stacked under it) can differ.
+        n = 0
+        while (n < min(len(self.stack_a), len(self.stack_b)) - 1
+               and self.stack_a[-1 - n] == self.stack_b[-1 - n]):
+            n += 1
+        shared = self.stack_a[len(self.stack_a) - n:]
+        self.index = {r: i for i, r in enumerate(dict.fromkeys(
+            [*self.stack_a, *self.stack_b]))}
+        self.private = {self.index[r] for r in (*self.stack_a, *self.stack_b)
+                        if r not in shared}
+        self.mounts = _mountpoints_below(list(self.index))
         self.budget = max_paths
         self.max_paths = max_paths
         self.added: list[str] = []
@@ -235,8 +244,8 @@ class _Differ:
 
     # ---- comparison -------------------------------------------------------------------
     def _differs(self, a: _Node, b: _Node) -> bool:
-        if a.layer > 0 and a.layer == b.layer and a.path == b.path:
-            return False  # the very same lower entry
+        if a.layer == b.layer and a.path == b.path:
+            return False  # the very same entry of a layer both views stack
         sa, sb = a.st, b.st
         if stat.S_IFMT(sa.st_mode) != stat.S_IFMT(sb.st_mode):
             return True
@@ -255,7 +264,8 @@ class _Differ:
                 return True
             if (sa.st_ino == sb.st_ino and sa.st_mtime_ns == sb.st_mtime_ns
                     and sa.st_ctime_ns == sb.st_ctime_ns
-                    and (sa.st_dev == sb.st_dev or (a.layer == 0 and b.layer == 0))):
+                    and (sa.st_dev == sb.st_dev
+                         or (a.layer in self.private and b.layer in self.private))):
                 # Same inode (a hard link, or the same file in two btrfs snapshots of one
                 # subvolume, which keep inode numbers and timestamps): same content.
                 return False
@@ -266,8 +276,8 @@ class _Differ:
 
     # ---- the walk ---------------------------------------------------------------------
     def run(self) -> DiffResult:
-        ra = _Stack(self.upper_a, self.lowers).root_node()
-        rb = _Stack(self.upper_b, self.lowers).root_node()
+        ra = _root_node(self.stack_a, self.index)
+        rb = _root_node(self.stack_b, self.index)
         if self._differs(ra, rb):
             self.modified.append("/")
         todo: list[tuple[str, _Node | None, _Node | None]] = [("/", ra, rb)]
@@ -288,21 +298,21 @@ class _Differ:
                   todo: list[tuple[str, _Node | None, _Node | None]]) -> None:
         stack_a = a.stack if a is not None and a.stack is not None else ()
         stack_b = b.stack if b is not None and b.stack is not None else ()
-        lower_a = [d.key() for d in stack_a if d.layer > 0]
-        lower_b = [d.key() for d in stack_b if d.layer > 0]
+        lower_a = [d.key() for d in stack_a if d.layer not in self.private]
+        lower_b = [d.key() for d in stack_b if d.layer not in self.private]
 
         listings: dict[tuple[int, str], dict[str, os.DirEntry]] = {}
         names: set[str] = set()
-        # The uppers' own entries are always walked: they are what can differ.
+        # The views' own layers' entries are always walked: they are what can differ.
         for d in (*stack_a, *stack_b):
-            if d.layer == 0 and d.key() not in listings:
+            if d.layer in self.private and d.key() not in listings:
                 listings[d.key()] = entries = self._list(d)[0]
                 names.update(entries)
         if not (stack_a and stack_b and lower_a == lower_b):
             # The views merge different lower directories here (or the directory exists in
             # one view only): every name in the lower directories can differ too.
             for d in (*stack_a, *stack_b):
-                if d.layer == 0 or d.key() in listings:
+                if d.layer in self.private or d.key() in listings:
                     continue
                 entries, complete = self._list(d, limit=max(self.budget, 0))
                 before = len(names)
@@ -372,7 +382,15 @@ def diff_layers(upper_a: str, upper_b: str, lowers: list[str], *,
     target, device number, or regular-file content; directories whose only difference is
     metadata like mtime are not modified. Ownership and xattrs are not compared.
     """
-    return _Differ(upper_a, upper_b, list(lowers), max_paths).run()
+    return diff_stacks([upper_a, *lowers], [upper_b, *lowers], max_paths=max_paths)
+
+
+def diff_stacks(stack_a: list[str], stack_b: list[str], *,
+                max_paths: int = DEFAULT_MAX_PATHS) -> DiffResult:
+    """diff_layers for two views given as their whole layer stacks, top first, which may
+    differ below their uppers too (a fork's children stack their source checkpoint's
+    layer under their own). The layers at the bottom of both are shared."""
+    return _Differ(list(stack_a), list(stack_b), max_paths).run()
 
 
 def walk_upper(upper: str) -> Iterator[str]:
