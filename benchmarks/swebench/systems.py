@@ -440,9 +440,10 @@ class DockerCommit(System):
         layer.deleted = minimal_deletions(deleted)
         self.layers[node] = layer
         t2 = time.perf_counter()
-        # Counted: the scan (finding the container's changes) and the copy. Docker walks only
-        # its own upper, ours also holds the image (~3k entries here, a few ms); docker's own
-        # fixed costs (pause, tar, digest, layer registration) are not paid here.
+        # Counted: the scan (finding the container's changes) and the copy. Like docker's,
+        # the upper holds only the container's own changes (the image is a shared lower,
+        # Ctx.fresh); docker's own fixed costs (pause, tar, digest, layer registration) are
+        # not paid here.
         self.record("checkpoint", (t2 - t0) * 1000, step=step, node=node,
                     scan_ms=(t1 - t0) * 1000, copy_ms=(t2 - t1) * 1000,
                     files=len(layer.files), deleted=len(layer.deleted))
