@@ -19,7 +19,7 @@ import shutil
 import stat
 import subprocess
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -270,7 +270,7 @@ class Daemon:
     def _image(self, spec: str) -> images.Image:
         return images.from_spec(spec, self.store.root / "images")
 
-    def _lowers(self, img: images.Image, bases: list[str] = ()) -> list[str]:
+    def _lowers(self, img: images.Image, bases: Sequence[str] = ()) -> list[str]:
         """The overlay's lower layers: the checkpoint layers `bases` (top first), then
         the image (its mask over its root)."""
         return [*(str(self.store.layer_path(b) / "upper") for b in bases),
@@ -639,9 +639,8 @@ class Daemon:
     def _release_bases(self, bases: list[str]) -> None:
         """After a commit that dropped references to `bases`: delete those that no row
         names any more (their checkpoint deleted while they were bases)."""
-        for b in bases:
+        for b in bases:  # no row names it: its warm clones went with its checkpoint
             if self.db.layer_refs(b) == 0 and not self._is_base(b):
-                self.warm.drop_layer(b)
                 self._retire_later(None, b)
 
     # ---- running commands ------------------------------------------------------------
