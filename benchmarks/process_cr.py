@@ -254,6 +254,9 @@ class Series:
     turn_ckpt_ms: list[float] = field(default_factory=list)
     turn_ckpt_server_ms: list[float] = field(default_factory=list)
     turn_ckpt_kind: list[str] = field(default_factory=list)
+    # A no-op call (Sandbox.info(), GetSandbox) after the same settle pause: the gRPC round
+    # trip and hand-overs every operation pays before the daemon does anything.
+    noop_ms: list[float] = field(default_factory=list)
 
 
 # ---- the sandbox side ------------------------------------------------------------------------
@@ -596,6 +599,11 @@ def run_config(d: PrivateDaemon, cfg: Config, plan: Plan) -> Series:
             if verify:
                 check_hashes(wl.hashes(), base_hashes, rep, "older")
 
+            wl.settle()
+            with Timer() as tm:
+                sbx.info()
+            s.noop_ms.append(tm.ms)
+
 
         # The same checkpoint at a session command's end (exec/session checkpoint=): the
         # command answers before the checkpoint is taken (daemon/pending.py). A loop of its
@@ -772,7 +780,7 @@ def summarize(series: list[Series], fork: dict | None, tmem: list[dict] | None) 
     per: dict[str, Any] = {}
     for s in series:
         ck, rn, ro = stats(s.checkpoint_ms), stats(s.rollback_new_ms), stats(s.rollback_old_ms)
-        rp, fl = stats(s.replay_ms), stats(s.floor_ms)
+        rp, fl, nop = stats(s.replay_ms), stats(s.floor_ms), stats(s.noop_ms)
         per[s.name] = {
             "size_mb": s.size_mb, "nproc": s.nproc, "tree": s.tree,
             "checkpoint_ms": ck, "checkpoint_server_ms": stats(s.checkpoint_server_ms),
@@ -787,6 +795,9 @@ def summarize(series: list[Series], fork: dict | None, tmem: list[dict] | None) 
                 ratio(rp.get("p50", 0), ro.get("p50", 0)),
             "checkpoint_over_floor_p50": ratio(ck.get("p50", 0), fl.get("p50", 0)),
             "rollback_over_floor_p50": ratio(rn.get("p50", 0), fl.get("p50", 0)),
+            "noop_call_ms": nop,
+            "checkpoint_over_noop_call_p50": ratio(ck.get("p50", 0), nop.get("p50", 0)),
+            "rollback_over_noop_call_p50": ratio(rn.get("p50", 0), nop.get("p50", 0)),
             "rollbacks": len(s.rollback_outcomes), "not_restored": s.not_restored,
             "hash_checks": s.hash_checks, "hash_mismatches": len(s.hash_mismatches),
             "file_checks": s.file_checks, "file_mismatches": len(s.file_mismatches),
@@ -885,6 +896,13 @@ def print_summary(summary: dict, targets: dict, json_path: Path, png_path: Path)
           f"({_fmt(r['checkpoint_freeze_ms'].get('p50'), 5)}) / "
           f"{_fmt(r['rollback_newest_server_ms'].get('p50'))} / "
           f"{_fmt(r['rollback_older_server_ms'].get('p50'))}")
+    p("")
+    p("a no-op call (Sandbox.info()) after the same pause: p50 ms, and checkpoint / rollback "
+      "(newest) as multiples of it")
+    for name, r in summary["per_config"].items():
+        p(f"{name:8} {_fmt(r.get('noop_call_ms', {}).get('p50'), prec=2)} | checkpoint "
+          f"{_fmt(r.get('checkpoint_over_noop_call_p50'), 5)}x | rollback "
+          f"{_fmt(r.get('rollback_over_noop_call_p50'), 5)}x")
     p("")
     p("checkpoint at a session command's end (turn boundary; p50, ms): the command alone / "
       "with checkpoint= / what the client sees of it / the checkpoint's daemon time (kind)")

@@ -212,3 +212,23 @@ def test_template_count_enforced_once_dumps_end(d: DaemonProc) -> None:
     r = sbx.rollback(cp1)
     assert r.process_state == "restored" and f"restored from disk (dump of {cp1.id}" in r.note, \
         r.note
+
+
+def test_processless_full_checkpoint_dump(d: DaemonProc) -> None:
+    """A full checkpoint of a sandbox with no process of its own: its dump (metadata only)
+    is recorded with the checkpoint, written in the background, and restores after kill -9."""
+    d.start(*ARGS, env={"DELTABOX_TEST_DUMP_DELAY": "1"})
+    sbx = Sandbox.create(socket=d.socket)
+    sbx.files.write("a.txt", "one")
+    cp = sbx.checkpoint(mode="full")
+    assert cp.kind == "full"
+    assert "pending" in next(c for c in sbx.checkpoints() if c.id == cp.id).reasons[-1]
+    assert "complete" in dump_state(sbx, cp.id)
+    sbx.files.write("a.txt", "two")
+    d.kill9()
+    d.start(*ARGS)
+    sbx = Sandbox.connect(sbx.id, socket=d.socket)
+    r = sbx.rollback(cp)
+    assert r.process_state == "restored", r.note
+    assert sbx.files.read("a.txt") == b"one"
+    assert sbx.exec("echo alive").stdout.strip() == "alive"

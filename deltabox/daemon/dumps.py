@@ -212,15 +212,16 @@ class Dumps:
 
     # ---- dump ------------------------------------------------------------------------------
 
+    def add_pending(self, cp_id: str, sid: str) -> None:
+        """Record that cp_id's dump is to be written: in the transaction that commits the
+        checkpoint (one commit for both: the checkpoint's answer waits for it)."""
+        self._put(DumpRow(cp_id, sid, "pending", 0, 0.0, "", time.time()))
+
     def schedule(self, start_soon, sid: str, cp_id: str, state: ProcessState,
                  seccomp_filters: int) -> None:
-        """Record a pending dump of cp_id's templates and start it in the background."""
-        if not state.records:
-            self._put(DumpRow(cp_id, sid, "complete", 0, 0.0, "", time.time()))
-            self._write_meta_sync(self.root / f".{cp_id}.tmp", state)
-            os.rename(self.root / f".{cp_id}.tmp", self.path(cp_id))
-            return
-        self._put(DumpRow(cp_id, sid, "pending", 0, 0.0, "", time.time()))
+        """Write cp_id's dump (recorded by add_pending) in the background: its images, or
+        with no process only its metadata (a file written and synced, so not on the
+        checkpoint's path either)."""
         self.events[cp_id] = trio.Event()
         queue = self.queues.get(sid)
         if queue is None:
