@@ -166,6 +166,28 @@ def test_concurrent_checkpoints_of_one_sandbox(daemon, sbx: Sandbox) -> None:
     assert len(parents) == 6
 
 
+def test_checkpoint_freezes_only_a_sandbox_that_runs_something(sbx: Sandbox) -> None:
+    """Nothing of its own running and no command on its way in: no freeze (freeze_ms 0).
+    A command in flight, or a background process, is frozen for the snapshot."""
+    sbx.exec("echo a > /workspace/a")
+    cp = sbx.checkpoint(mode="fs")
+    assert cp.freeze_ms == 0.0
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(sbx.exec(
+        "for i in $(seq 100); do echo line-$i >> /workspace/log; sleep 0.01; done")))
+    t.start()
+    time.sleep(0.3)
+    mid = sbx.checkpoint(mode="fs")
+    t.join(30)
+    assert mid.freeze_ms > 0 and got and got[0].exit_code == 0
+    sbx.exec("nohup sleep 1000 >/dev/null 2>&1 &")
+    assert sbx.checkpoint(mode="fs").freeze_ms > 0
+    sbx.rollback(mid)
+    lines = sbx.files.read("log").decode().splitlines()
+    assert 0 < len(lines) < 100 and lines == [f"line-{i}" for i in range(1, len(lines) + 1)]
+    assert sbx.files.read("a") == b"a\n"
+
+
 def test_rollback_while_exec_runs(sbx: Sandbox) -> None:
     cp = sbx.checkpoint()
     got: list[object] = []
