@@ -716,6 +716,102 @@ def run_fork(d: PrivateDaemon, plan: Plan) -> dict[str, Any]:
             "source_checkpoint": source_checkpoint, "per_n": per_n}
 
 
+# An idle process: 200 MB of patterned memory, then blocked in signal.pause(); SIGUSR2
+# writes its memory's CRC-32 to /workspace/idle.crc (it runs to answer).
+IDLE_PY = r"""
+import signal, sys, zlib
+b = bytearray(int(sys.argv[1]) << 20)
+for off in range(0, len(b), 4096):
+    b[off] = (off >> 12) & 0xFF
+def report(*_):
+    with open("/workspace/idle.tmp", "w") as f:
+        f.write(str(zlib.crc32(b)))
+    import os; os.rename("/workspace/idle.tmp", "/workspace/idle.crc")
+signal.signal(signal.SIGUSR2, report)
+open("/workspace/idle.ready", "w").write("1")
+while True:
+    signal.pause()
+"""
+
+
+def inspector_ready(d: PrivateDaemon, timeout: float = 120) -> str:
+    """The daemon's inspector backend once it has loaded (it loads in the background)."""
+    import deltabox
+
+    deadline = time.monotonic() + timeout
+    while True:
+        backend = deltabox.info(socket=d.socket).inspector_backend
+        if backend != "loading" or time.monotonic() > deadline:
+            return backend
+        time.sleep(0.2)
+
+
+def run_idle(d: PrivateDaemon, plan: Plan) -> dict[str, Any]:
+    """A bash session that works and a 200 MB python that waits (an idle server or REPL):
+    per rep, a session command, then `checkpoint()` (auto: the waiting process keeps its
+    parent's template) and, alternately, the same turn with `checkpoint(mode="full")`
+    (every process captured afresh): the baseline, in the same sandbox. Every few reps a
+    rollback to the auto checkpoint must restore the process's memory (its CRC)."""
+    from deltabox import Sandbox
+
+    backend = inspector_ready(d)
+    sbx = Sandbox.create(socket=d.socket)
+    auto_ms: list[float] = []
+    auto_server: list[float] = []
+    full_ms: list[float] = []
+    full_server: list[float] = []
+    kept: list[bool] = []
+    checks: list[bool] = []
+    try:
+        sbx.files.write("/workspace/idle.py", IDLE_PY)
+        sh = sbx.session("main")
+        sh.run("cd /workspace && nohup python3 /workspace/idle.py 200 >/dev/null 2>&1 &")
+        deadline = time.monotonic() + 120
+        while not sbx.files.exists("/workspace/idle.ready"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the idle process did not start")
+            time.sleep(0.1)
+
+        def crc() -> str:
+            sbx.exec("rm -f /workspace/idle.crc; pkill -USR2 -f idle.py")
+            end = time.monotonic() + 30
+            while not sbx.files.exists("/workspace/idle.crc"):
+                if time.monotonic() > end:
+                    raise RuntimeError("the idle process did not answer")
+                time.sleep(0.05)
+            return sbx.files.read("/workspace/idle.crc").decode()
+
+        want = crc()
+        sbx.checkpoint(label="idle base")      # the process ran (it answered): full
+        for rep in range(plan.reps * 2):
+            sh.run(f"export STEP={rep}")
+            time.sleep(plan.settle_s)
+            forced = rep % 2 == 1
+            with Timer() as tm:
+                cp = sbx.checkpoint(mode="full" if forced else "auto", label=f"idle {rep}")
+            if forced:
+                full_ms.append(tm.ms)
+                full_server.append(cp.duration_ms)
+                continue
+            auto_ms.append(tm.ms)
+            auto_server.append(cp.duration_ms)
+            kept.append(any(r.startswith("templates kept") and "python3" in r
+                            for r in cp.reasons))
+            if rep % 4 == 0:
+                sbx.rollback(cp)
+                checks.append(crc() == want)
+                sbx.checkpoint(label=f"idle {rep} after the check")  # it ran: full
+    finally:
+        sbx.kill()
+    a, f = stats(auto_ms), stats(full_ms)
+    log(f"idle process: checkpoint p50 {a.get('p50', math.nan):.1f} ms (auto: its template "
+        f"kept in {sum(kept)}/{len(kept)}) vs {f.get('p50', math.nan):.1f} ms forced full; "
+        f"memory checks {sum(checks)}/{len(checks)}")
+    return {"inspector": backend, "auto_ms": auto_ms, "auto_server_ms": auto_server,
+            "forced_full_ms": full_ms, "forced_full_server_ms": full_server,
+            "template_kept": kept, "memory_checks": checks}
+
+
 def run_template_memory(d: PrivateDaemon, plan: Plan) -> list[dict[str, Any]]:
     """A fresh sandbox per D (so no older template shares the pages): python 200 MB,
     checkpoint, dirty D MB in the live process, then read the template's smaps_rollup."""
@@ -835,6 +931,16 @@ def summarize(series: list[Series], fork: dict | None, tmem: list[dict] | None) 
     return out
 
 
+def summarize_idle(idle: dict) -> dict[str, Any]:
+    a, f = stats(idle["auto_ms"]), stats(idle["forced_full_ms"])
+    return {"auto_ms": a, "auto_server_ms": stats(idle["auto_server_ms"]),
+            "forced_full_ms": f, "forced_full_server_ms": stats(idle["forced_full_server_ms"]),
+            "auto_over_forced_full_p50": ratio(a.get("p50", 0), f.get("p50", 0)),
+            "template_kept": f"{sum(idle['template_kept'])}/{len(idle['template_kept'])}",
+            "memory_checks": f"{sum(idle['memory_checks'])}/{len(idle['memory_checks'])} "
+                             "exact"}
+
+
 def evaluate_targets(summary: dict) -> dict[str, Any]:
     full = summary["per_config"].get("full")
     f32 = summary.get("fork", {}).get("per_n", {}).get("32")
@@ -920,6 +1026,17 @@ def print_summary(summary: dict, targets: dict, json_path: Path, png_path: Path)
             p(f"{n:>4} | {_fmt(f['total_ms'].get('p50'), 9)} {_fmt(f['total_ms'].get('p90'))} | "
               f"{_fmt(f['per_child_ms'].get('p50'), 9)} | {f['children_run_workload']} "
               f"(processes seen: {', '.join(f['children_processes'])})")
+    if "idle_process" in summary:
+        i = summary["idle_process"]
+        p("")
+        p("bash session working + python 200 MB waiting (blocked in pause()): checkpoint "
+          "p50 ms, client (daemon)")
+        p(f"auto (the waiting process keeps its template, {i['template_kept']}) "
+          f"{_fmt(i['auto_ms'].get('p50'))} ({_fmt(i['auto_server_ms'].get('p50'))}) vs "
+          f"forced full {_fmt(i['forced_full_ms'].get('p50'))} "
+          f"({_fmt(i['forced_full_server_ms'].get('p50'))}): "
+          f"{_fmt(i['auto_over_forced_full_p50'], 5, 2)}x; memory after rollback "
+          f"{i['memory_checks']}")
     if "template_memory" in summary:
         p("")
         p("memory held by the template of a 200 MB process (pages only it and its "
@@ -1086,6 +1203,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(c.name for c in CONFIGS),
                    help="comma-separated subset of " + ", ".join(c.name for c in CONFIGS))
     p.add_argument("--no-fork", action="store_true", help="skip the fan-out fork")
+    p.add_argument("--no-idle", action="store_true",
+                   help="skip the idle-process checkpoint (auto vs forced full)")
     p.add_argument("--no-template-memory", action="store_true",
                    help="skip the template memory measurement")
     p.add_argument("--keep-state", action="store_true",
@@ -1151,6 +1270,7 @@ def main(argv: list[str] | None = None) -> int:
     series: list[Series] = []
     fork: dict | None = None
     tmem: list[dict] | None = None
+    idle: dict | None = None
     result: dict[str, Any] = {}
     machine: dict[str, Any] = {}
     daemon = PrivateDaemon(parent=args.tmp_parent, keep=args.keep_state,
@@ -1170,9 +1290,13 @@ def main(argv: list[str] | None = None) -> int:
                     series.append(run_config(daemon, cfg, plan))
             if not args.no_fork:
                 fork = run_fork(daemon, plan)
+            if not args.no_idle:
+                idle = run_idle(daemon, plan)
             if not args.no_template_memory:
                 tmem = run_template_memory(daemon, plan)
             summary = summarize(series, fork, tmem)
+            if idle is not None:
+                summary["idle_process"] = summarize_idle(idle)
             targets = evaluate_targets(summary)
             machine["loadavg_start"] = load_start
             machine["loadavg_end"] = os.getloadavg()
@@ -1219,6 +1343,12 @@ def main(argv: list[str] | None = None) -> int:
                     "spawned from the source's templates (the summary's fork.kind and each "
                     "N's process_states say what happened); the first and last child "
                     "of each N's first rep are inspected (processes, files, a session)",
+                    "idle_process": "a sandbox with a bash session and a python holding "
+                    "200 MB blocked in signal.pause(); per rep a session command (export), a "
+                    "settle pause, then checkpoint(), alternately mode auto (the python keeps "
+                    "its parent's template: reasons say so) and mode full (every process "
+                    "captured afresh, the baseline); every 4th auto checkpoint is rolled back "
+                    "to and the python's memory CRC checked",
                     "template_memory": f"a fresh sandbox per D: python {TEMPLATE_SIZE_MB} MB,"
                     " checkpoint, the live process dirties D MB (one byte per page), then the"
                     " template (the new process in the sandbox cgroup in tracing stop with "
@@ -1231,7 +1361,7 @@ def main(argv: list[str] | None = None) -> int:
                 "summary": summary,
                 "targets": targets,
                 "raw": {"configs": [s.__dict__ for s in series], "fork": fork,
-                        "template_memory": tmem},
+                        "template_memory": tmem, "idle_process": idle},
                 "duration_s": time.time() - t_start,
             }
         finally:

@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 
 from deltabox.inspector import (Inspector, InspectorUnavailable, TurnEffects, cgroup_id,
-                                decide, prepare_kernel_interfaces, unified_cgroup_mount)
-from deltabox.inspector.effects import ExitedProcess, RanProcess, SocketOp
+                                decide, prepare_kernel_interfaces, unified_cgroup_mount,
+                                untouched_processes)
+from deltabox.inspector.effects import (AddressSpaceChange, ExitedProcess, RanProcess,
+                                        SignalledProcess, SocketOp)
 
 PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@x", "GIT_COMMITTER_NAME": "t",
@@ -712,3 +714,19 @@ def test_daemon_file_changes_are_noted(insp, box, watched):
     assert e.files_written == ["/workspace/a"] and e.files_deleted == ["/workspace/b"]
     assert decide(e, parent_kind="full", processes_alive=True).kind == "fs"
     assert _files(insp.turn(watched)) == []
+
+
+def test_untouched_processes_are_those_that_only_waited() -> None:
+    """Pure policy: which long-lived processes a checkpoint may keep the templates of."""
+    e = TurnEffects(
+        key="k", started_at=0.0, ended_at=1.0, long_lived=[10, 11, 12, 13, 14, 15],
+        processes_ran=[RanProcess(pid=11, comm="bash", how="syscall read")],
+        processes_signalled=[SignalledProcess(pid=12, signal=10, how="sent", long_lived=True)],
+        address_space_changed=[AddressSpaceChange(pid=13, syscalls=["mmap"])],
+        sockets=[SocketOp(pid=15, op="accept", long_lived=True)])
+    assert untouched_processes(e) == {10, 14}
+    # Not seen whole, or an effect no single process answers for: nothing is untouched.
+    for unseen in (dict(lost_events=1), dict(late_events=2), dict(complete=False),
+                   dict(outside_entries=[99]), dict(other_effects=["ptrace by 11"]),
+                   dict(processes_truncated=True)):
+        assert untouched_processes(e.model_copy(update=unseen)) == set(), unseen

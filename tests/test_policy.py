@@ -320,3 +320,41 @@ def test_without_inspector_every_auto_checkpoint_is_full(tmp_path: Path) -> None
     finally:
         d.stop()
     assert not leaks(tmp_path)
+
+
+def _report(sbx: Sandbox) -> int:
+    """The counter process's list length (it runs to answer)."""
+    sbx.exec("rm -f /tmp/report; pkill -USR2 -f counter.py")
+    _wait(lambda: sbx.exec("test -s /tmp/report").exit_code == 0)
+    return int(sbx.exec("cat /tmp/report; rm -f /tmp/report").stdout)
+
+
+def test_a_process_that_did_not_run_keeps_its_template(sbx: Sandbox, ebpf: str) -> None:
+    """A full checkpoint shares the parent's template of a process that did not run since
+    (no new copy of its page tables), says so, and restores it exactly, also once the
+    checkpoint that made the template is deleted."""
+    sbx.files.write("/workspace/counter.py", COUNTER)
+    sh = sbx.session("main")
+    sh.run("nohup python3 /workspace/counter.py >/dev/null 2>&1 & export A=0")
+    _wait(lambda: sbx.exec("pgrep -f counter.py").exit_code == 0)
+    sbx.exec("pkill -USR1 -f counter.py")
+    assert _report(sbx) == 1
+    first = sbx.checkpoint()
+    assert first.kind == "full" and not any("kept" in r for r in first.reasons)
+    sh.run("export A=1")                       # the shell runs; the counter waits
+    second = sbx.checkpoint()
+    kept = [r for r in second.reasons if r.startswith("templates kept")]
+    assert second.kind == "full" and kept and "python3" in kept[0], second.reasons
+    assert "bash" not in kept[0]
+    sbx.exec("pkill -USR1 -f counter.py")      # the counter runs; the shell waits
+    _wait(lambda: True)
+    assert _report(sbx) == 2
+    third = sbx.checkpoint()
+    kept = [r for r in third.reasons if r.startswith("templates kept")]
+    assert third.kind == "full" and kept and "python3" not in kept[0], third.reasons
+    sbx.delete_checkpoint(first)               # the template's maker goes; second keeps it
+    for cp, want in ((second, 1), (third, 2), (second, 1)):
+        res = sbx.rollback(cp)
+        assert res.process_state == "restored", res
+        assert _report(sbx) == want
+        assert sh.run("echo $A").stdout == "1\n"

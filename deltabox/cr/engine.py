@@ -48,7 +48,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -121,6 +121,9 @@ class ProcessState:
     # host pid at checkpoint -> a copy of its template traced by the lane thread, while a
     # fan-out fork uses it (DeltaCR.open_lanes)
     lanes: dict[int, native.Template] = field(default_factory=dict)
+    # host pids (at the checkpoint) whose template is shared with the checkpoint before
+    # (they had not run since it was made: DeltaCR.capture's `reuse`)
+    reused: list[int] = field(default_factory=list)
 
     @property
     def template_pids(self) -> set[int]:
@@ -253,10 +256,15 @@ class DeltaCR:
     async def capture(self, procs: dict[int, native.ProcStatus], thaw: Callable[[], None],
                       snapshot_files: Callable[[], Awaitable[None]],
                       daemon_pipes: Callable[[], tuple[dict[int, str], set[int]]],
-                      tracer_ok: set[int]) -> ProcessState:
+                      tracer_ok: set[int],
+                      reuse: Mapping[int, native.Template] | None = None) -> ProcessState:
         """Stop `procs` (the sandbox's processes and their status, cgroup frozen by the caller
         before listing them), snapshot the files, template every process, resume. Raises
-        FailedPrecondition listing every process that cannot be captured, changing nothing."""
+        FailedPrecondition listing every process that cannot be captured, changing nothing.
+        `reuse`: templates, by pid, of processes known not to have run since the template
+        was made (the caller's inspector says so): shared instead of forked anew. They are
+        stopped and read like the others (their records, pipes and files are the
+        checkpoint's own); only their page tables are not copied again."""
         pids = list(procs)
         own = {int(t) for t in os.listdir("/proc/self/task")}
         if any(st.tracer_pid in own for st in procs.values()):
@@ -286,7 +294,7 @@ class DeltaCR:
                     await self.worker.run(
                         _stop_and_template, cap, pids, thaw,
                         lambda: token.run_sync_soon(stops_done.set),
-                        {p: st.rss_kb for p, st in procs.items()})
+                        {p: st.rss_kb for p, st in procs.items()}, dict(reuse or {}))
             finally:
                 stops_done.set()  # also when it failed: the others must not wait forever
 
@@ -703,7 +711,8 @@ RECORDS_WAIT_S = 10.0
 
 
 def _stop_and_template(cap: _Pass, pids: list[int], thaw: Callable[[], None],
-                       stopped: Callable[[], None], rss_kb: dict[int, int]) -> None:
+                       stopped: Callable[[], None], rss_kb: dict[int, int],
+                       reuse: dict[int, native.Template]) -> None:
     """A capture's whole ptrace side in one trip to the ptrace thread: stop every process
     (the cgroup thawed once each is seized, so that it can reach its stop), call `stopped`
     (the file snapshot starts, and the trio loop reads the processes), template them, wait
@@ -717,12 +726,14 @@ def _stop_and_template(cap: _Pass, pids: list[int], thaw: Callable[[], None],
     cap.stopped = _wait_all(cap.stopped)
     cap.stops_done = True
     stopped()
-    cap.templates = _templates(cap.stopped, rss_kb)
+    cap.templates = _templates(cap.stopped, rss_kb, reuse)
     if not cap.records_ready.wait(RECORDS_WAIT_S):
         raise Internal("the capture's process records were not read in time")
     if cap.refused:  # the capture fails: its templates are released
         return
-    _drop_listeners(cap.templates, [r for r in cap.records if r.pid in cap.templates])
+    # A reused template dropped its listeners when it was made.
+    _drop_listeners(cap.templates, [r for r in cap.records
+                                    if r.pid in cap.templates and r.pid not in reuse])
     if cap.files_done.wait(RESUME_WAIT_S) and cap.files_ok:
         _resume_all(cap.stopped)
         cap.resumed = True
@@ -796,15 +807,20 @@ def _wait_all(stopped: list[native.Stopped]) -> list[native.Stopped]:
     return out
 
 
-def _templates(stopped: list[native.Stopped], rss_kb: dict[int, int]
-               ) -> dict[int, native.Template]:
-    """Template every stopped process. All forks are started first, largest first, and
-    collected smallest first: each fork's page-table copy runs in its own process, so on
-    a second CPU the big ones proceed while we finish the small ones. A fork started and
-    not collected (an error) is settled by the stop's abort."""
+def _templates(stopped: list[native.Stopped], rss_kb: dict[int, int],
+               reuse: dict[int, native.Template]) -> dict[int, native.Template]:
+    """Template every stopped process (those in `reuse`: share that template). All forks
+    are started first, largest first, and collected smallest first: each fork's page-table
+    copy runs in its own process, so on a second CPU the big ones proceed while we finish
+    the small ones. A fork started and not collected (an error) is settled by the stop's
+    abort."""
     out: dict[int, native.Template] = {}
-    by_size = sorted(stopped, key=lambda s: rss_kb.get(s.pid, 0), reverse=True)
+    by_size = sorted((s for s in stopped if s.pid not in reuse),
+                     key=lambda s: rss_kb.get(s.pid, 0), reverse=True)
     try:
+        for s in stopped:
+            if s.pid in reuse:
+                out[s.pid] = reuse[s.pid].share()
         for s in by_size:
             _died_in_checkpoint(s, s.start_template)
         for s in reversed(by_size):

@@ -292,6 +292,14 @@ class Template:
         self.pid = pid
         self.origin = origin
         self.owner_thread = threading.get_native_id()
+        self._refs = 1   # checkpoints holding it (share); release() by each, the last frees
+
+    def share(self) -> "Template":
+        """One more holder (a later checkpoint of a process that has not run since this
+        template was made: the same state); each holder releases once."""
+        self._h()
+        self._refs += 1
+        return self
 
     @property
     def released(self) -> bool:
@@ -402,8 +410,12 @@ class Template:
         self.owner_thread = threading.get_native_id()
 
     def release(self) -> None:
-        """SIGKILL the template and reap it.  Idempotent."""
+        """Drop one holder; the last one SIGKILLs the template and reaps it.  Idempotent
+        once released."""
         if self._handle is None:
+            return
+        self._refs -= 1
+        if self._refs > 0:
             return
         lib = _load()
         handle, self._handle = self._handle, None

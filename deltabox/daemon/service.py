@@ -42,7 +42,7 @@ from ..sandbox.userns import IdMap
 from ..background import GuardedNursery, run_all
 from ..cr import hostmem, native
 from ..cr.engine import DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, in_vfork
-from ..inspector import Decision, TurnEffects
+from ..inspector import Decision, TurnEffects, untouched_processes
 from . import budget
 from .faults import crash_point
 from .db import CheckpointRow, Database, SandboxRow
@@ -128,6 +128,9 @@ class Live:
     # keepers of processes a rollback killed, until reaped (_victims_gone)
     old_keepers: list[OldKeepers] = field(default_factory=list)
     init_filters: int | None = None  # seccomp filters of its init (Daemon._init_filters)
+    # (procs_from, pids): processes that ran in a turn whose checkpoint kept the parent's
+    # templates for them (Daemon._note_drift): not reused while procs_from is the same
+    drift: tuple[str | None, frozenset[int]] = (None, frozenset())
 
     @property
     def template_pids(self) -> set[int]:
@@ -137,6 +140,36 @@ class Live:
                  for p in st.template_pids} | self.prespawned |
                 {k.pid for k in self.keepers.values()} |
                 {k.pid for old in self.old_keepers for k in old.carriers})
+
+
+@dataclass
+class Kept:
+    """What a checkpoint may share of its parent's templates (Daemon._kept_templates):
+    running processes (host pids) the turn left untouched, and the parent's templates by
+    pid in the sandbox."""
+    untouched: set[int] = field(default_factory=set)
+    by_nspid: dict[int, native.Template] = field(default_factory=dict)
+
+    def templates_for(self, procs: dict[int, native.ProcStatus]) -> dict[int, native.Template]:
+        """Host pid -> template, for the untouched processes among `procs` that the parent
+        holds (same pid in the sandbox)."""
+        out = {}
+        for pid, st in procs.items():
+            tpl = self.by_nspid.get(st.nspid[-1] if st.nspid else pid)
+            if pid in self.untouched and tpl is not None and not tpl.released:
+                out[pid] = tpl
+        return out
+
+
+def _with_reused(decision: Decision, state: ProcessState | None) -> Decision:
+    """The decision's reasons, plus which processes kept their parent's templates."""
+    if state is None or not state.reused:
+        return decision
+    names = [f"{r.nspid} ({r.cmd.split()[0] if r.cmd else '?'})"
+             for r in state.records if r.pid in state.reused]
+    return decision.model_copy(update=dict(reasons=[
+        *decision.reasons, "templates kept from the parent checkpoint for processes that "
+        f"did not run since: {', '.join(names[:10])}"]))
 
 
 @dataclass
@@ -837,8 +870,12 @@ class Daemon:
             effects = self.turns.end_turn(sid, alive)
             decision = self._decide(mode, live, parent, effects, alive)
             if decision.kind == "full":
-                captured, snap = await self._capture(live, row, layer, alive)
-            elif decision.kind == "fs":
+                kept = self._kept_templates(mode, live, parent, effects)
+                captured, snap = await self._capture(live, row, layer, alive, kept)
+                decision = _with_reused(decision, captured)
+            else:
+                self._note_drift(live, effects)
+            if decision.kind == "fs":
                 snap = self._snapshot(row, layer)
             crash_point("checkpoint.snapshotted")
         except BaseException:
@@ -888,6 +925,42 @@ class Daemon:
             self._evict_templates(live)
         self.warm.prepare(sid, cp.layer_id)
         return cp
+
+    def _kept_templates(self, mode: str, live: Live, parent: CheckpointRow | None,
+                        effects: TurnEffects | None) -> Kept:
+        """For an auto checkpoint: which running processes the turn left untouched, and
+        the templates (by pid in the sandbox) that stand for them: those of the parent
+        checkpoint, when its processes are the ones running (the turn began when they were
+        captured there, or restored from them). A capture shares those templates instead
+        of copying 200 MB of page tables again for a process that only waited."""
+        if (mode != "auto" or effects is None or parent is None or parent.procs_of is None
+                or parent.procs_of != live.procs_from):
+            return Kept()
+        state = live.captured.get(parent.procs_of)
+        if state is None or state.from_dump is not None:
+            return Kept()
+        drift = live.drift[1] if live.drift[0] == live.procs_from else set()
+        untouched = untouched_processes(effects) - drift
+        if not untouched:
+            return Kept()
+        return Kept(untouched, {r.nspid: state.templates[r.pid] for r in state.records
+                                if not state.templates[r.pid].released})
+
+    @staticmethod
+    def _note_drift(live: Live, effects: TurnEffects | None) -> None:
+        """A checkpoint that keeps its parent's templates (fs, skipped) although some
+        process ran: the policy let a session shell whose state digest did not change
+        (turns.py) stand for itself. Its template is then not exactly the running
+        process: never reused for it (_kept_templates) until processes are captured or
+        restored again."""
+        if effects is None:
+            return
+        ran = ({p.pid for p in effects.processes_ran}
+               | {a.pid for a in effects.address_space_changed}
+               | {s.pid for s in effects.processes_signalled})
+        if ran:
+            old = live.drift[1] if live.drift[0] == live.procs_from else set()
+            live.drift = (live.procs_from, frozenset(old | ran))
 
     @staticmethod
     def _init_filters(live: Live) -> int:
@@ -1090,10 +1163,12 @@ class Daemon:
         self.background.start_soon(release)
 
     async def _capture(self, live: Live, row: SandboxRow, layer: str,
-                       candidates: set[int]) -> tuple[ProcessState, Snapshot]:
+                       candidates: set[int], kept: Kept | None = None
+                       ) -> tuple[ProcessState, Snapshot]:
         """With the cgroup frozen: capture every process of the sandbox and snapshot the
-        files at the same instant (DeltaCR). Thaws the cgroup whatever happens; on failure
-        the snapshot is removed and nothing changed."""
+        files at the same instant (DeltaCR); `kept`: templates to share rather than make
+        (_kept_templates). Thaws the cgroup whatever happens; on failure the snapshot is
+        removed and nothing changed."""
         thawed = False
 
         def thaw() -> None:
@@ -1108,12 +1183,17 @@ class Daemon:
             snap.append(await trio.to_thread.run_sync(self._snapshot, row, layer))
 
         try:
-            procs = await self._settle_vforks(live, self._sandbox_processes(candidates))
+            listed = self._sandbox_processes(candidates)
+            procs = await self._settle_vforks(live, listed)
             if not procs:  # nothing runs but init: the snapshot alone is the whole state
                 await snapshot()
                 return ProcessState([], {}, {}, {}), snap[0]
+            # A thaw to let a vfork() finish let every process run: nothing is untouched.
+            reuse = kept.templates_for(procs) if kept and procs is listed else {}
             state = await self.cr.capture(
-                procs, thaw, snapshot, lambda: self._daemon_pipes(live), tracer_ok=set())
+                procs, thaw, snapshot, lambda: self._daemon_pipes(live), tracer_ok=set(),
+                reuse=reuse)
+            state.reused = sorted(reuse)
             return state, snap[0]
         except BaseException as e:
             with trio.CancelScope(shield=True):
