@@ -358,3 +358,24 @@ def test_a_process_that_did_not_run_keeps_its_template(sbx: Sandbox, ebpf: str) 
         assert res.process_state == "restored", res
         assert _report(sbx) == want
         assert sh.run("echo $A").stdout == "1\n"
+
+
+def test_a_shell_that_ran_is_captured_afresh_even_when_quiet(sbx: Sandbox, ebpf: str) -> None:
+    """A session command that changed none of the shell's state gives a skipped checkpoint
+    (the parent's template stands for the shell); the shell did run, though, so a later
+    full checkpoint captures it afresh rather than keep that template."""
+    sbx.files.write("/workspace/counter.py", COUNTER)
+    sh = sbx.session("main")
+    sh.run("nohup python3 /workspace/counter.py >/dev/null 2>&1 &")
+    _wait(lambda: sbx.exec("pgrep -f counter.py").exit_code == 0)
+    assert _report(sbx) == 0
+    assert sbx.checkpoint().kind == "full"
+    sh.run("true")
+    quiet = sbx.checkpoint()
+    assert quiet.kind == "skipped", quiet.reasons
+    sbx.exec("pkill -USR1 -f counter.py")
+    assert _report(sbx) == 1
+    after = sbx.checkpoint()
+    assert after.kind == "full", after.reasons
+    assert not any(r.startswith("templates kept") for r in after.reasons), after.reasons
+    assert sh.run("echo ok").stdout == "ok\n"
