@@ -358,6 +358,16 @@ def record_cleanup(result: dict[str, Any], daemon: PrivateDaemon) -> None:
         log(f"leakcheck (whole machine; other runs count too):\n{report}")
 
 
+def wait_for_file(sbx: Any, path: str, timeout: float, what: str,
+                  interval: float = 0.05) -> None:
+    """Until `path` exists in the sandbox (files API); TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while not sbx.files.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} (no {path} after {timeout:g} s)")
+        time.sleep(interval)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """q in [0, 100]; linear interpolation between closest ranks (numpy's default)."""
     if not values:

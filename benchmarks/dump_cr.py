@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, log, machine_info, ratio, stats,
-                               write_json)
+                               wait_for_file, write_json)
 
 PROGRAM = r"""
 import hashlib, json, os, sys
@@ -332,11 +332,7 @@ def _start_program(sbx: Any, mb: int) -> None:
     sbx.session("s").run("X=1; cd /tmp")
     sbx.files.write("prog.py", SANDBOX_PROGRAM.format(mb=mb))
     sbx.exec("nohup python3 /workspace/prog.py >/dev/null 2>&1 &")
-    deadline = time.monotonic() + 120
-    while not sbx.files.exists("ready"):
-        if time.monotonic() > deadline:
-            raise TimeoutError("the sandbox program did not start")
-        time.sleep(0.05)
+    wait_for_file(sbx, "ready", 120, "the sandbox program did not start")
 
 
 def run_daemon(mb: int, reps: int, tmp_parent: Path) -> dict[str, Any]:

@@ -55,7 +55,7 @@ from deltabox.cr import hostmem, native
 from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, Terminated, Timer, finish_figure,
                                host_thp, latency_boxplot, log, machine_info, other_daemons,
                                percentile, pyplot, ratio, record_cleanup, stats,
-                               terminate_as_exception, write_json)
+                               terminate_as_exception, wait_for_file, write_json)
 
 MiB = 1 << 20
 CTL = "/workspace/ctl"
@@ -766,19 +766,11 @@ def run_idle(d: PrivateDaemon, plan: Plan) -> dict[str, Any]:
         sbx.files.write("/workspace/idle.py", IDLE_PY)
         sh = sbx.session("main")
         sh.run("cd /workspace && nohup python3 /workspace/idle.py 200 >/dev/null 2>&1 &")
-        deadline = time.monotonic() + 120
-        while not sbx.files.exists("/workspace/idle.ready"):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the idle process did not start")
-            time.sleep(0.1)
+        wait_for_file(sbx, "/workspace/idle.ready", 120, "the idle process did not start")
 
         def crc() -> str:
             sbx.exec("rm -f /workspace/idle.crc; pkill -USR2 -f idle.py")
-            end = time.monotonic() + 30
-            while not sbx.files.exists("/workspace/idle.crc"):
-                if time.monotonic() > end:
-                    raise RuntimeError("the idle process did not answer")
-                time.sleep(0.05)
+            wait_for_file(sbx, "/workspace/idle.crc", 30, "the idle process did not answer")
             return sbx.files.read("/workspace/idle.crc").decode()
 
         want = crc()
