@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+import deltabox
 from deltabox import Sandbox
 
 from conftest import OWN_PS, DaemonProc, private_daemon
@@ -232,3 +233,64 @@ def test_processless_full_checkpoint_dump(d: DaemonProc) -> None:
     assert r.process_state == "restored", r.note
     assert sbx.files.read("a.txt") == b"one"
     assert sbx.exec("echo alive").stdout.strip() == "alive"
+
+
+IDLE = r"""
+import hashlib, signal
+buf = bytearray(16 << 20)
+for i in range(16):
+    buf[i << 20:(i + 1) << 20] = hashlib.sha256(bytes([i])).digest() * 32768
+def report(*_):
+    open("/workspace/idle.tmp", "w").write(hashlib.sha256(buf).hexdigest())
+    import os; os.rename("/workspace/idle.tmp", "/workspace/idle.out")
+signal.signal(signal.SIGUSR2, report)
+open("/workspace/idle.ready", "w").write("1")
+while True:
+    signal.pause()
+"""
+
+
+def idle_hash(sbx: Sandbox) -> str:
+    sbx.exec("rm -f /workspace/idle.out; pkill -USR2 -f idle.py")
+    deadline = time.monotonic() + 30
+    while not sbx.files.exists("idle.out"):
+        assert time.monotonic() < deadline, "the idle process did not answer"
+        time.sleep(0.05)
+    return sbx.files.read("idle.out").decode()
+
+
+def test_kept_template_gets_its_image_linked_and_restores_after_kill9(d: DaemonProc) -> None:
+    """A checkpoint that kept a waiting process's template (the inspector saw it wait)
+    gets the image of the checkpoint it kept it from, as hard links (nothing read or
+    written again), and restores from it after kill -9 of the daemon."""
+    d.start("--templates", "1")
+    deadline = time.monotonic() + 120
+    while deltabox.info(socket=d.socket).inspector_backend == "loading":
+        assert time.monotonic() < deadline, "inspector still loading"
+        time.sleep(0.2)
+    sbx = Sandbox.create(socket=d.socket)
+    sbx.files.write("idle.py", IDLE)
+    sh = sbx.session("s")
+    sh.run("nohup python3 /workspace/idle.py >/dev/null 2>&1 & X=one")
+    while not sbx.files.exists("idle.ready"):
+        time.sleep(0.05)
+    want = idle_hash(sbx)
+    cp1 = sbx.checkpoint()
+    assert cp1.kind == "full" and "complete" in dump_state(sbx, cp1.id)
+    sh.run("X=two")                          # the shell runs; the python waits
+    cp2 = sbx.checkpoint()
+    assert any(r.startswith("templates kept") and "python3" in r for r in cp2.reasons)
+    assert "complete" in dump_state(sbx, cp2.id)
+    dumps = d.state_dir / "dumps"
+    pid = sbx.exec("pgrep -x python3").stdout.split()[0]
+    for name in ("core.img", "pages.img"):
+        assert (dumps / cp1.id / pid / name).stat().st_ino == \
+            (dumps / cp2.id / pid / name).stat().st_ino
+    sbx.delete_checkpoint(cp1)               # cp2's image stands on its own links
+    d.kill9()
+    d.start("--templates", "1")
+    sbx = Sandbox.connect(sbx.id, socket=d.socket)
+    r = sbx.rollback(cp2)
+    assert r.process_state == "restored" and "restored from disk" in r.note, r.note
+    assert idle_hash(sbx) == want
+    assert sbx.session("s").run("echo $X").stdout == "two\n"

@@ -322,6 +322,16 @@ def test_without_inspector_every_auto_checkpoint_is_full(tmp_path: Path) -> None
     assert not leaks(tmp_path)
 
 
+def _start_counter(sbx: Sandbox, sh) -> None:
+    """COUNTER, started from session `sh`, once its signal handlers are installed (before,
+    SIGUSR1/2 would kill it): SigCgt has USR1 (bit 9) and USR2 (bit 11)."""
+    sbx.files.write("/workspace/counter.py", COUNTER)
+    sh.run("nohup python3 /workspace/counter.py >/dev/null 2>&1 &")
+    probe = ("p=$(pgrep -x python3) && "
+             "(( (0x$(awk '/^SigCgt/{print $2}' /proc/$p/status) & 0xa00) == 0xa00 ))")
+    _wait(lambda: sbx.exec(probe).exit_code == 0)
+
+
 def _report(sbx: Sandbox) -> int:
     """The counter process's list length (it runs to answer)."""
     sbx.exec("rm -f /tmp/report; pkill -USR2 -f counter.py")
@@ -333,10 +343,9 @@ def test_a_process_that_did_not_run_keeps_its_template(sbx: Sandbox, ebpf: str) 
     """A full checkpoint shares the parent's template of a process that did not run since
     (no new copy of its page tables), says so, and restores it exactly, also once the
     checkpoint that made the template is deleted."""
-    sbx.files.write("/workspace/counter.py", COUNTER)
     sh = sbx.session("main")
-    sh.run("nohup python3 /workspace/counter.py >/dev/null 2>&1 & export A=0")
-    _wait(lambda: sbx.exec("pgrep -f counter.py").exit_code == 0)
+    _start_counter(sbx, sh)
+    sh.run("export A=0")
     sbx.exec("pkill -USR1 -f counter.py")
     assert _report(sbx) == 1
     first = sbx.checkpoint()
@@ -364,10 +373,8 @@ def test_a_shell_that_ran_is_captured_afresh_even_when_quiet(sbx: Sandbox, ebpf:
     """A session command that changed none of the shell's state gives a skipped checkpoint
     (the parent's template stands for the shell); the shell did run, though, so a later
     full checkpoint captures it afresh rather than keep that template."""
-    sbx.files.write("/workspace/counter.py", COUNTER)
     sh = sbx.session("main")
-    sh.run("nohup python3 /workspace/counter.py >/dev/null 2>&1 &")
-    _wait(lambda: sbx.exec("pgrep -f counter.py").exit_code == 0)
+    _start_counter(sbx, sh)
     assert _report(sbx) == 0
     assert sbx.checkpoint().kind == "full"
     sh.run("true")

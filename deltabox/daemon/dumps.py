@@ -85,6 +85,9 @@ class Dumps:
         self.queues: dict[str, collections.deque[tuple[str, ProcessState, int]]] = {}
         self.events: dict[str, trio.Event] = {}          # cp id -> set when its dump ends
         self.last: dict[tuple[str, int, str], Path] = {}  # (sandbox, nspid, cmd) -> image
+        # ... and the template that image was written from (a later checkpoint that kept
+        # that template gets the same image, as hard links: _link_image)
+        self.last_tpl: dict[tuple[str, int, str], native.Template] = {}
         self.in_use: set[Path] = set()                    # parent images being read
         self._deps: dict[str, set[Path]] = {}             # complete dump -> images it needs
         self.worker_ms_max = 0.0     # longest single dump job on the ptrace thread
@@ -174,6 +177,7 @@ class Dumps:
                         self.db.conn.execute("DELETE FROM dumps WHERE cp_id=?", (cp_id,))
         gone = {self.path(c) for c in cp_ids}
         self.last = {k: v for k, v in self.last.items() if v.parent not in gone}
+        self.last_tpl = {k: t for k, t in self.last_tpl.items() if k in self.last}
         self.gc()
 
     def gc(self) -> int:
@@ -267,12 +271,16 @@ class Dumps:
                     raise native.CRError(22, f"the templates of {cp_id} were released "
                                          "before their dump")
                 ok = _seccomp_filters(tpl.pid) <= seccomp_filters
-                parent = self.last.get((sid, rec.nspid, rec.cmd))
+                key = (sid, rec.nspid, rec.cmd)
+                parent = self.last.get(key)
                 if parent is not None and not parent.is_dir():
                     parent = None
                 if parent is not None:
                     self.in_use.add(parent)
                     parents.append(parent)
+                    if self.last_tpl.get(key) is tpl and await trio.to_thread.run_sync(
+                            _link_image, parent, tmp / str(rec.nspid), self.fsync):
+                        continue  # the template the parent image was written from
                 try:
                     st = await self._dump_one(sid, tpl, tmp / str(rec.nspid), parent, ok)
                 except native.CRError:
@@ -291,6 +299,7 @@ class Dumps:
             self._put(DumpRow(cp_id, sid, "complete", total, ms, "", time.time()))
             for rec in state.records:
                 self.last[(sid, rec.nspid, rec.cmd)] = self.path(cp_id) / str(rec.nspid)
+                self.last_tpl[(sid, rec.nspid, rec.cmd)] = state.templates[rec.pid]
             log.info("process dump of %s: %d processes, %.1f MiB, %.0f ms (longest "
                      "process image %.0f ms)", cp_id, len(state.records),
                      total / 2**20, ms, job_ms)
@@ -411,6 +420,33 @@ def _images(d: Path) -> list[Path]:
         return [p for p in d.iterdir() if p.is_dir() and p.name.isdigit()]
     except OSError:
         return []
+
+
+IMAGE_FILES = ("core.img", "mm.img", "pagemap.img", "pages.img")   # native/IMAGE_FORMAT.md
+
+
+def _link_image(src: Path, dst: Path, fsync: bool) -> bool:
+    """Make `dst` the image `src` is, as hard links to its four files: an image never
+    changes once written, its parent link is relative to its directory (every dump's
+    images sit at the same depth), and a checkpoint that kept a template has exactly the
+    image of the checkpoint it kept it from (no 200 MB read and hashed again). False when
+    the links cannot be made here (then the caller dumps)."""
+    try:
+        dst.mkdir()
+        for name in IMAGE_FILES:
+            os.link(src / name, dst / name)
+        if fsync:
+            fd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return True
+    except OSError as e:
+        log.warning("linking process image %s to %s failed (%s): dumping it instead",
+                    src, dst, e)
+        shutil.rmtree(dst, ignore_errors=True)
+        return False
 
 
 def _seccomp_filters(pid: int) -> int:
