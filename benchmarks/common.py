@@ -358,6 +358,19 @@ def record_cleanup(result: dict[str, Any], daemon: PrivateDaemon) -> None:
         log(f"leakcheck (whole machine; other runs count too):\n{report}")
 
 
+def wait_inspector(daemon: PrivateDaemon, timeout: float = 180) -> str:
+    """The daemon's inspector backend once it has loaded (it loads in the background), or
+    what it says after `timeout`."""
+    deadline = time.monotonic() + timeout
+    backend = ""
+    while time.monotonic() < deadline:
+        backend = daemon.info().inspector_backend
+        if not backend.startswith("loading"):
+            return backend
+        time.sleep(0.2)
+    return backend
+
+
 def wait_for_file(sbx: Any, path: str, timeout: float, what: str,
                   interval: float = 0.05) -> None:
     """Until `path` exists in the sandbox (files API); TimeoutError naming `what`."""

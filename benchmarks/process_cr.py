@@ -55,7 +55,8 @@ from deltabox.cr import hostmem, native
 from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, Terminated, Timer, finish_figure,
                                host_thp, latency_boxplot, log, machine_info, other_daemons,
                                percentile, pyplot, ratio, record_cleanup, stats,
-                               terminate_as_exception, wait_for_file, write_json)
+                               terminate_as_exception, wait_for_file, wait_inspector,
+                               write_json)
 
 MiB = 1 << 20
 CTL = "/workspace/ctl"
@@ -734,18 +735,6 @@ while True:
 """
 
 
-def inspector_ready(d: PrivateDaemon, timeout: float = 120) -> str:
-    """The daemon's inspector backend once it has loaded (it loads in the background)."""
-    import deltabox
-
-    deadline = time.monotonic() + timeout
-    while True:
-        backend = deltabox.info(socket=d.socket).inspector_backend
-        if backend != "loading" or time.monotonic() > deadline:
-            return backend
-        time.sleep(0.2)
-
-
 def run_idle(d: PrivateDaemon, plan: Plan) -> dict[str, Any]:
     """A bash session that works and a 200 MB python that waits (an idle server or REPL):
     per rep, a session command, then `checkpoint()` (auto: the waiting process keeps its
@@ -754,7 +743,7 @@ def run_idle(d: PrivateDaemon, plan: Plan) -> dict[str, Any]:
     rollback to the auto checkpoint must restore the process's memory (its CRC)."""
     from deltabox import Sandbox
 
-    backend = inspector_ready(d)
+    backend = wait_inspector(d)
     sbx = Sandbox.create(socket=d.socket)
     auto_ms: list[float] = []
     auto_server: list[float] = []

@@ -76,6 +76,19 @@ def wait_ready(d: DaemonProc, timeout: float = 60) -> None:
     raise RuntimeError(f"deltaboxd not ready: {d.log.read_text()[-3000:]}")
 
 
+def inspector_backend(socket: str | None = None, timeout: float = 60) -> str:
+    """The daemon's inspector backend once it has loaded (it loads in the background)."""
+    import deltabox
+
+    deadline = time.monotonic() + timeout
+    while True:
+        backend = deltabox.info(socket=socket).inspector_backend
+        if backend != "loading":
+            return backend
+        assert time.monotonic() < deadline, "inspector still loading"
+        time.sleep(0.2)
+
+
 def leaks(state_dir: Path) -> list[str]:
     """What a stopped daemon left behind (the checks of ../shared/tools/leakcheck)."""
     found = []

@@ -9,10 +9,9 @@ import time
 
 import pytest
 
-import deltabox
 from deltabox import Sandbox
 
-from conftest import OWN_PS, DaemonProc, private_daemon
+from conftest import OWN_PS, DaemonProc, inspector_backend, private_daemon
 
 ARGS = ("--no-inspector", "--templates", "1")
 MB = 100
@@ -264,10 +263,7 @@ def test_kept_template_gets_its_image_linked_and_restores_after_kill9(d: DaemonP
     gets the image of the checkpoint it kept it from, as hard links (nothing read or
     written again), and restores from it after kill -9 of the daemon."""
     d.start("--templates", "1")
-    deadline = time.monotonic() + 120
-    while deltabox.info(socket=d.socket).inspector_backend == "loading":
-        assert time.monotonic() < deadline, "inspector still loading"
-        time.sleep(0.2)
+    inspector_backend(d.socket, timeout=120)
     sbx = Sandbox.create(socket=d.socket)
     sbx.files.write("idle.py", IDLE)
     sh = sbx.session("s")

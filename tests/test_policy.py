@@ -22,6 +22,8 @@ import pytest
 import deltabox
 from deltabox import Sandbox
 
+from conftest import inspector_backend
+
 # The tree the catalog works in, listed with names, types, modes, sizes and mtimes and every
 # file's content. Not directories' mtimes: a turn that only creates and removes a file again
 # (git status takes and drops .git/index.lock) is skipped, by policy (README: what a skipped
@@ -58,19 +60,9 @@ def _wait(cond: Callable[[], bool], timeout: float = 20) -> None:
         time.sleep(0.05)
 
 
-def _inspector_ready(timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        backend = deltabox.info().inspector_backend
-        if backend != "loading":
-            return backend
-        assert time.monotonic() < deadline, "inspector still loading"
-        time.sleep(0.2)
-
-
 @pytest.fixture
 def ebpf(daemon) -> str:
-    backend = _inspector_ready()
+    backend = inspector_backend()
     assert backend.startswith("ebpf"), f"the eBPF inspector must load on this machine: {backend}"
     return backend
 

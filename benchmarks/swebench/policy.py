@@ -46,7 +46,7 @@ from typing import Any
 from benchmarks.common import DEFAULT_OUT as COMMON_OUT
 from benchmarks.common import (PrivateDaemon, default_cache_dir, finish_figure, leakcheck, log,
                                machine_info, other_daemons, percentile, pyplot, run_main,
-                               terminate_as_exception, write_json)
+                               terminate_as_exception, wait_inspector, write_json)
 
 from . import core, env
 from .report import _f, machine_lines, short
@@ -946,17 +946,6 @@ def make_options(args: argparse.Namespace) -> Options:
                    rounds=args.rounds or 5, think=args.think,
                    timeout=args.timeout, warmup_actions=args.warmup,
                    verify_per_kind=args.verify_per_kind, seed=args.seed)
-
-
-def wait_inspector(daemon: PrivateDaemon, timeout: float = 180) -> str:
-    deadline = time.monotonic() + timeout
-    backend = ""
-    while time.monotonic() < deadline:
-        backend = daemon.info().inspector_backend
-        if not backend.startswith("loading"):
-            return backend
-        time.sleep(0.2)
-    return backend
 
 
 def run(args: argparse.Namespace) -> int:

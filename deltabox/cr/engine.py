@@ -353,7 +353,8 @@ class DeltaCR:
                 for e in g.ends:
                     if e.fd == 0:
                         sessions[g.owner.split(":")[1]] = e.pid
-        return ProcessState(cap.records, cap.templates, pipes, sessions)
+        return ProcessState(cap.records, cap.templates, pipes, sessions,
+                            reused=sorted(p for p in reuse or {} if p in cap.templates))
 
     # ---- restore -----------------------------------------------------------------------
 

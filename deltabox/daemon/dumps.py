@@ -84,10 +84,9 @@ class Dumps:
         # draining it (a parked task per pending dump costs ~13 KiB; backlogs happen).
         self.queues: dict[str, collections.deque[tuple[str, ProcessState, int]]] = {}
         self.events: dict[str, trio.Event] = {}          # cp id -> set when its dump ends
-        self.last: dict[tuple[str, int, str], Path] = {}  # (sandbox, nspid, cmd) -> image
-        # ... and the template that image was written from (a later checkpoint that kept
-        # that template gets the same image, as hard links: _link_image)
-        self.last_tpl: dict[tuple[str, int, str], native.Template] = {}
+        # (sandbox, nspid, cmd) -> its last image, and the template it was written from (a
+        # later checkpoint that kept that template gets the same image: _link_image)
+        self.last: dict[tuple[str, int, str], tuple[Path, native.Template]] = {}
         self.in_use: set[Path] = set()                    # parent images being read
         self._deps: dict[str, set[Path]] = {}             # complete dump -> images it needs
         self.worker_ms_max = 0.0     # longest single dump job on the ptrace thread
@@ -176,8 +175,7 @@ class Dumps:
                     if r.state == "failed":
                         self.db.conn.execute("DELETE FROM dumps WHERE cp_id=?", (cp_id,))
         gone = {self.path(c) for c in cp_ids}
-        self.last = {k: v for k, v in self.last.items() if v.parent not in gone}
-        self.last_tpl = {k: t for k, t in self.last_tpl.items() if k in self.last}
+        self.last = {k: v for k, v in self.last.items() if v[0].parent not in gone}
         self.gc()
 
     def gc(self) -> int:
@@ -272,13 +270,13 @@ class Dumps:
                                          "before their dump")
                 ok = _seccomp_filters(tpl.pid) <= seccomp_filters
                 key = (sid, rec.nspid, rec.cmd)
-                parent = self.last.get(key)
+                parent, made_by = self.last.get(key, (None, None))
                 if parent is not None and not parent.is_dir():
                     parent = None
                 if parent is not None:
                     self.in_use.add(parent)
                     parents.append(parent)
-                    if self.last_tpl.get(key) is tpl and await trio.to_thread.run_sync(
+                    if made_by is tpl and await trio.to_thread.run_sync(
                             _link_image, parent, tmp / str(rec.nspid), self.fsync):
                         continue  # the template the parent image was written from
                 try:
@@ -298,8 +296,8 @@ class Dumps:
             ms = (time.perf_counter() - t0) * 1000
             self._put(DumpRow(cp_id, sid, "complete", total, ms, "", time.time()))
             for rec in state.records:
-                self.last[(sid, rec.nspid, rec.cmd)] = self.path(cp_id) / str(rec.nspid)
-                self.last_tpl[(sid, rec.nspid, rec.cmd)] = state.templates[rec.pid]
+                self.last[(sid, rec.nspid, rec.cmd)] = (self.path(cp_id) / str(rec.nspid),
+                                                        state.templates[rec.pid])
             log.info("process dump of %s: %d processes, %.1f MiB, %.0f ms (longest "
                      "process image %.0f ms)", cp_id, len(state.records),
                      total / 2**20, ms, job_ms)

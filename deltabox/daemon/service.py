@@ -42,7 +42,7 @@ from ..sandbox.userns import IdMap
 from ..background import GuardedNursery, run_all
 from ..cr import hostmem, native
 from ..cr.engine import DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, in_vfork
-from ..inspector import Decision, TurnEffects, untouched_processes
+from ..inspector import Decision, TurnEffects, touched_processes, untouched_processes
 from . import budget
 from .faults import crash_point
 from .db import CheckpointRow, Database, SandboxRow
@@ -131,6 +131,10 @@ class Live:
     # (procs_from, pids): processes that ran in a turn whose checkpoint kept the parent's
     # templates for them (Daemon._note_drift): not reused while procs_from is the same
     drift: tuple[str | None, frozenset[int]] = (None, frozenset())
+
+    def drifted(self) -> frozenset[int]:
+        """The drift recorded for the running processes (none once they are others)."""
+        return self.drift[1] if self.drift[0] == self.procs_from else frozenset()
 
     @property
     def template_pids(self) -> set[int]:
@@ -939,12 +943,10 @@ class Daemon:
         state = live.captured.get(parent.procs_of)
         if state is None or state.from_dump is not None:
             return Kept()
-        drift = live.drift[1] if live.drift[0] == live.procs_from else set()
-        untouched = untouched_processes(effects) - drift
+        untouched = untouched_processes(effects) - live.drifted()
         if not untouched:
             return Kept()
-        return Kept(untouched, {r.nspid: state.templates[r.pid] for r in state.records
-                                if not state.templates[r.pid].released})
+        return Kept(untouched, {r.nspid: state.templates[r.pid] for r in state.records})
 
     @staticmethod
     def _note_drift(live: Live, effects: TurnEffects | None) -> None:
@@ -953,14 +955,9 @@ class Daemon:
         (turns.py) stand for itself. Its template is then not exactly the running
         process: never reused for it (_kept_templates) until processes are captured or
         restored again."""
-        if effects is None:
-            return
-        ran = ({p.pid for p in effects.processes_ran}
-               | {a.pid for a in effects.address_space_changed}
-               | {s.pid for s in effects.processes_signalled})
+        ran = touched_processes(effects) if effects is not None else set()
         if ran:
-            old = live.drift[1] if live.drift[0] == live.procs_from else set()
-            live.drift = (live.procs_from, frozenset(old | ran))
+            live.drift = (live.procs_from, live.drifted() | ran)
 
     @staticmethod
     def _init_filters(live: Live) -> int:
@@ -1163,8 +1160,7 @@ class Daemon:
         self.background.start_soon(release)
 
     async def _capture(self, live: Live, row: SandboxRow, layer: str,
-                       candidates: set[int], kept: Kept | None = None
-                       ) -> tuple[ProcessState, Snapshot]:
+                       candidates: set[int], kept: Kept) -> tuple[ProcessState, Snapshot]:
         """With the cgroup frozen: capture every process of the sandbox and snapshot the
         files at the same instant (DeltaCR); `kept`: templates to share rather than make
         (_kept_templates). Thaws the cgroup whatever happens; on failure the snapshot is
@@ -1189,11 +1185,10 @@ class Daemon:
                 await snapshot()
                 return ProcessState([], {}, {}, {}), snap[0]
             # A thaw to let a vfork() finish let every process run: nothing is untouched.
-            reuse = kept.templates_for(procs) if kept and procs is listed else {}
+            reuse = kept.templates_for(procs) if procs is listed else {}
             state = await self.cr.capture(
                 procs, thaw, snapshot, lambda: self._daemon_pipes(live), tracer_ok=set(),
                 reuse=reuse)
-            state.reused = sorted(reuse)
             return state, snap[0]
         except BaseException as e:
             with trio.CancelScope(shield=True):

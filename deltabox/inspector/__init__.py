@@ -14,12 +14,13 @@ See core.py (mechanics), program.py (the eBPF side) and policy.py (rules).
 from .core import Inspector, InspectorUnavailable
 from .effects import (AddressSpaceChange, ExecedProcess, ExitedProcess, ForkedProcess,
                       RanProcess, SignalledProcess, SocketOp, TurnEffects)
-from .policy import Decision, decide, process_changes, untouched_processes
+from .policy import (Decision, decide, process_changes, touched_processes,
+                     untouched_processes)
 from .setup import cgroup_id, prepare_kernel_interfaces, unified_cgroup_mount
 
 __all__ = [
     "AddressSpaceChange", "Decision", "ExecedProcess", "ExitedProcess", "ForkedProcess",
     "Inspector", "InspectorUnavailable", "RanProcess", "SignalledProcess", "SocketOp",
     "TurnEffects", "cgroup_id", "decide", "prepare_kernel_interfaces", "process_changes",
-    "unified_cgroup_mount", "untouched_processes",
+    "touched_processes", "unified_cgroup_mount", "untouched_processes",
 ]

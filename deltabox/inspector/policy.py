@@ -77,21 +77,25 @@ def process_changes(e: TurnEffects, *, processes_alive: bool = True,
     return out
 
 
+def touched_processes(e: TurnEffects) -> set[int]:
+    """Processes (host pids) the turn did something to or that did something in it: ran,
+    were signalled, changed their address space, used a socket, exec-ed, forked, exited."""
+    return ({p.pid for p in e.processes_ran} | {a.pid for a in e.address_space_changed}
+            | {s.pid for s in e.processes_signalled} | {s.pid for s in e.sockets}
+            | {p.pid for p in e.processes_execed} | {p.parent_pid for p in e.processes_forked}
+            | {p.pid for p in e.processes_exited})
+
+
 def untouched_processes(e: TurnEffects) -> set[int]:
-    """Processes (host pids) that lived through the whole turn without running, being
-    signalled or having their address space changed: exactly as they were when it began,
-    so a checkpoint may keep the templates it had of them. Stricter than process_changes:
-    running counts even for a quiet session shell. Empty whenever the inspector did not see
-    the turn whole, or something happened that no single process answers for (ptrace,
-    process_vm_writev, IPC, a mount, ...: other_effects)."""
+    """Processes (host pids) that lived through the whole turn untouched: exactly as they
+    were when it began, so a checkpoint may keep the templates it had of them. Stricter
+    than process_changes: running counts even for a quiet session shell. Empty whenever the
+    inspector did not see the turn whole, or something happened that no single process
+    answers for (ptrace, process_vm_writev, IPC, a mount, ...: other_effects)."""
     if (e.lost_events or e.late_events or not e.complete or e.outside_entries
             or e.other_effects or e.processes_truncated):
         return set()
-    touched = ({p.pid for p in e.processes_ran} | {a.pid for a in e.address_space_changed}
-               | {s.pid for s in e.processes_signalled} | {s.pid for s in e.sockets}
-               | {p.pid for p in e.processes_execed} | {p.parent_pid for p in e.processes_forked}
-               | {p.pid for p in e.processes_exited})
-    return set(e.long_lived) - touched
+    return set(e.long_lived) - touched_processes(e)
 
 
 def decide(effects: TurnEffects | None, *, parent_kind: str | None,
