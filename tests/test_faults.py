@@ -25,7 +25,7 @@ from deltabox import Sandbox
 from deltabox.daemon.faults import STEPS
 from deltabox.sandbox.cgroups import parent_name
 
-from conftest import DaemonProc, leaks
+from conftest import DaemonProc, inspector_backend, leaks
 
 # Fault tests run without the eBPF inspector (it loads for seconds in the background) and
 # without warm ready generations; spare clones are uncommitted layers that recovery removes.
@@ -57,8 +57,12 @@ CASES = [
 SETUP_HITS = {"checkpoint": 3}
 
 
+# Steps with a test of their own (below).
+OWN_TESTS = {"checkpoint.answered"}
+
+
 def test_every_step_is_covered() -> None:
-    assert {c[0] for c in CASES} == set(STEPS)
+    assert {c[0] for c in CASES} | OWN_TESTS == set(STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -404,3 +408,42 @@ def test_oom_during_checkpoint(d: DaemonProc) -> None:
     oom = Path(d.log).read_text()
     assert "internal error" not in oom.lower(), oom[-2000:]
     assert grpc  # noqa: the import documents the status names used above
+
+
+@pytest.mark.timeout(180)
+def test_crash_after_an_fs_checkpoint_was_answered_before_its_snapshot(d: DaemonProc) -> None:
+    """An auto fs checkpoint of a sandbox that runs nothing is answered before its snapshot
+    (tests/test_checkpoint_deferred.py); a kill -9 right after the answer: the restarted
+    daemon takes the snapshot from the sandbox's layer, untouched since, and the checkpoint
+    restores exactly what it held at the answer. Needs the inspector (the auto policy)."""
+    d.start("--warm-generations", "0", env={"DELTABOX_CRASH_AT": "checkpoint.answered"})
+    s = d.socket
+    assert inspector_backend(s).startswith("ebpf")
+    sb = Sandbox.create(socket=s)
+    sb.files.write("a.txt", "v1")
+    cp1 = sb.checkpoint(mode="fs")
+    sb.files.write("a.txt", "v2")
+    sb.exec("seq 100 > /workspace/n.txt")
+    cp2 = sb.checkpoint()   # answered, then the daemon dies before the snapshot
+    assert cp2.kind == "fs" and cp2.files_changed == 0, cp2
+    assert d.proc is not None and d.proc.wait(30) == -signal.SIGKILL
+    assert "killing deltaboxd (SIGKILL) at checkpoint.answered" in d.log.read_text()
+    d.start(*FLAGS)
+    sbs, cps = _db(d)
+    assert set(cps) == {cp1.id, cp2.id} and sbs[sb.id][1] == cp2.id
+    _wait_layers_settle(d)
+    sb = Sandbox.connect(sb.id, socket=s)
+    got = sb.get_checkpoint(cp2)
+    assert got.files_changed >= 2 and any("file snapshot taken" in r for r in got.reasons)
+    sb.files.write("a.txt", "v3")
+    sb.rollback(cp2)
+    assert sb.files.read("a.txt") == b"v2"
+    assert sb.files.read("n.txt") == "".join(f"{i}\n" for i in range(1, 101)).encode()
+    sb.rollback(cp1)
+    assert sb.files.read("a.txt") == b"v1" and not sb.files.exists("n.txt")
+    sb.kill()
+    _wait_layers_settle(d)
+    assert _layers_on_disk(d) == set()
+    d.stop()
+    assert d.proc.returncode == 0 and not leaks(d.state_dir.parent)
+

@@ -26,7 +26,8 @@ CREATE TABLE IF NOT EXISTS checkpoints (
   layer_id TEXT NOT NULL, image TEXT NOT NULL, kind TEXT NOT NULL, label TEXT NOT NULL,
   created_at REAL NOT NULL, duration_ms REAL NOT NULL, files_changed INTEGER NOT NULL,
   bytes_changed INTEGER NOT NULL, freeze_ms REAL NOT NULL, gen INTEGER NOT NULL DEFAULT 0,
-  reasons TEXT NOT NULL DEFAULT '[]', procs_of TEXT, bases TEXT NOT NULL DEFAULT ''
+  reasons TEXT NOT NULL DEFAULT '[]', procs_of TEXT, bases TEXT NOT NULL DEFAULT '',
+  snapshot_of TEXT
 );
 CREATE INDEX IF NOT EXISTS cp_family ON checkpoints(family_id);
 """
@@ -75,6 +76,9 @@ class CheckpointRow:
     # parent's for a policy "fs" or "skipped" (nothing ran since), None for file state only.
     procs_of: str | None = None
     bases: list[str] = field(default_factory=list)   # those of the sandbox it was taken in
+    # Set while the checkpoint's file snapshot is still to be taken from this writable layer
+    # (answered first: Daemon._deferred_snapshot); recovery takes it if a crash came between.
+    snapshot_of: str | None = None
 
 
 class Database:
@@ -106,6 +110,8 @@ class Database:
         if "bases" not in cols:
             self.conn.execute("ALTER TABLE checkpoints ADD COLUMN bases TEXT NOT NULL "
                               "DEFAULT ''")
+        if "snapshot_of" not in cols:
+            self.conn.execute("ALTER TABLE checkpoints ADD COLUMN snapshot_of TEXT")
 
     def close(self) -> None:
         self.conn.close()
@@ -166,6 +172,11 @@ class Database:
     def all_checkpoints(self) -> list[CheckpointRow]:
         rows = self.conn.execute("SELECT * FROM checkpoints ORDER BY created_at").fetchall()
         return [_checkpoint(r) for r in rows]
+
+    def unsnapshotted(self) -> list[CheckpointRow]:
+        """Checkpoints whose file snapshot was still to be taken when a daemon stopped."""
+        rows = self.conn.execute("SELECT * FROM checkpoints WHERE snapshot_of IS NOT NULL")
+        return [_checkpoint(r) for r in rows.fetchall()]
 
     def delete_checkpoint(self, cid: str) -> None:
         self.conn.execute("DELETE FROM checkpoints WHERE id=?", (cid,))

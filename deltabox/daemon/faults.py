@@ -25,6 +25,7 @@ STEPS = (
     "checkpoint.captured",        # thawed; capture done, metadata not written
     "checkpoint.before_commit",   # just before the SQLite transaction
     "checkpoint.after_commit",    # just after it
+    "checkpoint.answered",        # an fs checkpoint answered, its snapshot not yet taken
     "rollback.killed",            # the sandbox's processes were killed
     "rollback.generation",        # the new file-system generation is built (uncommitted)
     "rollback.before_commit",

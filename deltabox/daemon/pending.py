@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -61,3 +62,34 @@ class PendingCheckpoints:
         a listing shows what exists)."""
         for p in [p for p in self._promised.values() if p.sandbox_id == sandbox_id]:
             await p.done.wait()
+
+
+class EarlyAnswer:
+    """The answer of an operation that a background task runs and may hand back before it
+    is done (an fs checkpoint answered before its snapshot: Daemon._deferred_snapshot):
+    the caller waits for `give` or `fail`; the task goes on after `give`."""
+
+    def __init__(self) -> None:
+        self._set = trio.Event()
+        self._value: Any = None
+        self._error: Exception | None = None
+
+    @property
+    def given(self) -> bool:
+        return self._set.is_set()
+
+    def give(self, value: Any) -> None:
+        if not self._set.is_set():
+            self._value = value
+            self._set.set()
+
+    def fail(self, error: Exception) -> None:
+        if not self._set.is_set():
+            self._error = error
+            self._set.set()
+
+    async def wait(self) -> Any:
+        await self._set.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value

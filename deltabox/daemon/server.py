@@ -260,7 +260,7 @@ class Servicer(pb_grpc.DeltaBoxServicer):
                                          created_at=time.time())
             return self._run(context, promise)
         cp = self._run(context, self.d.checkpoint, request.sandbox_id, request.mode,
-                       request.label)
+                       request.label, self._answered(context))
         return checkpoint_pb(cp)
 
     def Rollback(self, request, context):  # noqa: N802

@@ -8,6 +8,7 @@ but is not committed is garbage that `recover()` removes on the next start.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
 import functools
 import logging
@@ -47,7 +48,7 @@ from . import budget
 from .faults import crash_point
 from .db import CheckpointRow, Database, SandboxRow
 from .dumps import NOT_COMPLETED, Dumps, init_seccomp_filters
-from .pending import PendingCheckpoints
+from .pending import EarlyAnswer, PendingCheckpoints
 from .scheduler import IOScheduler
 from .turns import Turns
 from .warm import Ready, WarmPool
@@ -193,6 +194,9 @@ PRESPAWN_RETRY_S = 0.02
 
 # A background checkpoint waits at most this long for its caller's answer to go out.
 ANSWER_WAIT_S = 0.05
+# The reason an fs checkpoint's answer carries when its snapshot follows the answer.
+DEFERRED_NOTE = ("file snapshot taken right after this answer: files_changed and "
+                 "bytes_changed come with it (get_checkpoint)")
 
 # After a rollback, how long its killed processes' keepers wait before dying (their exit
 # tears down the address spaces: CPU time better spent after the client has its answer).
@@ -393,6 +397,7 @@ class Daemon:
             if layer not in referenced:
                 log.info("recover: deleting uncommitted layer %s", layer)
                 self.store.delete(layer)
+        self._finish_snapshots()
         self.dumps.recover({c.id for c in self.db.all_checkpoints()})
         for row in self.db.sandboxes():
             try:
@@ -800,15 +805,48 @@ class Daemon:
 
     # ---- checkpoints -----------------------------------------------------------------
 
-    async def checkpoint(self, sid: str, mode: str, label: str) -> CheckpointRow:
+    async def checkpoint(self, sid: str, mode: str, label: str,
+                         answered: trio.Event | None = None) -> CheckpointRow:
         """Capture the sandbox's state as a new checkpoint, child of its head. mode "auto"
         (the default) does only what the turn since the parent needs (daemon/turns.py):
         nothing (`skipped`), a file snapshot (`fs`) or files and processes (`full`);
-        "fs" forces file state only, "full" forces a capture of both."""
+        "fs" forces file state only, "full" forces a capture of both.
+
+        `answered` (set once the caller's answer has gone out: the gRPC bridge) lets an
+        auto checkpoint that needs only a file snapshot, of a sandbox that runs nothing,
+        answer as soon as it is committed and take the snapshot right after
+        (_deferred_snapshot)."""
         mode = checkpoint_mode(mode, label)
         live = self._live(sid)
-        async with live.lock:
-            return await self._checkpoint_locked(sid, mode, label, new_id("cp"))
+        cp_id = new_id("cp")
+        if answered is None or mode != "auto" or not self._may_defer_snapshots():
+            async with live.lock:
+                return await self._checkpoint_locked(sid, mode, label, cp_id)
+        answer = EarlyAnswer()
+
+        async def run() -> None:
+            try:
+                async with live.lock:
+                    answer.give(await self._checkpoint_locked(sid, mode, label, cp_id,
+                                                              answer, answered))
+            except Exception as e:
+                if answer.given:
+                    raise  # after the answer: logged by the background nursery
+                answer.fail(e)
+            except BaseException:
+                answer.fail(Unavailable("deltaboxd is stopping; take the checkpoint again"))
+                raise
+
+        self.background.start_soon(run)
+        return await answer.wait()
+
+    def _may_defer_snapshots(self) -> bool:
+        """Whether a checkpoint may be answered before its file snapshot: on the daemon's
+        own loop store without --durable, what a committed checkpoint survives is a crash
+        of the daemon, and recovery takes a snapshot left to take (_finish_snapshots).
+        Where a checkpoint must survive a host crash, the snapshot's transaction commit is
+        what makes it durable: it stays before the answer."""
+        return self.store.backend == "btrfs-loop" and not self.cfg.durable
 
     async def checkpoint_soon(self, sid: str, mode: str, label: str,
                               answered: trio.Event | None = None) -> str:
@@ -851,9 +889,11 @@ class Daemon:
                 log.warning("background checkpoint %s of %s: %s", cp_id, sid, error.message)
             self.pending.settle(cp_id, error)
 
-    async def _checkpoint_locked(self, sid: str, mode: str, label: str,
-                                 cp_id: str) -> CheckpointRow:
-        """The checkpoint itself, under the sandbox's lock."""
+    async def _checkpoint_locked(self, sid: str, mode: str, label: str, cp_id: str,
+                                 answer: EarlyAnswer | None = None,
+                                 answered: trio.Event | None = None) -> CheckpointRow:
+        """The checkpoint itself, under the sandbox's lock. With `answer`, a file snapshot
+        of a sandbox that runs nothing is taken after the committed row is answered."""
         row = self._sandbox(sid)
         live = self._live(sid)
         t0 = time.perf_counter()
@@ -879,7 +919,10 @@ class Daemon:
                 decision = _with_reused(decision, captured)
             else:
                 self._note_drift(live, effects)
-            if decision.kind == "fs":
+            # Nothing runs and every operation that could write waits for the lock: the
+            # layer stays as it is now until the snapshot, taken right after the answer.
+            defer = answer is not None and decision.kind == "fs" and not frozen
+            if decision.kind == "fs" and not defer:
                 snap = self._snapshot(row, layer)
             crash_point("checkpoint.snapshotted")
         except BaseException:
@@ -898,6 +941,8 @@ class Daemon:
             procs_of = None
         cp = self._checkpoint_row(cp_id, row, parent, layer, decision, captured, label,
                                   procs_of, snap)
+        if decision.kind == "fs" and snap is None:
+            cp.snapshot_of = row.layer_id
         cp.freeze_ms = freeze_ms
         cp.duration_ms = (time.perf_counter() - t0) * 1000
         row.head_cp = cp_id
@@ -927,8 +972,86 @@ class Daemon:
             self.dumps.schedule(self.background.start_soon, sid, cp_id, captured,
                                 self._init_filters(live))
             self._evict_templates(live)
+        if cp.snapshot_of is not None:
+            assert answer is not None and answered is not None
+            self.pending.promise(cp_id, sid)
+            answer.give(dataclasses.replace(cp, reasons=list(cp.reasons)))
+            await self._deferred_snapshot(sid, row, cp, answered)
+            return cp
         self.warm.prepare(sid, cp.layer_id)
         return cp
+
+    async def _deferred_snapshot(self, sid: str, row: SandboxRow, cp: CheckpointRow,
+                                 answered: trio.Event) -> None:
+        """The file snapshot of checkpoint `cp`, answered before it and still under the
+        sandbox's lock (the layer has not changed since). Operations that name `cp` wait
+        for it (pending); if it fails, the checkpoint is undone and they get the error. A
+        daemon killed before it leaves `cp.snapshot_of` set: the next start takes it."""
+        error: DeltaBoxError | None = None
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(ANSWER_WAIT_S):
+                await answered.wait()  # the answer's thread needs the GIL more than we do
+            crash_point("checkpoint.answered")
+            t0 = time.perf_counter()
+            try:
+                snap = await trio.to_thread.run_sync(self._snapshot, row, cp.layer_id)
+            except Exception as e:
+                error = e if isinstance(e, DeltaBoxError) else Internal(
+                    f"taking the file snapshot of {cp.id} failed: {e!r}")
+                log.error("checkpoint %s of %s: %s; the checkpoint is undone", cp.id, sid,
+                          error.message)
+                self._undo_checkpoint(sid, row, cp)
+            else:
+                self._snapshot_taken(row, cp, snap, (time.perf_counter() - t0) * 1000)
+        self.pending.settle(cp.id, error)
+        if error is None:
+            self.warm.prepare(sid, cp.layer_id)
+
+    def _snapshot_taken(self, row: SandboxRow, cp: CheckpointRow, snap: Snapshot,
+                        ms: float) -> None:
+        """Commit what a deferred snapshot found (the change summary, the generation the
+        sandbox's next checkpoint counts from)."""
+        if snap.changes is not None:
+            cp.files_changed, cp.bytes_changed = snap.changes.files, snap.changes.bytes
+        cp.reasons = [r for r in cp.reasons if r != DEFERRED_NOTE] + [
+            f"file snapshot taken {ms:.1f} ms after the answer (nothing ran in the sandbox "
+            "meanwhile; operations waited for it)"]
+        cp.snapshot_of = None
+        row.base_gen = snap.generation
+        with self.db.transaction():
+            self.db.put_checkpoint(cp)
+            self.db.put_sandbox(row)
+
+    def _undo_checkpoint(self, sid: str, row: SandboxRow | None, cp: CheckpointRow) -> None:
+        """A checkpoint that never got its files: gone, its parent the head again."""
+        with self.db.transaction():
+            self.db.delete_checkpoint(cp.id)
+            if row is not None and row.head_cp == cp.id:
+                row.head_cp = cp.parent_id
+                self.db.put_sandbox(row)
+        self.turns.lost_turn(sid)
+        if self.store.layer_path(cp.layer_id).exists():
+            self.store.delete(cp.layer_id)
+
+    def _finish_snapshots(self) -> None:
+        """At start: take the file snapshots a previous daemon answered for but did not
+        take. Their sandbox's layer is as it was then: nothing ran in it, every later
+        operation waited for the snapshot, and the daemon's death stopped them all."""
+        for cp in self.db.unsnapshotted():
+            row = self.db.get_sandbox(cp.sandbox_id)
+            if row is None or row.layer_id != cp.snapshot_of or not \
+                    self.store.layer_path(row.layer_id).exists():
+                log.error("recover: checkpoint %s has no file snapshot and the layer it "
+                          "was to be taken from is gone; dropping it", cp.id)
+                self._undo_checkpoint(cp.sandbox_id, row, cp)
+                continue
+            if not self.store.layer_path(cp.layer_id).exists():
+                snap = self._snapshot(row, cp.layer_id)
+            else:  # taken; the daemon died before recording it
+                snap = Snapshot(self.store.changes_since(cp.layer_id, row.base_gen),
+                                self.store.generation(cp.layer_id))
+            log.info("recover: took the file snapshot of checkpoint %s", cp.id)
+            self._snapshot_taken(row, cp, snap, 0.0)
 
     def _kept_templates(self, mode: str, live: Live, parent: CheckpointRow | None,
                         effects: TurnEffects | None) -> Kept:
@@ -1021,8 +1144,10 @@ class Daemon:
             assert parent is not None
             layer = parent.layer_id
             reasons.append(f"aliases {parent.id}: no snapshot, no capture")
+        elif snap is None:  # taken after the answer (Daemon._deferred_snapshot)
+            assert decision.kind == "fs"
+            reasons.append(DEFERRED_NOTE)
         else:
-            assert snap is not None
             changes = snap.changes
             row.base_gen = snap.generation
             if changes:

@@ -1,0 +1,107 @@
+"""An auto `fs` checkpoint of a sandbox that runs nothing is answered once committed and its
+btrfs snapshot is taken right after, under the sandbox's lock (Daemon._deferred_snapshot):
+whatever comes next waits for it, so the checkpoint holds exactly the files of the instant
+it was answered. (The crash between the answer and the snapshot: tests/test_faults.py.)"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from deltabox import Sandbox
+from deltabox.daemon.service import DEFERRED_NOTE
+
+from conftest import inspector_backend
+
+
+@pytest.fixture
+def ebpf(daemon) -> str:
+    backend = inspector_backend()
+    assert backend.startswith("ebpf"), f"the eBPF inspector must load on this machine: {backend}"
+    return backend
+
+
+def _deferred(cp) -> bool:
+    return DEFERRED_NOTE in cp.reasons
+
+
+def test_answer_comes_before_the_snapshot_and_the_snapshot_is_that_instant(
+        sbx: Sandbox, ebpf: str) -> None:
+    sbx.files.write("/workspace/a.txt", "v1")
+    sbx.checkpoint()
+    sbx.files.write("/workspace/a.txt", "v2")
+    sbx.exec("mkdir -p /workspace/d && seq 1000 > /workspace/d/n.txt")
+    cp = sbx.checkpoint()
+    assert cp.kind == "fs" and _deferred(cp), cp.reasons
+    assert cp.files_changed == 0 and cp.bytes_changed == 0   # they come with the snapshot
+    # At once, before the snapshot could have been taken: these wait for it.
+    sbx.files.write("/workspace/a.txt", "v3")
+    sbx.exec("rm -rf /workspace/d; echo late > /workspace/late.txt")
+    got = sbx.get_checkpoint(cp)
+    assert got.files_changed >= 2 and got.bytes_changed >= len("v2") + 3893, got
+    assert not _deferred(got) and any("file snapshot taken" in r for r in got.reasons)
+    sbx.rollback(cp)
+    assert sbx.files.read("/workspace/a.txt") == b"v2"
+    assert sbx.files.read("/workspace/d/n.txt") == "".join(
+        f"{i}\n" for i in range(1, 1001)).encode()
+    assert not sbx.files.exists("/workspace/late.txt")
+
+
+def test_a_rollback_right_after_waits_for_the_snapshot(sbx: Sandbox, ebpf: str) -> None:
+    sbx.files.write("/workspace/f", "0")
+    cps = [sbx.checkpoint()]
+    for i in range(1, 6):
+        sbx.files.write("/workspace/f", str(i))
+        cps.append(sbx.checkpoint())
+    assert all(_deferred(c) for c in cps[1:]), [c.reasons for c in cps]
+    for i in (3, 1, 5, 2):      # back to back, no pause: each names a fresh checkpoint
+        sbx.rollback(cps[i])
+        assert sbx.files.read("/workspace/f") == str(i).encode()
+
+
+def test_concurrent_writers_never_reach_the_snapshot(sbx: Sandbox, ebpf: str) -> None:
+    """A write issued from another thread while the checkpoint is answered lands after the
+    snapshot, never inside it: the checkpoint restores the file as it was at the answer."""
+    sbx.files.write("/workspace/f", "before")
+    sbx.checkpoint()
+    sbx.files.write("/workspace/f", "at-checkpoint")
+    go = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            go.wait(10)
+            for i in range(20):
+                sbx.files.write("/workspace/f", f"after-{i}")
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    go.set()
+    cp = sbx.checkpoint()
+    t.join(30)
+    assert not errors, errors
+    sbx.rollback(cp)
+    got = sbx.files.read("/workspace/f")
+    # The checkpoint is whatever the file held at its instant: the value before any of the
+    # writer's writes, or one of them, never a mix.
+    assert got in {b"at-checkpoint"} | {f"after-{i}".encode() for i in range(20)}, got
+    assert sbx.get_checkpoint(cp).kind in ("fs", "skipped")
+
+
+def test_a_sandbox_that_runs_something_is_snapshotted_before_the_answer(
+        sbx: Sandbox, ebpf: str) -> None:
+    sbx.exec("nohup sleep 1000 >/dev/null 2>&1 &")
+    sbx.checkpoint(mode="fs")
+    sbx.files.write("/workspace/a.txt", "v1")
+    cp = sbx.checkpoint()
+    assert not _deferred(cp), cp.reasons
+    assert cp.files_changed >= 1
+
+
+def test_forced_modes_are_never_deferred(sbx: Sandbox, ebpf: str) -> None:
+    sbx.files.write("/workspace/a.txt", "v1")
+    cp = sbx.checkpoint(mode="fs")
+    assert not _deferred(cp) and cp.files_changed >= 1
