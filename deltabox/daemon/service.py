@@ -194,6 +194,8 @@ PRESPAWN_RETRY_S = 0.02
 
 # A background checkpoint waits at most this long for its caller's answer to go out.
 ANSWER_WAIT_S = 0.05
+# How long a stopping daemon waits for the checkpoints it answered or promised.
+SHUTDOWN_PENDING_S = 10.0
 # The reason an fs checkpoint's answer carries when its snapshot follows the answer.
 DEFERRED_NOTE = ("file snapshot taken right after this answer: files_changed and "
                  "bytes_changed come with it (get_checkpoint)")
@@ -419,6 +421,11 @@ class Daemon:
         """Stop every sandbox (their files stay; they boot again on the next start). One
         sandbox failing to stop must not keep the others or the store from being released."""
         with trio.CancelScope(shield=True):
+            # Checkpoints already answered (a snapshot after its answer) or promised (turn
+            # boundary) are taken first; recovery would take the former anyway.
+            with trio.move_on_after(SHUTDOWN_PENDING_S):
+                for sid in list(self.live):
+                    await self.pending.wait_sandbox(sid)
             for sid in list(self.live):
                 try:
                     await self._stop(sid)
