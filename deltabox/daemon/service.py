@@ -1009,20 +1009,20 @@ class Daemon:
                           error.message)
                 self._undo_checkpoint(sid, row, cp)
             else:
-                self._snapshot_taken(row, cp, snap, (time.perf_counter() - t0) * 1000)
+                self._snapshot_taken(row, cp, snap, (
+                    f"file snapshot taken {(time.perf_counter() - t0) * 1000:.1f} ms after "
+                    "the answer (nothing ran in the sandbox meanwhile; operations waited)"))
         self.pending.settle(cp.id, error)
         if error is None:
             self.warm.prepare(sid, cp.layer_id)
 
     def _snapshot_taken(self, row: SandboxRow, cp: CheckpointRow, snap: Snapshot,
-                        ms: float) -> None:
+                        how: str) -> None:
         """Commit what a deferred snapshot found (the change summary, the generation the
-        sandbox's next checkpoint counts from)."""
+        sandbox's next checkpoint counts from); `how` replaces the answer's reason."""
         if snap.changes is not None:
             cp.files_changed, cp.bytes_changed = snap.changes.files, snap.changes.bytes
-        cp.reasons = [r for r in cp.reasons if r != DEFERRED_NOTE] + [
-            f"file snapshot taken {ms:.1f} ms after the answer (nothing ran in the sandbox "
-            "meanwhile; operations waited for it)"]
+        cp.reasons = [r for r in cp.reasons if r != DEFERRED_NOTE] + [how]
         cp.snapshot_of = None
         row.base_gen = snap.generation
         with self.db.transaction():
@@ -1046,19 +1046,24 @@ class Daemon:
         operation waited for the snapshot, and the daemon's death stopped them all."""
         for cp in self.db.unsnapshotted():
             row = self.db.get_sandbox(cp.sandbox_id)
-            if row is None or row.layer_id != cp.snapshot_of or not \
-                    self.store.layer_path(row.layer_id).exists():
-                log.error("recover: checkpoint %s has no file snapshot and the layer it "
-                          "was to be taken from is gone; dropping it", cp.id)
+            try:
+                if row is None or row.layer_id != cp.snapshot_of or not \
+                        self.store.layer_path(row.layer_id).exists():
+                    raise Internal("the layer it was to be taken from is gone")
+                if not self.store.layer_path(cp.layer_id).exists():
+                    snap = self._snapshot(row, cp.layer_id)
+                else:  # taken; the daemon died before recording it
+                    snap = Snapshot(self.store.changes_since(cp.layer_id, row.base_gen),
+                                    self.store.generation(cp.layer_id))
+            except Exception as e:
+                log.error("recover: checkpoint %s never got its file snapshot (%s); "
+                          "dropping it", cp.id, e)
                 self._undo_checkpoint(cp.sandbox_id, row, cp)
                 continue
-            if not self.store.layer_path(cp.layer_id).exists():
-                snap = self._snapshot(row, cp.layer_id)
-            else:  # taken; the daemon died before recording it
-                snap = Snapshot(self.store.changes_since(cp.layer_id, row.base_gen),
-                                self.store.generation(cp.layer_id))
             log.info("recover: took the file snapshot of checkpoint %s", cp.id)
-            self._snapshot_taken(row, cp, snap, 0.0)
+            self._snapshot_taken(row, cp, snap, (
+                "file snapshot taken when deltaboxd started again (it had stopped between "
+                "the answer and the snapshot; nothing ran in the sandbox meanwhile)"))
 
     def _kept_templates(self, mode: str, live: Live, parent: CheckpointRow | None,
                         effects: TurnEffects | None) -> Kept:
