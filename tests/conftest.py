@@ -89,6 +89,14 @@ def inspector_backend(socket: str | None = None, timeout: float = 60) -> str:
         time.sleep(0.2)
 
 
+@pytest.fixture
+def ebpf(daemon) -> str:
+    """The session daemon's inspector backend, which must be eBPF on these machines."""
+    backend = inspector_backend()
+    assert backend.startswith("ebpf"), f"the eBPF inspector must load on this machine: {backend}"
+    return backend
+
+
 def leaks(state_dir: Path) -> list[str]:
     """What a stopped daemon left behind (the checks of ../shared/tools/leakcheck)."""
     found = []

@@ -7,19 +7,8 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
 from deltabox import Sandbox
 from deltabox.daemon.service import DEFERRED_NOTE
-
-from conftest import inspector_backend
-
-
-@pytest.fixture
-def ebpf(daemon) -> str:
-    backend = inspector_backend()
-    assert backend.startswith("ebpf"), f"the eBPF inspector must load on this machine: {backend}"
-    return backend
 
 
 def _deferred(cp) -> bool:
@@ -105,3 +94,4 @@ def test_forced_modes_are_never_deferred(sbx: Sandbox, ebpf: str) -> None:
     sbx.files.write("/workspace/a.txt", "v1")
     cp = sbx.checkpoint(mode="fs")
     assert not _deferred(cp) and cp.files_changed >= 1
+

@@ -22,7 +22,6 @@ import pytest
 import deltabox
 from deltabox import Sandbox
 
-from conftest import inspector_backend
 
 # The tree the catalog works in, listed with names, types, modes, sizes and mtimes and every
 # file's content. Not directories' mtimes: a turn that only creates and removes a file again
@@ -58,13 +57,6 @@ def _wait(cond: Callable[[], bool], timeout: float = 20) -> None:
     while not cond():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
-
-
-@pytest.fixture
-def ebpf(daemon) -> str:
-    backend = inspector_backend()
-    assert backend.startswith("ebpf"), f"the eBPF inspector must load on this machine: {backend}"
-    return backend
 
 
 def _wheel() -> bytes:

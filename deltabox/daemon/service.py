@@ -853,7 +853,7 @@ class Daemon:
         of the daemon, and recovery takes a snapshot left to take (_finish_snapshots).
         Where a checkpoint must survive a host crash, the snapshot's transaction commit is
         what makes it durable: it stays before the answer."""
-        return self.store.backend == "btrfs-loop" and not self.cfg.durable
+        return self.store.cheap_clone and self._durability() == "daemon-crash-safe"
 
     async def checkpoint_soon(self, sid: str, mode: str, label: str,
                               answered: trio.Event | None = None) -> str:
@@ -948,7 +948,7 @@ class Daemon:
             procs_of = None
         cp = self._checkpoint_row(cp_id, row, parent, layer, decision, captured, label,
                                   procs_of, snap)
-        if decision.kind == "fs" and snap is None:
+        if defer:
             cp.snapshot_of = row.layer_id
         cp.freeze_ms = freeze_ms
         cp.duration_ms = (time.perf_counter() - t0) * 1000
@@ -1053,8 +1053,7 @@ class Daemon:
                 if not self.store.layer_path(cp.layer_id).exists():
                     snap = self._snapshot(row, cp.layer_id)
                 else:  # taken; the daemon died before recording it
-                    snap = Snapshot(self.store.changes_since(cp.layer_id, row.base_gen),
-                                    self.store.generation(cp.layer_id))
+                    snap = self._frozen(row, cp.layer_id)
             except Exception as e:
                 log.error("recover: checkpoint %s never got its file snapshot (%s); "
                           "dropping it", cp.id, e)
@@ -1142,6 +1141,10 @@ class Daemon:
         8.67 vs 8.70, 7.79 vs 8.56, 8.35 vs 9.26 ms)."""
         self.store.freeze(row.layer_id, layer)
         # The snapshot committed its transaction: later writes are strictly newer.
+        return self._frozen(row, layer)
+
+    def _frozen(self, row: SandboxRow, layer: str) -> Snapshot:
+        """A frozen layer's change summary since the sandbox's last checkpoint."""
         return Snapshot(self.store.changes_since(layer, row.base_gen),
                         self.store.generation(layer))
 
