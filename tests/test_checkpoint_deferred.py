@@ -95,3 +95,20 @@ def test_forced_modes_are_never_deferred(sbx: Sandbox, ebpf: str) -> None:
     cp = sbx.checkpoint(mode="fs")
     assert not _deferred(cp) and cp.files_changed >= 1
 
+
+def test_deleting_its_parent_right_after_keeps_the_tree(sbx: Sandbox, ebpf: str) -> None:
+    """delete_checkpoint does not wait for a snapshot that is not its own: the snapshot's
+    completion must not write back the parent it had before the delete."""
+    a = sbx.checkpoint()
+    sbx.files.write("/workspace/f", "b")
+    b = sbx.checkpoint()
+    sbx.files.write("/workspace/f", "c")
+    c = sbx.checkpoint()
+    assert _deferred(c), c.reasons
+    assert sbx.delete_checkpoint(b) is True
+    cps = {x.id: x for x in sbx.checkpoints()}
+    assert b.id not in cps and cps[c.id].parent_id == a.id
+    assert cps[c.id].files_changed >= 1 and sbx.info().head_checkpoint_id == c.id
+    sbx.files.write("/workspace/f", "d")
+    sbx.rollback(c)
+    assert sbx.files.read("/workspace/f") == b"c"

@@ -178,6 +178,16 @@ class Database:
         rows = self.conn.execute("SELECT * FROM checkpoints WHERE snapshot_of IS NOT NULL")
         return [_checkpoint(r) for r in rows.fetchall()]
 
+    def snapshot_taken(self, cid: str, files: int, nbytes: int, reasons: list[str]) -> None:
+        """A deferred file snapshot is taken: only the columns it fills (the row's parent
+        may have moved meanwhile: delete_checkpoint does not wait for it)."""
+        self.conn.execute("UPDATE checkpoints SET files_changed=?, bytes_changed=?, "
+                          "reasons=?, snapshot_of=NULL WHERE id=?",
+                          (files, nbytes, json.dumps(reasons), cid))
+
+    def set_base_gen(self, sid: str, gen: int) -> None:
+        self.conn.execute("UPDATE sandboxes SET base_gen=? WHERE id=?", (gen, sid))
+
     def delete_checkpoint(self, cid: str) -> None:
         self.conn.execute("DELETE FROM checkpoints WHERE id=?", (cid,))
 

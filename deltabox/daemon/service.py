@@ -1007,7 +1007,7 @@ class Daemon:
                     f"taking the file snapshot of {cp.id} failed: {e!r}")
                 log.error("checkpoint %s of %s: %s; the checkpoint is undone", cp.id, sid,
                           error.message)
-                self._undo_checkpoint(sid, row, cp)
+                self._undo_checkpoint(sid, cp)
             else:
                 self._snapshot_taken(row, cp, snap, (
                     f"file snapshot taken {(time.perf_counter() - t0) * 1000:.1f} ms after "
@@ -1026,16 +1026,16 @@ class Daemon:
         cp.snapshot_of = None
         row.base_gen = snap.generation
         with self.db.transaction():
-            self.db.put_checkpoint(cp)
-            self.db.put_sandbox(row)
+            self.db.snapshot_taken(cp.id, cp.files_changed, cp.bytes_changed, cp.reasons)
+            self.db.set_base_gen(row.id, snap.generation)
 
-    def _undo_checkpoint(self, sid: str, row: SandboxRow | None, cp: CheckpointRow) -> None:
-        """A checkpoint that never got its files: gone, its parent the head again."""
+    def _undo_checkpoint(self, sid: str, cp: CheckpointRow) -> None:
+        """A checkpoint that never got its files: gone, its children and its sandbox's head
+        on its parent (as delete_checkpoint does; the parent as the row says now)."""
         with self.db.transaction():
+            now = self.db.get_checkpoint(cp.id)
             self.db.delete_checkpoint(cp.id)
-            if row is not None and row.head_cp == cp.id:
-                row.head_cp = cp.parent_id
-                self.db.put_sandbox(row)
+            self.db.reparent(cp.id, now.parent_id if now is not None else cp.parent_id)
         self.turns.lost_turn(sid)
         if self.store.layer_path(cp.layer_id).exists():
             self.store.delete(cp.layer_id)
@@ -1057,7 +1057,7 @@ class Daemon:
             except Exception as e:
                 log.error("recover: checkpoint %s never got its file snapshot (%s); "
                           "dropping it", cp.id, e)
-                self._undo_checkpoint(cp.sandbox_id, row, cp)
+                self._undo_checkpoint(cp.sandbox_id, cp)
                 continue
             log.info("recover: took the file snapshot of checkpoint %s", cp.id)
             self._snapshot_taken(row, cp, snap, (
