@@ -148,6 +148,34 @@ def test_delete_checkpoint_reparents_and_frees(sbx: Sandbox) -> None:
     assert sbx.files.read("f") == b"c"
 
 
+def test_deleting_the_parent_of_a_checkpoint_being_taken(daemon, sbx: Sandbox,
+                                                       ebpf: str) -> None:
+    """A checkpoint hangs from the head it read when it started, and keeps the processes
+    captured there when none ran since. A delete of that parent arriving while the
+    checkpoint is being taken (here: flushing 400 MB before its snapshot) must neither
+    leave it hanging from a deleted row nor free the templates it restores."""
+    s = sbx.session("main")
+    s.run("export KEPT=from-b; cd /tmp")
+    a = sbx.checkpoint()
+    sbx.files.write("/workspace/f", "b")
+    b = sbx.checkpoint(mode="full")
+    sbx.exec("head -c 400M /dev/zero > /workspace/big")   # the session does not run
+    taken: list[object] = []
+    t = threading.Thread(target=lambda: taken.append(
+        Sandbox.connect(sbx.id, socket=daemon.socket).checkpoint()))
+    t.start()
+    time.sleep(0.05)                                       # inside the flush
+    assert sbx.delete_checkpoint(b) is True
+    t.join()
+    (c,) = taken
+    cps = {x.id: x for x in sbx.checkpoints()}
+    assert b.id not in cps and cps[c.id].parent_id == a.id, cps[c.id]
+    s.run("export KEPT=later; cd /")
+    r = sbx.rollback(c)
+    assert r.process_state == "restored", r
+    assert s.run("echo $KEPT $PWD").stdout == "from-b /tmp\n"
+    assert sbx.files.stat("/workspace/big").size == 400 << 20
+
 def test_concurrent_checkpoints_of_one_sandbox(daemon, sbx: Sandbox) -> None:
     results: list[object] = []
 

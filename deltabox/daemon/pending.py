@@ -11,7 +11,9 @@ half-made checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,3 +95,37 @@ class EarlyAnswer:
         if self._error is not None:
             raise self._error
         return self._value
+
+
+class Underway:
+    """Checkpoints being taken, by the checkpoint they will hang from. A checkpoint reads
+    its parent once, at its start, and commits against it (its parent_id; a `skipped` one
+    shares its layer; an unchanged turn restores its processes): deleting that parent in
+    between would leave the new row naming a deleted one and free what it shares. So
+    delete_checkpoint waits for them (`clear`): milliseconds, never a whole command, since
+    a checkpoint holds its parent only from its start to its commit."""
+
+    def __init__(self) -> None:
+        self._by_parent: dict[str, list[trio.Event]] = {}
+
+    @contextlib.contextmanager
+    def hanging_from(self, parent_id: str | None) -> Iterator[None]:
+        if parent_id is None:
+            yield
+            return
+        done = trio.Event()
+        self._by_parent.setdefault(parent_id, []).append(done)
+        try:
+            yield
+        finally:
+            waiting = self._by_parent[parent_id]
+            waiting.remove(done)
+            if not waiting:
+                del self._by_parent[parent_id]
+            done.set()
+
+    async def clear(self, parent_id: str) -> None:
+        """Return once no checkpoint being taken hangs from `parent_id` (with no await
+        between this and the caller's next step, none starts meanwhile)."""
+        while waiting := self._by_parent.get(parent_id):
+            await waiting[0].wait()

@@ -48,7 +48,7 @@ from . import budget
 from .faults import crash_point
 from .db import CheckpointRow, Database, SandboxRow
 from .dumps import NOT_COMPLETED, Dumps, init_seccomp_filters
-from .pending import EarlyAnswer, PendingCheckpoints
+from .pending import EarlyAnswer, PendingCheckpoints, Underway
 from .scheduler import IOScheduler
 from .turns import Turns
 from .warm import Ready, WarmPool
@@ -275,6 +275,7 @@ class Daemon:
         self.holders: dict[str, tuple[runtime.Runtime, str | None]] = {}
         self.turns = Turns()
         self.pending = PendingCheckpoints()
+        self.underway = Underway()
 
     # ---- lookups and validation ------------------------------------------------------
 
@@ -902,10 +903,17 @@ class Daemon:
         """The checkpoint itself, under the sandbox's lock. With `answer`, a file snapshot
         of a sandbox that runs nothing is taken after the committed row is answered."""
         row = self._sandbox(sid)
+        parent = self.db.get_checkpoint(row.head_cp) if row.head_cp else None
+        with self.underway.hanging_from(row.head_cp):  # a delete of it waits for us
+            return await self._checkpoint_from(sid, row, parent, mode, label, cp_id, answer,
+                                               answered)
+
+    async def _checkpoint_from(self, sid: str, row: SandboxRow, parent: CheckpointRow | None,
+                               mode: str, label: str, cp_id: str, answer: EarlyAnswer | None,
+                               answered: trio.Event | None) -> CheckpointRow:
         live = self._live(sid)
         t0 = time.perf_counter()
         layer = new_id("L")
-        parent = self.db.get_checkpoint(row.head_cp) if row.head_cp else None
         # Flush a large dirty set first, so the snapshot inside the freeze window is short.
         if self.store.needs_sync():
             await trio.to_thread.run_sync(self.store.sync)
@@ -2139,7 +2147,9 @@ class Daemon:
     async def delete_checkpoint(self, cp_id: str) -> bool:
         """Forget a checkpoint; its children hang from its parent; its layer is freed when
         nothing else references it."""
-        cp = await self._settled_checkpoint(cp_id)
+        await self._settled_checkpoint(cp_id)
+        await self.underway.clear(cp_id)  # a checkpoint being taken hangs from it
+        cp = self._checkpoint(cp_id)  # as it is now (a concurrent delete: NOT_FOUND)
         crash_point("delete_checkpoint.before_commit")
         with self.db.transaction():
             self.db.delete_checkpoint(cp_id)
