@@ -41,6 +41,8 @@ class Plan:
     think: float = 0.2              # untimed pause before each decision (see README)
     warmup_actions: int = 20        # run untimed once per trajectory before measuring
     repeat: bool = True             # floor, deltabox, deltabox, floor (ABBA), then baselines
+    repeat_modes: tuple[str, ...] = MODES   # the modes that repeat (when `repeat`)
+    linear_actions: int = 0         # linear replays the first N actions (0: all)
     turn_modes: tuple[str, ...] = ("linear", "mcts")   # where deltabox_turn runs
 
     def json(self) -> dict[str, Any]:
@@ -71,7 +73,7 @@ def run_mode(ctx: Ctx, mode: str, plan: Plan) -> dict[str, Any]:
     run: dict[str, Any] = {"trajectory": ctx.traj.name, "mode": mode, "systems": {}}
     steps: list[Step] = []
     if mode == "linear":
-        steps = linear_schedule(n)
+        steps = linear_schedule(min(n, plan.linear_actions or n))
         run["schedule"] = schedule_summary(steps, 0)
     elif mode == "mcts":
         steps = mcts_schedule(n, plan.expansions, plan.rollbacks, plan.seed)
@@ -98,7 +100,7 @@ def run_mode(ctx: Ctx, mode: str, plan: Plan) -> dict[str, Any]:
 
     run["repeats"] = {}
     run["settle_ms"] = [ctx.settle()]
-    for key in run_order(plan):
+    for key in run_order(plan, mode):
         name = key.split("#")[0]
         if mode == "linear" and name == "restart_replay":
             run["not_run"][name] = "linear has no rollback: restart-and-replay is the floor"
@@ -113,14 +115,14 @@ def run_mode(ctx: Ctx, mode: str, plan: Plan) -> dict[str, Any]:
     return run
 
 
-def run_order(plan: Plan) -> list[str]:
+def run_order(plan: Plan, mode: str) -> list[str]:
     """floor, deltabox, deltabox again, floor again (ABBA: a drift of the machine over the
     run, e.g. btrfs cleaning up an earlier system's subvolumes, weighs the same on both), then
     the baselines. "#2" marks the repeats."""
     rest = [s for s in plan.systems if s not in ("floor", "deltabox")]
-    head = ["floor", "deltabox", "deltabox#2", "floor#2"] if plan.repeat else ["floor",
-                                                                             "deltabox"]
-    return head + rest
+    if plan.repeat and mode in plan.repeat_modes:
+        return ["floor", "deltabox", "deltabox#2", "floor#2", *rest]
+    return ["floor", "deltabox", *rest]
 
 
 def make_settle(socket: str) -> Callable[[], float]:

@@ -203,6 +203,14 @@ def turn(ps: dict[str, Any]) -> str:
                                     f"({_f(t.get('overhead_pct'), '+.1f', ' %')})")
 
 
+def repeated(p: dict[str, Any]) -> str:
+    """Where the plan's floor and DeltaBox ran twice, if not in every mode it has."""
+    if not p.get("repeat", True):
+        return " (not in this run: --no-repeat)"
+    modes = [m for m in p["modes"] if m in p.get("repeat_modes", p["modes"])]
+    return "" if modes == list(p["modes"]) else f" in {', '.join(modes) or 'no mode'}"
+
+
 def run_rows(doc: dict[str, Any]) -> list[str]:
     head = ("| trajectory | mode | floor | DeltaBox | overhead | C/R share | repeat: floor, "
             "DeltaBox | DeltaBox, turn checkpoints (overhead) | copytree | docker_commit | "
@@ -380,7 +388,9 @@ def markdown(doc: dict[str, Any], results_dir: str, img_dir: str = "results",
         f"{p['rollbacks']} rollbacks, seed {p['seed']}; fan-out N = "
         f"{', '.join(map(str, p['fanout_counts']))} (restart_replay up to "
         f"{p['replay_fanout_max']}); per-action timeout {p['timeout']:g} s; think pause "
-        f"{p['think']:g} s before each decision (untimed, every system)",
+        f"{p['think']:g} s before each decision (untimed, every system)"
+        + (f"; linear replays the first {p['linear_actions']} actions"
+           if p.get("linear_actions") else ""),
         "",
         "## Targets",
         "",
@@ -405,7 +415,8 @@ def markdown(doc: dict[str, Any], results_dir: str, img_dir: str = "results",
         "## End to end, per trajectory and mode",
         "",
         "Seconds of timed operations (actions + checkpoint / rollback / fork / restore); in "
-        "brackets each baseline's time / DeltaBox's. Floor and DeltaBox ran twice, in the "
+        "brackets each baseline's time / DeltaBox's. Floor and DeltaBox ran twice"
+        f"{repeated(p)}, in the "
         "order floor, DeltaBox, DeltaBox, floor, then the baselines; their figures are the "
         "means, and *repeat* gives how far the second replay was from the first (the noise of "
         "replaying the same commands here). *overhead* = (DeltaBox - floor) / floor; "

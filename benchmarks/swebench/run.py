@@ -46,13 +46,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mode", action="append", choices=core.MODES, default=[],
                    help="linear | mcts | fanout (repeatable; default all three)")
     p.add_argument("--quick", action="store_true",
-                   help="short trajectories, mcts 30 expansions / 14 rollbacks, fan-out N <= 8, "
-                   "deltabox_turn in mcts only")
+                   help="short trajectories, mcts 30 expansions / 14 rollbacks, linear on the "
+                   "first 30 actions, fan-out N <= 8, deltabox_turn in mcts only, floor and "
+                   "deltabox replayed twice in mcts only")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
     p.add_argument("--systems", default=",".join(core.ORDER),
                    help="comma-separated subset of " + ", ".join(core.ORDER))
     p.add_argument("--expansions", type=int, help="mcts expansions (default 100, --quick 30)")
     p.add_argument("--rollbacks", type=int, help="mcts rollbacks (default 49, --quick 14)")
+    p.add_argument("--linear-actions", type=int,
+                   help="linear replays the first N actions (default all, --quick 30)")
+    p.add_argument("--repeat-modes",
+                   help="modes where floor and deltabox run twice (ABBA), e.g. linear,mcts "
+                   "(default every mode, --quick mcts)")
     p.add_argument("--seed", type=int, default=1, help="mcts selection seed (default 1)")
     p.add_argument("--fanout", help="fan-out counts, e.g. 1,2,4 (default 1,2,4,8,16,32; "
                    "--quick 1,2,4,8)")
@@ -85,6 +91,11 @@ def make_plan(args: argparse.Namespace) -> core.Plan:
     if "floor" not in systems or "deltabox" not in systems:
         raise SystemExit("the floor and deltabox are always needed (the figures are ratios)")
     fan = args.fanout or ("1,2,4,8" if args.quick else "1,2,4,8,16,32")
+    repeat_modes = {m.strip() for m in (args.repeat_modes or (
+        "mcts" if args.quick else ",".join(core.MODES))).split(",") if m.strip()}
+    if unknown_modes := repeat_modes - set(core.MODES):
+        raise SystemExit(f"unknown mode(s) in --repeat-modes: {sorted(unknown_modes)} "
+                         f"(modes: {', '.join(core.MODES)})")
     return core.Plan(
         modes=tuple(dict.fromkeys(args.mode)) or core.MODES,
         systems=tuple(s for s in core.ORDER if s in systems),
@@ -94,6 +105,8 @@ def make_plan(args: argparse.Namespace) -> core.Plan:
         replay_fanout_max=args.replay_fanout_max or (4 if args.quick else 8),
         timeout=args.timeout, think=args.think,
         warmup_actions=args.warmup, repeat=not args.no_repeat,
+        repeat_modes=tuple(m for m in core.MODES if m in repeat_modes),
+        linear_actions=args.linear_actions or (30 if args.quick else 0),
         turn_modes=("mcts",) if args.quick else ("linear", "mcts"))
 
 
