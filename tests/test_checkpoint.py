@@ -214,6 +214,10 @@ def test_checkpoint_freezes_only_a_sandbox_that_runs_something(sbx: Sandbox) -> 
     lines = sbx.files.read("log").decode().splitlines()
     assert 0 < len(lines) < 100 and lines == [f"line-{i}" for i in range(1, len(lines) + 1)]
     assert sbx.files.read("a") == b"a\n"
+    s = sbx.session("closed")
+    s.run("cd /tmp")
+    s.close()
+    assert sbx.checkpoint(mode="fs").freeze_ms == 0.0   # its shell is gone: nothing runs
 
 
 def test_rollback_while_exec_runs(sbx: Sandbox) -> None:

@@ -790,6 +790,8 @@ class Daemon:
         if session is None:
             raise NotFound(f"sandbox {sid} has no session {name!r}")
         await session.close()
+        if session.spawned is not None:
+            live.procs.discard(session.spawned)
 
     def sessions(self, sid: str) -> list[str]:
         live = self._live(sid)
@@ -1383,8 +1385,10 @@ class Daemon:
         session) on its way in: then nothing can change its files or start a process (init
         only reaps; everything else that enters holds the sandbox's lock), and a checkpoint
         needs no freeze. A v1 freeze and thaw cost ~0.6 ms here, and an agent's sandbox
-        between two commands usually runs nothing."""
-        return not live.procs and not self._candidates(live)
+        between two commands usually runs nothing. (A session's shell that exited, or was
+        killed at a timeout, stays in `live.procs` until the next rollback: not running.)"""
+        return (all(p.returncode is not None for p in live.procs)
+                and not self._candidates(live))
 
     @staticmethod
     def _candidates(live: Live) -> set[int]:
