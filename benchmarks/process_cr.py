@@ -213,6 +213,7 @@ class Plan:
     configs: tuple[str, ...] = tuple(c.name for c in CONFIGS)
     fork_counts: tuple[int, ...] = FORK_COUNTS
     template_dirty_mb: tuple[int, ...] = TEMPLATE_DIRTY_MB
+    huge_pages: bool = False      # sandboxes created with huge_pages (and the floor alike)
 
 
 @dataclass
@@ -433,11 +434,16 @@ def smaps_rollup(pid: int) -> dict[str, int]:
     return out
 
 
-def run_floor(size_mb: int, nfork: int, reps: int) -> dict[str, Any]:
-    """fork() of a host python process with the same memory (see FLOOR)."""
+def run_floor(size_mb: int, nfork: int, reps: int, huge_pages: bool = False
+              ) -> dict[str, Any]:
+    """fork() of a host python process with the same memory (see FLOOR), in 2 MiB pages
+    as a huge_pages sandbox's would be when `huge_pages`."""
+    from deltabox.cr import hostmem
+
     python = sandbox_python()
+    env = hostmem.with_huge_pages(dict(os.environ)) if huge_pages else None
     r = subprocess.run([python, "-c", FLOOR, str(size_mb), str(nfork), str(reps)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"floor helper failed: {r.stderr[-2000:]}")
     return json.loads(r.stdout)
@@ -457,10 +463,10 @@ def run_config(d: PrivateDaemon, cfg: Config, plan: Plan) -> Series:
     s = Series(cfg.name, cfg.size_mb, cfg.nproc, cfg.tree)
     nfork = cfg.nproc
     log(f"{cfg.name} ({cfg.label}): host fork floor, {plan.floor_reps} reps")
-    floor = run_floor(cfg.size_mb, nfork, plan.floor_reps)
+    floor = run_floor(cfg.size_mb, nfork, plan.floor_reps, plan.huge_pages)
     s.floor_ms, s.floor_rss_kb, s.floor_nfork = floor["fork_ms"], floor["rss_kb"], nfork
 
-    sbx = Sandbox.create(socket=d.socket)
+    sbx = Sandbox.create(socket=d.socket, huge_pages=plan.huge_pages)
     try:
         wl = Workload(sbx, cfg.size_mb, cfg.nproc, plan.settle_s)
         wl.install()
@@ -674,7 +680,7 @@ def run_fork(d: PrivateDaemon, plan: Plan) -> dict[str, Any]:
     from deltabox import Sandbox
 
     log("fork: preparing the source (bash + python 200 MB + 10k files)")
-    sbx = Sandbox.create(socket=d.socket)
+    sbx = Sandbox.create(socket=d.socket, huge_pages=plan.huge_pages)
     per_n: dict[str, Any] = {}
     try:
         wl = Workload(sbx, 200, 1, plan.settle_s)
@@ -744,7 +750,7 @@ def run_idle(d: PrivateDaemon, plan: Plan) -> dict[str, Any]:
     from deltabox import Sandbox
 
     backend = wait_inspector(d)
-    sbx = Sandbox.create(socket=d.socket)
+    sbx = Sandbox.create(socket=d.socket, huge_pages=plan.huge_pages)
     auto_ms: list[float] = []
     auto_server: list[float] = []
     full_ms: list[float] = []
@@ -800,7 +806,7 @@ def run_template_memory(d: PrivateDaemon, plan: Plan) -> list[dict[str, Any]]:
 
     out = []
     for dmb in plan.template_dirty_mb:
-        sbx = Sandbox.create(socket=d.socket)
+        sbx = Sandbox.create(socket=d.socket, huge_pages=plan.huge_pages)
         try:
             wl = Workload(sbx, TEMPLATE_SIZE_MB, 1, plan.settle_s)
             wl.install()
@@ -1190,6 +1196,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="skip the template memory measurement")
     p.add_argument("--keep-state", action="store_true",
                    help="keep the daemon's temp dir (for debugging)")
+    p.add_argument("--huge-pages", action="store_true",
+                   help="create the sandboxes with huge_pages (glibc's malloc in 2 MiB pages "
+                   "under the host's THP madvise) and run the fork floor so too")
     p.add_argument("--thp", choices=("always", "madvise", "never"),
                    help="set the host's transparent huge page mode for this run and put it "
                    "back afterwards (default: leave it; README 'Host tuning')")
@@ -1234,10 +1243,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.quick:
         plan = Plan(reps=args.reps or 5, replay_reps=args.replay_reps or 3, floor_reps=10,
-                    fork_reps=args.fork_reps or 2, settle_s=args.settle, configs=names)
+                    fork_reps=args.fork_reps or 2, settle_s=args.settle, configs=names,
+                    huge_pages=args.huge_pages)
     else:
         plan = Plan(reps=args.reps or 20, replay_reps=args.replay_reps or 10, floor_reps=30,
-                    fork_reps=args.fork_reps or 5, settle_s=args.settle, configs=names)
+                    fork_reps=args.fork_reps or 5, settle_s=args.settle, configs=names,
+                    huge_pages=args.huge_pages)
     if plan.reps < 1 or plan.replay_reps < 1 or plan.fork_reps < 1:
         print("benchmarks.process_cr: reps must be at least 1", file=sys.stderr)
         return 2

@@ -124,6 +124,7 @@ class CreateParams(_Model):
     env: dict[str, str] = Field(default_factory=dict)
     disk_mb: int = Field(default=0, ge=0, le=1 << 30)
     user_namespace: bool = False
+    huge_pages: bool = False
 
     @field_validator("cpus")
     @classmethod

@@ -26,6 +26,16 @@ def _wait_gone(daemon: DaemonProc, path: str, timeout: float = 20) -> set[str]:
     return left
 
 
+def _story(daemon: DaemonProc, layers: set[str], path: str) -> str:
+    """For a failure: what each layer left holds at `path`, and the daemon's log about it."""
+    root = daemon.state_dir / "store" / "layers"
+    held = {name: (root / name / "upper" / path.lstrip("/")).read_bytes()[:20]
+            for name in layers}
+    log = [line for line in daemon.log.read_text(errors="replace").splitlines()
+           if any(name in line for name in layers)]
+    return f"{held}; daemon log: {log[-20:]}"
+
+
 def test_children_share_the_checkpoint_layer(daemon: DaemonProc, sbx: Sandbox) -> None:
     tag = uuid.uuid4().hex[:12]
     marker, doomed = f"/data/{tag}/marker", f"/data/{tag}/doomed"
@@ -92,7 +102,8 @@ def test_the_shared_layer_outlives_its_checkpoint_and_source(daemon: DaemonProc)
     finally:
         if kid is not None:
             kid.kill()
-    assert not _wait_gone(daemon, marker), "the shared layer was not freed"
+    left = _wait_gone(daemon, marker)
+    assert not left, f"the shared layer was not freed: {_story(daemon, left, marker)}"
 
 
 def test_forks_of_forks_see_every_ancestor(daemon: DaemonProc, sbx: Sandbox) -> None:

@@ -6,7 +6,8 @@ process's page tables. Anonymous memory in 4 KiB pages costs one entry per page 
 every fork child); in 2 MiB pages one entry per 2 MiB, and large folios are copied in
 batches. Which pages a process gets is the host administrator's choice
 (/sys/kernel/mm/transparent_hugepage); DeltaBox reports it and never changes it
-(README: "Host tuning").
+(README: "Host tuning"). Under "madvise", a sandbox created with `huge_pages` has its
+programs ask, through glibc's malloc (with_huge_pages).
 """
 
 from __future__ import annotations
@@ -52,5 +53,27 @@ def describe(thp_dir: Path = THP_DIR) -> str:
     sizes = unadvised_sizes(thp_dir)
     if sizes:
         return f"{top}: anonymous memory in large pages ({', '.join(sizes)})"
-    return (f"{top}: anonymous memory in 4 KiB pages unless a process asks; templates and "
-            "forks copy a page-table entry per page (README: Host tuning)")
+    return (f"{top}: anonymous memory in 4 KiB pages unless a process asks (a sandbox "
+            "created with huge_pages asks); templates and forks copy a page-table entry per "
+            "page (README: Host tuning)")
+
+
+# glibc's malloc then asks for THP (madvise(MADV_HUGEPAGE)) on the memory it maps: a
+# program of the sandbox gets 2 MiB pages under the host's "madvise" mode without asking
+# itself (glibc >= 2.35; programs with another allocator are unaffected).
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb"
+
+
+def with_huge_pages(env: dict[str, str], thp_dir: Path = THP_DIR) -> dict[str, str]:
+    """`env` with glibc's malloc asking for huge pages (a sandbox created with
+    huge_pages): added to GLIBC_TUNABLES, unless the caller set that tunable itself.
+    Raises ValueError when the host gives no huge page to a process that asks."""
+    mode = selected(thp_dir / "enabled")
+    if mode not in ("madvise", "always"):
+        raise ValueError(f"the host's transparent huge pages are {mode!r} "
+                         f"({thp_dir / 'enabled'}): no program gets them even when it asks; "
+                         "an administrator can set madvise (README: Host tuning)")
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+    if not any(t.split("=")[0] == HUGE_PAGES_TUNABLE for t in tunables):
+        tunables.append(f"{HUGE_PAGES_TUNABLE}=1")
+    return {**env, "GLIBC_TUNABLES": ":".join(tunables)}

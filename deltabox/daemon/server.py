@@ -128,7 +128,8 @@ class Servicer(pb_grpc.DeltaBoxServicer):
                                   pids_max=request.pids_max, cpus=request.cpus,
                                   hostname=request.hostname, env=dict(request.env),
                                   disk_mb=request.disk_mb,
-                                  user_namespace=request.user_namespace)
+                                  user_namespace=request.user_namespace,
+                                  huge_pages=request.huge_pages)
             t = trio.current_time()
             row = await self.d.create(params)
             return sandbox_pb(self.d, row, (trio.current_time() - t) * 1000)

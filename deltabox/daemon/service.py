@@ -458,6 +458,11 @@ class Daemon:
             pids_max=params.pids_max or self.cfg.default_pids_max, cpus=params.cpus,
             hostname=params.hostname or sid, env=dict(params.env), created_at=time.time(),
             disk_mb=params.disk_mb or self.cfg.default_disk_mb, userns=params.user_namespace)
+        if params.huge_pages:  # in the sandbox's env: its forks and restarts keep it
+            try:
+                row.env = hostmem.with_huge_pages(row.env)
+            except ValueError as e:
+                raise FailedPrecondition(f"huge_pages: {e}") from None
         self._env(row, None)
         self.store.new_layer(row.layer_id)
         try:
