@@ -5,7 +5,6 @@ processes restored from it share them)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from deltabox import Sandbox
 from deltabox.cr import hostmem
 
 from conftest import new_sandbox
+from test_cr import _ask, _wait
 from test_hostmem import fake_thp
 
 # 64 MiB of patterned memory; "poke" flips two bytes in different 2 MiB pages, "report" writes
@@ -37,18 +37,6 @@ while True:
     time.sleep(0.01)
 """
 HUGE = "glibc.malloc.hugetlb=1"
-
-
-def _wait(pred, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
-def _ask(sbx: Sandbox, what: str) -> None:
-    sbx.files.write(what, "1")
-    _wait(lambda: not sbx.files.exists(what))
 
 
 def _report(sbx: Sandbox) -> tuple[int, int]:

@@ -71,6 +71,7 @@ MAX_BASES = 4
 # The kernel nests pid namespaces at most 32 deep (host = level 0); leave headroom.
 MAX_NEST_LEVEL = 30
 RETIRE_WORKERS = 2    # tasks deleting retired layers (each job also takes an I/O slot)
+RETIRE_RETRY_S = (0.5, 2.0)  # pauses before trying a failed layer deletion again
 CLEAN_AFTER_DELETES = 16  # deleted layers that make btrfs drop them at once (store.py)
 CLEAN_INTERVAL_S = 1.0
 VFORK_ATTEMPTS = 20   # thaw-and-refreeze rounds while a process is inside vfork()
@@ -687,10 +688,17 @@ class Daemon:
             return
         if step:
             crash_point(step)  # test-only (faults.py)
-        try:
-            await self.io.run(layer_id, self.store.delete, layer_id)
-        except Exception as e:  # retried on the next start (orphan layer)
-            log.warning("deleting layer %s failed: %s (retried at restart)", layer_id, e)
+        for pause in (*RETIRE_RETRY_S, None):
+            try:
+                await self.io.run(layer_id, self.store.delete, layer_id)
+                return
+            except Exception as e:
+                if pause is None:  # retried on the next start (orphan layer)
+                    log.warning("deleting layer %s failed: %s (retried at restart)",
+                                layer_id, e)
+                    return
+                log.info("deleting layer %s failed: %s (again in %g s)", layer_id, e, pause)
+                await trio.sleep(pause)  # e.g. busy for a moment: a mount on it going away
 
     def _is_base(self, layer_id: str) -> bool:
         """Whether a row, or a fork in progress, stacks `layer_id` under its layer."""
