@@ -447,3 +447,31 @@ def test_crash_after_an_fs_checkpoint_was_answered_before_its_snapshot(d: Daemon
     d.stop()
     assert d.proc.returncode == 0 and not leaks(d.state_dir.parent)
 
+
+
+def test_a_layer_busy_for_a_moment_is_deleted_soon_after(d: DaemonProc) -> None:
+    """A deleted checkpoint's layer that cannot be removed at once (a real fault: a tmpfs
+    mounted on it, so its directory is busy) is tried again shortly after, not left to the
+    next start (`Daemon._retire`)."""
+    d.start("--no-inspector", "--warm-generations", "0")
+    sb = Sandbox.create(socket=d.socket)
+    try:
+        sb.files.write("a.txt", "kept")
+        cp = sb.checkpoint(mode="fs")
+        sb.files.write("a.txt", "changed")
+        sb.checkpoint(mode="fs")
+        layer = d.state_dir / "store" / "layers" / _db(d)[1][cp.id]
+        subprocess.run(["mount", "-t", "tmpfs", "busy", str(layer)], check=True)
+        try:
+            assert sb.delete_checkpoint(cp) is True
+            time.sleep(0.3)  # the first attempt fails meanwhile (EBUSY)
+        finally:
+            subprocess.run(["umount", str(layer)], check=True)
+        deadline = time.monotonic() + 10
+        while layer.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not layer.exists(), "the layer was left to the next start"
+        assert "again in" in d.log.read_text()   # it did fail first
+    finally:
+        sb.kill()
+        d.stop()
