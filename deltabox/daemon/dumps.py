@@ -30,7 +30,7 @@ import trio
 from ..cr import native
 from ..cr.capture import ProcessRecord
 from ..cr.engine import DeltaCR, PipeEnd, PipeGroup, ProcessState, SPLICE_F_NONBLOCK, _libc
-from .db import Database
+from .db import Database, columns
 from .scheduler import IOScheduler
 
 log = logging.getLogger("deltaboxd")
@@ -98,7 +98,7 @@ class Dumps:
         return DumpRow(**dict(r)) if r else None
 
     def _put(self, r: DumpRow) -> None:
-        d = dataclasses.asdict(r)
+        d = columns(r)
         cols = ", ".join(d)
         self.db.conn.execute(f"INSERT OR REPLACE INTO dumps ({cols}) VALUES "
                              f"({', '.join(':' + k for k in d)})", d)
