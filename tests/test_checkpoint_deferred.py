@@ -97,8 +97,8 @@ def test_forced_modes_are_never_deferred(sbx: Sandbox, ebpf: str) -> None:
 
 
 def test_deleting_its_parent_right_after_keeps_the_tree(sbx: Sandbox, ebpf: str) -> None:
-    """delete_checkpoint does not wait for a snapshot that is not its own: the snapshot's
-    completion must not write back the parent it had before the delete."""
+    """Deleting the parent right after the answer (it waits for the snapshot underway from
+    it): the child then hangs from the grandparent, its files and counts intact."""
     a = sbx.checkpoint()
     sbx.files.write("/workspace/f", "b")
     b = sbx.checkpoint()

@@ -180,8 +180,7 @@ class Database:
         return [_checkpoint(r) for r in rows.fetchall()]
 
     def snapshot_taken(self, cid: str, files: int, nbytes: int, reasons: list[str]) -> None:
-        """A deferred file snapshot is taken: only the columns it fills (the row's parent
-        may have moved meanwhile: delete_checkpoint does not wait for it)."""
+        """A deferred file snapshot is taken: only the columns it fills."""
         self.conn.execute("UPDATE checkpoints SET files_changed=?, bytes_changed=?, "
                           "reasons=?, snapshot_of=NULL WHERE id=?",
                           (files, nbytes, json.dumps(reasons), cid))

@@ -803,8 +803,6 @@ class Daemon:
         if session is None:
             raise NotFound(f"sandbox {sid} has no session {name!r}")
         await session.close()
-        if session.spawned is not None:
-            live.procs.discard(session.spawned)
 
     def sessions(self, sid: str) -> list[str]:
         live = self._live(sid)
@@ -1054,11 +1052,11 @@ class Daemon:
 
     def _undo_checkpoint(self, sid: str, cp: CheckpointRow) -> None:
         """A checkpoint that never got its files: gone, its children and its sandbox's head
-        on its parent (as delete_checkpoint does; the parent as the row says now)."""
+        on its parent (as delete_checkpoint does; the parent cannot have gone meanwhile:
+        its delete waits for a checkpoint underway from it)."""
         with self.db.transaction():
-            now = self.db.get_checkpoint(cp.id)
             self.db.delete_checkpoint(cp.id)
-            self.db.reparent(cp.id, now.parent_id if now is not None else cp.parent_id)
+            self.db.reparent(cp.id, cp.parent_id)
         self.turns.lost_turn(sid)
         if self.store.layer_path(cp.layer_id).exists():
             self.store.delete(cp.layer_id)
