@@ -27,7 +27,7 @@ PROG = "deltabox"
 # Options that take a value; the pre-parsing in `parse_args` must skip their values.
 _GLOBAL_VALUE_OPTIONS = frozenset({"--socket"})
 _EXEC_VALUE_OPTIONS = frozenset({"--socket", "--session", "--timeout", "--cwd", "--env",
-                                 "--checkpoint", "--checkpoint-label"})
+                                 "--checkpoint", "--checkpoint-label", "--rollback-to"})
 
 
 class UsageError(Exception):
@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
              "deltabox exec $id -- ls -la /workspace\n"
              "deltabox exec $id 'make test 2>&1 | tail'\n"
              "deltabox exec $id --session main -- cd /tmp '&&' export X=1\n"
-             "deltabox exec $id --checkpoint auto -- make   # prints the checkpoint id on stderr",
+             "deltabox exec $id --checkpoint auto -- make   # prints the checkpoint id on stderr\n"
+             "deltabox exec $id --rollback-to $cp --checkpoint auto -- make   # a search step",
              common)
     p.add_argument("id", metavar="ID", help="sandbox id")
     p.add_argument("--session", metavar="NAME", help="run in this persistent bash session")
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "the background; its id is printed on stderr (in the JSON with --json)")
     p.add_argument("--checkpoint-label", metavar="TEXT", default="",
                    help="label of that checkpoint")
+    p.add_argument("--rollback-to", metavar="CP",
+                   help="roll the sandbox back to checkpoint CP first, in the same call (as "
+                   "`deltabox rollback`; if it fails, the command does not run)")
     p.add_argument("cmd", metavar="CMD", nargs="*",
                    help="command and its arguments (everything after ID's options)")
 
@@ -442,7 +446,8 @@ def cmd_exec(args: argparse.Namespace, client: Client) -> int:
             raise UsageError("--cwd, --env and --stdin cannot be used with --session")
         result = sbx.session(args.session).run(" ".join(args.cmd), timeout=args.timeout,
                                                checkpoint=args.checkpoint,
-                                               checkpoint_label=args.checkpoint_label)
+                                               checkpoint_label=args.checkpoint_label,
+                                               rollback_to=args.rollback_to)
         if not args.json:
             _writer(sys.stdout.buffer)(result.stdout_bytes)
             _writer(sys.stderr.buffer)(result.stderr_bytes)
@@ -454,10 +459,15 @@ def cmd_exec(args: argparse.Namespace, client: Client) -> int:
             "on_stdout": _writer(sys.stdout.buffer), "on_stderr": _writer(sys.stderr.buffer)}
         result = sbx.exec(cmd, timeout=args.timeout, cwd=args.cwd, env=dict(args.env),
                           stdin=stdin, checkpoint=args.checkpoint,
-                          checkpoint_label=args.checkpoint_label, **streams)
+                          checkpoint_label=args.checkpoint_label,
+                          rollback_to=args.rollback_to, **streams)
     if args.json:
         _print_json(result)
         return _exit_status(result.exit_code)
+    if result.rollback is not None:
+        print(f"{PROG}: rolled back to {result.rollback.checkpoint_id} first "
+              f"({result.rollback.process_state or 'files'}; "
+              f"{result.rollback.duration_ms:.1f} ms)", file=sys.stderr)
     if result.note:
         print(f"{PROG}: note: {result.note}", file=sys.stderr)
     if result.checkpoint_id:

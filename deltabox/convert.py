@@ -18,20 +18,25 @@ def _decode(data: bytes) -> str:
 def exec_result(resp: pb.ExecResponse) -> models.ExecResult:
     return exec_result_from_parts(resp.exit_code, resp.stdout, resp.stderr, resp.duration_ms,
                                   resp.note, resp.stdout_truncated, resp.stderr_truncated,
-                                  resp.checkpoint_id)
+                                  resp.checkpoint_id, rollback_of(resp))
 
 
 def exec_result_from_parts(exit_code: int, stdout: bytes, stderr: bytes, duration_ms: float,
                            note: str = "", stdout_truncated: bool = False,
-                           stderr_truncated: bool = False,
-                           checkpoint_id: str = "") -> models.ExecResult:
+                           stderr_truncated: bool = False, checkpoint_id: str = "",
+                           rollback: models.RollbackResult | None = None) -> models.ExecResult:
     """Shared by Exec and ExecStream (whose output arrives in chunks)."""
     return models.ExecResult(
         exit_code=exit_code, stdout=_decode(stdout), stderr=_decode(stderr),
         duration_ms=duration_ms, stdout_bytes=stdout, stderr_bytes=stderr, note=note,
         stdout_truncated=stdout_truncated, stderr_truncated=stderr_truncated,
-        checkpoint_id=checkpoint_id,
+        checkpoint_id=checkpoint_id, rollback=rollback,
     )
+
+
+def rollback_of(msg: pb.ExecResponse | pb.ExecChunk) -> models.RollbackResult | None:
+    """The rollback a command asked for (`rollback_to`), None if it asked for none."""
+    return rollback_result(msg.rollback) if msg.HasField("rollback") else None
 
 
 def checkpoint(msg: pb.CheckpointInfo) -> models.Checkpoint:

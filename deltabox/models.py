@@ -11,6 +11,16 @@ class _Model(BaseModel):
     model_config = ConfigDict(frozen=True)
 
 
+class RollbackResult(_Model):
+    sandbox_id: str
+    checkpoint_id: str
+    duration_ms: float
+    sessions_restarted: list[str] = Field(default_factory=list)
+    processes_killed: int = 0
+    process_state: str = ""
+    note: str = ""
+
+
 class ExecResult(_Model):
     exit_code: int
     stdout: str
@@ -24,6 +34,8 @@ class ExecResult(_Model):
     # The checkpoint asked for at the command's end (`checkpoint=`): its id, taken in the
     # background; "" if none was asked for or none could be taken (`note` says why).
     checkpoint_id: str = ""
+    # The rollback asked for before the command (`rollback_to=`); None if none was.
+    rollback: RollbackResult | None = None
 
     @property
     def ok(self) -> bool:
@@ -46,16 +58,6 @@ class Checkpoint(_Model):
     # The checkpoint whose captured processes a rollback to this one restores (itself for
     # "full"; the parent's for "fs"/"skipped" decided by the policy); None: files only.
     processes_from: str | None = None
-
-
-class RollbackResult(_Model):
-    sandbox_id: str
-    checkpoint_id: str
-    duration_ms: float
-    sessions_restarted: list[str] = Field(default_factory=list)
-    processes_killed: int = 0
-    process_state: str = ""
-    note: str = ""
 
 
 class DiffResult(_Model):

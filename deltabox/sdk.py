@@ -117,7 +117,8 @@ class Sandbox:
              cwd: str | None = None, env: Mapping[str, str] | None = None,
              stdin: bytes | str | None = None, on_stdout: OutputCallback | None = None,
              on_stderr: OutputCallback | None = None, checkpoint: str | None = None,
-             checkpoint_label: str = "") -> ExecResult:
+             checkpoint_label: str = "", rollback_to: CheckpointLike | None = None
+             ) -> ExecResult:
         """Run a command to completion. A str runs via `bash -c`; a list is argv.
 
         With `on_stdout`/`on_stderr`, output is streamed to them chunk by chunk as it
@@ -125,9 +126,13 @@ class Sandbox:
         With `checkpoint` ("auto", "fs" or "full") the sandbox is checkpointed at the
         command's end, in the background: `result.checkpoint_id` names it at once, and
         whatever names it later (rollback, fork, get_checkpoint) waits for it.
+        With `rollback_to`, the sandbox is first rolled back to that checkpoint (as
+        `rollback` does; `result.rollback` says how): a tree search's step in one call.
+        If the rollback fails, the command does not run and its error is raised.
         """
         req = self._exec_request(cmd, timeout, cwd, env, stdin)
         req.checkpoint, req.checkpoint_label = checkpoint or "", checkpoint_label
+        req.rollback_to = _cp_id(rollback_to) if rollback_to is not None else ""
         if on_stdout is None and on_stderr is None:
             resp = self._client.call("Exec", req, timeout=_deadline(timeout))
             return convert.exec_result(resp)
@@ -166,7 +171,8 @@ class Sandbox:
                 return convert.exec_result_from_parts(chunk.exit_code, b"".join(out),
                                                       b"".join(err), chunk.duration_ms,
                                                       note=chunk.note,
-                                                      checkpoint_id=chunk.checkpoint_id)
+                                                      checkpoint_id=chunk.checkpoint_id,
+                                                      rollback=convert.rollback_of(chunk))
         raise errors.Internal("ExecStream ended without an exit status")
 
     def session(self, name: str = "main") -> Session:
@@ -301,13 +307,17 @@ class Session:
         self.name = name
 
     def run(self, command: str, timeout: float | None = None, checkpoint: str | None = None,
-            checkpoint_label: str = "") -> ExecResult:
+            checkpoint_label: str = "", rollback_to: CheckpointLike | None = None
+            ) -> ExecResult:
         """Run bash source in the session. On timeout the session is restarted.
-        `checkpoint`: as in `Sandbox.exec`."""
+        `checkpoint`, `rollback_to`: as in `Sandbox.exec` (after the rollback, the session
+        is the one the checkpoint holds: its cwd, variables and jobs)."""
         req = pb.SessionRunRequest(sandbox_id=self.sandbox.id, session=self.name,
                                    command=command, timeout=timeout or 0.0,
                                    checkpoint=checkpoint or "",
-                                   checkpoint_label=checkpoint_label)
+                                   checkpoint_label=checkpoint_label,
+                                   rollback_to=(_cp_id(rollback_to) if rollback_to is not None
+                                                else ""))
         resp = self.sandbox._client.call("SessionRun", req, timeout=_deadline(timeout))
         return convert.exec_result(resp)
 

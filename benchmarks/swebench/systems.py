@@ -88,17 +88,18 @@ def run_action(ctx: Ctx, sbx: Any, action: Action) -> Code:
     return 0
 
 
-def run_shell(ctx: Ctx, sbx: Any, action: Action, **checkpoint: str) -> tuple[Code, str]:
+def run_shell(ctx: Ctx, sbx: Any, action: Action, **turn: Any) -> tuple[Code, Any]:
     """A shell action; with `checkpoint=MODE, checkpoint_label=...` the sandbox is
-    checkpointed at its end (DeltaBox's turn-boundary checkpoint). (code, checkpoint id)."""
+    checkpointed at its end (DeltaBox's turn-boundary checkpoint), with `rollback_to=CP`
+    rolled back first. (code, the SDK's ExecResult or None on a timeout)."""
     from deltabox import errors
 
     try:
         r = sbx.exec([*ctx.traj.interpreter, action.cmd], cwd=ctx.env.workdir,
-                     env=ctx.env.exec_env, timeout=ctx.timeout, **checkpoint)
+                     env=ctx.env.exec_env, timeout=ctx.timeout, **turn)
     except errors.DeadlineExceeded:
-        return "timeout", ""
-    return r.exit_code, r.checkpoint_id
+        return "timeout", None
+    return r.exit_code, r
 
 
 def state_hash(ctx: Ctx, sbx: Any) -> dict[str, str]:
@@ -127,6 +128,11 @@ class System:
 
     name = "system"
     tree = True                   # replays the tree faithfully (floor does not roll back)
+    # Where the state is hashed in mcts (untimed): right after each rollback, and (the
+    # reference, DeltaBox) also after the action that follows it, where deltabox_turn, whose
+    # rollback happens inside that action's call, is compared.
+    hash_after_rollback = True
+    hash_after_step = False
 
     def __init__(self, ctx: Ctx) -> None:
         self.ctx = ctx
@@ -202,6 +208,7 @@ class Floor(System):
 
 class DeltaBox(System):
     name = "deltabox"
+    hash_after_step = True
 
     def __init__(self, ctx: Ctx) -> None:
         super().__init__(ctx)
@@ -240,30 +247,67 @@ class DeltaBox(System):
 
 
 class DeltaBoxTurn(DeltaBox):
-    """DeltaBox with the checkpoint asked for at the action's end, as an agent loop would:
-    `exec(..., checkpoint="auto")` for a shell action, `checkpoint(background=True)` after a
-    file edit. The daemon takes it while the agent thinks (the untimed pause); a rollback
-    or fork naming it waits for it if it is not done. Recorded: the action's time (its
-    answer, which does not wait for the checkpoint), and as the checkpoint's client time
+    """DeltaBox driven as an agent loop would: a tree-search step is one call. A shell
+    action is `exec(..., rollback_to=NODE, checkpoint="auto")`: the rollback to the node
+    it expands, the action, and the checkpoint at its end asked for in the same call. The
+    daemon takes the checkpoint while the agent thinks (the untimed pause); a rollback or
+    fork naming it waits for it if it is not done. A file edit has no such call: its
+    rollback is a call of its own before it, and its checkpoint
+    `checkpoint(background=True)` after it. Recorded: a rollback inside the action's call
+    as its daemon time, the action as the rest of the call; as the checkpoint's client time
     only the extra call an edit needs (0 for a shell action); the checkpoint's own daemon
-    time and kind are read afterwards, untimed."""
+    time and kind are read afterwards, untimed. Not hashed right after a rollback (it
+    happens inside the next call): compared with DeltaBox after the action instead."""
 
     name = "deltabox_turn"
+    hash_after_rollback = False
+
+    def __init__(self, ctx: Ctx) -> None:
+        super().__init__(ctx)
+        self.pending: tuple[int, int] | None = None   # (node, step) of a deferred rollback
+
+    def rollback(self, node: int, path: list[int], step: int) -> None:
+        """Deferred to the next action's call (act_and_checkpoint)."""
+        self.pending = (node, step)
+
+    def _rollback_now(self) -> None:
+        """A deferred rollback the next action cannot carry (a file edit): its own call."""
+        if self.pending is not None:
+            node, step = self.pending
+            self.pending = None
+            super().rollback(node, [], step)
 
     def act_and_checkpoint(self, idx: int, step: int, node: int, path: list[int]) -> Code:
         action = self.ctx.traj.actions[idx]
         label = f"node {node}"
+        if action.kind != "shell":
+            self._rollback_now()
+        rollback, self.pending = self.pending, None
         t0 = time.perf_counter()
+        rb = None
         if action.kind == "shell":
-            code, cp_id = run_shell(self.ctx, self.sbx, action, checkpoint="auto",
-                                    checkpoint_label=label)
+            turn: dict[str, Any] = {"checkpoint": "auto", "checkpoint_label": label}
+            if rollback is not None:
+                turn["rollback_to"] = self.cps[rollback[0]]
+            code, r = run_shell(self.ctx, self.sbx, action, **turn)
+            cp_id, rb = (r.checkpoint_id, r.rollback) if r is not None else ("", None)
             t1 = t2 = time.perf_counter()
         else:
             code = run_action(self.ctx, self.sbx, action)
             t1 = time.perf_counter()
             cp_id = self.sbx.checkpoint(label=label, background=True).id
             t2 = time.perf_counter()
-        self.record("action", (t1 - t0) * 1000, step=step, action=idx, code=code, node=node)
+        rb_ms = 0.0
+        if rollback is not None and rb is None:  # the action timed out: no answer
+            self.record("rollback", 0.0, step=rollback[1], node=rollback[0], attached=True,
+                        note="in the action's call, which timed out (its time is there)")
+        elif rollback is not None:
+            rb_ms = rb.duration_ms
+            self.record("rollback", rb_ms, step=rollback[1], node=rollback[0],
+                        server_ms=rb.duration_ms, process_state=rb.process_state,
+                        note=rb.note, attached=True)
+        self.record("action", (t1 - t0) * 1000 - rb_ms, step=step, action=idx, code=code,
+                    node=node)
         self.record("checkpoint", (t2 - t1) * 1000, step=step, node=node, cp_id=cp_id,
                     attached=action.kind == "shell")
         self.cps[node] = cp_id

@@ -59,7 +59,12 @@ def exec_pb(ran: Ran) -> pb.ExecResponse:
     return pb.ExecResponse(exit_code=out.exit_code, stdout=out.stdout, stderr=out.stderr,
                            duration_ms=out.duration_ms, stdout_truncated=out.stdout_truncated,
                            stderr_truncated=out.stderr_truncated, note=ran.note,
-                           checkpoint_id=ran.checkpoint_id)
+                           checkpoint_id=ran.checkpoint_id, rollback=rollback_pb(ran))
+
+
+def rollback_pb(ran: Ran) -> pb.RollbackResponse | None:
+    """The rollback a command asked for (`rollback_to`), unset if none."""
+    return pb.RollbackResponse(**ran.rollback) if ran.rollback is not None else None
 
 
 class Servicer(pb_grpc.DeltaBoxServicer):
@@ -151,7 +156,7 @@ class Servicer(pb_grpc.DeltaBoxServicer):
         ran = self._run(context, self.d.exec, request.sandbox_id, list(request.argv),
                         request.shell, request.cwd, dict(request.env), request.stdin,
                         request.timeout, None, request.checkpoint, request.checkpoint_label,
-                        self._answered(context, request.checkpoint))
+                        self._answered(context, request.checkpoint), request.rollback_to)
         return exec_pb(ran)
 
     def ExecStream(self, request, context) -> Iterator[pb.ExecChunk]:  # noqa: N802
@@ -170,10 +175,11 @@ class Servicer(pb_grpc.DeltaBoxServicer):
                                             request.shell, request.cwd, dict(request.env),
                                             request.stdin, request.timeout, sink,
                                             request.checkpoint, request.checkpoint_label,
-                                            answered)
+                                            answered, request.rollback_to)
                     chunks.put(pb.ExecChunk(done=True, exit_code=ran.out.exit_code,
                                             duration_ms=ran.out.duration_ms,
-                                            checkpoint_id=ran.checkpoint_id, note=ran.note))
+                                            checkpoint_id=ran.checkpoint_id, note=ran.note,
+                                            rollback=rollback_pb(ran)))
                     return
                 except BaseException as e:
                     chunks.put(e)
@@ -202,7 +208,8 @@ class Servicer(pb_grpc.DeltaBoxServicer):
     def SessionRun(self, request, context):  # noqa: N802
         ran = self._run(context, self.d.session_run, request.sandbox_id, request.session,
                         request.command, request.timeout, request.checkpoint,
-                        request.checkpoint_label, self._answered(context, request.checkpoint))
+                        request.checkpoint_label, self._answered(context, request.checkpoint),
+                        request.rollback_to)
         return exec_pb(ran)
 
     def SessionClose(self, request, context):  # noqa: N802

@@ -1,0 +1,86 @@
+"""A tree search's step in one call: `rollback_to=` on exec and session runs rolls the
+sandbox back to a checkpoint, then runs the command (and, with `checkpoint=`, checkpoints
+its end). The command sees the checkpoint's files and sessions; a rollback that fails runs
+nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import deltabox
+from deltabox import Sandbox
+
+
+def test_a_step_runs_from_the_checkpoint_and_checkpoints_its_end(sbx: Sandbox) -> None:
+    s = sbx.session("main")
+    node = s.run("cd /tmp && X=node && echo node > /workspace/f", checkpoint="full")
+    s.run("cd / && X=elsewhere && echo elsewhere > /workspace/f")
+
+    step = s.run("pwd; echo $X; cat /workspace/f; echo child > /workspace/f",
+                 rollback_to=node.checkpoint_id, checkpoint="auto")
+    assert step.stdout.splitlines() == ["/tmp", "node", "node"]
+    assert step.rollback is not None
+    assert step.rollback.checkpoint_id == node.checkpoint_id
+    assert step.rollback.process_state == "restored" and not step.rollback.sessions_restarted
+    assert step.checkpoint_id and step.checkpoint_id != node.checkpoint_id
+
+    # The next step expands the node again: the child's change is not there.
+    again = s.run("cat /workspace/f", rollback_to=node.checkpoint_id)
+    assert again.stdout == "node\n" and again.checkpoint_id == ""
+    # ...and the child's checkpoint holds what its step left.
+    assert s.run("cat /workspace/f", rollback_to=step.checkpoint_id).stdout == "child\n"
+    assert s.run(":").rollback is None  # no rollback asked, none reported
+
+
+def test_exec_and_streamed_exec_roll_back_first(sbx: Sandbox) -> None:
+    sbx.files.write("g", "at the checkpoint")
+    cp = sbx.checkpoint()
+    sbx.files.write("g", "later")
+
+    r = sbx.exec(["cat", "/workspace/g"], rollback_to=cp)
+    assert r.stdout == "at the checkpoint" and r.rollback is not None
+    assert r.rollback.checkpoint_id == cp.id
+
+    sbx.files.write("g", "later again")
+    chunks: list[bytes] = []
+    r = sbx.exec("cat /workspace/g", rollback_to=cp.id, on_stdout=chunks.append)
+    assert b"".join(chunks) == b"at the checkpoint"
+    assert r.rollback is not None and r.rollback.checkpoint_id == cp.id
+
+
+def test_a_rollback_that_fails_runs_nothing(daemon, sbx: Sandbox) -> None:
+    sbx.files.write("h", "now")
+    with pytest.raises(deltabox.NotFound):
+        sbx.exec("touch /workspace/ran", rollback_to="cp-0000000000")
+    with pytest.raises(deltabox.NotFound):
+        sbx.session("main").run("touch /workspace/ran", rollback_to="cp-0000000000")
+    with pytest.raises(deltabox.InvalidArgument, match="not a checkpoint id"):
+        sbx.exec("touch /workspace/ran", rollback_to="nonsense")
+    other = Sandbox.create(socket=daemon.socket)
+    try:
+        foreign = other.checkpoint()
+        with pytest.raises(deltabox.FailedPrecondition, match="another sandbox family"):
+            sbx.exec("touch /workspace/ran", rollback_to=foreign)
+    finally:
+        other.kill()
+    assert not sbx.files.exists("ran") and sbx.files.read("h") == b"now"
+    # Bad input of the command itself is refused before the rollback: nothing changes.
+    cp = sbx.checkpoint()
+    sbx.files.write("h", "after")
+    with pytest.raises(deltabox.InvalidArgument):
+        sbx.exec("echo \0", rollback_to=cp)
+    assert sbx.files.read("h") == b"after"
+
+
+def test_cli_exec_rollback_to(daemon, sbx: Sandbox) -> None:
+    sbx.files.write("k", "kept")
+    cp = sbx.checkpoint()
+    sbx.files.write("k", "changed")
+    r = subprocess.run([sys.executable, "-m", "deltabox.cli", "--socket", daemon.socket,
+                        "exec", sbx.id, "--rollback-to", cp.id, "--", "cat", "/workspace/k"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "kept" and f"rolled back to {cp.id} first" in r.stderr
