@@ -48,6 +48,7 @@ bench: install
 	$(PY) -m benchmarks.fs_cr --quick
 	$(PY) -m benchmarks.process_cr --quick
 	$(PY) -m benchmarks.long_session
+	$(PY) -m benchmarks.search_step
 	$(PY) -m benchmarks.swebench.run --quick --out benchmarks/out/swebench
 
 clean:

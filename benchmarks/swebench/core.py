@@ -404,7 +404,8 @@ def targets(agg: dict[str, Any]) -> dict[str, Any]:
         if turn is not None:
             out["mcts_overhead_pct_total_turn_checkpoints"] = {
                 "value": turn, "target": f"<= {TARGET_OVERHEAD_PCT:g} (checkpoints at the "
-                "actions' ends, taken during the untimed think pause; rollbacks waited for)",
+                "actions' ends, taken during the untimed think pause; a rollback in the next "
+                "shell action's call, rollback_to=; rollbacks waited for the checkpoints)",
                 "pass": turn <= TARGET_OVERHEAD_PCT}
     out["every_baseline_slower"] = {
         "value": {m: a["total_ratio_vs_deltabox"] for m, a in agg.items()},

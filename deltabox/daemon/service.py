@@ -204,6 +204,11 @@ DEFERRED_NOTE = ("file snapshot taken right after this answer: files_changed and
 # After a rollback, how long its killed processes' keepers wait before dying (their exit
 # tears down the address spaces: CPU time better spent after the client has its answer).
 KEEPER_KILL_DELAY_S = 0.05
+# How long the generation a rollback left stays mounted: its teardown (the unmount of its
+# tree) contends with the first command in the new one, which an agent runs at once (that
+# command's spawn took 2.6-4.2 ms instead of 1.7-1.9 ms with a delay, the same command
+# without a rollback 1.5 ms; a whole step: benchmarks/README.md, `search_step`).
+GEN_RETIRE_DELAY_S = 0.1
 
 
 def new_id(prefix: str) -> str:
@@ -647,15 +652,15 @@ class Daemon:
             return freed
 
     def _retire_later(self, gen: runtime.Generation | None, layer_id: str,
-                      step: str = "", after: list[trio.Event] | None = None) -> None:
+                      step: str = "", after: list[trio.Event] | None = None,
+                      delay: float = 0.0) -> None:
         """Drop a layer (and the generation mounted on it, if any) after the call returned,
-        off the hot path, and after `after` (keepers living in the generation). Closing the
-        last
-        reference to a mount namespace unmounts its tree synchronously (milliseconds of RCU
-        grace periods), so it happens in a worker thread at once (it holds two fds and a
-        mount namespace), then the layer goes through a queue drained by RETIRE_WORKERS
-        tasks: a task per deletion would hold ~13 KiB each while waiting for an I/O slot,
-        and under load they pile up."""
+        off the hot path, and after `after` (keepers living in the generation) and `delay`
+        seconds. Closing the last reference to a mount namespace unmounts its tree
+        synchronously (milliseconds of RCU grace periods), so it happens in a worker thread
+        (it holds two fds and a mount namespace), then the layer goes through a queue
+        drained by RETIRE_WORKERS tasks: a task per deletion would hold ~13 KiB each while
+        waiting for an I/O slot, and under load they pile up."""
         if self._retire_send is None:
             self._retire_send, recv = trio.open_memory_channel(math.inf)
             for _ in range(RETIRE_WORKERS):
@@ -668,6 +673,7 @@ class Daemon:
 
         async def close_then_queue() -> None:
             try:
+                await trio.sleep(delay)
                 for ev in after or ():
                     await ev.wait()
                 await trio.to_thread.run_sync(gen.close)
@@ -754,10 +760,13 @@ class Daemon:
     async def _rollback_first(self, sid: str, cp_id: str) -> dict | None:
         """The rollback a command asked for before it runs (None: none asked). A tree
         search's step is then one call, not two: each call costs a round trip of 2-3 ms
-        here after the agent's pause, against 1.5-2 ms of the rollback's own work."""
+        here after the agent's pause, against 1.5-2 ms of the rollback's own work.
+        Shielded: a streamed command's client that goes away cancels the command, not a
+        rollback half done (milliseconds)."""
         if not cp_id:
             return None
-        return await self.rollback(sid, cp_id)
+        with trio.CancelScope(shield=True):
+            return await self.rollback(sid, cp_id)
 
     async def _turn_end(self, sid: str, ran: Ran, mode: str, label: str,
                         answered: trio.Event | None) -> Ran:
@@ -1513,7 +1522,8 @@ class Daemon:
             with self.db.transaction():
                 self.db.put_sandbox(row)
             crash_point("rollback.after_commit")
-            self._retire_later(old, old_layer, after=[k.gone for k in live.old_keepers])
+            self._retire_later(old, old_layer, after=[k.gone for k in live.old_keepers],
+                               delay=GEN_RETIRE_DELAY_S)
             self._release_bases([b for b in old_bases if b not in row.bases])
             self.warm.prepare(sid, cp.layer_id)  # for the next rollback to it
             old_sessions, live.sessions = live.sessions, {}
