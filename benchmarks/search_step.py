@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, latency_boxplot, log, machine_info,
-                               record_cleanup, run_main, stats, terminate_as_exception,
-                               write_json)
+from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, latency_boxplot, log,
+                               machine_info, pyplot, record_cleanup, run_main, stats,
+                               terminate_as_exception, write_json)
 from deltabox import Sandbox
 
 WAYS = ("two_calls", "one_call", "no_rollback")
@@ -78,19 +78,15 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "one_over_two_calls_p50": s["one_call"]["p50"] / s["two_calls"]["p50"]}
 
 
-def plot(runs: list[dict[str, Any]], path: Path) -> Path | None:
+def plot(runs: list[dict[str, Any]], path: Path, machine: dict[str, Any]) -> Path | None:
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         return None
     groups = {"step": {w: [r["ms"] for r in runs if r["way"] == w] for w in WAYS}}
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    latency_boxplot(ax, groups, title="roll back to a node, then run a command")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    latency_boxplot(ax, groups, log_scale=False)
+    finish_figure(fig, path, "search step (rollback + command)", machine)
     return path
 
 
@@ -130,7 +126,7 @@ def main() -> int:
         info = machine_info(d.socket)
     record_cleanup(result, d)
     path = write_json(args.out / "search_step.json", result, info)
-    png = plot(runs, args.out / "search_step.png")
+    png = plot(runs, args.out / "search_step.png", info)
     s = result["summary"]
     for w in WAYS:
         print(f"{w:12s} p50 {s[w]['p50']:6.2f} ms  p90 {s[w]['p90']:6.2f} ms")
