@@ -437,8 +437,8 @@ METHOD = {
              "absent), missing (file absent)",
     "hashes": "sha256 of the workdir's files (without .git, __pycache__, .pytest_cache, "
               "*.egg-info), of `git status --porcelain` and of the venv's site-packages "
-              "listing, after every rollback (mcts), every 5 actions (linear), in the first and "
-              "last child of each N (fanout) and at the end",
+              "listing, after the action that follows each rollback (mcts), every 5 actions "
+              "(linear), in the first and last child of each N (fanout) and at the end",
 }
 
 

@@ -128,11 +128,6 @@ class System:
 
     name = "system"
     tree = True                   # replays the tree faithfully (floor does not roll back)
-    # Where the state is hashed in mcts (untimed): right after each rollback, and (the
-    # reference, DeltaBox) also after the action that follows it, where deltabox_turn, whose
-    # rollback happens inside that action's call, is compared.
-    hash_after_rollback = True
-    hash_after_step = False
 
     def __init__(self, ctx: Ctx) -> None:
         self.ctx = ctx
@@ -208,7 +203,6 @@ class Floor(System):
 
 class DeltaBox(System):
     name = "deltabox"
-    hash_after_step = True
 
     def __init__(self, ctx: Ctx) -> None:
         super().__init__(ctx)
@@ -256,11 +250,9 @@ class DeltaBoxTurn(DeltaBox):
     `checkpoint(background=True)` after it. Recorded: a rollback inside the action's call
     as its daemon time, the action as the rest of the call; as the checkpoint's client time
     only the extra call an edit needs (0 for a shell action); the checkpoint's own daemon
-    time and kind are read afterwards, untimed. Not hashed right after a rollback (it
-    happens inside the next call): compared with DeltaBox after the action instead."""
+    time and kind are read afterwards, untimed."""
 
     name = "deltabox_turn"
-    hash_after_rollback = False
 
     def __init__(self, ctx: Ctx) -> None:
         super().__init__(ctx)
