@@ -53,6 +53,11 @@ def _cp_id(cp: CheckpointLike) -> str:
     return cp if isinstance(cp, str) else cp.id
 
 
+def _cp_id_or_none(cp: CheckpointLike | None) -> str:
+    """A request's optional checkpoint field: "" when none is given."""
+    return "" if cp is None else _cp_id(cp)
+
+
 def _deadline(timeout: float | None) -> float | None:
     return timeout + _EXEC_DEADLINE_GRACE if timeout else None
 
@@ -132,7 +137,7 @@ class Sandbox:
         """
         req = self._exec_request(cmd, timeout, cwd, env, stdin)
         req.checkpoint, req.checkpoint_label = checkpoint or "", checkpoint_label
-        req.rollback_to = _cp_id(rollback_to) if rollback_to is not None else ""
+        req.rollback_to = _cp_id_or_none(rollback_to)
         if on_stdout is None and on_stderr is None:
             resp = self._client.call("Exec", req, timeout=_deadline(timeout))
             return convert.exec_result(resp)
@@ -316,8 +321,7 @@ class Session:
                                    command=command, timeout=timeout or 0.0,
                                    checkpoint=checkpoint or "",
                                    checkpoint_label=checkpoint_label,
-                                   rollback_to=(_cp_id(rollback_to) if rollback_to is not None
-                                                else ""))
+                                   rollback_to=_cp_id_or_none(rollback_to))
         resp = self.sandbox._client.call("SessionRun", req, timeout=_deadline(timeout))
         return convert.exec_result(resp)
 

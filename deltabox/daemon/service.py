@@ -652,11 +652,11 @@ class Daemon:
             return freed
 
     def _retire_later(self, gen: runtime.Generation | None, layer_id: str,
-                      step: str = "", after: list[trio.Event] | None = None,
-                      delay: float = 0.0) -> None:
+                      step: str = "", after: list[trio.Event] | None = None) -> None:
         """Drop a layer (and the generation mounted on it, if any) after the call returned,
-        off the hot path, and after `after` (keepers living in the generation) and `delay`
-        seconds. Closing the last reference to a mount namespace unmounts its tree
+        off the hot path, and after `after` (keepers living in the generation); a generation
+        GEN_RETIRE_DELAY_S later (the one a rollback left: the command that follows goes
+        first). Closing the last reference to a mount namespace unmounts its tree
         synchronously (milliseconds of RCU grace periods), so it happens in a worker thread
         (it holds two fds and a mount namespace), then the layer goes through a queue
         drained by RETIRE_WORKERS tasks: a task per deletion would hold ~13 KiB each while
@@ -673,7 +673,7 @@ class Daemon:
 
         async def close_then_queue() -> None:
             try:
-                await trio.sleep(delay)
+                await trio.sleep(GEN_RETIRE_DELAY_S)
                 for ev in after or ():
                     await ev.wait()
                 await trio.to_thread.run_sync(gen.close)
@@ -1522,8 +1522,7 @@ class Daemon:
             with self.db.transaction():
                 self.db.put_sandbox(row)
             crash_point("rollback.after_commit")
-            self._retire_later(old, old_layer, after=[k.gone for k in live.old_keepers],
-                               delay=GEN_RETIRE_DELAY_S)
+            self._retire_later(old, old_layer, after=[k.gone for k in live.old_keepers])
             self._release_bases([b for b in old_bases if b not in row.bases])
             self.warm.prepare(sid, cp.layer_id)  # for the next rollback to it
             old_sessions, live.sessions = live.sessions, {}
