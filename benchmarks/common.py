@@ -358,6 +358,69 @@ def record_cleanup(result: dict[str, Any], daemon: PrivateDaemon) -> None:
         log(f"leakcheck (whole machine; other runs count too):\n{report}")
 
 
+def cgroup_procs(init_pid: int) -> Path:
+    """The cgroup.procs file of the sandbox whose init has host pid `init_pid`."""
+    lines = Path(f"/proc/{init_pid}/cgroup").read_text().splitlines()
+    for line in lines:  # cgroup v1: the pids hierarchy
+        _, ctrls, path = line.split(":", 2)
+        if "pids" in ctrls.split(","):
+            return Path("/sys/fs/cgroup/pids") / path.lstrip("/") / "cgroup.procs"
+    for line in lines:  # v2
+        if line.startswith("0::"):
+            return Path("/sys/fs/cgroup") / line[3:].lstrip("/") / "cgroup.procs"
+    raise RuntimeError(f"no cgroup for pid {init_pid}")
+
+
+def kill_and_wait(sandboxes: Iterable[Any], timeout: float = 60) -> tuple[float, float]:
+    """Kill sandboxes one by one: (ms until the last kill answered, ms until every one's
+    cgroup is gone: its processes exited and the daemon tore it down, which it does after
+    answering)."""
+    sandboxes = list(sandboxes)
+    cgroups = []
+    for k in sandboxes:
+        try:
+            cgroups.append(cgroup_procs(k.info().init_pid).parent)
+        except Exception:  # gone or stopped already (NotFound, no init): nothing to wait for
+            pass
+    t0 = time.perf_counter()
+    for k in sandboxes:
+        k.kill()
+    answered = (time.perf_counter() - t0) * 1000
+    deadline = time.monotonic() + timeout
+    while any(c.exists() for c in cgroups) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return answered, (time.perf_counter() - t0) * 1000
+
+
+def make_settle(socket: str) -> Callable[[], float]:
+    """Between two measured runs: wait until btrfs has cleaned up the subvolumes the last
+    one deleted, and flush dirty pages, so that no run pays for the previous one's
+    background work (untimed). Returns the ms it waited."""
+    import deltabox
+
+    info = deltabox.info(socket=socket)
+
+    def btrfs(*args: str) -> str:
+        return subprocess.run(["btrfs", *args, info.store_path], capture_output=True,
+                              text=True, timeout=120).stdout
+
+    def settle() -> float:
+        t0 = time.perf_counter()
+        os.sync()
+        if info.store_backend.startswith("btrfs"):
+            # A transaction commit wakes the cleaner; deleted subvolumes are listed until
+            # it is done (`subvolume sync` alone waits for a commit that may not come).
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                btrfs("filesystem", "sync")
+                if not btrfs("subvolume", "list", "-d").strip():
+                    break
+                time.sleep(0.1)
+        return (time.perf_counter() - t0) * 1000
+
+    return settle
+
+
 def wait_inspector(daemon: PrivateDaemon, timeout: float = 180) -> str:
     """The daemon's inspector backend once it has loaded (it loads in the background), or
     what it says after `timeout`."""

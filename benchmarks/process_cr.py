@@ -30,7 +30,9 @@ in the same run:
 Plus fan-out `sbx.fork(cp, count=N)` for N = 1..32 from the full scenario's checkpoint (each
 child gets the checkpoint's files and its processes restored from the templates, in a pid
 namespace nested below the source's; the children are inspected and what they run, and the
-fork's process_state, are reported), and the memory a
+fork's process_state, are reported; then the children are killed one by one: the time
+until the last kill answered, and until every child's cgroup was gone; btrfs drops their
+layers before the next fork is timed), and the memory a
 template holds after the live process dirtied D MB (its pages that no process but it and
 the carriers spawned from it map: /proc/<pid>/pagemap + /proc/kpagecount, via
 deltabox.cr.native.exclusive_bytes). Writes <out>/process_cr.json and <out>/process_cr.png.
@@ -53,8 +55,9 @@ from typing import Any
 from deltabox.cr import hostmem, native
 
 from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, Terminated, Timer, finish_figure,
-                               host_thp, latency_boxplot, log, machine_info, other_daemons,
-                               percentile, pyplot, ratio, record_cleanup, stats,
+                               cgroup_procs, host_thp, kill_and_wait, latency_boxplot, log,
+                               machine_info, make_settle, other_daemons, percentile, pyplot,
+                               ratio, record_cleanup, stats,
                                terminate_as_exception, wait_for_file, wait_inspector,
                                write_json)
 
@@ -381,19 +384,6 @@ def sandbox_python() -> str:
     return found or sys.executable
 
 
-def cgroup_procs(init_pid: int) -> Path:
-    """The cgroup.procs file of the sandbox whose init has host pid `init_pid`."""
-    lines = Path(f"/proc/{init_pid}/cgroup").read_text().splitlines()
-    for line in lines:  # cgroup v1: the pids hierarchy
-        _, ctrls, path = line.split(":", 2)
-        if "pids" in ctrls.split(","):
-            return Path("/sys/fs/cgroup/pids") / path.lstrip("/") / "cgroup.procs"
-    for line in lines:  # v2
-        if line.startswith("0::"):
-            return Path("/sys/fs/cgroup") / line[3:].lstrip("/") / "cgroup.procs"
-    raise RuntimeError(f"no cgroup for pid {init_pid}")
-
-
 def host_procs(init_pid: int) -> list[dict[str, Any]]:
     """The sandbox's processes as the host sees them: pid, state, cmdline, VmRSS."""
     out = []
@@ -690,8 +680,9 @@ def run_fork(d: PrivateDaemon, plan: Plan) -> dict[str, Any]:
         wl.settle()
         cp = sbx.checkpoint(label="fork source")
         wl.settle()
+        settle = make_settle(d.socket)
         for n in plan.fork_counts:
-            total, kill_ms = [], []
+            total, kill_ms, torn_ms = [], [], []
             inspected: list[dict[str, Any]] = []
             for rep in range(plan.fork_reps):
                 wl.settle()
@@ -704,13 +695,13 @@ def run_fork(d: PrivateDaemon, plan: Plan) -> dict[str, Any]:
                         for k in {id(kids[0]): kids[0], id(kids[-1]): kids[-1]}.values():
                             inspected.append(inspect_child(k))
                 finally:
-                    with Timer() as tk:
-                        for k in kids:
-                            k.kill()
-                    kill_ms.append(tk.ms)
+                    answered, gone = kill_and_wait(kids)
+                    kill_ms.append(answered)
+                    torn_ms.append(gone)
+                settle()  # the kids' layers deleted by btrfs: not in the next fork's time
             per_n[str(n)] = {"count": n, "total_ms": total, "process_state": sorted(states),
                              "per_child_ms": [t / n for t in total], "kill_all_ms": kill_ms,
-                             "children_inspected": inspected}
+                             "torn_down_ms": torn_ms, "children_inspected": inspected}
             log(f"fork({n}): total p50 {percentile(total, 50):.1f} ms; child runs the "
                 f"workload: {any(i['workload_running'] for i in inspected)}")
         source_checkpoint = cp.model_dump()
@@ -901,6 +892,8 @@ def summarize(series: list[Series], fork: dict | None, tmem: list[dict] | None) 
             "kind": fork["kind"],
             "per_n": {n: {"total_ms": stats(f["total_ms"]), "per_child_ms":
                           stats(f["per_child_ms"]),
+                          "kill_all_ms": stats(f["kill_all_ms"]),
+                          "torn_down_ms": stats(f.get("torn_down_ms", [])),
                           "children_run_workload": any(i["workload_running"]
                                                        for i in f["children_inspected"]),
                           "children_processes": sorted({p["cmd"].split()[0] for i in
@@ -1008,10 +1001,12 @@ def print_summary(summary: dict, targets: dict, json_path: Path, png_path: Path)
     if "fork" in summary:
         p("")
         p("fan-out fork (files + processes restored from templates in every child)")
-        p(f"{'N':>4} | {'total p50':>9} {'p90':>7} | {'per child':>9} | children run workload")
+        p(f"{'N':>4} | {'total p50':>9} {'p90':>7} | {'per child':>9} | {'kill all':>8} "
+          f"{'torn down':>9} | children run workload")
         for n, f in summary["fork"]["per_n"].items():
             p(f"{n:>4} | {_fmt(f['total_ms'].get('p50'), 9)} {_fmt(f['total_ms'].get('p90'))} | "
-              f"{_fmt(f['per_child_ms'].get('p50'), 9)} | {f['children_run_workload']} "
+              f"{_fmt(f['per_child_ms'].get('p50'), 9)} | {_fmt(f['kill_all_ms'].get('p50'), 8)} "
+              f"{_fmt(f['torn_down_ms'].get('p50'), 9)} | {f['children_run_workload']} "
               f"(processes seen: {', '.join(f['children_processes'])})")
     if "idle_process" in summary:
         i = summary["idle_process"]

@@ -254,6 +254,53 @@ def test_remove_frees_family_checkpoints(daemon) -> None:
         kid.exec("true")
 
 
+def _killed(pid: int) -> bool:
+    """Whether a host process is gone, dead, or has SIGKILL pending (it runs no more code)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    sigkill = 1 << 8
+    return (status["State"].split()[0] in ("Z", "X")
+            or any(int(status[k], 16) & sigkill for k in ("SigPnd", "ShdPnd")))
+
+
+def test_remove_answers_with_every_process_killed(daemon) -> None:
+    """`rm` answers once every process of the sandbox (but its init and the launcher that
+    made it, the daemon's helpers, which run none of the user's code) has been sent SIGKILL;
+    their exits, the cgroup and the mounts follow in the daemon's background, and soon."""
+    import time
+    from pathlib import Path
+
+    from benchmarks.common import cgroup_procs
+
+    sbx = Sandbox.create(socket=daemon.socket)
+    init = sbx.info().init_pid
+    procs = cgroup_procs(init)
+    sbx.session("main").run(
+        "(while :; do :; done) >/dev/null 2>&1 & "
+        "python3 -c 'b = bytearray(64 << 20); import time; time.sleep(600)' >/dev/null 2>&1 &")
+    deadline = time.monotonic() + 30
+    while not any(Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"python3")
+                  for p in map(int, procs.read_text().split()) if Path(f"/proc/{p}").exists()):
+        assert time.monotonic() < deadline, "the workload did not start"
+        time.sleep(0.05)
+    launcher = int(Path(f"/proc/{init}/status").read_text().split("PPid:")[1].split()[0])
+    pids = set(map(int, procs.read_text().split())) - {init, launcher}
+    assert len(pids) >= 3  # the session's bash, the loop, python
+    sbx.kill()
+    assert [p for p in pids if not _killed(p)] == []
+    deadline = time.monotonic() + 10
+    while procs.parent.exists():
+        assert time.monotonic() < deadline, f"{procs.parent} still there 10 s after rm"
+        time.sleep(0.01)
+    assert [p for p in pids | {init, launcher} if Path(f"/proc/{p}").exists()
+            and Path(f"/proc/{p}/stat").read_text().split(") ")[1][0] not in "ZX"] == []
+    with pytest.raises(deltabox.NotFound):
+        sbx.exec("true")
+
+
 def test_sandbox_whose_init_died_is_stopped_and_rollback_boots_it(sbx: Sandbox) -> None:
     import os
     import signal

@@ -6,15 +6,12 @@ with their own daemon and a tiny local package."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import log, stats
+from benchmarks.common import log, make_settle, stats
 
 from . import env as envmod
 from .modes import (Step, linear_schedule, mcts_schedule, run_fanout, run_tree,
@@ -123,35 +120,6 @@ def run_order(plan: Plan, mode: str) -> list[str]:
     if plan.repeat and mode in plan.repeat_modes:
         return ["floor", "deltabox", "deltabox#2", "floor#2", *rest]
     return ["floor", "deltabox", *rest]
-
-
-def make_settle(socket: str) -> Callable[[], float]:
-    """Between two systems' runs: wait until btrfs has cleaned up the subvolumes the last
-    one deleted, and flush dirty pages, so that no run pays for the previous one's
-    background work (untimed). Returns the ms it waited."""
-    import deltabox
-
-    info = deltabox.info(socket=socket)
-
-    def btrfs(*args: str) -> str:
-        return subprocess.run(["btrfs", *args, info.store_path], capture_output=True,
-                              text=True, timeout=120).stdout
-
-    def settle() -> float:
-        t0 = time.perf_counter()
-        os.sync()
-        if info.store_backend.startswith("btrfs"):
-            # A transaction commit wakes the cleaner; deleted subvolumes are listed until
-            # it is done (`subvolume sync` alone waits for a commit that may not come).
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                btrfs("filesystem", "sync")
-                if not btrfs("subvolume", "list", "-d").strip():
-                    break
-                time.sleep(0.1)
-        return (time.perf_counter() - t0) * 1000
-
-    return settle
 
 
 def replay_trajectory(socket: str, state_dir: Path, scratch: Path, traj: Trajectory,

@@ -45,8 +45,8 @@ from typing import Any
 
 from benchmarks.common import DEFAULT_OUT as COMMON_OUT
 from benchmarks.common import (PrivateDaemon, default_cache_dir, finish_figure, leakcheck, log,
-                               machine_info, other_daemons, percentile, pyplot, run_main,
-                               terminate_as_exception, wait_inspector, write_json)
+                               machine_info, make_settle, other_daemons, percentile, pyplot,
+                               run_main, terminate_as_exception, wait_inspector, write_json)
 
 from . import core, env
 from .report import _f, machine_lines, short
@@ -325,7 +325,7 @@ def measure_trajectory(daemons: dict[str, PrivateDaemon], traj: Trajectory,
             out["environment"][arm] = bases[arm].info
         ctxs = {arm: Ctx(socket=d.socket, state_dir=d.state_dir, scratch=d.scratch, traj=traj,
                          env=bases[arm], timeout=opts.timeout, think=opts.think,
-                         settle=core.make_settle(d.socket)) for arm, d in daemons.items()}
+                         settle=make_settle(d.socket)) for arm, d in daemons.items()}
 
         def settle() -> float:
             return sum(c.settle() for c in ctxs.values())

@@ -31,6 +31,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
   snapshot_of TEXT
 );
 CREATE INDEX IF NOT EXISTS cp_family ON checkpoints(family_id);
+CREATE INDEX IF NOT EXISTS sb_family ON sandboxes(family_id);
 """
 
 
@@ -147,6 +148,12 @@ class Database:
 
     def delete_sandbox(self, sid: str) -> None:
         self.conn.execute("DELETE FROM sandboxes WHERE id=?", (sid,))
+
+    def family_has_other(self, family_id: str, sid: str) -> bool:
+        """Whether a sandbox other than `sid` is of the family (one indexed probe: a fork's
+        children are removed one by one, and reading every row each time is quadratic)."""
+        return self.conn.execute("SELECT 1 FROM sandboxes WHERE family_id=? AND id!=? LIMIT 1",
+                                 (family_id, sid)).fetchone() is not None
 
     def family_sandboxes(self, family_id: str) -> list[SandboxRow]:
         rows = self.conn.execute("SELECT * FROM sandboxes WHERE family_id=?", (family_id,))

@@ -280,6 +280,8 @@ class Daemon:
         # nested in theirs (init's exit would kill every nested process): id -> (runtime,
         # its own nest parent). Only init remains in them.
         self.holders: dict[str, tuple[runtime.Runtime, str | None]] = {}
+        # Removed sandboxes whose processes are still exiting (_stop_soon): id -> done.
+        self.stopping: dict[str, trio.Event] = {}
         self.turns = Turns()
         self.pending = PendingCheckpoints()
         self.underway = Underway()
@@ -439,6 +441,8 @@ class Daemon:
                     await self._stop(sid)
                 except Exception:
                     log.exception("shutdown: stopping sandbox %s failed", sid)
+            for done in list(self.stopping.values()):  # removals finishing in the background
+                await done.wait()
             for rt, _ in list(self.holders.values()):  # left only if something failed above
                 await runtime.stop(rt)
                 rt.cgroup.remove()
@@ -549,12 +553,46 @@ class Daemon:
                 await self._stop(sid)
 
     async def _stop(self, sid: str) -> None:
+        """Stop a sandbox: every process killed and reaped, its cgroup and generation gone."""
+        live = self._unregister(sid)
+        if live is not None:
+            await self._teardown(sid, live)
+
+    def _stop_soon(self, sid: str) -> trio.Event | None:
+        """`_stop` for a removal, whose caller needs the sandbox's processes dead, not
+        reaped: they are SIGKILLed here (all but init and the stopped templates, which run
+        no code), the rest (their exit, a 200 MB address space torn down in milliseconds,
+        the launcher, the mount namespace, the cgroup) follows in the background. Returns
+        the event set once that is done (None: nothing left to do); shutdown waits for it,
+        and a restart after a crash finds the cgroup and the mounts as leftovers."""
+        live = self._unregister(sid)
+        if live is None:
+            return None
+        for fd in live.rt.cgroup.kill_now(keep=live.rt.keep_pids | live.template_pids):
+            os.close(fd)
+        done = trio.Event()
+        self.stopping[sid] = done
+
+        async def finish() -> None:
+            try:
+                await self._teardown(sid, live)
+            finally:
+                del self.stopping[sid]
+                done.set()
+        self.background.start_soon(finish)
+        return done
+
+    def _unregister(self, sid: str) -> Live | None:
+        """The first step of a stop: the sandbox leaves the daemon's tables (no request
+        finds it from here) and the warm pool and the inspector let it go."""
         self.warm.drop_sandbox(sid)
         self.turns.unwatch(sid)
         live = self.live.pop(sid, None)
         if live is None:
             Cgroup(self.cgroups, sid).remove()
-            return
+        return live
+
+    async def _teardown(self, sid: str, live: Live) -> None:
         for s in live.sessions.values():
             await s.close()
         for p in list(live.procs):
@@ -630,9 +668,10 @@ class Daemon:
         row = self._sandbox(sid)
         lock = self.live[sid].lock if sid in self.live else trio.Lock()
         async with lock:
-            await self._stop(sid)
+            stopped = self._stop_soon(sid)
+            after = [stopped] if stopped is not None else None
             freed = 0
-            others = [s for s in self.db.family_sandboxes(row.family_id) if s.id != sid]
+            others = self.db.family_has_other(row.family_id, sid)
             cps = [] if others else self.db.family_checkpoints(row.family_id)
             crash_point("remove.before_commit")
             with self.db.transaction():
@@ -641,22 +680,22 @@ class Daemon:
                     self.db.delete_checkpoint(cp.id)
             crash_point("remove.after_commit")
             self.dumps.drop([cp.id for cp in cps])
-            self._retire_later(None, row.layer_id, "remove.before_layer_delete")
+            self._retire_later(None, row.layer_id, "remove.before_layer_delete", after)
             for layer in dict.fromkeys(cp.layer_id for cp in cps):  # aliases share layers
                 if self.db.layer_refs(layer) == 0:
                     self.warm.drop_layer(layer)
                     self._retire_later(None, layer, "remove.before_layer_delete")
                     freed += 1
             self._release_bases(list(dict.fromkeys(
-                [*row.bases, *(b for cp in cps for b in cp.bases)])))
+                [*row.bases, *(b for cp in cps for b in cp.bases)])), after)
             return freed
 
     def _retire_later(self, gen: runtime.Generation | None, layer_id: str,
                       step: str = "", after: list[trio.Event] | None = None) -> None:
         """Drop a layer (and the generation mounted on it, if any) after the call returned,
-        off the hot path, and after `after` (keepers living in the generation); a generation
-        GEN_RETIRE_DELAY_S later (the one a rollback left: the command that follows goes
-        first). Closing the last reference to a mount namespace unmounts its tree
+        off the hot path, and after `after` (keepers living in the generation, a removed
+        sandbox's teardown); a generation GEN_RETIRE_DELAY_S later (the one a rollback
+        left: the command that follows goes first). Closing the last reference to a mount namespace unmounts its tree
         synchronously (milliseconds of RCU grace periods), so it happens in a worker thread
         (it holds two fds and a mount namespace), then the layer goes through a queue
         drained by RETIRE_WORKERS tasks: a task per deletion would hold ~13 KiB each while
@@ -667,16 +706,18 @@ class Daemon:
                 self.background.start_soon(self._retire_worker, recv.clone())
             recv.close()
         send = self._retire_send
-        if gen is None:
+        if gen is None and not after:
             send.send_nowait((layer_id, step))
             return
 
         async def close_then_queue() -> None:
             try:
-                await trio.sleep(GEN_RETIRE_DELAY_S)
+                if gen is not None:
+                    await trio.sleep(GEN_RETIRE_DELAY_S)
                 for ev in after or ():
                     await ev.wait()
-                await trio.to_thread.run_sync(gen.close)
+                if gen is not None:
+                    await trio.to_thread.run_sync(gen.close)
             finally:
                 send.send_nowait((layer_id, step))
         self.background.start_soon(close_then_queue)
@@ -711,12 +752,13 @@ class Daemon:
         """Whether a row, or a fork in progress, stacks `layer_id` under its layer."""
         return self._base_pins[layer_id] > 0 or self.db.base_refs(layer_id) > 0
 
-    def _release_bases(self, bases: list[str]) -> None:
+    def _release_bases(self, bases: list[str], after: list[trio.Event] | None = None) -> None:
         """After a commit that dropped references to `bases`: delete those that no row
-        names any more (their checkpoint deleted while they were bases)."""
+        names any more (their checkpoint deleted while they were bases), once `after` is
+        set (a removed sandbox's overlay, which stacks them, unmounted)."""
         for b in bases:  # no row names it: its warm clones went with its checkpoint
             if self.db.layer_refs(b) == 0 and not self._is_base(b):
-                self._retire_later(None, b)
+                self._retire_later(None, b, after=after)
 
     # ---- running commands ------------------------------------------------------------
 

@@ -149,17 +149,19 @@ def block_until_exited(pidfds: Iterable[int], timeout: float) -> None:
             _reap(fd)
 
 
-async def wait_exited(pidfds: list[int], timeout: float = 5.0) -> None:
+async def wait_exited(pidfds: list[int], timeout: float = 5.0, reap: bool = True) -> None:
     """Wait until every process behind `pidfds` (killed by us) has exited, reap those that
-    are our children (orphans adopted by the subreaper), close the pidfds (and empty the
-    list). The sandbox's init reaps the rest; until it has, their pids are still taken
-    (restores retry). Those exited already cost no trip through trio's scheduler."""
+    are our children (orphans adopted by the subreaper; `reap=False`: left to
+    reap_orphans), close the pidfds (and empty the list). The sandbox's init reaps the
+    rest; until it has, their pids are still taken (restores retry). Those exited already
+    cost no trip through trio's scheduler."""
     try:
         with trio.move_on_after(timeout) as scope:
             for fd in pidfds:
                 if not _exited(fd):
                     await trio.lowlevel.wait_readable(fd)
-                _reap(fd)
+                if reap:
+                    _reap(fd)
     finally:
         for fd in pidfds:
             os.close(fd)

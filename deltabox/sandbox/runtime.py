@@ -19,6 +19,7 @@ import trio
 from ..background import GuardedNursery
 
 from ..errors import FailedPrecondition, Internal
+from . import reaper
 from .cgroups import Cgroup
 from .userns import IdMap, userns_of
 
@@ -201,9 +202,14 @@ async def _release_helper(proc: trio.Process) -> None:
 
 
 async def stop(rt: Runtime) -> None:
-    """Kill every process of the sandbox and wait for its launcher."""
+    """Kill every process of the sandbox and wait for its launcher. The exits are awaited
+    here, not polled on the daemon's thread: a large address space takes milliseconds to
+    tear down, and so does the mount namespace that closing the generation drops."""
+    keep = {rt.launcher.pid}  # trio reaps it (its exit status is trio's to collect)
     try:
-        rt.cgroup.kill()
+        await reaper.wait_exited(rt.cgroup.kill_now(keep=keep), reap=False)
+        if rt.cgroup.pids() - keep:  # something slipped in meanwhile: the frozen kill
+            rt.cgroup.kill(keep=keep)
     finally:
         if rt.launcher.returncode is None:
             try:
@@ -211,7 +217,7 @@ async def stop(rt: Runtime) -> None:
             except ProcessLookupError:
                 pass
         await close_process(rt.launcher)
-        rt.close()
+        await trio.to_thread.run_sync(rt.close)
 
 
 async def close_process(proc: trio.Process) -> None:
