@@ -49,6 +49,7 @@ CASES = [
     ("fork.before_commit", "fork", False),
     ("remove.before_commit", "remove", False),
     ("remove.after_commit", "remove", True),
+    ("remove.tearing_down", "remove", True),
     ("remove.before_layer_delete", "remove", True),
     ("delete_checkpoint.before_commit", "delete_checkpoint", False),
     ("delete_checkpoint.after_commit", "delete_checkpoint", True),
@@ -170,8 +171,10 @@ def test_crash_at(d: DaemonProc, step: str, op: str, committed: bool) -> None:
     }
     try:
         ops[kind]()
-        # only a crash in the background after the reply (layer deletion) may let it succeed
-        assert step == "remove.before_layer_delete", f"{op} succeeded despite the crash"
+        # only a crash in the background after the reply (the teardown of the removed
+        # sandbox, the deletion of its layers) may let it succeed
+        assert step in ("remove.tearing_down", "remove.before_layer_delete"), \
+            f"{op} succeeded despite the crash"
     except deltabox.DeltaBoxError as e:
         assert isinstance(e, deltabox.Unavailable), f"{type(e).__name__}: {e}"
     assert d.proc.wait(30) == -signal.SIGKILL

@@ -90,8 +90,8 @@ def test_replay_agrees_across_systems(daemon, tmp_path: Path) -> None:
     # linear replays the plan's first actions, once per system (repeats: mcts only)
     assert lin["deltabox"]["codes"] == {str(i): c for i, c in enumerate([0, 0, 0, 2][:LINEAR])}
     assert sum(o["op"] == "checkpoint" for o in lin["deltabox"]["ops"]) == LINEAR + 1
-    assert not runs["linear"]["repeats"] and set(runs["mcts"]["repeats"]) == {"floor",
-                                                                                "deltabox"}
+    assert not runs["linear"]["repeats"] and set(runs["mcts"]["repeats"]) == {
+        "floor", "deltabox", "docker_commit"}
 
     mcts = runs["mcts"]
     assert set(mcts["systems"]) == set(core.ORDER)

@@ -39,7 +39,7 @@ def _runs(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _ops(run: dict[str, Any], name: str) -> list[dict[str, Any]]:
-    """A system's operations in a run, its repeat (floor, deltabox) included."""
+    """A system's operations in a run, its repeat (if it ran twice) included."""
     rs = [run["systems"].get(name), run.get("repeats", {}).get(name)]
     return [o for r in rs if r for o in r["ops"]]
 
@@ -203,18 +203,36 @@ def turn(ps: dict[str, Any]) -> str:
                                     f"({_f(t.get('overhead_pct'), '+.1f', ' %')})")
 
 
+LABELS = {"deltabox": "DeltaBox"}
+
+
+def twice(doc: dict[str, Any]) -> list[str]:
+    """The systems that ran twice somewhere in the run, in their order of the repeats."""
+    names = {n for r in _runs(doc) for n in r.get("repeats", {})}
+    return [n for n in ("floor", "deltabox", "docker_commit") if n in names]
+
+
 def repeated(p: dict[str, Any]) -> str:
-    """Where the plan's floor and DeltaBox ran twice, if not in every mode it has."""
+    """Where the plan's repeated systems ran twice, if not in every mode it has."""
     if not p.get("repeat", True):
         return " (not in this run: --no-repeat)"
     modes = [m for m in p["modes"] if m in p.get("repeat_modes", p["modes"])]
     return "" if modes == list(p["modes"]) else f" in {', '.join(modes) or 'no mode'}"
 
 
+def repeat_order(doc: dict[str, Any], p: dict[str, Any]) -> str:
+    """How the repeated systems were ordered (core.run_order), in words."""
+    names = [LABELS.get(n, n) for n in twice(doc) or ["floor", "deltabox"]]
+    text = (f"{', '.join(names[:-1])} and {names[-1]} ran twice{repeated(p)}, in the order "
+            f"{', '.join(names + names[::-1])}, then the other baselines")
+    return text[0].upper() + text[1:]
+
+
 def run_rows(doc: dict[str, Any]) -> list[str]:
-    head = ("| trajectory | mode | floor | DeltaBox | overhead | C/R share | repeat: floor, "
-            "DeltaBox | DeltaBox, turn checkpoints (overhead) | copytree | docker_commit | "
-            "restart_replay | exit codes | state hashes |")
+    rep = twice(doc) or ["floor", "deltabox"]
+    head = ("| trajectory | mode | floor | DeltaBox | overhead | C/R share | repeat: "
+            f"{', '.join(LABELS.get(n, n) for n in rep)} | DeltaBox, turn checkpoints (overhead) | "
+            "copytree | docker_commit | restart_replay | exit codes | state hashes |")
     rows = [head, "|" + "---|" * 13]
     for r in _runs(doc):
         s = r["summary"]
@@ -231,8 +249,8 @@ def run_rows(doc: dict[str, Any]) -> list[str]:
             f"{ps['deltabox']['e2e_ms'] / 1000:.2f} s | "
             f"{_f(s.get('overhead_pct'), '+.1f', ' %')} | "
             f"{_f(s.get('cr_share_pct'), '.1f', ' %')} | "
-            f"{_f(s.get('floor_repeat_pct'), '+.1f', ' %')}, "
-            f"{_f(s.get('deltabox_repeat_pct'), '+.1f', ' %')} | {turn(ps)} | "
+            f"{', '.join(_f(s.get(f'{n}_repeat_pct'), '+.1f', ' %') for n in rep)} | "
+            f"{turn(ps)} | "
             f"{base('copytree')} | "
             f"{base('docker_commit')} | {base('restart_replay')} | "
             f"{_agree(s['codes_vs_deltabox'])} | {_agree(s['hashes_vs_deltabox'])} |")
@@ -415,11 +433,9 @@ def markdown(doc: dict[str, Any], results_dir: str, img_dir: str = "results",
         "## End to end, per trajectory and mode",
         "",
         "Seconds of timed operations (actions + checkpoint / rollback / fork / restore); in "
-        "brackets each baseline's time / DeltaBox's. Floor and DeltaBox ran twice"
-        f"{repeated(p)}, in the "
-        "order floor, DeltaBox, DeltaBox, floor, then the baselines; their figures are the "
-        "means, and *repeat* gives how far the second replay was from the first (the noise of "
-        "replaying the same commands here). *overhead* = (DeltaBox - floor) / floor; "
+        f"brackets each baseline's time / DeltaBox's. {repeat_order(doc, p)}; their figures "
+        "are the means, and *repeat* gives how far the second replay was from the first (the "
+        "noise of replaying the same commands here). *overhead* = (DeltaBox - floor) / floor; "
         "*C/R share* = DeltaBox's checkpoint + rollback time / its own action time (the same "
         "question without two replays' noise). Exit codes and state hashes: agreeing / "
         "compared, every system against DeltaBox at the same steps.",

@@ -57,8 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--linear-actions", type=int,
                    help="linear replays the first N actions (default all, --quick 30)")
     p.add_argument("--repeat-modes",
-                   help="modes where floor and deltabox run twice (ABBA), e.g. linear,mcts "
-                   "(default every mode, --quick mcts)")
+                   help="modes where floor, deltabox and docker_commit run twice (nested "
+                   "ABBA), e.g. linear,mcts (default every mode, --quick mcts)")
     p.add_argument("--seed", type=int, default=1, help="mcts selection seed (default 1)")
     p.add_argument("--fanout", help="fan-out counts, e.g. 1,2,4 (default 1,2,4,8,16,32; "
                    "--quick 1,2,4,8)")
@@ -73,8 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=core.Plan.warmup_actions,
                    help="actions run untimed once per trajectory before measuring")
     p.add_argument("--no-repeat", action="store_true",
-                   help="run floor and deltabox once each (default: floor, deltabox, "
-                   "deltabox, floor, then the baselines; the figures use the means)")
+                   help="run every system once (default: floor, deltabox, docker_commit, "
+                   "docker_commit, deltabox, floor, then the other baselines; the figures "
+                   "use the means)")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
                    help="downloads (sdists, wheelhouses); default %(default)s")
     p.add_argument("--tmp-parent", type=Path, default=Path("/var/tmp"),

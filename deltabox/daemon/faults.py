@@ -36,6 +36,7 @@ STEPS = (
     "fork.before_commit",
     "remove.before_commit",       # sandbox stopped, rows not yet deleted
     "remove.after_commit",
+    "remove.tearing_down",        # answered: processes SIGKILLed, cgroup and mounts still there
     "remove.before_layer_delete",  # rows gone, layers not yet deleted
     "delete_checkpoint.before_commit",
     "delete_checkpoint.after_commit",

@@ -560,26 +560,30 @@ class Daemon:
 
     def _stop_soon(self, sid: str) -> trio.Event | None:
         """`_stop` for a removal, whose caller needs the sandbox's processes dead, not
-        reaped: they are SIGKILLed here (all but init and the stopped templates, which run
-        no code), the rest (their exit, a 200 MB address space torn down in milliseconds,
-        the launcher, the mount namespace, the cgroup) follows in the background. Returns
-        the event set once that is done (None: nothing left to do); shutdown waits for it,
-        and a restart after a crash finds the cgroup and the mounts as leftovers."""
+        reaped: they are SIGKILLed here (all but init, its launcher and the stopped
+        templates, which run none of the user's code), the rest (their exits, a 200 MB
+        address space takes milliseconds to tear down; the helpers; the mount namespace;
+        the cgroup) follows in the background. Returns the event set once that is done
+        (None: nothing left to do); shutdown waits for it, and a restart after a crash finds
+        the cgroup and the mounts as leftovers."""
         live = self._unregister(sid)
         if live is None:
             return None
-        for fd in live.rt.cgroup.kill_now(keep=live.rt.keep_pids | live.template_pids):
-            os.close(fd)
         done = trio.Event()
         self.stopping[sid] = done
 
         async def finish() -> None:
             try:
+                crash_point("remove.tearing_down")
                 await self._teardown(sid, live)
             finally:
                 del self.stopping[sid]
                 done.set()
-        self.background.start_soon(finish)
+        try:
+            for fd in live.rt.cgroup.kill_now(keep=live.rt.keep_pids | live.template_pids):
+                os.close(fd)
+        finally:  # torn down even if the kill failed (the frozen kill comes in the teardown)
+            self.background.start_soon(finish)
         return done
 
     def _unregister(self, sid: str) -> Live | None:
@@ -588,7 +592,7 @@ class Daemon:
         self.warm.drop_sandbox(sid)
         self.turns.unwatch(sid)
         live = self.live.pop(sid, None)
-        if live is None:
+        if live is None and sid not in self.stopping:  # else its teardown owns the cgroup
             Cgroup(self.cgroups, sid).remove()
         return live
 
@@ -695,11 +699,12 @@ class Daemon:
         """Drop a layer (and the generation mounted on it, if any) after the call returned,
         off the hot path, and after `after` (keepers living in the generation, a removed
         sandbox's teardown); a generation GEN_RETIRE_DELAY_S later (the one a rollback
-        left: the command that follows goes first). Closing the last reference to a mount namespace unmounts its tree
-        synchronously (milliseconds of RCU grace periods), so it happens in a worker thread
-        (it holds two fds and a mount namespace), then the layer goes through a queue
-        drained by RETIRE_WORKERS tasks: a task per deletion would hold ~13 KiB each while
-        waiting for an I/O slot, and under load they pile up."""
+        left: the command that follows goes first). Closing the last reference to a mount
+        namespace unmounts its tree synchronously (milliseconds of RCU grace periods), so
+        it happens in a worker thread (it holds two fds and a mount namespace), then the
+        layer goes through a queue drained by RETIRE_WORKERS tasks: a task per deletion
+        would hold ~13 KiB each while waiting for an I/O slot, and under load they pile
+        up."""
         if self._retire_send is None:
             self._retire_send, recv = trio.open_memory_channel(math.inf)
             for _ in range(RETIRE_WORKERS):
