@@ -615,7 +615,7 @@ class Daemon:
         if self._nested_in(sid):
             # Forks live in pid namespaces below ours: keep init (and the namespace) alive,
             # everything else goes.
-            live.rt.cgroup.kill(keep=live.rt.keep_pids)
+            await runtime.kill_all(live.rt.cgroup, live.rt.keep_pids)
             if live.rt.generation is not None:
                 await trio.to_thread.run_sync(live.rt.generation.close)
                 live.rt.generation = None

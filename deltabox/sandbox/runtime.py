@@ -205,11 +205,8 @@ async def stop(rt: Runtime) -> None:
     """Kill every process of the sandbox and wait for its launcher. The exits are awaited
     here, not polled on the daemon's thread: a large address space takes milliseconds to
     tear down, and so does the mount namespace that closing the generation drops."""
-    keep = {rt.launcher.pid}  # trio reaps it (its exit status is trio's to collect)
-    try:
-        await reaper.wait_exited(rt.cgroup.kill_now(keep=keep), reap=False)
-        if rt.cgroup.pids() - keep:  # something slipped in meanwhile: the frozen kill
-            rt.cgroup.kill(keep=keep)
+    try:  # not the launcher: trio reaps it (its exit status is trio's to collect)
+        await kill_all(rt.cgroup, keep={rt.launcher.pid})
     finally:
         if rt.launcher.returncode is None:
             try:
@@ -218,6 +215,15 @@ async def stop(rt: Runtime) -> None:
                 pass
         await close_process(rt.launcher)
         await trio.to_thread.run_sync(rt.close)
+
+
+async def kill_all(cgroup: Cgroup, keep: set[int]) -> None:
+    """SIGKILL every process of the cgroup but `keep` and await their exits through pidfds
+    (a large address space takes milliseconds to tear down: not polled on the daemon's
+    thread); any that slipped in meanwhile go through the frozen kill."""
+    await reaper.wait_exited(cgroup.kill_now(keep=keep), reap=False)
+    if cgroup.pids() - keep:
+        cgroup.kill(keep=keep)
 
 
 async def close_process(proc: trio.Process) -> None:
