@@ -106,6 +106,35 @@ def test_the_shared_layer_outlives_its_checkpoint_and_source(daemon: DaemonProc)
     assert not left, f"the shared layer was not freed: {_story(daemon, left, marker)}"
 
 
+def test_a_child_that_changed_nothing_keeps_sharing(daemon: DaemonProc, sbx: Sandbox,
+                                                    ebpf: str) -> None:
+    """A child's auto checkpoint after a turn that only read (`skipped` in any other
+    sandbox: an alias of its parent) is a snapshot of the child's own layer, so a rollback
+    to it keeps the checkpoint's files shared and read-only below, instead of giving the
+    child a writable copy of all of them (before: every file read from a new snapshot, cold,
+    after each rollback; counted in the child's disk quota)."""
+    tag = uuid.uuid4().hex[:12]
+    marker = f"/data/{tag}/marker"
+    sbx.files.write(marker, "base")
+    cp = sbx.checkpoint()
+    kid = sbx.fork(cp, shared_layer=True)[0]
+    try:
+        assert kid.exec(["cat", marker]).stdout == "base"
+        mine = kid.checkpoint()
+        assert mine.kind == "fs", mine.reasons
+        assert any("stacks that checkpoint's files read-only" in r for r in mine.reasons)
+        kid.files.write(marker, "later")  # copied up into the child's live layer
+        holders = _layers_holding(daemon, marker)
+        kid.rollback(mine)
+        assert kid.files.read(marker) == b"base"
+        # No new layer holds it (the one it was copied up into goes in the background).
+        assert _layers_holding(daemon, marker) <= holders
+        assert kid.files.write(marker, "again").size == 5  # still writable, as its own
+        assert sbx.files.read(marker) == b"base"
+    finally:
+        kid.kill()
+
+
 def test_forks_of_forks_see_every_ancestor(daemon: DaemonProc, sbx: Sandbox) -> None:
     """Each generation of forks stacks one more layer, up to a limit beyond which a child
     gets a copy: every level sees what each ancestor wrote, and its own changes only."""

@@ -167,6 +167,22 @@ class Kept:
         return out
 
 
+def _keep_stacking(decision: Decision, row: SandboxRow, parent: CheckpointRow | None
+                   ) -> Decision:
+    """A `skipped` checkpoint stands for its parent's files: its parent's layer on its
+    parent's read-only bases. A shared-layer fork child that changed nothing since the
+    checkpoint it came from has those files as its read-only base under an empty layer of
+    its own; an alias would make a rollback to it give the child a writable copy of its
+    whole base, every file of which is then read from a new snapshot (cold page cache, and
+    counted in its disk quota) while its siblings share one. Such a turn takes a file
+    snapshot of the child's own layer instead (answered before it when nothing runs)."""
+    if decision.kind != "skipped" or parent is None or parent.bases == row.bases:
+        return decision
+    return Decision(kind="fs", reasons=[
+        *decision.reasons, f"a snapshot of its own layer, not an alias of {parent.id}: "
+        "the sandbox stacks that checkpoint's files read-only (shared-layer fork)"])
+
+
 def _with_reused(decision: Decision, state: ProcessState | None) -> Decision:
     """The decision's reasons, plus which processes kept their parent's templates."""
     if state is None or not state.reused:
@@ -1011,7 +1027,8 @@ class Daemon:
             crash_point("checkpoint.frozen")
             alive = self._candidates(live) if frozen else set()
             effects = self.turns.end_turn(sid, alive)
-            decision = self._decide(mode, live, parent, effects, alive)
+            decision = _keep_stacking(self._decide(mode, live, parent, effects, alive), row,
+                                      parent)
             if decision.kind == "full":
                 kept = self._kept_templates(mode, live, parent, effects)
                 captured, snap = await self._capture(live, row, layer, alive, kept)
