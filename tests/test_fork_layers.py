@@ -106,29 +106,36 @@ def test_the_shared_layer_outlives_its_checkpoint_and_source(daemon: DaemonProc)
     assert not left, f"the shared layer was not freed: {_story(daemon, left, marker)}"
 
 
-def test_a_child_that_changed_nothing_keeps_sharing(daemon: DaemonProc, sbx: Sandbox,
+def test_a_child_keeps_sharing_across_its_rollbacks(daemon: DaemonProc, sbx: Sandbox,
                                                     ebpf: str) -> None:
-    """A child's auto checkpoint after a turn that only read (`skipped` in any other
-    sandbox: an alias of its parent) is a snapshot of the child's own layer, so a rollback
-    to it keeps the checkpoint's files shared and read-only below, instead of giving the
-    child a writable copy of all of them (before: every file read from a new snapshot, cold,
-    after each rollback; counted in the child's disk quota)."""
+    """A shared-layer child stays one: its auto checkpoint after a turn that only read
+    (`skipped` in any other sandbox: an alias of its parent) is a snapshot of its own layer,
+    and a rollback to the checkpoint it was forked from gives it a new empty layer over that
+    checkpoint's, as the fork did. Before, both rollbacks gave it a writable copy of all
+    the checkpoint's files (read cold from a new snapshot after each rollback, counted in
+    its disk quota) while its siblings shared one."""
     tag = uuid.uuid4().hex[:12]
     marker = f"/data/{tag}/marker"
     sbx.files.write(marker, "base")
-    cp = sbx.checkpoint()
+    shell = sbx.session("main")
+    shell.run(f"cd /data/{tag} && X=forked")
+    cp = sbx.checkpoint(mode="full")
     kid = sbx.fork(cp, shared_layer=True)[0]
     try:
         assert kid.exec(["cat", marker]).stdout == "base"
         mine = kid.checkpoint()
         assert mine.kind == "fs", mine.reasons
         assert any("stacks that checkpoint's files read-only" in r for r in mine.reasons)
-        kid.files.write(marker, "later")  # copied up into the child's live layer
-        holders = _layers_holding(daemon, marker)
-        kid.rollback(mine)
-        assert kid.files.read(marker) == b"base"
-        # No new layer holds it (the one it was copied up into goes in the background).
-        assert _layers_holding(daemon, marker) <= holders
+        for target in (mine, cp):
+            kid.files.write(marker, "later")  # copied up into the child's live layer
+            holders = _layers_holding(daemon, marker)
+            rb = kid.rollback(target)
+            assert kid.files.read(marker) == b"base"
+            # No new layer holds it (the one it was copied up into goes in the background).
+            assert _layers_holding(daemon, marker) <= holders, target.id
+            assert rb.process_state == "restored", rb.note
+            assert kid.session("main").run("pwd; echo $X").stdout.split() == [
+                f"/data/{tag}", "forked"]
         assert kid.files.write(marker, "again").size == 5  # still writable, as its own
         assert sbx.files.read(marker) == b"base"
     finally:

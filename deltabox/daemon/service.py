@@ -167,6 +167,17 @@ class Kept:
         return out
 
 
+def _stacked_bases(row: SandboxRow, cp: CheckpointRow) -> list[str] | None:
+    """The sandbox's bases if it stacks `cp`'s layer on `cp`'s own bases (a shared-layer
+    fork child going back to the checkpoint it was forked from): a rollback to `cp` then
+    gives it a new empty layer over them, as the fork did, so its files stay shared and
+    read-only below; a clone of `cp`'s layer would be a writable copy of all of them, read
+    cold from a new snapshot. None otherwise."""
+    if row.bases and row.bases[0] == cp.layer_id and row.bases[1:] == cp.bases:
+        return list(row.bases)
+    return None
+
+
 def _keep_stacking(decision: Decision, row: SandboxRow, parent: CheckpointRow | None
                    ) -> Decision:
     """A `skipped` checkpoint stands for its parent's files: its parent's layer on its
@@ -1546,14 +1557,18 @@ class Daemon:
         async with live.lock:
             row = self._sandbox(sid)
             cp = self._checkpoint(cp_id)
-            ready = self.warm.take_ready(sid, cp.layer_id, live.rt)
+            stacked = _stacked_bases(row, cp)
+            # The warm pool prepares clones of the checkpoint's layer: not what a sandbox
+            # that stacks that layer goes back to.
+            ready = None if stacked else self.warm.take_ready(sid, cp.layer_id, live.rt)
             pre = ready.procs if ready is not None else None
             try:
                 if ready is not None:  # prepared in the background: no snapshot, no mount
                     layer, new_gen = ready.layer_id, ready.generation
                     killed = self._kill_processes(live)
                 else:
-                    layer, killed, new_gen = await self._fresh_generation(live, row, cp)
+                    layer, killed, new_gen = await self._fresh_generation(live, row, cp,
+                                                                          stacked)
             except BaseException:
                 if pre is not None:
                     with trio.CancelScope(shield=True):
@@ -1561,7 +1576,7 @@ class Daemon:
                 raise
             try:
                 return await self._rollback_to(live, row, cp, t0, layer, killed, new_gen, pre,
-                                               prepared=ready is not None)
+                                               prepared=ready is not None, stacked=stacked)
             finally:
                 with trio.CancelScope(shield=True):
                     await self._victims_gone(live)
@@ -1569,9 +1584,11 @@ class Daemon:
 
     async def _rollback_to(self, live: Live, row: SandboxRow, cp: CheckpointRow, t0: float,
                            layer: str, killed: int, new_gen: runtime.Generation,
-                           pre: Prespawned | None, prepared: bool = False) -> dict:
+                           pre: Prespawned | None, prepared: bool = False,
+                           stacked: list[str] | None = None) -> dict:
         """The rest of a rollback, under the sandbox's lock, once its processes are killed:
-        switch to the new generation, commit, restore the processes."""
+        switch to the new generation, commit, restore the processes. `stacked`: the
+        sandbox's bases, kept (`layer` is a new empty layer over the checkpoint's)."""
         sid, cp_id = row.id, cp.id
         try:
             crash_point("rollback.generation")
@@ -1580,15 +1597,16 @@ class Daemon:
             old = live.rt.generation
             live.rt.generation = new_gen
             old_layer, row.layer_id, row.head_cp = row.layer_id, layer, cp_id
-            old_bases, row.bases = row.bases, list(cp.bases)
-            row.base_gen = self.store.generation(layer)
+            old_bases, row.bases = row.bases, list(stacked or cp.bases)
+            row.base_gen = 0 if stacked else self.store.generation(layer)
             crash_point("rollback.before_commit")
             with self.db.transaction():
                 self.db.put_sandbox(row)
             crash_point("rollback.after_commit")
             self._retire_later(old, old_layer, after=[k.gone for k in live.old_keepers])
             self._release_bases([b for b in old_bases if b not in row.bases])
-            self.warm.prepare(sid, cp.layer_id)  # for the next rollback to it
+            if not stacked:
+                self.warm.prepare(sid, cp.layer_id)  # for the next rollback to it
             old_sessions, live.sessions = live.sessions, {}
             for sess in old_sessions.values():
                 await sess.close()  # their shells are dead: release our pipe ends
@@ -1876,14 +1894,22 @@ class Daemon:
             os.close(pidfd)
         return gen, rt
 
-    async def _fresh_generation(self, live: Live, row: SandboxRow, cp: CheckpointRow
+    async def _fresh_generation(self, live: Live, row: SandboxRow, cp: CheckpointRow,
+                                stacked: list[str] | None = None
                                 ) -> tuple[str, int, runtime.Generation]:
         """Clone the checkpoint (in a worker thread, while this thread kills the sandbox's
-        processes) and mount a generation on it."""
+        processes) and mount a generation on it; with `stacked` (_stacked_bases), a new
+        empty layer over those bases instead."""
         layer, killed = "", 0
 
         async def take() -> None:
             nonlocal layer
+            if stacked:
+                new = new_id("L")
+                await trio.to_thread.run_sync(self.store.new_layer, new,
+                                              limiter=self.warm.clone_threads)
+                layer = new
+                return
             layer = await self.warm.take_layer(cp.layer_id, spare_after=False)
 
         async def kill() -> None:
@@ -1899,7 +1925,7 @@ class Daemon:
             raise
         try:
             gen = await runtime.build_generation(
-                live.rt, layer, self._lowers(self._image(row.image), cp.bases),
+                live.rt, layer, self._lowers(self._image(row.image), stacked or cp.bases),
                 self.store.layer_path(layer), self.mountpoint, self.background)
         except BaseException:
             with trio.CancelScope(shield=True):
