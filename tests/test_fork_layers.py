@@ -126,9 +126,12 @@ def test_a_child_keeps_sharing_across_its_rollbacks(daemon: DaemonProc, sbx: San
         mine = kid.checkpoint()
         assert mine.kind == "fs", mine.reasons
         assert any("stacks that checkpoint's files read-only" in r for r in mine.reasons)
-        for target in (mine, cp):
+        # The second rollback to `cp` takes what the warm pool prepared after the first
+        # (an empty layer over cp's, mounted, its session spawned ahead).
+        for target in (mine, cp, cp):
             kid.files.write(marker, "later")  # copied up into the child's live layer
             holders = _layers_holding(daemon, marker)
+            time.sleep(0.5)
             rb = kid.rollback(target)
             assert kid.files.read(marker) == b"base"
             # No new layer holds it (the one it was copied up into goes in the background).

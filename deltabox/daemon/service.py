@@ -51,7 +51,7 @@ from .dumps import NOT_COMPLETED, Dumps, init_seccomp_filters
 from .pending import EarlyAnswer, PendingCheckpoints, Underway
 from .scheduler import IOScheduler
 from .turns import Turns
-from .warm import Ready, WarmPool
+from .warm import Ready, WarmPool, source_layer, stacked_key
 
 log = logging.getLogger("deltaboxd")
 
@@ -176,6 +176,12 @@ def _stacked_bases(row: SandboxRow, cp: CheckpointRow) -> list[str] | None:
     if row.bases and row.bases[0] == cp.layer_id and row.bases[1:] == cp.bases:
         return list(row.bases)
     return None
+
+
+def _warm_key(cp: CheckpointRow, stacked: list[str] | None) -> str:
+    """What the warm pool prepares for a rollback to `cp` (warm.py): a clone of its layer,
+    or an empty layer over it for a sandbox that stacks it."""
+    return stacked_key(cp.layer_id) if stacked else cp.layer_id
 
 
 def _keep_stacking(decision: Decision, row: SandboxRow, parent: CheckpointRow | None
@@ -1558,9 +1564,7 @@ class Daemon:
             row = self._sandbox(sid)
             cp = self._checkpoint(cp_id)
             stacked = _stacked_bases(row, cp)
-            # The warm pool prepares clones of the checkpoint's layer: not what a sandbox
-            # that stacks that layer goes back to.
-            ready = None if stacked else self.warm.take_ready(sid, cp.layer_id, live.rt)
+            ready = self.warm.take_ready(sid, _warm_key(cp, stacked), live.rt)
             pre = ready.procs if ready is not None else None
             try:
                 if ready is not None:  # prepared in the background: no snapshot, no mount
@@ -1605,8 +1609,7 @@ class Daemon:
             crash_point("rollback.after_commit")
             self._retire_later(old, old_layer, after=[k.gone for k in live.old_keepers])
             self._release_bases([b for b in old_bases if b not in row.bases])
-            if not stacked:
-                self.warm.prepare(sid, cp.layer_id)  # for the next rollback to it
+            self.warm.prepare(sid, _warm_key(cp, stacked))  # for the next rollback to it
             old_sessions, live.sessions = live.sessions, {}
             for sess in old_sessions.values():
                 await sess.close()  # their shells are dead: release our pipe ends
@@ -1719,7 +1722,7 @@ class Daemon:
             await trio.sleep(PRESPAWN_RETRY_S)
         else:
             return
-        key = self.db.procs_of_layer(cp_layer)
+        key = self.db.procs_of_layer(source_layer(cp_layer))
         if key is None:
             return
         async with live.lock:
@@ -1872,10 +1875,10 @@ class Daemon:
             else:        # it reads from us: keep the pipe open, as it was
                 live.held_fds.append(fd)
 
-    async def _build_for(self, sid: str, cp_layer: str, layer: str
+    async def _build_for(self, sid: str, key: str, layer: str
                          ) -> tuple[runtime.Generation, runtime.Runtime] | None:
         """Build a generation of a live sandbox on `layer`, a clone of the checkpoint layer
-        `cp_layer` (for the warm pool)."""
+        `key` (for the warm pool), or for a stacked key an empty layer over that layer."""
         live = self.live.get(sid)
         row = self.db.get_sandbox(sid)
         if live is None or live.rt.exited.is_set() or row is None or live.rt.pidfd < 0:
@@ -1884,11 +1887,16 @@ class Daemon:
         # init's pidfd cannot be closed underneath us, and the pool drops the result if the
         # sandbox changed meanwhile.
         self._limit_disk(row, layer)  # here, not on the rollback's critical path
+        cp_layer = source_layer(key)
+        bases = self.db.bases_of_layer(cp_layer)
+        if cp_layer != key:
+            bases = [cp_layer, *bases]
+            if bases != row.bases:  # it was rolled back elsewhere meanwhile: not worth it
+                return None
         rt, pidfd = live.rt, os.dup(live.rt.pidfd)
         try:
             gen = await runtime.build_generation(
-                rt, layer, self._lowers(self._image(row.image),
-                                        self.db.bases_of_layer(cp_layer)),
+                rt, layer, self._lowers(self._image(row.image), bases),
                 self.store.layer_path(layer), self.mountpoint, self.background, pidfd=pidfd)
         finally:
             os.close(pidfd)

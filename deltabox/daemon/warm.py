@@ -15,7 +15,9 @@ After a checkpoint, while the agent is thinking, the daemon prepares in the back
   which the live process holds until the rollback kills it.
 
 Everything is keyed by the checkpoint's *layer*: checkpoints that alias their parent (a
-skipped checkpoint) share its layer, and so its spare and ready generation.
+skipped checkpoint) share its layer, and so its spare and ready generation. A sandbox that
+stacks a checkpoint's layer read-only (a shared-layer fork child) goes back to that
+checkpoint on a new *empty* layer over it: its ready generation is keyed `stacked_key(layer)`.
 
 Nothing here is durable: after a crash, spares are unreferenced layers that recovery removes.
 Ready generations hold a mount namespace each, so they are bounded per sandbox (oldest out);
@@ -68,6 +70,19 @@ CLONE_THREADS = 32
 # and those checkpoints took 27.6-29.5 ms (daemon p50) where they now take 19.3-21.5 (two
 # runs each, interleaved).
 MAX_SPARES = 16
+
+STACKED = "stacked:"
+
+
+def stacked_key(cp_layer: str) -> str:
+    """The key of what is prepared for a rollback to `cp_layer`'s checkpoint by a sandbox
+    that stacks that layer: an empty layer over it, not a clone of it."""
+    return STACKED + cp_layer
+
+
+def source_layer(key: str) -> str:
+    """The checkpoint layer a key prepares for."""
+    return key.removeprefix(STACKED)
 
 
 @dataclass
@@ -139,12 +154,16 @@ class WarmPool:
         # Let the call that triggered this, and the agent's next step, go first: a snapshot
         # here shares btrfs's transaction commit with their snapshots.
         await trio.sleep(self.delay)
+        src = source_layer(cp_layer)
         if cp_layer not in self.spares and self.max_spares > 0:
             layer = self.new_id()
-            if not self.exists(cp_layer):
+            if not self.exists(src):
                 return
-            await self.io.run(cp_layer, self.store.clone, cp_layer, layer)
-            if not self.exists(cp_layer) or cp_layer in self.spares:
+            if src != cp_layer:
+                await self.io.run(src, self.store.new_layer, layer)
+            else:
+                await self.io.run(cp_layer, self.store.clone, cp_layer, layer)
+            if not self.exists(src) or cp_layer in self.spares:
                 await trio.to_thread.run_sync(self.store.delete, layer)
             else:
                 self._keep_spare(cp_layer, layer)
@@ -157,9 +176,9 @@ class WarmPool:
         layer = self.spares.pop(cp_layer, None)
         if layer is None:
             return
-        async with self.io.slot(cp_layer):
+        async with self.io.slot(source_layer(cp_layer)):
             built = await self.build(sandbox_id, cp_layer, layer)
-        if built is None or not self.exists(cp_layer) or \
+        if built is None or not self.exists(source_layer(cp_layer)) or \
                 not self.is_current(sandbox_id, built[1]) or \
                 cp_layer in self.ready.get(sandbox_id, {}):  # a concurrent prepare won
             await trio.to_thread.run_sync(self.store.delete, layer)
@@ -228,13 +247,14 @@ class WarmPool:
 
     def drop_layer(self, cp_layer: str) -> None:
         """No checkpoint uses `cp_layer` any more: drop what was prepared for it."""
-        layer = self.spares.pop(cp_layer, None)
-        if layer is not None:
-            self._delete_later(layer)
-        for sid, slot in self.ready.items():
-            ready = slot.pop(cp_layer, None)
-            if ready is not None:
-                self._discard(ready, sid)
+        for key in (cp_layer, stacked_key(cp_layer)):
+            layer = self.spares.pop(key, None)
+            if layer is not None:
+                self._delete_later(layer)
+            for sid, slot in self.ready.items():
+                ready = slot.pop(key, None)
+                if ready is not None:
+                    self._discard(ready, sid)
 
     def drop_sandbox(self, sandbox_id: str) -> None:
         for ready in self.ready.pop(sandbox_id, {}).values():
