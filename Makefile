@@ -49,6 +49,7 @@ bench: install
 	$(PY) -m benchmarks.process_cr --quick
 	$(PY) -m benchmarks.long_session
 	$(PY) -m benchmarks.search_step
+	$(PY) -m benchmarks.branch_rollback
 	$(PY) -m benchmarks.swebench.run --quick --out benchmarks/out/swebench
 
 clean:
