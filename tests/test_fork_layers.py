@@ -145,6 +145,33 @@ def test_a_child_keeps_sharing_across_its_rollbacks(daemon: DaemonProc, sbx: San
         kid.kill()
 
 
+def test_a_stopped_child_boots_again_sharing(daemon: DaemonProc, sbx: Sandbox) -> None:
+    """A shared-layer child whose init died is stopped; rolled back to its fork point, it
+    boots on a new empty layer over the checkpoint's, as a live one does."""
+    import os
+    import signal
+
+    tag = uuid.uuid4().hex[:12]
+    marker = f"/data/{tag}/marker"
+    sbx.files.write(marker, "base")
+    cp = sbx.checkpoint()
+    kid = sbx.fork(cp, shared_layer=True)[0]
+    try:
+        kid.files.write(marker, "later")
+        holders = _layers_holding(daemon, marker)
+        os.kill(kid.info().init_pid, signal.SIGKILL)  # as if the kernel had killed it
+        deadline = time.monotonic() + 10
+        while kid.info().state != "stopped" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert kid.info().state == "stopped"
+        kid.rollback(cp)
+        assert kid.info().state == "running"
+        assert kid.exec(["cat", marker]).stdout == "base"
+        assert _layers_holding(daemon, marker) <= holders  # no copy of it made
+    finally:
+        kid.kill()
+
+
 def test_forks_of_forks_see_every_ancestor(daemon: DaemonProc, sbx: Sandbox) -> None:
     """Each generation of forks stacks one more layer, up to a limit beyond which a child
     gets a copy: every level sees what each ancestor wrote, and its own changes only."""

@@ -1912,13 +1912,7 @@ class Daemon:
 
         async def take() -> None:
             nonlocal layer
-            if stacked:
-                new = new_id("L")
-                await trio.to_thread.run_sync(self.store.new_layer, new,
-                                              limiter=self.warm.clone_threads)
-                layer = new
-                return
-            layer = await self.warm.take_layer(cp.layer_id, spare_after=False)
+            layer = await self._rollback_layer(cp, stacked)
 
         async def kill() -> None:
             nonlocal killed
@@ -1963,12 +1957,23 @@ class Daemon:
         crash_point("rollback.killed")
         return helpers + len(dying)
 
+    async def _rollback_layer(self, cp: CheckpointRow, stacked: list[str] | None) -> str:
+        """The writable layer a rollback to `cp` goes on: a clone of cp's layer, or, for a
+        sandbox that stacks it (_stacked_bases), a new empty layer."""
+        if not stacked:
+            return await self.warm.take_layer(cp.layer_id, spare_after=False)
+        layer = new_id("L")
+        await trio.to_thread.run_sync(self.store.new_layer, layer,
+                                      limiter=self.warm.clone_threads)
+        return layer
+
     async def _rollback_stopped(self, row: SandboxRow, cp: CheckpointRow) -> dict:
         t0 = time.perf_counter()
-        layer = await self.warm.take_layer(cp.layer_id, spare_after=False)
+        stacked = _stacked_bases(row, cp)
+        layer = await self._rollback_layer(cp, stacked)
         old_layer, row.layer_id, row.head_cp = row.layer_id, layer, cp.id
-        old_bases, row.bases = row.bases, list(cp.bases)
-        row.base_gen = self.store.generation(layer)
+        old_bases, row.bases = row.bases, list(stacked or cp.bases)
+        row.base_gen = 0 if stacked else self.store.generation(layer)
         try:
             await self._boot(row)
         except BaseException:
