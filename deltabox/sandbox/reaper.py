@@ -98,6 +98,49 @@ def reap_orphans(skip: Collection[int] = ()) -> int:
     return n
 
 
+__WALL = 0x40000000  # wait for clone children and tracees alike (linux/wait.h)
+
+
+def _status(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return {k: v.strip() for k, _, v in (line.partition(":") for line in f)}
+    except OSError:
+        return {}
+
+
+def reap_dead_tracees() -> list[str]:
+    """Reap every zombie that one of our threads traces (a process template that died
+    outside the ptrace thread's own jobs, e.g. killed while a dump of it was cut short):
+    only its tracer may reap it, and until then the init of its pid namespace, killed,
+    cannot finish exiting (it waits for every process of the namespace). Returns what
+    was reaped, as "pid (comm)"."""
+    own = {t for t in os.listdir("/proc/self/task")}
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or not _zombie(int(name)):
+            continue
+        st = _status(int(name))
+        if st.get("TracerPid") not in own:
+            continue
+        try:
+            if os.waitid(os.P_PID, int(name), os.WEXITED | os.WNOHANG | __WALL) is not None:
+                out.append(f"{name} ({st.get('Name', '?')})")
+        except ChildProcessError:
+            pass
+    return out
+
+
+def describe(pids: Iterable[int]) -> str:
+    """pid (comm, state, tracer) of each, for an error that names what would not exit."""
+    parts = []
+    for pid in sorted(pids):
+        st = _status(pid)
+        parts.append(f"{pid} ({st.get('Name', 'gone')}, {st.get('State', '-').split(' ')[0]}"
+                     f", tracer {st.get('TracerPid', '-')})")
+    return ", ".join(parts) or "none"
+
+
 def kill_pidfds(pids: Iterable[int]) -> list[int]:
     """SIGKILL `pids` through pidfds and return those (for wait_exited, or a poll): a pidfd
     polls readable once its process has exited. Pids already gone are skipped."""

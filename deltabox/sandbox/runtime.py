@@ -7,6 +7,7 @@ dbx-init starts the namespaces, dbx-mkroot builds a generation, dbx-enter runs a
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import signal
@@ -23,7 +24,11 @@ from . import reaper
 from .cgroups import Cgroup
 from .userns import IdMap, userns_of
 
+log = logging.getLogger("deltaboxd")
+
 LIBEXEC = Path(__file__).resolve().parent.parent / "libexec"
+KILL_CHECK_S = 0.25  # kill_all: exits awaited this long before looking for what holds them
+KILL_WAIT_S = 5.0    # kill_all: and this long in all
 # The environment of every helper that runs in (or is visible from) a sandbox: never the
 # daemon's own, which a sandbox process could read in /proc/1/environ (init's) or in a
 # helper's /proc/<pid>/environ, and which may hold tokens.
@@ -220,8 +225,23 @@ async def stop(rt: Runtime) -> None:
 async def kill_all(cgroup: Cgroup, keep: set[int]) -> None:
     """SIGKILL every process of the cgroup but `keep` and await their exits through pidfds
     (a large address space takes milliseconds to tear down: not polled on the daemon's
-    thread); any that slipped in meanwhile go through the frozen kill."""
-    await reaper.wait_exited(cgroup.kill_now(keep=keep), reap=False)
+    thread); any that slipped in meanwhile go through the frozen kill. Exits still awaited
+    after KILL_CHECK_S may be held by a dead process we trace: it is reaped
+    (reaper.reap_dead_tracees), and the wait goes on."""
+    try:
+        await reaper.wait_exited(cgroup.kill_now(keep=keep), timeout=KILL_CHECK_S, reap=False)
+    except Internal:
+        reaped = reaper.reap_dead_tracees()
+        if reaped:  # e.g. carriers killed as a dump of their template was cut short
+            log.info("cgroup %s: reaped dead processes we traced, which held its exits: %s",
+                     cgroup.name, ", ".join(reaped))
+        try:
+            await reaper.wait_exited(cgroup.kill_now(keep=keep), reap=False,
+                                     timeout=KILL_WAIT_S - KILL_CHECK_S)
+        except Internal:
+            raise Internal(f"cgroup {cgroup.name}: processes killed with SIGKILL had not "
+                           f"exited after {KILL_WAIT_S:g} s: "
+                           f"{reaper.describe(cgroup.pids() - keep)}") from None
     if cgroup.pids() - keep:
         cgroup.kill(keep=keep)
 
