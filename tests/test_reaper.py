@@ -124,7 +124,6 @@ TRACEE_SCENARIO = textwrap.dedent("""
 """)
 
 
-
 def test_a_dead_tracee_holds_its_namespace_init_until_reaped():
     """reap_dead_tracees (runtime.kill_all calls it when killed processes do not exit):
     a removal used to wait 5 s and leave the sandbox's cgroup when a carrier died
