@@ -586,10 +586,24 @@ class Daemon:
                 await self._stop(sid)
 
     async def _stop(self, sid: str) -> None:
-        """Stop a sandbox: every process killed and reaped, its cgroup and generation gone."""
+        """Stop a sandbox: every process killed and reaped, its cgroup and generation gone.
+        It reads as stopped from the start; a boot of it waits for the end (_torn_down)."""
         live = self._unregister(sid)
-        if live is not None:
+        if live is None:
+            return
+        done = self.stopping[sid] = trio.Event()
+        try:
             await self._teardown(sid, live)
+        finally:
+            del self.stopping[sid]
+            done.set()
+
+    async def _torn_down(self, sid: str) -> None:
+        """Wait for a stop of `sid` still tearing it down: booting it meanwhile would put
+        the new init in the cgroup that teardown is killing and removing."""
+        done = self.stopping.get(sid)
+        if done is not None:
+            await done.wait()
 
     def _stop_soon(self, sid: str) -> trio.Event | None:
         """`_stop` for a removal, whose caller needs the sandbox's processes dead, not
@@ -1557,6 +1571,7 @@ class Daemon:
                 f"to one of `deltabox checkpoints {sid}`, or `deltabox fork {cp_id}`")
         live = self.live.get(sid)
         if live is None:  # stopped: boot it on the checkpoint
+            await self._torn_down(sid)
             return await self._rollback_stopped(row, cp)
         t0 = time.perf_counter()
         await self._await_dump_if_needed(sid, live, cp)
