@@ -589,10 +589,20 @@ class Daemon:
         """Stop a sandbox: every process killed and reaped, its cgroup and generation gone.
         It reads as stopped from the start; a boot of it waits for the end (_torn_down)."""
         live = self._unregister(sid)
-        if live is None:
-            return
+        if live is not None:
+            await self._tracked_teardown(sid, live, self._stopping(sid))
+
+    def _stopping(self, sid: str) -> trio.Event:
+        """Register a teardown of `sid` under way (shutdown and a boot of it wait for it)."""
         done = self.stopping[sid] = trio.Event()
+        return done
+
+    async def _tracked_teardown(self, sid: str, live: Live, done: trio.Event,
+                                step: str = "") -> None:
+        """_teardown, then `done` set and unregistered, whatever happens."""
         try:
+            if step:
+                crash_point(step)
             await self._teardown(sid, live)
         finally:
             del self.stopping[sid]
@@ -616,21 +626,13 @@ class Daemon:
         live = self._unregister(sid)
         if live is None:
             return None
-        done = trio.Event()
-        self.stopping[sid] = done
-
-        async def finish() -> None:
-            try:
-                crash_point("remove.tearing_down")
-                await self._teardown(sid, live)
-            finally:
-                del self.stopping[sid]
-                done.set()
+        done = self._stopping(sid)
         try:
             for fd in live.rt.cgroup.kill_now(keep=live.rt.keep_pids | live.template_pids):
                 os.close(fd)
         finally:  # torn down even if the kill failed (the frozen kill comes in the teardown)
-            self.background.start_soon(finish)
+            self.background.start_soon(self._tracked_teardown, sid, live, done,
+                                       "remove.tearing_down")
         return done
 
     def _unregister(self, sid: str) -> Live | None:
@@ -1615,9 +1617,7 @@ class Daemon:
                 self._limit_disk(row, layer)
             old = live.rt.generation
             live.rt.generation = new_gen
-            old_layer, row.layer_id, row.head_cp = row.layer_id, layer, cp_id
-            old_bases, row.bases = row.bases, list(stacked or cp.bases)
-            row.base_gen = 0 if stacked else self.store.generation(layer)
+            old_layer, old_bases = self._move_to(row, cp, layer, stacked)
             crash_point("rollback.before_commit")
             with self.db.transaction():
                 self.db.put_sandbox(row)
@@ -1972,6 +1972,16 @@ class Daemon:
         crash_point("rollback.killed")
         return helpers + len(dying)
 
+    def _move_to(self, row: SandboxRow, cp: CheckpointRow, layer: str,
+                 stacked: list[str] | None) -> tuple[str, list[str]]:
+        """Point the sandbox's row (not committed) at checkpoint `cp` on its new writable
+        `layer` (_rollback_layer); returns the layer and bases it had."""
+        old = row.layer_id, row.bases
+        row.layer_id, row.head_cp = layer, cp.id
+        row.bases = list(stacked or cp.bases)
+        row.base_gen = 0 if stacked else self.store.generation(layer)
+        return old
+
     async def _rollback_layer(self, cp: CheckpointRow, stacked: list[str] | None) -> str:
         """The writable layer a rollback to `cp` goes on: a clone of cp's layer, or, for a
         sandbox that stacks it (_stacked_bases), a new empty layer."""
@@ -1986,9 +1996,7 @@ class Daemon:
         t0 = time.perf_counter()
         stacked = _stacked_bases(row, cp)
         layer = await self._rollback_layer(cp, stacked)
-        old_layer, row.layer_id, row.head_cp = row.layer_id, layer, cp.id
-        old_bases, row.bases = row.bases, list(stacked or cp.bases)
-        row.base_gen = 0 if stacked else self.store.generation(layer)
+        old_layer, old_bases = self._move_to(row, cp, layer, stacked)
         try:
             await self._boot(row)
         except BaseException:

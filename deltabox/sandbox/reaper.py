@@ -65,20 +65,18 @@ def _zombie(pid: int) -> bool:
 def _reapable(pid: int) -> bool:
     if not _zombie(pid):
         return False
-    state = tracer = None
-    depth = 0
+    st = _status(pid)
+    return (st.get("State", "").startswith("Z") and st.get("TracerPid") == "0"
+            and len(st.get("NSpid", "").split()) >= 2)
+
+
+def _status(pid: int) -> dict[str, str]:
+    """/proc/pid/status as a dict (empty once the process is gone)."""
     try:
-        for line in open(f"/proc/{pid}/status"):
-            key, _, value = line.partition(":")
-            if key == "State":
-                state = value.split()[0]
-            elif key == "TracerPid":
-                tracer = int(value)
-            elif key == "NSpid":
-                depth = len(value.split())
+        with open(f"/proc/{pid}/status") as f:
+            return {k: v.strip() for k, _, v in (line.partition(":") for line in f)}
     except OSError:
-        return False
-    return state == "Z" and tracer == 0 and depth >= 2
+        return {}
 
 
 def reap_orphans(skip: Collection[int] = ()) -> int:
@@ -99,14 +97,6 @@ def reap_orphans(skip: Collection[int] = ()) -> int:
 
 
 __WALL = 0x40000000  # wait for clone children and tracees alike (linux/wait.h)
-
-
-def _status(pid: int) -> dict[str, str]:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return {k: v.strip() for k, _, v in (line.partition(":") for line in f)}
-    except OSError:
-        return {}
 
 
 def reap_dead_tracees() -> list[str]:
