@@ -121,6 +121,8 @@ class PrivateDaemon:
 
     The temp dir lives under `parent` (default /var/tmp: disk-backed, unlike a tmpfs /tmp).
     `scratch` is a directory on the same filesystem as the state dir, removed with it.
+    `start` returns once the daemon answers and its turn inspector has loaded: the compile
+    (LLVM, ~5 s of one CPU here) must not overlap what a benchmark measures.
     """
 
     def __init__(self, parent: str | Path = "/var/tmp", store_size_gb: int = 16,
@@ -174,6 +176,7 @@ class PrivateDaemon:
                  str(self.store_size_gb), *self.extra_args],
                 stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
         self._wait_ready(timeout)
+        wait_inspector(self)
         return self
 
     def _wait_ready(self, timeout: float) -> None:

@@ -24,6 +24,7 @@ from ..cr import hostmem
 from ..cr.engine import DeltaCR
 from ..cr.worker import PtraceWorker
 from .db import Database
+from .idlegc import IdleCollector
 from .server import Servicer, make_server
 from .service import Config, Daemon
 
@@ -134,6 +135,14 @@ async def _reap_forever(daemon: Daemon) -> None:
         await trio.sleep(0.2)
 
 
+async def _load_inspector(daemon: Daemon, background: GuardedNursery, idle: IdleCollector,
+                          enabled: bool) -> None:
+    """Load the turn inspector; its programs and tables live as long as the daemon: out of
+    the garbage collector's sight too (idlegc)."""
+    await daemon.turns.load(background, enabled)
+    idle.freeze_soon()
+
+
 def _template_budget(mb: int | None) -> int:
     if mb is not None:
         return max(mb, 0)
@@ -189,11 +198,15 @@ async def serve(args: argparse.Namespace) -> None:
         nursery.start_soon(_reap_forever, daemon)
         try:
             await daemon.recover()
-            server = make_server(Servicer(daemon, trio.lowlevel.current_trio_token(), token),
-                                 str(sock), args.listen)
+            idle = IdleCollector()
+            server = make_server(Servicer(daemon, trio.lowlevel.current_trio_token(), token,
+                                          idle), str(sock), args.listen)
+            idle.install()
             server.start()
             os.chmod(sock, 0o660)
-            nursery.start_soon(daemon.turns.load, background, not args.no_inspector)
+            nursery.start_soon(idle.run)
+            nursery.start_soon(_load_inspector, daemon, background, idle,
+                               not args.no_inspector)
             nursery.start_soon(daemon.enforce_template_budget)
             nursery.start_soon(daemon.sweep_keepers)
             nursery.start_soon(daemon.clean_store)

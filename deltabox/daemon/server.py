@@ -26,6 +26,7 @@ from ..errors import DeltaBoxError, InvalidArgument
 from ..fs.files import FileStat
 from ..models import CreateParams
 from .db import CheckpointRow, SandboxRow
+from .idlegc import IdleCollector
 from .service import Daemon, Ran
 
 log = logging.getLogger("deltaboxd")
@@ -69,10 +70,11 @@ def rollback_pb(ran: Ran) -> pb.RollbackResponse | None:
 
 class Servicer(pb_grpc.DeltaBoxServicer):
     def __init__(self, daemon: Daemon, token: trio.lowlevel.TrioToken,
-                 auth_token: str | None) -> None:
+                 auth_token: str | None, idle: IdleCollector | None = None) -> None:
         self.d = daemon
         self.trio_token = token
         self.auth_token = auth_token
+        self.idle = idle or IdleCollector()  # counts calls in progress: see idlegc
 
     # -- the bridge --
     def _authorize(self, context: grpc.ServicerContext) -> None:
@@ -88,7 +90,7 @@ class Servicer(pb_grpc.DeltaBoxServicer):
              *args: Any) -> T:
         self._authorize(context)
         try:
-            return trio.from_thread.run(fn, *args, trio_token=self.trio_token)
+            return trio.from_thread.run(self.idle.call, fn, *args, trio_token=self.trio_token)
         except DeltaBoxError as e:
             context.abort(e.code, e.message)
         except pydantic.ValidationError as e:
@@ -189,7 +191,7 @@ class Servicer(pb_grpc.DeltaBoxServicer):
                        else RuntimeError("exec ended without a result"))
 
         async def start() -> None:
-            self.d.background.start_soon(job)
+            self.d.background.start_soon(self.idle.call, job)
 
         self._run(context, start)
         context.add_callback(lambda: _cancel(scope, self.trio_token))
