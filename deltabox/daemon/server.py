@@ -70,11 +70,11 @@ def rollback_pb(ran: Ran) -> pb.RollbackResponse | None:
 
 class Servicer(pb_grpc.DeltaBoxServicer):
     def __init__(self, daemon: Daemon, token: trio.lowlevel.TrioToken,
-                 auth_token: str | None, idle: IdleCollector | None = None) -> None:
+                 auth_token: str | None, idle: IdleCollector) -> None:
         self.d = daemon
         self.trio_token = token
         self.auth_token = auth_token
-        self.idle = idle or IdleCollector()  # counts calls in progress: see idlegc
+        self.idle = idle  # counts the calls in progress: see idlegc
 
     # -- the bridge --
     def _authorize(self, context: grpc.ServicerContext) -> None:

@@ -65,9 +65,8 @@ def _zombie(pid: int) -> bool:
 def _reapable(pid: int) -> bool:
     if not _zombie(pid):
         return False
-    st = _status(pid)
-    return (st.get("State", "").startswith("Z") and st.get("TracerPid") == "0"
-            and len(st.get("NSpid", "").split()) >= 2)
+    st = _status(pid)  # {} once reaped meanwhile: no tracer field, not reapable
+    return st.get("TracerPid") == "0" and len(st.get("NSpid", "").split()) >= 2
 
 
 def _status(pid: int) -> dict[str, str]:
@@ -105,7 +104,7 @@ def reap_dead_tracees() -> list[str]:
     only its tracer may reap it, and until then the init of its pid namespace, killed,
     cannot finish exiting (it waits for every process of the namespace). Returns what
     was reaped, as "pid (comm)"."""
-    own = {t for t in os.listdir("/proc/self/task")}
+    own = set(os.listdir("/proc/self/task"))
     out = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or not _zombie(int(name)):
