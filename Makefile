@@ -50,6 +50,7 @@ bench: install
 	$(PY) -m benchmarks.long_session
 	$(PY) -m benchmarks.search_step
 	$(PY) -m benchmarks.branch_rollback
+	$(PY) -m benchmarks.neighbours --quick
 	$(PY) -m benchmarks.swebench.run --quick --out benchmarks/out/swebench
 
 clean:

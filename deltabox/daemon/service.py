@@ -1072,7 +1072,15 @@ class Daemon:
             # layer stays as it is now until the snapshot, taken right after the answer.
             defer = answer is not None and decision.kind == "fs" and not frozen
             if decision.kind == "fs" and not defer:
-                snap = self._snapshot(row, layer)
+                # The transaction commit (5-15 ms here) in a worker thread: on the trio
+                # loop it would stall every other sandbox's calls meanwhile (a neighbour's
+                # p99 38-40 ms instead of 13: benchmarks/neighbours.py). Its summary stays
+                # here: Python in that thread would wait for the GIL behind the loop's
+                # calls. Shielded: a cancel between the snapshot and the commit below
+                # would leave the layer behind.
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self.store.freeze, row.layer_id, layer)
+                snap = self._frozen(row, layer)
             crash_point("checkpoint.snapshotted")
         except BaseException:
             self.turns.lost_turn(sid)  # what it did is not in any checkpoint
