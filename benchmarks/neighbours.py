@@ -18,11 +18,13 @@ repeating its operation with a 30 ms pause between two:
 - rollback:        `rollback(base)` (files and both processes);
 - fork4:           `fork(base, count=4)`, then the four children removed.
 
-Between two phases the probe pauses and the run waits (untimed) until btrfs has dropped deleted layers and the
-machine is quiet (under 10 % of its CPUs busy for 0.5 s, at most 60 s): a full checkpoint
-leaves a background process dump behind, a fork its children's teardown, and no phase must
-pay for another's. Reported per phase: B's call latency p50 / p90 / p99 / max and each over the idle phase's
-(the ratio), and A's operation p50. JSON and a PNG (B's latency CDF per phase) to --out.
+Between two phases the probe pauses and the run waits (untimed) until the machine is quiet
+(under 10 % of its CPUs busy for 0.5 s, at most 60 s): a full checkpoint leaves a background
+process dump behind, a fork its children's teardown, and no phase must pay for another's.
+(Not until btrfs has dropped the deleted layers, as other benchmarks wait: after 100
+rollbacks its cleaner takes minutes, with the CPUs idle.) Reported per phase: B's call
+latency p50 / p90 / p99 / max and each over the idle phase's (the ratio), and A's operation
+p50. JSON and a PNG (B's latency CDF per phase) to --out.
 
     .venv/bin/python -m benchmarks.neighbours [--quick] [--seconds 8] [--rounds 2] [--out DIR]
 """
@@ -38,8 +40,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, kill_and_wait, log,
-                               machine_info, make_settle, pyplot, record_cleanup, run_main,
-                               stats, terminate_as_exception, wait_for_file, write_json)
+                               machine_info, pyplot, record_cleanup, run_main, stats,
+                               terminate_as_exception, wait_for_file, write_json)
 from deltabox import Sandbox
 
 PHASES = ("idle", "exec", "fs_checkpoint", "full_checkpoint", "rollback", "fork4")
@@ -144,11 +146,10 @@ def busiest(pids: list[int], window: float) -> list[tuple[float, str]]:
     return sorted(used, reverse=True)[:3]
 
 
-def wait_quiet(settle: Callable[[], float], limit: float = 0.10, timeout: float = 60) -> float:
-    """btrfs settled, then until the machine's CPUs are under `limit` busy for 0.5 s;
-    returns the seconds waited (logs who kept the CPUs busy when it gives up)."""
+def wait_quiet(limit: float = 0.10, timeout: float = 60) -> float:
+    """Until the machine's CPUs are under `limit` busy for 0.5 s; returns the seconds
+    waited (logs who kept the CPUs busy when it gives up)."""
     t0 = time.monotonic()
-    settle()
     while time.monotonic() - t0 < timeout:
         b0, t_0 = cpu_busy()
         time.sleep(0.5)
@@ -156,8 +157,15 @@ def wait_quiet(settle: Callable[[], float], limit: float = 0.10, timeout: float 
         if t_1 > t_0 and (b1 - b0) / (t_1 - t_0) < limit:
             return time.monotonic() - t0
     pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    with open("/proc/stat") as f:
+        before = [int(v) for v in f.readline().split()[1:8]]
     top = ", ".join(f"{name} {frac:.0%}" for frac, name in busiest(pids, 1.0))
-    log(f"the machine stayed over {limit:.0%} busy for {timeout:g} s (busiest: {top})")
+    with open("/proc/stat") as f:
+        after = [int(v) for v in f.readline().split()[1:8]]
+    split = ", ".join(f"{k} {b - a}" for k, a, b in zip(
+        ("user", "nice", "system", "idle", "iowait", "irq", "softirq"), before, after))
+    log(f"the machine stayed over {limit:.0%} busy for {timeout:g} s (busiest: {top}; "
+        f"jiffies over 1 s: {split})")
     return time.monotonic() - t0
 
 
@@ -240,11 +248,10 @@ def main() -> int:
             neighbour.start()
             if not parent.poll(60) or parent.recv() != "ready":
                 raise RuntimeError("the neighbour's probe did not start")
-            settle = make_settle(d.socket)
             for rnd in range(args.rounds):
                 order = phases if rnd % 2 == 0 else phases[::-1]
                 for phase in order:
-                    waited = wait_quiet(settle)
+                    waited = wait_quiet()
                     parent.send("run")
                     time.sleep(0.2)  # its first calls, a cold channel, stay out of the window
                     windows.append(run_phase(a, phase, base, seconds))
