@@ -594,8 +594,8 @@ class Daemon:
 
     def _stopping(self, sid: str) -> trio.Event:
         """Register a teardown of `sid` under way (shutdown and a boot of it wait for it)."""
-        self.stopping[sid] = trio.Event()
-        return self.stopping[sid]
+        done = self.stopping[sid] = trio.Event()
+        return done
 
     async def _tracked_teardown(self, sid: str, live: Live, done: trio.Event,
                                 step: str = "") -> None:
