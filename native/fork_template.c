@@ -110,6 +110,7 @@
 #include <time.h>
 #include <netinet/in.h>
 #include <linux/prctl.h>
+#include <sys/epoll.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
@@ -2185,6 +2186,9 @@ static bool is_target(const struct dbxcr_spawn_opts *o, int fd)
 	for (size_t i = 0; i < o->nfds; i++)
 		if (o->fds[i].target == fd)
 			return true;
+	for (size_t i = 0; i < o->nepolls; i++)
+		if (o->epolls[i].fd == fd)
+			return true;
 	return false;
 }
 
@@ -2198,6 +2202,9 @@ static int max_target(const struct dbxcr_spawn_opts *o)
 	for (size_t i = 0; i < o->nfds; i++)
 		if (o->fds[i].target > m)
 			m = o->fds[i].target;
+	for (size_t i = 0; i < o->nepolls; i++)
+		if (o->epolls[i].fd > m)
+			m = o->epolls[i].fd;
 	return m;
 }
 
@@ -2375,6 +2382,42 @@ static int recreate_listen(struct tracee *c, unsigned long scratch, const struct
 	return 0;
 }
 
+/* Create an epoll instance like the original's at e->fd and add its watches.  The child
+ * still holds the template's copy at e->fd (one instance with the original process: an
+ * epoll_ctl on it would change the original's), replaced by dup3 before any watch is
+ * added.  Each watch names a descriptor already installed in the child. */
+static int recreate_epoll(struct tracee *c, unsigned long scratch, const struct dbxcr_epoll *e,
+			  struct dbxcr_error *err)
+{
+	long a[6] = { e->cloexec ? EPOLL_CLOEXEC : 0, 0, 0, 0, 0, 0 };
+	long efd;
+
+	efd = rsys(c, SYS_epoll_create1, a, err, "epoll fd %d: epoll_create1", e->fd);
+	if (efd < 0)
+		return -1;
+	if (efd != e->fd) {
+		long d[6] = { efd, e->fd, e->cloexec ? O_CLOEXEC : 0, 0, 0, 0 };
+
+		if (rsys(c, SYS_dup3, d, err, "epoll fd %d: dup3", e->fd) < 0)
+			return -1;
+		d[1] = d[2] = 0;
+		if (rsys(c, SYS_close, d, err, "epoll fd %d: close %ld", e->fd, efd) < 0)
+			return -1;
+	}
+	for (size_t i = 0; i < e->nwatches; i++) {
+		const struct dbxcr_epoll_watch *w = &e->watches[i];
+		struct epoll_event ev = { .events = w->events, .data.u64 = w->data };
+		long ctl[6] = { e->fd, EPOLL_CTL_ADD, w->fd, (long)scratch, 0, 0 };
+
+		if (mem_write(c->pid, scratch, &ev, sizeof(ev), err) < 0)
+			return -1;
+		if (rsys(c, SYS_epoll_ctl, ctl, err, "epoll fd %d: watch fd %d (events %#x)",
+			 e->fd, w->fd, w->events) < 0)
+			return -1;
+	}
+	return 0;
+}
+
 /* Join the target sandbox's namespaces other than pid (born there) and mount (a
  * generation of its file system, joined next). */
 static int join_sandbox_ns(struct tracee *c, int pidfd, struct dbxcr_error *err)
@@ -2479,6 +2522,9 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		if (rsys(c, SYS_close, d, err, "close received fd %ld", d[0]) < 0)
 			return -1;
 	}
+	for (size_t i = 0; i < o->nepolls; i++)
+		if (recreate_epoll(c, scratch, &o->epolls[i], err) < 0)
+			return -1;
 	if (o->pgid) {
 		long g[6] = { 0, o->pgid > 0 ? o->pgid : 0, 0, 0, 0, 0 };
 		long ret;
@@ -2704,5 +2750,79 @@ int dbxcr_carrier_kill(struct dbxcr_carrier *k, struct dbxcr_error *err)
 	kill_traced(k->t.pid);
 	free(k->t.xstate);
 	free(k);
+	return 0;
+}
+
+/* ---------- a socket in a sandbox's network namespace ----------
+ *
+ * setns(CLONE_NEWNET) changes the namespace of the calling thread only, and a socket stays
+ * in the namespace it was created in.  A thread made for the call joins the namespace and
+ * creates the socket, so no thread of the daemon ever runs in a sandbox's namespace (not
+ * even after a failure halfway). */
+
+struct netns_socket_job {
+	int netns_fd, domain, type, protocol;
+	bool pair;		/* socketpair instead of socket */
+	int fd[2], code;
+	const char *step;
+};
+
+static void *netns_socket_thread(void *arg)
+{
+	struct netns_socket_job *j = arg;
+	int rc;
+
+	if (setns(j->netns_fd, CLONE_NEWNET) < 0) {
+		j->code = errno;
+		j->step = "setns into the network namespace";
+		return NULL;
+	}
+	if (j->pair)
+		rc = socketpair(j->domain, j->type | SOCK_CLOEXEC, j->protocol, j->fd);
+	else
+		rc = j->fd[0] = socket(j->domain, j->type | SOCK_CLOEXEC, j->protocol);
+	if (rc < 0) {
+		j->code = errno;
+		j->step = j->pair ? "socketpair" : "socket";
+	}
+	return NULL;
+}
+
+static int netns_socket_run(struct netns_socket_job *j, struct dbxcr_error *err)
+{
+	pthread_t th;
+	int rc;
+
+	clear_error(err);
+	rc = pthread_create(&th, NULL, netns_socket_thread, j);
+	if (rc != 0)
+		return fail(err, rc, current_tid(), "netns socket: pthread_create");
+	rc = pthread_join(th, NULL);
+	if (rc != 0)
+		return fail(err, rc, current_tid(), "netns socket: pthread_join");
+	if (j->code)
+		return fail(err, j->code, current_tid(), "netns socket (fd %d, domain %d): %s",
+			    j->netns_fd, j->domain, j->step);
+	return 0;
+}
+
+int dbxcr_netns_socket(int netns_fd, int domain, int type, int protocol,
+		       struct dbxcr_error *err)
+{
+	struct netns_socket_job j = { netns_fd, domain, type, protocol, false, { -1, -1 }, 0,
+				      NULL };
+
+	return netns_socket_run(&j, err) < 0 ? -1 : j.fd[0];
+}
+
+int dbxcr_netns_socketpair(int netns_fd, int domain, int type, int sv[2],
+			   struct dbxcr_error *err)
+{
+	struct netns_socket_job j = { netns_fd, domain, type, 0, true, { -1, -1 }, 0, NULL };
+
+	if (netns_socket_run(&j, err) < 0)
+		return -1;
+	sv[0] = j.fd[0];
+	sv[1] = j.fd[1];
 	return 0;
 }

@@ -161,6 +161,24 @@ struct dbxcr_listen {
 	unsigned char addr[128];	/* the bound address (getsockname) */
 };
 
+/* An epoll instance to create afresh in the child and install at fd, with the
+ * registrations the original's had at the checkpoint (events as /proc/PID/fdinfo shows
+ * them, private bits included: a disarmed EPOLLONESHOT watch stays disarmed).  Created
+ * after every other descriptor is in place (the watched fds must be the child's own):
+ * the template's copy is shared with the original process and is never touched. */
+struct dbxcr_epoll_watch {
+	int fd;
+	unsigned int events;
+	unsigned long long data;
+};
+
+struct dbxcr_epoll {
+	int fd;
+	int cloexec;
+	const struct dbxcr_epoll_watch *watches;
+	size_t nwatches;
+};
+
 struct dbxcr_spawn_opts {
 	int mntns_fd;			/* caller's fd of a mount namespace to join, or -1 */
 	const char *cwd;		/* directory to chdir to (after setns), or NULL */
@@ -182,6 +200,8 @@ struct dbxcr_spawn_opts {
 					 * -1: setpgid(0, 0); > 0: setpgid(0, pgid) */
 	const struct dbxcr_listen *listens;	/* listening sockets to recreate */
 	size_t nlistens;
+	const struct dbxcr_epoll *epolls;	/* epoll instances to recreate, last */
+	size_t nepolls;
 };
 
 /* Fork a child from the template, re-root it as asked, restore the checkpointed registers
@@ -210,6 +230,17 @@ pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t 
 			  struct dbxcr_error *err);
 int dbxcr_carrier_keep(struct dbxcr_carrier *k, struct dbxcr_error *err);
 int dbxcr_carrier_kill(struct dbxcr_carrier *k, struct dbxcr_error *err);
+
+/* A socket created in the network namespace `netns_fd` refers to (a thread of our own
+ * joins it for the call: the caller's namespaces are untouched), e.g. a sock_diag netlink
+ * socket to list a sandbox's unix sockets.  Returns the descriptor (close-on-exec). */
+int dbxcr_netns_socket(int netns_fd, int domain, int type, int protocol,
+		       struct dbxcr_error *err);
+
+/* socketpair(2) the same way: a unix pair belongs to the namespace it was made in (its
+ * sock_diag listing), so a restored process's pair is made in its sandbox's. */
+int dbxcr_netns_socketpair(int netns_fd, int domain, int type, int sv[2],
+			   struct dbxcr_error *err);
 
 /* Close descriptors in the parked template (its children fork without them). */
 int dbxcr_template_close(struct dbxcr_template *tpl, const int *fds, size_t n,

@@ -584,7 +584,7 @@ def test_fds_inventory_python(native, tmp_path: Path) -> None:
         assert a.socket.family == b.socket.family == "unix"
         assert (a.socket.type, a.socket.state) == ("stream", "connected") and a.inode != b.inode
         ev = inv[n["ev"]]
-        assert (ev.kind, ev.target) == ("anon", "anon_inode:[eventfd]")
+        assert (ev.kind, ev.target) == ("eventfd", "anon_inode:[eventfd]")
         null = inv[n["null"]]
         assert (null.kind, null.target, null.rdev) == ("chr", "/dev/null", (1, 3))
         assert (inv[n["dir"]].kind, inv[n["dir"]].target) == ("dir", str(tmp_path))

@@ -197,3 +197,66 @@ def test_processes_born_together_and_one_without_its_carrier(sbx: Sandbox) -> No
         assert sh.run("echo $V $PWD").stdout.split() == ["at-checkpoint", "/tmp"]
         live = [ln for ln in sbx.exec(f"{OWN_PS} args=").stdout.splitlines() if marker in ln]
         assert len(live) == 1, live
+
+
+ASYNC_PROG = r"""
+import asyncio, os, re, socket
+n = 0
+ev = os.eventfd(7, os.EFD_NONBLOCK | os.EFD_SEMAPHORE)
+a, b = socket.socketpair()
+b.send(b"queued")
+
+def state():
+    count = os.eventfd_read(ev)       # semaphore mode: 1 per read
+    os.eventfd_write(ev, count)
+    a.setblocking(False)
+    data = a.recv(100)
+    b.send(data)
+    fds = []
+    for fd in sorted(int(x) for x in os.listdir("/proc/self/fd")):
+        try:
+            kind = re.sub(r"[0-9]+", "N", os.readlink(f"/proc/self/fd/{fd}"))
+            flags = open(f"/proc/self/fdinfo/{fd}").read().split("flags:")[1].split()[0]
+        except OSError:
+            continue
+        fds.append(f"{fd}:{kind}:{int(flags, 8) & 0o2004000:o}")
+    return f"{os.getpid()} n={n} sem={count} pair={data.decode()} {','.join(fds)}"
+
+async def main():
+    global n
+    loop = asyncio.get_running_loop()
+    woke = asyncio.Event()
+    loop.add_reader(ev, woke.set)      # readable: count > 0
+    open("/workspace/ready", "w").write(str(os.getpid()))
+    while True:
+        await woke.wait()              # the epoll wait
+        await asyncio.sleep(0.01)
+        if os.path.exists("/workspace/bump"):
+            n += 1
+            os.remove("/workspace/bump")
+        if os.path.exists("/workspace/report"):
+            os.remove("/workspace/report")
+            open("/workspace/.state", "w").write(state())
+            os.rename("/workspace/.state", "/workspace/state")
+
+asyncio.run(main())
+"""
+
+
+def test_asyncio_process_born_from_carriers(sbx: Sandbox) -> None:
+    """An event loop's descriptors (epoll, eventfd in semaphore mode, socket pairs) made
+    in a carrier spawned ahead: the process born from it waits on them as it did."""
+    sbx.files.write("aprog.py", ASYNC_PROG)
+    sbx.exec("nohup python3 /workspace/aprog.py >/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("ready"), what="ready")
+    _ask(sbx, "bump")
+    at_cp = _report(sbx)
+    assert " n=1 sem=1 pair=queued " in at_cp, at_cp
+    cp = sbx.checkpoint(mode="full")
+    for i in range(2):
+        _wait(lambda: _carriers_ready(sbx), what="a carrier")
+        _ask(sbx, "bump")
+        assert _report(sbx) != at_cp
+        r = sbx.rollback(cp)
+        assert r.process_state == "restored", r.note
+        assert _report(sbx) == at_cp, f"rollback {i}"

@@ -12,9 +12,13 @@ import os
 import socket
 import struct
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .. import kernfs
 from . import native
+
+if TYPE_CHECKING:
+    from .eventloop import LoopState
 
 # Character devices a restored process may hold: reopened by path.
 # null zero full random urandom tty ptmx; pty slaves are major 136.
@@ -52,6 +56,7 @@ class ProcessRecord:
     rss_kb: int = 0
     mappings: int = 0
     listens: list[native.ListenSocket] = field(default_factory=list)
+    loop: LoopState | None = None   # epoll, eventfds, socket pairs (eventloop.capture)
 
     def summary(self) -> dict:
         return dict(pid=self.nspid, ppid=self.ppid, pgid=self.pgid, sid=self.sid,
@@ -137,7 +142,11 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
 
 
 def _fd_refusal(f: native.FdInfo) -> str | None:
+    if f.kind in ("epoll", "eventfd") or (f.socket is not None and f.socket.family == "unix"):
+        return None  # an event loop's: eventloop.capture decides
     if f.kind in ("file", "dir", "pipe"):
+        if f.kind == "pipe" and f.flags & os.O_DIRECT:
+            return "a packet-mode pipe (O_DIRECT): its message boundaries are not captured"
         if f.kind == "file" and f.deleted:
             return f"deleted-but-open file {f.path} (its content is not captured yet)"
         return None

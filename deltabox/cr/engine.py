@@ -40,13 +40,17 @@ groups are re-made in the fork (setpgid), since the templates' groups belong to 
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import errno
+import fcntl
 import logging
 import os
 import signal
+import socket
 import threading
+import termios
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -57,7 +61,7 @@ import trio
 from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
-from . import native
+from . import eventloop, native
 from ..sandbox.reaper import block_until_exited, kill_pidfds, reap_orphans, wait_exited
 from .capture import (ProcessRecord, Refusal, add_listeners, record, record_head,
                       refusals, status_refused)
@@ -68,24 +72,46 @@ T = TypeVar("T")
 log = logging.getLogger("deltaboxd")
 _libc = ctypes.CDLL(None, use_errno=True)
 SPLICE_F_NONBLOCK = 2
+SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
+F_SETPIPE_SZ, F_GETPIPE_SZ = 1031, 1032
+PIPE_DEFAULT_SIZE = 65536
 # Fork lanes (see DeltaCR.open_lanes): for a fan-out of at least this many children, each
 # process of at least this size gets a second template on a second tracer thread.
 LANE_MIN_CHILDREN = 4
 LANE_MIN_RSS_KB = 16 << 10
 
 
-def _tee_copy(src_read: int) -> int | None:
-    """A new pipe holding a copy of what `src_read` has unread (without consuming it);
-    returns its read end, or None if there was nothing."""
+def _tee_copy(src_read: int, size: int) -> tuple[int | None, int]:
+    """A new pipe of capacity `size` holding a copy of what `src_read` has unread (without
+    consuming it): (its read end or None if there was nothing, bytes still missing from
+    the copy: 0 unless the copy fell short)."""
+    unread = _unread(src_read)
+    if not unread:
+        return None, 0
     r, w = os.pipe2(os.O_CLOEXEC)
     try:
-        n = _libc.tee(src_read, w, 1 << 20, SPLICE_F_NONBLOCK)
+        _set_pipe_size(w, size)
+        n = _libc.tee(src_read, w, max(size, unread), SPLICE_F_NONBLOCK)
         if n <= 0:
             os.close(r)
-            return None
-        return r
+            return None, unread
+        return r, unread - n
     finally:
         os.close(w)
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting in the pipe `fd` belongs to (FIONREAD)."""
+    buf = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, buf)
+    return buf[0]
+
+
+def _set_pipe_size(fd: int, size: int) -> None:
+    """Give a fresh pipe the capacity its original had (the kernel rounds up to pages;
+    root may exceed /proc/sys/fs/pipe-max-size)."""
+    if size > PIPE_DEFAULT_SIZE:
+        fcntl.fcntl(fd, F_SETPIPE_SZ, size)
 
 
 @dataclass
@@ -93,6 +119,7 @@ class PipeEnd:
     pid: int            # host pid of the process holding it
     fd: int
     write: bool
+    flags: int = 0      # its open(2) flags at the checkpoint (O_NONBLOCK, O_CLOEXEC)
 
 
 @dataclass
@@ -101,6 +128,7 @@ class PipeGroup:
     ends: list[PipeEnd] = field(default_factory=list)
     saved: int | None = None        # read end of a tee'd copy of unread data
     owner: str = ""                 # "session:<name>:<0|1|2>" | "daemon" | "" (nobody else)
+    size: int = PIPE_DEFAULT_SIZE   # capacity (F_GETPIPE_SZ) of a pipe among processes
 
 
 @dataclass
@@ -325,10 +353,15 @@ class DeltaCR:
                 cap.refused.extend(r for rec in records for r in refusals(rec, tracer_ok))
                 if not cap.refused:
                     cap.refused.extend(r for rec in records for r in add_listeners(rec))
+                if not cap.refused:
+                    cap.refused.extend(eventloop.capture(records))
                 if cap.refused:
                     return
                 pipes = _pipe_groups(records, *daemon_pipes())
-                _save_unread(pipes)
+                cap.refused.extend(_save_unread(pipes, records))
+                if cap.refused:
+                    _close_saved(pipes)
+                    return
                 cap.records = records
             finally:
                 cap.records_ready.set()
@@ -422,7 +455,7 @@ class DeltaCR:
                 if born:
                     victims = None  # waited for by _births
             for rec in records:
-                spawn = _spawn_args(state, plan, rec, mntfd)
+                spawn = _spawn_args(state, plan, rec, mntfd, into)
                 if into is None:
                     # A group or session leader's pid stays allocated while its template
                     # (a member of that group and session) exists: it comes back with a
@@ -573,10 +606,7 @@ class DeltaCR:
     async def release(self, state: ProcessState) -> None:
         await self.close_lanes(state)
         await self.worker.run(_release_all, list(state.templates.values()))
-        for g in state.pipes.values():
-            if g.saved is not None:
-                os.close(g.saved)
-                g.saved = None
+        _close_saved(state.pipes)
 
 
 def _nspid(state: ProcessState, host_pid: int) -> int:
@@ -593,7 +623,8 @@ def _pipe_groups(records: list[ProcessRecord], session_inodes: dict[int, str],
             if f.kind != "pipe" or f.inode is None:
                 continue
             g = groups.setdefault(f.inode, PipeGroup(f.inode))
-            g.ends.append(PipeEnd(rec.pid, f.fd, (f.flags & os.O_ACCMODE) != os.O_RDONLY))
+            g.ends.append(PipeEnd(rec.pid, f.fd, (f.flags & os.O_ACCMODE) != os.O_RDONLY,
+                                  f.flags))
     for g in groups.values():
         if g.inode in session_inodes:
             g.owner = "session:" + session_inodes[g.inode]
@@ -602,17 +633,36 @@ def _pipe_groups(records: list[ProcessRecord], session_inodes: dict[int, str],
     return groups
 
 
-def _save_unread(groups: dict[int, PipeGroup]) -> None:
-    """Copy the data waiting in pipes that captured processes read from."""
+def _save_unread(groups: dict[int, PipeGroup], records: list[ProcessRecord]
+                 ) -> list[Refusal]:
+    """Copy the data waiting in pipes that captured processes read from, and note the
+    capacity of the pipes among them (the daemon's session and output pipes are its own,
+    of the default size). A copy that falls short refuses the reader."""
+    out = []
     for g in groups.values():
         reader = next((e for e in g.ends if not e.write), None)
-        if reader is None or g.owner.startswith("session:"):
+        if g.owner.startswith("session:") or (reader is None and g.owner):
             continue
-        fd = native.copy_fd(reader.pid, reader.fd)
+        end = reader or g.ends[0]
+        fd = native.copy_fd(end.pid, end.fd)
         try:
-            g.saved = _tee_copy(fd)
+            g.size = fcntl.fcntl(fd, F_GETPIPE_SZ)
+            if reader is not None:
+                g.saved, missing = _tee_copy(fd, g.size)
+                if missing:
+                    rec = next(r for r in records if r.pid == reader.pid)
+                    out.append(Refusal(rec.nspid, rec.cmd, f"fd {reader.fd}: {missing} bytes "
+                                       "of the pipe's unread data could not be copied"))
         finally:
             os.close(fd)
+    return out
+
+
+def _close_saved(groups: dict[int, PipeGroup]) -> None:
+    for g in groups.values():
+        if g.saved is not None:
+            os.close(g.saved)
+            g.saved = None
 
 
 class _PipePlan:
@@ -621,11 +671,39 @@ class _PipePlan:
     def __init__(self, groups: dict[int, PipeGroup]) -> None:
         self.groups = groups
         self.fresh: dict[int, tuple[int, int]] = {}
+        self.loops: list[int] = []     # our copies of event-loop objects made (loop_fds)
         for g in groups.values():
             r, w = os.pipe2(os.O_CLOEXEC)
-            if g.saved is not None:
-                _libc.tee(g.saved, w, 1 << 20, SPLICE_F_NONBLOCK)
             self.fresh[g.inode] = (r, w)
+            _set_pipe_size(w, g.size)
+            if g.saved is not None:
+                _libc.tee(g.saved, w, max(g.size, PIPE_DEFAULT_SIZE), SPLICE_F_NONBLOCK)
+            # Status flags belong to the open file description: the restored processes'
+            # end gets the original's (an event loop's reader must stay non-blocking).
+            for e in g.ends:
+                if e.flags & os.O_NONBLOCK:
+                    os.set_blocking(w if e.write else r, False)
+
+    def loop_fds(self, rec: ProcessRecord, netns_pid: int) -> dict[int, int]:
+        """Fresh eventfds and socket pairs for one restored process, as rec's were at the
+        checkpoint: its fd -> our copy (closed with the pipes' child ends). Pairs are made
+        in the network namespace of `netns_pid` (the sandbox it is restored into)."""
+        loop = rec.loop
+        out: dict[int, int] = {}
+        if not loop:
+            return out
+        for ev in loop.eventfds:
+            fd = os.eventfd(ev.count, os.EFD_CLOEXEC |
+                            (os.EFD_SEMAPHORE if ev.semaphore else 0) |
+                            (os.EFD_NONBLOCK if ev.nonblock else 0))
+            self.loops.append(fd)
+            out.update((n, fd) for n in ev.fds)
+        for p in loop.pairs:
+            a, b = _fresh_pair(p, netns_pid)
+            self.loops += [a, b]
+            out.update((n, a) for n in p.a)
+            out.update((n, b) for n in p.b)
+        return out
 
     def child_end(self, g: PipeGroup, e: PipeEnd) -> int:
         r, w = self.fresh[g.inode]
@@ -667,6 +745,12 @@ class _PipePlan:
             for fd in (r, w):
                 if fd not in keep:
                     os.close(fd)
+        self._close_loops()
+
+    def _close_loops(self) -> None:
+        fds, self.loops = self.loops, []
+        for fd in fds:
+            os.close(fd)
 
     def close_all(self) -> None:
         for r, w in self.fresh.values():
@@ -675,6 +759,34 @@ class _PipePlan:
                     os.close(fd)
                 except OSError:
                     pass
+        self._close_loops()
+
+
+def _fresh_pair(p: eventloop.SocketPair, netns_pid: int) -> tuple[int, int]:
+    """A new socket pair like `p` was, in netns_pid's network namespace (where the next
+    checkpoint's sock_diag finds it), its queued bytes sent again (each end's data comes
+    from the other end), its buffer sizes and non-blocking flags set; our fds."""
+    a, b = native.netns_socketpair(netns_pid, p.type)
+    try:
+        for s, (snd, rcv) in ((a, p.bufs_a), (b, p.bufs_b)):
+            # The kernel doubles what is set (its bookkeeping) and reports the doubled
+            # value: set half of what was reported; FORCE passes the sysctl caps (root).
+            if snd:
+                s.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, snd // 2)
+            if rcv:
+                s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcv // 2)
+        for src, data in ((b, p.data_a), (a, p.data_b)):
+            if data:
+                src.setblocking(False)
+                if src.send(data) != len(data):  # a stream pair's queue: one send
+                    raise OSError(errno.ENOBUFS, "the queued bytes did not fit again")
+        a.setblocking(not p.nonblock_a)
+        b.setblocking(not p.nonblock_b)
+        return a.detach(), b.detach()
+    except BaseException:
+        a.close()
+        b.close()
+        raise
 
 
 def _refusal(refused: list[Refusal]) -> FailedPrecondition:
@@ -922,6 +1034,8 @@ class _Spawn:
     pgid: int = 0
     renumbered: bool = False   # the original pid was held: restored with a new one
     lane: native.Template | None = None   # a copy of tpl on the lane thread (open_lanes)
+    cloexec: set[int] = field(default_factory=set)   # fdmap targets to close on exec
+    epolls: list[native.Epoll] = field(default_factory=list)  # made in the child, last
 
 
 def _leader(rec: ProcessRecord) -> bool:
@@ -930,18 +1044,32 @@ def _leader(rec: ProcessRecord) -> bool:
 
 
 def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
-                mntfd: int) -> _Spawn:
+                mntfd: int, into: Elsewhere | None = None) -> _Spawn:
     """What a child of rec's template needs: its pipes from `plan`, its files, its cwd."""
     fdmap = {e.fd: plan.child_end(g, e) for g in state.pipes.values()
              for e in g.ends if e.pid == rec.pid}
+    if rec.loop:
+        fdmap.update(plan.loop_fds(rec, _pidfd_pid(into.init_pidfd) if into is not None
+                                   else state.templates[rec.pid].pid))
+    cloexec = {f.fd for f in rec.fds if f.fd in fdmap and f.flags & os.O_CLOEXEC}
     files = [native.ReopenFile(f.fd, f.path, f.flags, f.pos)
              for f in rec.fds if f.kind in ("file", "dir", "chr")]
     return _Spawn(state.templates[rec.pid], fdmap, files, rec.cwd, mntfd, rec.listens,
-                  lane=state.lanes.get(rec.pid))
+                  lane=state.lanes.get(rec.pid), cloexec=cloexec,
+                  epolls=rec.loop.epolls if rec.loop else [])
+
+
+def _pidfd_pid(pidfd: int) -> int:
+    """The pid a pidfd refers to (its fdinfo's Pid line)."""
+    for line in kernfs.read(f"/proc/self/fdinfo/{pidfd}").splitlines():
+        if line.startswith(b"Pid:"):
+            return int(line.split()[1])
+    raise OSError(errno.EINVAL, f"fd {pidfd} is not a pidfd")
 
 
 def _carrier_of(sp: _Spawn) -> native.Carrier:
-    return sp.tpl.spawn_carrier(fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd)
+    return sp.tpl.spawn_carrier(fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd,
+                                cloexec_fds=sp.cloexec, epolls=sp.epolls)
 
 
 def _keep_all(carriers: list[native.Carrier]) -> None:
@@ -999,6 +1127,7 @@ def _spawn_once(sp: _Spawn, set_tid: list[int] | None,
     into = sp.into
     return (tpl or sp.tpl).spawn(
         fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd, set_tid=set_tid,
+        cloexec_fds=sp.cloexec, epolls=sp.epolls,
         pidns_fd=into.pidns_fd if into else None,
         ns_pidfd=into.init_pidfd if into else None,
         cgroup_fds=into.cgroup_fds if into else (), pgid=sp.pgid, listens=sp.listens)

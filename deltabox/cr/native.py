@@ -64,6 +64,7 @@ import ctypes
 import errno as _errno
 import ipaddress
 import os
+import socket
 import stat as _stat
 import threading
 from dataclasses import dataclass
@@ -113,6 +114,16 @@ class _Listen(ctypes.Structure):
                 ("addr", ctypes.c_ubyte * 128)]
 
 
+class _EpollWatch(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_uint),
+                ("data", ctypes.c_ulonglong)]
+
+
+class _Epoll(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int), ("cloexec", ctypes.c_int),
+                ("watches", ctypes.POINTER(_EpollWatch)), ("nwatches", ctypes.c_size_t)]
+
+
 class _SpawnOpts(ctypes.Structure):
     _fields_ = [("mntns_fd", ctypes.c_int), ("cwd", ctypes.c_char_p),
                 ("files", ctypes.POINTER(_File)), ("nfiles", ctypes.c_size_t),
@@ -121,7 +132,8 @@ class _SpawnOpts(ctypes.Structure):
                 ("pidns_fd", ctypes.c_int), ("ns_pidfd", ctypes.c_int),
                 ("cgroup_fds", ctypes.POINTER(ctypes.c_int)), ("ncgroup_fds", ctypes.c_size_t),
                 ("pgid", ctypes.c_int),
-                ("listens", ctypes.POINTER(_Listen)), ("nlistens", ctypes.c_size_t)]
+                ("listens", ctypes.POINTER(_Listen)), ("nlistens", ctypes.c_size_t),
+                ("epolls", ctypes.POINTER(_Epoll)), ("nepolls", ctypes.c_size_t)]
 
 
 _lib: ctypes.CDLL | None = None
@@ -154,6 +166,11 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_template_pid.restype = ctypes.c_int
         lib.dbxcr_template_origin.argtypes = [ctypes.c_void_p]
         lib.dbxcr_template_origin.restype = ctypes.c_int
+        lib.dbxcr_netns_socket.argtypes = [ctypes.c_int] * 4 + [err]
+        lib.dbxcr_netns_socket.restype = ctypes.c_int
+        lib.dbxcr_netns_socketpair.argtypes = [ctypes.c_int] * 3 + [
+            ctypes.POINTER(ctypes.c_int), err]
+        lib.dbxcr_netns_socketpair.restype = ctypes.c_int
         lib.dbxcr_spawn.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SpawnOpts), err]
         lib.dbxcr_spawn.restype = ctypes.c_int
         lib.dbxcr_spawn_carrier.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SpawnOpts),
@@ -246,6 +263,23 @@ class ListenSocket:
 
 
 @dataclass(frozen=True)
+class EpollWatch:
+    """One registration of an epoll instance: the watched fd, events, user data."""
+    fd: int
+    events: int
+    data: int
+
+
+@dataclass(frozen=True)
+class Epoll:
+    """An epoll instance to create afresh in a spawned child at fd, with its watches (the
+    template's is shared with the original process)."""
+    fd: int
+    cloexec: bool
+    watches: tuple[EpollWatch, ...] = ()
+
+
+@dataclass(frozen=True)
 class ReopenFile:
     """A regular file to reopen in a spawned child at fd, with its flags and offset."""
     fd: int
@@ -315,7 +349,7 @@ class Template:
               mntns_fd: int | None = None, set_tid: Sequence[int] | None = None,
               cloexec_fds: Iterable[int] = (), pidns_fd: int | None = None,
               ns_pidfd: int | None = None, cgroup_fds: Sequence[int] = (), pgid: int = 0,
-              listens: Sequence[ListenSocket] = ()) -> int:
+              listens: Sequence[ListenSocket] = (), epolls: Sequence[Epoll] = ()) -> int:
         """Fork a child that continues where the origin was at checkpoint time.
 
         fds: {target_fd_in_child: our_fd}, e.g. fresh stdio pipes ({0: r, 1: w, 2: w}).
@@ -331,7 +365,7 @@ class Template:
         Returns the child's pid in our namespace; it is a sibling of the origin (same
         parent, same exit signal)."""
         with self._opts(fds, files, cwd, mntns_fd, set_tid, cloexec_fds, pidns_fd, ns_pidfd,
-                        cgroup_fds, pgid, listens) as opts:
+                        cgroup_fds, pgid, listens, epolls) as opts:
             err = _Err()
             pid = _load().dbxcr_spawn(self._handle, ctypes.byref(opts), ctypes.byref(err))
         if pid < 0:
@@ -356,7 +390,8 @@ class Template:
               mntns_fd: int | None = None, set_tid: Sequence[int] | None = None,
               cloexec_fds: Iterable[int] = (), pidns_fd: int | None = None,
               ns_pidfd: int | None = None, cgroup_fds: Sequence[int] = (), pgid: int = 0,
-              listens: Sequence[ListenSocket] = ()) -> Iterator[_SpawnOpts]:
+              listens: Sequence[ListenSocket] = (), epolls: Sequence[Epoll] = ()
+              ) -> Iterator[_SpawnOpts]:
         """The C options of a spawn (valid inside the block: it owns the arrays)."""
         self._h()
         cloexec = set(cloexec_fds)
@@ -374,12 +409,17 @@ class Template:
         lst = list(listens)
         clst = (_Listen * max(1, len(lst)))(*[x._c() for x in lst])
         cwd_b = os.fsencode(cwd) if cwd is not None else None
+        watch_arrays = [(_EpollWatch * max(1, len(e.watches)))(
+            *[_EpollWatch(w.fd, w.events, w.data) for w in e.watches]) for e in epolls]
+        ceps = (_Epoll * max(1, len(epolls)))(
+            *[_Epoll(e.fd, int(e.cloexec), arr, len(e.watches))
+              for e, arr in zip(epolls, watch_arrays)])
         yield _SpawnOpts(-1 if mntns_fd is None else mntns_fd, cwd_b,
                          cfiles, len(file_items), fdmaps, len(fd_items),
                          ctids if tids else None, len(tids),
                          -1 if pidns_fd is None else pidns_fd,
                          -1 if ns_pidfd is None else ns_pidfd,
-                         ccg, len(cg), pgid, clst, len(lst))
+                         ccg, len(cg), pgid, clst, len(lst), ceps, len(epolls))
 
     def close_fds(self, fds: Sequence[int]) -> None:
         """Close descriptors in the template (its later children are born without them)."""
@@ -507,13 +547,26 @@ def exclusive_bytes(pid: int, max_maps: int = 1) -> int:
 
 
 _SYS_KCMP = 312
-_KCMP_VM = 1
+_KCMP_FILE, _KCMP_VM, _KCMP_EPOLL_TFD = 0, 1, 7
 
 
 def same_address_space(a: int, b: int) -> bool:
     """Do processes a and b share one address space (kcmp KCMP_VM)? False if either is
     gone or has none (a zombie)."""
     return _libc_raw.syscall(_SYS_KCMP, a, b, _KCMP_VM, 0, 0) == 0
+
+
+def same_file(pid1: int, fd1: int, pid2: int, fd2: int) -> bool:
+    """Do these descriptors share one open file description (kcmp KCMP_FILE)?"""
+    return _libc_raw.syscall(_SYS_KCMP, pid1, pid2, _KCMP_FILE, fd1, ctypes.c_ulong(fd2)) == 0
+
+
+def epoll_watches_file(pid: int, efd: int, tfd: int) -> bool:
+    """Is the file pid's epoll instance at efd watches under fd number tfd the one pid
+    holds at tfd (kcmp KCMP_EPOLL_TFD)? False once that fd was closed or reused."""
+    slot = (ctypes.c_uint32 * 3)(efd, tfd, 0)       # struct kcmp_epoll_slot, toff 0
+    return _libc_raw.syscall(_SYS_KCMP, pid, pid, _KCMP_EPOLL_TFD, tfd,
+                             ctypes.byref(slot)) == 0
 
 
 def make_template(pid: int) -> Template:
@@ -738,7 +791,8 @@ class SockInfo:
 @dataclass(frozen=True)
 class FdInfo:
     fd: int
-    kind: str           # file, dir, pipe, fifo, socket, chr, blk, anon, other
+    kind: str           # file, dir, pipe, fifo, socket, chr, blk, epoll, eventfd, anon,
+    #                     other
     target: str         # readlink of /proc/pid/fd/N (" (deleted)" removed if deleted)
     deleted: bool = False
     flags: int = 0      # open(2) flags from fdinfo
@@ -836,6 +890,33 @@ def copy_fd(pid: int, fd: int) -> int:
     return int(r)
 
 
+def netns_socket(pid: int, family: int, type: int, proto: int = 0) -> socket.socket:
+    """A socket in pid's network namespace (created by a short-lived thread of ours that
+    joins it: see dbxcr_netns_socket)."""
+    ns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        err = _Err()
+        fd = _load().dbxcr_netns_socket(ns, family, type, proto, ctypes.byref(err))
+        if fd < 0:
+            _raise(err)
+    finally:
+        os.close(ns)
+    return socket.socket(fileno=fd)
+
+
+def netns_socketpair(pid: int, type: int) -> tuple[socket.socket, socket.socket]:
+    """A unix socket pair made in pid's network namespace (dbxcr_netns_socketpair)."""
+    ns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        err = _Err()
+        sv = (ctypes.c_int * 2)()
+        if _load().dbxcr_netns_socketpair(ns, socket.AF_UNIX, type, sv, ctypes.byref(err)) < 0:
+            _raise(err)
+    finally:
+        os.close(ns)
+    return socket.socket(fileno=sv[0]), socket.socket(fileno=sv[1])
+
+
 def fds(pid: int) -> list[FdInfo]:
     """Inventory of pid's open descriptors (a descriptor closed meanwhile is skipped)."""
     socks: dict[int, SockInfo] | None = None
@@ -859,6 +940,10 @@ def fds(pid: int) -> list[FdInfo]:
             if socks is None:
                 socks = _sockets(pid)
             sock = socks.get(st.st_ino, SockInfo("unknown", "", ""))
+        elif target == "anon_inode:[eventpoll]":
+            kind = "epoll"
+        elif target == "anon_inode:[eventfd]":
+            kind = "eventfd"
         elif target.startswith("anon_inode:") or target.startswith("/memfd:"):
             kind = "anon"
         elif _stat.S_ISREG(mode):

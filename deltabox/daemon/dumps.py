@@ -27,9 +27,10 @@ from pathlib import Path
 
 import trio
 
-from ..cr import native
+from ..cr import eventloop, native
 from ..cr.capture import ProcessRecord
-from ..cr.engine import DeltaCR, PipeEnd, PipeGroup, ProcessState, SPLICE_F_NONBLOCK, _libc
+from ..cr.engine import (PIPE_DEFAULT_SIZE, DeltaCR, PipeEnd, PipeGroup, ProcessState,
+                         SPLICE_F_NONBLOCK, _libc, _unread)
 from .db import Database, columns
 from .scheduler import IOScheduler
 
@@ -349,7 +350,7 @@ class Dumps:
                     (tmp / saved).write_bytes(data)
                     total += len(data)
             pipes[str(g.inode)] = dict(ends=[dataclasses.asdict(e) for e in g.ends],
-                                       owner=g.owner, saved=saved)
+                                       owner=g.owner, saved=saved, size=g.size)
         meta = dict(version=1, records=[_rec_json(r) for r in state.records], pipes=pipes,
                     sessions=state.sessions, session_states=state.session_states)
         raw = json.dumps(meta).encode()
@@ -383,7 +384,8 @@ class Dumps:
                 templates[rec.pid] = await self.cr.worker.run(
                     native.restore_template, host_pid, d / str(rec.nspid), root_dir)
             for ino, g in meta["pipes"].items():
-                pg = PipeGroup(int(ino), [PipeEnd(**e) for e in g["ends"]], None, g["owner"])
+                pg = PipeGroup(int(ino), [PipeEnd(**e) for e in g["ends"]], None, g["owner"],
+                               g.get("size", PIPE_DEFAULT_SIZE))
                 if g["saved"]:
                     pg.saved = _refill((d / g["saved"]).read_bytes())
                 pipes[pg.inode] = pg
@@ -466,13 +468,14 @@ def init_seccomp_filters(pid: int) -> int:
 
 def _peek(saved: int) -> bytes:
     """The unread pipe data held in `saved` (a pipe's read end), without consuming it."""
+    size = max(1 << 20, _unread(saved))
     r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     try:
-        fcntl.fcntl(w, F_SETPIPE_SZ, 1 << 20)
+        fcntl.fcntl(w, F_SETPIPE_SZ, size)
     except OSError:
         pass
     try:
-        n = _libc.tee(saved, w, 1 << 20, SPLICE_F_NONBLOCK)
+        n = _libc.tee(saved, w, size, SPLICE_F_NONBLOCK)
         os.close(w)
         w = -1
         out = b""
@@ -503,8 +506,11 @@ def _refill(data: bytes) -> int:
 
 
 def _rec_json(r: ProcessRecord) -> dict:
-    d = dataclasses.asdict(r)
+    d = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)
+         if f.name not in ("fds", "listens", "loop")}
+    d["fds"] = [dataclasses.asdict(f) for f in r.fds]
     d["listens"] = [dict(dataclasses.asdict(ls), addr=ls.addr.hex()) for ls in r.listens]
+    d["loop"] = eventloop.to_json(r.loop)
     return d
 
 
@@ -517,4 +523,5 @@ def _rec_from(d: dict) -> ProcessRecord:
                                  socket=native.SockInfo(**sock) if sock else None))
     listens = [native.ListenSocket(**dict(ls, addr=bytes.fromhex(ls["addr"])))
                for ls in d.pop("listens")]
-    return ProcessRecord(**d, fds=fds, listens=listens)
+    loop = eventloop.from_json(d.pop("loop", None))
+    return ProcessRecord(**d, fds=fds, listens=listens, loop=loop)

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <dirent.h>
+#include <sys/epoll.h>
 #include <sys/mman.h>
 #include <netinet/in.h>
 #include <sys/random.h>
@@ -2079,6 +2080,135 @@ static void test_listen_socket(void)
 		kill_reap(srv);
 }
 
+/* Count the watches an epoll instance of pid lists in /proc fdinfo. */
+static int epoll_watch_count(pid_t pid, int efd)
+{
+	char path[64], buf[4096];
+	int fd, n = 0;
+	ssize_t len;
+
+	snprintf(path, sizeof(path), "/proc/%d/fdinfo/%d", (int)pid, efd);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	len = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (len < 0)
+		return -1;
+	buf[len] = 0;
+	for (char *p = buf; (p = strstr(p, "tfd:")) != NULL; p += 4)
+		n++;
+	return n;
+}
+
+/* A process blocked in epoll_wait on one pipe: its child, spawned with a fresh pipe at that
+ * fd and the epoll instance recreated from a spec (watch, events, user data), wakes on the
+ * fresh pipe and reports the spec's data; the original's instance (the template shares it)
+ * is not touched. */
+static void test_epoll_recreated(void)
+{
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl;
+	struct dbxcr_epoll_watch w;
+	struct dbxcr_epoll e;
+	struct dbxcr_fdmap m;
+	struct dbxcr_spawn_opts o;
+	int ep, watched[2], report[2], fresh[2];
+	unsigned long long got = 0;
+	pid_t p, child = -1;
+
+	current_test = "epoll-recreated";
+	ep = epoll_create1(EPOLL_CLOEXEC);
+	if (ep < 0 || pipe2(watched, O_CLOEXEC) < 0 || pipe2(report, O_CLOEXEC) < 0 ||
+	    pipe2(fresh, O_CLOEXEC) < 0)
+		abort();
+	{
+		struct epoll_event ev = { .events = EPOLLIN, .data.u64 = 0x111 };
+
+		if (epoll_ctl(ep, EPOLL_CTL_ADD, watched[0], &ev) < 0)
+			abort();
+	}
+	p = fork();
+	if (p == 0) {
+		struct epoll_event ev;
+
+		for (;;) {
+			long n = syscall(SYS_epoll_wait, ep, &ev, 1, -1);
+
+			if (n == 1 && write(report[1], &ev.data.u64, sizeof(ev.data.u64)) < 0)
+				_exit(1);
+			if (n == 1)
+				_exit(0);
+		}
+	}
+	CHECK(wait_in_syscall(p, SYS_epoll_wait) == 0, "never blocked in epoll_wait");
+	tpl = dbxcr_make_template(p, &err);
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (tpl) {
+		w = (struct dbxcr_epoll_watch){ .fd = watched[0], .events = EPOLLIN, .data = 0xabc };
+		e = (struct dbxcr_epoll){ .fd = ep, .cloexec = 1, .watches = &w, .nwatches = 1 };
+		m = (struct dbxcr_fdmap){ .src = fresh[0], .target = watched[0], .cloexec = 1 };
+		memset(&o, 0, sizeof(o));
+		o.mntns_fd = -1;
+		o.fds = &m;
+		o.nfds = 1;
+		o.epolls = &e;
+		o.nepolls = 1;
+		child = dbxcr_spawn(tpl, &o, &err);
+		CHECK(child > 0, "spawn: %s", err.msg);
+		CHECK(wait_in_syscall(child, SYS_epoll_wait) == 0, "child not back in epoll_wait");
+		CHECK(epoll_watch_count(child, ep) == 1, "child's instance has %d watches",
+		      epoll_watch_count(child, ep));
+		CHECK(write(fresh[1], "x", 1) == 1, "write: %s", strerror(errno));
+		CHECK(read_timeout(report[0], &got, sizeof(got), 5000) == 0 && got == 0xabc,
+		      "child reported data %#llx, not 0xabc", got);
+		CHECK(epoll_watch_count(p, ep) == 1 && wait_in_syscall(p, SYS_epoll_wait) == 0,
+		      "the original's instance changed or it woke");
+		CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
+	}
+	/* A bad spec names the fd and the step; the half-made child is gone. */
+	tpl = dbxcr_make_template(p, &err);
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (tpl) {
+		w.fd = 999;
+		CHECK(dbxcr_spawn(tpl, &o, &err) < 0 && err.code == EBADF &&
+		      strstr(err.msg, "watch fd 999") != NULL, "bad watch: %d %s", err.code, err.msg);
+		CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
+	}
+	if (child > 0)
+		kill_reap(child);
+	kill_reap(p);
+	for (int i = 0; i < 2; i++) {
+		close(watched[i]);
+		close(report[i]);
+		close(fresh[i]);
+	}
+	close(ep);
+	CHECK(count_zombie_children() == 0, "zombies left: %d", count_zombie_children());
+}
+
+/* dbxcr_netns_socket makes its socket in the namespace named, leaving ours as it was. */
+static void test_netns_socket(void)
+{
+	struct dbxcr_error err;
+	char before[64] = { 0 }, after[64] = { 0 };
+	int ns, fd;
+
+	current_test = "netns-socket";
+	ns = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC);
+	CHECK(ns >= 0 && readlink("/proc/thread-self/ns/net", before, sizeof(before) - 1) > 0,
+	      "own netns: %s", strerror(errno));
+	fd = dbxcr_netns_socket(ns, AF_UNIX, SOCK_STREAM, 0, &err);
+	CHECK(fd >= 0, "netns socket: %s", err.msg);
+	CHECK((fcntl(fd, F_GETFD) & FD_CLOEXEC) != 0, "socket not close-on-exec");
+	CHECK(readlink("/proc/thread-self/ns/net", after, sizeof(after) - 1) > 0 &&
+	      strcmp(before, after) == 0, "our namespace changed: %s -> %s", before, after);
+	close(fd);
+	CHECK(dbxcr_netns_socket(fd, AF_UNIX, SOCK_STREAM, 0, &err) < 0 && err.code == EBADF &&
+	      strstr(err.msg, "setns") != NULL, "closed fd: %d %s", err.code, err.msg);
+	close(ns);
+}
+
 int main(void)
 {
 	int fd;
@@ -2114,6 +2244,8 @@ int main(void)
 		{ "carriers", test_carriers },
 		{ "spawn-mntns", test_spawn_mntns },
 		{ "listen-socket", test_listen_socket },
+		{ "epoll-recreated", test_epoll_recreated },
+		{ "netns-socket", test_netns_socket },
 		{ "template-nanosleep", test_template_nanosleep },
 		{ "template-shared-stack", test_template_shared_stack },
 		{ "refuse-threads", test_refuse_threads },
