@@ -147,8 +147,6 @@ def _fd_refusal(f: native.FdInfo) -> str | None:
     if f.kind in ("file", "dir", "pipe"):
         if f.kind == "pipe" and f.flags & os.O_DIRECT:
             return "a packet-mode pipe (O_DIRECT): its message boundaries are not captured"
-        if f.kind == "file" and f.deleted:
-            return f"deleted-but-open file {f.path} (its content is not captured yet)"
         return None
     if f.kind == "chr":
         if f.rdev in HARMLESS_CHR or (f.rdev and f.rdev[0] == PTY_MAJOR):

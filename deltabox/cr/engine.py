@@ -61,7 +61,7 @@ import trio
 from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
-from . import eventloop, native
+from . import eventloop, native, unlinked
 from ..sandbox.reaper import block_until_exited, kill_pidfds, reap_orphans, wait_exited
 from .capture import (ProcessRecord, Refusal, add_listeners, record, record_head,
                       refusals, status_refused)
@@ -152,6 +152,8 @@ class ProcessState:
     # host pids (at the checkpoint) whose template is shared with the checkpoint before
     # (they had not run since it was made: DeltaCR.capture's `reuse`)
     reused: list[int] = field(default_factory=list)
+    # deleted-but-open files, their content copied at the checkpoint (cr/unlinked.py)
+    unlinked: list[unlinked.UnlinkedFile] = field(default_factory=list)
 
     @property
     def template_pids(self) -> set[int]:
@@ -313,6 +315,7 @@ class DeltaCR:
         stops_done = trio.Event()
         token = trio.lowlevel.current_trio_token()
         pipes: dict[int, PipeGroup] = {}
+        files: list[unlinked.UnlinkedFile] = []
 
         async def ptrace_pass() -> None:
             # Not cancellable once the ptrace thread runs it: the failure path needs what
@@ -342,7 +345,7 @@ class DeltaCR:
             # ptrace thread is inside the templates' forks it needs no GIL, whereas during
             # the stops it would wait for it (a thread wanting the GIL from a busy one gets
             # it only when that one blocks, or after the 5 ms switch interval).
-            nonlocal pipes
+            nonlocal pipes, files
             await stops_done.wait()
             try:
                 if not cap.stops_done:
@@ -355,12 +358,16 @@ class DeltaCR:
                     cap.refused.extend(r for rec in records for r in add_listeners(rec))
                 if not cap.refused:
                     cap.refused.extend(eventloop.capture(records))
+                if not cap.refused:
+                    files, why = unlinked.capture(records)
+                    cap.refused.extend(why)
                 if cap.refused:
                     return
                 pipes = _pipe_groups(records, *daemon_pipes())
                 cap.refused.extend(_save_unread(pipes, records))
                 if cap.refused:
                     _close_saved(pipes)
+                    unlinked.close_saved(files)
                     return
                 cap.records = records
             finally:
@@ -377,6 +384,8 @@ class DeltaCR:
                 if not cap.resumed:
                     await self.worker.run(_abort_all, cap.stopped)
                 await self.worker.run(_release_all, list(cap.templates.values()))
+            _close_saved(pipes)
+            unlinked.close_saved(files)
             if cap.refused and isinstance(e, Exception):  # the reasons, not what the stops
                 raise _refusal(cap.refused) from None     # made of them
             raise
@@ -387,7 +396,8 @@ class DeltaCR:
                     if e.fd == 0:
                         sessions[g.owner.split(":")[1]] = e.pid
         return ProcessState(cap.records, cap.templates, pipes, sessions,
-                            reused=sorted(p for p in reuse or {} if p in cap.templates))
+                            reused=sorted(p for p in reuse or {} if p in cap.templates),
+                            unlinked=files)
 
     # ---- restore -----------------------------------------------------------------------
 
@@ -428,7 +438,7 @@ class DeltaCR:
             await trio.sleep(delay)
             delay = min(delay * 2, 0.05)
 
-    async def restore(self, state: ProcessState, mntfd: int,
+    async def restore(self, state: ProcessState, mntfd: int, rootfd: int,
                       into: Elsewhere | None = None,
                       victims: list[int] | None = None,
                       pre: Prespawned | None = None,
@@ -444,7 +454,7 @@ class DeltaCR:
         target namespace (as its pid, group or session id), where a pid may fall back to
         a new one: then it does at once, not after 0.3 s of retries. On failure, kills
         what it spawned and raises."""
-        plan = pre.plan if pre is not None else _PipePlan(state.pipes)
+        plan = pre.plan if pre is not None else _PipePlan(state.pipes, state.unlinked, rootfd)
         out = Restored({}, {}, [])
         groups: dict[int, int] = {}          # host pgid at checkpoint -> pgid in the target
         records = _leaders_first(state.records)
@@ -544,14 +554,15 @@ class DeltaCR:
                 await self.kill_carriers([carrier])
         return await self._spawn_retrying(spawn, pid_held=pid_held)
 
-    async def prespawn(self, state: ProcessState, mntfd: int) -> Prespawned | None:
+    async def prespawn(self, state: ProcessState, mntfd: int, rootfd: int
+                       ) -> Prespawned | None:
         """Carriers, in the generation `mntfd` that a rollback to `state` will use, of
         every process but those that listen on a port (the live process still holds it):
         restore(pre=...) gives birth to the processes from them. None if none."""
         recs = [r for r in state.records if not r.listens]
         if not recs:
             return None
-        pre = Prespawned(state, _PipePlan(state.pipes), {})
+        pre = Prespawned(state, _PipePlan(state.pipes, state.unlinked, rootfd), {})
         try:
             for rec in recs:
                 spawn = _spawn_args(state, pre.plan, rec, mntfd)
@@ -607,6 +618,7 @@ class DeltaCR:
         await self.close_lanes(state)
         await self.worker.run(_release_all, list(state.templates.values()))
         _close_saved(state.pipes)
+        unlinked.close_saved(state.unlinked)
 
 
 def _nspid(state: ProcessState, host_pid: int) -> int:
@@ -668,10 +680,14 @@ def _close_saved(groups: dict[int, PipeGroup]) -> None:
 class _PipePlan:
     """Fresh pipes for one restore: one per captured pipe, refilled with its unread data."""
 
-    def __init__(self, groups: dict[int, PipeGroup]) -> None:
+    def __init__(self, groups: dict[int, PipeGroup],
+                 files: list[unlinked.UnlinkedFile] = (), rootfd: int = -1) -> None:
         self.groups = groups
         self.fresh: dict[int, tuple[int, int]] = {}
-        self.loops: list[int] = []     # our copies of event-loop objects made (loop_fds)
+        self.loops: list[int] = []     # our copies of objects made (loop_fds, file_fds)
+        self.files = files             # deleted-but-open files, made in rootfd's tree
+        self.rootfd = rootfd
+        self.made: dict[int, dict[int, int]] = {}   # index in files -> its descriptions'
         for g in groups.values():
             r, w = os.pipe2(os.O_CLOEXEC)
             self.fresh[g.inode] = (r, w)
@@ -703,6 +719,24 @@ class _PipePlan:
             self.loops += [a, b]
             out.update((n, a) for n in p.a)
             out.update((n, b) for n in p.b)
+        return out
+
+    def file_fds(self, rec: ProcessRecord) -> dict[int, int]:
+        """rec's deleted-but-open files, each made afresh once per restore (shared by
+        the processes that shared it): its fd -> our descriptor of that description."""
+        out: dict[int, int] = {}
+        for i, u in enumerate(self.files):
+            for j, d in enumerate(u.descriptions):
+                for pid, fd in d.holders:
+                    if pid != rec.pid:
+                        continue
+                    if i not in self.made:
+                        if self.rootfd < 0:
+                            raise native.CRError(errno.EINVAL, "restoring a deleted-but-open "
+                                                 "file needs the generation's root")
+                        self.made[i] = unlinked.recreate(u, self.rootfd)
+                        self.loops += self.made[i].values()
+                    out[fd] = self.made[i][j]
         return out
 
     def child_end(self, g: PipeGroup, e: PipeEnd) -> int:
@@ -1051,9 +1085,10 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
     if rec.loop:
         fdmap.update(plan.loop_fds(rec, _pidfd_pid(into.init_pidfd) if into is not None
                                    else state.templates[rec.pid].pid))
+    fdmap.update(plan.file_fds(rec))
     cloexec = {f.fd for f in rec.fds if f.fd in fdmap and f.flags & os.O_CLOEXEC}
     files = [native.ReopenFile(f.fd, f.path, f.flags, f.pos)
-             for f in rec.fds if f.kind in ("file", "dir", "chr")]
+             for f in rec.fds if f.kind in ("file", "dir", "chr") and not f.deleted]
     return _Spawn(state.templates[rec.pid], fdmap, files, rec.cwd, mntfd, rec.listens,
                   lane=state.lanes.get(rec.pid), cloexec=cloexec,
                   epolls=rec.loop.epolls if rec.loop else [])

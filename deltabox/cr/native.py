@@ -948,7 +948,9 @@ def fds(pid: int) -> list[FdInfo]:
             kind = "anon"
         elif _stat.S_ISREG(mode):
             kind = "file"
-            deleted = st.st_nlink == 0
+            # Unlinked: no name left, or the name it was opened by is gone (a hard link
+            # may remain elsewhere; the kernel's readlink says " (deleted)").
+            deleted = st.st_nlink == 0 or target.endswith(" (deleted)")
         elif _stat.S_ISDIR(mode):
             kind = "dir"
         elif _stat.S_ISFIFO(mode):

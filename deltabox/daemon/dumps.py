@@ -27,7 +27,7 @@ from pathlib import Path
 
 import trio
 
-from ..cr import eventloop, native
+from ..cr import eventloop, native, unlinked
 from ..cr.capture import ProcessRecord
 from ..cr.engine import (PIPE_DEFAULT_SIZE, DeltaCR, PipeEnd, PipeGroup, ProcessState,
                          SPLICE_F_NONBLOCK, _libc, _unread)
@@ -351,8 +351,16 @@ class Dumps:
                     total += len(data)
             pipes[str(g.inode)] = dict(ends=[dataclasses.asdict(e) for e in g.ends],
                                        owner=g.owner, saved=saved, size=g.size)
+        files = []
+        for i, u in enumerate(state.unlinked):
+            assert u.saved is not None
+            name = f"unlinked-{i}.data"
+            (tmp / name).write_bytes(os.pread(u.saved, u.size, 0))
+            total += u.size
+            files.append(dict(dataclasses.asdict(u), saved=name))
         meta = dict(version=1, records=[_rec_json(r) for r in state.records], pipes=pipes,
-                    sessions=state.sessions, session_states=state.session_states)
+                    sessions=state.sessions, session_states=state.session_states,
+                    unlinked=files)
         raw = json.dumps(meta).encode()
         with open(tmp / "state.json", "wb") as f:
             f.write(raw)
@@ -379,6 +387,7 @@ class Dumps:
             await _skip_pids(host_pid, max(r.nspid for r in records))
         templates: dict[int, native.Template] = {}
         pipes: dict[int, PipeGroup] = {}
+        files: list[unlinked.UnlinkedFile] = []
         try:
             for rec in records:
                 templates[rec.pid] = await self.cr.worker.run(
@@ -389,6 +398,8 @@ class Dumps:
                 if g["saved"]:
                     pg.saved = _refill((d / g["saved"]).read_bytes())
                 pipes[pg.inode] = pg
+            for f in meta.get("unlinked", []):
+                files.append(_unlinked_from(f, (d / f["saved"]).read_bytes()))
         except BaseException:
             with trio.CancelScope(shield=True):
                 for t in templates.values():
@@ -396,10 +407,11 @@ class Dumps:
                 for pg in pipes.values():
                     if pg.saved is not None:
                         os.close(pg.saved)
+                unlinked.close_saved(files)
             raise
         return ProcessState(records, templates, pipes,
                             {k: int(v) for k, v in meta["sessions"].items()},
-                            dict(meta["session_states"]), from_dump=cp_id)
+                            dict(meta["session_states"]), from_dump=cp_id, unlinked=files)
 
 
 async def _skip_pids(host_pid: int, last: int) -> None:
@@ -503,6 +515,24 @@ def _refill(data: bytes) -> int:
     finally:
         os.close(w)
     return r
+
+
+def _unlinked_from(f: dict, data: bytes) -> unlinked.UnlinkedFile:
+    """A deleted-but-open file of a dump, its content back in a memfd."""
+    if len(data) != f["size"]:
+        raise native.ImageCorrupt(74, f"{f['saved']}: {len(data)} bytes, the dump says "
+                                  f"{f['size']}")
+    u = unlinked.UnlinkedFile(f["path"], f["mode"], f["uid"], f["gid"], f["size"],
+                              [unlinked.Description(x["flags"], x["pos"],
+                                                    [tuple(h) for h in x["holders"]])
+                               for x in f["descriptions"]])
+    u.saved = os.memfd_create("dbx-unlinked", os.MFD_CLOEXEC)
+    try:
+        os.write(u.saved, data)  # a memfd takes it whole
+    except BaseException:
+        os.close(u.saved)
+        raise
+    return u
 
 
 def _rec_json(r: ProcessRecord) -> dict:

@@ -1755,7 +1755,8 @@ class Daemon:
                     or not self.warm.is_ready(sid, cp_layer, ready)):
                 return
             try:
-                pre = await self.cr.prespawn(state, ready.generation.mntfd)
+                pre = await self.cr.prespawn(state, ready.generation.mntfd,
+                                             ready.generation.rootfd)
             except Exception as e:  # the rollback will spawn them itself
                 log.warning("sandbox %s: spawning ahead for %s failed: %s", sid, key, e)
                 return
@@ -1794,7 +1795,7 @@ class Daemon:
                 assert gen is not None
                 try:
                     restored = await self.cr.restore(
-                        state, gen.mntfd, victims=live.dying, pre=pre,
+                        state, gen.mntfd, gen.rootfd, victims=live.dying, pre=pre,
                         pid_held=functools.partial(self._pid_held, live))
                 finally:
                     if pre is not None:  # born by the restore, or killed by it
@@ -2169,7 +2170,7 @@ class Daemon:
             for f in rt.cgroup.procs_files:
                 cg_fds.append(os.open(f, os.O_WRONLY | os.O_CLOEXEC))
             restored = await self.cr.restore(
-                state, rt.generation.mntfd,
+                state, rt.generation.mntfd, rt.generation.rootfd,
                 Elsewhere(pidns, rt.pidfd, cg_fds, fresh,
                           pid_fallback=state.from_dump is not None and not fresh),
                 pid_held=functools.partial(self._pid_held, live))

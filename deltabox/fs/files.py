@@ -115,6 +115,12 @@ def _openat2(dirfd: int, path: str, flags: int, resolve: int, mode: int = 0) -> 
     raise OSError(err, os.strerror(err), path)
 
 
+def open_in_root(rootfd: int, path: str, flags: int, mode: int = 0) -> int:
+    """`path` opened as a process chrooted at `rootfd` would (no magic links; mounts below
+    the root are crossed): for the daemon's own files in a sandbox generation."""
+    return _openat2(rootfd, path, flags, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS, mode)
+
+
 FileType = Literal["file", "dir", "symlink", "other"]
 
 
