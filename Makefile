@@ -51,6 +51,7 @@ bench: install
 	$(PY) -m benchmarks.search_step
 	$(PY) -m benchmarks.branch_rollback
 	$(PY) -m benchmarks.neighbours --quick
+	$(PY) -m benchmarks.process_kinds
 	$(PY) -m benchmarks.swebench.run --quick --out benchmarks/out/swebench
 
 clean:

@@ -252,6 +252,7 @@ import asyncio, os, re, signal, socket
 n = 41                                  # state in memory
 sigs = 0
 ev = os.eventfd(3, os.EFD_NONBLOCK)     # an eventfd with a count
+idle = os.eventfd(0, os.EFD_NONBLOCK)   # one in the epoll set (readable: the loop would spin)
 a, b = socket.socketpair()              # a pair of its own, 5 bytes waiting at a
 b.send(b"hello")
 
@@ -290,7 +291,7 @@ def on_usr1():
 async def main():
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGUSR1, on_usr1)   # through the self-pipe
-    loop.add_reader(ev, lambda: None)                  # the eventfd in the epoll set
+    loop.add_reader(idle, lambda: None)                # an eventfd in the epoll set
     server = await asyncio.start_server(serve, "127.0.0.1", 8001)
     open("/workspace/async-ready", "w").write("1")
     async with server:

@@ -203,6 +203,7 @@ ASYNC_PROG = r"""
 import asyncio, os, re, socket
 n = 0
 ev = os.eventfd(7, os.EFD_NONBLOCK | os.EFD_SEMAPHORE)
+tick = os.eventfd(0, os.EFD_NONBLOCK)   # written by the loop's own timer: one wake-up each
 a, b = socket.socketpair()
 b.send(b"queued")
 
@@ -226,11 +227,17 @@ async def main():
     global n
     loop = asyncio.get_running_loop()
     woke = asyncio.Event()
-    loop.add_reader(ev, woke.set)      # readable: count > 0
+
+    def wake():
+        os.eventfd_read(tick)
+        woke.set()
+
+    loop.add_reader(tick, wake)        # readable once written
     open("/workspace/ready", "w").write(str(os.getpid()))
     while True:
-        await woke.wait()              # the epoll wait
-        await asyncio.sleep(0.01)
+        loop.call_later(0.01, os.eventfd_write, tick, 1)
+        await woke.wait()              # woken through the epoll set
+        woke.clear()
         if os.path.exists("/workspace/bump"):
             n += 1
             os.remove("/workspace/bump")

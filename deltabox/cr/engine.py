@@ -688,6 +688,7 @@ class _PipePlan:
         self.files = files             # deleted-but-open files, made in rootfd's tree
         self.rootfd = rootfd
         self.made: dict[int, dict[int, int]] = {}   # index in files -> its descriptions'
+        self.loops_of: dict[int, dict[int, int]] = {}   # pid -> its loop_fds
         for g in groups.values():
             r, w = os.pipe2(os.O_CLOEXEC)
             self.fresh[g.inode] = (r, w)
@@ -703,10 +704,11 @@ class _PipePlan:
     def loop_fds(self, rec: ProcessRecord, netns_pid: int) -> dict[int, int]:
         """Fresh eventfds and socket pairs for one restored process, as rec's were at the
         checkpoint: its fd -> our copy (closed with the pipes' child ends). Pairs are made
-        in the network namespace of `netns_pid` (the sandbox it is restored into)."""
+        in the network namespace of `netns_pid` (the sandbox it is restored into). Made
+        once per process: a carrier's, spawned ahead, serve its restore."""
         loop = rec.loop
-        out: dict[int, int] = {}
-        if not loop:
+        out = self.loops_of.setdefault(rec.pid, {})
+        if not loop or out:
             return out
         for ev in loop.eventfds:
             fd = os.eventfd(ev.count, os.EFD_CLOEXEC |
@@ -783,6 +785,8 @@ class _PipePlan:
 
     def _close_loops(self) -> None:
         fds, self.loops = self.loops, []
+        self.loops_of.clear()
+        self.made.clear()
         for fd in fds:
             os.close(fd)
 

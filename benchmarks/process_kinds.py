@@ -1,0 +1,228 @@
+"""What a process holds, and what its checkpoint and rollback cost: a plain python process
+(the baseline) against one running an asyncio event loop (an epoll instance, its self-pipe
+socket pair, an eventfd in its epoll set and a socket pair with bytes waiting:
+deltabox/cr/eventloop.py) and
+one holding a deleted temporary file (deltabox/cr/unlinked.py), in the same run on one
+private daemon, each in a sandbox of its own with the same memory (--mb).
+
+Each rep, for every kind in turn (the order rotates): the process changes its state (a
+counter and a page of its memory), pauses (--think: the warm pool prepares meanwhile),
+`checkpoint()` is timed; once the checkpoint's background process dump is written and dirty
+pages are flushed (untimed: no call pays for another's background work), the process changes
+again, pauses, `rollback()` to that checkpoint is timed, and the process's report (counter, memory CRC, the bytes in its socket pair, or
+the temporary file's hash and offset) must equal the one taken
+before the checkpoint. Client-side latency through the SDK; the daemon's own duration
+beside it. JSON and a PNG to --out (default benchmarks/out).
+
+    .venv/bin/python -m benchmarks.process_kinds [--reps 20] [--mb 50] [--temp-mb 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, latency_boxplot, log,
+                               machine_info, pyplot, record_cleanup, run_main, stats,
+                               terminate_as_exception, write_json)
+from deltabox import Sandbox
+
+KINDS = ("plain", "asyncio", "tempfile")
+
+PROG = r"""
+import asyncio, hashlib, os, socket, sys, tempfile, time, zlib
+kind, mb, temp_mb = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+buf = bytearray(os.urandom(1 << 20)) * mb
+n = 0
+extra = {}
+if kind == "tempfile":
+    t = tempfile.TemporaryFile(dir="/workspace")
+    t.write(os.urandom(temp_mb << 20))
+    t.seek(12345)
+
+def report():
+    out = f"n={n} crc={zlib.crc32(buf)}"
+    if kind == "asyncio":
+        a, b = extra["a"], extra["b"]
+        data = a.recv(100)
+        b.send(data)
+        out += f" pair={data!r}"
+    if kind == "tempfile":
+        data = os.pread(t.fileno(), (temp_mb << 20) + 1, 0)
+        out += f" temp={hashlib.sha1(data).hexdigest()} at={t.tell()}"
+    return out
+
+def step():
+    global n
+    if os.path.exists("/workspace/bump"):
+        n += 1
+        buf[(n * 4096) % len(buf)] ^= 0xFF
+        os.remove("/workspace/bump")
+    if os.path.exists("/workspace/report"):
+        open("/workspace/.state", "w").write(report())
+        os.rename("/workspace/.state", "/workspace/state")
+        os.remove("/workspace/report")
+
+async def loop_main():
+    extra["ev"] = os.eventfd(0, os.EFD_NONBLOCK)   # in the epoll set, idle
+    extra["a"], extra["b"] = socket.socketpair()
+    extra["a"].setblocking(False)
+    extra["b"].send(b"waiting")
+    asyncio.get_running_loop().add_reader(extra["ev"], lambda: None)
+    open("/workspace/ready", "w").write("1")
+    while True:
+        step()
+        await asyncio.sleep(0.005)
+
+if kind == "asyncio":
+    asyncio.run(loop_main())
+open("/workspace/ready", "w").write("1")
+while True:
+    step()
+    time.sleep(0.005)
+"""
+
+
+def _wait(cond: Any, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def _ask(sbx: Sandbox, what: str) -> None:
+    sbx.files.write(what, "1")
+    _wait(lambda: not sbx.files.exists(what), what)
+
+
+def _report(sbx: Sandbox) -> str:
+    if sbx.files.exists("state"):
+        sbx.files.remove("state")
+    _ask(sbx, "report")
+    _wait(lambda: sbx.files.exists("state"), "the report")
+    return sbx.files.read("state").decode()
+
+
+def start(d: PrivateDaemon, kind: str, mb: int, temp_mb: int) -> Sandbox:
+    sbx = Sandbox.create(socket=d.socket)
+    sbx.files.write("prog.py", PROG)
+    sbx.exec(f"cd /workspace && nohup python3 prog.py {kind} {mb} {temp_mb} "
+             ">/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("ready"), f"the {kind} process")
+    return sbx
+
+
+def _dump_done(sbx: Sandbox, cp_id: str) -> None:
+    """Until the checkpoint's background process dump is no longer pending."""
+    def done() -> bool:
+        cp = sbx.get_checkpoint(cp_id)
+        return not any(r.startswith("process dump:") and "pending" in r for r in cp.reasons)
+    _wait(done, "the process dump")
+
+
+def one_rep(sbx: Sandbox, think: float) -> dict[str, float]:
+    """Change, checkpoint; change, roll back; check. Latencies in ms. Between the timed
+    calls the checkpoint's process dump is waited for and dirty pages are written out
+    (untimed), so no call pays for another's background work. (Not btrfs's cleaner of the
+    layers rollbacks drop: on this VM it can take minutes with the CPUs idle.)"""
+    os.sync()
+    _ask(sbx, "bump")
+    want = _report(sbx)
+    time.sleep(think)
+    t0 = time.perf_counter()
+    cp = sbx.checkpoint()
+    ck = (time.perf_counter() - t0) * 1000
+    if cp.kind != "full":
+        raise RuntimeError(f"checkpoint kind {cp.kind}: {cp.reasons}")
+    _dump_done(sbx, cp.id)
+    os.sync()
+    _ask(sbx, "bump")
+    time.sleep(think)
+    t0 = time.perf_counter()
+    rb = sbx.rollback(cp)
+    rb_ms = (time.perf_counter() - t0) * 1000
+    if rb.process_state != "restored":
+        raise RuntimeError(f"rollback: {rb.process_state}: {rb.note}")
+    got = _report(sbx)
+    if got != want:
+        raise RuntimeError(f"after the rollback the process reports {got!r}, not {want!r}")
+    return {"checkpoint": ck, "checkpoint_server": cp.duration_ms,
+            "rollback": rb_ms, "rollback_server": rb.duration_ms}
+
+
+OPS = ("checkpoint", "checkpoint_server", "rollback", "rollback_server")
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    s: dict[str, Any] = {k: {op: stats([r[op] for r in runs if r["kind"] == k]) for op in OPS}
+                         for k in KINDS}
+    s["p50_over_plain"] = {k: {op: s[k][op]["p50"] / s["plain"][op]["p50"] for op in OPS}
+                           for k in KINDS if k != "plain"}
+    return s
+
+
+def plot(runs: list[dict[str, Any]], path: Path, machine: dict[str, Any]) -> Path | None:
+    try:
+        plt = pyplot()
+    except ImportError:
+        return None
+    groups = {op: {k: [r[op] for r in runs if r["kind"] == k] for k in KINDS} for op in OPS}
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    latency_boxplot(ax, groups, log_scale=False)
+    finish_figure(fig, path, "checkpoint and rollback by what the process holds "
+                  "(client, and the daemon's own duration)", machine)
+    return path
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.process_kinds", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--mb", type=int, default=50, help="memory of each process (MiB)")
+    p.add_argument("--temp-mb", type=int, default=8, help="size of the deleted temp file")
+    p.add_argument("--think", type=float, default=0.3, help="pause before each op (s)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args()
+    runs: list[dict[str, Any]] = []
+    with terminate_as_exception(), PrivateDaemon() as d:
+        boxes: dict[str, Sandbox] = {}
+        try:
+            for k in KINDS:
+                boxes[k] = start(d, k, args.mb, args.temp_mb)
+            for k in KINDS:  # warm-up: first checkpoint and rollback of each
+                one_rep(boxes[k], args.think)
+            for rep in range(args.reps):
+                order = KINDS[rep % len(KINDS):] + KINDS[:rep % len(KINDS)]
+                for k in order:
+                    runs.append({"kind": k, "rep": rep, **one_rep(boxes[k], args.think)})
+                if rep % 5 == 4:
+                    log(f"rep {rep + 1}/{args.reps}")
+        finally:
+            for b in boxes.values():
+                b.kill()
+        result: dict[str, Any] = {"benchmark": "process_kinds", "reps": args.reps,
+                                  "mb": args.mb, "temp_mb": args.temp_mb,
+                                  "think_s": args.think, "runs": runs,
+                                  "summary": summarize(runs)}
+        info = machine_info(d.socket)
+    record_cleanup(result, d)
+    path = write_json(args.out / "process_kinds.json", result, info)
+    png = plot(runs, args.out / "process_kinds.png", info)
+    s = result["summary"]
+    for k in KINDS:
+        print(f"{k:9s} checkpoint p50 {s[k]['checkpoint']['p50']:6.2f} ms "
+              f"(daemon {s[k]['checkpoint_server']['p50']:5.2f}) | rollback p50 "
+              f"{s[k]['rollback']['p50']:6.2f} ms (daemon {s[k]['rollback_server']['p50']:5.2f})")
+    for k, r in s["p50_over_plain"].items():
+        print(f"{k} / plain (p50): checkpoint {r['checkpoint']:.2f}x, rollback "
+              f"{r['rollback']:.2f}x")
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
