@@ -173,8 +173,7 @@ def plot(runs: list[dict[str, Any]], path: Path, machine: dict[str, Any]) -> Pat
     groups = {op: {k: [r[op] for r in runs if r["kind"] == k] for k in KINDS} for op in OPS}
     fig, ax = plt.subplots(figsize=(10, 4.5))
     latency_boxplot(ax, groups, log_scale=False)
-    finish_figure(fig, path, "checkpoint and rollback by what the process holds "
-                  "(client, and the daemon's own duration)", machine)
+    finish_figure(fig, path, "by what the process holds (client; _server: daemon)", machine)
     return path
 
 
