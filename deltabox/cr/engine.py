@@ -689,6 +689,7 @@ class _PipePlan:
         self.rootfd = rootfd
         self.made: dict[int, dict[int, int]] = {}   # index in files -> its descriptions'
         self.loops_of: dict[int, dict[int, int]] = {}   # pid -> its loop_fds
+        self.objects: dict[str, int | tuple[int, int]] = {}  # eventfd / pair key -> ours
         for g in groups.values():
             r, w = os.pipe2(os.O_CLOEXEC)
             self.fresh[g.inode] = (r, w)
@@ -705,22 +706,29 @@ class _PipePlan:
         """Fresh eventfds and socket pairs for one restored process, as rec's were at the
         checkpoint: its fd -> our copy (closed with the pipes' child ends). Pairs are made
         in the network namespace of `netns_pid` (the sandbox it is restored into). Made
-        once per process: a carrier's, spawned ahead, serve its restore."""
+        once per process (a carrier's, spawned ahead, serve its restore), and once for all
+        the processes that share one (by its key)."""
         loop = rec.loop
         out = self.loops_of.setdefault(rec.pid, {})
         if not loop or out:
             return out
         for ev in loop.eventfds:
-            fd = os.eventfd(ev.count, os.EFD_CLOEXEC |
-                            (os.EFD_SEMAPHORE if ev.semaphore else 0) |
-                            (os.EFD_NONBLOCK if ev.nonblock else 0))
-            self.loops.append(fd)
+            fd = self.objects.get(ev.key)
+            if fd is None:
+                fd = self.objects[ev.key] = os.eventfd(
+                    ev.count, os.EFD_CLOEXEC | (os.EFD_SEMAPHORE if ev.semaphore else 0) |
+                    (os.EFD_NONBLOCK if ev.nonblock else 0))
+                self.loops.append(fd)
+            assert isinstance(fd, int)
             out.update((n, fd) for n in ev.fds)
         for p in loop.pairs:
-            a, b = _fresh_pair(p, netns_pid)
-            self.loops += [a, b]
-            out.update((n, a) for n in p.a)
-            out.update((n, b) for n in p.b)
+            ab = self.objects.get(p.key)
+            if ab is None:
+                ab = self.objects[p.key] = _fresh_pair(p, netns_pid)
+                self.loops += ab
+            assert isinstance(ab, tuple)
+            out.update((n, ab[0]) for n in p.a)
+            out.update((n, ab[1]) for n in p.b)
         return out
 
     def file_fds(self, rec: ProcessRecord) -> dict[int, int]:
@@ -786,6 +794,7 @@ class _PipePlan:
     def _close_loops(self) -> None:
         fds, self.loops = self.loops, []
         self.loops_of.clear()
+        self.objects.clear()
         self.made.clear()
         for fd in fds:
             os.close(fd)

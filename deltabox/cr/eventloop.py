@@ -6,21 +6,24 @@ process, so it shares these objects with the live process, which goes on changin
 (registrations, counters, queued bytes): what a restore needs is read here, from the live
 process while the checkpoint holds it stopped, and each restored process gets objects of
 its own, made afresh with that state (engine._PipePlan.loop_fds; epoll instances inside
-the child, once its other descriptors are in place: native_fork_template recreate_epoll).
+the child, once its other descriptors are in place: native/fork_template.c: recreate_epoll).
 
 Captured: an epoll instance (its watches: fd, events, data) whose every watched descriptor
 is one the process holds and the restore recreates; an eventfd (counter, semaphore mode);
-an unnamed connected unix socket pair with both ends in the process (queued bytes of a
-stream pair, buffer sizes). Each non-blocking flag and close-on-exec flag as it was.
-Refused, with the reason: such an object shared with another process (after a fork), an
-epoll instance watching another epoll or a descriptor the process no longer holds, a unix
-socket bound to a name or connected to a socket outside the process, descriptors in flight
-(SCM_RIGHTS), a shut-down end, datagrams waiting in a datagram pair.
+an unnamed connected unix socket pair (queued bytes of a stream pair, buffer sizes). An
+eventfd or a pair may be shared by several processes (a parent and the worker it forked, a
+`multiprocessing.Pipe`): the restore makes one object for all of them. Each non-blocking
+flag and close-on-exec flag as it was. Refused, with the reason: an epoll instance shared
+with another process, or watching another epoll instance or a descriptor the process no
+longer holds; a unix socket bound to a name or connected to a socket no process of the
+sandbox holds; descriptors in flight (SCM_RIGHTS), a shut-down end, datagrams waiting in a
+datagram pair.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import socket
 import struct
@@ -36,7 +39,9 @@ MAX_QUEUED = 4 << 20                      # bytes waiting in a socket we copy, a
 
 @dataclass
 class EventFd:
-    """An eventfd of one process (held at `fds`: dups share it)."""
+    """An eventfd as one process holds it (at `fds`: dups share it); `key` names it
+    across the processes that share it (a restore makes one for all of them)."""
+    key: str
     fds: list[int]
     count: int
     semaphore: bool
@@ -45,8 +50,10 @@ class EventFd:
 
 @dataclass
 class SocketPair:
-    """A connected unix socket pair, both ends in one process: `a` and `b` the fds
-    holding each end; `data_a` the bytes waiting to be read at a (sent by b)."""
+    """A connected unix socket pair as one process holds it: `a` and `b` its fds on each
+    end (either may be empty: the other end is another process's); `key` names the pair
+    across processes; `data_a` the bytes waiting to be read at a (sent by b)."""
+    key: str
     type: int                             # socket.SOCK_STREAM, SOCK_DGRAM, SOCK_SEQPACKET
     a: list[int]
     b: list[int]
@@ -83,14 +90,14 @@ def capture(records: list[ProcessRecord]) -> list[Refusal]:
     if not todo:
         return out
     shared = _shared_elsewhere(records)
-    diag: dict[int, _UnixDiag] | None = None
+    socks = [(r, f) for r in todo for f in r.fds if f.kind == "socket" and is_loop_fd(f)]
+    pairs = _Pairs(socks, unix_sockets(todo[0].pid) if socks else {})
+    evs = _EventFds(todo)
     for rec in todo:
-        if any(f.kind == "socket" and is_loop_fd(f) for f in rec.fds) and diag is None:
-            diag = unix_sockets(rec.pid)
         reasons: list[str] = []
         loop = LoopState()
-        _eventfds(rec, shared, loop, reasons)
-        _pairs(rec, shared, diag or {}, loop, reasons)
+        evs.add(rec, loop, reasons)
+        pairs.add(rec, loop, reasons)
         _epolls(rec, shared, loop, reasons)
         out.extend(Refusal(rec.nspid, rec.cmd, r) for r in reasons)
         if not reasons:
@@ -101,20 +108,11 @@ def capture(records: list[ProcessRecord]) -> list[Refusal]:
 # ---- sharing between processes ------------------------------------------------------------
 
 def _shared_elsewhere(records: list[ProcessRecord]) -> dict[tuple[int, int], int]:
-    """(pid, fd) of an event-loop descriptor -> pid of another process holding the same
-    open file description (kcmp; unix sockets by inode)."""
+    """(pid, fd) of an epoll instance -> pid of another process holding the same open
+    file description (kcmp)."""
     out: dict[tuple[int, int], int] = {}
-    held = [(r.pid, f) for r in records for f in r.fds if is_loop_fd(f)]
-    by_inode: dict[int, set[int]] = defaultdict(set)
+    held = [(r.pid, f) for r in records for f in r.fds if f.kind == "epoll"]
     for pid, f in held:
-        if f.kind == "socket":
-            by_inode[f.inode].add(pid)
-    for pid, f in held:
-        if f.kind == "socket":
-            others = by_inode[f.inode] - {pid}
-            if others:
-                out[(pid, f.fd)] = min(others)
-            continue
         for pid2, f2 in held:
             if pid2 != pid and f2.kind == f.kind and native.same_file(pid, f.fd, pid2, f2.fd):
                 out[(pid, f.fd)] = pid2
@@ -136,31 +134,43 @@ def _field(info: bytes, name: bytes) -> bytes | None:
 
 # ---- eventfd -------------------------------------------------------------------------------
 
-def _eventfds(rec: ProcessRecord, shared: dict[tuple[int, int], int], loop: LoopState,
-              reasons: list[str]) -> None:
-    seen: dict[int, EventFd] = {}              # eventfd-id -> its record
-    for f in rec.fds:
-        if f.kind != "eventfd":
-            continue
-        if (rec.pid, f.fd) in shared:
-            reasons.append(f"fd {f.fd}: eventfd shared with pid "
-                           f"{shared[(rec.pid, f.fd)]}: eventfds between processes are not "
-                           "captured")
-            continue
-        info = _fdinfo(rec.pid, f.fd)
+class _EventFds:
+    """The sandbox's eventfds by their kernel id (`eventfd-id` in fdinfo), read once."""
+
+    def __init__(self, records: list[ProcessRecord]) -> None:
+        self.state: dict[int, tuple[int, bool, bool] | str] = {}   # id -> state or why not
+        self.ident: dict[tuple[int, int], int] = {}                 # (pid, fd) -> id
+        for rec in records:
+            for f in rec.fds:
+                if f.kind == "eventfd":
+                    self._read(rec.pid, f)
+
+    def _read(self, pid: int, f: native.FdInfo) -> None:
+        info = _fdinfo(pid, f.fd)
         count, ident = _field(info, b"eventfd-count"), _field(info, b"eventfd-id")
         if count is None or ident is None:
-            reasons.append(f"fd {f.fd}: eventfd without a counter in /proc fdinfo "
-                           "(kernel too old)")
-            continue
-        ev = seen.get(int(ident))
-        if ev is not None:
-            ev.fds.append(f.fd)
-            continue
+            self.ident[(pid, f.fd)] = -1
+            self.state[-1] = "an eventfd without a counter in /proc fdinfo (kernel too old)"
+            return
+        self.ident[(pid, f.fd)] = int(ident)
         sem = _field(info, b"eventfd-semaphore")
-        ev = seen[int(ident)] = EventFd([f.fd], int(count, 16), sem == b"1",
-                                        bool(f.flags & os.O_NONBLOCK))
-        loop.eventfds.append(ev)
+        self.state.setdefault(int(ident), (int(count, 16), sem == b"1",
+                                           bool(f.flags & os.O_NONBLOCK)))
+
+    def add(self, rec: ProcessRecord, loop: LoopState, reasons: list[str]) -> None:
+        mine: dict[int, EventFd] = {}
+        for f in rec.fds:
+            if f.kind != "eventfd":
+                continue
+            ident = self.ident[(rec.pid, f.fd)]
+            st = self.state[ident]
+            if isinstance(st, str):
+                reasons.append(f"fd {f.fd}: {st}")
+                continue
+            if ident not in mine:
+                mine[ident] = EventFd(f"eventfd:{ident}", [], *st)
+                loop.eventfds.append(mine[ident])
+            mine[ident].fds.append(f.fd)
 
 
 # ---- unix socket pairs ---------------------------------------------------------------------
@@ -233,39 +243,67 @@ def _parse_unix(msg: bytes, out: dict[int, _UnixDiag]) -> None:
     out[ino] = _UnixDiag(typ, state, peer, name, rqueue, shutdown)
 
 
-def _pairs(rec: ProcessRecord, shared: dict[tuple[int, int], int],
-           diag: dict[int, _UnixDiag], loop: LoopState, reasons: list[str]) -> None:
-    socks = {f.fd: f for f in rec.fds if f.kind == "socket" and is_loop_fd(f)}
-    fds_of: dict[int, list[int]] = defaultdict(list)    # inode -> fds holding it
-    for f in socks.values():
-        fds_of[f.inode].append(f.fd)
-    done: set[int] = set()
-    for ino, fds in fds_of.items():
-        if ino in done:
-            continue
-        f = socks[fds[0]]
-        why = _pair_refusal(rec, f, ino, shared, diag, fds_of)
+@dataclass
+class _PairState:
+    type: int
+    nonblock: tuple[bool, bool]
+    data: tuple[bytes, bytes]
+    bufs: tuple[tuple[int, int], tuple[int, int]]
+
+
+class _Pairs:
+    """The sandbox's unix socket pairs: each read once (from one holder of each end)."""
+
+    def __init__(self, socks: list[tuple[ProcessRecord, native.FdInfo]],
+                 diag: dict[int, _UnixDiag]) -> None:
+        self.diag = diag
+        self.holders: dict[int, list[tuple[ProcessRecord, native.FdInfo]]] = defaultdict(list)
+        for rec, f in socks:
+            self.holders[f.inode].append((rec, f))
+        self.state: dict[int, _PairState | str] = {}    # lower inode of the pair -> ...
+
+    def _pair(self, ino: int) -> tuple[int, _PairState | str]:
+        """The pair's key (its lower inode) and its state, or why it is refused."""
+        d = self.diag.get(ino)
+        key = min(ino, d.peer) if d is not None and d.peer else ino
+        if key not in self.state:
+            self.state[key] = self._read(ino, d)
+        return key, self.state[key]
+
+    def _read(self, ino: int, d: _UnixDiag | None) -> _PairState | str:
+        why = _pair_refusal(ino, self.diag, self.holders)
         if why:
-            reasons.append(f"fd {f.fd}: unix socket {f.describe()}: {why}")
-            continue
-        d = diag[ino]
-        peer = d.peer
-        done.update((ino, peer))
-        pair = SocketPair(d.type, list(fds), list(fds_of[peer]),
-                          nonblock_a=bool(f.flags & os.O_NONBLOCK),
-                          nonblock_b=bool(socks[fds_of[peer][0]].flags & os.O_NONBLOCK))
+            return why
+        assert d is not None
+        a, b = sorted((ino, d.peer))
+        ends = []
         try:
-            pair.data_a, pair.bufs_a = _queued(rec.pid, fds[0], d)
-            pair.data_b, pair.bufs_b = _queued(rec.pid, fds_of[peer][0], diag[peer])
+            for end in (a, b):
+                rec, f = self.holders[end][0]
+                ends.append(_queued(rec.pid, f.fd, self.diag[end]))
         except OSError as e:
-            reasons.append(f"fd {f.fd}: reading the unix socket pair: {e}")
-            continue
-        loop.pairs.append(pair)
+            return f"reading the socket pair: {e}"
+        return _PairState(d.type, (ends[0][2], ends[1][2]), (ends[0][0], ends[1][0]),
+                          (ends[0][1], ends[1][1]))
+
+    def add(self, rec: ProcessRecord, loop: LoopState, reasons: list[str]) -> None:
+        mine: dict[int, SocketPair] = {}
+        for f in rec.fds:
+            if f.kind != "socket" or not is_loop_fd(f):
+                continue
+            key, st = self._pair(f.inode)
+            if isinstance(st, str):
+                reasons.append(f"fd {f.fd}: unix socket {f.describe()}: {st}")
+                continue
+            if key not in mine:
+                mine[key] = SocketPair(f"unix:{key}", st.type, [], [], *st.nonblock,
+                                       *st.data, *st.bufs)
+                loop.pairs.append(mine[key])
+            (mine[key].a if f.inode == key else mine[key].b).append(f.fd)
 
 
-def _pair_refusal(rec: ProcessRecord, f: native.FdInfo, ino: int,
-                  shared: dict[tuple[int, int], int], diag: dict[int, _UnixDiag],
-                  fds_of: dict[int, list[int]]) -> str | None:
+def _pair_refusal(ino: int, diag: dict[int, _UnixDiag],
+                  holders: dict[int, list[tuple[ProcessRecord, native.FdInfo]]]) -> str | None:
     d = diag.get(ino)
     if d is None:
         return "not found by sock_diag"
@@ -273,19 +311,17 @@ def _pair_refusal(rec: ProcessRecord, f: native.FdInfo, ino: int,
         return f"socket type {d.type} is not captured"
     if d.state != TCP_ESTABLISHED or not d.peer:
         return "not connected: only socket pairs are captured"
-    if d.peer not in fds_of:
-        return ("connected to a socket this process does not hold (another process, or "
-                "outside the sandbox): only pairs within one process are captured")
+    if d.peer not in holders:
+        return ("connected to a socket no process of the sandbox holds: only pairs within "
+                "the sandbox are captured")
     for end in (ino, d.peer):
         e = diag.get(end)
         if e is None:
             return "its peer was not found by sock_diag"
         if e.name:
             return f"bound to {e.name!r}: named unix sockets are not captured"
-        for fd in fds_of[end]:
-            if (rec.pid, fd) in shared:
-                return f"shared with pid {shared[(rec.pid, fd)]}"
-            if _field(_fdinfo(rec.pid, fd), b"scm_fds") not in (None, b"0"):
+        for rec, f in holders[end]:
+            if _field(_fdinfo(rec.pid, f.fd), b"scm_fds") not in (None, b"0"):
                 return "descriptors in flight (SCM_RIGHTS) are not captured"
         if e.shutdown:
             return "an end is shut down: not captured"
@@ -296,18 +332,20 @@ def _pair_refusal(rec: ProcessRecord, f: native.FdInfo, ino: int,
     return None
 
 
-def _queued(pid: int, fd: int, d: _UnixDiag) -> tuple[bytes, tuple[int, int]]:
-    """The bytes waiting to be read at this end (peeked, not consumed) and its buffer
-    sizes."""
+def _queued(pid: int, fd: int, d: _UnixDiag) -> tuple[bytes, tuple[int, int], bool]:
+    """The bytes waiting to be read at this end (peeked, not consumed), its buffer sizes
+    and whether it is non-blocking (a status flag of the one open file description every
+    holder of this end shares)."""
     with socket.socket(fileno=native.copy_fd(pid, fd)) as s:
         bufs = (s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
                 s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
+        nonblock = bool(fcntl.fcntl(s.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK)
         if not d.rqueue:
-            return b"", bufs
+            return b"", bufs, nonblock
         data = s.recv(d.rqueue, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     if len(data) != d.rqueue:
         raise OSError(0, f"peeked {len(data)} of the {d.rqueue} bytes waiting")
-    return data, bufs
+    return data, bufs, nonblock
 
 
 # ---- epoll ---------------------------------------------------------------------------------
