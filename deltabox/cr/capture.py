@@ -141,9 +141,16 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
     return out
 
 
+def is_loop_fd(f: native.FdInfo) -> bool:
+    """An event loop's descriptor (epoll, eventfd, unix socket): eventloop.capture
+    decides about it, not the refusals here."""
+    return f.kind in ("epoll", "eventfd") or (
+        f.kind == "socket" and f.socket is not None and f.socket.family == "unix")
+
+
 def _fd_refusal(f: native.FdInfo) -> str | None:
-    if f.kind in ("epoll", "eventfd") or (f.socket is not None and f.socket.family == "unix"):
-        return None  # an event loop's: eventloop.capture decides
+    if is_loop_fd(f):
+        return None
     if f.kind in ("file", "dir", "pipe"):
         if f.kind == "pipe" and f.flags & os.O_DIRECT:
             return "a packet-mode pipe (O_DIRECT): its message boundaries are not captured"

@@ -678,7 +678,9 @@ def _close_saved(groups: dict[int, PipeGroup]) -> None:
 
 
 class _PipePlan:
-    """Fresh pipes for one restore: one per captured pipe, refilled with its unread data."""
+    """The objects one restore gives its processes, made afresh: one pipe per captured
+    pipe, refilled with its unread data; the event loops' eventfds and socket pairs
+    (loop_fds); the deleted-but-open files (file_fds)."""
 
     def __init__(self, groups: dict[int, PipeGroup],
                  files: list[unlinked.UnlinkedFile] = (), rootfd: int = -1) -> None:
@@ -1061,6 +1063,7 @@ class Elsewhere:
     pidns_fd: int
     init_pidfd: int
     cgroup_fds: list[int]
+    init_pid: int           # the same init (the network namespace a restore's pairs use)
     fresh: bool = True      # a new fork: no pid of the namespace is taken yet
     # A pid still taken (e.g. as the process-group id of another checkpoint's template)
     # gives the process a new pid instead of failing the restore (templates rebuilt from
@@ -1096,7 +1099,7 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
     fdmap = {e.fd: plan.child_end(g, e) for g in state.pipes.values()
              for e in g.ends if e.pid == rec.pid}
     if rec.loop:
-        fdmap.update(plan.loop_fds(rec, _pidfd_pid(into.init_pidfd) if into is not None
+        fdmap.update(plan.loop_fds(rec, into.init_pid if into is not None
                                    else state.templates[rec.pid].pid))
     fdmap.update(plan.file_fds(rec))
     cloexec = {f.fd for f in rec.fds if f.fd in fdmap and f.flags & os.O_CLOEXEC}
@@ -1105,14 +1108,6 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
     return _Spawn(state.templates[rec.pid], fdmap, files, rec.cwd, mntfd, rec.listens,
                   lane=state.lanes.get(rec.pid), cloexec=cloexec,
                   epolls=rec.loop.epolls if rec.loop else [])
-
-
-def _pidfd_pid(pidfd: int) -> int:
-    """The pid a pidfd refers to (its fdinfo's Pid line)."""
-    for line in kernfs.read(f"/proc/self/fdinfo/{pidfd}").splitlines():
-        if line.startswith(b"Pid:"):
-            return int(line.split()[1])
-    raise OSError(errno.EINVAL, f"fd {pidfd} is not a pidfd")
 
 
 def _carrier_of(sp: _Spawn) -> native.Carrier:

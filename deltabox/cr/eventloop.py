@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from .. import kernfs
 from . import native
-from .capture import ProcessRecord, Refusal
+from .capture import ProcessRecord, Refusal, is_loop_fd
 
 MAX_QUEUED = 4 << 20                      # bytes waiting in a socket we copy, at most
 
@@ -74,12 +74,6 @@ class LoopState:
 
     def __bool__(self) -> bool:
         return bool(self.epolls or self.eventfds or self.pairs)
-
-
-def is_loop_fd(f: native.FdInfo) -> bool:
-    """Whether `capture` decides about this descriptor (capture.refusals leaves it)."""
-    return f.kind in ("epoll", "eventfd") or (
-        f.kind == "socket" and f.socket is not None and f.socket.family == "unix")
 
 
 def capture(records: list[ProcessRecord]) -> list[Refusal]:

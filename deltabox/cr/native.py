@@ -901,30 +901,34 @@ def copy_fd(pid: int, fd: int) -> int:
     return int(r)
 
 
+@contextlib.contextmanager
+def _netns_of(pid: int) -> Iterator[int]:
+    ns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        yield ns
+    finally:
+        os.close(ns)
+
+
 def netns_socket(pid: int, family: int, type: int, proto: int = 0) -> socket.socket:
     """A socket in pid's network namespace (created by a short-lived thread of ours that
     joins it: see dbxcr_netns_socket)."""
-    ns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        err = _Err()
+    err = _Err()
+    with _netns_of(pid) as ns:
         fd = _load().dbxcr_netns_socket(ns, family, type, proto, ctypes.byref(err))
-        if fd < 0:
-            _raise(err)
-    finally:
-        os.close(ns)
+    if fd < 0:
+        _raise(err)
     return socket.socket(fileno=fd)
 
 
 def netns_socketpair(pid: int, type: int) -> tuple[socket.socket, socket.socket]:
     """A unix socket pair made in pid's network namespace (dbxcr_netns_socketpair)."""
-    ns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        err = _Err()
-        sv = (ctypes.c_int * 2)()
-        if _load().dbxcr_netns_socketpair(ns, socket.AF_UNIX, type, sv, ctypes.byref(err)) < 0:
-            _raise(err)
-    finally:
-        os.close(ns)
+    err = _Err()
+    sv = (ctypes.c_int * 2)()
+    with _netns_of(pid) as ns:
+        rc = _load().dbxcr_netns_socketpair(ns, socket.AF_UNIX, type, sv, ctypes.byref(err))
+    if rc < 0:
+        _raise(err)
     return socket.socket(fileno=sv[0]), socket.socket(fileno=sv[1])
 
 

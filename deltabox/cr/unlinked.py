@@ -54,17 +54,19 @@ def capture(records: list[ProcessRecord]) -> tuple[list[UnlinkedFile], list[Refu
     """The deleted-but-open files of the sandbox's stopped processes, content copied."""
     by_inode: dict[tuple[int, int], list[tuple[ProcessRecord, native.FdInfo]]] = \
         defaultdict(list)
+    stats: dict[tuple[int, int], os.stat_result] = {}
     for rec in records:
         for f in rec.fds:
             if f.kind == "file" and f.deleted:
                 st = os.stat(f"/proc/{rec.pid}/fd/{f.fd}")
+                stats[(st.st_dev, st.st_ino)] = st
                 by_inode[(st.st_dev, st.st_ino)].append((rec, f))
     out: list[UnlinkedFile] = []
     refused: list[Refusal] = []
     try:
-        for held in by_inode.values():
+        for key, held in by_inode.items():
             rec, f = held[0]
-            why = _refusal(rec, f)
+            why = _refusal(rec, f, stats[key])
             if why:
                 refused.append(Refusal(rec.nspid, rec.cmd, f"fd {f.fd}: deleted-but-open "
                                        f"file {f.path}: {why}"))
@@ -79,8 +81,7 @@ def capture(records: list[ProcessRecord]) -> tuple[list[UnlinkedFile], list[Refu
     return out, refused
 
 
-def _refusal(rec: ProcessRecord, f: native.FdInfo) -> str | None:
-    st = os.stat(f"/proc/{rec.pid}/fd/{f.fd}")
+def _refusal(rec: ProcessRecord, f: native.FdInfo, st: os.stat_result) -> str | None:
     if st.st_nlink:
         return "still linked under another name: not captured"
     if st.st_size > MAX_BYTES:

@@ -30,7 +30,7 @@ import trio
 from ..cr import eventloop, native, unlinked
 from ..cr.capture import ProcessRecord
 from ..cr.engine import (PIPE_DEFAULT_SIZE, DeltaCR, PipeEnd, PipeGroup, ProcessState,
-                         SPLICE_F_NONBLOCK, _libc, _unread)
+                         SPLICE_F_NONBLOCK, _close_saved, _libc, _unread)
 from .db import Database, columns
 from .scheduler import IOScheduler
 
@@ -404,9 +404,7 @@ class Dumps:
             with trio.CancelScope(shield=True):
                 for t in templates.values():
                     await self.cr.worker.run(t.release)
-                for pg in pipes.values():
-                    if pg.saved is not None:
-                        os.close(pg.saved)
+                _close_saved(pipes)
                 unlinked.close_saved(files)
             raise
         return ProcessState(records, templates, pipes,

@@ -2171,7 +2171,7 @@ class Daemon:
                 cg_fds.append(os.open(f, os.O_WRONLY | os.O_CLOEXEC))
             restored = await self.cr.restore(
                 state, rt.generation.mntfd, rt.generation.rootfd,
-                Elsewhere(pidns, rt.pidfd, cg_fds, fresh,
+                Elsewhere(pidns, rt.pidfd, cg_fds, rt.init_pid, fresh,
                           pid_fallback=state.from_dump is not None and not fresh),
                 pid_held=functools.partial(self._pid_held, live))
         finally:
