@@ -247,6 +247,40 @@ def test_loopback_tcp_server_answers(sbx: Sandbox, restore: Restore) -> None:
     _wait(lambda: target.exec(GET).exit_code == 0)
 
 
+BIG_LEADER = """
+import os, socket
+os.setsid()                              # a session and group leader: new pid at a rollback
+heap = bytearray(1 << 30)                # 1 GiB touched: the killed original takes a while
+heap[::4096] = b"x" * (len(heap) // 4096)  # to exit (its pages unmapped before its files)
+s = socket.create_server(("127.0.0.1", 8002))
+open("leader-ready", "w").close()
+while True:
+    c, _ = s.accept()
+    c.sendall(b"%d\\n" % heap.count(b"x"))
+    c.close()
+"""
+
+ASK_LEADER = ("python3 -c \"import socket; print(socket.create_connection(('127.0.0.1', 8002))"
+              ".makefile().readline().strip())\"")
+
+
+def test_rollback_rebinds_a_leaders_port_after_the_original_exits(sbx: Sandbox) -> None:
+    """A rollback kills the live server, still holding its port, and restores the
+    checkpoint's: a group leader comes back with a new pid, without waiting for the killed
+    one's pid to be free, but its port is only free once the killed one has exited."""
+    sbx.files.write("leader.py", BIG_LEADER)
+    sbx.exec("cd /workspace && nohup python3 leader.py >/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("leader-ready"), timeout=60)
+    want = str(1 << 18)
+    assert sbx.exec(ASK_LEADER).stdout.strip() == want
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    for _ in range(3):
+        r = sbx.rollback(cp)
+        assert r.process_state == "restored", r.note
+        assert sbx.exec(ASK_LEADER).stdout.strip() == want
+
+
 ASYNC_SERVER = """
 import asyncio, os, re, signal, socket
 n = 41                                  # state in memory
@@ -334,7 +368,8 @@ def test_asyncio_server_with_eventfd_and_socket_pair(sbx: Sandbox, restore: Rest
     cp2 = target.checkpoint()
     assert cp2.kind == "full", cp2.reasons
     _ask_async(target, "bump")
-    assert target.rollback(cp2).process_state == "restored"
+    r = target.rollback(cp2)
+    assert r.process_state == "restored", r.note
     assert _ask_async(target, "state") == again
 
 

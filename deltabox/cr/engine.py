@@ -447,7 +447,8 @@ class DeltaCR:
         sandbox (rollback: the caller killed the live processes; `victims`, their pidfds,
         are waited for, closed and emptied before a pid is reused), or `into` another
         sandbox whose pid namespace is nested below theirs (fork). Processes that get a
-        new pid anyway come first, while the killed ones are still dying. Those with a
+        new pid anyway come first, while the killed ones are still dying, unless they
+        listen on a port (the killed ones hold it until they exit). Those with a
         carrier in `pre` (spawned ahead into this same generation; consumed here) are born
         from it, and keep it as their keeper.
         `pid_held(nspid)`: whether a process that will not exit holds that pid of the
@@ -469,10 +470,12 @@ class DeltaCR:
                 if into is None:
                     # A group or session leader's pid stays allocated while its template
                     # (a member of that group and session) exists: it comes back with a
-                    # new pid.
+                    # new pid. A kept pid, and a listener's port, are free once the killed
+                    # originals have exited (their pages go before their files: a big one
+                    # holds the port for tens of ms).
                     keep_pid = not _leader(rec)
                     spawn.nspid = rec.nspid if keep_pid else None
-                    if keep_pid and victims is not None:
+                    if (keep_pid or rec.listens) and victims is not None:
                         await wait_exited(victims)
                         victims = None
                 else:
