@@ -1,16 +1,18 @@
 """What a process holds, and what its checkpoint and rollback cost: a plain python process
 (the baseline) against one running an asyncio event loop (an epoll instance, its self-pipe
 socket pair, an eventfd in its epoll set and a socket pair with bytes waiting:
-deltabox/cr/eventloop.py) and
-one holding a deleted temporary file (deltabox/cr/unlinked.py), in the same run on one
-private daemon, each in a sandbox of its own with the same memory (--mb).
+deltabox/cr/eventloop.py), one holding a deleted temporary file (deltabox/cr/unlinked.py)
+and one with a pool of four idle worker threads (a ThreadPoolExecutor: native/threads.c),
+in the same run on one private daemon, each in a sandbox of its own with the same memory
+(--mb).
 
 Each rep, for every kind in turn (the order rotates): the process changes its state (a
 counter and a page of its memory), pauses (--think: the warm pool prepares meanwhile),
 `checkpoint()` is timed; once the checkpoint's background process dump is written and dirty
 pages are flushed (untimed: no call pays for another's background work), the process changes
 again, pauses, `rollback()` to that checkpoint is timed, and the process's report (counter, memory CRC, the bytes in its socket pair, or
-the temporary file's hash and offset) must equal the one taken
+the temporary file's hash and offset, the pool's thread ids and a job it ran) must equal
+the one taken
 before the checkpoint. Client-side latency through the SDK; the daemon's own duration
 beside it. JSON and a PNG to --out (default benchmarks/out).
 
@@ -30,10 +32,10 @@ from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, latenc
                                terminate_as_exception, write_json)
 from deltabox import Sandbox
 
-KINDS = ("plain", "asyncio", "tempfile")
+KINDS = ("plain", "asyncio", "tempfile", "threads")
 
 PROG = r"""
-import asyncio, hashlib, os, socket, sys, tempfile, time, zlib
+import asyncio, concurrent.futures, hashlib, os, socket, sys, tempfile, time, zlib
 kind, mb, temp_mb = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 buf = bytearray(os.urandom(1 << 20)) * mb
 n = 0
@@ -42,6 +44,10 @@ if kind == "tempfile":
     t = tempfile.TemporaryFile(dir="/workspace")
     t.write(os.urandom(temp_mb << 20))
     t.seek(12345)
+if kind == "threads":   # four idle workers, each waiting on the pool's queue
+    pool = concurrent.futures.ThreadPoolExecutor(4)
+    for f in [pool.submit(time.sleep, 0.05) for _ in range(4)]:
+        f.result()
 
 def report():
     out = f"n={n} crc={zlib.crc32(buf)}"
@@ -53,6 +59,9 @@ def report():
     if kind == "tempfile":
         data = os.pread(t.fileno(), (temp_mb << 20) + 1, 0)
         out += f" temp={hashlib.sha1(data).hexdigest()} at={t.tell()}"
+    if kind == "threads":
+        tids = sorted(w.native_id for w in pool._threads)
+        out += f" tids={tids} job={pool.submit(sum, buf[:4096]).result()}"
     return out
 
 def step():

@@ -1699,6 +1699,10 @@ int dbxcr_dump_begin(struct dbxcr_template *tpl, const char *path,
 	*job = NULL;
 	if (check_owner(tpl, err) < 0)
 		return -1;
+	if (tpl->threads)	/* the image format holds one thread (IMAGE_FORMAT.md) */
+		return fail(err, ENOTSUP, tpl->origin, "a multi-threaded process (%d threads) has "
+			    "no process dump: its checkpoint is restored from templates only",
+			    tpl->threads->n + 1);
 	j = calloc(1, sizeof(*j));
 	if (!j)
 		return fail(err, ENOMEM, tpl->pid, "allocate dump job");

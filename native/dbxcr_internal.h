@@ -68,6 +68,40 @@ struct pending_sigs {
 	int n;
 };
 
+/* A thread of a multi-threaded process as captured at its checkpoint: what a child
+ * spawned from the template needs to create it again (threads.c).  fork() copies only the
+ * calling thread; the others' stacks and TLS are in the copied memory, their registers,
+ * FPU state, mask, private signals and kernel-side registrations are not. */
+struct thread_state {
+	pid_t tid;			/* host tid at the checkpoint */
+	pid_t nstid;			/* tid in its innermost pid namespace */
+	struct user_regs_struct regs;	/* fs_base included: its TLS */
+	void *xstate;
+	size_t xstate_len;
+	uint64_t sigmask;
+	struct pending_sigs pend;	/* its own queue (tgkill) and a dequeued signal */
+	unsigned long clear_tid;	/* set_tid_address: what pthread_join waits on */
+	unsigned long robust_head;	/* set_robust_list */
+	size_t robust_len;
+	uint64_t rseq_ptr;		/* rseq registration (0: none) */
+	uint32_t rseq_len, rseq_sig;
+	stack_t altstack;
+	char comm[16];
+};
+
+/* The main thread's registrations fork() does not carry (robust list, clear_tid), and the
+ * other threads in tid order. */
+struct thread_set {
+	unsigned long main_clear_tid;
+	unsigned long main_robust_head;
+	size_t main_robust_len;
+	int n;
+	struct thread_state t[];
+};
+
+/* The most threads a process may have to be captured. */
+#define MAX_THREADS 256
+
 struct dbxcr_template {
 	pid_t pid;		/* the template, ptrace-stopped, traced by tracer_tid */
 	pid_t origin;		/* the process it was forked from */
@@ -91,6 +125,8 @@ struct dbxcr_template {
 	 * pinned: see colocate in fork_template.c); read at the first spawn. */
 	bool affinity_known;
 	cpu_set_t affinity;
+	/* The origin's other threads (NULL: it had one), recreated in every child. */
+	struct thread_set *threads;
 };
 
 /* Options for every tracee we inject into (see fork_template.c). */
@@ -145,6 +181,30 @@ int park(struct dbxcr_template *tpl, struct dbxcr_error *err);
 int check_owner(const struct dbxcr_template *tpl, struct dbxcr_error *err);
 int transfer_fds(struct tracee *c, unsigned long scratch, const int *src, size_t n, int *out,
 		 struct dbxcr_error *err);
+
+/* threads.c */
+/* What a stopped thread's kernel holds besides registers and mask: robust list, rseq,
+ * name and innermost tid (read from outside), and (injected into it, through a word of
+ * its stack below the red zone, put back after) clear_tid and, unless `main`, its
+ * sigaltstack.  t must be ours and stopped with every signal blocked. */
+int thread_capture(struct tracee *t, pid_t tgid, bool main, struct thread_state *out,
+		   struct dbxcr_error *err);
+/* rseq: a thread stopped inside a restartable sequence resumes at its abort handler, as
+ * the kernel would make it on its next return to user mode. */
+int rseq_fixup(pid_t tid, struct user_regs_struct *regs, struct dbxcr_error *err);
+/* In a spawned child c (stopped, ours, all signals blocked, scratch mapped): give the main
+ * thread its registrations back and clone every other thread of tpl with its tid (when
+ * keep_tids), stopped in our trace with its final state set: *out (n = tpl's count) for
+ * threads_release.  On failure every thread made so far is killed with the child. */
+int threads_recreate(struct tracee *c, const struct dbxcr_template *tpl, bool keep_tids,
+		     struct tracee **out, struct dbxcr_error *err);
+/* Let the recreated threads run (their registers, xstate and mask are set); frees thr.
+ * On failure the child is killed and reaped. */
+int threads_release(pid_t child, struct tracee *thr, int n, struct dbxcr_error *err);
+/* SIGKILL the child, reap its threads we trace, then the child. */
+void threads_kill(pid_t child, const struct tracee *thr, int n);
+struct thread_set *threads_dup(const struct thread_set *src);
+void threads_free(struct thread_set *set);
 
 #pragma GCC visibility pop
 

@@ -508,11 +508,12 @@ static int classify_stop(struct tracee *t, int status, int *kind, struct dbxcr_e
 	return fail(err, EPROTO, t->pid, "unexpected first stop (status %#x)", status);
 }
 
-/* After the first stop: save what we must give back and find a syscall site. */
+/* After the first stop: save what we must give back and find a syscall site (unless
+ * known: a thread uses its main thread's, in the same address space). */
 static int take_stop(struct tracee *t, int status, int *kind, struct dbxcr_error *err)
 {
 	if (classify_stop(t, status, kind, err) < 0 || save_state(t, err) < 0 ||
-	    find_syscall_site(t, err) < 0)
+	    (!t->site && find_syscall_site(t, err) < 0))
 		return -1;
 	return 0;
 }
@@ -837,14 +838,13 @@ int dbxcr_inject_syscall(pid_t pid, long nr, const long args[6], long *ret,
 
 /* ---------- templates ---------- */
 
-/* fork() copies only the calling thread, and a process has one tracer. */
-static int check_single_untraced(pid_t pid, const struct dbxcr_info *info,
-				 struct dbxcr_error *err)
+/* A process has one tracer; threads beyond the main one are captured one by one (fork()
+ * copies only the calling thread: see threads.c), up to MAX_THREADS. */
+static int check_untraced(pid_t pid, const struct dbxcr_info *info, struct dbxcr_error *err)
 {
-	if (info->threads != 1)
-		return fail(err, ENOTSUP, pid,
-			    "process has %d threads; only single-threaded processes can be "
-			    "templated (fork copies only the calling thread)", info->threads);
+	if (info->threads > MAX_THREADS)
+		return fail(err, ENOTSUP, pid, "process has %d threads; at most %d are captured",
+			    info->threads, MAX_THREADS);
 	if (info->tracer_pid != 0)
 		return fail(err, EBUSY, pid, "already traced by pid %d", info->tracer_pid);
 	return 0;
@@ -856,7 +856,7 @@ static int check_templatable(pid_t pid, struct dbxcr_error *err)
 
 	if (dbxcr_describe(pid, &info, err) < 0)
 		return -1;
-	if (check_single_untraced(pid, &info, err) < 0)
+	if (check_untraced(pid, &info, err) < 0)
 		return -1;
 	return check_stoppable(pid, &info, err);
 }
@@ -1181,17 +1181,25 @@ struct dbxcr_stop {
 	int signal;
 	struct pending_sigs pend;	/* queued at the stop (and the dequeued one) */
 	struct dbxcr_stop *next;	/* in the limbo list */
+	/* A multi-threaded process: a handle per other thread, stopped and resumed with
+	 * this one (their pend holds only their own queue). */
+	bool is_thread;
+	pid_t tgid;			/* is_thread: the process */
+	struct dbxcr_stop **threads;
+	int nthreads;
 };
 
-/* Copy (without dequeuing) the signals queued for a stopped tracee. */
-static int peek_pending(struct tracee *t, struct pending_sigs *p, struct dbxcr_error *err)
+/* Copy (without dequeuing) the signals queued for a stopped tracee: its own queue, and
+ * the process's unless `own_only` (a thread other than the main one). */
+static int peek_pending(struct tracee *t, struct pending_sigs *p, bool own_only,
+			struct dbxcr_error *err)
 {
 	p->n = 0;
 	if (t->deferred_sig) {	/* dequeued by the signal-delivery-stop: still pending */
 		p->info[p->n] = t->deferred_info;
 		p->shared[p->n++] = false;
 	}
-	for (int shared = 0; shared < 2; shared++) {
+	for (int shared = 0; shared < (own_only ? 1 : 2); shared++) {
 		for (uint64_t off = 0;; off++) {
 			struct __ptrace_peeksiginfo_args a = {
 				.off = off, .flags = shared ? PTRACE_PEEKSIGINFO_SHARED : 0, .nr = 1 };
@@ -1239,6 +1247,55 @@ static void read_wchan(pid_t pid, char *buf, size_t len)
 		snprintf(buf, len, "?");
 }
 
+/* Seize and interrupt every thread of the process but the main one.  The cgroup is
+ * frozen, so none is created or exits meanwhile (dbxcr_stop_wait checks the count). */
+static int begin_threads(struct dbxcr_stop *s, struct dbxcr_error *err)
+{
+	char path[64];
+	struct dirent *de;
+	DIR *d;
+	int rc = 0;
+
+	snprintf(path, sizeof(path), "/proc/%d/task", (int)s->t.pid);
+	s->threads = calloc(MAX_THREADS, sizeof(*s->threads));
+	if (!s->threads)
+		return fail(err, ENOMEM, s->t.pid, "allocate thread handles");
+	d = opendir(path);
+	if (!d)
+		return fail(err, errno, s->t.pid, "list %s", path);
+	while (rc == 0 && (de = readdir(d)) != NULL) {
+		pid_t tid = (pid_t)atoi(de->d_name);
+		struct dbxcr_stop *th;
+
+		if (tid <= 0 || tid == s->t.pid)
+			continue;
+		if (s->nthreads == MAX_THREADS - 1) {
+			rc = fail(err, ENOTSUP, s->t.pid, "more than %d threads", MAX_THREADS);
+			break;
+		}
+		th = calloc(1, sizeof(*th));
+		if (!th) {
+			rc = fail(err, ENOMEM, tid, "allocate a thread handle");
+			break;
+		}
+		th->t.pid = tid;
+		th->tracer_tid = s->tracer_tid;
+		th->state = ST_BEGUN;
+		th->is_thread = true;
+		th->tgid = s->t.pid;
+		s->threads[s->nthreads++] = th;
+		if (seize(tid, 0, &th->opts, err) < 0) {
+			rc = -1;
+			break;
+		}
+		th->seized = true;
+		if (ptrace(PTRACE_INTERRUPT, tid, 0, 0) < 0)
+			rc = fail(err, errno, tid, "PTRACE_INTERRUPT (thread of %d)", (int)s->t.pid);
+	}
+	closedir(d);
+	return rc;
+}
+
 int dbxcr_stop_begin(pid_t pid, struct dbxcr_stop **out, struct dbxcr_error *err)
 {
 	struct dbxcr_info info;
@@ -1250,7 +1307,7 @@ int dbxcr_stop_begin(pid_t pid, struct dbxcr_stop **out, struct dbxcr_error *err
 	dbxcr_stop_sweep(0);
 	if (dbxcr_describe(pid, &info, err) < 0)
 		return -1;
-	if (check_single_untraced(pid, &info, err) < 0)
+	if (check_untraced(pid, &info, err) < 0)
 		return -1;
 	if (info.state == 'Z' || info.state == 'X')
 		return fail(err, ESRCH, pid, "process is exiting (state %c)", info.state);
@@ -1265,6 +1322,11 @@ int dbxcr_stop_begin(pid_t pid, struct dbxcr_stop **out, struct dbxcr_error *err
 	 * stopped task, so it would never report.  Seize it after the thaw instead. */
 	read_wchan(pid, wchan, sizeof(wchan));
 	if (info.state == 'D' && strcmp(wchan, "do_signal_stop") == 0) {
+		if (info.threads > 1) {
+			free(s);
+			return fail(err, ENOTSUP, pid, "a multi-threaded process in a job-control "
+				    "stop is not captured (SIGCONT it first)");
+		}
 		*out = s;
 		return 0;
 	}
@@ -1279,6 +1341,10 @@ int dbxcr_stop_begin(pid_t pid, struct dbxcr_stop **out, struct dbxcr_error *err
 
 		dbxcr_stop_abort(s);
 		return fail(err, e, pid, "PTRACE_INTERRUPT");
+	}
+	if (info.threads > 1 && begin_threads(s, err) < 0) {
+		dbxcr_stop_abort(s);
+		return -1;
 	}
 	*out = s;
 	return 0;
@@ -1316,6 +1382,27 @@ static int wait_report(pid_t pid, int *status, int timeout_ms)
 	}
 }
 
+/* After the main thread's stop: every other thread's, and the count checked again. */
+static int wait_threads(struct dbxcr_stop *s, int timeout_ms, struct dbxcr_error *err)
+{
+	int now;
+
+	for (int i = 0; i < s->nthreads; i++) {
+		struct dbxcr_stop *th = s->threads[i];
+
+		th->t.site = s->t.site;
+		if (dbxcr_stop_wait(th, timeout_ms, err) < 0)
+			return -1;
+		if (th->kind == DBXCR_STOP_GROUP)
+			return fail(err, EAGAIN, th->t.pid, "thread of pid %d entered a job-control "
+				    "stop during the checkpoint; retry", (int)s->t.pid);
+	}
+	if (s->nthreads && (now = count_threads(s->t.pid)) != s->nthreads + 1)
+		return fail(err, EAGAIN, s->t.pid, "threads started or ended during the "
+			    "checkpoint (%d, now %d); retry", s->nthreads + 1, now);
+	return 0;
+}
+
 int dbxcr_stop_wait(struct dbxcr_stop *s, int timeout_ms, struct dbxcr_error *err)
 {
 	pid_t pid = s->t.pid;
@@ -1325,7 +1412,7 @@ int dbxcr_stop_wait(struct dbxcr_stop *s, int timeout_ms, struct dbxcr_error *er
 	if (owns(s, err) < 0)
 		return -1;
 	if (s->state == ST_STOPPED)
-		return 0;
+		return wait_threads(s, timeout_ms, err);
 	if (s->state != ST_BEGUN)
 		return fail(err, EINVAL, pid, "stop handle is finished");
 	if (!s->seized) {
@@ -1362,7 +1449,8 @@ int dbxcr_stop_wait(struct dbxcr_stop *s, int timeout_ms, struct dbxcr_error *er
 		return fail(err, ESRCH, pid, "killed by signal %d before it stopped",
 			    WTERMSIG(status));
 	}
-	if (take_stop(&s->t, status, &kind, err) < 0 || peek_pending(&s->t, &s->pend, err) < 0) {
+	if (take_stop(&s->t, status, &kind, err) < 0 ||
+	    peek_pending(&s->t, &s->pend, s->is_thread, err) < 0) {
 		detach_unchanged(&s->t);
 		s->state = ST_DONE;
 		return -1;
@@ -1370,7 +1458,7 @@ int dbxcr_stop_wait(struct dbxcr_stop *s, int timeout_ms, struct dbxcr_error *er
 	s->kind = kind;
 	s->signal = kind == DBXCR_STOP_INTERRUPT ? 0 : WSTOPSIG(status);
 	s->state = ST_STOPPED;
-	return 0;
+	return wait_threads(s, timeout_ms, err);
 }
 
 void dbxcr_stop_get_info(const struct dbxcr_stop *s, struct dbxcr_stop_info *out)
@@ -1434,10 +1522,66 @@ static pid_t finish_fork(struct dbxcr_stop *s, struct dbxcr_error *err)
 	return child;
 }
 
+/* One other thread's state for the template (threads.c): its registrations are asked by
+ * calls injected into it (EXITKILL meanwhile), then it is put back as it was. */
+static int capture_thread(struct dbxcr_stop *th, struct thread_state *ts, struct dbxcr_error *err)
+{
+	struct dbxcr_error ignored;
+	int rc = -1;
+
+	th->modified = true;
+	if (ptrace(PTRACE_SETOPTIONS, th->t.pid, 0, (void *)(th->opts | PTRACE_O_EXITKILL)) < 0)
+		fail(err, errno, th->t.pid, "PTRACE_SETOPTIONS");
+	else if (block_all(&th->t, err) == 0 && thread_capture(&th->t, th->tgid, false, ts, err) == 0)
+		rc = 0;
+	if (unmodify(th, rc ? &ignored : err) < 0)
+		rc = -1;
+	if (rc < 0)
+		return -1;
+	ts->regs = th->t.regs;
+	ts->sigmask = th->t.sigmask;
+	ts->pend = th->pend;
+	ts->xstate = malloc(th->t.xstate_len);
+	if (!ts->xstate)
+		return fail(err, ENOMEM, th->t.pid, "copying xstate");
+	memcpy(ts->xstate, th->t.xstate, th->t.xstate_len);
+	ts->xstate_len = th->t.xstate_len;
+	return rseq_fixup(th->t.pid, &ts->regs, err);
+}
+
+/* The other threads of a stopped multi-threaded process, and what fork() does not give
+ * its main thread (s must be modified: its registers are ours to inject with). */
+static struct thread_set *capture_threads(struct dbxcr_stop *s, struct dbxcr_error *err)
+{
+	struct thread_set *set;
+	struct thread_state main_ts = { 0 };
+
+	set = calloc(1, sizeof(*set) + (size_t)s->nthreads * sizeof(set->t[0]));
+	if (!set) {
+		fail(err, ENOMEM, s->t.pid, "allocate the state of %d threads", s->nthreads);
+		return NULL;
+	}
+	for (int i = 0; i < s->nthreads; i++) {
+		set->n = i + 1;
+		if (capture_thread(s->threads[i], &set->t[i], err) < 0)
+			goto fail;
+	}
+	if (thread_capture(&s->t, s->t.pid, true, &main_ts, err) < 0)
+		goto fail;
+	set->main_clear_tid = main_ts.clear_tid;
+	set->main_robust_head = main_ts.robust_head;
+	set->main_robust_len = main_ts.robust_len;
+	return set;
+fail:
+	threads_free(set);
+	return NULL;
+}
+
 struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_error *err)
 {
 	struct dbxcr_template *tpl;
 	pid_t pid = s->t.pid, child;
+	bool tpl_ok = true;
 
 	clear_error(err);
 	if (owns(s, err) < 0)
@@ -1452,16 +1596,20 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 		tpl->xstate = malloc(s->t.xstate_len);
 	if (child > 0 && (!tpl || !tpl->xstate))
 		fail(err, ENOMEM, pid, "allocate template");
+	else if (tpl && s->nthreads && !(tpl->threads = capture_threads(s, err)))
+		tpl_ok = false;
 	/* The original goes back first, whatever happened to the template. */
-	if (!tpl || !tpl->xstate || unmodify(s, err) < 0) {
+	if (!tpl || !tpl->xstate || !tpl_ok || unmodify(s, err) < 0) {
 		struct dbxcr_error ignored;
 
 		if (child > 0)
 			kill_traced(child);
 		if (s->modified)
 			unmodify(s, &ignored);
-		if (tpl)
+		if (tpl) {
 			free(tpl->xstate);
+			threads_free(tpl->threads);
+		}
 		free(tpl);
 		return NULL;
 	}
@@ -1469,6 +1617,12 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 	tpl->origin = pid;
 	tpl->tracer_tid = s->tracer_tid;
 	tpl->regs = s->t.regs;
+	if (rseq_fixup(pid, &tpl->regs, err) < 0) {
+		struct dbxcr_error ignored;
+
+		dbxcr_release_template(tpl, &ignored);
+		return NULL;
+	}
 	memcpy(tpl->xstate, s->t.xstate, s->t.xstate_len);
 	tpl->xstate_len = s->t.xstate_len;
 	tpl->sigmask = s->t.sigmask;
@@ -1507,6 +1661,9 @@ int dbxcr_stop_resume(struct dbxcr_stop *s, struct dbxcr_error *err)
 		if (child > 0)
 			kill_traced(child);
 	}
+	for (int i = 0; i < s->nthreads; i++)
+		if (s->threads[i]->state == ST_STOPPED && dbxcr_stop_resume(s->threads[i], err) < 0)
+			return -1;
 	if (s->modified && unmodify(s, err) < 0)
 		return -1;
 	if (detach_tracee(&s->t, err) < 0)
@@ -1547,6 +1704,12 @@ void dbxcr_stop_abort(struct dbxcr_stop *s)
 
 	if (!s)
 		return;
+	/* Its threads first (each may wait in the limbo list on its own). */
+	for (int i = 0; i < s->nthreads; i++)
+		dbxcr_stop_abort(s->threads[i]);
+	free(s->threads);
+	s->threads = NULL;
+	s->nthreads = 0;
 	if (s->state == ST_BEGUN && s->seized) {
 		if (current_tid() == s->tracer_tid && settle_unstopped(s))
 			s->state = ST_DONE;
@@ -1716,6 +1879,7 @@ int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err)
 		}
 	}
 	free(tpl->xstate);
+	threads_free(tpl->threads);
 	free(tpl);
 	return rc;
 }
@@ -1727,11 +1891,18 @@ static int dup_template(struct dbxcr_template *dst, const struct dbxcr_template 
 {
 	*dst = *src;
 	dst->xstate = NULL;
+	dst->threads = NULL;
+	if (src->threads && !(dst->threads = threads_dup(src->threads)))
+		return fail(err, ENOMEM, src->pid, "copying the state of %d threads",
+			    src->threads->n);
 	if (!src->xstate_len)
 		return 0;
 	dst->xstate = malloc(src->xstate_len);
-	if (!dst->xstate)
+	if (!dst->xstate) {
+		threads_free(dst->threads);
+		dst->threads = NULL;
 		return fail(err, ENOMEM, src->pid, "copying xstate (%zu bytes)", src->xstate_len);
+	}
 	memcpy(dst->xstate, src->xstate, src->xstate_len);
 	return 0;
 }
@@ -1818,6 +1989,7 @@ struct dbxcr_template *dbxcr_template_copy(struct dbxcr_template *tpl, struct db
 	return cp;
 out:
 	free(cp->xstate);
+	threads_free(cp->threads);
 	free(cp);
 	return NULL;
 }
@@ -2451,7 +2623,7 @@ static int finish_child(struct tracee *c, struct dbxcr_template *tpl, struct dbx
 
 static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		       const struct dbxcr_spawn_opts *o, const struct pidns_switch *sw,
-		       bool carrier, struct dbxcr_error *err)
+		       bool carrier, struct tracee **thr, struct dbxcr_error *err)
 {
 	int src[MAX_XFER_FDS], got[MAX_XFER_FDS];
 	size_t n = 0, first_fd = 0;
@@ -2544,14 +2716,26 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 	}
 	if (carrier)	/* pending signals and the scratch page are the birth's business */
 		return 0;
-	return finish_child(c, tpl, err);
+	if (threads_recreate(c, tpl, o->set_tid_size > 0, thr, err) < 0)
+		return -1;
+	if (finish_child(c, tpl, err) < 0) {
+		if (*thr) {
+			threads_kill(c->pid, *thr, tpl->threads->n);
+			free(*thr);
+			*thr = NULL;
+		}
+		return -1;
+	}
+	return 0;
 }
 
 /* Fork and re-root a child, leaving it stopped in our trace with the template's registers,
- * mask and xstate in `c` (xstate still the template's buffer), ready for restore_and_detach.
+ * mask and xstate in `c` (xstate still the template's buffer), ready for restore_and_detach,
+ * and its other threads (if the template has any) in *thr, ready for threads_release.
  * A carrier (see dbxcr_spawn_carrier) keeps its scratch page and queues no signals. */
 static pid_t spawn_prepared(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
-			    bool carrier, struct tracee *c, struct dbxcr_error *err)
+			    bool carrier, struct tracee *c, struct tracee **thr,
+			    struct dbxcr_error *err)
 {
 	static const struct dbxcr_spawn_opts none = { .mntns_fd = -1 };
 	const struct dbxcr_spawn_opts *o = opts ? opts : &none;
@@ -2560,8 +2744,17 @@ static pid_t spawn_prepared(struct dbxcr_template *tpl, const struct dbxcr_spawn
 	pid_t child;
 
 	clear_error(err);
+	*thr = NULL;
 	if (check_owner(tpl, err) < 0)
 		return -1;
+	if (tpl->threads && carrier)
+		return fail(err, ENOTSUP, tpl->origin, "a multi-threaded process has no carrier: "
+			    "spawn it from its template");
+	/* glibc keeps each thread's tid in its TLS (pthread_kill, mutex owners): the threads
+	 * come back with theirs, which the pid namespace has free only with the process's. */
+	if (tpl->threads && o->set_tid_size == 0)
+		return fail(err, ENOTSUP, tpl->origin, "a multi-threaded process comes back only "
+			    "with its own pid (its threads keep their tids)");
 	colocate(&col, tpl);
 	child = clone_from_template(tpl, o, 0, &sw, err);
 	if (child < 0) {
@@ -2571,9 +2764,16 @@ static pid_t spawn_prepared(struct dbxcr_template *tpl, const struct dbxcr_spawn
 	if (wait_birth(child, err) < 0 || move_to_cgroups(child, o, err) < 0 ||
 	    adopt(c, child, tpl->site, err) < 0)
 		goto kill;
-	if (setup_child(c, tpl, o, &sw, carrier, err) < 0 ||
-	    unpin_child(&col, tpl, child, err) < 0)
+	if (setup_child(c, tpl, o, &sw, carrier, thr, err) < 0)
 		goto kill;
+	if (unpin_child(&col, tpl, child, err) < 0) {
+		if (*thr) {
+			threads_kill(child, *thr, tpl->threads->n);
+			free(*thr);
+			*thr = NULL;
+		}
+		goto kill;
+	}
 	colocation_end(&col);
 	/* Hand the child the original's checkpointed state (see the file comment on why the
 	 * exact registers give the right restart semantics). */
@@ -2592,10 +2792,12 @@ kill:
 pid_t dbxcr_spawn(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
 		  struct dbxcr_error *err)
 {
-	struct tracee c;
-	pid_t child = spawn_prepared(tpl, opts, false, &c, err);
+	struct tracee c, *thr;
+	pid_t child = spawn_prepared(tpl, opts, false, &c, &thr, err);
 
 	if (child < 0)
+		return -1;
+	if (thr && threads_release(child, thr, tpl->threads->n, err) < 0)
 		return -1;
 	if (restore_and_detach(&c, err) < 0) {
 		kill_traced(child);
@@ -2630,14 +2832,14 @@ pid_t dbxcr_spawn_carrier(struct dbxcr_template *tpl, const struct dbxcr_spawn_o
 			  struct dbxcr_carrier **out, struct dbxcr_error *err)
 {
 	struct dbxcr_carrier *k;
-	struct tracee c;
+	struct tracee c, *thr;
 	pid_t child;
 
 	*out = NULL;
 	k = calloc(1, sizeof(*k));
 	if (!k)
 		return fail(err, ENOMEM, tpl->pid, "allocating a carrier");
-	child = spawn_prepared(tpl, opts, true, &c, err);
+	child = spawn_prepared(tpl, opts, true, &c, &thr, err);
 	if (child < 0) {
 		free(k);
 		return -1;
@@ -2654,6 +2856,7 @@ pid_t dbxcr_spawn_carrier(struct dbxcr_template *tpl, const struct dbxcr_spawn_o
 	if (park(&k->t, err) < 0) {
 		kill_traced(child);
 		free(k->t.xstate);
+		threads_free(k->t.threads);
 		free(k);
 		return -1;
 	}
@@ -2749,6 +2952,7 @@ int dbxcr_carrier_kill(struct dbxcr_carrier *k, struct dbxcr_error *err)
 		return -1;
 	kill_traced(k->t.pid);
 	free(k->t.xstate);
+	threads_free(k->t.threads);
 	free(k);
 	return 0;
 }

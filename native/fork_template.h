@@ -41,7 +41,8 @@ int dbxcr_inject_syscall(pid_t pid, long nr, const long args[6], long *ret,
 struct dbxcr_template;
 
 /* Fork pid into a ptrace-stopped template (a sibling of pid: same parent, same exit signal,
- * same pid namespace).  pid resumes unchanged.  Refuses multi-threaded or traced processes. */
+ * same pid namespace).  pid resumes unchanged.  Refuses traced processes and ones with more
+ * than MAX_THREADS threads; the other threads' state is kept in the template (threads.c). */
 struct dbxcr_template *dbxcr_make_template(pid_t pid, struct dbxcr_error *err);
 pid_t dbxcr_template_pid(const struct dbxcr_template *tpl);
 pid_t dbxcr_template_origin(const struct dbxcr_template *tpl);
@@ -90,7 +91,8 @@ struct dbxcr_stop_info {
 };
 
 /* Seize pid and request an interrupt stop; never waits.  Refuses (before seizing)
- * multi-threaded (ENOTSUP), already traced (EBUSY) and exiting (ESRCH) processes. */
+ * processes with too many threads or in a job-control stop with several (ENOTSUP), already
+ * traced (EBUSY) and exiting (ESRCH) processes.  Every thread is seized and interrupted. */
 int dbxcr_stop_begin(pid_t pid, struct dbxcr_stop **out, struct dbxcr_error *err);
 
 /* Wait until the tracee reports its stop, then record its registers, xstate and signal
@@ -205,7 +207,9 @@ struct dbxcr_spawn_opts {
 };
 
 /* Fork a child from the template, re-root it as asked, restore the checkpointed registers
- * and signal mask and let it run.  Returns the child's pid in the caller's namespace. */
+ * and signal mask and let it run.  Returns the child's pid in the caller's namespace.
+ * The template of a multi-threaded process also gives the child its other threads, each
+ * with its tid in the child's pid namespace: set_tid is required then (ENOTSUP without). */
 pid_t dbxcr_spawn(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
 		  struct dbxcr_error *err);
 

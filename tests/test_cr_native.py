@@ -56,7 +56,8 @@ def native():
     lib = build / "libdbxcr.so"
     subprocess.run(["gcc", "-O2", "-g", "-Wall", "-Wextra", "-Werror", "-std=gnu11",
                     "-D_GNU_SOURCE", "-fPIC", "-shared", "-o", str(lib),
-                    str(ROOT / "native" / "fork_template.c")], check=True)
+                    str(ROOT / "native" / "fork_template.c"),
+                    str(ROOT / "native" / "threads.c")], check=True)
     os.environ["DELTABOX_LIBDBXCR"] = str(lib)
     from deltabox.cr import native as mod
     mod._lib = None
@@ -270,20 +271,67 @@ def test_inject_getpid_into_sleeping_python(native) -> None:
         p.wait()
 
 
-def test_refuses_multithreaded_python(native) -> None:
+def test_template_of_a_multithreaded_process(native) -> None:
+    """Its threads are stopped, asked for their registrations and put back: the process
+    and its threads run on as before. A child needs its threads' tids, which only a pid
+    namespace where they are free gives (tested through the daemon: tests/test_cr.py);
+    without a set_tid the spawn is refused by name."""
     p = subprocess.Popen(
         [sys.executable, "-c",
-         "import threading, time, os; threading.Thread(target=time.sleep, args=(30,)).start();"
-         " os.write(1, b'r'); time.sleep(30)"],
+         "import os, sys, threading, time\n"
+         "n = [0, 0]\n"
+         "def count(i):\n"
+         "    while True:\n"
+         "        n[i] += 1\n"
+         "        time.sleep(0.002)\n"
+         "for i in range(2): threading.Thread(target=count, args=(i,), daemon=True).start()\n"
+         "for line in sys.stdin:\n"
+         "    os.write(1, b'%d %d\\n' % tuple(n))\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def counts() -> list[int]:
+        p.stdin.write(b"?\n")
+        p.stdin.flush()
+        return [int(x) for x in p.stdout.readline().split()]
+
+    tpl = None
+    try:
+        counts()
+        assert native.describe(p.pid).threads == 3
+        tpl = native.make_template(p.pid)
+        assert native.describe(p.pid).tracer_pid == 0
+        assert all(native.describe(int(t)).tracer_pid == 0
+                   for t in os.listdir(f"/proc/{p.pid}/task"))
+        first = counts()
+        time.sleep(0.2)
+        assert all(b > a + 10 for a, b in zip(first, counts()))  # both threads run on
+        with pytest.raises(native.CRError, match="multi-threaded.*its own pid") as e:
+            tpl.spawn()
+        assert e.value.errno == errno.ENOTSUP
+    finally:
+        if tpl is not None:
+            tpl.release()
+        p.kill()
+        p.wait()
+
+
+def test_refuses_more_threads_than_it_captures(native) -> None:
+    """Threads are captured one by one (native/threads.c), up to MAX_THREADS."""
+    n = native.MAX_THREADS + 4
+    p = subprocess.Popen(
+        [sys.executable, "-c",
+         "import threading, time, os\n"
+         f"for _ in range({n - 1}): threading.Thread(target=time.sleep, args=(30,)).start()\n"
+         "os.write(1, b'r'); time.sleep(30)"],
         stdout=subprocess.PIPE)
     try:
         assert p.stdout.read(1) == b"r"
-        assert native.describe(p.pid).threads == 2
-        assert "2 threads" in native.describe(p.pid).refusal()
+        assert native.describe(p.pid).threads == n
+        assert f"{n} threads" in native.describe(p.pid).refusal()
         with pytest.raises(native.CRError) as e:
             native.make_template(p.pid)
         assert e.value.errno == errno.ENOTSUP
-        assert f"pid {p.pid}" in str(e.value) and "2 threads" in str(e.value)
+        assert f"pid {p.pid}" in str(e.value) and f"{n} threads" in str(e.value)
     finally:
         p.kill()
         p.wait()

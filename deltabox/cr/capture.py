@@ -1,8 +1,8 @@
 """What a checkpoint records of each sandbox process, and what it refuses to capture.
 
 Refusing is the safety net of DeltaCR: a process holding state that the restore cannot
-recreate faithfully (a second thread, a socket, an eventfd, a deleted file, a device other
-than the harmless ones...) makes the checkpoint fail with the pid, the command and the reason,
+recreate faithfully (a UDP or named unix socket, a connection to outside the sandbox, a
+device other than the harmless ones, an epoll instance shared between processes...) makes the checkpoint fail with the pid, the command and the reason,
 rather than come back subtly wrong after a rollback.
 """
 
@@ -112,8 +112,8 @@ def status_refused(st: native.ProcStatus, tracer_ok: set[int]) -> bool:
 def _status_reasons(st: native.ProcStatus | ProcessRecord, tracer_ok: set[int]) -> list[str]:
     """The reasons in a process's status (both types carry its fields under one name)."""
     out = []
-    if st.threads > 1:
-        out.append(f"{st.threads} threads: multi-threaded processes are not captured yet")
+    if st.threads > native.MAX_THREADS:
+        out.append(f"{st.threads} threads: at most {native.MAX_THREADS} are captured")
     if st.tracer_pid and st.tracer_pid not in tracer_ok:
         out.append(f"traced by pid {st.tracer_pid}")
     if st.cap_eff >= 0 and not st.cap_eff >> CAP_SYS_ADMIN & 1:

@@ -422,8 +422,10 @@ class DeltaCR:
                 # Taken as a live group or session id (of another checkpoint's templates, or
                 # of processes rebuilt from a dump), not by a killed original waiting to be
                 # reaped: a new pid, as for a leader. Known at once when `pid_held` says so
-                # (asked once), else assumed after 0.3 s of reaping.
-                if e.errno == errno.EEXIST and set_tid and (into is None or into.pid_fallback):
+                # (asked once), else assumed after 0.3 s of reaping. Not for a
+                # multi-threaded process (native/threads.c: glibc caches its tids).
+                if (e.errno == errno.EEXIST and set_tid and not sp.threaded
+                        and (into is None or into.pid_fallback)):
                     held = False
                     if pid_held is not None and not asked:
                         asked, held = True, pid_held(set_tid[0])
@@ -560,9 +562,10 @@ class DeltaCR:
     async def prespawn(self, state: ProcessState, mntfd: int, rootfd: int
                        ) -> Prespawned | None:
         """Carriers, in the generation `mntfd` that a rollback to `state` will use, of
-        every process but those that listen on a port (the live process still holds it):
+        every process but those that listen on a port (the live process still holds it)
+        and multi-threaded ones (born from a carrier, a process has its one thread):
         restore(pre=...) gives birth to the processes from them. None if none."""
-        recs = [r for r in state.records if not r.listens]
+        recs = [r for r in state.records if not r.listens and r.threads == 1]
         if not recs:
             return None
         pre = Prespawned(state, _PipePlan(state.pipes, state.unlinked, rootfd), {})
@@ -941,15 +944,21 @@ def _exiting(pid: int) -> bool:
 VFORK_WCHANS = frozenset({b"kernel_clone", b"wait_for_vfork_done"})
 
 
-def in_vfork(pids: list[int]) -> list[int]:
-    """Those of `pids` that are waiting inside vfork() for their child."""
+def in_vfork(pids: list[int], threads: Mapping[int, int] | None = None) -> list[int]:
+    """Those of `pids` that are waiting inside vfork() for their child, in any thread
+    (`threads`: how many each has, where more than one)."""
     out = []
     for pid in pids:
         try:
-            if kernfs.read(f"/proc/{pid}/wchan").strip() in VFORK_WCHANS:
-                out.append(pid)
+            if (threads or {}).get(pid, 1) > 1:
+                wchans = [kernfs.read(f"/proc/{pid}/task/{t}/wchan")
+                          for t in os.listdir(f"/proc/{pid}/task")]
+            else:
+                wchans = [kernfs.read(f"/proc/{pid}/wchan")]
         except OSError:
             continue
+        if any(w.strip() in VFORK_WCHANS for w in wchans):
+            out.append(pid)
     return out
 
 
@@ -1089,6 +1098,7 @@ class _Spawn:
     lane: native.Template | None = None   # a copy of tpl on the lane thread (open_lanes)
     cloexec: set[int] = field(default_factory=set)   # fdmap targets to close on exec
     epolls: list[native.Epoll] = field(default_factory=list)  # made in the child, last
+    threaded: bool = False     # its threads need their tids back: never a new pid
 
 
 def _leader(rec: ProcessRecord) -> bool:
@@ -1110,7 +1120,7 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
              for f in rec.fds if f.kind in ("file", "dir", "chr") and not f.deleted]
     return _Spawn(state.templates[rec.pid], fdmap, files, rec.cwd, mntfd, rec.listens,
                   lane=state.lanes.get(rec.pid), cloexec=cloexec,
-                  epolls=rec.loop.epolls if rec.loop else [])
+                  epolls=rec.loop.epolls if rec.loop else [], threaded=rec.threads > 1)
 
 
 def _carrier_of(sp: _Spawn) -> native.Carrier:

@@ -218,6 +218,10 @@ def _raise(err: _Err) -> None:
     raise CRError(code, err.msg.decode(errors="replace") or os.strerror(code))
 
 
+# native/dbxcr_internal.h: the most threads a captured process may have.
+MAX_THREADS = 256
+
+
 @dataclass(frozen=True)
 class ProcInfo:
     threads: int
@@ -230,8 +234,8 @@ class ProcInfo:
 
     def refusal(self) -> str | None:
         """Why this process cannot be templated, or None."""
-        if self.threads != 1:
-            return f"{self.threads} threads (only single-threaded processes are supported)"
+        if self.threads > MAX_THREADS:
+            return f"{self.threads} threads (at most {MAX_THREADS} are captured)"
         if self.tracer_pid:
             return f"already traced by pid {self.tracer_pid}"
         if self.state in ("Z", "X"):
@@ -685,7 +689,8 @@ class Stopped:
 
 def begin_stop(pid: int) -> Stopped:
     """PTRACE_SEIZE + PTRACE_INTERRUPT pid without waiting (safe on a frozen cgroup).
-    Raises CRError for multi-threaded (ENOTSUP), traced (EBUSY) or exiting (ESRCH) pids."""
+    Raises CRError for traced (EBUSY), exiting (ESRCH) pids or ones with more than
+    MAX_THREADS threads (ENOTSUP)."""
     lib = _load()
     handle, err = ctypes.c_void_p(), _Err()
     if lib.dbxcr_stop_begin(pid, ctypes.byref(handle), ctypes.byref(err)) < 0:

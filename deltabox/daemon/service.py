@@ -1498,16 +1498,17 @@ class Daemon:
         execs. Thaw briefly until it has, freeze again and list anew; a process that stays
         in vfork() is refused by name."""
         for _ in range(VFORK_ATTEMPTS):
-            busy = in_vfork(list(procs))
+            threads = {pid: st.threads for pid, st in procs.items()}
+            busy = in_vfork(list(procs), threads)
             if not busy:
                 return procs
             live.rt.cgroup.thaw()
             deadline = trio.current_time() + VFORK_WAIT_S
-            while in_vfork(busy) and trio.current_time() < deadline:
+            while in_vfork(busy, threads) and trio.current_time() < deadline:
                 await trio.sleep(0.001)
             live.rt.cgroup.freeze()
             procs = self._sandbox_processes(self._candidates(live))
-        busy = in_vfork(list(procs))
+        busy = in_vfork(list(procs), {pid: st.threads for pid, st in procs.items()})
         if not busy:
             return procs
         pid = busy[0]

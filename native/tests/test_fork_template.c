@@ -19,6 +19,7 @@
 #include <dirent.h>
 #include <sys/epoll.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <netinet/in.h>
 #include <sys/random.h>
 #include <sys/socket.h>
@@ -1254,44 +1255,199 @@ static void test_inject_group_stopped(void)
 	close(rep[0]);
 }
 
-static void *idle_thread(void *arg)
+/* A multi-threaded process (native/threads.c), in a pid namespace of its own so that its
+ * tids are free again once it is killed: templated, killed, spawned back with its pid. */
+struct thr_report {
+	pid_t pid;
+	pid_t tids[2];
+	long count[2];
+	int tls[2];
+	char names[2][16];
+	int joined;
+};
+
+static volatile long thr_count[2];
+static volatile int thr_stop;
+static volatile pid_t thr_tid[2];
+static volatile int thr_tls_seen[2];
+static char thr_names[2][16];
+static __thread int thr_tls;
+
+static void *counting_thread(void *arg)
 {
-	(void)arg;
-	for (;;)
-		pause();
+	int i = (int)(long)arg;
+	char name[16];
+
+	thr_tls = 100 + i;
+	snprintf(name, sizeof(name), "worker%d", i);
+	prctl(PR_SET_NAME, name);
+	thr_tid[i] = (pid_t)syscall(SYS_gettid);
+	while (!thr_stop) {
+		thr_count[i]++;
+		thr_tls_seen[i] = thr_tls;
+		prctl(PR_GET_NAME, thr_names[i]);
+		usleep(1000);	/* nanosleep: returns early (EINTR) in a restored thread */
+	}
 	return NULL;
 }
 
-static void test_refuse_threads(void)
+static void threads_program(int cmd, int rep)
+{
+	pthread_t t[2];
+
+	for (long i = 0; i < 2; i++)
+		if (pthread_create(&t[i], NULL, counting_thread, (void *)i) != 0)
+			_exit(1);
+	while (!thr_count[0] || !thr_count[1])
+		usleep(100);
+	if (write(rep, "R", 1) != 1)
+		_exit(1);
+	for (;;) {
+		struct thr_report r;
+		char c;
+
+		if (read(cmd, &c, 1) != 1)
+			_exit(0);
+		if (c == 'j') {		/* pthread_join: the threads' clear_child_tid */
+			thr_stop = 1;
+			for (int i = 0; i < 2; i++)
+				pthread_join(t[i], NULL);
+		}
+		memset(&r, 0, sizeof(r));
+		r.pid = getpid();
+		for (int i = 0; i < 2; i++) {
+			r.tids[i] = thr_tid[i];
+			r.count[i] = thr_count[i];
+			r.tls[i] = thr_tls_seen[i];
+			memcpy(r.names[i], thr_names[i], sizeof(r.names[i]));
+		}
+		r.joined = thr_stop;
+		if (write(rep, &r, sizeof(r)) != sizeof(r))
+			_exit(1);
+	}
+}
+
+/* outer: unshare a pid namespace; its first child (pid 1 there) starts the program and
+ * reaps whatever becomes its child (the template and its children: CLONE_PARENT). */
+static void threads_namespace(int cmd, int rep, int ready)
+{
+	pid_t init;
+
+	if (unshare(CLONE_NEWPID) < 0)
+		_exit(2);
+	init = fork();
+	if (init < 0)
+		_exit(3);
+	if (init == 0) {
+		if (fork() == 0)
+			threads_program(cmd, rep);
+		for (;;)
+			if (waitpid(-1, NULL, __WALL) < 0 && errno == ECHILD)
+				pause();
+	}
+	if (write(ready, &init, sizeof(init)) != sizeof(init))
+		_exit(4);
+	reap(init);
+	_exit(0);
+}
+
+static pid_t first_child(pid_t pid)
+{
+	char path[64], buf[256] = "";
+	int fd;
+	ssize_t n;
+
+	snprintf(path, sizeof(path), "/proc/%d/task/%d/children", (int)pid, (int)pid);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	n = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	return n > 0 ? (pid_t)atoi(buf) : -1;
+}
+
+static int thr_ask(int cmd, int rep, char c, struct thr_report *r)
+{
+	if (write(cmd, &c, 1) != 1)
+		return -1;
+	return read_timeout(rep, r, sizeof(*r), 5000);
+}
+
+static void test_threads(void)
 {
 	struct dbxcr_error err;
-	struct dbxcr_template *tpl;
-	int ready[2];
-	pid_t pid;
+	struct dbxcr_template *tpl = NULL;
+	struct thr_report r0, r1, r2, r3;
+	int cmd[2], rep[2], ready[2];
+	pid_t outer, init = -1, target = -1, child = -1;
 	char c;
 
-	current_test = "refuse-threads";
-	if (pipe(ready) < 0)
+	current_test = "threads-recreated";
+	if (pipe(cmd) < 0 || pipe(rep) < 0 || pipe(ready) < 0)
 		abort();
-	pid = fork();
-	if (pid == 0) {
-		pthread_t t;
-
-		if (pthread_create(&t, NULL, idle_thread, NULL) != 0)
-			_exit(1);
-		if (write(ready[1], "x", 1) < 0)
-			_exit(1);
-		for (;;)
-			pause();
-	}
+	outer = fork();
+	if (outer == 0)
+		threads_namespace(cmd[0], rep[1], ready[1]);
+	close(cmd[0]);
+	close(rep[1]);
 	close(ready[1]);
-	CHECK(read_timeout(ready[0], &c, 1, 5000) == 0, "thread child not ready");
-	tpl = dbxcr_make_template(pid, &err);
-	CHECK(tpl == NULL && err.code == ENOTSUP && strstr(err.msg, "2 threads"),
-	      "multi-threaded process: %s", tpl ? "templated!" : err.msg);
+	if (read_timeout(ready[0], &init, sizeof(init), 5000) < 0 ||
+	    read_timeout(rep[0], &c, 1, 5000) < 0 || (target = first_child(init)) <= 0) {
+		CHECK(false, "the program in its pid namespace did not start");
+		goto out;
+	}
+	CHECK(thr_ask(cmd[1], rep[0], 'r', &r0) == 0, "report");
+	tpl = dbxcr_make_template(target, &err);
+	CHECK(tpl != NULL, "template of a 3-thread process: %s", err.msg);
+	if (!tpl)
+		goto out;
+	/* The original and its threads run on, untouched. */
+	sleep_ms(20);
+	CHECK(thr_ask(cmd[1], rep[0], 'r', &r1) == 0, "report");
+	CHECK(r1.count[0] > r0.count[0] && r1.count[1] > r0.count[1], "the original's threads "
+	      "stopped counting: %ld %ld -> %ld %ld", r0.count[0], r0.count[1], r1.count[0],
+	      r1.count[1]);
+	/* Without its tids it is refused; with them (once the original is gone) it comes back. */
+	{
+		struct dbxcr_spawn_opts o = { 0 };
+
+		o.mntns_fd = -1;
+		CHECK(dbxcr_spawn(tpl, &o, &err) < 0 && err.code == ENOTSUP &&
+		      strstr(err.msg, "its own pid"), "spawn without set_tid: %s", err.msg);
+		kill(target, SIGKILL);
+		for (int i = 0; i < 500 && kill(target, 0) == 0; i++)
+			sleep_ms(2);	/* its init reaps it */
+		o.set_tid = &r0.pid;
+		o.set_tid_size = 1;
+		child = dbxcr_spawn(tpl, &o, &err);
+		CHECK(child > 0, "spawn with set_tid: %s", err.msg);
+	}
+	if (child <= 0)
+		goto out;
+	CHECK(thr_ask(cmd[1], rep[0], 'r', &r2) == 0, "report from the child");
+	CHECK(r2.pid == r0.pid && r2.tids[0] == r0.tids[0] && r2.tids[1] == r0.tids[1],
+	      "pid/tids %d %d %d, were %d %d %d", r2.pid, r2.tids[0], r2.tids[1], r0.pid,
+	      r0.tids[0], r0.tids[1]);
+	CHECK(r2.tls[0] == 100 && r2.tls[1] == 101, "thread-local values %d %d", r2.tls[0],
+	      r2.tls[1]);
+	sleep_ms(20);
+	CHECK(thr_ask(cmd[1], rep[0], 'r', &r3) == 0, "report from the child");
+	CHECK(r3.count[0] > r2.count[0] && r3.count[1] > r2.count[1] &&
+	      r2.count[0] >= r0.count[0] && r2.count[0] <= r1.count[0],
+	      "counts %ld..%ld at the checkpoint, %ld then %ld after", r0.count[0], r1.count[0],
+	      r2.count[0], r3.count[0]);
+	CHECK(strcmp(r3.names[0], "worker0") == 0 && strcmp(r3.names[1], "worker1") == 0,
+	      "thread names %s %s", r3.names[0], r3.names[1]);
+	CHECK(thr_ask(cmd[1], rep[0], 'j', &r3) == 0 && r3.joined,
+	      "pthread_join of the restored threads did not return");
+out:
 	if (tpl)
 		dbxcr_release_template(tpl, &err);
-	kill_reap(pid);
+	if (init > 0)
+		kill(init, SIGKILL);	/* its namespace goes with it */
+	reap(outer);
+	close(cmd[1]);
+	close(rep[0]);
 	close(ready[0]);
 }
 
@@ -2248,7 +2404,7 @@ int main(void)
 		{ "netns-socket", test_netns_socket },
 		{ "template-nanosleep", test_template_nanosleep },
 		{ "template-shared-stack", test_template_shared_stack },
-		{ "refuse-threads", test_refuse_threads },
+		{ "threads-recreated", test_threads },
 		{ "stop-frozen-tree", test_stop_frozen_tree },
 		{ "stop-frozen-edge-cases", test_stop_frozen_edge_cases },
 		{ "template-start-abandoned", test_template_start_abandoned },

@@ -1,0 +1,399 @@
+/* Threads of multi-threaded processes: what a checkpoint captures of each thread beyond the
+ * memory fork() copies, and how a child spawned from the template gets its threads back.
+ * x86_64 only.
+ *
+ * A template is a fork of the process's main thread: it holds the whole address space
+ * (every thread's stack and TLS are in it) but only one thread.  Every other thread was
+ * stopped with the main one (fork_template.c, dbxcr_stop_*), and its registers, FPU state
+ * and mask saved; here we add what its kernel task holds and the memory does not:
+ *  - clear_child_tid (set_tid_address): the word the kernel zeroes and futex-wakes when
+ *    the thread exits, which pthread_join sleeps on.  Only the thread itself can read it
+ *    (prctl(PR_GET_TID_ADDRESS)), so that call is injected into it, its result written to
+ *    a few bytes of its own stack below the ABI's 128-byte red zone (saved first, put
+ *    back after; a signal handler could have used them anyway);
+ *  - its sigaltstack (only the thread can ask, injected the same way; the main thread's
+ *    is copied by fork);
+ *  - its robust futex list (get_robust_list(2) from outside; fork also drops the main
+ *    thread's, so the main thread's is kept too), its rseq registration
+ *    (PTRACE_GET_RSEQ_CONFIGURATION), its name, its tid in the sandbox's pid namespace;
+ *  - its own signal queue (fork_template.c peeks it with the thread's stop).
+ *
+ * In each child, once it is re-rooted, every thread is cloned again by an injected clone3
+ * (CLONE_THREAD and the rest of pthread_create's flags, CLONE_CHILD_CLEARTID at its old
+ * clear_child_tid, set_tid = its old tid: glibc caches each thread's tid in its TLS, so a
+ * thread must come back with the same one).  The new thread is auto-attached (PTRACE_O_
+ * TRACECLONE, inherited from the template) and stops before user mode; into it we inject
+ * rseq, set_robust_list, sigaltstack, its name and its private signals, then write its
+ * registers (fs_base: its TLS), FPU state and mask, and let it go with the main thread.
+ *
+ * Syscalls a thread was inside at the checkpoint restart by the rules in fork_template.c's
+ * file comment, except one: -ERESTART_RESTARTBLOCK continues from the task's restart_block
+ * (a futex wait or a sleep with a timeout), which a new thread does not have (clone copies
+ * the creating thread's), so such a call returns EINTR instead.  glibc's condition
+ * variables and mutexes retry on EINTR; a sleep returns early with the time left.
+ *
+ * rseq: a thread stopped inside a restartable sequence is sent to its abort handler, as
+ * the kernel does to a preempted one on its way back to user mode (a restored thread may
+ * resume on another CPU, and the kernel knows nothing of the sequence it was in). */
+#include <errno.h>
+#include <linux/prctl.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/ptrace.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "dbxcr_internal.h"
+
+/* <linux/ptrace.h> (which clashes with <sys/ptrace.h>): since Linux 5.13. */
+#define DBX_PTRACE_GET_RSEQ_CONFIGURATION 0x420f
+struct dbx_rseq_config {
+	uint64_t rseq_abi_pointer;
+	uint32_t rseq_abi_size;
+	uint32_t signature;
+	uint32_t flags;
+	uint32_t pad;
+};
+
+/* struct rseq_cs of the rseq ABI: the critical section a thread is in, if any. */
+struct dbx_rseq_cs {
+	uint32_t version, flags;
+	uint64_t start_ip, post_commit_offset, abort_ip;
+};
+#define RSEQ_CS_OFFSET 8	/* struct rseq: cpu_id_start, cpu_id, then rseq_cs */
+
+#define STACK_OUT 64	/* bytes of a thread's stack an injected query writes to */
+
+static int read_rseq(pid_t tid, struct thread_state *ts, struct dbxcr_error *err)
+{
+	struct dbx_rseq_config c = { 0 };
+
+	if (ptrace(DBX_PTRACE_GET_RSEQ_CONFIGURATION, tid, (void *)sizeof(c), &c) < 0) {
+		if (errno == EIO || errno == EINVAL)	/* a kernel without it: no rseq either */
+			return 0;
+		return fail(err, errno, tid, "PTRACE_GET_RSEQ_CONFIGURATION");
+	}
+	ts->rseq_ptr = c.rseq_abi_pointer;
+	ts->rseq_len = c.rseq_abi_size;
+	ts->rseq_sig = c.signature;
+	return 0;
+}
+
+static int read_robust(pid_t tid, unsigned long *head, size_t *len, struct dbxcr_error *err)
+{
+	if (syscall(SYS_get_robust_list, tid, head, len) < 0)
+		return fail(err, errno, tid, "get_robust_list");
+	return 0;
+}
+
+/* The thread's name and its tid in its innermost pid namespace (NSpid's last field). */
+static int read_task(pid_t tgid, struct thread_state *ts, struct dbxcr_error *err)
+{
+	char path[96], buf[4096], *p;
+
+	snprintf(path, sizeof(path), "/proc/%d/task/%d/comm", (int)tgid, (int)ts->tid);
+	if (read_small_file(path, buf, sizeof(buf)) < 0)
+		return fail(err, errno, ts->tid, "read %s", path);
+	buf[strcspn(buf, "\n")] = '\0';
+	memcpy(ts->comm, buf, strnlen(buf, sizeof(ts->comm) - 1));	/* zeroed by the caller */
+	snprintf(path, sizeof(path), "/proc/%d/task/%d/status", (int)tgid, (int)ts->tid);
+	if (read_small_file(path, buf, sizeof(buf)) < 0)
+		return fail(err, errno, ts->tid, "read %s", path);
+	p = strstr(buf, "\nNSpid:");
+	if (!p)
+		return fail(err, ENOENT, ts->tid, "no NSpid in %s", path);
+	p += strlen("\nNSpid:");
+	for (char *next;; p = next) {
+		long v = strtol(p, &next, 10);
+
+		if (next == p)
+			break;
+		ts->nstid = (pid_t)v;
+	}
+	if (ts->nstid <= 0)
+		return fail(err, EPROTO, ts->tid, "unreadable NSpid in %s", path);
+	return 0;
+}
+
+/* Run `nr` in the stopped thread with argument `outarg` pointing at STACK_OUT bytes of
+ * its stack below the red zone, and copy `len` bytes of what it wrote to `out`. */
+static int query_on_stack(struct tracee *t, long nr, const long args[6], int outarg,
+			  void *out, size_t len, const char *what, struct dbxcr_error *err)
+{
+	unsigned long at = (unsigned long)((t->regs.rsp - 128 - STACK_OUT) & ~63ULL);
+	unsigned char saved[STACK_OUT];
+	struct dbxcr_error ignored;
+	long a[6];
+	int rc = 0;
+
+	memcpy(a, args, sizeof(a));
+	a[outarg] = (long)at;
+	if (mem_read(t->pid, at, saved, sizeof(saved), err) < 0)
+		return -1;
+	if (rsys(t, nr, a, err, "%s", what) < 0 || mem_read(t->pid, at, out, len, err) < 0)
+		rc = -1;
+	if (mem_write(t->pid, at, saved, sizeof(saved), rc ? &ignored : err) < 0)
+		rc = -1;
+	return rc;
+}
+
+int thread_capture(struct tracee *t, pid_t tgid, bool main, struct thread_state *out,
+		   struct dbxcr_error *err)
+{
+	long a[6] = { PR_GET_TID_ADDRESS, 0, 0, 0, 0, 0 };
+
+	out->tid = t->pid;
+	if (read_task(tgid, out, err) < 0 || read_rseq(t->pid, out, err) < 0 ||
+	    read_robust(t->pid, &out->robust_head, &out->robust_len, err) < 0)
+		return -1;
+	if (query_on_stack(t, SYS_prctl, a, 1, &out->clear_tid, sizeof(out->clear_tid),
+			   "prctl(PR_GET_TID_ADDRESS)", err) < 0)
+		return -1;
+	out->altstack.ss_flags = SS_DISABLE;
+	if (!main) {
+		long s[6] = { 0 };
+
+		if (query_on_stack(t, SYS_sigaltstack, s, 1, &out->altstack,
+				   sizeof(out->altstack), "sigaltstack(NULL, &old)", err) < 0)
+			return -1;
+	}
+	return 0;
+}
+
+int rseq_fixup(pid_t tid, struct user_regs_struct *regs, struct dbxcr_error *err)
+{
+	struct thread_state ts = { 0 };
+	struct dbx_rseq_cs cs;
+	uint64_t at = 0;
+
+	if (read_rseq(tid, &ts, err) < 0)
+		return -1;
+	if (!ts.rseq_ptr)
+		return 0;
+	if (mem_read(tid, (unsigned long)ts.rseq_ptr + RSEQ_CS_OFFSET, &at, sizeof(at), err) < 0)
+		return -1;
+	if (!at)
+		return 0;
+	if (mem_read(tid, (unsigned long)at, &cs, sizeof(cs), err) < 0)
+		return -1;
+	if (regs->rip - cs.start_ip < cs.post_commit_offset)
+		regs->rip = cs.abort_ip;
+	return 0;
+}
+
+/* Into the new thread (stopped at its birth): its kernel registrations, name and private
+ * signals, then its checkpointed registers, FPU state and mask (set when released). */
+static int set_thread_up(struct tracee *nt, const struct dbxcr_template *tpl,
+			 const struct thread_state *ts, struct dbxcr_error *err)
+{
+	unsigned long scratch = tpl->scratch;
+	long a[6] = { 0 };
+
+	/* Injected calls run on no stack of the program's: sigaltstack refuses to change a
+	 * stack the caller's sp is on. */
+	nt->regs.rsp = 0;
+	if (ts->rseq_ptr) {
+		long r[6] = { (long)ts->rseq_ptr, ts->rseq_len, 0, ts->rseq_sig, 0, 0 };
+
+		if (rsys(nt, SYS_rseq, r, err, "thread %d: rseq", (int)ts->nstid) < 0)
+			return -1;
+	}
+	if (ts->robust_head) {
+		long r[6] = { (long)ts->robust_head, (long)ts->robust_len, 0, 0, 0, 0 };
+
+		if (rsys(nt, SYS_set_robust_list, r, err, "thread %d: set_robust_list",
+			 (int)ts->nstid) < 0)
+			return -1;
+	}
+	if (!(ts->altstack.ss_flags & SS_DISABLE)) {
+		stack_t ss = ts->altstack;
+
+		ss.ss_flags &= ~SS_ONSTACK;	/* reported, not settable */
+		if (mem_write(nt->pid, scratch, &ss, sizeof(ss), err) < 0)
+			return -1;
+		a[0] = (long)scratch;
+		if (rsys(nt, SYS_sigaltstack, a, err, "thread %d: sigaltstack", (int)ts->nstid) < 0)
+			return -1;
+	}
+	if (set_comm(nt, scratch, ts->comm, err) < 0)
+		return -1;
+	if (ts->pend.n) {
+		long tgid, tid;
+
+		a[0] = 0;
+		tgid = rsys(nt, SYS_getpid, a, err, "getpid to queue pending signals");
+		tid = tgid < 0 ? -1 : rsys(nt, SYS_gettid, a, err, "gettid to queue pending signals");
+		if (tid < 0)
+			return -1;
+		/* Sent by the thread to itself, any si_code may be queued. */
+		for (int i = 0; i < ts->pend.n; i++) {
+			const siginfo_t *si = &ts->pend.info[i];
+			long q[6] = { tgid, tid, si->si_signo, (long)scratch, 0, 0 };
+
+			if (mem_write(nt->pid, scratch, si, sizeof(*si), err) < 0 ||
+			    rsys(nt, SYS_rt_tgsigqueueinfo, q, err, "thread %d: queue pending "
+				 "signal %d", (int)ts->nstid, si->si_signo) < 0)
+				return -1;
+		}
+	}
+	nt->regs = ts->regs;
+	if ((long)nt->regs.orig_rax >= 0 && (long)nt->regs.rax == -KERN_ERESTART_RESTARTBLOCK)
+		nt->regs.rax = (unsigned long)-EINTR;	/* see the file comment */
+	nt->sigmask = ts->sigmask;
+	nt->xstate = ts->xstate;	/* borrowed from the template: never freed here */
+	nt->xstate_len = ts->xstate_len;
+	nt->deferred_sig = 0;
+	return 0;
+}
+
+/* clone3 one thread in the child c; *nt gets it, stopped at birth (nt->pid 0 if none). */
+static int clone_thread(struct tracee *c, const struct dbxcr_template *tpl,
+			const struct thread_state *ts, bool keep_tid, struct tracee *nt,
+			struct dbxcr_error *err)
+{
+	struct dbx_clone_args ca = { 0 };
+	unsigned long at = tpl->scratch, tid_at = tpl->scratch + 256;
+	long a[6] = { (long)at, sizeof(ca), 0, 0, 0, 0 }, ret;
+	pid_t want = ts->nstid;
+
+	nt->pid = 0;
+	ca.flags = CLONE_VM | CLONE_FS | CLONE_FILES | CLONE_SIGHAND | CLONE_THREAD |
+		   CLONE_SYSVSEM;
+	if (ts->clear_tid) {
+		ca.flags |= CLONE_CHILD_CLEARTID;
+		ca.child_tid = ts->clear_tid;
+	}
+	if (keep_tid) {
+		if (mem_write(c->pid, tid_at, &want, sizeof(want), err) < 0)
+			return -1;
+		ca.set_tid = tid_at;
+		ca.set_tid_size = 1;
+	}
+	if (mem_write(c->pid, at, &ca, sizeof(ca), err) < 0)
+		return -1;
+	c->new_child = 0;
+	if (remote_syscall(c, SYS_clone3, a, &ret, err) < 0)
+		return -1;
+	if (ret == -EEXIST)
+		return fail(err, EEXIST, c->pid, "thread %d: its tid is taken in the pid namespace",
+			    (int)want);
+	if (ret < 0)
+		return fail(err, (int)-ret, c->pid, "clone3 of thread %d", (int)want);
+	if (c->new_child <= 0)
+		return fail(err, EPROTO, c->pid, "clone3 returned %ld but no clone event", ret);
+	nt->pid = c->new_child;
+	if (wait_birth(nt->pid, err) < 0)
+		return -1;
+	if (adopt(nt, nt->pid, c->site, err) < 0)
+		return -1;
+	return set_thread_up(nt, tpl, ts, err);
+}
+
+int threads_recreate(struct tracee *c, const struct dbxcr_template *tpl, bool keep_tids,
+		     struct tracee **out, struct dbxcr_error *err)
+{
+	const struct thread_set *set = tpl->threads;
+	struct tracee *thr;
+	long a[6] = { 0 };
+	int i;
+
+	*out = NULL;
+	if (!set)
+		return 0;
+	/* fork() gave the main thread no clear_child_tid and no robust list. */
+	a[0] = (long)set->main_clear_tid;
+	if (rsys(c, SYS_set_tid_address, a, err, "set_tid_address") < 0)
+		return -1;
+	if (set->main_robust_head) {
+		a[0] = (long)set->main_robust_head;
+		a[1] = (long)set->main_robust_len;
+		if (rsys(c, SYS_set_robust_list, a, err, "set_robust_list") < 0)
+			return -1;
+	}
+	thr = calloc((size_t)set->n, sizeof(*thr));
+	if (!thr)
+		return fail(err, ENOMEM, c->pid, "allocate %d thread tracees", set->n);
+	for (i = 0; i < set->n; i++)
+		if (clone_thread(c, tpl, &set->t[i], keep_tids, &thr[i], err) < 0)
+			break;
+	if (i < set->n) {
+		threads_kill(c->pid, thr, i + 1);
+		free(thr);
+		return -1;
+	}
+	*out = thr;
+	return 0;
+}
+
+int threads_release(pid_t child, struct tracee *thr, int n, struct dbxcr_error *err)
+{
+	int i;
+
+	for (i = 0; i < n; i++)
+		if (restore_and_detach(&thr[i], err) < 0)
+			break;
+	if (i < n)	/* the threads let go die with the group */
+		threads_kill(child, thr + i, n - i);
+	free(thr);	/* their xstate is the template's */
+	return i < n ? -1 : 0;
+}
+
+void threads_kill(pid_t child, const struct tracee *thr, int n)
+{
+	kill(child, SIGKILL);
+	/* Traced threads stay zombies until their tracer reaps them, and the group leader
+	 * cannot be reaped before them. */
+	for (int i = 0; i < n; i++) {
+		int status;
+
+		if (thr[i].pid <= 0)
+			continue;
+		for (;;) {
+			pid_t r = waitpid(thr[i].pid, &status, __WALL);
+
+			if (r < 0 && errno == EINTR)
+				continue;
+			if (r < 0 || WIFEXITED(status) || WIFSIGNALED(status))
+				break;
+		}
+	}
+	kill_traced(child);
+}
+
+struct thread_set *threads_dup(const struct thread_set *src)
+{
+	size_t size;
+	struct thread_set *dst;
+
+	if (!src)
+		return NULL;
+	size = sizeof(*src) + (size_t)src->n * sizeof(src->t[0]);
+	dst = malloc(size);
+	if (!dst)
+		return NULL;
+	memcpy(dst, src, size);
+	for (int i = 0; i < src->n; i++) {
+		dst->t[i].xstate = malloc(src->t[i].xstate_len);
+		if (!dst->t[i].xstate) {
+			dst->n = i;
+			threads_free(dst);
+			return NULL;
+		}
+		memcpy(dst->t[i].xstate, src->t[i].xstate, src->t[i].xstate_len);
+	}
+	return dst;
+}
+
+void threads_free(struct thread_set *set)
+{
+	if (!set)
+		return;
+	for (int i = 0; i < set->n; i++)
+		free(set->t[i].xstate);
+	free(set);
+}
