@@ -89,12 +89,14 @@ struct thread_state {
 	char comm[16];
 };
 
-/* The main thread's registrations fork() does not carry (robust list, clear_tid), and the
- * other threads in tid order. */
+/* The main thread's registrations fork() does not carry (robust list, clear_tid; rseq too
+ * when it is born from a carrier: clone(CLONE_VM) drops it), and the other threads. */
 struct thread_set {
 	unsigned long main_clear_tid;
 	unsigned long main_robust_head;
 	size_t main_robust_len;
+	uint64_t main_rseq_ptr;
+	uint32_t main_rseq_len, main_rseq_sig;
 	int n;
 	struct thread_state t[];
 };
@@ -193,11 +195,12 @@ int thread_capture(struct tracee *t, pid_t tgid, bool main, struct thread_state 
  * the kernel would make it on its next return to user mode. */
 int rseq_fixup(pid_t tid, struct user_regs_struct *regs, struct dbxcr_error *err);
 /* In a spawned child c (stopped, ours, all signals blocked, scratch mapped): give the main
- * thread its registrations back and clone every other thread of tpl with its tid (when
- * keep_tids), stopped in our trace with its final state set: *out (n = tpl's count) for
- * threads_release.  On failure every thread made so far is killed with the child. */
+ * thread its registrations back (rseq too if `born`: a carrier's birth) and clone every
+ * other thread of tpl with its tid (when keep_tids), stopped in our trace with its final
+ * state set: *out (n = tpl's count) for threads_release.  On failure every thread made so
+ * far is killed with the child. */
 int threads_recreate(struct tracee *c, const struct dbxcr_template *tpl, bool keep_tids,
-		     struct tracee **out, struct dbxcr_error *err);
+		     bool born, struct tracee **out, struct dbxcr_error *err);
 /* Let the recreated threads run (their registers, xstate and mask are set); frees thr.
  * On failure the child is killed and reaped. */
 int threads_release(pid_t child, struct tracee *thr, int n, struct dbxcr_error *err);

@@ -1571,6 +1571,9 @@ static struct thread_set *capture_threads(struct dbxcr_stop *s, struct dbxcr_err
 	set->main_clear_tid = main_ts.clear_tid;
 	set->main_robust_head = main_ts.robust_head;
 	set->main_robust_len = main_ts.robust_len;
+	set->main_rseq_ptr = main_ts.rseq_ptr;
+	set->main_rseq_len = main_ts.rseq_len;
+	set->main_rseq_sig = main_ts.rseq_sig;
 	return set;
 fail:
 	threads_free(set);
@@ -2716,7 +2719,7 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 	}
 	if (carrier)	/* pending signals and the scratch page are the birth's business */
 		return 0;
-	if (threads_recreate(c, tpl, o->set_tid_size > 0, thr, err) < 0)
+	if (threads_recreate(c, tpl, o->set_tid_size > 0, false, thr, err) < 0)
 		return -1;
 	if (finish_child(c, tpl, err) < 0) {
 		if (*thr) {
@@ -2727,6 +2730,15 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		return -1;
 	}
 	return 0;
+}
+
+/* glibc keeps each thread's tid in its TLS (pthread_kill, mutex owners): the threads of a
+ * multi-threaded process come back with theirs, which its pid namespace has free only
+ * with the process's own pid. */
+static int own_pid_only(const struct dbxcr_template *tpl, struct dbxcr_error *err)
+{
+	return fail(err, ENOTSUP, tpl->origin, "a multi-threaded process comes back only with "
+		    "its own pid (its threads keep their tids)");
 }
 
 /* Fork and re-root a child, leaving it stopped in our trace with the template's registers,
@@ -2747,14 +2759,9 @@ static pid_t spawn_prepared(struct dbxcr_template *tpl, const struct dbxcr_spawn
 	*thr = NULL;
 	if (check_owner(tpl, err) < 0)
 		return -1;
-	if (tpl->threads && carrier)
-		return fail(err, ENOTSUP, tpl->origin, "a multi-threaded process has no carrier: "
-			    "spawn it from its template");
-	/* glibc keeps each thread's tid in its TLS (pthread_kill, mutex owners): the threads
-	 * come back with theirs, which the pid namespace has free only with the process's. */
-	if (tpl->threads && o->set_tid_size == 0)
-		return fail(err, ENOTSUP, tpl->origin, "a multi-threaded process comes back only "
-			    "with its own pid (its threads keep their tids)");
+	/* A carrier's threads are made at its birth (dbxcr_carrier_birth). */
+	if (tpl->threads && !carrier && o->set_tid_size == 0)
+		return own_pid_only(tpl, err);
 	colocate(&col, tpl);
 	child = clone_from_template(tpl, o, 0, &sw, err);
 	if (child < 0) {
@@ -2891,7 +2898,7 @@ pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t 
 				      .set_tid = set_tid, .set_tid_size = set_tid_size };
 	struct colocation col;
 	struct pidns_switch sw;
-	struct tracee c;
+	struct tracee c, *thr = NULL;
 	pid_t child;
 
 	clear_error(err);
@@ -2899,6 +2906,8 @@ pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t 
 		return -1;
 	if (k->born)
 		return fail(err, EINVAL, k->t.pid, "carrier has given birth already");
+	if (k->t.threads && set_tid_size == 0)
+		return own_pid_only(&k->t, err);
 	colocate(&col, &k->t);
 	/* EEXIST (the pid is still taken) leaves the carrier as it was: retry later. */
 	child = clone_from_template(&k->t, &o, CLONE_VM, &sw, err);
@@ -2907,18 +2916,29 @@ pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t 
 		return -1;
 	}
 	if (wait_birth(child, err) < 0 || adopt(&c, child, k->t.site, err) < 0 ||
-	    finish_child(&c, &k->t, err) < 0 || unpin_child(&col, &k->t, child, err) < 0)
+	    threads_recreate(&c, &k->t, true, true, &thr, err) < 0)
 		goto kill;
+	if (finish_child(&c, &k->t, err) < 0 || unpin_child(&col, &k->t, child, err) < 0)
+		goto kill_threads;
 	colocation_end(&col);
 	c.regs = k->t.regs;
 	c.sigmask = k->t.sigmask;
 	c.xstate = k->t.xstate;
 	c.xstate_len = k->t.xstate_len;
 	c.deferred_sig = 0;
-	if (restore_and_detach(&c, err) < 0)
-		goto kill;
+	if (thr && threads_release(child, thr, k->t.threads->n, err) < 0)
+		return -1;	/* killed and reaped */
+	if (restore_and_detach(&c, err) < 0) {
+		kill_traced(child);
+		return -1;
+	}
 	k->born = true;
 	return child;
+kill_threads:
+	if (thr) {
+		threads_kill(child, thr, k->t.threads->n);
+		free(thr);
+	}
 kill:
 	kill_traced(child);
 	colocation_end(&col);

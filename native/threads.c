@@ -295,7 +295,7 @@ static int clone_thread(struct tracee *c, const struct dbxcr_template *tpl,
 }
 
 int threads_recreate(struct tracee *c, const struct dbxcr_template *tpl, bool keep_tids,
-		     struct tracee **out, struct dbxcr_error *err)
+		     bool born, struct tracee **out, struct dbxcr_error *err)
 {
 	const struct thread_set *set = tpl->threads;
 	struct tracee *thr;
@@ -305,7 +305,15 @@ int threads_recreate(struct tracee *c, const struct dbxcr_template *tpl, bool ke
 	*out = NULL;
 	if (!set)
 		return 0;
-	/* fork() gave the main thread no clear_child_tid and no robust list. */
+	/* fork() gave the main thread no clear_child_tid and no robust list; a birth from a
+	 * carrier (clone(CLONE_VM)) no rseq registration either. */
+	if (born && set->main_rseq_ptr) {
+		long r[6] = { (long)set->main_rseq_ptr, set->main_rseq_len, 0, set->main_rseq_sig,
+			      0, 0 };
+
+		if (rsys(c, SYS_rseq, r, err, "rseq") < 0)
+			return -1;
+	}
 	a[0] = (long)set->main_clear_tid;
 	if (rsys(c, SYS_set_tid_address, a, err, "set_tid_address") < 0)
 		return -1;

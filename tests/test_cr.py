@@ -502,11 +502,25 @@ def waiter():
             cv.wait()                   # a futex wait without a timeout
     woke = local.name
 
+def cpus_ok():                          # sched_getcpu reads the thread's rseq area, which
+    allowed = os.sched_getaffinity(0)   # the kernel updates only while it is registered
+    ok = []
+    for c in sorted(allowed):
+        os.sched_setaffinity(0, {c})
+        ok.append(libc.sched_getcpu() == c)
+    os.sched_setaffinity(0, allowed)
+    return all(ok)
+
+consumer_cpus = None
+
 def consumer():
-    global consumed
+    global consumed, consumer_cpus
     named("consumer")
     while (item := q.get()) is not None:  # a lock acquire without a timeout
-        consumed += item
+        if item == "cpus":
+            consumer_cpus = cpus_ok()
+        else:
+            consumed += item
 
 workers = [threading.Thread(target=counter, args=(f"count{i}",)) for i in range(2)]
 workers += [threading.Thread(target=waiter), threading.Thread(target=consumer)]
@@ -525,7 +539,7 @@ def state():
 
 open("/workspace/thr-ready", "w").close()
 while True:
-    for cmd in ("report", "feed", "wake", "ticks", "join"):
+    for cmd in ("report", "feed", "wake", "ticks", "join", "cpus"):
         if os.path.exists(f"/workspace/{cmd}"):
             if cmd == "report":
                 open("/workspace/state", "w").write(state())
@@ -539,6 +553,12 @@ while True:
                     go = True
                     cv.notify_all()
                 workers[2].join(5)
+            elif cmd == "cpus":
+                consumer_cpus = None
+                q.put("cpus")
+                while consumer_cpus is None:
+                    time.sleep(0.001)
+                open("/workspace/state", "w").write(f"cpus={cpus_ok()} {consumer_cpus}")
             elif cmd == "ticks":
                 open("/workspace/state", "w").write(f"{ticks['count0']} {ticks['count1']}")
             elif cmd == "join":             # pthread_join: each thread's clear_child_tid
@@ -583,6 +603,8 @@ def test_threads_come_back(sbx: Sandbox, restore: Restore) -> None:
     assert _report(sbx) != before
     target = restore(sbx, cp)
     assert _report(target) == before  # memory, tids (the kernel's and glibc's), names
+    _ask(target, "cpus")  # rseq registrations: the main thread's and a worker's
+    assert target.files.read("state") == b"cpus=True True"
     first = _ticks(target)
     _wait(lambda: all(b > a + 5 for a, b in zip(first, _ticks(target))))
     _ask(target, "feed")

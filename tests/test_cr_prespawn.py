@@ -16,6 +16,7 @@ import time
 from deltabox import Sandbox
 
 from conftest import HELD, OWN_PS
+from test_cr import THREADED
 
 _libc = ctypes.CDLL(None, use_errno=True)
 SYS_KCMP, KCMP_VM = 312, 1
@@ -267,3 +268,34 @@ def test_asyncio_process_born_from_carriers(sbx: Sandbox) -> None:
         r = sbx.rollback(cp)
         assert r.process_state == "restored", r.note
         assert _report(sbx) == at_cp, f"rollback {i}"
+
+
+def test_threaded_process_born_from_carriers(sbx: Sandbox) -> None:
+    """A multi-threaded process born from a carrier: its threads are cloned in the new
+    process with their tids, and its main thread's rseq is registered again (a birth is a
+    clone(CLONE_VM), which drops it). Exact at every rollback; afterwards its threads work
+    and can be joined, and the carrier keeps its memory."""
+    marker = "carrier-threads"
+    sbx.files.write("thr.py", THREADED)
+    sbx.exec(f"cd /workspace && nohup python3 thr.py {marker} >/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("thr-ready"), what="ready")
+    _ask(sbx, "feed")
+    at_cp = _report(sbx)
+    cp = sbx.checkpoint(mode="full")
+    for i in range(3):
+        _wait(lambda: _carriers_ready(sbx), what="a carrier")
+        _ask(sbx, "feed")
+        assert _report(sbx) != at_cp
+        r = sbx.rollback(cp)
+        assert r.process_state == "restored", r.note
+        assert _report(sbx) == at_cp, f"rollback {i}"
+        _ask(sbx, "cpus")
+        assert sbx.files.read("state") == b"cpus=True True", f"rollback {i}"
+    live = [p for p, (_, name) in _host_procs(marker).items() if name not in HELD]
+    assert len(live) == 1, live
+    _wait(lambda: any(_same_vm(live[0], p) for p, (st, name) in _host_procs(marker).items()
+                      if name == "dbx-carrier"), what="its keeper")
+    _ask(sbx, "wake")
+    _ask(sbx, "join")
+    joined = sbx.files.read("state").decode()
+    assert joined.startswith("alive=[] took=True "), joined

@@ -563,9 +563,10 @@ class DeltaCR:
                        ) -> Prespawned | None:
         """Carriers, in the generation `mntfd` that a rollback to `state` will use, of
         every process but those that listen on a port (the live process still holds it)
-        and multi-threaded ones (born from a carrier, a process has its one thread):
+        and multi-threaded leaders (not restored by a rollback: native/threads.c):
         restore(pre=...) gives birth to the processes from them. None if none."""
-        recs = [r for r in state.records if not r.listens and r.threads == 1]
+        recs = [r for r in state.records
+                if not r.listens and not (r.threads > 1 and _leader(r))]
         if not recs:
             return None
         pre = Prespawned(state, _PipePlan(state.pipes, state.unlinked, rootfd), {})
