@@ -1391,8 +1391,13 @@ static int wait_threads(struct dbxcr_stop *s, int timeout_ms, struct dbxcr_error
 		struct dbxcr_stop *th = s->threads[i];
 
 		th->t.site = s->t.site;
-		if (dbxcr_stop_wait(th, timeout_ms, err) < 0)
+		if (dbxcr_stop_wait(th, timeout_ms, err) < 0) {
+			/* ESRCH says the process is gone (the caller leaves it out): not so. */
+			if (err->code == ESRCH)
+				return fail(err, EAGAIN, th->t.pid, "thread of pid %d exited during "
+					    "the checkpoint; retry", (int)s->t.pid);
 			return -1;
+		}
 		if (th->kind == DBXCR_STOP_GROUP)
 			return fail(err, EAGAIN, th->t.pid, "thread of pid %d entered a job-control "
 				    "stop during the checkpoint; retry", (int)s->t.pid);
