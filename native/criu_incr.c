@@ -189,10 +189,17 @@ struct core_fixed {
 	char comm[16];
 	uint64_t vdso_hash[2];
 	uint64_t vdso_size;
-	uint32_t xstate_len, npending, auxv_len, exe_len, parent_ref_len, pad;
+	uint32_t xstate_len, npending, auxv_len, exe_len, parent_ref_len;
+	uint32_t ndontfork;	/* MADV_DONTFORK runs (dontfork.c); 0 in older images */
 	uint8_t pend_shared[64];
-	/* followed by: xstate, npending * siginfo_t, auxv, exe path, parent_ref */
+	/* followed by: xstate, npending * siginfo_t, auxv, exe path, parent_ref,
+	 * ndontfork * struct dontfork_img */
 };
+
+struct dontfork_img {
+	uint64_t start, end;
+};
+#define MAX_DONTFORK 65536
 
 struct vma_img {
 	uint64_t start, end, pgoff;
@@ -500,6 +507,7 @@ struct image {
 	const unsigned char *auxv;
 	char *exe;		/* NUL-terminated copies */
 	char *parent_ref;
+	const unsigned char *dontfork;	/* ndontfork struct dontfork_img, unaligned */
 	struct mm_fixed *mm;
 	struct vma_img *vmas;
 	const char *strtab;
@@ -550,11 +558,13 @@ static int image_load(int dirfd, const uint8_t *want_id, struct image *im, pid_t
 	if (im->core_len < sizeof(struct core_fixed))
 		goto inconsistent;
 	im->core = im->core_raw;
-	if (im->core->arch != EM_X86_64 || im->core->npending > 64 || im->core->depth > MAX_DEPTH)
+	if (im->core->arch != EM_X86_64 || im->core->npending > 64 || im->core->depth > MAX_DEPTH ||
+	    im->core->ndontfork > MAX_DONTFORK)
 		goto inconsistent;
 	need = sizeof(struct core_fixed) + (size_t)im->core->xstate_len +
 	       (size_t)im->core->npending * sizeof(siginfo_t) + im->core->auxv_len +
-	       im->core->exe_len + im->core->parent_ref_len;
+	       im->core->exe_len + im->core->parent_ref_len +
+	       (size_t)im->core->ndontfork * sizeof(struct dontfork_img);
 	if (need != im->core_len)
 		goto inconsistent;
 	q = (const unsigned char *)im->core_raw + sizeof(struct core_fixed);
@@ -567,6 +577,8 @@ static int image_load(int dirfd, const uint8_t *want_id, struct image *im, pid_t
 	im->exe = dup_str(q, im->core->exe_len);
 	q += im->core->exe_len;
 	im->parent_ref = dup_str(q, im->core->parent_ref_len);
+	q += im->core->parent_ref_len;
+	im->dontfork = q;
 	if (!im->exe || !im->parent_ref) {
 		fail(err, ENOMEM, pid, "image %s: allocate", where);
 		goto bad;
@@ -1646,6 +1658,7 @@ static int job_core(struct dbxcr_dump_job *j, struct dbxcr_template *tpl,
 	core->exe_len = (uint32_t)strlen(exe);
 	ref = j->pi.c ? (o->parent_ref ? o->parent_ref : o->parent_path) : "";
 	core->parent_ref_len = (uint32_t)strlen(ref);
+	core->ndontfork = (uint32_t)tpl->ndontfork;
 	if (buf_add(&j->corebuf, core, sizeof(*core)) < 0 ||
 	    buf_add(&j->corebuf, tpl->xstate, tpl->xstate_len) < 0 ||
 	    buf_add(&j->corebuf, tpl->pend.info, sizeof(siginfo_t) * (size_t)tpl->pend.n) < 0 ||
@@ -1653,6 +1666,12 @@ static int job_core(struct dbxcr_dump_job *j, struct dbxcr_template *tpl,
 	    buf_add(&j->corebuf, exe, core->exe_len) < 0 ||
 	    buf_add(&j->corebuf, ref, core->parent_ref_len) < 0)
 		return fail(err, ENOMEM, pid, "allocate core image");
+	for (int i = 0; i < tpl->ndontfork; i++) {
+		struct dontfork_img d = { tpl->dontfork[i].start, tpl->dontfork[i].end };
+
+		if (buf_add(&j->corebuf, &d, sizeof(d)) < 0)
+			return fail(err, ENOMEM, pid, "allocate core image");
+	}
 	return 0;
 }
 
@@ -2891,6 +2910,24 @@ struct dbxcr_template *dbxcr_restore_template(pid_t host, int image_dirfd, int r
 	}
 	memcpy(tpl->xstate, R.im->xstate, cur_xlen);
 	tpl->xstate_len = cur_xlen;
+	if (R.im->core->ndontfork) {
+		tpl->dontfork = calloc(R.im->core->ndontfork, sizeof(*tpl->dontfork));
+		if (!tpl->dontfork) {
+			free(tpl->xstate);
+			free(tpl);
+			tpl = NULL;
+			fail(err, ENOMEM, child, "allocate template");
+			goto kill;
+		}
+		for (uint32_t i = 0; i < R.im->core->ndontfork; i++) {
+			struct dontfork_img d;
+
+			memcpy(&d, R.im->dontfork + i * sizeof(d), sizeof(d));
+			tpl->dontfork[i].start = (unsigned long)d.start;
+			tpl->dontfork[i].end = (unsigned long)d.end;
+		}
+		tpl->ndontfork = (int)R.im->core->ndontfork;
+	}
 	tpl->pid = child;
 	tpl->origin = R.im->core->origin_pid;
 	tpl->tracer_tid = current_tid();

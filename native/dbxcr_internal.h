@@ -101,6 +101,11 @@ struct thread_set {
 	struct thread_state t[];
 };
 
+/* A range of consecutive mappings a fork leaves out (MADV_DONTFORK): dontfork.c. */
+struct vma_run {
+	unsigned long start, end;
+};
+
 /* The most threads a process may have to be captured. */
 #define MAX_THREADS 256
 
@@ -129,6 +134,10 @@ struct dbxcr_template {
 	cpu_set_t affinity;
 	/* The origin's other threads (NULL: it had one), recreated in every child. */
 	struct thread_set *threads;
+	/* The origin's MADV_DONTFORK mappings, which the template holds (made without the
+	 * mark) and every child gets marked again (dontfork.c). */
+	struct vma_run *dontfork;
+	int ndontfork;
 };
 
 /* Options for every tracee we inject into (see fork_template.c). */
@@ -182,6 +191,13 @@ void park_regs(struct dbxcr_template *tpl, const struct user_regs_struct *base);
 int park(struct dbxcr_template *tpl, struct dbxcr_error *err);
 int check_owner(const struct dbxcr_template *tpl, struct dbxcr_error *err);
 int transfer_fds(struct tracee *c, unsigned long scratch, const int *src, size_t n, int *out,
+		 struct dbxcr_error *err);
+
+/* dontfork.c */
+/* The runs of mappings of `orig` its fresh fork `tpl` does not have (none: *n = 0). */
+int dontfork_runs(pid_t orig, pid_t tpl, struct vma_run **runs, int *n, struct dbxcr_error *err);
+/* madvise(advice) over each run, injected into the stopped tracee t. */
+int madvise_runs(struct tracee *t, const struct vma_run *runs, int n, int advice,
 		 struct dbxcr_error *err);
 
 /* threads.c */

@@ -1527,6 +1527,42 @@ static pid_t finish_fork(struct dbxcr_stop *s, struct dbxcr_error *err)
 	return child;
 }
 
+/* A fresh template lacks the process's MADV_DONTFORK mappings (dontfork.c): when it does,
+ * it is made again with them (the marks lifted in the process around the fork) and their
+ * runs kept for its children.  Returns the template's pid (maybe another one), or -1 with
+ * no template. */
+static pid_t fork_all_mappings(struct dbxcr_stop *s, pid_t child, struct vma_run **runs,
+			       int *nruns, struct dbxcr_error *err)
+{
+	struct dbxcr_error ignored;
+
+	if (dontfork_runs(s->t.pid, child, runs, nruns, err) < 0) {
+		kill_traced(child);
+		return -1;
+	}
+	if (*nruns == 0)
+		return child;
+	kill_traced(child);
+	child = -1;
+	if (madvise_runs(&s->t, *runs, *nruns, MADV_DOFORK, err) == 0 &&
+	    fork_template_start(&s->t, err) == 0) {
+		s->forking = true;
+		child = finish_fork(s, err);
+	}
+	/* The process keeps its marks, whatever happened. */
+	if (madvise_runs(&s->t, *runs, *nruns, MADV_DONTFORK, child > 0 ? err : &ignored) < 0 &&
+	    child > 0) {
+		kill_traced(child);
+		child = -1;
+	}
+	if (child < 0) {
+		free(*runs);
+		*runs = NULL;
+		*nruns = 0;
+	}
+	return child;
+}
+
 /* One other thread's state for the template (threads.c): its registrations are asked by
  * calls injected into it (EXITKILL meanwhile), then it is put back as it was. */
 static int capture_thread(struct dbxcr_stop *th, struct thread_state *ts, struct dbxcr_error *err)
@@ -1590,6 +1626,8 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 	struct dbxcr_template *tpl;
 	pid_t pid = s->t.pid, child;
 	bool tpl_ok = true;
+	struct vma_run *runs = NULL;
+	int nruns = 0;
 
 	clear_error(err);
 	if (owns(s, err) < 0)
@@ -1599,6 +1637,8 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 		return NULL;
 	}
 	child = finish_fork(s, err);
+	if (child > 0)
+		child = fork_all_mappings(s, child, &runs, &nruns, err);
 	tpl = child > 0 ? calloc(1, sizeof(*tpl)) : NULL;
 	if (tpl)
 		tpl->xstate = malloc(s->t.xstate_len);
@@ -1619,8 +1659,11 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 			threads_free(tpl->threads);
 		}
 		free(tpl);
+		free(runs);
 		return NULL;
 	}
+	tpl->dontfork = runs;
+	tpl->ndontfork = nruns;
 	tpl->pid = child;
 	tpl->origin = pid;
 	tpl->tracer_tid = s->tracer_tid;
@@ -1888,6 +1931,7 @@ int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err)
 	}
 	free(tpl->xstate);
 	threads_free(tpl->threads);
+	free(tpl->dontfork);
 	free(tpl);
 	return rc;
 }
@@ -1900,15 +1944,29 @@ static int dup_template(struct dbxcr_template *dst, const struct dbxcr_template 
 	*dst = *src;
 	dst->xstate = NULL;
 	dst->threads = NULL;
-	if (src->threads && !(dst->threads = threads_dup(src->threads)))
+	dst->dontfork = NULL;
+	if (src->ndontfork) {
+		size_t size = (size_t)src->ndontfork * sizeof(*src->dontfork);
+
+		dst->dontfork = malloc(size);
+		if (!dst->dontfork)
+			return fail(err, ENOMEM, src->pid, "copying %d mapping runs", src->ndontfork);
+		memcpy(dst->dontfork, src->dontfork, size);
+	}
+	if (src->threads && !(dst->threads = threads_dup(src->threads))) {
+		free(dst->dontfork);
+		dst->dontfork = NULL;
 		return fail(err, ENOMEM, src->pid, "copying the state of %d threads",
 			    src->threads->n);
+	}
 	if (!src->xstate_len)
 		return 0;
 	dst->xstate = malloc(src->xstate_len);
 	if (!dst->xstate) {
 		threads_free(dst->threads);
 		dst->threads = NULL;
+		free(dst->dontfork);
+		dst->dontfork = NULL;
 		return fail(err, ENOMEM, src->pid, "copying xstate (%zu bytes)", src->xstate_len);
 	}
 	memcpy(dst->xstate, src->xstate, src->xstate_len);
@@ -1998,6 +2056,7 @@ struct dbxcr_template *dbxcr_template_copy(struct dbxcr_template *tpl, struct db
 out:
 	free(cp->xstate);
 	threads_free(cp->threads);
+	free(cp->dontfork);
 	free(cp);
 	return NULL;
 }
@@ -2620,6 +2679,8 @@ static int finish_child(struct tracee *c, struct dbxcr_template *tpl, struct dbx
 
 	if (requeue_pending(c, tpl, err) < 0)
 		return -1;
+	if (madvise_runs(c, tpl->dontfork, tpl->ndontfork, MADV_DONTFORK, err) < 0)
+		return -1;
 	if (tpl->comm[0] && set_comm(c, tpl->scratch, tpl->comm, err) < 0)
 		return -1;
 	if (tpl->args_hidden && set_mm_bounds(c, tpl->scratch, tpl->mm, false, err) < 0)
@@ -2869,6 +2930,7 @@ pid_t dbxcr_spawn_carrier(struct dbxcr_template *tpl, const struct dbxcr_spawn_o
 		kill_traced(child);
 		free(k->t.xstate);
 		threads_free(k->t.threads);
+		free(k->t.dontfork);
 		free(k);
 		return -1;
 	}
@@ -2978,6 +3040,7 @@ int dbxcr_carrier_kill(struct dbxcr_carrier *k, struct dbxcr_error *err)
 	kill_traced(k->t.pid);
 	free(k->t.xstate);
 	threads_free(k->t.threads);
+	free(k->t.dontfork);
 	free(k);
 	return 0;
 }

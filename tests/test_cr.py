@@ -7,6 +7,7 @@ Each case ends exact, or refused with a clear error naming the process; never wr
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -615,6 +616,109 @@ def test_threads_come_back(sbx: Sandbox, restore: Restore) -> None:
     assert joined.startswith("alive=[] took=True n=9 "), joined
     if restore.mode == "fork":  # type: ignore[attr-defined]
         assert _report(sbx).startswith("n=9 consumed=10 woke=waiter ")  # the source's own
+
+
+DONTFORK = """
+import mmap, os, re, time
+m = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE)  # marked so a fork leaves it out
+m.madvise(mmap.MADV_DONTFORK)
+m[:] = bytes(range(256)) * (len(m) // 256)
+n = 41
+
+def marked():
+    at = "%x-" % __import__("ctypes").addressof(__import__("ctypes").c_char.from_buffer(m))
+    smaps = open("/proc/self/smaps").read()
+    block = smaps[smaps.index(at):]
+    return " dc" in re.search(r"VmFlags:.*", block).group(0)
+
+open("/workspace/dontfork-ready", "w").close()
+while True:
+    if os.path.exists("/workspace/report"):
+        open("/workspace/state", "w").write(f"n={n} sum={sum(m[::4096])} dc={marked()}")
+        os.remove("/workspace/report")
+    if os.path.exists("/workspace/mutate"):
+        n += 1
+        m[:4096] = b"x" * 4096
+        os.remove("/workspace/mutate")
+    time.sleep(0.01)
+"""
+
+
+def test_dontfork_mapping(sbx: Sandbox, restore: Restore) -> None:
+    """A mapping marked MADV_DONTFORK (V8 marks its whole heap so) is one a fork leaves
+    out, and a template is a fork: it comes back with its content, marked again (before,
+    it was missing: the restored process faulted on its first touch)."""
+    sbx.files.write("df.py", DONTFORK)
+    sbx.exec("cd /workspace && nohup python3 df.py >/dev/null 2>&1 &")
+    _wait_file(sbx, "dontfork-ready")
+    before = _report(sbx)
+    assert before.startswith("n=41 sum=") and before.endswith(" dc=True"), before
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    _ask(sbx, "mutate")
+    assert _report(sbx) != before
+    target = restore(sbx, cp)
+    assert _report(target) == before
+    _ask(target, "mutate")
+    assert _report(target).startswith("n=42 ")
+
+
+@pytest.mark.parametrize("how", ["anonymous", "dev-shm"])
+def test_writable_shared_memory_is_refused(sbx: Sandbox, how: str) -> None:
+    """Shared memory (multiprocessing's Value and Array, /dev/shm segments) is shared by a
+    fork, so a template would not keep it as it was: refused by name, not restored with
+    what the process wrote after the checkpoint."""
+    setup = ("m = mmap.mmap(-1, 4096)" if how == "anonymous" else
+             "f = open('/dev/shm/seg', 'w+b'); f.truncate(4096); m = mmap.mmap(f.fileno(), 4096)")
+    sbx.exec(f"nohup python3 -c \"import mmap, time\n{setup}\nm[0] = 1\n"
+             "open('/workspace/held', 'w').write('1')\ntime.sleep(1000)\" >/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("held"))
+    where = "[anonymous]" if how == "anonymous" else "/dev/shm/seg"
+    with pytest.raises(deltabox.FailedPrecondition,
+                       match=rf"(?s)python3 -c import mmap.*writable shared memory "
+                       rf"{re.escape(where)}"):
+        sbx.checkpoint()
+    assert sbx.checkpoint(mode="fs").kind == "fs"
+
+
+NODE_SERVER = """
+const http = require('http');
+let n = 41;
+const big = Buffer.alloc(16 << 20, 7);      // off the V8 heap; the heap itself is marked
+const seen = new Map([['k', 'v']]);         // MADV_DONTFORK and JIT code runs from it
+http.createServer((req, res) => {
+  if (req.url === '/bump') { n++; seen.set('n' + n, n); }
+  res.end(`n=${n} big=${big[12345]} seen=${seen.size} pid=${process.pid}\\n`);
+}).listen(8090, '127.0.0.1', () => require('fs').writeFileSync('/workspace/node-ready', '1'));
+setInterval(() => { seen.get('k'); }, 5);   // timers fire on the restored loop
+"""
+
+NODE_GET = ("python3 -c \"import urllib.request as u, sys; print(u.urlopen("
+            "'http://127.0.0.1:8090/' + sys.argv[1], timeout=10).read().decode().strip())\" ")
+
+
+def test_node_http_server(sbx: Sandbox, restore: Restore) -> None:
+    """A node HTTP server: several threads (libuv's pool, V8's workers), epoll, eventfds,
+    self-pipes, a listener, and a V8 heap marked MADV_DONTFORK. It answers from the
+    checkpoint's state and keeps serving."""
+    sbx.files.write("srv.js", NODE_SERVER)
+    sbx.exec("cd /workspace && nohup node srv.js >/dev/null 2>&1 &")
+    _wait_file(sbx, "node-ready")
+
+    def get(box: Sandbox, what: str) -> str:
+        r = box.exec(NODE_GET + what)
+        assert r.exit_code == 0, r
+        return r.stdout.strip()
+    before = get(sbx, "x")
+    assert before.startswith("n=41 big=7 seen=1 pid="), before
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    assert get(sbx, "bump").startswith("n=42 ")
+    target = restore(sbx, cp)
+    time.sleep(0.6)  # past the restored loop's next timers
+    assert get(target, "x") == before
+    assert get(target, "bump").startswith("n=42 big=7 seen=2 ")
+    assert get(target, "bump").startswith("n=43 big=7 seen=3 ")
 
 
 def test_threads_of_a_group_leader_are_refused_at_rollback(sbx: Sandbox) -> None:

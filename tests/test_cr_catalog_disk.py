@@ -28,7 +28,7 @@ from deltabox import Sandbox
 from conftest import OWN_PS, DaemonProc, new_sandbox, private_daemon
 from test_cr import (  # noqa: F401  (the catalog's cases, run here with the disk fixtures)
     Restore, test_asyncio_server_with_eventfd_and_socket_pair, test_bash_session_state,
-    test_counter_file_and_memory_agree, test_deleted_open_temp_file,
+    test_counter_file_and_memory_agree, test_deleted_open_temp_file, test_dontfork_mapping,
     test_loopback_tcp_server_answers, test_nested_children_and_process_group,
     test_pipe_flags_size_and_unread_data, test_pipeline_alive, test_python_process_memory,
     test_reader_offset, test_socket_pair_and_eventfd_between_processes,

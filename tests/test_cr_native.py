@@ -57,7 +57,8 @@ def native():
     subprocess.run(["gcc", "-O2", "-g", "-Wall", "-Wextra", "-Werror", "-std=gnu11",
                     "-D_GNU_SOURCE", "-fPIC", "-shared", "-o", str(lib),
                     str(ROOT / "native" / "fork_template.c"),
-                    str(ROOT / "native" / "threads.c")], check=True)
+                    str(ROOT / "native" / "threads.c"),
+                    str(ROOT / "native" / "dontfork.c")], check=True)
     os.environ["DELTABOX_LIBDBXCR"] = str(lib)
     from deltabox.cr import native as mod
     mod._lib = None

@@ -9,6 +9,7 @@ rather than come back subtly wrong after a rollback.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class ProcessRecord:
     fds: list[native.FdInfo] = field(default_factory=list)
     rss_kb: int = 0
     mappings: int = 0
+    shared: list[str] = field(default_factory=list)   # writable shared mappings (refused)
     listens: list[native.ListenSocket] = field(default_factory=list)
     loop: LoopState | None = None   # epoll, eventfds, socket pairs (eventloop.capture)
 
@@ -74,24 +76,42 @@ def cmdline(pid: int) -> str:
     return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:120] or "?"
 
 
-def _mappings(pid: int) -> int:
+# A writable shared mapping in /proc/PID/maps: "START-END rw?s OFFSET DEV INODE [PATH]".
+_SHARED_RW = re.compile(rb"^(\S+) rw.s \S+ \S+ \S+ *(.*)$", re.M)
+
+
+def _mappings(pid: int) -> tuple[int, list[str]]:
+    """How many mappings, and the writable shared ones (address range and what backs them):
+    a template is a fork, which shares such memory with the live process instead of
+    keeping it as it was, so a restore would see what the process wrote since."""
     try:
-        return kernfs.read(f"/proc/{pid}/maps").count(b"\n")
+        maps = kernfs.read(f"/proc/{pid}/maps")
     except OSError:
-        return 0
+        return 0, []
+    shared = [f"{_backing(m[2])} at {m[1].decode()}" for m in _SHARED_RW.finditer(maps)]
+    return maps.count(b"\n"), shared
 
 
-def record_head(pid: int) -> tuple[str, int]:
-    """(command line, number of mappings): what reading needs the process's mmap lock
-    (a fork of the process holds it throughout)."""
-    return cmdline(pid), _mappings(pid)
+def _backing(path: bytes) -> str:
+    """What backs a shared mapping, as a user knows it (anonymous shared memory shows as
+    the shmem file "/dev/zero (deleted)")."""
+    name = path.decode(errors="replace")
+    return "[anonymous]" if name in ("", "/dev/zero (deleted)") else name
 
 
-def record(pid: int, st: native.ProcStatus,
-           head: tuple[str, int] | None = None) -> ProcessRecord:
+Head = tuple[str, int, list[str]]
+
+
+def record_head(pid: int) -> Head:
+    """(command line, number of mappings, writable shared mappings): what reading needs
+    the process's mmap lock (a fork of the process holds it throughout)."""
+    return (cmdline(pid), *_mappings(pid))
+
+
+def record(pid: int, st: native.ProcStatus, head: Head | None = None) -> ProcessRecord:
     """Read one stopped or frozen process from /proc (its status, and maybe its
     record_head, already read)."""
-    cmd, mappings = head if head is not None else record_head(pid)
+    cmd, mappings, shared = head if head is not None else record_head(pid)
     try:
         cwd = os.readlink(f"/proc/{pid}/cwd")
     except OSError:
@@ -100,7 +120,8 @@ def record(pid: int, st: native.ProcStatus,
     return ProcessRecord(pid=pid, nspid=nspid, ppid=st.ppid, pgid=st.pgid, sid=st.sid,
                          cmd=cmd, cwd=cwd, threads=st.threads,
                          tracer_pid=st.tracer_pid, cap_eff=st.cap_eff, uid=st.uid,
-                         fds=native.fds(pid), rss_kb=st.rss_kb, mappings=mappings)
+                         fds=native.fds(pid), rss_kb=st.rss_kb, mappings=mappings,
+                         shared=shared)
 
 
 def status_refused(st: native.ProcStatus, tracer_ok: set[int]) -> bool:
@@ -134,6 +155,9 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
 
     for reason in _status_reasons(rec, tracer_ok):
         refuse(reason)
+    for m in rec.shared:
+        refuse(f"writable shared memory {m}: not captured (a template shares it with the "
+               "live process, so a restore would see later writes)")
     for f in rec.fds:
         reason = _fd_refusal(f)
         if reason:
