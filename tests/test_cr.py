@@ -653,12 +653,7 @@ def test_dontfork_mapping(sbx: Sandbox, restore: Restore) -> None:
     _wait_file(sbx, "dontfork-ready")
     before = _report(sbx)
     assert before.startswith("n=41 sum=") and before.endswith(" dc=True"), before
-    cp = sbx.checkpoint()
-    assert cp.kind == "full", cp.reasons
-    _ask(sbx, "mutate")
-    assert _report(sbx) != before
-    target = restore(sbx, cp)
-    assert _report(target) == before
+    target = _checkpoint_mutate_restore(sbx, restore, before)
     _ask(target, "mutate")
     assert _report(target).startswith("n=42 ")
 
@@ -809,12 +804,7 @@ def test_deleted_open_temp_file(sbx: Sandbox, restore: Restore) -> None:
     before = _report(sbx)
     assert "t=5 d=5 r=100000 via_r=b'at the ' " in before and "nlink=0" in before, before
     assert "log=b'one\\n' logpos=4" in before, before
-    cp = sbx.checkpoint()
-    assert cp.kind == "full", cp.reasons
-    _ask(sbx, "mutate")
-    assert _report(sbx) != before
-    target = restore(sbx, cp)
-    assert _report(target) == before
+    target = _checkpoint_mutate_restore(sbx, restore, before)
     assert not target.files.exists("log.txt")    # still unlinked
     _ask(target, "mutate")                       # the restored file is writable, and
     after = _report(target)                      # seen through the other description
@@ -832,6 +822,18 @@ def test_deleted_file_still_linked_elsewhere_is_refused(sbx: Sandbox) -> None:
     _wait(lambda: sbx.files.exists("held"))
     with pytest.raises(deltabox.FailedPrecondition, match="still linked under another name"):
         sbx.checkpoint()
+
+
+def _checkpoint_mutate_restore(sbx: Sandbox, restore: Restore, before: str) -> Sandbox:
+    """Checkpoint, ask the process to mutate (its report changes), bring the checkpoint
+    back: the target's report is `before` again."""
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    _ask(sbx, "mutate")
+    assert _report(sbx) != before
+    target = restore(sbx, cp)
+    assert _report(target) == before
+    return target
 
 
 def _wait(pred, timeout: float = 20) -> None:
