@@ -1892,6 +1892,24 @@ int dbxcr_template_close(struct dbxcr_template *tpl, const int *fds, size_t n,
 	return rc;
 }
 
+int dbxcr_template_own_group(struct dbxcr_template *tpl, struct dbxcr_error *err)
+{
+	struct dbxcr_error ignored;
+	struct tracee t;
+	long a[6] = { 0 };
+	int rc = 0;
+
+	clear_error(err);
+	if (check_owner(tpl, err) < 0 || adopt(&t, tpl->pid, tpl->site, err) < 0)
+		return -1;
+	t.regs = tpl->park;
+	if (rsys(&t, SYS_setpgid, a, err, "setpgid(0, 0) in the template") < 0)
+		rc = -1;
+	if (park(tpl, rc ? &ignored : err) < 0)
+		rc = -1;
+	return rc;
+}
+
 int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err)
 {
 	int status, rc = 0;
@@ -2690,6 +2708,28 @@ static int finish_child(struct tracee *c, struct dbxcr_template *tpl, struct dbx
 	return 0;
 }
 
+/* pgid -1: lead a group of our own (setpgid(0, 0)); > 0: join that group.  Joining fails
+ * (EPERM) when the group's restored members have all exited already, e.g. a shell whose
+ * children are no longer its children: lead a group of our own then, never stay in the
+ * template's group (another sandbox's, or one the template left: see
+ * dbxcr_template_own_group). */
+static int join_group(struct tracee *c, int pgid, struct dbxcr_error *err)
+{
+	long g[6] = { 0, pgid > 0 ? pgid : 0, 0, 0, 0, 0 };
+	long ret;
+
+	if (remote_syscall(c, SYS_setpgid, g, &ret, err) < 0)
+		return -1;
+	if (ret == -EPERM && pgid > 0) {
+		g[1] = 0;
+		if (remote_syscall(c, SYS_setpgid, g, &ret, err) < 0)
+			return -1;
+	}
+	if (ret < 0)
+		return fail(err, (int)-ret, c->pid, "setpgid(0, %d)", pgid > 0 ? pgid : 0);
+	return 0;
+}
+
 static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		       const struct dbxcr_spawn_opts *o, const struct pidns_switch *sw,
 		       bool carrier, struct tracee **thr, struct dbxcr_error *err)
@@ -2766,23 +2806,8 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 	for (size_t i = 0; i < o->nepolls; i++)
 		if (recreate_epoll(c, scratch, &o->epolls[i], err) < 0)
 			return -1;
-	if (o->pgid) {
-		long g[6] = { 0, o->pgid > 0 ? o->pgid : 0, 0, 0, 0, 0 };
-		long ret;
-
-		/* Joining fails (EPERM) when the group's restored members have all exited
-		 * already, e.g. a shell whose children are no longer its children: lead a group
-		 * of our own then, never stay in the template's (another sandbox's) group. */
-		if (remote_syscall(c, SYS_setpgid, g, &ret, err) < 0)
-			return -1;
-		if (ret == -EPERM && o->pgid > 0) {
-			g[1] = 0;
-			if (remote_syscall(c, SYS_setpgid, g, &ret, err) < 0)
-				return -1;
-		}
-		if (ret < 0)
-			return fail(err, (int)-ret, c->pid, "setpgid(0, %d)", o->pgid > 0 ? o->pgid : 0);
-	}
+	if (o->pgid && join_group(c, o->pgid, err) < 0)
+		return -1;
 	if (carrier)	/* pending signals and the scratch page are the birth's business */
 		return 0;
 	if (threads_recreate(c, tpl, o->set_tid_size > 0, false, thr, err) < 0)
@@ -2959,7 +2984,7 @@ static int become_keeper(struct dbxcr_carrier *k, struct dbxcr_error *err)
 }
 
 pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t set_tid_size,
-			  struct dbxcr_error *err)
+			  int pgid, struct dbxcr_error *err)
 {
 	struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1,
 				      .set_tid = set_tid, .set_tid_size = set_tid_size };
@@ -2983,6 +3008,7 @@ pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t 
 		return -1;
 	}
 	if (wait_birth(child, err) < 0 || adopt(&c, child, k->t.site, err) < 0 ||
+	    (pgid && join_group(&c, pgid, err) < 0) ||
 	    threads_recreate(&c, &k->t, true, true, &thr, err) < 0)
 		goto kill;
 	if (finish_child(&c, &k->t, err) < 0 || unpin_child(&col, &k->t, child, err) < 0)

@@ -217,7 +217,8 @@ pid_t dbxcr_spawn(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opt
  * template spawned ahead, re-rooted as dbxcr_spawn would (opts), held stopped.
  * dbxcr_carrier_birth clones the real process out of it (sharing its address space, with
  * the given pid if set_tid_size; EEXIST while that pid is taken, and the carrier stays
- * usable), which continues from the checkpoint.  dbxcr_carrier_keep, soon after (the
+ * usable; in the process group pgid as for dbxcr_spawn_opts.pgid, if not 0), which
+ * continues from the checkpoint.  dbxcr_carrier_keep, soon after (the
  * carrier still holds copies of the process's descriptors until then: a pipe's reader
  * sees no EOF), makes the carrier drop every descriptor and keep only the address space
  * alive (a *keeper*), so killing the process is quick; if that fails the carrier is
@@ -231,7 +232,7 @@ pid_t dbxcr_spawn_carrier(struct dbxcr_template *tpl, const struct dbxcr_spawn_o
 			  struct dbxcr_carrier **out, struct dbxcr_error *err);
 pid_t dbxcr_carrier_pid(const struct dbxcr_carrier *k);
 pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t set_tid_size,
-			  struct dbxcr_error *err);
+			  int pgid, struct dbxcr_error *err);
 int dbxcr_carrier_keep(struct dbxcr_carrier *k, struct dbxcr_error *err);
 int dbxcr_carrier_kill(struct dbxcr_carrier *k, struct dbxcr_error *err);
 
@@ -245,6 +246,13 @@ int dbxcr_netns_socket(int netns_fd, int domain, int type, int protocol,
  * sock_diag listing), so a restored process's pair is made in its sandbox's. */
 int dbxcr_netns_socketpair(int netns_fd, int domain, int type, int sv[2],
 			   struct dbxcr_error *err);
+
+/* Move the parked template out of its process group into one of its own.  A process group
+ * id stays allocated while any member exists, so a template (forked from a group member,
+ * in that group) keeps the group leader's pid taken and the leader could not come back
+ * with it; its children then join their group (dbxcr_spawn_opts.pgid, or a birth's pgid).
+ * Not for a session: no call joins an existing session, so children must be born in it. */
+int dbxcr_template_own_group(struct dbxcr_template *tpl, struct dbxcr_error *err);
 
 /* Close descriptors in the parked template (its children fork without them). */
 int dbxcr_template_close(struct dbxcr_template *tpl, const int *fds, size_t n,

@@ -716,11 +716,40 @@ def test_node_http_server(sbx: Sandbox, restore: Restore) -> None:
     assert get(target, "bump").startswith("n=43 big=7 seen=3 ")
 
 
-def test_threads_of_a_group_leader_are_refused_at_rollback(sbx: Sandbox) -> None:
-    """A group leader comes back from a rollback with a new pid (its template holds its
-    pid as a group id); glibc caches its main thread's tid, so a multi-threaded leader is
-    not restored with one: the rollback says why and restarts, nothing runs half-restored.
-    A fork (a fresh pid namespace) keeps every tid and restores it."""
+def test_threads_roll_back_in_a_fork(sbx: Sandbox) -> None:
+    """A fork's restored process leads a process group of its own (its template's group
+    is the source's), so the fork's own checkpoints hold a group leader: its templates
+    leave the group (engine._own_groups) and a rollback in the fork gives the
+    multi-threaded process its pid and tids back (before, such a rollback restarted)."""
+    sbx.files.write("thr.py", THREADED)
+    sbx.exec("cd /workspace && nohup python3 thr.py >/dev/null 2>&1 &")
+    _wait_file(sbx, "thr-ready")
+    kid = sbx.fork(sbx.checkpoint())[0]
+    try:
+        assert kid.process_state == "restored", kid.fork_note
+        _ask(kid, "feed")
+        before = _report(kid)
+        leader = kid.exec(f"{OWN_PS} pid=,pgid=,args= | grep '[t]hr.py'").stdout.split()[:2]
+        assert leader[0] == leader[1], leader  # it leads its group in the fork
+        cp = kid.checkpoint()
+        assert cp.kind == "full", cp.reasons
+        _ask(kid, "feed")
+        for _ in range(2):
+            r = kid.rollback(cp)
+            assert r.process_state == "restored", r.note
+            assert _report(kid) == before
+        _ask(kid, "join")
+        assert kid.files.read("state").decode().startswith("alive=[] took=True ")
+    finally:
+        kid.kill()
+
+
+def test_threads_of_a_session_leader_are_refused_at_rollback(sbx: Sandbox) -> None:
+    """A session leader comes back from a rollback with a new pid (its templates, in its
+    session, keep its pid allocated as the session id); glibc caches its main thread's
+    tid, so a multi-threaded session leader is not restored with one: the rollback says
+    why and restarts, nothing runs half-restored. A fork (a fresh pid namespace) keeps
+    every tid and restores it."""
     sbx.files.write("thr.py", "import os\nos.setsid()\n" + THREADED)
     sbx.exec("cd /workspace && nohup python3 thr.py >/dev/null 2>&1 &")
     _wait_file(sbx, "thr-ready")
@@ -1147,13 +1176,16 @@ def test_pid_taken_meanwhile_is_restored_with_a_new_pid(sbx: Sandbox) -> None:
 
 
 LEADS_LATER = r"""
-import os, time
+import os, sys, time
 value = "at-first"
 open("pid", "w").write(str(os.getpid()))
 while True:
     if os.path.exists("lead"):
         os.remove("lead")
-        os.setpgid(0, 0)  # its pid becomes a process-group id...
+        if sys.argv[1] == "session":
+            os.setsid()       # its pid becomes a session (and group) id...
+        else:
+            os.setpgid(0, 0)  # its pid becomes a process-group id...
         if os.fork() == 0:  # ...that a child holds too
             while True:
                 time.sleep(1)
@@ -1167,14 +1199,17 @@ while True:
 """
 
 
-def test_pid_held_as_another_checkpoints_group_comes_back_renumbered(sbx: Sandbox) -> None:
+@pytest.mark.parametrize("leads", ["group", "session"])
+def test_pid_held_as_another_checkpoints_group_or_session(sbx: Sandbox, leads: str) -> None:
     """Checkpoint A holds a process as a member of its shell's group; it then leads a
-    group of its own with a child in it, and checkpoint B holds both. B's templates keep
-    that pid allocated as a process-group id for as long as B exists, so a rollback to A
-    gives the process a new pid (and says so); everything else about it is A's."""
+    group (or a session) of its own with a child in it, and checkpoint B holds both. B's
+    templates leave the group (engine._own_groups), so a rollback to A gives the process
+    its pid back. A session they cannot leave: B's templates keep that pid allocated as
+    a session id for as long as B exists, so a rollback to A gives the process a new pid
+    (and says so). Everything else about it is A's either way."""
     sbx.files.write("/workspace/p.py", LEADS_LATER)
     s = sbx.session("s")
-    s.run("cd /workspace && python3 p.py >/dev/null 2>&1 &")
+    s.run(f"cd /workspace && python3 p.py {leads} >/dev/null 2>&1 &")
     _wait_file(sbx, "pid")
     pid = int(sbx.files.read("pid"))
     value, _, group = _report(sbx).split()
@@ -1183,12 +1218,24 @@ def test_pid_held_as_another_checkpoints_group_comes_back_renumbered(sbx: Sandbo
     sbx.files.write("lead", "1")
     _wait_file(sbx, "led")
     assert _report(sbx).split() == ["leader", str(pid), str(pid)]
-    sbx.checkpoint(mode="full")  # B: its templates hold `pid` as their group id
+    cp_b = sbx.checkpoint(mode="full")  # B: its templates hold `pid` as their group id
     r = sbx.rollback(cp_a)
     assert r.process_state == "restored", r.note
-    assert f"pid {pid} was in use" in r.note, r.note
     value, new_pid, new_group = _report(sbx).split()
-    assert value == "at-first" and new_group == group and int(new_pid) != pid
+    assert value == "at-first" and new_group == group
+    if leads == "session":
+        assert f"pid {pid} was in use" in r.note, r.note
+        assert int(new_pid) != pid
+        return
+    assert "was in use" not in r.note, r.note
+    assert int(new_pid) == pid
+    r = sbx.rollback(cp_b)  # the leader comes back with its pid, its child in its group
+    assert r.process_state == "restored", r.note
+    assert _report(sbx).split() == ["leader", str(pid), str(pid)]
+    # (keepers, stopped, share the process's memory and so show its command line)
+    members = sbx.exec(f"{OWN_PS} stat=,pgid=,args= | grep '[p].py group' | grep -v '^t' "
+                       "| awk '{print $2}'")
+    assert members.stdout.split() == [str(pid), str(pid)], members.stdout
 
 
 def test_pkill_f_in_the_sandbox_spares_the_checkpoint(sbx: Sandbox) -> None:

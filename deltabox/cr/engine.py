@@ -20,14 +20,16 @@ it holds the address space, killing the process does not tear it down, so the ne
 rollback's pid is free at once; the keeper is killed afterwards (kill_carriers), off the
 rollback's path.
 
-What is preserved: memory, registers, signal state, process group and session, cwd, files and
-offsets, pipes (with unread data), and the pid of every process that did not lead its process
-group or session. Not preserved:
-- the pid of a group or session leader: the kernel keeps a pid number allocated while any
-  process uses it as a group or session id, and the template is such a process; the leader
-  comes back with a new pid (its group and session ids, and its own idea of `$$`, unchanged);
-  the same for any process whose pid is, by the rollback, another template's group or
-  session id (the response's note names those pids);
+What is preserved: memory, registers, threads, signal state, process group and session, cwd,
+files and offsets, pipes (with unread data), and the pid of every process that did not lead
+its session. A group leader's pid too: the kernel keeps a pid number allocated while any
+process uses it as a group id, and a template is such a process, so the templates of a
+group whose leader is captured leave it after the capture (_own_groups), and the children
+rejoin it at the rollback. Not preserved:
+- the pid of a session leader: its templates stay in its session (no call joins an existing
+  session), so it comes back with a new pid (its group and session ids, and its own idea of
+  `$$`, unchanged); the same for any process whose pid is, by the rollback, another
+  template's session or group id (the response's note names those pids);
 - a restored process's *parent*: it is the parent its template had, which is the sandbox's
   init when the original parent died in the rollback (so a shell's `wait` no longer sees its
   restored background jobs).
@@ -415,7 +417,7 @@ class DeltaCR:
         while True:
             try:
                 if carrier is not None:
-                    return await self.worker.run(carrier.birth, set_tid)
+                    return await self.worker.run(carrier.birth, set_tid, sp.pgid)
                 worker, tpl = self._spawner(sp)
                 return await worker.run(_spawn_once, sp, set_tid, tpl)
             except native.CRError as e:
@@ -470,13 +472,11 @@ class DeltaCR:
             for rec in records:
                 spawn = _spawn_args(state, plan, rec, mntfd, into)
                 if into is None:
-                    # A group or session leader's pid stays allocated while its template
-                    # (a member of that group and session) exists: it comes back with a
-                    # new pid. A kept pid, and a listener's port, are free once the killed
+                    # A kept pid, and a listener's port, are free once the killed
                     # originals have exited (their pages go before their files: a big one
                     # holds the port for tens of ms).
-                    keep_pid = not _leader(rec)
-                    spawn.nspid = rec.nspid if keep_pid else None
+                    spawn.nspid, spawn.pgid = _rollback_ids(state, rec)
+                    keep_pid = spawn.nspid is not None
                     if (keep_pid or rec.listens) and victims is not None:
                         await wait_exited(victims)
                         victims = None
@@ -533,8 +533,10 @@ class DeltaCR:
         one trip either way)."""
         if len(records) < 2 or any(r.pid not in pre.carriers for r in records):
             return {}
-        jobs = [(r.pid, pre.carriers[r.pid], None if _leader(r) else [r.nspid])
-                for r in records]
+        jobs = []
+        for r in records:
+            nspid, pgid = _rollback_ids(pre.state, r)
+            jobs.append((r.pid, pre.carriers[r.pid], None if nspid is None else [nspid], pgid))
         born = await self.worker.run(_birth_each, jobs, list(victims or ()))
         if victims:
             await wait_exited(victims)  # exited by now: closes them
@@ -563,10 +565,11 @@ class DeltaCR:
                        ) -> Prespawned | None:
         """Carriers, in the generation `mntfd` that a rollback to `state` will use, of
         every process but those that listen on a port (the live process still holds it)
-        and multi-threaded leaders (not restored by a rollback: native/threads.c):
+        and multi-threaded ones a rollback does not restore (a session leader:
+        native/threads.c):
         restore(pre=...) gives birth to the processes from them. None if none."""
-        recs = [r for r in state.records
-                if not r.listens and not (r.threads > 1 and _leader(r))]
+        recs = [r for r in state.records if not r.listens
+                and not (r.threads > 1 and _rollback_ids(state, r)[0] is None)]
         if not recs:
             return None
         pre = Prespawned(state, _PipePlan(state.pipes, state.unlinked, rootfd), {})
@@ -906,6 +909,7 @@ def _stop_and_template(cap: _Pass, pids: list[int], thaw: Callable[[], None],
     if cap.files_done.wait(RESUME_WAIT_S) and cap.files_ok:
         _resume_all(cap.stopped)
         cap.resumed = True
+    _leave_groups(cap.templates, cap.records)
 
 
 def _begin_stops(pids: list[int]) -> list[native.Stopped]:
@@ -1145,10 +1149,47 @@ def _kill_carriers(carriers: list[native.Carrier]) -> None:
     _quietly(c.kill for c in carriers)
 
 
+def _own_groups(records: list[ProcessRecord]) -> dict[int, int]:
+    """Process groups whose leader is captured and leads no session (host pgid -> the
+    leader's pid in the sandbox). Their templates leave them (Template.own_group): a
+    group's id stays allocated while a member exists, and the templates would keep the
+    leader's pid taken, so that a rollback could not give it back. A session's cannot be
+    freed so (no call joins an existing session: children are born in theirs)."""
+    return {r.pgid: r.nspid for r in records if r.pid == r.pgid and r.pid != r.sid}
+
+
+def _leave_groups(templates: dict[int, native.Template], records: list[ProcessRecord]) -> None:
+    """On the ptrace thread, once the capture's processes run again: move the templates
+    of _own_groups' members out of their group (one injected setpgid each)."""
+    groups = _own_groups(records)
+    for rec in records:
+        tpl = templates.get(rec.pid)
+        if rec.pgid in groups and tpl is not None and not tpl.own_group_done:
+            try:
+                tpl.own_group()
+            except native.CRError as e:  # its group's leader comes back with a new pid
+                log.warning("template of pid %d: leaving its process group: %s", rec.pid, e)
+
+
+def _rollback_ids(state: ProcessState, rec: ProcessRecord) -> tuple[int | None, int]:
+    """(the pid to give back, or None for a new one; the process group to join, or 0 to
+    stay in the template's) for rec's child at a rollback. A session leader's pid stays
+    allocated while its templates exist (they are in its session), as does a group
+    leader's while a template is in its group (see _own_groups): such a leader comes back
+    with a new pid. A child of a template that left its group joins it again by the
+    leader's pid (which creates it, for the leader itself)."""
+    groups = _own_groups(state.records)
+    freed = rec.pgid in groups and all(state.templates[r.pid].own_group_done
+                                       for r in state.records if r.pgid == rec.pgid)
+    keep = not _leader(rec) or (freed and rec.pid != rec.sid)
+    pgid = groups[rec.pgid] if state.templates[rec.pid].own_group_done else 0
+    return (rec.nspid if keep else None), pgid
+
+
 def _leaders_first(records: list[ProcessRecord]) -> list[ProcessRecord]:
-    """Group and session leaders first (stable otherwise): in a fork, before the members
-    that join their group; in a rollback, they get new pids, so need not wait for the
-    killed processes to free theirs."""
+    """Group and session leaders first (stable otherwise): before the members that join
+    their group; in a rollback, those that get new pids need not wait for the killed
+    processes to free theirs."""
     return sorted(records, key=lambda r: not _leader(r))
 
 
@@ -1157,17 +1198,17 @@ def _leaders_first(records: list[ProcessRecord]) -> list[ProcessRecord]:
 VICTIMS_TIMEOUT_S = 0.5
 
 
-def _birth_each(jobs: list[tuple[int, native.Carrier, list[int] | None]],
+def _birth_each(jobs: list[tuple[int, native.Carrier, list[int] | None, int]],
                 victims: list[int]) -> dict[int, int | native.CRError]:
-    """On the ptrace thread: birth each (checkpoint pid, carrier, set_tid) once, those
-    with a set_tid (jobs come leaders first) once `victims` have exited."""
+    """On the ptrace thread: birth each (checkpoint pid, carrier, set_tid, pgid) once,
+    those with a set_tid (jobs come leaders first) once `victims` have exited."""
     out: dict[int, int | native.CRError] = {}
-    for pid, carrier, set_tid in jobs:
+    for pid, carrier, set_tid, pgid in jobs:
         if set_tid and victims:
             block_until_exited(victims, VICTIMS_TIMEOUT_S)  # else: EEXIST, retried
             victims = []
         try:
-            out[pid] = carrier.birth(set_tid)
+            out[pid] = carrier.birth(set_tid, pgid)
         except native.CRError as e:
             out[pid] = e
         except BaseException:  # a bug: the caller never learns of those born already

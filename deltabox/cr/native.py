@@ -176,7 +176,7 @@ def _load() -> ctypes.CDLL:
                                             ctypes.POINTER(ctypes.c_void_p), err]
         lib.dbxcr_spawn_carrier.restype = ctypes.c_int
         lib.dbxcr_carrier_birth.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
-                                            ctypes.c_size_t, err]
+                                            ctypes.c_size_t, ctypes.c_int, err]
         lib.dbxcr_carrier_birth.restype = ctypes.c_int
         lib.dbxcr_carrier_keep.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_carrier_keep.restype = ctypes.c_int
@@ -185,6 +185,8 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_template_close.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
                                              ctypes.c_size_t, err]
         lib.dbxcr_template_close.restype = ctypes.c_int
+        lib.dbxcr_template_own_group.argtypes = [ctypes.c_void_p, err]
+        lib.dbxcr_template_own_group.restype = ctypes.c_int
         lib.dbxcr_template_copy.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_template_copy.restype = ctypes.c_void_p
         lib.dbxcr_template_adopt.argtypes = [ctypes.c_void_p, err]
@@ -329,6 +331,7 @@ class Template:
         self.pid = pid
         self.origin = origin
         self.owner_thread = threading.get_native_id()
+        self.own_group_done = False   # moved out of its process group (own_group)
         self._refs = 1   # checkpoints holding it (share); release() by each, the last frees
 
     def share(self) -> "Template":
@@ -432,6 +435,15 @@ class Template:
         if _load().dbxcr_template_close(handle, arr, len(fds), ctypes.byref(err)) < 0:
             _raise(err)
 
+    def own_group(self) -> None:
+        """Move the template out of its process group into one of its own, so that the
+        group's id (its leader's pid) is free once the group's live members are gone
+        (native/fork_template.h). Its children join their group with spawn(pgid=...)."""
+        err = _Err()
+        if _load().dbxcr_template_own_group(self._h(), ctypes.byref(err)) < 0:
+            _raise(err)
+        self.own_group_done = True
+
     def copy(self) -> "Template":
         """A second template of the same process, to spawn from on another thread at the
         same time (a fork lane).  It belongs to no thread until that thread calls adopt();
@@ -443,6 +455,7 @@ class Template:
             _raise(err)
         cp = Template(handle, lib.dbxcr_template_pid(handle), self.origin)
         cp.owner_thread = 0
+        cp.own_group_done = self.own_group_done   # a fork of it: in its group
         return cp
 
     def adopt(self) -> None:
@@ -498,14 +511,15 @@ class Carrier:
                           f"{self.owner_thread}; called from {threading.get_native_id()}")
         return self._handle
 
-    def birth(self, set_tid: Sequence[int] | None = None) -> int:
+    def birth(self, set_tid: Sequence[int] | None = None, pgid: int = 0) -> int:
         """The process, continuing from the checkpoint, with pid set_tid[0] in its pid
-        namespace if given (CRError EEXIST while that pid is taken: retry). Its pid."""
+        namespace if given (CRError EEXIST while that pid is taken: retry), in process
+        group `pgid` as for spawn (0: the carrier's). Its pid."""
         tids = list(set_tid or [])
         ctids = (ctypes.c_int * max(1, len(tids)))(*tids)
         err = _Err()
         pid = _load().dbxcr_carrier_birth(self._h(), ctids if tids else None, len(tids),
-                                          ctypes.byref(err))
+                                          pgid, ctypes.byref(err))
         if pid < 0:
             _raise(err)
         self.child = pid

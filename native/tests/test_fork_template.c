@@ -962,7 +962,7 @@ static void test_carriers(void)
 	      err.msg);
 	/* The original still holds its pid: refused, and the carrier stays usable. */
 	orig_pid = orig.pid;
-	child = dbxcr_carrier_birth(k, &orig_pid, 1, &err);
+	child = dbxcr_carrier_birth(k, &orig_pid, 1, 0, &err);
 	CHECK(child < 0 && err.code == EEXIST, "birth on a live pid: %d, %s", child, err.msg);
 
 	{
@@ -975,7 +975,7 @@ static void test_carriers(void)
 		/* A carrier is a template's child: disguised until its birth. */
 		CHECK(cmdline_of(kpid, kargs, sizeof(kargs)) == 0, "carrier command line not empty");
 		stop_program(&orig);
-		child = dbxcr_carrier_birth(k, &orig_pid, 1, &err);
+		child = dbxcr_carrier_birth(k, &orig_pid, 1, 0, &err);
 		CHECK(child == orig_pid, "birth pid %d want %d: %s", child, orig_pid, err.msg);
 		CHECK(child < 0 || dbxcr_carrier_keep(k, &err) == 0, "keep: %s", err.msg);
 		c.pid = child;
@@ -1013,7 +1013,7 @@ static void test_carriers(void)
 			cwd[n > 0 ? n : 0] = '\0';
 			CHECK(strcmp(cwd, "/tmp") == 0, "born cwd %s", cwd);
 		}
-		CHECK(dbxcr_carrier_birth(k, NULL, 0, &err) < 0 && err.code == EINVAL,
+		CHECK(dbxcr_carrier_birth(k, NULL, 0, 0, &err) < 0 && err.code == EINVAL,
 		      "second birth: %s", err.msg);
 		/* It quits: its report pipe reaches EOF (no copy left in the keeper). */
 		ask(&c, 'q', NULL);
