@@ -310,6 +310,8 @@ class Dumps:
         finally:
             for p in parents:
                 self.in_use.discard(p)
+            if parents:  # a dump dropped while this one read it as a parent can go now
+                self.gc()
             ev = self.events.pop(cp_id, None)
             if ev is not None:
                 ev.set()
