@@ -87,6 +87,8 @@ struct thread_state {
 	uint32_t rseq_len, rseq_sig;
 	stack_t altstack;
 	char comm[16];
+	bool affinity_known;		/* its CPU affinity (threads may differ) */
+	cpu_set_t affinity;
 };
 
 /* The main thread's registrations fork() does not carry (robust list, clear_tid; rseq too
@@ -217,9 +219,11 @@ int rseq_fixup(pid_t tid, struct user_regs_struct *regs, struct dbxcr_error *err
  * far is killed with the child. */
 int threads_recreate(struct tracee *c, const struct dbxcr_template *tpl, bool keep_tids,
 		     bool born, struct tracee **out, struct dbxcr_error *err);
-/* Let the recreated threads run (their registers, xstate and mask are set); frees thr.
- * On failure the child is killed and reaped. */
-int threads_release(pid_t child, struct tracee *thr, int n, struct dbxcr_error *err);
+/* Let the recreated threads run (their registers, xstate and mask are set) with their CPU
+ * affinity (cloned while the child was pinned next to us: see colocate in
+ * fork_template.c); frees thr.  On failure the child is killed and reaped. */
+int threads_release(pid_t child, const struct dbxcr_template *tpl, struct tracee *thr,
+		    struct dbxcr_error *err);
 /* SIGKILL the child, reap its threads we trace, then the child. */
 void threads_kill(pid_t child, const struct tracee *thr, int n);
 struct thread_set *threads_dup(const struct thread_set *src);

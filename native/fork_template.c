@@ -2895,7 +2895,7 @@ pid_t dbxcr_spawn(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opt
 
 	if (child < 0)
 		return -1;
-	if (thr && threads_release(child, thr, tpl->threads->n, err) < 0)
+	if (thr && threads_release(child, tpl, thr, err) < 0)
 		return -1;
 	if (restore_and_detach(&c, err) < 0) {
 		kill_traced(child);
@@ -3019,7 +3019,7 @@ pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t 
 	c.xstate = k->t.xstate;
 	c.xstate_len = k->t.xstate_len;
 	c.deferred_sig = 0;
-	if (thr && threads_release(child, thr, k->t.threads->n, err) < 0)
+	if (thr && threads_release(child, &k->t, thr, err) < 0)
 		return -1;	/* killed and reaped */
 	if (restore_and_detach(&c, err) < 0) {
 		kill_traced(child);

@@ -16,7 +16,10 @@
  *  - its robust futex list (get_robust_list(2) from outside; fork also drops the main
  *    thread's, so the main thread's is kept too), its rseq registration
  *    (PTRACE_GET_RSEQ_CONFIGURATION), its name, its tid in the sandbox's pid namespace;
- *  - its own signal queue (fork_template.c peeks it with the thread's stop).
+ *  - its own signal queue (fork_template.c peeks it with the thread's stop);
+ *  - its CPU affinity (sched_getaffinity(tid) from outside; set again from outside once
+ *    the thread is made: the child is pinned next to us while we set it up, and a thread
+ *    cloned then would stay pinned).
  *
  * In each child, once it is re-rooted, every thread is cloned again by an injected clone3
  * (CLONE_THREAD and the rest of pthread_create's flags, CLONE_CHILD_CLEARTID at its old
@@ -148,6 +151,7 @@ int thread_capture(struct tracee *t, pid_t tgid, bool main, struct thread_state 
 	long a[6] = { PR_GET_TID_ADDRESS, 0, 0, 0, 0, 0 };
 
 	out->tid = t->pid;
+	out->affinity_known = sched_getaffinity(t->pid, sizeof(out->affinity), &out->affinity) == 0;
 	if (read_task(tgid, out, err) < 0 || read_rseq(t->pid, out, err) < 0 ||
 	    read_robust(t->pid, &out->robust_head, &out->robust_len, err) < 0)
 		return -1;
@@ -338,13 +342,23 @@ int threads_recreate(struct tracee *c, const struct dbxcr_template *tpl, bool ke
 	return 0;
 }
 
-int threads_release(pid_t child, struct tracee *thr, int n, struct dbxcr_error *err)
+int threads_release(pid_t child, const struct dbxcr_template *tpl, struct tracee *thr,
+		    struct dbxcr_error *err)
 {
-	int i;
+	int i, n = tpl->threads->n;
 
-	for (i = 0; i < n; i++)
+	for (i = 0; i < n; i++) {
+		const struct thread_state *ts = &tpl->threads->t[i];
+
+		if (ts->affinity_known &&
+		    sched_setaffinity(thr[i].pid, sizeof(ts->affinity), &ts->affinity) < 0) {
+			fail(err, errno, thr[i].pid, "thread %d: restoring its CPU affinity",
+			     (int)ts->nstid);
+			break;
+		}
 		if (restore_and_detach(&thr[i], err) < 0)
 			break;
+	}
 	if (i < n)	/* the threads let go die with the group */
 		threads_kill(child, thr + i, n - i);
 	free(thr);	/* their xstate is the template's */

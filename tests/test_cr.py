@@ -517,6 +517,7 @@ consumer_cpus = None
 def consumer():
     global consumed, consumer_cpus
     named("consumer")
+    os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})  # a thread's own CPU mask
     while (item := q.get()) is not None:  # a lock acquire without a timeout
         if item == "cpus":
             consumer_cpus = cpus_ok()
@@ -532,11 +533,15 @@ def task_names():
     return sorted(open(f"/proc/self/task/{t}/comm").read().strip()
                   for t in os.listdir("/proc/self/task"))
 
+def cpu_masks():
+    return [sorted(os.sched_getaffinity(t.native_id)) if t.is_alive() else None
+            for t in sorted(workers, key=lambda t: t.native_id)]
+
 def state():
     tids = sorted(t.native_id for t in workers)   # glibc's and Python's idea of the tids
     kernel = sorted(int(t) for t in os.listdir("/proc/self/task") if int(t) != os.getpid())
     return (f"n={n} consumed={consumed} woke={woke} tids={tids} same={tids == kernel} "
-            f"names={task_names()}")
+            f"names={task_names()} cpus={cpu_masks()}")
 
 open("/workspace/thr-ready", "w").close()
 while True:
@@ -586,7 +591,7 @@ def _ticks(box: Sandbox) -> list[int]:
 
 def test_threads_come_back(sbx: Sandbox, restore: Restore) -> None:
     """A multi-threaded Python process: every thread comes back with its tid, its name, its
-    thread-local state and its place (two counting in a sleep loop, one waiting on a
+    CPU mask (one thread has a mask of its own), its thread-local state and its place (two counting in a sleep loop, one waiting on a
     condition, one blocked on a queue), and keeps working: the waiters wake when told, the
     counters count, and every thread can be joined (the kernel clears each one's tid word
     and wakes pthread_join)."""
