@@ -211,7 +211,10 @@ int thread_capture(struct tracee *t, pid_t tgid, bool main, struct thread_state 
 		   struct dbxcr_error *err);
 /* rseq: a thread stopped inside a restartable sequence resumes at its abort handler, as
  * the kernel would make it on its next return to user mode. */
-int rseq_fixup(pid_t tid, struct user_regs_struct *regs, struct dbxcr_error *err);
+int rseq_fixup(pid_t tid, uint64_t rseq_ptr, struct user_regs_struct *regs,
+	       struct dbxcr_error *err);
+/* The thread's rseq area (0: not registered). */
+int rseq_area(pid_t tid, uint64_t *ptr, struct dbxcr_error *err);
 /* In a spawned child c (stopped, ours, all signals blocked, scratch mapped): give the main
  * thread its registrations back (rseq too if `born`: a carrier's birth) and clone every
  * other thread of tpl with its tid (when keep_tids), stopped in our trace with its final

@@ -1587,7 +1587,7 @@ static int capture_thread(struct dbxcr_stop *th, struct thread_state *ts, struct
 		return fail(err, ENOMEM, th->t.pid, "copying xstate");
 	memcpy(ts->xstate, th->t.xstate, th->t.xstate_len);
 	ts->xstate_len = th->t.xstate_len;
-	return rseq_fixup(th->t.pid, &ts->regs, err);
+	return rseq_fixup(th->t.pid, ts->rseq_ptr, &ts->regs, err);
 }
 
 /* The other threads of a stopped multi-threaded process, and what fork() does not give
@@ -1628,6 +1628,7 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 	bool tpl_ok = true;
 	struct vma_run *runs = NULL;
 	int nruns = 0;
+	uint64_t rseq_ptr = 0;
 
 	clear_error(err);
 	if (owns(s, err) < 0)
@@ -1668,7 +1669,12 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 	tpl->origin = pid;
 	tpl->tracer_tid = s->tracer_tid;
 	tpl->regs = s->t.regs;
-	if (rseq_fixup(pid, &tpl->regs, err) < 0) {
+	/* A multi-threaded process's main thread was asked already (capture_threads). */
+	if (tpl->threads)
+		rseq_ptr = tpl->threads->main_rseq_ptr;
+	else if (rseq_area(pid, &rseq_ptr, err) < 0)
+		tpl_ok = false;
+	if (!tpl_ok || rseq_fixup(pid, rseq_ptr, &tpl->regs, err) < 0) {
 		struct dbxcr_error ignored;
 
 		dbxcr_release_template(tpl, &ignored);

@@ -169,17 +169,25 @@ int thread_capture(struct tracee *t, pid_t tgid, bool main, struct thread_state 
 	return 0;
 }
 
-int rseq_fixup(pid_t tid, struct user_regs_struct *regs, struct dbxcr_error *err)
+int rseq_area(pid_t tid, uint64_t *ptr, struct dbxcr_error *err)
 {
 	struct thread_state ts = { 0 };
-	struct dbx_rseq_cs cs;
-	uint64_t at = 0;
 
 	if (read_rseq(tid, &ts, err) < 0)
 		return -1;
-	if (!ts.rseq_ptr)
+	*ptr = ts.rseq_ptr;
+	return 0;
+}
+
+int rseq_fixup(pid_t tid, uint64_t rseq_ptr, struct user_regs_struct *regs,
+	       struct dbxcr_error *err)
+{
+	struct dbx_rseq_cs cs;
+	uint64_t at = 0;
+
+	if (!rseq_ptr)
 		return 0;
-	if (mem_read(tid, (unsigned long)ts.rseq_ptr + RSEQ_CS_OFFSET, &at, sizeof(at), err) < 0)
+	if (mem_read(tid, (unsigned long)rseq_ptr + RSEQ_CS_OFFSET, &at, sizeof(at), err) < 0)
 		return -1;
 	if (!at)
 		return 0;

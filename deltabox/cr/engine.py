@@ -469,13 +469,14 @@ class DeltaCR:
                 born = await self._births(records, pre, victims)
                 if born:
                     victims = None  # waited for by _births
+            ids = _rollback_ids(state) if into is None else {}
             for rec in records:
                 spawn = _spawn_args(state, plan, rec, mntfd, into)
                 if into is None:
                     # A kept pid, and a listener's port, are free once the killed
                     # originals have exited (their pages go before their files: a big one
                     # holds the port for tens of ms).
-                    spawn.nspid, spawn.pgid = _rollback_ids(state, rec)
+                    spawn.nspid, spawn.pgid = ids[rec.pid]
                     keep_pid = spawn.nspid is not None
                     if (keep_pid or rec.listens) and victims is not None:
                         await wait_exited(victims)
@@ -533,10 +534,9 @@ class DeltaCR:
         one trip either way)."""
         if len(records) < 2 or any(r.pid not in pre.carriers for r in records):
             return {}
-        jobs = []
-        for r in records:
-            nspid, pgid = _rollback_ids(pre.state, r)
-            jobs.append((r.pid, pre.carriers[r.pid], None if nspid is None else [nspid], pgid))
+        ids = _rollback_ids(pre.state)
+        jobs = [(r.pid, pre.carriers[r.pid], None if ids[r.pid][0] is None else [ids[r.pid][0]],
+                 ids[r.pid][1]) for r in records]
         born = await self.worker.run(_birth_each, jobs, list(victims or ()))
         if victims:
             await wait_exited(victims)  # exited by now: closes them
@@ -568,8 +568,9 @@ class DeltaCR:
         and multi-threaded ones a rollback does not restore (a session leader:
         native/threads.c):
         restore(pre=...) gives birth to the processes from them. None if none."""
+        ids = _rollback_ids(state)
         recs = [r for r in state.records if not r.listens
-                and not (r.threads > 1 and _rollback_ids(state, r)[0] is None)]
+                and not (r.threads > 1 and ids[r.pid][0] is None)]
         if not recs:
             return None
         pre = Prespawned(state, _PipePlan(state.pipes, state.unlinked, rootfd), {})
@@ -1171,19 +1172,22 @@ def _leave_groups(templates: dict[int, native.Template], records: list[ProcessRe
                 log.warning("template of pid %d: leaving its process group: %s", rec.pid, e)
 
 
-def _rollback_ids(state: ProcessState, rec: ProcessRecord) -> tuple[int | None, int]:
-    """(the pid to give back, or None for a new one; the process group to join, or 0 to
-    stay in the template's) for rec's child at a rollback. A session leader's pid stays
+def _rollback_ids(state: ProcessState) -> dict[int, tuple[int | None, int]]:
+    """Record pid -> (the pid to give back, or None for a new one; the process group to
+    join, or 0 to stay in the template's) for each process's child at a rollback. A session leader's pid stays
     allocated while its templates exist (they are in its session), as does a group
     leader's while a template is in its group (see _own_groups): such a leader comes back
     with a new pid. A child of a template that left its group joins it again by the
     leader's pid (which creates it, for the leader itself)."""
     groups = _own_groups(state.records)
-    freed = rec.pgid in groups and all(state.templates[r.pid].own_group_done
-                                       for r in state.records if r.pgid == rec.pgid)
-    keep = not _leader(rec) or (freed and rec.pid != rec.sid)
-    pgid = groups[rec.pgid] if state.templates[rec.pid].own_group_done else 0
-    return (rec.nspid if keep else None), pgid
+    stayed = {r.pgid for r in state.records if not state.templates[r.pid].own_group_done}
+    out: dict[int, tuple[int | None, int]] = {}
+    for rec in state.records:
+        freed = rec.pgid in groups and rec.pgid not in stayed
+        keep = not _leader(rec) or (freed and rec.pid != rec.sid)
+        pgid = groups[rec.pgid] if state.templates[rec.pid].own_group_done else 0
+        out[rec.pid] = (rec.nspid if keep else None), pgid
+    return out
 
 
 def _leaders_first(records: list[ProcessRecord]) -> list[ProcessRecord]:
