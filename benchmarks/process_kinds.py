@@ -1,18 +1,21 @@
 """What a process holds, and what its checkpoint and rollback cost: a plain python process
 (the baseline) against one running an asyncio event loop (an epoll instance, its self-pipe
 socket pair, an eventfd in its epoll set and a socket pair with bytes waiting:
-deltabox/cr/eventloop.py), one holding a deleted temporary file (deltabox/cr/unlinked.py)
-and one with a pool of four idle worker threads (a ThreadPoolExecutor: native/threads.c),
-in the same run on one private daemon, each in a sandbox of its own with the same memory
-(--mb).
+deltabox/cr/eventloop.py), one holding a deleted temporary file (deltabox/cr/unlinked.py),
+one with a pool of four idle worker threads (a ThreadPoolExecutor: native/threads.c) and
+one sharing memory with a worker process it forked (multiprocessing's Value and two
+semaphores, and --temp-mb of anonymous shared memory: copied at each checkpoint and mapped
+again at each rollback, deltabox/cr/unlinked.py; the worker is forked before the parent
+allocates its --mb, so it is a small second process), in the same run on one private
+daemon, each in a sandbox of its own with the same memory (--mb).
 
 Each rep, for every kind in turn (the order rotates): the process changes its state (a
 counter and a page of its memory), pauses (--think: the warm pool prepares meanwhile),
 `checkpoint()` is timed; once the checkpoint's background process dump is written and dirty
 pages are flushed (untimed: no call pays for another's background work), the process changes
 again, pauses, `rollback()` to that checkpoint is timed, and the process's report (counter, memory CRC, the bytes in its socket pair, or
-the temporary file's hash and offset, the pool's thread ids and a job it ran) must equal
-the one taken
+the temporary file's hash and offset, the pool's thread ids and a job it ran, the shared
+counter and memory's CRC: the worker bumps them at each change) must equal the one taken
 before the checkpoint. Client-side latency through the SDK; the daemon's own duration
 beside it. JSON and a PNG to --out (default benchmarks/out).
 
@@ -32,11 +35,24 @@ from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, latenc
                                terminate_as_exception, write_json)
 from deltabox import Sandbox
 
-KINDS = ("plain", "asyncio", "tempfile", "threads")
+KINDS = ("plain", "asyncio", "tempfile", "threads", "shared")
 
 PROG = r"""
 import asyncio, concurrent.futures, hashlib, os, socket, sys, tempfile, time, zlib
 kind, mb, temp_mb = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if kind == "shared":   # a worker sharing memory with its parent, forked while it is small
+    import mmap, multiprocessing as mp
+    ctx = mp.get_context("fork")
+    val, go, done = ctx.Value("i", 0), ctx.Semaphore(0), ctx.Semaphore(0)
+    shm = mmap.mmap(-1, temp_mb << 20)
+    shm[:] = os.urandom(temp_mb << 20)
+    if os.fork() == 0:
+        while True:
+            go.acquire()
+            with val.get_lock():
+                val.value += 1
+            shm[val.value * 4096 % len(shm)] ^= 0xFF
+            done.release()
 buf = bytearray(os.urandom(1 << 20)) * mb
 n = 0
 extra = {}
@@ -62,6 +78,8 @@ def report():
     if kind == "threads":
         tids = sorted(w.native_id for w in pool._threads)
         out += f" tids={tids} job={pool.submit(sum, buf[:4096]).result()}"
+    if kind == "shared":
+        out += f" val={val.value} shm={zlib.crc32(shm)}"
     return out
 
 def step():
@@ -69,6 +87,9 @@ def step():
     if os.path.exists("/workspace/bump"):
         n += 1
         buf[(n * 4096) % len(buf)] ^= 0xFF
+        if kind == "shared":   # the worker answers through the shared semaphores
+            go.release()
+            assert done.acquire(timeout=10), "the worker did not answer"
         os.remove("/workspace/bump")
     if os.path.exists("/workspace/report"):
         open("/workspace/.state", "w").write(report())
@@ -191,7 +212,8 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--mb", type=int, default=50, help="memory of each process (MiB)")
-    p.add_argument("--temp-mb", type=int, default=8, help="size of the deleted temp file")
+    p.add_argument("--temp-mb", type=int, default=8,
+                   help="size of the deleted temp file and of the shared memory (MiB)")
     p.add_argument("--think", type=float, default=0.3, help="pause before each op (s)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()

@@ -806,8 +806,10 @@ static int classify_cb(const struct raw_vma *r, void *arg)
 			return fail(c->err, ENOTSUP, c->pid, "mapping %#llx-%#llx: SysV shared "
 				    "memory cannot be dumped", (unsigned long long)r->start,
 				    (unsigned long long)r->end);
+		/* A deleted /dev/shm file (a POSIX semaphore, multiprocessing's heap) is memory
+		 * like any deleted file's; a device node is not. */
 		if (strncmp(name, "/dev/", 5) == 0 && strcmp(name, "/dev/zero (deleted)") != 0 &&
-		    strcmp(name, "/dev/zero") != 0)
+		    strcmp(name, "/dev/zero") != 0 && !(deleted && strncmp(name, "/dev/shm/", 9) == 0))
 			return fail(c->err, ENOTSUP, c->pid, "mapping %#llx-%#llx: device %s "
 				    "cannot be dumped", (unsigned long long)r->start,
 				    (unsigned long long)r->end, name);

@@ -2683,6 +2683,31 @@ static int recreate_epoll(struct tracee *c, unsigned long scratch, const struct 
 
 /* Join the target sandbox's namespaces other than pid (born there) and mount (a
  * generation of its file system, joined next). */
+/* Map the received descriptor fd over the shared mapping [start, end) and close it.  The
+ * child inherited the template's mapping: the original's own object, which it went on
+ * writing after the checkpoint.  MAP_FIXED replaces it in one step; a mapping keeps its
+ * file without the descriptor. */
+static int remap_shared(struct tracee *c, const struct dbxcr_remap *m, int fd,
+			struct dbxcr_error *err)
+{
+	long a[6] = { (long)m->start, (long)(m->end - m->start), m->prot,
+		      MAP_SHARED | MAP_FIXED, fd, (long)m->offset };
+	long got;
+
+	if (m->end <= m->start)
+		return fail(err, EINVAL, c->pid, "shared mapping %#lx-%#lx: empty", m->start,
+			    m->end);
+	got = rsys(c, SYS_mmap, a, err, "map shared memory again at %#lx-%#lx", m->start,
+		   m->end);
+	if (got < 0)
+		return -1;
+	if ((unsigned long)got != m->start)
+		return fail(err, EFAULT, c->pid, "shared memory mapped at %#lx, not %#lx",
+			    (unsigned long)got, m->start);
+	a[0] = fd;
+	return rsys(c, SYS_close, a, err, "close shared memory fd %d", fd) < 0 ? -1 : 0;
+}
+
 static int join_sandbox_ns(struct tracee *c, int pidfd, struct dbxcr_error *err)
 {
 	long a[6] = { pidfd, CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWCGROUP,
@@ -2763,11 +2788,13 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		src[n++] = o->ns_pidfd;
 	}
 	first_fd = n;
-	if (o->nfds + n > MAX_XFER_FDS)
-		return fail(err, E2BIG, c->pid, "%zu descriptors to install (max %zu)", o->nfds,
-			    MAX_XFER_FDS - n);
+	if (o->nfds + o->nremaps + n > MAX_XFER_FDS)
+		return fail(err, E2BIG, c->pid, "%zu descriptors and %zu shared mappings to "
+			    "install (max %zu together)", o->nfds, o->nremaps, MAX_XFER_FDS - n);
 	for (size_t i = 0; i < o->nfds; i++)
 		src[n++] = o->fds[i].src;
+	for (size_t i = 0; i < o->nremaps; i++)
+		src[n++] = o->remaps[i].src;
 	if (n && transfer_fds(c, scratch, src, n, got, err) < 0)
 		return -1;
 	if (n && move_off_targets(c, o, got, n, err) < 0)
@@ -2809,6 +2836,9 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		if (rsys(c, SYS_close, d, err, "close received fd %ld", d[0]) < 0)
 			return -1;
 	}
+	for (size_t i = 0; i < o->nremaps; i++)
+		if (remap_shared(c, &o->remaps[i], got[first_fd + o->nfds + i], err) < 0)
+			return -1;
 	for (size_t i = 0; i < o->nepolls; i++)
 		if (recreate_epoll(c, scratch, &o->epolls[i], err) < 0)
 			return -1;

@@ -181,6 +181,17 @@ struct dbxcr_epoll {
 	size_t nwatches;
 };
 
+/* A shared mapping to replace in the child (MAP_SHARED | MAP_FIXED over [start, end)) by
+ * the caller's descriptor src at offset: the template's mapping is the very object the
+ * original process still writes, so a restore maps a copy saved at the checkpoint. */
+struct dbxcr_remap {
+	unsigned long start;
+	unsigned long end;
+	int prot;			/* PROT_READ / PROT_WRITE / PROT_EXEC as the original had */
+	int src;
+	long long offset;		/* file offset of start */
+};
+
 struct dbxcr_spawn_opts {
 	int mntns_fd;			/* caller's fd of a mount namespace to join, or -1 */
 	const char *cwd;		/* directory to chdir to (after setns), or NULL */
@@ -204,6 +215,8 @@ struct dbxcr_spawn_opts {
 	size_t nlistens;
 	const struct dbxcr_epoll *epolls;	/* epoll instances to recreate, last */
 	size_t nepolls;
+	const struct dbxcr_remap *remaps;	/* shared mappings to map afresh */
+	size_t nremaps;
 };
 
 /* Fork a child from the template, re-root it as asked, restore the checkpointed registers

@@ -663,20 +663,112 @@ def test_dontfork_mapping(sbx: Sandbox, restore: Restore) -> None:
     assert _report(target).startswith("n=42 ")
 
 
-@pytest.mark.parametrize("how", ["anonymous", "dev-shm"])
-def test_writable_shared_memory_is_refused(sbx: Sandbox, how: str) -> None:
-    """Shared memory (multiprocessing's Value and Array, /dev/shm segments) is shared by a
-    fork, so a template would not keep it as it was: refused by name, not restored with
-    what the process wrote after the checkpoint."""
-    setup = ("m = mmap.mmap(-1, 4096)" if how == "anonymous" else
-             "f = open('/dev/shm/seg', 'w+b'); f.truncate(4096); m = mmap.mmap(f.fileno(), 4096)")
-    sbx.exec(f"nohup python3 -c \"import mmap, time\n{setup}\nm[0] = 1\n"
+SHARED_MEMORY = """
+import mmap, multiprocessing as mp, os, tempfile, time
+ctx = mp.get_context("fork")
+val = ctx.Value("i", 41)          # multiprocessing's heap (a /dev/shm file, unlinked) + a lock
+go, done = ctx.Semaphore(0), ctx.Semaphore(0)   # POSIX semaphores: /dev/shm, unlinked
+anon = mmap.mmap(-1, 8192)        # MAP_SHARED | MAP_ANONYMOUS
+anon[:6] = b"hello\\0"
+mfd = os.memfd_create("notes")
+os.ftruncate(mfd, 4096)
+mem = mmap.mmap(mfd, 4096)
+mem[:7] = b"memfd-1"
+tmp = tempfile.TemporaryFile(dir="/workspace")   # a deleted file, written and mapped
+tmp.write(b"file-1".ljust(4096, b"\\0"))
+tmp.flush()
+view = mmap.mmap(tmp.fileno(), 4096)
+
+def worker():                     # shares all of it with its parent
+    while True:
+        go.acquire()              # asleep on a futex in the shared semaphore
+        with val.get_lock():
+            val.value += 100
+        anon[5] = (anon[5] + 1) % 256
+        done.release()
+
+if os.fork() == 0:
+    worker()
+
+def report():
+    open("/workspace/state", "w").write(
+        f"v={val.value} anon={bytes(anon[:6])!r} mem={bytes(mem[:7])!r} "
+        f"fd={os.pread(mfd, 7, 0)!r} tmp={bytes(view[:6])!r}")
+
+open("/workspace/shm-ready", "w").close()
+while True:
+    for cmd in ("bump", "mutate", "report"):
+        if os.path.exists("/workspace/" + cmd):
+            if cmd == "bump":
+                go.release()
+                assert done.acquire(timeout=10), "the worker did not answer"
+            elif cmd == "mutate":
+                with val.get_lock():
+                    val.value = 999
+                anon[:5] = b"XXXXX"
+                os.pwrite(mfd, b"memfd-9", 0)
+                os.pwrite(tmp.fileno(), b"file-9", 0)
+            else:
+                report()
+            os.remove("/workspace/" + cmd)
+    time.sleep(0.01)
+"""
+
+
+def test_shared_memory(sbx: Sandbox, restore: Restore) -> None:
+    """Shared memory between a parent and its child (multiprocessing's Value, lock and
+    semaphores, anonymous shared memory, a memfd and a deleted file written through their
+    descriptors and read through their mappings): a template shares it with the live processes, so it is copied
+    at the checkpoint and mapped again at a restore. It comes back as it was, still shared
+    (the child, asleep on a semaphore, wakes when the parent posts it and its writes are
+    the parent's), and a fork's copy is its own (before, refused)."""
+    sbx.files.write("shm.py", SHARED_MEMORY)
+    sbx.exec("cd /workspace && nohup python3 shm.py >/dev/null 2>&1 &")
+    _wait_file(sbx, "shm-ready")
+    _ask(sbx, "bump")
+    before = _report(sbx)
+    assert before == "v=141 anon=b'hello\\x01' mem=b'memfd-1' fd=b'memfd-1' tmp=b'file-1'", before
+    target = _checkpoint_mutate_restore(sbx, restore, before)
+    _ask(target, "bump")
+    assert _report(target) == "v=241 anon=b'hello\\x02' mem=b'memfd-1' fd=b'memfd-1' tmp=b'file-1'"
+    if restore.mode == "fork":  # type: ignore[attr-defined]
+        assert _report(sbx) == "v=999 anon=b'XXXXX\\x01' mem=b'memfd-9' fd=b'memfd-9' tmp=b'file-9'"
+
+
+@pytest.mark.parametrize("setup,why", [
+    ("m = mmap.mmap(-1, 65 << 20)", r"shared memory \[anonymous\] at [0-9a-f]+-[0-9a-f]+: "
+     r"68157440 bytes \(more than 64 MiB"),
+    ("f = tempfile.TemporaryFile(dir='/workspace'); f.write(bytes(4096)); f.flush()\n"
+     "m = mmap.mmap(f.fileno(), 4096, flags=mmap.MAP_PRIVATE)",
+     r"fd 3: deleted-but-open file /workspace/#\d+: also mapped privately"),
+], ids=["too-large", "deleted-file-mapped-privately"])
+def test_shared_memory_that_cannot_be_copied_is_refused(sbx: Sandbox, setup: str,
+                                                        why: str) -> None:
+    """Objects with no name are copied at the checkpoint, up to 64 MiB each; a deleted file
+    also mapped privately is not (its private pages would keep the old file while its
+    descriptors get the new one). Refused by name, changing nothing."""
+    sbx.exec(f"nohup python3 -c \"import mmap, tempfile, time\n{setup}\nm[0] = 1\n"
              "open('/workspace/held', 'w').write('1')\ntime.sleep(1000)\" >/dev/null 2>&1 &")
     _wait(lambda: sbx.files.exists("held"))
-    where = "[anonymous]" if how == "anonymous" else "/dev/shm/seg"
+    with pytest.raises(deltabox.FailedPrecondition, match=rf"(?s)python3 -c import mmap.*{why}"):
+        sbx.checkpoint()
+    assert sbx.checkpoint(mode="fs").kind == "fs"
+
+
+@pytest.mark.parametrize("how", ["dev-shm", "file"])
+def test_shared_mapping_of_a_named_file_is_refused(sbx: Sandbox, how: str) -> None:
+    """A writable shared mapping of a file that still has its name (a /dev/shm segment
+    from shm_open, a file mmapped for writing) is the file's own pages, which the
+    template shares with the live process: refused by name, not restored with what the
+    process wrote after the checkpoint."""
+    where = "/dev/shm/seg" if how == "dev-shm" else "/workspace/mapped"
+    sbx.exec(f"nohup python3 -c \"import mmap, time\nf = open('{where}', 'w+b')\n"
+             "f.truncate(4096)\nm = mmap.mmap(f.fileno(), 4096)\nm[0] = 1\n"
+             "open('/workspace/held', 'w').write('1')\ntime.sleep(1000)\" >/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("held"))
     with pytest.raises(deltabox.FailedPrecondition,
-                       match=rf"(?s)python3 -c import mmap.*writable shared memory "
-                       rf"{re.escape(where)}"):
+                       match=rf"(?s)python3 -c import mmap.*writable shared mapping of the "
+                       rf"file {re.escape(where)} at "):
         sbx.checkpoint()
     assert sbx.checkpoint(mode="fs").kind == "fs"
 

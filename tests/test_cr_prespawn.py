@@ -16,7 +16,7 @@ import time
 from deltabox import Sandbox
 
 from conftest import HELD, OWN_PS
-from test_cr import THREADED
+from test_cr import SHARED_MEMORY, THREADED
 
 _libc = ctypes.CDLL(None, use_errno=True)
 SYS_KCMP, KCMP_VM = 312, 1
@@ -268,6 +268,28 @@ def test_asyncio_process_born_from_carriers(sbx: Sandbox) -> None:
         r = sbx.rollback(cp)
         assert r.process_state == "restored", r.note
         assert _report(sbx) == at_cp, f"rollback {i}"
+
+
+def test_shared_memory_born_from_carriers(sbx: Sandbox) -> None:
+    """Processes sharing memory (multiprocessing's Value and semaphores, anonymous shared
+    memory, a memfd) born from carriers: each carrier maps the new object before the birth
+    (which shares the carrier's address space), so parent and child come back sharing it,
+    with the checkpoint's content, at every rollback."""
+    sbx.files.write("shm.py", SHARED_MEMORY)
+    sbx.exec("cd /workspace && nohup python3 shm.py >/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("shm-ready"), what="ready")
+    _ask(sbx, "bump")
+    at_cp = _report(sbx)
+    cp = sbx.checkpoint(mode="full")
+    for i in range(3):
+        _wait(lambda: _carriers_ready(sbx), what="a carrier")
+        _ask(sbx, "mutate")
+        assert _report(sbx) != at_cp
+        r = sbx.rollback(cp)
+        assert r.process_state == "restored", r.note
+        assert _report(sbx) == at_cp, f"rollback {i}"
+        _ask(sbx, "bump")   # the child, asleep on the semaphore, shares the new memory
+        assert _report(sbx) == at_cp.replace("v=141", "v=241").replace(r"\x01", r"\x02")
 
 
 def test_threaded_process_born_from_carriers(sbx: Sandbox) -> None:

@@ -56,7 +56,7 @@ class ProcessRecord:
     fds: list[native.FdInfo] = field(default_factory=list)
     rss_kb: int = 0
     mappings: int = 0
-    shared: list[str] = field(default_factory=list)   # writable shared mappings (refused)
+    shared: list[SharedMapping] = field(default_factory=list)  # cr/unlinked.py copies them
     listens: list[native.ListenSocket] = field(default_factory=list)
     loop: LoopState | None = None   # epoll, eventfds, socket pairs (eventloop.capture)
 
@@ -76,35 +76,76 @@ def cmdline(pid: int) -> str:
     return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:120] or "?"
 
 
-# A writable shared mapping in /proc/PID/maps: "START-END rw?s OFFSET DEV INODE [PATH]".
-_SHARED_RW = re.compile(rb"^(\S+) rw.s \S+ \S+ \S+ *(.*)$", re.M)
+@dataclass(frozen=True)
+class SharedMapping:
+    """A MAP_SHARED mapping a restore must map again: a template is a fork, which shares
+    such memory with the live process instead of keeping it as it was, so the restore
+    would see what the process wrote since. cr/unlinked.py copies the object at the
+    checkpoint when it has no name left to be found by (anonymous shared memory, a memfd,
+    a deleted /dev/shm file: POSIX semaphores, multiprocessing's heap)."""
+    start: int
+    end: int
+    prot: int          # PROT_* bits of its permissions
+    offset: int        # file offset of start
+    path: str          # as /proc/PID/maps shows it ("/dev/zero (deleted)": anonymous)
+
+    @property
+    def where(self) -> str:
+        return f"{self.start:x}-{self.end:x}"
+
+    @property
+    def what(self) -> str:
+        """What backs it, as a user knows it."""
+        return "[anonymous]" if self.anonymous else self.path
+
+    @property
+    def anonymous(self) -> bool:
+        return self.path in ("", "/dev/zero (deleted)") or self.path.startswith("[anon_shmem:")
+
+    @property
+    def sysv(self) -> bool:
+        return self.path.startswith("/SYSV")
+
+    @property
+    def copyable(self) -> bool:
+        """Only its mappings and descriptors hold the object (nothing else can reach it)."""
+        return not self.sysv and (self.anonymous or self.path.endswith(" (deleted)"))
+
+    @property
+    def writable(self) -> bool:
+        return bool(self.prot & 2)
 
 
-def _mappings(pid: int) -> tuple[int, list[str]]:
-    """How many mappings, and the writable shared ones (address range and what backs them):
-    a template is a fork, which shares such memory with the live process instead of
-    keeping it as it was, so a restore would see what the process wrote since."""
+# A shared mapping in /proc/PID/maps: "START-END r??s OFFSET DEV INODE [PATH]".
+_SHARED = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) ([r-])([w-])([x-])s ([0-9a-f]+) \S+ \S+ *(.*)$",
+                     re.M)
+
+
+def _mappings(pid: int) -> tuple[int, list[SharedMapping]]:
+    """How many mappings, and the shared ones a restore cannot leave to the template:
+    writable ones, and any of an object with no name (a deleted file's read-only view
+    would still show the original's later writes). A read-only shared view of a named
+    file (glibc's gconv-modules.cache) is the file itself, as restored."""
     try:
         maps = kernfs.read(f"/proc/{pid}/maps")
     except OSError:
         return 0, []
-    shared = [f"{_backing(m[2])} at {m[1].decode()}" for m in _SHARED_RW.finditer(maps)]
-    return maps.count(b"\n"), shared
+    out = []
+    for m in _SHARED.finditer(maps):
+        prot = (m[3] == b"r") * 1 | (m[4] == b"w") * 2 | (m[5] == b"x") * 4
+        sm = SharedMapping(int(m[1], 16), int(m[2], 16), prot, int(m[6], 16),
+                           m[7].decode(errors="replace"))
+        if sm.writable or sm.copyable:
+            out.append(sm)
+    return maps.count(b"\n"), out
 
 
-def _backing(path: bytes) -> str:
-    """What backs a shared mapping, as a user knows it (anonymous shared memory shows as
-    the shmem file "/dev/zero (deleted)")."""
-    name = path.decode(errors="replace")
-    return "[anonymous]" if name in ("", "/dev/zero (deleted)") else name
-
-
-Head = tuple[str, int, list[str]]
+Head = tuple[str, int, list[SharedMapping]]
 
 
 def record_head(pid: int) -> Head:
-    """(command line, number of mappings, writable shared mappings): what reading needs
-    the process's mmap lock (a fork of the process holds it throughout)."""
+    """(command line, number of mappings, shared mappings to map again): what reading
+    needs the process's mmap lock (a fork of the process holds it throughout)."""
     return (cmdline(pid), *_mappings(pid))
 
 
@@ -156,8 +197,13 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
     for reason in _status_reasons(rec, tracer_ok):
         refuse(reason)
     for m in rec.shared:
-        refuse(f"writable shared memory {m}: not captured (a template shares it with the "
-               "live process, so a restore would see later writes)")
+        if m.sysv:
+            refuse(f"System V shared memory {m.path} at {m.where}: not captured (it "
+                   "belongs to the IPC namespace, not to the process)")
+        elif not m.copyable:
+            refuse(f"writable shared mapping of the file {m.path} at {m.where}: not "
+                   "captured (the template shares the file's pages with the live "
+                   "process, so a restore would see later writes)")
     for f in rec.fds:
         reason = _fd_refusal(f)
         if reason:

@@ -751,16 +751,27 @@ class _PipePlan:
         for i, u in enumerate(self.files):
             for j, d in enumerate(u.descriptions):
                 for pid, fd in d.holders:
-                    if pid != rec.pid:
-                        continue
-                    if i not in self.made:
-                        if self.rootfd < 0:
-                            raise native.CRError(errno.EINVAL, "restoring a deleted-but-open "
-                                                 "file needs the generation's root")
-                        self.made[i] = unlinked.recreate(u, self.rootfd)
-                        self.loops += self.made[i].values()
-                    out[fd] = self.made[i][j]
+                    if pid == rec.pid:
+                        out[fd] = self._made(i)[j]
         return out
+
+    def remaps(self, rec: ProcessRecord) -> list[native.Remap]:
+        """rec's shared mappings of those objects (shared memory), mapped again from the
+        same new object as every other process that shared it."""
+        return [native.Remap(m.start, m.end, m.prot, self._made(i)[unlinked.MAPPING],
+                             m.offset)
+                for i, u in enumerate(self.files) for m in u.maps if m.pid == rec.pid]
+
+    def _made(self, i: int) -> dict[int, int]:
+        """The i-th object, made once per restore."""
+        if i not in self.made:
+            u = self.files[i]
+            if self.rootfd < 0 and not u.memory:
+                raise native.CRError(errno.EINVAL, "restoring a deleted-but-open file needs "
+                                     "the generation's root")
+            self.made[i] = unlinked.recreate(u, self.rootfd)
+            self.loops += self.made[i].values()
+        return self.made[i]
 
     def child_end(self, g: PipeGroup, e: PipeEnd) -> int:
         r, w = self.fresh[g.inode]
@@ -1105,6 +1116,7 @@ class _Spawn:
     cloexec: set[int] = field(default_factory=set)   # fdmap targets to close on exec
     epolls: list[native.Epoll] = field(default_factory=list)  # made in the child, last
     threaded: bool = False     # its threads need their tids back: never a new pid
+    remaps: list[native.Remap] = field(default_factory=list)  # its shared memory, made anew
 
 
 def _leader(rec: ProcessRecord) -> bool:
@@ -1126,12 +1138,13 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
              for f in rec.fds if f.kind in ("file", "dir", "chr") and not f.deleted]
     return _Spawn(state.templates[rec.pid], fdmap, files, rec.cwd, mntfd, rec.listens,
                   lane=state.lanes.get(rec.pid), cloexec=cloexec,
-                  epolls=rec.loop.epolls if rec.loop else [], threaded=rec.threads > 1)
+                  epolls=rec.loop.epolls if rec.loop else [], threaded=rec.threads > 1,
+                  remaps=plan.remaps(rec))
 
 
 def _carrier_of(sp: _Spawn) -> native.Carrier:
     return sp.tpl.spawn_carrier(fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd,
-                                cloexec_fds=sp.cloexec, epolls=sp.epolls)
+                                cloexec_fds=sp.cloexec, epolls=sp.epolls, remaps=sp.remaps)
 
 
 def _keep_all(carriers: list[native.Carrier]) -> None:
@@ -1229,7 +1242,7 @@ def _spawn_once(sp: _Spawn, set_tid: list[int] | None,
     into = sp.into
     return (tpl or sp.tpl).spawn(
         fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd, set_tid=set_tid,
-        cloexec_fds=sp.cloexec, epolls=sp.epolls,
+        cloexec_fds=sp.cloexec, epolls=sp.epolls, remaps=sp.remaps,
         pidns_fd=into.pidns_fd if into else None,
         ns_pidfd=into.init_pidfd if into else None,
         cgroup_fds=into.cgroup_fds if into else (), pgid=sp.pgid, listens=sp.listens)

@@ -123,6 +123,11 @@ class _Epoll(ctypes.Structure):
                 ("watches", ctypes.POINTER(_EpollWatch)), ("nwatches", ctypes.c_size_t)]
 
 
+class _Remap(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_ulong), ("end", ctypes.c_ulong), ("prot", ctypes.c_int),
+                ("src", ctypes.c_int), ("offset", ctypes.c_longlong)]
+
+
 class _SpawnOpts(ctypes.Structure):
     _fields_ = [("mntns_fd", ctypes.c_int), ("cwd", ctypes.c_char_p),
                 ("files", ctypes.POINTER(_File)), ("nfiles", ctypes.c_size_t),
@@ -132,7 +137,8 @@ class _SpawnOpts(ctypes.Structure):
                 ("cgroup_fds", ctypes.POINTER(ctypes.c_int)), ("ncgroup_fds", ctypes.c_size_t),
                 ("pgid", ctypes.c_int),
                 ("listens", ctypes.POINTER(_Listen)), ("nlistens", ctypes.c_size_t),
-                ("epolls", ctypes.POINTER(_Epoll)), ("nepolls", ctypes.c_size_t)]
+                ("epolls", ctypes.POINTER(_Epoll)), ("nepolls", ctypes.c_size_t),
+                ("remaps", ctypes.POINTER(_Remap)), ("nremaps", ctypes.c_size_t)]
 
 
 _lib: ctypes.CDLL | None = None
@@ -285,6 +291,17 @@ class Epoll:
 
 
 @dataclass(frozen=True)
+class Remap:
+    """A shared mapping [start, end) to map again in a spawned child from our descriptor
+    src at offset (the template's is the original's own object)."""
+    start: int
+    end: int
+    prot: int
+    src: int
+    offset: int = 0
+
+
+@dataclass(frozen=True)
 class ReopenFile:
     """A regular file to reopen in a spawned child at fd, with its flags and offset."""
     fd: int
@@ -355,7 +372,8 @@ class Template:
               mntns_fd: int | None = None, set_tid: Sequence[int] | None = None,
               cloexec_fds: Iterable[int] = (), pidns_fd: int | None = None,
               ns_pidfd: int | None = None, cgroup_fds: Sequence[int] = (), pgid: int = 0,
-              listens: Sequence[ListenSocket] = (), epolls: Sequence[Epoll] = ()) -> int:
+              listens: Sequence[ListenSocket] = (), epolls: Sequence[Epoll] = (),
+              remaps: Sequence[Remap] = ()) -> int:
         """Fork a child that continues where the origin was at checkpoint time.
 
         fds: {target_fd_in_child: our_fd}, e.g. fresh stdio pipes ({0: r, 1: w, 2: w}).
@@ -368,10 +386,12 @@ class Template:
         cgroup_fds: our open cgroup.procs files, the child is moved into before it runs.
         pgid: 0 keep the template's process group, -1 lead a new one, > 0 join that one.
         listens: listening TCP sockets created afresh (after joining the net namespace).
+        epolls: epoll instances created afresh, last. remaps: shared mappings mapped again
+        from our descriptors.
         Returns the child's pid in our namespace; it is a sibling of the origin (same
         parent, same exit signal)."""
         with self._opts(fds, files, cwd, mntns_fd, set_tid, cloexec_fds, pidns_fd, ns_pidfd,
-                        cgroup_fds, pgid, listens, epolls) as opts:
+                        cgroup_fds, pgid, listens, epolls, remaps) as opts:
             err = _Err()
             pid = _load().dbxcr_spawn(self._handle, ctypes.byref(opts), ctypes.byref(err))
         if pid < 0:
@@ -396,8 +416,8 @@ class Template:
               mntns_fd: int | None = None, set_tid: Sequence[int] | None = None,
               cloexec_fds: Iterable[int] = (), pidns_fd: int | None = None,
               ns_pidfd: int | None = None, cgroup_fds: Sequence[int] = (), pgid: int = 0,
-              listens: Sequence[ListenSocket] = (), epolls: Sequence[Epoll] = ()
-              ) -> Iterator[_SpawnOpts]:
+              listens: Sequence[ListenSocket] = (), epolls: Sequence[Epoll] = (),
+              remaps: Sequence[Remap] = ()) -> Iterator[_SpawnOpts]:
         """The C options of a spawn (valid inside the block: it owns the arrays)."""
         self._h()
         cloexec = set(cloexec_fds)
@@ -420,12 +440,16 @@ class Template:
         ceps = (_Epoll * max(1, len(epolls)))(
             *[_Epoll(e.fd, int(e.cloexec), arr, len(e.watches))
               for e, arr in zip(epolls, watch_arrays)])
+        rms = list(remaps)
+        crms = (_Remap * max(1, len(rms)))(
+            *[_Remap(m.start, m.end, m.prot, m.src, m.offset) for m in rms])
         yield _SpawnOpts(-1 if mntns_fd is None else mntns_fd, cwd_b,
                          cfiles, len(file_items), fdmaps, len(fd_items),
                          ctids if tids else None, len(tids),
                          -1 if pidns_fd is None else pidns_fd,
                          -1 if ns_pidfd is None else ns_pidfd,
-                         ccg, len(cg), pgid, clst, len(lst), ceps, len(epolls))
+                         ccg, len(cg), pgid, clst, len(lst), ceps, len(epolls),
+                         crms, len(rms))
 
     def close_fds(self, fds: Sequence[int]) -> None:
         """Close descriptors in the template (its later children are born without them)."""
@@ -975,7 +999,7 @@ def fds(pid: int) -> list[FdInfo]:
             kind = "epoll"
         elif target == "anon_inode:[eventfd]":
             kind = "eventfd"
-        elif target.startswith("anon_inode:") or target.startswith("/memfd:"):
+        elif target.startswith("anon_inode:"):
             kind = "anon"
         elif _stat.S_ISREG(mode):
             kind = "file"

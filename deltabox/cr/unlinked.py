@@ -1,14 +1,23 @@
-"""Deleted-but-open files: a process's temporary file (Python's `tempfile.TemporaryFile`,
-an `O_TMPFILE` file, a log unlinked while written) has no path to reopen at a restore.
+"""Deleted-but-open files and shared memory: objects no path leads to. A process's
+temporary file (Python's `tempfile.TemporaryFile`, an `O_TMPFILE` file, a log unlinked
+while written), a memfd, anonymous shared memory (`mmap(MAP_SHARED|MAP_ANONYMOUS)`), a
+POSIX semaphore or multiprocessing's heap (a /dev/shm file mapped, then unlinked) have no
+path to reopen at a restore, and a template (a fork) shares their pages with the live
+process instead of keeping them as they were.
 
-At the checkpoint (every process stopped) its content is copied into a memfd of the daemon
-(so it costs memory, like a template's dirtied pages: at most MAX_BYTES per file, larger
-ones are refused). At a restore a new unlinked file is made in the same directory of the
-restored file system (`O_TMPFILE`), filled from that copy, with the original's mode and
-owner, and each open file description of it comes back with its flags and offset, shared
-by the descriptors (and processes) that shared it. A file some descriptor holds while
-another holds its path is a different case (a hard link left): refused, as are a file
-whose directory is gone too, and one mapped into memory (its pages belong to the file).
+At the checkpoint (every process stopped) each object's content is copied into a memfd of
+the daemon (so it costs memory, like a template's dirtied pages: at most MAX_BYTES per
+object, larger ones are refused). At a restore a new object is made once, filled from that
+copy: in memory (a memfd) if the original was (shared memory, /dev/shm, a memfd), else an
+unlinked file in the same directory of the restored file system (`O_TMPFILE`) with the
+original's mode and owner. Each open file description comes back with its flags and
+offset, shared by the descriptors (and processes) that shared it, and each shared mapping
+is mapped again from it at its address, offset and protection, so processes that shared
+memory share the new object. Refused: a file some descriptor holds while another holds its
+path (a hard link left), a file whose directory is gone too, and a deleted file mapped
+privately as well (its private pages would not follow the new file). What is not
+preserved: the new object's name in /proc/PID/fd and maps (a memfd shows as
+"/memfd:NAME (deleted)") and its device and inode numbers.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from dataclasses import dataclass, field
 
 from ..fs.files import open_in_root
 from . import native
-from .capture import ProcessRecord, Refusal
+from .capture import ProcessRecord, Refusal, SharedMapping
 
 MAX_BYTES = 64 << 20
 # Flags of the original's open that would fail or mean something else on our reopen of
@@ -40,6 +49,17 @@ class Description:
 
 
 @dataclass
+class MapHolder:
+    """One shared mapping of the object: the (host pid at the checkpoint) holding it, its
+    range, protection and file offset."""
+    pid: int
+    start: int
+    end: int
+    prot: int
+    offset: int
+
+
+@dataclass
 class UnlinkedFile:
     path: str                     # where it was (inside the sandbox) before its unlink
     mode: int                     # permission bits
@@ -48,30 +68,51 @@ class UnlinkedFile:
     size: int
     descriptions: list[Description] = field(default_factory=list)
     saved: int | None = None      # our memfd holding its content at the checkpoint
+    maps: list[MapHolder] = field(default_factory=list)
+    memory: bool = False          # made again as a memfd, not in its directory
+
+
+# /dev/shm is the sandbox's tmpfs (native/mkroot.c): its objects come back in memory too.
+_IN_MEMORY = ("/memfd:", "/dev/shm/")
+
+
+@dataclass
+class _Held:
+    """What the stopped processes hold of one object: descriptors and mappings."""
+    st: os.stat_result
+    src: str                      # a /proc path that opens it
+    path: str
+    fds: list[tuple[ProcessRecord, native.FdInfo]] = field(default_factory=list)
+    maps: list[tuple[ProcessRecord, SharedMapping]] = field(default_factory=list)
 
 
 def capture(records: list[ProcessRecord]) -> tuple[list[UnlinkedFile], list[Refusal]]:
-    """The deleted-but-open files of the sandbox's stopped processes, content copied."""
-    by_inode: dict[tuple[int, int], list[tuple[ProcessRecord, native.FdInfo]]] = \
-        defaultdict(list)
-    stats: dict[tuple[int, int], os.stat_result] = {}
+    """The deleted-but-open files and shared memory of the sandbox's stopped processes,
+    content copied."""
+    held: dict[tuple[int, int], _Held] = {}
+
+    def holding(src: str, path: str) -> _Held:
+        st = os.stat(src)   # /proc/PID/map_files stats as the descriptor does (overlay too)
+        return held.setdefault((st.st_dev, st.st_ino), _Held(st, src, path))
+
     for rec in records:
         for f in rec.fds:
             if f.kind == "file" and f.deleted:
-                st = os.stat(f"/proc/{rec.pid}/fd/{f.fd}")
-                stats[(st.st_dev, st.st_ino)] = st
-                by_inode[(st.st_dev, st.st_ino)].append((rec, f))
+                holding(f"/proc/{rec.pid}/fd/{f.fd}", f.path).fds.append((rec, f))
+        for m in rec.shared:
+            if m.copyable:
+                h = holding(f"/proc/{rec.pid}/map_files/{m.where}", _plain(m.path))
+                h.maps.append((rec, m))
     out: list[UnlinkedFile] = []
     refused: list[Refusal] = []
     try:
-        for key, held in by_inode.items():
-            rec, f = held[0]
-            why = _refusal(rec, f, stats[key])
+        for h in held.values():
+            why = _refusal(h)
             if why:
-                refused.append(Refusal(rec.nspid, rec.cmd, f"fd {f.fd}: deleted-but-open "
-                                       f"file {f.path}: {why}"))
+                rec, what = _first_holder(h)
+                refused.append(Refusal(rec.nspid, rec.cmd, f"{what}: {why}"))
                 continue
-            out.append(_copy(held))
+            out.append(_copy(h))
     except BaseException:
         close_saved(out)
         raise
@@ -81,46 +122,70 @@ def capture(records: list[ProcessRecord]) -> tuple[list[UnlinkedFile], list[Refu
     return out, refused
 
 
-def _refusal(rec: ProcessRecord, f: native.FdInfo, st: os.stat_result) -> str | None:
-    if st.st_nlink:
+def _plain(path: str) -> str:
+    return path.removesuffix(" (deleted)")
+
+
+def _first_holder(h: _Held) -> tuple[ProcessRecord, str]:
+    if h.fds:
+        rec, f = h.fds[0]
+        return rec, f"fd {f.fd}: deleted-but-open file {f.path}"
+    rec, m = h.maps[0]
+    return rec, f"shared memory {m.what} at {m.where}"
+
+
+def _in_memory(h: _Held) -> bool:
+    return not h.path or h.path == "/dev/zero" or h.path.startswith("[anon_shmem:") or \
+        h.path.startswith(_IN_MEMORY)
+
+
+def _refusal(h: _Held) -> str | None:
+    if h.st.st_nlink:
         return "still linked under another name: not captured"
-    if st.st_size > MAX_BYTES:
-        return f"{st.st_size} bytes (more than {MAX_BYTES >> 20} MiB are not captured)"
-    if not os.path.isdir(f"/proc/{rec.pid}/root{os.path.dirname(f.path)}"):
+    if h.st.st_size > MAX_BYTES:
+        return f"{h.st.st_size} bytes (more than {MAX_BYTES >> 20} MiB are not captured)"
+    rec = (h.fds or h.maps)[0][0]
+    if not _in_memory(h) and \
+            not os.path.isdir(f"/proc/{rec.pid}/root{os.path.dirname(h.path)}"):
         return "its directory is gone too: not captured"
-    if _mapped(rec.pid, st):
-        return "mapped into memory: not captured"
+    if h.fds and any(_mapped_privately(r.pid, h) for r in {r.pid: r for r, _ in h.fds}
+                     .values()):
+        return "also mapped privately: not captured"
     return None
 
 
-def _mapped(pid: int, st: os.stat_result) -> bool:
-    """Whether pid maps this inode (/proc/pid/maps: dev major:minor, inode)."""
-    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+def _mapped_privately(pid: int, h: _Held) -> bool:
+    """Whether pid maps this file MAP_PRIVATE. /proc/pid/maps names the file and its
+    inode, but the device of the file under an overlay (not the overlay's, which stat
+    gives), so the path and inode are compared."""
+    name = f"{h.path} (deleted)"
     try:
         with open(f"/proc/{pid}/maps") as maps:
-            return any(len(p) > 4 and p[3] == dev and p[4] == str(st.st_ino)
-                       for p in (line.split() for line in maps))
+            return any(len(p) > 5 and p[4] == str(h.st.st_ino) and p[1].endswith("p") and
+                       line.rstrip("\n").endswith(name)
+                       for line in maps for p in [line.split(None, 5)])
     except OSError:
         return False
 
 
-def _copy(held: list[tuple[ProcessRecord, native.FdInfo]]) -> UnlinkedFile:
-    rec, f = held[0]
-    src = os.open(f"/proc/{rec.pid}/fd/{f.fd}", os.O_RDONLY | os.O_CLOEXEC)
+def _copy(h: _Held) -> UnlinkedFile:
+    src = os.open(h.src, os.O_RDONLY | os.O_CLOEXEC)
     try:
         st = os.fstat(src)
-        u = UnlinkedFile(f.path, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_size)
+        u = UnlinkedFile(h.path, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_size,
+                         memory=_in_memory(h))
         u.saved = os.memfd_create("dbx-unlinked", os.MFD_CLOEXEC)
         _fill(u.saved, src, st.st_size)
     finally:
         os.close(src)
-    for rec, f in held:
+    for rec, f in h.fds:
         d = next((d for d in u.descriptions
                   if native.same_file(rec.pid, f.fd, d.holders[0][0], d.holders[0][1])), None)
         if d is None:
             d = Description(f.flags, f.pos)
             u.descriptions.append(d)
         d.holders.append((rec.pid, f.fd))
+    u.maps = [MapHolder(rec.pid, m.start, m.end, m.prot, m.offset) for rec, m in h.maps]
     return u
 
 
@@ -141,29 +206,43 @@ def close_saved(files: list[UnlinkedFile]) -> None:
             u.saved = None
 
 
+MAPPING = -1   # recreate()'s key of the descriptor the mappings are made from
+
+
 def recreate(u: UnlinkedFile, rootfd: int) -> dict[int, int]:
-    """A new unlinked file like `u` in its directory under `rootfd` (a generation's root):
-    our descriptor for each of its descriptions, by position in u.descriptions. The
-    caller closes them."""
+    """A new object like `u`: a memfd, or an unlinked file in its directory under `rootfd`
+    (a generation's root). Our descriptor for each of its descriptions, by position in
+    u.descriptions, and (key MAPPING) one to map it from if it is mapped. The caller
+    closes them."""
     assert u.saved is not None
-    dirfd = open_in_root(rootfd, os.path.dirname(u.path) or "/", os.O_PATH | os.O_DIRECTORY)
     made: dict[int, int] = {}
+    fd = _new_object(u, rootfd)
     try:
-        fd = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, u.mode, dir_fd=dirfd)
-        try:
-            os.fchown(fd, u.uid, u.gid)
-            os.fchmod(fd, u.mode)
-            _fill(fd, u.saved, u.size)
-            for i, d in enumerate(u.descriptions):
-                made[i] = os.open(f"/proc/self/fd/{fd}",
-                                  (d.flags & ~_REOPEN_DROP) | os.O_CLOEXEC)
-                os.lseek(made[i], d.pos, os.SEEK_SET)
-        finally:
-            os.close(fd)
+        os.fchown(fd, u.uid, u.gid)
+        os.fchmod(fd, u.mode)
+        _fill(fd, u.saved, u.size)
+        for i, d in enumerate(u.descriptions):
+            made[i] = os.open(f"/proc/self/fd/{fd}", (d.flags & ~_REOPEN_DROP) | os.O_CLOEXEC)
+            os.lseek(made[i], d.pos, os.SEEK_SET)
+        if u.maps:
+            made[MAPPING], fd = fd, -1
     except BaseException:
         for m in made.values():
             os.close(m)
         raise
     finally:
-        os.close(dirfd)
+        if fd >= 0:
+            os.close(fd)
     return made
+
+
+def _new_object(u: UnlinkedFile, rootfd: int) -> int:
+    """An empty unlinked object where u's kind lives, read-write."""
+    if u.memory:
+        name = os.path.basename(u.path.removeprefix("/memfd:")) or "shared"
+        return os.memfd_create(name[:200], os.MFD_CLOEXEC)
+    dirfd = open_in_root(rootfd, os.path.dirname(u.path) or "/", os.O_PATH | os.O_DIRECTORY)
+    try:
+        return os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, u.mode, dir_fd=dirfd)
+    finally:
+        os.close(dirfd)

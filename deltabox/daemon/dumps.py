@@ -525,7 +525,9 @@ def _unlinked_from(f: dict, data: bytes) -> unlinked.UnlinkedFile:
     u = unlinked.UnlinkedFile(f["path"], f["mode"], f["uid"], f["gid"], f["size"],
                               [unlinked.Description(x["flags"], x["pos"],
                                                     [tuple(h) for h in x["holders"]])
-                               for x in f["descriptions"]])
+                               for x in f["descriptions"]],
+                              maps=[unlinked.MapHolder(**m) for m in f.get("maps", [])],
+                              memory=f.get("memory", False))
     u.saved = os.memfd_create("dbx-unlinked", os.MFD_CLOEXEC)
     try:
         os.write(u.saved, data)  # a memfd takes it whole
@@ -537,7 +539,7 @@ def _unlinked_from(f: dict, data: bytes) -> unlinked.UnlinkedFile:
 
 def _rec_json(r: ProcessRecord) -> dict:
     d = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)
-         if f.name not in ("fds", "listens", "loop")}
+         if f.name not in ("fds", "listens", "loop", "shared")}
     d["fds"] = [dataclasses.asdict(f) for f in r.fds]
     d["listens"] = [dict(dataclasses.asdict(ls), addr=ls.addr.hex()) for ls in r.listens]
     d["loop"] = eventloop.to_json(r.loop)

@@ -435,9 +435,11 @@ struct state_report {
 	uint64_t checksum;
 	long long off;
 	char data[8];
+	int shm;	/* the first int of shm_page */
 };
 
 static unsigned char *shared_buf;	/* mapped before fork: same address in every copy */
+static int *shm_page;			/* MAP_SHARED | MAP_ANONYMOUS, one page */
 static int prog_counter;
 
 static uint64_t checksum(const unsigned char *b, size_t n)
@@ -476,6 +478,7 @@ static void program(void)
 		case 'm':	/* mutate memory and advance the file */
 			prog_counter++;
 			fill_pattern(shared_buf, 100 + prog_counter);
+			shm_page[0]++;
 			if (read(FILE_FD, r.data, 5) != 5)
 				_exit(4);
 			break;
@@ -488,6 +491,7 @@ static void program(void)
 			r.counter = prog_counter;
 			r.eintr = eintr;
 			r.checksum = checksum(shared_buf, BUF_SIZE);
+			r.shm = shm_page[0];
 			if (c == 'f')
 				r.off = lseek(FILE_FD, 0, SEEK_CUR);
 			if (write(REP_FD, &r, sizeof(r)) != sizeof(r))
@@ -600,6 +604,77 @@ static bool same_link(const char *a, const char *b)
 		return false;
 	x[n] = y[m] = '\0';
 	return strcmp(x, y) == 0;
+}
+
+/* A template (a fork) shares MAP_SHARED memory with the original: a child spawned from it
+ * sees the original's later writes unless the mapping is replaced (dbxcr_remap). */
+static void test_shared_remap(void)
+{
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl;
+	struct proc orig, plain, kid;
+	struct state_report r;
+	int cmd[2], rep[2], saved;
+	struct dbxcr_fdmap fds[2];
+	struct dbxcr_remap rm;
+	struct dbxcr_spawn_opts o = { 0 };
+
+	current_test = "shared-remap";
+	shm_page[0] = 7;
+	orig = start_program();
+	tpl = dbxcr_make_template(orig.pid, &err);
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (!tpl) {
+		stop_program(&orig);
+		return;
+	}
+	CHECK(ask(&orig, 'm', &r) == 0 && ask(&orig, 'm', &r) == 0 && ask(&orig, 'r', &r) == 0 &&
+	      r.shm == 9, "original's shared int %d, want 9", r.shm);
+	plain = spawn_program(tpl, NULL, 0, -1, NULL, &err);
+	CHECK(plain.pid > 0 && ask(&plain, 'r', &r) == 0 && r.shm == 9,
+	      "a child without the remap sees the original's writes: %d", r.shm);
+	stop_program(&plain);
+
+	/* What the daemon does: a copy saved at the checkpoint, mapped in place. */
+	saved = memfd_create("saved", MFD_CLOEXEC);
+	if (saved < 0 || ftruncate(saved, 4096) < 0 || pwrite(saved, &(int){ 7 }, 4, 0) != 4)
+		abort();
+	if (pipe2(cmd, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0)
+		abort();
+	fds[0] = (struct dbxcr_fdmap){ cmd[0], CMD_FD, 0 };
+	fds[1] = (struct dbxcr_fdmap){ rep[1], REP_FD, 0 };
+	rm = (struct dbxcr_remap){ (unsigned long)shm_page, (unsigned long)shm_page + 4096,
+				   PROT_READ | PROT_WRITE, saved, 0 };
+	o.mntns_fd = -1;
+	o.fds = fds;
+	o.nfds = 2;
+	o.remaps = &rm;
+	o.nremaps = 1;
+	kid.pid = dbxcr_spawn(tpl, &o, &err);
+	close(cmd[0]);
+	close(rep[1]);
+	kid.cmd = cmd[1];
+	kid.rep = rep[0];
+	CHECK(kid.pid > 0, "spawn with a remap: %s", err.msg);
+	if (kid.pid > 0) {
+		int now = 0;
+
+		CHECK(ask(&kid, 'r', &r) == 0 && r.shm == 7, "child's shared int %d, want 7",
+		      r.shm);
+		CHECK(ask(&kid, 'm', &r) == 0 && ask(&kid, 'r', &r) == 0 && r.shm == 8 &&
+		      pread(saved, &now, 4, 0) == 4 && now == 8,
+		      "the child's write is not in the new object: %d", now);
+		CHECK(ask(&orig, 'r', &r) == 0 && r.shm == 9, "the original's shared int %d, "
+		      "want 9 (untouched by the child)", r.shm);
+	}
+	rm.end = rm.start;
+	o.nfds = 0;
+	CHECK(dbxcr_spawn(tpl, &o, &err) < 0 && err.code == EINVAL, "an empty remap: %s",
+	      err.msg);
+	stop_program(&kid);
+	close(saved);
+	dbxcr_release_template(tpl, &err);
+	stop_program(&orig);
 }
 
 static void test_templates(void)
@@ -2384,7 +2459,8 @@ int main(void)
 	signal(SIGPIPE, SIG_IGN);
 	shared_buf = mmap(NULL, BUF_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
 			  -1, 0);
-	if (shared_buf == MAP_FAILED)
+	shm_page = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	if (shared_buf == MAP_FAILED || shm_page == MAP_FAILED)
 		abort();
 	snprintf(file_path, sizeof(file_path), "/tmp/dbxcr-test-XXXXXX");
 	fd = mkstemp(file_path);
@@ -2403,6 +2479,7 @@ int main(void)
 		{ "inject-wait4", test_inject_wait4 },
 		{ "inject-group-stopped", test_inject_group_stopped },
 		{ "templates", test_templates },
+		{ "shared-remap", test_shared_remap },
 		{ "template-copy", test_template_copy },
 		{ "carriers", test_carriers },
 		{ "spawn-mntns", test_spawn_mntns },
