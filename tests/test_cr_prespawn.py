@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from collections.abc import Callable
 
 from deltabox import Sandbox
 
@@ -257,17 +258,28 @@ def test_asyncio_process_born_from_carriers(sbx: Sandbox) -> None:
     sbx.files.write("aprog.py", ASYNC_PROG)
     sbx.exec("nohup python3 /workspace/aprog.py >/dev/null 2>&1 &")
     _wait(lambda: sbx.files.exists("ready"), what="ready")
-    _ask(sbx, "bump")
-    at_cp = _report(sbx)
+    at_cp = _rollbacks_from_carriers(sbx, "bump", "bump", 2)
     assert " n=1 sem=1 pair=queued " in at_cp, at_cp
+
+
+def _rollbacks_from_carriers(sbx: Sandbox, prepare: str, change: str, times: int,
+                             after: Callable[[str, int], None] | None = None) -> str:
+    """Ask the program to `prepare`, checkpoint; `times` over: once a carrier waits, ask
+    it to `change`, roll back, and its report must be the checkpoint's again (then
+    `after(report at the checkpoint, i)`). Returns that report."""
+    _ask(sbx, prepare)
+    at_cp = _report(sbx)
     cp = sbx.checkpoint(mode="full")
-    for i in range(2):
+    for i in range(times):
         _wait(lambda: _carriers_ready(sbx), what="a carrier")
-        _ask(sbx, "bump")
+        _ask(sbx, change)
         assert _report(sbx) != at_cp
         r = sbx.rollback(cp)
         assert r.process_state == "restored", r.note
         assert _report(sbx) == at_cp, f"rollback {i}"
+        if after is not None:
+            after(at_cp, i)
+    return at_cp
 
 
 def test_shared_memory_born_from_carriers(sbx: Sandbox) -> None:
@@ -278,18 +290,12 @@ def test_shared_memory_born_from_carriers(sbx: Sandbox) -> None:
     sbx.files.write("shm.py", SHARED_MEMORY)
     sbx.exec("cd /workspace && nohup python3 shm.py >/dev/null 2>&1 &")
     _wait(lambda: sbx.files.exists("shm-ready"), what="ready")
-    _ask(sbx, "bump")
-    at_cp = _report(sbx)
-    cp = sbx.checkpoint(mode="full")
-    for i in range(3):
-        _wait(lambda: _carriers_ready(sbx), what="a carrier")
-        _ask(sbx, "mutate")
-        assert _report(sbx) != at_cp
-        r = sbx.rollback(cp)
-        assert r.process_state == "restored", r.note
-        assert _report(sbx) == at_cp, f"rollback {i}"
+
+    def shared(at_cp: str, i: int) -> None:
         _ask(sbx, "bump")   # the child, asleep on the semaphore, shares the new memory
         assert _report(sbx) == at_cp.replace("v=141", "v=241").replace(r"\x01", r"\x02")
+
+    _rollbacks_from_carriers(sbx, "bump", "mutate", 3, shared)
 
 
 def test_threaded_process_born_from_carriers(sbx: Sandbox) -> None:
@@ -301,18 +307,12 @@ def test_threaded_process_born_from_carriers(sbx: Sandbox) -> None:
     sbx.files.write("thr.py", THREADED)
     sbx.exec(f"cd /workspace && nohup python3 thr.py {marker} >/dev/null 2>&1 &")
     _wait(lambda: sbx.files.exists("thr-ready"), what="ready")
-    _ask(sbx, "feed")
-    at_cp = _report(sbx)
-    cp = sbx.checkpoint(mode="full")
-    for i in range(3):
-        _wait(lambda: _carriers_ready(sbx), what="a carrier")
-        _ask(sbx, "feed")
-        assert _report(sbx) != at_cp
-        r = sbx.rollback(cp)
-        assert r.process_state == "restored", r.note
-        assert _report(sbx) == at_cp, f"rollback {i}"
+
+    def cpus(at_cp: str, i: int) -> None:
         _ask(sbx, "cpus")
         assert sbx.files.read("state") == b"cpus=True True", f"rollback {i}"
+
+    _rollbacks_from_carriers(sbx, "feed", "feed", 3, cpus)
     live = [p for p, (_, name) in _host_procs(marker).items() if name not in HELD]
     assert len(live) == 1, live
     _wait(lambda: any(_same_vm(live[0], p) for p, (st, name) in _host_procs(marker).items()
