@@ -193,11 +193,40 @@ struct core_fixed {
 	uint32_t ndontfork;	/* MADV_DONTFORK runs (dontfork.c); 0 in older images */
 	uint8_t pend_shared[64];
 	/* followed by: xstate, npending * siginfo_t, auxv, exe path, parent_ref,
-	 * ndontfork * struct dontfork_img */
+	 * ndontfork * struct dontfork_img, and (absent in older images) struct robust_img */
 };
 
 struct dontfork_img {
 	uint64_t start, end;
+};
+
+/* The main thread's robust futex list (set_robust_list), which a fork drops. */
+struct robust_img {
+	uint64_t head, len;
+};
+
+/* After robust_img, in the image of a multi-threaded process only: the other threads
+ * (threads.c recreates them in every child), each record followed by its xstate and its
+ * own pending signals. */
+struct threads_img {
+	uint32_t n;
+	uint32_t pad;
+	uint64_t main_clear_tid;
+};
+
+struct thread_img {
+	int32_t tid, nstid;
+	struct user_regs_struct regs;
+	uint64_t sigmask;
+	uint64_t clear_tid, robust_head, robust_len, rseq_ptr;
+	uint32_t rseq_len, rseq_sig;
+	uint64_t ss_sp, ss_size;
+	int32_t ss_flags;
+	uint32_t affinity_known;
+	uint8_t affinity[128];
+	char comm[16];
+	uint32_t xstate_len, npending;
+	uint8_t pend_shared[MAX_PENDING];
 };
 #define MAX_DONTFORK 65536
 
@@ -508,6 +537,10 @@ struct image {
 	char *exe;		/* NUL-terminated copies */
 	char *parent_ref;
 	const unsigned char *dontfork;	/* ndontfork struct dontfork_img, unaligned */
+	const unsigned char *robust;	/* struct robust_img, unaligned; NULL: older image */
+	const unsigned char *threads;	/* struct threads_img and its records, unaligned;
+					 * NULL: one thread */
+	size_t threads_len;
 	struct mm_fixed *mm;
 	struct vma_img *vmas;
 	const char *strtab;
@@ -535,6 +568,55 @@ static char *dup_str(const unsigned char *p, size_t n)
 		s[n] = '\0';
 	}
 	return s;
+}
+
+/* The threads section is exactly its records: at most MAX_THREADS, each with the main
+ * thread's xstate size and at most MAX_PENDING signals. */
+static int threads_img_check(const unsigned char *p, size_t len, uint32_t xstate_len)
+{
+	struct threads_img h;
+	size_t at = sizeof(h);
+
+	if (len < sizeof(h))
+		return -1;
+	memcpy(&h, p, sizeof(h));
+	if (h.n == 0 || h.n > MAX_THREADS)
+		return -1;
+	for (uint32_t i = 0; i < h.n; i++) {
+		struct thread_img t;
+
+		if (len - at < sizeof(t))
+			return -1;
+		memcpy(&t, p + at, sizeof(t));
+		if (t.xstate_len != xstate_len || t.npending > MAX_PENDING)
+			return -1;
+		at += sizeof(t);
+		if (len - at < t.xstate_len + (size_t)t.npending * sizeof(siginfo_t))
+			return -1;
+		at += t.xstate_len + (size_t)t.npending * sizeof(siginfo_t);
+	}
+	return at == len ? 0 : -1;
+}
+
+/* The highest nstid of a checked threads section (NULL: 0). */
+static int threads_img_max_tid(const unsigned char *p)
+{
+	struct threads_img h;
+	size_t at = sizeof(h);
+	int max = 0;
+
+	if (!p)
+		return 0;
+	memcpy(&h, p, sizeof(h));
+	for (uint32_t i = 0; i < h.n; i++) {
+		struct thread_img t;
+
+		memcpy(&t, p + at, sizeof(t));
+		if (t.nstid > max)
+			max = t.nstid;
+		at += sizeof(t) + t.xstate_len + (size_t)t.npending * sizeof(siginfo_t);
+	}
+	return max;
 }
 
 static int image_load(int dirfd, const uint8_t *want_id, struct image *im, pid_t pid,
@@ -565,7 +647,7 @@ static int image_load(int dirfd, const uint8_t *want_id, struct image *im, pid_t
 	       (size_t)im->core->npending * sizeof(siginfo_t) + im->core->auxv_len +
 	       im->core->exe_len + im->core->parent_ref_len +
 	       (size_t)im->core->ndontfork * sizeof(struct dontfork_img);
-	if (need != im->core_len)
+	if (need != im->core_len && need + sizeof(struct robust_img) > im->core_len)
 		goto inconsistent;
 	q = (const unsigned char *)im->core_raw + sizeof(struct core_fixed);
 	im->xstate = q;
@@ -579,6 +661,16 @@ static int image_load(int dirfd, const uint8_t *want_id, struct image *im, pid_t
 	im->parent_ref = dup_str(q, im->core->parent_ref_len);
 	q += im->core->parent_ref_len;
 	im->dontfork = q;
+	if (need != im->core_len) {
+		im->robust = q + (size_t)im->core->ndontfork * sizeof(struct dontfork_img);
+		need += sizeof(struct robust_img);
+	}
+	if (need != im->core_len) {
+		im->threads = (const unsigned char *)im->core_raw + need;
+		im->threads_len = im->core_len - need;
+		if (threads_img_check(im->threads, im->threads_len, im->core->xstate_len) < 0)
+			goto inconsistent;
+	}
 	if (!im->exe || !im->parent_ref) {
 		fail(err, ENOMEM, pid, "image %s: allocate", where);
 		goto bad;
@@ -1584,6 +1676,102 @@ static int job_parent(struct dbxcr_dump_job *j, const struct dbxcr_dump_opts *o,
 	return 0;
 }
 
+/* The threads section of core.img (struct threads_img). */
+static int add_threads(struct buf *b, const struct dbxcr_template *tpl)
+{
+	const struct thread_set *set = tpl->threads;
+	struct threads_img h = { (uint32_t)set->n, 0, tpl->main.clear_tid };
+
+	if (buf_add(b, &h, sizeof(h)) < 0)
+		return -1;
+	for (int i = 0; i < set->n; i++) {
+		const struct thread_state *ts = &set->t[i];
+		struct thread_img t;
+
+		memset(&t, 0, sizeof(t));
+		t.tid = ts->tid;
+		t.nstid = ts->nstid;
+		t.regs = ts->regs;
+		t.sigmask = ts->sigmask;
+		t.clear_tid = ts->clear_tid;
+		t.robust_head = ts->robust_head;
+		t.robust_len = ts->robust_len;
+		t.rseq_ptr = ts->rseq_ptr;
+		t.rseq_len = ts->rseq_len;
+		t.rseq_sig = ts->rseq_sig;
+		t.ss_sp = (uint64_t)(uintptr_t)ts->altstack.ss_sp;
+		t.ss_size = ts->altstack.ss_size;
+		t.ss_flags = ts->altstack.ss_flags;
+		t.affinity_known = ts->affinity_known;
+		memcpy(t.affinity, &ts->affinity, sizeof(t.affinity) < sizeof(ts->affinity) ?
+		       sizeof(t.affinity) : sizeof(ts->affinity));
+		memcpy(t.comm, ts->comm, sizeof(t.comm));
+		t.xstate_len = (uint32_t)ts->xstate_len;
+		t.npending = (uint32_t)ts->pend.n;
+		for (int k = 0; k < ts->pend.n; k++)
+			t.pend_shared[k] = ts->pend.shared[k];
+		if (buf_add(b, &t, sizeof(t)) < 0 || buf_add(b, ts->xstate, ts->xstate_len) < 0 ||
+		    buf_add(b, ts->pend.info, sizeof(siginfo_t) * (size_t)ts->pend.n) < 0)
+			return -1;
+	}
+	return 0;
+}
+
+/* The thread_set an image's threads section describes (checked by threads_img_check). */
+static struct thread_set *threads_from_image(const unsigned char *p, unsigned long *main_clear_tid)
+{
+	struct threads_img h;
+	struct thread_set *set;
+	size_t at = sizeof(h);
+
+	memcpy(&h, p, sizeof(h));
+	set = calloc(1, sizeof(*set) + (size_t)h.n * sizeof(set->t[0]));
+	if (!set)
+		return NULL;
+	*main_clear_tid = (unsigned long)h.main_clear_tid;
+	for (uint32_t i = 0; i < h.n; i++) {
+		struct thread_state *ts = &set->t[i];
+		struct thread_img t;
+
+		memcpy(&t, p + at, sizeof(t));
+		at += sizeof(t);
+		set->n = (int)i + 1;
+		ts->tid = t.tid;
+		ts->nstid = t.nstid;
+		ts->regs = t.regs;
+		ts->sigmask = t.sigmask;
+		ts->clear_tid = (unsigned long)t.clear_tid;
+		ts->robust_head = (unsigned long)t.robust_head;
+		ts->robust_len = (size_t)t.robust_len;
+		ts->rseq_ptr = t.rseq_ptr;
+		ts->rseq_len = t.rseq_len;
+		ts->rseq_sig = t.rseq_sig;
+		ts->altstack.ss_sp = (void *)(uintptr_t)t.ss_sp;
+		ts->altstack.ss_size = (size_t)t.ss_size;
+		ts->altstack.ss_flags = t.ss_flags;
+		ts->affinity_known = t.affinity_known != 0;
+		memcpy(&ts->affinity, t.affinity, sizeof(t.affinity) < sizeof(ts->affinity) ?
+		       sizeof(t.affinity) : sizeof(ts->affinity));
+		memcpy(ts->comm, t.comm, sizeof(ts->comm));
+		ts->comm[sizeof(ts->comm) - 1] = '\0';
+		ts->xstate = malloc(t.xstate_len ? t.xstate_len : 1);
+		if (!ts->xstate) {
+			threads_free(set);
+			return NULL;
+		}
+		memcpy(ts->xstate, p + at, t.xstate_len);
+		ts->xstate_len = t.xstate_len;
+		at += t.xstate_len;
+		ts->pend.n = (int)t.npending;
+		for (uint32_t k = 0; k < t.npending; k++) {
+			memcpy(&ts->pend.info[k], p + at, sizeof(siginfo_t));
+			ts->pend.shared[k] = t.pend_shared[k] != 0;
+			at += sizeof(siginfo_t);
+		}
+	}
+	return set;
+}
+
 /* core.img's content: registers and signals from the parked template, mm fields, ids,
  * brk and sigactions (injected calls), vdso, rseq, auxv, exe. */
 static int job_core(struct dbxcr_dump_job *j, struct dbxcr_template *tpl,
@@ -1674,6 +1862,14 @@ static int job_core(struct dbxcr_dump_job *j, struct dbxcr_template *tpl,
 		if (buf_add(&j->corebuf, &d, sizeof(d)) < 0)
 			return fail(err, ENOMEM, pid, "allocate core image");
 	}
+	{
+		struct robust_img r = { tpl->main.robust_head, tpl->main.robust_len };
+
+		if (buf_add(&j->corebuf, &r, sizeof(r)) < 0)
+			return fail(err, ENOMEM, pid, "allocate core image");
+	}
+	if (tpl->threads && add_threads(&j->corebuf, tpl) < 0)
+		return fail(err, ENOMEM, pid, "allocate core image");
 	return 0;
 }
 
@@ -1720,10 +1916,6 @@ int dbxcr_dump_begin(struct dbxcr_template *tpl, const char *path,
 	*job = NULL;
 	if (check_owner(tpl, err) < 0)
 		return -1;
-	if (tpl->threads)	/* the image format holds one thread (IMAGE_FORMAT.md) */
-		return fail(err, ENOTSUP, tpl->origin, "a multi-threaded process (%d threads) has "
-			    "no process dump: its checkpoint is restored from templates only",
-			    tpl->threads->n + 1);
 	j = calloc(1, sizeof(*j));
 	if (!j)
 		return fail(err, ENOMEM, tpl->pid, "allocate dump job");
@@ -1912,6 +2104,7 @@ int dbxcr_image_info(int image_dirfd, struct dbxcr_image_info *out, struct dbxcr
 	out->depth = (int)im.core->depth;
 	out->origin_pid = im.core->origin_pid;
 	snprintf(out->parent_ref, sizeof(out->parent_ref), "%s", im.parent_ref);
+	out->max_tid = threads_img_max_tid(im.threads);
 	image_free(&im);
 	return 0;
 }
@@ -2934,6 +3127,27 @@ struct dbxcr_template *dbxcr_restore_template(pid_t host, int image_dirfd, int r
 	tpl->origin = R.im->core->origin_pid;
 	tpl->tracer_tid = current_tid();
 	tpl->regs = R.im->core->regs;
+	if (R.im->core->has_rseq) {	/* for births from carriers (threads.c: main_restore) */
+		tpl->main.rseq_ptr = R.im->core->rseq_ptr;
+		tpl->main.rseq_len = R.im->core->rseq_len;
+		tpl->main.rseq_sig = R.im->core->rseq_sig;
+	}
+	if (R.im->robust) {	/* every child registers it again (main_restore) */
+		struct robust_img r;
+
+		memcpy(&r, R.im->robust, sizeof(r));
+		tpl->main.robust_head = (unsigned long)r.head;
+		tpl->main.robust_len = (size_t)r.len;
+	}
+	if (R.im->threads &&
+	    !(tpl->threads = threads_from_image(R.im->threads, &tpl->main.clear_tid))) {
+		free(tpl->dontfork);
+		free(tpl->xstate);
+		free(tpl);
+		tpl = NULL;
+		fail(err, ENOMEM, child, "allocate the state of the image's threads");
+		goto kill;
+	}
 	tpl->sigmask = R.im->core->sigmask;
 	tpl->site = R.t.site;
 	tpl->scratch = R.scratch;
@@ -2950,6 +3164,7 @@ struct dbxcr_template *dbxcr_restore_template(pid_t host, int image_dirfd, int r
 	}
 	park_regs(tpl, &R.t.regs);
 	if (park(tpl, err) < 0) {
+		threads_free(tpl->threads);
 		free(tpl->xstate);
 		free(tpl);
 		tpl = NULL;

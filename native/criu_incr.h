@@ -86,6 +86,8 @@ struct dbxcr_image_info {
 	int depth;		/* 0: full image */
 	int origin_pid;		/* the process the template was made from */
 	char parent_ref[4096];	/* parent image, relative to this image's directory, or "" */
+	int max_tid;		/* the highest tid of its other threads in their innermost pid
+				 * namespace (0: one thread): what a restore must leave free */
 };
 
 /* Read core.img only (checksum checked, pages not): what the image depends on. */

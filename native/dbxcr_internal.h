@@ -92,13 +92,18 @@ struct thread_state {
 };
 
 /* The main thread's registrations fork() does not carry (robust list, clear_tid; rseq too
- * when it is born from a carrier: clone(CLONE_VM) drops it), and the other threads. */
+ * when it is born from a carrier: clone(CLONE_VM) drops it), of every process. */
+struct main_regs {
+	unsigned long clear_tid;	/* 0: none, or not asked (a single thread: nobody joins
+					 * it, and asking costs an injected call) */
+	unsigned long robust_head;	/* 0: none */
+	size_t robust_len;
+	uint64_t rseq_ptr;		/* 0: none */
+	uint32_t rseq_len, rseq_sig;
+};
+
+/* The other threads of a multi-threaded process. */
 struct thread_set {
-	unsigned long main_clear_tid;
-	unsigned long main_robust_head;
-	size_t main_robust_len;
-	uint64_t main_rseq_ptr;
-	uint32_t main_rseq_len, main_rseq_sig;
 	int n;
 	struct thread_state t[];
 };
@@ -134,6 +139,8 @@ struct dbxcr_template {
 	 * pinned: see colocate in fork_template.c); read at the first spawn. */
 	bool affinity_known;
 	cpu_set_t affinity;
+	/* The origin's main thread's registrations, given back to every child. */
+	struct main_regs main;
 	/* The origin's other threads (NULL: it had one), recreated in every child. */
 	struct thread_set *threads;
 	/* The origin's MADV_DONTFORK mappings, which the template holds (made without the
@@ -213,8 +220,11 @@ int thread_capture(struct tracee *t, pid_t tgid, bool main, struct thread_state 
  * the kernel would make it on its next return to user mode. */
 int rseq_fixup(pid_t tid, uint64_t rseq_ptr, struct user_regs_struct *regs,
 	       struct dbxcr_error *err);
-/* The thread's rseq area (0: not registered). */
-int rseq_area(pid_t tid, uint64_t *ptr, struct dbxcr_error *err);
+/* The main registrations of a stopped single-threaded process, read from outside (its
+ * clear_tid is not asked). */
+int main_capture(pid_t pid, struct main_regs *m, struct dbxcr_error *err);
+/* The main registrations out of a thread_capture of the main thread. */
+void main_from_thread(struct main_regs *m, const struct thread_state *ts);
 /* In a spawned child c (stopped, ours, all signals blocked, scratch mapped): give the main
  * thread its registrations back (rseq too if `born`: a carrier's birth) and clone every
  * other thread of tpl with its tid (when keep_tids), stopped in our trace with its final

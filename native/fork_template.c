@@ -1592,7 +1592,8 @@ static int capture_thread(struct dbxcr_stop *th, struct thread_state *ts, struct
 
 /* The other threads of a stopped multi-threaded process, and what fork() does not give
  * its main thread (s must be modified: its registers are ours to inject with). */
-static struct thread_set *capture_threads(struct dbxcr_stop *s, struct dbxcr_error *err)
+static struct thread_set *capture_threads(struct dbxcr_stop *s, struct main_regs *main,
+					  struct dbxcr_error *err)
 {
 	struct thread_set *set;
 	struct thread_state main_ts = { 0 };
@@ -1609,12 +1610,7 @@ static struct thread_set *capture_threads(struct dbxcr_stop *s, struct dbxcr_err
 	}
 	if (thread_capture(&s->t, s->t.pid, true, &main_ts, err) < 0)
 		goto fail;
-	set->main_clear_tid = main_ts.clear_tid;
-	set->main_robust_head = main_ts.robust_head;
-	set->main_robust_len = main_ts.robust_len;
-	set->main_rseq_ptr = main_ts.rseq_ptr;
-	set->main_rseq_len = main_ts.rseq_len;
-	set->main_rseq_sig = main_ts.rseq_sig;
+	main_from_thread(main, &main_ts);
 	return set;
 fail:
 	threads_free(set);
@@ -1628,7 +1624,6 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 	bool tpl_ok = true;
 	struct vma_run *runs = NULL;
 	int nruns = 0;
-	uint64_t rseq_ptr = 0;
 
 	clear_error(err);
 	if (owns(s, err) < 0)
@@ -1645,7 +1640,9 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 		tpl->xstate = malloc(s->t.xstate_len);
 	if (child > 0 && (!tpl || !tpl->xstate))
 		fail(err, ENOMEM, pid, "allocate template");
-	else if (tpl && s->nthreads && !(tpl->threads = capture_threads(s, err)))
+	else if (tpl && s->nthreads && !(tpl->threads = capture_threads(s, &tpl->main, err)))
+		tpl_ok = false;
+	else if (tpl && !s->nthreads && main_capture(pid, &tpl->main, err) < 0)
 		tpl_ok = false;
 	/* The original goes back first, whatever happened to the template. */
 	if (!tpl || !tpl->xstate || !tpl_ok || unmodify(s, err) < 0) {
@@ -1669,12 +1666,7 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 	tpl->origin = pid;
 	tpl->tracer_tid = s->tracer_tid;
 	tpl->regs = s->t.regs;
-	/* A multi-threaded process's main thread was asked already (capture_threads). */
-	if (tpl->threads)
-		rseq_ptr = tpl->threads->main_rseq_ptr;
-	else if (rseq_area(pid, &rseq_ptr, err) < 0)
-		tpl_ok = false;
-	if (!tpl_ok || rseq_fixup(pid, rseq_ptr, &tpl->regs, err) < 0) {
+	if (rseq_fixup(pid, tpl->main.rseq_ptr, &tpl->regs, err) < 0) {
 		struct dbxcr_error ignored;
 
 		dbxcr_release_template(tpl, &ignored);

@@ -169,14 +169,25 @@ int thread_capture(struct tracee *t, pid_t tgid, bool main, struct thread_state 
 	return 0;
 }
 
-int rseq_area(pid_t tid, uint64_t *ptr, struct dbxcr_error *err)
+int main_capture(pid_t pid, struct main_regs *m, struct dbxcr_error *err)
 {
 	struct thread_state ts = { 0 };
 
-	if (read_rseq(tid, &ts, err) < 0)
+	if (read_rseq(pid, &ts, err) < 0 ||
+	    read_robust(pid, &ts.robust_head, &ts.robust_len, err) < 0)
 		return -1;
-	*ptr = ts.rseq_ptr;
+	main_from_thread(m, &ts);
 	return 0;
+}
+
+void main_from_thread(struct main_regs *m, const struct thread_state *ts)
+{
+	m->clear_tid = ts->clear_tid;
+	m->robust_head = ts->robust_head;
+	m->robust_len = ts->robust_len;
+	m->rseq_ptr = ts->rseq_ptr;
+	m->rseq_len = ts->rseq_len;
+	m->rseq_sig = ts->rseq_sig;
 }
 
 int rseq_fixup(pid_t tid, uint64_t rseq_ptr, struct user_regs_struct *regs,
@@ -306,35 +317,47 @@ static int clone_thread(struct tracee *c, const struct dbxcr_template *tpl,
 	return set_thread_up(nt, tpl, ts, err);
 }
 
+/* fork() gives the main thread no clear_child_tid and no robust list (the kernel's
+ * copy_process clears both; glibc's fork() registers the robust list again in the child,
+ * our injected clone does not), and a birth from a carrier (clone(CLONE_VM)) no rseq
+ * registration either: glibc's sched_getcpu() would read a CPU number nobody updates. */
+static int main_restore(struct tracee *c, const struct main_regs *m, bool born,
+			struct dbxcr_error *err)
+{
+	long a[6] = { 0 };
+
+	if (born && m->rseq_ptr) {
+		long r[6] = { (long)m->rseq_ptr, m->rseq_len, 0, m->rseq_sig, 0, 0 };
+
+		if (rsys(c, SYS_rseq, r, err, "rseq") < 0)
+			return -1;
+	}
+	if (m->clear_tid) {
+		a[0] = (long)m->clear_tid;
+		if (rsys(c, SYS_set_tid_address, a, err, "set_tid_address") < 0)
+			return -1;
+	}
+	if (m->robust_head) {
+		a[0] = (long)m->robust_head;
+		a[1] = (long)m->robust_len;
+		if (rsys(c, SYS_set_robust_list, a, err, "set_robust_list") < 0)
+			return -1;
+	}
+	return 0;
+}
+
 int threads_recreate(struct tracee *c, const struct dbxcr_template *tpl, bool keep_tids,
 		     bool born, struct tracee **out, struct dbxcr_error *err)
 {
 	const struct thread_set *set = tpl->threads;
 	struct tracee *thr;
-	long a[6] = { 0 };
 	int i;
 
 	*out = NULL;
+	if (main_restore(c, &tpl->main, born, err) < 0)
+		return -1;
 	if (!set)
 		return 0;
-	/* fork() gave the main thread no clear_child_tid and no robust list; a birth from a
-	 * carrier (clone(CLONE_VM)) no rseq registration either. */
-	if (born && set->main_rseq_ptr) {
-		long r[6] = { (long)set->main_rseq_ptr, set->main_rseq_len, 0, set->main_rseq_sig,
-			      0, 0 };
-
-		if (rsys(c, SYS_rseq, r, err, "rseq") < 0)
-			return -1;
-	}
-	a[0] = (long)set->main_clear_tid;
-	if (rsys(c, SYS_set_tid_address, a, err, "set_tid_address") < 0)
-		return -1;
-	if (set->main_robust_head) {
-		a[0] = (long)set->main_robust_head;
-		a[1] = (long)set->main_robust_len;
-		if (rsys(c, SYS_set_robust_list, a, err, "set_robust_list") < 0)
-			return -1;
-	}
 	thr = calloc((size_t)set->n, sizeof(*thr));
 	if (!thr)
 		return fail(err, ENOMEM, c->pid, "allocate %d thread tracees", set->n);

@@ -649,6 +649,50 @@ while True:
 """
 
 
+MAIN_REGISTRATIONS = """
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+n = 41
+
+def robust():                           # glibc registers the main thread's robust list
+    head, size = ctypes.c_void_p(), ctypes.c_size_t()
+    assert libc.syscall(274, 0, ctypes.byref(head), ctypes.byref(size)) == 0  # get_robust_list
+    return f"{head.value or 0:x}/{size.value}"
+
+def cpus_ok():                          # sched_getcpu reads the rseq area, which the
+    allowed = os.sched_getaffinity(0)   # kernel updates only while it is registered
+    ok = []
+    for c in sorted(allowed):
+        os.sched_setaffinity(0, {c})
+        ok.append(libc.sched_getcpu() == c)
+    os.sched_setaffinity(0, allowed)
+    return all(ok)
+
+open("/workspace/regs-ready", "w").close()
+while True:
+    if os.path.exists("/workspace/report"):
+        open("/workspace/state", "w").write(f"n={n} robust={robust()} cpus={cpus_ok()}")
+        os.remove("/workspace/report")
+    if os.path.exists("/workspace/mutate"):
+        n += 1
+        os.remove("/workspace/mutate")
+    time.sleep(0.01)
+"""
+
+
+def test_main_thread_registrations(sbx: Sandbox, restore: Restore) -> None:
+    """A single-threaded process's robust futex list (which a fork drops: a robust mutex
+    it held when it died would never be released) and rseq registration (sched_getcpu
+    right on every CPU) come back."""
+    sbx.files.write("regs.py", MAIN_REGISTRATIONS)
+    sbx.exec("cd /workspace && nohup python3 regs.py >/dev/null 2>&1 &")
+    _wait_file(sbx, "regs-ready")
+    before = _report(sbx)
+    assert before.startswith("n=41 robust=") and " robust=0/" not in before, before
+    assert before.endswith(" cpus=True"), before
+    _checkpoint_mutate_restore(sbx, restore, before)
+
+
 def test_dontfork_mapping(sbx: Sandbox, restore: Restore) -> None:
     """A mapping marked MADV_DONTFORK (V8 marks its whole heap so) is one a fork leaves
     out, and a template is a fork: it comes back with its content, marked again (before,

@@ -29,7 +29,8 @@ from conftest import OWN_PS, DaemonProc, new_sandbox, private_daemon
 from test_cr import (  # noqa: F401  (the catalog's cases, run here with the disk fixtures)
     Restore, test_asyncio_server_with_eventfd_and_socket_pair, test_bash_session_state,
     test_counter_file_and_memory_agree, test_deleted_open_temp_file, test_dontfork_mapping,
-    test_loopback_tcp_server_answers, test_nested_children_and_process_group,
+    test_loopback_tcp_server_answers, test_main_thread_registrations,
+    test_nested_children_and_process_group, test_node_http_server, test_threads_come_back,
     test_pipe_flags_size_and_unread_data, test_pipeline_alive, test_python_process_memory,
     test_reader_offset, test_shared_memory, test_socket_pair_and_eventfd_between_processes,
     test_sqlite_held_open_by_a_long_lived_process)
@@ -137,30 +138,3 @@ def test_truncated_images_are_refused_with_a_clear_error(sbx: Sandbox,
     while not (sbx.files.exists("n") and sbx.files.read("n") == b"42"):
         assert time.monotonic() < deadline, "the restored process did not answer"
         time.sleep(0.05)
-
-
-def test_multithreaded_process_has_no_dump(sbx: Sandbox) -> None:
-    """A process dump holds single-threaded processes (native/IMAGE_FORMAT.md): the dump of
-    a checkpoint with a multi-threaded process fails and says why; its rollback comes from
-    templates while they are kept, and restarts the processes, saying so, once evicted."""
-    sbx.exec("nohup python3 -c \"import threading, time\n"
-             "threading.Thread(target=time.sleep, args=(1000,)).start()\ntime.sleep(1000)\" "
-             ">/dev/null 2>&1 &")
-    time.sleep(0.3)
-    cp = sbx.checkpoint(mode="full")
-    assert cp.kind == "full", cp.reasons
-    deadline = time.monotonic() + 60
-    while True:
-        line = next(r for r in next(c for c in sbx.checkpoints() if c.id == cp.id).reasons
-                    if r.startswith("process dump:"))
-        if "pending" not in line:
-            break
-        assert time.monotonic() < deadline, line
-        time.sleep(0.1)
-    assert "failed" in line and "multi-threaded" in line, line
-    r = sbx.rollback(cp)
-    assert r.process_state == "restored", r.note
-    sbx.checkpoint(mode="full")  # evicts cp's templates (--templates 1)
-    r = sbx.rollback(cp)
-    assert r.process_state == "restarted", r.note
-    assert "multi-threaded" in r.note, r.note

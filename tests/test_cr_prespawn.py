@@ -64,10 +64,26 @@ def _same_vm(a: int, b: int) -> bool:
 
 
 PROG = r"""
-import os, sys, time, zlib
+import ctypes, os, sys, time, zlib
 marker = sys.argv[1]
 buf = bytearray(os.urandom(1 << 16)) * 1600      # 100 MiB
 d = {"n": 0}
+libc = ctypes.CDLL(None, use_errno=True)
+
+def robust():                           # the main thread's robust futex list (glibc's)
+    head, size = ctypes.c_void_p(), ctypes.c_size_t()
+    assert libc.syscall(274, 0, ctypes.byref(head), ctypes.byref(size)) == 0  # get_robust_list
+    return f"{head.value or 0:x}/{size.value}"
+
+def cpus_ok():                          # sched_getcpu reads the rseq area, which the
+    allowed = os.sched_getaffinity(0)   # kernel updates only while it is registered
+    ok = []
+    for c in sorted(allowed):
+        os.sched_setaffinity(0, {c})
+        ok.append(libc.sched_getcpu() == c)
+    os.sched_setaffinity(0, allowed)
+    return all(ok)
+
 open("/workspace/ready", "w").write(str(os.getpid()))
 while not os.path.exists("/workspace/quit"):
     if os.path.exists("/workspace/bump"):
@@ -77,7 +93,8 @@ while not os.path.exists("/workspace/quit"):
     if os.path.exists("/workspace/report"):
         os.remove("/workspace/report")
         tmp = "/workspace/.state"
-        open(tmp, "w").write(f"{os.getpid()} {d['n']} {zlib.crc32(buf)}")
+        open(tmp, "w").write(f"{os.getpid()} {d['n']} {zlib.crc32(buf)} "
+                             f"robust={robust()} cpus={cpus_ok()}")
         os.rename(tmp, "/workspace/state")
     time.sleep(0.01)
 """
@@ -98,13 +115,15 @@ def _report(sbx: Sandbox) -> str:
 
 def test_repeated_rollbacks_from_carriers_are_exact(sbx: Sandbox) -> None:
     """Each rollback gives birth to the process from a carrier (the previous one's keeper
-    goes): same pid, the memory and dict as at the checkpoint, every time."""
+    goes): same pid, the memory and dict as at the checkpoint, its robust futex list and
+    rseq registration (sched_getcpu() right on every CPU), every time."""
     marker = "carrier-exact"
     sbx.files.write("prog.py", PROG)
     sbx.exec(f"nohup python3 /workspace/prog.py {marker} >/dev/null 2>&1 &")
     _wait(lambda: sbx.files.exists("ready"), what="ready")
     _ask(sbx, "bump")
     at_cp = _report(sbx)
+    assert " cpus=True" in at_cp and " robust=0/" not in at_cp, at_cp
     cp = sbx.checkpoint(mode="full")
     for i in range(4):
         # the template and a carrier spawned ahead for this rollback

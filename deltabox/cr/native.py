@@ -1086,7 +1086,7 @@ class _DumpOpts(ctypes.Structure):
 
 class _ImageInfo(ctypes.Structure):
     _fields_ = [("depth", ctypes.c_int), ("origin_pid", ctypes.c_int),
-                ("parent_ref", ctypes.c_char * 4096)]
+                ("parent_ref", ctypes.c_char * 4096), ("max_tid", ctypes.c_int)]
 
 
 class _DumpStats(ctypes.Structure):
@@ -1247,9 +1247,9 @@ def restore_template(host_pid: int, image_dir: str | os.PathLike,
     return Template(handle, lib.dbxcr_template_pid(handle), lib.dbxcr_template_origin(handle))
 
 
-def image_info(path: str | os.PathLike) -> tuple[int, int, str]:
-    """(depth, origin pid, parent reference relative to path or "") of an image; checks
-    core.img's checksum only."""
+def image_info(path: str | os.PathLike) -> tuple[int, int, str, int]:
+    """(depth, origin pid, parent reference relative to path or "", highest tid of its
+    other threads or 0) of an image; checks core.img's checksum only."""
     lib = _load_images()
     try:
         fd = os.open(os.fspath(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -1261,7 +1261,7 @@ def image_info(path: str | os.PathLike) -> tuple[int, int, str]:
             _raise_img(err)
     finally:
         os.close(fd)
-    return info.depth, info.origin_pid, info.parent_ref.decode()
+    return info.depth, info.origin_pid, info.parent_ref.decode(), info.max_tid
 
 
 def image_depends_on(path: str | os.PathLike) -> list[str]:

@@ -386,7 +386,10 @@ class Dumps:
             raise native.ImageCorrupt(74, f"{d / 'state.json'}: {e}") from e
         records = [_rec_from(r) for r in meta["records"]]
         if reserve_pids and records:
-            await _skip_pids(host_pid, max(r.nspid for r in records))
+            # Above every pid and thread id the processes get back (a thread's is in its
+            # image only).
+            await _skip_pids(host_pid, max(max(r.nspid, native.image_info(
+                d / str(r.nspid))[3] if r.threads > 1 else 0) for r in records))
         templates: dict[int, native.Template] = {}
         pipes: dict[int, PipeGroup] = {}
         files: list[unlinked.UnlinkedFile] = []
