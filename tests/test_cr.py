@@ -471,9 +471,29 @@ def test_udp_socket_is_refused_with_a_clear_error(sbx: Sandbox) -> None:
     assert cp.kind == "fs"
 
 
-THREADED = """
-import ctypes, os, queue, threading, time
-libc = ctypes.CDLL(None)
+# Kernel registrations a program reports (the main thread's robust futex list; whether
+# sched_getcpu(), which reads the calling thread's rseq area, is right on every CPU).
+REGISTRATIONS = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+
+def robust():                           # glibc registers the main thread's robust list
+    head, size = ctypes.c_void_p(), ctypes.c_size_t()
+    assert libc.syscall(274, 0, ctypes.byref(head), ctypes.byref(size)) == 0  # get_robust_list
+    return f"{head.value or 0:x}/{size.value}"
+
+def cpus_ok():                          # sched_getcpu reads the rseq area, which the
+    allowed = os.sched_getaffinity(0)   # kernel updates only while it is registered
+    ok = []
+    for c in sorted(allowed):
+        os.sched_setaffinity(0, {c})
+        ok.append(libc.sched_getcpu() == c)
+    os.sched_setaffinity(0, allowed)
+    return all(ok)
+"""
+
+THREADED = REGISTRATIONS + """
+import queue, threading, time
 n = 7                                   # the main thread's state
 local = threading.local()
 ticks = {}
@@ -502,15 +522,6 @@ def waiter():
         while not go:
             cv.wait()                   # a futex wait without a timeout
     woke = local.name
-
-def cpus_ok():                          # sched_getcpu reads the thread's rseq area, which
-    allowed = os.sched_getaffinity(0)   # the kernel updates only while it is registered
-    ok = []
-    for c in sorted(allowed):
-        os.sched_setaffinity(0, {c})
-        ok.append(libc.sched_getcpu() == c)
-    os.sched_setaffinity(0, allowed)
-    return all(ok)
 
 consumer_cpus = None
 
@@ -649,25 +660,9 @@ while True:
 """
 
 
-MAIN_REGISTRATIONS = """
-import ctypes, os, time
-libc = ctypes.CDLL(None, use_errno=True)
+MAIN_REGISTRATIONS = REGISTRATIONS + """
+import time
 n = 41
-
-def robust():                           # glibc registers the main thread's robust list
-    head, size = ctypes.c_void_p(), ctypes.c_size_t()
-    assert libc.syscall(274, 0, ctypes.byref(head), ctypes.byref(size)) == 0  # get_robust_list
-    return f"{head.value or 0:x}/{size.value}"
-
-def cpus_ok():                          # sched_getcpu reads the rseq area, which the
-    allowed = os.sched_getaffinity(0)   # kernel updates only while it is registered
-    ok = []
-    for c in sorted(allowed):
-        os.sched_setaffinity(0, {c})
-        ok.append(libc.sched_getcpu() == c)
-    os.sched_setaffinity(0, allowed)
-    return all(ok)
-
 open("/workspace/regs-ready", "w").close()
 while True:
     if os.path.exists("/workspace/report"):

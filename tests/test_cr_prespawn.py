@@ -17,7 +17,7 @@ from collections.abc import Callable
 from deltabox import Sandbox
 
 from conftest import HELD, OWN_PS
-from test_cr import SHARED_MEMORY, THREADED
+from test_cr import REGISTRATIONS, SHARED_MEMORY, THREADED
 
 _libc = ctypes.CDLL(None, use_errno=True)
 SYS_KCMP, KCMP_VM = 312, 1
@@ -63,27 +63,11 @@ def _same_vm(a: int, b: int) -> bool:
     return _libc.syscall(SYS_KCMP, a, b, KCMP_VM, 0, 0) == 0
 
 
-PROG = r"""
-import ctypes, os, sys, time, zlib
+PROG = REGISTRATIONS + r"""
+import sys, time, zlib
 marker = sys.argv[1]
 buf = bytearray(os.urandom(1 << 16)) * 1600      # 100 MiB
 d = {"n": 0}
-libc = ctypes.CDLL(None, use_errno=True)
-
-def robust():                           # the main thread's robust futex list (glibc's)
-    head, size = ctypes.c_void_p(), ctypes.c_size_t()
-    assert libc.syscall(274, 0, ctypes.byref(head), ctypes.byref(size)) == 0  # get_robust_list
-    return f"{head.value or 0:x}/{size.value}"
-
-def cpus_ok():                          # sched_getcpu reads the rseq area, which the
-    allowed = os.sched_getaffinity(0)   # kernel updates only while it is registered
-    ok = []
-    for c in sorted(allowed):
-        os.sched_setaffinity(0, {c})
-        ok.append(libc.sched_getcpu() == c)
-    os.sched_setaffinity(0, allowed)
-    return all(ok)
-
 open("/workspace/ready", "w").write(str(os.getpid()))
 while not os.path.exists("/workspace/quit"):
     if os.path.exists("/workspace/bump"):
