@@ -688,6 +688,114 @@ def test_main_thread_registrations(sbx: Sandbox, restore: Restore) -> None:
     _checkpoint_mutate_restore(sbx, restore, before)
 
 
+TIMERS = """
+import ctypes, os, select, selectors, signal, struct, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+
+class Spec(ctypes.Structure):
+    _fields_ = [("isec", ctypes.c_long), ("insec", ctypes.c_long),
+                ("vsec", ctypes.c_long), ("vnsec", ctypes.c_long)]
+
+def timer(value, interval=0.0):
+    fd = libc.timerfd_create(time.CLOCK_MONOTONIC, os.O_NONBLOCK | os.O_CLOEXEC)
+    settime(fd, value, interval)
+    return fd
+
+def settime(fd, value, interval=0.0):
+    spec = Spec(int(interval), int(interval % 1 * 1e9), int(value), int(value % 1 * 1e9))
+    assert libc.timerfd_settime(fd, 0, ctypes.byref(spec), None) == 0
+
+def left(fd):
+    spec = Spec()
+    assert libc.timerfd_gettime(fd, ctypes.byref(spec)) == 0
+    return spec.vsec + spec.vnsec / 1e9, spec.isec + spec.insec / 1e9
+
+periodic = timer(0.05, 0.05)             # ticks all along, read by the loop
+far = timer(1000)                        # far in the future
+expired = timer(0.001)                   # expires at once, never read: its tick waits
+time.sleep(0.05)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+mask = (ctypes.c_uint64 * 16)(1 << (signal.SIGUSR1 - 1))
+sigfd = libc.signalfd(-1, mask, os.O_NONBLOCK | os.O_CLOEXEC)
+sel = selectors.EpollSelector()
+sel.register(periodic, selectors.EVENT_READ, "periodic")
+if "no-signalfd-watch" not in sys.argv:
+    sel.register(sigfd, selectors.EVENT_READ, "signal")
+n, ticks, sigs = 41, 0, 0
+
+def report():
+    far_left, far_every = left(far)
+    every = left(periodic)[1]
+    waiting = bool(select.select([expired], [], [], 0)[0])
+    return (f"n={n} far={int(far_left // 100)} every={every:.2f} waiting={waiting} "
+            f"sigs={sigs}")
+
+open("/workspace/timers-ready", "w").close()
+while True:
+    for key, _ in sel.select(0.01):
+        if key.data == "periodic":
+            ticks += struct.unpack("=Q", os.read(periodic, 8))[0]
+        else:
+            os.read(sigfd, 128)
+            sigs += 1
+    if os.path.exists("/workspace/report"):
+        open("/workspace/state", "w").write(report())
+        os.remove("/workspace/report")
+    if os.path.exists("/workspace/ticks"):
+        open("/workspace/state", "w").write(str(ticks))
+        os.remove("/workspace/ticks")
+    if os.path.exists("/workspace/left"):
+        open("/workspace/state", "w").write(f"{left(far)[0]:.3f}")
+        os.remove("/workspace/left")
+    if os.path.exists("/workspace/mutate"):
+        n += 1
+        settime(far, 0)                  # disarmed
+        os.read(expired, 8)              # its tick taken
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.remove("/workspace/mutate")
+"""
+
+
+def _timer_ticks(box: Sandbox) -> int:
+    _ask(box, "ticks")
+    return int(box.files.read("state"))
+
+
+def test_timerfd_and_signalfd(sbx: Sandbox, restore: Restore) -> None:
+    """A loop on timerfds and a signalfd (in an epoll set): a periodic timer keeps ticking,
+    a far one has its time left, an expired one its unread expiration, and the signalfd
+    reads the signals sent to the restored process."""
+    sbx.files.write("timers.py", TIMERS)
+    sbx.exec("cd /workspace && nohup python3 timers.py >/dev/null 2>&1 &")
+    _wait_file(sbx, "timers-ready")
+    before = _report(sbx)
+    assert before == "n=41 far=9 every=0.05 waiting=True sigs=0", before
+    target = _checkpoint_mutate_restore(sbx, restore, before)
+    first = _timer_ticks(target)
+    _wait(lambda: _timer_ticks(target) > first + 3)
+    pid = target.exec("pgrep -f timers.py").stdout.split()[0]
+    target.exec(f"kill -USR1 {pid}")
+    _wait(lambda: _report(target).endswith(" sigs=1"))
+    if restore.mode == "fork":  # type: ignore[attr-defined]
+        assert _report(sbx) == "n=42 far=0 every=0.05 waiting=False sigs=1"
+
+
+def test_inotify_is_refused(sbx: Sandbox) -> None:
+    """Descriptors whose kernel state is not captured (an inotify instance and its
+    watches) refuse the checkpoint, naming the fd, and change nothing."""
+    sbx.exec("nohup python3 -c \"import ctypes, time\nlibc = ctypes.CDLL(None)\n"
+             "fd = libc.inotify_init1(0)\nlibc.inotify_add_watch(fd, b'/workspace', 2)\n"
+             "open('/workspace/held', 'w').write(str(fd))\ntime.sleep(1000)\" "
+             ">/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("held") and sbx.files.read("held") != b"")
+    fd = sbx.files.read("held").decode()
+    with pytest.raises(deltabox.FailedPrecondition,
+                       match=rf"(?s)python3 -c import ctypes.*: fd {fd}: anon_inode:inotify: "
+                       "this kind of descriptor is not captured"):
+        sbx.checkpoint()
+    assert sbx.checkpoint(mode="fs").kind == "fs"
+
+
 def test_dontfork_mapping(sbx: Sandbox, restore: Restore) -> None:
     """A mapping marked MADV_DONTFORK (V8 marks its whole heap so) is one a fork leaves
     out, and a template is a fork: it comes back with its content, marked again (before,

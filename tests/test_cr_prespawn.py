@@ -17,7 +17,7 @@ from collections.abc import Callable
 from deltabox import Sandbox
 
 from conftest import HELD, OWN_PS
-from test_cr import REGISTRATIONS, SHARED_MEMORY, THREADED
+from test_cr import REGISTRATIONS, SHARED_MEMORY, THREADED, TIMERS
 
 _libc = ctypes.CDLL(None, use_errno=True)
 SYS_KCMP, KCMP_VM = 312, 1
@@ -299,6 +299,27 @@ def test_shared_memory_born_from_carriers(sbx: Sandbox) -> None:
         assert _report(sbx) == at_cp.replace("v=141", "v=241").replace(r"\x01", r"\x02")
 
     _rollbacks_from_carriers(sbx, "bump", "mutate", 3, shared)
+
+
+def test_timers_born_from_carriers_run_from_the_rollback(sbx: Sandbox) -> None:
+    """A carrier is spawned ahead, with its timerfds made but not armed: they start when
+    the rollback lets the process run, so a timer's time left is the checkpoint's, not
+    what remained of it when the carrier was made (seconds earlier)."""
+    sbx.files.write("timers.py", TIMERS)
+    sbx.exec("cd /workspace && nohup python3 timers.py no-signalfd-watch >/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("timers-ready"), what="ready")
+    at_cp = _report(sbx)
+    _ask(sbx, "left")
+    left_at_cp = float(sbx.files.read("state"))
+    cp = sbx.checkpoint(mode="full")
+    _wait(lambda: _carriers_ready(sbx), what="a carrier")
+    time.sleep(2)
+    _ask(sbx, "mutate")
+    r = sbx.rollback(cp)
+    assert r.process_state == "restored", r.note
+    assert _report(sbx) == at_cp
+    _ask(sbx, "left")
+    assert left_at_cp - float(sbx.files.read("state")) < 1.5
 
 
 def test_threaded_process_born_from_carriers(sbx: Sandbox) -> None:

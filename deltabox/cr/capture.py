@@ -212,9 +212,9 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
 
 
 def is_loop_fd(f: native.FdInfo) -> bool:
-    """An event loop's descriptor (epoll, eventfd, unix socket): eventloop.capture
-    decides about it, not the refusals here."""
-    return f.kind in ("epoll", "eventfd") or (
+    """An event loop's descriptor (epoll, eventfd, timerfd, signalfd, unix socket):
+    eventloop.capture decides about it, not the refusals here."""
+    return f.kind in ("epoll", "eventfd", "timerfd", "signalfd") or (
         f.kind == "socket" and f.socket is not None and f.socket.family == "unix")
 
 

@@ -460,6 +460,7 @@ class DeltaCR:
         a new one: then it does at once, not after 0.3 s of retries. On failure, kills
         what it spawned and raises."""
         plan = pre.plan if pre is not None else _PipePlan(state.pipes, state.unlinked, rootfd)
+        plan.arm()  # a prespawned plan's timers start now, with the rollback
         out = Restored({}, {}, [])
         groups: dict[int, int] = {}          # host pgid at checkpoint -> pgid in the target
         records = _leaders_first(state.records)
@@ -564,16 +565,19 @@ class DeltaCR:
     async def prespawn(self, state: ProcessState, mntfd: int, rootfd: int
                        ) -> Prespawned | None:
         """Carriers, in the generation `mntfd` that a rollback to `state` will use, of
-        every process but those that listen on a port (the live process still holds it)
-        and multi-threaded ones a rollback does not restore (a session leader:
-        native/threads.c):
+        every process but those that listen on a port (the live process still holds it),
+        multi-threaded ones a rollback does not restore (a session leader:
+        native/threads.c) and those watching a signalfd with epoll (the watch waits on
+        the signal queue of the task that made it: the carrier's, not its birth's):
         restore(pre=...) gives birth to the processes from them. None if none."""
         ids = _rollback_ids(state)
         recs = [r for r in state.records if not r.listens
-                and not (r.threads > 1 and ids[r.pid][0] is None)]
+                and not (r.threads > 1 and ids[r.pid][0] is None)
+                and not eventloop.watches_signalfd(r.loop)]
         if not recs:
             return None
-        pre = Prespawned(state, _PipePlan(state.pipes, state.unlinked, rootfd), {})
+        pre = Prespawned(state, _PipePlan(state.pipes, state.unlinked, rootfd, armed=False),
+                         {})
         try:
             for rec in recs:
                 spawn = _spawn_args(state, pre.plan, rec, mntfd)
@@ -694,8 +698,13 @@ class _PipePlan:
     (loop_fds); the deleted-but-open files (file_fds)."""
 
     def __init__(self, groups: dict[int, PipeGroup],
-                 files: list[unlinked.UnlinkedFile] = (), rootfd: int = -1) -> None:
+                 files: list[unlinked.UnlinkedFile] = (), rootfd: int = -1,
+                 armed: bool = True) -> None:
         self.groups = groups
+        # Timers run from when the restored processes do: a plan made ahead for carriers
+        # (prespawn) holds its timerfds disarmed until the restore calls arm().
+        self.armed = armed
+        self.to_arm: list[tuple[int, eventloop.TimerFd]] = []
         self.fresh: dict[int, tuple[int, int]] = {}
         self.loops: list[int] = []     # our copies of objects made (loop_fds, file_fds)
         self.files = files             # deleted-but-open files, made in rootfd's tree
@@ -716,24 +725,26 @@ class _PipePlan:
                     os.set_blocking(w if e.write else r, False)
 
     def loop_fds(self, rec: ProcessRecord, netns_pid: int) -> dict[int, int]:
-        """Fresh eventfds and socket pairs for one restored process, as rec's were at the
-        checkpoint: its fd -> our copy (closed with the pipes' child ends). Pairs are made
-        in the network namespace of `netns_pid` (the sandbox it is restored into). Made
-        once per process (a carrier's, spawned ahead, serve its restore), and once for all
-        the processes that share one (by its key)."""
+        """Fresh eventfds, timerfds, signalfds and socket pairs for one restored process,
+        as rec's were at the checkpoint: its fd -> our copy (closed with the pipes' child
+        ends). Pairs are made in the network namespace of `netns_pid` (the sandbox it is
+        restored into). Made once per process (a carrier's, spawned ahead, serve its
+        restore), and once for all the processes that share one (by its key)."""
         loop = rec.loop
         out = self.loops_of.setdefault(rec.pid, {})
         if not loop or out:
             return out
         for ev in loop.eventfds:
-            fd = self.objects.get(ev.key)
-            if fd is None:
-                fd = self.objects[ev.key] = os.eventfd(
-                    ev.count, os.EFD_CLOEXEC | (os.EFD_SEMAPHORE if ev.semaphore else 0) |
-                    (os.EFD_NONBLOCK if ev.nonblock else 0))
-                self.loops.append(fd)
-            assert isinstance(fd, int)
+            fd = self._object(ev.key, lambda ev=ev: os.eventfd(
+                ev.count, os.EFD_CLOEXEC | (os.EFD_SEMAPHORE if ev.semaphore else 0) |
+                (os.EFD_NONBLOCK if ev.nonblock else 0)))
             out.update((n, fd) for n in ev.fds)
+        for t in loop.timerfds:
+            fd = self._object(t.key, lambda t=t: self._timer(t))
+            out.update((n, fd) for n in t.fds)
+        for sf in loop.signalfds:
+            fd = self._object(sf.key, lambda sf=sf: eventloop.new_signalfd(sf))
+            out.update((n, fd) for n in sf.fds)
         for p in loop.pairs:
             ab = self.objects.get(p.key)
             if ab is None:
@@ -743,6 +754,34 @@ class _PipePlan:
             out.update((n, ab[0]) for n in p.a)
             out.update((n, ab[1]) for n in p.b)
         return out
+
+    def _object(self, key: str, make: Callable[[], int]) -> int:
+        """The object `key` names, made once per restore (ours, closed with the rest)."""
+        fd = self.objects.get(key)
+        if fd is None:
+            fd = self.objects[key] = make()
+            self.loops.append(fd)
+        assert isinstance(fd, int)
+        return fd
+
+    def _timer(self, t: eventloop.TimerFd) -> int:
+        fd = eventloop.new_timerfd(t)
+        if not self.armed:
+            self.to_arm.append((fd, t))
+            return fd
+        try:
+            eventloop.arm_timerfd(fd, t)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def arm(self) -> None:
+        """Start the timers (now and for every timerfd made from here on)."""
+        self.armed = True
+        todo, self.to_arm = self.to_arm, []
+        for fd, t in todo:
+            eventloop.arm_timerfd(fd, t)
 
     def file_fds(self, rec: ProcessRecord) -> dict[int, int]:
         """rec's deleted-but-open files, each made afresh once per restore (shared by
@@ -817,6 +856,7 @@ class _PipePlan:
 
     def _close_loops(self) -> None:
         fds, self.loops = self.loops, []
+        self.to_arm.clear()
         self.loops_of.clear()
         self.objects.clear()
         self.made.clear()

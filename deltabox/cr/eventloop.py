@@ -1,7 +1,9 @@
-"""The descriptors of an event loop: epoll instances, eventfds and unix socket pairs.
+"""The descriptors of an event loop: epoll instances, eventfds, timerfds, signalfds and
+unix socket pairs.
 
 An asyncio program (uvicorn, aiohttp, any `asyncio.run`) holds an epoll instance and a
-socket pair (its self-pipe); libuv and others add eventfds. A template is a fork of the
+socket pair (its self-pipe); libuv and others add eventfds; C event loops (systemd's
+sd-event, libevent's timerfd backend) timerfds and signalfds. A template is a fork of the
 process, so it shares these objects with the live process, which goes on changing them
 (registrations, counters, queued bytes): what a restore needs is read here, from the live
 process while the checkpoint holds it stopped, and each restored process gets objects of
@@ -10,9 +12,14 @@ the child, once its other descriptors are in place: native/fork_template.c: recr
 
 Captured: an epoll instance (its watches: fd, events, data) whose every watched descriptor
 is one the process holds and the restore recreates; an eventfd (counter, semaphore mode);
-an unnamed connected unix socket pair (queued bytes of a stream pair, buffer sizes). An
-eventfd or a pair may be shared by several processes (a parent and the worker it forked, a
-`multiprocessing.Pipe`): the restore makes one object for all of them. Each non-blocking
+a timerfd (clock, time left and interval, expirations not yet read, absolute and
+cancel-on-set flags: armed again when the restored processes are let run, so the time
+left runs from the restore, as for a stopped process); a signalfd (its signal mask; it
+reads the signals of whichever process reads it, as the original did); an unnamed
+connected unix socket pair (queued bytes of a stream pair, buffer sizes). An eventfd, a
+timerfd, a signalfd or a pair may be shared by several processes (a parent and the worker
+it forked, a `multiprocessing.Pipe`): the restore makes one object for all of them. Each
+non-blocking
 flag and close-on-exec flag as it was. Refused, with the reason: an epoll instance shared
 with another process, or watching another epoll instance or a descriptor the process no
 longer holds; a unix socket bound to a name or connected to a socket no process of the
@@ -22,11 +29,13 @@ datagram pair.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import fcntl
 import os
 import socket
 import struct
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -45,6 +54,30 @@ class EventFd:
     fds: list[int]
     count: int
     semaphore: bool
+    nonblock: bool
+
+
+@dataclass
+class TimerFd:
+    """A timerfd as one process holds it (`key`: as for EventFd). Times in nanoseconds:
+    `value` left until the next expiration (0: disarmed), `interval` between them."""
+    key: str
+    fds: list[int]
+    clockid: int
+    ticks: int                            # expirations not read yet
+    value: int
+    interval: int
+    abstime: bool                         # armed with TFD_TIMER_ABSTIME
+    cancel_on_set: bool
+    nonblock: bool
+
+
+@dataclass
+class SignalFd:
+    """A signalfd as one process holds it (`key`: as for EventFd)."""
+    key: str
+    fds: list[int]
+    mask: int                             # bit signo - 1
     nonblock: bool
 
 
@@ -71,9 +104,12 @@ class LoopState:
     epolls: list[native.Epoll] = field(default_factory=list)
     eventfds: list[EventFd] = field(default_factory=list)
     pairs: list[SocketPair] = field(default_factory=list)
+    timerfds: list[TimerFd] = field(default_factory=list)
+    signalfds: list[SignalFd] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.epolls or self.eventfds or self.pairs)
+        return bool(self.epolls or self.eventfds or self.pairs or self.timerfds or
+                    self.signalfds)
 
 
 def capture(records: list[ProcessRecord]) -> list[Refusal]:
@@ -87,10 +123,12 @@ def capture(records: list[ProcessRecord]) -> list[Refusal]:
     socks = [(r, f) for r in todo for f in r.fds if f.kind == "socket" and is_loop_fd(f)]
     pairs = _Pairs(socks, unix_sockets(todo[0].pid) if socks else {})
     evs = _EventFds(todo)
+    anons = _TimersAndSignals(todo)
     for rec in todo:
         reasons: list[str] = []
         loop = LoopState()
         evs.add(rec, loop, reasons)
+        anons.add(rec, loop, reasons)
         pairs.add(rec, loop, reasons)
         _epolls(rec, shared, loop, reasons)
         out.extend(Refusal(rec.nspid, rec.cmd, r) for r in reasons)
@@ -165,6 +203,142 @@ class _EventFds:
                 mine[ident] = EventFd(f"eventfd:{ident}", [], *st)
                 loop.eventfds.append(mine[ident])
             mine[ident].fds.append(f.fd)
+
+
+# ---- timerfd and signalfd ------------------------------------------------------------------
+
+TFD_TIMER_ABSTIME, TFD_TIMER_CANCEL_ON_SET = 1, 2
+TFD_IOC_SET_TICKS = 0x40085400            # _IOW('T', 0, u64): CONFIG_CHECKPOINT_RESTORE
+_CLOCKS = {0, 1, 7, 8, 9}                 # REALTIME MONOTONIC BOOTTIME and the two ALARMs
+
+
+class _TimersAndSignals:
+    """The sandbox's timerfds and signalfds, each open file description read once (from
+    its first holder) and keyed by it: fdinfo names no object, so holders are matched
+    with kcmp."""
+
+    def __init__(self, records: list[ProcessRecord]) -> None:
+        self.firsts: list[tuple[int, native.FdInfo, str]] = []   # (pid, fd, key)
+        self.state: dict[str, TimerFd | SignalFd | str] = {}    # key -> state or why not
+        self.key: dict[tuple[int, int], str] = {}
+        for rec in records:
+            for f in rec.fds:
+                if f.kind in ("timerfd", "signalfd"):
+                    self.key[(rec.pid, f.fd)] = self._key(rec.pid, f)
+
+    def _key(self, pid: int, f: native.FdInfo) -> str:
+        for pid0, f0, key in self.firsts:
+            if f0.kind == f.kind and native.same_file(pid, f.fd, pid0, f0.fd):
+                return key
+        key = f"{f.kind}:{pid}:{f.fd}"
+        self.firsts.append((pid, f, key))
+        try:
+            info = _fdinfo(pid, f.fd)
+            self.state[key] = (_timerfd(key, info, f) if f.kind == "timerfd" else
+                               _signalfd(key, info, f))
+        except (OSError, ValueError) as e:
+            self.state[key] = f"reading its /proc fdinfo: {e}"
+        return key
+
+    def add(self, rec: ProcessRecord, loop: LoopState, reasons: list[str]) -> None:
+        mine: dict[str, TimerFd | SignalFd] = {}
+        for f in rec.fds:
+            if f.kind not in ("timerfd", "signalfd"):
+                continue
+            key = self.key[(rec.pid, f.fd)]
+            st = self.state[key]
+            if isinstance(st, str):
+                reasons.append(f"fd {f.fd}: {f.kind}: {st}")
+                continue
+            if key not in mine:
+                obj = mine[key] = dataclasses.replace(st, fds=[])
+                if isinstance(obj, TimerFd):
+                    loop.timerfds.append(obj)
+                else:
+                    loop.signalfds.append(obj)
+            mine[key].fds.append(f.fd)
+
+
+def _pair_ns(raw: bytes | None) -> int:
+    """fdinfo's "(sec, nsec)" in nanoseconds."""
+    if raw is None:
+        raise ValueError("a time is missing")
+    sec, nsec = raw.strip(b"()").split(b",")
+    return int(sec) * 1_000_000_000 + int(nsec)
+
+
+def _timerfd(key: str, info: bytes, f: native.FdInfo) -> TimerFd | str:
+    clock, ticks, flags = (_field(info, b"clockid"), _field(info, b"ticks"),
+                           _field(info, b"settime flags"))
+    if clock is None or ticks is None or flags is None:
+        return "no clock, ticks or flags in /proc fdinfo"
+    if int(clock) not in _CLOCKS:
+        return f"clock {int(clock)} is not captured"
+    fl = int(flags, 8)
+    return TimerFd(key, [], int(clock), int(ticks), _pair_ns(_field(info, b"it_value")),
+                   _pair_ns(_field(info, b"it_interval")), bool(fl & TFD_TIMER_ABSTIME),
+                   bool(fl & TFD_TIMER_CANCEL_ON_SET), bool(f.flags & os.O_NONBLOCK))
+
+
+def _signalfd(key: str, info: bytes, f: native.FdInfo) -> SignalFd | str:
+    mask = _field(info, b"sigmask")
+    if mask is None:
+        return "no signal mask in /proc fdinfo"
+    return SignalFd(key, [], int(mask, 16), bool(f.flags & os.O_NONBLOCK))
+
+
+class _ITimerSpec(ctypes.Structure):
+    _fields_ = [("interval_sec", ctypes.c_long), ("interval_nsec", ctypes.c_long),
+                ("value_sec", ctypes.c_long), ("value_nsec", ctypes.c_long)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(r: int, what: str) -> int:
+    if r < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+    return r
+
+
+def new_timerfd(t: TimerFd) -> int:
+    """A timerfd like t, not armed yet (arm_timerfd): ours, close-on-exec."""
+    return _check(_libc.timerfd_create(t.clockid, os.O_CLOEXEC |
+                                       (os.O_NONBLOCK if t.nonblock else 0)),
+                  f"timerfd_create(clock {t.clockid})")
+
+
+def arm_timerfd(fd: int, t: TimerFd) -> None:
+    """Arm fd with t's time left and interval (from now), then give it t's unread
+    expirations (setting the time clears them)."""
+    if t.value:
+        value, flags = t.value, 0
+        if t.abstime:
+            value += time.clock_gettime_ns(t.clockid)
+            flags = TFD_TIMER_ABSTIME | (TFD_TIMER_CANCEL_ON_SET if t.cancel_on_set else 0)
+        spec = _ITimerSpec(t.interval // 10**9, t.interval % 10**9, value // 10**9,
+                           value % 10**9)
+        _check(_libc.timerfd_settime(fd, flags, ctypes.byref(spec), None), "timerfd_settime")
+    if t.ticks:
+        fcntl.ioctl(fd, TFD_IOC_SET_TICKS, struct.pack("=Q", t.ticks))
+
+
+def watches_signalfd(loop: LoopState | None) -> bool:
+    """Whether an epoll instance of the loop watches a signalfd: epoll waits for it on
+    the signal wait queue of the task that registered the watch, so the restored process
+    itself must register it (engine: no carrier)."""
+    if not loop or not loop.signalfds:
+        return False
+    sig = {fd for x in loop.signalfds for fd in x.fds}
+    return any(w.fd in sig for e in loop.epolls for w in e.watches)
+
+
+def new_signalfd(s: SignalFd) -> int:
+    """A signalfd like s: ours, close-on-exec."""
+    mask = (ctypes.c_uint64 * 16)(s.mask)   # a sigset_t
+    return _check(_libc.signalfd(-1, mask, os.O_CLOEXEC | (os.O_NONBLOCK if s.nonblock else 0)),
+                  "signalfd")
 
 
 # ---- unix socket pairs ---------------------------------------------------------------------
@@ -344,7 +518,7 @@ def _queued(pid: int, fd: int, d: _UnixDiag) -> tuple[bytes, tuple[int, int], bo
 
 # ---- epoll ---------------------------------------------------------------------------------
 
-_RESTORED_KINDS = ("pipe", "eventfd", "socket", "chr")
+_RESTORED_KINDS = ("pipe", "eventfd", "timerfd", "signalfd", "socket", "chr")
 
 
 def _epolls(rec: ProcessRecord, shared: dict[tuple[int, int], int], loop: LoopState,
@@ -400,7 +574,9 @@ def to_json(loop: LoopState | None) -> dict | None:
                 for e in loop.epolls],
         eventfds=[dataclasses.asdict(e) for e in loop.eventfds],
         pairs=[dict(dataclasses.asdict(p), data_a=p.data_a.hex(), data_b=p.data_b.hex())
-               for p in loop.pairs])
+               for p in loop.pairs],
+        timerfds=[dataclasses.asdict(t) for t in loop.timerfds],
+        signalfds=[dataclasses.asdict(x) for x in loop.signalfds])
 
 
 def from_json(d: dict | None) -> LoopState | None:
@@ -414,4 +590,6 @@ def from_json(d: dict | None) -> LoopState | None:
         pairs=[SocketPair(**dict(p, data_a=bytes.fromhex(p["data_a"]),
                                  data_b=bytes.fromhex(p["data_b"]),
                                  bufs_a=tuple(p["bufs_a"]), bufs_b=tuple(p["bufs_b"])))
-               for p in d["pairs"]])
+               for p in d["pairs"]],
+        timerfds=[TimerFd(**t) for t in d.get("timerfds", [])],
+        signalfds=[SignalFd(**x) for x in d.get("signalfds", [])])

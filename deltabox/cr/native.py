@@ -999,6 +999,10 @@ def fds(pid: int) -> list[FdInfo]:
             kind = "epoll"
         elif target == "anon_inode:[eventfd]":
             kind = "eventfd"
+        elif target == "anon_inode:[timerfd]":
+            kind = "timerfd"
+        elif target == "anon_inode:[signalfd]":
+            kind = "signalfd"
         elif target.startswith("anon_inode:"):
             kind = "anon"
         elif _stat.S_ISREG(mode):
