@@ -713,6 +713,7 @@ def left(fd):
 periodic = timer(0.05, 0.05)             # ticks all along, read by the loop
 far = timer(1000)                        # far in the future
 expired = timer(0.001)                   # expires at once, never read: its tick waits
+lazy = timer(0.02, 0.02)                 # periodic, never read: shows no time left
 time.sleep(0.05)
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
 mask = (ctypes.c_uint64 * 16)(1 << (signal.SIGUSR1 - 1))
@@ -728,7 +729,7 @@ def report():
     every = left(periodic)[1]
     waiting = bool(select.select([expired], [], [], 0)[0])
     return (f"n={n} far={int(far_left // 100)} every={every:.2f} waiting={waiting} "
-            f"sigs={sigs}")
+            f"lazy={left(lazy)[1]:.2f} sigs={sigs}")
 
 open("/workspace/timers-ready", "w").close()
 while True:
@@ -763,13 +764,14 @@ def _timer_ticks(box: Sandbox) -> int:
 
 def test_timerfd_and_signalfd(sbx: Sandbox, restore: Restore) -> None:
     """A loop on timerfds and a signalfd (in an epoll set): a periodic timer keeps ticking,
-    a far one has its time left, an expired one its unread expiration, and the signalfd
-    reads the signals sent to the restored process."""
+    a far one has its time left, an expired one its unread expiration, a periodic one
+    never read its interval (fdinfo shows it with no time left), and the signalfd reads
+    the signals sent to the restored process."""
     sbx.files.write("timers.py", TIMERS)
     sbx.exec("cd /workspace && nohup python3 timers.py >/dev/null 2>&1 &")
     _wait_file(sbx, "timers-ready")
     before = _report(sbx)
-    assert before == "n=41 far=9 every=0.05 waiting=True sigs=0", before
+    assert before == "n=41 far=9 every=0.05 waiting=True lazy=0.02 sigs=0", before
     target = _checkpoint_mutate_restore(sbx, restore, before)
     first = _timer_ticks(target)
     _wait(lambda: _timer_ticks(target) > first + 3)
@@ -777,7 +779,7 @@ def test_timerfd_and_signalfd(sbx: Sandbox, restore: Restore) -> None:
     target.exec(f"kill -USR1 {pid}")
     _wait(lambda: _report(target).endswith(" sigs=1"))
     if restore.mode == "fork":  # type: ignore[attr-defined]
-        assert _report(sbx) == "n=42 far=0 every=0.05 waiting=False sigs=1"
+        assert _report(sbx) == "n=42 far=0 every=0.05 waiting=False lazy=0.02 sigs=1"
 
 
 def test_inotify_is_refused(sbx: Sandbox) -> None:
@@ -880,6 +882,52 @@ def test_shared_memory(sbx: Sandbox, restore: Restore) -> None:
     assert _report(target) == "v=241 anon=b'hello\\x02' mem=b'memfd-1' fd=b'memfd-1' tmp=b'file-1'"
     if restore.mode == "fork":  # type: ignore[attr-defined]
         assert _report(sbx) == "v=999 anon=b'XXXXX\\x01' mem=b'memfd-9' fd=b'memfd-9' tmp=b'file-9'"
+
+
+POOL = """
+import multiprocessing as mp, os, time
+from concurrent.futures import ProcessPoolExecutor
+
+def square(x):
+    return x * x, os.getpid()
+
+if __name__ == "__main__":
+    mp.set_start_method("fork")
+    pool = mp.Pool(2)                        # 3 threads, 2 workers, queues on pipes and
+    ex = ProcessPoolExecutor(2)              # semaphores; an executor: the same and more
+    n = 41
+    done = sum(r for r, _ in pool.map(square, range(10)))
+    done += sum(r for r, _ in ex.map(square, range(10)))
+    open("/workspace/pool-ready", "w").close()
+    while True:
+        if os.path.exists("/workspace/report"):
+            got = pool.map(square, range(20)) + list(ex.map(square, range(20)))
+            total = sum(r for r, _ in got)
+            alive = all(p.is_alive() for p in pool._pool)
+            open("/workspace/state", "w").write(
+                f"n={n} done={done} total={total} workers={len(pool._pool)}+"
+                f"{len(ex._processes)} alive={alive}")
+            os.remove("/workspace/report")
+        if os.path.exists("/workspace/mutate"):
+            n += 1
+            done += pool.apply(square, (3,))[0]
+            os.remove("/workspace/mutate")
+        time.sleep(0.01)
+"""
+
+
+def test_multiprocessing_pool_and_executor(sbx: Sandbox, restore: Restore) -> None:
+    """multiprocessing's Pool and a ProcessPoolExecutor (threads in the parent, worker
+    processes, pipes, semaphores in shared memory): restored with their state, their
+    workers alive, and both still run jobs."""
+    sbx.files.write("pool.py", POOL)
+    sbx.exec("cd /workspace && nohup python3 pool.py >/dev/null 2>&1 &")
+    _wait_file(sbx, "pool-ready")
+    before = _report(sbx)
+    assert before == "n=41 done=570 total=4940 workers=2+2 alive=True", before
+    target = _checkpoint_mutate_restore(sbx, restore, before)
+    _ask(target, "mutate")
+    assert _report(target) == "n=42 done=579 total=4940 workers=2+2 alive=True"
 
 
 @pytest.mark.parametrize("setup,why", [

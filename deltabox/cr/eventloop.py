@@ -311,9 +311,12 @@ def new_timerfd(t: TimerFd) -> int:
 
 def arm_timerfd(fd: int, t: TimerFd) -> None:
     """Arm fd with t's time left and interval (from now), then give it t's unread
-    expirations (setting the time clears them)."""
-    if t.value:
-        value, flags = t.value, 0
+    expirations (setting the time clears them). A periodic timer that expired and was
+    not read since shows no time left (the kernel moves it on only when it is read):
+    its next expiration is taken to be one interval away."""
+    value = t.value or t.interval
+    if value:
+        flags = 0
         if t.abstime:
             value += time.clock_gettime_ns(t.clockid)
             flags = TFD_TIMER_ABSTIME | (TFD_TIMER_CANCEL_ON_SET if t.cancel_on_set else 0)
