@@ -14,7 +14,9 @@
  *     (PM_FILE clear: the copy-on-write anonymous copies), so text and read-only data
  *     come back from the file.  Shared file VMAs: nothing (the file is the content).
  *     Shared anonymous memory (/dev/zero, memfd, deleted files): every page, restored as a
- *     fresh anonymous mapping of the same kind (sharing with other processes is lost).
+ *     fresh anonymous mapping of the same kind (its sharing with other processes, and
+ *     its content, are the daemon's: the template's pages are the live process's later
+ *     writes, so every child gets the daemon's copy mapped over it: dbxcr_remap).
  *     SysV shm and device mappings are refused.
  *   - page contents with process_vm_readv (or /proc/T/mem for unreadable VMAs); all-zero
  *     pages are recorded without data (anonymous: not at all, fresh memory is zero).
@@ -77,7 +79,8 @@
  *     checked), mask and pending signals come from the image into the template struct.
  * Not restored (documented limits): SysV shm, device mappings, VMA names ([anon:x]),
  * mlock, seccomp filters (refused at dump), capabilities other than those implied by the
- * uids, rlimits/session/timers (host's apply), sharing of shared-anonymous memory.
+ * uids, rlimits/session/timers (host's apply). A multi-threaded process's other threads
+ * come from core.img's threads section into the template, and every child clones them.
  */
 #include "criu_incr.h"
 #include "dbxcr_internal.h"
