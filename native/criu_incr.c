@@ -544,6 +544,7 @@ struct image {
 	const unsigned char *threads;	/* struct threads_img and its records, unaligned;
 					 * NULL: one thread */
 	size_t threads_len;
+	int max_tid;			/* the threads' highest nstid (0: one thread) */
 	struct mm_fixed *mm;
 	struct vma_img *vmas;
 	const char *strtab;
@@ -574,8 +575,9 @@ static char *dup_str(const unsigned char *p, size_t n)
 }
 
 /* The threads section is exactly its records: at most MAX_THREADS, each with the main
- * thread's xstate size and at most MAX_PENDING signals. */
-static int threads_img_check(const unsigned char *p, size_t len, uint32_t xstate_len)
+ * thread's xstate size and at most MAX_PENDING signals.  *max_tid: the highest nstid. */
+static int threads_img_check(const unsigned char *p, size_t len, uint32_t xstate_len,
+			     int *max_tid)
 {
 	struct threads_img h;
 	size_t at = sizeof(h);
@@ -593,33 +595,14 @@ static int threads_img_check(const unsigned char *p, size_t len, uint32_t xstate
 		memcpy(&t, p + at, sizeof(t));
 		if (t.xstate_len != xstate_len || t.npending > MAX_PENDING)
 			return -1;
+		if (t.nstid > *max_tid)
+			*max_tid = t.nstid;
 		at += sizeof(t);
 		if (len - at < t.xstate_len + (size_t)t.npending * sizeof(siginfo_t))
 			return -1;
 		at += t.xstate_len + (size_t)t.npending * sizeof(siginfo_t);
 	}
 	return at == len ? 0 : -1;
-}
-
-/* The highest nstid of a checked threads section (NULL: 0). */
-static int threads_img_max_tid(const unsigned char *p)
-{
-	struct threads_img h;
-	size_t at = sizeof(h);
-	int max = 0;
-
-	if (!p)
-		return 0;
-	memcpy(&h, p, sizeof(h));
-	for (uint32_t i = 0; i < h.n; i++) {
-		struct thread_img t;
-
-		memcpy(&t, p + at, sizeof(t));
-		if (t.nstid > max)
-			max = t.nstid;
-		at += sizeof(t) + t.xstate_len + (size_t)t.npending * sizeof(siginfo_t);
-	}
-	return max;
 }
 
 static int image_load(int dirfd, const uint8_t *want_id, struct image *im, pid_t pid,
@@ -671,7 +654,8 @@ static int image_load(int dirfd, const uint8_t *want_id, struct image *im, pid_t
 	if (need != im->core_len) {
 		im->threads = (const unsigned char *)im->core_raw + need;
 		im->threads_len = im->core_len - need;
-		if (threads_img_check(im->threads, im->threads_len, im->core->xstate_len) < 0)
+		if (threads_img_check(im->threads, im->threads_len, im->core->xstate_len,
+				      &im->max_tid) < 0)
 			goto inconsistent;
 	}
 	if (!im->exe || !im->parent_ref) {
@@ -2107,7 +2091,7 @@ int dbxcr_image_info(int image_dirfd, struct dbxcr_image_info *out, struct dbxcr
 	out->depth = (int)im.core->depth;
 	out->origin_pid = im.core->origin_pid;
 	snprintf(out->parent_ref, sizeof(out->parent_ref), "%s", im.parent_ref);
-	out->max_tid = threads_img_max_tid(im.threads);
+	out->max_tid = im.max_tid;
 	image_free(&im);
 	return 0;
 }

@@ -2673,8 +2673,6 @@ static int recreate_epoll(struct tracee *c, unsigned long scratch, const struct 
 	return 0;
 }
 
-/* Join the target sandbox's namespaces other than pid (born there) and mount (a
- * generation of its file system, joined next). */
 /* Map the received descriptor fd over the shared mapping [start, end) and close it.  The
  * child inherited the template's mapping: the original's own object, which it went on
  * writing after the checkpoint.  MAP_FIXED replaces it in one step; a mapping keeps its
@@ -2700,6 +2698,8 @@ static int remap_shared(struct tracee *c, const struct dbxcr_remap *m, int fd,
 	return rsys(c, SYS_close, a, err, "close shared memory fd %d", fd) < 0 ? -1 : 0;
 }
 
+/* Join the target sandbox's namespaces other than pid (born there) and mount (a
+ * generation of its file system, joined next). */
 static int join_sandbox_ns(struct tracee *c, int pidfd, struct dbxcr_error *err)
 {
 	long a[6] = { pidfd, CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWCGROUP,

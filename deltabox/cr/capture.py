@@ -57,6 +57,8 @@ class ProcessRecord:
     rss_kb: int = 0
     mappings: int = 0
     shared: list[SharedMapping] = field(default_factory=list)  # cr/unlinked.py copies them
+    # (inode, path) of deleted files it maps privately (cr/unlinked.py refuses holding one)
+    deleted_private: frozenset[tuple[int, str]] = frozenset()
     listens: list[native.ListenSocket] = field(default_factory=list)
     loop: LoopState | None = None   # epoll, eventfds, socket pairs (eventloop.capture)
 
@@ -119,17 +121,21 @@ class SharedMapping:
 # A shared mapping in /proc/PID/maps: "START-END r??s OFFSET DEV INODE [PATH]".
 _SHARED = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) ([r-])([w-])([x-])s ([0-9a-f]+) \S+ \S+ *(.*)$",
                      re.M)
+# A private mapping of a deleted file: its inode and name. (The device maps shows is the
+# file's beneath an overlay, not the overlay's, which a descriptor's stat gives.)
+_PRIVATE_DELETED = re.compile(rb"^\S+ \S{3}p \S+ \S+ (\d+) +(.*) \(deleted\)$", re.M)
 
 
-def _mappings(pid: int) -> tuple[int, list[SharedMapping]]:
-    """How many mappings, and the shared ones a restore cannot leave to the template:
+def _mappings(pid: int) -> tuple[int, list[SharedMapping], frozenset[tuple[int, str]]]:
+    """How many mappings; the shared ones a restore cannot leave to the template:
     writable ones, and any of an object with no name (a deleted file's read-only view
-    would still show the original's later writes). A read-only shared view of a named
-    file (glibc's gconv-modules.cache) is the file itself, as restored."""
+    would still show the original's later writes; a read-only shared view of a named
+    file, glibc's gconv-modules.cache, is the file itself, as restored); and the deleted
+    files mapped privately."""
     try:
         maps = kernfs.read(f"/proc/{pid}/maps")
     except OSError:
-        return 0, []
+        return 0, [], frozenset()
     out = []
     for m in _SHARED.finditer(maps):
         prot = (m[3] == b"r") * 1 | (m[4] == b"w") * 2 | (m[5] == b"x") * 4
@@ -137,22 +143,25 @@ def _mappings(pid: int) -> tuple[int, list[SharedMapping]]:
                            m[7].decode(errors="replace"))
         if sm.writable or sm.copyable:
             out.append(sm)
-    return maps.count(b"\n"), out
+    private = frozenset((int(m[1]), m[2].decode(errors="replace"))
+                        for m in _PRIVATE_DELETED.finditer(maps))
+    return maps.count(b"\n"), out, private
 
 
-Head = tuple[str, int, list[SharedMapping]]
+Head = tuple[str, int, list[SharedMapping], frozenset[tuple[int, str]]]
 
 
 def record_head(pid: int) -> Head:
-    """(command line, number of mappings, shared mappings to map again): what reading
-    needs the process's mmap lock (a fork of the process holds it throughout)."""
+    """(command line, number of mappings, shared mappings to map again, deleted files
+    mapped privately): what reading needs the process's mmap lock (a fork of the process
+    holds it throughout)."""
     return (cmdline(pid), *_mappings(pid))
 
 
 def record(pid: int, st: native.ProcStatus, head: Head | None = None) -> ProcessRecord:
     """Read one stopped or frozen process from /proc (its status, and maybe its
     record_head, already read)."""
-    cmd, mappings, shared = head if head is not None else record_head(pid)
+    cmd, mappings, shared, deleted_private = head if head is not None else record_head(pid)
     try:
         cwd = os.readlink(f"/proc/{pid}/cwd")
     except OSError:
@@ -162,7 +171,7 @@ def record(pid: int, st: native.ProcStatus, head: Head | None = None) -> Process
                          cmd=cmd, cwd=cwd, threads=st.threads,
                          tracer_pid=st.tracer_pid, cap_eff=st.cap_eff, uid=st.uid,
                          fds=native.fds(pid), rss_kb=st.rss_kb, mappings=mappings,
-                         shared=shared)
+                         shared=shared, deleted_private=deleted_private)
 
 
 def status_refused(st: native.ProcStatus, tracer_ok: set[int]) -> bool:

@@ -166,12 +166,45 @@ def _field(info: bytes, name: bytes) -> bytes | None:
 
 # ---- eventfd -------------------------------------------------------------------------------
 
-class _EventFds:
-    """The sandbox's eventfds by their kernel id (`eventfd-id` in fdinfo), read once."""
+class _Descriptions:
+    """Descriptors of some kinds, each open file description's state read once (from its
+    first holder) under a key that names it across the processes sharing it; add() gives
+    a process its own copy of each, holding its fds."""
+
+    kinds: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.key: dict[tuple[int, int], str] = {}        # (pid, fd) -> key
+        self.state: dict[str, EventFd | TimerFd | SignalFd | str] = {}  # or why not
+
+    def add(self, rec: ProcessRecord, loop: LoopState, reasons: list[str]) -> None:
+        mine: dict[str, EventFd | TimerFd | SignalFd] = {}
+        for f in rec.fds:
+            if f.kind not in self.kinds:
+                continue
+            key = self.key[(rec.pid, f.fd)]
+            st = self.state[key]
+            if isinstance(st, str):
+                reasons.append(f"fd {f.fd}: {st}")
+                continue
+            if key not in mine:
+                obj = mine[key] = dataclasses.replace(st, fds=[])
+                if isinstance(obj, EventFd):
+                    loop.eventfds.append(obj)
+                elif isinstance(obj, TimerFd):
+                    loop.timerfds.append(obj)
+                else:
+                    loop.signalfds.append(obj)
+            mine[key].fds.append(f.fd)
+
+
+class _EventFds(_Descriptions):
+    """The sandbox's eventfds by their kernel id (`eventfd-id` in fdinfo)."""
+
+    kinds = ("eventfd",)
 
     def __init__(self, records: list[ProcessRecord]) -> None:
-        self.state: dict[int, tuple[int, bool, bool] | str] = {}   # id -> state or why not
-        self.ident: dict[tuple[int, int], int] = {}                 # (pid, fd) -> id
+        super().__init__()
         for rec in records:
             for f in rec.fds:
                 if f.kind == "eventfd":
@@ -181,28 +214,14 @@ class _EventFds:
         info = _fdinfo(pid, f.fd)
         count, ident = _field(info, b"eventfd-count"), _field(info, b"eventfd-id")
         if count is None or ident is None:
-            self.ident[(pid, f.fd)] = -1
-            self.state[-1] = "an eventfd without a counter in /proc fdinfo (kernel too old)"
+            self.key[(pid, f.fd)] = "eventfd:?"
+            self.state["eventfd:?"] = ("an eventfd without a counter in /proc fdinfo "
+                                       "(kernel too old)")
             return
-        self.ident[(pid, f.fd)] = int(ident)
+        key = self.key[(pid, f.fd)] = f"eventfd:{int(ident)}"
         sem = _field(info, b"eventfd-semaphore")
-        self.state.setdefault(int(ident), (int(count, 16), sem == b"1",
+        self.state.setdefault(key, EventFd(key, [], int(count, 16), sem == b"1",
                                            bool(f.flags & os.O_NONBLOCK)))
-
-    def add(self, rec: ProcessRecord, loop: LoopState, reasons: list[str]) -> None:
-        mine: dict[int, EventFd] = {}
-        for f in rec.fds:
-            if f.kind != "eventfd":
-                continue
-            ident = self.ident[(rec.pid, f.fd)]
-            st = self.state[ident]
-            if isinstance(st, str):
-                reasons.append(f"fd {f.fd}: {st}")
-                continue
-            if ident not in mine:
-                mine[ident] = EventFd(f"eventfd:{ident}", [], *st)
-                loop.eventfds.append(mine[ident])
-            mine[ident].fds.append(f.fd)
 
 
 # ---- timerfd and signalfd ------------------------------------------------------------------
@@ -212,15 +231,15 @@ TFD_IOC_SET_TICKS = 0x40085400            # _IOW('T', 0, u64): CONFIG_CHECKPOINT
 _CLOCKS = {0, 1, 7, 8, 9}                 # REALTIME MONOTONIC BOOTTIME and the two ALARMs
 
 
-class _TimersAndSignals:
-    """The sandbox's timerfds and signalfds, each open file description read once (from
-    its first holder) and keyed by it: fdinfo names no object, so holders are matched
-    with kcmp."""
+class _TimersAndSignals(_Descriptions):
+    """The sandbox's timerfds and signalfds: fdinfo names no object, so holders are
+    matched with kcmp against each description's first holder."""
+
+    kinds = ("timerfd", "signalfd")
 
     def __init__(self, records: list[ProcessRecord]) -> None:
+        super().__init__()
         self.firsts: list[tuple[int, native.FdInfo, str]] = []   # (pid, fd, key)
-        self.state: dict[str, TimerFd | SignalFd | str] = {}    # key -> state or why not
-        self.key: dict[tuple[int, int], str] = {}
         for rec in records:
             for f in rec.fds:
                 if f.kind in ("timerfd", "signalfd"):
@@ -238,25 +257,9 @@ class _TimersAndSignals:
                                _signalfd(key, info, f))
         except (OSError, ValueError) as e:
             self.state[key] = f"reading its /proc fdinfo: {e}"
+        if isinstance(self.state[key], str):
+            self.state[key] = f"{f.kind}: {self.state[key]}"
         return key
-
-    def add(self, rec: ProcessRecord, loop: LoopState, reasons: list[str]) -> None:
-        mine: dict[str, TimerFd | SignalFd] = {}
-        for f in rec.fds:
-            if f.kind not in ("timerfd", "signalfd"):
-                continue
-            key = self.key[(rec.pid, f.fd)]
-            st = self.state[key]
-            if isinstance(st, str):
-                reasons.append(f"fd {f.fd}: {f.kind}: {st}")
-                continue
-            if key not in mine:
-                obj = mine[key] = dataclasses.replace(st, fds=[])
-                if isinstance(obj, TimerFd):
-                    loop.timerfds.append(obj)
-                else:
-                    loop.signalfds.append(obj)
-            mine[key].fds.append(f.fd)
 
 
 def _pair_ns(raw: bytes | None) -> int:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import stat
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..fs.files import open_in_root
@@ -82,6 +81,7 @@ class _Held:
     st: os.stat_result
     src: str                      # a /proc path that opens it
     path: str
+    memory: bool                  # it lives in memory: made again as a memfd
     fds: list[tuple[ProcessRecord, native.FdInfo]] = field(default_factory=list)
     maps: list[tuple[ProcessRecord, SharedMapping]] = field(default_factory=list)
 
@@ -91,9 +91,10 @@ def capture(records: list[ProcessRecord]) -> tuple[list[UnlinkedFile], list[Refu
     content copied."""
     held: dict[tuple[int, int], _Held] = {}
 
-    def holding(src: str, path: str) -> _Held:
+    def holding(src: str, path: str, anonymous: bool = False) -> _Held:
         st = os.stat(src)   # /proc/PID/map_files stats as the descriptor does (overlay too)
-        return held.setdefault((st.st_dev, st.st_ino), _Held(st, src, path))
+        return held.setdefault((st.st_dev, st.st_ino), _Held(
+            st, src, path, anonymous or path.startswith(_IN_MEMORY)))
 
     for rec in records:
         for f in rec.fds:
@@ -101,7 +102,8 @@ def capture(records: list[ProcessRecord]) -> tuple[list[UnlinkedFile], list[Refu
                 holding(f"/proc/{rec.pid}/fd/{f.fd}", f.path).fds.append((rec, f))
         for m in rec.shared:
             if m.copyable:
-                h = holding(f"/proc/{rec.pid}/map_files/{m.where}", _plain(m.path))
+                h = holding(f"/proc/{rec.pid}/map_files/{m.where}",
+                            m.path.removesuffix(" (deleted)"), m.anonymous)
                 h.maps.append((rec, m))
     out: list[UnlinkedFile] = []
     refused: list[Refusal] = []
@@ -122,10 +124,6 @@ def capture(records: list[ProcessRecord]) -> tuple[list[UnlinkedFile], list[Refu
     return out, refused
 
 
-def _plain(path: str) -> str:
-    return path.removesuffix(" (deleted)")
-
-
 def _first_holder(h: _Held) -> tuple[ProcessRecord, str]:
     if h.fds:
         rec, f = h.fds[0]
@@ -134,38 +132,18 @@ def _first_holder(h: _Held) -> tuple[ProcessRecord, str]:
     return rec, f"shared memory {m.what} at {m.where}"
 
 
-def _in_memory(h: _Held) -> bool:
-    return not h.path or h.path == "/dev/zero" or h.path.startswith("[anon_shmem:") or \
-        h.path.startswith(_IN_MEMORY)
-
-
 def _refusal(h: _Held) -> str | None:
     if h.st.st_nlink:
         return "still linked under another name: not captured"
     if h.st.st_size > MAX_BYTES:
         return f"{h.st.st_size} bytes (more than {MAX_BYTES >> 20} MiB are not captured)"
     rec = (h.fds or h.maps)[0][0]
-    if not _in_memory(h) and \
+    if not h.memory and \
             not os.path.isdir(f"/proc/{rec.pid}/root{os.path.dirname(h.path)}"):
         return "its directory is gone too: not captured"
-    if h.fds and any(_mapped_privately(r.pid, h) for r in {r.pid: r for r, _ in h.fds}
-                     .values()):
+    if any((h.st.st_ino, h.path) in r.deleted_private for r, _ in h.fds):
         return "also mapped privately: not captured"
     return None
-
-
-def _mapped_privately(pid: int, h: _Held) -> bool:
-    """Whether pid maps this file MAP_PRIVATE. /proc/pid/maps names the file and its
-    inode, but the device of the file under an overlay (not the overlay's, which stat
-    gives), so the path and inode are compared."""
-    name = f"{h.path} (deleted)"
-    try:
-        with open(f"/proc/{pid}/maps") as maps:
-            return any(len(p) > 5 and p[4] == str(h.st.st_ino) and p[1].endswith("p") and
-                       line.rstrip("\n").endswith(name)
-                       for line in maps for p in [line.split(None, 5)])
-    except OSError:
-        return False
 
 
 def _copy(h: _Held) -> UnlinkedFile:
@@ -173,7 +151,7 @@ def _copy(h: _Held) -> UnlinkedFile:
     try:
         st = os.fstat(src)
         u = UnlinkedFile(h.path, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_size,
-                         memory=_in_memory(h))
+                         memory=h.memory)
         u.saved = os.memfd_create("dbx-unlinked", os.MFD_CLOEXEC)
         _fill(u.saved, src, st.st_size)
     finally:
