@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .. import kernfs
+from ..errors import FailedPrecondition
 from . import native
 
 if TYPE_CHECKING:
@@ -33,9 +34,22 @@ class Refusal:
     pid: int
     cmd: str
     reason: str
+    # (host pid, fd) of an inotify instance whose events wait to be read: a refusal that
+    # passes once the process has read them (see Unsettled)
+    unread: tuple[int, int] | None = None
 
     def __str__(self) -> str:
         return f"pid {self.pid} ({self.cmd}): {self.reason}"
+
+
+class Unsettled(FailedPrecondition):
+    """Refused only for events that wait to be read (`queues`: (host pid, fd) of each
+    inotify instance): the caller may let the processes run until they have read them,
+    and capture again."""
+
+    def __init__(self, message: str, queues: list[tuple[int, int]]) -> None:
+        super().__init__(message)
+        self.queues = queues
 
 
 @dataclass
@@ -221,9 +235,9 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
 
 
 def is_loop_fd(f: native.FdInfo) -> bool:
-    """An event loop's descriptor (epoll, eventfd, timerfd, signalfd, unix socket):
-    eventloop.capture decides about it, not the refusals here."""
-    return f.kind in ("epoll", "eventfd", "timerfd", "signalfd") or (
+    """An event loop's descriptor (epoll, eventfd, timerfd, signalfd, inotify, unix
+    socket): eventloop.capture decides about it, not the refusals here."""
+    return f.kind in ("epoll", "eventfd", "timerfd", "signalfd", "inotify") or (
         f.kind == "socket" and f.socket is not None and f.socket.family == "unix")
 
 

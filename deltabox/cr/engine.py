@@ -54,7 +54,7 @@ import socket
 import threading
 import termios
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -63,10 +63,10 @@ import trio
 from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
-from . import eventloop, native, unlinked
+from . import eventloop, native, unlinked, watches
 from ..sandbox.reaper import block_until_exited, kill_pidfds, reap_orphans, wait_exited
-from .capture import (ProcessRecord, Refusal, add_listeners, record, record_head,
-                      refusals, status_refused)
+from .capture import (ProcessRecord, Refusal, Unsettled, add_listeners, record,
+                      record_head, refusals, status_refused)
 from .worker import PtraceWorker
 
 T = TypeVar("T")
@@ -289,14 +289,17 @@ class DeltaCR:
                       snapshot_files: Callable[[], Awaitable[None]],
                       daemon_pipes: Callable[[], tuple[dict[int, str], set[int]]],
                       tracer_ok: set[int],
-                      reuse: Mapping[int, native.Template] | None = None) -> ProcessState:
+                      reuse: Mapping[int, native.Template] | None = None,
+                      layers: Sequence[str] = ()) -> ProcessState:
         """Stop `procs` (the sandbox's processes and their status, cgroup frozen by the caller
         before listing them), snapshot the files, template every process, resume. Raises
         FailedPrecondition listing every process that cannot be captured, changing nothing.
         `reuse`: templates, by pid, of processes known not to have run since the template
         was made (the caller's inspector says so): shared instead of forked anew. They are
         stopped and read like the others (their records, pipes and files are the
-        checkpoint's own); only their page tables are not copied again."""
+        checkpoint's own); only their page tables are not copied again. `layers`: the
+        directories of the sandbox's overlay layers, upper first (cr/watches.py). Raises
+        Unsettled if the only refusals are inotify events not read yet."""
         pids = list(procs)
         own = {int(t) for t in os.listdir("/proc/self/task")}
         if any(st.tracer_pid in own for st in procs.values()):
@@ -359,7 +362,7 @@ class DeltaCR:
                 if not cap.refused:
                     cap.refused.extend(r for rec in records for r in add_listeners(rec))
                 if not cap.refused:
-                    cap.refused.extend(eventloop.capture(records))
+                    cap.refused.extend(eventloop.capture(records, layers))
                 if not cap.refused:
                     files, why = unlinked.capture(records)
                     cap.refused.extend(why)
@@ -745,6 +748,9 @@ class _PipePlan:
         for sf in loop.signalfds:
             fd = self._object(sf.key, lambda sf=sf: eventloop.new_signalfd(sf))
             out.update((n, fd) for n in sf.fds)
+        for ino in loop.inotifies:
+            fd = self._object(ino.key, lambda ino=ino: watches.new_inotify(ino, self._root()))
+            out.update((n, fd) for n in ino.fds)
         for p in loop.pairs:
             ab = self.objects.get(p.key)
             if ab is None:
@@ -801,14 +807,17 @@ class _PipePlan:
                              m.offset)
                 for i, u in enumerate(self.files) for m in u.maps if m.pid == rec.pid]
 
+    def _root(self) -> int:
+        if self.rootfd < 0:
+            raise native.CRError(errno.EINVAL, "restoring a deleted-but-open file or an "
+                                 "inotify instance needs the generation's root")
+        return self.rootfd
+
     def _made(self, i: int) -> dict[int, int]:
         """The i-th object, made once per restore."""
         if i not in self.made:
             u = self.files[i]
-            if self.rootfd < 0 and not u.memory:
-                raise native.CRError(errno.EINVAL, "restoring a deleted-but-open file needs "
-                                     "the generation's root")
-            self.made[i] = unlinked.recreate(u, self.rootfd)
+            self.made[i] = unlinked.recreate(u, self.rootfd if u.memory else self._root())
             self.loops += self.made[i].values()
         return self.made[i]
 
@@ -901,10 +910,14 @@ def _fresh_pair(p: eventloop.SocketPair, netns_pid: int) -> tuple[int, int]:
 
 
 def _refusal(refused: list[Refusal]) -> FailedPrecondition:
+    message = ("cannot capture the sandbox's processes faithfully: " +
+               "; ".join(str(r) for r in refused))
+    queues = [r.unread for r in refused if r.unread is not None]
+    if len(queues) == len(refused):
+        return Unsettled(message + ". Checkpoint again once they have read them, or "
+                         "checkpoint with mode=\"fs\" (files only)", queues)
     return FailedPrecondition(
-        "cannot capture the sandbox's processes faithfully: " +
-        "; ".join(str(r) for r in refused) +
-        ". Stop those processes, or checkpoint with mode=\"fs\" (files only)")
+        message + ". Stop those processes, or checkpoint with mode=\"fs\" (files only)")
 
 
 # ---- jobs run on the ptrace thread ------------------------------------------------------------

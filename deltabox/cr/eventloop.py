@@ -1,5 +1,5 @@
-"""The descriptors of an event loop: epoll instances, eventfds, timerfds, signalfds and
-unix socket pairs.
+"""The descriptors of an event loop: epoll instances, eventfds, timerfds, signalfds,
+inotify instances (cr/watches.py) and unix socket pairs.
 
 An asyncio program (uvicorn, aiohttp, any `asyncio.run`) holds an epoll instance and a
 socket pair (its self-pipe); libuv and others add eventfds; C event loops (systemd's
@@ -11,13 +11,14 @@ its own, made afresh with that state (engine._PipePlan.loop_fds; epoll instances
 the child, once its other descriptors are in place: native/fork_template.c: recreate_epoll).
 
 Captured: an epoll instance (its watches: fd, events, data) whose every watched descriptor
-is one the process holds and the restore recreates; an eventfd (counter, semaphore mode);
+is one the process holds and the restore recreates; an inotify instance (cr/watches.py);
+an eventfd (counter, semaphore mode);
 a timerfd (clock, time left and interval, expirations not yet read, absolute and
 cancel-on-set flags: armed again when the restored processes are let run, so the time
 left runs from the restore, as for a stopped process); a signalfd (its signal mask; it
 reads the signals of whichever process reads it, as the original did); an unnamed
 connected unix socket pair (queued bytes of a stream pair, buffer sizes). An eventfd, a
-timerfd, a signalfd or a pair may be shared by several processes (a parent and the worker
+timerfd, a signalfd, an inotify instance or a pair may be shared by several processes (a parent and the worker
 it forked, a `multiprocessing.Pipe`): the restore makes one object for all of them. Each
 non-blocking
 flag and close-on-exec flag as it was. Refused, with the reason: an epoll instance shared
@@ -37,10 +38,11 @@ import socket
 import struct
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .. import kernfs
-from . import native
+from . import native, watches
 from .capture import ProcessRecord, Refusal, is_loop_fd
 
 MAX_QUEUED = 4 << 20                      # bytes waiting in a socket we copy, at most
@@ -106,15 +108,18 @@ class LoopState:
     pairs: list[SocketPair] = field(default_factory=list)
     timerfds: list[TimerFd] = field(default_factory=list)
     signalfds: list[SignalFd] = field(default_factory=list)
+    inotifies: list[watches.Inotify] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.epolls or self.eventfds or self.pairs or self.timerfds or
-                    self.signalfds)
+                    self.signalfds or self.inotifies)
 
 
-def capture(records: list[ProcessRecord]) -> list[Refusal]:
+def capture(records: list[ProcessRecord], layers: Sequence[str] = ()) -> list[Refusal]:
     """Fill `rec.loop` for every record holding event-loop descriptors, or say why one
-    cannot be restored. Call with every process of the sandbox stopped."""
+    cannot be restored. Call with every process of the sandbox stopped. `layers`: the
+    directories of the sandbox's overlay layers, upper first (an inotify watch's file is
+    found through them: cr/watches.py)."""
     out: list[Refusal] = []
     todo = [r for r in records if any(is_loop_fd(f) for f in r.fds)]
     if not todo:
@@ -123,7 +128,11 @@ def capture(records: list[ProcessRecord]) -> list[Refusal]:
     socks = [(r, f) for r in todo for f in r.fds if f.kind == "socket" and is_loop_fd(f)]
     pairs = _Pairs(socks, unix_sockets(todo[0].pid) if socks else {})
     evs = _EventFds(todo)
-    anons = _TimersAndSignals(todo)
+    with watches.Layers(layers if _any_kind(todo, "inotify") else ()) as opened:
+        anons = _Anonymous(todo, opened)
+    out.extend(anons.unread())
+    if out:  # transient (the daemon lets them be read, then retries): say nothing else
+        return out
     for rec in todo:
         reasons: list[str] = []
         loop = LoopState()
@@ -135,6 +144,10 @@ def capture(records: list[ProcessRecord]) -> list[Refusal]:
         if not reasons:
             rec.loop = loop
     return out
+
+
+def _any_kind(records: list[ProcessRecord], kind: str) -> bool:
+    return any(f.kind == kind for r in records for f in r.fds)
 
 
 # ---- sharing between processes ------------------------------------------------------------
@@ -166,6 +179,9 @@ def _field(info: bytes, name: bytes) -> bytes | None:
 
 # ---- eventfd -------------------------------------------------------------------------------
 
+_Object = EventFd | TimerFd | SignalFd | watches.Inotify
+
+
 class _Descriptions:
     """Descriptors of some kinds, each open file description's state read once (from its
     first holder) under a key that names it across the processes sharing it; add() gives
@@ -175,10 +191,10 @@ class _Descriptions:
 
     def __init__(self) -> None:
         self.key: dict[tuple[int, int], str] = {}        # (pid, fd) -> key
-        self.state: dict[str, EventFd | TimerFd | SignalFd | str] = {}  # or why not
+        self.state: dict[str, _Object | str] = {}  # or why not
 
     def add(self, rec: ProcessRecord, loop: LoopState, reasons: list[str]) -> None:
-        mine: dict[str, EventFd | TimerFd | SignalFd] = {}
+        mine: dict[str, _Object] = {}
         for f in rec.fds:
             if f.kind not in self.kinds:
                 continue
@@ -193,8 +209,10 @@ class _Descriptions:
                     loop.eventfds.append(obj)
                 elif isinstance(obj, TimerFd):
                     loop.timerfds.append(obj)
-                else:
+                elif isinstance(obj, SignalFd):
                     loop.signalfds.append(obj)
+                else:
+                    loop.inotifies.append(obj)
             mine[key].fds.append(f.fd)
 
 
@@ -224,26 +242,44 @@ class _EventFds(_Descriptions):
                                            bool(f.flags & os.O_NONBLOCK)))
 
 
-# ---- timerfd and signalfd ------------------------------------------------------------------
+# ---- timerfd, signalfd and inotify ------------------------------------------------------------------
 
 TFD_TIMER_ABSTIME, TFD_TIMER_CANCEL_ON_SET = 1, 2
 TFD_IOC_SET_TICKS = 0x40085400            # _IOW('T', 0, u64): CONFIG_CHECKPOINT_RESTORE
 _CLOCKS = {0, 1, 7, 8, 9}                 # REALTIME MONOTONIC BOOTTIME and the two ALARMs
 
 
-class _TimersAndSignals(_Descriptions):
-    """The sandbox's timerfds and signalfds: fdinfo names no object, so holders are
-    matched with kcmp against each description's first holder."""
+class _Anonymous(_Descriptions):
+    """The sandbox's timerfds, signalfds and inotify instances: fdinfo names no object,
+    so holders are matched with kcmp against each description's first holder."""
 
-    kinds = ("timerfd", "signalfd")
+    kinds = ("timerfd", "signalfd", "inotify")
 
-    def __init__(self, records: list[ProcessRecord]) -> None:
+    def __init__(self, records: list[ProcessRecord], layers: watches.Layers) -> None:
         super().__init__()
+        self.layers = layers
         self.firsts: list[tuple[int, native.FdInfo, str]] = []   # (pid, fd, key)
+        self.cmds = {r.pid: (r.nspid, r.cmd) for r in records}
         for rec in records:
             for f in rec.fds:
-                if f.kind in ("timerfd", "signalfd"):
+                if f.kind in self.kinds:
                     self.key[(rec.pid, f.fd)] = self._key(rec.pid, f)
+
+    def unread(self) -> list[Refusal]:
+        """inotify instances with events not read yet: a copy would take them from the
+        live process (the Refusal names the queue: the caller may let it be read)."""
+        out = []
+        for pid, f, _key in self.firsts:
+            if f.kind != "inotify":
+                continue
+            try:
+                n = watches.unread(pid, f.fd)
+            except OSError:
+                continue  # gone: the capture fails on the process itself
+            if n:
+                out.append(Refusal(*self.cmds[pid], f"fd {f.fd}: inotify instance has {n} "
+                                   "bytes of events it has not read yet", unread=(pid, f.fd)))
+        return out
 
     def _key(self, pid: int, f: native.FdInfo) -> str:
         for pid0, f0, key in self.firsts:
@@ -254,10 +290,11 @@ class _TimersAndSignals(_Descriptions):
         try:
             info = _fdinfo(pid, f.fd)
             self.state[key] = (_timerfd(key, info, f) if f.kind == "timerfd" else
-                               _signalfd(key, info, f))
+                               _signalfd(key, info, f) if f.kind == "signalfd" else
+                               watches.read(key, pid, info, f, self.layers))
         except (OSError, ValueError) as e:
             self.state[key] = f"reading its /proc fdinfo: {e}"
-        if isinstance(self.state[key], str):
+        if isinstance(self.state[key], str) and f.kind != "inotify":
             self.state[key] = f"{f.kind}: {self.state[key]}"
         return key
 
@@ -524,7 +561,7 @@ def _queued(pid: int, fd: int, d: _UnixDiag) -> tuple[bytes, tuple[int, int], bo
 
 # ---- epoll ---------------------------------------------------------------------------------
 
-_RESTORED_KINDS = ("pipe", "eventfd", "timerfd", "signalfd", "socket", "chr")
+_RESTORED_KINDS = ("pipe", "eventfd", "timerfd", "signalfd", "inotify", "socket", "chr")
 
 
 def _epolls(rec: ProcessRecord, shared: dict[tuple[int, int], int], loop: LoopState,
@@ -582,7 +619,8 @@ def to_json(loop: LoopState | None) -> dict | None:
         pairs=[dict(dataclasses.asdict(p), data_a=p.data_a.hex(), data_b=p.data_b.hex())
                for p in loop.pairs],
         timerfds=[dataclasses.asdict(t) for t in loop.timerfds],
-        signalfds=[dataclasses.asdict(x) for x in loop.signalfds])
+        signalfds=[dataclasses.asdict(x) for x in loop.signalfds],
+        inotifies=[dataclasses.asdict(x) for x in loop.inotifies])
 
 
 def from_json(d: dict | None) -> LoopState | None:
@@ -598,4 +636,6 @@ def from_json(d: dict | None) -> LoopState | None:
                                  bufs_a=tuple(p["bufs_a"]), bufs_b=tuple(p["bufs_b"])))
                for p in d["pairs"]],
         timerfds=[TimerFd(**t) for t in d.get("timerfds", [])],
-        signalfds=[SignalFd(**x) for x in d.get("signalfds", [])])
+        signalfds=[SignalFd(**x) for x in d.get("signalfds", [])],
+        inotifies=[watches.Inotify(**dict(x, watches=[watches.Watch(**w) for w in x["watches"]]))
+                   for x in d.get("inotifies", [])])

@@ -833,8 +833,8 @@ class SockInfo:
 @dataclass(frozen=True)
 class FdInfo:
     fd: int
-    kind: str           # file, dir, pipe, fifo, socket, chr, blk, epoll, eventfd, anon,
-    #                     other
+    kind: str           # file, dir, pipe, fifo, socket, chr, blk, epoll, eventfd, timerfd,
+    #                     signalfd, inotify, anon, other
     target: str         # readlink of /proc/pid/fd/N (" (deleted)" removed if deleted)
     deleted: bool = False
     flags: int = 0      # open(2) flags from fdinfo
@@ -1003,6 +1003,8 @@ def fds(pid: int) -> list[FdInfo]:
             kind = "timerfd"
         elif target == "anon_inode:[signalfd]":
             kind = "signalfd"
+        elif target == "anon_inode:inotify":
+            kind = "inotify"
         elif target.startswith("anon_inode:"):
             kind = "anon"
         elif _stat.S_ISREG(mode):

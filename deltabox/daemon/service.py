@@ -41,7 +41,8 @@ from ..sandbox.reaper import wait_exited
 from ..sandbox.session import AdoptedShell, Session
 from ..sandbox.userns import IdMap
 from ..background import GuardedNursery, run_all
-from ..cr import hostmem, native
+from ..cr import hostmem, native, watches
+from ..cr.capture import Unsettled
 from ..cr.engine import DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, in_vfork
 from ..inspector import Decision, TurnEffects, touched_processes, untouched_processes
 from . import budget
@@ -76,6 +77,8 @@ CLEAN_AFTER_DELETES = 16  # deleted layers that make btrfs drop them at once (st
 CLEAN_INTERVAL_S = 1.0
 VFORK_ATTEMPTS = 20   # thaw-and-refreeze rounds while a process is inside vfork()
 VFORK_WAIT_S = 0.2    # per round, for its child to exec
+UNREAD_ATTEMPTS = 4   # captures while a file watcher has inotify events left to read
+UNREAD_WAIT_S = 0.25  # between them, for it to read them
 
 
 @dataclass
@@ -1469,17 +1472,30 @@ class Daemon:
             snap.append(await trio.to_thread.run_sync(self._snapshot, row, layer))
 
         try:
-            listed = self._sandbox_processes(candidates)
-            procs = await self._settle_vforks(live, listed)
-            if not procs:  # nothing runs but init: the snapshot alone is the whole state
-                await snapshot()
-                return ProcessState([], {}, {}, {}), snap[0]
-            # A thaw to let a vfork() finish let every process run: nothing is untouched.
-            reuse = kept.templates_for(procs) if procs is listed else {}
-            state = await self.cr.capture(
-                procs, thaw, snapshot, lambda: self._daemon_pipes(live), tracer_ok=set(),
-                reuse=reuse)
-            return state, snap[0]
+            for attempt in range(1, UNREAD_ATTEMPTS + 1):
+                listed = self._sandbox_processes(candidates)
+                procs = await self._settle_vforks(live, listed)
+                if not procs:  # nothing runs but init: the snapshot alone is the whole state
+                    await snapshot()
+                    return ProcessState([], {}, {}, {}), snap[0]
+                # A thaw to let a vfork() finish, or events be read (below), let every
+                # process run: nothing is untouched then.
+                reuse = kept.templates_for(procs) if procs is listed and attempt == 1 else {}
+                try:
+                    state = await self.cr.capture(
+                        procs, thaw, snapshot, lambda: self._daemon_pipes(live),
+                        tracer_ok=set(), reuse=reuse,
+                        layers=live.rt.generation.layers if live.rt.generation else ())
+                    return state, snap[0]
+                except Unsettled as e:
+                    if attempt == UNREAD_ATTEMPTS:
+                        raise FailedPrecondition(f"{e.message} (at each of {attempt} "
+                                                 "attempts)") from None
+                    snap.clear()
+                    await self._let_events_be_read(live, e.queues, layer)
+                    thawed = False
+                    candidates = self._candidates(live)
+            raise AssertionError("unreachable")
         except BaseException as e:
             with trio.CancelScope(shield=True):
                 thaw()
@@ -1490,6 +1506,20 @@ class Daemon:
             raise
         finally:
             thaw()
+
+    async def _let_events_be_read(self, live: Live, queues: Sequence[tuple[int, int]],
+                                  layer: str) -> None:
+        """A capture refused only because inotify events wait to be read (a file watcher
+        woken by the last command's writes): drop its snapshot, let the processes run
+        until those queues are empty (UNREAD_WAIT_S at most), then freeze again."""
+        with trio.CancelScope(shield=True):
+            if self.store.layer_path(layer).exists():
+                await trio.to_thread.run_sync(self.store.delete, layer)
+        live.rt.cgroup.thaw()
+        deadline = trio.current_time() + UNREAD_WAIT_S
+        while trio.current_time() < deadline and any(_unread(q) for q in queues):
+            await trio.sleep(0.001)
+        live.rt.cgroup.freeze()
 
     async def _settle_vforks(self, live: Live, procs: dict[int, native.ProcStatus]
                              ) -> dict[int, native.ProcStatus]:
@@ -2370,6 +2400,14 @@ def _fork_failed(cp: CheckpointRow, e: Exception) -> ResourceExhausted | None:
     RESOURCE_EXHAUSTED (else the error is raised as itself)."""
     log.error("fork %s: booting or restoring the children failed: %s", cp.id, e)
     return _cr_limit_error(e, "restoring")
+
+
+def _unread(queue: tuple[int, int]) -> bool:
+    """Whether events wait in the inotify instance (host pid, fd) (gone: no)."""
+    try:
+        return watches.unread(*queue) > 0
+    except OSError:
+        return False
 
 
 def _cr_limit_error(e: BaseException, what: str) -> ResourceExhausted | None:

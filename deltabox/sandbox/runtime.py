@@ -67,6 +67,9 @@ class Generation:
     layer_id: str
     mntfd: int
     rootfd: int
+    # its overlay's layer directories, upper first (an inotify watch's file is found
+    # through them: cr/watches.py)
+    layers: tuple[str, ...] = ()
 
     def close(self) -> None:
         for fd in (self.mntfd, self.rootfd):
@@ -192,7 +195,7 @@ async def build_generation(rt: Runtime, layer_id: str, lower: list[str], layer: 
             await _release_helper(proc)
         raise
     background.start_soon(_release_helper, proc)
-    return Generation(layer_id, mntfd, rootfd)
+    return Generation(layer_id, mntfd, rootfd, (str(layer / "upper"), *lower))
 
 
 async def _release_helper(proc: trio.Process) -> None:
