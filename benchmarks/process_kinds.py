@@ -6,8 +6,11 @@ one with a pool of four idle worker threads (a ThreadPoolExecutor: native/thread
 one sharing memory with a worker process it forked (multiprocessing's Value and two
 semaphores, and --temp-mb of anonymous shared memory: copied at each checkpoint and mapped
 again at each rollback, deltabox/cr/unlinked.py; the worker is forked before the parent
-allocates its --mb, so it is a small second process), in the same run on one private
-daemon, each in a sandbox of its own with the same memory (--mb).
+allocates its --mb, so it is a small second process) and one watching --watch-dirs
+directories with inotify, as a dev server with hot reload watches its project
+(deltabox/cr/watches.py: each watch's file found by path at the checkpoint and watched
+again at the rollback), in the same run on one private daemon, each in a sandbox of its
+own with the same memory (--mb).
 
 Each rep, for every kind in turn (the order rotates): the process changes its state (a
 counter and a page of its memory), pauses (--think: the warm pool prepares meanwhile),
@@ -15,11 +18,13 @@ counter and a page of its memory), pauses (--think: the warm pool prepares meanw
 pages are flushed (untimed: no call pays for another's background work), the process changes
 again, pauses, `rollback()` to that checkpoint is timed, and the process's report (counter, memory CRC, the bytes in its socket pair, or
 the temporary file's hash and offset, the pool's thread ids and a job it ran, the shared
-counter and memory's CRC: the worker bumps them at each change) must equal the one taken
+counter and memory's CRC: the worker bumps them at each change, the number of watches and
+whether a file closed after writing in one of the directories is reported on its watch) must equal the one taken
 before the checkpoint. Client-side latency through the SDK; the daemon's own duration
 beside it. JSON and a PNG to --out (default benchmarks/out).
 
     .venv/bin/python -m benchmarks.process_kinds [--reps 20] [--mb 50] [--temp-mb 8]
+        [--watch-dirs 200]
 """
 
 from __future__ import annotations
@@ -35,11 +40,12 @@ from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, latenc
                                terminate_as_exception, write_json)
 from deltabox import Sandbox
 
-KINDS = ("plain", "asyncio", "tempfile", "threads", "shared")
+KINDS = ("plain", "asyncio", "tempfile", "threads", "shared", "watcher")
 
 PROG = r"""
-import asyncio, concurrent.futures, hashlib, os, socket, sys, tempfile, time, zlib
-kind, mb, temp_mb = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+import asyncio, concurrent.futures, ctypes, hashlib, os, select, socket, struct, sys
+import tempfile, time, zlib
+kind, mb, temp_mb, dirs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 if kind == "shared":   # a worker sharing memory with its parent, forked while it is small
     import mmap, multiprocessing as mp
     ctx = mp.get_context("fork")
@@ -60,6 +66,32 @@ if kind == "tempfile":
     t = tempfile.TemporaryFile(dir="/workspace")
     t.write(os.urandom(temp_mb << 20))
     t.seek(12345)
+if kind == "watcher":   # a project tree watched directory by directory
+    libc = ctypes.CDLL(None)
+    ino = libc.inotify_init1(os.O_NONBLOCK)
+    wds = []
+    for i in range(dirs):
+        os.makedirs(f"/workspace/tree/d{i}", exist_ok=True)
+        wds.append(libc.inotify_add_watch(ino, f"/workspace/tree/d{i}".encode(), 0x108))
+
+def events():
+    out = []
+    while select.select([ino], [], [], 0 if out else 2)[0]:
+        try:
+            buf = os.read(ino, 65536)
+        except BlockingIOError:
+            break
+        at = 0
+        while at < len(buf):
+            wd, _mask, _cookie, size = struct.unpack_from("=iIII", buf, at)
+            out.append((wd, buf[at + 16:at + 16 + size].rstrip(b"\0").decode()))
+            at += 16 + size
+    return out
+
+def probe():   # whether a file closed after writing in one directory shows on its watch
+    i = n % dirs
+    open(f"/workspace/tree/d{i}/probe", "a").close()
+    return (wds[i], "probe") in events()
 if kind == "threads":   # four idle workers, each waiting on the pool's queue
     pool = concurrent.futures.ThreadPoolExecutor(4)
     for f in [pool.submit(time.sleep, 0.05) for _ in range(4)]:
@@ -80,6 +112,8 @@ def report():
         out += f" tids={tids} job={pool.submit(sum, buf[:4096]).result()}"
     if kind == "shared":
         out += f" val={val.value} shm={zlib.crc32(shm)}"
+    if kind == "watcher":
+        out += f" watches={len(set(wds))} seen={probe()}"
     return out
 
 def step():
@@ -137,10 +171,10 @@ def _report(sbx: Sandbox) -> str:
     return sbx.files.read("state").decode()
 
 
-def start(d: PrivateDaemon, kind: str, mb: int, temp_mb: int) -> Sandbox:
+def start(d: PrivateDaemon, kind: str, mb: int, temp_mb: int, dirs: int) -> Sandbox:
     sbx = Sandbox.create(socket=d.socket)
     sbx.files.write("prog.py", PROG)
-    sbx.exec(f"cd /workspace && nohup python3 prog.py {kind} {mb} {temp_mb} "
+    sbx.exec(f"cd /workspace && nohup python3 prog.py {kind} {mb} {temp_mb} {dirs} "
              ">/dev/null 2>&1 &")
     _wait(lambda: sbx.files.exists("ready"), f"the {kind} process")
     return sbx
@@ -214,6 +248,8 @@ def main() -> int:
     p.add_argument("--mb", type=int, default=50, help="memory of each process (MiB)")
     p.add_argument("--temp-mb", type=int, default=8,
                    help="size of the deleted temp file and of the shared memory (MiB)")
+    p.add_argument("--watch-dirs", type=int, default=200,
+                   help="directories the watcher kind watches with inotify")
     p.add_argument("--think", type=float, default=0.3, help="pause before each op (s)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
@@ -222,7 +258,7 @@ def main() -> int:
         boxes: dict[str, Sandbox] = {}
         try:
             for k in KINDS:
-                boxes[k] = start(d, k, args.mb, args.temp_mb)
+                boxes[k] = start(d, k, args.mb, args.temp_mb, args.watch_dirs)
             for k in KINDS:  # warm-up: first checkpoint and rollback of each
                 one_rep(boxes[k], args.think)
             for rep in range(args.reps):
@@ -236,6 +272,7 @@ def main() -> int:
                 b.kill()
         result: dict[str, Any] = {"benchmark": "process_kinds", "reps": args.reps,
                                   "mb": args.mb, "temp_mb": args.temp_mb,
+                                  "watch_dirs": args.watch_dirs,
                                   "think_s": args.think, "runs": runs,
                                   "summary": summarize(runs)}
         info = machine_info(d.socket)

@@ -876,6 +876,39 @@ def test_inotify_watches(sbx: Sandbox, restore: Restore) -> None:
         assert not _saw(sbx, int(wds["app"]), ""), "the source saw its fork's writes"
 
 
+# Holds 256 more file systems mounted (in a mount namespace of its own, gone with it).
+HOLD_MINORS = ("mount -t tmpfs none /mnt || exit 1; for i in $(seq 256); do mkdir /mnt/$i "
+               "&& mount -t tmpfs none /mnt/$i || exit 1; done; echo ready; exec sleep 1000")
+
+
+def test_inotify_on_an_overlay_with_a_high_device_minor(daemon) -> None:
+    """fdinfo shows a watch's device in the kernel's own encoding (the minor in the low 20
+    bits), not stat's: once a host has many file systems mounted, sandboxes' overlays get
+    minors above 255 (here: 256 tmpfs mounts are held meanwhile), and a watch there was
+    taken for one on another file system (the process_kinds benchmark's rollbacks found
+    it)."""
+    from conftest import new_sandbox
+
+    holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                               HOLD_MINORS], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "ready\n"
+        with new_sandbox(daemon.socket) as box:
+            minor = os.minor(int(box.exec("stat -c %d /").stdout))
+            assert minor > 255, f"the overlay's minor is {minor}"
+            box.files.write("watcher.py", WATCHER)
+            box.exec("cd /workspace && nohup python3 watcher.py >/dev/null 2>&1 &")
+            _wait(lambda: box.files.exists("watcher-ready") and box.files.read("watcher-ready"))
+            cp = box.checkpoint()
+            assert cp.kind == "full", cp.reasons
+            assert box.rollback(cp).process_state == "restored"
+            box.files.write("src/new.py", "y = 2\n")
+            _wait(lambda: _saw(box, 1, "new.py"))
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 UNREAD = """
 import ctypes, os, struct, sys, time
 libc = ctypes.CDLL(None)

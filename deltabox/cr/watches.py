@@ -184,8 +184,10 @@ def read(key: str, pid: int, info: bytes, f: native.FdInfo, layers: Layers) -> I
         return f"reading its root: {e}"
     out = Inotify(key, [], nonblock=bool(f.flags & os.O_NONBLOCK))
     for m in _WATCH.finditer(info):
-        wd, ino, sdev, mask = (int(x, 16) for x in m.group(1, 2, 3, 4))
+        wd, ino, kdev, mask = (int(x, 16) for x in m.group(1, 2, 3, 4))
         what = f"watch {wd} (inode {ino})"
+        # The kernel's own dev_t (minor in the low 20 bits), not stat's encoding.
+        sdev = os.makedev(kdev >> 20, kdev & 0xFFFFF)
         if sdev != dev:
             return (f"inotify {what} is on a file system other than the sandbox's (device "
                     f"{os.major(sdev)}:{os.minor(sdev)}): not captured")
