@@ -193,6 +193,7 @@ class DeltaCR:
         self.lane_worker = lane_worker
         self._lane_users = 0   # fan-outs holding lanes (the threads are pinned meanwhile)
         self._masks: tuple[set[int], set[int]] | None = None
+        self.watch_paths = watches.Paths()   # inotify watches' paths found so far
 
     # ---- fork lanes --------------------------------------------------------------------
     # A template forks one child at a time, copying its page tables in its own context on
@@ -362,7 +363,7 @@ class DeltaCR:
                 if not cap.refused:
                     cap.refused.extend(r for rec in records for r in add_listeners(rec))
                 if not cap.refused:
-                    cap.refused.extend(eventloop.capture(records, layers))
+                    cap.refused.extend(eventloop.capture(records, layers, self.watch_paths))
                 if not cap.refused:
                     files, why = unlinked.capture(records)
                     cap.refused.extend(why)

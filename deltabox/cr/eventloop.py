@@ -115,11 +115,12 @@ class LoopState:
                     self.signalfds or self.inotifies)
 
 
-def capture(records: list[ProcessRecord], layers: Sequence[str] = ()) -> list[Refusal]:
+def capture(records: list[ProcessRecord], layers: Sequence[str] = (),
+            paths: watches.Paths | None = None) -> list[Refusal]:
     """Fill `rec.loop` for every record holding event-loop descriptors, or say why one
     cannot be restored. Call with every process of the sandbox stopped. `layers`: the
     directories of the sandbox's overlay layers, upper first (an inotify watch's file is
-    found through them: cr/watches.py)."""
+    found through them, or among `paths` found before: cr/watches.py)."""
     out: list[Refusal] = []
     todo = [r for r in records if any(is_loop_fd(f) for f in r.fds)]
     if not todo:
@@ -128,7 +129,7 @@ def capture(records: list[ProcessRecord], layers: Sequence[str] = ()) -> list[Re
     socks = [(r, f) for r in todo for f in r.fds if f.kind == "socket" and is_loop_fd(f)]
     pairs = _Pairs(socks, unix_sockets(todo[0].pid) if socks else {})
     evs = _EventFds(todo)
-    with watches.Layers(layers if _any_kind(todo, "inotify") else ()) as opened:
+    with watches.Layers(layers if _any_kind(todo, "inotify") else (), paths) as opened:
         anons = _Anonymous(todo, opened)
     out.extend(anons.unread())
     if out:  # transient (the daemon lets them be read, then retries): say nothing else
@@ -288,7 +289,7 @@ class _Anonymous(_Descriptions):
         key = f"{f.kind}:{pid}:{f.fd}"
         self.firsts.append((pid, f, key))
         try:
-            info = _fdinfo(pid, f.fd)
+            info = f.fdinfo or _fdinfo(pid, f.fd)
             self.state[key] = (_timerfd(key, info, f) if f.kind == "timerfd" else
                                _signalfd(key, info, f) if f.kind == "signalfd" else
                                watches.read(key, pid, info, f, self.layers))

@@ -66,7 +66,7 @@ import os
 import socket
 import stat as _stat
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -842,6 +842,9 @@ class FdInfo:
     inode: int = 0      # pipe / socket / file inode
     rdev: tuple[int, int] | None = None   # (major, minor) for chr / blk
     socket: SockInfo | None = None
+    # an inotify instance's /proc fdinfo as read for the inventory (its watches: the
+    # kernel formats a file handle per watch, ~5 us each, so it is read once)
+    fdinfo: bytes = field(default=b"", compare=False, repr=False)
 
     @property
     def path(self) -> str:
@@ -1024,7 +1027,8 @@ def fds(pid: int) -> list[FdInfo]:
         if target.endswith(" (deleted)") and (deleted or kind == "anon"):
             deleted = True
             target = target[:-len(" (deleted)")]
-        out.append(FdInfo(fd, kind, target, deleted, flags, pos, st.st_ino, rdev, sock))
+        out.append(FdInfo(fd, kind, target, deleted, flags, pos, st.st_ino, rdev, sock,
+                          fdinfo=info if kind == "inotify" else b""))
     return out
 
 

@@ -84,10 +84,11 @@ def _oserror(what: str) -> OSError:
     return OSError(e, f"{what}: {os.strerror(e)}")
 
 
-def name_to_handle(path: str) -> tuple[int, bytes]:
-    """The identifying handle (type, bytes) of `path` (its last component not followed)."""
+def name_to_handle(path: str, dirfd: int = -100) -> tuple[int, bytes]:
+    """The identifying handle (type, bytes) of `path` (relative: to dirfd; its last
+    component not followed)."""
     fh, mount_id = _FileHandle(MAX_HANDLE_SZ, 0), ctypes.c_int()
-    if _libc.name_to_handle_at(-100, os.fsencode(path), ctypes.byref(fh),
+    if _libc.name_to_handle_at(dirfd, os.fsencode(path), ctypes.byref(fh),
                                ctypes.byref(mount_id), AT_HANDLE_FID) < 0:
         raise _oserror(f"name_to_handle_at {path}")
     return fh.handle_type, bytes(fh.f_handle[:fh.handle_bytes])
@@ -107,14 +108,34 @@ def _path_by_handle(mount_fd: int, typ: int, handle: bytes) -> str | None:
         os.close(fd)
 
 
+class Paths:
+    """Paths found for watches' handles by earlier checkpoints (a watcher's watches stay
+    for its life): a path found here is checked like one decoded, so one that moved since
+    costs a decode, never a wrong path. Bounded: emptied when full."""
+
+    def __init__(self, limit: int = 1 << 16) -> None:
+        self.limit = limit
+        self.known: dict[tuple[int, bytes], str] = {}
+
+    def get(self, typ: int, handle: bytes) -> str | None:
+        return self.known.get((typ, handle))
+
+    def put(self, typ: int, handle: bytes, path: str) -> None:
+        if len(self.known) >= self.limit:
+            self.known.clear()
+        self.known[(typ, handle)] = path
+
+
 class Layers:
     """The sandbox's overlay layers as the daemon sees them (upper first), each opened
     once per checkpoint to decode the handles beneath the overlay's (not O_PATH:
-    open_by_handle_at takes no O_PATH descriptor for its file system)."""
+    open_by_handle_at takes no O_PATH descriptor for its file system); `paths`: those
+    found before."""
 
-    def __init__(self, dirs: Sequence[str]) -> None:
+    def __init__(self, dirs: Sequence[str], paths: Paths | None = None) -> None:
         self.dirs = [os.path.realpath(d) for d in dirs]
         self.fds: list[int] = []
+        self.paths = paths if paths is not None else Paths()
 
     def __enter__(self) -> Layers:
         try:
@@ -177,11 +198,18 @@ def unread(pid: int, fd: int) -> int:
 def read(key: str, pid: int, info: bytes, f: native.FdInfo, layers: Layers) -> Inotify | str:
     """The instance pid holds at fd f (its /proc fdinfo `info`), each watch's path found
     and checked, or why it cannot be restored."""
-    root = f"/proc/{pid}/root"
     try:
-        dev = os.stat(root).st_dev
+        root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
-        return f"reading its root: {e}"
+        return f"opening its root: {e}"
+    try:
+        return _read(key, root, info, f, layers)
+    finally:
+        os.close(root)
+
+
+def _read(key: str, root: int, info: bytes, f: native.FdInfo, layers: Layers) -> Inotify | str:
+    dev = os.fstat(root).st_dev
     out = Inotify(key, [], nonblock=bool(f.flags & os.O_NONBLOCK))
     for m in _WATCH.finditer(info):
         wd, ino, kdev, mask = (int(x, 16) for x in m.group(1, 2, 3, 4))
@@ -203,15 +231,25 @@ def read(key: str, pid: int, info: bytes, f: native.FdInfo, layers: Layers) -> I
     return out
 
 
-def _checked_path(root: str, typ: int, handle: bytes, layers: Layers) -> str | None:
+def _checked_path(root: int, typ: int, handle: bytes, layers: Layers) -> str | None:
     """The one path in the sandbox whose file the overlay identifies by `handle`."""
+    known = layers.paths.get(typ, handle)
+    if known is not None and _names(root, known, typ, handle):
+        return known
     for path in layers.candidates(typ, handle):
-        try:
-            if name_to_handle(root + (path if path != "/" else "/.")) == (typ, handle):
-                return path
-        except OSError:
-            continue
+        if _names(root, path, typ, handle):
+            layers.paths.put(typ, handle, path)
+            return path
     return None
+
+
+def _names(root: int, path: str, typ: int, handle: bytes) -> bool:
+    """Whether `path` (from the directory `root`: a path found has no symlink and no
+    "..") is the file the overlay identifies by `handle`."""
+    try:
+        return name_to_handle(path.lstrip("/") or ".", root) == (typ, handle)
+    except OSError:
+        return False
 
 
 def _add_watch(ifd: int, rootfd: int, w: Watch) -> int:
