@@ -131,6 +131,8 @@ def capture(records: list[ProcessRecord], layers: Sequence[str] = (),
     evs = _EventFds(todo)
     with watches.Layers(layers if _any_kind(todo, "inotify") else (), paths) as opened:
         anons = _Anonymous(todo, opened)
+    for rec in todo:  # read: the records kept with the checkpoint need not hold it
+        rec.fds = [dataclasses.replace(f, fdinfo=b"") if f.fdinfo else f for f in rec.fds]
     out.extend(anons.unread())
     if out:  # transient (the daemon lets them be read, then retries): say nothing else
         return out

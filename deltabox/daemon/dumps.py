@@ -543,7 +543,8 @@ def _unlinked_from(f: dict, data: bytes) -> unlinked.UnlinkedFile:
 def _rec_json(r: ProcessRecord) -> dict:
     d = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)
          if f.name not in ("fds", "listens", "loop", "shared", "deleted_private")}
-    d["fds"] = [dataclasses.asdict(f) for f in r.fds]
+    d["fds"] = [{k: v for k, v in dataclasses.asdict(f).items() if k != "fdinfo"}
+                for f in r.fds]
     d["listens"] = [dict(dataclasses.asdict(ls), addr=ls.addr.hex()) for ls in r.listens]
     d["loop"] = eventloop.to_json(r.loop)
     return d
