@@ -109,21 +109,24 @@ def _path_by_handle(mount_fd: int, typ: int, handle: bytes) -> str | None:
 
 
 class Paths:
-    """Paths found for watches' handles by earlier checkpoints (a watcher's watches stay
-    for its life): a path found here is checked like one decoded, so one that moved since
-    costs a decode, never a wrong path. Bounded: emptied when full."""
+    """Paths found for watched inodes by earlier checkpoints (a watcher's watches stay for
+    its life), by inode number: the handle of a file of the upper layer changes with each
+    rollback (a new btrfs subvolume), its inode number does not (a snapshot keeps them),
+    and forks share the layers' history. A path found here is checked like one decoded,
+    so a guess that is wrong (a file moved, another sandbox's inode of that number) costs
+    a decode, never a wrong path. Bounded: emptied when full."""
 
     def __init__(self, limit: int = 1 << 16) -> None:
         self.limit = limit
-        self.known: dict[tuple[int, bytes], str] = {}
+        self.known: dict[int, str] = {}
 
-    def get(self, typ: int, handle: bytes) -> str | None:
-        return self.known.get((typ, handle))
+    def get(self, ino: int) -> str | None:
+        return self.known.get(ino)
 
-    def put(self, typ: int, handle: bytes, path: str) -> None:
+    def put(self, ino: int, path: str) -> None:
         if len(self.known) >= self.limit:
             self.known.clear()
-        self.known[(typ, handle)] = path
+        self.known[ino] = path
 
 
 class Layers:
@@ -222,7 +225,7 @@ def _read(key: str, root: int, info: bytes, f: native.FdInfo, layers: Layers) ->
         if m[5] is None:
             return f"inotify {what}: the kernel gave no file handle for it: not captured"
         typ, handle = int(m[5], 16), bytes.fromhex(m[6].decode())
-        path = _checked_path(root, typ, handle, layers)
+        path = _checked_path(root, ino, typ, handle, layers)
         if path is None:
             return (f"inotify {what}: its file was not found by path (deleted, or not on "
                     "the sandbox's layers): not captured")
@@ -231,14 +234,16 @@ def _read(key: str, root: int, info: bytes, f: native.FdInfo, layers: Layers) ->
     return out
 
 
-def _checked_path(root: int, typ: int, handle: bytes, layers: Layers) -> str | None:
-    """The one path in the sandbox whose file the overlay identifies by `handle`."""
-    known = layers.paths.get(typ, handle)
+def _checked_path(root: int, ino: int, typ: int, handle: bytes, layers: Layers
+                  ) -> str | None:
+    """The one path in the sandbox whose file (inode `ino`) the overlay identifies by
+    `handle`."""
+    known = layers.paths.get(ino)
     if known is not None and _names(root, known, typ, handle):
         return known
     for path in layers.candidates(typ, handle):
         if _names(root, path, typ, handle):
-            layers.paths.put(typ, handle, path)
+            layers.paths.put(ino, path)
             return path
     return None
 
