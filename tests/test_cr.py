@@ -876,6 +876,137 @@ def test_inotify_watches(sbx: Sandbox, restore: Restore) -> None:
         assert not _saw(sbx, int(wds["app"]), ""), "the source saw its fork's writes"
 
 
+TCP_ENDS = """
+import os, socket, sys, time
+role, W = sys.argv[1], "/workspace/"
+if role == "server":
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 7070))
+    srv.listen()
+    open(W + "listening", "w").close()
+    conn, _ = srv.accept()
+    conn.sendall(b"greeting-from-server")
+else:
+    conn = socket.create_connection(("127.0.0.1", 7070))
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 77)
+    conn.sendall(b"hello-from-client" * 100)
+n = 41
+
+def peek():
+    try:
+        return conn.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return b""
+
+def take(size):
+    got = b""
+    while len(got) < size:
+        got += conn.recv(size - len(got))
+    return got
+
+time.sleep(0.2)   # the peer's bytes have arrived
+open(W + role + "-ready", "w").close()
+while True:
+    time.sleep(0.01)
+    if os.path.exists(W + role + "-report"):
+        opts = (conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY),
+                conn.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE))
+        data = peek()
+        open(W + role + "-state", "w").write(f"n={n} queued={len(data)} "
+                                             f"head={data[:20]!r} opts={opts}")
+        os.remove(W + role + "-report")
+    if os.path.exists(W + role + "-mutate"):
+        n += 1
+        take(len(peek()))
+        conn.sendall(b"after-checkpoint")
+        os.remove(W + role + "-mutate")
+    if os.path.exists(W + role + "-talk"):   # server: read what waits and answer;
+        got = take(int(sys.argv[2]) or len(peek()))   # client: read that many bytes
+        if role == "server":
+            conn.sendall(b"pong:%d" % len(got))
+        open(W + role + "-heard", "w").write(f"{len(got)} {got[:20]!r} {got[-9:]!r}")
+        os.remove(W + role + "-talk")
+"""
+
+
+def _role(box: Sandbox, role: str, what: str) -> str:
+    box.files.write(f"{role}-{what}", "1")
+    _wait(lambda: not box.files.exists(f"{role}-{what}"))
+    if what == "mutate":
+        return ""
+    return box.files.read(f"{role}-state" if what == "report" else f"{role}-heard").decode()
+
+
+def test_tcp_connection_within_the_sandbox(sbx: Sandbox, restore: Restore) -> None:
+    """A client and its server on loopback (a kernel and its client, an app and its
+    database) come back connected: the bytes each sent and the other had not read yet are
+    waiting again, the client's socket options are kept, and they talk on (the rollback's
+    killed connection left its addresses free)."""
+    sbx.files.write("tcp.py", TCP_ENDS)
+    sbx.exec("cd /workspace && nohup python3 tcp.py server 0 >/dev/null 2>&1 &")
+    _wait_file(sbx, "listening")
+    sbx.exec("cd /workspace && nohup python3 tcp.py client 29 >/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("server-ready") and sbx.files.read("server-ready") == b""
+          and sbx.files.exists("client-ready"))
+    before = (_role(sbx, "server", "report"), _role(sbx, "client", "report"))
+    assert before == ("n=41 queued=1700 head=b'hello-from-clienthel' opts=(0, 0, 7200)",
+                      "n=41 queued=20 head=b'greeting-from-server' opts=(1, 1, 77)"), before
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    _role(sbx, "server", "mutate")
+    _role(sbx, "client", "mutate")
+    assert _role(sbx, "server", "report").startswith("n=42 queued=16 ")
+    target = restore(sbx, cp)
+    assert (_role(target, "server", "report"), _role(target, "client", "report")) == before
+    assert _role(target, "server", "talk") == \
+        "1700 b'hello-from-clienthel' b'om-client'"      # what waited; then it answers
+    assert _role(target, "client", "talk") == \
+        "29 b'greeting-from-server' b'pong:1700'"         # what waited, and the answer
+
+
+def test_tcp_connection_to_no_process_of_the_sandbox_is_refused() -> None:
+    """A connection whose other end no process of the checkpoint holds (here: this test
+    holds it, outside the records) is refused, naming the fd and why; so is one half
+    closed (its peer closed it)."""
+    import socket as sk
+
+    from deltabox.cr import capture, eventloop, native
+
+    srv = sk.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    child = subprocess.Popen(["python3", "-c", "import socket, sys, time\n"
+                              f"c = socket.create_connection(('127.0.0.1', {port}))\n"
+                              "print(c.fileno(), flush=True)\ntime.sleep(1000)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        fd = int(child.stdout.readline())
+        mine, _ = srv.accept()
+        rec = capture.record(child.pid, native.proc_status(child.pid))
+        local = next(f.socket.local for f in rec.fds if f.fd == fd and f.socket)
+        refused = eventloop.capture([rec])
+        assert [r.reason for r in refused] == [
+            f"fd {fd}: TCP inet tcp connected {local} -> 127.0.0.1:{port}: connected to 127.0.0.1:{port}, which no process of the "
+            "sandbox holds: only connections within the sandbox are captured"], refused
+        mine.close()
+        time.sleep(0.1)
+        rec = capture.record(child.pid, native.proc_status(child.pid))
+        assert [r.reason for r in capture.refusals(rec, set())] == [
+            f"fd {fd}: socket inet tcp close-wait {local} -> 127.0.0.1:{port}: only listening "
+            "TCP sockets, established TCP connections and unix socket pairs within the "
+            "sandbox are captured"]
+    finally:
+        child.kill()
+        child.wait()
+        srv.close()
+
+
 # Holds 256 more file systems mounted (in a mount namespace of its own, gone with it).
 HOLD_MINORS = ("mount -t tmpfs none /mnt || exit 1; for i in $(seq 256); do mkdir /mnt/$i "
                "&& mount -t tmpfs none /mnt/$i || exit 1; done; echo ready; exec sleep 1000")

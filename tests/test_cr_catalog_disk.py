@@ -34,7 +34,8 @@ from test_cr import (  # noqa: F401  (the catalog's cases, run here with the dis
     test_nested_children_and_process_group, test_node_http_server, test_threads_come_back,
     test_pipe_flags_size_and_unread_data, test_pipeline_alive, test_python_process_memory,
     test_reader_offset, test_shared_memory, test_socket_pair_and_eventfd_between_processes,
-    test_sqlite_held_open_by_a_long_lived_process, test_timerfd_and_signalfd)
+    test_sqlite_held_open_by_a_long_lived_process, test_tcp_connection_within_the_sandbox,
+    test_timerfd_and_signalfd)
 
 ARGS = ("--no-inspector", "--templates", "1")
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from .. import kernfs
 from ..errors import FailedPrecondition
-from . import native
+from . import native, tcp
 
 if TYPE_CHECKING:
     from .eventloop import LoopState
@@ -236,9 +236,10 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
 
 def is_loop_fd(f: native.FdInfo) -> bool:
     """An event loop's descriptor (epoll, eventfd, timerfd, signalfd, inotify, unix
-    socket): eventloop.capture decides about it, not the refusals here."""
+    socket, TCP connection): eventloop.capture decides about it, not the refusals here."""
     return f.kind in ("epoll", "eventfd", "timerfd", "signalfd", "inotify") or (
-        f.kind == "socket" and f.socket is not None and f.socket.family == "unix")
+        f.kind == "socket" and f.socket is not None and f.socket.family == "unix") or (
+        tcp.is_connection(f))
 
 
 def _fd_refusal(f: native.FdInfo) -> str | None:
@@ -256,7 +257,8 @@ def _fd_refusal(f: native.FdInfo) -> str | None:
     if f.kind == "socket":
         if is_tcp_listener(f):
             return None
-        return f"socket {f.describe()}: only listening TCP sockets are captured"
+        return (f"socket {f.describe()}: only listening TCP sockets, established TCP "
+                "connections and unix socket pairs within the sandbox are captured")
     if f.kind == "fifo":
         return f"named pipe {f.path}: FIFOs are not captured yet"
     return f"{f.path}: this kind of descriptor is not captured"

@@ -63,7 +63,7 @@ import trio
 from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
-from . import eventloop, native, unlinked, watches
+from . import eventloop, native, tcp, unlinked, watches
 from ..sandbox.reaper import block_until_exited, kill_pidfds, reap_orphans, wait_exited
 from .capture import (ProcessRecord, Refusal, Unsettled, add_listeners, record,
                       record_head, refusals, status_refused)
@@ -476,6 +476,11 @@ class DeltaCR:
                     victims = None  # waited for by _births
             ids = _rollback_ids(state) if into is None else {}
             for rec in records:
+                if into is None and _connected(rec) and victims is not None:
+                    # Its connections take the killed ones' addresses: gone once they
+                    # have exited (tcp.quiet_all closed them silently).
+                    await wait_exited(victims)
+                    victims = None
                 spawn = _spawn_args(state, plan, rec, mntfd, into)
                 if into is None:
                     # A kept pid, and a listener's port, are free once the killed
@@ -569,13 +574,14 @@ class DeltaCR:
     async def prespawn(self, state: ProcessState, mntfd: int, rootfd: int
                        ) -> Prespawned | None:
         """Carriers, in the generation `mntfd` that a rollback to `state` will use, of
-        every process but those that listen on a port (the live process still holds it),
+        every process but those that listen on a port or hold a TCP connection (the live
+        process still holds it),
         multi-threaded ones a rollback does not restore (a session leader:
         native/threads.c) and those watching a signalfd with epoll (the watch waits on
         the signal queue of the task that made it: the carrier's, not its birth's):
         restore(pre=...) gives birth to the processes from them. None if none."""
         ids = _rollback_ids(state)
-        recs = [r for r in state.records if not r.listens
+        recs = [r for r in state.records if not r.listens and not _connected(r)
                 and not (r.threads > 1 and ids[r.pid][0] is None)
                 and not eventloop.watches_signalfd(r.loop)]
         if not recs:
@@ -753,14 +759,23 @@ class _PipePlan:
             fd = self._object(ino.key, lambda ino=ino: watches.new_inotify(ino, self._root()))
             out.update((n, fd) for n in ino.fds)
         for p in loop.pairs:
-            ab = self.objects.get(p.key)
-            if ab is None:
-                ab = self.objects[p.key] = _fresh_pair(p, netns_pid)
-                self.loops += ab
-            assert isinstance(ab, tuple)
+            ab = self._pair(p.key, lambda p=p: _fresh_pair(p, netns_pid))
             out.update((n, ab[0]) for n in p.a)
             out.update((n, ab[1]) for n in p.b)
+        for c in loop.tcp:
+            ab = self._pair(c.key, lambda c=c: tcp.new_connection(c, netns_pid))
+            out.update((n, ab[0]) for n in c.a)
+            out.update((n, ab[1]) for n in c.b)
         return out
+
+    def _pair(self, key: str, make: Callable[[], tuple[int, int]]) -> tuple[int, int]:
+        """The two ends `key` names, made once per restore (ours, closed with the rest)."""
+        ab = self.objects.get(key)
+        if ab is None:
+            ab = self.objects[key] = make()
+            self.loops += ab
+        assert isinstance(ab, tuple)
+        return ab
 
     def _object(self, key: str, make: Callable[[], int]) -> int:
         """The object `key` names, made once per restore (ours, closed with the rest)."""
@@ -1091,10 +1106,19 @@ def _died_in_checkpoint(s: native.Stopped, step: Callable[[], T]) -> T:
 def _drop_listeners(templates: dict[int, native.Template],
                     records: list[ProcessRecord]) -> None:
     """A template holding a listening socket would keep its port bound and queue
-    connections nobody accepts; restored children get a fresh socket instead."""
+    connections nobody accepts, one holding a TCP connection would keep it open (its
+    addresses taken) once the process is killed; restored children get fresh ones."""
     for rec in records:
-        if rec.listens:
-            templates[rec.pid].close_fds([ls.fd for ls in rec.listens])
+        fds = [ls.fd for ls in rec.listens]
+        if rec.loop:
+            fds += [fd for c in rec.loop.tcp for fd in (*c.a, *c.b)]
+        if fds:
+            templates[rec.pid].close_fds(fds)
+
+
+def _connected(rec: ProcessRecord) -> bool:
+    """Whether rec holds a TCP connection (tcp.py)."""
+    return bool(rec.loop and rec.loop.tcp)
 
 
 def _resume_all(stopped: list[native.Stopped]) -> None:

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .. import kernfs
-from . import native, watches
+from . import native, tcp, watches
 from .capture import ProcessRecord, Refusal, is_loop_fd
 
 MAX_QUEUED = 4 << 20                      # bytes waiting in a socket we copy, at most
@@ -109,10 +109,11 @@ class LoopState:
     timerfds: list[TimerFd] = field(default_factory=list)
     signalfds: list[SignalFd] = field(default_factory=list)
     inotifies: list[watches.Inotify] = field(default_factory=list)
+    tcp: list[tcp.TcpConn] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.epolls or self.eventfds or self.pairs or self.timerfds or
-                    self.signalfds or self.inotifies)
+                    self.signalfds or self.inotifies or self.tcp)
 
 
 def capture(records: list[ProcessRecord], layers: Sequence[str] = (),
@@ -126,8 +127,10 @@ def capture(records: list[ProcessRecord], layers: Sequence[str] = (),
     if not todo:
         return out
     shared = _shared_elsewhere(records)
-    socks = [(r, f) for r in todo for f in r.fds if f.kind == "socket" and is_loop_fd(f)]
+    socks = [(r, f) for r in todo for f in r.fds
+             if f.kind == "socket" and is_loop_fd(f) and not tcp.is_connection(f)]
     pairs = _Pairs(socks, unix_sockets(todo[0].pid) if socks else {})
+    conns = _Connections(todo)
     evs = _EventFds(todo)
     with watches.Layers(layers if _any_kind(todo, "inotify") else (), paths) as opened:
         anons = _Anonymous(todo, opened)
@@ -142,6 +145,7 @@ def capture(records: list[ProcessRecord], layers: Sequence[str] = (),
         evs.add(rec, loop, reasons)
         anons.add(rec, loop, reasons)
         pairs.add(rec, loop, reasons)
+        conns.add(rec, loop, reasons)
         _epolls(rec, shared, loop, reasons)
         out.extend(Refusal(rec.nspid, rec.cmd, r) for r in reasons)
         if not reasons:
@@ -503,7 +507,7 @@ class _Pairs:
     def add(self, rec: ProcessRecord, loop: LoopState, reasons: list[str]) -> None:
         mine: dict[int, SocketPair] = {}
         for f in rec.fds:
-            if f.kind != "socket" or not is_loop_fd(f):
+            if f.kind != "socket" or not is_loop_fd(f) or tcp.is_connection(f):
                 continue
             key, st = self._pair(f.inode)
             if isinstance(st, str):
@@ -560,6 +564,70 @@ def _queued(pid: int, fd: int, d: _UnixDiag) -> tuple[bytes, tuple[int, int], bo
     if len(data) != d.rqueue:
         raise OSError(0, f"peeked {len(data)} of the {d.rqueue} bytes waiting")
     return data, bufs, nonblock
+
+
+# ---- TCP connections -----------------------------------------------------------------------
+
+class _Connections:
+    """The sandbox's TCP connections: each end read once (from its first holder), each
+    connection keyed by its ends' socket inodes."""
+
+    def __init__(self, records: list[ProcessRecord]) -> None:
+        self.holders: dict[int, tuple[ProcessRecord, native.FdInfo]] = {}  # inode -> first
+        self.by_addr: dict[tuple[str, str], int] = {}    # (local, remote) -> inode
+        for rec in records:
+            for f in rec.fds:
+                if tcp.is_connection(f) and f.inode not in self.holders:
+                    assert f.socket is not None
+                    self.holders[f.inode] = (rec, f)
+                    self.by_addr[(f.socket.local, f.socket.remote)] = f.inode
+        self.ends: dict[int, tcp.End | str] = {}
+        self.state: dict[int, tuple[str, int, int] | str] = {}  # inode -> (key, a, b) or why
+
+    def _end(self, ino: int) -> tcp.End | str:
+        if ino not in self.ends:
+            rec, f = self.holders[ino]
+            try:
+                self.ends[ino] = tcp.read_end(rec.pid, f.fd)
+            except OSError as e:
+                self.ends[ino] = f"reading the connection: {e}"
+        return self.ends[ino]
+
+    def _conn(self, f: native.FdInfo) -> tuple[str, int, int] | str:
+        """The connection's key and its two ends' inodes (lower first), or why not."""
+        if f.inode in self.state:
+            return self.state[f.inode]
+        assert f.socket is not None
+        peer = self.by_addr.get((f.socket.remote, f.socket.local))
+        if peer is None:
+            why: tuple[str, int, int] | str = (
+                f"connected to {f.socket.remote}, which no process of the sandbox holds: "
+                "only connections within the sandbox are captured")
+        else:
+            a, b = sorted((f.inode, peer))
+            bad = [e for e in (self._end(a), self._end(b)) if isinstance(e, str)]
+            why = bad[0] if bad else (f"tcp:{a}:{b}", a, b)
+        self.state[f.inode] = why
+        return why
+
+    def add(self, rec: ProcessRecord, loop: LoopState, reasons: list[str]) -> None:
+        mine: dict[str, tcp.TcpConn] = {}
+        for f in rec.fds:
+            if not tcp.is_connection(f):
+                continue
+            st = self._conn(f)
+            if isinstance(st, str):
+                reasons.append(f"fd {f.fd}: TCP {f.describe()}: {st}")
+                continue
+            key, a, b = st
+            if key not in mine:
+                ea, eb = self.ends[a], self.ends[b]
+                assert not isinstance(ea, str) and not isinstance(eb, str)
+                family = socket.AF_INET if f.socket and f.socket.family == "inet" \
+                    else socket.AF_INET6
+                mine[key] = tcp.TcpConn(key, family, ends=[ea, eb])
+                loop.tcp.append(mine[key])
+            (mine[key].a if f.inode == a else mine[key].b).append(f.fd)
 
 
 # ---- epoll ---------------------------------------------------------------------------------
@@ -623,7 +691,12 @@ def to_json(loop: LoopState | None) -> dict | None:
                for p in loop.pairs],
         timerfds=[dataclasses.asdict(t) for t in loop.timerfds],
         signalfds=[dataclasses.asdict(x) for x in loop.signalfds],
-        inotifies=[dataclasses.asdict(x) for x in loop.inotifies])
+        inotifies=[dataclasses.asdict(x) for x in loop.inotifies],
+        tcp=[dict(key=c.key, family=c.family, a=c.a, b=c.b,
+                  ends=[dict(dataclasses.asdict(e), send_data=e.send_data.hex(),
+                             recv_data=e.recv_data.hex(), window=e.window.hex())
+                        for e in c.ends])
+             for c in loop.tcp])
 
 
 def from_json(d: dict | None) -> LoopState | None:
@@ -641,4 +714,10 @@ def from_json(d: dict | None) -> LoopState | None:
         timerfds=[TimerFd(**t) for t in d.get("timerfds", [])],
         signalfds=[SignalFd(**x) for x in d.get("signalfds", [])],
         inotifies=[watches.Inotify(**dict(x, watches=[watches.Watch(**w) for w in x["watches"]]))
-                   for x in d.get("inotifies", [])])
+                   for x in d.get("inotifies", [])],
+        tcp=[tcp.TcpConn(c["key"], c["family"], c["a"], c["b"],
+                         [tcp.End(**dict(e, send_data=bytes.fromhex(e["send_data"]),
+                                         recv_data=bytes.fromhex(e["recv_data"]),
+                                         window=bytes.fromhex(e["window"])))
+                          for e in c["ends"]])
+             for c in d.get("tcp", [])])

@@ -41,7 +41,7 @@ from ..sandbox.reaper import wait_exited
 from ..sandbox.session import AdoptedShell, Session
 from ..sandbox.userns import IdMap
 from ..background import GuardedNursery, run_all
-from ..cr import hostmem, native, watches
+from ..cr import hostmem, native, tcp, watches
 from ..cr.capture import Unsettled
 from ..cr.engine import DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, in_vfork
 from ..inspector import Decision, TurnEffects, touched_processes, untouched_processes
@@ -132,6 +132,9 @@ class Live:
     keepers: dict[int, native.Carrier] = field(default_factory=dict)
     # keepers of processes a rollback killed, until reaped (_victims_gone)
     old_keepers: list[OldKeepers] = field(default_factory=list)
+    # a checkpoint captured a TCP connection: a rollback closes the killed processes'
+    # connections silently first (cr/tcp.py: their addresses are the restored ones')
+    tcp_captured: bool = False
     init_filters: int | None = None  # seccomp filters of its init (Daemon._init_filters)
     # (procs_from, pids): processes that ran in a turn whose checkpoint kept the parent's
     # templates for them (Daemon._note_drift): not reused while procs_from is the same
@@ -1486,6 +1489,7 @@ class Daemon:
                         procs, thaw, snapshot, lambda: self._daemon_pipes(live),
                         tracer_ok=set(), reuse=reuse,
                         layers=live.rt.generation.layers if live.rt.generation else ())
+                    live.tcp_captured |= _holds_tcp(state)
                     return state, snap[0]
                 except Unsettled as e:
                     if attempt == UNREAD_ATTEMPTS:
@@ -1825,6 +1829,7 @@ class Daemon:
             if fresh is None:
                 assert gen is not None
                 try:
+                    live.tcp_captured |= _holds_tcp(state)
                     restored = await self.cr.restore(
                         state, gen.mntfd, gen.rootfd, victims=live.dying, pre=pre,
                         pid_held=functools.partial(self._pid_held, live))
@@ -2004,7 +2009,10 @@ class Daemon:
         for fd in live.held_fds:
             os.close(fd)
         live.held_fds.clear()
-        dying = live.rt.cgroup.kill_now(keep=live.rt.keep_pids | live.template_pids | ours)
+        keep = live.rt.keep_pids | live.template_pids | ours
+        if live.tcp_captured:
+            tcp.quiet_all(live.rt.cgroup.pids() - keep)
+        dying = live.rt.cgroup.kill_now(keep=keep)
         live.dying.extend(dying)
         if live.keepers:  # killed once their processes have exited (_victims_gone)
             live.old_keepers.append(OldKeepers(list(live.keepers.values())))
@@ -2200,6 +2208,7 @@ class Daemon:
         try:
             for f in rt.cgroup.procs_files:
                 cg_fds.append(os.open(f, os.O_WRONLY | os.O_CLOEXEC))
+            live.tcp_captured |= _holds_tcp(state)
             restored = await self.cr.restore(
                 state, rt.generation.mntfd, rt.generation.rootfd,
                 Elsewhere(pidns, rt.pidfd, cg_fds, rt.init_pid, fresh,
@@ -2400,6 +2409,11 @@ def _fork_failed(cp: CheckpointRow, e: Exception) -> ResourceExhausted | None:
     RESOURCE_EXHAUSTED (else the error is raised as itself)."""
     log.error("fork %s: booting or restoring the children failed: %s", cp.id, e)
     return _cr_limit_error(e, "restoring")
+
+
+def _holds_tcp(state: ProcessState) -> bool:
+    """Whether state's processes hold TCP connections (cr/tcp.py)."""
+    return any(r.loop and r.loop.tcp for r in state.records)
 
 
 def _unread(queue: tuple[int, int]) -> bool:

@@ -1,0 +1,260 @@
+"""TCP connections between processes of the sandbox: a client and its server on loopback
+(a Jupyter kernel and its client over ZeroMQ, an app and its redis or postgres, a test
+client on a dev server with keep-alive).
+
+A template shares the connection with the live process, which goes on using it, and a
+restore in the same network namespace needs the connection's addresses free. At the
+checkpoint (every process stopped) each connection's two ends are read with the kernel's
+repair mode (TCP_REPAIR, what CRIU uses; taken on our own copy of the descriptor and
+left again, silently, before the processes run): sequence numbers, the bytes waiting in
+the receive queue and those sent but not yet acknowledged, windows, timestamp clock, MSS,
+window scaling, SACK and timestamp options, and the socket options programs set
+(TCP_NODELAY, keep-alive and its timers). Templates drop their copies (as of listeners),
+so nothing but the live process holds the connection after the checkpoint. A restore makes
+both ends at once, in repair mode: bound to their addresses, given their sequence numbers,
+"connected" without a handshake, their queues filled, their windows and options set, then
+let go of repair mode; each restored process gets its end at its fds. At a rollback the
+killed processes' connections are closed silently first (repair mode again: no FIN, no
+RST, no TIME_WAIT), so the restored ends can take their addresses.
+
+Refused, with the reason: a connection whose other end no process of the sandbox holds (to
+or from outside the sandbox), one in any state but established (closing, half-closed),
+more than MAX_QUEUED bytes queued. A server's accepted connection shares its listener's
+port: restored, the listener binds it beside the connection only with SO_REUSEADDR (which
+servers set; the connection keeps its listener's); without it the restore fails and the
+processes restart, saying why. Not preserved: congestion state (the window starts
+again from the kernel's initial one, as after an idle period), other socket options
+(buffer sizes stay automatic), urgent data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from . import native
+
+MAX_QUEUED = 4 << 20
+TCP_REPAIR, TCP_REPAIR_QUEUE, TCP_QUEUE_SEQ, TCP_REPAIR_OPTIONS = 19, 20, 21, 22
+TCP_TIMESTAMP, TCP_REPAIR_WINDOW = 24, 29
+TCP_NO_QUEUE, TCP_RECV_QUEUE, TCP_SEND_QUEUE = 0, 1, 2
+TCP_REPAIR_ON, TCP_REPAIR_OFF_NO_WP = 1, -1
+TCPOPT_MSS, TCPOPT_WINDOW, TCPOPT_SACK_PERM, TCPOPT_TIMESTAMP = 2, 3, 4, 8
+TCPI_OPT_TIMESTAMPS, TCPI_OPT_SACK, TCPI_OPT_WSCALE = 1, 2, 4
+TCP_ESTABLISHED = 1
+_WINDOW_SIZE = 20            # struct tcp_repair_window: five u32
+_KEEPALIVE_OPTS = (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)
+
+
+@dataclass
+class End:
+    """One end of a connection as the kernel holds it at the checkpoint."""
+    local: list                          # getsockname() (host, port[, flow, scope])
+    remote: list
+    send_seq: int                        # the send queue's end (next byte to be queued)
+    recv_seq: int                        # the receive queue's end (next byte expected)
+    send_data: bytes                     # sent, not yet acknowledged
+    recv_data: bytes                     # received, not yet read
+    window: bytes                        # struct tcp_repair_window
+    timestamp: int                       # the socket's timestamp clock (TCP_TIMESTAMP)
+    mss: int
+    options: int                         # tcpi_options
+    snd_wscale: int
+    rcv_wscale: int
+    nonblock: bool
+    nodelay: bool
+    keepalive: list[int] | None          # idle, interval, count when SO_KEEPALIVE is on
+    reuseaddr: bool = False              # an accepted end has its listener's
+
+
+@dataclass
+class TcpConn:
+    """A connection as one process holds it: `a` and `b` its fds on each end (either may
+    be empty: that end is another process's); `key` names the connection across the
+    processes; `ends` both ends' state (a first, the one with the lower address)."""
+    key: str
+    family: int
+    a: list[int] = field(default_factory=list)
+    b: list[int] = field(default_factory=list)
+    ends: list[End] = field(default_factory=list)
+
+
+def is_connection(f: native.FdInfo) -> bool:
+    """An established TCP socket (socket.state "connected")."""
+    k = f.socket
+    return (f.kind == "socket" and k is not None and k.family in ("inet", "inet6") and
+            k.type == "tcp" and k.state == "connected")
+
+
+def _i32(v: int) -> int:
+    """A sequence number as the int setsockopt takes (the kernel's u32, signed)."""
+    return (v + (1 << 31)) % (1 << 32) - (1 << 31)
+
+
+@contextlib.contextmanager
+def _repair(s: socket.socket) -> Iterator[None]:
+    """Repair mode on `s` for the block; left without a window probe (nothing is sent)."""
+    s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, TCP_REPAIR_ON)
+    try:
+        yield
+    finally:
+        s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_QUEUE, TCP_NO_QUEUE)
+        s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, TCP_REPAIR_OFF_NO_WP)
+
+
+def _queue(s: socket.socket, q: int, size: int) -> tuple[int, bytes]:
+    """A queue's end sequence number and its bytes (peeked: they stay)."""
+    s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_QUEUE, q)
+    seq = s.getsockopt(socket.IPPROTO_TCP, TCP_QUEUE_SEQ) & 0xFFFFFFFF
+    if not size:
+        return seq, b""
+    data = s.recv(size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    if len(data) != size:
+        raise OSError(0, f"peeked {len(data)} of the {size} bytes queued")
+    return seq, data
+
+
+def read_end(pid: int, fd: int) -> End | str:
+    """The state of the connection end pid holds at fd, or why it cannot be read."""
+    with socket.socket(fileno=native.copy_fd(pid, fd)) as s:
+        info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        if info[0] != TCP_ESTABLISHED:
+            return "not established (closing or half-closed): not captured"
+        outq = int.from_bytes(_ioctl_int(s, 0x5411), "little")   # SIOCOUTQ (TIOCOUTQ)
+        inq = int.from_bytes(_ioctl_int(s, 0x541B), "little")    # SIOCINQ (FIONREAD)
+        if inq > MAX_QUEUED or outq > MAX_QUEUED:
+            return f"{inq} + {outq} bytes queued (more than {MAX_QUEUED} are not captured)"
+        keep = bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE))
+        end = dict(local=list(s.getsockname()), remote=list(s.getpeername()),
+                   mss=s.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG),
+                   options=info[5], snd_wscale=info[6] & 0xF, rcv_wscale=info[6] >> 4,
+                   nonblock=not s.getblocking(),
+                   nodelay=bool(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)),
+                   reuseaddr=bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)),
+                   keepalive=[s.getsockopt(socket.IPPROTO_TCP, o) for o in _KEEPALIVE_OPTS]
+                   if keep else None)
+        with _repair(s):
+            recv_seq, recv_data = _queue(s, TCP_RECV_QUEUE, inq)
+            send_seq, send_data = _queue(s, TCP_SEND_QUEUE, outq)
+            s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_QUEUE, TCP_NO_QUEUE)
+            window = s.getsockopt(socket.IPPROTO_TCP, TCP_REPAIR_WINDOW, _WINDOW_SIZE)
+            stamp = s.getsockopt(socket.IPPROTO_TCP, TCP_TIMESTAMP) & 0xFFFFFFFF
+    return End(send_seq=send_seq, recv_seq=recv_seq, send_data=send_data,
+               recv_data=recv_data, window=window, timestamp=stamp, **end)
+
+
+def _ioctl_int(s: socket.socket, req: int) -> bytes:
+    return fcntl.ioctl(s.fileno(), req, b"\0\0\0\0")
+
+
+def _options(e: End) -> bytes:
+    """struct tcp_repair_opt entries for the options the connection negotiated."""
+    out = struct.pack("=II", TCPOPT_MSS, e.mss)
+    if e.options & TCPI_OPT_WSCALE:
+        out += struct.pack("=II", TCPOPT_WINDOW, e.snd_wscale | e.rcv_wscale << 16)
+    if e.options & TCPI_OPT_SACK:
+        out += struct.pack("=II", TCPOPT_SACK_PERM, 0)
+    if e.options & TCPI_OPT_TIMESTAMPS:
+        out += struct.pack("=II", TCPOPT_TIMESTAMP, 0)
+    return out
+
+
+def _address(family: int, addr: list) -> tuple:
+    return (addr[0], addr[1]) if family == socket.AF_INET else tuple(addr)
+
+
+def _made(s: socket.socket, family: int, e: End) -> None:
+    """Turn the fresh socket `s` into end `e`, still in repair mode."""
+    s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, TCP_REPAIR_ON)  # also: bind may share
+    s.bind(_address(family, e.local))
+    # A queue's sequence number is where its bytes start: putting them back moves it on.
+    for q, seq, data in ((TCP_RECV_QUEUE, e.recv_seq, e.recv_data),
+                         (TCP_SEND_QUEUE, e.send_seq, e.send_data)):
+        s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_QUEUE, q)
+        s.setsockopt(socket.IPPROTO_TCP, TCP_QUEUE_SEQ, _i32(seq - len(data)))
+    s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_QUEUE, TCP_NO_QUEUE)
+    s.connect(_address(family, e.remote))        # in repair mode: no handshake
+    s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_OPTIONS, _options(e))
+    s.setsockopt(socket.IPPROTO_TCP, TCP_TIMESTAMP, _i32(e.timestamp))
+    for q, data in ((TCP_SEND_QUEUE, e.send_data), (TCP_RECV_QUEUE, e.recv_data)):
+        if data:
+            s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_QUEUE, q)
+            s.sendall(data)
+    s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_QUEUE, TCP_NO_QUEUE)
+    # Checked against the receive queue's end: set once the bytes are back.
+    s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_WINDOW, e.window)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, int(e.nodelay))
+    if e.keepalive is not None:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for opt, v in zip(_KEEPALIVE_OPTS, e.keepalive):
+            s.setsockopt(socket.IPPROTO_TCP, opt, v)
+
+
+def new_connection(c: TcpConn, netns_pid: int) -> tuple[int, int]:
+    """Both ends of c, made in netns_pid's network namespace: our fds (a, b)."""
+    made: list[socket.socket] = []
+    try:
+        for e in c.ends:
+            s = native.netns_socket(netns_pid, c.family, socket.SOCK_STREAM)
+            made.append(s)
+            _made(s, c.family, e)
+        for s, e in zip(made, c.ends):   # both exist: neither is reset by the other's stack
+            s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, TCP_REPAIR_OFF_NO_WP)
+            # Leaving repair mode clears SO_REUSEADDR: an accepted end had its listener's,
+            # which the listener restored beside it needs to bind its port.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(e.reuseaddr))
+            s.setblocking(not e.nonblock)
+            s.set_inheritable(False)
+        a, b = made
+        return a.detach(), b.detach()
+    except OSError as e:
+        for s in made:
+            s.close()
+        raise native.CRError(e.errno or errno.EIO,
+                             f"restoring the TCP connection {c.key}: {e}") from e
+    except BaseException:
+        for s in made:
+            s.close()
+        raise
+
+
+def quiet(pid: int, fd: int) -> None:
+    """Put the connection pid holds at fd in repair mode: when it is closed (pid killed),
+    it goes away without a FIN, a RST or a TIME_WAIT (its addresses free at once). Only
+    connections on the loopback: within the sandbox's network namespace."""
+    with socket.socket(fileno=native.copy_fd(pid, fd)) as s:
+        info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)
+        if info[0] == TCP_ESTABLISHED and _loopback(s.getpeername()[0]):
+            s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, TCP_REPAIR_ON)
+
+
+def _loopback(host: str) -> bool:
+    """Whether the peer is on the sandbox's loopback (one outside gets its FIN)."""
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def quiet_all(pids: set[int]) -> None:
+    """quiet() every established TCP connection the processes `pids` hold (they are
+    about to be killed by a rollback)."""
+    for pid in pids:
+        try:
+            names = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for name in names:
+            try:
+                if not os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:"):
+                    continue
+                quiet(pid, int(name))
+            except OSError:
+                continue  # not TCP (ENOPROTOOPT), or gone
