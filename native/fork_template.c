@@ -2444,6 +2444,9 @@ static bool is_target(const struct dbxcr_spawn_opts *o, int fd)
 	for (size_t i = 0; i < o->nepolls; i++)
 		if (o->epolls[i].fd == fd)
 			return true;
+	for (size_t i = 0; i < o->nlistens; i++)
+		if (o->listens[i].fd == fd)
+			return true;
 	return false;
 }
 
@@ -2460,6 +2463,9 @@ static int max_target(const struct dbxcr_spawn_opts *o)
 	for (size_t i = 0; i < o->nepolls; i++)
 		if (o->epolls[i].fd > m)
 			m = o->epolls[i].fd;
+	for (size_t i = 0; i < o->nlistens; i++)
+		if (o->listens[i].fd > m)
+			m = o->listens[i].fd;
 	return m;
 }
 

@@ -876,6 +876,71 @@ def test_inotify_watches(sbx: Sandbox, restore: Restore) -> None:
         assert not _saw(sbx, int(wds["app"]), ""), "the source saw its fork's writes"
 
 
+LISTENER_FIRST = """
+import os, select, socket, time
+def listener(port):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    return s
+# fds 3 to 8: templates drop them, leaving holes (the first ones are filled by what the
+# restore itself sends and closes before the listeners are made)
+srv, *others = [listener(port) for port in range(7072, 7078)]
+a, b = socket.socketpair()                 # sent to the restored child: into the holes
+ev = os.eventfd(0, os.EFD_NONBLOCK)
+ep = select.epoll()
+for fd in (srv.fileno(), a.fileno(), ev):
+    ep.register(fd, select.EPOLLIN)
+b.send(b"queued")
+n = 41
+
+def what(fd):
+    link = os.readlink(f"/proc/self/fd/{fd}")
+    if not link.startswith("socket:"):
+        return link.split(":")[-1]
+    s = socket.socket(fileno=os.dup(fd))
+    try:
+        return "listen:%d" % s.getsockname()[1] if s.getsockopt(
+            socket.SOL_SOCKET, socket.SO_ACCEPTCONN) else "stream"
+    finally:
+        s.close()
+
+open("/workspace/listener-ready", "w").close()
+while True:
+    for fd, _ in ep.poll(0.01):
+        if fd == srv.fileno():
+            c, _ = srv.accept()
+            c.sendall(b"n=%d fd=%d" % (n, srv.fileno()))
+            c.close()
+    if os.path.exists("/workspace/report"):
+        open("/workspace/state", "w").write(f"n={n} pair={a.recv(6, socket.MSG_PEEK)!r} "
+                                            f"kinds={[what(fd) for fd in range(3, 13)]}")
+        os.remove("/workspace/report")
+    if os.path.exists("/workspace/mutate"):
+        n += 1
+        os.remove("/workspace/mutate")
+"""
+
+
+def test_listener_beside_received_descriptors(sbx: Sandbox, restore: Restore) -> None:
+    """Listening sockets at low fds (templates drop them) beside descriptors the restore
+    sends the child (a socket pair, an eventfd): those sent land on the listeners' free
+    numbers. Before, a listener was made over one (a restored process lost a descriptor,
+    and its epoll set failed: EBADF; a Jupyter kernel's fork failed so)."""
+    sbx.files.write("lf.py", LISTENER_FIRST)
+    sbx.exec("cd /workspace && nohup python3 lf.py >/dev/null 2>&1 &")
+    _wait_file(sbx, "listener-ready")
+    before = _report(sbx)
+    assert before == ("n=41 pair=b'queued' kinds=['listen:7072', 'listen:7073', "
+                      "'listen:7074', 'listen:7075', 'listen:7076', 'listen:7077', 'stream', "
+                      "'stream', '[eventfd]', '[eventpoll]']"), before
+    target = _checkpoint_mutate_restore(sbx, restore, before)
+    got = target.exec("python3 -c \"import socket; print(socket.create_connection(("
+                      "'127.0.0.1', 7072)).recv(100).decode())\"").stdout.strip()
+    assert got == "n=41 fd=3", got
+
+
 TCP_ENDS = """
 import os, socket, sys, time
 role, W = sys.argv[1], "/workspace/"
