@@ -1890,7 +1890,9 @@ int dbxcr_template_close(struct dbxcr_template *tpl, const int *fds, size_t n,
 	return rc;
 }
 
-int dbxcr_template_own_group(struct dbxcr_template *tpl, struct dbxcr_error *err)
+/* One argument-less call (setpgid(0, 0) or setsid()) injected into the parked template. */
+static int template_leave(struct dbxcr_template *tpl, long nr, const char *what,
+			  struct dbxcr_error *err)
 {
 	struct dbxcr_error ignored;
 	struct tracee t;
@@ -1901,11 +1903,23 @@ int dbxcr_template_own_group(struct dbxcr_template *tpl, struct dbxcr_error *err
 	if (check_owner(tpl, err) < 0 || adopt(&t, tpl->pid, tpl->site, err) < 0)
 		return -1;
 	t.regs = tpl->park;
-	if (rsys(&t, SYS_setpgid, a, err, "setpgid(0, 0) in the template") < 0)
+	if (rsys(&t, nr, a, err, "%s in the template", what) < 0)
 		rc = -1;
 	if (park(tpl, rc ? &ignored : err) < 0)
 		rc = -1;
 	return rc;
+}
+
+int dbxcr_template_own_group(struct dbxcr_template *tpl, struct dbxcr_error *err)
+{
+	return template_leave(tpl, SYS_setpgid, "setpgid(0, 0)", err);
+}
+
+int dbxcr_template_own_session(struct dbxcr_template *tpl, struct dbxcr_error *err)
+{
+	/* setsid() fails (EPERM) in a group leader: a fresh template is not one (it is a
+	 * fork in its process's group), unless own_group made it one. */
+	return template_leave(tpl, SYS_setsid, "setsid()", err);
 }
 
 int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err)
@@ -2746,6 +2760,9 @@ static int join_group(struct tracee *c, int pgid, struct dbxcr_error *err)
 {
 	long g[6] = { 0, pgid > 0 ? pgid : 0, 0, 0, 0, 0 };
 	long ret;
+
+	if (pgid == DBXCR_NEW_SESSION)	/* a fresh child is no group leader: setsid works */
+		return rsys(c, SYS_setsid, g, err, "setsid()") < 0 ? -1 : 0;
 
 	if (remote_syscall(c, SYS_setpgid, g, &ret, err) < 0)
 		return -1;

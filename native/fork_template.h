@@ -210,7 +210,8 @@ struct dbxcr_spawn_opts {
 					 * moved into each right after birth */
 	size_t ncgroup_fds;
 	int pgid;			/* 0: keep the template's process group;
-					 * -1: setpgid(0, 0); > 0: setpgid(0, pgid) */
+					 * -1: setpgid(0, 0); > 0: setpgid(0, pgid);
+					 * DBXCR_NEW_SESSION: setsid() */
 	const struct dbxcr_listen *listens;	/* listening sockets to recreate */
 	size_t nlistens;
 	const struct dbxcr_epoll *epolls;	/* epoll instances to recreate, last */
@@ -266,6 +267,14 @@ int dbxcr_netns_socketpair(int netns_fd, int domain, int type, int sv[2],
  * with it; its children then join their group (dbxcr_spawn_opts.pgid, or a birth's pgid).
  * Not for a session: no call joins an existing session, so children must be born in it. */
 int dbxcr_template_own_group(struct dbxcr_template *tpl, struct dbxcr_error *err);
+
+/* Move the parked template out of its session (and so its group) into one of its own,
+ * for a session leader that is the only captured process of its session: the session's
+ * id (the leader's pid) is then free once the live leader is gone, and the leader's child
+ * comes back with its pid and leads a session again (pgid DBXCR_NEW_SESSION). A session
+ * with other members keeps their templates in it: they must be born in it. */
+int dbxcr_template_own_session(struct dbxcr_template *tpl, struct dbxcr_error *err);
+#define DBXCR_NEW_SESSION (-2)
 
 /* Close descriptors in the parked template (its children fork without them). */
 int dbxcr_template_close(struct dbxcr_template *tpl, const int *fds, size_t n,

@@ -941,6 +941,40 @@ def test_listener_beside_received_descriptors(sbx: Sandbox, restore: Restore) ->
     assert got == "n=41 fd=3", got
 
 
+SESSION_LEADER = """
+import os, threading, time
+n, go = 41, threading.Event()
+worker = threading.Thread(target=go.wait, daemon=True)   # a thread: its tid must come back
+worker.start()
+open("/workspace/leader-ready", "w").close()
+while True:
+    time.sleep(0.01)
+    if os.path.exists("/workspace/report"):
+        open("/workspace/state", "w").write(
+            f"n={n} pid={os.getpid()} sid={os.getsid(0)} pgid={os.getpgid(0)} "
+            f"tids={sorted(t.native_id for t in threading.enumerate())}")
+        os.remove("/workspace/report")
+    if os.path.exists("/workspace/mutate"):
+        n += 1
+        os.remove("/workspace/mutate")
+"""
+
+
+def test_lone_session_leader_keeps_its_pid(sbx: Sandbox, restore: Restore) -> None:
+    """A multi-threaded session leader alone in its session (a Jupyter kernel: its
+    manager starts it with start_new_session) comes back by a rollback with its pid,
+    leading its session and group, its threads with their tids (before, its templates
+    held the session's id, the leader came back with a new pid, so a threaded one was not
+    restored at all and the rollback restarted the processes)."""
+    sbx.files.write("sl.py", SESSION_LEADER)
+    sbx.exec("cd /workspace && setsid python3 sl.py >/dev/null 2>&1 < /dev/null &")
+    _wait_file(sbx, "leader-ready")
+    before = _report(sbx)
+    pid = re.search(r"pid=(\d+)", before)[1]  # type: ignore[index]
+    assert f"sid={pid} pgid={pid} " in before, before
+    _checkpoint_mutate_restore(sbx, restore, before)
+
+
 TCP_ENDS = """
 import os, socket, sys, time
 role, W = sys.argv[1], "/workspace/"
@@ -1411,12 +1445,14 @@ def test_threads_roll_back_in_a_fork(sbx: Sandbox) -> None:
 
 
 def test_threads_of_a_session_leader_are_refused_at_rollback(sbx: Sandbox) -> None:
-    """A session leader comes back from a rollback with a new pid (its templates, in its
-    session, keep its pid allocated as the session id); glibc caches its main thread's
-    tid, so a multi-threaded session leader is not restored with one: the rollback says
-    why and restarts, nothing runs half-restored. A fork (a fresh pid namespace) keeps
-    every tid and restores it."""
-    sbx.files.write("thr.py", "import os\nos.setsid()\n" + THREADED)
+    """A session leader with another member in its session comes back from a rollback
+    with a new pid (the member's template, in the session, keeps its id allocated; a lone
+    leader keeps its pid: test_lone_session_leader_keeps_its_pid); glibc caches its main
+    thread's tid, so such a multi-threaded leader is not restored with one: the rollback
+    says why and restarts, nothing runs half-restored. A fork (a fresh pid namespace)
+    keeps every tid and restores it."""
+    sbx.files.write("thr.py", "import os, time\nos.setsid()\nif os.fork() == 0:\n"
+                    "    time.sleep(10000)\n" + THREADED)
     sbx.exec("cd /workspace && nohup python3 thr.py >/dev/null 2>&1 &")
     _wait_file(sbx, "thr-ready")
     before = _report(sbx)

@@ -29,7 +29,8 @@ from conftest import OWN_PS, DaemonProc, new_sandbox, private_daemon
 from test_cr import (  # noqa: F401  (the catalog's cases, run here with the disk fixtures)
     Restore, test_asyncio_server_with_eventfd_and_socket_pair, test_bash_session_state,
     test_counter_file_and_memory_agree, test_deleted_open_temp_file, test_dontfork_mapping,
-    test_inotify_watches, test_loopback_tcp_server_answers, test_main_thread_registrations,
+    test_inotify_watches, test_listener_beside_received_descriptors,
+    test_lone_session_leader_keeps_its_pid, test_loopback_tcp_server_answers, test_main_thread_registrations,
     test_multiprocessing_pool_and_executor,
     test_nested_children_and_process_group, test_node_http_server, test_threads_come_back,
     test_pipe_flags_size_and_unread_data, test_pipeline_alive, test_python_process_memory,

@@ -43,6 +43,7 @@ groups are re-made in the fork (setpgid), since the templates' groups belong to 
 from __future__ import annotations
 
 import array
+import collections
 import contextlib
 import ctypes
 import errno
@@ -497,9 +498,11 @@ class DeltaCR:
                     # group of the target's own (sessions stay the source's: see module doc).
                     # In a pid namespace that already holds templates of its own, a group
                     # leader's pid may still be allocated (see above): new pid then.
-                    spawn.nspid = rec.nspid if into.fresh or not _leader(rec) else None
+                    alone = _new_session(state, rec)   # its session's id is free
+                    spawn.nspid = (rec.nspid if into.fresh or not _leader(rec) or alone
+                                   else None)
                     spawn.into = into
-                    spawn.pgid = groups.get(rec.pgid, -1)
+                    spawn.pgid = native.NEW_SESSION if alone else groups.get(rec.pgid, -1)
                 carrier = pre.carriers.pop(rec.pid, None) if pre is not None else None
                 first = born.pop(rec.pid, None)
                 if isinstance(first, int):
@@ -1250,13 +1253,30 @@ def _own_groups(records: list[ProcessRecord]) -> dict[int, int]:
     return {r.pgid: r.nspid for r in records if r.pid == r.pgid and r.pid != r.sid}
 
 
+def lone_leaders(records: list[ProcessRecord]) -> set[int]:
+    """Session leaders that are the only captured process of their session (a Jupyter
+    kernel, a server started with setsid): their templates leave the session
+    (Template.own_session), which frees its id, the leader's pid, once the live leader is
+    gone; the leader's child gets it back and leads a session again. With other members,
+    the session's templates stay in it: its members must be born in it."""
+    sessions = collections.Counter(r.sid for r in records)
+    return {r.pid for r in records if r.pid == r.sid and sessions[r.sid] == 1}
+
+
 def _leave_groups(templates: dict[int, native.Template], records: list[ProcessRecord]) -> None:
     """On the ptrace thread, once the capture's processes run again: move the templates
-    of _own_groups' members out of their group (one injected setpgid each)."""
+    of _own_groups' members out of their group, and those of lone_leaders out of their
+    session (one injected setpgid or setsid each)."""
     groups = _own_groups(records)
+    lone = lone_leaders(records)
     for rec in records:
         tpl = templates.get(rec.pid)
-        if rec.pgid in groups and tpl is not None and not tpl.own_group_done:
+        if rec.pid in lone and tpl is not None and not tpl.own_session_done:
+            try:
+                tpl.own_session()
+            except native.CRError as e:  # it comes back with a new pid
+                log.warning("template of pid %d: leaving its session: %s", rec.pid, e)
+        elif rec.pgid in groups and tpl is not None and not tpl.own_group_done:
             try:
                 tpl.own_group()
             except native.CRError as e:  # its group's leader comes back with a new pid
@@ -1265,8 +1285,9 @@ def _leave_groups(templates: dict[int, native.Template], records: list[ProcessRe
 
 def _rollback_ids(state: ProcessState) -> dict[int, tuple[int | None, int]]:
     """Record pid -> (the pid to give back, or None for a new one; the process group to
-    join, or 0 to stay in the template's) for each process's child at a rollback. A session leader's pid stays
-    allocated while its templates exist (they are in its session), as does a group
+    join, or 0 to stay in the template's; NEW_SESSION: lead a session) for each process's
+    child at a rollback. A session leader's pid stays allocated while its templates exist
+    (they are in its session) unless it is alone in it (lone_leaders), as does a group
     leader's while a template is in its group (see _own_groups): such a leader comes back
     with a new pid. A child of a template that left its group joins it again by the
     leader's pid (which creates it, for the leader itself)."""
@@ -1274,11 +1295,20 @@ def _rollback_ids(state: ProcessState) -> dict[int, tuple[int | None, int]]:
     stayed = {r.pgid for r in state.records if not state.templates[r.pid].own_group_done}
     out: dict[int, tuple[int | None, int]] = {}
     for rec in state.records:
+        if _new_session(state, rec):
+            out[rec.pid] = rec.nspid, native.NEW_SESSION
+            continue
         freed = rec.pgid in groups and rec.pgid not in stayed
         keep = not _leader(rec) or (freed and rec.pid != rec.sid)
         pgid = groups[rec.pgid] if state.templates[rec.pid].own_group_done else 0
         out[rec.pid] = (rec.nspid if keep else None), pgid
     return out
+
+
+def _new_session(state: ProcessState, rec: ProcessRecord) -> bool:
+    """Whether rec's child leads a session of its own again: a lone session leader whose
+    template left the session (lone_leaders)."""
+    return state.templates[rec.pid].own_session_done and rec.pid in lone_leaders(state.records)
 
 
 def _leaders_first(records: list[ProcessRecord]) -> list[ProcessRecord]:

@@ -193,6 +193,8 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_template_close.restype = ctypes.c_int
         lib.dbxcr_template_own_group.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_template_own_group.restype = ctypes.c_int
+        lib.dbxcr_template_own_session.argtypes = [ctypes.c_void_p, err]
+        lib.dbxcr_template_own_session.restype = ctypes.c_int
         lib.dbxcr_template_copy.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_template_copy.restype = ctypes.c_void_p
         lib.dbxcr_template_adopt.argtypes = [ctypes.c_void_p, err]
@@ -228,6 +230,7 @@ def _raise(err: _Err) -> None:
 
 # native/dbxcr_internal.h: the most threads a captured process may have.
 MAX_THREADS = 256
+NEW_SESSION = -2        # a spawn's pgid: setsid() in the child (fork_template.h DBXCR_NEW_SESSION)
 
 
 @dataclass(frozen=True)
@@ -349,6 +352,7 @@ class Template:
         self.origin = origin
         self.owner_thread = threading.get_native_id()
         self.own_group_done = False   # moved out of its process group (own_group)
+        self.own_session_done = False  # and out of its session (own_session)
         self._refs = 1   # checkpoints holding it (share); release() by each, the last frees
 
     def share(self) -> "Template":
@@ -468,6 +472,15 @@ class Template:
             _raise(err)
         self.own_group_done = True
 
+    def own_session(self) -> None:
+        """Move the template out of its session (and group) into one of its own, so that
+        a lone session leader's pid is free once the live leader is gone
+        (native/fork_template.h). Its child leads a session again: spawn(pgid=NEW_SESSION)."""
+        err = _Err()
+        if _load().dbxcr_template_own_session(self._h(), ctypes.byref(err)) < 0:
+            _raise(err)
+        self.own_group_done = self.own_session_done = True
+
     def copy(self) -> "Template":
         """A second template of the same process, to spawn from on another thread at the
         same time (a fork lane).  It belongs to no thread until that thread calls adopt();
@@ -480,6 +493,7 @@ class Template:
         cp = Template(handle, lib.dbxcr_template_pid(handle), self.origin)
         cp.owner_thread = 0
         cp.own_group_done = self.own_group_done   # a fork of it: in its group
+        cp.own_session_done = self.own_session_done   # and session
         return cp
 
     def adopt(self) -> None:

@@ -30,6 +30,7 @@ import trio
 from ..cr import eventloop, native, unlinked
 from ..cr.capture import ProcessRecord
 from ..cr.engine import (PIPE_DEFAULT_SIZE, DeltaCR, PipeEnd, PipeGroup, ProcessState,
+                         lone_leaders,
                          SPLICE_F_NONBLOCK, _close_saved, _libc, _unread)
 from .db import Database, columns
 from .scheduler import IOScheduler
@@ -394,9 +395,13 @@ class Dumps:
         pipes: dict[int, PipeGroup] = {}
         files: list[unlinked.UnlinkedFile] = []
         try:
+            lone = lone_leaders(records)
             for rec in records:
                 templates[rec.pid] = await self.cr.worker.run(
                     native.restore_template, host_pid, d / str(rec.nspid), root_dir)
+                # Rebuilt by the sandbox's init, it is in none of the captured sessions:
+                # a lone session leader's child leads its session again (cr/engine.py).
+                templates[rec.pid].own_session_done = rec.pid in lone
             for ino, g in meta["pipes"].items():
                 pg = PipeGroup(int(ino), [PipeEnd(**e) for e in g["ends"]], None, g["owner"],
                                g.get("size", PIPE_DEFAULT_SIZE))
