@@ -52,6 +52,7 @@ bench: install
 	$(PY) -m benchmarks.branch_rollback
 	$(PY) -m benchmarks.neighbours --quick
 	$(PY) -m benchmarks.process_kinds
+	$(PY) -m benchmarks.notebook --reps 5
 	$(PY) -m benchmarks.swebench.run --quick --out benchmarks/out/swebench
 
 clean:

@@ -437,14 +437,20 @@ def wait_inspector(daemon: PrivateDaemon, timeout: float = 180) -> str:
     return backend
 
 
+def wait_until(cond: Callable[[], Any], what: str, timeout: float = 60,
+               interval: float = 0.002) -> None:
+    """Until cond() is true; TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what} ({timeout:g} s)")
+        time.sleep(interval)
+
+
 def wait_for_file(sbx: Any, path: str, timeout: float, what: str,
                   interval: float = 0.05) -> None:
     """Until `path` exists in the sandbox (files API); TimeoutError naming `what`."""
-    deadline = time.monotonic() + timeout
-    while not sbx.files.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} (no {path} after {timeout:g} s)")
-        time.sleep(interval)
+    wait_until(lambda: sbx.files.exists(path), f"{what} (no {path})", timeout, interval)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

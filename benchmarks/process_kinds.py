@@ -37,7 +37,7 @@ from typing import Any
 
 from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, latency_boxplot, log,
                                machine_info, pyplot, record_cleanup, run_main, stats,
-                               terminate_as_exception, write_json)
+                               terminate_as_exception, wait_until, write_json)
 from deltabox import Sandbox
 
 KINDS = ("plain", "asyncio", "tempfile", "threads", "shared", "watcher")
@@ -150,24 +150,16 @@ while True:
 """
 
 
-def _wait(cond: Any, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.002)
-
-
 def _ask(sbx: Sandbox, what: str) -> None:
     sbx.files.write(what, "1")
-    _wait(lambda: not sbx.files.exists(what), what)
+    wait_until(lambda: not sbx.files.exists(what), what)
 
 
 def _report(sbx: Sandbox) -> str:
     if sbx.files.exists("state"):
         sbx.files.remove("state")
     _ask(sbx, "report")
-    _wait(lambda: sbx.files.exists("state"), "the report")
+    wait_until(lambda: sbx.files.exists("state"), "the report")
     return sbx.files.read("state").decode()
 
 
@@ -176,7 +168,7 @@ def start(d: PrivateDaemon, kind: str, mb: int, temp_mb: int, dirs: int) -> Sand
     sbx.files.write("prog.py", PROG)
     sbx.exec(f"cd /workspace && nohup python3 prog.py {kind} {mb} {temp_mb} {dirs} "
              ">/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("ready"), f"the {kind} process")
+    wait_until(lambda: sbx.files.exists("ready"), f"the {kind} process")
     return sbx
 
 
@@ -185,7 +177,7 @@ def _dump_done(sbx: Sandbox, cp_id: str) -> None:
     def done() -> bool:
         cp = sbx.get_checkpoint(cp_id)
         return not any(r.startswith("process dump:") and "pending" in r for r in cp.reasons)
-    _wait(done, "the process dump")
+    wait_until(done, "the process dump")
 
 
 def one_rep(sbx: Sandbox, think: float) -> dict[str, float]:

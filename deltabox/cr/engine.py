@@ -1254,8 +1254,8 @@ def _own_groups(records: list[ProcessRecord]) -> dict[int, int]:
 
 
 def lone_leaders(records: list[ProcessRecord]) -> set[int]:
-    """Session leaders that are the only captured process of their session (a Jupyter
-    kernel, a server started with setsid): their templates leave the session
+    """Session leaders that are the only captured process of their session (a server
+    started with setsid, a kernel by jupyter_client): their templates leave the session
     (Template.own_session), which frees its id, the leader's pid, once the live leader is
     gone; the leader's child gets it back and leads a session again. With other members,
     the session's templates stay in it: its members must be born in it."""
