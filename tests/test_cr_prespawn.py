@@ -17,7 +17,7 @@ from collections.abc import Callable
 from deltabox import Sandbox
 
 from conftest import HELD, OWN_PS
-from test_cr import REGISTRATIONS, SHARED_MEMORY, THREADED, TIMERS
+from test_cr import REGISTRATIONS, SHARED_MEMORY, TCP_ENDS, THREADED, TIMERS, _role
 
 _libc = ctypes.CDLL(None, use_errno=True)
 SYS_KCMP, KCMP_VM = 312, 1
@@ -345,3 +345,29 @@ def test_threaded_process_born_from_carriers(sbx: Sandbox) -> None:
     _ask(sbx, "join")
     joined = sbx.files.read("state").decode()
     assert joined.startswith("alive=[] took=True "), joined
+
+
+def test_tcp_connection_born_from_carriers(sbx: Sandbox) -> None:
+    """A client and a server connected over loopback (the server closed its listener, so
+    both get carriers): each carrier holds its end as a fresh socket made ahead, which the
+    rollback connects once the killed processes' connection is gone, before either runs;
+    at every rollback the unread bytes wait again and the two talk on."""
+    prog = TCP_ENDS.replace("    conn, _ = srv.accept()\n", "    conn, _ = srv.accept()\n    srv.close()\n")
+    assert prog != TCP_ENDS
+    sbx.files.write("tcp.py", prog)
+    sbx.exec("cd /workspace && nohup python3 tcp.py server 0 >/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("listening"), what="the listener")
+    sbx.exec("cd /workspace && nohup python3 tcp.py client 29 >/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("server-ready") and sbx.files.exists("client-ready"),
+          what="ready")
+    before = (_role(sbx, "server", "report"), _role(sbx, "client", "report"))
+    cp = sbx.checkpoint(mode="full")
+    for i in range(2):
+        _wait(lambda: _carriers_ready(sbx), what="a carrier")
+        _role(sbx, "server", "mutate")
+        _role(sbx, "client", "mutate")
+        r = sbx.rollback(cp)
+        assert r.process_state == "restored", r.note
+        assert (_role(sbx, "server", "report"), _role(sbx, "client", "report")) == before, i
+    assert _role(sbx, "server", "talk") == "1700 b'hello-from-clienthel' b'om-client'"
+    assert _role(sbx, "client", "talk") == "29 b'greeting-from-server' b'pong:1700'"

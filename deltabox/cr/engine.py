@@ -471,6 +471,11 @@ class DeltaCR:
         records = _leaders_first(state.records)
         born: dict[int, int | native.CRError] = {}  # checkpoint pid -> born pid, or why not
         try:
+            if plan.unconnected:  # carriers' connections: their addresses free first
+                if victims is not None:
+                    await wait_exited(victims)
+                    victims = None
+                plan.connect()
             if into is None and pre is not None:
                 born = await self._births(records, pre, victims)
                 if born:
@@ -577,14 +582,14 @@ class DeltaCR:
     async def prespawn(self, state: ProcessState, mntfd: int, rootfd: int
                        ) -> Prespawned | None:
         """Carriers, in the generation `mntfd` that a rollback to `state` will use, of
-        every process but those that listen on a port or hold a TCP connection (the live
-        process still holds it),
+        every process but those that listen on a port (the live process still holds it;
+        a TCP connection's sockets are made ahead but connected by the rollback),
         multi-threaded ones a rollback does not restore (a session leader:
         native/threads.c) and those watching a signalfd with epoll (the watch waits on
         the signal queue of the task that made it: the carrier's, not its birth's):
         restore(pre=...) gives birth to the processes from them. None if none."""
         ids = _rollback_ids(state)
-        recs = [r for r in state.records if not r.listens and not _connected(r)
+        recs = [r for r in state.records if not r.listens
                 and not (r.threads > 1 and ids[r.pid][0] is None)
                 and not eventloop.watches_signalfd(r.loop)]
         if not recs:
@@ -718,6 +723,7 @@ class _PipePlan:
         # (prespawn) holds its timerfds disarmed until the restore calls arm().
         self.armed = armed
         self.to_arm: list[tuple[int, eventloop.TimerFd]] = []
+        self.unconnected: list[tuple[tcp.TcpConn, tuple[int, int]]] = []  # connect()
         self.fresh: dict[int, tuple[int, int]] = {}
         self.loops: list[int] = []     # our copies of objects made (loop_fds, file_fds)
         self.files = files             # deleted-but-open files, made in rootfd's tree
@@ -766,10 +772,26 @@ class _PipePlan:
             out.update((n, ab[0]) for n in p.a)
             out.update((n, ab[1]) for n in p.b)
         for c in loop.tcp:
-            ab = self._pair(c.key, lambda c=c: tcp.new_connection(c, netns_pid))
+            ab = self._pair(c.key, lambda c=c: self._connection(c, netns_pid))
             out.update((n, ab[0]) for n in c.a)
             out.update((n, ab[1]) for n in c.b)
         return out
+
+    def _connection(self, c: tcp.TcpConn, netns_pid: int) -> tuple[int, int]:
+        """c's two ends: connected at once, or, in a plan made ahead (prespawn), left
+        unbound until connect() (the live connection holds their addresses)."""
+        if self.armed:
+            return tcp.new_connection(c, netns_pid)
+        ab = tcp.open_ends(c, netns_pid)
+        self.unconnected.append((c, ab))
+        return ab
+
+    def connect(self) -> None:
+        """Make the connections a plan made ahead holds (call once the killed processes'
+        connections are gone, before any process holding one runs)."""
+        todo, self.unconnected = self.unconnected, []
+        for c, ab in todo:
+            tcp.connect_ends(c, ab)
 
     def _pair(self, key: str, make: Callable[[], tuple[int, int]]) -> tuple[int, int]:
         """The two ends `key` names, made once per restore (ours, closed with the rest)."""
@@ -885,6 +907,7 @@ class _PipePlan:
     def _close_loops(self) -> None:
         fds, self.loops = self.loops, []
         self.to_arm.clear()
+        self.unconnected.clear()
         self.loops_of.clear()
         self.objects.clear()
         self.made.clear()

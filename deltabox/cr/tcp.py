@@ -15,7 +15,10 @@ both ends at once, in repair mode: bound to their addresses, given their sequenc
 "connected" without a handshake, their queues filled, their windows and options set, then
 let go of repair mode; each restored process gets its end at its fds. At a rollback the
 killed processes' connections are closed silently first (repair mode again: no FIN, no
-RST, no TIME_WAIT), so the restored ends can take their addresses.
+RST, no TIME_WAIT), so the restored ends can take their addresses. A carrier made ahead of
+a rollback holds its ends as fresh sockets in repair mode (open_ends); the rollback makes
+them the connection (connect_ends) once the killed processes have exited, before any
+process runs.
 
 Refused, with the reason: a connection whose other end no process of the sandbox holds (to
 or from outside the sandbox), one in any state but established (closing, half-closed),
@@ -171,8 +174,8 @@ def _address(family: int, addr: list) -> tuple:
 
 
 def _made(s: socket.socket, family: int, e: End) -> None:
-    """Turn the fresh socket `s` into end `e`, still in repair mode."""
-    s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, TCP_REPAIR_ON)  # also: bind may share
+    """Turn the fresh socket `s` (in repair mode: open_ends) into end `e`, still in
+    repair mode."""
     s.bind(_address(family, e.local))
     # A queue's sequence number is where its bytes start: putting them back moves it on.
     for q, seq, data in ((TCP_RECV_QUEUE, e.recv_seq, e.recv_data),
@@ -197,13 +200,36 @@ def _made(s: socket.socket, family: int, e: End) -> None:
             s.setsockopt(socket.IPPROTO_TCP, opt, v)
 
 
-def new_connection(c: TcpConn, netns_pid: int) -> tuple[int, int]:
-    """Both ends of c, made in netns_pid's network namespace: our fds (a, b)."""
+def open_ends(c: TcpConn, netns_pid: int) -> tuple[int, int]:
+    """Two fresh TCP sockets for c's ends, made in netns_pid's network namespace and put
+    in repair mode, not bound yet: a carrier made ahead of a rollback holds them while
+    the live connection still has their addresses (connect_ends, at the rollback, makes
+    them the connection). Our fds (a, b)."""
     made: list[socket.socket] = []
     try:
-        for e in c.ends:
+        for _ in c.ends:
             s = native.netns_socket(netns_pid, c.family, socket.SOCK_STREAM)
             made.append(s)
+            # Before anything else: SO_REUSEADDR set later would undo repair's forced reuse.
+            s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, TCP_REPAIR_ON)
+    except OSError as e:
+        for s in made:
+            s.close()
+        raise _restoring(c, e) from e
+    except BaseException:
+        for s in made:
+            s.close()
+        raise
+    a, b = made
+    return a.detach(), b.detach()
+
+
+def connect_ends(c: TcpConn, fds: tuple[int, int]) -> None:
+    """Make the two sockets open_ends gave (ours; still open after) c's connection and let
+    them out of repair mode: the processes that hold them can use it."""
+    made = [socket.socket(fileno=os.dup(fd)) for fd in fds]
+    try:
+        for s, e in zip(made, c.ends):
             _made(s, c.family, e)
         for s, e in zip(made, c.ends):   # both exist: neither is reset by the other's stack
             s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, TCP_REPAIR_OFF_NO_WP)
@@ -211,18 +237,27 @@ def new_connection(c: TcpConn, netns_pid: int) -> tuple[int, int]:
             # which the listener restored beside it needs to bind its port.
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(e.reuseaddr))
             s.setblocking(not e.nonblock)
-            s.set_inheritable(False)
-        a, b = made
-        return a.detach(), b.detach()
     except OSError as e:
+        raise _restoring(c, e) from e
+    finally:
         for s in made:
             s.close()
-        raise native.CRError(e.errno or errno.EIO,
-                             f"restoring the TCP connection {c.key}: {e}") from e
+
+
+def _restoring(c: TcpConn, e: OSError) -> native.CRError:
+    return native.CRError(e.errno or errno.EIO, f"restoring the TCP connection {c.key}: {e}")
+
+
+def new_connection(c: TcpConn, netns_pid: int) -> tuple[int, int]:
+    """Both ends of c, made in netns_pid's network namespace: our fds (a, b)."""
+    a, b = open_ends(c, netns_pid)
+    try:
+        connect_ends(c, (a, b))
     except BaseException:
-        for s in made:
-            s.close()
+        os.close(a)
+        os.close(b)
         raise
+    return a, b
 
 
 def quiet(pid: int, fd: int) -> None:
