@@ -48,6 +48,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import functools
 import logging
 import os
 import signal
@@ -162,6 +163,16 @@ class ProcessState:
     def template_pids(self) -> set[int]:
         return {t.pid for t in [*self.templates.values(), *self.lanes.values()]
                 if not t.released}
+
+    @property
+    def holds_tcp(self) -> bool:
+        """Whether its processes hold TCP connections (cr/tcp.py)."""
+        return any(_connected(r) for r in self.records)
+
+    @functools.cached_property
+    def lone(self) -> set[int]:
+        """lone_leaders of its records (fixed once captured)."""
+        return lone_leaders(self.records)
 
 
 @dataclass
@@ -1331,7 +1342,7 @@ def _rollback_ids(state: ProcessState) -> dict[int, tuple[int | None, int]]:
 def _new_session(state: ProcessState, rec: ProcessRecord) -> bool:
     """Whether rec's child leads a session of its own again: a lone session leader whose
     template left the session (lone_leaders)."""
-    return state.templates[rec.pid].own_session_done and rec.pid in lone_leaders(state.records)
+    return rec.pid in state.lone and state.templates[rec.pid].own_session_done
 
 
 def _leaders_first(records: list[ProcessRecord]) -> list[ProcessRecord]:

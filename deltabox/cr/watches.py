@@ -188,14 +188,18 @@ class Layers:
         return "/" + where[len(best):].lstrip("/")
 
 
+def queued(fd: int) -> int:
+    """Bytes of events waiting in the inotify instance at our fd (FIONREAD)."""
+    return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), "little")
+
+
 def unread(pid: int, fd: int) -> int:
-    """Bytes of events waiting in the instance pid holds at fd (FIONREAD)."""
+    """Bytes of events waiting in the instance pid holds at fd."""
     ours = native.copy_fd(pid, fd)
     try:
-        buf = fcntl.ioctl(ours, termios.FIONREAD, b"\0\0\0\0")
+        return queued(ours)
     finally:
         os.close(ours)
-    return int.from_bytes(buf, "little")
 
 
 def read(key: str, pid: int, info: bytes, f: native.FdInfo, layers: Layers) -> Inotify | str:

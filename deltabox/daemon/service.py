@@ -1489,7 +1489,7 @@ class Daemon:
                         procs, thaw, snapshot, lambda: self._daemon_pipes(live),
                         tracer_ok=set(), reuse=reuse,
                         layers=live.rt.generation.layers if live.rt.generation else ())
-                    live.tcp_captured |= _holds_tcp(state)
+                    live.tcp_captured |= state.holds_tcp
                     return state, snap[0]
                 except Unsettled as e:
                     if attempt == UNREAD_ATTEMPTS:
@@ -1519,10 +1519,20 @@ class Daemon:
         with trio.CancelScope(shield=True):
             if self.store.layer_path(layer).exists():
                 await trio.to_thread.run_sync(self.store.delete, layer)
-        live.rt.cgroup.thaw()
-        deadline = trio.current_time() + UNREAD_WAIT_S
-        while trio.current_time() < deadline and any(_unread(q) for q in queues):
-            await trio.sleep(0.001)
+        ours = []
+        try:
+            for pid, fd in queues:
+                try:  # our copy of the instance: its queue is the process's
+                    ours.append(native.copy_fd(pid, fd))
+                except OSError:
+                    pass  # gone: nothing to wait for
+            live.rt.cgroup.thaw()
+            deadline = trio.current_time() + UNREAD_WAIT_S
+            while trio.current_time() < deadline and any(watches.queued(fd) for fd in ours):
+                await trio.sleep(0.001)
+        finally:
+            for fd in ours:
+                os.close(fd)
         live.rt.cgroup.freeze()
 
     async def _settle_vforks(self, live: Live, procs: dict[int, native.ProcStatus]
@@ -1829,7 +1839,7 @@ class Daemon:
             if fresh is None:
                 assert gen is not None
                 try:
-                    live.tcp_captured |= _holds_tcp(state)
+                    live.tcp_captured |= state.holds_tcp
                     restored = await self.cr.restore(
                         state, gen.mntfd, gen.rootfd, victims=live.dying, pre=pre,
                         pid_held=functools.partial(self._pid_held, live))
@@ -2208,7 +2218,7 @@ class Daemon:
         try:
             for f in rt.cgroup.procs_files:
                 cg_fds.append(os.open(f, os.O_WRONLY | os.O_CLOEXEC))
-            live.tcp_captured |= _holds_tcp(state)
+            live.tcp_captured |= state.holds_tcp
             restored = await self.cr.restore(
                 state, rt.generation.mntfd, rt.generation.rootfd,
                 Elsewhere(pidns, rt.pidfd, cg_fds, rt.init_pid, fresh,
@@ -2409,19 +2419,6 @@ def _fork_failed(cp: CheckpointRow, e: Exception) -> ResourceExhausted | None:
     RESOURCE_EXHAUSTED (else the error is raised as itself)."""
     log.error("fork %s: booting or restoring the children failed: %s", cp.id, e)
     return _cr_limit_error(e, "restoring")
-
-
-def _holds_tcp(state: ProcessState) -> bool:
-    """Whether state's processes hold TCP connections (cr/tcp.py)."""
-    return any(r.loop and r.loop.tcp for r in state.records)
-
-
-def _unread(queue: tuple[int, int]) -> bool:
-    """Whether events wait in the inotify instance (host pid, fd) (gone: no)."""
-    try:
-        return watches.unread(*queue) > 0
-    except OSError:
-        return False
 
 
 def _cr_limit_error(e: BaseException, what: str) -> ResourceExhausted | None:
