@@ -1067,6 +1067,35 @@ def test_tcp_connection_within_the_sandbox(sbx: Sandbox, restore: Restore) -> No
         "29 b'greeting-from-server' b'pong:1700'"         # what waited, and the answer
 
 
+def test_listener_without_reuseaddr_beside_its_connection(sbx: Sandbox,
+                                                          restore: Restore) -> None:
+    """A server that did not set SO_REUSEADDR, listening beside the connection it
+    accepted: restored, the listener binds its port beside the connection (which has its
+    listener's SO_REUSEADDR, 0, again once the restore is done) and takes a new
+    connection; the two ends talk on."""
+    prog = TCP_ENDS.replace(
+        "    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n", "").replace(
+        "opts = (", "opts = (conn.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR), ")
+    assert prog.count("SO_REUSEADDR") == 1
+    sbx.files.write("tcp.py", prog)
+    sbx.exec("cd /workspace && nohup python3 tcp.py server 0 >/dev/null 2>&1 &")
+    _wait_file(sbx, "listening")
+    sbx.exec("cd /workspace && nohup python3 tcp.py client 29 >/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("server-ready") and sbx.files.exists("client-ready"))
+    before = (_role(sbx, "server", "report"), _role(sbx, "client", "report"))
+    assert before[0].endswith(" opts=(0, 0, 0, 7200)"), before
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    _role(sbx, "server", "mutate")
+    target = restore(sbx, cp)
+    assert (_role(target, "server", "report"), _role(target, "client", "report")) == before
+    r = target.exec("python3 -c \"import socket; socket.create_connection(('127.0.0.1', 7070), "
+                    "timeout=5)\"")
+    assert r.exit_code == 0, r.stderr
+    assert _role(target, "server", "talk") == "1700 b'hello-from-clienthel' b'om-client'"
+    assert _role(target, "client", "talk") == "29 b'greeting-from-server' b'pong:1700'"
+
+
 def test_tcp_connection_to_no_process_of_the_sandbox_is_refused() -> None:
     """A connection whose other end no process of the checkpoint holds (here: this test
     holds it, outside the records) is refused, naming the fd and why; so is one half

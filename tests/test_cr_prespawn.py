@@ -347,14 +347,23 @@ def test_threaded_process_born_from_carriers(sbx: Sandbox) -> None:
     assert joined.startswith("alive=[] took=True "), joined
 
 
+def _born_from_carrier(marker: str) -> bool:
+    """Whether the one live process whose command line holds `marker` shares its memory
+    with a carrier (its keeper): it was born from one, not spawned from its template."""
+    procs = _host_procs(marker)
+    live = [p for p, (_, name) in procs.items() if name not in HELD]
+    assert len(live) == 1, procs
+    return any(_same_vm(live[0], p) for p, (_, name) in procs.items() if name == "dbx-carrier")
+
+
 def test_tcp_connection_born_from_carriers(sbx: Sandbox) -> None:
-    """A client and a server connected over loopback (the server closed its listener, so
-    both get carriers): each carrier holds its end as a fresh socket made ahead, which the
-    rollback connects once the killed processes' connection is gone, before either runs;
-    at every rollback the unread bytes wait again and the two talk on."""
-    prog = TCP_ENDS.replace("    conn, _ = srv.accept()\n", "    conn, _ = srv.accept()\n    srv.close()\n")
-    assert prog != TCP_ENDS
-    sbx.files.write("tcp.py", prog)
+    """A client and a server connected over loopback, the server still listening beside
+    its accepted connection: each carrier holds its end, and the server's carrier its
+    listener, as fresh sockets made ahead; the rollback connects the ends and binds the
+    listener once the killed processes' sockets are gone, before either runs. At every
+    rollback the unread bytes wait again, the two talk on, and the listener takes a new
+    connection."""
+    sbx.files.write("tcp.py", TCP_ENDS)
     sbx.exec("cd /workspace && nohup python3 tcp.py server 0 >/dev/null 2>&1 &")
     _wait(lambda: sbx.files.exists("listening"), what="the listener")
     sbx.exec("cd /workspace && nohup python3 tcp.py client 29 >/dev/null 2>&1 &")
@@ -369,5 +378,69 @@ def test_tcp_connection_born_from_carriers(sbx: Sandbox) -> None:
         r = sbx.rollback(cp)
         assert r.process_state == "restored", r.note
         assert (_role(sbx, "server", "report"), _role(sbx, "client", "report")) == before, i
+        _wait(lambda: _born_from_carrier("tcp.py\x00server"), timeout=5, what="its keeper")
     assert _role(sbx, "server", "talk") == "1700 b'hello-from-clienthel' b'om-client'"
     assert _role(sbx, "client", "talk") == "29 b'greeting-from-server' b'pong:1700'"
+    # The restored listener's backlog takes a connection (the server accepts no more).
+    r = sbx.exec("python3 -c \"import socket; socket.create_connection(('127.0.0.1', 7070), "
+                 "timeout=5)\"")
+    assert r.exit_code == 0, r.stderr
+
+
+ASYNC_SERVER = r"""
+import asyncio, os, socket
+state = {"n": 0}
+servers = []
+
+async def answer(reader, writer):
+    what = (await reader.readline()).strip()
+    if what == b"bump":
+        state["n"] += 1
+    extra = ""
+    if what == b"options":
+        extra = " reuse=%s" % [s.sockets[0].getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+                               for s in servers]
+    writer.write(b"%d %d%s\n" % (os.getpid(), state["n"], extra.encode()))
+    await writer.drain()
+    writer.close()
+
+async def main():
+    srv = await asyncio.start_server(answer, "127.0.0.1", 8013, reuse_address=False)
+    srv6 = await asyncio.start_server(answer, "::1", 8014)
+    servers.extend((srv, srv6))
+    open("/workspace/aserver-ready", "w").close()
+    await asyncio.gather(srv.serve_forever(), srv6.serve_forever())
+
+asyncio.run(main())
+"""
+
+
+def test_listening_servers_born_from_carriers(sbx: Sandbox) -> None:
+    """An asyncio server listening on IPv4 (without SO_REUSEADDR) and IPv6, its
+    listeners watched by its epoll set: its carrier holds them unbound, the rollback binds
+    them once the killed server's ports are free, and the server born from the carrier
+    (its keeper shares its memory) answers on both with the checkpoint's state, at every
+    rollback."""
+    sbx.files.write("aserver.py", ASYNC_SERVER)
+    sbx.exec("cd /workspace && nohup python3 aserver.py >/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("aserver-ready"), what="ready")
+
+    def ask(what: str, host: str = "127.0.0.1", port: int = 8013) -> str:
+        r = sbx.exec(f"python3 -c \"import socket; s = socket.create_connection(('{host}', "
+                     f"{port}), timeout=5); s.sendall(b'{what}\\n'); "
+                     "print(s.makefile().readline().strip())\"")
+        assert r.exit_code == 0, r.stderr
+        return r.stdout.strip()
+
+    pid = ask("bump").split()[0]
+    cp = sbx.checkpoint(mode="full")
+    assert cp.kind == "full", cp.reasons
+    for i in range(2):
+        _wait(lambda: _carriers_ready(sbx), what="a carrier")
+        assert ask("bump") == f"{pid} 2"
+        r = sbx.rollback(cp)
+        assert r.process_state == "restored", r.note
+        assert ask("look") == f"{pid} 1", i
+        assert ask("look", "::1", 8014) == f"{pid} 1", i
+        _wait(lambda: _born_from_carrier("aserver.py"), timeout=5, what="its keeper")
+    assert ask("options") == f"{pid} 1 reuse=[0, 1]"   # as the listeners had them

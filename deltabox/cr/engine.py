@@ -53,6 +53,7 @@ import logging
 import os
 import signal
 import socket
+import struct
 import threading
 import termios
 import time
@@ -65,7 +66,7 @@ import trio
 from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
-from . import eventloop, native, tcp, unlinked, watches
+from . import eventloop, listeners, native, tcp, unlinked, watches
 from ..sandbox.reaper import block_until_exited, kill_pidfds, reap_orphans, wait_exited
 from .capture import (ProcessRecord, Refusal, Unsettled, add_listeners, record,
                       record_head, refusals, status_refused)
@@ -470,7 +471,8 @@ class DeltaCR:
         new pid anyway come first, while the killed ones are still dying, unless they
         listen on a port (the killed ones hold it until they exit). Those with a
         carrier in `pre` (spawned ahead into this same generation; consumed here) are born
-        from it, and keep it as their keeper.
+        from it, and keep it as their keeper; their connections and listeners take their
+        addresses first.
         `pid_held(nspid)`: whether a process that will not exit holds that pid of the
         target namespace (as its pid, group or session id), where a pid may fall back to
         a new one: then it does at once, not after 0.3 s of retries. On failure, kills
@@ -481,33 +483,42 @@ class DeltaCR:
         groups: dict[int, int] = {}          # host pgid at checkpoint -> pgid in the target
         records = _leaders_first(state.records)
         born: dict[int, int | native.CRError] = {}  # checkpoint pid -> born pid, or why not
+        time_wait = _time_wait_ports(state) if into is None else set()
+
+        async def addresses_free() -> None:
+            """The killed processes' pids and addresses are free: they have exited, and
+            the connections in TIME_WAIT on a port a listener without SO_REUSEADDR binds
+            again are gone."""
+            nonlocal victims
+            if victims is not None:
+                await wait_exited(victims)
+                victims = None
+            if time_wait:
+                tcp.clear_time_wait(state.templates[records[0].pid].pid, time_wait)
+                time_wait.clear()
+
         try:
-            if plan.unconnected:  # carriers' connections: their addresses free first
-                if victims is not None:
-                    await wait_exited(victims)
-                    victims = None
-                plan.connect()
+            if plan.addresses_to_take:  # carriers' connections and listeners
+                await addresses_free()
+                plan.take_addresses()
             if into is None and pre is not None:
                 born = await self._births(records, pre, victims)
                 if born:
                     victims = None  # waited for by _births
             ids = _rollback_ids(state) if into is None else {}
             for rec in records:
-                if into is None and _connected(rec) and victims is not None:
+                if into is None and _connected(rec):
                     # Its connections take the killed ones' addresses: gone once they
                     # have exited (tcp.quiet_all closed them silently).
-                    await wait_exited(victims)
-                    victims = None
+                    await addresses_free()
                 spawn = _spawn_args(state, plan, rec, mntfd, into)
                 if into is None:
                     # A kept pid, and a listener's port, are free once the killed
                     # originals have exited (their pages go before their files: a big one
                     # holds the port for tens of ms).
                     spawn.nspid, spawn.pgid = ids[rec.pid]
-                    keep_pid = spawn.nspid is not None
-                    if (keep_pid or rec.listens) and victims is not None:
-                        await wait_exited(victims)
-                        victims = None
+                    if spawn.nspid is not None or spawn.listens:
+                        await addresses_free()
                 else:
                     # A fresh pid namespace: every pid is free. The template's process
                     # group belongs to the source sandbox, so each child leads or joins a
@@ -546,6 +557,7 @@ class DeltaCR:
                 pre.carriers.clear()
                 with trio.CancelScope(shield=True):
                     await self.kill_carriers(leftover)
+        plan.settle()
         out.session_fds = {name: (out.pids[_nspid(state, pid)], *plan.session_ends(name))
                            for name, pid in state.sessions.items()}
         out.daemon_fds = plan.daemon_ends()
@@ -593,15 +605,14 @@ class DeltaCR:
     async def prespawn(self, state: ProcessState, mntfd: int, rootfd: int
                        ) -> Prespawned | None:
         """Carriers, in the generation `mntfd` that a rollback to `state` will use, of
-        every process but those that listen on a port (the live process still holds it;
-        a TCP connection's sockets are made ahead but connected by the rollback),
-        multi-threaded ones a rollback does not restore (a session leader:
+        every process but multi-threaded ones a rollback does not restore (a session leader:
         native/threads.c) and those watching a signalfd with epoll (the watch waits on
         the signal queue of the task that made it: the carrier's, not its birth's):
-        restore(pre=...) gives birth to the processes from them. None if none."""
+        restore(pre=...) gives birth to the processes from them. None if none. A TCP
+        connection's or listener's sockets are made ahead, their addresses taken by the
+        rollback (the live process still holds them)."""
         ids = _rollback_ids(state)
-        recs = [r for r in state.records if not r.listens
-                and not (r.threads > 1 and ids[r.pid][0] is None)
+        recs = [r for r in state.records if not (r.threads > 1 and ids[r.pid][0] is None)
                 and not eventloop.watches_signalfd(r.loop)]
         if not recs:
             return None
@@ -734,7 +745,11 @@ class _PipePlan:
         # (prespawn) holds its timerfds disarmed until the restore calls arm().
         self.armed = armed
         self.to_arm: list[tuple[int, eventloop.TimerFd]] = []
-        self.unconnected: list[tuple[tcp.TcpConn, tuple[int, int]]] = []  # connect()
+        # Made ahead, their addresses taken by take_addresses():
+        self.unconnected: list[tuple[tcp.TcpConn, tuple[int, int]]] = []
+        self.unbound: list[tuple[native.ListenSocket, int]] = []
+        self.connections: list[tuple[tcp.TcpConn, tuple[int, int]]] = []  # for settle()
+        self.listeners_of: dict[int, dict[int, int]] = {}   # pid -> its listeners made here
         self.fresh: dict[int, tuple[int, int]] = {}
         self.loops: list[int] = []     # our copies of objects made (loop_fds, file_fds)
         self.files = files             # deleted-but-open files, made in rootfd's tree
@@ -792,17 +807,48 @@ class _PipePlan:
         """c's two ends: connected at once, or, in a plan made ahead (prespawn), left
         unbound until connect() (the live connection holds their addresses)."""
         if self.armed:
-            return tcp.new_connection(c, netns_pid)
-        ab = tcp.open_ends(c, netns_pid)
-        self.unconnected.append((c, ab))
+            ab = tcp.new_connection(c, netns_pid)
+        else:
+            ab = tcp.open_ends(c, netns_pid)
+            self.unconnected.append((c, ab))
+        self.connections.append((c, ab))
         return ab
 
-    def connect(self) -> None:
-        """Make the connections a plan made ahead holds (call once the killed processes'
-        connections are gone, before any process holding one runs)."""
+    def settle(self) -> None:
+        """Once every process is restored (every listener bound): the connections'
+        original SO_REUSEADDR (tcp.settle_ends)."""
+        for c, ab in self.connections:
+            tcp.settle_ends(c, ab)
+
+    def listener_fds(self, rec: ProcessRecord, netns_pid: int) -> dict[int, int]:
+        """rec's listening sockets as a plan made ahead (prespawn) makes them, unbound until
+        take_addresses() (the live process holds their ports): its fd -> our copy. Empty
+        for a plan made by the restore itself: the spawned child makes its own (native).
+        Made once per process (its carrier's serve a spawn that replaces it)."""
+        out = self.listeners_of.get(rec.pid)
+        if out is not None or self.armed or not rec.listens:
+            return out or {}
+        out = self.listeners_of[rec.pid] = {}
+        for ls in rec.listens:
+            fd = out[ls.fd] = listeners.open_ahead(ls, netns_pid)
+            self.loops.append(fd)
+            self.unbound.append((ls, fd))
+        return out
+
+    @property
+    def addresses_to_take(self) -> bool:
+        return bool(self.unconnected or self.unbound)
+
+    def take_addresses(self) -> None:
+        """Make the connections and listeners a plan made ahead holds (call once the
+        killed processes' are gone, before any process holding one runs). Connections
+        first: a listener binds its port beside its accepted ones."""
         todo, self.unconnected = self.unconnected, []
         for c, ab in todo:
             tcp.connect_ends(c, ab)
+        unbound, self.unbound = self.unbound, []
+        for ls, fd in unbound:
+            listeners.listen(ls, fd)
 
     def _pair(self, key: str, make: Callable[[], tuple[int, int]]) -> tuple[int, int]:
         """The two ends `key` names, made once per restore (ours, closed with the rest)."""
@@ -919,7 +965,10 @@ class _PipePlan:
         fds, self.loops = self.loops, []
         self.to_arm.clear()
         self.unconnected.clear()
+        self.unbound.clear()
+        self.connections.clear()
         self.loops_of.clear()
+        self.listeners_of.clear()
         self.objects.clear()
         self.made.clear()
         for fd in fds:
@@ -1234,6 +1283,13 @@ class _Spawn:
     remaps: list[native.Remap] = field(default_factory=list)  # its shared memory, made anew
 
 
+def _time_wait_ports(state: ProcessState) -> set[int]:
+    """The ports of the listeners a rollback binds again without SO_REUSEADDR: one
+    connection in TIME_WAIT there would block the bind (tcp.clear_time_wait)."""
+    return {struct.unpack_from("!H", ls.addr, 2)[0]
+            for r in state.records for ls in r.listens if not ls.reuseaddr}
+
+
 def _leader(rec: ProcessRecord) -> bool:
     """Leads its process group or session (host-namespace ids at the checkpoint)."""
     return rec.pid in (rec.pgid, rec.sid)
@@ -1244,14 +1300,17 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
     """What a child of rec's template needs: its pipes from `plan`, its files, its cwd."""
     fdmap = {e.fd: plan.child_end(g, e) for g in state.pipes.values()
              for e in g.ends if e.pid == rec.pid}
+    netns_pid = into.init_pid if into is not None else state.templates[rec.pid].pid
     if rec.loop:
-        fdmap.update(plan.loop_fds(rec, into.init_pid if into is not None
-                                   else state.templates[rec.pid].pid))
+        fdmap.update(plan.loop_fds(rec, netns_pid))
+    ahead = plan.listener_fds(rec, netns_pid)   # else the child makes them
+    fdmap.update(ahead)
     fdmap.update(plan.file_fds(rec))
     cloexec = {f.fd for f in rec.fds if f.fd in fdmap and f.flags & os.O_CLOEXEC}
     files = [native.ReopenFile(f.fd, f.path, f.flags, f.pos)
              for f in rec.fds if f.kind in ("file", "dir", "chr") and not f.deleted]
-    return _Spawn(state.templates[rec.pid], fdmap, files, rec.cwd, mntfd, rec.listens,
+    return _Spawn(state.templates[rec.pid], fdmap, files, rec.cwd, mntfd,
+                  [] if ahead else rec.listens,
                   lane=state.lanes.get(rec.pid), cloexec=cloexec,
                   epolls=rec.loop.epolls if rec.loop else [], threaded=rec.threads > 1,
                   remaps=plan.remaps(rec))

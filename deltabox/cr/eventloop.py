@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .. import kernfs
-from . import native, tcp, watches
+from . import native, sockdiag, tcp, watches
 from .capture import ProcessRecord, Refusal, is_loop_fd
 
 MAX_QUEUED = 4 << 20                      # bytes waiting in a socket we copy, at most
@@ -403,12 +403,9 @@ class _UnixDiag:
     shutdown: int
 
 
-NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY = 4, 20
-NLM_F_REQUEST, NLM_F_DUMP, NLMSG_DONE, NLMSG_ERROR = 1, 0x300, 3, 2
 UDIAG_SHOW_NAME, UDIAG_SHOW_PEER, UDIAG_SHOW_RQLEN = 0x1, 0x4, 0x10
 UNIX_DIAG_NAME, UNIX_DIAG_PEER, UNIX_DIAG_RQLEN, UNIX_DIAG_SHUTDOWN = 0, 2, 4, 6
 TCP_ESTABLISHED = 1
-_NLMSG = struct.Struct("=IHHII")
 _UNIX_REQ = struct.Struct("=BBHIIIII")       # family protocol pad states ino show cookie[2]
 _UNIX_MSG = struct.Struct("=BBBBIII")        # family type state pad ino cookie[2]
 _RTA = struct.Struct("=HH")
@@ -417,27 +414,15 @@ _RTA = struct.Struct("=HH")
 def unix_sockets(pid: int) -> dict[int, _UnixDiag]:
     """Every unix socket of pid's network namespace by inode (sock_diag: the only place
     the kernel tells a socket's peer)."""
-    with native.netns_socket(pid, socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as s:
+    with sockdiag.open_in(pid) as s:
         req = _UNIX_REQ.pack(socket.AF_UNIX, 0, 0, 0xffffffff, 0,
                              UDIAG_SHOW_NAME | UDIAG_SHOW_PEER | UDIAG_SHOW_RQLEN,
                              0xffffffff, 0xffffffff)
-        s.send(_NLMSG.pack(_NLMSG.size + len(req), SOCK_DIAG_BY_FAMILY,
-                           NLM_F_REQUEST | NLM_F_DUMP, 1, 0) + req)
+        sockdiag.send(s, sockdiag.SOCK_DIAG_BY_FAMILY, sockdiag.NLM_F_DUMP, req)
         out: dict[int, _UnixDiag] = {}
-        while True:
-            buf = s.recv(1 << 16)
-            at = 0
-            while at + _NLMSG.size <= len(buf):
-                length, kind, _, _, _ = _NLMSG.unpack_from(buf, at)
-                if kind == NLMSG_DONE:
-                    return out
-                if kind == NLMSG_ERROR:
-                    code = -struct.unpack_from("=i", buf, at + _NLMSG.size)[0]
-                    raise OSError(code, f"sock_diag of unix sockets: {os.strerror(code)}")
-                _parse_unix(buf[at + _NLMSG.size:at + length], out)
-                at += (length + 3) & ~3
-            if not buf:
-                return out
+        for msg in sockdiag.replies(s, "unix sockets"):
+            _parse_unix(msg, out)
+        return out
 
 
 def _parse_unix(msg: bytes, out: dict[int, _UnixDiag]) -> None:

@@ -23,11 +23,12 @@ process runs.
 Refused, with the reason: a connection whose other end no process of the sandbox holds (to
 or from outside the sandbox), one in any state but established (closing, half-closed),
 more than MAX_QUEUED bytes queued. A server's accepted connection shares its listener's
-port: restored, the listener binds it beside the connection only with SO_REUSEADDR (which
-servers set; the connection keeps its listener's); without it the restore fails and the
-processes restart, saying why. Not preserved: congestion state (the window starts
-again from the kernel's initial one, as after an idle period), other socket options
-(buffer sizes stay automatic), urgent data.
+port, and the listener restored beside it binds only if both have SO_REUSEADDR: the
+restored ends have it until every process is restored (settle_ends then sets the
+original's, their listener's). Connections in TIME_WAIT on a port that a listener without
+SO_REUSEADDR binds again are dropped first (clear_time_wait). Not preserved: congestion
+state (the window starts again from the kernel's initial one, as after an idle period),
+other socket options (buffer sizes stay automatic), urgent data.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from . import native
+from . import native, sockdiag
 
 MAX_QUEUED = 4 << 20
 TCP_REPAIR, TCP_REPAIR_QUEUE, TCP_QUEUE_SEQ, TCP_REPAIR_OPTIONS = 19, 20, 21, 22
@@ -51,7 +52,10 @@ TCP_NO_QUEUE, TCP_RECV_QUEUE, TCP_SEND_QUEUE = 0, 1, 2
 TCP_REPAIR_ON, TCP_REPAIR_OFF_NO_WP = 1, -1
 TCPOPT_MSS, TCPOPT_WINDOW, TCPOPT_SACK_PERM, TCPOPT_TIMESTAMP = 2, 3, 4, 8
 TCPI_OPT_TIMESTAMPS, TCPI_OPT_SACK, TCPI_OPT_WSCALE = 1, 2, 4
-TCP_ESTABLISHED = 1
+TCP_ESTABLISHED, TCP_TIME_WAIT = 1, 6
+_INET_REQ = struct.Struct("=BBBBI")   # inet_diag_req_v2: family protocol ext pad states, id
+_ID_SIZE = 48                          # struct inet_diag_sockid (sport first, big-endian)
+_INET_MSG_ID = 4                       # inet_diag_msg: family state timer retrans, id
 _WINDOW_SIZE = 20            # struct tcp_repair_window: five u32
 _KEEPALIVE_OPTS = (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)
 
@@ -233,15 +237,26 @@ def connect_ends(c: TcpConn, fds: tuple[int, int]) -> None:
             _made(s, c.family, e)
         for s, e in zip(made, c.ends):   # both exist: neither is reset by the other's stack
             s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, TCP_REPAIR_OFF_NO_WP)
-            # Leaving repair mode clears SO_REUSEADDR: an accepted end had its listener's,
-            # which the listener restored beside it needs to bind its port.
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(e.reuseaddr))
+            # Leaving repair mode clears SO_REUSEADDR. An accepted end shares its
+            # listener's port, and the listener restored beside it binds only if both
+            # have it: on until settle_ends sets the original's, once listeners are bound.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.setblocking(not e.nonblock)
     except OSError as e:
         raise _restoring(c, e) from e
     finally:
         for s in made:
             s.close()
+
+
+def settle_ends(c: TcpConn, fds: tuple[int, int]) -> None:
+    """Give c's restored ends (ours) their original SO_REUSEADDR (an accepted end has its
+    listener's), once every listener of the restore is bound (a bind checks it; nothing
+    after does)."""
+    for fd, e in zip(fds, c.ends):
+        if not e.reuseaddr:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
 
 
 def _restoring(c: TcpConn, e: OSError) -> native.CRError:
@@ -258,6 +273,28 @@ def new_connection(c: TcpConn, netns_pid: int) -> tuple[int, int]:
         os.close(b)
         raise
     return a, b
+
+
+def clear_time_wait(netns_pid: int, ports: set[int]) -> None:
+    """Drop the connections in TIME_WAIT on these local ports of netns_pid's network
+    namespace (sock_diag's SOCK_DESTROY). A server without SO_REUSEADDR leaves them behind
+    each connection it closed first, and its listener restored by a rollback could not
+    bind its port beside them for a minute; they belong to the discarded timeline (the
+    rollback's killed processes, or before), nothing of the checkpoint's."""
+    if not ports:
+        return
+    with sockdiag.open_in(netns_pid) as s:
+        for family in (socket.AF_INET, socket.AF_INET6):
+            ask = _INET_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, 1 << TCP_TIME_WAIT)
+            sockdiag.send(s, sockdiag.SOCK_DIAG_BY_FAMILY, sockdiag.NLM_F_DUMP,
+                          ask + bytes(_ID_SIZE))
+            ids = [m[_INET_MSG_ID:_INET_MSG_ID + _ID_SIZE]
+                   for m in sockdiag.replies(s, "TCP sockets in TIME_WAIT")
+                   if struct.unpack_from("!H", m, _INET_MSG_ID)[0] in ports]
+            for sock_id in ids:
+                sockdiag.send(s, sockdiag.SOCK_DESTROY, sockdiag.NLM_F_ACK, ask + sock_id)
+                for _ in sockdiag.replies(s, "a TCP socket in TIME_WAIT (destroy)"):
+                    pass
 
 
 def quiet(pid: int, fd: int) -> None:
