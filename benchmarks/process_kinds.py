@@ -9,8 +9,11 @@ again at each rollback, deltabox/cr/unlinked.py; the worker is forked before the
 allocates its --mb, so it is a small second process) and one watching --watch-dirs
 directories with inotify, as a dev server with hot reload watches its project
 (deltabox/cr/watches.py: each watch's file found by path at the checkpoint and watched
-again at the rollback), in the same run on one private daemon, each in a sandbox of its
-own with the same memory (--mb).
+again at the rollback), and a plain one a shell waits for (`cd dir && nohup prog &` leaves
+a subshell in wait4: restored as that shell's own child from an image of its template,
+deltabox/cr/adoption.py; every other kind starts with `cd dir; nohup prog &`, no shell
+waiting), in the same run on one private daemon, each in a sandbox of its own with the same
+memory (--mb).
 
 Each rep, for every kind in turn (the order rotates): the process changes its state (a
 counter and a page of its memory), pauses (--think: the warm pool prepares meanwhile),
@@ -19,8 +22,9 @@ pages are flushed (untimed: no call pays for another's background work), the pro
 again, pauses, `rollback()` to that checkpoint is timed, and the process's report (counter, memory CRC, the bytes in its socket pair, or
 the temporary file's hash and offset, the pool's thread ids and a job it ran, the shared
 counter and memory's CRC: the worker bumps them at each change, the number of watches and
-whether a file closed after writing in one of the directories is reported on its watch) must equal the one taken
-before the checkpoint. Client-side latency through the SDK; the daemon's own duration
+whether a file closed after writing in one of the directories is reported on its watch;
+and its parent's pid, for every kind) must equal the one taken before the checkpoint.
+Client-side latency through the SDK; the daemon's own duration
 beside it. JSON and a PNG to --out (default benchmarks/out).
 
     .venv/bin/python -m benchmarks.process_kinds [--reps 20] [--mb 50] [--temp-mb 8]
@@ -40,7 +44,7 @@ from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, latenc
                                terminate_as_exception, wait_until, write_json)
 from deltabox import Sandbox
 
-KINDS = ("plain", "asyncio", "tempfile", "threads", "shared", "watcher")
+KINDS = ("plain", "asyncio", "tempfile", "threads", "shared", "watcher", "waited")
 
 PROG = r"""
 import asyncio, concurrent.futures, ctypes, hashlib, os, select, socket, struct, sys
@@ -98,7 +102,7 @@ if kind == "threads":   # four idle workers, each waiting on the pool's queue
         f.result()
 
 def report():
-    out = f"n={n} crc={zlib.crc32(buf)}"
+    out = f"n={n} crc={zlib.crc32(buf)} ppid={os.getppid()}"
     if kind == "asyncio":
         a, b = extra["a"], extra["b"]
         data = a.recv(100)
@@ -164,9 +168,13 @@ def _report(sbx: Sandbox) -> str:
 
 
 def start(d: PrivateDaemon, kind: str, mb: int, temp_mb: int, dirs: int) -> Sandbox:
+    """The kind's process, started so that no shell waits for it (`cd dir; nohup prog &`),
+    but for `waited`: `cd dir && nohup prog &` leaves a subshell waiting for it, so a
+    restore gives it back to that shell (deltabox/cr/adoption.py: its memory copied)."""
     sbx = Sandbox.create(socket=d.socket)
     sbx.files.write("prog.py", PROG)
-    sbx.exec(f"cd /workspace && nohup python3 prog.py {kind} {mb} {temp_mb} {dirs} "
+    then = "&&" if kind == "waited" else ";"
+    sbx.exec(f"cd /workspace {then} nohup python3 prog.py {kind} {mb} {temp_mb} {dirs} "
              ">/dev/null 2>&1 &")
     wait_until(lambda: sbx.files.exists("ready"), f"the {kind} process")
     return sbx

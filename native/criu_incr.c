@@ -2932,8 +2932,39 @@ static int r_signals_and_ids(struct restore *R, struct dbxcr_error *err)
 	return 0;
 }
 
+/* The restore into a fresh process: a child of `host` (fork_from_host), or, given
+ * `parent`, the held process's own child with the pid set_tid (held_fork). */
+static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held *parent,
+						  const pid_t *set_tid, size_t set_tid_size,
+						  int image_dirfd, int root_dirfd,
+						  struct dbxcr_error *err);
+
 struct dbxcr_template *dbxcr_restore_template(pid_t host, int image_dirfd, int root_dirfd,
 					      struct dbxcr_error *err)
+{
+	return restore_template_in(host, NULL, NULL, 0, image_dirfd, root_dirfd, err);
+}
+
+pid_t dbxcr_held_adopt(struct dbxcr_held *parent, int image_dirfd, int root_dirfd,
+		       const struct dbxcr_spawn_opts *opts, struct dbxcr_held **out,
+		       struct dbxcr_error *err)
+{
+	struct dbxcr_template *tpl;
+
+	*out = NULL;
+	tpl = restore_template_in(dbxcr_held_pid(parent), parent, opts->set_tid,
+				  opts->set_tid_size, image_dirfd, root_dirfd, err);
+	if (!tpl)
+		return -1;
+	if (held_become(tpl, opts, out, err) < 0)	/* takes tpl */
+		return -1;
+	return dbxcr_held_pid(*out);
+}
+
+static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held *parent,
+						  const pid_t *set_tid, size_t set_tid_size,
+						  int image_dirfd, int root_dirfd,
+						  struct dbxcr_error *err)
 {
 	struct restore R;
 	struct chain *c = NULL;
@@ -2961,7 +2992,7 @@ struct dbxcr_template *dbxcr_restore_template(pid_t host, int image_dirfd, int r
 		fail(err, ENOMEM, host, "allocate");
 		goto out_nochild;
 	}
-	child = fork_from_host(host, err);
+	child = parent ? held_fork(parent, set_tid, set_tid_size, err) : fork_from_host(host, err);
 	if (child < 0)
 		goto out_nochild;
 	R.pid = child;

@@ -82,6 +82,15 @@ int dbxcr_verify_image(int image_dirfd, struct dbxcr_error *err);
 struct dbxcr_template *dbxcr_restore_template(pid_t host, int image_dirfd, int root_dirfd,
 					      struct dbxcr_error *err);
 
+/* Restore the image into a new child of the held process `parent` (fork_template.h: a
+ * restored parent, stopped) with the pid opts->set_tid, re-rooted as dbxcr_spawn would
+ * re-root a child of the image's template (opts), and held in turn: its own children can
+ * be adopted the same way; dbxcr_held_release lets it run.  The restored parent can wait
+ * for it, as the original parent could for the original child. */
+pid_t dbxcr_held_adopt(struct dbxcr_held *parent, int image_dirfd, int root_dirfd,
+		       const struct dbxcr_spawn_opts *opts, struct dbxcr_held **out,
+		       struct dbxcr_error *err);
+
 struct dbxcr_image_info {
 	int depth;		/* 0: full image */
 	int origin_pid;		/* the process the template was made from */

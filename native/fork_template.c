@@ -1156,6 +1156,27 @@ pid_t dbxcr_template_origin(const struct dbxcr_template *tpl)
 	return tpl->origin;
 }
 
+/* A thread stopped inside a blocking system call keeps its number in orig_rax (rax holds
+ * -ERESTART*: it restarts when resumed); outside one orig_rax is -1. */
+long dbxcr_template_syscall(const struct dbxcr_template *tpl, int thread, long args[6])
+{
+	const struct user_regs_struct *r;
+
+	if (thread == 0)
+		r = &tpl->regs;
+	else if (tpl->threads && thread <= tpl->threads->n)
+		r = &tpl->threads->t[thread - 1].regs;
+	else
+		return -2;
+	args[0] = (long)r->rdi;
+	args[1] = (long)r->rsi;
+	args[2] = (long)r->rdx;
+	args[3] = (long)r->r10;
+	args[4] = (long)r->r8;
+	args[5] = (long)r->r9;
+	return (long)r->orig_rax;
+}
+
 int check_owner(const struct dbxcr_template *tpl, struct dbxcr_error *err)
 {
 	if (current_tid() != tpl->tracer_tid)
@@ -2776,10 +2797,16 @@ static int join_group(struct tracee *c, int pgid, struct dbxcr_error *err)
 	return 0;
 }
 
+/* What a spawn leaves: a running child, a carrier (stopped; a birth gives the process),
+ * or a held child (stopped with its threads; it may fork adopted children: see the held
+ * section below). */
+enum spawn_kind { SPAWN_RUN, SPAWN_CARRIER, SPAWN_HELD };
+
 static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		       const struct dbxcr_spawn_opts *o, const struct pidns_switch *sw,
-		       bool carrier, struct tracee **thr, struct dbxcr_error *err)
+		       enum spawn_kind kind, struct tracee **thr, struct dbxcr_error *err)
 {
+	bool carrier = kind == SPAWN_CARRIER;
 	int src[MAX_XFER_FDS], got[MAX_XFER_FDS];
 	size_t n = 0, first_fd = 0;
 	int mnt_at = -1, ns_at = -1;
@@ -2863,6 +2890,8 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		return 0;
 	if (threads_recreate(c, tpl, o->set_tid_size > 0, false, thr, err) < 0)
 		return -1;
+	if (kind == SPAWN_HELD)	/* its scratch page serves its adoptions; finish at release */
+		return 0;
 	if (finish_child(c, tpl, err) < 0) {
 		if (*thr) {
 			threads_kill(c->pid, *thr, tpl->threads->n);
@@ -2888,9 +2917,10 @@ static int own_pid_only(const struct dbxcr_template *tpl, struct dbxcr_error *er
  * and its other threads (if the template has any) in *thr, ready for threads_release.
  * A carrier (see dbxcr_spawn_carrier) keeps its scratch page and queues no signals. */
 static pid_t spawn_prepared(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
-			    bool carrier, struct tracee *c, struct tracee **thr,
+			    enum spawn_kind kind, struct tracee *c, struct tracee **thr,
 			    struct dbxcr_error *err)
 {
+	bool carrier = kind == SPAWN_CARRIER;
 	static const struct dbxcr_spawn_opts none = { .mntns_fd = -1 };
 	const struct dbxcr_spawn_opts *o = opts ? opts : &none;
 	struct colocation col;
@@ -2913,7 +2943,7 @@ static pid_t spawn_prepared(struct dbxcr_template *tpl, const struct dbxcr_spawn
 	if (wait_birth(child, err) < 0 || move_to_cgroups(child, o, err) < 0 ||
 	    adopt(c, child, tpl->site, err) < 0)
 		goto kill;
-	if (setup_child(c, tpl, o, &sw, carrier, thr, err) < 0)
+	if (setup_child(c, tpl, o, &sw, kind, thr, err) < 0)
 		goto kill;
 	if (unpin_child(&col, tpl, child, err) < 0) {
 		if (*thr) {
@@ -2942,7 +2972,7 @@ pid_t dbxcr_spawn(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opt
 		  struct dbxcr_error *err)
 {
 	struct tracee c, *thr;
-	pid_t child = spawn_prepared(tpl, opts, false, &c, &thr, err);
+	pid_t child = spawn_prepared(tpl, opts, SPAWN_RUN, &c, &thr, err);
 
 	if (child < 0)
 		return -1;
@@ -2953,6 +2983,190 @@ pid_t dbxcr_spawn(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opt
 		return -1;
 	}
 	return child;
+}
+
+/* ---------- held processes and adopted children (a restored parent's own children) ----------
+ *
+ * A child spawned from its template is the template's sibling (CLONE_PARENT), and the
+ * template's parent is the checkpoint's parent process, which a rollback kills: the
+ * restored child ends up a child of the sandbox's init, and its restored parent cannot
+ * wait for it (wait4 fails with ECHILD: a shell loop's `sleep`, subprocess.run, a shell's
+ * background jobs).  No call re-parents a process, and every process holding the child's
+ * memory descends from the child's original, so the restored parent's own child gets
+ * that memory by copy: the parent is spawned *held* (re-rooted, its threads made, all
+ * stopped in our trace with the checkpoint's registers, its scratch page still mapped);
+ * an injected clone3 in it (exit signal SIGCHLD, the child's pid by set_tid) gives a
+ * child, into which the child's image is restored (dbxcr_held_adopt, criu_incr.c) and
+ * which is then re-rooted like a spawn and held in turn, so that it can adopt its own
+ * children.  Releasing a held process finishes it as a spawn finishes its child and lets
+ * it run: nothing runs before its children exist.
+ */
+struct dbxcr_held {
+	struct tracee c;		/* stopped; regs, mask and xstate: the checkpoint's */
+	struct tracee *thr;		/* its other threads, stopped (NULL: it has one) */
+	struct dbxcr_template *tpl;	/* what finish_child gives it; scratch page mapped */
+	bool own_tpl;	/* an adopted child's template struct describes the child itself:
+			 * freed with the held, never killed */
+};
+
+static void held_free(struct dbxcr_held *h)
+{
+	if (h->own_tpl) {
+		free(h->tpl->xstate);
+		threads_free(h->tpl->threads);
+		free(h->tpl->dontfork);
+		free(h->tpl);
+	}
+	free(h->thr);
+	free(h);
+}
+
+/* The state the held process resumes with at its release (as spawn_prepared gives it). */
+static void held_ready(struct dbxcr_held *h)
+{
+	h->c.regs = h->tpl->regs;
+	h->c.sigmask = h->tpl->sigmask;
+	h->c.xstate = h->tpl->xstate;
+	h->c.xstate_len = h->tpl->xstate_len;
+	h->c.deferred_sig = 0;
+}
+
+pid_t dbxcr_spawn_held(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
+		       struct dbxcr_held **out, struct dbxcr_error *err)
+{
+	struct dbxcr_held *h;
+	pid_t child;
+
+	*out = NULL;
+	h = calloc(1, sizeof(*h));
+	if (!h)
+		return fail(err, ENOMEM, tpl->pid, "allocating a held child");
+	child = spawn_prepared(tpl, opts, SPAWN_HELD, &h->c, &h->thr, err);
+	if (child < 0) {
+		free(h);
+		return -1;
+	}
+	h->tpl = tpl;
+	*out = h;
+	return child;
+}
+
+pid_t dbxcr_held_pid(const struct dbxcr_held *h)
+{
+	return h->c.pid;
+}
+
+/* clone3 in the held process: its own child (exit signal SIGCHLD, pid set_tid[0] in its
+ * pid namespace), attached at birth and stopped before it runs any code.  The held
+ * process has the options of the template it was forked from (auto-attached children
+ * inherit them): fork events, and seccomp suspended for our calls. */
+pid_t held_fork(struct dbxcr_held *h, const pid_t *set_tid, size_t n, struct dbxcr_error *err)
+{
+	struct dbx_clone_args ca;
+	unsigned long tid_addr = h->tpl->scratch + sizeof(ca);
+	long a[6] = { (long)h->tpl->scratch, sizeof(ca), 0, 0, 0, 0 };
+	long ret;
+	pid_t child;
+
+	if (n > 32)
+		return fail(err, EINVAL, h->c.pid, "set_tid has %zu entries (max 32)", n);
+	memset(&ca, 0, sizeof(ca));
+	ca.exit_signal = SIGCHLD;
+	if (n) {
+		ca.set_tid = tid_addr;
+		ca.set_tid_size = n;
+		if (mem_write(h->c.pid, tid_addr, set_tid, n * sizeof(pid_t), err) < 0)
+			return -1;
+	}
+	if (mem_write(h->c.pid, h->tpl->scratch, &ca, sizeof(ca), err) < 0)
+		return -1;
+	h->c.new_child = 0;
+	if (remote_syscall(&h->c, SYS_clone3, a, &ret, err) < 0) {
+		kill_traced(h->c.new_child);
+		return -1;
+	}
+	child = h->c.new_child;
+	if (ret < 0) {
+		kill_traced(child);
+		return fail(err, (int)-ret, h->c.pid, "clone3 of its adopted child (pid %d)",
+			    n ? (int)set_tid[0] : 0);
+	}
+	if (child <= 0)
+		return fail(err, EPROTO, h->c.pid, "clone3 returned %ld but no fork event", ret);
+	if (wait_birth(child, err) < 0) {
+		kill_traced(child);
+		return -1;
+	}
+	return child;
+}
+
+/* The restored template `tpl` (a child of a held process, holding the image's memory)
+ * becomes the process itself: re-rooted as a spawn's child would be (no namespace or
+ * cgroup to change: it was born in its parent's), held.  Takes tpl. */
+int held_become(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *o,
+		struct dbxcr_held **out, struct dbxcr_error *err)
+{
+	struct pidns_switch none = { -1, -1 };
+	struct dbxcr_held *h;
+
+	*out = NULL;
+	h = calloc(1, sizeof(*h));
+	if (!h) {
+		dbxcr_release_template(tpl, NULL);
+		return fail(err, ENOMEM, tpl->pid, "allocating a held child");
+	}
+	h->tpl = tpl;
+	h->own_tpl = true;
+	h->c.pid = tpl->pid;	/* what dbxcr_held_kill kills, whatever fails below */
+	if (tpl->threads && o->set_tid_size == 0) {
+		own_pid_only(tpl, err);
+		dbxcr_held_kill(h);
+		return -1;
+	}
+	if (adopt(&h->c, tpl->pid, tpl->site, err) < 0 ||
+	    setup_child(&h->c, tpl, o, &none, SPAWN_HELD, &h->thr, err) < 0) {
+		dbxcr_held_kill(h);
+		return -1;
+	}
+	held_ready(h);
+	*out = h;
+	return 0;
+}
+
+int dbxcr_held_release(struct dbxcr_held *h, struct dbxcr_error *err)
+{
+	pid_t pid = h->c.pid;
+	struct tracee *thr = h->thr;
+
+	clear_error(err);
+	if (finish_child(&h->c, h->tpl, err) < 0) {
+		dbxcr_held_kill(h);
+		return -1;
+	}
+	held_ready(h);
+	h->thr = NULL;
+	if (thr && threads_release(pid, h->tpl, thr, err) < 0) {	/* frees thr */
+		kill_traced(pid);
+		held_free(h);
+		return -1;
+	}
+	if (restore_and_detach(&h->c, err) < 0) {
+		kill_traced(pid);
+		held_free(h);
+		return -1;
+	}
+	held_free(h);
+	return 0;
+}
+
+void dbxcr_held_kill(struct dbxcr_held *h)
+{
+	if (!h)
+		return;
+	if (h->thr)
+		threads_kill(h->c.pid, h->thr, h->tpl->threads->n);
+	kill_traced(h->c.pid);
+	held_free(h);
 }
 
 /* ---------- carriers and keepers (spawned ahead of a rollback) ----------
@@ -2988,7 +3202,7 @@ pid_t dbxcr_spawn_carrier(struct dbxcr_template *tpl, const struct dbxcr_spawn_o
 	k = calloc(1, sizeof(*k));
 	if (!k)
 		return fail(err, ENOMEM, tpl->pid, "allocating a carrier");
-	child = spawn_prepared(tpl, opts, true, &c, &thr, err);
+	child = spawn_prepared(tpl, opts, SPAWN_CARRIER, &c, &thr, err);
 	if (child < 0) {
 		free(k);
 		return -1;

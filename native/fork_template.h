@@ -46,6 +46,9 @@ struct dbxcr_template;
 struct dbxcr_template *dbxcr_make_template(pid_t pid, struct dbxcr_error *err);
 pid_t dbxcr_template_pid(const struct dbxcr_template *tpl);
 pid_t dbxcr_template_origin(const struct dbxcr_template *tpl);
+/* The system call the origin's thread `thread` (0: the main one, 1..n: the others) was
+ * stopped in at the checkpoint, and its arguments: -1 if none, -2 past the last thread. */
+long dbxcr_template_syscall(const struct dbxcr_template *tpl, int thread, long args[6]);
 
 /* ---------- stopping a whole process tree at one instant ----------
  *
@@ -249,6 +252,20 @@ pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t 
 			  int pgid, struct dbxcr_error *err);
 int dbxcr_carrier_keep(struct dbxcr_carrier *k, struct dbxcr_error *err);
 int dbxcr_carrier_kill(struct dbxcr_carrier *k, struct dbxcr_error *err);
+
+/* Held processes (a rollback's restored parents; see the section in fork_template.c):
+ * dbxcr_spawn_held spawns like dbxcr_spawn but leaves the child and its threads stopped,
+ * with the checkpoint's state, until dbxcr_held_release lets it run; meanwhile
+ * dbxcr_held_adopt (criu_incr.h) restores an image into a child of its own.
+ * dbxcr_held_kill kills it instead.  Both free h.  All on the thread that spawned it; the
+ * template must outlive h. */
+struct dbxcr_held;
+
+pid_t dbxcr_spawn_held(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
+		       struct dbxcr_held **out, struct dbxcr_error *err);
+pid_t dbxcr_held_pid(const struct dbxcr_held *h);
+int dbxcr_held_release(struct dbxcr_held *h, struct dbxcr_error *err);
+void dbxcr_held_kill(struct dbxcr_held *h);
 
 /* A socket created in the network namespace `netns_fd` refers to (a thread of our own
  * joins it for the call: the caller's namespaces are untouched), e.g. a sock_diag netlink

@@ -453,6 +453,78 @@ def test_epoll_shared_between_processes_is_refused(sbx: Sandbox) -> None:
     assert sbx.checkpoint(mode="fs").kind == "fs"
 
 
+WAITER = """
+import os, subprocess, sys, threading
+if sys.argv[1] == "thread":   # as asyncio's child watcher: a thread waits, the main one runs
+    child = subprocess.Popen(["sh", "-c", "sleep 2; exit 7"])
+    t = threading.Thread(target=lambda: open("/workspace/rc", "w").write(str(child.wait())))
+    t.start()
+    t.join()
+else:
+    rc = subprocess.run(["sh", "-c", "sleep 2; exit 7"]).returncode
+    open("/workspace/rc", "w").write(str(rc))
+"""
+
+
+def _parents(box: Sandbox, *names: str) -> list[tuple[int, int]]:
+    """(pid, parent pid) of the one process whose command line starts with each name."""
+    rows = [line.split(None, 2) for line in box.exec(f"{OWN_PS} pid=,ppid=,args=").stdout
+            .splitlines()]
+    out = []
+    for name in names:
+        found = [(int(pid), int(ppid)) for pid, ppid, args in rows if args.startswith(name)]
+        assert len(found) == 1, (name, rows)
+        out.append(found[0])
+    return out
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_process_waiting_for_its_child(sbx: Sandbox, restore: Restore, where: str) -> None:
+    """A process blocked waiting for its child (subprocess.run, a watcher thread), the
+    child a shell waiting for its `sleep`: restored, each child is its restored parent's
+    own child (adoption), so the waits go on and get the command's exit status, 7. (Before,
+    the children came back as children of init: the waits failed at once and Python
+    reported 0.)"""
+    sbx.files.write("waiter.py", WAITER)
+    sbx.exec(f"cd /workspace && nohup python3 waiter.py {where} >/dev/null 2>&1 &")
+    _wait(lambda: "sleep 2" in sbx.exec(f"{OWN_PS} args=").stdout)
+    tree = _parents(sbx, "python3 waiter.py", "sh -c sleep", "sleep 2")
+    (waiter, _), (shell, up1), (_, up2) = tree
+    assert (up1, up2) == (waiter, shell)
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    _wait(lambda: sbx.files.exists("rc") and sbx.files.read("rc") != b"")
+    sbx.files.remove("rc")
+    target = restore(sbx, cp)
+    assert _parents(target, "python3 waiter.py", "sh -c sleep", "sleep 2") == tree
+    _wait(lambda: target.files.exists("rc") and target.files.read("rc") != b"")
+    assert target.files.read("rc") == b"7"
+
+
+def test_process_waiting_for_a_child_it_cannot_get_back_is_refused(sbx: Sandbox) -> None:
+    """A child in another session than its parent's, which it does not lead, cannot be
+    given back to its restored parent: a parent blocked waiting for it is refused, by
+    name (its wait would fail once restored). The processes run on."""
+    sbx.files.write("away.py", "import os, time\nif os.fork() == 0:\n"
+                    "    pid = os.fork()\n    if pid == 0:\n        time.sleep(3)\n"
+                    "        os._exit(5)\n"
+                    "    os.setsid()\n    open('/workspace/away', 'w').write(str(os.getpid()))\n"
+                    "    open('/workspace/st', 'w').write(str(os.waitpid(pid, 0)[1] >> 8))\n"
+                    "    os._exit(0)\nos.wait()\n")
+    sbx.exec("cd /workspace && nohup python3 away.py >/dev/null 2>&1 &")
+    _wait(lambda: sbx.files.exists("away") and sbx.files.read("away") != b"")
+    middle = int(sbx.files.read("away"))
+    _wait(lambda: sbx.exec(f"cat /proc/{middle}/wchan").stdout == "do_wait")
+    with pytest.raises(deltabox.FailedPrecondition,
+                       match=r"pid \d+ \(python3 away.py\): waits for its child \d+ "
+                             r"\(python3 away.py\) \(wait4\), which would not be its child "
+                             r"once restored"):
+        sbx.checkpoint()
+    assert sbx.checkpoints() == []
+    _wait(lambda: sbx.files.exists("st") and sbx.files.read("st") != b"")
+    assert sbx.files.read("st") == b"5"
+
+
 def test_udp_socket_is_refused_with_a_clear_error(sbx: Sandbox) -> None:
     """Refused by an fd (known only once the processes are read, which a capture does
     while it stops them): the error names it, and the process runs on, not left stopped."""
@@ -775,7 +847,7 @@ def test_timerfd_and_signalfd(sbx: Sandbox, restore: Restore) -> None:
     target = _checkpoint_mutate_restore(sbx, restore, before)
     first = _timer_ticks(target)
     _wait(lambda: _timer_ticks(target) > first + 3)
-    pid = target.exec("pgrep -f timers.py").stdout.split()[0]
+    pid = target.exec("pgrep -f '^python3 timers.py'").stdout.split()[0]
     target.exec(f"kill -USR1 {pid}")
     _wait(lambda: _report(target).endswith(" sigs=1"))
     if restore.mode == "fork":  # type: ignore[attr-defined]

@@ -5,6 +5,8 @@ generation the next rollback to it will use; the rollback gives birth to the pro
 them (with their pids) and the carriers stay as *keepers* of the processes' memory, so that
 the next rollback's kill is quick. These tests check what a user relies on: exact state
 across repeated rollbacks, no descriptor or memory held for a process once it has exited.
+Their programs start as `cd /workspace; nohup prog &` (no shell waits for them: a
+process a shell waits for is given back to it instead, cr/adoption.py, and has no carrier).
 """
 
 from __future__ import annotations
@@ -159,9 +161,15 @@ def test_keeper_goes_when_its_process_exits(sbx: Sandbox) -> None:
 def test_restored_pipeline_sees_eof(sbx: Sandbox) -> None:
     """Carriers and keepers hold no pipe ends: after a rollback, when the producer of a
     pipeline exits, its consumer reads EOF."""
-    sbx.exec("nohup sh -c 'while [ ! -e /workspace/quit ]; do echo x; sleep 0.02; done "
-             "| (while read x; do echo $x > /workspace/last; done; echo eof > /workspace/eof)"
-             "' >/dev/null 2>&1 &")
+    # A producer and its consumer on one pipe, their parent gone (a shell pipeline's
+    # shell would wait for them: adopted, no carriers).
+    sbx.files.write("pipeline.py", "import os, time\nr, w = os.pipe()\nif os.fork() == 0:\n"
+                    "    os.close(r)\n    while not os.path.exists('/workspace/quit'):\n"
+                    "        os.write(w, b'x\\n')\n        time.sleep(0.02)\n    os._exit(0)\n"
+                    "if os.fork() == 0:\n    os.close(w)\n    f = os.fdopen(r)\n"
+                    "    for line in f:\n        open('/workspace/last', 'w').write(line)\n"
+                    "    open('/workspace/eof', 'w').write('eof')\n    os._exit(0)\n")
+    sbx.exec("cd /workspace; nohup python3 pipeline.py >/dev/null 2>&1 &")
     _wait(lambda: sbx.files.exists("last"), what="the pipeline")
     cp = sbx.checkpoint(mode="full")
     _wait(lambda: _carriers_ready(sbx), what="carriers")
@@ -291,7 +299,7 @@ def test_shared_memory_born_from_carriers(sbx: Sandbox) -> None:
     (which shares the carrier's address space), so parent and child come back sharing it,
     with the checkpoint's content, at every rollback."""
     sbx.files.write("shm.py", SHARED_MEMORY)
-    sbx.exec("cd /workspace && nohup python3 shm.py >/dev/null 2>&1 &")
+    sbx.exec("cd /workspace; nohup python3 shm.py >/dev/null 2>&1 &")
     _wait(lambda: sbx.files.exists("shm-ready"), what="ready")
 
     def shared(at_cp: str, i: int) -> None:
@@ -306,7 +314,7 @@ def test_timers_born_from_carriers_run_from_the_rollback(sbx: Sandbox) -> None:
     the rollback lets the process run, so a timer's time left is the checkpoint's, not
     what remained of it when the carrier was made (seconds earlier)."""
     sbx.files.write("timers.py", TIMERS)
-    sbx.exec("cd /workspace && nohup python3 timers.py no-signalfd-watch >/dev/null 2>&1 &")
+    sbx.exec("cd /workspace; nohup python3 timers.py no-signalfd-watch >/dev/null 2>&1 &")
     _wait(lambda: sbx.files.exists("timers-ready"), what="ready")
     at_cp = _report(sbx)
     _ask(sbx, "left")
@@ -329,7 +337,7 @@ def test_threaded_process_born_from_carriers(sbx: Sandbox) -> None:
     and can be joined, and the carrier keeps its memory."""
     marker = "carrier-threads"
     sbx.files.write("thr.py", THREADED)
-    sbx.exec(f"cd /workspace && nohup python3 thr.py {marker} >/dev/null 2>&1 &")
+    sbx.exec(f"cd /workspace; nohup python3 thr.py {marker} >/dev/null 2>&1 &")
     _wait(lambda: sbx.files.exists("thr-ready"), what="ready")
 
     def cpus(at_cp: str, i: int) -> None:
@@ -364,9 +372,9 @@ def test_tcp_connection_born_from_carriers(sbx: Sandbox) -> None:
     rollback the unread bytes wait again, the two talk on, and the listener takes a new
     connection."""
     sbx.files.write("tcp.py", TCP_ENDS)
-    sbx.exec("cd /workspace && nohup python3 tcp.py server 0 >/dev/null 2>&1 &")
+    sbx.exec("cd /workspace; nohup python3 tcp.py server 0 >/dev/null 2>&1 &")
     _wait(lambda: sbx.files.exists("listening"), what="the listener")
-    sbx.exec("cd /workspace && nohup python3 tcp.py client 29 >/dev/null 2>&1 &")
+    sbx.exec("cd /workspace; nohup python3 tcp.py client 29 >/dev/null 2>&1 &")
     _wait(lambda: sbx.files.exists("server-ready") and sbx.files.exists("client-ready"),
           what="ready")
     before = (_role(sbx, "server", "report"), _role(sbx, "client", "report"))
@@ -422,7 +430,7 @@ def test_listening_servers_born_from_carriers(sbx: Sandbox) -> None:
     (its keeper shares its memory) answers on both with the checkpoint's state, at every
     rollback."""
     sbx.files.write("aserver.py", ASYNC_SERVER)
-    sbx.exec("cd /workspace && nohup python3 aserver.py >/dev/null 2>&1 &")
+    sbx.exec("cd /workspace; nohup python3 aserver.py >/dev/null 2>&1 &")
     _wait(lambda: sbx.files.exists("aserver-ready"), what="ready")
 
     def ask(what: str, host: str = "127.0.0.1", port: int = 8013) -> str:

@@ -66,7 +66,7 @@ import trio
 from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
-from . import eventloop, listeners, native, tcp, unlinked, watches
+from . import adoption, eventloop, listeners, native, tcp, unlinked, watches
 from ..sandbox.reaper import block_until_exited, kill_pidfds, reap_orphans, wait_exited
 from .capture import (ProcessRecord, Refusal, Unsettled, add_listeners, record,
                       record_head, refusals, status_refused)
@@ -159,6 +159,8 @@ class ProcessState:
     reused: list[int] = field(default_factory=list)
     # deleted-but-open files, their content copied at the checkpoint (cr/unlinked.py)
     unlinked: list[unlinked.UnlinkedFile] = field(default_factory=list)
+    # images of the processes a restore adopts (cr/adoption.py), made at the first one
+    images: adoption.Images | None = None
 
     @property
     def template_pids(self) -> set[int]:
@@ -174,6 +176,12 @@ class ProcessState:
     def lone(self) -> set[int]:
         """lone_leaders of its records (fixed once captured)."""
         return lone_leaders(self.records)
+
+    @functools.cached_property
+    def family(self) -> dict[int, int]:
+        """adoption.adoptees of its records: child -> parent, restored as such (fixed
+        once captured: the templates hold the stops' registers)."""
+        return adoption.adoptees(self.records, self.templates)
 
 
 @dataclass
@@ -201,8 +209,10 @@ class Prespawned:
 
 
 class DeltaCR:
-    def __init__(self, worker: PtraceWorker, lane_worker: PtraceWorker | None = None) -> None:
+    def __init__(self, worker: PtraceWorker, lane_worker: PtraceWorker | None = None,
+                 images_dir: str | None = None) -> None:
         self.worker = worker
+        self.images_dir = images_dir   # where adopted children's images go (adoption.py)
         self.lane_worker = lane_worker
         self._lane_users = 0   # fan-outs holding lanes (the threads are pinned meanwhile)
         self._masks: tuple[set[int], set[int]] | None = None
@@ -394,6 +404,8 @@ class DeltaCR:
 
         try:
             await run_all([ptrace_pass, snapshot, read_processes])
+            if not cap.refused and cap.records:   # the templates hold the stops' registers
+                cap.refused.extend(adoption.refusals(cap.records, cap.templates))
             if cap.refused:
                 raise _refusal(cap.refused)
             if not cap.resumed:
@@ -435,7 +447,8 @@ class DeltaCR:
             try:
                 if carrier is not None:
                     return await self.worker.run(carrier.birth, set_tid, sp.pgid)
-                worker, tpl = self._spawner(sp)
+                # A held process stays with the thread that adopts its children.
+                worker, tpl = (self.worker, None) if sp.hold else self._spawner(sp)
                 return await worker.run(_spawn_once, sp, set_tid, tpl)
             except native.CRError as e:
                 # Taken as a live group or session id (of another checkpoint's templates, or
@@ -484,6 +497,10 @@ class DeltaCR:
         records = _leaders_first(state.records)
         born: dict[int, int | native.CRError] = {}  # checkpoint pid -> born pid, or why not
         time_wait = _time_wait_ports(state) if into is None else set()
+        # Restored parents of adopted children, then those children (record pid -> held
+        # process; adoption.py): all held until every one exists.
+        parents = set(state.family.values())
+        held: dict[int, native.Held] = {}
 
         async def addresses_free() -> None:
             """The killed processes' pids and addresses are free: they have exited, and
@@ -506,7 +523,8 @@ class DeltaCR:
                 if born:
                     victims = None  # waited for by _births
             ids = _rollback_ids(state) if into is None else {}
-            for rec in records:
+
+            async def args_for(rec: ProcessRecord) -> _Spawn:
                 if into is None and _connected(rec):
                     # Its connections take the killed ones' addresses: gone once they
                     # have exited (tcp.quiet_all closed them silently).
@@ -530,12 +548,24 @@ class DeltaCR:
                                    else None)
                     spawn.into = into
                     spawn.pgid = native.NEW_SESSION if alone else groups.get(rec.pgid, -1)
-                carrier = pre.carriers.pop(rec.pid, None) if pre is not None else None
-                first = born.pop(rec.pid, None)
-                if isinstance(first, int):
-                    pid = first
+                return spawn
+
+            for rec in _restore_order(records, state.family):
+                spawn = await args_for(rec)
+                carrier: native.Carrier | None = None
+                if rec.pid in state.family:   # its restored parent's own child
+                    pid = await self._adopted(state, rec, spawn, held, rootfd, out, groups)
                 else:
-                    pid = await self._born_or_spawned(spawn, carrier, pid_held, failed=first)
+                    spawn.hold = rec.pid in parents
+                    carrier = pre.carriers.pop(rec.pid, None) if pre is not None else None
+                    first = born.pop(rec.pid, None)
+                    if isinstance(first, int):
+                        pid = first
+                    else:
+                        pid = await self._born_or_spawned(spawn, carrier, pid_held,
+                                                          failed=first)
+                    if spawn.held is not None:
+                        held[rec.pid] = spawn.held
                 out.pids[rec.nspid] = pid
                 if carrier is not None and carrier.child == pid:
                     out.keepers[pid] = carrier
@@ -543,9 +573,12 @@ class DeltaCR:
                     out.renumbered.append(rec.nspid)
                 if into is not None:
                     groups.setdefault(rec.pgid, rec.nspid)
+            if held:   # children before their parents, all at once
+                await self.worker.run(_release_held, list(held.values())[::-1])
         except BaseException:
             with trio.CancelScope(shield=True):
                 # Gone before we say the restore failed: nothing half-restored lingers.
+                await self.worker.run(_kill_held, list(held.values())[::-1])
                 early = [p for p in born.values() if isinstance(p, int)]
                 await wait_exited(kill_pidfds([*out.pids.values(), *early]))
                 await self.kill_carriers(list(out.keepers.values()))
@@ -563,6 +596,22 @@ class DeltaCR:
         out.daemon_fds = plan.daemon_ends()
         plan.close_child_ends()
         return out
+
+    async def _adopted(self, state: ProcessState, rec: ProcessRecord, spawn: _Spawn,
+                       held: dict[int, native.Held], rootfd: int, out: Restored,
+                       groups: dict[int, int]) -> int:
+        """rec restored from an image of its template into a child of its held restored
+        parent (adoption.py), held in turn: its pid."""
+        parent = next(r for r in state.records if r.pid == state.family[rec.pid])
+        ns_pids = groups if spawn.into is not None else {
+            r.pid: r.nspid for r in state.records if r.nspid not in out.renumbered}
+        spawn.pgid = adoption.group(rec, parent, spawn.pgid, ns_pids)
+        if state.images is None:
+            state.images = adoption.Images(self.images_dir)
+        image = await self.worker.run(state.images.make, rec, state.templates[rec.pid])
+        h = held[rec.pid] = await self.worker.run(_adopt, held[parent.pid], image, rootfd,
+                                                  spawn)
+        return h.pid
 
     async def _births(self, records: list[ProcessRecord], pre: Prespawned,
                       victims: list[int] | None) -> dict[int, int | native.CRError]:
@@ -606,14 +655,17 @@ class DeltaCR:
                        ) -> Prespawned | None:
         """Carriers, in the generation `mntfd` that a rollback to `state` will use, of
         every process but multi-threaded ones a rollback does not restore (a session leader:
-        native/threads.c) and those watching a signalfd with epoll (the watch waits on
-        the signal queue of the task that made it: the carrier's, not its birth's):
+        native/threads.c), those watching a signalfd with epoll (the watch waits on the
+        signal queue of the task that made it: the carrier's, not its birth's) and captured
+        parents and children (restored held, and adopted: adoption.py):
         restore(pre=...) gives birth to the processes from them. None if none. A TCP
         connection's or listener's sockets are made ahead, their addresses taken by the
         rollback (the live process still holds them)."""
         ids = _rollback_ids(state)
+        parents = set(state.family.values())
         recs = [r for r in state.records if not (r.threads > 1 and ids[r.pid][0] is None)
-                and not eventloop.watches_signalfd(r.loop)]
+                and not eventloop.watches_signalfd(r.loop)
+                and r.pid not in state.family and r.pid not in parents]
         if not recs:
             return None
         pre = Prespawned(state, _PipePlan(state.pipes, state.unlinked, rootfd, armed=False),
@@ -674,6 +726,8 @@ class DeltaCR:
         await self.worker.run(_release_all, list(state.templates.values()))
         _close_saved(state.pipes)
         unlinked.close_saved(state.unlinked)
+        if state.images is not None:
+            await trio.to_thread.run_sync(state.images.close)
 
 
 def _nspid(state: ProcessState, host_pid: int) -> int:
@@ -1280,6 +1334,8 @@ class _Spawn:
     cloexec: set[int] = field(default_factory=set)   # fdmap targets to close on exec
     epolls: list[native.Epoll] = field(default_factory=list)  # made in the child, last
     threaded: bool = False     # its threads need their tids back: never a new pid
+    hold: bool = False         # spawn it held (a parent of adopted children: adoption.py)
+    held: native.Held | None = None
     remaps: list[native.Remap] = field(default_factory=list)  # its shared memory, made anew
 
 
@@ -1404,6 +1460,25 @@ def _new_session(state: ProcessState, rec: ProcessRecord) -> bool:
     return rec.pid in state.lone and state.templates[rec.pid].own_session_done
 
 
+def _restore_order(records: list[ProcessRecord],
+                   family: Mapping[int, int]) -> list[ProcessRecord]:
+    """`records` (leaders first) reordered so that a parent comes before the children it
+    adopts (adoption.py) and a group's leader before its members, otherwise as given."""
+    pids = {r.pid for r in records}
+    needs = {r.pid: {family[r.pid]} if r.pid in family else set() for r in records}
+    for r in records:
+        if r.pgid != r.pid and r.pgid in pids:
+            needs[r.pid].add(r.pgid)
+    out: list[ProcessRecord] = []
+    done: set[int] = set()
+    while len(out) < len(records):
+        rest = [r for r in records if r.pid not in done]
+        r = next((r for r in rest if needs[r.pid] <= done), rest[0])  # a tree: no cycle
+        out.append(r)
+        done.add(r.pid)
+    return out
+
+
 def _leaders_first(records: list[ProcessRecord]) -> list[ProcessRecord]:
     """Group and session leaders first (stable otherwise): before the members that join
     their group; in a rollback, those that get new pids need not wait for the killed
@@ -1440,10 +1515,43 @@ def _birth_each(jobs: list[tuple[int, native.Carrier, list[int] | None, int]],
 
 def _spawn_once(sp: _Spawn, set_tid: list[int] | None,
                 tpl: native.Template | None = None) -> int:
+    """Spawn sp's process (held: sp.held, when sp.hold): its pid."""
     into = sp.into
-    return (tpl or sp.tpl).spawn(
+    kwargs = dict(
         fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd, set_tid=set_tid,
         cloexec_fds=sp.cloexec, epolls=sp.epolls, remaps=sp.remaps,
         pidns_fd=into.pidns_fd if into else None,
         ns_pidfd=into.init_pidfd if into else None,
         cgroup_fds=into.cgroup_fds if into else (), pgid=sp.pgid, listens=sp.listens)
+    if sp.hold:
+        sp.held = (tpl or sp.tpl).spawn_held(**kwargs)
+        return sp.held.pid
+    return (tpl or sp.tpl).spawn(**kwargs)
+
+
+def _adopt(parent: native.Held, image: str, rootfd: int, sp: _Spawn) -> native.Held:
+    """sp's process restored from its image as parent's own child (adoption.py), in the
+    namespaces and cgroup it is born in there; with a new pid if its own is taken."""
+    set_tid = [sp.nspid] if sp.nspid is not None else None
+    while True:
+        try:
+            return parent.adopt(
+                image, f"/proc/self/fd/{rootfd}", sp.tpl, fds=sp.fdmap, files=sp.files,
+                cwd=sp.cwd, mntns_fd=sp.mntfd, set_tid=set_tid, cloexec_fds=sp.cloexec,
+                epolls=sp.epolls, remaps=sp.remaps, pgid=sp.pgid, listens=sp.listens)
+        except native.CRError as e:
+            if e.errno != errno.EEXIST or not set_tid or sp.threaded:
+                raise
+            set_tid, sp.renumbered = None, True   # held as another template's group id
+
+
+def _release_held(held: list[native.Held]) -> None:
+    """Let held processes run (children before their parents); on a failure the rest
+    are left for _kill_held."""
+    for h in held:
+        h.release()
+
+
+def _kill_held(held: list[native.Held]) -> None:
+    for h in held:
+        h.kill()   # a no-op for one released already

@@ -171,6 +171,9 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_template_pid.restype = ctypes.c_int
         lib.dbxcr_template_origin.argtypes = [ctypes.c_void_p]
         lib.dbxcr_template_origin.restype = ctypes.c_int
+        lib.dbxcr_template_syscall.argtypes = [ctypes.c_void_p, ctypes.c_int,
+                                               ctypes.POINTER(ctypes.c_long)]
+        lib.dbxcr_template_syscall.restype = ctypes.c_long
         lib.dbxcr_netns_socket.argtypes = [ctypes.c_int] * 4 + [err]
         lib.dbxcr_netns_socket.restype = ctypes.c_int
         lib.dbxcr_netns_socketpair.argtypes = [ctypes.c_int] * 3 + [
@@ -188,6 +191,13 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_carrier_keep.restype = ctypes.c_int
         lib.dbxcr_carrier_kill.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_carrier_kill.restype = ctypes.c_int
+        lib.dbxcr_spawn_held.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SpawnOpts),
+                                         ctypes.POINTER(ctypes.c_void_p), err]
+        lib.dbxcr_spawn_held.restype = ctypes.c_int
+        lib.dbxcr_held_release.argtypes = [ctypes.c_void_p, err]
+        lib.dbxcr_held_release.restype = ctypes.c_int
+        lib.dbxcr_held_kill.argtypes = [ctypes.c_void_p]
+        lib.dbxcr_held_kill.restype = None
         lib.dbxcr_template_close.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
                                              ctypes.c_size_t, err]
         lib.dbxcr_template_close.restype = ctypes.c_int
@@ -414,6 +424,19 @@ class Template:
             _raise(err)
         return Carrier(handle.value, pid)
 
+    def spawn_held(self, **kwargs) -> Held:
+        """A child spawned as spawn() would (same arguments) but held stopped, with the
+        checkpoint's state, until Held.release(): a restored parent whose children
+        Held.adopt() gives it first. Same thread."""
+        with self._opts(**kwargs) as opts:
+            err = _Err()
+            handle = ctypes.c_void_p()
+            pid = _load().dbxcr_spawn_held(self._handle, ctypes.byref(opts),
+                                           ctypes.byref(handle), ctypes.byref(err))
+        if pid < 0:
+            _raise(err)
+        return Held(handle.value, pid)
+
     @contextlib.contextmanager
     def _opts(self, fds: Mapping[int, int] | None = None,
               files: Iterable[ReopenFile | tuple] = (), cwd: str | None = None,
@@ -454,6 +477,15 @@ class Template:
                          -1 if ns_pidfd is None else ns_pidfd,
                          ccg, len(cg), pgid, clst, len(lst), ceps, len(epolls),
                          crms, len(rms))
+
+    def syscalls(self) -> list[tuple[int, list[int]]]:
+        """For each thread of the origin at the checkpoint (the main one first): the
+        system call it was stopped in (-1: none) and its six arguments."""
+        handle, out = self._h(), []
+        args = (ctypes.c_long * 6)()
+        while (nr := _load().dbxcr_template_syscall(handle, len(out), args)) != -2:
+            out.append((nr, list(args)))
+        return out
 
     def close_fds(self, fds: Sequence[int]) -> None:
         """Close descriptors in the template (its later children are born without them)."""
@@ -588,6 +620,63 @@ class Carrier:
         state = "killed" if self._handle is None else (
             f"keeper of {self.child}" if self.child else "carrier")
         return f"<Carrier pid={self.pid} {state}>"
+
+
+class Held:
+    """A restored process held stopped before it runs (native/fork_template.c, held
+    processes and adopted children): adopt() gives it its own children from their
+    images, then release() lets it run (or kill()). One of the two, once, on the thread
+    that spawned it."""
+
+    def __init__(self, handle: int | None, pid: int) -> None:
+        self._handle = handle
+        self.pid = pid
+        self.owner_thread = threading.get_native_id()
+
+    def _take(self) -> int:
+        if self._handle is None:
+            raise CRError(_errno.EINVAL, f"held process {self.pid} was released or killed")
+        if threading.get_native_id() != self.owner_thread:
+            raise CRError(_errno.EPERM, f"held process {self.pid} is ptrace-held by thread "
+                          f"{self.owner_thread}; called from {threading.get_native_id()}")
+        handle, self._handle = self._handle, None
+        return handle
+
+    def adopt(self, image_dir: str | os.PathLike, root_dir: str | os.PathLike,
+              template: Template, **kwargs) -> Held:
+        """The image's process restored as this process's own child (pid set_tid[0]),
+        re-rooted as template.spawn(**kwargs) would re-root a child of the image's
+        template, held in turn. Raises ImageCorrupt / CRError."""
+        if self._handle is None:
+            raise CRError(_errno.EINVAL, f"held process {self.pid} was released or killed")
+        lib = _load_images()
+        ifd = os.open(os.fspath(image_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            rfd = os.open(os.fspath(root_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                with template._opts(**kwargs) as opts:
+                    err, handle = _Err(), ctypes.c_void_p()
+                    pid = lib.dbxcr_held_adopt(self._handle, ifd, rfd, ctypes.byref(opts),
+                                               ctypes.byref(handle), ctypes.byref(err))
+            finally:
+                os.close(rfd)
+        finally:
+            os.close(ifd)
+        if pid < 0:
+            _raise_img(err)
+        return Held(handle.value, pid)
+
+    def release(self) -> None:
+        err = _Err()
+        if _load().dbxcr_held_release(self._take(), ctypes.byref(err)) < 0:
+            _raise(err)
+
+    def kill(self) -> None:
+        if self._handle is not None:
+            _load().dbxcr_held_kill(self._take())
+
+    def __repr__(self) -> str:
+        return f"<Held pid={self.pid} {'held' if self._handle else 'done'}>"
 
 
 def exclusive_bytes(pid: int, max_maps: int = 1) -> int:
@@ -1143,6 +1232,10 @@ def _load_images() -> ctypes.CDLL:
         lib.dbxcr_verify_image.restype = ctypes.c_int
         lib.dbxcr_restore_template.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, err]
         lib.dbxcr_restore_template.restype = ctypes.c_void_p
+        lib.dbxcr_held_adopt.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                         ctypes.POINTER(_SpawnOpts),
+                                         ctypes.POINTER(ctypes.c_void_p), err]
+        lib.dbxcr_held_adopt.restype = ctypes.c_int
         lib.dbxcr_image_info.argtypes = [ctypes.c_int, ctypes.POINTER(_ImageInfo), err]
         lib.dbxcr_image_info.restype = ctypes.c_int
         lib.dbxcr_exclusive_bytes.argtypes = [ctypes.c_int, ctypes.c_int,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import trio
 
-from ..cr import eventloop, native, unlinked
+from ..cr import adoption, eventloop, native, unlinked
 from ..cr.capture import ProcessRecord
 from ..cr.engine import (PIPE_DEFAULT_SIZE, DeltaCR, PipeEnd, PipeGroup, ProcessState,
                          lone_leaders,
@@ -417,9 +417,12 @@ class Dumps:
                 _close_saved(pipes)
                 unlinked.close_saved(files)
             raise
+        # Its processes' images serve the restores that adopt children (cr/adoption.py).
+        images = adoption.Images(given={r.pid: str(d / str(r.nspid)) for r in records})
         return ProcessState(records, templates, pipes,
                             {k: int(v) for k, v in meta["sessions"].items()},
-                            dict(meta["session_states"]), from_dump=cp_id, unlinked=files)
+                            dict(meta["session_states"]), from_dump=cp_id, unlinked=files,
+                            images=images)
 
 
 async def _skip_pids(host_pid: int, last: int) -> None:

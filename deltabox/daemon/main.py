@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -190,11 +191,15 @@ async def serve(args: argparse.Namespace) -> None:
     sock = Path(args.socket)
     sock.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
     sock.unlink(missing_ok=True)
+    # Images of the processes restores adopt (cr/adoption.py): kept only while the
+    # checkpoints live in this daemon, so whatever a previous run left goes.
+    images_dir = state_dir / "run" / "images"
+    shutil.rmtree(images_dir, ignore_errors=True)
     lanes = contextlib.nullcontext() if args.no_fork_lanes else PtraceWorker("deltabox-lane")
     async with PtraceWorker() as ptrace, lanes as lane, trio.open_nursery() as nursery:
         background = GuardedNursery(nursery)
         daemon = Daemon(cfg, store, db, CgroupDriver(parent_name(str(state_dir))), background,
-                        DeltaCR(ptrace, lane))
+                        DeltaCR(ptrace, lane, str(images_dir)))
         nursery.start_soon(_reap_forever, daemon)
         try:
             await daemon.recover()

@@ -1,0 +1,175 @@
+"""A restored process's children are its own children again.
+
+A process spawned from its template is the template's sibling, a child of the process's
+parent at the checkpoint, which a rollback kills: restored so, a shell's `sleep`, a
+`subprocess.run` child or a shell's background job became a child of the sandbox's init,
+and the restored parent's wait failed at once (ECHILD: Python's subprocess then reports
+exit status 0; a shell loses its jobs). No call re-parents a process, and only a copy of
+the child's memory can be born from its restored parent. So a restore spawns such a
+parent *held* (stopped before it runs, native.Held), restores each such child from an
+image of the child's template into a child of its own (Held.adopt: the image's memory
+copied in, then re-rooted like any spawn, held in turn for its own children), and lets
+them all run together: no parent runs before its children exist, and each can wait for
+its own.
+
+Which children: those a captured parent was waiting for at the checkpoint (one of its
+threads stopped in a wait4/waitid this child would answer: a shell running a command, a
+shell loop's `sleep`, `subprocess.run`, a child watcher thread): without adoption that
+wait fails as soon as the parent runs. The copy costs about what restoring the child from
+disk does (a few ms for a shell or a small tool; a big child, e.g. a server started with
+`cd dir && nohup server &`, whose subshell waits for it, costs its size). Other children
+come back from their templates as before (fast, from carriers; their parent is init, so
+a later wait for them fails: a shell's background job, a Popen waited for later). Not
+adoptable: a child in another session than its parent's that does not lead it (it could
+not be put back in that session); its parent waiting for it is refused at the checkpoint
+(refusals).
+
+The images are full dumps of the children's templates (native/criu_incr.c), made once per
+checkpoint at its first restore that adopts, kept beside the checkpoint and removed with
+it; a checkpoint rebuilt from its durable dump uses that dump's images.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+
+from . import native
+from .capture import ProcessRecord, Refusal
+
+SYS_WAIT4, SYS_WAITID = 61, 247        # x86_64
+WNOHANG, P_PID = 1, 1
+Calls = Sequence[tuple[int, Sequence[int]]]   # Template.syscalls(): per thread (nr, args)
+
+
+def adoptees(records: Iterable[ProcessRecord],
+             templates: Mapping[int, native.Template]) -> dict[int, int]:
+    """Captured child -> captured parent (host pids at the checkpoint) of the children a
+    restore gives back to their restored parent (see the module doc)."""
+    recs = list(records)
+    by_pid = {r.pid: r for r in recs}
+    out = {}
+    for r in recs:
+        parent = by_pid.get(r.ppid)
+        if parent is None or not _same_session(r, parent):
+            continue
+        if _waiting_for(_calls(templates, parent), r):
+            out[r.pid] = parent.pid
+    return out
+
+
+def refusals(records: Iterable[ProcessRecord],
+             templates: Mapping[int, native.Template]) -> list[Refusal]:
+    """A process with a thread waiting for a child that cannot be adopted: once restored
+    the wait would fail (ECHILD) and the program would take a made-up exit status."""
+    recs = list(records)
+    out = []
+    for parent in recs:
+        kids = [r for r in recs if r.ppid == parent.pid and not _same_session(r, parent)]
+        calls = _calls(templates, parent)
+        for kid in kids:
+            name = _waiting_for(calls, kid)
+            if name is None:
+                continue
+            out.append(Refusal(parent.nspid, parent.cmd, (
+                f"waits for its child {kid.nspid} ({kid.cmd}) ({name}), which would not be "
+                "its child once restored (it is in another session than its parent's, which "
+                "it does not lead), so the wait would fail (ECHILD) and a made-up exit "
+                "status would follow; checkpoint once the wait has returned, or with "
+                "mode=\"fs\"")))
+    return out
+
+
+def _same_session(child: ProcessRecord, parent: ProcessRecord) -> bool:
+    """Born in its parent's session, a child can stay there or lead one of its own."""
+    return child.sid == parent.sid or child.sid == child.pid
+
+
+def _calls(templates: Mapping[int, native.Template], rec: ProcessRecord) -> Calls:
+    tpl = templates.get(rec.pid)
+    return tpl.syscalls() if tpl is not None and not tpl.released else []
+
+
+def _waiting_for(calls: Calls, child: ProcessRecord) -> str | None:
+    """The wait call (wait4 / waitid, without WNOHANG) one of the parent's threads was
+    stopped in that `child` would answer (a pid or any child: a group is taken as any)."""
+    for i, (nr, args) in enumerate(calls):
+        where = "" if i == 0 else f" in its thread {i}"
+        if nr == SYS_WAIT4 and not args[2] & WNOHANG:
+            pid = _i32(args[0])
+            if pid <= 0 or pid == child.nspid:
+                return "wait4" + where
+        elif nr == SYS_WAITID and not args[3] & WNOHANG:
+            if args[0] != P_PID or _i32(args[1]) == child.nspid:
+                return "waitid" + where
+    return None
+
+
+def _i32(v: int) -> int:
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def order(records: Iterable[ProcessRecord], family: dict[int, int]) -> list[ProcessRecord]:
+    """The adoptees, parents before their children, group leaders first among those of
+    one generation (before the members that join their group)."""
+    def depth(pid: int) -> int:
+        n = 0
+        while pid in family:
+            pid, n = family[pid], n + 1
+        return n
+    return sorted((r for r in records if r.pid in family),
+                  key=lambda r: (depth(r.pid), r.pid != r.pgid))
+
+
+def group(rec: ProcessRecord, parent: ProcessRecord, pgid: int,
+          ns_pids: dict[int, int]) -> int:
+    """The process group an adoptee joins, from `pgid`, what a spawn from its template
+    would have been given (0: stay in the template's group). Born in its parent's group
+    and session, it stays there if that was its group, leads a session or a group of its
+    own if it did, else joins its group by the leader's pid in the target (`ns_pids`: host
+    pid at the checkpoint -> pid there), or leads one of its own when that leader is not
+    restored (as join_group does when its group is gone)."""
+    if pgid == native.NEW_SESSION:
+        return pgid
+    if rec.pgid == parent.pgid:
+        return 0
+    if pgid > 0:
+        return pgid
+    if rec.pgid == rec.pid:
+        return -1
+    return ns_pids.get(rec.pgid, -1)
+
+
+class Images:
+    """The images of one checkpoint's adopted children: host pid at the checkpoint ->
+    image directory. Made on demand (make) into a directory of their own under `base`,
+    removed by close(); or given (a checkpoint rebuilt from its dump: kept)."""
+
+    def __init__(self, base: str | None = None, given: dict[int, str] | None = None) -> None:
+        self.base = base
+        self.dirs: dict[int, str] = dict(given or {})
+        self.own: str | None = None     # our directory of images, if we made any
+
+    def make(self, rec: ProcessRecord, tpl: native.Template) -> str:
+        """rec's image (a full dump of its template), made once. On the template's owner
+        thread. The sandbox's seccomp filter is the one the adopting parent has."""
+        path = self.dirs.get(rec.pid)
+        if path is not None:
+            return path
+        if self.own is None:
+            if self.base is not None:
+                os.makedirs(self.base, exist_ok=True)
+            self.own = tempfile.mkdtemp(prefix="images-", dir=self.base)
+        path = os.path.join(self.own, str(rec.pid))
+        native.dump(tpl, path, seccomp_ok=True)
+        self.dirs[rec.pid] = path
+        return path
+
+    def close(self) -> None:
+        if self.own is not None:
+            shutil.rmtree(self.own, ignore_errors=True)
+            self.own = None
+        self.dirs.clear()
