@@ -24,9 +24,10 @@ adoptable: a child in another session than its parent's that does not lead it (i
 not be put back in that session); its parent waiting for it is refused at the checkpoint
 (refusals).
 
-The images are full dumps of the children's templates (native/criu_incr.c), made once per
-checkpoint at its first restore that adopts, kept beside the checkpoint and removed with
-it; a checkpoint rebuilt from its durable dump uses that dump's images.
+The images are the checkpoint's durable process dump (daemon/dumps.py, written in the
+background after every full checkpoint) once it is complete; a restore before that makes
+a full dump of the child's template (native/criu_incr.c) once per checkpoint, removed
+with it.
 """
 
 from __future__ import annotations
@@ -152,6 +153,12 @@ class Images:
         self.base = base
         self.dirs: dict[int, str] = dict(given or {})
         self.own: str | None = None     # our directory of images, if we made any
+
+    def give(self, dirs: Mapping[int, str]) -> None:
+        """Images written elsewhere (the checkpoint's durable dump) for the processes that
+        have none yet: used as they are, never removed here."""
+        for pid, path in dirs.items():
+            self.dirs.setdefault(pid, path)
 
     def make(self, rec: ProcessRecord, tpl: native.Template) -> str:
         """rec's image (a full dump of its template), made once. On the template's owner

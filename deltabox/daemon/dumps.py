@@ -300,6 +300,11 @@ class Dumps:
             for rec in state.records:
                 self.last[(sid, rec.nspid, rec.cmd)] = (self.path(cp_id) / str(rec.nspid),
                                                         state.templates[rec.pid])
+            if state.family:   # the images a restore adopts children from (cr/adoption.py)
+                if state.images is None:
+                    state.images = adoption.Images(self.cr.images_dir)
+                state.images.give({r.pid: str(self.path(cp_id) / str(r.nspid))
+                                   for r in state.records if r.pid in state.family})
             log.info("process dump of %s: %d processes, %.1f MiB, %.0f ms (longest "
                      "process image %.0f ms)", cp_id, len(state.records),
                      total / 2**20, ms, job_ms)
