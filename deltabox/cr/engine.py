@@ -448,7 +448,8 @@ class DeltaCR:
                 if carrier is not None:
                     return await self.worker.run(carrier.birth, set_tid, sp.pgid)
                 # A held process stays with the thread that adopts its children.
-                worker, tpl = (self.worker, None) if sp.hold else self._spawner(sp)
+                worker, tpl = ((self.worker, None) if sp.hold or sp.parent is not None
+                               else self._spawner(sp))
                 return await worker.run(_spawn_once, sp, set_tid, tpl)
             except native.CRError as e:
                 # Taken as a live group or session id (of another checkpoint's templates, or
@@ -554,7 +555,8 @@ class DeltaCR:
                 spawn = await args_for(rec)
                 carrier: native.Carrier | None = None
                 if rec.pid in state.family:   # its restored parent's own child
-                    pid = await self._adopted(state, rec, spawn, held, rootfd, out, groups)
+                    pid = await self._adopted(state, rec, spawn, held, rootfd, out, groups,
+                                              pid_held)
                 else:
                     spawn.hold = rec.pid in parents
                     carrier = pre.carriers.pop(rec.pid, None) if pre is not None else None
@@ -599,7 +601,8 @@ class DeltaCR:
 
     async def _adopted(self, state: ProcessState, rec: ProcessRecord, spawn: _Spawn,
                        held: dict[int, native.Held], rootfd: int, out: Restored,
-                       groups: dict[int, int]) -> int:
+                       groups: dict[int, int],
+                       pid_held: Callable[[int], bool] | None) -> int:
         """rec restored from an image of its template into a child of its held restored
         parent (adoption.py), held in turn: its pid."""
         parent = next(r for r in state.records if r.pid == state.family[rec.pid])
@@ -608,10 +611,12 @@ class DeltaCR:
         spawn.pgid = adoption.group(rec, parent, spawn.pgid, ns_pids)
         if state.images is None:
             state.images = adoption.Images(self.images_dir)
-        image = await self.worker.run(state.images.make, rec, state.templates[rec.pid])
-        h = held[rec.pid] = await self.worker.run(_adopt, held[parent.pid], image, rootfd,
-                                                  spawn)
-        return h.pid
+        spawn.image = await self.worker.run(state.images.make, rec, state.templates[rec.pid])
+        spawn.parent, spawn.rootfd = held[parent.pid], rootfd
+        pid = await self._spawn_retrying(spawn, pid_held=pid_held)
+        assert spawn.held is not None
+        held[rec.pid] = spawn.held
+        return pid
 
     async def _births(self, records: list[ProcessRecord], pre: Prespawned,
                       victims: list[int] | None) -> dict[int, int | native.CRError]:
@@ -1336,6 +1341,10 @@ class _Spawn:
     threaded: bool = False     # its threads need their tids back: never a new pid
     hold: bool = False         # spawn it held (a parent of adopted children: adoption.py)
     held: native.Held | None = None
+    # adopted (adoption.py): restored from `image` as this held parent's own child
+    parent: native.Held | None = None
+    image: str | None = None
+    rootfd: int = -1
     remaps: list[native.Remap] = field(default_factory=list)  # its shared memory, made anew
 
 
@@ -1523,26 +1532,16 @@ def _spawn_once(sp: _Spawn, set_tid: list[int] | None,
         pidns_fd=into.pidns_fd if into else None,
         ns_pidfd=into.init_pidfd if into else None,
         cgroup_fds=into.cgroup_fds if into else (), pgid=sp.pgid, listens=sp.listens)
+    if sp.parent is not None:   # restored from its image as its parent's child
+        for other in ("pidns_fd", "ns_pidfd", "cgroup_fds"):   # born in the parent's
+            del kwargs[other]
+        assert sp.image is not None
+        sp.held = sp.parent.adopt(sp.image, f"/proc/self/fd/{sp.rootfd}", sp.tpl, **kwargs)
+        return sp.held.pid
     if sp.hold:
         sp.held = (tpl or sp.tpl).spawn_held(**kwargs)
         return sp.held.pid
     return (tpl or sp.tpl).spawn(**kwargs)
-
-
-def _adopt(parent: native.Held, image: str, rootfd: int, sp: _Spawn) -> native.Held:
-    """sp's process restored from its image as parent's own child (adoption.py), in the
-    namespaces and cgroup it is born in there; with a new pid if its own is taken."""
-    set_tid = [sp.nspid] if sp.nspid is not None else None
-    while True:
-        try:
-            return parent.adopt(
-                image, f"/proc/self/fd/{rootfd}", sp.tpl, fds=sp.fdmap, files=sp.files,
-                cwd=sp.cwd, mntns_fd=sp.mntfd, set_tid=set_tid, cloexec_fds=sp.cloexec,
-                epolls=sp.epolls, remaps=sp.remaps, pgid=sp.pgid, listens=sp.listens)
-        except native.CRError as e:
-            if e.errno != errno.EEXIST or not set_tid or sp.threaded:
-                raise
-            set_tid, sp.renumbered = None, True   # held as another template's group id
 
 
 def _release_held(held: list[native.Held]) -> None:
