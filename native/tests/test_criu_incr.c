@@ -471,6 +471,152 @@ out:
 	kill_wait(orig.pid);
 }
 
+static pid_t ppid_of(pid_t pid)
+{
+	char path[64], buf[512], *p;
+	int fd, ppid = -1;
+	ssize_t n;
+
+	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+	fd = open(path, O_RDONLY);
+	if (fd < 0)
+		return -1;
+	n = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (n <= 0)
+		return -1;
+	buf[n] = '\0';
+	p = strrchr(buf, ')');	/* comm may hold spaces */
+	if (!p || sscanf(p + 2, "%*c %d", &ppid) != 1)
+		return -1;
+	return ppid;
+}
+
+/* Whether pid exits within 5 s and stays a zombie of `parent` (which does not reap). */
+static bool zombie_of(pid_t pid, pid_t parent)
+{
+	char path[64], buf[512], *p;
+
+	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+	for (int i = 0; i < 500; i++) {
+		int fd = open(path, O_RDONLY);
+		ssize_t n = fd >= 0 ? read(fd, buf, sizeof(buf) - 1) : -1;
+
+		if (fd >= 0)
+			close(fd);
+		if (n <= 0)
+			return false;
+		buf[n] = '\0';
+		p = strrchr(buf, ')');
+		if (p && p[2] == 'Z')
+			return ppid_of(pid) == parent;
+		usleep(10000);
+	}
+	return false;
+}
+
+/* A held process (spawned from a template, stopped) adopts a child restored from an image:
+ * the child is the held process's own (its parent pid, and once it exits a zombie waiting
+ * for that parent: the restored host sits in pause() and does not reap), with the
+ * image's state. */
+static void test_held_adopt(const char *base)
+{
+	struct dbxcr_error err;
+	struct dbxcr_dump_stats st;
+	struct dbxcr_template *tc = NULL, *th = NULL;
+	struct dbxcr_held *hp = NULL, *hc = NULL;
+	struct proc orig = { -1, -1, -1 }, host = { -1, -1, -1 }, ch = { -1, -1, -1 };
+	char s0[128] = "", rep[128], img[1024];
+	int fi = -1, root = -1, a[2] = { -1, -1 }, b[2] = { -1, -1 };
+	pid_t parent = -1, child = -1;
+
+	current_test = "held_adopt";
+	snprintf(img, sizeof(img), "%s/adopt", base);
+	if (start_target("256", &orig) < 0 || start_target("host", &host) < 0) {
+		CHECK(0, "start targets");
+		goto out;
+	}
+	CHECK(ask(&orig, "s\n", s0, sizeof(s0)) == 0, "no answer from target");
+	wait_in_read(orig.pid);
+	tc = dbxcr_make_template(orig.pid, &err);
+	CHECK(tc != NULL, "make_template: %s", err.msg);
+	if (!tc)
+		goto out;
+	CHECK(dbxcr_dump(tc, img, NULL, &st, &err) == 0, "dump: %s", err.msg);
+	th = dbxcr_make_template(host.pid, &err);
+	CHECK(th != NULL, "make_template of the host: %s", err.msg);
+	if (!th)
+		goto out;
+	{
+		struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1 };
+
+		parent = dbxcr_spawn_held(th, &o, &hp, &err);
+	}
+	CHECK(parent > 0, "spawn_held: %s", err.msg);
+	if (parent <= 0)
+		goto out;
+	fi = open(img, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	root = open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (fi < 0 || root < 0 || pipe2(a, O_CLOEXEC) < 0 || pipe2(b, O_CLOEXEC) < 0) {
+		CHECK(0, "open the image, the root, pipes");
+		goto out;
+	}
+	{
+		struct dbxcr_fdmap m[2] = { { a[0], 0, 0 }, { b[1], 1, 0 } };
+		struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1,
+					      .fds = m, .nfds = 2 };
+
+		child = dbxcr_held_adopt(hp, fi, root, &o, &hc, &err);
+	}
+	CHECK(child > 0, "held_adopt: %s", err.msg);
+	if (child <= 0)
+		goto out;
+	CHECK(ppid_of(child) == parent, "the adopted child's parent is %d, not %d",
+	      (int)ppid_of(child), (int)parent);
+	CHECK(dbxcr_held_release(hc, &err) == 0, "release the child: %s", err.msg);
+	hc = NULL;
+	CHECK(dbxcr_held_release(hp, &err) == 0, "release the parent: %s", err.msg);
+	hp = NULL;
+	ch = (struct proc){ child, a[1], b[0] };
+	a[1] = b[0] = -1;
+	{
+		char sum0[64] = "", sum[64] = "";
+		unsigned n0 = 0, n = 0;
+
+		/* the same state, one command later: "sum <hex> <commands> <xmm>" */
+		CHECK(ask(&ch, "s\n", rep, sizeof(rep)) == 0 &&
+		      sscanf(s0, "sum %63s %u", sum0, &n0) == 2 &&
+		      sscanf(rep, "sum %63s %u", sum, &n) == 2 && !strcmp(sum, sum0) &&
+		      n == n0 + 1, "the adopted child answers '%s', the original '%s'", rep, s0);
+	}
+	CHECK(write(ch.in, "q\n", 2) == 2, "ask the child to exit");
+	CHECK(zombie_of(child, parent), "the adopted child %d did not wait for its parent %d "
+	      "to reap it", (int)child, (int)parent);
+out:
+	if (hc)
+		dbxcr_held_kill(hc);
+	if (hp)
+		dbxcr_held_kill(hp);
+	kill_wait(parent);	/* our child: a spawn is its template's sibling */
+	dbxcr_release_template(tc, &err);
+	dbxcr_release_template(th, &err);
+	kill_wait(orig.pid);
+	kill_wait(host.pid);
+	close_proc(&orig);
+	close_proc(&host);
+	close_proc(&ch);
+	for (int i = 0; i < 2; i++) {
+		if (a[i] >= 0)
+			close(a[i]);
+		if (b[i] >= 0)
+			close(b[i]);
+	}
+	if (fi >= 0)
+		close(fi);
+	if (root >= 0)
+		close(root);
+}
+
 static void test_hash(void)
 {
 	unsigned char buf[4096];
@@ -501,6 +647,7 @@ int main(int argc, char **argv)
 	test_hash();
 	test_dump_restore(base);
 	test_dump_two_steps(base);
+	test_held_adopt(base);
 	rm_rf(base);
 	if (failures) {
 		fprintf(stderr, "test_criu_incr: %d failure(s)\n", failures);
