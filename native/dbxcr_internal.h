@@ -193,6 +193,8 @@ __attribute__((format(printf, 5, 6)))
 long rsys(struct tracee *t, long nr, const long a[6], struct dbxcr_error *err,
 	  const char *fmt, ...);
 int restore_and_detach(struct tracee *t, struct dbxcr_error *err);
+int remote_clone3(struct tracee *t, unsigned long scratch, struct dbx_clone_args *ca,
+		  const pid_t *set_tid, size_t n, long *ret, struct dbxcr_error *err);
 void tracee_free(struct tracee *t);
 void kill_traced(pid_t pid);
 int wait_birth(pid_t child, struct dbxcr_error *err);

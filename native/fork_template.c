@@ -1943,6 +1943,15 @@ int dbxcr_template_own_session(struct dbxcr_template *tpl, struct dbxcr_error *e
 	return template_leave(tpl, SYS_setsid, "setsid()", err);
 }
 
+/* Free the struct (what it owns), not the process it describes. */
+static void template_free(struct dbxcr_template *tpl)
+{
+	free(tpl->xstate);
+	threads_free(tpl->threads);
+	free(tpl->dontfork);
+	free(tpl);
+}
+
 int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err)
 {
 	int status, rc = 0;
@@ -1980,10 +1989,7 @@ int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err)
 				break;
 		}
 	}
-	free(tpl->xstate);
-	threads_free(tpl->threads);
-	free(tpl->dontfork);
-	free(tpl);
+	template_free(tpl);
 	return rc;
 }
 
@@ -2259,15 +2265,34 @@ static int switch_pidns_back(struct tracee *t, struct pidns_switch *sw, struct d
 	return rc;
 }
 
+/* clone3 in the stopped tracee t with the arguments *ca, written to the scratch page at
+ * `scratch` with set_tid's n pids right after them: the call's return value in *ret, the
+ * new task (traced from its birth, by the fork or clone event) in t->new_child. */
+int remote_clone3(struct tracee *t, unsigned long scratch, struct dbx_clone_args *ca,
+		  const pid_t *set_tid, size_t n, long *ret, struct dbxcr_error *err)
+{
+	unsigned long tid_addr = scratch + sizeof(*ca);
+	long a[6] = { (long)scratch, sizeof(*ca), 0, 0, 0, 0 };
+
+	t->new_child = 0;
+	if (n) {
+		ca->set_tid = tid_addr;
+		ca->set_tid_size = n;
+		if (mem_write(t->pid, tid_addr, set_tid, n * sizeof(pid_t), err) < 0)
+			return -1;
+	}
+	if (mem_write(t->pid, scratch, ca, sizeof(*ca), err) < 0)
+		return -1;
+	return remote_syscall(t, SYS_clone3, a, ret, err);
+}
+
 static pid_t clone_from_template(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *o,
 				 unsigned long flags, struct pidns_switch *sw,
 				 struct dbxcr_error *err)
 {
 	struct dbx_clone_args ca;
 	struct tracee t;
-	long a[6] = { 0 };
 	long ret;
-	unsigned long tid_addr;
 
 	sw->target = sw->own = -1;
 	if (o->set_tid_size > 32)
@@ -2275,7 +2300,6 @@ static pid_t clone_from_template(struct dbxcr_template *tpl, const struct dbxcr_
 			    o->set_tid_size);
 	if (template_scratch(tpl, err) < 0)
 		return -1;
-	tid_addr = tpl->scratch + sizeof(ca);
 	if (adopt(&t, tpl->pid, tpl->site, err) < 0)
 		return -1;
 	t.regs = tpl->park;
@@ -2290,18 +2314,7 @@ static pid_t clone_from_template(struct dbxcr_template *tpl, const struct dbxcr_
 	/* CLONE_PARENT: the child takes the template's (= the original's) parent and exit
 	 * signal; clone3 requires exit_signal == 0 with CLONE_PARENT. */
 	ca.flags = CLONE_PARENT | flags;
-	if (o->set_tid_size) {
-		ca.set_tid = tid_addr;
-		ca.set_tid_size = o->set_tid_size;
-		if (mem_write(tpl->pid, tid_addr, o->set_tid, o->set_tid_size * sizeof(pid_t),
-			      err) < 0)
-			goto undo;
-	}
-	if (mem_write(tpl->pid, tpl->scratch, &ca, sizeof(ca), err) < 0)
-		goto undo;
-	a[0] = (long)tpl->scratch;
-	a[1] = sizeof(ca);
-	if (remote_syscall(&t, SYS_clone3, a, &ret, err) < 0) {
+	if (remote_clone3(&t, tpl->scratch, &ca, o->set_tid, o->set_tid_size, &ret, err) < 0) {
 		kill_traced(t.new_child);
 		goto undo;
 	}
@@ -3011,12 +3024,8 @@ struct dbxcr_held {
 
 static void held_free(struct dbxcr_held *h)
 {
-	if (h->own_tpl) {
-		free(h->tpl->xstate);
-		threads_free(h->tpl->threads);
-		free(h->tpl->dontfork);
-		free(h->tpl);
-	}
+	if (h->own_tpl)
+		template_free(h->tpl);
 	free(h->thr);
 	free(h);
 }
@@ -3062,26 +3071,13 @@ pid_t dbxcr_held_pid(const struct dbxcr_held *h)
  * inherit them): fork events, and seccomp suspended for our calls. */
 pid_t held_fork(struct dbxcr_held *h, const pid_t *set_tid, size_t n, struct dbxcr_error *err)
 {
-	struct dbx_clone_args ca;
-	unsigned long tid_addr = h->tpl->scratch + sizeof(ca);
-	long a[6] = { (long)h->tpl->scratch, sizeof(ca), 0, 0, 0, 0 };
+	struct dbx_clone_args ca = { .exit_signal = SIGCHLD };
 	long ret;
 	pid_t child;
 
 	if (n > 32)
 		return fail(err, EINVAL, h->c.pid, "set_tid has %zu entries (max 32)", n);
-	memset(&ca, 0, sizeof(ca));
-	ca.exit_signal = SIGCHLD;
-	if (n) {
-		ca.set_tid = tid_addr;
-		ca.set_tid_size = n;
-		if (mem_write(h->c.pid, tid_addr, set_tid, n * sizeof(pid_t), err) < 0)
-			return -1;
-	}
-	if (mem_write(h->c.pid, h->tpl->scratch, &ca, sizeof(ca), err) < 0)
-		return -1;
-	h->c.new_child = 0;
-	if (remote_syscall(&h->c, SYS_clone3, a, &ret, err) < 0) {
+	if (remote_clone3(&h->c, h->tpl->scratch, &ca, set_tid, n, &ret, err) < 0) {
 		kill_traced(h->c.new_child);
 		return -1;
 	}

@@ -280,8 +280,7 @@ static int clone_thread(struct tracee *c, const struct dbxcr_template *tpl,
 			struct dbxcr_error *err)
 {
 	struct dbx_clone_args ca = { 0 };
-	unsigned long at = tpl->scratch, tid_at = tpl->scratch + 256;
-	long a[6] = { (long)at, sizeof(ca), 0, 0, 0, 0 }, ret;
+	long ret;
 	pid_t want = ts->nstid;
 
 	nt->pid = 0;
@@ -291,16 +290,7 @@ static int clone_thread(struct tracee *c, const struct dbxcr_template *tpl,
 		ca.flags |= CLONE_CHILD_CLEARTID;
 		ca.child_tid = ts->clear_tid;
 	}
-	if (keep_tid) {
-		if (mem_write(c->pid, tid_at, &want, sizeof(want), err) < 0)
-			return -1;
-		ca.set_tid = tid_at;
-		ca.set_tid_size = 1;
-	}
-	if (mem_write(c->pid, at, &ca, sizeof(ca), err) < 0)
-		return -1;
-	c->new_child = 0;
-	if (remote_syscall(c, SYS_clone3, a, &ret, err) < 0)
+	if (remote_clone3(c, tpl->scratch, &ca, &want, keep_tid ? 1 : 0, &ret, err) < 0)
 		return -1;
 	if (ret == -EEXIST)
 		return fail(err, EEXIST, c->pid, "thread %d: its tid is taken in the pid namespace",

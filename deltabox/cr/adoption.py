@@ -51,12 +51,15 @@ def adoptees(records: Iterable[ProcessRecord],
     restore gives back to their restored parent (see the module doc)."""
     recs = list(records)
     by_pid = {r.pid: r for r in recs}
+    calls: dict[int, Calls] = {}   # each parent's, read once
     out = {}
     for r in recs:
         parent = by_pid.get(r.ppid)
         if parent is None or not _same_session(r, parent):
             continue
-        if _waiting_for(_calls(templates, parent), r):
+        if parent.pid not in calls:
+            calls[parent.pid] = _calls(templates, parent)
+        if _waiting_for(calls[parent.pid], r):
             out[r.pid] = parent.pid
     return out
 
@@ -69,7 +72,7 @@ def refusals(records: Iterable[ProcessRecord],
     out = []
     for parent in recs:
         kids = [r for r in recs if r.ppid == parent.pid and not _same_session(r, parent)]
-        calls = _calls(templates, parent)
+        calls = _calls(templates, parent) if kids else []
         for kid in kids:
             name = _waiting_for(calls, kid)
             if name is None:
@@ -111,18 +114,6 @@ def _waiting_for(calls: Calls, child: ProcessRecord) -> str | None:
 def _i32(v: int) -> int:
     v &= 0xFFFFFFFF
     return v - (1 << 32) if v >= 1 << 31 else v
-
-
-def order(records: Iterable[ProcessRecord], family: dict[int, int]) -> list[ProcessRecord]:
-    """The adoptees, parents before their children, group leaders first among those of
-    one generation (before the members that join their group)."""
-    def depth(pid: int) -> int:
-        n = 0
-        while pid in family:
-            pid, n = family[pid], n + 1
-        return n
-    return sorted((r for r in records if r.pid in family),
-                  key=lambda r: (depth(r.pid), r.pid != r.pgid))
 
 
 def group(rec: ProcessRecord, parent: ProcessRecord, pgid: int,

@@ -183,6 +183,11 @@ class ProcessState:
         once captured: the templates hold the stops' registers)."""
         return adoption.adoptees(self.records, self.templates)
 
+    @functools.cached_property
+    def adopters(self) -> set[int]:
+        """The parents in `family`: restored held until their children exist."""
+        return set(self.family.values())
+
 
 @dataclass
 class Restored:
@@ -500,7 +505,6 @@ class DeltaCR:
         time_wait = _time_wait_ports(state) if into is None else set()
         # Restored parents of adopted children, then those children (record pid -> held
         # process; adoption.py): all held until every one exists.
-        parents = set(state.family.values())
         held: dict[int, native.Held] = {}
 
         async def addresses_free() -> None:
@@ -558,7 +562,7 @@ class DeltaCR:
                     pid = await self._adopted(state, rec, spawn, held, rootfd, out, groups,
                                               pid_held)
                 else:
-                    spawn.hold = rec.pid in parents
+                    spawn.hold = rec.pid in state.adopters
                     carrier = pre.carriers.pop(rec.pid, None) if pre is not None else None
                     first = born.pop(rec.pid, None)
                     if isinstance(first, int):
@@ -667,10 +671,9 @@ class DeltaCR:
         connection's or listener's sockets are made ahead, their addresses taken by the
         rollback (the live process still holds them)."""
         ids = _rollback_ids(state)
-        parents = set(state.family.values())
         recs = [r for r in state.records if not (r.threads > 1 and ids[r.pid][0] is None)
                 and not eventloop.watches_signalfd(r.loop)
-                and r.pid not in state.family and r.pid not in parents]
+                and r.pid not in state.family and r.pid not in state.adopters]
         if not recs:
             return None
         pre = Prespawned(state, _PipePlan(state.pipes, state.unlinked, rootfd, armed=False),
@@ -1472,7 +1475,10 @@ def _new_session(state: ProcessState, rec: ProcessRecord) -> bool:
 def _restore_order(records: list[ProcessRecord],
                    family: Mapping[int, int]) -> list[ProcessRecord]:
     """`records` (leaders first) reordered so that a parent comes before the children it
-    adopts (adoption.py) and a group's leader before its members, otherwise as given."""
+    adopts (adoption.py) and a group's leader before its members, otherwise as given
+    (without adoptions, leaders first already is)."""
+    if not family:
+        return records
     pids = {r.pid for r in records}
     needs = {r.pid: {family[r.pid]} if r.pid in family else set() for r in records}
     for r in records:
@@ -1524,20 +1530,19 @@ def _birth_each(jobs: list[tuple[int, native.Carrier, list[int] | None, int]],
 
 def _spawn_once(sp: _Spawn, set_tid: list[int] | None,
                 tpl: native.Template | None = None) -> int:
-    """Spawn sp's process (held: sp.held, when sp.hold): its pid."""
-    into = sp.into
+    """Spawn sp's process (held: sp.held, when sp.hold or adopted): its pid."""
     kwargs = dict(
         fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd, set_tid=set_tid,
-        cloexec_fds=sp.cloexec, epolls=sp.epolls, remaps=sp.remaps,
-        pidns_fd=into.pidns_fd if into else None,
-        ns_pidfd=into.init_pidfd if into else None,
-        cgroup_fds=into.cgroup_fds if into else (), pgid=sp.pgid, listens=sp.listens)
-    if sp.parent is not None:   # restored from its image as its parent's child
-        for other in ("pidns_fd", "ns_pidfd", "cgroup_fds"):   # born in the parent's
-            del kwargs[other]
-        assert sp.image is not None
-        sp.held = sp.parent.adopt(sp.image, f"/proc/self/fd/{sp.rootfd}", sp.tpl, **kwargs)
+        cloexec_fds=sp.cloexec, epolls=sp.epolls, remaps=sp.remaps, pgid=sp.pgid,
+        listens=sp.listens)
+    if sp.parent is not None:   # from its image as its parent's child, in the parent's
+        assert sp.image is not None   # namespaces and cgroup
+        sp.held = sp.parent.adopt(sp.image, sp.rootfd, sp.tpl, **kwargs)
         return sp.held.pid
+    into = sp.into
+    if into is not None:
+        kwargs.update(pidns_fd=into.pidns_fd, ns_pidfd=into.init_pidfd,
+                      cgroup_fds=into.cgroup_fds)
     if sp.hold:
         sp.held = (tpl or sp.tpl).spawn_held(**kwargs)
         return sp.held.pid

@@ -642,24 +642,21 @@ class Held:
         handle, self._handle = self._handle, None
         return handle
 
-    def adopt(self, image_dir: str | os.PathLike, root_dir: str | os.PathLike,
-              template: Template, **kwargs) -> Held:
-        """The image's process restored as this process's own child (pid set_tid[0]),
-        re-rooted as template.spawn(**kwargs) would re-root a child of the image's
-        template, held in turn. Raises ImageCorrupt / CRError."""
+    def adopt(self, image_dir: str | os.PathLike, root_fd: int, template: Template,
+              **kwargs) -> Held:
+        """The image's process restored as this process's own child (pid set_tid[0]), its
+        mapped files opened under root_fd (ours), re-rooted as template.spawn(**kwargs)
+        would re-root a child of the image's template, held in turn. Raises ImageCorrupt
+        / CRError."""
         if self._handle is None:
             raise CRError(_errno.EINVAL, f"held process {self.pid} was released or killed")
         lib = _load_images()
         ifd = os.open(os.fspath(image_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            rfd = os.open(os.fspath(root_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                with template._opts(**kwargs) as opts:
-                    err, handle = _Err(), ctypes.c_void_p()
-                    pid = lib.dbxcr_held_adopt(self._handle, ifd, rfd, ctypes.byref(opts),
-                                               ctypes.byref(handle), ctypes.byref(err))
-            finally:
-                os.close(rfd)
+            with template._opts(**kwargs) as opts:
+                err, handle = _Err(), ctypes.c_void_p()
+                pid = lib.dbxcr_held_adopt(self._handle, ifd, root_fd, ctypes.byref(opts),
+                                           ctypes.byref(handle), ctypes.byref(err))
         finally:
             os.close(ifd)
         if pid < 0:
