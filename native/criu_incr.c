@@ -145,6 +145,11 @@
 #define VMA_STACK 0x400
 
 #define RUN_ZERO 0x1
+/* Pages not stored in any pages.img: they are in the memory of the template the image was
+ * made from (dbxcr_dump_opts.live), at the run's address; only a restore given that
+ * template (dbxcr_held_adopt's src) can use the image. */
+#define RUN_LIVE 0x2
+#define RUN_NODATA (RUN_ZERO | RUN_LIVE)
 
 /* PTRACE_GET_RSEQ_CONFIGURATION's result (linux/ptrace.h clashes with sys/ptrace.h). */
 struct rseq_conf {
@@ -251,7 +256,7 @@ struct run_img {
 	uint64_t vaddr;
 	uint32_t npages;
 	uint16_t level;		/* 0: this image's pages.img, k: k-th ancestor's */
-	uint16_t flags;		/* RUN_ZERO: all-zero pages, no data */
+	uint16_t flags;		/* RUN_ZERO: all-zero pages, no data; RUN_LIVE: see above */
 	uint64_t off;		/* page index in that level's pages.img */
 };
 
@@ -698,7 +703,8 @@ static int image_load(int dirfd, const uint8_t *want_id, struct image *im, pid_t
 			if (r->level > im->core->depth || r->npages == 0 ||
 			    (i && r->vaddr < im->runs[i - 1].vaddr +
 				  (uint64_t)im->runs[i - 1].npages * PAGE) ||
-			    (r->level == 0 && !(r->flags & RUN_ZERO) &&
+			    ((r->flags & RUN_LIVE) && (r->level || im->core->depth)) ||
+			    (r->level == 0 && !(r->flags & RUN_NODATA) &&
 			     r->off + r->npages > im->pm->data_pages))
 				goto inconsistent;
 			total += r->npages;
@@ -1180,7 +1186,7 @@ static int chain_load(int dirfd, struct chain *c, pid_t pid, struct dbxcr_error 
 		for (uint64_t i = 0; i < c->im[lv].pm->nruns; i++) {
 			const struct run_img *r = &c->im[lv].runs[i];
 
-			if (r->flags & RUN_ZERO)
+			if (r->flags & RUN_NODATA)
 				continue;
 			if (lv + r->level >= c->n ||
 			    r->off + r->npages > c->im[lv + r->level].pm->data_pages) {
@@ -1226,7 +1232,7 @@ static bool parent_lookup(struct parent_idx *pi, uint64_t addr, int *level, uint
 		if (addr < end) {
 			uint64_t k = (addr - r->vaddr) / PAGE;
 
-			if (r->flags & RUN_ZERO)
+			if (r->flags & RUN_NODATA)
 				return false;
 			*level = r->level;
 			*off = r->off + k;
@@ -1251,12 +1257,12 @@ static int add_page(struct dump_out *o, uint64_t addr, int level, uint64_t off, 
 	struct run_img *last = o->runs.len ? (struct run_img *)(o->runs.p + o->runs.len -
 								sizeof(struct run_img)) : NULL;
 	if (last && last->vaddr + (uint64_t)last->npages * PAGE == addr && last->level == level &&
-	    last->flags == flags && (flags & RUN_ZERO || last->off + last->npages == off) &&
+	    last->flags == flags && (flags & RUN_NODATA || last->off + last->npages == off) &&
 	    last->npages < UINT32_MAX) {
 		last->npages++;
 	} else {
 		struct run_img r = { .vaddr = addr, .npages = 1, .level = (uint16_t)level,
-				     .flags = flags, .off = (flags & RUN_ZERO) ? 0 : off };
+				     .flags = flags, .off = (flags & RUN_NODATA) ? 0 : off };
 
 		if (buf_add(&o->runs, &r, sizeof(r)) < 0)
 			return -1;
@@ -1378,6 +1384,7 @@ static int vma_segments(pid_t pid, int pmfd, const struct vma *v, struct buf *se
 struct dbxcr_dump_job {
 	pid_t pid;
 	int pdirfd, tmpfd, memfd, pmfd, max_level, fsync;
+	bool live;		/* dbxcr_dump_opts.live: index the pages, copy none */
 	double t0;
 	struct dbxcr_dump_stats st;
 	struct core_fixed *core;
@@ -1391,6 +1398,19 @@ struct dbxcr_dump_job {
 	uint8_t id[16];
 	char tmpname[PATH_MAX], dirpath[PATH_MAX], base[PATH_MAX], path[PATH_MAX];
 };
+
+/* A live image's runs: every candidate page stays where it is, in the template. */
+static int index_live(struct dump_out *o, const struct seg *segs, size_t nseg, pid_t pid,
+		      struct dbxcr_error *err)
+{
+	for (size_t i = 0; i < nseg; i++)
+		for (uint64_t a = segs[i].s; a < segs[i].e; a += PAGE) {
+			if (add_page(o, a, 0, 0, RUN_LIVE) < 0)
+				return fail(err, ENOMEM, pid, "allocate page index");
+			o->st->pages_total++;
+		}
+	return 0;
+}
 
 /* Dump the candidate pages of one VMA. */
 static int dump_vma(struct dbxcr_dump_job *j, const struct vma *v, struct buf *outbuf,
@@ -1414,6 +1434,8 @@ static int dump_vma(struct dbxcr_dump_job *j, const struct vma *v, struct buf *o
 		return -1;
 	segs = (const struct seg *)segbuf->p;
 	nseg = segbuf->len / sizeof(struct seg);
+	if (j->live)
+		return index_live(o, segs, nseg, pid, err);
 	at = nseg ? segs[0].s : 0;
 	while (si < nseg) {
 		struct iovec riov[CHUNK_PAGES];
@@ -1639,8 +1661,8 @@ static int job_parent(struct dbxcr_dump_job *j, const struct dbxcr_dump_opts *o,
 {
 	int fd;
 
-	if (!o->parent_path)
-		return 0;
+	if (!o->parent_path || o->live)
+		return 0;	/* a live image is always whole: its pages are all in one place */
 	fd = open(o->parent_path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
 	if (fd < 0)
 		return fail(err, errno, j->pid, "open parent image %s", o->parent_path);
@@ -1910,6 +1932,7 @@ int dbxcr_dump_begin(struct dbxcr_template *tpl, const char *path,
 	j->pid = tpl->pid;
 	j->pdirfd = j->tmpfd = j->memfd = j->pmfd = j->out.pages_fd = -1;
 	j->fsync = o->fsync;
+	j->live = o->live;
 	j->out.st = &j->st;
 	max_chain = o->max_chain > 0 ? o->max_chain : DEFAULT_MAX_CHAIN;
 	if (max_chain > MAX_DEPTH)
@@ -2101,6 +2124,7 @@ int dbxcr_image_info(int image_dirfd, struct dbxcr_image_info *out, struct dbxcr
 struct reader {
 	struct chain *c;
 	int base;	/* the image whose index is read: c->im[base] (0 for a restore) */
+	int live_fd;	/* /proc/SRC/mem of the image's template: pages read there (-1: none) */
 	uint64_t run, page_in_run;
 };
 
@@ -2134,6 +2158,15 @@ static long read_chunk(struct reader *rd, unsigned char *buf, struct iovec *liov
 
 		if (r->flags & RUN_ZERO) {
 			memset(buf + got * PAGE, 0, take * PAGE);
+		} else if (rd->live_fd >= 0) {
+			/* The template's own copy: no hash to check (it is the source the
+			 * image was hashed from), and plain references, never pins (see
+			 * dump_vma). */
+			if (full_pread(rd->live_fd, buf + got * PAGE, take * PAGE, (off_t)addr) < 0)
+				return fail(err, errno == ENODATA ? ESRCH : errno, pid,
+					    "read the template's memory at %#llx%s",
+					    (unsigned long long)addr, errno == ENODATA ?
+					    " (the template was released)" : "");
 		} else {
 			off_t off = (off_t)((r->off + rd->page_in_run) * PAGE);
 
@@ -2393,6 +2426,7 @@ struct restore {
 	struct image *im;
 	pid_t pid;
 	int root;
+	int live_fd;			/* reader.live_fd */
 	uint64_t code, scratch;		/* C and D */
 	bool *extra_write;		/* per VMA: mapped with PROT_WRITE added */
 };
@@ -2746,8 +2780,8 @@ static void *page_writer(void *arg)
 
 static int r_write_pages(struct restore *R, struct dbxcr_error *err)
 {
-	struct page_writers W = { .lock = PTHREAD_MUTEX_INITIALIZER, .rd = { .c = R->c },
-				  .pid = R->pid };
+	struct page_writers W = { .lock = PTHREAD_MUTEX_INITIALIZER,
+				  .rd = { .c = R->c, .live_fd = R->live_fd }, .pid = R->pid };
 	uint64_t pages = 0;
 	long cpus = sysconf(_SC_NPROCESSORS_ONLN);
 	int extra = 0, want;
@@ -2937,23 +2971,24 @@ static int r_signals_and_ids(struct restore *R, struct dbxcr_error *err)
 static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held *parent,
 						  const pid_t *set_tid, size_t set_tid_size,
 						  int image_dirfd, int root_dirfd,
+						  const struct dbxcr_template *src,
 						  struct dbxcr_error *err);
 
 struct dbxcr_template *dbxcr_restore_template(pid_t host, int image_dirfd, int root_dirfd,
 					      struct dbxcr_error *err)
 {
-	return restore_template_in(host, NULL, NULL, 0, image_dirfd, root_dirfd, err);
+	return restore_template_in(host, NULL, NULL, 0, image_dirfd, root_dirfd, NULL, err);
 }
 
 pid_t dbxcr_held_adopt(struct dbxcr_held *parent, int image_dirfd, int root_dirfd,
-		       const struct dbxcr_spawn_opts *opts, struct dbxcr_held **out,
-		       struct dbxcr_error *err)
+		       const struct dbxcr_template *src, const struct dbxcr_spawn_opts *opts,
+		       struct dbxcr_held **out, struct dbxcr_error *err)
 {
 	struct dbxcr_template *tpl;
 
 	*out = NULL;
 	tpl = restore_template_in(dbxcr_held_pid(parent), parent, opts->set_tid,
-				  opts->set_tid_size, image_dirfd, root_dirfd, err);
+				  opts->set_tid_size, image_dirfd, root_dirfd, src, err);
 	if (!tpl)
 		return -1;
 	if (held_become(tpl, opts, out, err) < 0)	/* takes tpl */
@@ -2961,9 +2996,41 @@ pid_t dbxcr_held_adopt(struct dbxcr_held *parent, int image_dirfd, int root_dirf
 	return dbxcr_held_pid(*out);
 }
 
+/* The page source of a restore given the image's template (src): its /proc/PID/mem, bound
+ * to its address space from here on.  Without src, an image whose pages stayed in its
+ * template (RUN_LIVE) cannot be restored. */
+static int open_live(struct restore *R, int image_dirfd, const struct dbxcr_template *src,
+		     pid_t host, struct dbxcr_error *err)
+{
+	char path[64], where[PATH_MAX];
+
+	if (src) {
+		if (src->origin != R->im->core->origin_pid) {
+			fd_path(image_dirfd, where, sizeof(where));
+			return fail(err, EINVAL, src->pid, "image %s is of process %d, not of this "
+				    "template's (%d)", where, (int)R->im->core->origin_pid,
+				    (int)src->origin);
+		}
+		snprintf(path, sizeof(path), "/proc/%d/mem", (int)src->pid);
+		R->live_fd = open(path, O_RDONLY | O_CLOEXEC);
+		if (R->live_fd < 0)
+			return fail(err, errno, src->pid, "open %s (the image's template)", path);
+		return 0;
+	}
+	for (uint64_t i = 0; i < R->im->pm->nruns; i++)
+		if (R->im->runs[i].flags & RUN_LIVE) {
+			fd_path(image_dirfd, where, sizeof(where));
+			return fail(err, EBADMSG, host, "image %s holds no page contents (its pages "
+				    "stayed in the template it was made from): restore it with that "
+				    "template", where);
+		}
+	return 0;
+}
+
 static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held *parent,
 						  const pid_t *set_tid, size_t set_tid_size,
 						  int image_dirfd, int root_dirfd,
+						  const struct dbxcr_template *src,
 						  struct dbxcr_error *err)
 {
 	struct restore R;
@@ -2977,6 +3044,7 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 
 	clear_error(err);
 	memset(&R, 0, sizeof(R));
+	R.live_fd = -1;
 	c = calloc(1, sizeof(*c));
 	if (!c) {
 		fail(err, ENOMEM, host, "allocate");
@@ -2987,6 +3055,8 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 	R.c = c;
 	R.im = &c->im[0];
 	R.root = root_dirfd;
+	if (open_live(&R, image_dirfd, src, host, err) < 0)
+		goto out_nochild;
 	R.extra_write = calloc(R.im->mm->nvma + 1, sizeof(bool));
 	if (!R.extra_write) {
 		fail(err, ENOMEM, host, "allocate");
@@ -3195,6 +3265,8 @@ out:
 	(void)ignored;
 	free(cur_x);
 out_nochild:
+	if (R.live_fd >= 0)
+		close(R.live_fd);
 	free(R.extra_write);
 	chain_free(c);
 	free(c);

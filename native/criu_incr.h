@@ -36,6 +36,10 @@ struct dbxcr_dump_opts {
 	 * that host carries the same filter (deltaboxd: sandbox processes and their init are
 	 * confined alike, and the daemon compares filter counts).  0: refuse (ENOTSUP). */
 	int seccomp_ok;
+	/* Index the pages without copying them (runs marked as staying in the template; no
+	 * parent, pages.img empty): a quick image for dbxcr_held_adopt with this template as
+	 * its src, useless once the template is released. */
+	int live;
 };
 
 struct dbxcr_dump_stats {
@@ -86,10 +90,14 @@ struct dbxcr_template *dbxcr_restore_template(pid_t host, int image_dirfd, int r
  * restored parent, stopped) with the pid opts->set_tid, re-rooted as dbxcr_spawn would
  * re-root a child of the image's template (opts), and held in turn: its own children can
  * be adopted the same way; dbxcr_held_release lets it run.  The restored parent can wait
- * for it, as the original parent could for the original child. */
+ * for it, as the original parent could for the original child.
+ * src (or NULL): the template the image was made from, or one restored from it; its
+ * memory holds the image's pages, so they are copied from there (no pages.img read, no
+ * hash to check): required for a live image (dbxcr_dump_opts.live).  Any thread: src is
+ * only read through /proc/PID/mem. */
 pid_t dbxcr_held_adopt(struct dbxcr_held *parent, int image_dirfd, int root_dirfd,
-		       const struct dbxcr_spawn_opts *opts, struct dbxcr_held **out,
-		       struct dbxcr_error *err);
+		       const struct dbxcr_template *src, const struct dbxcr_spawn_opts *opts,
+		       struct dbxcr_held **out, struct dbxcr_error *err);
 
 struct dbxcr_image_info {
 	int depth;		/* 0: full image */

@@ -152,8 +152,9 @@ class Images:
             self.dirs.setdefault(pid, path)
 
     def make(self, rec: ProcessRecord, tpl: native.Template) -> str:
-        """rec's image (a full dump of its template), made once. On the template's owner
-        thread. The sandbox's seccomp filter is the one the adopting parent has."""
+        """rec's image, made once: a live one (its pages indexed, left in the template,
+        which the adoption copies them from). On the template's owner thread. The
+        sandbox's seccomp filter is the one the adopting parent has."""
         path = self.dirs.get(rec.pid)
         if path is not None:
             return path
@@ -162,7 +163,7 @@ class Images:
                 os.makedirs(self.base, exist_ok=True)
             self.own = tempfile.mkdtemp(prefix="images-", dir=self.base)
         path = os.path.join(self.own, str(rec.pid))
-        native.dump(tpl, path, seccomp_ok=True)
+        native.dump(tpl, path, seccomp_ok=True, live=True)
         self.dirs[rec.pid] = path
         return path
 

@@ -646,8 +646,9 @@ class Held:
               **kwargs) -> Held:
         """The image's process restored as this process's own child (pid set_tid[0]), its
         mapped files opened under root_fd (ours), re-rooted as template.spawn(**kwargs)
-        would re-root a child of the image's template, held in turn. Raises ImageCorrupt
-        / CRError."""
+        would re-root a child of the image's template (the image's own, or one restored
+        from it: its memory is where the pages are copied from), held in turn. Raises
+        ImageCorrupt / CRError."""
         if self._handle is None:
             raise CRError(_errno.EINVAL, f"held process {self.pid} was released or killed")
         lib = _load_images()
@@ -655,7 +656,8 @@ class Held:
         try:
             with template._opts(**kwargs) as opts:
                 err, handle = _Err(), ctypes.c_void_p()
-                pid = lib.dbxcr_held_adopt(self._handle, ifd, root_fd, ctypes.byref(opts),
+                pid = lib.dbxcr_held_adopt(self._handle, ifd, root_fd, template._handle,
+                                           ctypes.byref(opts),
                                            ctypes.byref(handle), ctypes.byref(err))
         finally:
             os.close(ifd)
@@ -1191,7 +1193,8 @@ class DumpStats:
 class _DumpOpts(ctypes.Structure):
     _fields_ = [("parent_path", ctypes.c_char_p), ("parent_ref", ctypes.c_char_p),
                 ("max_chain", ctypes.c_int), ("fsync", ctypes.c_int),
-                ("strip_prefix", ctypes.c_char_p), ("seccomp_ok", ctypes.c_int)]
+                ("strip_prefix", ctypes.c_char_p), ("seccomp_ok", ctypes.c_int),
+                ("live", ctypes.c_int)]
 
 
 class _ImageInfo(ctypes.Structure):
@@ -1230,7 +1233,7 @@ def _load_images() -> ctypes.CDLL:
         lib.dbxcr_restore_template.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, err]
         lib.dbxcr_restore_template.restype = ctypes.c_void_p
         lib.dbxcr_held_adopt.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                         ctypes.POINTER(_SpawnOpts),
+                                         ctypes.c_void_p, ctypes.POINTER(_SpawnOpts),
                                          ctypes.POINTER(ctypes.c_void_p), err]
         lib.dbxcr_held_adopt.restype = ctypes.c_int
         lib.dbxcr_image_info.argtypes = [ctypes.c_int, ctypes.POINTER(_ImageInfo), err]
@@ -1251,14 +1254,15 @@ def _raise_img(err: _Err) -> None:
 
 
 def _dump_opts(path: str, parent: str | os.PathLike | None, max_chain: int, fsync: bool,
-               strip_prefix: str | None, seccomp_ok: bool) -> _DumpOpts:
+               strip_prefix: str | None, seccomp_ok: bool, live: bool = False) -> _DumpOpts:
     ppath = pref = None
     if parent is not None:
         parent_abs = os.path.abspath(os.fspath(parent))
         ppath = os.fsencode(parent_abs)
         pref = os.fsencode(os.path.relpath(parent_abs, path))
     return _DumpOpts(ppath, pref, max_chain, int(fsync),
-                     os.fsencode(strip_prefix) if strip_prefix else None, int(seccomp_ok))
+                     os.fsencode(strip_prefix) if strip_prefix else None, int(seccomp_ok),
+                     int(live))
 
 
 def _stats(st: _DumpStats) -> DumpStats:
@@ -1268,15 +1272,18 @@ def _stats(st: _DumpStats) -> DumpStats:
 
 def dump(template: Template, path: str | os.PathLike, parent: str | os.PathLike | None = None,
          *, max_chain: int = 8, fsync: bool = False,
-         strip_prefix: str | None = None, seccomp_ok: bool = False) -> DumpStats:
+         strip_prefix: str | None = None, seccomp_ok: bool = False,
+         live: bool = False) -> DumpStats:
     """Write the template's checkpoint state into the new directory `path` (must not
     exist), as a delta against the image `parent` if given.  strip_prefix: the sandbox's
     root as this process sees it, removed from mapped file paths so they resolve under the
     root_dir given at restore.  seccomp_ok: dump a process with a seccomp filter (not in the
     image: the restored process gets its restore host's filter; pass it only when that host
-    is confined alike).  Call on the template's owner thread."""
+    is confined alike).  live: index the pages without copying them (no parent): an image
+    only Held.adopt with this template restores, while it is held.  Call on the template's
+    owner thread."""
     return dump_begin(template, path, parent, max_chain=max_chain, fsync=fsync,
-                      strip_prefix=strip_prefix, seccomp_ok=seccomp_ok).finish()
+                      strip_prefix=strip_prefix, seccomp_ok=seccomp_ok, live=live).finish()
 
 
 class DumpJob:
@@ -1306,14 +1313,14 @@ class DumpJob:
 def dump_begin(template: Template, path: str | os.PathLike,
                parent: str | os.PathLike | None = None, *, max_chain: int = 8,
                fsync: bool = False, strip_prefix: str | None = None,
-               seccomp_ok: bool = False) -> DumpJob:
+               seccomp_ok: bool = False, live: bool = False) -> DumpJob:
     """The part of dump() that needs the tracer (call on the template's owner thread,
     with the template able to run injected calls); the returned job does the rest."""
     if template.released:
         raise CRError(_errno.EINVAL, f"template {template.pid} was released")
     lib = _load_images()
     path = os.path.abspath(os.fspath(path))
-    opts = _dump_opts(path, parent, max_chain, fsync, strip_prefix, seccomp_ok)
+    opts = _dump_opts(path, parent, max_chain, fsync, strip_prefix, seccomp_ok, live)
     handle, err = ctypes.c_void_p(), _Err()
     if lib.dbxcr_dump_begin(template._handle, os.fsencode(path), ctypes.byref(opts),
                             ctypes.byref(handle), ctypes.byref(err)) < 0:

@@ -518,8 +518,9 @@ static bool zombie_of(pid_t pid, pid_t parent)
 /* A held process (spawned from a template, stopped) adopts a child restored from an image:
  * the child is the held process's own (its parent pid, and once it exits a zombie waiting
  * for that parent: the restored host sits in pause() and does not reap), with the
- * image's state. */
-static void test_held_adopt(const char *base)
+ * image's state.  live: the image only indexes the pages, which are copied from the
+ * template given as the source; without that source it is refused, changing nothing. */
+static void test_held_adopt(const char *base, bool live)
 {
 	struct dbxcr_error err;
 	struct dbxcr_dump_stats st;
@@ -530,8 +531,8 @@ static void test_held_adopt(const char *base)
 	int fi = -1, root = -1, a[2] = { -1, -1 }, b[2] = { -1, -1 };
 	pid_t parent = -1, child = -1;
 
-	current_test = "held_adopt";
-	snprintf(img, sizeof(img), "%s/adopt", base);
+	current_test = live ? "held_adopt_live" : "held_adopt";
+	snprintf(img, sizeof(img), "%s/%s", base, live ? "adopt-live" : "adopt");
 	if (start_target("256", &orig) < 0 || start_target("host", &host) < 0) {
 		CHECK(0, "start targets");
 		goto out;
@@ -542,7 +543,14 @@ static void test_held_adopt(const char *base)
 	CHECK(tc != NULL, "make_template: %s", err.msg);
 	if (!tc)
 		goto out;
-	CHECK(dbxcr_dump(tc, img, NULL, &st, &err) == 0, "dump: %s", err.msg);
+	{
+		struct dbxcr_dump_opts d = { .live = live };
+
+		CHECK(dbxcr_dump(tc, img, &d, &st, &err) == 0, "dump: %s", err.msg);
+		CHECK(!live || (st.pages_written == 0 && st.pages_total > 0),
+		      "a live image copied %llu of %llu pages", (unsigned long long)st.pages_written,
+		      (unsigned long long)st.pages_total);
+	}
 	th = dbxcr_make_template(host.pid, &err);
 	CHECK(th != NULL, "make_template of the host: %s", err.msg);
 	if (!th)
@@ -566,7 +574,13 @@ static void test_held_adopt(const char *base)
 		struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1,
 					      .fds = m, .nfds = 2 };
 
-		child = dbxcr_held_adopt(hp, fi, root, &o, &hc, &err);
+		if (live) {
+			pid_t none = dbxcr_held_adopt(hp, fi, root, NULL, &o, &hc, &err);
+
+			CHECK(none < 0 && err.code == EBADMSG && hc == NULL,
+			      "a live image without its template: %d (%s)", (int)none, err.msg);
+		}
+		child = dbxcr_held_adopt(hp, fi, root, live ? tc : NULL, &o, &hc, &err);
 	}
 	CHECK(child > 0, "held_adopt: %s", err.msg);
 	if (child <= 0)
@@ -647,7 +661,8 @@ int main(int argc, char **argv)
 	test_hash();
 	test_dump_restore(base);
 	test_dump_two_steps(base);
-	test_held_adopt(base);
+	test_held_adopt(base, false);
+	test_held_adopt(base, true);
 	rm_rf(base);
 	if (failures) {
 		fprintf(stderr, "test_criu_incr: %d failure(s)\n", failures);
