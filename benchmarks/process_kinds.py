@@ -11,9 +11,11 @@ directories with inotify, as a dev server with hot reload watches its project
 (deltabox/cr/watches.py: each watch's file found by path at the checkpoint and watched
 again at the rollback), and a plain one a shell waits for (`cd dir && nohup prog &` leaves
 a subshell in wait4: restored as that shell's own child from an image of its template,
-deltabox/cr/adoption.py; every other kind starts with `cd dir; nohup prog &`, no shell
-waiting), in the same run on one private daemon, each in a sandbox of its own with the same
-memory (--mb).
+its memory copied from the template, deltabox/cr/adoption.py; every other kind starts with
+`cd dir; nohup prog &`, no shell waiting), and the plain one beside an idle bash session
+(`session`) or a session with a small background job (`job`: `sleep 1000 &`, adopted by
+the restored shell, checked to be its child after every rollback), in the same run on one
+private daemon, each in a sandbox of its own with the same memory (--mb).
 
 Each rep, for every kind in turn (the order rotates): the process changes its state (a
 counter and a page of its memory), pauses (--think: the warm pool prepares meanwhile),
@@ -44,7 +46,11 @@ from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, latenc
                                terminate_as_exception, wait_until, write_json)
 from deltabox import Sandbox
 
-KINDS = ("plain", "asyncio", "tempfile", "threads", "shared", "watcher", "waited")
+KINDS = ("plain", "asyncio", "tempfile", "threads", "shared", "watcher", "waited",
+         "session", "job")
+# Kinds whose process is the plain one, beside a bash session: idle (`session`), or with a
+# background job (`job`: `sleep 1000 &`, adopted by the restored shell: adoption.py).
+SESSION_KINDS = {"session": "true", "job": "sleep 1000 &"}
 
 PROG = r"""
 import asyncio, concurrent.futures, ctypes, hashlib, os, select, socket, struct, sys
@@ -174,10 +180,21 @@ def start(d: PrivateDaemon, kind: str, mb: int, temp_mb: int, dirs: int) -> Sand
     sbx = Sandbox.create(socket=d.socket)
     sbx.files.write("prog.py", PROG)
     then = "&&" if kind == "waited" else ";"
-    sbx.exec(f"cd /workspace {then} nohup python3 prog.py {kind} {mb} {temp_mb} {dirs} "
+    prog = "plain" if kind in SESSION_KINDS else kind
+    sbx.exec(f"cd /workspace {then} nohup python3 prog.py {prog} {mb} {temp_mb} {dirs} "
              ">/dev/null 2>&1 &")
     wait_until(lambda: sbx.files.exists("ready"), f"the {kind} process")
+    if kind in SESSION_KINDS:
+        sbx.session("main").run(SESSION_KINDS[kind])
     return sbx
+
+
+def _job_is_the_shells(sbx: Sandbox) -> None:
+    """The session's background job is the restored shell's own child, still running."""
+    r = sbx.session("main").run('echo "$(ps -o ppid= -p $(jobs -p)) $BASHPID"; jobs')
+    ids = r.stdout.split("\n")[0].split()
+    if len(ids) != 2 or ids[0] != ids[1] or "Running" not in r.stdout:
+        raise RuntimeError(f"after the rollback the session's job is not its child: {r.stdout!r}")
 
 
 def _dump_done(sbx: Sandbox, cp_id: str) -> None:
@@ -188,7 +205,8 @@ def _dump_done(sbx: Sandbox, cp_id: str) -> None:
     wait_until(done, "the process dump")
 
 
-def one_rep(sbx: Sandbox, think: float) -> dict[str, float]:
+def one_rep(sbx: Sandbox, think: float, kind: str = "", dump_wait: bool = True
+            ) -> dict[str, float]:
     """Change, checkpoint; change, roll back; check. Latencies in ms. Between the timed
     calls the checkpoint's process dump is waited for and dirty pages are written out
     (untimed), so no call pays for another's background work. (Not btrfs's cleaner of the
@@ -202,7 +220,8 @@ def one_rep(sbx: Sandbox, think: float) -> dict[str, float]:
     ck = (time.perf_counter() - t0) * 1000
     if cp.kind != "full":
         raise RuntimeError(f"checkpoint kind {cp.kind}: {cp.reasons}")
-    _dump_done(sbx, cp.id)
+    if dump_wait:
+        _dump_done(sbx, cp.id)
     os.sync()
     _ask(sbx, "bump")
     time.sleep(think)
@@ -214,6 +233,8 @@ def one_rep(sbx: Sandbox, think: float) -> dict[str, float]:
     got = _report(sbx)
     if got != want:
         raise RuntimeError(f"after the rollback the process reports {got!r}, not {want!r}")
+    if kind == "job":
+        _job_is_the_shells(sbx)
     return {"checkpoint": ck, "checkpoint_server": cp.duration_ms,
             "rollback": rb_ms, "rollback_server": rb.duration_ms}
 
@@ -221,11 +242,11 @@ def one_rep(sbx: Sandbox, think: float) -> dict[str, float]:
 OPS = ("checkpoint", "checkpoint_server", "rollback", "rollback_server")
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(runs: list[dict[str, Any]], kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
     s: dict[str, Any] = {k: {op: stats([r[op] for r in runs if r["kind"] == k]) for op in OPS}
-                         for k in KINDS}
+                         for k in kinds}
     s["p50_over_plain"] = {k: {op: s[k][op]["p50"] / s["plain"][op]["p50"] for op in OPS}
-                           for k in KINDS if k != "plain"}
+                           for k in kinds if k != "plain"}
     return s
 
 
@@ -234,7 +255,8 @@ def plot(runs: list[dict[str, Any]], path: Path, machine: dict[str, Any]) -> Pat
         plt = pyplot()
     except ImportError:
         return None
-    groups = {op: {k: [r[op] for r in runs if r["kind"] == k] for k in KINDS} for op in OPS}
+    kinds = [k for k in KINDS if any(r["kind"] == k for r in runs)]
+    groups = {op: {k: [r[op] for r in runs if r["kind"] == k] for k in kinds} for op in OPS}
     fig, ax = plt.subplots(figsize=(10, 4.5))
     latency_boxplot(ax, groups, log_scale=False)
     finish_figure(fig, path, "by what the process holds (client; _server: daemon)", machine)
@@ -251,20 +273,30 @@ def main() -> int:
     p.add_argument("--watch-dirs", type=int, default=200,
                    help="directories the watcher kind watches with inotify")
     p.add_argument("--think", type=float, default=0.3, help="pause before each op (s)")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help="comma-separated subset of " + ", ".join(KINDS) + " (plain always)")
+    p.add_argument("--no-dump-wait", action="store_true",
+                   help="roll back without waiting for the checkpoint's process dump (a "
+                        "restore that adopts then makes its own image of the child)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
+    kinds = tuple(k for k in KINDS if k == "plain" or k in args.kinds.split(","))
+    if unknown := set(args.kinds.split(",")) - set(KINDS):
+        p.error(f"unknown kinds: {', '.join(sorted(unknown))}")
+    wait = not args.no_dump_wait
     runs: list[dict[str, Any]] = []
     with terminate_as_exception(), PrivateDaemon() as d:
         boxes: dict[str, Sandbox] = {}
         try:
-            for k in KINDS:
+            for k in kinds:
                 boxes[k] = start(d, k, args.mb, args.temp_mb, args.watch_dirs)
-            for k in KINDS:  # warm-up: first checkpoint and rollback of each
-                one_rep(boxes[k], args.think)
+            for k in kinds:  # warm-up: first checkpoint and rollback of each
+                one_rep(boxes[k], args.think, k, wait)
             for rep in range(args.reps):
-                order = KINDS[rep % len(KINDS):] + KINDS[:rep % len(KINDS)]
+                order = kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]
                 for k in order:
-                    runs.append({"kind": k, "rep": rep, **one_rep(boxes[k], args.think)})
+                    runs.append({"kind": k, "rep": rep,
+                                 **one_rep(boxes[k], args.think, k, wait)})
                 if rep % 5 == 4:
                     log(f"rep {rep + 1}/{args.reps}")
         finally:
@@ -273,14 +305,14 @@ def main() -> int:
         result: dict[str, Any] = {"benchmark": "process_kinds", "reps": args.reps,
                                   "mb": args.mb, "temp_mb": args.temp_mb,
                                   "watch_dirs": args.watch_dirs,
-                                  "think_s": args.think, "runs": runs,
-                                  "summary": summarize(runs)}
+                                  "think_s": args.think, "dump_wait": wait, "runs": runs,
+                                  "summary": summarize(runs, kinds)}
         info = machine_info(d.socket)
     record_cleanup(result, d)
     path = write_json(args.out / "process_kinds.json", result, info)
     png = plot(runs, args.out / "process_kinds.png", info)
     s = result["summary"]
-    for k in KINDS:
+    for k in kinds:
         print(f"{k:9s} checkpoint p50 {s[k]['checkpoint']['p50']:6.2f} ms "
               f"(daemon {s[k]['checkpoint_server']['p50']:5.2f}) | rollback p50 "
               f"{s[k]['rollback']['p50']:6.2f} ms (daemon {s[k]['rollback_server']['p50']:5.2f})")

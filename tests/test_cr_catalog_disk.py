@@ -31,6 +31,7 @@ from test_cr import (  # noqa: F401  (the catalog's cases, run here with the dis
     test_counter_file_and_memory_agree, test_deleted_open_temp_file, test_dontfork_mapping,
     test_inotify_watches, test_listener_beside_received_descriptors,
     test_listener_without_reuseaddr_beside_its_connection, test_process_waiting_for_its_child,
+    test_shell_background_job_is_its_child_again,
     test_lone_session_leader_keeps_its_pid, test_loopback_tcp_server_answers, test_main_thread_registrations,
     test_multiprocessing_pool_and_executor,
     test_nested_children_and_process_group, test_node_http_server, test_threads_come_back,

@@ -12,22 +12,31 @@ copied in, then re-rooted like any spawn, held in turn for its own children), an
 them all run together: no parent runs before its children exist, and each can wait for
 its own.
 
-Which children: those a captured parent was waiting for at the checkpoint (one of its
-threads stopped in a wait4/waitid this child would answer: a shell running a command, a
-shell loop's `sleep`, `subprocess.run`, a child watcher thread): without adoption that
-wait fails as soon as the parent runs. The copy costs about what restoring the child from
-disk does (a few ms for a shell or a small tool; a big child, e.g. a server started with
-`cd dir && nohup server &`, whose subshell waits for it, costs its size). Other children
-come back from their templates as before (fast, from carriers; their parent is init, so
-a later wait for them fails: a shell's background job, a Popen waited for later). Not
-adoptable: a child in another session than its parent's that does not lead it (it could
-not be put back in that session); its parent waiting for it is refused at the checkpoint
-(refusals).
+Which children (in their parent's session, or leading one of their own):
+- those a captured parent was waiting for at the checkpoint (one of its threads stopped
+  in a wait4/waitid this child would answer: a shell running a command, a shell loop's
+  `sleep`, `subprocess.run`, a child watcher thread): without adoption that wait fails
+  as soon as the parent runs, whatever the child's size;
+- every other child up to ADOPT_MAX_RSS_KB resident that maps no memory shared with
+  another process (unlinked.py re-shares such memory between template children only): a
+  shell's background job (`cmd &`, which the shell reaps when it ends and a later `wait`
+  waits for), a Popen waited for later, a small worker. Without adoption it would come
+  back as a child of init: the shell's `wait` would return at once and its `jobs` would
+  say Running forever.
+The copy costs its memory (about 0.5 ms per MB here, both CPUs copying, on top of the
+mappings and the held spawn): a shell's job or a small tool costs a few ms, a 10 MB
+python ~18 ms, 20 of them ~0.5 s, more than restarting them. So bigger children that
+nobody waits for (a server or a worker started with `nohup prog &`) come back from their
+templates as before (fast, from carriers) as children of init; the rollback's response
+names them (orphaned). Not adoptable: a child in another session
+than its parent's that does not lead it (it could not be put back in that session); its
+parent waiting for it is refused at the checkpoint (refusals).
 
-The images are the checkpoint's durable process dump (daemon/dumps.py, written in the
-background after every full checkpoint) once it is complete; a restore before that makes
-a full dump of the child's template (native/criu_incr.c) once per checkpoint, removed
-with it.
+The images: the checkpoint's durable process dump (daemon/dumps.py, written in the
+background after every full checkpoint) once it is complete, else a live image of the
+child's template (its pages indexed, left where they are: 3-5 ms for 50 MB), made once
+per checkpoint and removed with it. Either way the pages are copied from the template's
+memory (native/criu_incr.c: dbxcr_held_adopt's source).
 """
 
 from __future__ import annotations
@@ -41,6 +50,10 @@ from . import native
 from .capture import ProcessRecord, Refusal
 
 SYS_WAIT4, SYS_WAITID = 61, 247        # x86_64
+# The biggest child adopted though its parent does not wait for it (see the module doc):
+# 8 MB resident, a shell, a `sleep`, a small tool (~4 ms to adopt here); a python
+# process is bigger (a 10 MB one took ~18 ms: the copy, the mappings, the held spawn).
+ADOPT_MAX_RSS_KB = 8 * 1024
 WNOHANG, P_PID = 1, 1
 Calls = Sequence[tuple[int, Sequence[int]]]   # Template.syscalls(): per thread (nr, args)
 
@@ -57,10 +70,37 @@ def adoptees(records: Iterable[ProcessRecord],
         parent = by_pid.get(r.ppid)
         if parent is None or not _same_session(r, parent):
             continue
+        if cheap(r):
+            out[r.pid] = parent.pid
+            continue
         if parent.pid not in calls:
             calls[parent.pid] = _calls(templates, parent)
         if _waiting_for(calls[parent.pid], r):
             out[r.pid] = parent.pid
+    return out
+
+
+def cheap(child: ProcessRecord) -> bool:
+    """Adopted whether or not its parent waits for it: small, and sharing no memory."""
+    return child.rss_kb <= ADOPT_MAX_RSS_KB and not child.shared
+
+
+def orphaned(records: Iterable[ProcessRecord], family: Mapping[int, int]) -> list[str]:
+    """The captured children of captured parents that a restore does not adopt, as the
+    response names them: each comes back as a child of init."""
+    recs = list(records)
+    by_pid = {r.pid: r for r in recs}
+    out = []
+    for r in recs:
+        parent = by_pid.get(r.ppid)
+        if parent is None or r.pid in family:
+            continue
+        why = ("it maps memory shared with another process" if r.shared else
+               f"its {r.rss_kb // 1024} MB are over the {ADOPT_MAX_RSS_KB // 1024} MB "
+               "copied for a child its parent does not wait for"
+               if _same_session(r, parent) else "it is in another session")
+        out.append(f"pid {r.nspid} ({r.cmd}) is now a child of init, not of pid "
+                   f"{parent.nspid} ({why})")
     return out
 
 

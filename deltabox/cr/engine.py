@@ -30,9 +30,11 @@ rejoin it at the rollback. Not preserved:
   session), so it comes back with a new pid (its group and session ids, and its own idea of
   `$$`, unchanged); the same for any process whose pid is, by the rollback, another
   template's session or group id (the response's note names those pids);
-- a restored process's *parent*: it is the parent its template had, which is the sandbox's
-  init when the original parent died in the rollback (so a shell's `wait` no longer sees its
-  restored background jobs).
+- the *parent* of a child bigger than adoption.ADOPT_MAX_RSS_KB that its parent was not
+  waiting for: it is the parent its template had, the sandbox's init once the original
+  parent died in the rollback (the response's note names it). Every other child of a
+  captured parent is adopted by its restored parent (adoption.py): restored held, its
+  memory copied in from its template.
 
 Restoring into a fork (`Elsewhere`): the fork's pid namespace is nested below the templates'
 sandbox's, so a template can give birth there (setns into it around clone3); the child joins
@@ -187,6 +189,11 @@ class ProcessState:
     def adopters(self) -> set[int]:
         """The parents in `family`: restored held until their children exist."""
         return set(self.family.values())
+
+    @functools.cached_property
+    def orphans(self) -> str:
+        """What a restore's response says of the children it does not adopt ("": none)."""
+        return "; ".join(adoption.orphaned(self.records, self.family))
 
 
 @dataclass

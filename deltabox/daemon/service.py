@@ -1859,6 +1859,8 @@ class Daemon:
         if restored.renumbered:
             note += (f"; pid {', '.join(map(str, restored.renumbered))} was in use as another "
                      "checkpoint's process group or session id: restored with a new pid")
+        if state.orphans:
+            note += f"; {state.orphans}"
         return "restored", note, set(restored.pids.values())
 
     async def _restore_from_disk(self, live: Live, cp: CheckpointRow, key: str,
@@ -2124,8 +2126,8 @@ class Daemon:
                 finally:
                     with trio.CancelScope(shield=True):
                         await self.cr.close_lanes(state)
-                return rows, "restored", (f"{len(state.records)} processes restored from "
-                                          "templates in each fork")
+                return rows, "restored", _with(f"{len(state.records)} processes restored "
+                                               "from templates in each fork", state.orphans)
             # The templates come from the dump, rebuilt in the holder from the first child's
             # files: the children boot first, then their processes are restored.
             rows = await self._fork_files(cp, count, shared_layer, owner)
@@ -2161,8 +2163,8 @@ class Daemon:
                     await self.cr.close_lanes(state)
         if self.live.get(owner) is live_owner:
             self._evict_templates(live_owner)  # the dump added templates
-        return rows, "restored", (f"{len(state.records)} processes restored from disk (dump "
-                                  f"of {key}) in each fork")
+        return rows, "restored", _with(f"{len(state.records)} processes restored from disk "
+                                       f"(dump of {key}) in each fork", state.orphans)
 
     async def _restore_fork_child(self, key: str, state: ProcessState, row: SandboxRow
                                   ) -> None:
@@ -2412,6 +2414,11 @@ def _nested(store_root: Path, image_root: Path) -> bool:
     if os.stat(store_root).st_dev != os.stat(image_root).st_dev:
         return False
     return store_root.resolve().is_relative_to(image_root.resolve())
+
+
+def _with(note: str, more: str) -> str:
+    """A response's note with `more` after it, if any."""
+    return f"{note}; {more}" if more else note
 
 
 def _fork_failed(cp: CheckpointRow, e: Exception) -> ResourceExhausted | None:
