@@ -51,9 +51,10 @@ from .capture import ProcessRecord, Refusal
 
 SYS_WAIT4, SYS_WAITID = 61, 247        # x86_64
 # The biggest child adopted though its parent does not wait for it (see the module doc):
-# 8 MB resident, a shell, a `sleep`, a small tool (~4 ms to adopt here); a python
-# process is bigger (a 10 MB one took ~18 ms: the copy, the mappings, the held spawn).
-ADOPT_MAX_RSS_KB = 8 * 1024
+# 6 MB resident, a shell, a `sleep`, a small tool (~4 ms to adopt here); never a python
+# interpreter (8 MB idle; a 10 MB one took ~18 ms: the copy, the mappings, the held
+# spawn), so that whether one is adopted does not hang on a few pages.
+ADOPT_MAX_RSS_KB = 6 * 1024
 WNOHANG, P_PID = 1, 1
 Calls = Sequence[tuple[int, Sequence[int]]]   # Template.syscalls(): per thread (nr, args)
 
