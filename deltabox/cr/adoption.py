@@ -86,9 +86,11 @@ def cheap(child: ProcessRecord) -> bool:
     return child.rss_kb <= ADOPT_MAX_RSS_KB and not child.shared
 
 
-def orphaned(records: Iterable[ProcessRecord], family: Mapping[int, int]) -> list[str]:
+def orphaned(records: Iterable[ProcessRecord], family: Mapping[int, int],
+             most: int = 3) -> list[str]:
     """The captured children of captured parents that a restore does not adopt, as the
-    response names them: each comes back as a child of init."""
+    response names them (the first `most`, then how many more): each comes back as a
+    child of init."""
     recs = list(records)
     by_pid = {r.pid: r for r in recs}
     out = []
@@ -102,6 +104,8 @@ def orphaned(records: Iterable[ProcessRecord], family: Mapping[int, int]) -> lis
                if _same_session(r, parent) else "it is in another session")
         out.append(f"pid {r.nspid} ({r.cmd}) is now a child of init, not of pid "
                    f"{parent.nspid} ({why})")
+    if len(out) > most:
+        out[most:] = [f"and {len(out) - most} more children likewise"]
     return out
 
 
