@@ -1588,7 +1588,12 @@ def test_threads_roll_back_in_a_fork(sbx: Sandbox) -> None:
             r = kid.rollback(cp)
             assert r.process_state == "restored", r.note
             assert _report(kid) == before
-        _ask(kid, "join")
+        try:
+            _ask(kid, "join")
+        except AssertionError as e:  # which threads hang, and where (a CI run saw this once)
+            tasks = kid.exec("for t in /proc/$(pgrep -of '^python3 thr.py')/task/*; do "
+                             "echo $t $(cat $t/comm) $(cat $t/wchan) $(cat $t/syscall); done")
+            raise AssertionError(f"join did not finish: {tasks.stdout}") from e
         assert kid.files.read("state").decode().startswith("alive=[] took=True ")
     finally:
         kid.kill()
