@@ -34,7 +34,7 @@ parent waiting for it is refused at the checkpoint (refusals).
 
 The images: the checkpoint's durable process dump (daemon/dumps.py, written in the
 background after every full checkpoint) once it is complete, else a live image of the
-child's template (its pages indexed, left where they are: 3-5 ms for 50 MB), made once
+child's template (its pages indexed, not copied: a few ms), made once
 per checkpoint and removed with it. Either way the pages are copied from the template's
 memory (native/criu_incr.c: dbxcr_held_adopt's source).
 """
@@ -51,7 +51,7 @@ from .capture import ProcessRecord, Refusal
 
 SYS_WAIT4, SYS_WAITID = 61, 247        # x86_64
 # The biggest child adopted though its parent does not wait for it (see the module doc):
-# 6 MB resident, a shell, a `sleep`, a small tool (~4 ms to adopt here); never a python
+# 6 MB resident, a shell, a `sleep`, a small tool (a few ms to adopt); never a python
 # interpreter (8 MB idle; a 10 MB one took ~18 ms: the copy, the mappings, the held
 # spawn), so that whether one is adopted does not hang on a few pages.
 ADOPT_MAX_RSS_KB = 6 * 1024
