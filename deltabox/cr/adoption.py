@@ -44,7 +44,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from . import native
 from .capture import ProcessRecord, Refusal
@@ -63,13 +63,10 @@ def adoptees(records: Iterable[ProcessRecord],
              templates: Mapping[int, native.Template]) -> dict[int, int]:
     """Captured child -> captured parent (host pids at the checkpoint) of the children a
     restore gives back to their restored parent (see the module doc)."""
-    recs = list(records)
-    by_pid = {r.pid: r for r in recs}
     calls: dict[int, Calls] = {}   # each parent's, read once
     out = {}
-    for r in recs:
-        parent = by_pid.get(r.ppid)
-        if parent is None or not _same_session(r, parent):
+    for r, parent in _with_parents(records):
+        if not _same_session(r, parent):
             continue
         if cheap(r):
             out[r.pid] = parent.pid
@@ -91,12 +88,9 @@ def orphaned(records: Iterable[ProcessRecord], family: Mapping[int, int],
     """The captured children of captured parents that a restore does not adopt, as the
     response names them (the first `most`, then how many more): each comes back as a
     child of init."""
-    recs = list(records)
-    by_pid = {r.pid: r for r in recs}
     out = []
-    for r in recs:
-        parent = by_pid.get(r.ppid)
-        if parent is None or r.pid in family:
+    for r, parent in _with_parents(records):
+        if r.pid in family:
             continue
         why = ("it maps memory shared with another process" if r.shared else
                f"its {r.rss_kb // 1024} MB are over the {ADOPT_MAX_RSS_KB // 1024} MB "
@@ -113,15 +107,15 @@ def refusals(records: Iterable[ProcessRecord],
              templates: Mapping[int, native.Template]) -> list[Refusal]:
     """A process with a thread waiting for a child that cannot be adopted: once restored
     the wait would fail (ECHILD) and the program would take a made-up exit status."""
-    recs = list(records)
+    calls: dict[int, Calls] = {}   # each parent's, read once
     out = []
-    for parent in recs:
-        kids = [r for r in recs if r.ppid == parent.pid and not _same_session(r, parent)]
-        calls = _calls(templates, parent) if kids else []
-        for kid in kids:
-            name = _waiting_for(calls, kid)
-            if name is None:
-                continue
+    for kid, parent in _with_parents(records):
+        if _same_session(kid, parent):
+            continue
+        if parent.pid not in calls:
+            calls[parent.pid] = _calls(templates, parent)
+        name = _waiting_for(calls[parent.pid], kid)
+        if name is not None:
             out.append(Refusal(parent.nspid, parent.cmd, (
                 f"waits for its child {kid.nspid} ({kid.cmd}) ({name}), which would not be "
                 "its child once restored (it is in another session than its parent's, which "
@@ -129,6 +123,16 @@ def refusals(records: Iterable[ProcessRecord],
                 "status would follow; checkpoint once the wait has returned, or with "
                 "mode=\"fs\"")))
     return out
+
+
+def _with_parents(records: Iterable[ProcessRecord]
+                  ) -> Iterator[tuple[ProcessRecord, ProcessRecord]]:
+    """Each captured process whose parent is captured too, with that parent."""
+    recs = list(records)
+    by_pid = {r.pid: r for r in recs}
+    for r in recs:
+        if (parent := by_pid.get(r.ppid)) is not None:
+            yield r, parent
 
 
 def _same_session(child: ProcessRecord, parent: ProcessRecord) -> bool:

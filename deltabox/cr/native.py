@@ -415,27 +415,25 @@ class Template:
     def spawn_carrier(self, **kwargs) -> Carrier:
         """A carrier of this template's process, re-rooted as spawn() would (same
         arguments), held stopped until Carrier.birth(). Same thread."""
-        with self._opts(**kwargs) as opts:
-            err = _Err()
-            handle = ctypes.c_void_p()
-            pid = _load().dbxcr_spawn_carrier(self._handle, ctypes.byref(opts),
-                                              ctypes.byref(handle), ctypes.byref(err))
-        if pid < 0:
-            _raise(err)
-        return Carrier(handle.value, pid)
+        return Carrier(*self._spawn_stopped(_load().dbxcr_spawn_carrier, kwargs))
 
     def spawn_held(self, **kwargs) -> Held:
         """A child spawned as spawn() would (same arguments) but held stopped, with the
         checkpoint's state, until Held.release(): a restored parent whose children
         Held.adopt() gives it first. Same thread."""
+        return Held(*self._spawn_stopped(_load().dbxcr_spawn_held, kwargs))
+
+    def _spawn_stopped(self, fn, kwargs: dict) -> tuple[int, int]:
+        """(handle, pid) of a child the C call `fn` spawns stopped (a carrier, a held
+        process) with spawn()'s options."""
         with self._opts(**kwargs) as opts:
             err = _Err()
             handle = ctypes.c_void_p()
-            pid = _load().dbxcr_spawn_held(self._handle, ctypes.byref(opts),
-                                           ctypes.byref(handle), ctypes.byref(err))
+            pid = fn(self._handle, ctypes.byref(opts), ctypes.byref(handle), ctypes.byref(err))
         if pid < 0:
             _raise(err)
-        return Held(handle.value, pid)
+        assert handle.value is not None
+        return handle.value, pid
 
     @contextlib.contextmanager
     def _opts(self, fds: Mapping[int, int] | None = None,

@@ -1859,9 +1859,7 @@ class Daemon:
         if restored.renumbered:
             note += (f"; pid {', '.join(map(str, restored.renumbered))} was in use as another "
                      "checkpoint's process group or session id: restored with a new pid")
-        if state.orphans:
-            note += f"; {state.orphans}"
-        return "restored", note, set(restored.pids.values())
+        return "restored", _with(note, state.orphans), set(restored.pids.values())
 
     async def _restore_from_disk(self, live: Live, cp: CheckpointRow, key: str,
                                  gen: runtime.Generation) -> tuple[str, str, set[int]] | None:

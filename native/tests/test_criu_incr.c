@@ -94,16 +94,12 @@ static int ask(struct proc *p, const char *cmd, char *reply, size_t len)
 /* Wait until pid blocks in read(2) (first field of /proc/pid/syscall is 0), twice. */
 static void wait_in_read(pid_t pid)
 {
-	char path[64], buf[64];
+	char buf[64];
 	int seen = 0;
 
-	snprintf(path, sizeof(path), "/proc/%d/syscall", (int)pid);
 	for (int i = 0; i < 500 && seen < 2; i++) {
-		int fd = open(path, O_RDONLY);
-		ssize_t n = fd >= 0 ? read(fd, buf, sizeof(buf) - 1) : -1;
+		ssize_t n = proc_read(pid, "syscall", buf, sizeof(buf));
 
-		if (fd >= 0)
-			close(fd);
 		seen = (n > 1 && buf[0] == '0' && buf[1] == ' ') ? seen + 1 : 0;
 		usleep(10000);
 	}
@@ -471,45 +467,38 @@ out:
 	kill_wait(orig.pid);
 }
 
+/* pid's state letter and parent (/proc/pid/stat); false if it is gone. */
+static bool stat_of(pid_t pid, char *state, pid_t *ppid)
+{
+	char buf[512], *p;
+	int pp;
+
+	if (proc_read(pid, "stat", buf, sizeof(buf)) < 0)
+		return false;
+	p = strrchr(buf, ')');	/* comm may hold spaces */
+	if (!p || sscanf(p + 2, "%c %d", state, &pp) != 2)
+		return false;
+	*ppid = pp;
+	return true;
+}
+
 static pid_t ppid_of(pid_t pid)
 {
-	char path[64], buf[512], *p;
-	int fd, ppid = -1;
-	ssize_t n;
+	char state;
+	pid_t ppid;
 
-	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-	fd = open(path, O_RDONLY);
-	if (fd < 0)
-		return -1;
-	n = read(fd, buf, sizeof(buf) - 1);
-	close(fd);
-	if (n <= 0)
-		return -1;
-	buf[n] = '\0';
-	p = strrchr(buf, ')');	/* comm may hold spaces */
-	if (!p || sscanf(p + 2, "%*c %d", &ppid) != 1)
-		return -1;
-	return ppid;
+	return stat_of(pid, &state, &ppid) ? ppid : -1;
 }
 
 /* Whether pid exits within 5 s and stays a zombie of `parent` (which does not reap). */
 static bool zombie_of(pid_t pid, pid_t parent)
 {
-	char path[64], buf[512], *p;
+	char state;
+	pid_t ppid;
 
-	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-	for (int i = 0; i < 500; i++) {
-		int fd = open(path, O_RDONLY);
-		ssize_t n = fd >= 0 ? read(fd, buf, sizeof(buf) - 1) : -1;
-
-		if (fd >= 0)
-			close(fd);
-		if (n <= 0)
-			return false;
-		buf[n] = '\0';
-		p = strrchr(buf, ')');
-		if (p && p[2] == 'Z')
-			return ppid_of(pid) == parent;
+	for (int i = 0; i < 500 && stat_of(pid, &state, &ppid); i++) {
+		if (state == 'Z')
+			return ppid == parent;
 		usleep(10000);
 	}
 	return false;

@@ -64,18 +64,10 @@ static void sleep_ms(int ms)
 
 static long current_syscall(pid_t pid)
 {
-	char path[64], buf[256];
-	int fd;
-	ssize_t n;
+	char buf[256];
 
-	snprintf(path, sizeof(path), "/proc/%d/syscall", (int)pid);
-	fd = open(path, O_RDONLY);
-	n = fd >= 0 ? read(fd, buf, sizeof(buf) - 1) : -1;
-	if (fd >= 0)
-		close(fd);
-	if (n <= 0 || buf[0] < '0' || buf[0] > '9')
+	if (proc_read(pid, "syscall", buf, sizeof(buf)) < 0 || buf[0] < '0' || buf[0] > '9')
 		return -1;	/* "running" or gone */
-	buf[n] = '\0';
 	return strtol(buf, NULL, 10);
 }
 
@@ -141,19 +133,11 @@ static void kill_reap(pid_t pid)
 
 static long long fd_pos(pid_t pid, int fd)
 {
-	char path[64], buf[256];
-	int f;
-	ssize_t n;
+	char name[32], buf[256];
 
-	snprintf(path, sizeof(path), "/proc/%d/fdinfo/%d", (int)pid, fd);
-	f = open(path, O_RDONLY);
-	if (f < 0)
+	snprintf(name, sizeof(name), "fdinfo/%d", fd);
+	if (proc_read(pid, name, buf, sizeof(buf)) < 0)
 		return -1;
-	n = read(f, buf, sizeof(buf) - 1);
-	close(f);
-	if (n <= 0)
-		return -1;
-	buf[n] = '\0';
 	return strtoll(buf + strlen("pos:"), NULL, 10);
 }
 

@@ -2,9 +2,31 @@
 #ifndef DBX_TEST_UTIL_H
 #define DBX_TEST_UTIL_H
 
+#include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/types.h>
+#include <unistd.h>
+
+/* /proc/pid/<name> (one read: stat, syscall, fdinfo/N ...) into buf, NUL-terminated; its
+ * length, -1 if the process is gone or the file empty. */
+static inline ssize_t proc_read(pid_t pid, const char *name, char *buf, size_t len)
+{
+	char path[96];
+	ssize_t n;
+	int fd;
+
+	snprintf(path, sizeof(path), "/proc/%d/%s", (int)pid, name);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	n = read(fd, buf, len - 1);
+	close(fd);
+	if (n <= 0)
+		return -1;
+	buf[n] = '\0';
+	return n;
+}
 
 /* /proc/pid/comm without its newline ("" if the process is gone). */
 static inline const char *comm_of(pid_t pid, char buf[32])
