@@ -536,12 +536,14 @@ class Daemon:
         `take_layer`: gets the sandbox its layer (sets row.layer_id) while init starts, which
         needs none (a fork's children start their inits while their layers are cloned)."""
         if take_layer is None:
-            self._limit_disk(row, row.layer_id)  # before anything runs, as it may fail
+            await self._limit_disk(row, row.layer_id)  # before anything runs: it may fail
         limits = Limits(row.memory_mb, row.pids_max, row.cpus)
-        cg = self.cgroups.create(row.id, limits)
         parent_pid = self.live[nest_under].rt.init_pid if nest_under else None
 
         async def start() -> None:
+            # Made here, not before the tasks start: a fork's children each start their
+            # init right after their own cgroup, instead of after all of theirs.
+            cg = self.cgroups.create(row.id, limits)
             rt = await runtime.start_init(row.id, cg, row.hostname, nest_under=parent_pid,
                                           userns=self.cfg.userns if row.userns else None)
             self.live[row.id] = Live(rt, nest_parent=nest_under)  # _stop finds it from here
@@ -550,8 +552,7 @@ class Daemon:
         if take_layer is None:
             await start()
         else:
-            await run_all([start, take_layer])
-            self._limit_disk(row, row.layer_id)
+            await run_all([start, take_layer])  # take_layer sets the disk quota
         live = self.live[row.id]
         rt = live.rt
         lowers = self._lowers(self._image(row.image), row.bases)
@@ -571,11 +572,14 @@ class Daemon:
         keep = live.rt.keep_pids
         self.turns.watch(sid, cgid, keep | (pids or set()), lived_on=keep)
 
-    def _limit_disk(self, row: SandboxRow, layer: str) -> None:
+    async def _limit_disk(self, row: SandboxRow, layer: str) -> None:
         """Put the sandbox's disk quota on a writable layer it is about to use (btrfs simple
-        quota: a write beyond it fails with EDQUOT inside the sandbox; sandbox/quota.py)."""
+        quota: a write beyond it fails with EDQUOT inside the sandbox; sandbox/quota.py).
+        In a thread: the ioctl joins a btrfs transaction, so it waits for a commit under
+        way (a snapshot's: up to 30 ms in a fork(32)), which must not stall the loop."""
         if row.disk_mb and self.disk_quota:
-            quota.limit(self.store.layer_path(layer), row.disk_mb << 20)
+            await trio.to_thread.run_sync(quota.limit, self.store.layer_path(layer),
+                                          row.disk_mb << 20)
 
     async def _watch(self, sid: str, rt: runtime.Runtime) -> None:
         """Reap the launcher. If init dies on its own, the pid namespace is gone: the sandbox
@@ -1667,7 +1671,7 @@ class Daemon:
         try:
             crash_point("rollback.generation")
             if not prepared:  # the warm pool sets it as it prepares (_build_for)
-                self._limit_disk(row, layer)
+                await self._limit_disk(row, layer)
             old = live.rt.generation
             live.rt.generation = new_gen
             old_layer, old_bases = self._move_to(row, cp, layer, stacked)
@@ -1956,7 +1960,7 @@ class Daemon:
         # Not under the sandbox's lock (a rollback must not wait for this): our own dup of
         # init's pidfd cannot be closed underneath us, and the pool drops the result if the
         # sandbox changed meanwhile.
-        self._limit_disk(row, layer)  # here, not on the rollback's critical path
+        await self._limit_disk(row, layer)  # here, not on the rollback's critical path
         cp_layer = source_layer(key)
         bases = self.db.bases_of_layer(cp_layer)
         if cp_layer != key:
@@ -2305,11 +2309,12 @@ class Daemon:
                     r.layer_id = await self.warm.take_layer(cp.layer_id)
                     r.bases = list(cp.bases)
                     r.base_gen = self.store.generation(r.layer_id)
-                    return
-                await trio.to_thread.run_sync(self.store.new_layer, r.layer_id,
-                                              limiter=self.warm.clone_threads)
-                r.bases = list(bases)
-                r.base_gen = 0  # a new layer: everything in it is a change
+                else:
+                    await trio.to_thread.run_sync(self.store.new_layer, r.layer_id,
+                                                  limiter=self.warm.clone_threads)
+                    r.bases = list(bases)
+                    r.base_gen = 0  # a new layer: everything in it is a change
+                await self._limit_disk(r, r.layer_id)
 
             async def boot(r: SandboxRow) -> None:
                 await self._boot(r, nest_under, begin_turn=then is None,
