@@ -2125,3 +2125,77 @@ def test_pkill_f_in_the_sandbox_spares_the_checkpoint(sbx: Sandbox) -> None:
         assert r.process_state == "restored", r.note
         live = sbx.exec(f"{OWN_PS} pid=,args= | grep {pattern}").stdout.split()
         assert live[:1] == [str(pid)], live
+
+
+def _started_s(pid: int) -> float:
+    """When a process started, in seconds since boot (/proc/uptime's clock)."""
+    ticks = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _uptime_s() -> float:
+    return float(open("/proc/uptime").read().split()[0])
+
+
+def _nested_inits(sbx: Sandbox) -> int:
+    """Inits of pid namespaces nested below the sandbox's, as its own `ps` lists them."""
+    out = sbx.exec(["ps", "-eo", "pid=,comm="]).stdout.split("\n")
+    return sum(1 for line in out if line.split()[1:] == ["dbx-init"]
+               and line.split()[0] != "1")
+
+
+def _launchers_below(init_pid: int) -> list[str]:
+    """dbx-init processes starting sandboxes nested below the one whose init is init_pid."""
+    found = []
+    for d in os.listdir("/proc"):
+        try:
+            argv = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"/dbx-init") and b"--nest-under" in argv and \
+                argv[argv.index(b"--nest-under") + 1] == str(init_pid).encode():
+            found.append(d)
+    return found
+
+
+def test_fork_takes_inits_booted_ahead_and_they_go_with_their_sandbox(sbx: Sandbox) -> None:
+    """After a fork that restored processes, as many inits are booted ahead for the next
+    fork from the same sandbox (daemon/spares.py): that fork's children run on inits that
+    started before it was asked for, with their processes restored, their own hostnames
+    and apart from one another; removing the sandbox stops the spares left."""
+    sbx.exec(["bash", "-c", "nohup sleep 1000 >/dev/null 2>&1 &"])
+    cp = sbx.checkpoint()
+    asked = _uptime_s()
+    first = sbx.fork(cp, count=2)
+    owner_init = sbx.info().init_pid
+    try:
+        for k in first:
+            assert k.process_state == "restored", k.fork_note
+            assert _started_s(k.info().init_pid) >= asked - 0.02  # booted for this fork
+        deadline = time.monotonic() + 15
+        while _nested_inits(sbx) < 4:   # the two children's, and two spares
+            assert time.monotonic() < deadline, sbx.exec(["ps", "-ef"]).stdout
+            time.sleep(0.05)
+        time.sleep(0.1)
+        asked = _uptime_s()
+        second = sbx.fork(cp, count=2)
+        try:
+            for k in second:
+                assert k.process_state == "restored", k.fork_note
+                assert _started_s(k.info().init_pid) < asked - 0.02  # a spare's
+                assert k.exec(["hostname"]).stdout.strip() == k.id
+                args = k.exec(["ps", "-eo", "args="]).stdout
+                assert args.count("sleep 1000") == 1, args   # its own, no sibling's
+                assert _nested_inits(k) == 0   # nor a spare below it
+        finally:
+            for k in second:
+                k.kill()
+    finally:
+        for k in first:
+            k.kill()
+    assert _launchers_below(owner_init)   # the spares booted after the second fork
+    sbx.kill()
+    deadline = time.monotonic() + 10
+    while _launchers_below(owner_init):
+        assert time.monotonic() < deadline, _launchers_below(owner_init)
+        time.sleep(0.05)

@@ -72,6 +72,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="per sandbox, how many recent checkpoints keep a mounted clone ready, "
                    "so a rollback to them skips the snapshot and the mount (default 32; 0 "
                    "disables; measured ~0.6 MiB kernel memory per checkpoint, all included)")
+    p.add_argument("--fork-spares", type=int, default=32, metavar="N",
+                   help="per sandbox that forks with processes, how many sandbox inits to "
+                   "boot ahead for its next fork (as many as its last fork had children, at "
+                   "most N; default 32; 0 disables). A spare is an idle init: two small "
+                   "processes and a network namespace")
     p.add_argument("--templates", type=int, default=32, metavar="N",
                    help="per sandbox, how many checkpoints keep their process templates "
                    "(least recently used out; default 32). A template costs the pages its "
@@ -181,6 +186,7 @@ async def serve(args: argparse.Namespace) -> None:
                  default_disk_mb=(min(10240, args.store_size_gb * 512)
                                   if args.default_disk_mb is None else args.default_disk_mb),
                  warm_per_sandbox=args.warm_generations, durable=args.durable,
+                 fork_spares=args.fork_spares,
                  templates_per_sandbox=args.templates,
                  template_budget_mb=_template_budget(args.template_memory_mb),
                  userns=args.userns_range)

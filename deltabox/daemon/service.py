@@ -51,6 +51,7 @@ from .db import CheckpointRow, Database, SandboxRow
 from .dumps import NOT_COMPLETED, Dumps, init_seccomp_filters
 from .pending import EarlyAnswer, PendingCheckpoints, Underway
 from .scheduler import IOScheduler
+from .spares import Kind as SpareKind, Spare, Spares
 from .turns import Turns
 from .warm import Ready, WarmPool, source_layer, stacked_key
 
@@ -92,6 +93,7 @@ class Config:
     default_disk_mb: int = 10240         # quota per writable layer; 0 = none
     max_sandboxes: int = 1024
     warm_per_sandbox: int = 32
+    fork_spares: int = 32                # inits booted ahead per sandbox that forks (spares.py)
     durable: bool = False
     templates_per_sandbox: int = 32
     template_budget_mb: int = 0          # host-wide memory for templates; 0 = no limit
@@ -314,6 +316,8 @@ class Daemon:
         self.warm.new_id = lambda: new_id("L")
         self.warm.prespawn = self._prespawn
         self.warm.discard_procs = self._discard_prespawned
+        self.spares = Spares(self._boot_spare, self._stop_spare, lambda: new_id("sb"),
+                             background, per_owner=cfg.fork_spares)
         self.family_locks: dict[str, trio.Lock] = {}
         # Removed sandboxes whose init must live on because forks' pid namespaces are
         # nested in theirs (init's exit would kill every nested process): id -> (runtime,
@@ -482,6 +486,7 @@ class Daemon:
                     log.exception("shutdown: stopping sandbox %s failed", sid)
             for done in list(self.stopping.values()):  # removals finishing in the background
                 await done.wait()
+            await self.spares.close()  # none left but those of sandboxes that failed above
             for rt, _ in list(self.holders.values()):  # left only if something failed above
                 await runtime.stop(rt)
                 rt.cgroup.remove()
@@ -528,24 +533,27 @@ class Daemon:
 
     async def _boot(self, row: SandboxRow, nest_under: str | None = None,
                     begin_turn: bool = True,
-                    take_layer: Callable[[], Awaitable[None]] | None = None) -> None:
+                    take_layer: Callable[[], Awaitable[None]] | None = None,
+                    spare: Spare | None = None) -> None:
         """Start init and the first file-system generation of a sandbox (its pid namespace
         nested below the live sandbox `nest_under`'s, if given). `begin_turn=False`: the
         caller restores processes into it at once and begins its first turn then (arming
         the inspector twice cost a fork ~0.4 ms of the daemon's thread per child).
         `take_layer`: gets the sandbox its layer (sets row.layer_id) while init starts, which
-        needs none (a fork's children start their inits while their layers are cloned)."""
+        needs none (a fork's children start their inits while their layers are cloned).
+        `spare`: an init booted ahead for it (spares.py), used instead of a new one."""
         if take_layer is None:
             await self._limit_disk(row, row.layer_id)  # before anything runs: it may fail
         limits = Limits(row.memory_mb, row.pids_max, row.cpus)
         parent_pid = self.live[nest_under].rt.init_pid if nest_under else None
 
         async def start() -> None:
-            # Made here, not before the tasks start: a fork's children each start their
-            # init right after their own cgroup, instead of after all of theirs.
-            cg = self.cgroups.create(row.id, limits)
-            rt = await runtime.start_init(row.id, cg, row.hostname, nest_under=parent_pid,
-                                          userns=self.cfg.userns if row.userns else None)
+            if spare is not None:
+                rt = spare.rt
+            else:
+                # Made here, not before the tasks start: a fork's children each start
+                # their init right after their own cgroup, instead of after all of theirs.
+                rt = await self._start_init(row.id, limits, parent_pid, row.userns)
             self.live[row.id] = Live(rt, nest_parent=nest_under)  # _stop finds it from here
             self.background.start_soon(self._watch, row.id, rt)
 
@@ -562,6 +570,31 @@ class Daemon:
         row.state = "running"
         if begin_turn:
             self._new_turn(row.id, live)
+
+    async def _start_init(self, sid: str, limits: Limits, nest_under: int | None,
+                          userns: bool) -> runtime.Runtime:
+        """A sandbox's cgroup and init (its pid namespace nested below the host pid
+        `nest_under`'s, if given)."""
+        cg = self.cgroups.create(sid, limits)
+        try:
+            return await runtime.start_init(sid, cg, sid, nest_under=nest_under,
+                                            userns=self.cfg.userns if userns else None)
+        except BaseException:
+            cg.remove()
+            raise
+
+    async def _boot_spare(self, sid: str, kind: SpareKind) -> runtime.Runtime:
+        """An init for a future fork child of kind.owner (spares.py)."""
+        owner = self.live.get(kind.owner)
+        if owner is None or owner.rt.exited.is_set():
+            raise NotFound(f"sandbox {kind.owner} is gone")
+        return await self._start_init(sid, kind.limits, owner.rt.init_pid, kind.userns)
+
+    @staticmethod
+    async def _stop_spare(rt: runtime.Runtime) -> None:
+        with trio.CancelScope(shield=True):
+            await runtime.stop(rt)
+            rt.cgroup.remove()
 
     def _new_turn(self, sid: str, live: Live, pids: set[int] | None = None) -> None:
         """A turn of the sandbox begins (boot, rollback, fork): the inspector follows its
@@ -656,6 +689,7 @@ class Daemon:
         return live
 
     async def _teardown(self, sid: str, live: Live) -> None:
+        await self.spares.drop(sid)  # nested below it: before it is told whether to stay
         for s in live.sessions.values():
             await s.close()
         for p in list(live.procs):
@@ -2280,8 +2314,18 @@ class Daemon:
         src = self.db.get_sandbox(cp.sandbox_id) or next(
             iter(self.db.family_sandboxes(cp.family_id)), None)
         rows: list[SandboxRow] = []
+        kind = None
+        if nest_under is not None:
+            kind = SpareKind(nest_under, Limits(
+                src.memory_mb if src else self.cfg.default_memory_mb,
+                src.pids_max if src else self.cfg.default_pids_max,
+                src.cpus if src else 0.0), src.userns if src else False)
+        taken: dict[str, Spare] = {}
         for _ in range(count):
-            sid = new_id("sb")
+            spare = self.spares.take(kind) if kind is not None else None
+            sid = spare.sid if spare is not None else new_id("sb")
+            if spare is not None:
+                taken[sid] = spare
             rows.append(SandboxRow(
                 id=sid, family_id=cp.family_id, state="running", image=cp.image,
                 layer_id=new_id("L"), head_cp=cp.id,
@@ -2318,7 +2362,8 @@ class Daemon:
 
             async def boot(r: SandboxRow) -> None:
                 await self._boot(r, nest_under, begin_turn=then is None,
-                                 take_layer=functools.partial(take, r))
+                                 take_layer=functools.partial(take, r),
+                                 spare=taken.get(r.id))
                 await lanes_ready.wait()
                 crash_point("fork.cloned")
                 if then is not None:
@@ -2329,6 +2374,8 @@ class Daemon:
         except BaseException:
             with trio.CancelScope(shield=True):
                 for r in rows:
+                    if r.id not in self.live and r.id in taken:  # its init never started
+                        await self._stop_spare(taken[r.id].rt)
                     await self._stop(r.id)
                     self.store.delete(r.layer_id)
             raise
@@ -2336,6 +2383,8 @@ class Daemon:
         with self.db.transaction():
             for r in rows:
                 self.db.put_sandbox(r)
+        if kind is not None:  # the next fork from the same sandbox finds its inits booted
+            self.spares.want(kind, count)
         return rows
 
     async def turn_effects(self, sid: str, cp_id: str = ""

@@ -1,0 +1,158 @@
+"""Fork spares: inits booted ahead for the next fork of a sandbox.
+
+A fork child starts with its init: a cgroup of its own, then dbx-init making the
+namespaces (pid, nested below the sandbox that holds the templates; mount, uts, ipc, net,
+cgroup) and joining the cgroups, a few ms of which the moves into the cgroups wait for an
+RCU grace period (README, "Host tuning: cgroup favordynmods"). None of that depends on the
+checkpoint, only on the sandbox the child nests under and on the child's limits; so after
+a fork that restored processes, the daemon boots that many spares in the background (at
+most `per_owner`), and the next fork from the same sandbox takes them: it then only clones
+layers, builds the children's file systems and restores their processes.
+
+A spare is an idle init in a cgroup of its own, under the id its sandbox will have (the
+hostname is set at boot). It costs two small processes, a pid in the owner's namespace (the
+owner's `ps` lists a `dbx-init` per spare, as it lists its forks' inits) and a network
+namespace. Spares go with their owner (its teardown, or its init dying takes them down), at
+shutdown, and after a crash as leftovers (recover removes every sandbox cgroup it does not
+know).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import trio
+
+from ..background import GuardedNursery
+from ..sandbox import runtime
+from ..sandbox.cgroups import Limits
+
+log = logging.getLogger("deltaboxd")
+
+# How many spares are booted at once: enough to refill a fan-out before the next one, few
+# enough that an agent's next command does not queue behind them.
+BOOT_AT_ONCE = 2
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a spare must match to be a fork child's init."""
+
+    owner: str          # the sandbox its pid namespace is nested below
+    limits: Limits
+    userns: bool
+
+
+@dataclass
+class Spare:
+    sid: str
+    kind: Kind
+    rt: runtime.Runtime
+    watch: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+
+# boot(sid, kind) -> the runtime of a new init (its cgroup made); stop(rt): kill it, remove
+# its cgroup.
+Boot = Callable[[str, Kind], Awaitable[runtime.Runtime]]
+Stop = Callable[[runtime.Runtime], Awaitable[None]]
+
+
+class Spares:
+    def __init__(self, boot: Boot, stop: Stop, new_id: Callable[[], str],
+                 background: GuardedNursery, per_owner: int) -> None:
+        self._boot = boot
+        self._stop = stop
+        self._new_id = new_id
+        self._background = background
+        self.per_owner = per_owner
+        self._ready: dict[str, list[Spare]] = {}     # owner -> spares
+        self._wanted: dict[Kind, int] = {}            # how many to keep, per kind
+        self._refilling: set[Kind] = set()
+        self._limiter = trio.CapacityLimiter(BOOT_AT_ONCE)
+
+    def count(self, owner: str | None = None) -> int:
+        if owner is not None:
+            return len(self._ready.get(owner, []))
+        return sum(len(v) for v in self._ready.values())
+
+    def take(self, kind: Kind) -> Spare | None:
+        """A booted spare of this kind whose init still runs, or None."""
+        spares = self._ready.get(kind.owner, [])
+        for i, s in enumerate(spares):
+            if s.kind == kind and not s.rt.exited.is_set():
+                del spares[i]
+                s.watch.cancel()   # the sandbox's own watch takes over
+                return s
+        return None
+
+    def want(self, kind: Kind, count: int) -> None:
+        """Keep `count` spares of this kind (at most per_owner), booting the missing ones in
+        the background."""
+        if self.per_owner <= 0:
+            return
+        self._wanted[kind] = min(max(count, self._wanted.get(kind, 0)), self.per_owner)
+        if kind not in self._refilling:
+            self._refilling.add(kind)
+            self._background.start_soon(self._refill, kind)
+
+    async def _refill(self, kind: Kind) -> None:
+        """Boot the missing spares of a kind, again while more are wanted meanwhile; a round
+        that boots none (the owner went) ends it."""
+        try:
+            while missing := self._missing(kind):
+                booted: list[bool] = []
+                async with trio.open_nursery() as nursery:
+                    for _ in range(missing):
+                        nursery.start_soon(self._boot_one, kind, booted)
+                if not any(booted):
+                    break
+        finally:
+            self._refilling.discard(kind)
+
+    def _missing(self, kind: Kind) -> int:
+        have = sum(1 for s in self._ready.get(kind.owner, []) if s.kind == kind)
+        return max(0, self._wanted.get(kind, 0) - have)
+
+    async def _boot_one(self, kind: Kind, booted: list[bool]) -> None:
+        async with self._limiter:
+            if kind not in self._wanted or not self._missing(kind):
+                return  # dropped, or taken care of meanwhile
+            sid = self._new_id()
+            try:
+                rt = await self._boot(sid, kind)
+            except Exception as e:  # e.g. the owner went meanwhile: no spare, no harm
+                log.info("fork spare for %s not booted: %s", kind.owner, e)
+                return
+            spare = Spare(sid, kind, rt)
+            if kind not in self._wanted:   # dropped while it booted
+                await self._stop(rt)
+                return
+            self._ready.setdefault(kind.owner, []).append(spare)
+            self._background.start_soon(self._watch, spare)
+            booted.append(True)
+
+    async def _watch(self, spare: Spare) -> None:
+        """Reap a spare's launcher; if its init dies while it waits (its owner's init died,
+        taking every process of the namespaces below with it), drop it."""
+        with spare.watch:
+            await spare.rt.launcher.wait()
+            spare.rt.exited.set()
+            spares = self._ready.get(spare.kind.owner, [])
+            if spare in spares:
+                spares.remove(spare)
+                await self._stop(spare.rt)
+
+    async def drop(self, owner: str) -> None:
+        """Stop every spare of `owner` (its teardown: they live in its pid namespace)."""
+        for kind in [k for k in self._wanted if k.owner == owner]:
+            del self._wanted[kind]
+        for spare in self._ready.pop(owner, []):
+            spare.watch.cancel()
+            await self._stop(spare.rt)
+
+    async def close(self) -> None:
+        for owner in list(self._ready):
+            await self.drop(owner)
+        self._wanted.clear()
