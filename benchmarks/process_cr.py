@@ -1160,6 +1160,8 @@ def plot(series: list[Series], fork: dict | None, tmem: list[dict] | None, machi
         ax.set_axis_off()
     reps = len(series[0].checkpoint_ms) if series else 0
     lanes = "" if machine.get("fork_lanes", True) else "; fork lanes off (--no-fork-lanes)"
+    if machine.get("fork_spares") is not None:
+        lanes += f"; --fork-spares {machine['fork_spares']}"
     finish_figure(fig, path, f"DeltaBox process state (DeltaCR){' (quick)' if quick else ''}: "
                   f"{reps} reps per config{lanes}", machine)
 
@@ -1200,6 +1202,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-fork-lanes", action="store_true",
                    help="run deltaboxd with --no-fork-lanes: every fork child from the one "
                    "template (the baseline of the fork lanes, README 'Fork lanes')")
+    p.add_argument("--fork-spares", type=int, default=None, metavar="N",
+                   help="run deltaboxd with --fork-spares N (0: every fork child boots its "
+                   "own init, the baseline of the fork spares, README 'Fork spares')")
     p.add_argument("--replot", type=Path, metavar="JSON",
                    help="only redraw the PNG (next to JSON) from an earlier process_cr.json")
     return p.parse_args(argv)
@@ -1261,7 +1266,9 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {}
     machine: dict[str, Any] = {}
     daemon = PrivateDaemon(parent=args.tmp_parent, keep=args.keep_state,
-                           extra_args=["--no-fork-lanes"] if args.no_fork_lanes else [])
+                           extra_args=(["--no-fork-lanes"] if args.no_fork_lanes else []) +
+                           ([] if args.fork_spares is None
+                            else ["--fork-spares", str(args.fork_spares)]))
     with terminate_as_exception(), host_thp(args.thp):
         try:
             daemon.start()
@@ -1269,6 +1276,7 @@ def main(argv: list[str] | None = None) -> int:
             machine["transparent_hugepage"] = thp_setting()
             machine["transparent_hugepage_unadvised_sizes"] = hostmem.unadvised_sizes()
             machine["fork_lanes"] = not args.no_fork_lanes
+            machine["fork_spares"] = args.fork_spares   # None: the daemon's default
             machine["workload_python"] = sandbox_python()
             log(f"daemon up: store {machine['deltabox'].get('store_backend')}; workload "
                 f"interpreter {machine['workload_python']}")

@@ -88,11 +88,17 @@ class Spares:
         return None
 
     def want(self, kind: Kind, count: int) -> None:
-        """Keep `count` spares of this kind (at most per_owner), booting the missing ones in
-        the background."""
+        """Keep `count` spares of this kind (at most per_owner; a fork just took some):
+        boot the missing ones, or stop those over it, in the background."""
         if self.per_owner <= 0:
             return
-        self._wanted[kind] = min(max(count, self._wanted.get(kind, 0)), self.per_owner)
+        self._wanted[kind] = min(count, self.per_owner)
+        spares = self._ready.get(kind.owner, [])
+        mine = [s for s in spares if s.kind == kind]
+        for spare in mine[self._wanted[kind]:]:
+            spares.remove(spare)
+            spare.watch.cancel()
+            self._background.start_soon(self._stop, spare.rt)
         if kind not in self._refilling:
             self._refilling.add(kind)
             self._background.start_soon(self._refill, kind)
