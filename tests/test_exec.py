@@ -166,3 +166,18 @@ def test_tar_upload_download(sbx: Sandbox) -> None:
     out = tarfile.open(fileobj=io.BytesIO(sbx.files.download_tar("/workspace/up")))
     names = {m.name.lstrip("./") for m in out.getmembers()}
     assert {"pkg/a.py", "pkg/sub/b.txt"} <= names
+
+
+def test_hostname_given_at_create_is_the_sandboxs(daemon) -> None:
+    """A sandbox created with a hostname has it (its init sets it), and keeps it across a
+    rollback; one created without has its id."""
+    from conftest import new_sandbox
+
+    with new_sandbox(daemon.socket, hostname="agent-box") as s:
+        assert s.exec(["hostname"]).stdout.strip() == "agent-box"
+        cp = s.checkpoint()
+        s.rollback(cp)
+        assert s.exec(["hostname"]).stdout.strip() == "agent-box"
+        assert s.info().hostname == "agent-box"
+    with new_sandbox(daemon.socket) as s:
+        assert s.exec(["hostname"]).stdout.strip() == s.id

@@ -553,7 +553,8 @@ class Daemon:
             else:
                 # Made here, not before the tasks start: a fork's children each start
                 # their init right after their own cgroup, instead of after all of theirs.
-                rt = await self._start_init(row.id, limits, parent_pid, row.userns)
+                rt = await self._start_init(row.id, row.hostname, limits, parent_pid,
+                                            row.userns)
             self.live[row.id] = Live(rt, nest_parent=nest_under)  # _stop finds it from here
             self.background.start_soon(self._watch, row.id, rt)
 
@@ -571,24 +572,25 @@ class Daemon:
         if begin_turn:
             self._new_turn(row.id, live)
 
-    async def _start_init(self, sid: str, limits: Limits, nest_under: int | None,
-                          userns: bool) -> runtime.Runtime:
+    async def _start_init(self, sid: str, hostname: str, limits: Limits,
+                          nest_under: int | None, userns: bool) -> runtime.Runtime:
         """A sandbox's cgroup and init (its pid namespace nested below the host pid
         `nest_under`'s, if given)."""
         cg = self.cgroups.create(sid, limits)
         try:
-            return await runtime.start_init(sid, cg, sid, nest_under=nest_under,
+            return await runtime.start_init(sid, cg, hostname, nest_under=nest_under,
                                             userns=self.cfg.userns if userns else None)
         except BaseException:
             cg.remove()
             raise
 
     async def _boot_spare(self, sid: str, kind: SpareKind) -> runtime.Runtime:
-        """An init for a future fork child of kind.owner (spares.py)."""
+        """An init for a future fork child of kind.owner (spares.py), named as a fork
+        child is: its id."""
         owner = self.live.get(kind.owner)
         if owner is None or owner.rt.exited.is_set():
             raise NotFound(f"sandbox {kind.owner} is gone")
-        return await self._start_init(sid, kind.limits, owner.rt.init_pid, kind.userns)
+        return await self._start_init(sid, sid, kind.limits, owner.rt.init_pid, kind.userns)
 
     @staticmethod
     async def _stop_spare(rt: runtime.Runtime) -> None:
