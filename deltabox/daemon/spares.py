@@ -70,12 +70,8 @@ class Spares:
         self._ready: dict[str, list[Spare]] = {}     # owner -> spares
         self._wanted: dict[Kind, int] = {}            # how many to keep, per kind
         self._refilling: set[Kind] = set()
+        self._booting: dict[Kind, int] = {}           # boots under way, per kind
         self._limiter = trio.CapacityLimiter(BOOT_AT_ONCE)
-
-    def count(self, owner: str | None = None) -> int:
-        if owner is not None:
-            return len(self._ready.get(owner, []))
-        return sum(len(v) for v in self._ready.values())
 
     def take(self, kind: Kind) -> Spare | None:
         """A booted spare of this kind whose init still runs, or None."""
@@ -119,18 +115,23 @@ class Spares:
 
     def _missing(self, kind: Kind) -> int:
         have = sum(1 for s in self._ready.get(kind.owner, []) if s.kind == kind)
-        return max(0, self._wanted.get(kind, 0) - have)
+        return max(0, self._wanted.get(kind, 0) - have - self._booting.get(kind, 0))
 
     async def _boot_one(self, kind: Kind, booted: list[bool]) -> None:
         async with self._limiter:
             if kind not in self._wanted or not self._missing(kind):
                 return  # dropped, or taken care of meanwhile
             sid = self._new_id()
+            self._booting[kind] = self._booting.get(kind, 0) + 1
             try:
                 rt = await self._boot(sid, kind)
             except Exception as e:  # e.g. the owner went meanwhile: no spare, no harm
                 log.info("fork spare for %s not booted: %s", kind.owner, e)
                 return
+            finally:
+                self._booting[kind] -= 1
+                if not self._booting[kind]:
+                    del self._booting[kind]
             spare = Spare(sid, kind, rt)
             if kind not in self._wanted:   # dropped while it booted
                 await self._stop(rt)
@@ -156,7 +157,10 @@ class Spares:
             del self._wanted[kind]
         for spare in self._ready.pop(owner, []):
             spare.watch.cancel()
-            await self._stop(spare.rt)
+            try:
+                await self._stop(spare.rt)
+            except Exception:  # its owner's teardown goes on; a restart removes the rest
+                log.exception("stopping fork spare %s failed", spare.sid)
 
     async def close(self) -> None:
         for owner in list(self._ready):
