@@ -97,6 +97,21 @@ def ebpf(daemon) -> str:
     return backend
 
 
+def launchers_below(init_pid: int) -> list[str]:
+    """Pids of dbx-init processes (launchers and the inits they start) of sandboxes whose
+    pid namespace is nested below the one whose init is init_pid (forks and fork spares)."""
+    found = []
+    for d in os.listdir("/proc"):
+        try:
+            argv = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"/dbx-init") and b"--nest-under" in argv and \
+                argv[argv.index(b"--nest-under") + 1] == str(init_pid).encode():
+            found.append(d)
+    return found
+
+
 def leaks(state_dir: Path) -> list[str]:
     """What a stopped daemon left behind (the checks of ../shared/tools/leakcheck)."""
     found = []

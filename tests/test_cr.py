@@ -18,7 +18,7 @@ import pytest
 import deltabox
 from deltabox import Sandbox
 
-from conftest import HELD, OWN_PS
+from conftest import HELD, OWN_PS, launchers_below
 
 Restore = Callable[[Sandbox, deltabox.Checkpoint], Sandbox]
 
@@ -2144,20 +2144,6 @@ def _nested_inits(sbx: Sandbox) -> int:
                and line.split()[0] != "1")
 
 
-def _launchers_below(init_pid: int) -> list[str]:
-    """dbx-init processes starting sandboxes nested below the one whose init is init_pid."""
-    found = []
-    for d in os.listdir("/proc"):
-        try:
-            argv = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if argv[0].endswith(b"/dbx-init") and b"--nest-under" in argv and \
-                argv[argv.index(b"--nest-under") + 1] == str(init_pid).encode():
-            found.append(d)
-    return found
-
-
 def test_fork_takes_inits_booted_ahead_and_they_go_with_their_sandbox(sbx: Sandbox) -> None:
     """After a fork that restored processes, as many inits are booted ahead for the next
     fork from the same sandbox (daemon/spares.py): that fork's children run on inits that
@@ -2193,9 +2179,9 @@ def test_fork_takes_inits_booted_ahead_and_they_go_with_their_sandbox(sbx: Sandb
     finally:
         for k in first:
             k.kill()
-    assert _launchers_below(owner_init)   # the spares booted after the second fork
+    assert launchers_below(owner_init)   # the spares booted after the second fork
     sbx.kill()
     deadline = time.monotonic() + 10
-    while _launchers_below(owner_init):
-        assert time.monotonic() < deadline, _launchers_below(owner_init)
+    while launchers_below(owner_init):
+        assert time.monotonic() < deadline, launchers_below(owner_init)
         time.sleep(0.05)

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from deltabox import Sandbox
 from deltabox.fs import btrfs
 from deltabox.sandbox.cgroups import parent_name
 
-from conftest import DaemonProc, leaks
+from conftest import DaemonProc, launchers_below, leaks
 
 
 @pytest.fixture
@@ -47,6 +48,11 @@ def test_kill9_then_restart(own_daemon: DaemonProc) -> None:
     cp = sbx.checkpoint()
     sbx.files.write("state.txt", "after checkpoint")
     kid = sbx.fork(cp)[0]
+    deadline = time.monotonic() + 15   # the kid's init, and a spare for the next fork
+    while len(launchers_below(sbx.info().init_pid)) < 4:
+        assert time.monotonic() < deadline, launchers_below(sbx.info().init_pid)
+        time.sleep(0.05)
+    old_init = sbx.info().init_pid
     d.kill9()
     # Sandbox processes outlive the daemon until it comes back...
     assert _dbx_processes(d)
@@ -64,6 +70,7 @@ def test_kill9_then_restart(own_daemon: DaemonProc) -> None:
     assert sbx.info().state == "running"
     assert sbx.files.read("state.txt") == b"after checkpoint"  # files survive a restart
     assert "sleep" not in sbx.exec("ps -eo comm").stdout      # processes do not
+    assert launchers_below(old_init) == []                     # nor the fork spare
     assert [c.id for c in sbx.checkpoints()] == [cp.id]
     sbx.rollback(cp)
     assert sbx.files.read("state.txt") == b"at checkpoint"
