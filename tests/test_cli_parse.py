@@ -262,3 +262,18 @@ def test_exec_checkpoint_options_then_the_command() -> None:
                            "make", "--checkpoint", "full"])
     assert (args.checkpoint, args.checkpoint_label) == ("auto", "n 1")
     assert args.cmd == ["make", "--checkpoint", "full"]
+
+
+def test_daemon_counts_refuse_negative_or_junk(capsys) -> None:
+    """deltaboxd's count options (--fork-spares, --templates, --warm-generations) take 0 or
+    more; anything else is refused at start with a message naming the option."""
+    from deltabox.daemon import main as daemon_main
+
+    assert daemon_main.parse_args(["--fork-spares", "0"]).fork_spares == 0
+    assert daemon_main.parse_args([]).fork_spares == 32
+    for opt in ("--fork-spares", "--templates", "--warm-generations"):
+        for bad in ("-1", "x", "2.5"):
+            with pytest.raises(SystemExit):
+                daemon_main.parse_args([opt, bad])
+            assert f"argument {opt}: {bad!r}: want a whole number, 0 or more" in \
+                capsys.readouterr().err

@@ -68,16 +68,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--default-disk-mb", type=int, default=None, metavar="MB",
                    help="quota on what a sandbox writes into each writable layer, on the "
                    "embedded btrfs store (default: 10240, at most half the store; 0: none)")
-    p.add_argument("--warm-generations", type=int, default=32, metavar="N",
+    p.add_argument("--warm-generations", type=_count, default=32, metavar="N",
                    help="per sandbox, how many recent checkpoints keep a mounted clone ready, "
                    "so a rollback to them skips the snapshot and the mount (default 32; 0 "
                    "disables; measured ~0.6 MiB kernel memory per checkpoint, all included)")
-    p.add_argument("--fork-spares", type=int, default=32, metavar="N",
+    p.add_argument("--fork-spares", type=_count, default=32, metavar="N",
                    help="per sandbox that forks with processes, how many sandbox inits to "
                    "boot ahead for its next fork (as many as its last fork had children, at "
                    "most N; default 32; 0 disables). A spare is an idle init: two small "
                    "processes and a network namespace")
-    p.add_argument("--templates", type=int, default=32, metavar="N",
+    p.add_argument("--templates", type=_count, default=32, metavar="N",
                    help="per sandbox, how many checkpoints keep their process templates "
                    "(least recently used out; default 32). A template costs the pages its "
                    "process dirtied since the checkpoint")
@@ -105,6 +105,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "full (the conservative fallback, also used when bcc cannot load)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
+
+
+def _count(text: str) -> int:
+    """A count option: a whole number, 0 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: want a whole number, 0 or more")
+    return n
 
 
 def _id_map(text: str) -> IdMap:
