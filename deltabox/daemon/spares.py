@@ -34,6 +34,10 @@ log = logging.getLogger("deltaboxd")
 # How many spares are booted at once: enough to refill a fan-out before the next one, few
 # enough that an agent's next command does not queue behind them.
 BOOT_AT_ONCE = 2
+# A spare not taken for this long is stopped: a sandbox that forked once and then works on
+# alone does not hold its fan-out's worth of namespaces for ever (its next fork boots
+# them again).
+IDLE_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -61,12 +65,13 @@ Stop = Callable[[runtime.Runtime], Awaitable[None]]
 
 class Spares:
     def __init__(self, boot: Boot, stop: Stop, new_id: Callable[[], str],
-                 background: GuardedNursery, per_owner: int) -> None:
+                 background: GuardedNursery, per_owner: int, idle_s: float = IDLE_S) -> None:
         self._boot = boot
         self._stop = stop
         self._new_id = new_id
         self._background = background
         self.per_owner = per_owner
+        self.idle_s = idle_s
         self._ready: dict[str, list[Spare]] = {}     # owner -> spares
         self._wanted: dict[Kind, int] = {}            # how many to keep, per kind
         self._refilling: set[Kind] = set()
@@ -142,10 +147,12 @@ class Spares:
 
     async def _watch(self, spare: Spare) -> None:
         """Reap a spare's launcher; if its init dies while it waits (its owner's init died,
-        taking every process of the namespaces below with it), drop it."""
+        taking every process of the namespaces below with it), or it waits for idle_s,
+        drop it."""
         with spare.watch:
-            await spare.rt.launcher.wait()
-            spare.rt.exited.set()
+            with trio.move_on_after(self.idle_s):
+                await spare.rt.launcher.wait()
+                spare.rt.exited.set()
             spares = self._ready.get(spare.kind.owner, [])
             if spare in spares:
                 spares.remove(spare)
