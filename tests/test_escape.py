@@ -590,7 +590,7 @@ def test_fill_the_disk_hits_the_sandbox_quota(daemon, host: Host, userns: bool) 
     """Each writable layer has a quota (btrfs simple quota, `disk_mb`; the daemon's default
     otherwise): filling the disk is a clear EDQUOT inside, the files API says
     RESOURCE_EXHAUSTED with what to do, other sandboxes and the host are unaffected, and a
-    rollback's new layer has the quota too."""
+    rollback's new layer and a fork's children's have the quota too."""
     assert deltabox.info(socket=daemon.socket).disk_quota.startswith("btrfs simple quota")
     with Sandbox.create(socket=daemon.socket, disk_mb=64, user_namespace=userns) as sbx, \
             Sandbox.create(socket=daemon.socket) as other:
@@ -610,6 +610,12 @@ def test_fill_the_disk_hits_the_sandbox_quota(daemon, host: Host, userns: bool) 
         r = sbx.exec("dd if=/dev/zero of=/workspace/fill bs=1M count=512 conv=fsync 2>&1; "
                      "echo rc=$?", timeout=60)
         assert "Disk quota exceeded" in r.stdout, r.stdout
+        for kid in sbx.fork(cp, count=2):   # a fork's children's layers have it too
+            with kid:
+                assert kid.info().disk_mb == 64
+                r = kid.exec("dd if=/dev/zero of=/workspace/fill bs=1M count=512 "
+                             "conv=fsync 2>&1; echo rc=$?", timeout=60)
+                assert "Disk quota exceeded" in r.stdout, r.stdout
     host.assert_unchanged()
 
 

@@ -561,13 +561,20 @@ class Daemon:
         if take_layer is None:
             await start()
         else:
-            await run_all([start, take_layer])  # take_layer sets the disk quota
+            await run_all([start, take_layer])
         live = self.live[row.id]
         rt = live.rt
         lowers = self._lowers(self._image(row.image), row.bases)
-        rt.generation = await runtime.build_generation(
-            rt, row.layer_id, lowers, self.store.layer_path(row.layer_id), self.mountpoint,
-            self.background)
+
+        async def build() -> None:
+            rt.generation = await runtime.build_generation(
+                rt, row.layer_id, lowers, self.store.layer_path(row.layer_id),
+                self.mountpoint, self.background)
+
+        if take_layer is None:
+            await build()
+        else:  # the layer's quota while its generation is built: nothing runs there yet
+            await run_all([build, functools.partial(self._limit_disk, row, row.layer_id)])
         row.state = "running"
         if begin_turn:
             self._new_turn(row.id, live)
@@ -2360,7 +2367,6 @@ class Daemon:
                                                   limiter=self.warm.clone_threads)
                     r.bases = list(bases)
                     r.base_gen = 0  # a new layer: everything in it is a change
-                await self._limit_disk(r, r.layer_id)
 
             async def boot(r: SandboxRow) -> None:
                 await self._boot(r, nest_under, begin_turn=then is None,
