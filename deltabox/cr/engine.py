@@ -277,8 +277,20 @@ class DeltaCR:
             state.lanes[rec.pid] = copy
 
     async def close_lanes(self, state: ProcessState) -> None:
-        if state.lanes and self.lane_worker is not None:
-            copies, state.lanes = list(state.lanes.values()), {}
+        await self.release_lanes(self.detach_lanes(state))
+
+    @staticmethod
+    def detach_lanes(state: ProcessState) -> list[native.Template]:
+        """Take the lane copies off state once the fork that used them is over
+        (release_lanes ends them): the next fan-out makes its own."""
+        copies, state.lanes = list(state.lanes.values()), {}
+        return copies
+
+    async def release_lanes(self, copies: list[native.Template]) -> None:
+        """Release detached lane copies and unpin the tracer threads. A fork does this in
+        the background: a copy of a 200 MB process takes ~10 ms to exit (its page tables),
+        which the fork's answer waited for."""
+        if copies and self.lane_worker is not None:
             await self.lane_worker.run(_release_all, copies)
             await self._unpin_lanes()
 

@@ -2169,8 +2169,7 @@ class Daemon:
                         raise limit from e
                     raise
                 finally:
-                    with trio.CancelScope(shield=True):
-                        await self.cr.close_lanes(state)
+                    self._close_lanes_soon(state)
                 return rows, "restored", _with(f"{len(state.records)} processes restored "
                                                "from templates in each fork", state.orphans)
             # The templates come from the dump, rebuilt in the holder from the first child's
@@ -2204,12 +2203,17 @@ class Daemon:
                     raise limit from e
                 raise
             finally:
-                with trio.CancelScope(shield=True):
-                    await self.cr.close_lanes(state)
+                self._close_lanes_soon(state)
         if self.live.get(owner) is live_owner:
             self._evict_templates(live_owner)  # the dump added templates
         return rows, "restored", _with(f"{len(state.records)} processes restored from disk "
                                        f"(dump of {key}) in each fork", state.orphans)
+
+    def _close_lanes_soon(self, state: ProcessState) -> None:
+        """A fork is over: its lane copies go in the background (DeltaCR.release_lanes)."""
+        copies = self.cr.detach_lanes(state)
+        if copies:
+            self.background.start_soon(self.cr.release_lanes, copies)
 
     async def _restore_fork_child(self, key: str, state: ProcessState, row: SandboxRow
                                   ) -> None:
