@@ -312,7 +312,7 @@ def own_leaks(base: Path, state_dir: Path) -> list[str]:
     found = [f"mount {m}" for m in _mounts_under(base)]
     r = subprocess.run(["losetup", "-a"], capture_output=True, text=True)
     found += [f"loop {line}" for line in r.stdout.splitlines() if str(base) in line]
-    r = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True)
+    r = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True)
     found += [f"process {line.strip()}" for line in r.stdout.splitlines()
               if str(base) in line]
     try:
@@ -331,7 +331,7 @@ def own_leaks(base: Path, state_dir: Path) -> list[str]:
 
 def other_daemons() -> list[str]:
     """Command lines of deltaboxd processes not started by us (they add noise to timings)."""
-    r = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True)
+    r = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True)
     out = []
     for line in r.stdout.splitlines():
         args = line.split(None, 1)[1:] or [""]

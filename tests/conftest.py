@@ -128,7 +128,9 @@ def leaks(state_dir: Path) -> list[str]:
     found += [f"cgroup {c}" for c in Path("/sys/fs/cgroup").glob(f"*/{parent}")]
     found += [f"cgroup {c}" for c in Path("/sys/fs/cgroup").glob(parent)]
     # Our helpers' command lines name this daemon's cgroup parent (other daemons may run).
-    ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    # -ww: full command lines whatever COLUMNS says (pytest's terminal width cut them).
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True,
+                        text=True).stdout
     found += [f"process {line.strip()}" for line in ps.splitlines()
               if "libexec/dbx-" in line and parent in line]
     return found
