@@ -488,8 +488,7 @@ class Daemon:
                 await done.wait()
             await self.spares.close()  # none left but those of sandboxes that failed above
             for rt, _ in list(self.holders.values()):  # left only if something failed above
-                await runtime.stop(rt)
-                rt.cgroup.remove()
+                await _stop_runtime(rt)
             self.holders.clear()
             self.turns.close()
             self.warm.close()
@@ -602,8 +601,7 @@ class Daemon:
     @staticmethod
     async def _stop_spare(rt: runtime.Runtime) -> None:
         with trio.CancelScope(shield=True):
-            await runtime.stop(rt)
-            rt.cgroup.remove()
+            await _stop_runtime(rt)
 
     def _new_turn(self, sid: str, live: Live, pids: set[int] | None = None) -> None:
         """A turn of the sandbox begins (boot, rollback, fork): the inspector follows its
@@ -723,8 +721,7 @@ class Daemon:
                 live.rt.generation = None
             self.holders[sid] = (live.rt, live.nest_parent)
             return
-        await runtime.stop(live.rt)
-        live.rt.cgroup.remove()
+        await _stop_runtime(live.rt)
         await self._release_holders(live.nest_parent)
 
     def _nested_in(self, sid: str) -> bool:
@@ -736,8 +733,7 @@ class Daemon:
         """Stop held inits that no nested sandbox needs any more, up the chain."""
         while sid is not None and sid in self.holders and not self._nested_in(sid):
             rt, parent = self.holders.pop(sid)
-            await runtime.stop(rt)
-            rt.cgroup.remove()
+            await _stop_runtime(rt)
             sid = parent
 
     def _nest_level(self, sid: str) -> int:
@@ -2327,12 +2323,10 @@ class Daemon:
         src = self.db.get_sandbox(cp.sandbox_id) or next(
             iter(self.db.family_sandboxes(cp.family_id)), None)
         rows: list[SandboxRow] = []
-        kind = None
-        if nest_under is not None:
-            kind = SpareKind(nest_under, Limits(
-                src.memory_mb if src else self.cfg.default_memory_mb,
-                src.pids_max if src else self.cfg.default_pids_max,
-                src.cpus if src else 0.0), src.userns if src else False)
+        limits = (Limits(src.memory_mb, src.pids_max, src.cpus) if src else
+                  Limits(self.cfg.default_memory_mb, self.cfg.default_pids_max, 0.0))
+        userns = src.userns if src else False
+        kind = SpareKind(nest_under, limits, userns) if nest_under is not None else None
         taken: dict[str, Spare] = {}
         for _ in range(count):
             spare = self.spares.take(kind) if kind is not None else None
@@ -2342,12 +2336,9 @@ class Daemon:
             rows.append(SandboxRow(
                 id=sid, family_id=cp.family_id, state="running", image=cp.image,
                 layer_id=new_id("L"), head_cp=cp.id,
-                memory_mb=src.memory_mb if src else self.cfg.default_memory_mb,
-                pids_max=src.pids_max if src else self.cfg.default_pids_max,
-                cpus=src.cpus if src else 0.0, hostname=sid,
-                env=dict(src.env) if src else {}, created_at=time.time(),
-                disk_mb=src.disk_mb if src else self.cfg.default_disk_mb,
-                userns=src.userns if src else False))
+                memory_mb=limits.memory_mb, pids_max=limits.pids_max, cpus=limits.cpus,
+                hostname=sid, env=dict(src.env) if src else {}, created_at=time.time(),
+                disk_mb=src.disk_mb if src else self.cfg.default_disk_mb, userns=userns))
         try:
             # Concurrent snapshot ioctls join one btrfs transaction commit; each child's
             # init starts meanwhile (_boot), and its processes are restored once the lanes
@@ -2366,11 +2357,11 @@ class Daemon:
                     r.layer_id = await self.warm.take_layer(cp.layer_id)
                     r.bases = list(cp.bases)
                     r.base_gen = self.store.generation(r.layer_id)
-                else:
-                    await trio.to_thread.run_sync(self.store.new_layer, r.layer_id,
-                                                  limiter=self.warm.clone_threads)
-                    r.bases = list(bases)
-                    r.base_gen = 0  # a new layer: everything in it is a change
+                    return
+                await trio.to_thread.run_sync(self.store.new_layer, r.layer_id,
+                                              limiter=self.warm.clone_threads)
+                r.bases = list(bases)
+                r.base_gen = 0  # a new layer: everything in it is a change
 
             async def boot(r: SandboxRow) -> None:
                 await self._boot(r, nest_under, begin_turn=then is None,
@@ -2478,6 +2469,12 @@ def _nested(store_root: Path, image_root: Path) -> bool:
     if os.stat(store_root).st_dev != os.stat(image_root).st_dev:
         return False
     return store_root.resolve().is_relative_to(image_root.resolve())
+
+
+async def _stop_runtime(rt: runtime.Runtime) -> None:
+    """Kill a sandbox's every process, its init too, and remove its cgroup."""
+    await runtime.stop(rt)
+    rt.cgroup.remove()
 
 
 def _with(note: str, more: str) -> str:
