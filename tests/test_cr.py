@@ -150,6 +150,30 @@ def test_checkpoint_while_processes_spawn(sbx: Sandbox) -> None:
     assert ps.stdout.strip() == "1", ps.stdout
 
 
+def test_a_process_stuck_in_vfork_is_refused_by_name(sbx: Sandbox) -> None:
+    """A process whose vfork() child never execs (here the child blocks opening a FIFO
+    nobody writes, a file action of posix_spawn) cannot be stopped: the checkpoint is
+    refused naming it, within seconds, and changes nothing; mode="fs" works; once the
+    child has exec'd, a full checkpoint passes."""
+    sbx.exec("mkfifo /workspace/gate")
+    sbx.files.write("spawn.py", "import os\nos.posix_spawn('/bin/true', ['true'], {}, "
+                    "file_actions=[(os.POSIX_SPAWN_OPEN, 0, '/workspace/gate', os.O_RDONLY, 0)])"
+                    "\nopen('/workspace/spawned', 'w').write('1')\nimport time; time.sleep(1000)\n")
+    sbx.exec("cd /workspace && nohup python3 spawn.py >/dev/null 2>&1 &")
+    _wait(lambda: "kernel_clone" in sbx.exec(
+        "cat /proc/$(pgrep -o -f '^python3 spawn.py')/wchan").stdout)
+    t0 = time.monotonic()
+    with pytest.raises(deltabox.FailedPrecondition,
+                       match=r"pid \d+ \(python3\) stayed inside vfork\(\).*mode=\"fs\""):
+        sbx.checkpoint()
+    assert time.monotonic() - t0 < 15
+    assert sbx.checkpoints() == []
+    assert sbx.checkpoint(mode="fs").kind == "fs"
+    sbx.exec("exec 3<>/workspace/gate")   # a writer: the child's open returns, it execs
+    _wait(lambda: sbx.files.exists("spawned"))
+    assert sbx.checkpoint(mode="full").kind == "full"
+
+
 def _rewritten_int(box: Sandbox, name: str, skip: int = 0) -> int:
     """The number a process in `box` keeps rewriting into /workspace/`name` (after `skip`
     characters). The writer truncates, then writes: a read in between sees an empty file

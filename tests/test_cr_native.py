@@ -539,6 +539,54 @@ def test_stop_frozen_tree_python(native, tmp_path: Path) -> None:
         assert native.sweep_stops(0) == 0
 
 
+SPAWN_THROUGH_FIFO = """
+import os, sys
+sys.stdin.read(1)
+os.posix_spawn("/bin/true", ["true"], {}, file_actions=[
+    (os.POSIX_SPAWN_OPEN, 0, sys.argv[1], os.O_RDONLY, 0)])
+"""
+
+
+def test_a_stop_inside_vfork_is_given_up_at_once(native, tmp_path: Path) -> None:
+    """A process inside vfork() reaches no stop while its child is stopped too (here the
+    child blocks opening a FIFO before its exec). The capture's wait names it as a passing
+    state (Unsettled: the daemon lets the processes run and captures again) within a
+    fraction of a second, not at the 5 s stop timeout."""
+    from deltabox.cr import engine
+    from deltabox.cr.capture import Unsettled
+    fifo = tmp_path / "gate"
+    os.mkfifo(fifo)
+    cg = Freezer()
+    stops: list = []
+    p = subprocess.Popen([sys.executable, "-c", SPAWN_THROUGH_FIFO, str(fifo)],
+                         stdin=subprocess.PIPE)
+    child = None
+    try:
+        cg.add(p.pid)
+        p.stdin.write(b"g")
+        p.stdin.flush()
+        _wait(lambda: engine.in_vfork([p.pid]) == [p.pid], what="inside vfork")
+        child = int(Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()[0])
+        cg.set("FROZEN")
+        stops = [native.begin_stop(child), native.begin_stop(p.pid)]
+        cg.set("THAWED")
+        t0 = time.monotonic()
+        with pytest.raises(Unsettled, match=rf"pid {p.pid} \(python3?\) was inside vfork\(\)"):
+            engine._wait_all(stops)
+        assert time.monotonic() - t0 < 1.0
+        assert stops[0].kind == "interrupt"       # the child did stop
+    finally:
+        for s in stops:
+            s.abort()
+        cg.thaw_now()
+        if child is not None:
+            os.kill(child, signal.SIGKILL)        # its parent's vfork() ends: it stops, then
+        assert native.sweep_stops(2.0) == 0       # is detached by the sweep
+        p.kill()
+        p.wait()
+        cg.close()
+
+
 def test_stop_refusals_and_abort_python(native) -> None:
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:

@@ -13,6 +13,7 @@ import re
 import socket
 import struct
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .. import kernfs
@@ -43,11 +44,12 @@ class Refusal:
 
 
 class Unsettled(FailedPrecondition):
-    """Refused only for events that wait to be read (`queues`: (host pid, fd) of each
-    inotify instance): the caller may let the processes run until they have read them,
-    and capture again."""
+    """Refused only for a passing state: events that wait to be read (`queues`: (host pid,
+    fd) of each inotify instance), or a process caught inside vfork() at its stop (no
+    queues). The caller may let the processes run until that has passed, and capture
+    again."""
 
-    def __init__(self, message: str, queues: list[tuple[int, int]]) -> None:
+    def __init__(self, message: str, queues: Sequence[tuple[int, int]] = ()) -> None:
         super().__init__(message)
         self.queues = queues
 

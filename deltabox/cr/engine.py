@@ -1197,13 +1197,15 @@ def _exiting(pid: int) -> bool:
 VFORK_WCHANS = frozenset({b"kernel_clone", b"wait_for_vfork_done"})
 
 
-def in_vfork(pids: list[int], threads: Mapping[int, int] | None = None) -> list[int]:
+def in_vfork(pids: list[int], threads: Mapping[int, int] | None = None,
+             every_thread: bool = False) -> list[int]:
     """Those of `pids` that are waiting inside vfork() for their child, in any thread
-    (`threads`: how many each has, where more than one)."""
+    (`threads`: how many each has, where more than one; `every_thread`: look at each
+    thread whatever the count)."""
     out = []
     for pid in pids:
         try:
-            if (threads or {}).get(pid, 1) > 1:
+            if every_thread or (threads or {}).get(pid, 1) > 1:
                 wchans = [kernfs.read(f"/proc/{pid}/task/{t}/wchan")
                           for t in os.listdir(f"/proc/{pid}/task")]
             else:
@@ -1216,6 +1218,7 @@ def in_vfork(pids: list[int], threads: Mapping[int, int] | None = None) -> list[
 
 
 STOP_TIMEOUT_S = 5.0
+STOP_LOOK_S = 0.05  # between looks at a stop that has not come: is it inside vfork()?
 
 
 def _wait_all(stopped: list[native.Stopped]) -> list[native.Stopped]:
@@ -1223,7 +1226,7 @@ def _wait_all(stopped: list[native.Stopped]) -> list[native.Stopped]:
     out: list[native.Stopped] = []
     for s in stopped:
         try:
-            s.wait(STOP_TIMEOUT_S)
+            _wait_stop(s)
             out.append(s)
         except native.CRError as e:
             if e.errno == errno.ESRCH:
@@ -1232,6 +1235,36 @@ def _wait_all(stopped: list[native.Stopped]) -> list[native.Stopped]:
             raise FailedPrecondition(f"pid {s.pid}: did not stop for the checkpoint: {e}. "
                                      "Retry, or checkpoint with mode=\"fs\"") from e
     return out
+
+
+def _wait_stop(s: native.Stopped) -> None:
+    """Wait for one stop. A process inside vfork() cannot stop until its child execs, and
+    if that child is among those stopped here, never: the capture is then refused as
+    Unsettled at once (the caller lets the processes run and captures again) instead of
+    after STOP_TIMEOUT_S. The caller's check, with the cgroup frozen and before any
+    seize, should leave no process in vfork(); a CI run once found a thread there all the
+    same (not understood, not reproduced)."""
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while True:
+        try:
+            s.wait(STOP_LOOK_S)
+            return
+        except native.CRError as e:
+            if e.errno != errno.ETIMEDOUT or time.monotonic() >= deadline:
+                raise
+            if in_vfork([s.pid], every_thread=True):
+                raise Unsettled(
+                    f"pid {s.pid} ({process_name(s.pid)}) was inside vfork() at its stop, "
+                    "waiting for its child to exec. Retry the checkpoint, or checkpoint "
+                    "with mode=\"fs\" (files only)") from None
+
+
+def process_name(pid: int) -> str:
+    """Its command name (comm), "?" once gone: for errors that name a process."""
+    try:
+        return kernfs.read(f"/proc/{pid}/comm").decode().strip()
+    except OSError:
+        return "?"
 
 
 def _templates(stopped: list[native.Stopped], rss_kb: dict[int, int],

@@ -43,7 +43,8 @@ from ..sandbox.userns import IdMap
 from ..background import GuardedNursery, run_all
 from ..cr import hostmem, native, tcp, watches
 from ..cr.capture import Unsettled
-from ..cr.engine import DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, in_vfork
+from ..cr.engine import (DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, in_vfork,
+                         process_name)
 from ..inspector import Decision, TurnEffects, touched_processes, untouched_processes
 from . import budget
 from .faults import crash_point
@@ -78,7 +79,7 @@ CLEAN_AFTER_DELETES = 16  # deleted layers that make btrfs drop them at once (st
 CLEAN_INTERVAL_S = 1.0
 VFORK_ATTEMPTS = 20   # thaw-and-refreeze rounds while a process is inside vfork()
 VFORK_WAIT_S = 0.2    # per round, for its child to exec
-UNREAD_ATTEMPTS = 4   # captures while a file watcher has inotify events left to read
+UNREAD_ATTEMPTS = 4   # captures while a state passes (inotify events unread, a vfork)
 UNREAD_WAIT_S = 0.25  # between them, for it to read them
 
 
@@ -1539,7 +1540,7 @@ class Daemon:
                         raise FailedPrecondition(f"{e.message} (at each of {attempt} "
                                                  "attempts)") from None
                     snap.clear()
-                    await self._let_events_be_read(live, e.queues, layer)
+                    await self._let_settle(live, e.queues, layer)
                     thawed = False
                     candidates = self._candidates(live)
             raise AssertionError("unreachable")
@@ -1554,11 +1555,13 @@ class Daemon:
         finally:
             thaw()
 
-    async def _let_events_be_read(self, live: Live, queues: Sequence[tuple[int, int]],
-                                  layer: str) -> None:
-        """A capture refused only because inotify events wait to be read (a file watcher
-        woken by the last command's writes): drop its snapshot, let the processes run
-        until those queues are empty (UNREAD_WAIT_S at most), then freeze again."""
+    async def _let_settle(self, live: Live, queues: Sequence[tuple[int, int]],
+                          layer: str) -> None:
+        """A capture refused only for a passing state (Unsettled): drop its snapshot, let
+        the processes run until the inotify `queues` are empty (a file watcher woken by
+        the last command's writes; UNREAD_WAIT_S at most), then freeze again. With no
+        queues (a process caught inside vfork() at its stop) the next attempt's vfork
+        check lets it finish."""
         with trio.CancelScope(shield=True):
             if self.store.layer_path(layer).exists():
                 await trio.to_thread.run_sync(self.store.delete, layer)
@@ -1599,12 +1602,8 @@ class Daemon:
         if not busy:
             return procs
         pid = busy[0]
-        try:
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            comm = "?"
         raise FailedPrecondition(
-            f"pid {pid} ({comm}) stayed inside vfork(), waiting for its child "
+            f"pid {pid} ({process_name(pid)}) stayed inside vfork(), waiting for its child "
             f"to exec, at each of {VFORK_ATTEMPTS} attempts: it cannot be stopped there. "
             f"Retry the checkpoint, or checkpoint with mode=\"fs\" (files only)")
 
