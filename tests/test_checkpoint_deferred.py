@@ -1,11 +1,13 @@
-"""An auto `fs` checkpoint of a sandbox that runs nothing is answered once committed and its
-btrfs snapshot is taken right after, under the sandbox's lock (Daemon._deferred_snapshot):
-whatever comes next waits for it, so the checkpoint holds exactly the files of the instant
-it was answered. (The crash between the answer and the snapshot: tests/test_faults.py.)"""
+"""A checkpoint (auto or full) is answered once committed and its btrfs snapshot is taken
+right after, under the sandbox's lock (Daemon._deferred_snapshot): whatever comes next waits
+for it, and a sandbox that runs something stays frozen (its captured processes stopped)
+until then, so the checkpoint holds exactly the files of the instant it was answered. (The
+crash between the answer and the snapshot: tests/test_faults.py.)"""
 
 from __future__ import annotations
 
 import threading
+import time
 
 from deltabox import Sandbox
 from deltabox.daemon.service import DEFERRED_NOTE
@@ -80,20 +82,53 @@ def test_concurrent_writers_never_reach_the_snapshot(sbx: Sandbox, ebpf: str) ->
     assert sbx.get_checkpoint(cp).kind in ("fs", "skipped")
 
 
-def test_a_sandbox_that_runs_something_is_snapshotted_before_the_answer(
+def test_a_sandbox_that_runs_something_stays_frozen_until_the_snapshot(
         sbx: Sandbox, ebpf: str) -> None:
-    sbx.exec("nohup sleep 1000 >/dev/null 2>&1 &")
-    sbx.checkpoint(mode="fs")
-    sbx.files.write("/workspace/a.txt", "v1")
+    """A checkpoint that captures running processes is answered before its snapshot too:
+    they stay stopped, their cgroup frozen, until it is taken. A process appending a
+    counter every 2 ms: after each rollback the file counts on with no gap and no repeat
+    (the file and the process's memory are of one instant)."""
+    sbx.files.write("count.py", "import time\ni = 0\nwhile True:\n    i += 1\n"
+                    "    with open('/workspace/n', 'a') as f:\n        f.write(f'{i}\\n')\n"
+                    "    time.sleep(0.002)\n")
+    sbx.exec("cd /workspace && nohup python3 count.py >/dev/null 2>&1 &")
+    _wait(lambda: len(_counts(sbx)) >= 20)
     cp = sbx.checkpoint()
-    assert not _deferred(cp), cp.reasons
-    assert cp.files_changed >= 1
+    assert cp.kind == "full" and _deferred(cp), cp.reasons
+    assert cp.files_changed == 0
+    assert any(r.endswith("processes captured as templates") for r in cp.reasons), cp.reasons
+    got = sbx.get_checkpoint(cp)
+    assert not _deferred(got) and any("file snapshot taken" in r for r in got.reasons)
+    assert got.files_changed >= 1
+    for _ in range(3):
+        sbx.rollback(cp)
+        time.sleep(0.1)
+        counts = _counts(sbx)
+        assert len(counts) >= 20 and counts == list(range(1, len(counts) + 1)), counts
 
 
-def test_forced_modes_are_never_deferred(sbx: Sandbox, ebpf: str) -> None:
+def _counts(sbx: Sandbox) -> list[int]:
+    return [int(x) for x in sbx.files.read("n").split()] if sbx.files.exists("n") else []
+
+
+def _wait(pred, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_forced_fs_mode_is_never_deferred_forced_full_is(sbx: Sandbox, ebpf: str) -> None:
     sbx.files.write("/workspace/a.txt", "v1")
     cp = sbx.checkpoint(mode="fs")
     assert not _deferred(cp) and cp.files_changed >= 1
+    sbx.exec("nohup sleep 1000 >/dev/null 2>&1 &")
+    cp = sbx.checkpoint(mode="full")
+    assert cp.kind == "full" and _deferred(cp), cp.reasons
+    sbx.files.write("/workspace/a.txt", "v2")
+    sbx.rollback(cp)
+    assert sbx.files.read("/workspace/a.txt") == b"v1"
+    assert "sleep 1000" in sbx.exec("ps -eo args").stdout
 
 
 def test_deleting_its_parent_right_after_keeps_the_tree(sbx: Sandbox, ebpf: str) -> None:

@@ -59,7 +59,7 @@ SETUP_HITS = {"checkpoint": 3}
 
 
 # Steps with a test of their own (below).
-OWN_TESTS = {"checkpoint.answered"}
+OWN_TESTS = {"checkpoint.answered"}  # two: fs and full checkpoints
 
 
 def test_every_step_is_covered() -> None:
@@ -84,6 +84,13 @@ def d(base: Path):
     try:
         yield dp
     finally:
+        if dp.proc is not None and dp.proc.poll() is not None and dp.proc.returncode != 0:
+            # a test that failed while its daemon was dead (killed at a crash point): a
+            # start recovers what that daemon left (its sandboxes' processes, its mounts)
+            try:
+                dp.start(*FLAGS)
+            except Exception:
+                pass
         if dp.proc is not None and dp.proc.poll() is None:
             # whatever a failed test left: remove it, so the next test starts clean
             try:
@@ -450,6 +457,53 @@ def test_crash_after_an_fs_checkpoint_was_answered_before_its_snapshot(d: Daemon
     d.stop()
     assert d.proc.returncode == 0 and not leaks(d.state_dir.parent)
 
+
+
+@pytest.mark.timeout(180)
+def test_crash_after_a_full_checkpoint_was_answered_before_its_snapshot(
+        d: DaemonProc) -> None:
+    """A checkpoint that captures running processes is answered before its file snapshot,
+    the sandbox kept frozen and those processes stopped until it is taken. A kill -9
+    right after the answer: nothing runs on while the daemon is gone (the sandbox's cgroup
+    stays frozen, the counter file in its layer does not grow), the restarted daemon takes
+    the snapshot, and the checkpoint holds the files of the instant it answered (the
+    processes' memory went with the daemon: their dump was not written yet)."""
+    d.start(*FLAGS, env={"DELTABOX_CRASH_AT": "checkpoint.answered"})
+    sb = Sandbox.create(socket=d.socket)
+    sb.files.write("count.py", "import time\ni = 0\nwhile True:\n    i += 1\n"
+                   "    with open('/workspace/count-n.txt', 'a') as f:\n"
+                   "        f.write(f'{i}\\n')\n    time.sleep(0.005)\n")
+    sb.exec("cd /workspace && nohup python3 count.py >/dev/null 2>&1 &")
+    deadline = time.monotonic() + 20
+    while not sb.files.exists("count-n.txt") or len(sb.files.read("count-n.txt").split()) < 20:
+        assert time.monotonic() < deadline, "the counter never counted"
+        time.sleep(0.02)
+    cp = sb.checkpoint(mode="full")   # answered, then the daemon dies before the snapshot
+    assert cp.kind == "full" and cp.files_changed == 0, cp
+    assert d.proc is not None and d.proc.wait(30) == -signal.SIGKILL
+    assert "killing deltaboxd (SIGKILL) at checkpoint.answered" in d.log.read_text()
+    parent = parent_name(str(d.state_dir.resolve()))
+    state = Path(f"/sys/fs/cgroup/freezer/{parent}/{sb.id}/freezer.state")
+    assert state.read_text().strip() == "FROZEN"
+    layer = _db(d)[0][sb.id][0]
+    (counter,) = (d.state_dir / "store" / "layers" / layer).rglob("count-n.txt")
+    at_crash = counter.read_bytes()
+    time.sleep(0.3)
+    assert counter.read_bytes() == at_crash, "the counter ran on after the answer"
+    d.start(*FLAGS)
+    sb = Sandbox.connect(sb.id, socket=d.socket)
+    got = sb.get_checkpoint(cp)
+    assert any("file snapshot taken" in r for r in got.reasons), got.reasons
+    sb.files.write("count-n.txt", "later\n")
+    sb.rollback(cp)
+    assert sb.files.read("count-n.txt").startswith(at_crash)
+    n = len(at_crash.split())
+    assert at_crash.split() == [str(i).encode() for i in range(1, n + 1)]
+    sb.kill()
+    _wait_layers_settle(d)
+    assert _layers_on_disk(d) == set()
+    d.stop()
+    assert d.proc.returncode == 0 and not leaks(d.state_dir.parent)
 
 
 def test_a_layer_busy_for_a_moment_is_deleted_soon_after(d: DaemonProc) -> None:

@@ -163,6 +163,9 @@ class ProcessState:
     unlinked: list[unlinked.UnlinkedFile] = field(default_factory=list)
     # images of the processes a restore adopts (cr/adoption.py), made at the first one
     images: adoption.Images | None = None
+    # The processes, still stopped after a capture that left the files for later
+    # (DeltaCR.capture's `files_later`): DeltaCR.resume lets them go.
+    held: list[native.Stopped] = field(default_factory=list)
 
     @property
     def template_pids(self) -> set[int]:
@@ -338,7 +341,7 @@ class DeltaCR:
                       daemon_pipes: Callable[[], tuple[dict[int, str], set[int]]],
                       tracer_ok: set[int],
                       reuse: Mapping[int, native.Template] | None = None,
-                      layers: Sequence[str] = ()) -> ProcessState:
+                      layers: Sequence[str] = (), files_later: bool = False) -> ProcessState:
         """Stop `procs` (the sandbox's processes and their status, cgroup frozen by the caller
         before listing them), snapshot the files, template every process, resume. Raises
         FailedPrecondition listing every process that cannot be captured, changing nothing.
@@ -347,7 +350,9 @@ class DeltaCR:
         stopped and read like the others (their records, pipes and files are the
         checkpoint's own); only their page tables are not copied again. `layers`: the
         directories of the sandbox's overlay layers, upper first (cr/watches.py). Raises
-        Unsettled if the only refusals are inotify events not read yet."""
+        Unsettled if the only refusals are inotify events not read yet. `files_later`:
+        `snapshot_files` is not called, and the processes stay stopped (ProcessState.held)
+        until the caller, having snapshotted the files, calls resume()."""
         pids = list(procs)
         own = {int(t) for t in os.listdir("/proc/self/task")}
         if any(st.tracer_pid in own for st in procs.values()):
@@ -387,7 +392,7 @@ class DeltaCR:
             # alongside the templates (page-table copies on the ptrace thread).
             await stops_done.wait()
             try:
-                if cap.stops_done:
+                if cap.stops_done and not files_later:
                     await snapshot_files()
                     cap.files_ok = True
             finally:
@@ -432,7 +437,7 @@ class DeltaCR:
                 cap.refused.extend(adoption.refusals(cap.records, cap.templates))
             if cap.refused:
                 raise _refusal(cap.refused)
-            if not cap.resumed:
+            if not cap.resumed and not files_later:
                 await self.worker.run(_resume_all, cap.stopped)
         except BaseException as e:
             with trio.CancelScope(shield=True):
@@ -452,7 +457,13 @@ class DeltaCR:
                         sessions[g.owner.split(":")[1]] = e.pid
         return ProcessState(cap.records, cap.templates, pipes, sessions,
                             reused=sorted(p for p in reuse or {} if p in cap.templates),
-                            unlinked=files)
+                            unlinked=files, held=cap.stopped if files_later else [])
+
+    async def resume(self, state: ProcessState) -> None:
+        """Let the processes a `files_later` capture holds stopped run again."""
+        held, state.held = state.held, []
+        with trio.CancelScope(shield=True):
+            await self.worker.run(_resume_all, held)
 
     # ---- restore -----------------------------------------------------------------------
 

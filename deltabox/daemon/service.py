@@ -1003,14 +1003,14 @@ class Daemon:
         nothing (`skipped`), a file snapshot (`fs`) or files and processes (`full`);
         "fs" forces file state only, "full" forces a capture of both.
 
-        `answered` (set once the caller's answer has gone out: the gRPC bridge) lets an
-        auto checkpoint that needs only a file snapshot, of a sandbox that runs nothing,
-        answer as soon as it is committed and take the snapshot right after
-        (_deferred_snapshot)."""
+        `answered` (set once the caller's answer has gone out: the gRPC bridge) lets a
+        checkpoint (any but a forced "fs") answer as soon as it is committed and take the
+        file snapshot right after (_deferred_snapshot); a sandbox that runs something
+        stays frozen until then, the processes captured stopped."""
         mode = checkpoint_mode(mode, label)
         live = self._live(sid)
         cp_id = new_id("cp")
-        if answered is None or mode != "auto" or not self._may_defer_snapshots():
+        if answered is None or mode == "fs" or not self._may_defer_snapshots():
             async with live.lock:
                 return await self._checkpoint_locked(sid, mode, label, cp_id)
         answer = EarlyAnswer()
@@ -1083,8 +1083,8 @@ class Daemon:
     async def _checkpoint_locked(self, sid: str, mode: str, label: str, cp_id: str,
                                  answer: EarlyAnswer | None = None,
                                  answered: trio.Event | None = None) -> CheckpointRow:
-        """The checkpoint itself, under the sandbox's lock. With `answer`, a file snapshot
-        of a sandbox that runs nothing is taken after the committed row is answered."""
+        """The checkpoint itself, under the sandbox's lock. With `answer`, the file
+        snapshot is taken after the committed row is answered."""
         row = self._sandbox(sid)
         parent = self.db.get_checkpoint(row.head_cp) if row.head_cp else None
         with self.underway.hanging_from(row.head_cp):  # a delete of it waits for us
@@ -1104,6 +1104,7 @@ class Daemon:
         captured: ProcessState | None = None
         snap: Snapshot | None = None
         frozen = not self._nothing_runs(live)
+        hold = False  # kept frozen (and captured processes stopped) until a later snapshot
         if frozen:
             live.rt.cgroup.freeze()
         try:
@@ -1114,13 +1115,22 @@ class Daemon:
                                       parent)
             if decision.kind == "full":
                 kept = self._kept_templates(mode, live, parent, effects)
-                captured, snap = await self._capture(live, row, layer, alive, kept)
+                captured, snap = await self._capture(live, row, layer, alive, kept,
+                                                     files_later=answer is not None)
                 decision = _with_reused(decision, captured)
+                hold = bool(captured.held)
+                if hold:
+                    # Frozen again (they are in ptrace stops: at once) so that a daemon
+                    # killed before the snapshot leaves them so: its tracer gone, they
+                    # would run on. Recovery kills them, then takes the snapshot.
+                    live.rt.cgroup.freeze()
             else:
                 self._note_drift(live, effects)
-            # Nothing runs and every operation that could write waits for the lock: the
-            # layer stays as it is now until the snapshot, taken right after the answer.
-            defer = answer is not None and decision.kind == "fs" and not frozen
+                hold = frozen and answer is not None and decision.kind == "fs"
+            # Nothing runs, or it stays frozen, and every operation that could write waits
+            # for the lock: the layer stays as it is now until the snapshot, taken right
+            # after the answer.
+            defer = hold or (answer is not None and decision.kind == "fs")
             if decision.kind == "fs" and not defer:
                 # The transaction commit (5-15 ms here) in a worker thread: on the trio
                 # loop it would stall every other sandbox's calls meanwhile (a neighbour's
@@ -1134,9 +1144,15 @@ class Daemon:
             crash_point("checkpoint.snapshotted")
         except BaseException:
             self.turns.lost_turn(sid)  # what it did is not in any checkpoint
+            if hold:
+                hold = False
+                with trio.CancelScope(shield=True):
+                    await self._let_go(live, captured)
+                    if captured is not None:
+                        await self.cr.release(captured)
             raise
         finally:
-            if frozen:
+            if frozen and not hold:
                 live.rt.cgroup.thaw()
         crash_point("checkpoint.captured")
         freeze_ms = (time.perf_counter() - t_freeze) * 1000 if frozen else 0.0
@@ -1164,9 +1180,11 @@ class Daemon:
         except BaseException:
             self.turns.lost_turn(sid)
             with trio.CancelScope(shield=True):
+                if hold:
+                    await self._let_go(live, captured)
                 if captured is not None:
                     await self.cr.release(captured)
-                if decision.kind != "skipped":
+                if decision.kind != "skipped" and self.store.layer_path(layer).exists():
                     self.store.delete(layer)
             raise
         self.turns.record(sid, cp_id, effects, decision)
@@ -1174,26 +1192,42 @@ class Daemon:
             sess.turn_state = sess.state
         if captured is not None:
             captured.session_states = {n: s.state for n, s in live.sessions.items()}
-            live.captured[cp_id] = captured
-            live.procs_from = cp_id
-            self.dumps.schedule(self.background.start_soon, sid, cp_id, captured,
-                                self._init_filters(live))
-            self._evict_templates(live)
+        if captured is not None and not hold:
+            self._keep_captured(sid, live, cp_id, captured)
         if cp.snapshot_of is not None:
             assert answer is not None and answered is not None
             self.pending.promise(cp_id, sid)
             answer.give(dataclasses.replace(cp, reasons=list(cp.reasons)))
-            await self._deferred_snapshot(sid, row, cp, answered)
+            await self._deferred_snapshot(sid, row, cp, answered, hold, captured)
             return cp
         self.warm.prepare(sid, cp.layer_id)
         return cp
 
+    def _keep_captured(self, sid: str, live: Live, cp_id: str, captured: ProcessState) -> None:
+        """A committed checkpoint's processes: kept for its rollbacks and forks, and dumped
+        to disk in the background."""
+        live.captured[cp_id] = captured
+        live.procs_from = cp_id
+        self.dumps.schedule(self.background.start_soon, sid, cp_id, captured,
+                            self._init_filters(live))
+        self._evict_templates(live)
+
+    async def _let_go(self, live: Live, captured: ProcessState | None) -> None:
+        """Thaw a sandbox kept frozen for a later snapshot, and let the processes a capture
+        held stopped (ProcessState.held) run again."""
+        live.rt.cgroup.thaw()
+        if captured is not None and captured.held:
+            await self.cr.resume(captured)
+
     async def _deferred_snapshot(self, sid: str, row: SandboxRow, cp: CheckpointRow,
-                                 answered: trio.Event) -> None:
+                                 answered: trio.Event, hold: bool,
+                                 captured: ProcessState | None) -> None:
         """The file snapshot of checkpoint `cp`, answered before it and still under the
         sandbox's lock (the layer has not changed since). Operations that name `cp` wait
         for it (pending); if it fails, the checkpoint is undone and they get the error. A
-        daemon killed before it leaves `cp.snapshot_of` set: the next start takes it."""
+        daemon killed before it leaves `cp.snapshot_of` set: the next start takes it.
+        `hold`: the sandbox was kept frozen for it, and the processes it `captured`
+        stopped: they run again once it is taken."""
         error: DeltaBoxError | None = None
         with trio.CancelScope(shield=True):
             with trio.move_on_after(ANSWER_WAIT_S):
@@ -1212,6 +1246,14 @@ class Daemon:
                 self._snapshot_taken(row, cp, snap, (
                     f"file snapshot taken {(time.perf_counter() - t0) * 1000:.1f} ms after "
                     "the answer (nothing ran in the sandbox meanwhile; operations waited)"))
+            if hold:
+                live = self._live(sid)
+                await self._let_go(live, captured)
+                if captured is not None and error is None:
+                    self._keep_captured(sid, live, cp.id, captured)
+                elif captured is not None:
+                    self.dumps.drop([cp.id])
+                    await self.cr.release(captured)
         self.pending.settle(cp.id, error)
         if error is None:
             self.warm.prepare(sid, cp.layer_id)
@@ -1360,8 +1402,10 @@ class Daemon:
             layer = parent.layer_id
             reasons.append(f"aliases {parent.id}: no snapshot, no capture")
         elif snap is None:  # taken after the answer (Daemon._deferred_snapshot)
-            assert decision.kind == "fs"
             reasons.append(DEFERRED_NOTE)
+            if decision.kind == "full":
+                reasons.append(f"{len(captured.records) if captured else 0} processes "
+                               "captured as templates")
         else:
             changes = snap.changes
             row.base_gen = snap.generation
@@ -1500,11 +1544,13 @@ class Daemon:
         self.background.start_soon(release)
 
     async def _capture(self, live: Live, row: SandboxRow, layer: str,
-                       candidates: set[int], kept: Kept) -> tuple[ProcessState, Snapshot]:
+                       candidates: set[int], kept: Kept, files_later: bool = False
+                       ) -> tuple[ProcessState, Snapshot | None]:
         """With the cgroup frozen: capture every process of the sandbox and snapshot the
         files at the same instant (DeltaCR); `kept`: templates to share rather than make
         (_kept_templates). Thaws the cgroup whatever happens; on failure the snapshot is
-        removed and nothing changed."""
+        removed and nothing changed. `files_later`: no snapshot (None), the processes stay
+        stopped (ProcessState.held) for the caller to snapshot the files, then let go."""
         thawed = False
 
         def thaw() -> None:
@@ -1532,9 +1578,10 @@ class Daemon:
                     state = await self.cr.capture(
                         procs, thaw, snapshot, lambda: self._daemon_pipes(live),
                         tracer_ok=set(), reuse=reuse,
-                        layers=live.rt.generation.layers if live.rt.generation else ())
+                        layers=live.rt.generation.layers if live.rt.generation else (),
+                        files_later=files_later)
                     live.tcp_captured |= state.holds_tcp
-                    return state, snap[0]
+                    return state, snap[0] if snap else None
                 except Unsettled as e:
                     if attempt == UNREAD_ATTEMPTS:
                         raise FailedPrecondition(f"{e.message} (at each of {attempt} "
