@@ -198,11 +198,11 @@ class Sandbox:
         and label); it is taken right after, before any later operation on the sandbox.
         `get_checkpoint(id)` waits for it and returns it, or raises why it failed.
 
-        An auto checkpoint that needs only the files of a sandbox that runs nothing is
-        committed and answered first, its snapshot taken right after, before any later
-        operation (nothing can change the files meanwhile); its answer then has
-        files_changed = bytes_changed = 0 and says so in `reasons`: `get_checkpoint` has
-        the counts."""
+        A checkpoint (any but a forced "fs" one, on the embedded store without
+        `--durable`) is committed and answered first, its snapshot taken right after,
+        before any later operation (the sandbox stays frozen meanwhile: nothing can change
+        the files); its answer then has files_changed = bytes_changed = 0 and says so in
+        `reasons`: `get_checkpoint` has the counts."""
         req = pb.CheckpointRequest(sandbox_id=self.id, mode=mode, label=label,
                                    background=background)
         return convert.checkpoint(self._client.call("Checkpoint", req))

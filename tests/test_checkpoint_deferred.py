@@ -100,6 +100,7 @@ def test_a_sandbox_that_runs_something_stays_frozen_until_the_snapshot(
     got = sbx.get_checkpoint(cp)
     assert not _deferred(got) and any("file snapshot taken" in r for r in got.reasons)
     assert got.files_changed >= 1
+    assert got.freeze_ms > cp.freeze_ms   # frozen until the snapshot, after the answer
     for _ in range(3):
         sbx.rollback(cp)
         time.sleep(0.1)

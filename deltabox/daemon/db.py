@@ -186,11 +186,13 @@ class Database:
         rows = self.conn.execute("SELECT * FROM checkpoints WHERE snapshot_of IS NOT NULL")
         return [_checkpoint(r) for r in rows.fetchall()]
 
-    def snapshot_taken(self, cid: str, files: int, nbytes: int, reasons: list[str]) -> None:
-        """A deferred file snapshot is taken: only the columns it fills."""
+    def snapshot_taken(self, cid: str, files: int, nbytes: int, reasons: list[str],
+                       freeze_ms: float) -> None:
+        """A deferred file snapshot is taken: only the columns it fills (and the freeze,
+        which lasted until it was, for a sandbox that runs something)."""
         self.conn.execute("UPDATE checkpoints SET files_changed=?, bytes_changed=?, "
-                          "reasons=?, snapshot_of=NULL WHERE id=?",
-                          (files, nbytes, json.dumps(reasons), cid))
+                          "reasons=?, freeze_ms=?, snapshot_of=NULL WHERE id=?",
+                          (files, nbytes, json.dumps(reasons), freeze_ms, cid))
 
     def set_base_gen(self, sid: str, gen: int) -> None:
         self.conn.execute("UPDATE sandboxes SET base_gen=? WHERE id=?", (gen, sid))

@@ -1227,33 +1227,39 @@ class Daemon:
         for it (pending); if it fails, the checkpoint is undone and they get the error. A
         daemon killed before it leaves `cp.snapshot_of` set: the next start takes it.
         `hold`: the sandbox was kept frozen for it, and the processes it `captured`
-        stopped: they run again once it is taken."""
+        stopped: they run again once it is taken (before its change summary)."""
         error: DeltaBoxError | None = None
+        answered_at = time.perf_counter()
         with trio.CancelScope(shield=True):
             with trio.move_on_after(ANSWER_WAIT_S):
                 await answered.wait()  # the answer's thread needs the GIL more than we do
             crash_point("checkpoint.answered")
             t0 = time.perf_counter()
             try:
-                snap = await trio.to_thread.run_sync(self._snapshot, row, cp.layer_id)
+                await trio.to_thread.run_sync(self.store.freeze, row.layer_id, cp.layer_id)
             except Exception as e:
-                error = e if isinstance(e, DeltaBoxError) else Internal(
-                    f"taking the file snapshot of {cp.id} failed: {e!r}")
+                error = _snapshot_error(cp, e)
+            if hold:
+                await self._let_go(self._live(sid), captured)
+                cp.freeze_ms += (time.perf_counter() - answered_at) * 1000
+            if error is None:
+                try:
+                    snap = await trio.to_thread.run_sync(self._frozen, row, cp.layer_id)
+                except Exception as e:
+                    error = _snapshot_error(cp, e)
+            if error is not None:
                 log.error("checkpoint %s of %s: %s; the checkpoint is undone", cp.id, sid,
                           error.message)
                 self._undo_checkpoint(sid, cp)
+                if captured is not None and hold:
+                    self.dumps.drop([cp.id])
+                    await self.cr.release(captured)
             else:
                 self._snapshot_taken(row, cp, snap, (
                     f"file snapshot taken {(time.perf_counter() - t0) * 1000:.1f} ms after "
                     "the answer (nothing ran in the sandbox meanwhile; operations waited)"))
-            if hold:
-                live = self._live(sid)
-                await self._let_go(live, captured)
-                if captured is not None and error is None:
-                    self._keep_captured(sid, live, cp.id, captured)
-                elif captured is not None:
-                    self.dumps.drop([cp.id])
-                    await self.cr.release(captured)
+                if captured is not None and hold:
+                    self._keep_captured(sid, self._live(sid), cp.id, captured)
         self.pending.settle(cp.id, error)
         if error is None:
             self.warm.prepare(sid, cp.layer_id)
@@ -1268,7 +1274,8 @@ class Daemon:
         cp.snapshot_of = None
         row.base_gen = snap.generation
         with self.db.transaction():
-            self.db.snapshot_taken(cp.id, cp.files_changed, cp.bytes_changed, cp.reasons)
+            self.db.snapshot_taken(cp.id, cp.files_changed, cp.bytes_changed, cp.reasons,
+                                   cp.freeze_ms)
             self.db.set_base_gen(row.id, snap.generation)
 
     def _undo_checkpoint(self, sid: str, cp: CheckpointRow) -> None:
@@ -2521,6 +2528,11 @@ async def _stop_runtime(rt: runtime.Runtime) -> None:
     """Kill a sandbox's every process, its init too, and remove its cgroup."""
     await runtime.stop(rt)
     rt.cgroup.remove()
+
+
+def _snapshot_error(cp: CheckpointRow, e: Exception) -> DeltaBoxError:
+    return e if isinstance(e, DeltaBoxError) else Internal(
+        f"taking the file snapshot of {cp.id} failed: {e!r}")
 
 
 def _with(note: str, more: str) -> str:
