@@ -1162,15 +1162,15 @@ class Daemon:
             procs_of = parent.procs_of  # the policy saw no process change since it
         else:
             procs_of = None
-        cp = self._checkpoint_row(cp_id, row, parent, layer, decision, captured, label,
-                                  procs_of, snap)
-        if defer:
-            cp.snapshot_of = row.layer_id
-        cp.freeze_ms = freeze_ms
-        cp.duration_ms = (time.perf_counter() - t0) * 1000
-        row.head_cp = cp_id
-        crash_point("checkpoint.before_commit")
         try:
+            cp = self._checkpoint_row(cp_id, row, parent, layer, decision, captured, label,
+                                      procs_of, snap)
+            if defer:
+                cp.snapshot_of = row.layer_id
+            cp.freeze_ms = freeze_ms
+            cp.duration_ms = (time.perf_counter() - t0) * 1000
+            row.head_cp = cp_id
+            crash_point("checkpoint.before_commit")
             with self.db.transaction():
                 self.db.put_checkpoint(cp)
                 self.db.put_sandbox(row)
@@ -1291,8 +1291,9 @@ class Daemon:
 
     def _finish_snapshots(self) -> None:
         """At start: take the file snapshots a previous daemon answered for but did not
-        take. Their sandbox's layer is as it was then: nothing ran in it, every later
-        operation waited for the snapshot, and the daemon's death stopped them all."""
+        take. Their sandbox's layer is as it was then: nothing ran in it, or it stayed
+        frozen (its processes were killed above, still frozen), every later operation
+        waited for the snapshot, and the daemon's death stopped them all."""
         for cp in self.db.unsnapshotted():
             row = self.db.get_sandbox(cp.sandbox_id)
             try:
