@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +57,14 @@ class DaemonProc:
     def lanes_opened(self) -> int:
         """How many forks opened fork lanes so far (deltaboxd logs each: cr/engine.py)."""
         return self.log.read_text().count("a second lane for pid")
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 20, what: str = "") -> None:
+    """Poll `cond` every 50 ms until it is true; fail the test after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what or cond}"
+        time.sleep(0.05)
 
 
 def wait_ready(d: DaemonProc, timeout: float = 60) -> None:

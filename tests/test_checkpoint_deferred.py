@@ -12,6 +12,8 @@ import time
 from deltabox import Sandbox
 from deltabox.daemon.service import DEFERRED_NOTE
 
+from conftest import wait_for
+
 
 def _deferred(cp) -> bool:
     return DEFERRED_NOTE in cp.reasons
@@ -92,7 +94,7 @@ def test_a_sandbox_that_runs_something_stays_frozen_until_the_snapshot(
                     "    with open('/workspace/n', 'a') as f:\n        f.write(f'{i}\\n')\n"
                     "    time.sleep(0.002)\n")
     sbx.exec("cd /workspace && nohup python3 count.py >/dev/null 2>&1 &")
-    _wait(lambda: len(_counts(sbx)) >= 20)
+    wait_for(lambda: len(_counts(sbx)) >= 20)
     cp = sbx.checkpoint()
     assert cp.kind == "full" and _deferred(cp), cp.reasons
     assert cp.files_changed == 0
@@ -110,13 +112,6 @@ def test_a_sandbox_that_runs_something_stays_frozen_until_the_snapshot(
 
 def _counts(sbx: Sandbox) -> list[int]:
     return [int(x) for x in sbx.files.read("n").split()] if sbx.files.exists("n") else []
-
-
-def _wait(pred, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_forced_fs_mode_is_never_deferred_forced_full_is(sbx: Sandbox, ebpf: str) -> None:

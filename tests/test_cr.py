@@ -18,7 +18,7 @@ import pytest
 import deltabox
 from deltabox import Sandbox
 
-from conftest import HELD, OWN_PS, launchers_below
+from conftest import HELD, OWN_PS, launchers_below, wait_for
 
 Restore = Callable[[Sandbox, deltabox.Checkpoint], Sandbox]
 
@@ -160,7 +160,7 @@ def test_a_process_stuck_in_vfork_is_refused_by_name(sbx: Sandbox) -> None:
                     "file_actions=[(os.POSIX_SPAWN_OPEN, 0, '/workspace/gate', os.O_RDONLY, 0)])"
                     "\nopen('/workspace/spawned', 'w').write('1')\nimport time; time.sleep(1000)\n")
     sbx.exec("cd /workspace && nohup python3 spawn.py >/dev/null 2>&1 &")
-    _wait(lambda: "kernel_clone" in sbx.exec(
+    wait_for(lambda: "kernel_clone" in sbx.exec(
         "cat /proc/$(pgrep -o -f '^python3 spawn.py')/wchan").stdout)
     t0 = time.monotonic()
     with pytest.raises(deltabox.FailedPrecondition,
@@ -170,7 +170,7 @@ def test_a_process_stuck_in_vfork_is_refused_by_name(sbx: Sandbox) -> None:
     assert sbx.checkpoints() == []
     assert sbx.checkpoint(mode="fs").kind == "fs"
     sbx.exec("exec 3<>/workspace/gate")   # a writer: the child's open returns, it execs
-    _wait(lambda: sbx.files.exists("spawned"))
+    wait_for(lambda: sbx.files.exists("spawned"))
     assert sbx.checkpoint(mode="full").kind == "full"
 
 
@@ -264,7 +264,7 @@ def test_loopback_tcp_server_answers(sbx: Sandbox, restore: Restore) -> None:
     sbx.files.write("who", "source")
     sbx.exec("cd /workspace && nohup python3 -m http.server 8000 --bind 127.0.0.1 "
              ">/dev/null 2>&1 &")
-    _wait(lambda: sbx.exec(GET).exit_code == 0)
+    wait_for(lambda: sbx.exec(GET).exit_code == 0)
     cp = sbx.checkpoint()
     assert cp.kind == "full"
     sbx.exec("pkill -f http.server; true")
@@ -278,7 +278,7 @@ def test_loopback_tcp_server_answers(sbx: Sandbox, restore: Restore) -> None:
     target.exec("pkill -f http.server; sleep 0.2; true")
     target.exec("cd /workspace && nohup python3 -m http.server 8000 --bind 127.0.0.1 "
                 ">/dev/null 2>&1 &")
-    _wait(lambda: target.exec(GET).exit_code == 0)
+    wait_for(lambda: target.exec(GET).exit_code == 0)
 
 
 BIG_LEADER = """
@@ -304,7 +304,7 @@ def test_rollback_rebinds_a_leaders_port_after_the_original_exits(sbx: Sandbox) 
     one's pid to be free, but its port is only free once the killed one has exited."""
     sbx.files.write("leader.py", BIG_LEADER)
     sbx.exec("cd /workspace && nohup python3 leader.py >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("leader-ready"), timeout=60)
+    wait_for(lambda: sbx.files.exists("leader-ready"), timeout=60)
     want = str(1 << 18)
     assert sbx.exec(ASK_LEADER).stdout.strip() == want
     cp = sbx.checkpoint()
@@ -384,7 +384,7 @@ def test_asyncio_server_with_eventfd_and_socket_pair(sbx: Sandbox, restore: Rest
     pair and every descriptor's flags come back; its loop serves requests and signals."""
     sbx.files.write("asrv.py", ASYNC_SERVER)
     sbx.exec("cd /workspace && nohup python3 asrv.py >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("async-ready"))
+    wait_for(lambda: sbx.files.exists("async-ready"))
     before = _ask_async(sbx, "state")
     assert before.startswith("n=41 ev=3 pair=hello sigs=0 fds="), before
     assert "anon_inode:[eventpoll]" in before and "anon_inode:[eventfd]" in before, before
@@ -395,7 +395,7 @@ def test_asyncio_server_with_eventfd_and_socket_pair(sbx: Sandbox, restore: Rest
     assert _ask_async(target, "state") == before  # memory, count, bytes, fds and flags
     assert _ask_async(target, "bump").startswith("n=42 ev=3 pair=hello sigs=0 ")
     target.exec("pkill -USR1 -f asrv.py")
-    _wait(lambda: " sigs=1 " in _ask_async(target, "state"))
+    wait_for(lambda: " sigs=1 " in _ask_async(target, "state"))
     # The restored objects are captured again (the pair lives in the sandbox's network
     # namespace, where sock_diag finds it), and come back once more.
     again = _ask_async(target, "state")
@@ -456,7 +456,7 @@ def test_socket_pair_and_eventfd_between_processes(sbx: Sandbox, restore: Restor
     the pair; the worker answers the parent through it afterwards."""
     sbx.files.write("pairs.py", PAIR_PARENT_CHILD)
     sbx.exec("cd /workspace && nohup python3 pairs.py >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("forked"))
+    wait_for(lambda: sbx.files.exists("forked"))
     time.sleep(0.2)                                 # "hello" is waiting in a
     cp = sbx.checkpoint()
     assert cp.kind == "full", cp.reasons
@@ -473,7 +473,7 @@ def test_epoll_shared_between_processes_is_refused(sbx: Sandbox) -> None:
     sbx.files.write("ep.py", "import os, select, time\nep = select.epoll()\nos.fork()\n"
                     "open('/workspace/forked', 'w').write('1')\ntime.sleep(1000)\n")
     sbx.exec("cd /workspace && nohup python3 ep.py >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("forked"))
+    wait_for(lambda: sbx.files.exists("forked"))
     with pytest.raises(deltabox.FailedPrecondition,
                        match=r"pid \d+ \(python3 ep.py\): fd \d+: epoll instance shared "
                              r"with pid \d+"):
@@ -516,17 +516,17 @@ def test_process_waiting_for_its_child(sbx: Sandbox, restore: Restore, where: st
     reported 0.)"""
     sbx.files.write("waiter.py", WAITER)
     sbx.exec(f"cd /workspace && nohup python3 waiter.py {where} >/dev/null 2>&1 &")
-    _wait(lambda: "sleep 2" in sbx.exec(f"{OWN_PS} args=").stdout)
+    wait_for(lambda: "sleep 2" in sbx.exec(f"{OWN_PS} args=").stdout)
     tree = _parents(sbx, "python3 waiter.py", "sh -c sleep", "sleep 2")
     (waiter, _), (shell, up1), (_, up2) = tree
     assert (up1, up2) == (waiter, shell)
     cp = sbx.checkpoint()
     assert cp.kind == "full", cp.reasons
-    _wait(lambda: sbx.files.exists("rc") and sbx.files.read("rc") != b"")
+    wait_for(lambda: sbx.files.exists("rc") and sbx.files.read("rc") != b"")
     sbx.files.remove("rc")
     target = restore(sbx, cp)
     assert _parents(target, "python3 waiter.py", "sh -c sleep", "sleep 2") == tree
-    _wait(lambda: target.files.exists("rc") and target.files.read("rc") != b"")
+    wait_for(lambda: target.files.exists("rc") and target.files.read("rc") != b"")
     assert target.files.read("rc") == b"7"
 
 
@@ -560,7 +560,7 @@ def test_big_child_nobody_waits_for_comes_back_with_a_note(sbx: Sandbox) -> None
     s.run("python3 -c 'import os, time; b = bytearray(os.urandom(1)) * (48 << 20); "
           "time.sleep(1000)' &")
     s.run("sleep 1000 &")
-    _wait(lambda: int(sbx.exec(f"{OWN_PS} rss=,args= | awk '/[p]ython3 -c/ {{print $1}}'")
+    wait_for(lambda: int(sbx.exec(f"{OWN_PS} rss=,args= | awk '/[p]ython3 -c/ {{print $1}}'")
                       .stdout.strip() or 0) > 40 << 10)
     cp = sbx.checkpoint()
     assert cp.kind == "full", cp.reasons
@@ -585,16 +585,16 @@ def test_process_waiting_for_a_child_it_cannot_get_back_is_refused(sbx: Sandbox)
                     "    open('/workspace/st', 'w').write(str(os.waitpid(pid, 0)[1] >> 8))\n"
                     "    os._exit(0)\nos.wait()\n")
     sbx.exec("cd /workspace && nohup python3 away.py >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("away") and sbx.files.read("away") != b"")
+    wait_for(lambda: sbx.files.exists("away") and sbx.files.read("away") != b"")
     middle = int(sbx.files.read("away"))
-    _wait(lambda: sbx.exec(f"cat /proc/{middle}/wchan").stdout == "do_wait")
+    wait_for(lambda: sbx.exec(f"cat /proc/{middle}/wchan").stdout == "do_wait")
     with pytest.raises(deltabox.FailedPrecondition,
                        match=r"pid \d+ \(python3 away.py\): waits for its child \d+ "
                              r"\(python3 away.py\) \(wait4\), which would not be its child "
                              r"once restored"):
         sbx.checkpoint()
     assert sbx.checkpoints() == []
-    _wait(lambda: sbx.files.exists("st") and sbx.files.read("st") != b"")
+    wait_for(lambda: sbx.files.exists("st") and sbx.files.read("st") != b"")
     assert sbx.files.read("st") == b"5"
 
 
@@ -605,13 +605,13 @@ def test_udp_socket_is_refused_with_a_clear_error(sbx: Sandbox) -> None:
              "socket.SOCK_DGRAM)\ns.bind(('127.0.0.1', 9999))\nn = 0\nwhile True:\n"
              " n += 1\n open('/tmp/ticks', 'w').write(str(n))\n time.sleep(0.02)\" "
              ">/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("/tmp/ticks"))
+    wait_for(lambda: sbx.files.exists("/tmp/ticks"))
     with pytest.raises(deltabox.FailedPrecondition,
                        match=r"(?s)pid \d+ \(python3 -c import socket.*udp.*only listening TCP"):
         sbx.checkpoint()
     assert sbx.checkpoints() == []  # nothing was committed
     ticks = int(sbx.files.read("/tmp/ticks") or b"0")
-    _wait(lambda: int(sbx.files.read("/tmp/ticks") or b"0") > ticks + 2, timeout=5)
+    wait_for(lambda: int(sbx.files.read("/tmp/ticks") or b"0") > ticks + 2, timeout=5)
     cp = sbx.checkpoint(mode="fs")  # the documented fallback
     assert cp.kind == "fs"
 
@@ -768,7 +768,7 @@ def test_threads_come_back(sbx: Sandbox, restore: Restore) -> None:
     _ask(target, "cpus")  # rseq registrations: the main thread's and a worker's
     assert target.files.read("state") == b"cpus=True True"
     first = _ticks(target)
-    _wait(lambda: all(b > a + 5 for a, b in zip(first, _ticks(target))))
+    wait_for(lambda: all(b > a + 5 for a, b in zip(first, _ticks(target))))
     _ask(target, "feed")
     _ask(target, "wake")
     assert _report(target).startswith("n=9 consumed=10 woke=waiter ")
@@ -919,10 +919,10 @@ def test_timerfd_and_signalfd(sbx: Sandbox, restore: Restore) -> None:
     assert before == "n=41 far=9 every=0.05 waiting=True lazy=0.02 sigs=0", before
     target = _checkpoint_mutate_restore(sbx, restore, before)
     first = _timer_ticks(target)
-    _wait(lambda: _timer_ticks(target) > first + 3)
+    wait_for(lambda: _timer_ticks(target) > first + 3)
     pid = target.exec("pgrep -f '^python3 timers.py'").stdout.split()[0]
     target.exec(f"kill -USR1 {pid}")
-    _wait(lambda: _report(target).endswith(" sigs=1"))
+    wait_for(lambda: _report(target).endswith(" sigs=1"))
     if restore.mode == "fork":  # type: ignore[attr-defined]
         assert _report(sbx) == "n=42 far=0 every=0.05 waiting=False lazy=0.02 sigs=1"
 
@@ -1000,21 +1000,21 @@ def test_inotify_watches(sbx: Sandbox, restore: Restore) -> None:
     checkpoint is back, one added after it is not."""
     sbx.files.write("watcher.py", WATCHER)
     sbx.exec("cd /workspace && nohup python3 watcher.py >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("watcher-ready") and sbx.files.read("watcher-ready"))
+    wait_for(lambda: sbx.files.exists("watcher-ready") and sbx.files.read("watcher-ready"))
     wds = dict(kv.split("=") for kv in sbx.files.read("watcher-ready").decode().split())
     assert list(wds.values()) == ["1", "3", "4", "5"], wds   # 2 was removed
     before = _report(sbx)
     assert before == "n=41 seen=2:8000:", before   # IN_IGNORED of the watch removed
     target = _checkpoint_mutate_restore(sbx, restore, before)
     target.files.write("src/new.py", "y = 2\n")
-    _wait(lambda: _saw(target, int(wds["src"]), "new.py"))
+    wait_for(lambda: _saw(target, int(wds["src"]), "new.py"))
     target.exec("echo 'x = 3' >> /workspace/src/app.py && touch /etc/passwd "
                 "&& touch /usr/share/made-here")
-    _wait(lambda: _saw(target, int(wds["app"]), ""))
-    _wait(lambda: _saw(target, int(wds["passwd"]), ""))
-    _wait(lambda: _saw(target, int(wds["usr"]), "made-here"))
+    wait_for(lambda: _saw(target, int(wds["app"]), ""))
+    wait_for(lambda: _saw(target, int(wds["passwd"]), ""))
+    wait_for(lambda: _saw(target, int(wds["usr"]), "made-here"))
     target.exec("touch /workspace/other/late.txt")    # watched by the mutation only,
-    _wait(lambda: target.files.exists("child-saw") and    # and by the child
+    wait_for(lambda: target.files.exists("child-saw") and    # and by the child
           b"late.txt" in target.files.read("child-saw"))
     assert not _saw(target, 6, "late.txt")
     if restore.mode == "fork":  # type: ignore[attr-defined]
@@ -1179,7 +1179,7 @@ while True:
 
 def _role(box: Sandbox, role: str, what: str) -> str:
     box.files.write(f"{role}-{what}", "1")
-    _wait(lambda: not box.files.exists(f"{role}-{what}"))
+    wait_for(lambda: not box.files.exists(f"{role}-{what}"))
     if what == "mutate":
         return ""
     return box.files.read(f"{role}-state" if what == "report" else f"{role}-heard").decode()
@@ -1194,7 +1194,7 @@ def test_tcp_connection_within_the_sandbox(sbx: Sandbox, restore: Restore) -> No
     sbx.exec("cd /workspace && nohup python3 tcp.py server 0 >/dev/null 2>&1 &")
     _wait_file(sbx, "listening")
     sbx.exec("cd /workspace && nohup python3 tcp.py client 29 >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("server-ready") and sbx.files.read("server-ready") == b""
+    wait_for(lambda: sbx.files.exists("server-ready") and sbx.files.read("server-ready") == b""
           and sbx.files.exists("client-ready"))
     before = (_role(sbx, "server", "report"), _role(sbx, "client", "report"))
     assert before == ("n=41 queued=1700 head=b'hello-from-clienthel' opts=(0, 0, 7200)",
@@ -1226,7 +1226,7 @@ def test_listener_without_reuseaddr_beside_its_connection(sbx: Sandbox,
     sbx.exec("cd /workspace && nohup python3 tcp.py server 0 >/dev/null 2>&1 &")
     _wait_file(sbx, "listening")
     sbx.exec("cd /workspace && nohup python3 tcp.py client 29 >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("server-ready") and sbx.files.exists("client-ready"))
+    wait_for(lambda: sbx.files.exists("server-ready") and sbx.files.exists("client-ready"))
     before = (_role(sbx, "server", "report"), _role(sbx, "client", "report"))
     assert before[0].endswith(" opts=(0, 0, 0, 7200)"), before
     cp = sbx.checkpoint()
@@ -1302,12 +1302,12 @@ def test_inotify_on_an_overlay_with_a_high_device_minor(daemon) -> None:
             assert minor > 255, f"the overlay's minor is {minor}"
             box.files.write("watcher.py", WATCHER)
             box.exec("cd /workspace && nohup python3 watcher.py >/dev/null 2>&1 &")
-            _wait(lambda: box.files.exists("watcher-ready") and box.files.read("watcher-ready"))
+            wait_for(lambda: box.files.exists("watcher-ready") and box.files.read("watcher-ready"))
             cp = box.checkpoint()
             assert cp.kind == "full", cp.reasons
             assert box.rollback(cp).process_state == "restored"
             box.files.write("src/new.py", "y = 2\n")
-            _wait(lambda: _saw(box, 1, "new.py"))
+            wait_for(lambda: _saw(box, 1, "new.py"))
     finally:
         holder.kill()
         holder.wait()
@@ -1340,20 +1340,20 @@ def test_inotify_events_not_read_yet(sbx: Sandbox) -> None:
     retries, and changes nothing."""
     sbx.files.write("unread.py", UNREAD)
     sbx.exec("cd /workspace && nohup python3 unread.py 0.25 >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("held") and sbx.files.read("held") != b"")
+    wait_for(lambda: sbx.files.exists("held") and sbx.files.read("held") != b"")
     sbx.exec("touch /workspace/q/first")
     cp = sbx.checkpoint()                # events wait for up to 0.25 s: read, then captured
     assert cp.kind == "full", cp.reasons
     assert sbx.files.read("read") == b"first"
     sbx.exec("touch /workspace/q/second")
-    _wait(lambda: sbx.files.read("read") == b"first,second")
+    wait_for(lambda: sbx.files.read("read") == b"first,second")
     assert sbx.rollback(cp).process_state == "restored"
     sbx.exec("touch /workspace/q/third")
-    _wait(lambda: sbx.files.read("read") == b"first,third")
+    wait_for(lambda: sbx.files.read("read") == b"first,third")
 
     sbx.exec("pkill -f unread.py; rm -f /workspace/held")
     sbx.exec("cd /workspace && nohup python3 unread.py 1000 >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("held") and sbx.files.read("held") != b"")
+    wait_for(lambda: sbx.files.exists("held") and sbx.files.read("held") != b"")
     fd = sbx.files.read("held").decode()
     sbx.exec("touch /workspace/q/fourth")
     with pytest.raises(deltabox.FailedPrecondition,
@@ -1371,7 +1371,7 @@ def test_inotify_watch_of_a_deleted_file_is_refused(sbx: Sandbox) -> None:
              "libc.inotify_add_watch(fd, b'/workspace/gone', 2)\nos.unlink('/workspace/gone')\n"
              "open('/workspace/held', 'w').write(str(fd))\ntime.sleep(1000)\" "
              ">/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("held") and sbx.files.read("held") != b"")
+    wait_for(lambda: sbx.files.exists("held") and sbx.files.read("held") != b"")
     fd = sbx.files.read("held").decode()
     with pytest.raises(deltabox.FailedPrecondition,
                        match=rf"(?s)fd {fd}: inotify watch 1 \(inode \d+\): its file was not "
@@ -1526,7 +1526,7 @@ def test_shared_memory_that_cannot_be_copied_is_refused(sbx: Sandbox, setup: str
     descriptors get the new one). Refused by name, changing nothing."""
     sbx.exec(f"nohup python3 -c \"import mmap, tempfile, time\n{setup}\nm[0] = 1\n"
              "open('/workspace/held', 'w').write('1')\ntime.sleep(1000)\" >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("held"))
+    wait_for(lambda: sbx.files.exists("held"))
     with pytest.raises(deltabox.FailedPrecondition, match=rf"(?s)python3 -c import mmap.*{why}"):
         sbx.checkpoint()
     assert sbx.checkpoint(mode="fs").kind == "fs"
@@ -1542,7 +1542,7 @@ def test_shared_mapping_of_a_named_file_is_refused(sbx: Sandbox, how: str) -> No
     sbx.exec(f"nohup python3 -c \"import mmap, time\nf = open('{where}', 'w+b')\n"
              "f.truncate(4096)\nm = mmap.mmap(f.fileno(), 4096)\nm[0] = 1\n"
              "open('/workspace/held', 'w').write('1')\ntime.sleep(1000)\" >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("held"))
+    wait_for(lambda: sbx.files.exists("held"))
     with pytest.raises(deltabox.FailedPrecondition,
                        match=rf"(?s)python3 -c import mmap.*writable shared mapping of the "
                        rf"file {re.escape(where)} at "):
@@ -1658,7 +1658,7 @@ def test_ordinary_user_process_is_refused(daemon, userns: bool) -> None:
     with Sandbox.create(socket=daemon.socket, user_namespace=userns) as sbx:
         sbx.exec("setpriv --reuid 1000 --regid 1000 --clear-groups sleep 1000 "
                  ">/dev/null 2>&1 &")
-        _wait(lambda: sbx.exec("pgrep -u 1000 -x sleep").exit_code == 0)
+        wait_for(lambda: sbx.exec("pgrep -u 1000 -x sleep").exit_code == 0)
         with pytest.raises(deltabox.FailedPrecondition,
                            match=r"pid \d+ \(sleep 1000\): runs without CAP_SYS_ADMIN"):
             sbx.checkpoint(mode="full")
@@ -1710,7 +1710,7 @@ def test_deleted_open_temp_file(sbx: Sandbox, restore: Restore) -> None:
     dup moves with its original, a second open does not), still unlinked."""
     sbx.files.write("unlinked.py", UNLINKED)
     sbx.exec("cd /workspace && nohup python3 unlinked.py >/dev/null 2>&1 &")
-    _wait(lambda: "unlinked.py" in sbx.exec("ps -eo args").stdout)
+    wait_for(lambda: "unlinked.py" in sbx.exec("ps -eo args").stdout)
     before = _report(sbx)
     assert "t=5 d=5 r=100000 via_r=b'at the ' " in before and "nlink=0" in before, before
     assert "log=b'one\\n' logpos=4" in before, before
@@ -1729,7 +1729,7 @@ def test_deleted_file_still_linked_elsewhere_is_refused(sbx: Sandbox) -> None:
     sbx.exec("nohup python3 -c \"import os, time\nf = open('/workspace/a', 'w')\n"
              "os.link('/workspace/a', '/workspace/b')\nos.unlink('/workspace/a')\n"
              "open('/workspace/held', 'w').write('1')\ntime.sleep(1000)\" >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("held"))
+    wait_for(lambda: sbx.files.exists("held"))
     with pytest.raises(deltabox.FailedPrecondition, match="still linked under another name"):
         sbx.checkpoint()
 
@@ -1746,27 +1746,20 @@ def _checkpoint_mutate_restore(sbx: Sandbox, restore: Restore, before: str) -> S
     return target
 
 
-def _wait(pred, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def _wait_file(sbx: Sandbox, name: str) -> None:
-    _wait(lambda: sbx.files.exists(name))
+    wait_for(lambda: sbx.files.exists(name))
 
 
 def _ask(sbx: Sandbox, what: str) -> None:
     sbx.files.write(what, "1")
-    _wait(lambda: not sbx.files.exists(what))
+    wait_for(lambda: not sbx.files.exists(what))
 
 
 def _report(sbx: Sandbox) -> str:
     if sbx.files.exists("state"):
         sbx.files.remove("state")
     _ask(sbx, "report")
-    _wait(lambda: sbx.files.exists("state") and sbx.files.read("state").strip() != b"")
+    wait_for(lambda: sbx.files.exists("state") and sbx.files.read("state").strip() != b"")
     return sbx.files.read("state").decode()
 
 

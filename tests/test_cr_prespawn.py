@@ -18,18 +18,11 @@ from collections.abc import Callable
 
 from deltabox import Sandbox
 
-from conftest import HELD, OWN_PS
+from conftest import HELD, OWN_PS, wait_for
 from test_cr import REGISTRATIONS, SHARED_MEMORY, TCP_ENDS, THREADED, TIMERS, _role
 
 _libc = ctypes.CDLL(None, use_errno=True)
 SYS_KCMP, KCMP_VM = 312, 1
-
-
-def _wait(cond, timeout: float = 15.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what or cond}"
-        time.sleep(0.05)
 
 
 def _carriers_ready(sbx: Sandbox) -> bool:
@@ -88,14 +81,14 @@ while not os.path.exists("/workspace/quit"):
 
 def _ask(sbx: Sandbox, what: str) -> None:
     sbx.files.write(what, "1")
-    _wait(lambda: not sbx.files.exists(what), what=what)
+    wait_for(lambda: not sbx.files.exists(what), what=what)
 
 
 def _report(sbx: Sandbox) -> str:
     if sbx.files.exists("state"):
         sbx.files.remove("state")
     _ask(sbx, "report")
-    _wait(lambda: sbx.files.exists("state"), what="state")
+    wait_for(lambda: sbx.files.exists("state"), what="state")
     return sbx.files.read("state").decode()
 
 
@@ -106,14 +99,14 @@ def test_repeated_rollbacks_from_carriers_are_exact(sbx: Sandbox) -> None:
     marker = "carrier-exact"
     sbx.files.write("prog.py", PROG)
     sbx.exec(f"nohup python3 /workspace/prog.py {marker} >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("ready"), what="ready")
+    wait_for(lambda: sbx.files.exists("ready"), what="ready")
     _ask(sbx, "bump")
     at_cp = _report(sbx)
     assert " cpus=True" in at_cp and " robust=0/" not in at_cp, at_cp
     cp = sbx.checkpoint(mode="full")
     for i in range(4):
         # the template and a carrier spawned ahead for this rollback
-        _wait(lambda: _carriers_ready(sbx), what="a carrier")
+        wait_for(lambda: _carriers_ready(sbx), what="a carrier")
         for _ in range(i + 1):
             _ask(sbx, "bump")
         assert _report(sbx) != at_cp
@@ -130,9 +123,9 @@ def test_keeper_goes_when_its_process_exits(sbx: Sandbox) -> None:
     marker = "carrier-exit"
     sbx.files.write("prog.py", PROG)
     sbx.exec(f"nohup python3 /workspace/prog.py {marker} >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("ready"), what="ready")
+    wait_for(lambda: sbx.files.exists("ready"), what="ready")
     cp = sbx.checkpoint(mode="full")
-    _wait(lambda: _carriers_ready(sbx), what="a carrier")
+    wait_for(lambda: _carriers_ready(sbx), what="a carrier")
     assert sbx.rollback(cp).process_state == "restored"
     procs = _host_procs(marker)
     live = [p for p, (_, name) in procs.items() if name not in HELD]
@@ -149,12 +142,12 @@ def test_keeper_goes_when_its_process_exits(sbx: Sandbox) -> None:
     def one_keeper() -> bool:  # its pid as seen stopped: between injected calls it runs
         found[:] = keepers()
         return len(found) == 1
-    _wait(one_keeper, timeout=10, what="the keeper")
+    wait_for(one_keeper, timeout=10, what="the keeper")
     keeper = found[0]
     sbx.files.write("quit", "1")
-    _wait(lambda: not os.path.exists(f"/proc/{live[0]}") or
+    wait_for(lambda: not os.path.exists(f"/proc/{live[0]}") or
           _host_procs(marker).get(live[0], ("Z",))[0] == "Z", what="the process to exit")
-    _wait(lambda: not os.path.exists(f"/proc/{keeper}"), timeout=10,
+    wait_for(lambda: not os.path.exists(f"/proc/{keeper}"), timeout=10,
           what="the keeper to go")
 
 
@@ -170,14 +163,14 @@ def test_restored_pipeline_sees_eof(sbx: Sandbox) -> None:
                     "    for line in f:\n        open('/workspace/last', 'w').write(line)\n"
                     "    open('/workspace/eof', 'w').write('eof')\n    os._exit(0)\n")
     sbx.exec("cd /workspace; nohup python3 pipeline.py >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("last"), what="the pipeline")
+    wait_for(lambda: sbx.files.exists("last"), what="the pipeline")
     cp = sbx.checkpoint(mode="full")
-    _wait(lambda: _carriers_ready(sbx), what="carriers")
+    wait_for(lambda: _carriers_ready(sbx), what="carriers")
     assert sbx.rollback(cp).process_state == "restored"
     sbx.files.remove("last")
-    _wait(lambda: sbx.files.exists("last"), what="the restored pipeline")
+    wait_for(lambda: sbx.files.exists("last"), what="the restored pipeline")
     sbx.files.write("quit", "1")
-    _wait(lambda: sbx.files.exists("eof"), timeout=10, what="EOF at the consumer")
+    wait_for(lambda: sbx.files.exists("eof"), timeout=10, what="EOF at the consumer")
 
 
 def test_processes_born_together_and_one_without_its_carrier(sbx: Sandbox) -> None:
@@ -190,12 +183,12 @@ def test_processes_born_together_and_one_without_its_carrier(sbx: Sandbox) -> No
     sh = sbx.session("main")
     sh.run("cd /tmp && V=at-checkpoint")
     sh.run(f"nohup python3 /workspace/prog.py {marker} >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("ready"), what="ready")
+    wait_for(lambda: sbx.files.exists("ready"), what="ready")
     _ask(sbx, "bump")
     at_cp = _report(sbx)
     cp = sbx.checkpoint(mode="full")
     for kill_a_carrier in (False, True, False):
-        _wait(lambda: _carriers_ready(sbx), what="carriers")
+        wait_for(lambda: _carriers_ready(sbx), what="carriers")
         sh.run("cd / && V=changed")
         _ask(sbx, "bump")
         assert _report(sbx) != at_cp
@@ -268,7 +261,7 @@ def test_asyncio_process_born_from_carriers(sbx: Sandbox) -> None:
     in a carrier spawned ahead: the process born from it waits on them as it did."""
     sbx.files.write("aprog.py", ASYNC_PROG)
     sbx.exec("nohup python3 /workspace/aprog.py >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("ready"), what="ready")
+    wait_for(lambda: sbx.files.exists("ready"), what="ready")
     at_cp = _rollbacks_from_carriers(sbx, "bump", "bump", 2)
     assert " n=1 sem=1 pair=queued " in at_cp, at_cp
 
@@ -282,7 +275,7 @@ def _rollbacks_from_carriers(sbx: Sandbox, prepare: str, change: str, times: int
     at_cp = _report(sbx)
     cp = sbx.checkpoint(mode="full")
     for i in range(times):
-        _wait(lambda: _carriers_ready(sbx), what="a carrier")
+        wait_for(lambda: _carriers_ready(sbx), what="a carrier")
         _ask(sbx, change)
         assert _report(sbx) != at_cp
         r = sbx.rollback(cp)
@@ -300,7 +293,7 @@ def test_shared_memory_born_from_carriers(sbx: Sandbox) -> None:
     with the checkpoint's content, at every rollback."""
     sbx.files.write("shm.py", SHARED_MEMORY)
     sbx.exec("cd /workspace; nohup python3 shm.py >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("shm-ready"), what="ready")
+    wait_for(lambda: sbx.files.exists("shm-ready"), what="ready")
 
     def shared(at_cp: str, i: int) -> None:
         _ask(sbx, "bump")   # the child, asleep on the semaphore, shares the new memory
@@ -315,12 +308,12 @@ def test_timers_born_from_carriers_run_from_the_rollback(sbx: Sandbox) -> None:
     what remained of it when the carrier was made (seconds earlier)."""
     sbx.files.write("timers.py", TIMERS)
     sbx.exec("cd /workspace; nohup python3 timers.py no-signalfd-watch >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("timers-ready"), what="ready")
+    wait_for(lambda: sbx.files.exists("timers-ready"), what="ready")
     at_cp = _report(sbx)
     _ask(sbx, "left")
     left_at_cp = float(sbx.files.read("state"))
     cp = sbx.checkpoint(mode="full")
-    _wait(lambda: _carriers_ready(sbx), what="a carrier")
+    wait_for(lambda: _carriers_ready(sbx), what="a carrier")
     time.sleep(2)
     _ask(sbx, "mutate")
     r = sbx.rollback(cp)
@@ -338,7 +331,7 @@ def test_threaded_process_born_from_carriers(sbx: Sandbox) -> None:
     marker = "carrier-threads"
     sbx.files.write("thr.py", THREADED)
     sbx.exec(f"cd /workspace; nohup python3 thr.py {marker} >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("thr-ready"), what="ready")
+    wait_for(lambda: sbx.files.exists("thr-ready"), what="ready")
 
     def cpus(at_cp: str, i: int) -> None:
         _ask(sbx, "cpus")
@@ -347,7 +340,7 @@ def test_threaded_process_born_from_carriers(sbx: Sandbox) -> None:
     _rollbacks_from_carriers(sbx, "feed", "feed", 3, cpus)
     live = [p for p, (_, name) in _host_procs(marker).items() if name not in HELD]
     assert len(live) == 1, live
-    _wait(lambda: any(_same_vm(live[0], p) for p, (st, name) in _host_procs(marker).items()
+    wait_for(lambda: any(_same_vm(live[0], p) for p, (st, name) in _host_procs(marker).items()
                       if name == "dbx-carrier"), what="its keeper")
     _ask(sbx, "wake")
     _ask(sbx, "join")
@@ -373,20 +366,20 @@ def test_tcp_connection_born_from_carriers(sbx: Sandbox) -> None:
     connection."""
     sbx.files.write("tcp.py", TCP_ENDS)
     sbx.exec("cd /workspace; nohup python3 tcp.py server 0 >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("listening"), what="the listener")
+    wait_for(lambda: sbx.files.exists("listening"), what="the listener")
     sbx.exec("cd /workspace; nohup python3 tcp.py client 29 >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("server-ready") and sbx.files.exists("client-ready"),
+    wait_for(lambda: sbx.files.exists("server-ready") and sbx.files.exists("client-ready"),
           what="ready")
     before = (_role(sbx, "server", "report"), _role(sbx, "client", "report"))
     cp = sbx.checkpoint(mode="full")
     for i in range(2):
-        _wait(lambda: _carriers_ready(sbx), what="a carrier")
+        wait_for(lambda: _carriers_ready(sbx), what="a carrier")
         _role(sbx, "server", "mutate")
         _role(sbx, "client", "mutate")
         r = sbx.rollback(cp)
         assert r.process_state == "restored", r.note
         assert (_role(sbx, "server", "report"), _role(sbx, "client", "report")) == before, i
-        _wait(lambda: _born_from_carrier("tcp.py\x00server"), timeout=5, what="its keeper")
+        wait_for(lambda: _born_from_carrier("tcp.py\x00server"), timeout=5, what="its keeper")
     assert _role(sbx, "server", "talk") == "1700 b'hello-from-clienthel' b'om-client'"
     assert _role(sbx, "client", "talk") == "29 b'greeting-from-server' b'pong:1700'"
     # The restored listener's backlog takes a connection (the server accepts no more).
@@ -431,7 +424,7 @@ def test_listening_servers_born_from_carriers(sbx: Sandbox) -> None:
     rollback."""
     sbx.files.write("aserver.py", ASYNC_SERVER)
     sbx.exec("cd /workspace; nohup python3 aserver.py >/dev/null 2>&1 &")
-    _wait(lambda: sbx.files.exists("aserver-ready"), what="ready")
+    wait_for(lambda: sbx.files.exists("aserver-ready"), what="ready")
 
     def ask(what: str, host: str = "127.0.0.1", port: int = 8013) -> str:
         r = sbx.exec(f"python3 -c \"import socket; s = socket.create_connection(('{host}', "
@@ -444,11 +437,11 @@ def test_listening_servers_born_from_carriers(sbx: Sandbox) -> None:
     cp = sbx.checkpoint(mode="full")
     assert cp.kind == "full", cp.reasons
     for i in range(2):
-        _wait(lambda: _carriers_ready(sbx), what="a carrier")
+        wait_for(lambda: _carriers_ready(sbx), what="a carrier")
         assert ask("bump") == f"{pid} 2"
         r = sbx.rollback(cp)
         assert r.process_state == "restored", r.note
         assert ask("look") == f"{pid} 1", i
         assert ask("look", "::1", 8014) == f"{pid} 1", i
-        _wait(lambda: _born_from_carrier("aserver.py"), timeout=5, what="its keeper")
+        wait_for(lambda: _born_from_carrier("aserver.py"), timeout=5, what="its keeper")
     assert ask("options") == f"{pid} 1 reuse=[0, 1]"   # as the listeners had them

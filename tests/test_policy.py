@@ -22,6 +22,8 @@ import pytest
 import deltabox
 from deltabox import Sandbox
 
+from conftest import wait_for
+
 
 # The tree the catalog works in, listed with names, types, modes, sizes and mtimes and every
 # file's content. Not directories' mtimes: a turn that only creates and removes a file again
@@ -50,13 +52,6 @@ signal.signal(signal.SIGUSR2, report)
 while True:
     signal.pause()
 """
-
-
-def _wait(cond: Callable[[], bool], timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def _wheel() -> bytes:
@@ -99,7 +94,7 @@ class Catalog:
     def observe_counter(self) -> int:
         """Asks the process (a signal: it runs, so not during the catalog's turns)."""
         self.sbx.exec("rm -f /tmp/report; pkill -USR2 -f counter.py")
-        _wait(lambda: self.sbx.exec("test -s /tmp/report").exit_code == 0)
+        wait_for(lambda: self.sbx.exec("test -s /tmp/report").exit_code == 0)
         n = int(self.sbx.exec("cat /tmp/report; rm -f /tmp/report").stdout)
         return n
 
@@ -132,7 +127,7 @@ def test_turn_catalog_skips_read_only_turns_and_restores_every_checkpoint_exactl
                "(python3 /workspace/counter.py >/dev/null 2>&1 &) && "
                "export AGENT=1")
     assert r.exit_code == 0, r
-    _wait(lambda: sbx.exec("pgrep -f counter.py").exit_code == 0)
+    wait_for(lambda: sbx.exec("pgrep -f counter.py").exit_code == 0)
     time.sleep(0.3)  # its handlers are installed
     assert c.observe_counter() == 0  # it runs and answers
     c.turn("setup", lambda: None, {"full"})
@@ -187,7 +182,7 @@ def test_turn_catalog_skips_read_only_turns_and_restores_every_checkpoint_exactl
 
     def signal_writer() -> None:
         sbx.exec("kill -USR1 $(cat /tmp/writer)")
-        _wait(lambda: sbx.exec("test -s /workspace/late && ! kill -0 $(cat /tmp/writer)")
+        wait_for(lambda: sbx.exec("test -s /workspace/late && ! kill -0 $(cat /tmp/writer)")
               .exit_code == 0)
         time.sleep(0.3)
 
@@ -313,13 +308,13 @@ def _start_counter(sbx: Sandbox, sh) -> None:
     sh.run("nohup python3 /workspace/counter.py >/dev/null 2>&1 &")
     probe = ("p=$(pgrep -x python3) && "
              "(( (0x$(awk '/^SigCgt/{print $2}' /proc/$p/status) & 0xa00) == 0xa00 ))")
-    _wait(lambda: sbx.exec(probe).exit_code == 0)
+    wait_for(lambda: sbx.exec(probe).exit_code == 0)
 
 
 def _report(sbx: Sandbox) -> int:
     """The counter process's list length (it runs to answer)."""
     sbx.exec("rm -f /tmp/report; pkill -USR2 -f counter.py")
-    _wait(lambda: sbx.exec("test -s /tmp/report").exit_code == 0)
+    wait_for(lambda: sbx.exec("test -s /tmp/report").exit_code == 0)
     return int(sbx.exec("cat /tmp/report; rm -f /tmp/report").stdout)
 
 
@@ -340,7 +335,7 @@ def test_a_process_that_did_not_run_keeps_its_template(sbx: Sandbox, ebpf: str) 
     assert second.kind == "full" and kept and "python3" in kept[0], second.reasons
     assert "bash" not in kept[0]
     sbx.exec("pkill -USR1 -f counter.py")      # the counter runs; the shell waits
-    _wait(lambda: True)
+    wait_for(lambda: True)
     assert _report(sbx) == 2
     third = sbx.checkpoint()
     kept = [r for r in third.reasons if r.startswith("templates kept")]
