@@ -12,8 +12,8 @@ import pytest
 from deltabox import Sandbox
 from deltabox.cr import hostmem
 
-from conftest import new_sandbox
-from test_cr import _ask, _wait
+from conftest import new_sandbox, wait_for
+from test_cr import _ask
 from test_hostmem import fake_thp
 
 # 64 MiB of patterned memory; "poke" flips two bytes in different 2 MiB pages, "report" writes
@@ -44,7 +44,7 @@ def _report(sbx: Sandbox) -> tuple[int, int]:
     if sbx.files.exists("state"):
         sbx.files.remove("state")
     _ask(sbx, "report")
-    _wait(lambda: sbx.files.exists("state"))
+    wait_for(lambda: sbx.files.exists("state"))
     crc, huge = sbx.files.read("state").split()
     return int(crc), int(huge)
 
@@ -57,7 +57,7 @@ def test_process_in_huge_pages_comes_back_exactly(daemon, how: str) -> None:
         assert HUGE in sbx.exec("echo $GLIBC_TUNABLES").stdout
         sbx.files.write("prog.py", PROG)
         sbx.exec("nohup python3 /workspace/prog.py >/dev/null 2>&1 &")
-        _wait(lambda: sbx.files.exists("ready"))
+        wait_for(lambda: sbx.files.exists("ready"))
         before = _report(sbx)
         assert before[1] >= 32 << 10, before          # most of the 64 MiB in 2 MiB pages
         cp = sbx.checkpoint()
