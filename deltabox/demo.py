@@ -68,8 +68,10 @@ def demo(socket: str) -> None:
         step("write 3 files", lambda: [sbx.files.write(f"app/file{i}.txt", f"version 1 of {i}\n")
                                        for i in range(3)])
         cp = step("checkpoint", lambda: sbx.checkpoint(label="good"))
-        print(f"            {cp.id} ({cp.kind}: {', '.join(cp.reasons)}): {cp.files_changed} files, "
-              f"{cp.bytes_changed} bytes changed; daemon-side {cp.duration_ms:.1f} ms")
+        print(f"            {cp.id} ({cp.kind}); daemon-side {cp.duration_ms:.1f} ms")
+        cp = sbx.get_checkpoint(cp)  # the counts come with the snapshot, after the answer
+        print(f"            {', '.join(cp.reasons)}: {cp.files_changed} files, "
+              f"{cp.bytes_changed} bytes changed")
         step("change: rm -rf app, write junk", lambda: sbx.exec(
             "rm -rf /workspace/app && echo junk > /workspace/junk"))
         print("            ls /workspace:", sbx.exec("ls /workspace").stdout.split())
