@@ -1117,8 +1117,8 @@ class Daemon:
                 kept = self._kept_templates(mode, live, parent, effects)
                 captured, snap = await self._capture(live, row, layer, alive, kept,
                                                      files_later=answer is not None)
-                decision = _with_reused(decision, captured)
                 hold = bool(captured.held)
+                decision = _with_reused(decision, captured)
                 if hold:
                     # Frozen again (they are in ptrace stops: at once) so that a daemon
                     # killed before the snapshot leaves them so: its tracer gone, they
