@@ -1147,9 +1147,7 @@ class Daemon:
             if hold:
                 hold = False
                 with trio.CancelScope(shield=True):
-                    await self._let_go(live, captured)
-                    if captured is not None:
-                        await self.cr.release(captured)
+                    await self._drop_capture(live, captured, held=True)
             raise
         finally:
             if frozen and not hold:
@@ -1180,10 +1178,7 @@ class Daemon:
         except BaseException:
             self.turns.lost_turn(sid)
             with trio.CancelScope(shield=True):
-                if hold:
-                    await self._let_go(live, captured)
-                if captured is not None:
-                    await self.cr.release(captured)
+                await self._drop_capture(live, captured, held=hold)
                 if decision.kind != "skipped" and self.store.layer_path(layer).exists():
                     self.store.delete(layer)
             raise
@@ -1212,6 +1207,15 @@ class Daemon:
                             self._init_filters(live))
         self._evict_templates(live)
 
+    async def _drop_capture(self, live: Live, captured: ProcessState | None,
+                            held: bool) -> None:
+        """A checkpoint that failed after its capture: let a held sandbox go, and release
+        the templates it made."""
+        if held:
+            await self._let_go(live, captured)
+        if captured is not None:
+            await self.cr.release(captured)
+
     async def _let_go(self, live: Live, captured: ProcessState | None) -> None:
         """Thaw a sandbox kept frozen for a later snapshot, and let the processes a capture
         held stopped (ProcessState.held) run again."""
@@ -1239,8 +1243,9 @@ class Daemon:
                 await trio.to_thread.run_sync(self.store.freeze, row.layer_id, cp.layer_id)
             except Exception as e:
                 error = _snapshot_error(cp, e)
+            live = self._live(sid)
             if hold:
-                await self._let_go(self._live(sid), captured)
+                await self._let_go(live, captured)
                 cp.freeze_ms += (time.perf_counter() - answered_at) * 1000
             if error is None:
                 try:
@@ -1259,7 +1264,7 @@ class Daemon:
                     f"file snapshot taken {(time.perf_counter() - t0) * 1000:.1f} ms after "
                     "the answer (nothing ran in the sandbox meanwhile; operations waited)"))
                 if captured is not None and hold:
-                    self._keep_captured(sid, self._live(sid), cp.id, captured)
+                    self._keep_captured(sid, live, cp.id, captured)
         self.pending.settle(cp.id, error)
         if error is None:
             self.warm.prepare(sid, cp.layer_id)
