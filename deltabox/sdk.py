@@ -199,10 +199,11 @@ class Sandbox:
         `get_checkpoint(id)` waits for it and returns it, or raises why it failed.
 
         A checkpoint (any but a forced "fs" one, on the embedded store without
-        `--durable`) is committed and answered first, its snapshot taken right after,
-        before any later operation (the sandbox stays frozen meanwhile: nothing can change
-        the files); its answer then has files_changed = bytes_changed = 0 and says so in
-        `reasons`: `get_checkpoint` has the counts."""
+        `--durable`) is committed and answered first, its snapshot (and a full one's
+        process templates) made right after, before any later operation (the sandbox's
+        processes stay stopped meanwhile: nothing can change the files); its answer then
+        has files_changed = bytes_changed = 0 and says so in `reasons`: `get_checkpoint`
+        has the counts, and waits for them."""
         req = pb.CheckpointRequest(sandbox_id=self.id, mode=mode, label=label,
                                    background=background)
         return convert.checkpoint(self._client.call("Checkpoint", req))

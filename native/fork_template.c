@@ -1158,16 +1158,9 @@ pid_t dbxcr_template_origin(const struct dbxcr_template *tpl)
 
 /* A thread stopped inside a blocking system call keeps its number in orig_rax (rax holds
  * -ERESTART*: it restarts when resumed); outside one orig_rax is -1. */
-long dbxcr_template_syscall(const struct dbxcr_template *tpl, int thread, long args[6])
+/* The system call the registers of a stop were taken in, and its six arguments. */
+static long syscall_of(const struct user_regs_struct *r, long args[6])
 {
-	const struct user_regs_struct *r;
-
-	if (thread == 0)
-		r = &tpl->regs;
-	else if (tpl->threads && thread <= tpl->threads->n)
-		r = &tpl->threads->t[thread - 1].regs;
-	else
-		return -2;
 	args[0] = (long)r->rdi;
 	args[1] = (long)r->rsi;
 	args[2] = (long)r->rdx;
@@ -1175,6 +1168,15 @@ long dbxcr_template_syscall(const struct dbxcr_template *tpl, int thread, long a
 	args[4] = (long)r->r8;
 	args[5] = (long)r->r9;
 	return (long)r->orig_rax;
+}
+
+long dbxcr_template_syscall(const struct dbxcr_template *tpl, int thread, long args[6])
+{
+	if (thread == 0)
+		return syscall_of(&tpl->regs, args);
+	if (tpl->threads && thread <= tpl->threads->n)
+		return syscall_of(&tpl->threads->t[thread - 1].regs, args);
+	return -2;
 }
 
 int check_owner(const struct dbxcr_template *tpl, struct dbxcr_error *err)
@@ -1197,7 +1199,7 @@ struct dbxcr_stop {
 	bool seized;		/* false while the seize waits for the thaw (group stop) */
 	bool modified;		/* mask/options/registers differ from the stop */
 	bool forking;		/* dbxcr_template_start's clone not collected yet */
-	long opts;		/* options given at seize (no EXITKILL, no fork events) */
+	long opts;		/* options at seize (no fork events; EXITKILL once held) */
 	int kind;		/* enum dbxcr_stop_kind */
 	int signal;
 	struct pending_sigs pend;	/* queued at the stop (and the dequeued one) */
@@ -1485,6 +1487,47 @@ int dbxcr_stop_wait(struct dbxcr_stop *s, int timeout_ms, struct dbxcr_error *er
 	s->signal = kind == DBXCR_STOP_INTERRUPT ? 0 : WSTOPSIG(status);
 	s->state = ST_STOPPED;
 	return wait_threads(s, timeout_ms, err);
+}
+
+/* The registers a template of a stopped process takes are those saved at its stop
+ * (take_stop; a thread's are put back unchanged after its capture), so the stop already
+ * says which system call each thread was in, before any template is made. */
+long dbxcr_stop_syscall(const struct dbxcr_stop *s, int thread, long args[6])
+{
+	if (s->state != ST_STOPPED)
+		return -3;
+	if (thread == 0)
+		return syscall_of(&s->t.regs, args);
+	if (thread <= s->nthreads && s->threads[thread - 1]->state == ST_STOPPED)
+		return syscall_of(&s->threads[thread - 1]->t.regs, args);
+	return thread <= s->nthreads ? -3 : -2;
+}
+
+static int set_exitkill(struct dbxcr_stop *s, struct dbxcr_error *err)
+{
+	long opts = s->opts | PTRACE_O_EXITKILL;
+
+	if (ptrace(PTRACE_SETOPTIONS, s->t.pid, 0, (void *)opts) < 0)
+		return fail(err, errno, s->t.pid, "PTRACE_SETOPTIONS (EXITKILL, held)");
+	s->opts = opts;	/* what unmodify puts back, until the detach drops it */
+	return 0;
+}
+
+/* A process held stopped past its checkpoint's answer (its templates made after it) must
+ * not outlive its tracer: detached by a dying daemon it would run on and change the files
+ * whose snapshot the restarted daemon takes for that checkpoint.  With PTRACE_O_EXITKILL
+ * the kernel SIGKILLs each of its threads when the tracing thread exits. */
+int dbxcr_stop_hold(struct dbxcr_stop *s, struct dbxcr_error *err)
+{
+	clear_error(err);
+	if (owns(s, err) < 0)
+		return -1;
+	if (s->state != ST_STOPPED)
+		return fail(err, EINVAL, s->t.pid, "process is not stopped");
+	for (int i = 0; i < s->nthreads; i++)
+		if (set_exitkill(s->threads[i], err) < 0)
+			return -1;
+	return set_exitkill(s, err);
 }
 
 void dbxcr_stop_get_info(const struct dbxcr_stop *s, struct dbxcr_stop_info *out)

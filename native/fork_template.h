@@ -104,6 +104,12 @@ int dbxcr_stop_begin(pid_t pid, struct dbxcr_stop **out, struct dbxcr_error *err
 int dbxcr_stop_wait(struct dbxcr_stop *s, int timeout_ms, struct dbxcr_error *err);
 
 void dbxcr_stop_get_info(const struct dbxcr_stop *s, struct dbxcr_stop_info *out);
+/* As dbxcr_template_syscall, from the registers saved at the stop (s stopped, its threads
+ * too): -3 if it is not (not stopped yet, resumed, gone). */
+long dbxcr_stop_syscall(const struct dbxcr_stop *s, int thread, long args[6]);
+/* Make a stopped process (every thread) die with its tracer (PTRACE_O_EXITKILL) until it
+ * is resumed: for a process held stopped after its checkpoint was answered. */
+int dbxcr_stop_hold(struct dbxcr_stop *s, struct dbxcr_error *err);
 
 /* Fork the stopped process into a template (as dbxcr_make_template does).  The process
  * is put back exactly as it was at its stop and stays stopped.  Signals pending at the

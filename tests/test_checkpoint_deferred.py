@@ -84,12 +84,12 @@ def test_concurrent_writers_never_reach_the_snapshot(sbx: Sandbox, ebpf: str) ->
     assert sbx.get_checkpoint(cp).kind in ("fs", "skipped")
 
 
-def test_a_sandbox_that_runs_something_stays_frozen_until_the_snapshot(
+def test_a_sandbox_that_runs_something_stays_stopped_until_the_snapshot(
         sbx: Sandbox, ebpf: str) -> None:
-    """A checkpoint that captures running processes is answered before its snapshot too:
-    they stay stopped, their cgroup frozen, until it is taken. A process appending a
-    counter every 2 ms: after each rollback the file counts on with no gap and no repeat
-    (the file and the process's memory are of one instant)."""
+    """A checkpoint that captures running processes is answered before their templates
+    and its snapshot: they stay in their stops until both are made. A process appending
+    a counter every 2 ms: after each rollback the file counts on with no gap and no
+    repeat (the file and the process's memory are of one instant)."""
     sbx.files.write("count.py", "import time\ni = 0\nwhile True:\n    i += 1\n"
                     "    with open('/workspace/n', 'a') as f:\n        f.write(f'{i}\\n')\n"
                     "    time.sleep(0.002)\n")
@@ -100,9 +100,10 @@ def test_a_sandbox_that_runs_something_stays_frozen_until_the_snapshot(
     assert cp.files_changed == 0
     assert any(r.endswith("processes captured as templates") for r in cp.reasons), cp.reasons
     got = sbx.get_checkpoint(cp)
-    assert not _deferred(got) and any("file snapshot taken" in r for r in got.reasons)
+    assert not _deferred(got) and any("templates and file snapshot made" in r
+                                      for r in got.reasons), got.reasons
     assert got.files_changed >= 1
-    assert got.freeze_ms > cp.freeze_ms   # frozen until the snapshot, after the answer
+    assert got.freeze_ms > cp.freeze_ms   # held until the snapshot, after the answer
     for _ in range(3):
         sbx.rollback(cp)
         time.sleep(0.1)

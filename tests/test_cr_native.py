@@ -636,6 +636,48 @@ def test_resume_after_a_captured_process_was_killed(native) -> None:
             q.wait()
 
 
+def test_a_held_stop_names_its_call_and_dies_with_its_tracer(native) -> None:
+    """A process held in its stop past its checkpoint's answer (engine: a `later`
+    capture, templates made after the answer): its stop says which call it was in before
+    any template exists (the adoption check needs it), and once held it is SIGKILLed when
+    its tracing thread exits (a daemon killed before the templates) instead of running
+    on; a stop that is not held is detached and sleeps on."""
+    import threading
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    held, plain = subprocess.Popen(sleeper), subprocess.Popen(sleeper)
+    calls: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def tracer() -> None:  # exits with both processes still in their stops
+        try:
+            for p, hold in ((held, True), (plain, False)):
+                s = native.begin_stop(p.pid)
+                assert s.wait(timeout=3) == "interrupt"
+                calls[p.pid] = s.syscalls()
+                if hold:
+                    s.hold()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    try:
+        _wait(lambda: _in_syscall(held.pid, "230") and _in_syscall(plain.pid, "230"),
+              what="sleeping")
+        t = threading.Thread(target=tracer)
+        t.start()
+        t.join()
+        assert not errors, errors
+        assert [nr for nr, _ in calls[held.pid]] == [230]   # clock_nanosleep, one thread
+        assert held.wait(timeout=5) == -signal.SIGKILL
+        _wait(lambda: native.proc_status(plain.pid).tracer_pid == 0
+              and _in_syscall(plain.pid, "230"), what="the unheld one sleeping on")
+        assert plain.poll() is None
+    finally:
+        for q in (held, plain):
+            q.kill()
+            q.wait()
+
+
 FD_HOLDER = r"""
 import json, os, socket, sys, time
 d = sys.argv[1]

@@ -25,7 +25,7 @@ from deltabox import Sandbox
 from deltabox.daemon.faults import STEPS
 from deltabox.sandbox.cgroups import parent_name
 
-from conftest import DaemonProc, inspector_backend, leaks
+from conftest import DaemonProc, inspector_backend, leaks, wait_for
 
 # Fault tests run without the eBPF inspector (it loads for seconds in the background) and
 # without warm ready generations; spare clones are uncommitted layers that recovery removes.
@@ -462,12 +462,13 @@ def test_crash_after_an_fs_checkpoint_was_answered_before_its_snapshot(d: Daemon
 @pytest.mark.timeout(180)
 def test_crash_after_a_full_checkpoint_was_answered_before_its_snapshot(
         d: DaemonProc) -> None:
-    """A checkpoint that captures running processes is answered before its file snapshot,
-    the sandbox kept frozen and those processes stopped until it is taken. A kill -9
-    right after the answer: nothing runs on while the daemon is gone (the sandbox's cgroup
-    stays frozen, the counter file in its layer does not grow), the restarted daemon takes
-    the snapshot, and the checkpoint holds the files of the instant it answered (the
-    processes' memory went with the daemon: their dump was not written yet)."""
+    """A checkpoint that captures running processes is answered before their templates
+    and its file snapshot, those processes held in their ptrace stops until both are made.
+    A kill -9 right after the answer: nothing runs on while the daemon is gone (the held
+    processes die with their tracer, the counter file in the layer does not grow), the
+    restarted daemon takes the snapshot, and the checkpoint holds the files of the
+    instant it answered (the processes' memory went with the daemon: no template, no
+    dump)."""
     d.start(*FLAGS, env={"DELTABOX_CRASH_AT": "checkpoint.answered"})
     sb = Sandbox.create(socket=d.socket)
     sb.files.write("count.py", "import time\ni = 0\nwhile True:\n    i += 1\n"
@@ -483,8 +484,10 @@ def test_crash_after_a_full_checkpoint_was_answered_before_its_snapshot(
     assert d.proc is not None and d.proc.wait(30) == -signal.SIGKILL
     assert "killing deltaboxd (SIGKILL) at checkpoint.answered" in d.log.read_text()
     parent = parent_name(str(d.state_dir.resolve()))
-    state = Path(f"/sys/fs/cgroup/freezer/{parent}/{sb.id}/freezer.state")
-    assert state.read_text().strip() == "FROZEN"
+    procs = Path(f"/sys/fs/cgroup/pids/{parent}/{sb.id}/cgroup.procs")
+    wait_for(lambda: not [p for p in procs.read_text().split()
+                          if b"count.py" in _cmdline(int(p))],
+             timeout=5, what="the held counter to die with the daemon")
     layer = _db(d)[0][sb.id][0]
     (counter,) = (d.state_dir / "store" / "layers" / layer).rglob("count-n.txt")
     at_crash = counter.read_bytes()
@@ -494,6 +497,7 @@ def test_crash_after_a_full_checkpoint_was_answered_before_its_snapshot(
     sb = Sandbox.connect(sb.id, socket=d.socket)
     got = sb.get_checkpoint(cp)
     assert any("file snapshot taken" in r for r in got.reasons), got.reasons
+    assert sb.rollback(cp).process_state == "restarted"
     sb.files.write("count-n.txt", "later\n")
     sb.rollback(cp)
     assert sb.files.read("count-n.txt").startswith(at_crash)
@@ -504,6 +508,13 @@ def test_crash_after_a_full_checkpoint_was_answered_before_its_snapshot(
     assert _layers_on_disk(d) == set()
     d.stop()
     assert d.proc.returncode == 0 and not leaks(d.state_dir.parent)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone
+        return b""
 
 
 def test_a_layer_busy_for_a_moment_is_deleted_soon_after(d: DaemonProc) -> None:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from . import native
 from .capture import ProcessRecord, Refusal
@@ -72,7 +72,7 @@ def adoptees(records: Iterable[ProcessRecord],
             out[r.pid] = parent.pid
             continue
         if parent.pid not in calls:
-            calls[parent.pid] = _calls(templates, parent)
+            calls[parent.pid] = template_syscalls(templates)(parent.pid)
         if _waiting_for(calls[parent.pid], r):
             out[r.pid] = parent.pid
     return out
@@ -104,16 +104,18 @@ def orphaned(records: Iterable[ProcessRecord], family: Mapping[int, int],
 
 
 def refusals(records: Iterable[ProcessRecord],
-             templates: Mapping[int, native.Template]) -> list[Refusal]:
+             syscalls: Callable[[int], Calls]) -> list[Refusal]:
     """A process with a thread waiting for a child that cannot be adopted: once restored
-    the wait would fail (ECHILD) and the program would take a made-up exit status."""
+    the wait would fail (ECHILD) and the program would take a made-up exit status.
+    `syscalls`: a captured pid's system calls at the checkpoint (its template's or its
+    stop's)."""
     calls: dict[int, Calls] = {}   # each parent's, read once
     out = []
     for kid, parent in _with_parents(records):
         if _same_session(kid, parent):
             continue
         if parent.pid not in calls:
-            calls[parent.pid] = _calls(templates, parent)
+            calls[parent.pid] = syscalls(parent.pid)
         name = _waiting_for(calls[parent.pid], kid)
         if name is not None:
             out.append(Refusal(parent.nspid, parent.cmd, (
@@ -140,9 +142,13 @@ def _same_session(child: ProcessRecord, parent: ProcessRecord) -> bool:
     return child.sid == parent.sid or child.sid == child.pid
 
 
-def _calls(templates: Mapping[int, native.Template], rec: ProcessRecord) -> Calls:
-    tpl = templates.get(rec.pid)
-    return tpl.syscalls() if tpl is not None and not tpl.released else []
+def template_syscalls(templates: Mapping[int, native.Template]) -> Callable[[int], Calls]:
+    """A captured pid's system calls at the checkpoint, from its template (none once
+    released)."""
+    def syscalls(pid: int) -> Calls:
+        tpl = templates.get(pid)
+        return tpl.syscalls() if tpl is not None and not tpl.released else []
+    return syscalls
 
 
 def _waiting_for(calls: Calls, child: ProcessRecord) -> str | None:

@@ -139,6 +139,15 @@ class PipeGroup:
 
 
 @dataclass
+class Held:
+    """A `later` capture's processes, still in their ptrace stops (DeltaCR.capture), and
+    the templates to share rather than make for those that had not run (its `reuse`)."""
+
+    stopped: list[native.Stopped]
+    reuse: dict[int, native.Template]
+
+
+@dataclass
 class ProcessState:
     """What a checkpoint holds for DeltaCR (in memory: templates are processes)."""
 
@@ -163,9 +172,9 @@ class ProcessState:
     unlinked: list[unlinked.UnlinkedFile] = field(default_factory=list)
     # images of the processes a restore adopts (cr/adoption.py), made at the first one
     images: adoption.Images | None = None
-    # The processes, still stopped after a capture that left the files for later
-    # (DeltaCR.capture's `files_later`): DeltaCR.resume lets them go.
-    held: list[native.Stopped] = field(default_factory=list)
+    # The processes, still in their stops after a capture that left the templates and
+    # the files for later (DeltaCR.capture's `later`): DeltaCR.resume lets them go.
+    held: Held | None = None
 
     @property
     def template_pids(self) -> set[int]:
@@ -341,7 +350,7 @@ class DeltaCR:
                       daemon_pipes: Callable[[], tuple[dict[int, str], set[int]]],
                       tracer_ok: set[int],
                       reuse: Mapping[int, native.Template] | None = None,
-                      layers: Sequence[str] = (), files_later: bool = False) -> ProcessState:
+                      layers: Sequence[str] = (), later: bool = False) -> ProcessState:
         """Stop `procs` (the sandbox's processes and their status, cgroup frozen by the caller
         before listing them), snapshot the files, template every process, resume. Raises
         FailedPrecondition listing every process that cannot be captured, changing nothing.
@@ -350,9 +359,11 @@ class DeltaCR:
         stopped and read like the others (their records, pipes and files are the
         checkpoint's own); only their page tables are not copied again. `layers`: the
         directories of the sandbox's overlay layers, upper first (cr/watches.py). Raises
-        Unsettled if the only refusals are inotify events not read yet. `files_later`:
-        `snapshot_files` is not called, and the processes stay stopped (ProcessState.held)
-        until the caller, having snapshotted the files, calls resume()."""
+        Unsettled if the only refusals are inotify events not read yet. `later`: once
+        the processes are stopped, read and found capturable, return: `snapshot_files` is
+        not called and no template is made; the processes stay stopped
+        (ProcessState.held) until the caller, having called make_templates() and
+        snapshotted the files, calls resume()."""
         pids = list(procs)
         own = {int(t) for t in os.listdir("/proc/self/task")}
         if any(st.tracer_pid in own for st in procs.values()):
@@ -383,7 +394,8 @@ class DeltaCR:
                     await self.worker.run(
                         _stop_and_template, cap, pids, thaw,
                         lambda: token.run_sync_soon(stops_done.set),
-                        {p: st.rss_kb for p, st in procs.items()}, dict(reuse or {}))
+                        {p: st.rss_kb for p, st in procs.items()}, dict(reuse or {}),
+                        not later)
             finally:
                 stops_done.set()  # also when it failed: the others must not wait forever
 
@@ -392,7 +404,7 @@ class DeltaCR:
             # alongside the templates (page-table copies on the ptrace thread).
             await stops_done.wait()
             try:
-                if cap.stops_done and not files_later:
+                if cap.stops_done and not later:
                     await snapshot_files()
                     cap.files_ok = True
             finally:
@@ -433,11 +445,11 @@ class DeltaCR:
 
         try:
             await run_all([ptrace_pass, snapshot, read_processes])
-            if not cap.refused and cap.records:   # the templates hold the stops' registers
-                cap.refused.extend(adoption.refusals(cap.records, cap.templates))
+            if not cap.refused and cap.records:
+                cap.refused.extend(adoption.refusals(cap.records, _syscalls_at_stop(cap, later)))
             if cap.refused:
                 raise _refusal(cap.refused)
-            if not cap.resumed and not files_later:
+            if not cap.resumed and not later:
                 await self.worker.run(_resume_all, cap.stopped)
         except BaseException as e:
             with trio.CancelScope(shield=True):
@@ -455,15 +467,27 @@ class DeltaCR:
                 for e in g.ends:
                     if e.fd == 0:
                         sessions[g.owner.split(":")[1]] = e.pid
+        stopped = {s.pid for s in cap.stopped}
         return ProcessState(cap.records, cap.templates, pipes, sessions,
-                            reused=sorted(p for p in reuse or {} if p in cap.templates),
-                            unlinked=files, held=cap.stopped if files_later else [])
+                            reused=sorted(p for p in reuse or {} if p in stopped),
+                            unlinked=files,
+                            held=Held(cap.stopped, dict(reuse or {})) if later else None)
+
+    async def make_templates(self, state: ProcessState) -> None:
+        """The templates of a `later` capture, its processes still in their stops, made
+        as capture makes them. On failure none is left (the processes stay stopped:
+        resume() lets them go)."""
+        assert state.held is not None and not state.templates
+        with trio.CancelScope(shield=True):
+            state.templates = await self.worker.run(_template_held, state.held,
+                                                    state.records)
 
     async def resume(self, state: ProcessState) -> None:
-        """Let the processes a `files_later` capture holds stopped run again."""
-        held, state.held = state.held, []
-        with trio.CancelScope(shield=True):
-            await self.worker.run(_resume_all, held)
+        """Let the processes a `later` capture holds stopped run again."""
+        held, state.held = state.held, None
+        if held is not None:
+            with trio.CancelScope(shield=True):
+                await self.worker.run(_resume_all, held.stopped)
 
     # ---- restore -----------------------------------------------------------------------
 
@@ -1143,13 +1167,13 @@ RECORDS_WAIT_S = 10.0
 
 def _stop_and_template(cap: _Pass, pids: list[int], thaw: Callable[[], None],
                        stopped: Callable[[], None], rss_kb: dict[int, int],
-                       reuse: dict[int, native.Template]) -> None:
+                       reuse: dict[int, native.Template], template: bool) -> None:
     """A capture's whole ptrace side in one trip to the ptrace thread: stop every process
     (the cgroup thawed once each is seized, so that it can reach its stop), call `stopped`
-    (the file snapshot starts, and the trio loop reads the processes), template them, wait
-    for the records (nothing more if one is refused), drop listeners, and resume them if
-    the snapshot has been committed by then. Each hop between this thread and the trio
-    loop costs a thread wake-up (about 0.1 ms)."""
+    (the file snapshot starts, and the trio loop reads the processes), and unless not
+    `template`, template them, wait for the records (nothing more if one is refused), drop
+    listeners, and resume them if the snapshot has been committed by then. Each hop
+    between this thread and the trio loop costs a thread wake-up (about 0.1 ms)."""
     try:
         cap.stopped = _begin_stops(pids)
     finally:
@@ -1157,6 +1181,10 @@ def _stop_and_template(cap: _Pass, pids: list[int], thaw: Callable[[], None],
     cap.stopped = _wait_all(cap.stopped)
     cap.stops_done = True
     stopped()
+    if not template:  # made later (DeltaCR.make_templates), the processes held till then
+        for s in cap.stopped:
+            _died_in_checkpoint(s, s.hold)
+        return
     cap.templates = _templates(cap.stopped, rss_kb, reuse)
     if not cap.records_ready.wait(RECORDS_WAIT_S):
         raise Internal("the capture's process records were not read in time")
@@ -1169,6 +1197,30 @@ def _stop_and_template(cap: _Pass, pids: list[int], thaw: Callable[[], None],
         _resume_all(cap.stopped)
         cap.resumed = True
     _leave_groups(cap.templates, cap.records)
+
+
+def _template_held(held: Held, records: list[ProcessRecord]) -> dict[int, native.Template]:
+    """The templates of a `later` capture (as _stop_and_template makes them, listeners
+    dropped, groups left); none left on failure."""
+    templates = _templates(held.stopped, {r.pid: r.rss_kb for r in records}, held.reuse)
+    try:
+        _drop_listeners(templates, [r for r in records
+                                    if r.pid in templates and r.pid not in held.reuse])
+        _leave_groups(templates, records)
+    except BaseException:
+        _release_all(list(templates.values()))
+        raise
+    return templates
+
+
+def _syscalls_at_stop(cap: _Pass, later: bool) -> Callable[[int], adoption.Calls]:
+    """What each captured process's threads were calling at the checkpoint: read from
+    its template (its stop may have been resumed), or, none made yet (a `later`
+    capture), from its stop."""
+    if not later:
+        return adoption.template_syscalls(cap.templates)
+    stops = {s.pid: s for s in cap.stopped}
+    return lambda pid: stops[pid].syscalls()
 
 
 def _begin_stops(pids: list[int]) -> list[native.Stopped]:

@@ -217,6 +217,11 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_stop_wait.restype = ctypes.c_int
         lib.dbxcr_stop_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(_StopInfo)]
         lib.dbxcr_stop_get_info.restype = None
+        lib.dbxcr_stop_syscall.argtypes = [ctypes.c_void_p, ctypes.c_int,
+                                           ctypes.POINTER(ctypes.c_long)]
+        lib.dbxcr_stop_syscall.restype = ctypes.c_long
+        lib.dbxcr_stop_hold.argtypes = [ctypes.c_void_p, err]
+        lib.dbxcr_stop_hold.restype = ctypes.c_int
         lib.dbxcr_template_stopped.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_template_stopped.restype = ctypes.c_void_p
         lib.dbxcr_template_start.argtypes = [ctypes.c_void_p, err]
@@ -479,11 +484,7 @@ class Template:
     def syscalls(self) -> list[tuple[int, list[int]]]:
         """For each thread of the origin at the checkpoint (the main one first): the
         system call it was stopped in (-1: none) and its six arguments."""
-        handle, out = self._h(), []
-        args = (ctypes.c_long * 6)()
-        while (nr := _load().dbxcr_template_syscall(handle, len(out), args)) != -2:
-            out.append((nr, list(args)))
-        return out
+        return _syscalls(_load().dbxcr_template_syscall, self._h())
 
     def close_fds(self, fds: Sequence[int]) -> None:
         """Close descriptors in the template (its later children are born without them)."""
@@ -729,6 +730,18 @@ def release_template(template: Template) -> None:
     template.release()
 
 
+def _syscalls(call: Any, handle: int) -> list[tuple[int, list[int]]]:
+    """(nr, six args) per thread, the main one first, from `call` (dbxcr_*_syscall) until
+    it says past the last thread (-2) or not stopped (-3, the last item)."""
+    out: list[tuple[int, list[int]]] = []
+    args = (ctypes.c_long * 6)()
+    while (nr := call(handle, len(out), args)) != -2:
+        out.append((nr, list(args)))
+        if nr == -3:
+            break
+    return out
+
+
 # ---------- stopping a process tree at one instant ----------
 
 STOP_KINDS = {0: "none", 1: "interrupt", 2: "signal", 3: "group-stop"}
@@ -774,6 +787,22 @@ class Stopped:
         if _load().dbxcr_stop_wait(self._h(), ms, ctypes.byref(err)) < 0:
             _raise(err)
         return self.kind
+
+    def syscalls(self) -> list[tuple[int, list[int]]]:
+        """As Template.syscalls, from the registers saved at the stop: known before any
+        template is made. Any thread may ask (nothing is traced for it)."""
+        out = _syscalls(_load().dbxcr_stop_syscall, self._h())
+        if out and out[-1][0] == -3:
+            raise CRError(_errno.ESRCH, f"pid {self.pid}: not stopped (resumed or gone)")
+        return out
+
+    def hold(self) -> None:
+        """Until resumed, the process (every thread) dies with its tracer
+        (PTRACE_O_EXITKILL): held past its checkpoint's answer, it must not run on if the
+        daemon does not."""
+        err = _Err()
+        if _load().dbxcr_stop_hold(self._h(), ctypes.byref(err)) < 0:
+            _raise(err)
 
     def make_template(self) -> Template:
         """Fork the stopped process into a Template; the process stays stopped, unchanged."""

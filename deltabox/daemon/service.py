@@ -1116,14 +1116,13 @@ class Daemon:
             if decision.kind == "full":
                 kept = self._kept_templates(mode, live, parent, effects)
                 captured, snap = await self._capture(live, row, layer, alive, kept,
-                                                     files_later=answer is not None)
-                hold = bool(captured.held)
+                                                     later=answer is not None)
+                # Held in their ptrace stops until their templates and the snapshot are
+                # made after the answer, the cgroup thawed: the templates' forks run in
+                # them. A daemon killed meanwhile takes them with it (Stopped.hold), and
+                # its successor takes the snapshot of the untouched layer.
+                hold = captured.held is not None
                 decision = _with_reused(decision, captured)
-                if hold:
-                    # Frozen again (they are in ptrace stops: at once) so that a daemon
-                    # killed before the snapshot leaves them so: its tracer gone, they
-                    # would run on. Recovery kills them, then takes the snapshot.
-                    live.rt.cgroup.freeze()
             else:
                 self._note_drift(live, effects)
                 hold = frozen and answer is not None and decision.kind == "fs"
@@ -1220,29 +1219,44 @@ class Daemon:
         """Thaw a sandbox kept frozen for a later snapshot, and let the processes a capture
         held stopped (ProcessState.held) run again."""
         live.rt.cgroup.thaw()
-        if captured is not None and captured.held:
+        if captured is not None and captured.held is not None:
             await self.cr.resume(captured)
 
     async def _deferred_snapshot(self, sid: str, row: SandboxRow, cp: CheckpointRow,
                                  answered: trio.Event, hold: bool,
                                  captured: ProcessState | None) -> None:
-        """The file snapshot of checkpoint `cp`, answered before it and still under the
-        sandbox's lock (the layer has not changed since). Operations that name `cp` wait
-        for it (pending); if it fails, the checkpoint is undone and they get the error. A
-        daemon killed before it leaves `cp.snapshot_of` set: the next start takes it.
-        `hold`: the sandbox was kept frozen for it, and the processes it `captured`
-        stopped: they run again once it is taken (before its change summary)."""
-        error: DeltaBoxError | None = None
+        """The file snapshot of checkpoint `cp` (and the templates of the processes it
+        `captured`), answered before them and still under the sandbox's lock (the layer
+        has not changed since). Operations that name `cp` wait for it (pending); if it
+        fails, the checkpoint is undone and they get the error. A daemon killed before it
+        leaves `cp.snapshot_of` set: the next start takes it (the processes, not
+        templated, are lost as with any template at a crash). `hold`: the sandbox was kept
+        frozen for it, and the processes `captured` stopped: they run again once both are
+        made (before the change summary)."""
+        errors: list[DeltaBoxError] = []
         answered_at = time.perf_counter()
+        later = captured is not None and captured.held is not None
+
+        async def templates() -> None:
+            assert captured is not None
+            try:
+                await self.cr.make_templates(captured)  # on the ptrace thread
+            except Exception as e:
+                errors.append(_cr_limit_error(e, "capturing") or _templates_error(cp, e))
+
+        async def files() -> None:
+            try:
+                await trio.to_thread.run_sync(self.store.freeze, row.layer_id, cp.layer_id)
+            except Exception as e:
+                errors.append(_snapshot_error(cp, e))
+
         with trio.CancelScope(shield=True):
             with trio.move_on_after(ANSWER_WAIT_S):
                 await answered.wait()  # the answer's thread needs the GIL more than we do
             crash_point("checkpoint.answered")
             t0 = time.perf_counter()
-            try:
-                await trio.to_thread.run_sync(self.store.freeze, row.layer_id, cp.layer_id)
-            except Exception as e:
-                error = _snapshot_error(cp, e)
+            await run_all([templates, files] if later else [files])
+            error = errors[0] if errors else None
             live = self._live(sid)
             if hold:
                 await self._let_go(live, captured)
@@ -1260,9 +1274,10 @@ class Daemon:
                     self.dumps.drop([cp.id])
                     await self.cr.release(captured)
             else:
+                made = "templates and file snapshot made" if later else "file snapshot taken"
                 self._snapshot_taken(row, cp, snap, (
-                    f"file snapshot taken {(time.perf_counter() - t0) * 1000:.1f} ms after "
-                    "the answer (nothing ran in the sandbox meanwhile; operations waited)"))
+                    f"{made} {(time.perf_counter() - t0) * 1000:.1f} ms after the answer "
+                    "(nothing ran in the sandbox meanwhile; operations waited)"))
                 if captured is not None and hold:
                     self._keep_captured(sid, live, cp.id, captured)
         self.pending.settle(cp.id, error)
@@ -1557,13 +1572,14 @@ class Daemon:
         self.background.start_soon(release)
 
     async def _capture(self, live: Live, row: SandboxRow, layer: str,
-                       candidates: set[int], kept: Kept, files_later: bool = False
+                       candidates: set[int], kept: Kept, later: bool = False
                        ) -> tuple[ProcessState, Snapshot | None]:
         """With the cgroup frozen: capture every process of the sandbox and snapshot the
         files at the same instant (DeltaCR); `kept`: templates to share rather than make
         (_kept_templates). Thaws the cgroup whatever happens; on failure the snapshot is
-        removed and nothing changed. `files_later`: no snapshot (None), the processes stay
-        stopped (ProcessState.held) for the caller to snapshot the files, then let go."""
+        removed and nothing changed. `later`: no snapshot (None) and no templates, the
+        processes stay stopped (ProcessState.held) for the caller to make them and
+        snapshot the files, then let go."""
         thawed = False
 
         def thaw() -> None:
@@ -1592,7 +1608,7 @@ class Daemon:
                         procs, thaw, snapshot, lambda: self._daemon_pipes(live),
                         tracer_ok=set(), reuse=reuse,
                         layers=live.rt.generation.layers if live.rt.generation else (),
-                        files_later=files_later)
+                        later=later)
                     live.tcp_captured |= state.holds_tcp
                     return state, snap[0] if snap else None
                 except Unsettled as e:
@@ -2539,6 +2555,14 @@ async def _stop_runtime(rt: runtime.Runtime) -> None:
 def _snapshot_error(cp: CheckpointRow, e: Exception) -> DeltaBoxError:
     return e if isinstance(e, DeltaBoxError) else Internal(
         f"taking the file snapshot of {cp.id} failed: {e!r}")
+
+
+def _templates_error(cp: CheckpointRow, e: Exception) -> DeltaBoxError:
+    """A checkpoint's process templates that could not be made after its answer."""
+    why = e.message if isinstance(e, DeltaBoxError) else repr(e)
+    return FailedPrecondition(f"the processes of checkpoint {cp.id} could not be kept after "
+                              f"it was answered ({why}); it was undone: checkpoint again, "
+                              "or with mode=\"fs\" (files only)")
 
 
 def _with(note: str, more: str) -> str:
