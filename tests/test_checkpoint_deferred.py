@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
-from deltabox import Sandbox
+import pytest
+
+from deltabox import ResourceExhausted, Sandbox
 from deltabox.daemon.service import DEFERRED_NOTE
+from deltabox.sandbox.cgroups import parent_name
 
-from conftest import wait_for
+from conftest import DaemonProc, new_sandbox, wait_for
 
 
 def _deferred(cp) -> bool:
@@ -144,3 +148,33 @@ def test_deleting_its_parent_right_after_keeps_the_tree(sbx: Sandbox, ebpf: str)
     sbx.files.write("/workspace/f", "d")
     sbx.rollback(c)
     assert sbx.files.read("/workspace/f") == b"c"
+
+
+def test_a_full_checkpoint_with_no_room_for_its_templates_is_refused_before_its_answer(
+        daemon: DaemonProc) -> None:
+    """The templates are made after the answer, and each counts against the sandbox's
+    pids limit: a checkpoint that has no room for them is refused with the answer (not
+    undone after it), nothing is kept, and its processes run on."""
+    with new_sandbox(daemon.socket, pids_max=8) as sbx:   # init, its helper, 4 sleeps
+        sbx.exec("for i in 1 2 3 4; do nohup sleep 1000 >/dev/null 2>&1 & done")
+        with pytest.raises(ResourceExhausted) as e:
+            sbx.checkpoint(mode="full")
+        assert "pids_max" in str(e.value) and "mode=fs" in str(e.value)
+        assert sbx.checkpoints() == []
+        # (Looked at from the host: the sandbox has no room left to run ps.)
+        procs = Path(f"/sys/fs/cgroup/pids/{parent_name(str(daemon.state_dir.resolve()))}/"
+                     f"{sbx.id}/cgroup.procs")
+        states = [_status(int(p)) for p in procs.read_text().split()]
+        sleeps = [st for st in states if st.get("Name") == "sleep"]
+        assert len(sleeps) == 4, states
+        assert all(st["State"].startswith("S") and st["TracerPid"] == "0"
+                   for st in sleeps), sleeps   # not left in a stop ("t"), nor traced
+        assert sbx.checkpoint(mode="fs").kind == "fs"
+
+
+def _status(pid: int) -> dict[str, str]:
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:  # gone
+        return {}
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}

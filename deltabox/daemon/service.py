@@ -1231,8 +1231,8 @@ class Daemon:
         fails, the checkpoint is undone and they get the error. A daemon killed before it
         leaves `cp.snapshot_of` set: the next start takes it (the processes, not
         templated, are lost as with any template at a crash). `hold`: the sandbox was kept
-        frozen for it, and the processes `captured` stopped: they run again once both are
-        made (before the change summary)."""
+        frozen for it (an fs checkpoint), or the processes `captured` held in their stops
+        (a full one): it runs again once both are made (before the change summary)."""
         errors: list[DeltaBoxError] = []
         answered_at = time.perf_counter()
         later = captured is not None and captured.held is not None
@@ -1609,6 +1609,8 @@ class Daemon:
                         tracer_ok=set(), reuse=reuse,
                         layers=live.rt.generation.layers if live.rt.generation else (),
                         later=later)
+                    if later:
+                        await self._room_for_templates(live, state)
                     live.tcp_captured |= state.holds_tcp
                     return state, snap[0] if snap else None
                 except Unsettled as e:
@@ -1630,6 +1632,22 @@ class Daemon:
             raise
         finally:
             thaw()
+
+    async def _room_for_templates(self, live: Live, state: ProcessState) -> None:
+        """A `later` capture's templates are made after the answer, each a task that counts
+        against the sandbox's pids limit: one that has no room for them is refused now,
+        its processes let go, rather than undone once answered."""
+        assert state.held is not None
+        need = len(state.held.stopped) - len(state.reused)
+        room = live.rt.cgroup.pids_room()
+        if room is not None and need > room:
+            await self.cr.resume(state)
+            raise ResourceExhausted(
+                f"capturing the sandbox's processes would hit its limits: {need} templates "
+                f"to make, room for {room} more tasks under its pids limit. Every captured "
+                "process is kept as a template that counts against the sandbox's pids_max "
+                "and memory_mb; create it with higher limits, or checkpoint with mode=fs "
+                "(files only)")
 
     async def _let_settle(self, live: Live, queues: Sequence[tuple[int, int]],
                           layer: str) -> None:

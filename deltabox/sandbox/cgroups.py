@@ -247,6 +247,10 @@ class Cgroup:
     def memory_usage(self) -> int:
         return self.driver.memory_usage(self.name)
 
+    def pids_room(self) -> int | None:
+        """How many more tasks its pids limit allows (None: no limit, or unreadable)."""
+        return self.driver.pids_room(self.name)
+
     @property
     def bpf_id(self) -> int | None:
         return self.driver.bpf_id(self.name)
@@ -423,6 +427,17 @@ class CgroupDriver:
             return int(f.read_text())
         except (OSError, ValueError):
             return 0
+
+
+    def pids_room(self, name: str) -> int | None:
+        d = (CGROUP_ROOT / self.parent / name if self.version == "v2"
+             else self.v1["pids"] / self.parent / name)
+        try:
+            limit = (d / "pids.max").read_text().strip()
+            current = int((d / "pids.current").read_text())
+        except (OSError, ValueError):
+            return None
+        return None if limit == "max" else int(limit) - current
 
 
 def parent_name(state_dir: str) -> str:
