@@ -1,8 +1,9 @@
-"""A checkpoint (auto or full) is answered once committed and its btrfs snapshot is taken
-right after, under the sandbox's lock (Daemon._deferred_snapshot): whatever comes next waits
-for it, and a sandbox that runs something stays frozen (its captured processes stopped)
-until then, so the checkpoint holds exactly the files of the instant it was answered. (The
-crash between the answer and the snapshot: tests/test_faults.py.)"""
+"""A checkpoint (auto or full) is answered once committed and its btrfs snapshot (and a full
+one's process templates) is made right after, under the sandbox's lock
+(Daemon._deferred_snapshot): whatever comes next waits for it, and a sandbox that runs
+something stays frozen, or its captured processes stopped, until then, so the checkpoint
+holds exactly the files of the instant it was answered. (The crash between the answer and
+the snapshot: tests/test_faults.py.)"""
 
 from __future__ import annotations
 
