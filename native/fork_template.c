@@ -1156,9 +1156,9 @@ pid_t dbxcr_template_origin(const struct dbxcr_template *tpl)
 	return tpl->origin;
 }
 
-/* A thread stopped inside a blocking system call keeps its number in orig_rax (rax holds
+/* The system call the registers of a stop were taken in, and its six arguments.  A thread
+ * stopped inside a blocking system call keeps its number in orig_rax (rax holds
  * -ERESTART*: it restarts when resumed); outside one orig_rax is -1. */
-/* The system call the registers of a stop were taken in, and its six arguments. */
 static long syscall_of(const struct user_regs_struct *r, long args[6])
 {
 	args[0] = (long)r->rdi;
