@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from deltabox import ResourceExhausted, Sandbox
+from deltabox.cr.engine import process_name
+from deltabox.cr.native import proc_status
 from deltabox.daemon.service import DEFERRED_NOTE
 from deltabox.sandbox.cgroups import parent_name
 
@@ -165,17 +167,9 @@ def test_a_full_checkpoint_with_no_room_for_its_templates_is_refused_before_its_
         # (Looked at from the host: the sandbox has no room left to run ps.)
         procs = Path(f"/sys/fs/cgroup/pids/{parent_name(str(daemon.state_dir.resolve()))}/"
                      f"{sbx.id}/cgroup.procs")
-        states = [_status(int(p)) for p in procs.read_text().split()]
-        sleeps = [st for st in states if st.get("Name") == "sleep"]
-        assert len(sleeps) == 4, states
-        assert all(st["State"].startswith("S") and st["TracerPid"] == "0"
+        pids = [int(p) for p in procs.read_text().split()]
+        sleeps = [proc_status(p) for p in pids if process_name(p) == "sleep"]
+        assert len(sleeps) == 4, pids
+        assert all(st.state == "S" and st.tracer_pid == 0
                    for st in sleeps), sleeps   # not left in a stop ("t"), nor traced
         assert sbx.checkpoint(mode="fs").kind == "fs"
-
-
-def _status(pid: int) -> dict[str, str]:
-    try:
-        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    except OSError:  # gone
-        return {}
-    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}

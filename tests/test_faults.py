@@ -22,6 +22,7 @@ import pytest
 
 import deltabox
 from deltabox import Sandbox
+from deltabox.cr.capture import cmdline
 from deltabox.daemon.faults import STEPS
 from deltabox.sandbox.cgroups import parent_name
 
@@ -486,7 +487,7 @@ def test_crash_after_a_full_checkpoint_was_answered_before_its_snapshot(
     parent = parent_name(str(d.state_dir.resolve()))
     procs = Path(f"/sys/fs/cgroup/pids/{parent}/{sb.id}/cgroup.procs")
     wait_for(lambda: not [p for p in procs.read_text().split()
-                          if b"count.py" in _cmdline(int(p))],
+                          if "count.py" in cmdline(int(p))],
              timeout=5, what="the held counter to die with the daemon")
     layer = _db(d)[0][sb.id][0]
     (counter,) = (d.state_dir / "store" / "layers" / layer).rglob("count-n.txt")
@@ -508,13 +509,6 @@ def test_crash_after_a_full_checkpoint_was_answered_before_its_snapshot(
     assert _layers_on_disk(d) == set()
     d.stop()
     assert d.proc.returncode == 0 and not leaks(d.state_dir.parent)
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:  # gone
-        return b""
 
 
 def test_a_layer_busy_for_a_moment_is_deleted_soon_after(d: DaemonProc) -> None:

@@ -64,6 +64,7 @@ def adoptees(records: Iterable[ProcessRecord],
     """Captured child -> captured parent (host pids at the checkpoint) of the children a
     restore gives back to their restored parent (see the module doc)."""
     calls: dict[int, Calls] = {}   # each parent's, read once
+    syscalls = template_syscalls(templates)
     out = {}
     for r, parent in _with_parents(records):
         if not _same_session(r, parent):
@@ -72,7 +73,7 @@ def adoptees(records: Iterable[ProcessRecord],
             out[r.pid] = parent.pid
             continue
         if parent.pid not in calls:
-            calls[parent.pid] = template_syscalls(templates)(parent.pid)
+            calls[parent.pid] = syscalls(parent.pid)
         if _waiting_for(calls[parent.pid], r):
             out[r.pid] = parent.pid
     return out

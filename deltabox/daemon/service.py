@@ -1270,7 +1270,8 @@ class Daemon:
                 log.error("checkpoint %s of %s: %s; the checkpoint is undone", cp.id, sid,
                           error.message)
                 self._undo_checkpoint(sid, cp)
-                if captured is not None and hold:
+                if later:
+                    assert captured is not None
                     self.dumps.drop([cp.id])
                     await self.cr.release(captured)
             else:
@@ -1278,7 +1279,8 @@ class Daemon:
                 self._snapshot_taken(row, cp, snap, (
                     f"{made} {(time.perf_counter() - t0) * 1000:.1f} ms after the answer "
                     "(nothing ran in the sandbox meanwhile; operations waited)"))
-                if captured is not None and hold:
+                if later:
+                    assert captured is not None
                     self._keep_captured(sid, live, cp.id, captured)
         self.pending.settle(cp.id, error)
         if error is None:
@@ -1610,7 +1612,7 @@ class Daemon:
                         layers=live.rt.generation.layers if live.rt.generation else (),
                         later=later)
                     if later:
-                        await self._room_for_templates(live, state)
+                        await self._room_for_templates(live, row, state)
                     live.tcp_captured |= state.holds_tcp
                     return state, snap[0] if snap else None
                 except Unsettled as e:
@@ -1633,14 +1635,17 @@ class Daemon:
         finally:
             thaw()
 
-    async def _room_for_templates(self, live: Live, state: ProcessState) -> None:
+    async def _room_for_templates(self, live: Live, row: SandboxRow,
+                                  state: ProcessState) -> None:
         """A `later` capture's templates are made after the answer, each a task that counts
-        against the sandbox's pids limit: one that has no room for them is refused now,
-        its processes let go, rather than undone once answered."""
+        against the sandbox's pids limit (row.pids_max, as written to its cgroup): one
+        that has no room for them is refused now, its processes let go, rather than
+        undone once answered."""
         assert state.held is not None
         need = len(state.held.stopped) - len(state.reused)
-        room = live.rt.cgroup.pids_room()
-        if room is not None and need > room:
+        current = live.rt.cgroup.pids_current()
+        room = row.pids_max - current if current is not None else need
+        if need > room:
             await self.cr.resume(state)
             raise ResourceExhausted(
                 f"capturing the sandbox's processes would hit its limits: {need} templates "

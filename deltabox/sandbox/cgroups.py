@@ -247,9 +247,9 @@ class Cgroup:
     def memory_usage(self) -> int:
         return self.driver.memory_usage(self.name)
 
-    def pids_room(self) -> int | None:
-        """How many more tasks its pids limit allows (None: no limit, or unreadable)."""
-        return self.driver.pids_room(self.name)
+    def pids_current(self) -> int | None:
+        """How many tasks count against its pids limit now (None: unreadable)."""
+        return self.driver.pids_current(self.name)
 
     @property
     def bpf_id(self) -> int | None:
@@ -428,16 +428,13 @@ class CgroupDriver:
         except (OSError, ValueError):
             return 0
 
-
-    def pids_room(self, name: str) -> int | None:
+    def pids_current(self, name: str) -> int | None:
         d = (CGROUP_ROOT / self.parent / name if self.version == "v2"
              else self.v1["pids"] / self.parent / name)
         try:
-            limit = (d / "pids.max").read_text().strip()
-            current = int((d / "pids.current").read_text())
+            return int(kernfs.read(d / "pids.current"))
         except (OSError, ValueError):
             return None
-        return None if limit == "max" else int(limit) - current
 
 
 def parent_name(state_dir: str) -> str:
