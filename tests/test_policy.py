@@ -282,6 +282,41 @@ def test_fork_children_skip_until_they_change(sbx: Sandbox, ebpf: str) -> None:
         kid.kill()
 
 
+# Sleeps to an absolute deadline (Python >= 3.11: clock_nanosleep with TIMER_ABSTIME), so a
+# copy restored after the deadline wakes the moment it is let go, writes the time, and sleeps
+# on: all before the daemon can tell the inspector about it.
+WAKER = """\
+import time
+time.sleep(1.0)
+open('/workspace/woke', 'w').write(str(time.time_ns()))
+time.sleep(1e6)
+"""
+
+
+def test_a_restored_process_that_ran_before_the_watch_is_captured_afresh(
+        sbx: Sandbox, ebpf: str) -> None:
+    """A rollback lets its processes go before the inspector watches them: what one does at
+    once (here: wake, write a file, sleep again) must not pass for an untouched turn. The
+    next auto checkpoint captures it (not an alias of the checkpoint rolled back to, which
+    would bring back a process about to write the file again, with another time)."""
+    sbx.files.write("/workspace/waker.py", WAKER)
+    sbx.session("main").run("nohup python3 /workspace/waker.py >/dev/null 2>&1 &")
+    time.sleep(0.3)
+    before = sbx.checkpoint(mode="full")
+    wait_for(lambda: sbx.exec("test -s /workspace/woke").exit_code == 0)
+    assert sbx.rollback(before).process_state == "restored"
+    wait_for(lambda: sbx.exec("test -s /workspace/woke").exit_code == 0)
+    woke = sbx.files.read("/workspace/woke")
+    after = sbx.checkpoint()
+    assert after.kind == "full", after.reasons
+    assert any("python3" in r and "before the inspector watched it" in r
+               for r in after.reasons), after.reasons
+    sbx.exec("rm /workspace/woke")
+    assert sbx.rollback(after).process_state == "restored"
+    time.sleep(0.2)
+    assert sbx.files.read("/workspace/woke") == woke
+
+
 def test_without_inspector_every_auto_checkpoint_is_full(tmp_path: Path) -> None:
     from conftest import DaemonProc, leaks  # noqa: PLC0415 (the test's own daemon)
 

@@ -221,6 +221,22 @@ class Restored:
     keepers: dict[int, native.Carrier] = field(default_factory=dict)
 
 
+def stopped_calls(state: ProcessState, restored: Restored) -> dict[int, frozenset[int]]:
+    """The restored processes (host pids) and the system calls their threads were stopped
+    in at the checkpoint (-1: none, or unknown): each re-enters its call when let go, which
+    the inspector must not take for running (Turns.watch)."""
+    out = {}
+    for rec in state.records:
+        host = restored.pids.get(rec.nspid)
+        if host is None:
+            continue
+        tpl = state.templates.get(rec.pid)
+        calls = [nr for nr, _ in tpl.syscalls()] if tpl is not None and not tpl.released \
+            else [-1]
+        out[host] = frozenset(calls or [-1])
+    return out
+
+
 @dataclass
 class Prespawned:
     """Carriers of a checkpoint's processes spawned ahead of a rollback into the generation

@@ -44,7 +44,7 @@ from ..background import GuardedNursery, run_all
 from ..cr import hostmem, native, tcp, watches
 from ..cr.capture import Unsettled
 from ..cr.engine import (DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, in_vfork,
-                         process_name)
+                         process_name, stopped_calls)
 from ..inspector import Decision, TurnEffects, touched_processes, untouched_processes
 from . import budget
 from .faults import crash_point
@@ -56,6 +56,8 @@ from .spares import Kind as SpareKind, Spare, Spares
 from .turns import Turns
 from .warm import Ready, WarmPool, source_layer, stacked_key
 
+# Restored processes (host pids) -> the calls they were stopped in (engine.stopped_calls).
+Resumed = dict[int, frozenset[int]]
 log = logging.getLogger("deltaboxd")
 
 SANDBOX_ID = re.compile(r"^sb-[0-9a-f]{10}$")
@@ -604,14 +606,16 @@ class Daemon:
         with trio.CancelScope(shield=True):
             await _stop_runtime(rt)
 
-    def _new_turn(self, sid: str, live: Live, pids: set[int] | None = None) -> None:
+    def _new_turn(self, sid: str, live: Live, restored: Resumed | None = None) -> None:
         """A turn of the sandbox begins (boot, rollback, fork): the inspector follows its
-        cgroup from here, knowing init and `pids` (restored processes)."""
+        cgroup from here, knowing init and the `restored` processes (already running: with
+        the calls they were stopped in, engine.stopped_calls)."""
         cgid = live.rt.cgroup.bpf_id
         if cgid is None:
             return
         keep = live.rt.keep_pids
-        self.turns.watch(sid, cgid, keep | (pids or set()), lived_on=keep)
+        self.turns.watch(sid, cgid, keep | set(restored or ()), lived_on=keep,
+                         restored=restored)
 
     async def _limit_disk(self, row: SandboxRow, layer: str) -> None:
         """Put the sandbox's disk quota on a writable layer it is about to use (btrfs simple
@@ -1823,14 +1827,14 @@ class Daemon:
             for sess in old_sessions.values():
                 await sess.close()  # their shells are dead: release our pipe ends
             pre, taken = None, pre  # the restore owns it now
-            state, note, pids = await self._restore_processes(live, cp, new_gen, taken)
+            state, note, resumed = await self._restore_processes(live, cp, new_gen, taken)
         finally:
             if pre is not None:  # failed before the restore
                 with trio.CancelScope(shield=True):
                     await self._discard_prespawned(None, pre, live)
         await self._victims_gone(live)  # if no restore waited: nothing killed lingers
         live.procs_from = cp.procs_of if state == "restored" else None
-        self._new_turn(sid, live, pids)
+        self._new_turn(sid, live, resumed)
         restarted = sorted(set(old_sessions) - set(live.sessions))
         live.restarted.update(restarted)
         return dict(sandbox_id=sid, checkpoint_id=cp_id,
@@ -1873,7 +1877,7 @@ class Daemon:
 
     async def _restore_processes(self, live: Live, cp: CheckpointRow,
                                  gen: runtime.Generation, pre: Prespawned | None = None
-                                 ) -> tuple[str, str, set[int]]:
+                                 ) -> tuple[str, str, Resumed]:
         """Bring back the checkpoint's processes from their templates, held by this sandbox
         or an ancestor (`pre`: some spawned ahead into `gen`). Returns (process_state,
         note, host pids restored)."""
@@ -1910,7 +1914,7 @@ class Daemon:
                        f"{self.cfg.templates_per_sandbox} per sandbox, least recently used out)")
             else:
                 why = "its process templates live in another sandbox or were lost in a restart"
-            return "restarted", f"processes restarted: {why}", set()
+            return "restarted", f"processes restarted: {why}", {}
         live.captured[key] = captured  # most recently used last
         return await self._restore_logged(
             live, captured, cp, f"{len(captured.records)} processes restored from templates",
@@ -1971,7 +1975,7 @@ class Daemon:
                               note: str, fresh: bool | None,
                               gen: runtime.Generation | None = None,
                               pre: Prespawned | None = None
-                              ) -> tuple[str, str, set[int]]:
+                              ) -> tuple[str, str, Resumed]:
         """Restore into `live` (its own templates when `fresh` is None, else an
         ancestor's); a failure restarts the processes and says why."""
         crash_point("rollback.restoring")
@@ -1996,14 +2000,14 @@ class Daemon:
                 restored = await self._restore_into(live, state, fresh=fresh)
         except Exception as e:
             log.error("rollback %s: restoring processes failed: %s", cp.id, e)
-            return "restarted", f"restoring the processes failed ({e}); sessions restart", set()
+            return "restarted", f"restoring the processes failed ({e}); sessions restart", {}
         if restored.renumbered:
             note += (f"; pid {', '.join(map(str, restored.renumbered))} was in use as another "
                      "checkpoint's process group or session id: restored with a new pid")
-        return "restored", _with(note, state.orphans), set(restored.pids.values())
+        return "restored", _with(note, state.orphans), stopped_calls(state, restored)
 
     async def _restore_from_disk(self, live: Live, cp: CheckpointRow, key: str,
-                                 gen: runtime.Generation) -> tuple[str, str, set[int]] | None:
+                                 gen: runtime.Generation) -> tuple[str, str, Resumed] | None:
         """Rebuild the templates of `key` from its dump (templates evicted, or lost in a
         daemon restart) and restore from them. None: no dump to use (the caller says why).
         The rebuilt templates are init's children, in init's process group and session:
@@ -2011,17 +2015,17 @@ class Daemon:
         init's; leaders of groups come back with new pids, as in any rollback."""
         if self.dumps.pending(key):  # never wait under the lock (dumps.py): it needs it
             return ("restarted", "processes restarted: its templates were evicted before its "
-                    "process dump completed", set())
+                    "process dump completed", {})
         row = self.dumps.row(key)
         if row is None:
             if key in live.evicted:
                 return None
             return ("restarted", "processes restarted: its process templates are gone and it "
-                    "has no process dump", set())
+                    "has no process dump", {})
         if row.state != "complete":
             why = NOT_COMPLETED if row.error == NOT_COMPLETED else \
                 f"its templates are gone and its process dump failed ({row.error})"
-            return "restarted", f"processes restarted: {why}", set()
+            return "restarted", f"processes restarted: {why}", {}
         t0 = time.perf_counter()
         try:
             state = await self.dumps.load(key, live.rt.init_pid, f"/proc/self/fd/{gen.rootfd}",
@@ -2029,7 +2033,7 @@ class Daemon:
         except Exception as e:
             log.error("rollback %s: restoring from the dump of %s failed: %s", cp.id, key, e)
             return ("restarted", f"processes restarted: restoring from the dump of {key} "
-                    f"failed: {e}", set())
+                    f"failed: {e}", {})
         load_ms = (time.perf_counter() - t0) * 1000
         live.captured[key] = state
         live.evicted.discard(key)
@@ -2313,9 +2317,9 @@ class Daemon:
                                   ) -> None:
         """The processes captured at `key`, from their templates, into a booted fork."""
         kid = self.live[row.id]
-        pids = set((await self._restore_into(kid, state)).pids.values())
+        resumed = stopped_calls(state, await self._restore_into(kid, state))
         kid.procs_from = key
-        self._new_turn(row.id, kid, pids)
+        self._new_turn(row.id, kid, resumed)
 
     async def _dump_holder(self, cp: CheckpointRow, why: str) -> tuple[str | None, str]:
         """A live sandbox of cp's family to rebuild cp's templates in from its dump (the

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 import trio
 
@@ -80,10 +80,13 @@ class Turns:
     # ---- watching --------------------------------------------------------------------
 
     def watch(self, sid: str, cgroup_id: int, pids: Iterable[int],
-              lived_on: Collection[int] = ()) -> None:
+              lived_on: Collection[int] = (),
+              restored: Mapping[int, Collection[int]] | None = None) -> None:
         """A turn of `sid` begins now (boot, rollback, fork restore): `pids` are the host
         pids of the processes in its cgroup that are known to the daemon; `lived_on`, those
-        of them that were there in the previous turn too (its init)."""
+        of them that were there in the previous turn too (its init); `restored`, those a
+        restore let go already, with the system calls they were stopped in at the
+        checkpoint (Inspector.watch)."""
         pids = set(pids)
         self._watched[sid] = (cgroup_id, pids)
         if self.inspector is not None:
@@ -92,13 +95,15 @@ class Turns:
         if self.inspector is None:
             self._partial.add(sid)
             return
-        self._arm(sid, cgroup_id, pids, lived_on)
+        self._arm(sid, cgroup_id, pids, lived_on, restored)
 
     def _arm(self, sid: str, cgroup_id: int, pids: set[int],
-             lived_on: Collection[int] = ()) -> None:
+             lived_on: Collection[int] = (),
+             restored: Mapping[int, Collection[int]] | None = None) -> None:
         assert self.inspector is not None
         try:
-            self.inspector.watch(sid, cgroup_id, pids=sorted(pids), lived_on=lived_on)
+            self.inspector.watch(sid, cgroup_id, pids=sorted(pids), lived_on=lived_on,
+                                 restored=restored)
         except (InspectorUnavailable, ValueError, KeyError, OSError) as e:
             log.warning("sandbox %s: inspector cannot watch it (%s): its checkpoints are "
                         "full", sid, e)

@@ -414,7 +414,8 @@ class Inspector:
 
     def watch(self, key: str, cgroup_id: int, pids: Iterable[int] = (),
               restarting: Mapping[int, int] | None = None,
-              lived_on: Collection[int] = ()) -> None:
+              lived_on: Collection[int] = (),
+              restored: Mapping[int, Collection[int]] | None = None) -> None:
         """Start recording for sandbox `key`, whose processes are in the cgroup-v2 cgroup
         `cgroup_id`. `pids`: host pids of the processes already in it (their threads are
         known from then on; any other process found in the cgroup is an outside entry).
@@ -423,7 +424,9 @@ class Inspector:
         will re-enter that interrupted system call first when they resume (the daemon's
         restored processes), so that re-entry does not count as running. `lived_on`: those
         of `pids` that are the same processes as before a re-arm (the sandbox's init): not
-        looked up again when the watch knew them (0.1-0.2 ms each here)."""
+        looked up again when the watch knew them (0.1-0.2 ms each here). `restored`: those
+        of `pids` a restore let go before this call (rollback, fork), with the system calls
+        their threads were stopped in at the checkpoint (-1: none): see _seed_restored."""
         if self._closed:
             raise InspectorUnavailable("inspector closed")
         old = self._watches.get(key)
@@ -447,14 +450,93 @@ class Inspector:
         self._watches[key] = w
         self._by_cgid[cgroup_id] = w
         known = set(w.tasks.values())
+        # Restored processes first: _seed keeps the entries this writes.
+        seeded = self._seed_restored(w, restored or {})
         self._seed(w, [p for p in pids if p not in known or p not in lived_on],
                    restarting or {})
         members = self._slot_members.setdefault(cgroup_id % P.FILTER_SLOTS, [])
         if cgroup_id not in members:
             members.append(cgroup_id)
         self._set_epoch(cgroup_id, epoch)
+        for tid, pid in seeded.items():  # went back to user mode before the new epoch?
+            try:
+                back = self._task_get(tid).flags & P.TF_RETURNED
+            except KeyError:
+                back = True
+            if back:
+                self._ran_unwatched(w, pid, "it ran while the watch began")
         w.start_procs = set(w.tasks.values())
         w.baselines = self._runtimes(w.tasks)
+
+    def _seed_restored(self, w: _Watch, restored: Mapping[int, Collection[int]]
+                       ) -> dict[int, int]:
+        """Restored processes run from their birth, before the daemon can re-arm the watch
+        with their pids (their events until then went to the ended turn). A thread that only
+        re-entered the call it was stopped in at the checkpoint (or is about to: not seen
+        yet) changed nothing: seeded as restarting that call, so its return counts as
+        running. A thread that ran (went back to user mode, entered another call, or was in
+        user mode at the checkpoint) makes the turn incomplete: what it did was not seen.
+        Returns the seeded tids (-> pid): checked again once the new epoch is set."""
+        seeded: dict[int, int] = {}
+        for pid, calls in restored.items():
+            tids = _tids(pid)
+            if any(nr < 0 for nr in calls):
+                self._ran_unwatched(w, pid, "it was running (not in a system call) at the "
+                                    "checkpoint")
+                continue
+            plan: dict[int, int | None] = {}
+            why = None
+            for tid in tids:
+                try:
+                    old = self._task_get(tid)
+                    mine = int(old.cgid) == w.cgid
+                except KeyError:
+                    mine = False
+                if not mine:   # not run yet: its one call, if the process had one
+                    plan[tid] = next(iter(calls)) if len(set(calls)) == 1 else None
+                elif (old.flags & P.TF_RETURNED or old.state != P.ST_IN
+                        or (old.nr not in calls
+                            and old.nr != P.SYSCALLS_X86_64["restart_syscall"])):
+                    why = f"its thread {tid} ran" if tid != pid else "it ran"
+                    break
+                else:
+                    plan[tid] = int(old.nr)
+            if why is not None:
+                self._ran_unwatched(w, pid, why)
+                continue
+            for tid, nr in plan.items():
+                self._task_set(tid, self._seed_leaf(w, pid, nr))
+                seeded[tid] = pid
+        return seeded
+
+    @staticmethod
+    def _ran_unwatched(w: _Watch, pid: int, why: str) -> None:
+        """A restored process did something before the watch began: unseen."""
+        try:
+            comm = kernfs.read(f"/proc/{pid}/comm").strip().decode(errors="replace")
+        except OSError:
+            comm = "?"
+        msg = (f"a restored process ({comm}, host pid {pid}): {why} before the inspector "
+               "watched it")
+        if msg not in w.turn.incomplete:
+            w.turn.incomplete.append(msg)
+
+    def _seed_leaf(self, w: _Watch, pid: int, restarting: int | None):
+        """A thread's entry as user space seeds it: restarting that call, or unknown."""
+        leaf = self._tasks.Leaf()
+        leaf.cgid = w.cgid
+        leaf.tgid = pid
+        leaf.born_epoch = 0
+        leaf.ran_epoch = 0
+        leaf.as_epoch = 0
+        leaf.flags = P.TF_SEEDED
+        if restarting is not None:
+            leaf.state = P.ST_RESTARTING
+            leaf.nr = restarting
+        else:
+            leaf.state = P.ST_UNKNOWN
+            leaf.nr = -1
+        return leaf
 
     def _seed(self, w: _Watch, pids: Iterable[int], restarting: Mapping[int, int]) -> None:
         for pid in pids:
@@ -474,20 +556,7 @@ class Inspector:
                             continue        # already followed: keep what the program knows
                     except KeyError:
                         pass
-                leaf = self._tasks.Leaf()
-                leaf.cgid = w.cgid
-                leaf.tgid = pid
-                leaf.born_epoch = 0
-                leaf.ran_epoch = 0
-                leaf.as_epoch = 0
-                leaf.flags = P.TF_SEEDED
-                if tid in restarting:
-                    leaf.state = P.ST_RESTARTING
-                    leaf.nr = restarting[tid]
-                else:
-                    leaf.state = P.ST_UNKNOWN
-                    leaf.nr = -1
-                self._task_set(tid, leaf)
+                self._task_set(tid, self._seed_leaf(w, pid, restarting.get(tid)))
 
     def unwatch(self, key: str) -> None:
         w = self._watches.pop(key, None)

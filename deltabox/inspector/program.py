@@ -107,7 +107,10 @@ class PathEvent(ct.Structure):
 
 
 ST_UNKNOWN, ST_USER, ST_IN, ST_RESTARTING = range(4)
-TF_SEEDED, TF_ENTERED = 1, 2
+# TF_RETURNED: the thread went back to user mode (a system call's real result, or a signal
+# handler) since user space last wrote its entry: how a restore tells a process that only
+# re-entered its interrupted call before the watch from one that ran (Inspector.watch).
+TF_SEEDED, TF_ENTERED, TF_RETURNED = 1, 2, 4
 
 # Superblock magics of file systems whose "files" are not files (writes change nothing a
 # checkpoint of the sandbox's file system holds) and of memory-backed ones.
@@ -634,6 +637,7 @@ RAW_TRACEPOINT_PROBE(sys_exit) {
     }
     int have_args = t->state == ST_IN && t->nr == nr;
     t->state = ST_USER;
+    t->flags |= TF_RETURNED;
     mark_ran(cgid, cg, t, nr);
     u32 epoch = cg->epoch;
     if (!have_args) {
@@ -894,7 +898,10 @@ TRACEPOINT_PROBE(signal, signal_deliver) {
     u64 pt = bpf_get_current_pid_tgid();
     struct task_val *t = get_task(cgid, cg, (u32)pt, pt >> 32);
     if (!t) return 0;
-    if (args->sa_handler > 1) mark_ran(cgid, cg, t, -1);   /* not SIG_DFL / SIG_IGN */
+    if (args->sa_handler > 1) {                     /* not SIG_DFL / SIG_IGN */
+        t->flags |= TF_RETURNED;
+        mark_ran(cgid, cg, t, -1);
+    }
     if (t->born_epoch == cg->epoch) return 0;
     struct ev *e = ev_small(cgid, cg->epoch, EV_SIGDLV);
     if (!e) return 0;
