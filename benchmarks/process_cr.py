@@ -9,9 +9,11 @@ The workload is a python3 program started in the sandbox from a bash session (`n
 command file, on which it reports a CRC-32 of its memory or dirties X MB (one byte per page).
 A bash session ("main", with a variable and a cwd) stays open throughout.
 
-Configurations: RSS 10 / 200 / 1024 MB with one process, 5 and 20 processes of 10 MB, and the
-"full" scenario (bash session + python 200 MB + a 10,000-file tree in /workspace). For each,
-in the same run:
+Configurations: RSS 10 / 200 / 1024 MB with one process, 5 and 20 processes of 10 MB, the
+"full" scenario (bash session + python 200 MB + a 10,000-file tree in /workspace), and
+"sub200": the 200 MB process started as `cd /workspace && nohup python3 ... &`, so that a
+subshell of the session waits for it (restored as its child: adoption). For each, in the
+same run:
 
 - checkpoint: `sbx.checkpoint()` (mode auto: files and processes), timed client-side;
 - rollback to the checkpoint just taken and to an older one (the configuration's first),
@@ -167,10 +169,14 @@ class Config:
     size_mb: int          # memory each workload process allocates
     nproc: int            # workload processes
     tree: bool = False    # + a 10k-file tree in /workspace (the "full" scenario)
+    # started as `cd /workspace && nohup python3 ... &`: bash forks a subshell that waits
+    # for the process, which a restore gives back to it (adoption: cr/adoption.py)
+    subshell: bool = False
 
     @property
     def label(self) -> str:
         extra = f" + {TREE_FILES // 1000}k files + bash" if self.tree else ""
+        extra += " under a waiting subshell" if self.subshell else ""
         return f"{self.nproc} x {self.size_mb} MB{extra}"
 
 
@@ -181,6 +187,7 @@ CONFIGS = (
     Config("n5", 10, 5),
     Config("n20", 10, 20),
     Config("full", 200, 1, tree=True),
+    Config("sub200", 200, 1, subshell=True),
 )
 RSS_SERIES = ("rss10", "rss200", "rss1024")
 COUNT_SERIES = ("rss10", "n5", "n20")
@@ -269,8 +276,10 @@ class Series:
 class Workload:
     """The python workload process(es) of one sandbox, driven through the files API."""
 
-    def __init__(self, sbx: Any, size_mb: int, nproc: int, settle_s: float) -> None:
+    def __init__(self, sbx: Any, size_mb: int, nproc: int, settle_s: float,
+                 subshell: bool = False) -> None:
         self.sbx = sbx
+        self.subshell = subshell
         self.size_mb = size_mb
         self.nproc = nproc
         self.settle_s = settle_s
@@ -287,8 +296,9 @@ class Workload:
 
     def start(self, timeout: float = 120) -> tuple[float, float]:
         """Start the processes from the session; (session run ms, ms until all ready)."""
-        lines = "\n".join(f"nohup python3 /workspace/w.py {self.size_mb} {i} >/dev/null 2>&1 &"
-                          for i in range(self.nproc))
+        cd = "cd /workspace && " if self.subshell else ""
+        lines = "\n".join(f"{cd}nohup python3 /workspace/w.py {self.size_mb} {i} >/dev/null "
+                          "2>&1 &" for i in range(self.nproc))
         t0 = time.perf_counter()
         r = self.session.run(lines)
         start_ms = (time.perf_counter() - t0) * 1000
@@ -458,7 +468,7 @@ def run_config(d: PrivateDaemon, cfg: Config, plan: Plan) -> Series:
 
     sbx = Sandbox.create(socket=d.socket, huge_pages=plan.huge_pages)
     try:
-        wl = Workload(sbx, cfg.size_mb, cfg.nproc, plan.settle_s)
+        wl = Workload(sbx, cfg.size_mb, cfg.nproc, plan.settle_s, cfg.subshell)
         wl.install()
         if cfg.tree:
             s.setup["tree"] = make_tree(sbx)

@@ -2967,17 +2967,19 @@ static int r_signals_and_ids(struct restore *R, struct dbxcr_error *err)
 }
 
 /* The restore into a fresh process: a child of `host` (fork_from_host), or, given
- * `parent`, the held process's own child with the pid set_tid (held_fork). */
+ * `parent`, the held process's own child with the pid set_tid (held_fork); or, given
+ * `inplace`, into that process itself (stopped in our trace: its memory, descriptors and
+ * state are all replaced; killed if the restore fails). */
 static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held *parent,
 						  const pid_t *set_tid, size_t set_tid_size,
 						  int image_dirfd, int root_dirfd,
-						  const struct dbxcr_template *src,
+						  const struct dbxcr_template *src, pid_t inplace,
 						  struct dbxcr_error *err);
 
 struct dbxcr_template *dbxcr_restore_template(pid_t host, int image_dirfd, int root_dirfd,
 					      struct dbxcr_error *err)
 {
-	return restore_template_in(host, NULL, NULL, 0, image_dirfd, root_dirfd, NULL, err);
+	return restore_template_in(host, NULL, NULL, 0, image_dirfd, root_dirfd, NULL, 0, err);
 }
 
 pid_t dbxcr_held_adopt(struct dbxcr_held *parent, int image_dirfd, int root_dirfd,
@@ -2988,12 +2990,90 @@ pid_t dbxcr_held_adopt(struct dbxcr_held *parent, int image_dirfd, int root_dirf
 
 	*out = NULL;
 	tpl = restore_template_in(dbxcr_held_pid(parent), parent, opts->set_tid,
-				  opts->set_tid_size, image_dirfd, root_dirfd, src, err);
+				  opts->set_tid_size, image_dirfd, root_dirfd, src, 0, err);
 	if (!tpl)
 		return -1;
 	if (held_become(tpl, opts, out, err) < 0)	/* takes tpl */
 		return -1;
 	return dbxcr_held_pid(*out);
+}
+
+/* Step 1 of dbxcr_held_chain for ancestor o: only what the process must have before its
+ * own child is born (pid, namespaces, cgroup, process group and session). */
+static void chain_birth_opts(const struct dbxcr_spawn_opts *o, struct dbxcr_spawn_opts *out)
+{
+	memset(out, 0, sizeof(*out));
+	out->mntns_fd = o->mntns_fd;
+	out->set_tid = o->set_tid;
+	out->set_tid_size = o->set_tid_size;
+	out->pidns_fd = o->pidns_fd;
+	out->ns_pidfd = o->ns_pidfd;
+	out->cgroup_fds = o->cgroup_fds;
+	out->ncgroup_fds = o->ncgroup_fds;
+	out->pgid = o->pgid;
+}
+
+int dbxcr_held_chain(struct dbxcr_template *child_tpl, size_t n,
+		     const struct dbxcr_spawn_opts *anc_opts, const int *image_dirfds,
+		     const struct dbxcr_template *const *srcs, int root_dirfd,
+		     const struct dbxcr_spawn_opts *child_opts, struct dbxcr_held **out,
+		     struct dbxcr_error *err)
+{
+	struct dbxcr_held *x[DBXCR_CHAIN_MAX] = { 0 };
+	struct dbxcr_spawn_opts o;
+	size_t made = 0, i;
+
+	clear_error(err);
+	for (i = 0; i <= n; i++)
+		out[i] = NULL;
+	if (n == 0 || n > DBXCR_CHAIN_MAX)
+		return fail(err, EINVAL, child_tpl->origin, "a chain of %zu ancestors (1 to %d)",
+			    n, DBXCR_CHAIN_MAX);
+	/* 1. The ancestors' processes, root first, each the previous one's child, all born
+	 *    from the child's template: its memory, copy-on-write. */
+	chain_birth_opts(&anc_opts[0], &o);
+	if (dbxcr_spawn_held(child_tpl, &o, &x[0], err) < 0)
+		return -1;
+	for (made = 1; made < n; made++) {
+		chain_birth_opts(&anc_opts[made], &o);
+		if (held_spawn_child(x[made - 1], child_tpl, &o, &x[made], err) < 0)
+			goto kill;
+	}
+	/* 2. The child: a fork of that memory in its parent, re-rooted as the child. */
+	if (held_spawn_child(x[n - 1], child_tpl, child_opts, &out[n], err) < 0)
+		goto kill;
+	/* 3. Each ancestor, deepest first, gets its own image in place (pages from its
+	 *    template) and is re-rooted as itself; group and session were set in step 1. */
+	for (i = n; i-- > 0;) {
+		pid_t pid = dbxcr_held_pid(x[i]);
+		struct dbxcr_template *tpl;
+
+		tpl = restore_template_in(pid, NULL, NULL, 0, image_dirfds[i], root_dirfd, srcs[i],
+					  pid, err);
+		held_forget(x[i]);	/* the process is tpl's now, or killed */
+		x[i] = NULL;
+		if (!tpl)
+			goto kill;
+		o = anc_opts[i];
+		o.pgid = 0;
+		o.pidns_fd = -1;
+		o.ns_pidfd = -1;
+		o.cgroup_fds = NULL;
+		o.ncgroup_fds = 0;
+		if (held_become(tpl, &o, &out[i], err) < 0)	/* takes tpl */
+			goto kill;
+	}
+	return dbxcr_held_pid(out[0]);
+kill:	/* children first */
+	dbxcr_held_kill(out[n]);
+	out[n] = NULL;
+	for (i = n; i-- > 0;) {
+		dbxcr_held_kill(out[i]);
+		out[i] = NULL;
+		if (x[i])
+			dbxcr_held_kill(x[i]);
+	}
+	return -1;
 }
 
 /* The page source of a restore given the image's template (src): its /proc/PID/mem, bound
@@ -3030,7 +3110,7 @@ static int open_live(struct restore *R, int image_dirfd, const struct dbxcr_temp
 static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held *parent,
 						  const pid_t *set_tid, size_t set_tid_size,
 						  int image_dirfd, int root_dirfd,
-						  const struct dbxcr_template *src,
+						  const struct dbxcr_template *src, pid_t inplace,
 						  struct dbxcr_error *err)
 {
 	struct restore R;
@@ -3062,7 +3142,12 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 		fail(err, ENOMEM, host, "allocate");
 		goto out_nochild;
 	}
-	child = parent ? held_fork(parent, set_tid, set_tid_size, err) : fork_from_host(host, err);
+	if (inplace > 0)
+		child = inplace;
+	else if (parent)
+		child = held_fork(parent, set_tid, set_tid_size, err);
+	else
+		child = fork_from_host(host, err);
 	if (child < 0)
 		goto out_nochild;
 	R.pid = child;
@@ -3265,6 +3350,8 @@ out:
 	(void)ignored;
 	free(cur_x);
 out_nochild:
+	if (!tpl && inplace > 0 && child < 0)
+		kill_traced(inplace);	/* the caller gave it up to us */
 	if (R.live_fd >= 0)
 		close(R.live_fd);
 	free(R.extra_write);

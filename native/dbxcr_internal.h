@@ -245,6 +245,10 @@ void threads_kill(pid_t child, const struct tracee *thr, int n);
 pid_t held_fork(struct dbxcr_held *h, const pid_t *set_tid, size_t n, struct dbxcr_error *err);
 int held_become(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *o,
 		struct dbxcr_held **out, struct dbxcr_error *err);
+int held_spawn_child(struct dbxcr_held *h, struct dbxcr_template *tpl,
+		     const struct dbxcr_spawn_opts *o, struct dbxcr_held **out,
+		     struct dbxcr_error *err);
+void held_forget(struct dbxcr_held *h);
 struct thread_set *threads_dup(const struct thread_set *src);
 void threads_free(struct thread_set *set);
 

@@ -3172,6 +3172,49 @@ int held_become(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *o,
 	return 0;
 }
 
+/* The held process `h` forks a child that becomes what a spawn from `tpl` gives: h's
+ * memory is tpl's (h was spawned from tpl, not yet given another image), so the child is
+ * that template's copy-on-write copy, re-rooted with o and held; only its parent differs:
+ * h, not the template's parent (dbxcr_held_pair).  Born in h's namespaces and cgroup. */
+int held_spawn_child(struct dbxcr_held *h, struct dbxcr_template *tpl,
+		     const struct dbxcr_spawn_opts *o, struct dbxcr_held **out,
+		     struct dbxcr_error *err)
+{
+	struct pidns_switch none = { -1, -1 };
+	struct dbxcr_held *c;
+	pid_t child;
+
+	*out = NULL;
+	if (tpl->threads)
+		return fail(err, ENOTSUP, tpl->origin, "only a single-threaded process is born "
+			    "from its parent's copy of its template");
+	c = calloc(1, sizeof(*c));
+	if (!c)
+		return fail(err, ENOMEM, h->c.pid, "allocating a held child");
+	child = held_fork(h, o->set_tid, o->set_tid_size, err);
+	if (child < 0) {
+		free(c);
+		return -1;
+	}
+	c->tpl = tpl;
+	c->c.pid = child;	/* what dbxcr_held_kill kills, whatever fails below */
+	if (adopt(&c->c, child, tpl->site, err) < 0 ||
+	    setup_child(&c->c, tpl, o, &none, SPAWN_HELD, &c->thr, err) < 0) {
+		dbxcr_held_kill(c);
+		return -1;
+	}
+	held_ready(c);
+	*out = c;
+	return 0;
+}
+
+/* Drop the struct of a held process that now belongs to another one (the same process,
+ * restored in place from an image: dbxcr_held_pair), or that is gone. */
+void held_forget(struct dbxcr_held *h)
+{
+	held_free(h);
+}
+
 int dbxcr_held_release(struct dbxcr_held *h, struct dbxcr_error *err)
 {
 	pid_t pid = h->c.pid;

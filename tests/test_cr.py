@@ -552,6 +552,50 @@ def test_shell_background_job_is_its_child_again(sbx: Sandbox, restore: Restore)
     assert time.monotonic() - began > 0.2, "the wait did not wait for the job"
 
 
+# 48 MB of patterned memory; its CRC in crc0, and again in crc1 whenever `ask` appears.
+SERVER = """\
+import os, time, zlib
+b = bytearray(48 << 20)
+for i in range(0, len(b), 4096):
+    b[i] = (i >> 12) & 255
+open('/workspace/crc0', 'w').write(str(zlib.crc32(b)))
+while True:
+    time.sleep(0.05)
+    if os.path.exists('/workspace/ask'):
+        os.unlink('/workspace/ask')
+        open('/workspace/crc1', 'w').write(str(zlib.crc32(b)))
+"""
+
+
+def test_big_child_a_subshell_waits_for_is_shared_not_copied(sbx: Sandbox,
+                                                              restore: Restore) -> None:
+    """`cd dir && server &` in a session: bash forks a subshell that waits for the server.
+    Restored, the server is the subshell's child again and the subshell still waits; and
+    the server, far bigger than the two shells, is its template's copy-on-write copy (the
+    shells' images are copied instead of its 48 MB: cr/engine.py, _chains): its pages are
+    shared, not its own, and its memory is intact."""
+    sbx.files.write("/workspace/server.py", SERVER)
+    s = sbx.session("main")
+    s.run("cd /workspace && python3 server.py &")
+    wait_for(lambda: sbx.files.exists("crc0") and sbx.files.read("crc0") != b"")
+    crc = sbx.files.read("crc0")
+    tree = _parents(sbx, "python3 server.py")
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    s.run("kill %1")
+    target = restore(sbx, cp)
+    (server, sub), = _parents(target, "python3 server.py")
+    assert server == tree[0][0]
+    shell = int(target.session("main").run("echo $BASHPID").stdout)
+    rows = target.exec(f"ps -o ppid=,wchan= -p {sub}").stdout.split()
+    assert rows == [str(shell), "do_wait"], rows
+    private = target.exec(f"awk '/^Private_Dirty/ {{print $2}}' /proc/{server}/smaps_rollup")
+    assert int(private.stdout) < 16 << 10, private.stdout   # KB: 48 MB shared
+    target.exec("touch /workspace/ask")
+    wait_for(lambda: target.files.exists("crc1") and target.files.read("crc1") != b"")
+    assert target.files.read("crc1") == crc
+
+
 def test_big_child_nobody_waits_for_comes_back_with_a_note(sbx: Sandbox) -> None:
     """A child too big to be copied into its restored parent at every rollback (and not
     waited for) comes back from its template as a child of init, and the rollback's note

@@ -84,6 +84,12 @@ F_SETPIPE_SZ, F_GETPIPE_SZ = 1031, 1032
 PIPE_DEFAULT_SIZE = 65536
 # Fork lanes (see DeltaCR.open_lanes): for a fan-out of at least this many children, each
 # process of at least this size gets a second template on a second tracer thread.
+# A child adopted by its restored parent is copied from its template's memory; when it is
+# much bigger than the family's root (a shell's 3 MB against a 200 MB server it started
+# with `cd dir && server &`), the root's and its descendants' images are copied instead and
+# the child is a copy-on-write fork (_chain_of). Worth it from this many KB over twice the
+# root's size: the in-place image costs a few ms of its own.
+CHAIN_MIN_GAIN_KB = 8 << 10
 LANE_MIN_CHILDREN = 4
 LANE_MIN_RSS_KB = 16 << 10
 
@@ -625,9 +631,19 @@ class DeltaCR:
                     spawn.pgid = native.NEW_SESSION if alone else groups.get(rec.pgid, -1)
                 return spawn
 
+            chains = _chains(state)
+            chained: set[int] = set()
             for rec in _restore_order(records, state.family):
+                if rec.pid in chained:
+                    continue
                 spawn = await args_for(rec)
                 carrier: native.Carrier | None = None
+                if rec.pid in chains:   # the root of a family with a far bigger child
+                    path = chains[rec.pid]
+                    if await self._chain(state, path, spawn, args_for, held, rootfd, out,
+                                         groups):
+                        chained.update(path)
+                        continue
                 if rec.pid in state.family:   # its restored parent's own child
                     pid = await self._adopted(state, rec, spawn, held, rootfd, out, groups,
                                               pid_held)
@@ -691,6 +707,45 @@ class DeltaCR:
         assert spawn.held is not None
         held[rec.pid] = spawn.held
         return pid
+
+    async def _chain(self, state: ProcessState, path: list[int], root: _Spawn,
+                     args_for: Callable[[ProcessRecord], Awaitable[_Spawn]],
+                     held: dict[int, native.Held], rootfd: int, out: Restored,
+                     groups: dict[int, int]) -> bool:
+        """A family's root and the held ancestors of its far biggest adopted child, and that
+        child, in one call (native.Template.held_chain: the child's memory is shared
+        copy-on-write, the ancestors' images are copied). False (nothing made) if it
+        fails: the caller restores them one by one as before."""
+        by_pid = {r.pid: r for r in state.records}
+        recs = [by_pid[p] for p in path]
+        spawns = [root]
+        for rec in recs[1:]:
+            sp = await args_for(rec)
+            parent = by_pid[state.family[rec.pid]]
+            ns_pids = groups if sp.into is not None else {
+                r.pid: r.nspid for r in state.records if r.nspid not in out.renumbered}
+            sp.pgid = adoption.group(rec, parent, sp.pgid, ns_pids)
+            spawns.append(sp)
+        if state.images is None:
+            state.images = adoption.Images(self.images_dir)
+        try:
+            images = [await self.worker.run(state.images.make, r, state.templates[r.pid])
+                      for r in recs[:-1]]
+            made = await self.worker.run(
+                state.templates[recs[-1].pid].held_chain,
+                [(_spawn_kwargs(sp, _pid(sp), sp is root), img, state.templates[r.pid])
+                 for sp, img, r in zip(spawns, images, recs)],
+                _spawn_kwargs(spawns[-1], _pid(spawns[-1]), False), rootfd)
+        except native.CRError as e:
+            log.warning("restoring pids %s as a chain failed (%s): one by one",
+                        [r.nspid for r in recs], e)
+            return False
+        for rec, h in zip(recs, made):
+            held[rec.pid] = h
+            out.pids[rec.nspid] = h.pid
+            if root.into is not None:
+                groups.setdefault(rec.pgid, rec.nspid)
+        return True
 
     async def _births(self, records: list[ProcessRecord], pre: Prespawned,
                       victims: list[int] | None) -> dict[int, int | native.CRError]:
@@ -1659,25 +1714,62 @@ def _birth_each(jobs: list[tuple[int, native.Carrier, list[int] | None, int]],
     return out
 
 
-def _spawn_once(sp: _Spawn, set_tid: list[int] | None,
-                tpl: native.Template | None = None) -> int:
-    """Spawn sp's process (held: sp.held, when sp.hold or adopted): its pid."""
+def _spawn_kwargs(sp: _Spawn, set_tid: list[int] | None, into: bool) -> dict:
+    """native spawn() arguments for sp, with the pid set_tid; `into`: joining the target
+    sandbox's namespaces and cgroups (not for a process born of a parent already there)."""
     kwargs = dict(
         fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd, set_tid=set_tid,
         cloexec_fds=sp.cloexec, epolls=sp.epolls, remaps=sp.remaps, pgid=sp.pgid,
         listens=sp.listens)
+    if into and sp.into is not None:
+        kwargs.update(pidns_fd=sp.into.pidns_fd, ns_pidfd=sp.into.init_pidfd,
+                      cgroup_fds=sp.into.cgroup_fds)
+    return kwargs
+
+
+def _spawn_once(sp: _Spawn, set_tid: list[int] | None,
+                tpl: native.Template | None = None) -> int:
+    """Spawn sp's process (held: sp.held, when sp.hold or adopted): its pid."""
     if sp.parent is not None:   # from its image as its parent's child, in the parent's
         assert sp.image is not None   # namespaces and cgroup
-        sp.held = sp.parent.adopt(sp.image, sp.rootfd, sp.tpl, **kwargs)
+        sp.held = sp.parent.adopt(sp.image, sp.rootfd, sp.tpl,
+                                  **_spawn_kwargs(sp, set_tid, False))
         return sp.held.pid
-    into = sp.into
-    if into is not None:
-        kwargs.update(pidns_fd=into.pidns_fd, ns_pidfd=into.init_pidfd,
-                      cgroup_fds=into.cgroup_fds)
+    kwargs = _spawn_kwargs(sp, set_tid, True)
     if sp.hold:
         sp.held = (tpl or sp.tpl).spawn_held(**kwargs)
         return sp.held.pid
     return (tpl or sp.tpl).spawn(**kwargs)
+
+
+def _pid(sp: _Spawn) -> list[int] | None:
+    """The set_tid of sp's pid, if it keeps one."""
+    return [sp.nspid] if sp.nspid is not None else None
+
+
+def _chains(state: ProcessState) -> dict[int, list[int]]:
+    """Family root -> the path (record pids, root first) to its biggest adopted child when
+    copying the path's other processes costs far less than copying that child
+    (CHAIN_MIN_GAIN_KB): all single-threaded, the ancestors mapping no memory shared with
+    another process (their images cannot share it again), at most native's chain length."""
+    by_pid = {r.pid: r for r in state.records}
+    best: dict[int, list[int]] = {}
+    for kid in state.records:
+        if kid.pid not in state.family or kid.threads != 1:
+            continue
+        path = [kid.pid]
+        while path[-1] in state.family:
+            path.append(state.family[path[-1]])
+        path.reverse()
+        ancestors = [by_pid[p] for p in path[:-1]]
+        if (len(ancestors) > native.CHAIN_MAX
+                or any(r.threads != 1 or r.shared for r in ancestors)
+                or kid.rss_kb < 2 * ancestors[0].rss_kb + CHAIN_MIN_GAIN_KB):
+            continue
+        old = best.get(path[0])
+        if old is None or by_pid[old[-1]].rss_kb < kid.rss_kb:
+            best[path[0]] = path
+    return best
 
 
 def _release_held(held: list[native.Held]) -> None:

@@ -198,6 +198,8 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_held_release.restype = ctypes.c_int
         lib.dbxcr_held_kill.argtypes = [ctypes.c_void_p]
         lib.dbxcr_held_kill.restype = None
+        lib.dbxcr_held_pid.argtypes = [ctypes.c_void_p]
+        lib.dbxcr_held_pid.restype = ctypes.c_int
         lib.dbxcr_template_close.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
                                              ctypes.c_size_t, err]
         lib.dbxcr_template_close.restype = ctypes.c_int
@@ -428,6 +430,39 @@ class Template:
         Held.adopt() gives it first. Same thread."""
         return Held(*self._spawn_stopped(_load().dbxcr_spawn_held, kwargs))
 
+    def held_chain(self, ancestors: Sequence[tuple[dict, str | os.PathLike, Template]],
+                   child: dict, root_fd: int) -> list[Held]:
+        """This template's process restored held below its held ancestors (root first)
+        when it is far the biggest of them (native: dbxcr_held_chain): their processes are
+        born from this template, each forking the next, the last forking the child; then
+        each gets its own image in place. `ancestors`: (spawn() arguments, image
+        directory, the template the image's pages are read from) each; `child`: its
+        spawn() arguments. The ancestors' Held then the child's. Raises ImageCorrupt /
+        CRError."""
+        lib = _load_images()
+        n = len(ancestors)
+        ifds: list[int] = []
+        try:
+            for _, image, _ in ancestors:
+                ifds.append(os.open(os.fspath(image),
+                                    os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+            with contextlib.ExitStack() as stack:
+                aopts = (_SpawnOpts * n)(*[stack.enter_context(self._opts(**kw))
+                                           for kw, _, _ in ancestors])
+                copts = stack.enter_context(self._opts(**child))
+                cifds = (ctypes.c_int * n)(*ifds)
+                srcs = (ctypes.c_void_p * n)(*[t._handle for _, _, t in ancestors])
+                outs = (ctypes.c_void_p * (n + 1))()
+                err = _Err()
+                pid = lib.dbxcr_held_chain(self._h(), n, aopts, cifds, srcs, root_fd,
+                                           ctypes.byref(copts), outs, ctypes.byref(err))
+        finally:
+            for fd in ifds:
+                os.close(fd)
+        if pid < 0:
+            _raise_img(err)
+        return [Held(h, _load().dbxcr_held_pid(h)) for h in outs]
+
     def _spawn_stopped(self, fn, kwargs: dict) -> tuple[int, int]:
         """(handle, pid) of a child the C call `fn` spawns stopped (a carrier, a held
         process) with spawn()'s options."""
@@ -619,6 +654,9 @@ class Carrier:
         state = "killed" if self._handle is None else (
             f"keeper of {self.child}" if self.child else "carrier")
         return f"<Carrier pid={self.pid} {state}>"
+
+
+CHAIN_MAX = 8   # ancestors in one Template.held_chain (native: DBXCR_CHAIN_MAX)
 
 
 class Held:
@@ -1263,6 +1301,13 @@ def _load_images() -> ctypes.CDLL:
                                          ctypes.c_void_p, ctypes.POINTER(_SpawnOpts),
                                          ctypes.POINTER(ctypes.c_void_p), err]
         lib.dbxcr_held_adopt.restype = ctypes.c_int
+        lib.dbxcr_held_chain.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
+                                         ctypes.POINTER(_SpawnOpts),
+                                         ctypes.POINTER(ctypes.c_int),
+                                         ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                                         ctypes.POINTER(_SpawnOpts),
+                                         ctypes.POINTER(ctypes.c_void_p), err]
+        lib.dbxcr_held_chain.restype = ctypes.c_int
         lib.dbxcr_image_info.argtypes = [ctypes.c_int, ctypes.POINTER(_ImageInfo), err]
         lib.dbxcr_image_info.restype = ctypes.c_int
         lib.dbxcr_exclusive_bytes.argtypes = [ctypes.c_int, ctypes.c_int,

@@ -620,6 +620,116 @@ out:
 		close(root);
 }
 
+/* A held chain: the small parent's image copied in place, the big child its template's
+ * copy-on-write copy, a child of the parent; both answer as their originals did. */
+static void test_held_chain(const char *base)
+{
+	struct dbxcr_error err;
+	struct dbxcr_dump_stats st;
+	struct dbxcr_template *tp = NULL, *tc = NULL;
+	struct dbxcr_held *out[2] = { NULL, NULL };
+	struct proc op = { -1, -1, -1 }, oc = { -1, -1, -1 };
+	struct proc np = { -1, -1, -1 }, nc = { -1, -1, -1 };
+	char sp0[128] = "", sc0[128] = "", rep[128], img[1024];
+	int fi = -1, root = -1, pa[2] = { -1, -1 }, pb[2] = { -1, -1 };
+	int ca[2] = { -1, -1 }, cb[2] = { -1, -1 };
+	pid_t parent = -1, child = -1;
+
+	current_test = "held_chain";
+	snprintf(img, sizeof(img), "%s/chain", base);
+	if (start_target("16", &op) < 0 || start_target("2048", &oc) < 0) {
+		CHECK(0, "start targets");
+		goto out;
+	}
+	CHECK(ask(&op, "s\n", sp0, sizeof(sp0)) == 0, "no answer from the parent target");
+	CHECK(ask(&oc, "s\n", sc0, sizeof(sc0)) == 0, "no answer from the child target");
+	wait_in_read(op.pid);
+	wait_in_read(oc.pid);
+	tp = dbxcr_make_template(op.pid, &err);
+	CHECK(tp != NULL, "make_template of the parent: %s", err.msg);
+	tc = dbxcr_make_template(oc.pid, &err);
+	CHECK(tc != NULL, "make_template of the child: %s", err.msg);
+	if (!tp || !tc)
+		goto out;
+	{
+		struct dbxcr_dump_opts d = { .live = 1 };
+
+		CHECK(dbxcr_dump(tp, img, &d, &st, &err) == 0, "live image: %s", err.msg);
+	}
+	fi = open(img, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	root = open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (fi < 0 || root < 0 || pipe2(pa, O_CLOEXEC) < 0 || pipe2(pb, O_CLOEXEC) < 0 ||
+	    pipe2(ca, O_CLOEXEC) < 0 || pipe2(cb, O_CLOEXEC) < 0) {
+		CHECK(0, "open the image, the root, pipes");
+		goto out;
+	}
+	{
+		struct dbxcr_fdmap pm[2] = { { pa[0], 0, 0 }, { pb[1], 1, 0 } };
+		struct dbxcr_fdmap cm[2] = { { ca[0], 0, 0 }, { cb[1], 1, 0 } };
+		struct dbxcr_spawn_opts po = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1,
+					       .fds = pm, .nfds = 2 };
+		struct dbxcr_spawn_opts co = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1,
+					       .fds = cm, .nfds = 2 };
+		const struct dbxcr_template *srcs[1] = { tp };
+
+		parent = dbxcr_held_chain(tc, 1, &po, &fi, srcs, root, &co, out, &err);
+	}
+	CHECK(parent > 0 && out[0] && out[1], "held_chain: %s", err.msg);
+	if (parent <= 0)
+		goto out;
+	child = dbxcr_held_pid(out[1]);
+	CHECK(ppid_of(child) == parent, "the child's parent is %d, not %d",
+	      (int)ppid_of(child), (int)parent);
+	CHECK(dbxcr_held_release(out[1], &err) == 0, "release the child: %s", err.msg);
+	out[1] = NULL;
+	CHECK(dbxcr_held_release(out[0], &err) == 0, "release the parent: %s", err.msg);
+	out[0] = NULL;
+	np = (struct proc){ parent, pa[1], pb[0] };
+	nc = (struct proc){ child, ca[1], cb[0] };
+	pa[1] = pb[0] = ca[1] = cb[0] = -1;
+	{
+		char sum0[64] = "", sum[64] = "";
+		unsigned n0 = 0, n = 0;
+
+		CHECK(ask(&nc, "s\n", rep, sizeof(rep)) == 0 &&
+		      sscanf(sc0, "sum %63s %u", sum0, &n0) == 2 &&
+		      sscanf(rep, "sum %63s %u", sum, &n) == 2 && !strcmp(sum, sum0) &&
+		      n == n0 + 1, "the child answers '%s', its original '%s'", rep, sc0);
+		CHECK(ask(&np, "s\n", rep, sizeof(rep)) == 0 &&
+		      sscanf(sp0, "sum %63s %u", sum0, &n0) == 2 &&
+		      sscanf(rep, "sum %63s %u", sum, &n) == 2 && !strcmp(sum, sum0) &&
+		      n == n0 + 1, "the parent answers '%s', its original '%s'", rep, sp0);
+	}
+	CHECK(write(nc.in, "q\n", 2) == 2, "ask the child to exit");
+	CHECK(zombie_of(child, parent), "the child %d did not wait for its parent %d to reap it",
+	      (int)child, (int)parent);
+out:
+	if (out[1])
+		dbxcr_held_kill(out[1]);
+	if (out[0])
+		dbxcr_held_kill(out[0]);
+	kill_wait(parent);	/* our child: born from the child's template, our child's sibling */
+	dbxcr_release_template(tp, &err);
+	dbxcr_release_template(tc, &err);
+	kill_wait(op.pid);
+	kill_wait(oc.pid);
+	close_proc(&op);
+	close_proc(&oc);
+	close_proc(&np);
+	close_proc(&nc);
+	for (int i = 0; i < 2; i++) {
+		int *fds[4] = { pa, pb, ca, cb };
+
+		for (int j = 0; j < 4; j++)
+			if (fds[j][i] >= 0)
+				close(fds[j][i]);
+	}
+	if (fi >= 0)
+		close(fi);
+	if (root >= 0)
+		close(root);
+}
+
 static void test_hash(void)
 {
 	unsigned char buf[4096];
@@ -652,6 +762,7 @@ int main(int argc, char **argv)
 	test_dump_two_steps(base);
 	test_held_adopt(base, false);
 	test_held_adopt(base, true);
+	test_held_chain(base);
 	rm_rf(base);
 	if (failures) {
 		fprintf(stderr, "test_criu_incr: %d failure(s)\n", failures);
