@@ -3015,7 +3015,7 @@ static void chain_birth_opts(const struct dbxcr_spawn_opts *o, struct dbxcr_spaw
 
 int dbxcr_held_chain(struct dbxcr_template *child_tpl, size_t n,
 		     const struct dbxcr_spawn_opts *anc_opts, const int *image_dirfds,
-		     const struct dbxcr_template *const *srcs, int root_dirfd,
+		     const struct dbxcr_template *const *srcs, int root_dirfd, int exe_fd,
 		     const struct dbxcr_spawn_opts *child_opts, struct dbxcr_held **out,
 		     struct dbxcr_error *err)
 {
@@ -3029,24 +3029,29 @@ int dbxcr_held_chain(struct dbxcr_template *child_tpl, size_t n,
 	if (n == 0 || n > DBXCR_CHAIN_MAX)
 		return fail(err, EINVAL, child_tpl->origin, "a chain of %zu ancestors (1 to %d)",
 			    n, DBXCR_CHAIN_MAX);
-	/* 1. The ancestors' processes, root first, each the previous one's child, all born
-	 *    from the child's template: its memory, copy-on-write. */
+	/* 1. The ancestors' processes, root first, each the previous one's child, all
+	 *    sharing the child's template's address space (CLONE_VM: no page table copied). */
 	chain_birth_opts(&anc_opts[0], &o);
-	if (dbxcr_spawn_held(child_tpl, &o, &x[0], err) < 0)
+	if (held_spawn_shared(child_tpl, &o, &x[0], err) < 0)
 		return -1;
 	for (made = 1; made < n; made++) {
 		chain_birth_opts(&anc_opts[made], &o);
-		if (held_spawn_child(x[made - 1], child_tpl, &o, &x[made], err) < 0)
+		if (held_spawn_child(x[made - 1], child_tpl, &o, CLONE_VM, &x[made], err) < 0)
 			goto kill;
 	}
-	/* 2. The child: a fork of that memory in its parent, re-rooted as the child. */
-	if (held_spawn_child(x[n - 1], child_tpl, child_opts, &out[n], err) < 0)
+	/* 2. The child: a fork of that memory in its parent (the one page-table copy, as in
+	 *    any spawn from the template), re-rooted as the child. */
+	if (held_spawn_child(x[n - 1], child_tpl, child_opts, 0, &out[n], err) < 0)
 		goto kill;
-	/* 3. Each ancestor, deepest first, gets its own image in place (pages from its
-	 *    template) and is re-rooted as itself; group and session were set in step 1. */
+	/* 3. Each ancestor, deepest first, gets an address space of its own (held_exec),
+	 *    then its own image in place (pages from its template), and is re-rooted as
+	 *    itself; group and session were set in step 1. */
 	for (i = n; i-- > 0;) {
 		pid_t pid = dbxcr_held_pid(x[i]);
 		struct dbxcr_template *tpl;
+
+		if (held_exec(x[i], exe_fd, err) < 0)
+			goto kill;
 
 		tpl = restore_template_in(pid, NULL, NULL, 0, image_dirfds[i], root_dirfd, srcs[i],
 					  pid, err);
@@ -3145,7 +3150,7 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 	if (inplace > 0)
 		child = inplace;
 	else if (parent)
-		child = held_fork(parent, set_tid, set_tid_size, err);
+		child = held_fork(parent, set_tid, set_tid_size, 0, err);
 	else
 		child = fork_from_host(host, err);
 	if (child < 0)

@@ -102,18 +102,19 @@ pid_t dbxcr_held_adopt(struct dbxcr_held *parent, int image_dirfd, int root_dirf
 /* A held child and its held ancestors when the child's memory is the biggest: the copies
  * dbxcr_held_adopt would make of the child's pages (and of the ancestors' but the root's)
  * are made of the ancestors' instead.  The root's process (anc_opts[0]: pid, namespaces,
- * cgroup, process group) is spawned from child_tpl, and each next ancestor (anc_opts[1..])
- * is forked by the previous one, then the child (child_opts, pid set_tid) by the last:
- * all child_tpl's copy-on-write copies; the child is re-rooted like a spawn of child_tpl.
- * Then each ancestor gets its own image in place (image_dirfds[i], pages from srcs[i] as
- * for dbxcr_held_adopt) and is re-rooted with anc_opts[i].  Same limits as an adoption for
- * the ancestors (what an image holds), none for the child; all single-threaded.
- * out[0..n-1]: the ancestors held, out[n] the child.  Returns the root's pid.  On the
- * thread that owns child_tpl; on failure nothing is left. */
+ * cgroup, process group) is spawned from child_tpl sharing its address space (CLONE_VM),
+ * each next ancestor (anc_opts[1..]) is cloned likewise by the previous one, and the last
+ * forks the child (child_opts, pid set_tid): child_tpl's copy-on-write copy, re-rooted
+ * like a spawn of it.  Then each ancestor execs the static program exe_fd (it never runs:
+ * stopped at its entry, it only gets an address space of its own), gets its own image in
+ * place (image_dirfds[i], pages from srcs[i] as for dbxcr_held_adopt) and is re-rooted with
+ * anc_opts[i].  Same limits as an adoption for the ancestors (what an image holds), none
+ * for the child; all single-threaded.  out[0..n-1]: the ancestors held, out[n] the child.
+ * Returns the root's pid.  On the thread that owns child_tpl; on failure nothing is left. */
 #define DBXCR_CHAIN_MAX 8
 int dbxcr_held_chain(struct dbxcr_template *child_tpl, size_t n,
 		     const struct dbxcr_spawn_opts *anc_opts, const int *image_dirfds,
-		     const struct dbxcr_template *const *srcs, int root_dirfd,
+		     const struct dbxcr_template *const *srcs, int root_dirfd, int exe_fd,
 		     const struct dbxcr_spawn_opts *child_opts, struct dbxcr_held **out,
 		     struct dbxcr_error *err);
 

@@ -242,12 +242,16 @@ int threads_release(pid_t child, const struct dbxcr_template *tpl, struct tracee
 /* SIGKILL the child, reap its threads we trace, then the child. */
 void threads_kill(pid_t child, const struct tracee *thr, int n);
 /* Held processes and adoption (fork_template.c: the held section). */
-pid_t held_fork(struct dbxcr_held *h, const pid_t *set_tid, size_t n, struct dbxcr_error *err);
+pid_t held_fork(struct dbxcr_held *h, const pid_t *set_tid, size_t n, unsigned long flags,
+		struct dbxcr_error *err);
 int held_become(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *o,
 		struct dbxcr_held **out, struct dbxcr_error *err);
 int held_spawn_child(struct dbxcr_held *h, struct dbxcr_template *tpl,
-		     const struct dbxcr_spawn_opts *o, struct dbxcr_held **out,
-		     struct dbxcr_error *err);
+		     const struct dbxcr_spawn_opts *o, unsigned long flags,
+		     struct dbxcr_held **out, struct dbxcr_error *err);
+pid_t held_spawn_shared(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
+			struct dbxcr_held **out, struct dbxcr_error *err);
+int held_exec(struct dbxcr_held *h, int exe_fd, struct dbxcr_error *err);
 void held_forget(struct dbxcr_held *h);
 struct thread_set *threads_dup(const struct thread_set *src);
 void threads_free(struct thread_set *set);

@@ -642,9 +642,17 @@ static int syscall_finish(struct tracee *t, long nr, long *ret, struct dbxcr_err
 	t->in_get_signal = true;
 	if (ptrace(PTRACE_GETREGS, t->pid, 0, &r) < 0)
 		return fail(err, errno, t->pid, "PTRACE_GETREGS after syscall %ld", nr);
-	if (r.rip != t->site + 2)
+	if (r.rip != t->site + 2) {
+		/* A successful exec returns into the new image, at its entry: the single-step
+		 * trap comes there, before its first instruction (held_exec). */
+		if (nr == SYS_execveat && r.rax == 0) {
+			t->regs = r;
+			*ret = 0;
+			return 0;
+		}
 		return fail(err, EFAULT, t->pid, "syscall %ld: stopped at %#llx, expected %#lx",
 			    nr, (unsigned long long)r.rip, t->site + 2);
+	}
 	*ret = (long)r.rax;
 	return 0;
 }
@@ -2856,7 +2864,9 @@ static int join_group(struct tracee *c, int pgid, struct dbxcr_error *err)
 /* What a spawn leaves: a running child, a carrier (stopped; a birth gives the process),
  * or a held child (stopped with its threads; it may fork adopted children: see the held
  * section below). */
-enum spawn_kind { SPAWN_RUN, SPAWN_CARRIER, SPAWN_HELD };
+/* SPAWN_HELD_SHARED: held, and sharing the template's address space (CLONE_VM) until it
+ * is given another one (held_exec): a chain's ancestor (dbxcr_held_chain). */
+enum spawn_kind { SPAWN_RUN, SPAWN_CARRIER, SPAWN_HELD, SPAWN_HELD_SHARED };
 
 static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		       const struct dbxcr_spawn_opts *o, const struct pidns_switch *sw,
@@ -2946,7 +2956,8 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		return 0;
 	if (threads_recreate(c, tpl, o->set_tid_size > 0, false, thr, err) < 0)
 		return -1;
-	if (kind == SPAWN_HELD)	/* its scratch page serves its adoptions; finish at release */
+	if (kind == SPAWN_HELD || kind == SPAWN_HELD_SHARED)	/* its scratch page serves its
+								 * adoptions; finish at release */
 		return 0;
 	if (finish_child(c, tpl, err) < 0) {
 		if (*thr) {
@@ -2991,7 +3002,7 @@ static pid_t spawn_prepared(struct dbxcr_template *tpl, const struct dbxcr_spawn
 	if (tpl->threads && !carrier && o->set_tid_size == 0)
 		return own_pid_only(tpl, err);
 	colocate(&col, tpl);
-	child = clone_from_template(tpl, o, 0, &sw, err);
+	child = clone_from_template(tpl, o, kind == SPAWN_HELD_SHARED ? CLONE_VM : 0, &sw, err);
 	if (child < 0) {
 		colocation_end(&col);
 		return -1;
@@ -3083,8 +3094,8 @@ static void held_ready(struct dbxcr_held *h)
 	h->c.deferred_sig = 0;
 }
 
-pid_t dbxcr_spawn_held(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
-		       struct dbxcr_held **out, struct dbxcr_error *err)
+static pid_t spawn_held_as(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
+			   enum spawn_kind kind, struct dbxcr_held **out, struct dbxcr_error *err)
 {
 	struct dbxcr_held *h;
 	pid_t child;
@@ -3093,7 +3104,7 @@ pid_t dbxcr_spawn_held(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts
 	h = calloc(1, sizeof(*h));
 	if (!h)
 		return fail(err, ENOMEM, tpl->pid, "allocating a held child");
-	child = spawn_prepared(tpl, opts, SPAWN_HELD, &h->c, &h->thr, err);
+	child = spawn_prepared(tpl, opts, kind, &h->c, &h->thr, err);
 	if (child < 0) {
 		free(h);
 		return -1;
@@ -3103,18 +3114,32 @@ pid_t dbxcr_spawn_held(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts
 	return child;
 }
 
+pid_t dbxcr_spawn_held(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
+		       struct dbxcr_held **out, struct dbxcr_error *err)
+{
+	return spawn_held_as(tpl, opts, SPAWN_HELD, out, err);
+}
+
+pid_t held_spawn_shared(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
+			struct dbxcr_held **out, struct dbxcr_error *err)
+{
+	return spawn_held_as(tpl, opts, SPAWN_HELD_SHARED, out, err);
+}
+
 pid_t dbxcr_held_pid(const struct dbxcr_held *h)
 {
 	return h->c.pid;
 }
 
 /* clone3 in the held process: its own child (exit signal SIGCHLD, pid set_tid[0] in its
- * pid namespace), attached at birth and stopped before it runs any code.  The held
+ * pid namespace; sharing its address space given CLONE_VM in flags), attached at birth
+ * and stopped before it runs any code.  The held
  * process has the options of the template it was forked from (auto-attached children
  * inherit them): fork events, and seccomp suspended for our calls. */
-pid_t held_fork(struct dbxcr_held *h, const pid_t *set_tid, size_t n, struct dbxcr_error *err)
+pid_t held_fork(struct dbxcr_held *h, const pid_t *set_tid, size_t n, unsigned long flags,
+		struct dbxcr_error *err)
 {
-	struct dbx_clone_args ca = { .exit_signal = SIGCHLD };
+	struct dbx_clone_args ca = { .flags = flags, .exit_signal = SIGCHLD };
 	long ret;
 	pid_t child;
 
@@ -3174,11 +3199,12 @@ int held_become(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *o,
 
 /* The held process `h` forks a child that becomes what a spawn from `tpl` gives: h's
  * memory is tpl's (h was spawned from tpl, not yet given another image), so the child is
- * that template's copy-on-write copy, re-rooted with o and held; only its parent differs:
- * h, not the template's parent (dbxcr_held_pair).  Born in h's namespaces and cgroup. */
+ * that template's copy-on-write copy (or shares it, with CLONE_VM in flags), re-rooted
+ * with o and held; only its parent differs: h, not the template's parent
+ * (dbxcr_held_chain).  Born in h's namespaces and cgroup. */
 int held_spawn_child(struct dbxcr_held *h, struct dbxcr_template *tpl,
-		     const struct dbxcr_spawn_opts *o, struct dbxcr_held **out,
-		     struct dbxcr_error *err)
+		     const struct dbxcr_spawn_opts *o, unsigned long flags,
+		     struct dbxcr_held **out, struct dbxcr_error *err)
 {
 	struct pidns_switch none = { -1, -1 };
 	struct dbxcr_held *c;
@@ -3191,7 +3217,7 @@ int held_spawn_child(struct dbxcr_held *h, struct dbxcr_template *tpl,
 	c = calloc(1, sizeof(*c));
 	if (!c)
 		return fail(err, ENOMEM, h->c.pid, "allocating a held child");
-	child = held_fork(h, o->set_tid, o->set_tid_size, err);
+	child = held_fork(h, o->set_tid, o->set_tid_size, flags, err);
 	if (child < 0) {
 		free(c);
 		return -1;
@@ -3206,6 +3232,31 @@ int held_spawn_child(struct dbxcr_held *h, struct dbxcr_template *tpl,
 	held_ready(c);
 	*out = c;
 	return 0;
+}
+
+/* A held process that shares its template's address space (SPAWN_HELD_SHARED, or a
+ * CLONE_VM child of one) gets one of its own, small: an execveat of the static program
+ * exe_fd (ours).  The program never runs: the system call is single-stepped, so the
+ * tracee stops with the new image's registers, at its entry (the same SIGTRAP as for any
+ * injected call).  Dropping the shared address space costs nothing (the template keeps
+ * it), where an munmap of a copy would zap every page-table entry. */
+int held_exec(struct dbxcr_held *h, int exe_fd, struct dbxcr_error *err)
+{
+	static const char empty[16];	/* "" and argv = { NULL } */
+	unsigned long scratch = h->tpl->scratch;
+	long a[6] = { 0 };
+	int fd;
+
+	if (transfer_fds(&h->c, scratch, &exe_fd, 1, &fd, err) < 0)
+		return -1;
+	if (mem_write(h->c.pid, scratch, empty, sizeof(empty), err) < 0)
+		return -1;
+	a[0] = fd;
+	a[1] = (long)scratch;		/* "" */
+	a[2] = (long)(scratch + 8);	/* argv: { NULL } */
+	a[3] = (long)(scratch + 8);	/* envp: { NULL } */
+	a[4] = AT_EMPTY_PATH;
+	return rsys(&h->c, SYS_execveat, a, err, "execveat (a fresh address space)") < 0 ? -1 : 0;
 }
 
 /* Drop the struct of a held process that now belongs to another one (the same process,

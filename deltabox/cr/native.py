@@ -433,15 +433,22 @@ class Template:
     def held_chain(self, ancestors: Sequence[tuple[dict, str | os.PathLike, Template]],
                    child: dict, root_fd: int) -> list[Held]:
         """This template's process restored held below its held ancestors (root first)
-        when it is far the biggest of them (native: dbxcr_held_chain): their processes are
-        born from this template, each forking the next, the last forking the child; then
-        each gets its own image in place. `ancestors`: (spawn() arguments, image
+        when it is far the biggest of them (native: dbxcr_held_chain): their processes
+        share this template's address space, each born of the previous, the last forking
+        the child; then each gets an address space and its own image in place. `ancestors`: (spawn() arguments, image
         directory, the template the image's pages are read from) each; `child`: its
         spawn() arguments. The ancestors' Held then the child's. Raises ImageCorrupt /
         CRError."""
         lib = _load_images()
         n = len(ancestors)
         ifds: list[int] = []
+        # Any static program: the ancestors exec it only to drop the child's address space
+        # and never run it (native: held_exec).
+        stub = library_path().with_name("dbx-init")
+        try:
+            exe = os.open(stub, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise CRError(e.errno or _errno.EIO, f"open {stub}: {e.strerror}") from None
         try:
             for _, image, _ in ancestors:
                 ifds.append(os.open(os.fspath(image),
@@ -454,10 +461,10 @@ class Template:
                 srcs = (ctypes.c_void_p * n)(*[t._handle for _, _, t in ancestors])
                 outs = (ctypes.c_void_p * (n + 1))()
                 err = _Err()
-                pid = lib.dbxcr_held_chain(self._h(), n, aopts, cifds, srcs, root_fd,
+                pid = lib.dbxcr_held_chain(self._h(), n, aopts, cifds, srcs, root_fd, exe,
                                            ctypes.byref(copts), outs, ctypes.byref(err))
         finally:
-            for fd in ifds:
+            for fd in [*ifds, exe]:
                 os.close(fd)
         if pid < 0:
             _raise_img(err)
@@ -1305,7 +1312,7 @@ def _load_images() -> ctypes.CDLL:
                                          ctypes.POINTER(_SpawnOpts),
                                          ctypes.POINTER(ctypes.c_int),
                                          ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
-                                         ctypes.POINTER(_SpawnOpts),
+                                         ctypes.c_int, ctypes.POINTER(_SpawnOpts),
                                          ctypes.POINTER(ctypes.c_void_p), err]
         lib.dbxcr_held_chain.restype = ctypes.c_int
         lib.dbxcr_image_info.argtypes = [ctypes.c_int, ctypes.POINTER(_ImageInfo), err]

@@ -21,6 +21,8 @@ mkdir -p deltabox/libexec build/native-tests
 	native/tests/test_criu_incr.c native/criu_incr.c native/fork_template.c native/threads.c native/dontfork.c
 # The process the image tests dump and restore: no sanitizer runtime in it.
 "$CC" "${BASE[@]}" -o build/native-tests/criu_target native/tests/criu_target.c
+# A static program a held chain's ancestors exec to drop an address space (never run).
+"$CC" "${BASE[@]}" -static -o build/native-tests/exec_stub native/tests/exec_stub.c
 
 # LeakSanitizer stops the world with ptrace at exit; our forked tracees must not inherit
 # its handling, and a tracee of ours must not be considered by it: children _exit().

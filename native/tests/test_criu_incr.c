@@ -672,7 +672,18 @@ static void test_held_chain(const char *base)
 					       .fds = cm, .nfds = 2 };
 		const struct dbxcr_template *srcs[1] = { tp };
 
-		parent = dbxcr_held_chain(tc, 1, &po, &fi, srcs, root, &co, out, &err);
+		char stub[4096];
+		const char *slash = strrchr(target_bin, '/');
+		int dir = slash ? (int)(slash - target_bin) + 1 : 0;
+		int exe;
+
+		/* exec_stub is built beside the target (run.sh) */
+		snprintf(stub, sizeof(stub), "%.*sexec_stub", dir, target_bin);
+		exe = open(stub, O_RDONLY | O_CLOEXEC);
+		CHECK(exe >= 0, "open %s", stub);
+		parent = dbxcr_held_chain(tc, 1, &po, &fi, srcs, root, exe, &co, out, &err);
+		if (exe >= 0)
+			close(exe);
 	}
 	CHECK(parent > 0 && out[0] && out[1], "held_chain: %s", err.msg);
 	if (parent <= 0)
