@@ -2166,7 +2166,8 @@ static long read_chunk(struct reader *rd, unsigned char *buf, struct iovec *liov
 				return fail(err, errno == ENODATA ? ESRCH : errno, pid,
 					    "read the template's memory at %#llx%s",
 					    (unsigned long long)addr, errno == ENODATA ?
-					    " (the template was released)" : "");
+					    " (the template is gone: released, or killed, e.g. by "
+					    "the sandbox's memory limit)" : "");
 		} else {
 			off_t off = (off_t)((r->off + rd->page_in_run) * PAGE);
 

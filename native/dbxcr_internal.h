@@ -100,6 +100,9 @@ struct main_regs {
 	size_t robust_len;
 	uint64_t rseq_ptr;		/* 0: none */
 	uint32_t rseq_len, rseq_sig;
+	/* A carrier's (main_altstack): a birth by CLONE_VM clears the child's, where a fork
+	 * copies it.  ss_size 0: none, or not asked. */
+	stack_t altstack;
 };
 
 /* The other threads of a multi-threaded process. */
@@ -232,6 +235,10 @@ void main_from_thread(struct main_regs *m, const struct thread_state *ts);
  * other thread of tpl with its tid (when keep_tids), stopped in our trace with its final
  * state set: *out (n = tpl's count) for threads_release.  On failure every thread made so
  * far is killed with the child. */
+int main_rseq(struct tracee *c, const struct dbxcr_template *tpl, struct dbxcr_error *err);
+/* The stopped main thread's sigaltstack (an injected sigaltstack(NULL, &old)): *out, with
+ * ss_size 0 when it has none. */
+int main_altstack(struct tracee *t, stack_t *out, struct dbxcr_error *err);
 int threads_recreate(struct tracee *c, const struct dbxcr_template *tpl, bool keep_tids,
 		     bool born, struct tracee **out, struct dbxcr_error *err);
 /* Let the recreated threads run (their registers, xstate and mask are set) with their CPU

@@ -3074,6 +3074,8 @@ struct dbxcr_held {
 	struct dbxcr_template *tpl;	/* what finish_child gives it; scratch page mapped */
 	bool own_tpl;	/* an adopted child's template struct describes the child itself:
 			 * freed with the held, never killed */
+	bool shared;	/* shares its template's address space (CLONE_VM): no rseq
+			 * registration of its own, nor will its forks have one */
 };
 
 static void held_free(struct dbxcr_held *h)
@@ -3105,6 +3107,7 @@ static pid_t spawn_held_as(struct dbxcr_template *tpl, const struct dbxcr_spawn_
 	if (!h)
 		return fail(err, ENOMEM, tpl->pid, "allocating a held child");
 	child = spawn_prepared(tpl, opts, kind, &h->c, &h->thr, err);
+	h->shared = kind == SPAWN_HELD_SHARED;
 	if (child < 0) {
 		free(h);
 		return -1;
@@ -3224,8 +3227,10 @@ int held_spawn_child(struct dbxcr_held *h, struct dbxcr_template *tpl,
 	}
 	c->tpl = tpl;
 	c->c.pid = child;	/* what dbxcr_held_kill kills, whatever fails below */
+	c->shared = h->shared && (flags & CLONE_VM);
 	if (adopt(&c->c, child, tpl->site, err) < 0 ||
-	    setup_child(&c->c, tpl, o, &none, SPAWN_HELD, &c->thr, err) < 0) {
+	    setup_child(&c->c, tpl, o, &none, SPAWN_HELD, &c->thr, err) < 0 ||
+	    (h->shared && !c->shared && main_rseq(&c->c, tpl, err) < 0)) {
 		dbxcr_held_kill(c);
 		return -1;
 	}
@@ -3347,6 +3352,16 @@ pid_t dbxcr_spawn_carrier(struct dbxcr_template *tpl, const struct dbxcr_spawn_o
 	}
 	k->t.pid = child;
 	k->t.tracer_tid = current_tid();
+	/* Its birth shares its address space (CLONE_VM), which clears the child's
+	 * sigaltstack: the one this fork copied from the template is given back then. */
+	if (main_altstack(&c, &k->t.main.altstack, err) < 0) {
+		kill_traced(child);
+		free(k->t.xstate);
+		threads_free(k->t.threads);
+		free(k->t.dontfork);
+		free(k);
+		return -1;
+	}
 	/* Idle like a template: if it ever ran unsupervised it would exit at once. */
 	park_regs(&k->t, &c.regs);
 	if (park(&k->t, err) < 0) {

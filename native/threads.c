@@ -209,6 +209,38 @@ int rseq_fixup(pid_t tid, uint64_t rseq_ptr, struct user_regs_struct *regs,
 	return 0;
 }
 
+/* The sigaltstack `ss` set in the stopped thread c (scratch: a page of its address space
+ * for the argument).  Injected calls run on no stack of the program's: sigaltstack refuses
+ * to change a stack the caller's sp is on (a thread stopped in a handler on it). */
+static int altstack_set(struct tracee *c, unsigned long scratch, const stack_t *ss,
+			const char *who, struct dbxcr_error *err)
+{
+	stack_t v = *ss;
+	unsigned long sp = c->regs.rsp;
+	long a[6] = { (long)scratch, 0, 0, 0, 0, 0 };
+	long rc;
+
+	v.ss_flags &= ~SS_ONSTACK;	/* reported, not settable */
+	if (mem_write(c->pid, scratch, &v, sizeof(v), err) < 0)
+		return -1;
+	c->regs.rsp = 0;
+	rc = rsys(c, SYS_sigaltstack, a, err, "%s: sigaltstack", who);
+	c->regs.rsp = sp;
+	return rc < 0 ? -1 : 0;
+}
+
+int main_altstack(struct tracee *t, stack_t *out, struct dbxcr_error *err)
+{
+	long s[6] = { 0 };
+
+	if (query_on_stack(t, SYS_sigaltstack, s, 1, out, sizeof(*out),
+			   "sigaltstack(NULL, &old)", err) < 0)
+		return -1;
+	if (out->ss_flags & SS_DISABLE)
+		out->ss_size = 0;
+	return 0;
+}
+
 /* Into the new thread (stopped at its birth): its kernel registrations, name and private
  * signals, then its checkpointed registers, FPU state and mask (set when released). */
 static int set_thread_up(struct tracee *nt, const struct dbxcr_template *tpl,
@@ -234,13 +266,10 @@ static int set_thread_up(struct tracee *nt, const struct dbxcr_template *tpl,
 			return -1;
 	}
 	if (!(ts->altstack.ss_flags & SS_DISABLE)) {
-		stack_t ss = ts->altstack;
+		char who[32];
 
-		ss.ss_flags &= ~SS_ONSTACK;	/* reported, not settable */
-		if (mem_write(nt->pid, scratch, &ss, sizeof(ss), err) < 0)
-			return -1;
-		a[0] = (long)scratch;
-		if (rsys(nt, SYS_sigaltstack, a, err, "thread %d: sigaltstack", (int)ts->nstid) < 0)
+		snprintf(who, sizeof(who), "thread %d", (int)ts->nstid);
+		if (altstack_set(nt, scratch, &ts->altstack, who, err) < 0)
 			return -1;
 	}
 	if (set_comm(nt, scratch, ts->comm, err) < 0)
@@ -311,8 +340,8 @@ static int clone_thread(struct tracee *c, const struct dbxcr_template *tpl,
  * copy_process clears both; glibc's fork() registers the robust list again in the child,
  * our injected clone does not), and a birth from a carrier (clone(CLONE_VM)) no rseq
  * registration either: glibc's sched_getcpu() would read a CPU number nobody updates. */
-static int main_restore(struct tracee *c, const struct main_regs *m, bool born,
-			struct dbxcr_error *err)
+static int main_restore(struct tracee *c, const struct main_regs *m, unsigned long scratch,
+			bool born, struct dbxcr_error *err)
 {
 	long a[6] = { 0 };
 
@@ -322,6 +351,9 @@ static int main_restore(struct tracee *c, const struct main_regs *m, bool born,
 		if (rsys(c, SYS_rseq, r, err, "rseq") < 0)
 			return -1;
 	}
+	if (born && m->altstack.ss_size && altstack_set(c, scratch, &m->altstack, "main thread",
+							err) < 0)
+		return -1;
 	if (m->clear_tid) {
 		a[0] = (long)m->clear_tid;
 		if (rsys(c, SYS_set_tid_address, a, err, "set_tid_address") < 0)
@@ -336,6 +368,16 @@ static int main_restore(struct tracee *c, const struct main_regs *m, bool born,
 	return 0;
 }
 
+/* The main thread's rseq registration, for a process born of one that had none: a
+ * CLONE_VM clone does not inherit it (rseq_fork), nor its later forks (dbxcr_held_chain). */
+int main_rseq(struct tracee *c, const struct dbxcr_template *tpl, struct dbxcr_error *err)
+{
+	struct main_regs m = { .rseq_ptr = tpl->main.rseq_ptr, .rseq_len = tpl->main.rseq_len,
+			       .rseq_sig = tpl->main.rseq_sig };
+
+	return main_restore(c, &m, tpl->scratch, true, err);
+}
+
 int threads_recreate(struct tracee *c, const struct dbxcr_template *tpl, bool keep_tids,
 		     bool born, struct tracee **out, struct dbxcr_error *err)
 {
@@ -344,7 +386,7 @@ int threads_recreate(struct tracee *c, const struct dbxcr_template *tpl, bool ke
 	int i;
 
 	*out = NULL;
-	if (main_restore(c, &tpl->main, born, err) < 0)
+	if (main_restore(c, &tpl->main, tpl->scratch, born, err) < 0)
 		return -1;
 	if (!set)
 		return 0;

@@ -596,6 +596,45 @@ def test_big_child_a_subshell_waits_for_is_shared_not_copied(sbx: Sandbox,
     assert target.files.read("crc1") == crc
 
 
+# Its main thread's sigaltstack, as sigaltstack(NULL, &old) reports it, in alt0 and then in
+# alt1 whenever `ask` appears.
+ALTSTACK = """\
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+class Stack(ctypes.Structure):
+    _fields_ = [("sp", ctypes.c_void_p), ("flags", ctypes.c_int), ("size", ctypes.c_size_t)]
+area = ctypes.create_string_buffer(65536)
+assert libc.sigaltstack(ctypes.byref(Stack(ctypes.addressof(area), 0, 65536)), None) == 0
+def now():
+    old = Stack()
+    libc.sigaltstack(None, ctypes.byref(old))
+    return f"{old.sp == ctypes.addressof(area)} flags={old.flags} size={old.size}"
+open("/workspace/alt0", "w").write(now())
+while True:
+    time.sleep(0.02)
+    if os.path.exists("/workspace/ask"):
+        os.unlink("/workspace/ask")
+        open("/workspace/alt1", "w").write(now())
+"""
+
+
+def test_main_thread_sigaltstack(sbx: Sandbox, restore: Restore) -> None:
+    """The main thread's alternate signal stack comes back (a rollback's warm pool gives
+    birth to the process from its carrier by a clone sharing its address space, which
+    clears the child's sigaltstack: it is set again)."""
+    sbx.files.write("alt.py", ALTSTACK)
+    sbx.session("main").run("nohup python3 /workspace/alt.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("alt0") and sbx.files.read("alt0") != b"")
+    assert sbx.files.read("alt0") == b"True flags=0 size=65536"
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    time.sleep(0.5)   # the warm pool spawns the process's carrier meanwhile
+    target = restore(sbx, cp)
+    target.exec("touch /workspace/ask")
+    wait_for(lambda: target.files.exists("alt1") and target.files.read("alt1") != b"")
+    assert target.files.read("alt1") == b"True flags=0 size=65536"
+
+
 def test_big_child_nobody_waits_for_comes_back_with_a_note(sbx: Sandbox) -> None:
     """A child too big to be copied into its restored parent at every rollback (and not
     waited for) comes back from its template as a child of init, and the rollback's note

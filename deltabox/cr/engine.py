@@ -85,11 +85,13 @@ PIPE_DEFAULT_SIZE = 65536
 # Fork lanes (see DeltaCR.open_lanes): for a fan-out of at least this many children, each
 # process of at least this size gets a second template on a second tracer thread.
 # A child adopted by its restored parent is copied from its template's memory; when it is
-# much bigger than the family's root (a shell's 3 MB against a 200 MB server it started
-# with `cd dir && server &`), the root's and its descendants' images are copied instead and
-# the child is a copy-on-write fork (_chain_of). Worth it from this many KB over twice the
-# root's size: the in-place image costs a few ms of its own.
-CHAIN_MIN_GAIN_KB = 8 << 10
+# bigger than the family's root (a shell's 3 MB against a server it started with `cd dir
+# && server &`), the root's image is copied instead and the child is its template's
+# copy-on-write copy (_chains): as many images either way, and the child's memory stays
+# shared with its templates (an adopted copy is private: every later template of it then
+# holds all of its pages). From this many KB more than the root: the chain's execs, and
+# the root's fidelity, which falls to an adoptee's (what an image holds).
+CHAIN_MIN_GAIN_KB = 4 << 10
 LANE_MIN_CHILDREN = 4
 LANE_MIN_RSS_KB = 16 << 10
 
@@ -740,6 +742,7 @@ class DeltaCR:
             log.warning("restoring pids %s as a chain failed (%s): one by one",
                         [r.nspid for r in recs], e)
             return False
+        log.warning("DBG chain %s", [r.nspid for r in recs])  # DBG
         for rec, h in zip(recs, made):
             held[rec.pid] = h
             out.pids[rec.nspid] = h.pid
@@ -1749,8 +1752,7 @@ def _pid(sp: _Spawn) -> list[int] | None:
 
 def _chains(state: ProcessState) -> dict[int, list[int]]:
     """Family root -> the path (record pids, root first) to its biggest adopted child when
-    copying the path's other processes costs far less than copying that child
-    (CHAIN_MIN_GAIN_KB): all single-threaded, the ancestors mapping no memory shared with
+    that child is bigger than the root (CHAIN_MIN_GAIN_KB): all single-threaded, the ancestors mapping no memory shared with
     another process (their images cannot share it again), at most native's chain length."""
     by_pid = {r.pid: r for r in state.records}
     best: dict[int, list[int]] = {}
@@ -1764,7 +1766,7 @@ def _chains(state: ProcessState) -> dict[int, list[int]]:
         ancestors = [by_pid[p] for p in path[:-1]]
         if (len(ancestors) > native.CHAIN_MAX
                 or any(r.threads != 1 or r.shared for r in ancestors)
-                or kid.rss_kb < 2 * ancestors[0].rss_kb + CHAIN_MIN_GAIN_KB):
+                or kid.rss_kb < ancestors[0].rss_kb + CHAIN_MIN_GAIN_KB):
             continue
         old = best.get(path[0])
         if old is None or by_pid[old[-1]].rss_kb < kid.rss_kb:

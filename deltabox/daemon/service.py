@@ -534,14 +534,13 @@ class Daemon:
         return row
 
     async def _boot(self, row: SandboxRow, nest_under: str | None = None,
-                    begin_turn: bool = True,
                     take_layer: Callable[[], Awaitable[None]] | None = None,
                     spare: Spare | None = None) -> None:
         """Start init and the first file-system generation of a sandbox (its pid namespace
-        nested below the live sandbox `nest_under`'s, if given). `begin_turn=False`: the
-        caller restores processes into it at once and begins its first turn then (arming
-        the inspector twice cost a fork ~0.4 ms of the daemon's thread per child).
-        `take_layer`: gets the sandbox its layer (sets row.layer_id) while init starts, which
+        nested below the live sandbox `nest_under`'s, if given), and its first turn: a
+        fork child's begins before its processes are restored, or what they do before
+        the restore re-arms the watch with them would go unseen (Inspector.watch,
+        `restored`). `take_layer`: gets the sandbox its layer (sets row.layer_id) while init starts, which
         needs none (a fork's children start their inits while their layers are cloned).
         `spare`: an init booted ahead for it (spares.py), used instead of a new one."""
         if take_layer is None:
@@ -578,8 +577,7 @@ class Daemon:
         else:  # the layer's quota while its generation is built: nothing runs there yet
             await run_all([build, functools.partial(self._limit_disk, row, row.layer_id)])
         row.state = "running"
-        if begin_turn:
-            self._new_turn(row.id, live)
+        self._new_turn(row.id, live)
 
     async def _start_init(self, sid: str, hostname: str, limits: Limits,
                           nest_under: int | None, userns: bool) -> runtime.Runtime:
@@ -2466,8 +2464,7 @@ class Daemon:
                 r.base_gen = 0  # a new layer: everything in it is a change
 
             async def boot(r: SandboxRow) -> None:
-                await self._boot(r, nest_under, begin_turn=then is None,
-                                 take_layer=functools.partial(take, r),
+                await self._boot(r, nest_under, take_layer=functools.partial(take, r),
                                  spare=taken.get(r.id))
                 await lanes_ready.wait()
                 crash_point("fork.cloned")
