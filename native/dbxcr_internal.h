@@ -235,7 +235,8 @@ void main_from_thread(struct main_regs *m, const struct thread_state *ts);
  * other thread of tpl with its tid (when keep_tids), stopped in our trace with its final
  * state set: *out (n = tpl's count) for threads_release.  On failure every thread made so
  * far is killed with the child. */
-int main_rseq(struct tracee *c, const struct dbxcr_template *tpl, struct dbxcr_error *err);
+int main_reborn(struct tracee *c, const struct dbxcr_template *tpl, const stack_t *altstack,
+		struct dbxcr_error *err);
 /* The stopped main thread's sigaltstack (an injected sigaltstack(NULL, &old)): *out, with
  * ss_size 0 when it has none. */
 int main_altstack(struct tracee *t, stack_t *out, struct dbxcr_error *err);

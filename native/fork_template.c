@@ -3200,6 +3200,22 @@ int held_become(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *o,
 	return 0;
 }
 
+/* The parked template's sigaltstack (its main thread's, as the original had it). */
+static int template_altstack(struct dbxcr_template *tpl, stack_t *out, struct dbxcr_error *err)
+{
+	struct dbxcr_error ignored;
+	struct tracee t;
+	int rc;
+
+	if (adopt(&t, tpl->pid, tpl->site, err) < 0)
+		return -1;
+	t.regs = tpl->park;	/* the original's stack pointer: query_on_stack's area */
+	rc = main_altstack(&t, out, err);
+	if (park(tpl, rc < 0 ? &ignored : err) < 0)
+		rc = -1;
+	return rc;
+}
+
 /* The held process `h` forks a child that becomes what a spawn from `tpl` gives: h's
  * memory is tpl's (h was spawned from tpl, not yet given another image), so the child is
  * that template's copy-on-write copy (or shares it, with CLONE_VM in flags), re-rooted
@@ -3211,6 +3227,7 @@ int held_spawn_child(struct dbxcr_held *h, struct dbxcr_template *tpl,
 {
 	struct pidns_switch none = { -1, -1 };
 	struct dbxcr_held *c;
+	stack_t ss;
 	pid_t child;
 
 	*out = NULL;
@@ -3230,7 +3247,8 @@ int held_spawn_child(struct dbxcr_held *h, struct dbxcr_template *tpl,
 	c->shared = h->shared && (flags & CLONE_VM);
 	if (adopt(&c->c, child, tpl->site, err) < 0 ||
 	    setup_child(&c->c, tpl, o, &none, SPAWN_HELD, &c->thr, err) < 0 ||
-	    (h->shared && !c->shared && main_rseq(&c->c, tpl, err) < 0)) {
+	    (h->shared && !c->shared && (template_altstack(tpl, &ss, err) < 0 ||
+					 main_reborn(&c->c, tpl, &ss, err) < 0))) {
 		dbxcr_held_kill(c);
 		return -1;
 	}

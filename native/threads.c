@@ -368,12 +368,14 @@ static int main_restore(struct tracee *c, const struct main_regs *m, unsigned lo
 	return 0;
 }
 
-/* The main thread's rseq registration, for a process born of one that had none: a
- * CLONE_VM clone does not inherit it (rseq_fork), nor its later forks (dbxcr_held_chain). */
-int main_rseq(struct tracee *c, const struct dbxcr_template *tpl, struct dbxcr_error *err)
+/* The main thread's rseq registration and sigaltstack, for a process born of one that
+ * had neither: a CLONE_VM clone inherits neither (rseq_fork, sas_ss_reset), nor do its
+ * later forks (dbxcr_held_chain). */
+int main_reborn(struct tracee *c, const struct dbxcr_template *tpl, const stack_t *altstack,
+		struct dbxcr_error *err)
 {
 	struct main_regs m = { .rseq_ptr = tpl->main.rseq_ptr, .rseq_len = tpl->main.rseq_len,
-			       .rseq_sig = tpl->main.rseq_sig };
+			       .rseq_sig = tpl->main.rseq_sig, .altstack = *altstack };
 
 	return main_restore(c, &m, tpl->scratch, true, err);
 }

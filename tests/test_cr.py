@@ -605,6 +605,9 @@ class Stack(ctypes.Structure):
     _fields_ = [("sp", ctypes.c_void_p), ("flags", ctypes.c_int), ("size", ctypes.c_size_t)]
 area = ctypes.create_string_buffer(65536)
 assert libc.sigaltstack(ctypes.byref(Stack(ctypes.addressof(area), 0, 65536)), None) == 0
+heap = bytearray(int(os.environ.get("ALT_MB", "0")) << 20)
+for i in range(0, len(heap), 4096):
+    heap[i] = 1
 def now():
     old = Stack()
     libc.sigaltstack(None, ctypes.byref(old))
@@ -618,12 +621,16 @@ while True:
 """
 
 
-def test_main_thread_sigaltstack(sbx: Sandbox, restore: Restore) -> None:
-    """The main thread's alternate signal stack comes back (a rollback's warm pool gives
-    birth to the process from its carrier by a clone sharing its address space, which
-    clears the child's sigaltstack: it is set again)."""
+@pytest.mark.parametrize("start", ["job", "subshell"])
+def test_main_thread_sigaltstack(sbx: Sandbox, restore: Restore, start: str) -> None:
+    """The main thread's alternate signal stack comes back: a rollback's warm pool gives
+    birth to the process from its carrier (`job`), and a big child that a subshell waits
+    for is born of its held ancestors (`subshell`: engine._chains), both by clones sharing
+    an address space, which clear the child's sigaltstack: it is set again."""
     sbx.files.write("alt.py", ALTSTACK)
-    sbx.session("main").run("nohup python3 /workspace/alt.py >/dev/null 2>&1 &")
+    cmd = ("nohup python3 /workspace/alt.py >/dev/null 2>&1 &" if start == "job" else
+           "cd /workspace && ALT_MB=40 nohup python3 alt.py >/dev/null 2>&1 &")
+    sbx.session("main").run(cmd)
     wait_for(lambda: sbx.files.exists("alt0") and sbx.files.read("alt0") != b"")
     assert sbx.files.read("alt0") == b"True flags=0 size=65536"
     cp = sbx.checkpoint()

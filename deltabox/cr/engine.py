@@ -742,7 +742,6 @@ class DeltaCR:
             log.warning("restoring pids %s as a chain failed (%s): one by one",
                         [r.nspid for r in recs], e)
             return False
-        log.warning("DBG chain %s", [r.nspid for r in recs])  # DBG
         for rec, h in zip(recs, made):
             held[rec.pid] = h
             out.pids[rec.nspid] = h.pid
