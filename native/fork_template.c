@@ -3372,26 +3372,21 @@ pid_t dbxcr_spawn_carrier(struct dbxcr_template *tpl, const struct dbxcr_spawn_o
 	k->t.tracer_tid = current_tid();
 	/* Its birth shares its address space (CLONE_VM), which clears the child's
 	 * sigaltstack: the one this fork copied from the template is given back then. */
-	if (main_altstack(&c, &k->t.main.altstack, err) < 0) {
-		kill_traced(child);
-		free(k->t.xstate);
-		threads_free(k->t.threads);
-		free(k->t.dontfork);
-		free(k);
-		return -1;
-	}
+	if (main_altstack(&c, &k->t.main.altstack, err) < 0)
+		goto fail;
 	/* Idle like a template: if it ever ran unsupervised it would exit at once. */
 	park_regs(&k->t, &c.regs);
-	if (park(&k->t, err) < 0) {
-		kill_traced(child);
-		free(k->t.xstate);
-		threads_free(k->t.threads);
-		free(k->t.dontfork);
-		free(k);
-		return -1;
-	}
+	if (park(&k->t, err) < 0)
+		goto fail;
 	*out = k;
 	return child;
+fail:
+	kill_traced(child);
+	free(k->t.xstate);
+	threads_free(k->t.threads);
+	free(k->t.dontfork);
+	free(k);
+	return -1;
 }
 
 pid_t dbxcr_carrier_pid(const struct dbxcr_carrier *k)

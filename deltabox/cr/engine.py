@@ -1751,8 +1751,9 @@ def _pid(sp: _Spawn) -> list[int] | None:
 
 def _chains(state: ProcessState) -> dict[int, list[int]]:
     """Family root -> the path (record pids, root first) to its biggest adopted child when
-    that child is bigger than the root (CHAIN_MIN_GAIN_KB): all single-threaded, the ancestors mapping no memory shared with
-    another process (their images cannot share it again), at most native's chain length."""
+    that child outweighs the root (CHAIN_MIN_GAIN_KB): all single-threaded, the
+    ancestors mapping no memory shared with another process (their images cannot share
+    it again), at most native's chain length."""
     by_pid = {r.pid: r for r in state.records}
     best: dict[int, list[int]] = {}
     for kid in state.records:

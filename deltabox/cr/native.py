@@ -433,12 +433,12 @@ class Template:
     def held_chain(self, ancestors: Sequence[tuple[dict, str | os.PathLike, Template]],
                    child: dict, root_fd: int) -> list[Held]:
         """This template's process restored held below its held ancestors (root first)
-        when it is far the biggest of them (native: dbxcr_held_chain): their processes
-        share this template's address space, each born of the previous, the last forking
-        the child; then each gets an address space and its own image in place. `ancestors`: (spawn() arguments, image
-        directory, the template the image's pages are read from) each; `child`: its
-        spawn() arguments. The ancestors' Held then the child's. Raises ImageCorrupt /
-        CRError."""
+        when it outweighs them (native: dbxcr_held_chain): their processes share this
+        template's address space, each born of the previous, the last forking the child;
+        then each gets an address space and its own image in place. `ancestors`: (spawn()
+        arguments, image directory, the template the image's pages are read from) each;
+        `child`: its spawn() arguments. The ancestors' Held then the child's. Raises
+        ImageCorrupt / CRError."""
         lib = _load_images()
         n = len(ancestors)
         ifds: list[int] = []

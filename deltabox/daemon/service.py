@@ -540,9 +540,10 @@ class Daemon:
         nested below the live sandbox `nest_under`'s, if given), and its first turn: a
         fork child's begins before its processes are restored, or what they do before
         the restore re-arms the watch with them would go unseen (Inspector.watch,
-        `restored`). `take_layer`: gets the sandbox its layer (sets row.layer_id) while init starts, which
-        needs none (a fork's children start their inits while their layers are cloned).
-        `spare`: an init booted ahead for it (spares.py), used instead of a new one."""
+        `restored`). `take_layer`: gets the sandbox its layer (sets row.layer_id) while
+        init starts, which needs none (a fork's children start their inits while their
+        layers are cloned). `spare`: an init booted ahead for it (spares.py), used instead
+        of a new one."""
         if take_layer is None:
             await self._limit_disk(row, row.layer_id)  # before anything runs: it may fail
         limits = Limits(row.memory_mb, row.pids_max, row.cpus)
