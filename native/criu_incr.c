@@ -71,7 +71,9 @@
  *  5. Page contents: pread from the pages.img of the right level, hash-checked, written
  *     with process_vm_writev.
  *  6. prctl(PR_SET_MM, PR_SET_MM_MAP): code/data/brk/stack/arg/env bounds, auxv, exe file.
- *     rseq registered again as dumped; sigactions, sigaltstack, umask, personality, comm;
+ *     rseq registered again as dumped; sigactions (into a process that has just exec'ed,
+ *     only those that differ from what the exec left: SIG_DFL, or SIG_IGN, no flags),
+ *     sigaltstack, umask, personality, comm;
  *     credentials last (setgroups/setresgid/setresuid) when they differ from host's.
  *  7. The syscall site moves to the restored vdso, C is unmapped, and R is parked exactly
  *     like a template made by dbxcr_template_stopped (all signals blocked, registers set to
@@ -2430,6 +2432,10 @@ struct restore {
 	int live_fd;			/* reader.live_fd */
 	uint64_t code, scratch;		/* C and D */
 	bool *extra_write;		/* per VMA: mapped with PROT_WRITE added */
+	/* Restored in place right after an exec (dbxcr_held_chain): every signal's action is
+	 * SIG_DFL, or SIG_IGN for those in `ignored`, with no flags, mask or restorer. */
+	bool after_exec;
+	uint64_t ignored;
 };
 
 static int r_unmap_old(struct restore *R, struct dbxcr_error *err)
@@ -2890,14 +2896,21 @@ static int r_signals_and_ids(struct restore *R, struct dbxcr_error *err)
 	const struct core_fixed *core = R->im->core;
 	long a[6] = { 0 };
 
+	/* Every action written at once (one memory write, not one per signal); each set by
+	 * an injected call unless it is what the process has already (after an exec). */
+	if (mem_write(R->pid, R->scratch, core->sig, sizeof(core->sig), err) < 0)
+		return -1;
 	for (int sig = 1; sig <= NSIG_K; sig++) {
+		const struct ksigaction *k = &core->sig[sig - 1];
+		bool ign = (R->ignored >> (sig - 1)) & 1;
+
 		if (sig == SIGKILL || sig == SIGSTOP)
 			continue;
-		if (mem_write(R->pid, R->scratch, &core->sig[sig - 1], sizeof(struct ksigaction),
-			      err) < 0)
-			return -1;
+		if (R->after_exec && k->handler == (ign ? (uint64_t)(uintptr_t)SIG_IGN : 0) &&
+		    !k->flags && !k->restorer && !k->mask)
+			continue;
 		a[0] = sig;
-		a[1] = (long)R->scratch;
+		a[1] = (long)(R->scratch + (sig - 1) * sizeof(struct ksigaction));
 		a[2] = 0;
 		a[3] = 8;
 		if (RS(&R->t, SYS_rt_sigaction, err, "rt_sigaction(%d)", sig) < 0)
@@ -3082,6 +3095,23 @@ kill:	/* children first */
 	return -1;
 }
 
+/* The signals pid ignores (/proc/PID/status SigIgn): after an exec, the only actions
+ * that are not SIG_DFL. */
+static int sig_ignored(pid_t pid, uint64_t *out, struct dbxcr_error *err)
+{
+	char path[64], buf[8192];
+	const char *at;
+
+	snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+	if (read_small_file(path, buf, sizeof(buf)) < 0)
+		return fail(err, errno, pid, "read %s", path);
+	at = strstr(buf, "\nSigIgn:");
+	if (!at)
+		return fail(err, EPROTO, pid, "no SigIgn in /proc/%d/status", (int)pid);
+	*out = strtoull(at + 8, NULL, 16);
+	return 0;
+}
+
 /* The page source of a restore given the image's template (src): its /proc/PID/mem, bound
  * to its address space from here on.  Without src, an image whose pages stayed in its
  * template (RUN_LIVE) cannot be restored. */
@@ -3148,8 +3178,14 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 		fail(err, ENOMEM, host, "allocate");
 		goto out_nochild;
 	}
-	if (inplace > 0)
+	if (inplace > 0) {	/* the caller exec'ed it: its actions are the exec's */
 		child = inplace;
+		R.after_exec = true;
+		if (sig_ignored(child, &R.ignored, err) < 0) {
+			kill_traced(child);
+			goto out_nochild;
+		}
+	}
 	else if (parent)
 		child = held_fork(parent, set_tid, set_tid_size, 0, err);
 	else
