@@ -2982,8 +2982,8 @@ static int r_signals_and_ids(struct restore *R, struct dbxcr_error *err)
 
 /* The restore into a fresh process: a child of `host` (fork_from_host), or, given
  * `parent`, the held process's own child with the pid set_tid (held_fork); or, given
- * `inplace`, into that process itself (stopped in our trace: its memory, descriptors and
- * state are all replaced; killed if the restore fails). */
+ * `inplace`, into that process itself, which has just exec'ed (stopped in our trace: its
+ * memory, descriptors and state are all replaced; killed if the restore fails). */
 static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held *parent,
 						  const pid_t *set_tid, size_t set_tid_size,
 						  int image_dirfd, int root_dirfd,
@@ -3066,7 +3066,6 @@ int dbxcr_held_chain(struct dbxcr_template *child_tpl, size_t n,
 
 		if (held_exec(x[i], exe_fd, err) < 0)
 			goto kill;
-
 		tpl = restore_template_in(pid, NULL, NULL, 0, image_dirfds[i], root_dirfd, srcs[i],
 					  pid, err);
 		held_forget(x[i]);	/* the process is tpl's now, or killed */
@@ -3178,14 +3177,8 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 		fail(err, ENOMEM, host, "allocate");
 		goto out_nochild;
 	}
-	if (inplace > 0) {	/* the caller exec'ed it: its actions are the exec's */
+	if (inplace > 0)
 		child = inplace;
-		R.after_exec = true;
-		if (sig_ignored(child, &R.ignored, err) < 0) {
-			kill_traced(child);
-			goto out_nochild;
-		}
-	}
 	else if (parent)
 		child = held_fork(parent, set_tid, set_tid_size, 0, err);
 	else
@@ -3193,6 +3186,10 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 	if (child < 0)
 		goto out_nochild;
 	R.pid = child;
+	/* The caller exec'ed it: every action is the exec's, SIG_DFL or SIG_IGN. */
+	R.after_exec = inplace > 0;
+	if (R.after_exec && sig_ignored(child, &R.ignored, err) < 0)
+		goto kill;
 	if (adopt(&R.t, child, 0, err) < 0 || find_syscall_site(&R.t, err) < 0)
 		goto kill;
 	if (save_xstate(child, &cur_x, &cur_xlen, err) < 0)

@@ -230,16 +230,18 @@ int rseq_fixup(pid_t tid, uint64_t rseq_ptr, struct user_regs_struct *regs,
 int main_capture(pid_t pid, struct main_regs *m, struct dbxcr_error *err);
 /* The main registrations out of a thread_capture of the main thread. */
 void main_from_thread(struct main_regs *m, const struct thread_state *ts);
-/* In a spawned child c (stopped, ours, all signals blocked, scratch mapped): give the main
- * thread its registrations back (rseq too if `born`: a carrier's birth) and clone every
- * other thread of tpl with its tid (when keep_tids), stopped in our trace with its final
- * state set: *out (n = tpl's count) for threads_release.  On failure every thread made so
- * far is killed with the child. */
+/* The main thread's rseq registration and sigaltstack (altstack) for a child born of a
+ * process that had neither (a CLONE_VM clone drops both; so do its forks). */
 int main_reborn(struct tracee *c, const struct dbxcr_template *tpl, const stack_t *altstack,
 		struct dbxcr_error *err);
 /* The stopped main thread's sigaltstack (an injected sigaltstack(NULL, &old)): *out, with
  * ss_size 0 when it has none. */
 int main_altstack(struct tracee *t, stack_t *out, struct dbxcr_error *err);
+/* In a spawned child c (stopped, ours, all signals blocked, scratch mapped): give the main
+ * thread its registrations back (rseq too if `born`: a carrier's birth) and clone every
+ * other thread of tpl with its tid (when keep_tids), stopped in our trace with its final
+ * state set: *out (n = tpl's count) for threads_release.  On failure every thread made so
+ * far is killed with the child. */
 int threads_recreate(struct tracee *c, const struct dbxcr_template *tpl, bool keep_tids,
 		     bool born, struct tracee **out, struct dbxcr_error *err);
 /* Let the recreated threads run (their registers, xstate and mask are set) with their CPU

@@ -3075,7 +3075,8 @@ struct dbxcr_held {
 	bool own_tpl;	/* an adopted child's template struct describes the child itself:
 			 * freed with the held, never killed */
 	bool shared;	/* shares its template's address space (CLONE_VM): no rseq
-			 * registration of its own, nor will its forks have one */
+			 * registration or sigaltstack of its own, nor will its forks have
+			 * them (held_spawn_child gives them back) */
 };
 
 static void held_free(struct dbxcr_held *h)
@@ -3283,7 +3284,7 @@ int held_exec(struct dbxcr_held *h, int exe_fd, struct dbxcr_error *err)
 }
 
 /* Drop the struct of a held process that now belongs to another one (the same process,
- * restored in place from an image: dbxcr_held_pair), or that is gone. */
+ * restored in place from an image: dbxcr_held_chain), or that is gone. */
 void held_forget(struct dbxcr_held *h)
 {
 	held_free(h);

@@ -82,8 +82,6 @@ SPLICE_F_NONBLOCK = 2
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
 F_SETPIPE_SZ, F_GETPIPE_SZ = 1031, 1032
 PIPE_DEFAULT_SIZE = 65536
-# Fork lanes (see DeltaCR.open_lanes): for a fan-out of at least this many children, each
-# process of at least this size gets a second template on a second tracer thread.
 # A child adopted by its restored parent is copied from its template's memory; when it is
 # bigger than the family's root (a shell's 3 MB against a server it started with `cd dir
 # && server &`), the root's image is copied instead and the child is its template's
@@ -92,6 +90,8 @@ PIPE_DEFAULT_SIZE = 65536
 # holds all of its pages). From this many KB more than the root: the chain's execs, and
 # the root's fidelity, which falls to an adoptee's (what an image holds).
 CHAIN_MIN_GAIN_KB = 4 << 10
+# Fork lanes (see DeltaCR.open_lanes): for a fan-out of at least this many children, each
+# process of at least this size gets a second template on a second tracer thread.
 LANE_MIN_CHILDREN = 4
 LANE_MIN_RSS_KB = 16 << 10
 
@@ -229,7 +229,11 @@ class Restored:
     keepers: dict[int, native.Carrier] = field(default_factory=dict)
 
 
-def stopped_calls(state: ProcessState, restored: Restored) -> dict[int, frozenset[int]]:
+# Restored processes (host pids) -> the calls they were stopped in (stopped_calls).
+Resumed = dict[int, frozenset[int]]
+
+
+def stopped_calls(state: ProcessState, restored: Restored) -> Resumed:
     """The restored processes (host pids) and the system calls their threads were stopped
     in at the checkpoint (-1: none, or unknown): each re-enters its call when let go, which
     the inspector must not take for running (Turns.watch)."""
@@ -697,18 +701,20 @@ class DeltaCR:
                        pid_held: Callable[[int], bool] | None) -> int:
         """rec restored from an image of its template into a child of its held restored
         parent (adoption.py), held in turn: its pid."""
-        parent = next(r for r in state.records if r.pid == state.family[rec.pid])
-        ns_pids = groups if spawn.into is not None else {
-            r.pid: r.nspid for r in state.records if r.nspid not in out.renumbered}
-        spawn.pgid = adoption.group(rec, parent, spawn.pgid, ns_pids)
-        if state.images is None:
-            state.images = adoption.Images(self.images_dir)
-        spawn.image = await self.worker.run(state.images.make, rec, state.templates[rec.pid])
+        parent = _adopt_group(state, rec, spawn, out, groups)
+        spawn.image = await self._image(state, rec)
         spawn.parent, spawn.rootfd = held[parent.pid], rootfd
         pid = await self._spawn_retrying(spawn, pid_held=pid_held)
         assert spawn.held is not None
         held[rec.pid] = spawn.held
         return pid
+
+    async def _image(self, state: ProcessState, rec: ProcessRecord) -> str:
+        """The image a restore copies rec's memory from (adoption.Images: made once per
+        checkpoint)."""
+        if state.images is None:
+            state.images = adoption.Images(self.images_dir)
+        return await self.worker.run(state.images.make, rec, state.templates[rec.pid])
 
     async def _chain(self, state: ProcessState, path: list[int], root: _Spawn,
                      args_for: Callable[[ProcessRecord], Awaitable[_Spawn]],
@@ -723,16 +729,10 @@ class DeltaCR:
         spawns = [root]
         for rec in recs[1:]:
             sp = await args_for(rec)
-            parent = by_pid[state.family[rec.pid]]
-            ns_pids = groups if sp.into is not None else {
-                r.pid: r.nspid for r in state.records if r.nspid not in out.renumbered}
-            sp.pgid = adoption.group(rec, parent, sp.pgid, ns_pids)
+            _adopt_group(state, rec, sp, out, groups)
             spawns.append(sp)
-        if state.images is None:
-            state.images = adoption.Images(self.images_dir)
         try:
-            images = [await self.worker.run(state.images.make, r, state.templates[r.pid])
-                      for r in recs[:-1]]
+            images = [await self._image(state, r) for r in recs[:-1]]
             made = await self.worker.run(
                 state.templates[recs[-1].pid].held_chain,
                 [(_spawn_kwargs(sp, _pid(sp), sp is root), img, state.templates[r.pid])
@@ -1742,6 +1742,17 @@ def _spawn_once(sp: _Spawn, set_tid: list[int] | None,
         sp.held = (tpl or sp.tpl).spawn_held(**kwargs)
         return sp.held.pid
     return (tpl or sp.tpl).spawn(**kwargs)
+
+
+def _adopt_group(state: ProcessState, rec: ProcessRecord, spawn: _Spawn, out: Restored,
+                 groups: dict[int, int]) -> ProcessRecord:
+    """Set spawn's process group for rec, born its restored parent's own child
+    (adoption.group); returns that parent's record."""
+    parent = next(r for r in state.records if r.pid == state.family[rec.pid])
+    ns_pids = groups if spawn.into is not None else {
+        r.pid: r.nspid for r in state.records if r.nspid not in out.renumbered}
+    spawn.pgid = adoption.group(rec, parent, spawn.pgid, ns_pids)
+    return parent
 
 
 def _pid(sp: _Spawn) -> list[int] | None:

@@ -43,8 +43,8 @@ from ..sandbox.userns import IdMap
 from ..background import GuardedNursery, run_all
 from ..cr import hostmem, native, tcp, watches
 from ..cr.capture import Unsettled
-from ..cr.engine import (DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, in_vfork,
-                         process_name, stopped_calls)
+from ..cr.engine import (DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, Resumed,
+                         in_vfork, process_name, stopped_calls)
 from ..inspector import Decision, TurnEffects, touched_processes, untouched_processes
 from . import budget
 from .faults import crash_point
@@ -56,8 +56,6 @@ from .spares import Kind as SpareKind, Spare, Spares
 from .turns import Turns
 from .warm import Ready, WarmPool, source_layer, stacked_key
 
-# Restored processes (host pids) -> the calls they were stopped in (engine.stopped_calls).
-Resumed = dict[int, frozenset[int]]
 log = logging.getLogger("deltaboxd")
 
 SANDBOX_ID = re.compile(r"^sb-[0-9a-f]{10}$")

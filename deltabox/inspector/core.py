@@ -450,10 +450,10 @@ class Inspector:
         self._watches[key] = w
         self._by_cgid[cgroup_id] = w
         known = set(w.tasks.values())
-        # Restored processes first: _seed keeps the entries this writes.
+        # Restored processes first: _seed keeps the entries this writes (`seeded`).
         seeded = self._seed_restored(w, restored or {})
         self._seed(w, [p for p in pids if p not in known or p not in lived_on],
-                   restarting or {})
+                   restarting or {}, seeded)
         members = self._slot_members.setdefault(cgroup_id % P.FILTER_SLOTS, [])
         if cgroup_id not in members:
             members.append(cgroup_id)
@@ -538,7 +538,11 @@ class Inspector:
             leaf.nr = -1
         return leaf
 
-    def _seed(self, w: _Watch, pids: Iterable[int], restarting: Mapping[int, int]) -> None:
+    def _seed(self, w: _Watch, pids: Iterable[int], restarting: Mapping[int, int],
+              seeded: Collection[int] = ()) -> None:
+        """Know `pids` from now on; their threads' entries are written afresh (restarting
+        their call if in `restarting`) unless the program follows them already or they are
+        `seeded` (written by _seed_restored)."""
         for pid in pids:
             tids = _tids(pid)
             if not tids:
@@ -550,6 +554,8 @@ class Inspector:
                 pass
             for tid in tids:
                 w.tasks[tid] = pid
+                if tid in seeded:
+                    continue
                 if tid not in restarting:
                     try:
                         if int(self._task_get(tid).cgid) == w.cgid:
