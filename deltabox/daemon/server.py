@@ -14,7 +14,7 @@ import queue
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import pydantic
@@ -91,17 +91,52 @@ class Servicer(pb_grpc.DeltaBoxServicer):
         self._authorize(context)
         try:
             return trio.from_thread.run(self.idle.call, fn, *args, trio_token=self.trio_token)
-        except DeltaBoxError as e:
-            context.abort(e.code, e.message)
-        except pydantic.ValidationError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _validation_message(e))
-        except trio.RunFinishedError:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "deltaboxd is shutting down; retry")
-        except Exception as e:  # a bug: say so, keep serving
-            log.error("internal error: %s", traceback.format_exc())
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error in deltaboxd: {e!r} "
-                          "(see the daemon log)")
-        raise AssertionError("unreachable")
+        except Exception as e:
+            _abort(context, e)
+
+    def _run_answering(self, context: grpc.ServicerContext,
+                       fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """As _run, for work that answers before it ends: `fn(*args, answer=...)` calls
+        `answer(result)` once the caller has what it asked for and goes on with its
+        bookkeeping in the trio loop (still a call in progress for idlegc), while this
+        thread sends the answer. Started without waiting for the loop (run_sync_soon): one
+        thread hop in, one out, as _run."""
+        self._authorize(context)
+        box: queue.SimpleQueue = queue.SimpleQueue()
+
+        async def job() -> None:
+            answered = False
+
+            def answer(result: T) -> None:
+                nonlocal answered
+                answered = True
+                box.put((True, result))
+            try:
+                result = await fn(*args, answer=answer)
+                if not answered:
+                    box.put((True, result))
+            except BaseException as e:
+                if not answered:
+                    box.put((False, e))
+                else:  # the caller has its answer; the bookkeeping after it failed
+                    log.error("after answering: %s", traceback.format_exc())
+                if not isinstance(e, Exception):
+                    raise
+
+        def start() -> None:  # in the loop: an exception here would crash it
+            try:
+                self.d.background.start_soon(self.idle.call, job)
+            except RuntimeError:  # the nursery is closed: shutting down
+                box.put((False, trio.RunFinishedError()))
+
+        try:
+            self.trio_token.run_sync_soon(start)
+        except trio.RunFinishedError as e:
+            _abort(context, e)
+        ok, item = box.get()
+        if ok:
+            return item
+        _abort(context, item if isinstance(item, Exception) else trio.RunFinishedError())
 
     def _answered(self, context: grpc.ServicerContext, wanted: object = True
                   ) -> trio.Event | None:
@@ -274,7 +309,8 @@ class Servicer(pb_grpc.DeltaBoxServicer):
         return checkpoint_pb(cp)
 
     def Rollback(self, request, context):  # noqa: N802
-        r = self._run(context, self.d.rollback, request.sandbox_id, request.checkpoint_id)
+        r = self._run_answering(context, self.d.rollback, request.sandbox_id,
+                                request.checkpoint_id)
         return pb.RollbackResponse(**r)
 
     def Fork(self, request, context):  # noqa: N802
@@ -310,6 +346,22 @@ class Servicer(pb_grpc.DeltaBoxServicer):
             backend=backend, effects_json=eff.model_dump_json() if eff is not None else "",
             kind=decision.kind if decision else "",
             reasons=decision.reasons if decision else [])
+
+
+def _abort(context: grpc.ServicerContext, e: Exception) -> NoReturn:
+    """End the call with the status code `e` means (DeltaBoxError's own, once, here)."""
+    if isinstance(e, DeltaBoxError):
+        context.abort(e.code, e.message)
+    elif isinstance(e, pydantic.ValidationError):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, _validation_message(e))
+    elif isinstance(e, trio.RunFinishedError):
+        context.abort(grpc.StatusCode.UNAVAILABLE, "deltaboxd is shutting down; retry")
+    else:  # a bug: say so, keep serving
+        log.error("internal error: %s",
+                  "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error in deltaboxd: {e!r} "
+                      "(see the daemon log)")
+    raise AssertionError("unreachable")
 
 
 def _cancel(scope: trio.CancelScope, token: trio.lowlevel.TrioToken) -> None:

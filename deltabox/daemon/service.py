@@ -176,6 +176,12 @@ class Kept:
         return out
 
 
+async def _close_sessions(sessions: dict[str, Session]) -> None:
+    """Close sessions whose shells a rollback killed: release our ends of their pipes."""
+    for sess in sessions.values():
+        await sess.close()
+
+
 def _stacked_bases(row: SandboxRow, cp: CheckpointRow) -> list[str] | None:
     """The sandbox's bases if it stacks `cp`'s layer on `cp`'s own bases (a shared-layer
     fork child going back to the checkpoint it was forked from): a rollback to `cp` then
@@ -1758,8 +1764,12 @@ class Daemon:
                 ours.add(st.st_ino)
         return sessions, ours
 
-    async def rollback(self, sid: str, cp_id: str) -> dict:
-        """Make the sandbox's files exactly the checkpoint's; processes restart."""
+    async def rollback(self, sid: str, cp_id: str,
+                       answer: Callable[[dict], None] | None = None) -> dict:
+        """Make the sandbox's files exactly the checkpoint's, its processes the
+        checkpoint's. `answer`: called with the result as soon as the sandbox is in the
+        checkpoint's state, before the bookkeeping that follows (the turn's watch, the old
+        sessions' pipes), which then overlaps the answer's way back to the client."""
         row = self._sandbox(sid)
         cp = await self._settled_checkpoint(cp_id)
         if cp.family_id != row.family_id:
@@ -1792,7 +1802,8 @@ class Daemon:
                 raise
             try:
                 return await self._rollback_to(live, row, cp, t0, layer, killed, new_gen, pre,
-                                               prepared=ready is not None, stacked=stacked)
+                                               prepared=ready is not None, stacked=stacked,
+                                               answer=answer)
             finally:
                 with trio.CancelScope(shield=True):
                     await self._victims_gone(live)
@@ -1801,11 +1812,16 @@ class Daemon:
     async def _rollback_to(self, live: Live, row: SandboxRow, cp: CheckpointRow, t0: float,
                            layer: str, killed: int, new_gen: runtime.Generation,
                            pre: Prespawned | None, prepared: bool = False,
-                           stacked: list[str] | None = None) -> dict:
+                           stacked: list[str] | None = None,
+                           answer: Callable[[dict], None] | None = None) -> dict:
         """The rest of a rollback, under the sandbox's lock, once its processes are killed:
-        switch to the new generation, commit, restore the processes. `stacked`: the
-        sandbox's bases, kept (`layer` is a new empty layer over the checkpoint's)."""
+        switch to the new generation, commit, restore the processes, `answer` (see
+        rollback), then re-arm the turn's watch and close the old sessions: no await
+        between the answer and the re-arm, so no other call on the sandbox runs before
+        it. `stacked`: the sandbox's bases, kept (`layer` is a new empty layer over the
+        checkpoint's)."""
         sid, cp_id = row.id, cp.id
+        old_sessions: dict[str, Session] = {}
         try:
             crash_point("rollback.generation")
             if not prepared:  # the warm pool sets it as it prepares (_build_for)
@@ -1821,23 +1837,28 @@ class Daemon:
             self._release_bases([b for b in old_bases if b not in row.bases])
             self.warm.prepare(sid, _warm_key(cp, stacked))  # for the next rollback to it
             old_sessions, live.sessions = live.sessions, {}
-            for sess in old_sessions.values():
-                await sess.close()  # their shells are dead: release our pipe ends
             pre, taken = None, pre  # the restore owns it now
             state, note, resumed = await self._restore_processes(live, cp, new_gen, taken)
+        except BaseException:
+            await _close_sessions(old_sessions)
+            raise
         finally:
             if pre is not None:  # failed before the restore
                 with trio.CancelScope(shield=True):
                     await self._discard_prespawned(None, pre, live)
         await self._victims_gone(live)  # if no restore waited: nothing killed lingers
         live.procs_from = cp.procs_of if state == "restored" else None
-        self._new_turn(sid, live, resumed)
         restarted = sorted(set(old_sessions) - set(live.sessions))
         live.restarted.update(restarted)
-        return dict(sandbox_id=sid, checkpoint_id=cp_id,
-                    duration_ms=(time.perf_counter() - t0) * 1000,
-                    sessions_restarted=restarted, processes_killed=killed,
-                    process_state=state, note=note)
+        result = dict(sandbox_id=sid, checkpoint_id=cp_id,
+                      duration_ms=(time.perf_counter() - t0) * 1000,
+                      sessions_restarted=restarted, processes_killed=killed,
+                      process_state=state, note=note)
+        if answer is not None:
+            answer(result)
+        self._new_turn(sid, live, resumed)
+        await _close_sessions(old_sessions)
+        return result
 
     async def _victims_gone(self, live: Live) -> None:
         """Wait until the processes a rollback killed have exited (their pids are about to
