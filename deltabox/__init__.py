@@ -19,7 +19,7 @@ from deltabox.errors import (DeadlineExceeded, DeltaBoxError, FailedPrecondition
 
 if TYPE_CHECKING:
     from deltabox.models import (Checkpoint, DaemonInfo, DiffResult, ExecResult, FileInfo,
-                                 RollbackResult, SandboxInfo)
+                                 RollbackResult, SandboxInfo, WriteResult)
     from deltabox.sdk import Files, Sandbox, Session, info
 
 __version__ = "0.1.0"
@@ -34,6 +34,7 @@ _LAZY: dict[str, str] = {
     "RollbackResult": "deltabox.models",
     "DiffResult": "deltabox.models",
     "FileInfo": "deltabox.models",
+    "WriteResult": "deltabox.models",
     "SandboxInfo": "deltabox.models",
     "DaemonInfo": "deltabox.models",
 }
@@ -42,8 +43,8 @@ __all__ = [
     "DeadlineExceeded", "DeltaBoxError", "FailedPrecondition", "Internal", "InvalidArgument",
     "NotFound", "ResourceExhausted", "Unavailable",
     "Sandbox", "Session", "Files", "info",
-    "Checkpoint", "ExecResult", "RollbackResult", "DiffResult", "FileInfo", "SandboxInfo",
-    "DaemonInfo",
+    "Checkpoint", "ExecResult", "RollbackResult", "DiffResult", "FileInfo", "WriteResult",
+    "SandboxInfo", "DaemonInfo",
 ]
 
 

@@ -34,8 +34,9 @@ def exec_result_from_parts(exit_code: int, stdout: bytes, stderr: bytes, duratio
     )
 
 
-def rollback_of(msg: pb.ExecResponse | pb.ExecChunk) -> models.RollbackResult | None:
-    """The rollback a command asked for (`rollback_to`), None if it asked for none."""
+def rollback_of(msg: pb.ExecResponse | pb.ExecChunk | pb.WriteFileResponse
+                ) -> models.RollbackResult | None:
+    """The rollback a command or a write asked for (`rollback_to`), None if none."""
     return rollback_result(msg.rollback) if msg.HasField("rollback") else None
 
 
@@ -77,6 +78,12 @@ def diff_result(msg: pb.DiffResponse) -> models.DiffResult:
 def file_info(msg: pb.FileStat) -> models.FileInfo:
     return models.FileInfo(path=msg.path, type=msg.type, size=msg.size, mode=msg.mode,
                            mtime=msg.mtime, link_target=msg.link_target)
+
+
+def write_result(msg: pb.WriteFileResponse) -> models.WriteResult:
+    return models.WriteResult(**file_info(msg.stat).model_dump(),
+                              checkpoint_id=msg.checkpoint_id, rollback=rollback_of(msg),
+                              note=msg.note)
 
 
 def sandbox_info(msg: pb.SandboxInfo) -> models.SandboxInfo:

@@ -76,6 +76,14 @@ class FileInfo(_Model):
     link_target: str = ""
 
 
+class WriteResult(FileInfo):
+    """A written file's info; with the checkpoint asked for after the write and the
+    rollback asked for before it, as in ExecResult."""
+    checkpoint_id: str = ""
+    rollback: RollbackResult | None = None
+    note: str = ""
+
+
 class SandboxInfo(_Model):
     id: str
     family_id: str

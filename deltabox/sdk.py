@@ -23,7 +23,7 @@ from deltabox import convert, errors
 from deltabox.api import deltabox_pb2 as pb
 from deltabox.client import Client, connect, default_socket
 from deltabox.models import (Checkpoint, DaemonInfo, DiffResult, ExecResult, FileInfo,
-                             RollbackResult, SandboxInfo, TurnReport)
+                             RollbackResult, SandboxInfo, TurnReport, WriteResult)
 
 __all__ = ["Sandbox", "Session", "Files", "info"]
 
@@ -358,12 +358,21 @@ class Files:
         return pb.FileRef(sandbox_id=self._sandbox.id, path=path)
 
     def write(self, path: str, data: bytes | str, mode: int | None = None,
-              make_parents: bool = True, append: bool = False) -> FileInfo:
+              make_parents: bool = True, append: bool = False,
+              checkpoint: str | None = None, checkpoint_label: str = "",
+              rollback_to: CheckpointLike | None = None) -> WriteResult:
+        """Write (or with `append`, extend) a file. `checkpoint` and `rollback_to` as in
+        Sandbox.exec: an edit as a tree search's step in one call (rolled back to the
+        node, the file written, the result checkpointed: `result.checkpoint_id`). If the
+        rollback fails, nothing is written and its error is raised."""
         if isinstance(data, str):
             data = data.encode()
         req = pb.WriteFileRequest(sandbox_id=self._sandbox.id, path=path, data=data,
-                                  mode=mode or 0, append=append, make_parents=make_parents)
-        return convert.file_info(self._call("WriteFile", req))
+                                  mode=mode or 0, append=append, make_parents=make_parents,
+                                  checkpoint=checkpoint or "",
+                                  checkpoint_label=checkpoint_label,
+                                  rollback_to=_cp_id_or_none(rollback_to))
+        return convert.write_result(self._call("WriteFile", req))
 
     def read(self, path: str) -> bytes:
         return bytes(self._call("ReadFile", self._ref(path)).data)

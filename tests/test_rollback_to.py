@@ -1,6 +1,6 @@
-"""A tree search's step in one call: `rollback_to=` on exec and session runs rolls the
-sandbox back to a checkpoint, then runs the command (and, with `checkpoint=`, checkpoints
-its end). The command sees the checkpoint's files and sessions; a rollback that fails runs
+"""A tree search's step in one call: `rollback_to=` on exec, session runs and file writes
+rolls the sandbox back to a checkpoint, then runs the command or writes the file (and, with
+`checkpoint=`, checkpoints its end). The command sees the checkpoint's files and sessions; a rollback that fails runs
 nothing."""
 
 from __future__ import annotations
@@ -73,6 +73,48 @@ def test_a_rollback_that_fails_runs_nothing(daemon, sbx: Sandbox) -> None:
     with pytest.raises(deltabox.InvalidArgument):
         sbx.exec("echo \0", rollback_to=cp)
     assert sbx.files.read("h") == b"after"
+
+
+def test_an_edit_is_a_step_too(sbx: Sandbox) -> None:
+    """files.write(..., rollback_to=, checkpoint=): rolled back to the node, the file
+    written there, the result checkpointed; the node and the child each keep their own."""
+    s = sbx.session("main")
+    sbx.files.write("src.py", "x = 'node'\n")
+    node = sbx.checkpoint()
+    s.run("X=later")
+    sbx.files.write("src.py", "x = 'elsewhere'\n")
+    sbx.files.write("other", "made after the node")
+
+    w = sbx.files.write("src.py", "x = 'child'\n", rollback_to=node, checkpoint="auto",
+                        checkpoint_label="child")
+    assert w.path == "/workspace/src.py" and w.size == len("x = 'child'\n")
+    assert w.rollback is not None and w.rollback.checkpoint_id == node.id
+    assert w.rollback.process_state == "restored"
+    assert w.checkpoint_id and w.checkpoint_id != node.id
+    assert not sbx.files.exists("other")            # the node's files, then the edit
+    assert s.run("echo ${X-unset}").stdout == "unset\n"  # the node's session
+    child = sbx.get_checkpoint(w.checkpoint_id)
+    assert child.label == "child" and child.kind in ("fs", "full")
+
+    sbx.rollback(node)
+    assert sbx.files.read("src.py") == b"x = 'node'\n"
+    sbx.rollback(w.checkpoint_id)
+    assert sbx.files.read("src.py") == b"x = 'child'\n"
+    plain = sbx.files.write("plain", "no step")
+    assert plain.rollback is None and plain.checkpoint_id == ""
+
+
+def test_an_edit_whose_rollback_fails_writes_nothing(sbx: Sandbox) -> None:
+    sbx.files.write("e", "before")
+    cp = sbx.checkpoint()
+    sbx.files.write("e", "now")
+    with pytest.raises(deltabox.NotFound):
+        sbx.files.write("e", "edited", rollback_to="cp-0000000000")
+    with pytest.raises(deltabox.InvalidArgument, match="checkpoint"):
+        sbx.files.write("e", "edited", rollback_to=cp, checkpoint="sometimes")
+    with pytest.raises(deltabox.InvalidArgument, match="mode"):
+        sbx.files.write("e", "edited", rollback_to=cp, mode=0o17777)
+    assert sbx.files.read("e") == b"now"           # neither rolled back nor written
 
 
 def test_cli_exec_rollback_to(daemon, sbx: Sandbox) -> None:

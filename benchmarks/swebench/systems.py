@@ -69,25 +69,31 @@ class Ctx:
 def run_action(ctx: Ctx, sbx: Any, action: Action) -> Code:
     """Apply one action as the agent issued it; an exit code, or a string for what went
     wrong ("timeout", "no-match" when an edit's old text is absent, "missing", "error:X")."""
-    from deltabox import errors
-
     if action.kind == "shell":
         return run_shell(ctx, sbx, action)[0]
+    return run_edit(ctx, sbx, action)[0]
+
+
+def run_edit(ctx: Ctx, sbx: Any, action: Action, **turn: Any) -> tuple[Code, Any]:
+    """A file action (create, or replace `old` by `new` once); with `checkpoint=MODE,
+    checkpoint_label=...` and `rollback_to=CP` passed to its write, as run_shell's (an
+    edit reads the file first: its rollback must then come before, in a call of its own).
+    (code, the SDK's WriteResult or None if nothing was written)."""
+    from deltabox import errors
+
     path = action.path if action.path.startswith("/") else f"{ctx.env.workdir}/{action.path}"
     try:
         if action.kind == "create":
-            sbx.files.write(path, action.content)
-            return 0
+            return 0, sbx.files.write(path, action.content, **turn)
         text = sbx.files.read(path).decode("utf-8", errors="surrogateescape")
     except errors.NotFound:
-        return "missing"
+        return "missing", None
     except errors.DeltaBoxError as e:
-        return f"error:{type(e).__name__}"
+        return f"error:{type(e).__name__}", None
     if action.old not in text:
-        return "no-match"
-    sbx.files.write(path, text.replace(action.old, action.new, 1).encode(
-        "utf-8", errors="surrogateescape"))
-    return 0
+        return "no-match", None
+    return 0, sbx.files.write(path, text.replace(action.old, action.new, 1).encode(
+        "utf-8", errors="surrogateescape"), **turn)
 
 
 def run_shell(ctx: Ctx, sbx: Any, action: Action, **turn: Any) -> tuple[Code, Any]:
@@ -249,12 +255,13 @@ class DeltaBoxTurn(DeltaBox):
     action is `exec(..., rollback_to=NODE, checkpoint="auto")`: the rollback to the node
     it expands, the action, and the checkpoint at its end asked for in the same call. The
     daemon takes the checkpoint while the agent thinks (the untimed pause); a rollback or
-    fork naming it waits for it if it is not done. A file edit has no such call: its
-    rollback is a call of its own before it, and its checkpoint
-    `checkpoint(background=True)` after it. Recorded: a rollback inside the action's call
-    as its daemon time, the action as the rest of the call; as the checkpoint's client time
-    only the extra call an edit needs (0 for a shell action); the checkpoint's own daemon
-    time and kind are read afterwards, untimed."""
+    fork naming it waits for it if it is not done. A file action's write carries the same
+    (`files.write(..., rollback_to=, checkpoint=)`); an edit reads the file first, so its
+    rollback is a call of its own before it; one that writes nothing (its old text absent)
+    takes its checkpoint with `checkpoint(background=True)`. Recorded: a rollback inside
+    the action's call as its daemon time, the action as the rest of the call; as the
+    checkpoint's client time only an extra call (0 when the action's call took it); the
+    checkpoint's own daemon time and kind are read afterwards, untimed."""
 
     name = "deltabox_turn"
 
@@ -276,27 +283,26 @@ class DeltaBoxTurn(DeltaBox):
     def act_and_checkpoint(self, idx: int, step: int, node: int, path: list[int]) -> Code:
         action = self.ctx.traj.actions[idx]
         label = f"node {node}"
-        if action.kind != "shell":
+        if action.kind == "edit":
             self._rollback_now()
         rollback, self.pending = self.pending, None
         t0 = time.perf_counter()
-        rb = None
-        if action.kind == "shell":
-            turn: dict[str, Any] = {"checkpoint": "auto", "checkpoint_label": label}
-            if rollback is not None:
-                turn["rollback_to"] = self.cps[rollback[0]]
-            code, r = run_shell(self.ctx, self.sbx, action, **turn)
-            cp_id, rb = (r.checkpoint_id, r.rollback) if r is not None else ("", None)
-            t1 = t2 = time.perf_counter()
-        else:
-            code = run_action(self.ctx, self.sbx, action)
+        turn: dict[str, Any] = {"checkpoint": "auto", "checkpoint_label": label}
+        if rollback is not None:
+            turn["rollback_to"] = self.cps[rollback[0]]
+        act = run_shell if action.kind == "shell" else run_edit
+        code, r = act(self.ctx, self.sbx, action, **turn)
+        cp_id, rb = (r.checkpoint_id, r.rollback) if r is not None else ("", None)
+        t1 = t2 = time.perf_counter()
+        if r is None and action.kind != "shell":  # nothing written: a call of its own
             t1 = time.perf_counter()
             cp_id = self.sbx.checkpoint(label=label, background=True).id
             t2 = time.perf_counter()
         rb_ms = 0.0
-        if rollback is not None and rb is None:  # the action timed out: no answer
+        if rollback is not None and rb is None:  # the action timed out or failed: no answer
             self.record("rollback", 0.0, step=rollback[1], node=rollback[0], attached=True,
-                        note="in the action's call, which timed out (its time is there)")
+                        note="in the action's call, which timed out or failed (its time is "
+                        "there)")
         elif rollback is not None:
             rb_ms = rb.duration_ms
             self.record("rollback", rb_ms, step=rollback[1], node=rollback[0],
@@ -305,7 +311,7 @@ class DeltaBoxTurn(DeltaBox):
         self.record("action", (t1 - t0) * 1000 - rb_ms, step=step, action=idx, code=code,
                     node=node)
         self.record("checkpoint", (t2 - t1) * 1000, step=step, node=node, cp_id=cp_id,
-                    attached=action.kind == "shell")
+                    attached=r is not None)
         self.cps[node] = cp_id
         return code
 

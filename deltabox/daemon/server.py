@@ -27,7 +27,7 @@ from ..fs.files import FileStat
 from ..models import CreateParams
 from .db import CheckpointRow, SandboxRow
 from .idlegc import IdleCollector
-from .service import Daemon, Ran
+from .service import Daemon, Ran, Wrote
 
 log = logging.getLogger("deltaboxd")
 T = TypeVar("T")
@@ -63,8 +63,8 @@ def exec_pb(ran: Ran) -> pb.ExecResponse:
                            checkpoint_id=ran.checkpoint_id, rollback=rollback_pb(ran))
 
 
-def rollback_pb(ran: Ran) -> pb.RollbackResponse | None:
-    """The rollback a command asked for (`rollback_to`), unset if none."""
+def rollback_pb(ran: Ran | Wrote) -> pb.RollbackResponse | None:
+    """The rollback a command or a write asked for (`rollback_to`), unset if none."""
     return pb.RollbackResponse(**ran.rollback) if ran.rollback is not None else None
 
 
@@ -265,10 +265,12 @@ class Servicer(pb_grpc.DeltaBoxServicer):
         return pb.FileData(data=self._files(context, request, "read", request.path))
 
     def WriteFile(self, request, context):  # noqa: N802
-        st = self._files(context, request, "write", request.path, request.data,
-                         mode=request.mode or None, append=request.append,
-                         make_parents=request.make_parents)
-        return stat_pb(st)
+        w = self._run(context, self.d.write_file, request.sandbox_id, request.path,
+                      request.data, request.mode or None, request.append,
+                      request.make_parents, request.checkpoint, request.checkpoint_label,
+                      self._answered(context, request.checkpoint), request.rollback_to)
+        return pb.WriteFileResponse(stat=stat_pb(w.stat), checkpoint_id=w.checkpoint_id,
+                                    note=w.note, rollback=rollback_pb(w))
 
     def ListDir(self, request, context):  # noqa: N802
         entries = self._files(context, request, "list", request.path)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import trio
 
@@ -31,7 +32,7 @@ from ..errors import (DeadlineExceeded, DeltaBoxError, FailedPrecondition, Inter
                       InvalidArgument, NotFound, ResourceExhausted, Unavailable)
 from ..fs import image as images
 from ..fs.diff import diff_stacks
-from ..fs.files import SandboxFiles
+from ..fs.files import FileStat, SandboxFiles
 from ..fs.mask import build_mask
 from ..fs.store import Changes, Store, close_store
 from ..models import CreateParams
@@ -290,6 +291,19 @@ class Ran:
     note: str = ""
     checkpoint_id: str = ""
     rollback: dict | None = None
+
+
+@dataclass
+class Wrote:
+    """A file write's end, as WriteFile reports it: the file's stat, and as in Ran the
+    checkpoint asked for after it and the rollback asked for before it."""
+    stat: FileStat
+    note: str = ""
+    checkpoint_id: str = ""
+    rollback: dict | None = None
+
+
+R = TypeVar("R", Ran, Wrote)
 
 
 class Daemon:
@@ -921,16 +935,37 @@ class Daemon:
         with trio.CancelScope(shield=True):
             return await self.rollback(sid, cp_id)
 
-    async def _turn_end(self, sid: str, ran: Ran, mode: str, label: str,
-                        answered: trio.Event | None) -> Ran:
-        """Promise the checkpoint a command asked for at its end. If the sandbox cannot
-        take one now (it stopped meanwhile), the output is still returned, with a note."""
+    async def _turn_end(self, sid: str, ran: R, mode: str, label: str,
+                        answered: trio.Event | None) -> R:
+        """Promise the checkpoint a command (or a write) asked for at its end. If the
+        sandbox cannot take one now (it stopped meanwhile), the output is still returned,
+        with a note."""
         if mode:
             try:
                 ran.checkpoint_id = await self.checkpoint_soon(sid, mode, label, answered)
             except DeltaBoxError as e:
                 ran.note = "; ".join(filter(None, [ran.note, f"no checkpoint taken: {e}"]))
         return ran
+
+    async def write_file(self, sid: str, path: str, data: bytes, mode: int | None = None,
+                         append: bool = False, make_parents: bool = False,
+                         checkpoint: str = "", checkpoint_label: str = "",
+                         answered: trio.Event | None = None, rollback_to: str = "") -> Wrote:
+        """Write a file (SandboxFiles.write); with `checkpoint` and `rollback_to` as in exec:
+        an agent's edit as a tree search's step, one round trip instead of three. A request
+        refused for its own arguments is refused before the rollback."""
+        if checkpoint:
+            checkpoint = checkpoint_mode(checkpoint, checkpoint_label)
+        if not path or "\0" in path:
+            raise InvalidArgument("write: give a file path (no NUL bytes)")
+        if mode is not None and not 0 <= mode <= 0o7777:
+            raise InvalidArgument(f"mode must be between 0 and 0o7777, got {mode!r}")
+        rolled = await self._rollback_first(sid, rollback_to)
+        stat = await self.files(sid, "write", path, data, mode=mode, append=append,
+                                make_parents=make_parents)
+        assert isinstance(stat, FileStat)
+        return await self._turn_end(sid, Wrote(stat, rollback=rolled), checkpoint,
+                                    checkpoint_label, answered)
 
     async def session_run(self, sid: str, name: str, command: str, timeout: float,
                           checkpoint: str = "", checkpoint_label: str = "",
