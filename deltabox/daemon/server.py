@@ -99,8 +99,10 @@ class Servicer(pb_grpc.DeltaBoxServicer):
         """As _run, for work that answers before it ends: `fn(*args, answer=...)` calls
         `answer(result)` once the caller has what it asked for and goes on with its
         bookkeeping in the trio loop (still a call in progress for idlegc), while this
-        thread sends the answer. Started without waiting for the loop (run_sync_soon): one
-        thread hop in, one out, as _run."""
+        thread sends the answer. Unlike a checkpoint's EarlyAnswer (daemon/pending.py),
+        which the handler's task awaits, the answer leaves the loop at once: the work need
+        not yield between the answer and what follows it. Started without waiting for the
+        loop (run_sync_soon): one thread hop in, one out, as _run."""
         self._authorize(context)
         box: queue.SimpleQueue = queue.SimpleQueue()
 
