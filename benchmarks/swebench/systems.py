@@ -243,10 +243,14 @@ class DeltaBox(System):
                     server_ms=rb.duration_ms, process_state=rb.process_state, note=rb.note)
 
     def children(self, node: int, path: list[int], n: int, step: int) -> list[Any]:
+        """fork(count=n) with `shared_layer=True`, as a fan-out should: the children stack
+        the checkpoint's layer read-only, so the files their action reads are read once,
+        not once per child (a clone's files start with a cold page cache: an import-heavy
+        python ~40 ms slower per child in a probe, benchmarks/swebench/README.md)."""
         t0 = time.perf_counter()
-        kids = self.sbx.fork(self.cps[node], count=n)
+        kids = self.sbx.fork(self.cps[node], count=n, shared_layer=True)
         self.record("fork", (time.perf_counter() - t0) * 1000, step=step, node=node, count=n,
-                    process_state=kids[0].process_state if kids else "")
+                    process_state=kids[0].process_state if kids else "", shared_layer=True)
         return kids
 
 
