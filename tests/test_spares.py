@@ -9,9 +9,12 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import pytest
 import trio
 
 from deltabox.background import GuardedNursery
+from deltabox.daemon import spares as spares_mod
+from deltabox.daemon.idlegc import IdleCollector
 from deltabox.daemon.spares import Kind, Spares
 from deltabox.sandbox import runtime
 from deltabox.sandbox.cgroups import Limits
@@ -103,6 +106,48 @@ def test_a_spare_whose_init_dies_or_idles_is_stopped() -> None:
             with trio.fail_after(3):   # never taken: stopped after idle_s
                 await _until(lambda: second.sid in p.stopped)
             assert p.ready() == [] and second.rt.launcher.returncode is not None
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_spares_boot_once_the_calls_have_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fork's children run their first commands at once: the spares that replace the
+    ones it took wait until the daemon's calls stop (idlegc.IdleCollector.quiet), and a
+    daemon that never stops gets them after QUIET_WAIT_S anyway."""
+    monkeypatch.setattr(spares_mod, "QUIET_WAIT_S", 1.0)
+    calls = IdleCollector(quiet_s=0.05, threshold=10**9)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            p = Pool(nursery)
+            p.spares.quiet = calls.quiet
+            ended = trio.Event()
+
+            async def child_command() -> None:
+                await trio.sleep(0.3)
+                ended.set()
+            nursery.start_soon(calls.call, child_command)
+            await trio.sleep(0.01)
+            p.spares.want(KIND, 2)
+            await ended.wait()
+            assert p.booted == []                   # not while the call ran
+            await _until(lambda: len(p.ready()) == 2)
+
+            async def endless() -> None:
+                await trio.sleep(100)
+            nursery.start_soon(calls.call, endless)
+            await trio.sleep(0.01)
+            got = p.spares.take(KIND)
+            assert got is not None
+            p.spares.want(KIND, 2)
+            with trio.fail_after(0.8):
+                await trio.sleep(0.5)
+                assert len(p.ready()) == 1          # still waiting for quiet
+            await _until(lambda: len(p.ready()) == 2, timeout=2.0)   # at most QUIET_WAIT_S
+            await p.spares.close()
+            got.rt.launcher.kill()   # taken: the fork's to stop, here the test's
+            await got.rt.launcher.wait()
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -44,6 +44,7 @@ class IdleCollector:
         self.calls = 0                # in progress
         self.collections = 0          # made while idle
         self._ended = trio.Event()    # the last call in progress ended
+        self._last_end = 0.0          # when a call last ended (time.monotonic)
         self._last_full = time.monotonic()
         self._freeze = False          # freeze at the next idle collection
 
@@ -73,8 +74,17 @@ class IdleCollector:
             return await fn(*args)
         finally:
             self.calls -= 1
+            self._last_end = time.monotonic()
             if not self.calls:
                 self._ended.set()
+
+    async def quiet(self, at_most: float) -> None:
+        """Return once no call has run for `quiet_s`, or after `at_most` seconds whatever
+        the load: for background work that had better not share the CPU with a client's
+        calls (fork spares: spares.py), but must not wait for ever either."""
+        with trio.move_on_after(at_most):
+            while self.calls or (left := self._last_end + self.quiet_s - time.monotonic()) > 0:
+                await trio.sleep(self.quiet_s if self.calls else left)
 
     async def run(self) -> None:
         """Forever: `quiet_s` after the last call ended, unless another began meanwhile,

@@ -221,6 +221,7 @@ async def serve(args: argparse.Namespace) -> None:
         try:
             await daemon.recover()
             idle = IdleCollector()
+            daemon.spares.quiet = idle.quiet  # spares boot once the calls have stopped
             server = make_server(Servicer(daemon, trio.lowlevel.current_trio_token(), token,
                                           idle), str(sock), args.listen)
             idle.install()

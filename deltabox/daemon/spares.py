@@ -6,8 +6,10 @@ cgroup) and joining the cgroups, a few ms of which the moves into the cgroups wa
 RCU grace period (README, "Host tuning: cgroup favordynmods"). None of that depends on the
 checkpoint, only on the sandbox the child nests under and on the child's limits; so after
 a fork that restored processes, the daemon boots that many spares in the background (at
-most `per_owner`), and the next fork from the same sandbox takes them: it then only clones
-layers, builds the children's file systems and restores their processes.
+most `per_owner`) once its calls have stopped for a moment (the children's first commands
+go first; at most QUIET_WAIT_S later whatever the load), and the next fork from the same
+sandbox takes them: it then only clones layers, builds the children's file systems and
+restores their processes.
 
 A spare is an idle init in a cgroup of its own, under the id its sandbox will have (the
 hostname is set at boot). It costs two small processes, a pid in the owner's namespace (the
@@ -34,6 +36,10 @@ log = logging.getLogger("deltaboxd")
 # How many spares are booted at once: enough to refill a fan-out before the next one, few
 # enough that an agent's next command does not queue behind them.
 BOOT_AT_ONCE = 2
+# How long a refill waits for the daemon's calls to stop (Spares.quiet) before it boots
+# anyway. Booting right after a fork, it shared the 2 CPUs with the children's first
+# calls: the first file read in the first child took 6-10 ms against 2-3 without spares.
+QUIET_WAIT_S = 2.0
 # A spare not taken for this long is stopped: a sandbox that forked once and then works on
 # alone does not hold its fan-out's worth of namespaces for ever (its next fork boots
 # them again).
@@ -77,6 +83,9 @@ class Spares:
         self._refilling: set[Kind] = set()
         self._booting: dict[Kind, int] = {}           # boots under way, per kind
         self._limiter = trio.CapacityLimiter(BOOT_AT_ONCE)
+        # Waits until no call has run for a moment (at most the given seconds); set by the
+        # daemon's main (idlegc.IdleCollector.quiet). None: refill at once.
+        self.quiet: Callable[[float], Awaitable[None]] | None = None
 
     def take(self, kind: Kind) -> Spare | None:
         """A booted spare of this kind whose init still runs, or None."""
@@ -108,7 +117,11 @@ class Spares:
         """Boot the missing spares of a kind, again while more are wanted meanwhile; a round
         that boots none (the owner went) ends it."""
         try:
-            while missing := self._missing(kind):
+            while self._missing(kind):
+                if self.quiet is not None:  # after the calls that want the CPU now
+                    await self.quiet(QUIET_WAIT_S)
+                if not (missing := self._missing(kind)):
+                    break
                 booted: list[bool] = []
                 async with trio.open_nursery() as nursery:
                     for _ in range(missing):
