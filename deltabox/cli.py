@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 from deltabox import convert, errors
 from deltabox.api import deltabox_pb2 as pb
 from deltabox.client import Client, connect
-from deltabox.models import Checkpoint, DiffResult, TurnReport
+from deltabox.models import Checkpoint, DiffResult, ExecResult, TurnReport, WriteResult
 from deltabox.sdk import Sandbox
 
 PROG = "deltabox"
@@ -207,10 +207,20 @@ def build_parser() -> argparse.ArgumentParser:
              "Copy one file between this machine and a sandbox. Exactly one of SRC and DST is "
              "ID:PATH; `-` means stdin/stdout. A DST ending in / (or an existing local "
              "directory) receives the file under its own name.",
-             "deltabox cp ./main.py $id:/workspace/\ndeltabox cp $id:/workspace/out.log -",
+             "deltabox cp ./main.py $id:/workspace/\ndeltabox cp $id:/workspace/out.log -\n"
+             "deltabox cp ./fix.py $id:/workspace/app.py --rollback-to $cp --checkpoint auto"
+             "   # an edit as a search step",
              common)
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
+    p.add_argument("--checkpoint", metavar="MODE", choices=("auto", "fs", "full"),
+                   help="upload only: checkpoint the sandbox once the file is written (auto, "
+                   "fs or full), in the background; its id is printed on stderr")
+    p.add_argument("--checkpoint-label", metavar="TEXT", default="",
+                   help="label of that checkpoint")
+    p.add_argument("--rollback-to", metavar="CP",
+                   help="upload only: roll the sandbox back to checkpoint CP first, in the "
+                   "same call (if it fails, nothing is written)")
     return parser
 
 
@@ -464,6 +474,12 @@ def cmd_exec(args: argparse.Namespace, client: Client) -> int:
     if args.json:
         _print_json(result)
         return _exit_status(result.exit_code)
+    _report_step(result)
+    return _exit_status(result.exit_code)
+
+
+def _report_step(result: ExecResult | WriteResult) -> None:
+    """On stderr: the rollback a step asked for, its note, the checkpoint it promised."""
     if result.rollback is not None:
         print(f"{PROG}: rolled back to {result.rollback.checkpoint_id} first "
               f"({result.rollback.process_state or 'files'}; "
@@ -473,7 +489,6 @@ def cmd_exec(args: argparse.Namespace, client: Client) -> int:
     if result.checkpoint_id:
         print(f"{PROG}: checkpoint {result.checkpoint_id} (taken in the background)",
               file=sys.stderr)
-    return _exit_status(result.exit_code)
 
 
 def cmd_checkpoint(args: argparse.Namespace, client: Client) -> int:
@@ -620,15 +635,21 @@ def cmd_cp(args: argparse.Namespace, client: Client) -> int:
     dst_id, dst = parse_cp_spec(args.dst)
     if (src_id is None) == (dst_id is None):
         raise UsageError("exactly one of SRC and DST must be ID:PATH")
+    if dst_id is None and (args.checkpoint or args.rollback_to):
+        raise UsageError("--checkpoint and --rollback-to go with an upload (DST is ID:PATH)")
     if dst_id is not None:  # upload
         if src != "-" and os.path.isdir(src):
             raise UsageError(f"{src} is a directory; cp copies single files")
         data = sys.stdin.buffer.read() if src == "-" else _read_local(src)
         if dst.endswith("/") and src != "-":
             dst += os.path.basename(src)
-        stat = _sandbox(client, dst_id).files.write(dst, data)
+        wrote = _sandbox(client, dst_id).files.write(
+            dst, data, checkpoint=args.checkpoint, checkpoint_label=args.checkpoint_label,
+            rollback_to=args.rollback_to)
         if args.json:
-            _print_json(stat)
+            _print_json(wrote)
+        else:
+            _report_step(wrote)
         return 0
     assert src_id is not None
     data = _sandbox(client, src_id).files.read(src)

@@ -61,6 +61,36 @@ def test_cli_checkpoint_at_the_commands_end(daemon) -> None:
         cli(daemon, "rm", sid, check=False)
 
 
+def test_cli_cp_as_a_search_step(daemon, tmp_path) -> None:
+    """`cp SRC ID:DST --rollback-to CP --checkpoint auto`: an edit as a tree search's step
+    (rolled back to CP, the file written there, the result checkpointed)."""
+    sid = cli(daemon, "create").stdout.strip()
+    try:
+        cli(daemon, "exec", sid, "--", "sh", "-c", "echo node > /workspace/f")
+        cp = cli(daemon, "checkpoint", sid).stdout.strip()
+        cli(daemon, "exec", sid, "--", "sh", "-c", "echo later > /workspace/g")
+        src = tmp_path / "edit.txt"
+        src.write_text("edited\n")
+        r = cli(daemon, "cp", str(src), f"{sid}:/workspace/f", "--rollback-to", cp,
+                "--checkpoint", "auto", "--checkpoint-label", "step")
+        assert f"rolled back to {cp} first" in r.stderr, r.stderr
+        child = re.search(r"checkpoint (cp-[0-9a-f]{10}) \(taken in the background\)", r.stderr)
+        assert child is not None, r.stderr
+        assert cli(daemon, "exec", sid, "--", "cat", "/workspace/f").stdout == "edited\n"
+        assert cli(daemon, "exec", sid, "--", "test", "-e", "/workspace/g",
+                   check=False).returncode == 1          # the node's files, then the edit
+        cli(daemon, "rollback", sid, cp)
+        assert cli(daemon, "exec", sid, "--", "cat", "/workspace/f").stdout == "node\n"
+        cli(daemon, "rollback", sid, child.group(1))
+        assert cli(daemon, "exec", sid, "--", "cat", "/workspace/f").stdout == "edited\n"
+        r = cli(daemon, "cp", f"{sid}:/workspace/f", str(tmp_path / "out"), "--rollback-to",
+                cp, check=False)                          # a download is no step
+        assert r.returncode == 2 and "go with an upload" in r.stderr, r.stderr
+        assert not (tmp_path / "out").exists()
+    finally:
+        cli(daemon, "rm", sid, check=False)
+
+
 def test_cli_errors(daemon) -> None:
     r = cli(daemon, "rollback", "sb-0000000000", "cp-0000000000", check=False)
     assert r.returncode == 1 and "no sandbox" in r.stderr
