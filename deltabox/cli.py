@@ -125,14 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", metavar="K=V", type=_env_pair, action="append", default=[],
                    help="extra environment variable (repeatable)")
     p.add_argument("-i", "--stdin", action="store_true", help="send our stdin to the command")
-    p.add_argument("--checkpoint", metavar="MODE", choices=("auto", "fs", "full"),
-                   help="checkpoint the sandbox when the command ends (auto, fs or full), in "
-                   "the background; its id is printed on stderr (in the JSON with --json)")
-    p.add_argument("--checkpoint-label", metavar="TEXT", default="",
-                   help="label of that checkpoint")
-    p.add_argument("--rollback-to", metavar="CP",
-                   help="roll the sandbox back to checkpoint CP first, in the same call (as "
-                   "`deltabox rollback`; if it fails, the command does not run)")
+    _step_options(p, "when the command ends", "the command does not run")
     p.add_argument("cmd", metavar="CMD", nargs="*",
                    help="command and its arguments (everything after ID's options)")
 
@@ -213,15 +206,21 @@ def build_parser() -> argparse.ArgumentParser:
              common)
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
+    _step_options(p, "once the file is written (upload only)", "nothing is written")
+    return parser
+
+
+def _step_options(p: argparse.ArgumentParser, when: str, if_fails: str) -> None:
+    """--checkpoint, --checkpoint-label and --rollback-to: a tree search's step in one call
+    (exec, and cp's uploads)."""
     p.add_argument("--checkpoint", metavar="MODE", choices=("auto", "fs", "full"),
-                   help="upload only: checkpoint the sandbox once the file is written (auto, "
-                   "fs or full), in the background; its id is printed on stderr")
+                   help=f"checkpoint the sandbox {when} (auto, fs or full), in the "
+                   "background; its id is printed on stderr (in the JSON with --json)")
     p.add_argument("--checkpoint-label", metavar="TEXT", default="",
                    help="label of that checkpoint")
     p.add_argument("--rollback-to", metavar="CP",
-                   help="upload only: roll the sandbox back to checkpoint CP first, in the "
-                   "same call (if it fails, nothing is written)")
-    return parser
+                   help="roll the sandbox back to checkpoint CP first, in the same call (as "
+                   f"`deltabox rollback`; if it fails, {if_fails})")
 
 
 def _command_of(argv: Sequence[str]) -> int | None:

@@ -299,7 +299,6 @@ class DeltaBoxTurn(DeltaBox):
         cp_id, rb = (r.checkpoint_id, r.rollback) if r is not None else ("", None)
         t1 = t2 = time.perf_counter()
         if r is None and action.kind != "shell":  # nothing written: a call of its own
-            t1 = time.perf_counter()
             cp_id = self.sbx.checkpoint(label=label, background=True).id
             t2 = time.perf_counter()
         rb_ms = 0.0

@@ -32,7 +32,7 @@ from ..errors import (DeadlineExceeded, DeltaBoxError, FailedPrecondition, Inter
                       InvalidArgument, NotFound, ResourceExhausted, Unavailable)
 from ..fs import image as images
 from ..fs.diff import diff_stacks
-from ..fs.files import FileStat, SandboxFiles
+from ..fs.files import FileStat, SandboxFiles, check_mode, check_path
 from ..fs.mask import build_mask
 from ..fs.store import Changes, Store, close_store
 from ..models import CreateParams
@@ -956,10 +956,8 @@ class Daemon:
         refused for its own arguments is refused before the rollback."""
         if checkpoint:
             checkpoint = checkpoint_mode(checkpoint, checkpoint_label)
-        if not path or "\0" in path:
-            raise InvalidArgument("write: give a file path (no NUL bytes)")
-        if mode is not None and not 0 <= mode <= 0o7777:
-            raise InvalidArgument(f"mode must be between 0 and 0o7777, got {mode!r}")
+        check_path(path)
+        check_mode(mode)
         rolled = await self._rollback_first(sid, rollback_to)
         stat = await self.files(sid, "write", path, data, mode=mode, append=append,
                                 make_parents=make_parents)

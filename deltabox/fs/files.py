@@ -345,6 +345,25 @@ def _as_sandbox_root(method: Callable[Concatenate[SandboxFiles, _P], _R]
     return run
 
 
+def check_path(path: object) -> None:
+    """Refuse a path no operation could resolve (InvalidArgument), before any I/O: also
+    what a write that rolls back first checks before its rollback (Daemon.write_file)."""
+    if not isinstance(path, str):
+        raise InvalidArgument("path must be a string")
+    if not path:
+        raise InvalidArgument("path is empty")
+    if "\0" in path:
+        raise InvalidArgument("path contains a NUL byte")
+    if len(os.fsencode(path)) > MAX_PATH:
+        raise InvalidArgument(f"path is longer than {MAX_PATH} bytes")
+
+
+def check_mode(mode: object) -> None:
+    """Refuse permission bits a write cannot set (InvalidArgument); None keeps the file's."""
+    if mode is not None and (not isinstance(mode, int) or not 0 <= mode <= 0o7777):
+        raise InvalidArgument(f"mode must be between 0 and 0o7777, got {mode!r}")
+
+
 class SandboxFiles:
     """Confined file operations on one sandbox's root file system (see module docstring)."""
 
@@ -387,8 +406,7 @@ class SandboxFiles:
         if t.name is None or t.trailing_slash:
             raise FailedPrecondition(f"cannot write a file at {t.display}: "
                                      "the path names a directory")
-        if mode is not None and (not isinstance(mode, int) or not 0 <= mode <= 0o7777):
-            raise InvalidArgument(f"mode must be between 0 and 0o7777, got {mode!r}")
+        check_mode(mode)
         try:
             payload = memoryview(data).cast("B")
         except TypeError:
@@ -589,14 +607,7 @@ class SandboxFiles:
     # ---- resolution ------------------------------------------------------------------------
 
     def _target(self, path: str) -> _Target:
-        if not isinstance(path, str):
-            raise InvalidArgument("path must be a string")
-        if not path:
-            raise InvalidArgument("path is empty")
-        if "\0" in path:
-            raise InvalidArgument("path contains a NUL byte")
-        if len(os.fsencode(path)) > MAX_PATH:
-            raise InvalidArgument(f"path is longer than {MAX_PATH} bytes")
+        check_path(path)
         return _split(path if path.startswith("/") else f"{self._workdir}/{path}")
 
     def _open_full(self, full: str, flags: int) -> int:
