@@ -313,4 +313,33 @@ int dbxcr_template_adopt(struct dbxcr_template *cp, struct dbxcr_error *err);
 /* SIGKILL the template, reap it as its tracer and free tpl (always freed). */
 int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err);
 
+/* ---------- the ptrace thread's job queue (ptrace_jobs.c) ----------
+ *
+ * The thread that owns the carriers waits in dbxcr_jobs_wait, which runs the births jobs
+ * posted (in the order posted) and returns 1 at a job posted with births NULL: one the
+ * caller runs itself (a Python job) before it waits again.  Posting is thread-safe.  A
+ * births job: each carrier gives birth once (dbxcr_carrier_birth; set_tid[i] 0: any pid),
+ * those with a pid to take once the processes behind the pidfds `victims` have exited
+ * (or timeout_ms passed: EEXIST then), reaping those that are the caller's children;
+ * born[i] gets the pid or -1 with errs[i].  Then done_fd (an eventfd) is written; the
+ * job must stay allocated until then. */
+struct dbxcr_births {
+	size_t n;
+	struct dbxcr_carrier **carriers;
+	const pid_t *set_tid;
+	const int *pgid;
+	const int *victims;
+	size_t n_victims;
+	int timeout_ms;
+	int done_fd;
+	pid_t *born;
+	struct dbxcr_error *errs;
+};
+struct dbxcr_jobs;
+
+struct dbxcr_jobs *dbxcr_jobs_new(struct dbxcr_error *err);
+int dbxcr_jobs_post(struct dbxcr_jobs *q, struct dbxcr_births *births, struct dbxcr_error *err);
+int dbxcr_jobs_wait(struct dbxcr_jobs *q, struct dbxcr_error *err);
+void dbxcr_jobs_free(struct dbxcr_jobs *q);
+
 #endif

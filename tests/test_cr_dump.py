@@ -75,6 +75,7 @@ def native():
                     str(ROOT / "native" / "fork_template.c"),
                     str(ROOT / "native" / "threads.c"),
                     str(ROOT / "native" / "dontfork.c"),
+                    str(ROOT / "native" / "ptrace_jobs.c"),
                     str(ROOT / "native" / "criu_incr.c")], check=True)
     os.environ["DELTABOX_LIBDBXCR"] = str(lib)
     from deltabox.cr import native as mod

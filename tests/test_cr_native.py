@@ -58,7 +58,8 @@ def native():
                     "-D_GNU_SOURCE", "-fPIC", "-shared", "-o", str(lib),
                     str(ROOT / "native" / "fork_template.c"),
                     str(ROOT / "native" / "threads.c"),
-                    str(ROOT / "native" / "dontfork.c")], check=True)
+                    str(ROOT / "native" / "dontfork.c"),
+                    str(ROOT / "native" / "ptrace_jobs.c")], check=True)
     os.environ["DELTABOX_LIBDBXCR"] = str(lib)
     from deltabox.cr import native as mod
     mod._lib = None
@@ -245,6 +246,80 @@ def test_template_fork_rollback_python(native, tmp_path: Path) -> None:
             tpl.spawn()
     finally:
         _clean_up(tpl, children, p)
+
+
+def test_births_run_natively_on_the_ptrace_thread(native, tmp_path: Path) -> None:
+    """PtraceWorker.births, a rollback's births: a carrier made on the ptrace thread gives
+    birth there (native code, between the Python jobs posted around it) with the pid of
+    the original, once the killed original has exited, and continues from the checkpoint;
+    a birth that fails comes back as its CRError, and the thread goes on with its jobs."""
+    import trio
+
+    from deltabox.cr.worker import PtraceWorker
+    data = tmp_path / "data.txt"
+    data.write_text("0123456789abcdef")
+    p = subprocess.Popen([sys.executable, "-c", PROGRAM, str(data)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    orig = Proc(p.pid, p.stdin.fileno(), p.stdout.fileno())
+    assert orig.out.read() == {"ready": True}
+    orig.ask("inc")
+    blocked_in_read(p.pid)
+    files = [f for f in native.regular_files(p.pid) if f.path == str(data)]
+    r_in, w_in = os.pipe()
+    r_out, w_out = os.pipe()
+    born: Proc | None = None
+
+    async def main() -> None:
+        nonlocal born
+        async with PtraceWorker("test-ptrace") as w:
+            tpl = await w.run(native.make_template, p.pid)
+            try:
+                carrier = await w.run(lambda: tpl.spawn_carrier(
+                    fds={0: r_in, 1: w_out}, files=files))
+            finally:
+                await w.run(tpl.release)
+            try:
+                orig.ask("inc")   # the original moves on, then dies unreaped
+                victim = os.pidfd_open(p.pid)
+                p.send_signal(signal.SIGKILL)
+                ahead: list[float] = []
+
+                def job_ahead() -> None:
+                    time.sleep(0.05)
+                    ahead.append(time.monotonic())
+                try:
+                    async with trio.open_nursery() as n:
+                        n.start_soon(w.run, job_ahead)
+                        await trio.sleep(0.01)
+                        got = await w.births([(carrier, p.pid, 0)], [victim], 2.0)
+                        assert ahead, "the births ran before the job posted ahead of them"
+                finally:
+                    os.close(victim)
+                assert got == [p.pid] and carrier.child == p.pid
+                born = Proc(p.pid, w_in, r_out)
+                assert born.ask("report")["counter"] == 1   # the checkpoint's, not 2
+                again = await w.births([(carrier, None, 0)], [], 1.0)
+                assert len(again) == 1 and isinstance(again[0], native.CRError)
+                assert again[0].errno == errno.EINVAL and "birth" in str(again[0])
+                assert await w.run(os.getpid) == os.getpid()   # the thread goes on
+            finally:
+                if born is not None:
+                    born.ask("quit")
+                await w.run(carrier.kill)
+
+    try:
+        trio.run(main)
+    finally:
+        for fd in (r_in, w_out):
+            os.close(fd)
+        if born is None:
+            for fd in (w_in, r_out):
+                os.close(fd)
+        else:
+            born.close()
+        orig.close()
+        p.kill()
+        p.wait()   # reaps the born process: it has the original's pid, and is our child
 
 
 def test_inject_getpid_into_sleeping_python(native) -> None:

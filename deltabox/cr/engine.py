@@ -69,7 +69,7 @@ from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from . import adoption, eventloop, listeners, native, tcp, unlinked, watches
-from ..sandbox.reaper import block_until_exited, kill_pidfds, reap_orphans, wait_exited
+from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .capture import (ProcessRecord, Refusal, Unsettled, add_listeners, record,
                       record_head, refusals, status_refused)
 from .worker import PtraceWorker
@@ -751,22 +751,20 @@ class DeltaCR:
 
     async def _births(self, records: list[ProcessRecord], pre: Prespawned,
                       victims: list[int] | None) -> dict[int, int | native.CRError]:
-        """A rollback whose every process has a carrier: birth them all in one trip to the
-        ptrace thread, which waits there for the killed processes (`victims`) to exit
-        before it reuses a pid (each trip costs a thread hand-over both ways, 0.2-0.9 ms
-        here, as much as a birth). One attempt each: checkpoint pid -> born pid, or the
+        """A rollback whose every process has a carrier: birth them all in one native job
+        on the ptrace thread (PtraceWorker.births: no interpreter hand-over either way),
+        which waits there for the killed processes (`victims`) to exit before it reuses
+        a pid. One attempt each: checkpoint pid -> born pid, or the
         CRError for the usual path to retry or fall back from. Empty (nothing done) unless
-        there are two or more processes and every one has a carrier (a single birth costs
-        one trip either way)."""
-        if len(records) < 2 or any(r.pid not in pre.carriers for r in records):
+        every process has a carrier."""
+        if not records or any(r.pid not in pre.carriers for r in records):
             return {}
         ids = _rollback_ids(pre.state)
-        jobs = [(r.pid, pre.carriers[r.pid], None if ids[r.pid][0] is None else [ids[r.pid][0]],
-                 ids[r.pid][1]) for r in records]
-        born = await self.worker.run(_birth_each, jobs, list(victims or ()))
+        jobs = [(pre.carriers[r.pid], ids[r.pid][0], ids[r.pid][1]) for r in records]
+        born = await self.worker.births(jobs, list(victims or ()), VICTIMS_TIMEOUT_S)
         if victims:
             await wait_exited(victims)  # exited by now: closes them
-        return born
+        return {r.pid: b for r, b in zip(records, born)}
 
     async def _born_or_spawned(self, spawn: _Spawn, carrier: native.Carrier | None,
                                pid_held: Callable[[int], bool] | None = None,
@@ -1692,28 +1690,6 @@ def _leaders_first(records: list[ProcessRecord]) -> list[ProcessRecord]:
 # How long the ptrace thread waits for a rollback's killed processes to exit before it
 # births the rest anyway (they then retry through the usual path).
 VICTIMS_TIMEOUT_S = 0.5
-
-
-def _birth_each(jobs: list[tuple[int, native.Carrier, list[int] | None, int]],
-                victims: list[int]) -> dict[int, int | native.CRError]:
-    """On the ptrace thread: birth each (checkpoint pid, carrier, set_tid, pgid) once,
-    those with a set_tid (jobs come leaders first) once `victims` have exited."""
-    out: dict[int, int | native.CRError] = {}
-    for pid, carrier, set_tid, pgid in jobs:
-        if set_tid and victims:
-            block_until_exited(victims, VICTIMS_TIMEOUT_S)  # else: EEXIST, retried
-            victims = []
-        try:
-            out[pid] = carrier.birth(set_tid, pgid)
-        except native.CRError as e:
-            out[pid] = e
-        except BaseException:  # a bug: the caller never learns of those born already
-            for born in out.values():
-                if isinstance(born, int):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(born, signal.SIGKILL)
-            raise
-    return out
 
 
 def _spawn_kwargs(sp: _Spawn, set_tid: list[int] | None, into: bool) -> dict:

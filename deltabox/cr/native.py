@@ -84,6 +84,15 @@ class _Err(ctypes.Structure):
     _fields_ = [("code", ctypes.c_int), ("msg", ctypes.c_char * 512)]
 
 
+class _Births(ctypes.Structure):  # fork_template.h struct dbxcr_births
+    _fields_ = [("n", ctypes.c_size_t), ("carriers", ctypes.POINTER(ctypes.c_void_p)),
+                ("set_tid", ctypes.POINTER(ctypes.c_int)),
+                ("pgid", ctypes.POINTER(ctypes.c_int)),
+                ("victims", ctypes.POINTER(ctypes.c_int)), ("n_victims", ctypes.c_size_t),
+                ("timeout_ms", ctypes.c_int), ("done_fd", ctypes.c_int),
+                ("born", ctypes.POINTER(ctypes.c_int)), ("errs", ctypes.POINTER(_Err))]
+
+
 class _Info(ctypes.Structure):
     _fields_ = [("threads", ctypes.c_int), ("tracer_pid", ctypes.c_int),
                 ("ppid", ctypes.c_int), ("seccomp", ctypes.c_int),
@@ -191,6 +200,14 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_carrier_keep.restype = ctypes.c_int
         lib.dbxcr_carrier_kill.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_carrier_kill.restype = ctypes.c_int
+        lib.dbxcr_jobs_new.argtypes = [err]
+        lib.dbxcr_jobs_new.restype = ctypes.c_void_p
+        lib.dbxcr_jobs_post.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Births), err]
+        lib.dbxcr_jobs_post.restype = ctypes.c_int
+        lib.dbxcr_jobs_wait.argtypes = [ctypes.c_void_p, err]
+        lib.dbxcr_jobs_wait.restype = ctypes.c_int
+        lib.dbxcr_jobs_free.argtypes = [ctypes.c_void_p]
+        lib.dbxcr_jobs_free.restype = None
         lib.dbxcr_spawn_held.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SpawnOpts),
                                          ctypes.POINTER(ctypes.c_void_p), err]
         lib.dbxcr_spawn_held.restype = ctypes.c_int
@@ -661,6 +678,80 @@ class Carrier:
         state = "killed" if self._handle is None else (
             f"keeper of {self.child}" if self.child else "carrier")
         return f"<Carrier pid={self.pid} {state}>"
+
+
+class Births:
+    """A rollback's births as one native job for the ptrace thread (JobQueue): each
+    carrier gives birth once, as Carrier.birth(set_tid, pgid) would, those taking a pid
+    once the processes behind the pidfds `victims` have exited (or `timeout` passed:
+    EEXIST then). Built on any thread; run on the carriers' own; `done_fd` (an eventfd)
+    is written once every birth has its outcome (`outcomes()`)."""
+
+    def __init__(self, jobs: Sequence[tuple[Carrier, int | None, int]],
+                 victims: Sequence[int], timeout: float, done_fd: int) -> None:
+        n = len(jobs)
+        self._carriers = [c for c, _, _ in jobs]
+        if any(c.killed for c in self._carriers):
+            raise CRError(_errno.EINVAL, "a carrier to give birth was killed")
+        # Every array lives as long as this object: the job must outlive the wait.
+        self._handles = (ctypes.c_void_p * n)(*[c._handle for c in self._carriers])
+        self._tids = (ctypes.c_int * n)(*[t or 0 for _, t, _ in jobs])
+        self._pgids = (ctypes.c_int * n)(*[g for _, _, g in jobs])
+        self._victims = (ctypes.c_int * max(1, len(victims)))(*victims)
+        self._born = (ctypes.c_int * n)()
+        self._errs = (_Err * n)()
+        self.job = _Births(n, self._handles, self._tids, self._pgids, self._victims,
+                           len(victims), max(0, int(timeout * 1000)), done_fd, self._born,
+                           self._errs)
+
+    def outcomes(self) -> list[int | CRError]:
+        """Once done: each carrier's born pid (the carrier now a keeper-to-be, as after
+        Carrier.birth), or the CRError its birth failed with."""
+        out: list[int | CRError] = []
+        for i, carrier in enumerate(self._carriers):
+            if self._born[i] >= 0:
+                carrier.child = self._born[i]
+                out.append(self._born[i])
+            else:
+                e = self._errs[i]
+                code = e.code or _errno.EIO
+                out.append(CRError(code, e.msg.decode(errors="replace") or os.strerror(code)))
+        return out
+
+
+class JobQueue:
+    """The ptrace thread's queue (native/ptrace_jobs.c): the thread waits in wait(), with
+    the interpreter's lock released, running the Births posted to it; wait() returns when
+    the next job is a Python one (posted as None). Posting is thread-safe; one FIFO."""
+
+    def __init__(self) -> None:
+        err = _Err()
+        handle = _load().dbxcr_jobs_new(ctypes.byref(err))
+        if not handle:
+            _raise(err)
+        self._handle: int | None = handle
+
+    def _h(self) -> int:
+        if self._handle is None:
+            raise CRError(_errno.EINVAL, "job queue closed")
+        return self._handle
+
+    def post(self, births: Births | None) -> None:
+        err = _Err()
+        job = ctypes.byref(births.job) if births is not None else None
+        if _load().dbxcr_jobs_post(self._h(), job, ctypes.byref(err)) < 0:
+            _raise(err)
+
+    def wait(self) -> None:
+        err = _Err()
+        if _load().dbxcr_jobs_wait(self._h(), ctypes.byref(err)) < 0:
+            _raise(err)
+
+    def close(self) -> None:
+        """Free the queue (its thread has stopped waiting on it)."""
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            _load().dbxcr_jobs_free(handle)
 
 
 CHAIN_MAX = 8   # ancestors in one Template.held_chain (native: DBXCR_CHAIN_MAX)

@@ -162,25 +162,6 @@ def _exited(pidfd: int) -> bool:
     return bool(poller.poll(0))
 
 
-def block_until_exited(pidfds: Iterable[int], timeout: float) -> None:
-    """From a plain thread (the ptrace thread, between births): block until every process
-    behind `pidfds` has exited (or `timeout` passed) and reap those that are our children.
-    The pidfds stay open: wait_exited closes them."""
-    poller = select.poll()
-    pending = set(pidfds)
-    for fd in pending:
-        poller.register(fd, select.POLLIN)
-    deadline = time.monotonic() + timeout
-    while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        for fd, _ in poller.poll(left * 1000):
-            pending.discard(fd)
-            poller.unregister(fd)
-            _reap(fd)
-
-
 async def wait_exited(pidfds: list[int], timeout: float = 5.0, reap: bool = True) -> None:
     """Wait until every process behind `pidfds` (killed by us) has exited, reap those that
     are our children (orphans adopted by the subreaper; `reap=False`: left to

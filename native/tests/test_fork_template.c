@@ -18,6 +18,7 @@
 #include <string.h>
 #include <dirent.h>
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <netinet/in.h>
@@ -1083,6 +1084,91 @@ static void test_carriers(void)
 	CHECK(dbxcr_carrier_kill(k, &err) == 0, "carrier_kill: %s", err.msg);
 	CHECK(kill(kpid, 0) < 0 && errno == ESRCH, "keeper still exists");
 	close(c.cmd), close(c.rep);
+	CHECK(count_zombie_children() == 0, "zombies left: %d", count_zombie_children());
+}
+
+/* The ptrace thread's job queue: births posted as data run on the waiting thread in the
+ * order posted, between the Python jobs (markers) that make dbxcr_jobs_wait return; a
+ * births job waits for its victims to exit (and reaps them) before it takes their pids,
+ * reports each carrier's outcome, and signals its eventfd once done. */
+static void test_jobs(void)
+{
+	struct dbxcr_error err, errs[1];
+	struct dbxcr_template *tpl;
+	struct dbxcr_carrier *k = NULL;
+	struct dbxcr_jobs *q;
+	struct state_report r;
+	struct proc orig, c = { -1, -1, -1 };
+	int cmd[2], rep[2], victim, done, pgid = 0;
+	struct dbxcr_fdmap fds[2];
+	struct dbxcr_file file = { FILE_FD, O_RDONLY, 10, file_path };
+	struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1 };
+	struct dbxcr_births b = { 0 };
+	uint64_t sum_a;
+	pid_t kpid, orig_pid, born = 0;
+	eventfd_t n;
+
+	current_test = "jobs";
+	tpl = templated_program(3, &orig, &sum_a);
+	if (!tpl)
+		return;
+	if (pipe2(cmd, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0)
+		abort();
+	fds[0] = (struct dbxcr_fdmap){ cmd[0], CMD_FD, 0 };
+	fds[1] = (struct dbxcr_fdmap){ rep[1], REP_FD, 0 };
+	o.files = &file;
+	o.nfiles = 1;
+	o.fds = fds;
+	o.nfds = 2;
+	kpid = dbxcr_spawn_carrier(tpl, &o, &k, &err);
+	close(cmd[0]);
+	close(rep[1]);
+	c.cmd = cmd[1];
+	c.rep = rep[0];
+	CHECK(kpid > 0, "spawn_carrier: %s", err.msg);
+	CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
+	q = dbxcr_jobs_new(&err);
+	CHECK(q != NULL, "jobs_new: %s", err.msg);
+	if (kpid <= 0 || !q) {
+		stop_program(&orig);
+		close(c.cmd), close(c.rep);
+		dbxcr_jobs_free(q);
+		return;
+	}
+	/* The original is killed but not reaped: its pid stays taken until the job reaps it. */
+	orig_pid = orig.pid;
+	victim = (int)syscall(SYS_pidfd_open, orig_pid, 0);
+	done = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	if (victim < 0 || done < 0)
+		abort();
+	kill(orig_pid, SIGKILL);
+	b = (struct dbxcr_births){ .n = 1, .carriers = &k, .set_tid = &orig_pid, .pgid = &pgid,
+				   .victims = &victim, .n_victims = 1, .timeout_ms = 2000,
+				   .done_fd = done, .born = &born, .errs = errs };
+	CHECK(dbxcr_jobs_post(q, NULL, &err) == 0 && dbxcr_jobs_post(q, &b, &err) == 0 &&
+	      dbxcr_jobs_post(q, NULL, &err) == 0, "post: %s", err.msg);
+	CHECK(dbxcr_jobs_wait(q, &err) == 1, "first wait: not the Python job: %s", err.msg);
+	CHECK(!readable_now(done, 0), "births ran before the Python job posted ahead of them");
+	CHECK(dbxcr_jobs_wait(q, &err) == 1, "second wait: %s", err.msg);
+	CHECK(readable_now(done, 0) && eventfd_read(done, &n) == 0 && n == 1,
+	      "births done but not signalled");
+	CHECK(born == orig_pid, "born %d want %d: %s", born, orig_pid, errs[0].msg);
+	if (born == orig_pid) {
+		CHECK(ask(&c, 'r', &r) == 0 && r.pid == orig_pid && r.checksum == sum_a,
+		      "born: pid %d checksum ok %d", r.pid, r.checksum == sum_a);
+		/* A second birth fails, reported per carrier; the queue goes on. */
+		CHECK(dbxcr_jobs_post(q, &b, &err) == 0 && dbxcr_jobs_post(q, NULL, &err) == 0,
+		      "post again: %s", err.msg);
+		CHECK(dbxcr_jobs_wait(q, &err) == 1, "third wait: %s", err.msg);
+		CHECK(born == -1 && errs[0].code == EINVAL && strstr(errs[0].msg, "birth"),
+		      "second birth: %d, %s", born, errs[0].msg);
+		ask(&c, 'q', NULL);
+		CHECK(WIFEXITED(reap(orig_pid)), "born process exit");
+	}
+	CHECK(dbxcr_carrier_kill(k, &err) == 0, "carrier_kill: %s", err.msg);
+	dbxcr_jobs_free(q);
+	close(victim), close(done), close(c.cmd), close(c.rep);
+	close(orig.cmd), close(orig.rep);
 	CHECK(count_zombie_children() == 0, "zombies left: %d", count_zombie_children());
 }
 
@@ -2466,6 +2552,7 @@ int main(void)
 		{ "shared-remap", test_shared_remap },
 		{ "template-copy", test_template_copy },
 		{ "carriers", test_carriers },
+		{ "jobs", test_jobs },
 		{ "spawn-mntns", test_spawn_mntns },
 		{ "listen-socket", test_listen_socket },
 		{ "epoll-recreated", test_epoll_recreated },
