@@ -252,7 +252,8 @@ def test_births_run_natively_on_the_ptrace_thread(native, tmp_path: Path) -> Non
     """PtraceWorker.births, a rollback's births: a carrier made on the ptrace thread gives
     birth there (native code, between the Python jobs posted around it) with the pid of
     the original, once the killed original has exited, and continues from the checkpoint;
-    a birth that fails comes back as its CRError, and the thread goes on with its jobs."""
+    a birth that fails (a killed carrier, a second birth) comes back as its CRError beside
+    the others, and the thread goes on with its jobs."""
     import trio
 
     from deltabox.cr.worker import PtraceWorker
@@ -276,6 +277,8 @@ def test_births_run_natively_on_the_ptrace_thread(native, tmp_path: Path) -> Non
             try:
                 carrier = await w.run(lambda: tpl.spawn_carrier(
                     fds={0: r_in, 1: w_out}, files=files))
+                gone = await w.run(lambda: tpl.spawn_carrier(files=files))
+                await w.run(gone.kill)
             finally:
                 await w.run(tpl.release)
             try:
@@ -291,11 +294,14 @@ def test_births_run_natively_on_the_ptrace_thread(native, tmp_path: Path) -> Non
                     async with trio.open_nursery() as n:
                         n.start_soon(w.run, job_ahead)
                         await trio.sleep(0.01)
-                        got = await w.births([(carrier, p.pid, 0)], [victim], 2.0)
+                        got = await w.births([(gone, None, 0), (carrier, p.pid, 0)],
+                                             [victim], 2.0)
                         assert ahead, "the births ran before the job posted ahead of them"
                 finally:
                     os.close(victim)
-                assert got == [p.pid] and carrier.child == p.pid
+                # A killed carrier fails alone, as Carrier.birth would.
+                assert isinstance(got[0], native.CRError) and got[0].errno == errno.EINVAL
+                assert got[1] == p.pid and carrier.child == p.pid
                 born = Proc(p.pid, w_in, r_out)
                 assert born.ask("report")["counter"] == 1   # the checkpoint's, not 2
                 again = await w.births([(carrier, None, 0)], [], 1.0)

@@ -689,17 +689,20 @@ class Births:
 
     def __init__(self, jobs: Sequence[tuple[Carrier, int | None, int]],
                  victims: Sequence[int], timeout: float, done_fd: int) -> None:
-        n = len(jobs)
         self._carriers = [c for c, _, _ in jobs]
-        if any(c.killed for c in self._carriers):
-            raise CRError(_errno.EINVAL, "a carrier to give birth was killed")
+        # A killed carrier fails as Carrier.birth would, without a trip. The others are the
+        # caller's alone until done (a kill queued on the thread ahead of the job would
+        # free one under it: the rollback that took them from the warm pool owns them).
+        self._sent = [not c.killed for c in self._carriers]
+        live = [j for j, sent in zip(jobs, self._sent) if sent]
+        n = len(live)
         # Every array lives as long as this object: the job must outlive the wait.
-        self._handles = (ctypes.c_void_p * n)(*[c._handle for c in self._carriers])
-        self._tids = (ctypes.c_int * n)(*[t or 0 for _, t, _ in jobs])
-        self._pgids = (ctypes.c_int * n)(*[g for _, _, g in jobs])
+        self._handles = (ctypes.c_void_p * max(1, n))(*[c._handle for c, _, _ in live])
+        self._tids = (ctypes.c_int * max(1, n))(*[t or 0 for _, t, _ in live])
+        self._pgids = (ctypes.c_int * max(1, n))(*[g for _, _, g in live])
         self._victims = (ctypes.c_int * max(1, len(victims)))(*victims)
-        self._born = (ctypes.c_int * n)()
-        self._errs = (_Err * n)()
+        self._born = (ctypes.c_int * max(1, n))()
+        self._errs = (_Err * max(1, n))()
         self.job = _Births(n, self._handles, self._tids, self._pgids, self._victims,
                            len(victims), max(0, int(timeout * 1000)), done_fd, self._born,
                            self._errs)
@@ -708,7 +711,11 @@ class Births:
         """Once done: each carrier's born pid (the carrier now a keeper-to-be, as after
         Carrier.birth), or the CRError its birth failed with."""
         out: list[int | CRError] = []
-        for i, carrier in enumerate(self._carriers):
+        i = 0
+        for carrier, sent in zip(self._carriers, self._sent):
+            if not sent:
+                out.append(CRError(_errno.EINVAL, f"carrier {carrier.pid} was killed"))
+                continue
             if self._born[i] >= 0:
                 carrier.child = self._born[i]
                 out.append(self._born[i])
@@ -716,6 +723,7 @@ class Births:
                 e = self._errs[i]
                 code = e.code or _errno.EIO
                 out.append(CRError(code, e.msg.decode(errors="replace") or os.strerror(code)))
+            i += 1
         return out
 
 
