@@ -964,6 +964,34 @@ static int count_fds(pid_t pid)
 	return n;
 }
 
+/* A carrier of tpl with fresh command/report pipes at CMD_FD/REP_FD (our ends in *c) and
+ * the file reopened at offset 10, in cwd if given: its pid, or -1 with err. */
+static pid_t spawn_test_carrier(struct dbxcr_template *tpl, const char *cwd,
+				struct dbxcr_carrier **k, struct proc *c, struct dbxcr_error *err)
+{
+	int cmd[2], rep[2];
+	struct dbxcr_fdmap fds[2];
+	struct dbxcr_file file = { FILE_FD, O_RDONLY, 10, file_path };
+	struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1 };
+	pid_t kpid;
+
+	if (pipe2(cmd, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0)
+		abort();
+	fds[0] = (struct dbxcr_fdmap){ cmd[0], CMD_FD, 0 };
+	fds[1] = (struct dbxcr_fdmap){ rep[1], REP_FD, 0 };
+	o.files = &file;
+	o.nfiles = 1;
+	o.fds = fds;
+	o.nfds = 2;
+	o.cwd = cwd;
+	kpid = dbxcr_spawn_carrier(tpl, &o, k, err);
+	close(cmd[0]);
+	close(rep[1]);
+	c->cmd = cmd[1];
+	c->rep = rep[0];
+	return kpid;
+}
+
 /* Carriers: spawned ahead (template released meanwhile), born with the original's pid
  * once it is free, continuing from the checkpoint; the carrier then keeps the address
  * space, holding no descriptor (so the process's pipes see EOF when it exits). */
@@ -975,10 +1003,6 @@ static void test_carriers(void)
 	struct dbxcr_info info;
 	struct state_report r;
 	struct proc orig, c = { -1, -1, -1 };
-	int cmd[2], rep[2];
-	struct dbxcr_fdmap fds[2];
-	struct dbxcr_file file = { FILE_FD, O_RDONLY, 10, file_path };
-	struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1 };
 	uint64_t sum_a;
 	pid_t kpid, orig_pid, child;
 	char byte;
@@ -988,20 +1012,7 @@ static void test_carriers(void)
 	if (!tpl)
 		return;
 
-	if (pipe2(cmd, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0)
-		abort();
-	fds[0] = (struct dbxcr_fdmap){ cmd[0], CMD_FD, 0 };
-	fds[1] = (struct dbxcr_fdmap){ rep[1], REP_FD, 0 };
-	o.files = &file;
-	o.nfiles = 1;
-	o.fds = fds;
-	o.nfds = 2;
-	o.cwd = "/tmp";
-	kpid = dbxcr_spawn_carrier(tpl, &o, &k, &err);
-	close(cmd[0]);
-	close(rep[1]);
-	c.cmd = cmd[1];
-	c.rep = rep[0];
+	kpid = spawn_test_carrier(tpl, "/tmp", &k, &c, &err);
 	CHECK(kpid > 0 && k && dbxcr_carrier_pid(k) == kpid, "spawn_carrier: %s", err.msg);
 	CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
 	if (kpid <= 0) {
@@ -1099,10 +1110,7 @@ static void test_jobs(void)
 	struct dbxcr_jobs *q;
 	struct state_report r;
 	struct proc orig, c = { -1, -1, -1 };
-	int cmd[2], rep[2], victim, done, pgid = 0;
-	struct dbxcr_fdmap fds[2];
-	struct dbxcr_file file = { FILE_FD, O_RDONLY, 10, file_path };
-	struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1 };
+	int victim, done, pgid = 0;
 	struct dbxcr_births b = { 0 };
 	uint64_t sum_a;
 	pid_t kpid, orig_pid, born = 0;
@@ -1112,19 +1120,7 @@ static void test_jobs(void)
 	tpl = templated_program(3, &orig, &sum_a);
 	if (!tpl)
 		return;
-	if (pipe2(cmd, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0)
-		abort();
-	fds[0] = (struct dbxcr_fdmap){ cmd[0], CMD_FD, 0 };
-	fds[1] = (struct dbxcr_fdmap){ rep[1], REP_FD, 0 };
-	o.files = &file;
-	o.nfiles = 1;
-	o.fds = fds;
-	o.nfds = 2;
-	kpid = dbxcr_spawn_carrier(tpl, &o, &k, &err);
-	close(cmd[0]);
-	close(rep[1]);
-	c.cmd = cmd[1];
-	c.rep = rep[0];
+	kpid = spawn_test_carrier(tpl, NULL, &k, &c, &err);
 	CHECK(kpid > 0, "spawn_carrier: %s", err.msg);
 	CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
 	q = dbxcr_jobs_new(&err);
