@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import array
 import collections
-import contextlib
 import ctypes
 import errno
 import fcntl

@@ -38,7 +38,6 @@ import termios
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .. import kernfs
 from ..fs.files import open_in_root
 from . import native
 

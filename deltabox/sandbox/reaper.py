@@ -15,7 +15,6 @@ import glob
 import os
 import select
 import signal
-import time
 from collections.abc import Collection, Iterable
 
 import trio
