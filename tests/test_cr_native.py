@@ -328,6 +328,37 @@ def test_births_run_natively_on_the_ptrace_thread(native, tmp_path: Path) -> Non
         p.wait()   # reaps the born process: it has the original's pid, and is our child
 
 
+def test_a_failed_job_queue_ends_the_daemon_loudly(native, monkeypatch) -> None:
+    """If the ptrace thread's native job queue itself fails, nothing can run there any more:
+    the trio run crashes with that error instead of every caller waiting for ever. A mock:
+    the queue fails only on a bug (its eventfd closed under it), not a fault to cause."""
+    import trio
+
+    from deltabox.cr.worker import PtraceWorker
+
+    def broken(self) -> None:
+        raise native.CRError(errno.EBADF, "jobs: wait for a job: Bad file descriptor")
+    monkeypatch.setattr(native.JobQueue, "wait", broken)
+
+    async def main() -> None:
+        async with PtraceWorker("test-ptrace"):
+            with trio.fail_after(5):
+                await trio.sleep_forever()
+
+    with pytest.raises(trio.TrioInternalError) as e:
+        trio.run(main)
+    causes = []
+    todo: list[BaseException] = [e.value]
+    while todo:
+        exc = todo.pop()
+        causes.append(exc)
+        todo.extend(getattr(exc, "exceptions", ()))
+        if exc.__cause__ is not None:
+            todo.append(exc.__cause__)
+    assert any("job queue failed" in str(c) for c in causes), causes
+    assert any(isinstance(c, native.CRError) and c.errno == errno.EBADF for c in causes)
+
+
 def test_inject_getpid_into_sleeping_python(native) -> None:
     p = subprocess.Popen(
         [sys.executable, "-c",

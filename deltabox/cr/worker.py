@@ -14,11 +14,13 @@ eventfd the trio thread polls.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import outcome
 import trio
@@ -27,6 +29,15 @@ from . import native
 
 T = TypeVar("T")
 _STOP = object()
+log = logging.getLogger("deltaboxd")
+
+
+def _queue_failed(name: str, error: native.CRError) -> NoReturn:
+    """In the trio loop: raising here ends the run (trio.TrioInternalError)."""
+    msg = f"{name}: the ptrace thread's job queue failed: {error}"
+    log.critical("%s; stopping (a restarted deltaboxd recovers every committed checkpoint)",
+                 msg)
+    raise RuntimeError(msg) from error
 
 
 class PtraceWorker:
@@ -49,8 +60,9 @@ class PtraceWorker:
 
     async def __aenter__(self) -> PtraceWorker:
         self._queue = native.JobQueue()
-        self._thread = threading.Thread(target=self._loop, args=(self._queue,),
-                                        name=self.name, daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, args=(self._queue, trio.lowlevel.current_trio_token()),
+            name=self.name, daemon=True)
         self._thread.start()
         return self
 
@@ -67,9 +79,17 @@ class PtraceWorker:
         self._queue.post(None)
         self._jobs.put(job)
 
-    def _loop(self, jobs: native.JobQueue) -> None:
+    def _loop(self, jobs: native.JobQueue, loop: trio.lowlevel.TrioToken) -> None:
         while True:
-            jobs.wait()   # runs the births posted meanwhile; returns at a Python job
+            try:
+                jobs.wait()   # runs the births posted meanwhile; returns at a Python job
+            except native.CRError as e:
+                # The queue itself failed (a bug, not a job's error): nothing runs on this
+                # thread any more and every caller would wait for ever. Crash the trio run
+                # loudly instead: a restarted daemon recovers every committed checkpoint.
+                with contextlib.suppress(trio.RunFinishedError):
+                    loop.run_sync_soon(_queue_failed, self.name, e)
+                return
             job = self._jobs.get()
             if job is _STOP:
                 return
