@@ -257,9 +257,13 @@ def _load() -> ctypes.CDLL:
         return lib
 
 
-def _raise(err: _Err) -> None:
+def _error(err: _Err) -> CRError:
     code = err.code or _errno.EIO
-    raise CRError(code, err.msg.decode(errors="replace") or os.strerror(code))
+    return CRError(code, err.msg.decode(errors="replace") or os.strerror(code))
+
+
+def _raise(err: _Err) -> None:
+    raise _error(err)
 
 
 # native/dbxcr_internal.h: the most threads a captured process may have.
@@ -720,9 +724,7 @@ class Births:
                 carrier.child = self._born[i]
                 out.append(self._born[i])
             else:
-                e = self._errs[i]
-                code = e.code or _errno.EIO
-                out.append(CRError(code, e.msg.decode(errors="replace") or os.strerror(code)))
+                out.append(_error(self._errs[i]))
             i += 1
         return out
 
