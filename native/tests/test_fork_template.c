@@ -550,34 +550,46 @@ static void stop_program(struct proc *p)
 
 /* Spawn from tpl with fresh command/report pipes at CMD_FD/REP_FD and the file reopened
  * at offset 10. */
-static struct proc spawn_program(struct dbxcr_template *tpl, const pid_t *set_tid,
-				 size_t n_tid, int mntns_fd, const char *cwd,
-				 struct dbxcr_error *err)
+/* A child of tpl (or, with `carrier`, a carrier of it: *carrier set) spawned with opts `o`
+ * plus fresh command/report pipes at CMD_FD/REP_FD (our ends in the result) and the file
+ * reopened at offset 10.  pid < 0 with err on failure. */
+static struct proc program_from(struct dbxcr_template *tpl, struct dbxcr_spawn_opts *o,
+				struct dbxcr_carrier **carrier, struct dbxcr_error *err)
 {
 	int cmd[2], rep[2];
 	struct proc p;
 	struct dbxcr_fdmap fds[2];
 	struct dbxcr_file file = { FILE_FD, O_RDONLY, 10, file_path };
-	struct dbxcr_spawn_opts o = { 0 };
 
 	if (pipe2(cmd, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0)
 		abort();
 	fds[0] = (struct dbxcr_fdmap){ cmd[0], CMD_FD, 0 };
 	fds[1] = (struct dbxcr_fdmap){ rep[1], REP_FD, 0 };
-	o.mntns_fd = mntns_fd;
-	o.cwd = cwd;
-	o.files = &file;
-	o.nfiles = 1;
-	o.fds = fds;
-	o.nfds = 2;
-	o.set_tid = set_tid;
-	o.set_tid_size = n_tid;
-	p.pid = dbxcr_spawn(tpl, &o, err);
+	o->files = &file;
+	o->nfiles = 1;
+	o->fds = fds;
+	o->nfds = 2;
+	p.pid = carrier ? dbxcr_spawn_carrier(tpl, o, carrier, err) : dbxcr_spawn(tpl, o, err);
+	o->files = NULL;	/* both point into this frame */
+	o->fds = NULL;
 	close(cmd[0]);
 	close(rep[1]);
 	p.cmd = cmd[1];
 	p.rep = rep[0];
 	return p;
+}
+
+static struct proc spawn_program(struct dbxcr_template *tpl, const pid_t *set_tid,
+				 size_t n_tid, int mntns_fd, const char *cwd,
+				 struct dbxcr_error *err)
+{
+	struct dbxcr_spawn_opts o = { 0 };
+
+	o.mntns_fd = mntns_fd;
+	o.cwd = cwd;
+	o.set_tid = set_tid;
+	o.set_tid_size = n_tid;
+	return program_from(tpl, &o, NULL, err);
 }
 
 static bool same_link(const char *a, const char *b)
@@ -964,32 +976,16 @@ static int count_fds(pid_t pid)
 	return n;
 }
 
-/* A carrier of tpl with fresh command/report pipes at CMD_FD/REP_FD (our ends in *c) and
- * the file reopened at offset 10, in cwd if given: its pid, or -1 with err. */
+/* A carrier of tpl as spawn_program spawns a child (pipes in *c), in cwd if given: its
+ * pid, or -1 with err. */
 static pid_t spawn_test_carrier(struct dbxcr_template *tpl, const char *cwd,
 				struct dbxcr_carrier **k, struct proc *c, struct dbxcr_error *err)
 {
-	int cmd[2], rep[2];
-	struct dbxcr_fdmap fds[2];
-	struct dbxcr_file file = { FILE_FD, O_RDONLY, 10, file_path };
 	struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1 };
-	pid_t kpid;
 
-	if (pipe2(cmd, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0)
-		abort();
-	fds[0] = (struct dbxcr_fdmap){ cmd[0], CMD_FD, 0 };
-	fds[1] = (struct dbxcr_fdmap){ rep[1], REP_FD, 0 };
-	o.files = &file;
-	o.nfiles = 1;
-	o.fds = fds;
-	o.nfds = 2;
 	o.cwd = cwd;
-	kpid = dbxcr_spawn_carrier(tpl, &o, k, err);
-	close(cmd[0]);
-	close(rep[1]);
-	c->cmd = cmd[1];
-	c->rep = rep[0];
-	return kpid;
+	*c = program_from(tpl, &o, k, err);
+	return c->pid;
 }
 
 /* Carriers: spawned ahead (template released meanwhile), born with the original's pid
