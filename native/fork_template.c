@@ -1164,9 +1164,13 @@ pid_t dbxcr_template_origin(const struct dbxcr_template *tpl)
 	return tpl->origin;
 }
 
-/* The system call the registers of a stop were taken in, and its six arguments.  A thread
- * stopped inside a blocking system call keeps its number in orig_rax (rax holds
- * -ERESTART*: it restarts when resumed); outside one orig_rax is -1. */
+/* The system call the registers of a stop were taken in, and its six arguments; -1 if
+ * none.  A thread stopped inside a blocking system call keeps its number in orig_rax and
+ * rax holds -ERESTART*: it re-enters the call when resumed.  orig_rax alone does not say
+ * so: the kernel leaves it set after a call returns, and a thread stopped on its way back
+ * to user mode from one that completed (the interrupt found it there) has orig_rax = nr
+ * with the result in rax; resumed, it runs on in user mode.  Only one entered from user
+ * mode by an interrupt has orig_rax = -1. */
 static long syscall_of(const struct user_regs_struct *r, long args[6])
 {
 	args[0] = (long)r->rdi;
@@ -1175,7 +1179,7 @@ static long syscall_of(const struct user_regs_struct *r, long args[6])
 	args[3] = (long)r->r10;
 	args[4] = (long)r->r8;
 	args[5] = (long)r->r9;
-	return (long)r->orig_rax;
+	return pending_restart(r) ? (long)r->orig_rax : -1;
 }
 
 long dbxcr_template_syscall(const struct dbxcr_template *tpl, int thread, long args[6])

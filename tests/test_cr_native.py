@@ -790,6 +790,27 @@ def test_a_held_stop_names_its_call_and_dies_with_its_tracer(native) -> None:
             q.wait()
 
 
+def test_a_call_that_had_returned_is_not_named_as_the_one_stopped_in(native) -> None:
+    """A thread the stop finds on its way back from a call that completed runs on in user
+    mode when resumed; it was in no call (-1). Its orig_rax still holds the call's number,
+    so taking that for "stopped in getppid" told the inspector the restored process would
+    only re-enter the call (its running unseen) and the adoption check that a finished
+    wait was still waiting. A loop of getppid() is stopped there nearly every time."""
+    p = subprocess.Popen([sys.executable, "-c", "import os\nwhile True: os.getppid()\n"])
+    seen = []
+    try:
+        time.sleep(0.2)
+        for _ in range(30):
+            s = native.begin_stop(p.pid)
+            assert s.wait(timeout=3) == "interrupt"
+            seen.append(s.syscalls()[0][0])
+            s.resume()
+        assert 110 not in seen and set(seen) == {-1}, seen   # 110: getppid
+    finally:
+        p.kill()
+        p.wait()
+
+
 FD_HOLDER = r"""
 import json, os, socket, sys, time
 d = sys.argv[1]

@@ -35,6 +35,8 @@ from .execute import OUTPUT_LIMIT, ExecOutput, _terminate, exit_code
 from .runtime import HELPER_ENV, Runtime
 
 _TAIL = 512
+SETTLE_MAX_S = 0.05     # how long run() waits for the shell to read again (Session._settle)
+SETTLE_POLL_S = 0.0002
 # Bash builtins that print the shell's state (stdout), run after every command.
 _STATE_SCRIPT = ("{ declare -p; declare -f; alias -p; shopt -p; set +o; trap -p; umask; "
                  "ulimit -a; dirs -l -p; jobs -l; } >&2 2>/dev/null")
@@ -104,6 +106,7 @@ class SpawnedShell:
         self.proc = proc
         assert proc.stdin and proc.stdout and proc.stderr
         self.stdin, self.stdout, self.stderr = proc.stdin, proc.stdout, proc.stderr
+        self.bash: int | None = None   # its host pid, once found (Session.shell_pid)
 
     def alive(self) -> bool:
         return self.proc.returncode is None
@@ -188,13 +191,17 @@ class Session:
         if isinstance(self.shell, AdoptedShell):
             return self.shell.pid
         if isinstance(self.shell, SpawnedShell):
+            if self.shell.bash is not None:
+                return self.shell.bash
             helper = self.shell.proc.pid
             try:
                 with open(f"/proc/{helper}/task/{helper}/children") as f:
                     kids = [int(k) for k in f.read().split() if int(k) not in exclude]
             except OSError:
                 return None
-            return kids[0] if len(kids) == 1 else None
+            if len(kids) == 1:
+                self.shell.bash = kids[0]   # dbx-enter waits for it: its pid stays its own
+            return self.shell.bash
         return None
 
     def attach(self, shell: Shell, background: GuardedNursery) -> None:
@@ -235,12 +242,28 @@ class Session:
                                           err_trunc)
         if self.out.found.is_set():
             code = int(rest.split(b"\n", 1)[0] or b"0")
+            if self.err.found.is_set():
+                await self._settle()
         else:  # the shell exited (e.g. `exit 3`) or was killed
             await self.close()
             code = self.shell.exit_code()
         return ExecOutput(code, stdout, stderr, (time.perf_counter() - t0) * 1000, timed_out,
                           out_trunc and self.out.total > self.out.limit,
                           err_trunc and self.err.total > self.err.limit)
+
+    async def _settle(self) -> None:
+        """Wait until the shell is back in the read of its next command, a few
+        microseconds after its last marker unless it was descheduled: a checkpoint taken
+        as soon as run() returns then finds it blocked there, so a copy restored from it
+        only re-enters that read. Caught between the marker and the read, the copy would
+        run on in user mode before the inspector watches it, and the next checkpoint of
+        that turn could not be an alias (turns.py). Bounded: SETTLE_MAX_S."""
+        pid = self.shell_pid()
+        if pid is None:
+            return
+        deadline = trio.current_time() + SETTLE_MAX_S
+        while not _reading_commands(pid) and trio.current_time() < deadline:
+            await trio.sleep(SETTLE_POLL_S)
 
     async def _wait_markers(self) -> None:
         """Both markers, or the shell's end (whichever first)."""
@@ -265,6 +288,15 @@ class Session:
         with trio.CancelScope(shield=True):
             await self.shell.stdin.aclose()
             await self.shell.terminate()
+
+
+def _reading_commands(pid: int) -> bool:
+    """Is the shell `pid` blocked in a read of its stdin (its commands' pipe)?"""
+    try:
+        with open(f"/proc/{pid}/syscall", "rb") as f:
+            return f.read(16).startswith(b"0 0x0 ")   # read(0, ...)
+    except OSError:
+        return True   # gone: nothing to wait for
 
 
 def _split_state(stderr: bytes, marker: bytes, truncated: bool) -> tuple[bytes, str | None]:
