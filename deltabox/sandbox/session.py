@@ -4,7 +4,8 @@ The daemon keeps one `bash --noprofile --norc` per session reading commands from
 run sends the command as a quoted here-document (so no quoting of the command is needed and a
 syntax error in it cannot swallow what follows), evaluates it in the shell itself with stdin
 from /dev/null, then prints a per-run random marker with the exit status on stdout and one on
-stderr. Output up to the markers is the command's.
+stderr. Output up to the markers is the command's. A run returns once the shell is blocked in
+the read of its next command again (Session._settle), the state a checkpoint should find it in.
 
 After each command the shell also reports its own state on stderr, between a state marker
 and the end marker: variables, functions, aliases, options, traps, umask, limits, directory
