@@ -1166,11 +1166,14 @@ pid_t dbxcr_template_origin(const struct dbxcr_template *tpl)
 
 /* The system call the registers of a stop were taken in, and its six arguments; -1 if
  * none.  A thread stopped inside a blocking system call keeps its number in orig_rax and
- * rax holds -ERESTART*: it re-enters the call when resumed.  orig_rax alone does not say
- * so: the kernel leaves it set after a call returns, and a thread stopped on its way back
- * to user mode from one that completed (the interrupt found it there) has orig_rax = nr
- * with the result in rax; resumed, it runs on in user mode.  Only one entered from user
- * mode by an interrupt has orig_rax = -1. */
+ * rax holds -ERESTART*: it re-enters the call when resumed; or -EINTR, from the calls the
+ * kernel never restarts (epoll_wait, ...), which the stop interrupted: the program gets
+ * EINTR and, as a rule, calls again (the inspector counts that re-entry as the call going
+ * on, inspector/program.py).  orig_rax alone does not say so: the kernel leaves it set
+ * after a call returns, and a thread stopped on its way back to user mode from one that
+ * completed (the interrupt found it there) has orig_rax = nr with the result in rax;
+ * resumed, it runs on in user mode.  Only one entered from user mode by an interrupt has
+ * orig_rax = -1. */
 static long syscall_of(const struct user_regs_struct *r, long args[6])
 {
 	args[0] = (long)r->rdi;
@@ -1179,7 +1182,9 @@ static long syscall_of(const struct user_regs_struct *r, long args[6])
 	args[3] = (long)r->r10;
 	args[4] = (long)r->r8;
 	args[5] = (long)r->r9;
-	return pending_restart(r) ? (long)r->orig_rax : -1;
+	if (pending_restart(r) || ((long)r->orig_rax >= 0 && (long)r->rax == -EINTR))
+		return (long)r->orig_rax;
+	return -1;
 }
 
 long dbxcr_template_syscall(const struct dbxcr_template *tpl, int thread, long args[6])

@@ -47,9 +47,9 @@ struct dbxcr_template *dbxcr_make_template(pid_t pid, struct dbxcr_error *err);
 pid_t dbxcr_template_pid(const struct dbxcr_template *tpl);
 pid_t dbxcr_template_origin(const struct dbxcr_template *tpl);
 /* The system call the origin's thread `thread` (0: the main one, 1..n: the others) was
- * stopped in at the checkpoint (one it re-enters when resumed), and its arguments: -1 if
- * none (also if the call had returned: the thread runs on in user mode), -2 past the last
- * thread. */
+ * stopped in at the checkpoint (one it re-enters when resumed, or gets EINTR from and
+ * calls again), and its arguments: -1 if none (also if the call had returned: the thread
+ * runs on in user mode), -2 past the last thread. */
 long dbxcr_template_syscall(const struct dbxcr_template *tpl, int thread, long args[6]);
 
 /* ---------- stopping a whole process tree at one instant ----------

@@ -790,25 +790,45 @@ def test_a_held_stop_names_its_call_and_dies_with_its_tracer(native) -> None:
             q.wait()
 
 
+def _calls_at_stops(native, program: str, stops: int) -> list[int]:
+    """Stop a python3 `program` `stops` times (after it has started): the call its main
+    thread was in at each stop."""
+    p = subprocess.Popen([sys.executable, "-c", program])
+    seen = []
+    try:
+        time.sleep(0.3)
+        for _ in range(stops):
+            s = native.begin_stop(p.pid)
+            assert s.wait(timeout=3) == "interrupt"
+            seen.append(s.syscalls()[0][0])
+            s.resume()
+    finally:
+        p.kill()
+        p.wait()
+    return seen
+
+
+@pytest.mark.parametrize("program,nr", [
+    ("import os\nr, w = os.pipe()\nos.read(r, 1)\n", 0),                 # -ERESTARTSYS
+    ("import select, os\nr, w = os.pipe()\nselect.select([r], [], [], 30)\n", 270),
+    ("import time\ntime.sleep(30)\n", 230),                             # RESTARTBLOCK
+    ("import select\ne = select.epoll()\nwhile True: e.poll(30)\n", 232),  # -EINTR
+], ids=["read", "pselect6", "clock_nanosleep", "epoll_wait"])
+def test_a_blocking_call_is_named_as_the_one_stopped_in(native, program: str, nr: int) -> None:
+    """A thread stopped inside a blocking call re-enters it when resumed, whether the
+    kernel restarts it (rax -ERESTART*) or the program calls again after EINTR (epoll_wait
+    is never restarted): the inspector then counts the re-entry as the call going on."""
+    assert _calls_at_stops(native, program, 3) == [nr] * 3
+
+
 def test_a_call_that_had_returned_is_not_named_as_the_one_stopped_in(native) -> None:
     """A thread the stop finds on its way back from a call that completed runs on in user
     mode when resumed; it was in no call (-1). Its orig_rax still holds the call's number,
     so taking that for "stopped in getppid" told the inspector the restored process would
     only re-enter the call (its running unseen) and the adoption check that a finished
     wait was still waiting. A loop of getppid() is stopped there nearly every time."""
-    p = subprocess.Popen([sys.executable, "-c", "import os\nwhile True: os.getppid()\n"])
-    seen = []
-    try:
-        time.sleep(0.2)
-        for _ in range(30):
-            s = native.begin_stop(p.pid)
-            assert s.wait(timeout=3) == "interrupt"
-            seen.append(s.syscalls()[0][0])
-            s.resume()
-        assert 110 not in seen and set(seen) == {-1}, seen   # 110: getppid
-    finally:
-        p.kill()
-        p.wait()
+    seen = _calls_at_stops(native, "import os\nwhile True: os.getppid()\n", 30)
+    assert 110 not in seen and set(seen) == {-1}, seen   # 110: getppid
 
 
 FD_HOLDER = r"""
