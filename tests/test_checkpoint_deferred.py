@@ -167,9 +167,14 @@ def test_a_full_checkpoint_with_no_room_for_its_templates_is_refused_before_its_
         # (Looked at from the host: the sandbox has no room left to run ps.)
         procs = Path(f"/sys/fs/cgroup/pids/{parent_name(str(daemon.state_dir.resolve()))}/"
                      f"{sbx.id}/cgroup.procs")
-        pids = [int(p) for p in procs.read_text().split()]
-        sleeps = [proc_status(p) for p in pids if process_name(p) == "sleep"]
-        assert len(sleeps) == 4, pids
-        assert all(st.state == "S" and st.tracer_pid == 0
-                   for st in sleeps), sleeps   # not left in a stop ("t"), nor traced
+        pids = [p for p in map(int, procs.read_text().split()) if process_name(p) == "sleep"]
+        assert len(pids) == 4, pids
+
+        def sleeping_untraced() -> bool:   # not left in a stop ("t"), nor traced
+            return all(st.state == "S" and st.tracer_pid == 0
+                       for st in map(proc_status, pids))
+        # Let go before the answer, each sleep is runnable ("R") until it gets a CPU and
+        # sleeps again: on a busy machine, after the answer.
+        wait_for(sleeping_untraced, timeout=10,
+                 what=f"the sleeps asleep and untraced: {[proc_status(p) for p in pids]}")
         assert sbx.checkpoint(mode="fs").kind == "fs"

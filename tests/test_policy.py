@@ -176,9 +176,15 @@ def test_turn_catalog_skips_read_only_turns_and_restores_every_checkpoint_exactl
     # A background process that writes later: started in one turn, writes (on a signal, so a
     # restored copy does not write by itself) and exits in the next. Not a job of the shell:
     # a finished job changes the shell's job table by itself.
-    c.turn("writer started", lambda: sh.run(
-        "( (trap 'echo late > /workspace/late; exit' USR1; echo $BASHPID > /tmp/writer; "
-        "while :; do sleep 0.2; done) & )"), {"full"})
+    def start_writer() -> None:
+        sh.run("( (trap 'echo late > /workspace/late; exit' USR1; echo $BASHPID > /tmp/writer; "
+               "while :; do sleep 0.2; done) & )")
+        # It writes its pid after the command has returned: by the checkpoint, or a copy
+        # restored from it would write /tmp/writer again (a new mtime; not what the
+        # observation after the checkpoint saw).
+        wait_for(lambda: sbx.exec("test -s /tmp/writer").exit_code == 0)
+
+    c.turn("writer started", start_writer, {"full"})
 
     def signal_writer() -> None:
         sbx.exec("kill -USR1 $(cat /tmp/writer)")
