@@ -175,6 +175,5 @@ def test_a_full_checkpoint_with_no_room_for_its_templates_is_refused_before_its_
                        for st in map(proc_status, pids))
         # Let go before the answer, each sleep is runnable ("R") until it gets a CPU and
         # sleeps again: on a busy machine, after the answer.
-        wait_for(sleeping_untraced, timeout=10,
-                 what=f"the sleeps asleep and untraced: {[proc_status(p) for p in pids]}")
+        wait_for(sleeping_untraced, timeout=10, what=f"sleeps {pids} asleep and untraced")
         assert sbx.checkpoint(mode="fs").kind == "fs"

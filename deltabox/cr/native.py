@@ -700,13 +700,14 @@ class Births:
         self._sent = [not c.killed for c in self._carriers]
         live = [j for j, sent in zip(jobs, self._sent) if sent]
         n = len(live)
+        size = max(1, n)
         # Every array lives as long as this object: the job must outlive the wait.
-        self._handles = (ctypes.c_void_p * max(1, n))(*[c._handle for c, _, _ in live])
-        self._tids = (ctypes.c_int * max(1, n))(*[t or 0 for _, t, _ in live])
-        self._pgids = (ctypes.c_int * max(1, n))(*[g for _, _, g in live])
+        self._handles = (ctypes.c_void_p * size)(*[c._handle for c, _, _ in live])
+        self._tids = (ctypes.c_int * size)(*[t or 0 for _, t, _ in live])
+        self._pgids = (ctypes.c_int * size)(*[g for _, _, g in live])
         self._victims = (ctypes.c_int * max(1, len(victims)))(*victims)
-        self._born = (ctypes.c_int * max(1, n))()
-        self._errs = (_Err * max(1, n))()
+        self._born = (ctypes.c_int * size)()
+        self._errs = (_Err * size)()
         self.job = _Births(n, self._handles, self._tids, self._pgids, self._victims,
                            len(victims), max(0, int(timeout * 1000)), done_fd, self._born,
                            self._errs)
