@@ -790,14 +790,26 @@ def test_a_held_stop_names_its_call_and_dies_with_its_tracer(native) -> None:
             q.wait()
 
 
-def _calls_at_stops(native, program: str, stops: int) -> list[int]:
+def _blocked_in(pid: int, nr: int, timeout: float = 3.0) -> None:
+    """Wait until `pid` sleeps inside call `nr` (the kernel's own /proc/PID/syscall)."""
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}/syscall").read_text().split()[0] != str(nr):
+        assert time.monotonic() < deadline, f"pid {pid} never blocked in call {nr}"
+        time.sleep(0.002)
+
+
+def _calls_at_stops(native, program: str, stops: int, blocked_in: int | None = None) -> list[int]:
     """Stop a python3 `program` `stops` times (after it has started): the call its main
-    thread was in at each stop."""
+    thread was in at each stop. With `blocked_in`, each stop waits until the thread is
+    back asleep in that call: resumed from a stop, a program that retries a call after
+    EINTR runs its own code first, where a stop rightly names no call."""
     p = subprocess.Popen([sys.executable, "-c", program])
     seen = []
     try:
         time.sleep(0.3)
         for _ in range(stops):
+            if blocked_in is not None:
+                _blocked_in(p.pid, blocked_in)
             s = native.begin_stop(p.pid)
             assert s.wait(timeout=3) == "interrupt"
             seen.append(s.syscalls()[0][0])
@@ -818,7 +830,7 @@ def test_a_blocking_call_is_named_as_the_one_stopped_in(native, program: str, nr
     """A thread stopped inside a blocking call re-enters it when resumed, whether the
     kernel restarts it (rax -ERESTART*) or the program calls again after EINTR (epoll_wait
     is never restarted): the inspector then counts the re-entry as the call going on."""
-    assert _calls_at_stops(native, program, 3) == [nr] * 3
+    assert _calls_at_stops(native, program, 3, blocked_in=nr) == [nr] * 3
 
 
 def test_a_call_that_had_returned_is_not_named_as_the_one_stopped_in(native) -> None:
