@@ -81,8 +81,8 @@ int dbxcr_verify_image(int image_dirfd, struct dbxcr_error *err);
  * from `host` (injected clone: it becomes a child of host, in host's namespaces, cgroup and
  * credentials) and then gets the dumped address space, mm fields, signal handlers and
  * credentials.  Mapped files are opened in root_dirfd (RESOLVE_IN_ROOT).  The returned
- * template works with dbxcr_spawn / dbxcr_template_close / dbxcr_release_template; its
- * children are born as children of host (CLONE_PARENT).  It holds no descriptors. */
+ * template works with dbxcr_spawn / dbxcr_release_template; its children are born as
+ * children of host (CLONE_PARENT).  It holds no descriptors. */
 struct dbxcr_template *dbxcr_restore_template(pid_t host, int image_dirfd, int root_dirfd,
 					      struct dbxcr_error *err);
 

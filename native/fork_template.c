@@ -1949,23 +1949,24 @@ struct dbxcr_template *dbxcr_make_template(pid_t pid, struct dbxcr_error *err)
 	return tpl;
 }
 
-int dbxcr_template_close(struct dbxcr_template *tpl, const int *fds, size_t n,
-			 struct dbxcr_error *err)
+/* A fork shares every open file description with its parent, so a template holding its
+ * copies keeps them alive in the live sandbox after the process closes them: a pipe's
+ * reader never sees EOF once its writer exits, a flock or OFD lock stays taken (its owner
+ * is the description), a port stays bound, a connection is never closed.  Children whose
+ * spawn installs every descriptor afresh (the daemon's) need none of them. */
+int dbxcr_template_drop_fds(struct dbxcr_template *tpl, struct dbxcr_error *err)
 {
 	struct dbxcr_error ignored;
 	struct tracee t;
+	long a[6] = { 0, ~0L, 0, 0, 0, 0 };
 	int rc = 0;
 
 	clear_error(err);
 	if (check_owner(tpl, err) < 0 || adopt(&t, tpl->pid, tpl->site, err) < 0)
 		return -1;
 	t.regs = tpl->park;
-	for (size_t i = 0; i < n && rc == 0; i++) {
-		long a[6] = { fds[i], 0, 0, 0, 0, 0 };
-
-		if (rsys(&t, SYS_close, a, err, "close fd %d in the template", fds[i]) < 0)
-			rc = -1;
-	}
+	if (rsys(&t, SYS_close_range, a, err, "close_range in the template") < 0)
+		rc = -1;
 	if (park(tpl, rc ? &ignored : err) < 0)
 		rc = -1;
 	return rc;

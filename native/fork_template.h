@@ -42,7 +42,8 @@ struct dbxcr_template;
 
 /* Fork pid into a ptrace-stopped template (a sibling of pid: same parent, same exit signal,
  * same pid namespace).  pid resumes unchanged.  Refuses traced processes and ones with more
- * than MAX_THREADS threads; the other threads' state is kept in the template (threads.c). */
+ * than MAX_THREADS threads; the other threads' state is kept in the template (threads.c).
+ * The template holds copies of pid's descriptors until dbxcr_template_drop_fds. */
 struct dbxcr_template *dbxcr_make_template(pid_t pid, struct dbxcr_error *err);
 pid_t dbxcr_template_pid(const struct dbxcr_template *tpl);
 pid_t dbxcr_template_origin(const struct dbxcr_template *tpl);
@@ -160,7 +161,7 @@ struct dbxcr_fdmap {
 
 /* A listening TCP socket to create afresh in the child (in its network namespace, after
  * joining it) and install at fd.  The template holds no listening socket: it would keep
- * the port bound and queue connections nobody accepts (see dbxcr_template_close). */
+ * the port bound and queue connections nobody accepts. */
 struct dbxcr_listen {
 	int fd;
 	int family;		/* AF_INET or AF_INET6 */
@@ -301,9 +302,12 @@ int dbxcr_template_own_group(struct dbxcr_template *tpl, struct dbxcr_error *err
 int dbxcr_template_own_session(struct dbxcr_template *tpl, struct dbxcr_error *err);
 #define DBXCR_NEW_SESSION (-2)
 
-/* Close descriptors in the parked template (its children fork without them). */
-int dbxcr_template_close(struct dbxcr_template *tpl, const int *fds, size_t n,
-			 struct dbxcr_error *err);
+/* Close every descriptor of the parked template: its copies would keep the process's open
+ * file descriptions alive after the process closes them (no EOF for a pipe's reader, a
+ * flock or OFD lock still taken, a port still bound).  Its later children get only what
+ * their spawn installs (files, fds, listens, epolls, remaps), as from a template restored
+ * from disk, which holds none. */
+int dbxcr_template_drop_fds(struct dbxcr_template *tpl, struct dbxcr_error *err);
 
 /* A second template of the same process (a fork lane: two templates fork children on
  * two CPUs at once).  The copy is handed over: it comes back owned by no thread, and the

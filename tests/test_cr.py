@@ -198,6 +198,97 @@ def test_pipeline_alive(sbx: Sandbox, restore: Restore) -> None:
     assert b > a  # producer and consumer still connected through a fresh pipe
 
 
+def test_a_pipeline_ends_after_a_checkpoint_while_the_checkpoint_is_kept(sbx: Sandbox
+                                                                         ) -> None:
+    """A checkpoint changes nothing in the running sandbox: once a pipeline's writer
+    exits, its reader sees EOF (the templates, forks of both sides, held the write end
+    open: before, `cat` waited forever while the checkpoint was kept)."""
+    sbx.exec("nohup sh -c '(sleep 1; echo x) | (cat > /workspace/got; echo eof > "
+             "/workspace/eof)' >/dev/null 2>&1 &")
+    time.sleep(0.3)
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    wait_for(lambda: sbx.files.exists("eof"), timeout=10)
+    assert sbx.files.read("got") == b"x\n"
+    assert [c.id for c in sbx.checkpoints()] == [cp.id]   # kept all along
+
+
+LOCKER = """
+import fcntl, os, struct, sys, time
+kind, path, go = sys.argv[1], sys.argv[2], sys.argv[3]
+fd = os.open(path, os.O_RDWR | os.O_CREAT)
+open("/workspace/opened", "w").close()
+while not os.path.exists(go):          # the checkpoint comes here: no lock yet, or one
+    time.sleep(0.01)
+if kind == "flock":
+    fcntl.flock(fd, fcntl.LOCK_EX)
+elif kind == "posix":
+    fcntl.lockf(fd, fcntl.LOCK_EX, 10, 5)
+else:                                  # an OFD lock (F_OFD_SETLK): owned by the description
+    fcntl.fcntl(fd, 37, struct.pack("hhqqi", fcntl.F_WRLCK, 0, 0, 0, 0))
+open("/workspace/locked", "w").close()
+while not os.path.exists("/workspace/release"):
+    time.sleep(0.01)
+os._exit(0)                            # exits holding it: the kernel lets it go
+"""
+
+TRY_LOCK = ("python3 -c \"import fcntl, os, struct, sys\nfd = os.open(sys.argv[2], "
+            "os.O_RDWR)\nk = sys.argv[1]\ntry:\n if k == 'flock': fcntl.flock(fd, "
+            "fcntl.LOCK_EX | fcntl.LOCK_NB)\n elif k == 'posix': fcntl.lockf(fd, "
+            "fcntl.LOCK_EX | fcntl.LOCK_NB, 10, 5)\n else: fcntl.fcntl(fd, 37, struct.pack("
+            "'hhqqi', fcntl.F_WRLCK, 0, 0, 0, 0))\n print('free')\nexcept OSError:\n "
+            "print('held')\" ")
+
+
+@pytest.mark.parametrize("kind", ["flock", "posix", "ofd"])
+def test_a_lock_taken_after_a_checkpoint_is_released_when_its_holder_exits(
+        sbx: Sandbox, kind: str) -> None:
+    """A file opened before a checkpoint and locked after it: when the holder exits, the
+    lock is free for the sandbox's other processes. (A flock or OFD lock belongs to the
+    open file description, which the holder's template shared: it stayed taken while
+    the checkpoint was kept.)"""
+    sbx.files.write("locker.py", LOCKER)
+    sbx.exec(f"nohup python3 /workspace/locker.py {kind} /workspace/lk /workspace/go "
+             ">/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("opened"))
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    sbx.files.write("go", "")
+    wait_for(lambda: sbx.files.exists("locked"))
+    assert sbx.exec(TRY_LOCK + f"{kind} /workspace/lk").stdout == "held\n"
+    sbx.files.write("release", "")
+    wait_for(lambda: sbx.exec(TRY_LOCK + f"{kind} /workspace/lk").stdout == "free\n",
+             timeout=5)
+
+
+@pytest.mark.parametrize("kind,shown", [("flock", "FLOCK WRITE 0-EOF"),
+                                        ("posix", "POSIX WRITE 5-14"),
+                                        ("ofd", "OFDLCK WRITE 0-EOF")])
+def test_a_process_holding_a_file_lock_is_refused_by_name(sbx: Sandbox, kind: str,
+                                                          shown: str) -> None:
+    """A restored process gets its files reopened, not its locks: it would go on as if
+    it held them while another could take them. Refused naming the process, the fd, the
+    file and the lock; nothing is committed, the process runs on and still holds it;
+    mode="fs" works, and a full checkpoint does once the lock is gone."""
+    sbx.files.write("locker.py", LOCKER)
+    sbx.files.write("go", "")
+    sbx.exec(f"nohup python3 /workspace/locker.py {kind} /workspace/lk /workspace/go "
+             ">/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("locked"))
+    with pytest.raises(deltabox.FailedPrecondition,
+                       match=rf"(?s)pid \d+ \(python3 /workspace/locker.py {kind}.*fd \d+: "
+                             rf"holds file lock\(s\) on /workspace/lk \({shown}\): file "
+                             "locks are not captured"):
+        sbx.checkpoint()
+    assert sbx.checkpoints() == []
+    assert sbx.exec(TRY_LOCK + f"{kind} /workspace/lk").stdout == "held\n"
+    assert sbx.checkpoint(mode="fs").kind == "fs"
+    sbx.files.write("release", "")
+    wait_for(lambda: sbx.exec(TRY_LOCK + f"{kind} /workspace/lk").stdout == "free\n",
+             timeout=5)
+    assert sbx.checkpoint().kind == "full"
+
+
 def test_reader_offset(sbx: Sandbox, restore: Restore) -> None:
     sbx.files.write("lines.txt", "".join(f"line{i}\n" for i in range(1000)))
     sbx.exec("nohup python3 -c \"import time\nf = open('/workspace/lines.txt')\n"

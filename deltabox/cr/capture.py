@@ -251,6 +251,11 @@ def is_loop_fd(f: native.FdInfo) -> bool:
 
 
 def _fd_refusal(f: native.FdInfo) -> str | None:
+    if f.locks:
+        # A restored process gets its files reopened, without the locks: it would go on
+        # as if it held them while any other process could take them.
+        return (f"holds file lock(s) on {f.path} ({', '.join(f.locks)}): file locks are "
+                "not captured; checkpoint once the lock is released")
     if is_loop_fd(f):
         return None
     if f.kind in ("file", "dir", "pipe"):

@@ -1241,8 +1241,9 @@ def _stop_and_template(cap: _Pass, pids: list[int], thaw: Callable[[], None],
     """A capture's whole ptrace side in one trip to the ptrace thread: stop every process
     (the cgroup thawed once each is seized, so that it can reach its stop), call `stopped`
     (the file snapshot starts, and the trio loop reads the processes), and unless not
-    `template`, template them, wait for the records (nothing more if one is refused), drop
-    listeners, and resume them if the snapshot has been committed by then. Each hop
+    `template`, template them (each without descriptors: _templates), wait for the records
+    (nothing more if one is refused), and resume them if the snapshot has been committed
+    by then. Each hop
     between this thread and the trio loop costs a thread wake-up (about 0.1 ms)."""
     try:
         cap.stopped = _begin_stops(pids)
@@ -1260,9 +1261,6 @@ def _stop_and_template(cap: _Pass, pids: list[int], thaw: Callable[[], None],
         raise Internal("the capture's process records were not read in time")
     if cap.refused:  # the capture fails: its templates are released
         return
-    # A reused template dropped its listeners when it was made.
-    _drop_listeners(cap.templates, [r for r in cap.records
-                                    if r.pid in cap.templates and r.pid not in reuse])
     if cap.files_done.wait(RESUME_WAIT_S) and cap.files_ok:
         _resume_all(cap.stopped)
         cap.resumed = True
@@ -1270,12 +1268,10 @@ def _stop_and_template(cap: _Pass, pids: list[int], thaw: Callable[[], None],
 
 
 def _template_held(held: Held, records: list[ProcessRecord]) -> dict[int, native.Template]:
-    """The templates of a `later` capture (as _stop_and_template makes them, listeners
-    dropped, groups left); none left on failure."""
+    """The templates of a `later` capture (as _stop_and_template makes them, groups
+    left); none left on failure."""
     templates = _templates(held.stopped, {r.pid: r.rss_kb for r in records}, held.reuse)
     try:
-        _drop_listeners(templates, [r for r in records
-                                    if r.pid in templates and r.pid not in held.reuse])
         _leave_groups(templates, records)
     except BaseException:
         _release_all(list(templates.values()))
@@ -1406,7 +1402,9 @@ def _templates(stopped: list[native.Stopped], rss_kb: dict[int, int],
     are started first, largest first, and collected smallest first: each fork's page-table
     copy runs in its own process, so on a second CPU the big ones proceed while we finish
     the small ones. A fork started and not collected (an error) is settled by the stop's
-    abort."""
+    abort. Each new template drops its descriptors at once (Template.drop_fds): its
+    children get theirs afresh (_spawn_args), and its copies would keep the live
+    processes' pipes, locks, ports and connections open after they close them."""
     out: dict[int, native.Template] = {}
     by_size = sorted((s for s in stopped if s.pid not in reuse),
                      key=lambda s: rss_kb.get(s.pid, 0), reverse=True)
@@ -1418,6 +1416,7 @@ def _templates(stopped: list[native.Stopped], rss_kb: dict[int, int],
             _died_in_checkpoint(s, s.start_template)
         for s in reversed(by_size):
             out[s.pid] = _died_in_checkpoint(s, s.finish_template)
+            out[s.pid].drop_fds()
     except BaseException:
         _release_all(list(out.values()))
         raise
@@ -1434,19 +1433,6 @@ def _died_in_checkpoint(s: native.Stopped, step: Callable[[], T]) -> T:
         raise FailedPrecondition(
             f"pid {s.pid} died while it was being checkpointed ({e}; a SIGKILL, e.g. "
             "the sandbox ran out of memory): retry the checkpoint") from e
-
-
-def _drop_listeners(templates: dict[int, native.Template],
-                    records: list[ProcessRecord]) -> None:
-    """A template holding a listening socket would keep its port bound and queue
-    connections nobody accepts, one holding a TCP connection would keep it open (its
-    addresses taken) once the process is killed; restored children get fresh ones."""
-    for rec in records:
-        fds = [ls.fd for ls in rec.listens]
-        if rec.loop:
-            fds += [fd for c in rec.loop.tcp for fd in (*c.a, *c.b)]
-        if fds:
-            templates[rec.pid].close_fds(fds)
 
 
 def _connected(rec: ProcessRecord) -> bool:

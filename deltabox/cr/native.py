@@ -176,6 +176,8 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_inject_syscall.restype = ctypes.c_int
         lib.dbxcr_make_template.argtypes = [ctypes.c_int, err]
         lib.dbxcr_make_template.restype = ctypes.c_void_p
+        lib.dbxcr_template_drop_fds.argtypes = [ctypes.c_void_p, err]
+        lib.dbxcr_template_drop_fds.restype = ctypes.c_int
         lib.dbxcr_template_pid.argtypes = [ctypes.c_void_p]
         lib.dbxcr_template_pid.restype = ctypes.c_int
         lib.dbxcr_template_origin.argtypes = [ctypes.c_void_p]
@@ -217,9 +219,6 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_held_kill.restype = None
         lib.dbxcr_held_pid.argtypes = [ctypes.c_void_p]
         lib.dbxcr_held_pid.restype = ctypes.c_int
-        lib.dbxcr_template_close.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
-                                             ctypes.c_size_t, err]
-        lib.dbxcr_template_close.restype = ctypes.c_int
         lib.dbxcr_template_own_group.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_template_own_group.restype = ctypes.c_int
         lib.dbxcr_template_own_session.argtypes = [ctypes.c_void_p, err]
@@ -549,12 +548,13 @@ class Template:
         system call it was stopped in (-1: none) and its six arguments."""
         return _syscalls(_load().dbxcr_template_syscall, self._h())
 
-    def close_fds(self, fds: Sequence[int]) -> None:
-        """Close descriptors in the template (its later children are born without them)."""
-        handle = self._h()
-        arr = (ctypes.c_int * max(1, len(fds)))(*fds)
+    def drop_fds(self) -> None:
+        """Close every descriptor the template holds: a fork shares its process's open
+        file descriptions, so its copies would keep a pipe's write end, a flock or OFD
+        lock, a port or a connection alive in the live sandbox after the process closed
+        them. Its later children get only what spawn() installs."""
         err = _Err()
-        if _load().dbxcr_template_close(handle, arr, len(fds), ctypes.byref(err)) < 0:
+        if _load().dbxcr_template_drop_fds(self._h(), ctypes.byref(err)) < 0:
             _raise(err)
 
     def own_group(self) -> None:
@@ -1121,6 +1121,10 @@ class FdInfo:
     # an inotify instance's /proc fdinfo as read for the inventory (its watches: the
     # kernel formats a file handle per watch, ~5 us each, so it is read once)
     fdinfo: bytes = field(default=b"", compare=False, repr=False)
+    # file locks taken through this descriptor, as its fdinfo lists them ("FLOCK WRITE
+    # 0-EOF", "POSIX READ 5-14", "OFDLCK ...", "LEASE ..."): flock and OFD locks of its
+    # open file description, POSIX locks the process set through it
+    locks: tuple[str, ...] = ()
 
     @property
     def path(self) -> str:
@@ -1304,8 +1308,23 @@ def fds(pid: int) -> list[FdInfo]:
             deleted = True
             target = target[:-len(" (deleted)")]
         out.append(FdInfo(fd, kind, target, deleted, flags, pos, st.st_ino, rdev, sock,
-                          fdinfo=info if kind == "inotify" else b""))
+                          fdinfo=info if kind == "inotify" else b"", locks=_locks(info)))
     return out
+
+
+def _locks(fdinfo: bytes) -> tuple[str, ...]:
+    """The "lock:" lines of an fdinfo, e.g. b"lock:\t1: POSIX  ADVISORY  WRITE 42
+    fe:00:123 5 14" -> "POSIX WRITE 5-14" (kind, type, first and last byte)."""
+    if b"lock:" not in fdinfo:
+        return ()
+    out = []
+    for line in fdinfo.splitlines():
+        if line.startswith(b"lock:"):
+            f = line.split()
+            # lock: N: KIND ADVISORY|MANDATORY TYPE PID DEV:INODE START END
+            out.append(f"{f[2].decode()} {f[4].decode()} {f[-2].decode()}-{f[-1].decode()}"
+                       if len(f) >= 9 else line[5:].strip().decode(errors="replace"))
+    return tuple(out)
 
 
 # ---------- images on disk (native/criu_incr.c, format in native/IMAGE_FORMAT.md) ----------

@@ -568,6 +568,7 @@ def _rec_from(d: dict) -> ProcessRecord:
     for f in d.pop("fds"):
         sock = f.pop("socket")
         rdev = f.pop("rdev")
+        f["locks"] = tuple(f.get("locks", ()))
         fds.append(native.FdInfo(**f, rdev=tuple(rdev) if rdev else None,
                                  socket=native.SockInfo(**sock) if sock else None))
     listens = [native.ListenSocket(**dict(ls, addr=bytes.fromhex(ls["addr"])))

@@ -2307,8 +2307,8 @@ out:
 	CHECK(count_zombie_children() == 0, "zombies left: %d", count_zombie_children());
 }
 
-/* A server blocked in accept(): its template drops the listening socket (the port is free
- * once the original dies), and a child spawned with the socket recreated at the same fd
+/* A server blocked in accept(): its template, its descriptors dropped, holds no socket,
+ * so the port is free once the original dies, and a child spawned with the socket recreated at the same fd
  * resumes its accept() on the new socket and serves. */
 static void test_listen_socket(void)
 {
@@ -2346,7 +2346,10 @@ static void test_listen_socket(void)
 	tpl = dbxcr_make_template(srv, &err);
 	CHECK(tpl != NULL, "make_template: %s", err.msg);
 	if (tpl) {
-		CHECK(dbxcr_template_close(tpl, &ls, 1, &err) == 0, "template_close: %s", err.msg);
+		CHECK(count_fds(dbxcr_template_pid(tpl)) > 0, "the template holds no descriptor yet");
+		CHECK(dbxcr_template_drop_fds(tpl, &err) == 0, "template_drop_fds: %s", err.msg);
+		CHECK(count_fds(dbxcr_template_pid(tpl)) == 0, "the template still holds %d fds",
+		      count_fds(dbxcr_template_pid(tpl)));
 		kill_reap(srv);
 		srv = -1;
 		c = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
