@@ -289,6 +289,24 @@ def test_a_process_holding_a_file_lock_is_refused_by_name(sbx: Sandbox, kind: st
     assert sbx.checkpoint().kind == "full"
 
 
+def test_a_process_with_a_posix_timer_is_refused_by_name(sbx: Sandbox) -> None:
+    """fork(2) does not pass POSIX timers on, so a restored `timeout 2 CMD` never got its
+    signal and waited for CMD forever. Refused naming the process and its timer; nothing
+    is committed and the timer still fires; a full checkpoint works once it has."""
+    sbx.exec("nohup sh -c 'timeout 2 sleep 100; echo $? > /workspace/done' "
+             ">/dev/null 2>&1 &")
+    wait_for(lambda: sbx.exec("pgrep -x timeout").exit_code == 0)
+    with pytest.raises(deltabox.FailedPrecondition,
+                       match=r"(?s)pid \d+ \(timeout 2 sleep 100\).*POSIX timer\(s\) timer 0 "
+                             r"\(clock 0, signal 14\): timers .* are not captured"):
+        sbx.checkpoint()
+    assert sbx.checkpoints() == []
+    assert sbx.checkpoint(mode="fs").kind == "fs"
+    wait_for(lambda: sbx.files.exists("done"), timeout=10)
+    assert sbx.files.read("done") == b"124\n"      # timeout's own exit code: it fired
+    assert sbx.checkpoint().kind == "full"
+
+
 def test_reader_offset(sbx: Sandbox, restore: Restore) -> None:
     sbx.files.write("lines.txt", "".join(f"line{i}\n" for i in range(1000)))
     sbx.exec("nohup python3 -c \"import time\nf = open('/workspace/lines.txt')\n"

@@ -77,6 +77,8 @@ class ProcessRecord:
     deleted_private: frozenset[tuple[int, str]] = frozenset()
     listens: list[native.ListenSocket] = field(default_factory=list)
     loop: LoopState | None = None   # epoll, eventfds, socket pairs (eventloop.capture)
+    # its POSIX timers (timer_create), as /proc/PID/timers lists them: refused
+    timers: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
         return dict(pid=self.nspid, ppid=self.ppid, pgid=self.pgid, sid=self.sid,
@@ -193,7 +195,29 @@ def record(pid: int, st: native.ProcStatus, head: Head | None = None) -> Process
                          cmd=cmd, cwd=cwd, threads=st.threads,
                          tracer_pid=st.tracer_pid, cap_eff=st.cap_eff, uid=st.uid,
                          fds=native.fds(pid), rss_kb=st.rss_kb, mappings=mappings,
-                         shared=shared, deleted_private=deleted_private)
+                         shared=shared, deleted_private=deleted_private,
+                         timers=posix_timers(pid))
+
+
+def posix_timers(pid: int) -> list[str]:
+    """pid's POSIX timers, from /proc/PID/timers ("ID: 0", "signal: 14/0...", "notify:
+    signal/pid.5", "ClockID: 0" per timer), e.g. "timer 0 (clock 0, signal 14)"."""
+    try:
+        raw = kernfs.read(f"/proc/{pid}/timers")
+    except OSError:
+        return []
+    out: list[str] = []
+    fields: dict[bytes, bytes] = {}
+    for line in [*raw.splitlines(), b"ID: end"]:
+        key, _, value = line.partition(b": ")
+        if key == b"ID" and fields:
+            out.append(f"timer {fields.get(b'ID', b'?').decode()} (clock "
+                       f"{fields.get(b'ClockID', b'?').decode()}, signal "
+                       f"{fields.get(b'signal', b'?').split(b'/')[0].decode()})")
+            fields = {}
+        if value:
+            fields[key] = value.strip()
+    return out
 
 
 def status_refused(st: native.ProcStatus, tracer_ok: set[int]) -> bool:
@@ -227,6 +251,11 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
 
     for reason in _status_reasons(rec, tracer_ok):
         refuse(reason)
+    if rec.timers:
+        # fork(2) does not pass them on, so a template's child would never get the signal
+        # (`timeout 60 CMD` restored that way would wait for CMD forever).
+        refuse(f"POSIX timer(s) {', '.join(rec.timers)}: timers (timer_create; the timeout "
+               "command's) are not captured; checkpoint once it has fired or been deleted")
     for m in rec.shared:
         if m.sysv:
             refuse(f"System V shared memory {m.path} at {m.where}: not captured (it "
