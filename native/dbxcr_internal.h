@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <sys/time.h>
 #include <sys/user.h>
 
 #pragma GCC visibility push(hidden)
@@ -150,6 +151,9 @@ struct dbxcr_template {
 	 * mark) and every child gets marked again (dontfork.c). */
 	struct vma_run *dontfork;
 	int ndontfork;
+	/* The origin's interval timers at the checkpoint (ITIMER_REAL, _VIRTUAL, _PROF): fork
+	 * does not pass them on, so finish_child arms them again in every child. */
+	struct itimerval itimers[3];
 };
 
 /* Options for every tracee we inject into (see fork_template.c). */

@@ -309,6 +309,14 @@ int dbxcr_template_own_session(struct dbxcr_template *tpl, struct dbxcr_error *e
  * from disk, which holds none. */
 int dbxcr_template_drop_fds(struct dbxcr_template *tpl, struct dbxcr_error *err);
 
+/* The origin's interval timers at the checkpoint, read by injected getitimer calls when
+ * the template was made (fork does not pass them on; every child gets them armed again):
+ * for ITIMER_REAL, _VIRTUAL and _PROF in turn, {interval s, us, time left s, us}. A
+ * template restored from disk has none until they are set (the daemon keeps them). */
+void dbxcr_template_itimers(const struct dbxcr_template *tpl, long out[12]);
+int dbxcr_template_set_itimers(struct dbxcr_template *tpl, const long in[12],
+			       struct dbxcr_error *err);
+
 /* A second template of the same process (a fork lane: two templates fork children on
  * two CPUs at once).  The copy is handed over: it comes back owned by no thread, and the
  * thread that is to drive it calls dbxcr_template_adopt once; until then only

@@ -307,6 +307,34 @@ def test_a_process_with_a_posix_timer_is_refused_by_name(sbx: Sandbox) -> None:
     assert sbx.checkpoint().kind == "full"
 
 
+ALARMED = """
+import signal, sys, time
+signal.signal(signal.SIGALRM, lambda *_: open('/workspace/fired', 'w').close())
+signal.setitimer(signal.ITIMER_REAL, float(sys.argv[1]))
+open('/workspace/armed', 'w').close()
+while True:
+    time.sleep(10)
+"""
+
+
+def test_an_alarm_fires_after_a_restore_with_the_time_it_had_left(sbx: Sandbox,
+                                                                   restore: Restore) -> None:
+    """fork drops interval timers: a restored process waiting for its alarm (`signal.alarm`,
+    `setitimer`, pytest-timeout) never got it. Now it fires after the time it had left at
+    the checkpoint (~1.5 s of 3), counted from the restore."""
+    sbx.files.write("alarmed.py", ALARMED)
+    sbx.exec("nohup python3 /workspace/alarmed.py 3 >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("armed"))
+    time.sleep(1.5)
+    cp = sbx.checkpoint()
+    wait_for(lambda: sbx.files.exists("fired"), timeout=5)   # the original's, at 3 s
+    t0 = time.monotonic()
+    target = restore(sbx, cp)
+    assert not target.files.exists("fired")
+    wait_for(lambda: target.files.exists("fired"), timeout=6)
+    assert 0.8 < time.monotonic() - t0 < 2.7   # ~1.5 s: the time left, not 3 again
+
+
 def test_reader_offset(sbx: Sandbox, restore: Restore) -> None:
     sbx.files.write("lines.txt", "".join(f"line{i}\n" for i in range(1000)))
     sbx.exec("nohup python3 -c \"import time\nf = open('/workspace/lines.txt')\n"

@@ -843,6 +843,71 @@ def test_a_call_that_had_returned_is_not_named_as_the_one_stopped_in(native) -> 
     assert 110 not in seen and set(seen) == {-1}, seen   # 110: getppid
 
 
+TIMED = r"""
+import json, signal, sys, time
+signal.signal(signal.SIGALRM, lambda *_: None)
+signal.signal(signal.SIGVTALRM, lambda *_: None)
+signal.signal(signal.SIGPROF, lambda *_: None)
+signal.setitimer(signal.ITIMER_REAL, 30, 0.5)
+signal.setitimer(signal.ITIMER_VIRTUAL, 20)
+signal.setitimer(signal.ITIMER_PROF, 10, 2)
+
+def report(*_):
+    with open(sys.argv[1], "w") as f:
+        json.dump([list(signal.getitimer(w)) for w in (signal.ITIMER_REAL,
+                   signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)], f)
+
+signal.signal(signal.SIGUSR1, report)
+report()
+while True:
+    time.sleep(10)
+"""
+
+
+def _timers(path: Path, pid: int) -> list[list[float]]:
+    """[[time left, interval] for REAL, VIRTUAL, PROF] as pid reports them on SIGUSR1."""
+    path.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR1)
+    _wait(lambda: path.exists() and path.read_text(), what=f"pid {pid}'s timers")
+    return json.loads(path.read_text())
+
+
+def test_interval_timers_are_carried_into_every_child(native, tmp_path: Path) -> None:
+    """fork drops a process's interval timers (alarm, setitimer): a template reads them
+    from the stopped original and arms them again in each child, each with the time it
+    had left at the checkpoint (before, a child never got its SIGALRM)."""
+    out = tmp_path / "timers"
+    p = subprocess.Popen([sys.executable, "-c", TIMED, str(out)])
+    child = None
+    try:
+        _wait(lambda: out.exists() and out.read_text(), what="timers armed")
+        time.sleep(0.5)
+        with native.begin_stop(p.pid) as s:
+            s.wait(timeout=3)
+            tpl = s.make_template()
+            s.resume()
+        try:
+            got = tpl.itimers()
+            intervals = [got[0] + got[1] / 1e6, got[4] + got[5] / 1e6, got[8] + got[9] / 1e6]
+            left = [got[2] + got[3] / 1e6, got[6] + got[7] / 1e6, got[10] + got[11] / 1e6]
+            assert intervals == [0.5, 0, 2]
+            # CPU-time timers read rounded up to a tick (4 ms): 20.004 for 20
+            assert 28 < left[0] < 29.6 and 19 < left[1] <= 20.01 and 9 < left[2] <= 10.01, left
+            child = tpl.spawn()
+            kid = _timers(out, child)
+            assert [round(iv, 3) for _, iv in kid] == [0.5, 0, 2]
+            for (now, _), then in zip(kid, left):   # counted from the spawn, not from 0
+                assert then - 1 < now <= then + 0.01, (kid, left)
+            assert _timers(out, p.pid)[0][0] < left[0]   # the original's run on
+        finally:
+            tpl.release()
+    finally:
+        if child is not None:
+            kill_reap(child)
+        p.kill()
+        p.wait()
+
+
 FD_HOLDER = r"""
 import json, os, socket, sys, time
 d = sys.argv[1]

@@ -79,6 +79,14 @@ class ProcessRecord:
     loop: LoopState | None = None   # epoll, eventfds, socket pairs (eventloop.capture)
     # its POSIX timers (timer_create), as /proc/PID/timers lists them: refused
     timers: list[str] = field(default_factory=list)
+    # its interval timers (Template.itimers: kept with the record for a restore from disk)
+    itimers: list[int] = field(default_factory=lambda: [0] * 12)
+
+    @property
+    def real_timer(self) -> bool:
+        """Whether its ITIMER_REAL (alarm, setitimer) was armed: it counts wall time, so a
+        later checkpoint's time left differs even if the process never ran."""
+        return any(self.itimers[2:4])   # ITIMER_REAL's time left (s, us)
 
     def summary(self) -> dict:
         return dict(pid=self.nspid, ppid=self.ppid, pgid=self.pgid, sid=self.sid,

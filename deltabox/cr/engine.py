@@ -1261,6 +1261,7 @@ def _stop_and_template(cap: _Pass, pids: list[int], thaw: Callable[[], None],
         raise Internal("the capture's process records were not read in time")
     if cap.refused:  # the capture fails: its templates are released
         return
+    _note_itimers(cap.templates, cap.records)
     if cap.files_done.wait(RESUME_WAIT_S) and cap.files_ok:
         _resume_all(cap.stopped)
         cap.resumed = True
@@ -1272,11 +1273,22 @@ def _template_held(held: Held, records: list[ProcessRecord]) -> dict[int, native
     left); none left on failure."""
     templates = _templates(held.stopped, {r.pid: r.rss_kb for r in records}, held.reuse)
     try:
+        _note_itimers(templates, records)
         _leave_groups(templates, records)
     except BaseException:
         _release_all(list(templates.values()))
         raise
     return templates
+
+
+def _note_itimers(templates: dict[int, native.Template],
+                  records: list[ProcessRecord]) -> None:
+    """Each record gets its template's interval timers (read at the stop; a shared
+    template's from its own checkpoint): kept with it for a restore from disk."""
+    for rec in records:
+        tpl = templates.get(rec.pid)
+        if tpl is not None:
+            rec.itimers = tpl.itimers()
 
 
 def _syscalls_at_stop(cap: _Pass, later: bool) -> Callable[[int], adoption.Calls]:

@@ -178,6 +178,11 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_make_template.restype = ctypes.c_void_p
         lib.dbxcr_template_drop_fds.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_template_drop_fds.restype = ctypes.c_int
+        lib.dbxcr_template_itimers.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_long)]
+        lib.dbxcr_template_itimers.restype = None
+        lib.dbxcr_template_set_itimers.argtypes = [ctypes.c_void_p,
+                                                   ctypes.POINTER(ctypes.c_long), err]
+        lib.dbxcr_template_set_itimers.restype = ctypes.c_int
         lib.dbxcr_template_pid.argtypes = [ctypes.c_void_p]
         lib.dbxcr_template_pid.restype = ctypes.c_int
         lib.dbxcr_template_origin.argtypes = [ctypes.c_void_p]
@@ -555,6 +560,21 @@ class Template:
         them. Its later children get only what spawn() installs."""
         err = _Err()
         if _load().dbxcr_template_drop_fds(self._h(), ctypes.byref(err)) < 0:
+            _raise(err)
+
+    def itimers(self) -> list[int]:
+        """The origin's interval timers at the checkpoint, armed again in every child
+        (fork drops them): for ITIMER_REAL, _VIRTUAL and _PROF in turn, interval and
+        time left as [s, us, s, us]; 12 zeros when none was armed."""
+        out = (ctypes.c_long * 12)()
+        _load().dbxcr_template_itimers(self._h(), out)
+        return list(out)
+
+    def set_itimers(self, itimers: Sequence[int]) -> None:
+        """Give a template rebuilt from disk the interval timers its origin had."""
+        err = _Err()
+        if _load().dbxcr_template_set_itimers(self._h(), (ctypes.c_long * 12)(*itimers),
+                                              ctypes.byref(err)) < 0:
             _raise(err)
 
     def own_group(self) -> None:

@@ -404,6 +404,8 @@ class Dumps:
             for rec in records:
                 templates[rec.pid] = await self.cr.worker.run(
                     native.restore_template, host_pid, d / str(rec.nspid), root_dir)
+                if any(rec.itimers):   # not in the image: kept with the record
+                    templates[rec.pid].set_itimers(rec.itimers)
                 # Rebuilt by the sandbox's init, it is in none of the captured sessions:
                 # a lone session leader's child leads its session again (cr/engine.py).
                 templates[rec.pid].own_session_done = rec.pid in lone

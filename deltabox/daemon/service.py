@@ -43,7 +43,7 @@ from ..sandbox.session import AdoptedShell, Session
 from ..sandbox.userns import IdMap
 from ..background import GuardedNursery, run_all
 from ..cr import hostmem, native, tcp, watches
-from ..cr.capture import Unsettled
+from ..cr.capture import ProcessRecord, Unsettled
 from ..cr.engine import (DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, Resumed,
                          in_vfork, process_name, stopped_calls)
 from ..inspector import Decision, TurnEffects, touched_processes, untouched_processes
@@ -1392,7 +1392,10 @@ class Daemon:
         untouched = untouched_processes(effects) - live.drifted()
         if not untouched:
             return Kept()
-        return Kept(untouched, {r.nspid: state.templates[r.pid] for r in state.records})
+        # An armed ITIMER_REAL runs down in wall time: the parent's template would give the
+        # process back the time it had left then.
+        return Kept(untouched, {r.nspid: state.templates[r.pid] for r in state.records
+                                if not r.real_timer})
 
     @staticmethod
     def _note_drift(live: Live, effects: TurnEffects | None) -> None:
@@ -1434,6 +1437,9 @@ class Daemon:
                 reuse = "the parent checkpoint's process templates were evicted"
             elif parent.procs_of is None and alive:
                 reuse = "the parent checkpoint holds file state only"
+            elif (timed := self._real_timer(live, parent.procs_of)) is not None:
+                reuse = (f"pid {timed.nspid} ({timed.cmd}) has an alarm (ITIMER_REAL) "
+                         "running: its time left is not the parent checkpoint's")
         # Never captured, so their running changes no process state of the checkpoint:
         # the sandbox's init and launcher (they reap), the daemon's dbx-enter helpers (they
         # wait for their commands; they also reap the daemon's carriers and keepers when the
@@ -1494,6 +1500,15 @@ class Daemon:
             created_at=time.time(), duration_ms=0.0, files_changed=files,
             bytes_changed=nbytes, freeze_ms=0.0, reasons=reasons, procs_of=procs_of,
             bases=list(parent.bases if decision.kind == "skipped" and parent else row.bases))
+
+    def _real_timer(self, live: Live, key: str | None) -> ProcessRecord | None:
+        """A process of checkpoint `key` (held here or by an ancestor) whose ITIMER_REAL
+        was armed at that checkpoint."""
+        if key is None:
+            return None
+        holder = live if key in live.captured else self._ancestor_holding(live, key)
+        state = holder.captured.get(key) if holder is not None else None
+        return next((r for r in state.records if r.real_timer), None) if state else None
 
     def _procs_available(self, live: Live, key: str) -> bool:
         """Whether the processes captured at checkpoint `key` can be restored here."""
