@@ -317,13 +317,17 @@ while True:
 """
 
 
-def test_an_alarm_fires_after_a_restore_with_the_time_it_had_left(sbx: Sandbox,
-                                                                   restore: Restore) -> None:
+@pytest.mark.parametrize("waited", [False, True], ids=["alone", "waited-for"])
+def test_an_alarm_fires_after_a_restore_with_the_time_it_had_left(
+        sbx: Sandbox, restore: Restore, waited: bool) -> None:
     """fork drops interval timers: a restored process waiting for its alarm (`signal.alarm`,
     `setitimer`, pytest-timeout) never got it. Now it fires after the time it had left at
-    the checkpoint (~1.5 s of 3), counted from the restore."""
+    the checkpoint (~1.5 s of 3), counted from the restore; also in a child its parent was
+    waiting for, which comes back as that parent's own child from its image (adoption)."""
     sbx.files.write("alarmed.py", ALARMED)
-    sbx.exec("nohup python3 /workspace/alarmed.py 3 >/dev/null 2>&1 &")
+    run = "python3 /workspace/alarmed.py 3"
+    sbx.exec(f"nohup sh -c 'echo $$ > /workspace/sh; {run}' >/dev/null 2>&1 &" if waited
+             else f"nohup {run} >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("armed"))
     time.sleep(1.5)
     cp = sbx.checkpoint()
@@ -333,6 +337,29 @@ def test_an_alarm_fires_after_a_restore_with_the_time_it_had_left(sbx: Sandbox,
     assert not target.files.exists("fired")
     wait_for(lambda: target.files.exists("fired"), timeout=6)
     assert 0.8 < time.monotonic() - t0 < 2.7   # ~1.5 s: the time left, not 3 again
+    if waited:   # its parent's own child again, as at the checkpoint
+        ppid = target.exec(f"ps -o ppid= -p $(pgrep -xf '{run}')").stdout.strip()
+        assert ppid == target.files.read("sh").decode().strip()
+
+
+def test_an_adopted_childs_alarm_comes_back(sbx: Sandbox, restore: Restore) -> None:
+    """A small child its shell waits for (perl, 5 MB) comes back as the shell's own child,
+    restored from an image of its template (cr/adoption.py): its alarm comes with it,
+    from the template (an image holds none). Default action: the alarm kills it and the
+    shell goes on (exit status 142). (Its sleep loops: a process restored from an image
+    gets EINTR from a sleep it was stopped in, having no restart block, and perl's `sleep`
+    returns then.)"""
+    sbx.exec("nohup sh -c 'perl -e \"alarm 3; sleep 1 while 1\"; echo $? > /workspace/exit' "
+             ">/dev/null 2>&1 &")
+    wait_for(lambda: sbx.exec("pgrep -x perl").exit_code == 0)
+    time.sleep(1.5)
+    cp = sbx.checkpoint()
+    wait_for(lambda: sbx.files.exists("exit"), timeout=5)   # the original's, at 3 s
+    t0 = time.monotonic()
+    target = restore(sbx, cp)
+    assert not target.files.exists("exit")
+    wait_for(lambda: target.files.exists("exit"), timeout=6)
+    assert 0.5 < time.monotonic() - t0 < 2.7 and target.files.read("exit") == b"142\n"
 
 
 def test_reader_offset(sbx: Sandbox, restore: Restore) -> None:
