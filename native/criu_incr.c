@@ -3339,6 +3339,7 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 	tpl->origin = R.im->core->origin_pid;
 	tpl->tracer_tid = current_tid();
 	tpl->regs = R.im->core->regs;
+	restart_without_block(&tpl->regs);	/* a new task: no restart_block (threads.c) */
 	if (src)	/* not in the image: the template it was made from has them */
 		memcpy(tpl->itimers, src->itimers, sizeof(tpl->itimers));
 	if (R.im->core->has_rseq) {	/* for births from carriers (threads.c: main_restore) */

@@ -229,6 +229,10 @@ int thread_capture(struct tracee *t, pid_t tgid, bool main, struct thread_state 
  * the kernel would make it on its next return to user mode. */
 int rseq_fixup(pid_t tid, uint64_t rseq_ptr, struct user_regs_struct *regs,
 	       struct dbxcr_error *err);
+/* Registers of a thread resumed as a new task (a recreated thread, a process rebuilt from
+ * an image), which has no restart_block: a call it would continue through
+ * restart_syscall() is executed again instead (threads.c). */
+void restart_without_block(struct user_regs_struct *regs);
 /* The main registrations of a stopped single-threaded process, read from outside (its
  * clear_tid is not asked). */
 int main_capture(pid_t pid, struct main_regs *m, struct dbxcr_error *err);

@@ -31,9 +31,9 @@
  *
  * Syscalls a thread was inside at the checkpoint restart by the rules in fork_template.c's
  * file comment, except one: -ERESTART_RESTARTBLOCK continues from the task's restart_block
- * (a futex wait or a sleep with a timeout), which a new thread does not have (clone copies
- * the creating thread's), so such a call returns EINTR instead.  glibc's condition
- * variables and mutexes retry on EINTR; a sleep returns early with the time left.
+ * (a futex wait, a poll or a relative sleep with a timeout), which a new thread does not
+ * have (clone copies the creating thread's): such a call is executed again from the start
+ * (restart_without_block).
  *
  * rseq: a thread stopped inside a restartable sequence is sent to its abort handler, as
  * the kernel does to a preempted one on its way back to user mode (a restored thread may
@@ -190,6 +190,25 @@ void main_from_thread(struct main_regs *m, const struct thread_state *ts)
 	m->rseq_sig = ts->rseq_sig;
 }
 
+/* Without the task's restart_block, restart_syscall() would answer -EINTR (a new task's
+ * block) and the program would see its sleep or wait cut short: a perl `sleep`, a C loop
+ * that takes EINTR as "done".  -ERESTARTNOINTR makes the kernel put rax back to the call's
+ * number and rip on its syscall instruction, so the call runs again with its arguments,
+ * which are still in the registers.  A relative nanosleep or clock_nanosleep given a `rem`
+ * pointer sleeps what the kernel wrote there when the sleep was interrupted (the time
+ * left, counted from the restore); others wait their whole timeout again.  Absolute
+ * sleeps never get here: the kernel restarts them with -ERESTARTNOHAND. */
+void restart_without_block(struct user_regs_struct *regs)
+{
+	if ((long)regs->orig_rax < 0 || (long)regs->rax != -KERN_ERESTART_RESTARTBLOCK)
+		return;
+	if (regs->orig_rax == SYS_nanosleep && regs->rsi)
+		regs->rdi = regs->rsi;
+	else if (regs->orig_rax == SYS_clock_nanosleep && regs->r10)
+		regs->rdx = regs->r10;
+	regs->rax = (unsigned long)-KERN_ERESTARTNOINTR;
+}
+
 int rseq_fixup(pid_t tid, uint64_t rseq_ptr, struct user_regs_struct *regs,
 	       struct dbxcr_error *err)
 {
@@ -294,8 +313,7 @@ static int set_thread_up(struct tracee *nt, const struct dbxcr_template *tpl,
 		}
 	}
 	nt->regs = ts->regs;
-	if ((long)nt->regs.orig_rax >= 0 && (long)nt->regs.rax == -KERN_ERESTART_RESTARTBLOCK)
-		nt->regs.rax = (unsigned long)-EINTR;	/* see the file comment */
+	restart_without_block(&nt->regs);	/* see the file comment */
 	nt->sigmask = ts->sigmask;
 	nt->xstate = ts->xstate;	/* borrowed from the template: never freed here */
 	nt->xstate_len = ts->xstate_len;

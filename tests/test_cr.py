@@ -346,9 +346,7 @@ def test_an_adopted_childs_alarm_comes_back(sbx: Sandbox, restore: Restore) -> N
     """A small child its shell waits for (perl, 5 MB) comes back as the shell's own child,
     restored from an image of its template (cr/adoption.py): its alarm comes with it,
     from the template (an image holds none). Default action: the alarm kills it and the
-    shell goes on (exit status 142). (Its sleep loops: a process restored from an image
-    gets EINTR from a sleep it was stopped in, having no restart block, and perl's `sleep`
-    returns then.)"""
+    shell goes on (exit status 142)."""
     sbx.exec("nohup sh -c 'perl -e \"alarm 3; sleep 1 while 1\"; echo $? > /workspace/exit' "
              ">/dev/null 2>&1 &")
     wait_for(lambda: sbx.exec("pgrep -x perl").exit_code == 0)
@@ -360,6 +358,25 @@ def test_an_adopted_childs_alarm_comes_back(sbx: Sandbox, restore: Restore) -> N
     assert not target.files.exists("exit")
     wait_for(lambda: target.files.exists("exit"), timeout=6)
     assert 0.5 < time.monotonic() - t0 < 2.7 and target.files.read("exit") == b"142\n"
+
+
+def test_a_sleep_restored_from_an_image_sleeps_the_time_it_had_left(
+        sbx: Sandbox, restore: Restore) -> None:
+    """A small child its shell waits for (perl) comes back from an image of its template,
+    a new task without the kernel's restart block for the sleep it was stopped in: that
+    sleep returned EINTR at once, and perl's `sleep` with it (the command ended ~1.5 s
+    early, exit status 0). The sleep now runs again with the time it had left."""
+    sbx.exec("nohup sh -c 'perl -e \"sleep 3\"; echo $? > /workspace/exit' "
+             ">/dev/null 2>&1 &")
+    wait_for(lambda: sbx.exec("pgrep -x perl").exit_code == 0)
+    time.sleep(1.5)
+    cp = sbx.checkpoint()
+    wait_for(lambda: sbx.files.exists("exit"), timeout=5)   # the original's, at 3 s
+    t0 = time.monotonic()
+    target = restore(sbx, cp)
+    assert not target.files.exists("exit")
+    wait_for(lambda: target.files.exists("exit"), timeout=6)
+    assert 0.8 < time.monotonic() - t0 < 2.7 and target.files.read("exit") == b"0\n"
 
 
 def test_reader_offset(sbx: Sandbox, restore: Restore) -> None:

@@ -1423,7 +1423,7 @@ static void *counting_thread(void *arg)
 		thr_count[i]++;
 		thr_tls_seen[i] = thr_tls;
 		prctl(PR_GET_NAME, thr_names[i]);
-		usleep(1000);	/* nanosleep: returns early (EINTR) in a restored thread */
+		usleep(1000);	/* nanosleep: run again from the start in a restored thread */
 	}
 	return NULL;
 }
