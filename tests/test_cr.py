@@ -307,6 +307,20 @@ def test_a_process_with_a_posix_timer_is_refused_by_name(sbx: Sandbox) -> None:
     assert sbx.checkpoint().kind == "full"
 
 
+def _restored_halfway(sbx: Sandbox, restore: Restore, marker: str) -> tuple[Sandbox, float]:
+    """For a process that creates `marker` 3 s after it started (an alarm, a sleep):
+    checkpoint it halfway, let the original create it, restore; the restored sandbox and
+    how long after the restore its copy created it (~1.5 s: the time it had left)."""
+    time.sleep(1.5)
+    cp = sbx.checkpoint()
+    wait_for(lambda: sbx.files.exists(marker), timeout=5)   # the original's, at 3 s
+    t0 = time.monotonic()
+    target = restore(sbx, cp)
+    assert not target.files.exists(marker)
+    wait_for(lambda: target.files.exists(marker), timeout=6)
+    return target, time.monotonic() - t0
+
+
 ALARMED = """
 import signal, sys, time
 signal.signal(signal.SIGALRM, lambda *_: open('/workspace/fired', 'w').close())
@@ -329,14 +343,8 @@ def test_an_alarm_fires_after_a_restore_with_the_time_it_had_left(
     sbx.exec(f"nohup sh -c 'echo $$ > /workspace/sh; {run}' >/dev/null 2>&1 &" if waited
              else f"nohup {run} >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("armed"))
-    time.sleep(1.5)
-    cp = sbx.checkpoint()
-    wait_for(lambda: sbx.files.exists("fired"), timeout=5)   # the original's, at 3 s
-    t0 = time.monotonic()
-    target = restore(sbx, cp)
-    assert not target.files.exists("fired")
-    wait_for(lambda: target.files.exists("fired"), timeout=6)
-    assert 0.8 < time.monotonic() - t0 < 2.7   # ~1.5 s: the time left, not 3 again
+    target, took = _restored_halfway(sbx, restore, "fired")
+    assert 0.8 < took < 2.7   # ~1.5 s: the time left, not 3 again
     if waited:   # its parent's own child again, as at the checkpoint
         ppid = target.exec(f"ps -o ppid= -p $(pgrep -xf '{run}')").stdout.strip()
         assert ppid == target.files.read("sh").decode().strip()
@@ -350,14 +358,8 @@ def test_an_adopted_childs_alarm_comes_back(sbx: Sandbox, restore: Restore) -> N
     sbx.exec("nohup sh -c 'perl -e \"alarm 3; sleep 1 while 1\"; echo $? > /workspace/exit' "
              ">/dev/null 2>&1 &")
     wait_for(lambda: sbx.exec("pgrep -x perl").exit_code == 0)
-    time.sleep(1.5)
-    cp = sbx.checkpoint()
-    wait_for(lambda: sbx.files.exists("exit"), timeout=5)   # the original's, at 3 s
-    t0 = time.monotonic()
-    target = restore(sbx, cp)
-    assert not target.files.exists("exit")
-    wait_for(lambda: target.files.exists("exit"), timeout=6)
-    assert 0.5 < time.monotonic() - t0 < 2.7 and target.files.read("exit") == b"142\n"
+    target, took = _restored_halfway(sbx, restore, "exit")
+    assert 0.5 < took < 2.7 and target.files.read("exit") == b"142\n"
 
 
 def test_a_sleep_restored_from_an_image_sleeps_the_time_it_had_left(
@@ -369,14 +371,8 @@ def test_a_sleep_restored_from_an_image_sleeps_the_time_it_had_left(
     sbx.exec("nohup sh -c 'perl -e \"sleep 3\"; echo $? > /workspace/exit' "
              ">/dev/null 2>&1 &")
     wait_for(lambda: sbx.exec("pgrep -x perl").exit_code == 0)
-    time.sleep(1.5)
-    cp = sbx.checkpoint()
-    wait_for(lambda: sbx.files.exists("exit"), timeout=5)   # the original's, at 3 s
-    t0 = time.monotonic()
-    target = restore(sbx, cp)
-    assert not target.files.exists("exit")
-    wait_for(lambda: target.files.exists("exit"), timeout=6)
-    assert 0.8 < time.monotonic() - t0 < 2.7 and target.files.read("exit") == b"0\n"
+    target, took = _restored_halfway(sbx, restore, "exit")
+    assert 0.8 < took < 2.7 and target.files.read("exit") == b"0\n"
 
 
 def test_reader_offset(sbx: Sandbox, restore: Restore) -> None:
