@@ -1243,8 +1243,8 @@ def _stop_and_template(cap: _Pass, pids: list[int], thaw: Callable[[], None],
     (the file snapshot starts, and the trio loop reads the processes), and unless not
     `template`, template them (each without descriptors: _templates), wait for the records
     (nothing more if one is refused), and resume them if the snapshot has been committed
-    by then. Each hop
-    between this thread and the trio loop costs a thread wake-up (about 0.1 ms)."""
+    by then. Each hop between this thread and the trio loop costs a thread wake-up (about
+    0.1 ms)."""
     try:
         cap.stopped = _begin_stops(pids)
     finally:
