@@ -310,12 +310,13 @@ def test_a_process_with_a_posix_timer_is_refused_by_name(sbx: Sandbox) -> None:
 def _restored_halfway(sbx: Sandbox, restore: Restore, marker: str) -> tuple[Sandbox, float]:
     """For a process that creates `marker` 3 s after it started (an alarm, a sleep):
     checkpoint it halfway, let the original create it, restore; the restored sandbox and
-    how long after the restore its copy created it (~1.5 s: the time it had left)."""
+    how long after the restore its copy created it (~1.5 s: the time it had left; counted
+    from the restore's end, as the disk paths wait for the dump first)."""
     time.sleep(1.5)
     cp = sbx.checkpoint()
     wait_for(lambda: sbx.files.exists(marker), timeout=5)   # the original's, at 3 s
-    t0 = time.monotonic()
     target = restore(sbx, cp)
+    t0 = time.monotonic()
     assert not target.files.exists(marker)
     wait_for(lambda: target.files.exists(marker), timeout=6)
     return target, time.monotonic() - t0
