@@ -376,6 +376,24 @@ def test_a_sleep_restored_from_an_image_sleeps_the_time_it_had_left(
     assert 0.8 < took < 2.7 and target.files.read("exit") == b"0\n"
 
 
+def test_a_deleted_directory_held_open_is_refused_by_name(sbx: Sandbox) -> None:
+    """A directory descriptor is reopened by its path at a restore; once the directory is
+    deleted there is none. Before, the checkpoint passed and the rollback killed the
+    process and could not bring it back ("restoring the processes failed ... sessions
+    restart"); now the checkpoint is refused, naming the fd, and nothing is committed."""
+    sbx.exec("mkdir /workspace/gone")
+    sbx.exec("nohup python3 -c \"import os, time\nfd = os.open('/workspace/gone', "
+             "os.O_RDONLY | os.O_DIRECTORY)\nos.rmdir('/workspace/gone')\n"
+             "open('/workspace/ready', 'w').close()\ntime.sleep(1000)\" >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("ready"))
+    with pytest.raises(deltabox.FailedPrecondition,
+                       match=r"(?s)pid \d+ \(python3 -c import os.*fd 3: /workspace/gone "
+                             r"\(deleted\): a deleted directory or device held open"):
+        sbx.checkpoint()
+    assert sbx.checkpoints() == []
+    assert sbx.checkpoint(mode="fs").kind == "fs"
+
+
 def test_reader_offset(sbx: Sandbox, restore: Restore) -> None:
     sbx.files.write("lines.txt", "".join(f"line{i}\n" for i in range(1000)))
     sbx.exec("nohup python3 -c \"import time\nf = open('/workspace/lines.txt')\n"

@@ -295,6 +295,10 @@ def _fd_refusal(f: native.FdInfo) -> str | None:
                 "not captured; checkpoint once the lock is released")
     if is_loop_fd(f):
         return None
+    if f.kind in ("dir", "chr") and f.target.endswith(" (deleted)"):
+        # Reopened by path at a restore (a deleted file's content is copied: unlinked.py),
+        # which is gone: the restore would fail and the processes restart.
+        return f"{f.target}: a deleted directory or device held open: no path to reopen it by"
     if f.kind in ("file", "dir", "pipe"):
         if f.kind == "pipe" and f.flags & os.O_DIRECT:
             return "a packet-mode pipe (O_DIRECT): its message boundaries are not captured"
