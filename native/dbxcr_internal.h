@@ -225,6 +225,11 @@ int madvise_runs(struct tracee *t, const struct vma_run *runs, int n, int advice
  * sigaltstack.  t must be ours and stopped with every signal blocked. */
 int thread_capture(struct tracee *t, pid_t tgid, bool main, struct thread_state *out,
 		   struct dbxcr_error *err);
+/* Run `nr` in the stopped thread t with argument `outarg` pointing at memory of its own,
+ * and copy `len` (<= 64) bytes of what the call wrote there to `out`: the stack below the
+ * red zone, its bytes put back after, or (none there) a page mapped for the call. */
+int query_on_stack(struct tracee *t, long nr, const long args[6], int outarg,
+		   void *out, size_t len, const char *what, struct dbxcr_error *err);
 /* rseq: a thread stopped inside a restartable sequence resumes at its abort handler, as
  * the kernel would make it on its next return to user mode. */
 int rseq_fixup(pid_t tid, uint64_t rseq_ptr, struct user_regs_struct *regs,

@@ -1699,44 +1699,17 @@ fail:
 }
 
 /* The stopped original's interval timers, by getitimer injected into it: fork does not
- * pass them on and no /proc file shows them.  The calls write below its stack pointer,
- * past the 128-byte red zone (the interrupted function's), and the bytes are put back;
- * where that is no private writable memory, on a page mapped for the purpose. */
+ * pass them on and no /proc file shows them. */
 static int capture_itimers(struct tracee *t, struct itimerval out[3], struct dbxcr_error *err)
 {
-	char saved[3 * sizeof(struct itimerval)];
-	unsigned long at = (t->regs.rsp - 128 - sizeof(saved)) & ~15UL;
-	long m[6] = { 0, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0 };
-	bool mapped = !private_writable(t->pid, at, sizeof(saved));
-	struct dbxcr_error ignored;
-	int rc = 0;
+	for (long i = 0; i < 3; i++) {
+		long a[6] = { i, 0, 0, 0, 0, 0 };
 
-	if (mapped) {
-		long addr = rsys(t, SYS_mmap, m, err, "mmap a page to read its interval timers");
-
-		if (addr < 0)
+		if (query_on_stack(t, SYS_getitimer, a, 1, &out[i], sizeof(out[i]),
+				   "getitimer", err) < 0)
 			return -1;
-		at = (unsigned long)addr;
-	} else if (mem_read(t->pid, at, saved, sizeof(saved), err) < 0) {
-		return -1;
 	}
-	for (int i = 0; i < 3 && rc == 0; i++) {
-		long a[6] = { i, (long)(at + i * sizeof(struct itimerval)), 0, 0, 0, 0 };
-
-		if (rsys(t, SYS_getitimer, a, err, "getitimer(%d)", i) < 0)
-			rc = -1;
-	}
-	if (rc == 0 && mem_read(t->pid, at, out, sizeof(saved), err) < 0)
-		rc = -1;
-	if (mapped) {
-		long u[6] = { (long)at, 4096, 0, 0, 0, 0 };
-
-		if (rsys(t, SYS_munmap, u, rc ? &ignored : err, "munmap the timers' page") < 0)
-			rc = -1;
-	} else if (mem_write(t->pid, at, saved, sizeof(saved), rc ? &ignored : err) < 0) {
-		rc = -1;
-	}
-	return rc;
+	return 0;
 }
 
 struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_error *err)

@@ -45,6 +45,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/ptrace.h>
 #include <sys/syscall.h>
@@ -123,10 +124,30 @@ static int read_task(pid_t tgid, struct thread_state *ts, struct dbxcr_error *er
 	return 0;
 }
 
-/* Run `nr` in the stopped thread with argument `outarg` pointing at STACK_OUT bytes of
- * its stack below the red zone, and copy `len` bytes of what it wrote to `out`. */
-static int query_on_stack(struct tracee *t, long nr, const long args[6], int outarg,
-			  void *out, size_t len, const char *what, struct dbxcr_error *err)
+/* query_on_stack where there is no stack below the red zone to borrow (a program running
+ * on a small stack of its own): the answer goes to a page mapped for the call. */
+static int query_on_page(struct tracee *t, long nr, long a[6], int outarg, void *out,
+			 size_t len, const char *what, struct dbxcr_error *err)
+{
+	long m[6] = { 0, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0 };
+	long u[6] = { 0, 4096, 0, 0, 0, 0 };
+	struct dbxcr_error ignored;
+	int rc = 0;
+
+	u[0] = rsys(t, SYS_mmap, m, err, "%s: mmap a page for its answer", what);
+	if (u[0] < 0)
+		return -1;
+	a[outarg] = u[0];
+	if (rsys(t, nr, a, err, "%s", what) < 0 || mem_read(t->pid, (unsigned long)u[0], out,
+							     len, err) < 0)
+		rc = -1;
+	if (rsys(t, SYS_munmap, u, rc ? &ignored : err, "%s: munmap its page", what) < 0)
+		rc = -1;
+	return rc;
+}
+
+int query_on_stack(struct tracee *t, long nr, const long args[6], int outarg,
+		   void *out, size_t len, const char *what, struct dbxcr_error *err)
 {
 	unsigned long at = (unsigned long)((t->regs.rsp - 128 - STACK_OUT) & ~63ULL);
 	unsigned char saved[STACK_OUT];
@@ -134,10 +155,12 @@ static int query_on_stack(struct tracee *t, long nr, const long args[6], int out
 	long a[6];
 	int rc = 0;
 
+	if (len > STACK_OUT)
+		return fail(err, EINVAL, t->pid, "%s: an answer of %zu bytes", what, len);
 	memcpy(a, args, sizeof(a));
+	if (mem_read(t->pid, at, saved, sizeof(saved), &ignored) < 0)
+		return query_on_page(t, nr, a, outarg, out, len, what, err);
 	a[outarg] = (long)at;
-	if (mem_read(t->pid, at, saved, sizeof(saved), err) < 0)
-		return -1;
 	if (rsys(t, nr, a, err, "%s", what) < 0 || mem_read(t->pid, at, out, len, err) < 0)
 		rc = -1;
 	if (mem_write(t->pid, at, saved, sizeof(saved), rc ? &ignored : err) < 0)

@@ -198,6 +198,15 @@ def test_pipeline_alive(sbx: Sandbox, restore: Restore) -> None:
     assert b > a  # producer and consumer still connected through a fresh pipe
 
 
+def _refused_by_name(sbx: Sandbox, match: str) -> None:
+    """A full checkpoint is refused (FAILED_PRECONDITION matching `match`), nothing is
+    committed, and mode="fs" (files only) still works."""
+    with pytest.raises(deltabox.FailedPrecondition, match=match):
+        sbx.checkpoint()
+    assert sbx.checkpoints() == []
+    assert sbx.checkpoint(mode="fs").kind == "fs"
+
+
 def test_a_pipeline_ends_after_a_checkpoint_while_the_checkpoint_is_kept(sbx: Sandbox
                                                                          ) -> None:
     """A checkpoint changes nothing in the running sandbox: once a pipeline's writer
@@ -275,14 +284,10 @@ def test_a_process_holding_a_file_lock_is_refused_by_name(sbx: Sandbox, kind: st
     sbx.exec(f"nohup python3 /workspace/locker.py {kind} /workspace/lk /workspace/go "
              ">/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("locked"))
-    with pytest.raises(deltabox.FailedPrecondition,
-                       match=rf"(?s)pid \d+ \(python3 /workspace/locker.py {kind}.*fd \d+: "
-                             rf"holds file lock\(s\) on /workspace/lk \({shown}\): file "
-                             "locks are not captured"):
-        sbx.checkpoint()
-    assert sbx.checkpoints() == []
+    _refused_by_name(sbx, rf"(?s)pid \d+ \(python3 /workspace/locker.py {kind}.*fd \d+: "
+                          rf"holds file lock\(s\) on /workspace/lk \({shown}\): file locks "
+                          "are not captured")
     assert sbx.exec(TRY_LOCK + f"{kind} /workspace/lk").stdout == "held\n"
-    assert sbx.checkpoint(mode="fs").kind == "fs"
     sbx.files.write("release", "")
     wait_for(lambda: sbx.exec(TRY_LOCK + f"{kind} /workspace/lk").stdout == "free\n",
              timeout=5)
@@ -296,12 +301,8 @@ def test_a_process_with_a_posix_timer_is_refused_by_name(sbx: Sandbox) -> None:
     sbx.exec("nohup sh -c 'timeout 2 sleep 100; echo $? > /workspace/done' "
              ">/dev/null 2>&1 &")
     wait_for(lambda: sbx.exec("pgrep -x timeout").exit_code == 0)
-    with pytest.raises(deltabox.FailedPrecondition,
-                       match=r"(?s)pid \d+ \(timeout 2 sleep 100\).*POSIX timer\(s\) timer 0 "
-                             r"\(clock 0, signal 14\): timers .* are not captured"):
-        sbx.checkpoint()
-    assert sbx.checkpoints() == []
-    assert sbx.checkpoint(mode="fs").kind == "fs"
+    _refused_by_name(sbx, r"(?s)pid \d+ \(timeout 2 sleep 100\).*POSIX timer\(s\) timer 0 "
+                          r"\(clock 0, signal 14\): timers .* are not captured")
     wait_for(lambda: sbx.files.exists("done"), timeout=10)
     assert sbx.files.read("done") == b"124\n"      # timeout's own exit code: it fired
     assert sbx.checkpoint().kind == "full"
@@ -386,12 +387,8 @@ def test_a_deleted_directory_held_open_is_refused_by_name(sbx: Sandbox) -> None:
              "os.O_RDONLY | os.O_DIRECTORY)\nos.rmdir('/workspace/gone')\n"
              "open('/workspace/ready', 'w').close()\ntime.sleep(1000)\" >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("ready"))
-    with pytest.raises(deltabox.FailedPrecondition,
-                       match=r"(?s)pid \d+ \(python3 -c import os.*fd 3: /workspace/gone "
-                             r"\(deleted\): a deleted directory or device held open"):
-        sbx.checkpoint()
-    assert sbx.checkpoints() == []
-    assert sbx.checkpoint(mode="fs").kind == "fs"
+    _refused_by_name(sbx, r"(?s)pid \d+ \(python3 -c import os.*fd 3: /workspace/gone "
+                          r"\(deleted\): a deleted directory or device held open")
 
 
 def test_reader_offset(sbx: Sandbox, restore: Restore) -> None:
