@@ -3340,8 +3340,12 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 	tpl->tracer_tid = current_tid();
 	tpl->regs = R.im->core->regs;
 	restart_without_block(&tpl->regs);	/* a new task: no restart_block (threads.c) */
-	if (src)	/* not in the image: the template it was made from has them */
+	if (src) {	/* not in the image: the template it was made from has them */
 		memcpy(tpl->itimers, src->itimers, sizeof(tpl->itimers));
+		tpl->nptimers = src->nptimers;
+		tpl->ptimers_ok = src->ptimers_ok;
+		memcpy(tpl->ptimers, src->ptimers, sizeof(tpl->ptimers));
+	}
 	if (R.im->core->has_rseq) {	/* for births from carriers (threads.c: main_restore) */
 		tpl->main.rseq_ptr = R.im->core->rseq_ptr;
 		tpl->main.rseq_len = R.im->core->rseq_len;

@@ -10,6 +10,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <sys/time.h>
+#include <time.h>
 #include <sys/user.h>
 
 #pragma GCC visibility push(hidden)
@@ -120,6 +121,18 @@ struct vma_run {
 /* The most threads a process may have to be captured. */
 #define MAX_THREADS 256
 
+/* One POSIX timer of a process (timers.c). */
+struct ptimer {
+	int id, clock;
+	int notify;		/* SIGEV_SIGNAL, _NONE or _THREAD, | SIGEV_THREAD_ID: main thread */
+	int signo;
+	uint64_t value;		/* sigev_value */
+	struct itimerspec spec;	/* interval and time left at the checkpoint */
+};
+
+/* The most POSIX timers a process may have to be captured. */
+#define MAX_PTIMERS 8
+
 struct dbxcr_template {
 	pid_t pid;		/* the template, ptrace-stopped, traced by tracer_tid */
 	pid_t origin;		/* the process it was forked from */
@@ -154,6 +167,11 @@ struct dbxcr_template {
 	/* The origin's interval timers at the checkpoint (ITIMER_REAL, _VIRTUAL, _PROF): fork
 	 * does not pass them on, so finish_child arms them again in every child. */
 	struct itimerval itimers[3];
+	/* Its POSIX timers (timers.c), made again with their ids in every child; ptimers_ok
+	 * false: one cannot be (a child then fails rather than run without it). */
+	int nptimers;
+	bool ptimers_ok;
+	struct ptimer ptimers[MAX_PTIMERS];
 };
 
 /* Options for every tracee we inject into (see fork_template.c). */
@@ -217,6 +235,12 @@ int dontfork_runs(pid_t orig, pid_t tpl, struct vma_run **runs, int *n, struct d
 /* madvise(advice) over each run, injected into the stopped tracee t. */
 int madvise_runs(struct tracee *t, const struct vma_run *runs, int n, int advice,
 		 struct dbxcr_error *err);
+
+/* timers.c: what fork does not pass on, read at the stop and armed in every child. */
+int capture_itimers(struct tracee *t, struct itimerval out[3], struct dbxcr_error *err);
+int arm_itimers(struct tracee *c, const struct dbxcr_template *tpl, struct dbxcr_error *err);
+int capture_ptimers(struct tracee *t, struct dbxcr_template *tpl, struct dbxcr_error *err);
+int arm_ptimers(struct tracee *c, const struct dbxcr_template *tpl, struct dbxcr_error *err);
 
 /* threads.c */
 /* What a stopped thread's kernel holds besides registers and mask: robust list, rseq,

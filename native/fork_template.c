@@ -1698,20 +1698,6 @@ fail:
 	return NULL;
 }
 
-/* The stopped original's interval timers, by getitimer injected into it: fork does not
- * pass them on and no /proc file shows them. */
-static int capture_itimers(struct tracee *t, struct itimerval out[3], struct dbxcr_error *err)
-{
-	for (long i = 0; i < 3; i++) {
-		long a[6] = { i, 0, 0, 0, 0, 0 };
-
-		if (query_on_stack(t, SYS_getitimer, a, 1, &out[i], sizeof(out[i]),
-				   "getitimer", err) < 0)
-			return -1;
-	}
-	return 0;
-}
-
 struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_error *err)
 {
 	struct dbxcr_template *tpl;
@@ -1739,7 +1725,8 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 		tpl_ok = false;
 	else if (tpl && !s->nthreads && main_capture(pid, &tpl->main, err) < 0)
 		tpl_ok = false;
-	else if (tpl && tpl->xstate && capture_itimers(&s->t, tpl->itimers, err) < 0)
+	else if (tpl && tpl->xstate && (capture_itimers(&s->t, tpl->itimers, err) < 0 ||
+					capture_ptimers(&s->t, tpl, err) < 0))
 		tpl_ok = false;
 	/* The original goes back first, whatever happened to the template. */
 	if (!tpl || !tpl->xstate || !tpl_ok || unmodify(s, err) < 0) {
@@ -1986,36 +1973,6 @@ int dbxcr_template_drop_fds(struct dbxcr_template *tpl, struct dbxcr_error *err)
 	if (park(tpl, rc ? &ignored : err) < 0)
 		rc = -1;
 	return rc;
-}
-
-void dbxcr_template_itimers(const struct dbxcr_template *tpl, long out[12])
-{
-	for (int i = 0; i < 3; i++) {
-		const struct itimerval *v = &tpl->itimers[i];
-
-		out[4 * i] = v->it_interval.tv_sec;
-		out[4 * i + 1] = v->it_interval.tv_usec;
-		out[4 * i + 2] = v->it_value.tv_sec;
-		out[4 * i + 3] = v->it_value.tv_usec;
-	}
-}
-
-int dbxcr_template_set_itimers(struct dbxcr_template *tpl, const long in[12],
-			       struct dbxcr_error *err)
-{
-	clear_error(err);
-	for (int i = 0; i < 12; i++)
-		if (in[i] < 0 || (i % 2 && in[i] >= 1000000))
-			return fail(err, EINVAL, tpl->pid, "interval timer field %d: %ld", i, in[i]);
-	for (int i = 0; i < 3; i++) {
-		struct itimerval *v = &tpl->itimers[i];
-
-		v->it_interval.tv_sec = in[4 * i];
-		v->it_interval.tv_usec = in[4 * i + 1];
-		v->it_value.tv_sec = in[4 * i + 2];
-		v->it_value.tv_usec = in[4 * i + 3];
-	}
-	return 0;
 }
 
 /* One argument-less call (setpgid(0, 0) or setsid()) injected into the parked template. */
@@ -2872,35 +2829,15 @@ static int join_sandbox_ns(struct tracee *c, int pidfd, struct dbxcr_error *err)
 	return rsys(c, SYS_close, a, err, "close sandbox init pidfd") < 0 ? -1 : 0;
 }
 
-/* The origin's interval timers (capture_itimers), each with the time it had left at the
- * checkpoint, counted from now: the child runs as if it had been stopped meanwhile with
- * its clocks stopped too.  A disarmed timer (no time left) is left alone, whatever its
- * interval. */
-static int arm_itimers(struct tracee *c, const struct dbxcr_template *tpl,
-		       struct dbxcr_error *err)
-{
-	for (int i = 0; i < 3; i++) {
-		const struct itimerval *v = &tpl->itimers[i];
-		long a[6] = { i, (long)tpl->scratch, 0, 0, 0, 0 };
-
-		if (!v->it_value.tv_sec && !v->it_value.tv_usec)
-			continue;
-		if (mem_write(c->pid, tpl->scratch, v, sizeof(*v), err) < 0 ||
-		    rsys(c, SYS_setitimer, a, err, "setitimer(%d, %ld.%06lds left)", i,
-			 (long)v->it_value.tv_sec, (long)v->it_value.tv_usec) < 0)
-			return -1;
-	}
-	return 0;
-}
-
 /* Last steps in a child before it gets the checkpointed registers: queue the original's
- * pending signals again and arm its interval timers (fork copies neither), give back the
+ * pending signals again and arm its timers (fork copies neither: timers.c), give back the
  * original's name and command line (the template's disguise) and unmap the scratch page. */
 static int finish_child(struct tracee *c, struct dbxcr_template *tpl, struct dbxcr_error *err)
 {
 	long a[6] = { (long)tpl->scratch, SCRATCH_LEN, 0, 0, 0, 0 };
 
-	if (requeue_pending(c, tpl, err) < 0 || arm_itimers(c, tpl, err) < 0)
+	if (requeue_pending(c, tpl, err) < 0 || arm_itimers(c, tpl, err) < 0 ||
+	    arm_ptimers(c, tpl, err) < 0)
 		return -1;
 	if (madvise_runs(c, tpl->dontfork, tpl->ndontfork, MADV_DONTFORK, err) < 0)
 		return -1;

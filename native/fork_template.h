@@ -317,6 +317,17 @@ void dbxcr_template_itimers(const struct dbxcr_template *tpl, long out[12]);
 int dbxcr_template_set_itimers(struct dbxcr_template *tpl, const long in[12],
 			       struct dbxcr_error *err);
 
+/* The origin's POSIX timers at the checkpoint (timers.c), made again with their ids in
+ * every child, DBXCR_PTIMER_FIELDS longs each: id, clock, notify (SIGEV_*), signal,
+ * sigev_value, interval s, ns, time left s, ns.  Returns how many were written (at most
+ * max), or -1 if one cannot be made again.  dbxcr_ptimers_supported: how many timers a
+ * process may have to be captured, 0 if this kernel cannot give a timer its id back. */
+#define DBXCR_PTIMER_FIELDS 9
+int dbxcr_template_ptimers(const struct dbxcr_template *tpl, long *out, int max);
+int dbxcr_template_set_ptimers(struct dbxcr_template *tpl, const long *in, int n,
+			       struct dbxcr_error *err);
+int dbxcr_ptimers_supported(void);
+
 /* A second template of the same process (a fork lane: two templates fork children on
  * two CPUs at once).  The copy is handed over: it comes back owned by no thread, and the
  * thread that is to drive it calls dbxcr_template_adopt once; until then only

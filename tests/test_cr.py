@@ -6,6 +6,7 @@ Each case ends exact, or refused with a clear error naming the process; never wr
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -294,20 +295,6 @@ def test_a_process_holding_a_file_lock_is_refused_by_name(sbx: Sandbox, kind: st
     assert sbx.checkpoint().kind == "full"
 
 
-def test_a_process_with_a_posix_timer_is_refused_by_name(sbx: Sandbox) -> None:
-    """fork(2) does not pass POSIX timers on, so a restored `timeout 2 CMD` never got its
-    signal and waited for CMD forever. Refused naming the process and its timer; nothing
-    is committed and the timer still fires; a full checkpoint works once it has."""
-    sbx.exec("nohup sh -c 'timeout 2 sleep 100; echo $? > /workspace/done' "
-             ">/dev/null 2>&1 &")
-    wait_for(lambda: sbx.exec("pgrep -x timeout").exit_code == 0)
-    _refused_by_name(sbx, r"(?s)pid \d+ \(timeout 2 sleep 100\).*POSIX timer\(s\) timer 0 "
-                          r"\(clock 0, signal 14\): timers .* are not captured")
-    wait_for(lambda: sbx.files.exists("done"), timeout=10)
-    assert sbx.files.read("done") == b"124\n"      # timeout's own exit code: it fired
-    assert sbx.checkpoint().kind == "full"
-
-
 def _restored_halfway(sbx: Sandbox, restore: Restore, marker: str) -> tuple[Sandbox, float]:
     """For a process that creates `marker` 3 s after it started (an alarm, a sleep):
     checkpoint it halfway, let the original create it, restore; the restored sandbox and
@@ -362,6 +349,106 @@ def test_an_adopted_childs_alarm_comes_back(sbx: Sandbox, restore: Restore) -> N
     wait_for(lambda: sbx.exec("pgrep -x perl").exit_code == 0)
     target, took = _restored_halfway(sbx, restore, "exit")
     assert 0.5 < took < 2.7 and target.files.read("exit") == b"142\n"
+
+
+def test_a_timeout_fires_after_a_restore_with_the_time_it_had_left(
+        sbx: Sandbox, restore: Restore) -> None:
+    """fork drops POSIX timers: a restored `timeout 3 CMD` (timer_create) never got its
+    signal and waited for CMD forever (refused by name at stop 46). Now its timer is made
+    again with its id and fires after the time it had left (~1.5 s of 3), counted from the
+    restore: `timeout` (its shell's child) and its command come back from their images
+    (adoption), and the shell sees timeout's own exit status."""
+    sbx.exec("nohup sh -c 'timeout 3 sleep 100; echo $? > /workspace/done' "
+             ">/dev/null 2>&1 &")
+    wait_for(lambda: sbx.exec("pgrep -x timeout").exit_code == 0)
+    target, took = _restored_halfway(sbx, restore, "done")
+    assert 0.8 < took < 2.7 and target.files.read("done") == b"124\n"
+
+
+PTIMERS = """
+import ctypes, json, signal, time
+libc = ctypes.CDLL(None, use_errno=True)
+class Ev(ctypes.Structure):   # struct sigevent (x86_64)
+    _fields_ = [("value", ctypes.c_long), ("signo", ctypes.c_int), ("notify", ctypes.c_int),
+                ("tid", ctypes.c_int), ("pad", ctypes.c_int * 11)]
+class Ts(ctypes.Structure):
+    _fields_ = [("s", ctypes.c_long), ("ns", ctypes.c_long)]
+class Spec(ctypes.Structure):
+    _fields_ = [("interval", Ts), ("value", Ts)]
+def create(clock, notify, signo=0, value=0):
+    t = ctypes.c_int()
+    assert libc.timer_create(clock, ctypes.byref(Ev(value, signo, notify)), ctypes.byref(t)) == 0
+    return t.value
+def arm(t, left, every=0):
+    assert libc.timer_settime(t, 0, ctypes.byref(Spec(Ts(every, 0), Ts(left, 0))), None) == 0
+def read(t):
+    sp = Spec()
+    assert libc.timer_gettime(t, ctypes.byref(sp)) == 0
+    return [sp.value.s + sp.value.ns / 1e9, sp.interval.s]
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+polled = create(time.CLOCK_MONOTONIC, 1)                   # SIGEV_NONE, id 0
+gone = create(time.CLOCK_MONOTONIC, 0, signal.SIGUSR2)    # id 1, deleted: a gap
+alarm = create(time.CLOCK_REALTIME, 0, signal.SIGUSR1, 77)  # id 2
+libc.timer_delete(gone)
+arm(polled, 60, 7)
+arm(alarm, 3)
+open("/workspace/armed", "w").close()
+info = signal.sigwaitinfo([signal.SIGUSR1])
+ids = [l.split()[1] for l in open("/proc/self/timers") if l.startswith("ID:")]
+json.dump(dict(code=info.si_code, ids=ids, polled=read(polled), alarm=read(alarm)),
+          open("/workspace/fired.tmp", "w"))
+import os; os.rename("/workspace/fired.tmp", "/workspace/fired")
+time.sleep(100)
+"""
+
+
+def test_posix_timers_come_back_with_their_ids_and_time_left(sbx: Sandbox,
+                                                            restore: Restore) -> None:
+    """Timers a program made with timer_create, one deleted between two others: each comes
+    back with its id (the gap kept: a program names its timers by id), clock, notification
+    (SIGEV_NONE; a signal with its sigev_value) and interval, and the time it had left at
+    the checkpoint, counted from the restore (the signal ~1.5 s after it, not 3)."""
+    sbx.files.write("ptimers.py", PTIMERS)
+    sbx.exec("cd /workspace && nohup python3 ptimers.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("armed"))
+    target, took = _restored_halfway(sbx, restore, "fired")
+    assert 0.8 < took < 2.7
+    got = json.loads(target.files.read("fired"))
+    assert got["code"] == -2 and got["ids"] == ["0", "2"]   # SI_TIMER; ids as they were
+    assert got["polled"][1] == 7 and 55 < got["polled"][0] < 58.7   # 60 - ~3 s of running
+    assert got["alarm"] == [0.0, 0]                                  # fired, one-shot
+
+
+THREAD_TIMER = """
+import ctypes, threading, signal, time
+libc = ctypes.CDLL(None, use_errno=True)
+class Ev(ctypes.Structure):
+    _fields_ = [("value", ctypes.c_long), ("signo", ctypes.c_int), ("notify", ctypes.c_int),
+                ("tid", ctypes.c_int), ("pad", ctypes.c_int * 11)]
+class Spec(ctypes.Structure):
+    _fields_ = [("v", ctypes.c_long * 4)]
+signal.signal(signal.SIGUSR1, lambda *_: None)
+tid = []
+threading.Thread(target=lambda: (tid.append(threading.get_native_id()), time.sleep(1000)),
+                 daemon=True).start()
+while not tid:
+    time.sleep(0.01)
+t = ctypes.c_int()
+assert libc.timer_create(1, ctypes.byref(Ev(0, signal.SIGUSR1, 4, tid[0])), ctypes.byref(t)) == 0
+assert libc.timer_settime(t, 0, ctypes.byref(Spec((ctypes.c_long * 4)(0, 0, 100, 0))), None) == 0
+open("/workspace/armed", "w").close()
+time.sleep(1000)
+"""
+
+
+def test_a_timer_signalling_one_thread_is_refused_by_name(sbx: Sandbox) -> None:
+    """A timer aimed at one thread other than the main one (SIGEV_THREAD_ID; glibc's
+    SIGEV_THREAD timers are such) is not made again: refused naming it and the thread."""
+    sbx.files.write("tt.py", THREAD_TIMER)
+    sbx.exec("cd /workspace && nohup python3 tt.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("armed"))
+    _refused_by_name(sbx, r"(?s)pid \d+ \(python3 tt.py\).*POSIX timer timer 0 \(clock 1, "
+                          r"signal 10\) signals thread \d+ only: not restored")
 
 
 def test_a_sleep_restored_from_an_image_sleeps_the_time_it_had_left(

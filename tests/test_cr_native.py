@@ -58,6 +58,7 @@ def native():
                     "-D_GNU_SOURCE", "-fPIC", "-shared", "-o", str(lib),
                     str(ROOT / "native" / "fork_template.c"),
                     str(ROOT / "native" / "threads.c"),
+                    str(ROOT / "native" / "timers.c"),
                     str(ROOT / "native" / "dontfork.c"),
                     str(ROOT / "native" / "ptrace_jobs.c")], check=True)
     os.environ["DELTABOX_LIBDBXCR"] = str(lib)

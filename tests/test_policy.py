@@ -270,20 +270,30 @@ def test_forced_modes_and_reuse_after_rollback(sbx: Sandbox, ebpf: str) -> None:
     assert sh.run("echo $A").stdout == "1\n"
 
 
-def test_a_running_alarm_is_never_aliased(sbx: Sandbox, ebpf: str) -> None:
-    """A process whose alarm (ITIMER_REAL) runs has less time left at every checkpoint even
-    if it never runs: a checkpoint after a rollback is captured afresh instead of aliasing
-    the one restored (whose time left is older), with the reason said."""
-    sbx.exec("nohup python3 -c \"import signal, time\nsignal.signal(signal.SIGALRM, "
-             "lambda *_: None)\nsignal.alarm(600)\nopen('/workspace/armed', 'w').close()"
-             "\ntime.sleep(1000)\" >/dev/null 2>&1 &")
-    wait_for(lambda: sbx.files.exists("armed"))
+TIMED = {   # how to start it, a command that succeeds once it is armed, the reason said
+    "alarm": ("nohup python3 -c \"import signal, time\nsignal.signal(signal.SIGALRM, "
+              "lambda *_: None)\nsignal.alarm(600)\nopen('/workspace/armed', 'w').close()"
+              "\ntime.sleep(1000)\" >/dev/null 2>&1 &", "test -e /workspace/armed",
+              "an alarm (ITIMER_REAL) running"),
+    "posix": ("nohup timeout 600 sleep 1000 >/dev/null 2>&1 &",
+              "grep -q ID /proc/$(pgrep -x timeout)/timers", "a POSIX timer (timer 0) running"),
+}
+
+
+@pytest.mark.parametrize("kind", TIMED)
+def test_a_running_timer_is_never_aliased(sbx: Sandbox, ebpf: str, kind: str) -> None:
+    """A process whose alarm (ITIMER_REAL) or POSIX timer (`timeout`'s) runs has less time
+    left at every checkpoint even if it never runs: a checkpoint after a rollback is
+    captured afresh instead of aliasing the one restored (whose time left is older), with
+    the reason said."""
+    start, armed, reason = TIMED[kind]
+    sbx.exec(start)
+    wait_for(lambda: sbx.exec(armed).exit_code == 0)
     full = sbx.checkpoint()
     assert full.kind == "full"
     sbx.rollback(full)
     again = sbx.checkpoint()
-    assert again.kind == "full" and any("alarm (ITIMER_REAL) running" in r
-                                        for r in again.reasons), again.reasons
+    assert again.kind == "full" and any(reason in r for r in again.reasons), again.reasons
 
 
 def test_fork_children_skip_until_they_change(sbx: Sandbox, ebpf: str) -> None:

@@ -77,16 +77,22 @@ class ProcessRecord:
     deleted_private: frozenset[tuple[int, str]] = frozenset()
     listens: list[native.ListenSocket] = field(default_factory=list)
     loop: LoopState | None = None   # epoll, eventfds, socket pairs (eventloop.capture)
-    # its POSIX timers (timer_create), as /proc/PID/timers lists them: refused
+    # its POSIX timers (timer_create) that cannot be made again, named with why: refused
     timers: list[str] = field(default_factory=list)
-    # its interval timers (Template.itimers: kept with the record for a restore from disk)
+    # its interval and POSIX timers (Template.itimers, .ptimers: kept with the record for a
+    # restore from disk)
     itimers: list[int] = field(default_factory=lambda: [0] * 12)
+    ptimers: list[list[int]] = field(default_factory=list)
 
     @property
-    def real_timer(self) -> bool:
-        """Whether its ITIMER_REAL (alarm, setitimer) was armed: it counts wall time, so a
-        later checkpoint's time left differs even if the process never ran."""
-        return any(self.itimers[2:4])   # ITIMER_REAL's time left (s, us)
+    def running_timer(self) -> str | None:
+        """Its timer that was armed at the checkpoint and runs down in wall time (an alarm,
+        a POSIX timer), named; None if none. A later checkpoint's time left differs even
+        if the process never ran."""
+        if any(self.itimers[2:4]):   # ITIMER_REAL's time left (s, us)
+            return "an alarm (ITIMER_REAL)"
+        armed = [t[0] for t in self.ptimers if any(t[7:9])]   # time left (s, ns)
+        return f"a POSIX timer (timer {armed[0]})" if armed else None
 
     def summary(self) -> dict:
         return dict(pid=self.nspid, ppid=self.ppid, pgid=self.pgid, sid=self.sid,
@@ -208,24 +214,43 @@ def record(pid: int, st: native.ProcStatus, head: Head | None = None) -> Process
 
 
 def posix_timers(pid: int) -> list[str]:
-    """pid's POSIX timers, from /proc/PID/timers ("ID: 0", "signal: 14/0...", "notify:
-    signal/pid.5", "ClockID: 0" per timer), e.g. "timer 0 (clock 0, signal 14)"."""
+    """pid's POSIX timers that a restored process cannot get back (native/timers.c makes
+    the others again), each named with why, e.g. "timer 1 (clock 1, signal 10) signals
+    thread 812 only". From /proc/PID/timers ("ID: 0", "signal: 14/<sigev_value>",
+    "notify: signal/pid.5" or ".../tid.N", "ClockID: 0" per timer; host pids)."""
     try:
         raw = kernfs.read(f"/proc/{pid}/timers")
     except OSError:
         return []
-    out: list[str] = []
-    fields: dict[bytes, bytes] = {}
-    for line in [*raw.splitlines(), b"ID: end"]:
+    timers: list[dict[bytes, bytes]] = []
+    for line in raw.splitlines():
         key, _, value = line.partition(b": ")
-        if key == b"ID" and fields:
-            out.append(f"timer {fields.get(b'ID', b'?').decode()} (clock "
-                       f"{fields.get(b'ClockID', b'?').decode()}, signal "
-                       f"{fields.get(b'signal', b'?').split(b'/')[0].decode()})")
-            fields = {}
-        if value:
-            fields[key] = value.strip()
+        if key == b"ID":
+            timers.append({})
+        if timers:
+            timers[-1][key] = value.strip()
+    if not timers:
+        return []
+    most = native.ptimers_supported()
+    if not most:
+        return [f"{_timer_name(t)}: this kernel cannot give a restored timer its id "
+                "(prctl PR_TIMER_CREATE_RESTORE_IDS)" for t in timers]
+    if len(timers) > most:
+        return [f"{len(timers)} timers: at most {most} are captured"]
+    out = []
+    for t in timers:
+        whom = t.get(b"notify", b"").partition(b"/")[2]
+        clock = int(t.get(b"ClockID", b"0"))
+        if whom.startswith(b"tid.") and int(whom[4:]) != pid:
+            out.append(f"{_timer_name(t)} signals thread {int(whom[4:])} only")
+        elif clock < 0 and ~(clock >> 3) != 0:
+            out.append(f"{_timer_name(t)} runs on the CPU clock of pid {~(clock >> 3)}")
     return out
+
+
+def _timer_name(t: dict[bytes, bytes]) -> str:
+    return (f"timer {t.get(b'ID', b'?').decode()} (clock {t.get(b'ClockID', b'?').decode()}, "
+            f"signal {t.get(b'signal', b'?').split(b'/')[0].decode()})")
 
 
 def status_refused(st: native.ProcStatus, tracer_ok: set[int]) -> bool:
@@ -259,11 +284,11 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
 
     for reason in _status_reasons(rec, tracer_ok):
         refuse(reason)
-    if rec.timers:
-        # fork(2) does not pass them on, so a template's child would never get the signal
-        # (`timeout 60 CMD` restored that way would wait for CMD forever).
-        refuse(f"POSIX timer(s) {', '.join(rec.timers)}: timers (timer_create; the timeout "
-               "command's) are not captured; checkpoint once it has fired or been deleted")
+    for timer in rec.timers:
+        # fork(2) does not pass them on; a restored process would never get the signal
+        # (`timeout 60 CMD` restored so would wait for CMD forever).
+        refuse(f"POSIX timer {timer}: not restored; checkpoint once it has fired or been "
+               "deleted")
     for m in rec.shared:
         if m.sysv:
             refuse(f"System V shared memory {m.path} at {m.where}: not captured (it "

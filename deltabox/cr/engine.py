@@ -628,10 +628,12 @@ class DeltaCR:
                     # group belongs to the source sandbox, so each child leads or joins a
                     # group of the target's own (sessions stay the source's: see module doc).
                     # In a pid namespace that already holds templates of its own, a group
-                    # leader's pid may still be allocated (see above): new pid then.
+                    # leader's pid may still be allocated (see above): a new pid then, at
+                    # once unless a taken pid may fall back to one anyway (pid_fallback:
+                    # its parent waits for it by its pid, as a shell for `timeout`).
                     alone = _new_session(state, rec)   # its session's id is free
-                    spawn.nspid = (rec.nspid if into.fresh or not _leader(rec) or alone
-                                   else None)
+                    spawn.nspid = (rec.nspid if into.fresh or into.pid_fallback
+                                   or not _leader(rec) or alone else None)
                     spawn.into = into
                     spawn.pgid = native.NEW_SESSION if alone else groups.get(rec.pgid, -1)
                 return spawn
@@ -1261,7 +1263,7 @@ def _stop_and_template(cap: _Pass, pids: list[int], thaw: Callable[[], None],
         raise Internal("the capture's process records were not read in time")
     if cap.refused:  # the capture fails: its templates are released
         return
-    _note_itimers(cap.templates, cap.records)
+    _note_timers(cap.templates, cap.records)
     if cap.files_done.wait(RESUME_WAIT_S) and cap.files_ok:
         _resume_all(cap.stopped)
         cap.resumed = True
@@ -1273,7 +1275,7 @@ def _template_held(held: Held, records: list[ProcessRecord]) -> dict[int, native
     left); none left on failure."""
     templates = _templates(held.stopped, {r.pid: r.rss_kb for r in records}, held.reuse)
     try:
-        _note_itimers(templates, records)
+        _note_timers(templates, records)
         _leave_groups(templates, records)
     except BaseException:
         _release_all(list(templates.values()))
@@ -1281,14 +1283,15 @@ def _template_held(held: Held, records: list[ProcessRecord]) -> dict[int, native
     return templates
 
 
-def _note_itimers(templates: dict[int, native.Template],
-                  records: list[ProcessRecord]) -> None:
-    """Each record gets its template's interval timers (read at the stop; a shared
-    template's from its own checkpoint): kept with it for a restore from disk."""
+def _note_timers(templates: dict[int, native.Template],
+                 records: list[ProcessRecord]) -> None:
+    """Each record gets its template's interval and POSIX timers (read at the stop; a
+    shared template's from its own checkpoint): kept with it for a restore from disk."""
     for rec in records:
         tpl = templates.get(rec.pid)
         if tpl is not None:
             rec.itimers = tpl.itimers()
+            rec.ptimers = tpl.ptimers()
 
 
 def _syscalls_at_stop(cap: _Pass, later: bool) -> Callable[[int], adoption.Calls]:

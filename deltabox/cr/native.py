@@ -183,6 +183,15 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_template_set_itimers.argtypes = [ctypes.c_void_p,
                                                    ctypes.POINTER(ctypes.c_long), err]
         lib.dbxcr_template_set_itimers.restype = ctypes.c_int
+        lib.dbxcr_template_ptimers.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_long),
+                                               ctypes.c_int]
+        lib.dbxcr_template_ptimers.restype = ctypes.c_int
+        lib.dbxcr_template_set_ptimers.argtypes = [ctypes.c_void_p,
+                                                   ctypes.POINTER(ctypes.c_long), ctypes.c_int,
+                                                   err]
+        lib.dbxcr_template_set_ptimers.restype = ctypes.c_int
+        lib.dbxcr_ptimers_supported.argtypes = []
+        lib.dbxcr_ptimers_supported.restype = ctypes.c_int
         lib.dbxcr_template_pid.argtypes = [ctypes.c_void_p]
         lib.dbxcr_template_pid.restype = ctypes.c_int
         lib.dbxcr_template_origin.argtypes = [ctypes.c_void_p]
@@ -272,6 +281,13 @@ def _raise(err: _Err) -> None:
 
 # native/dbxcr_internal.h: the most threads a captured process may have.
 MAX_THREADS = 256
+PTIMER_FIELDS = 9       # longs per POSIX timer (fork_template.h DBXCR_PTIMER_FIELDS)
+
+
+def ptimers_supported() -> int:
+    """How many POSIX timers a process may have to be captured; 0 if this kernel cannot
+    give a restored timer its id (prctl PR_TIMER_CREATE_RESTORE_IDS)."""
+    return _load().dbxcr_ptimers_supported()
 NEW_SESSION = -2        # a spawn's pgid: setsid() in the child (fork_template.h DBXCR_NEW_SESSION)
 
 
@@ -575,6 +591,27 @@ class Template:
         err = _Err()
         if _load().dbxcr_template_set_itimers(self._h(), (ctypes.c_long * 12)(*itimers),
                                               ctypes.byref(err)) < 0:
+            _raise(err)
+
+    def ptimers(self) -> list[list[int]]:
+        """The origin's POSIX timers at the checkpoint, made again with their ids in every
+        child (fork drops them): per timer [id, clock, notify (SIGEV_*), signal,
+        sigev_value, interval s, ns, time left s, ns]. CRError if one cannot be made
+        again (the capture refuses the process first: capture.posix_timers)."""
+        n = 64   # more than a captured process may have (ptimers_supported)
+        out = (ctypes.c_long * (n * PTIMER_FIELDS))()
+        got = _load().dbxcr_template_ptimers(self._h(), out, n)
+        if got < 0:
+            raise CRError(_errno.EOPNOTSUPP, f"pid {self.origin}: a POSIX timer cannot be "
+                          "made again")
+        return [list(out[i * PTIMER_FIELDS:(i + 1) * PTIMER_FIELDS]) for i in range(got)]
+
+    def set_ptimers(self, ptimers: Sequence[Sequence[int]]) -> None:
+        """Give a template rebuilt from disk the POSIX timers its origin had."""
+        flat = [v for t in ptimers for v in t]
+        err = _Err()
+        if _load().dbxcr_template_set_ptimers(self._h(), (ctypes.c_long * max(len(flat), 1))(
+                *flat), len(ptimers), ctypes.byref(err)) < 0:
             _raise(err)
 
     def own_group(self) -> None:

@@ -406,6 +406,8 @@ class Dumps:
                     native.restore_template, host_pid, d / str(rec.nspid), root_dir)
                 if any(rec.itimers):   # not in the image: kept with the record
                     templates[rec.pid].set_itimers(rec.itimers)
+                if rec.ptimers:
+                    templates[rec.pid].set_ptimers(rec.ptimers)
                 # Rebuilt by the sandbox's init, it is in none of the captured sessions:
                 # a lone session leader's child leads its session again (cr/engine.py).
                 templates[rec.pid].own_session_done = rec.pid in lone

@@ -1392,10 +1392,10 @@ class Daemon:
         untouched = untouched_processes(effects) - live.drifted()
         if not untouched:
             return Kept()
-        # An armed ITIMER_REAL runs down in wall time: the parent's template would give the
-        # process back the time it had left then.
+        # An armed alarm or POSIX timer runs down in wall time: the parent's template would
+        # give the process back the time it had left then.
         return Kept(untouched, {r.nspid: state.templates[r.pid] for r in state.records
-                                if not r.real_timer})
+                                if r.running_timer is None})
 
     @staticmethod
     def _note_drift(live: Live, effects: TurnEffects | None) -> None:
@@ -1437,8 +1437,8 @@ class Daemon:
                 reuse = "the parent checkpoint's process templates were evicted"
             elif parent.procs_of is None and alive:
                 reuse = "the parent checkpoint holds file state only"
-            elif (timed := self._real_timer(live, parent.procs_of)) is not None:
-                reuse = (f"pid {timed.nspid} ({timed.cmd}) has an alarm (ITIMER_REAL) "
+            elif (timed := self._timed(live, parent.procs_of)) is not None:
+                reuse = (f"pid {timed.nspid} ({timed.cmd}) has {timed.running_timer} "
                          "running: its time left is not the parent checkpoint's")
         # Never captured, so their running changes no process state of the checkpoint:
         # the sandbox's init and launcher (they reap), the daemon's dbx-enter helpers (they
@@ -1501,14 +1501,14 @@ class Daemon:
             bytes_changed=nbytes, freeze_ms=0.0, reasons=reasons, procs_of=procs_of,
             bases=list(parent.bases if decision.kind == "skipped" and parent else row.bases))
 
-    def _real_timer(self, live: Live, key: str | None) -> ProcessRecord | None:
-        """A process of checkpoint `key` (held here or by an ancestor) whose ITIMER_REAL
-        was armed at that checkpoint."""
+    def _timed(self, live: Live, key: str | None) -> ProcessRecord | None:
+        """A process of checkpoint `key` (held here or by an ancestor) with a timer armed
+        at that checkpoint (ProcessRecord.running_timer)."""
         if key is None:
             return None
         holder = live if key in live.captured else self._ancestor_holding(live, key)
         state = holder.captured.get(key) if holder is not None else None
-        return next((r for r in state.records if r.real_timer), None) if state else None
+        return next((r for r in state.records if r.running_timer), None) if state else None
 
     def _procs_available(self, live: Live, key: str) -> bool:
         """Whether the processes captured at checkpoint `key` can be restored here."""

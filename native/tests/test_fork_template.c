@@ -1349,6 +1349,111 @@ static void test_template_nanosleep(void)
 	close(rep[0]);
 }
 
+/* The ids /proc/PID/timers lists, in order, as "0 2 ..." (at most len bytes). */
+static void timer_ids(pid_t pid, char *out, size_t len)
+{
+	char buf[2048], *line, *save = NULL;
+	size_t n = 0;
+
+	out[0] = '\0';
+	if (proc_read(pid, "timers", buf, sizeof(buf)) < 0)
+		return;
+	for (line = strtok_r(buf, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+		int id;
+
+		if (sscanf(line, "ID: %d", &id) == 1 && n + 12 < len)
+			n += (size_t)snprintf(out + n, len - n, "%s%d", n ? " " : "", id);
+	}
+}
+
+/* POSIX timers: a template reads them (ids with a gap, clocks, notifications, the time
+ * left of an armed one); its child gets them made again with the same ids, and the armed
+ * one, aimed at the main thread by SIGEV_THREAD_ID, signals the child after the time it
+ * had left. */
+static void test_template_ptimers(void)
+{
+	int rep[2];
+	pid_t pid, child = -1;
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl;
+	long t[4 * DBXCR_PTIMER_FIELDS];
+	char ids[64];
+	int n;
+
+	current_test = "template-ptimers";
+	if (pipe(rep) < 0)
+		abort();
+	pid = fork();
+	if (pid == 0) {
+		struct sigevent none = { .sigev_notify = SIGEV_NONE };
+		struct sigevent sig = { .sigev_notify = SIGEV_SIGNAL | SIGEV_THREAD_ID,
+					.sigev_signo = SIGUSR1 };
+		struct itimerspec spec = { { 7, 0 }, { 60, 0 } };
+		struct itimerspec soon = { { 0, 0 }, { 1, 0 } };
+		timer_t a, b, c;
+		sigset_t usr1;
+		siginfo_t si;
+
+		sig.sigev_value.sival_int = 77;
+		sig._sigev_un._tid = (pid_t)syscall(SYS_gettid);
+		sigemptyset(&usr1);
+		sigaddset(&usr1, SIGUSR1);
+		sigprocmask(SIG_BLOCK, &usr1, NULL);
+		if (timer_create(CLOCK_MONOTONIC, &none, &a) || timer_create(CLOCK_MONOTONIC,
+		    &none, &b) || timer_create(CLOCK_REALTIME, &sig, &c) || timer_delete(b) ||
+		    timer_settime(a, 0, &spec, NULL) || timer_settime(c, 0, &soon, NULL))
+			_exit(3);
+		/* A stop (ours) ends sigwaitinfo with EINTR, as SIGSTOP/SIGCONT would:
+		 * signal(7); a program waits again. */
+		while (sigwaitinfo(&usr1, &si) < 0)
+			if (errno != EINTR)
+				_exit(4);
+		if (write(rep[1], &si.si_value.sival_int, sizeof(int)) < 0)
+			_exit(2);
+		_exit(0);
+	}
+	close(rep[1]);
+	CHECK(wait_in_syscall(pid, SYS_rt_sigtimedwait) == 0, "child never waited");
+	tpl = dbxcr_make_template(pid, &err);
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (tpl) {
+		n = dbxcr_template_ptimers(tpl, t, 4);
+		CHECK(n == 2, "%d timers", n);
+		for (int i = 0; i < n && n == 2; i++) {	/* /proc lists the newest first */
+			const long *v = t + i * DBXCR_PTIMER_FIELDS;
+
+			if (v[0] == 0)
+				CHECK(v[1] == CLOCK_MONOTONIC && v[2] == SIGEV_NONE && v[5] == 7 &&
+				      v[6] == 0 && v[7] >= 58 && v[7] < 60, "timer 0: clock %ld notify "
+				      "%ld every %ld.%09ld left %ld", v[1], v[2], v[5], v[6], v[7]);
+			else
+				CHECK(v[0] == 2 && v[1] == CLOCK_REALTIME && v[2] == (SIGEV_SIGNAL |
+				      SIGEV_THREAD_ID) && v[3] == SIGUSR1 && (int)v[4] == 77 &&
+				      v[7] == 0 && v[8] > 500000000, "timer %ld: clock %ld notify %ld "
+				      "signal %ld value %ld left %ld.%09ld", v[0], v[1], v[2], v[3],
+				      v[4], v[7], v[8]);
+		}
+		child = dbxcr_spawn(tpl, NULL, &err);
+		CHECK(child > 0, "spawn: %s", err.msg);
+	}
+	if (child > 0) {
+		timer_ids(child, ids, sizeof(ids));
+		CHECK(!strcmp(ids, "0 2"), "child's timers: '%s'", ids);
+	}
+	for (int i = 0; i < (child > 0 ? 2 : 1); i++) {
+		int got = 0;
+
+		CHECK(read_timeout(rep[0], &got, sizeof(got), 5000) == 0, "no signal %d", i);
+		CHECK(got == 77, "signal %d: sigev_value %d", i, got);
+	}
+	CHECK(WIFEXITED(reap(pid)), "original exit");
+	if (child > 0)
+		CHECK(WIFEXITED(reap(child)), "child exit");
+	if (tpl)
+		CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
+	close(rep[0]);
+}
+
 static char proc_state(pid_t pid)
 {
 	struct dbxcr_info info;
@@ -2512,7 +2617,16 @@ static void test_netns_socket(void)
 	close(ns);
 }
 
-int main(void)
+/* test_fork_template [NAME...]: the named tests only (all without a name). */
+static bool selected(const char *name, int argc, char **argv)
+{
+	for (int i = 1; i < argc; i++)
+		if (!strcmp(argv[i], name))
+			return true;
+	return argc < 2;
+}
+
+int main(int argc, char **argv)
 {
 	int fd;
 
@@ -2553,6 +2667,7 @@ int main(void)
 		{ "epoll-recreated", test_epoll_recreated },
 		{ "netns-socket", test_netns_socket },
 		{ "template-nanosleep", test_template_nanosleep },
+		{ "template-ptimers", test_template_ptimers },
 		{ "template-shared-stack", test_template_shared_stack },
 		{ "threads-recreated", test_threads },
 		{ "stop-frozen-tree", test_stop_frozen_tree },
@@ -2563,6 +2678,8 @@ int main(void)
 		int before = failures;
 		long long t0 = now_ms();
 
+		if (!selected(tests[i].name, argc, argv))
+			continue;
 		tests[i].fn();
 		fprintf(stderr, "%s %s (%lld ms)\n", failures == before ? "ok  " : "FAIL",
 			tests[i].name, now_ms() - t0);
