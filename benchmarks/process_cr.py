@@ -62,6 +62,7 @@ from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, Terminated, Timer, fi
                                ratio, record_cleanup, stats,
                                terminate_as_exception, wait_for_file, wait_inspector,
                                write_json)
+from benchmarks.grpc_floor import BareServer
 
 MiB = 1 << 20
 CTL = "/workspace/ctl"
@@ -269,6 +270,9 @@ class Series:
     # A no-op call (Sandbox.info(), GetSandbox) after the same settle pause: the gRPC round
     # trip and hand-overs every operation pays before the daemon does anything.
     noop_ms: list[float] = field(default_factory=list)
+    # The same call to a bare grpcio server (benchmarks/grpc_floor.py) after the same pause:
+    # the floor of any call here, before the daemon's hand-overs.
+    bare_ms: list[float] = field(default_factory=list)
 
 
 # ---- the sandbox side ------------------------------------------------------------------------
@@ -467,7 +471,9 @@ def run_config(d: PrivateDaemon, cfg: Config, plan: Plan) -> Series:
     s.floor_ms, s.floor_rss_kb, s.floor_nfork = floor["fork_ms"], floor["rss_kb"], nfork
 
     sbx = Sandbox.create(socket=d.socket, huge_pages=plan.huge_pages)
+    bare: BareServer | None = None
     try:
+        bare = BareServer(d.scratch).__enter__()
         wl = Workload(sbx, cfg.size_mb, cfg.nproc, plan.settle_s, cfg.subshell)
         wl.install()
         if cfg.tree:
@@ -610,6 +616,8 @@ def run_config(d: PrivateDaemon, cfg: Config, plan: Plan) -> Series:
             with Timer() as tm:
                 sbx.info()
             s.noop_ms.append(tm.ms)
+            wl.settle()
+            s.bare_ms.append(bare.call())
 
 
         # The same checkpoint at a session command's end (exec/session checkpoint=): the
@@ -641,6 +649,8 @@ def run_config(d: PrivateDaemon, cfg: Config, plan: Plan) -> Series:
             log(f"{cfg.name}: a restarted workload did not rebuild the same memory")
     finally:
         sbx.kill()
+        if bare is not None:
+            bare.__exit__()
     log(f"{cfg.name}: checkpoint p50 {percentile(s.checkpoint_ms, 50):.1f} ms, rollback p50 "
         f"{percentile(s.rollback_new_ms, 50):.1f} (newest) / "
         f"{percentile(s.rollback_old_ms, 50):.1f} (older) ms, restart+replay p50 "
@@ -865,6 +875,7 @@ def summarize(series: list[Series], fork: dict | None, tmem: list[dict] | None) 
     for s in series:
         ck, rn, ro = stats(s.checkpoint_ms), stats(s.rollback_new_ms), stats(s.rollback_old_ms)
         rp, fl, nop = stats(s.replay_ms), stats(s.floor_ms), stats(s.noop_ms)
+        bare = stats(s.bare_ms)
         per[s.name] = {
             "size_mb": s.size_mb, "nproc": s.nproc, "tree": s.tree,
             "checkpoint_ms": ck, "checkpoint_server_ms": stats(s.checkpoint_server_ms),
@@ -882,6 +893,10 @@ def summarize(series: list[Series], fork: dict | None, tmem: list[dict] | None) 
             "noop_call_ms": nop,
             "checkpoint_over_noop_call_p50": ratio(ck.get("p50", 0), nop.get("p50", 0)),
             "rollback_over_noop_call_p50": ratio(rn.get("p50", 0), nop.get("p50", 0)),
+            "bare_grpc_call_ms": bare,
+            "rollback_over_bare_grpc_call_p50": ratio(rn.get("p50", 0), bare.get("p50", 0)),
+            "rollback_minus_bare_grpc_call_p50_ms":
+                rn.get("p50", 0) - bare.get("p50", 0) if bare else None,
             "rollbacks": len(s.rollback_outcomes), "not_restored": s.not_restored,
             "hash_checks": s.hash_checks, "hash_mismatches": len(s.hash_mismatches),
             "file_checks": s.file_checks, "file_mismatches": len(s.file_mismatches),
@@ -999,6 +1014,14 @@ def print_summary(summary: dict, targets: dict, json_path: Path, png_path: Path)
         p(f"{name:8} {_fmt(r.get('noop_call_ms', {}).get('p50'), prec=2)} | checkpoint "
           f"{_fmt(r.get('checkpoint_over_noop_call_p50'), 5)}x | rollback "
           f"{_fmt(r.get('rollback_over_noop_call_p50'), 5)}x")
+    p("")
+    p("the same call to a bare grpcio server (benchmarks/grpc_floor.py: deltaboxd's server "
+      "options, an answer from the gRPC thread) after the same pause: p50 ms; the rollback "
+      "(newest) as a multiple of it, and what it takes beyond it")
+    for name, r in summary["per_config"].items():
+        p(f"{name:8} {_fmt(r.get('bare_grpc_call_ms', {}).get('p50'), prec=2)} | rollback "
+          f"{_fmt(r.get('rollback_over_bare_grpc_call_p50'), 5)}x, "
+          f"+{_fmt(r.get('rollback_minus_bare_grpc_call_p50_ms'), prec=2)} ms")
     p("")
     p("checkpoint at a session command's end (turn boundary; p50, ms): the command alone / "
       "with checkpoint= / what the client sees of it / the checkpoint's daemon time (kind)")

@@ -111,6 +111,7 @@
 #include <netinet/in.h>
 #include <linux/prctl.h>
 #include <sys/epoll.h>
+#include <sys/file.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
@@ -2755,6 +2756,37 @@ static int recreate_listen(struct tracee *c, unsigned long scratch, const struct
 	return 0;
 }
 
+/* Take the original's file locks again (see struct dbxcr_lock), never waiting: the files
+ * are this restore's own, so a lock that is taken already means two restored descriptors
+ * claim one lock, which must fail the restore rather than hang it. */
+static int take_locks(struct tracee *c, unsigned long scratch, const struct dbxcr_lock *locks,
+		      size_t n, struct dbxcr_error *err)
+{
+	for (size_t i = 0; i < n; i++) {
+		const struct dbxcr_lock *l = &locks[i];
+		bool write = l->type == F_WRLCK;
+		long a[6] = { l->fd, 0, 0, 0, 0, 0 };
+
+		if (l->kind == DBXCR_LOCK_FLOCK) {
+			a[1] = (write ? LOCK_EX : LOCK_SH) | LOCK_NB;
+			if (rsys(c, SYS_flock, a, err, "flock fd %d (%s)", l->fd,
+				 write ? "exclusive" : "shared") < 0)
+				return -1;
+			continue;
+		}
+		struct flock fl = { .l_type = (short)l->type, .l_whence = SEEK_SET,
+				    .l_start = l->start, .l_len = l->len };
+
+		a[1] = l->kind == DBXCR_LOCK_OFD ? F_OFD_SETLK : F_SETLK;
+		a[2] = (long)scratch;
+		if (mem_write(c->pid, scratch, &fl, sizeof(fl), err) < 0 ||
+		    rsys(c, SYS_fcntl, a, err, "%s lock fd %d bytes %lld+%lld",
+			 l->kind == DBXCR_LOCK_OFD ? "OFD" : "POSIX", l->fd, l->start, l->len) < 0)
+			return -1;
+	}
+	return 0;
+}
+
 /* Create an epoll instance like the original's at e->fd and add its watches.  The child
  * still holds the template's copy at e->fd (one instance with the original process: an
  * epoll_ctl on it would change the original's), replaced by dup3 before any watch is
@@ -2966,8 +2998,10 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 			return -1;
 	if (o->pgid && join_group(c, o->pgid, err) < 0)
 		return -1;
-	if (carrier)	/* pending signals and the scratch page are the birth's business */
+	if (carrier)	/* pending signals, locks and the scratch page are the birth's business */
 		return 0;
+	if (take_locks(c, scratch, o->locks, o->nlocks, err) < 0)
+		return -1;
 	if (threads_recreate(c, tpl, o->set_tid_size > 0, false, thr, err) < 0)
 		return -1;
 	if (kind == SPAWN_HELD || kind == SPAWN_HELD_SHARED)	/* its scratch page serves its
@@ -3358,6 +3392,8 @@ void dbxcr_held_kill(struct dbxcr_held *h)
 
 struct dbxcr_carrier {
 	struct dbxcr_template t;	/* pid = the carrier; regs/xstate/mask/pend: origin's */
+	struct dbxcr_lock *locks;	/* taken by its birth (POSIX locks are the process's) */
+	size_t nlocks;
 	bool born;
 	bool kept;	/* a keeper now: its descriptors closed */
 };
@@ -3385,6 +3421,15 @@ pid_t dbxcr_spawn_carrier(struct dbxcr_template *tpl, const struct dbxcr_spawn_o
 	}
 	k->t.pid = child;
 	k->t.tracer_tid = current_tid();
+	if (opts && opts->nlocks) {
+		k->locks = malloc(opts->nlocks * sizeof(*k->locks));
+		if (!k->locks) {
+			fail(err, ENOMEM, tpl->pid, "copying %zu file locks", opts->nlocks);
+			goto fail;
+		}
+		memcpy(k->locks, opts->locks, opts->nlocks * sizeof(*k->locks));
+		k->nlocks = opts->nlocks;
+	}
 	/* Its birth shares its address space (CLONE_VM), which clears the child's
 	 * sigaltstack: the one this fork copied from the template is given back then. */
 	if (main_altstack(&c, &k->t.main.altstack, err) < 0)
@@ -3400,6 +3445,7 @@ fail:
 	free(k->t.xstate);
 	threads_free(k->t.threads);
 	free(k->t.dontfork);
+	free(k->locks);
 	free(k);
 	return -1;
 }
@@ -3452,7 +3498,8 @@ pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t 
 	    (pgid && join_group(&c, pgid, err) < 0) ||
 	    threads_recreate(&c, &k->t, true, true, &thr, err) < 0)
 		goto kill;
-	if (finish_child(&c, &k->t, err) < 0 || unpin_child(&col, &k->t, child, err) < 0)
+	if (take_locks(&c, k->t.scratch, k->locks, k->nlocks, err) < 0 ||
+	    finish_child(&c, &k->t, err) < 0 || unpin_child(&col, &k->t, child, err) < 0)
 		goto kill_threads;
 	colocation_end(&col);
 	c.regs = k->t.regs;
@@ -3508,6 +3555,7 @@ int dbxcr_carrier_kill(struct dbxcr_carrier *k, struct dbxcr_error *err)
 	free(k->t.xstate);
 	threads_free(k->t.threads);
 	free(k->t.dontfork);
+	free(k->locks);
 	free(k);
 	return 0;
 }

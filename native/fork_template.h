@@ -204,6 +204,20 @@ struct dbxcr_remap {
 	long long offset;		/* file offset of start */
 };
 
+/* A file lock the original held on one of its descriptors, taken again by the restored
+ * process once its descriptors are in place: flock(2) and OFD locks belong to the open
+ * file description, POSIX record locks to the process (so a birth takes them itself, not
+ * its carrier).  The restored files are other inodes than the live ones (a new snapshot),
+ * so the original's locks never conflict.  type: F_RDLCK or F_WRLCK; len 0: to the end of
+ * the file. */
+enum { DBXCR_LOCK_FLOCK = 1, DBXCR_LOCK_POSIX = 2, DBXCR_LOCK_OFD = 3 };
+struct dbxcr_lock {
+	int fd;
+	int kind;
+	int type;
+	long long start, len;
+};
+
 struct dbxcr_spawn_opts {
 	int mntns_fd;			/* caller's fd of a mount namespace to join, or -1 */
 	const char *cwd;		/* directory to chdir to (after setns), or NULL */
@@ -230,6 +244,8 @@ struct dbxcr_spawn_opts {
 	size_t nepolls;
 	const struct dbxcr_remap *remaps;	/* shared mappings to map afresh */
 	size_t nremaps;
+	const struct dbxcr_lock *locks;		/* file locks to take, once all fds are in */
+	size_t nlocks;
 };
 
 /* Fork a child from the template, re-root it as asked, restore the checkpointed registers

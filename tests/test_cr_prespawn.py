@@ -19,7 +19,8 @@ from collections.abc import Callable
 from deltabox import Sandbox
 
 from conftest import HELD, OWN_PS, wait_for
-from test_cr import REGISTRATIONS, SHARED_MEMORY, TCP_ENDS, THREADED, TIMERS, _role
+from test_cr import (LOCKER, REGISTRATIONS, SHARED_MEMORY, TCP_ENDS, THREADED, TIMERS,
+                     TRY_LOCK, _role)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 SYS_KCMP, KCMP_VM = 312, 1
@@ -355,6 +356,32 @@ def _born_from_carrier(marker: str) -> bool:
     live = [p for p, (_, name) in procs.items() if name not in HELD]
     assert len(live) == 1, procs
     return any(_same_vm(live[0], p) for p, (_, name) in procs.items() if name == "dbx-carrier")
+
+
+def test_file_locks_born_from_carriers(sbx: Sandbox) -> None:
+    """flock, POSIX and OFD locks of processes born from carriers: the carrier reopened
+    the files ahead, the born process takes the locks (a POSIX lock is its own, not the
+    carrier's, and stays when the carrier, now a keeper, closes its copies), at every
+    rollback."""
+    sbx.files.write("locker.py", LOCKER)
+    sbx.files.write("go", "")
+    for kind in ("flock", "posix", "ofd"):
+        sbx.exec(f"cd /workspace; nohup python3 locker.py {kind} /workspace/lk-{kind} "
+                 f"/workspace/go >/dev/null 2>&1 &")
+        wait_for(lambda: sbx.files.exists("locked"), what=f"{kind} locked")
+        sbx.files.remove("locked")
+    cp = sbx.checkpoint(mode="full")
+    for i in range(2):
+        wait_for(lambda: _carriers_ready(sbx), what="a carrier")
+        assert sbx.rollback(cp).process_state == "restored"
+        for kind in ("flock", "posix", "ofd"):
+            assert _born_from_carrier(f"lk-{kind}"), kind
+            assert sbx.exec(TRY_LOCK + f"{kind} /workspace/lk-{kind}").stdout == "held\n", \
+                f"rollback {i}: {kind}"
+    sbx.files.write("release", "")
+    for kind in ("flock", "posix", "ofd"):
+        wait_for(lambda: sbx.exec(TRY_LOCK + f"{kind} /workspace/lk-{kind}").stdout
+                 == "free\n", what=f"{kind} free", timeout=5)
 
 
 def test_tcp_connection_born_from_carriers(sbx: Sandbox) -> None:

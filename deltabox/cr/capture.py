@@ -304,6 +304,26 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
     return out
 
 
+def shared_lock_refusals(records: list[ProcessRecord]) -> list[Refusal]:
+    """A flock or OFD lock belongs to an open file description; a restore reopens every
+    descriptor on its own, so one description shared by two descriptors (dup, or a fork's
+    parent and child: both show the lock) would come back as two, each claiming the lock
+    (and one's unlock no longer the other's). Refused, naming both."""
+    held = [(rec, f) for rec in records for f in rec.fds
+            if any((lk := native.FileLock.parse(f.fd, t)) is not None
+                   and lk.kind != native.LOCK_POSIX for t in f.locks)]
+    out = []
+    for i, (rec, f) in enumerate(held):
+        for rec2, f2 in held[i + 1:]:
+            if f2.path == f.path and native.same_file(rec.pid, f.fd, rec2.pid, f2.fd):
+                out.append(Refusal(rec.nspid, rec.cmd, (
+                    f"fd {f.fd}: its file lock on {f.path} ({', '.join(f.locks)}) is on an "
+                    f"open file description it shares with pid {rec2.nspid} fd {f2.fd}: "
+                    "not restored (a restore gives each descriptor its own); checkpoint "
+                    "once the lock is released")))
+    return out
+
+
 def is_loop_fd(f: native.FdInfo) -> bool:
     """An event loop's descriptor (epoll, eventfd, timerfd, signalfd, inotify, unix
     socket, TCP connection): eventloop.capture decides about it, not the refusals here."""
@@ -313,11 +333,12 @@ def is_loop_fd(f: native.FdInfo) -> bool:
 
 
 def _fd_refusal(f: native.FdInfo) -> str | None:
-    if f.locks:
-        # A restored process gets its files reopened, without the locks: it would go on
-        # as if it held them while any other process could take them.
-        return (f"holds file lock(s) on {f.path} ({', '.join(f.locks)}): file locks are "
-                "not captured; checkpoint once the lock is released")
+    other = [lock for lock in f.locks if native.FileLock.parse(f.fd, lock) is None]
+    if other:
+        # A restored process takes its flock, POSIX and OFD locks again (fork_template.c
+        # take_locks); a lease or delegation it would not have.
+        return (f"holds {', '.join(other)} on {f.path}: leases and delegations are not "
+                "captured; checkpoint once it is released")
     if is_loop_fd(f):
         return None
     if f.kind in ("dir", "chr") and f.target.endswith(" (deleted)"):

@@ -70,7 +70,7 @@ from ..errors import FailedPrecondition, Internal
 from . import adoption, eventloop, listeners, native, tcp, unlinked, watches
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .capture import (ProcessRecord, Refusal, Unsettled, add_listeners, record,
-                      record_head, refusals, status_refused)
+                      record_head, refusals, shared_lock_refusals, status_refused)
 from .worker import PtraceWorker
 
 T = TypeVar("T")
@@ -451,6 +451,7 @@ class DeltaCR:
                 alive = {s.pid for s in cap.stopped}  # the rest died meanwhile
                 records = [record(p, procs[p], heads[p]) for p in pids if p in alive]
                 cap.refused.extend(r for rec in records for r in refusals(rec, tracer_ok))
+                cap.refused.extend(shared_lock_refusals(records))
                 if not cap.refused:
                     cap.refused.extend(r for rec in records for r in add_listeners(rec))
                 if not cap.refused:
@@ -1535,6 +1536,7 @@ class _Spawn:
     image: str | None = None
     rootfd: int = -1
     remaps: list[native.Remap] = field(default_factory=list)  # its shared memory, made anew
+    locks: list[native.FileLock] = field(default_factory=list)  # its file locks, taken again
 
 
 def _time_wait_ports(state: ProcessState) -> set[int]:
@@ -1567,12 +1569,27 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
                   [] if ahead else rec.listens,
                   lane=state.lanes.get(rec.pid), cloexec=cloexec,
                   epolls=rec.loop.epolls if rec.loop else [], threaded=rec.threads > 1,
-                  remaps=plan.remaps(rec))
+                  remaps=plan.remaps(rec), locks=_locks(rec))
+
+
+def _locks(rec: ProcessRecord) -> list[native.FileLock]:
+    """The file locks rec's process held (capture refuses those that cannot be taken
+    again, and flock and OFD locks on a description it shares)."""
+    out = []
+    for f in rec.fds:
+        for text in f.locks:
+            lock = native.FileLock.parse(f.fd, text)
+            if lock is None:
+                raise Internal(f"pid {rec.nspid}: fd {f.fd}: lock {text!r} cannot be taken "
+                               "again")
+            out.append(lock)
+    return out
 
 
 def _carrier_of(sp: _Spawn) -> native.Carrier:
     return sp.tpl.spawn_carrier(fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd,
-                                cloexec_fds=sp.cloexec, epolls=sp.epolls, remaps=sp.remaps)
+                                cloexec_fds=sp.cloexec, epolls=sp.epolls, remaps=sp.remaps,
+                                locks=sp.locks)
 
 
 def _keep_all(carriers: list[native.Carrier]) -> None:
@@ -1698,7 +1715,7 @@ def _spawn_kwargs(sp: _Spawn, set_tid: list[int] | None, into: bool) -> dict:
     kwargs = dict(
         fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd, set_tid=set_tid,
         cloexec_fds=sp.cloexec, epolls=sp.epolls, remaps=sp.remaps, pgid=sp.pgid,
-        listens=sp.listens)
+        listens=sp.listens, locks=sp.locks)
     if into and sp.into is not None:
         kwargs.update(pidns_fd=sp.into.pidns_fd, ns_pidfd=sp.into.init_pidfd,
                       cgroup_fds=sp.into.cgroup_fds)

@@ -62,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno as _errno
+import fcntl
 import os
 import socket
 import stat as _stat
@@ -137,6 +138,11 @@ class _Remap(ctypes.Structure):
                 ("src", ctypes.c_int), ("offset", ctypes.c_longlong)]
 
 
+class _Lock(ctypes.Structure):  # fork_template.h struct dbxcr_lock
+    _fields_ = [("fd", ctypes.c_int), ("kind", ctypes.c_int), ("type", ctypes.c_int),
+                ("start", ctypes.c_longlong), ("len", ctypes.c_longlong)]
+
+
 class _SpawnOpts(ctypes.Structure):
     _fields_ = [("mntns_fd", ctypes.c_int), ("cwd", ctypes.c_char_p),
                 ("files", ctypes.POINTER(_File)), ("nfiles", ctypes.c_size_t),
@@ -147,7 +153,8 @@ class _SpawnOpts(ctypes.Structure):
                 ("pgid", ctypes.c_int),
                 ("listens", ctypes.POINTER(_Listen)), ("nlistens", ctypes.c_size_t),
                 ("epolls", ctypes.POINTER(_Epoll)), ("nepolls", ctypes.c_size_t),
-                ("remaps", ctypes.POINTER(_Remap)), ("nremaps", ctypes.c_size_t)]
+                ("remaps", ctypes.POINTER(_Remap)), ("nremaps", ctypes.c_size_t),
+                ("locks", ctypes.POINTER(_Lock)), ("nlocks", ctypes.c_size_t)]
 
 
 _lib: ctypes.CDLL | None = None
@@ -351,6 +358,37 @@ class Epoll:
     watches: tuple[EpollWatch, ...] = ()
 
 
+LOCK_FLOCK, LOCK_POSIX, LOCK_OFD = 1, 2, 3   # fork_template.h DBXCR_LOCK_*
+_LOCK_KINDS = {"FLOCK": LOCK_FLOCK, "POSIX": LOCK_POSIX, "OFDLCK": LOCK_OFD}
+_LOCK_TYPES = {"READ": fcntl.F_RDLCK, "WRITE": fcntl.F_WRLCK}
+
+
+@dataclass(frozen=True)
+class FileLock:
+    """A file lock a restored process takes again on its descriptor `fd` (fork_template.h
+    struct dbxcr_lock): kind LOCK_*, type fcntl.F_RDLCK or F_WRLCK, bytes from `start`
+    (len 0: to the end of the file)."""
+    fd: int
+    kind: int
+    type: int
+    start: int = 0
+    len: int = 0
+
+    @staticmethod
+    def parse(fd: int, text: str) -> FileLock | None:
+        """From an FdInfo.locks entry ("POSIX WRITE 5-14", "FLOCK READ 0-EOF"); None for
+        what cannot be taken again (a lease, a delegation)."""
+        parts = text.split()
+        if len(parts) != 3 or parts[0] not in _LOCK_KINDS or parts[1] not in _LOCK_TYPES:
+            return None
+        first, _, last = parts[2].partition("-")
+        if not first.isdigit() or not (last == "EOF" or last.isdigit()):
+            return None
+        start = int(first)
+        return FileLock(fd, _LOCK_KINDS[parts[0]], _LOCK_TYPES[parts[1]], start,
+                        0 if last == "EOF" else int(last) - start + 1)
+
+
 @dataclass(frozen=True)
 class Remap:
     """A shared mapping [start, end) to map again in a spawned child from our descriptor
@@ -435,7 +473,7 @@ class Template:
               cloexec_fds: Iterable[int] = (), pidns_fd: int | None = None,
               ns_pidfd: int | None = None, cgroup_fds: Sequence[int] = (), pgid: int = 0,
               listens: Sequence[ListenSocket] = (), epolls: Sequence[Epoll] = (),
-              remaps: Sequence[Remap] = ()) -> int:
+              remaps: Sequence[Remap] = (), locks: Sequence[FileLock] = ()) -> int:
         """Fork a child that continues where the origin was at checkpoint time.
 
         fds: {target_fd_in_child: our_fd}, e.g. fresh stdio pipes ({0: r, 1: w, 2: w}).
@@ -449,11 +487,12 @@ class Template:
         pgid: 0 keep the template's process group, -1 lead a new one, > 0 join that one.
         listens: listening TCP sockets created afresh (after joining the net namespace).
         epolls: epoll instances created afresh, last. remaps: shared mappings mapped again
-        from our descriptors.
+        from our descriptors. locks: file locks taken again once every descriptor is in
+        (a carrier's by its birth).
         Returns the child's pid in our namespace; it is a sibling of the origin (same
         parent, same exit signal)."""
         with self._opts(fds, files, cwd, mntns_fd, set_tid, cloexec_fds, pidns_fd, ns_pidfd,
-                        cgroup_fds, pgid, listens, epolls, remaps) as opts:
+                        cgroup_fds, pgid, listens, epolls, remaps, locks) as opts:
             err = _Err()
             pid = _load().dbxcr_spawn(self._handle, ctypes.byref(opts), ctypes.byref(err))
         if pid < 0:
@@ -530,7 +569,8 @@ class Template:
               cloexec_fds: Iterable[int] = (), pidns_fd: int | None = None,
               ns_pidfd: int | None = None, cgroup_fds: Sequence[int] = (), pgid: int = 0,
               listens: Sequence[ListenSocket] = (), epolls: Sequence[Epoll] = (),
-              remaps: Sequence[Remap] = ()) -> Iterator[_SpawnOpts]:
+              remaps: Sequence[Remap] = (), locks: Sequence[FileLock] = ()
+              ) -> Iterator[_SpawnOpts]:
         """The C options of a spawn (valid inside the block: it owns the arrays)."""
         self._h()
         cloexec = set(cloexec_fds)
@@ -556,13 +596,16 @@ class Template:
         rms = list(remaps)
         crms = (_Remap * max(1, len(rms)))(
             *[_Remap(m.start, m.end, m.prot, m.src, m.offset) for m in rms])
+        lks = list(locks)
+        clks = (_Lock * max(1, len(lks)))(*[_Lock(k.fd, k.kind, k.type, k.start, k.len)
+                                             for k in lks])
         yield _SpawnOpts(-1 if mntns_fd is None else mntns_fd, cwd_b,
                          cfiles, len(file_items), fdmaps, len(fd_items),
                          ctids if tids else None, len(tids),
                          -1 if pidns_fd is None else pidns_fd,
                          -1 if ns_pidfd is None else ns_pidfd,
                          ccg, len(cg), pgid, clst, len(lst), ceps, len(epolls),
-                         crms, len(rms))
+                         crms, len(rms), clks, len(lks))
 
     def syscalls(self) -> list[tuple[int, list[int]]]:
         """For each thread of the origin at the checkpoint (the main one first): the

@@ -19,6 +19,7 @@
 #include <dirent.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <netinet/in.h>
@@ -981,11 +982,33 @@ static int count_fds(pid_t pid)
 static pid_t spawn_test_carrier(struct dbxcr_template *tpl, const char *cwd,
 				struct dbxcr_carrier **k, struct proc *c, struct dbxcr_error *err)
 {
-	struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1 };
+	/* Shared locks on the reopened file, which its birth takes (several births may). */
+	static const struct dbxcr_lock locks[] = {
+		{ FILE_FD, DBXCR_LOCK_POSIX, F_RDLCK, 0, 5 },
+		{ FILE_FD, DBXCR_LOCK_FLOCK, F_RDLCK, 0, 0 },
+	};
+	struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1,
+				      .locks = locks, .nlocks = 2 };
 
 	o.cwd = cwd;
 	*c = program_from(tpl, &o, k, err);
 	return c->pid;
+}
+
+/* Who holds a lock conflicting with a write lock on bytes 0-4 of the test file: POSIX
+ * (F_GETLK: its pid, 0 if none) and whether a flock would wait. */
+static pid_t posix_holder(bool *flocked)
+{
+	struct flock fl = { .l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 0, .l_len = 5 };
+	int fd = open(file_path, O_RDWR | O_CLOEXEC);
+
+	if (fd < 0)
+		return -1;
+	if (fcntl(fd, F_GETLK, &fl) < 0)
+		fl.l_pid = -1;
+	*flocked = flock(fd, LOCK_EX | LOCK_NB) < 0 && errno == EWOULDBLOCK;
+	close(fd);
+	return fl.l_type == F_UNLCK ? 0 : fl.l_pid;
 }
 
 /* Carriers: spawned ahead (template released meanwhile), born with the original's pid
@@ -1069,6 +1092,13 @@ static void test_carriers(void)
 		CHECK(ask(&c, 'f', &r) == 0 && memcmp(r.data, "abcde", 5) == 0 && r.off == 15,
 		      "born file: '%.5s' off %lld", r.data, r.off);
 		CHECK(count_fds(kpid) == 0, "keeper holds %d descriptors", count_fds(kpid));
+		{	/* its locks, taken by the birth, stay once the keeper closed its copies */
+			bool flocked = false;
+			pid_t holder = posix_holder(&flocked);
+
+			CHECK(holder == child && flocked, "POSIX lock held by %d (want %d), "
+			      "flock taken %d", holder, child, flocked);
+		}
 		CHECK(dbxcr_describe(kpid, &info, &err) == 0 && info.state == 't',
 		      "keeper state %c", info.state);
 		{
