@@ -1913,24 +1913,6 @@ def test_shared_memory_that_cannot_be_copied_is_refused(sbx: Sandbox, setup: str
     assert sbx.checkpoint(mode="fs").kind == "fs"
 
 
-@pytest.mark.parametrize("how", ["dev-shm", "file"])
-def test_shared_mapping_of_a_named_file_is_refused(sbx: Sandbox, how: str) -> None:
-    """A writable shared mapping of a file that still has its name (a /dev/shm segment
-    from shm_open, a file mmapped for writing) is the file's own pages, which the
-    template shares with the live process: refused by name, not restored with what the
-    process wrote after the checkpoint."""
-    where = "/dev/shm/seg" if how == "dev-shm" else "/workspace/mapped"
-    sbx.exec(f"nohup python3 -c \"import mmap, time\nf = open('{where}', 'w+b')\n"
-             "f.truncate(4096)\nm = mmap.mmap(f.fileno(), 4096)\nm[0] = 1\n"
-             "open('/workspace/held', 'w').write('1')\ntime.sleep(1000)\" >/dev/null 2>&1 &")
-    wait_for(lambda: sbx.files.exists("held"))
-    with pytest.raises(deltabox.FailedPrecondition,
-                       match=rf"(?s)python3 -c import mmap.*writable shared mapping of the "
-                       rf"file {re.escape(where)} at "):
-        sbx.checkpoint()
-    assert sbx.checkpoint(mode="fs").kind == "fs"
-
-
 NODE_SERVER = """
 const http = require('http');
 let n = 41;
@@ -2179,9 +2161,67 @@ def test_evicted_templates_restart_with_a_reason(daemon) -> None:
         subprocess.run(["rm", "-rf", str(base)])
 
 
-def test_sqlite_held_open_by_a_long_lived_process(sbx: Sandbox, restore: Restore) -> None:
+MAPPED = """
+import mmap, os, time
+fd = os.open("/workspace/m.bin", os.O_RDWR | os.O_CREAT)
+os.ftruncate(fd, 8192)
+m = mmap.mmap(fd, 8192)           # MAP_SHARED, readable and writable
+m[:5] = b"check"
+open("/workspace/mapped", "w").close()
+n = 0
+while True:                       # cmdN: write its word through the mapping, say what was there
+    if os.path.exists(f"/workspace/cmd{n}"):
+        seen = bytes(m[:5])
+        m[:5] = open(f"/workspace/cmd{n}", "rb").read()
+        open(f"/workspace/seen{n}.tmp", "wb").write(seen)
+        os.rename(f"/workspace/seen{n}.tmp", f"/workspace/seen{n}")
+        n += 1
+    time.sleep(0.01)
+"""
+
+
+def test_a_file_mapped_shared_and_writable_comes_back(sbx: Sandbox, restore: Restore) -> None:
+    """A file of the sandbox mapped MAP_SHARED for writing (numpy.memmap r+, LMDB, sqlite's
+    WAL index): the restored process maps the restored file again, so it sees the
+    checkpoint's bytes (not what the original wrote since) and its writes reach its own
+    sandbox's file (a fork's source keeps its own). Refused until stop 47."""
+    sbx.files.write("mapped.py", MAPPED)
+    sbx.exec("cd /workspace && nohup python3 mapped.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("mapped"))
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    sbx.files.write("cmd0", "later")
+    wait_for(lambda: sbx.files.exists("seen0"))
+    assert sbx.files.read("m.bin")[:5] == b"later"
+    target = restore(sbx, cp)
+    assert target.files.read("m.bin")[:5] == b"check"
+    target.files.write("cmd0", "after")
+    wait_for(lambda: target.files.exists("seen0"))
+    assert target.files.read("seen0") == b"check"        # what its mapping showed
+    assert target.files.read("m.bin")[:5] == b"after"    # its write reached its file
+    if target is not sbx:
+        assert sbx.files.read("m.bin")[:5] == b"later"
+
+
+def test_a_shared_writable_mapping_on_dev_shm_is_refused_by_name(sbx: Sandbox) -> None:
+    """/dev/shm is a tmpfs of each generation's own, not in the checkpoint's snapshot: a
+    named file there mapped shared and writable (shm_open) has no restored copy."""
+    sbx.files.write("shm.py", MAPPED.replace("/workspace/m.bin", "/dev/shm/m.bin"))
+    sbx.exec("cd /workspace && nohup python3 shm.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("mapped"))
+    _refused_by_name(sbx, r"(?s)pid \d+ \(python3 shm.py\).*writable shared mapping of the "
+                          r"file /dev/shm/m.bin at [0-9a-f]+-[0-9a-f]+: it is on a mount of its "
+                          "own")
+
+
+@pytest.mark.parametrize("journal", ["delete", "wal"])
+def test_sqlite_held_open_by_a_long_lived_process(sbx: Sandbox, restore: Restore,
+                                                  journal: str) -> None:
+    """In WAL mode the connection holds POSIX locks on the database and its -shm file,
+    and maps the -shm file shared and writable (refused until stop 47): both come back."""
     code = ("import sqlite3, os, time\n"
             "db = sqlite3.connect('/workspace/db.sqlite', isolation_level=None)\n"
+            f"db.execute('pragma journal_mode={journal}')\n"
             "db.execute('create table if not exists t (v integer)')\n"
             "n = 0\n"
             "while True:\n"

@@ -146,6 +146,13 @@ class SharedMapping:
         return not self.sysv and (self.anonymous or self.path.endswith(" (deleted)"))
 
     @property
+    def named_file(self) -> bool:
+        """A file of the sandbox's tree by its name: a restore maps it again from the
+        restored tree (engine._PipePlan.remaps), where the checkpoint's snapshot has the
+        content the mapping had."""
+        return not self.sysv and not self.copyable
+
+    @property
     def writable(self) -> bool:
         return bool(self.prot & 2)
 
@@ -239,9 +246,13 @@ def posix_timers(pid: int) -> list[str]:
         return [f"{len(timers)} timers: at most {most} are captured"]
     out = []
     for t in timers:
-        whom = t.get(b"notify", b"").partition(b"/")[2]
+        how, _, whom = t.get(b"notify", b"").partition(b"/")
         clock = int(t.get(b"ClockID", b"0"))
-        if whom.startswith(b"tid.") and int(whom[4:]) != pid:
+        if how not in (b"signal", b"none", b"thread") or not (
+                whom.startswith((b"pid.", b"tid.")) and whom[4:].isdigit()):
+            out.append(f"{_timer_name(t)} notifies as {t.get(b'notify', b'?').decode()}, "
+                       "not understood")
+        elif whom.startswith(b"tid.") and int(whom[4:]) != pid:
             out.append(f"{_timer_name(t)} signals thread {int(whom[4:])} only")
         elif clock < 0 and ~(clock >> 3) != 0:
             out.append(f"{_timer_name(t)} runs on the CPU clock of pid {~(clock >> 3)}")
@@ -293,10 +304,10 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
         if m.sysv:
             refuse(f"System V shared memory {m.path} at {m.where}: not captured (it "
                    "belongs to the IPC namespace, not to the process)")
-        elif not m.copyable:
-            refuse(f"writable shared mapping of the file {m.path} at {m.where}: not "
-                   "captured (the template shares the file's pages with the live "
-                   "process, so a restore would see later writes)")
+        elif m.named_file and not on_snapshotted_root(rec.pid, m.path):
+            refuse(f"writable shared mapping of the file {m.path} at {m.where}: it is on "
+                   "a mount of its own (/dev, /dev/shm, /proc), which a checkpoint does "
+                   "not snapshot")
     for f in rec.fds:
         reason = _fd_refusal(f)
         if reason:
@@ -322,6 +333,27 @@ def shared_lock_refusals(records: list[ProcessRecord]) -> list[Refusal]:
                     "not restored (a restore gives each descriptor its own); checkpoint "
                     "once the lock is released")))
     return out
+
+
+def on_snapshotted_root(pid: int, path: str) -> bool:
+    """Whether `path` (as pid sees it) lies on its root file system, the sandbox's tree a
+    checkpoint snapshots, and not on a mount of its own (/dev and /dev/shm are tmpfs made
+    afresh for each generation; /proc): the longest mount point of /proc/PID/mountinfo
+    above it is "/"."""
+    try:
+        info = kernfs.read(f"/proc/{pid}/mountinfo")
+    except OSError:
+        return False
+    best = ""
+    for line in info.splitlines():
+        fields = line.split(b" ")
+        if len(fields) < 5:
+            continue
+        point = fields[4].decode(errors="replace")
+        under = path == point or path.startswith(point.rstrip("/") + "/")
+        if under and len(point) > len(best):
+            best = point
+    return best == "/"
 
 
 def is_loop_fd(f: native.FdInfo) -> bool:

@@ -68,6 +68,7 @@ from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from . import adoption, eventloop, listeners, native, tcp, unlinked, watches
+from ..fs.files import open_in_root
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .capture import (ProcessRecord, Refusal, Unsettled, add_listeners, record,
                       record_head, refusals, shared_lock_refusals, status_refused)
@@ -946,6 +947,7 @@ class _PipePlan:
         self.made: dict[int, dict[int, int]] = {}   # index in files -> its descriptions'
         self.loops_of: dict[int, dict[int, int]] = {}   # pid -> its loop_fds
         self.objects: dict[str, int | tuple[int, int]] = {}  # eventfd / pair key -> ours
+        self.named: dict[tuple[str, bool], int] = {}   # shared-mapped files: ours
         for g in groups.values():
             r, w = os.pipe2(os.O_CLOEXEC)
             self.fresh[g.inode] = (r, w)
@@ -1089,10 +1091,27 @@ class _PipePlan:
 
     def remaps(self, rec: ProcessRecord) -> list[native.Remap]:
         """rec's shared mappings of those objects (shared memory), mapped again from the
-        same new object as every other process that shared it."""
+        same new object as every other process that shared it; and of the sandbox's named
+        files (capture.SharedMapping.named_file), from the file in the restored tree."""
         return [native.Remap(m.start, m.end, m.prot, self._made(i)[unlinked.MAPPING],
                              m.offset)
-                for i, u in enumerate(self.files) for m in u.maps if m.pid == rec.pid]
+                for i, u in enumerate(self.files) for m in u.maps if m.pid == rec.pid] + [
+            native.Remap(m.start, m.end, m.prot, self._named(m.path, m.writable), m.offset)
+            for m in rec.shared if m.named_file]
+
+    def _named(self, path: str, writable: bool) -> int:
+        """Our descriptor of a named file in the restored tree, opened once per restore
+        (closed with the other objects made)."""
+        key = (path, writable)
+        if key not in self.named:
+            try:
+                fd = open_in_root(self._root(), path, os.O_RDWR if writable else os.O_RDONLY)
+            except OSError as e:
+                raise native.CRError(e.errno or errno.EIO, f"{path}, mapped shared: not in "
+                                     f"the restored tree ({e.strerror})") from None
+            self.named[key] = fd
+            self.loops.append(fd)
+        return self.named[key]
 
     def _root(self) -> int:
         if self.rootfd < 0:

@@ -28,7 +28,7 @@ from pathlib import Path
 import trio
 
 from ..cr import adoption, eventloop, native, unlinked
-from ..cr.capture import ProcessRecord
+from ..cr.capture import ProcessRecord, SharedMapping
 from ..cr.engine import (PIPE_DEFAULT_SIZE, DeltaCR, PipeEnd, PipeGroup, ProcessState,
                          lone_leaders,
                          SPLICE_F_NONBLOCK, _close_saved, _libc, _unread)
@@ -578,4 +578,5 @@ def _rec_from(d: dict) -> ProcessRecord:
     listens = [native.ListenSocket(**dict(ls, addr=bytes.fromhex(ls["addr"])))
                for ls in d.pop("listens")]
     loop = eventloop.from_json(d.pop("loop", None))
-    return ProcessRecord(**d, fds=fds, listens=listens, loop=loop)
+    shared = [SharedMapping(**m) for m in d.pop("shared", [])]
+    return ProcessRecord(**d, fds=fds, listens=listens, loop=loop, shared=shared)
