@@ -2766,6 +2766,8 @@ static int take_locks(struct tracee *c, unsigned long scratch, const struct dbxc
 		const struct dbxcr_lock *l = &locks[i];
 		bool write = l->type == F_WRLCK;
 		long a[6] = { l->fd, 0, 0, 0, 0, 0 };
+		struct flock fl = { .l_type = (short)l->type, .l_whence = SEEK_SET,
+				    .l_start = l->start, .l_len = l->len };
 
 		if (l->kind == DBXCR_LOCK_FLOCK) {
 			a[1] = (write ? LOCK_EX : LOCK_SH) | LOCK_NB;
@@ -2774,9 +2776,6 @@ static int take_locks(struct tracee *c, unsigned long scratch, const struct dbxc
 				return -1;
 			continue;
 		}
-		struct flock fl = { .l_type = (short)l->type, .l_whence = SEEK_SET,
-				    .l_start = l->start, .l_len = l->len };
-
 		a[1] = l->kind == DBXCR_LOCK_OFD ? F_OFD_SETLK : F_SETLK;
 		a[2] = (long)scratch;
 		if (mem_write(c->pid, scratch, &fl, sizeof(fl), err) < 0 ||

@@ -67,8 +67,8 @@ import trio
 from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
-from . import adoption, eventloop, listeners, native, tcp, unlinked, watches
 from ..fs.files import open_in_root
+from . import adoption, eventloop, listeners, native, tcp, unlinked, watches
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .capture import (ProcessRecord, Refusal, Unsettled, add_listeners, record,
                       record_head, refusals, shared_lock_refusals, status_refused)
