@@ -917,11 +917,11 @@ static int classify_cb(const struct raw_vma *r, void *arg)
 				return fail(c->err, ENOMEM, c->pid, "allocate path");
 			snprintf(mf, sizeof(mf), "/proc/%d/map_files/%llx-%llx", (int)c->pid,
 				 (unsigned long long)r->start, (unsigned long long)r->end);
-			/* A file the process writes through a shared mapping changes by design
-			 * (its restored tree has it as at the checkpoint, and the restore maps
-			 * that again): no check for it. */
-			if (!((v.flags & VMA_SHARED) && (v.prot & PROT_WRITE)) &&
-			    stat(mf, &st) == 0) {
+			/* A shared mapping's pages are the file's, which the restored tree has
+			 * as at the checkpoint (the daemon maps it again from there), while the
+			 * live file this template maps may have changed since (written through
+			 * the mapping, or in place): no check for it. */
+			if (!(v.flags & VMA_SHARED) && stat(mf, &st) == 0) {
 				v.fsize = st.st_size;
 				v.mtime_sec = st.st_mtim.tv_sec;
 				v.mtime_nsec = st.st_mtim.tv_nsec;

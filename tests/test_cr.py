@@ -2203,6 +2203,43 @@ def test_a_file_mapped_shared_and_writable_comes_back(sbx: Sandbox, restore: Res
         assert sbx.files.read("m.bin")[:5] == b"later"
 
 
+READ_MAPPED = """
+import mmap, os, time
+m = mmap.mmap(os.open("/workspace/r.bin", os.O_RDONLY), 4096, access=mmap.ACCESS_READ)
+open("/workspace/mapped", "w").close()
+n = 0
+while True:                       # askN: say what the (read-only, shared) mapping shows
+    if os.path.exists(f"/workspace/ask{n}"):
+        open(f"/workspace/seen{n}.tmp", "wb").write(bytes(m[:5]))
+        os.rename(f"/workspace/seen{n}.tmp", f"/workspace/seen{n}")
+        n += 1
+    time.sleep(0.01)
+"""
+
+
+def test_a_file_mapped_shared_read_only_shows_the_checkpoints_bytes(
+        sbx: Sandbox, restore: Restore) -> None:
+    """A file of the sandbox's writable layer mapped MAP_SHARED read-only (Python's mmap
+    ACCESS_READ, SQLite's mmap_size, LMDB's readers) and rewritten in place after the
+    checkpoint: the restored process's mapping shows the checkpoint's bytes (mapped again
+    from the restored tree), not the live file's later ones, which the template's mapping
+    is (until stop 47)."""
+    sbx.files.write("r.bin", b"check" + bytes(4091))
+    sbx.files.write("rmapped.py", READ_MAPPED)
+    sbx.exec("cd /workspace && nohup python3 rmapped.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("mapped"))
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    sbx.exec("printf later | dd of=/workspace/r.bin conv=notrunc status=none")  # in place
+    sbx.files.write("ask0", "")
+    wait_for(lambda: sbx.files.exists("seen0"))
+    assert sbx.files.read("seen0") == b"later"
+    target = restore(sbx, cp)
+    target.files.write("ask0", "")
+    wait_for(lambda: target.files.exists("seen0"))
+    assert target.files.read("seen0") == b"check"
+
+
 def test_a_shared_writable_mapping_on_dev_shm_is_refused_by_name(sbx: Sandbox) -> None:
     """/dev/shm is a tmpfs of each generation's own, not in the checkpoint's snapshot: a
     named file there mapped shared and writable (shm_open) has no restored copy."""

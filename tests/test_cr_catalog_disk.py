@@ -33,6 +33,7 @@ from test_cr import (  # noqa: F401  (the catalog's cases, run here with the dis
     test_a_timeout_fires_after_a_restore_with_the_time_it_had_left,
     test_a_file_lock_comes_back_with_its_holder,
     test_a_file_mapped_shared_and_writable_comes_back,
+    test_a_file_mapped_shared_read_only_shows_the_checkpoints_bytes,
     test_posix_timers_come_back_with_their_ids_and_time_left,
     test_asyncio_server_with_eventfd_and_socket_pair, test_bash_session_state,
     test_counter_file_and_memory_agree, test_deleted_open_temp_file, test_dontfork_mapping,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from .. import kernfs
 from ..errors import FailedPrecondition
+from ..fs.files import open_in_root
 from . import native, tcp
 
 if TYPE_CHECKING:
@@ -73,6 +74,9 @@ class ProcessRecord:
     rss_kb: int = 0
     mappings: int = 0
     shared: list[SharedMapping] = field(default_factory=list)  # cr/unlinked.py copies them
+    # read-only shared mappings of files in the sandbox's writable layer, which the live
+    # sandbox may rewrite in place: mapped again from the restored tree (in_writable_layer)
+    mapped_ro: list[SharedMapping] = field(default_factory=list)
     # (inode, path) of deleted files it maps privately (cr/unlinked.py refuses holding one)
     deleted_private: frozenset[tuple[int, str]] = frozenset()
     listens: list[native.ListenSocket] = field(default_factory=list)
@@ -166,10 +170,10 @@ _PRIVATE_DELETED = re.compile(rb"\S+ \S{3}p \S+ \S+ (\d+) +(.*) \(deleted\)")
 
 def _mappings(pid: int) -> tuple[int, list[SharedMapping], frozenset[tuple[int, str]]]:
     """How many mappings; the shared ones a restore cannot leave to the template:
-    writable ones, and any of an object with no name (a deleted file's read-only view
-    would still show the original's later writes; a read-only shared view of a named
-    file, glibc's gconv-modules.cache, is the file itself, as restored); and the deleted
-    files mapped privately. The patterns only see the lines that may match: run over the
+    writable ones, any of an object with no name (a deleted file's read-only view would
+    still show the original's later writes), and read-only views of named files (glibc's
+    gconv-modules.cache; record() keeps those apart: only a file of the writable layer
+    can change under them); and the deleted files mapped privately. The patterns only see the lines that may match: run over the
     whole map (re.M), the second took ~27 us a line (4.6 ms for a python's 172 lines)."""
     try:
         maps = kernfs.read(f"/proc/{pid}/maps")
@@ -185,7 +189,7 @@ def _mappings(pid: int) -> tuple[int, list[SharedMapping], frozenset[tuple[int, 
                 prot = (m[3] == b"r") * 1 | (m[4] == b"w") * 2 | (m[5] == b"x") * 4
                 sm = SharedMapping(int(m[1], 16), int(m[2], 16), prot, int(m[6], 16),
                                    m[7].decode(errors="replace"))
-                if sm.writable or sm.copyable:
+                if sm.writable or not sm.sysv:
                     out.append(sm)
         elif line.endswith(b" (deleted)"):
             if (m := _PRIVATE_DELETED.fullmatch(line)) is not None:
@@ -206,7 +210,9 @@ def record_head(pid: int) -> Head:
 def record(pid: int, st: native.ProcStatus, head: Head | None = None) -> ProcessRecord:
     """Read one stopped or frozen process from /proc (its status, and maybe its
     record_head, already read)."""
-    cmd, mappings, shared, deleted_private = head if head is not None else record_head(pid)
+    cmd, mappings, maps, deleted_private = head if head is not None else record_head(pid)
+    shared = [m for m in maps if m.writable or m.copyable]
+    read_only = [m for m in maps if not (m.writable or m.copyable)]
     try:
         cwd = os.readlink(f"/proc/{pid}/cwd")
     except OSError:
@@ -216,8 +222,8 @@ def record(pid: int, st: native.ProcStatus, head: Head | None = None) -> Process
                          cmd=cmd, cwd=cwd, threads=st.threads,
                          tracer_pid=st.tracer_pid, cap_eff=st.cap_eff, uid=st.uid,
                          fds=native.fds(pid), rss_kb=st.rss_kb, mappings=mappings,
-                         shared=shared, deleted_private=deleted_private,
-                         timers=posix_timers(pid))
+                         shared=shared, mapped_ro=read_only,
+                         deleted_private=deleted_private, timers=posix_timers(pid))
 
 
 def posix_timers(pid: int) -> list[str]:
@@ -333,6 +339,28 @@ def shared_lock_refusals(records: list[ProcessRecord]) -> list[Refusal]:
                     "not restored (a restore gives each descriptor its own); checkpoint "
                     "once the lock is released")))
     return out
+
+
+def in_writable_layer(records: list[ProcessRecord], layers: Sequence[str]) -> None:
+    """Keep in each record's mapped_ro only the files present in the sandbox's writable
+    layer (`layers[0]`, upper first; all of them if unknown): a file of a lower layer is
+    copied up before any write, so the pages a template maps of it never change."""
+    if not layers or not any(r.mapped_ro for r in records):
+        return
+    upper = os.open(layers[0], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for rec in records:
+            rec.mapped_ro = [m for m in rec.mapped_ro if _present(upper, m.path)]
+    finally:
+        os.close(upper)
+
+
+def _present(root: int, path: str) -> bool:
+    try:
+        os.close(open_in_root(root, path, os.O_PATH | os.O_NOFOLLOW))
+        return True
+    except OSError:
+        return False
 
 
 def on_snapshotted_root(pid: int, path: str) -> bool:

@@ -71,7 +71,8 @@ from ..fs.files import open_in_root
 from . import adoption, eventloop, listeners, native, tcp, unlinked, watches
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .capture import (ProcessRecord, Refusal, Unsettled, add_listeners, record,
-                      record_head, refusals, shared_lock_refusals, status_refused)
+                      in_writable_layer, record_head, refusals, shared_lock_refusals,
+                      status_refused)
 from .worker import PtraceWorker
 
 T = TypeVar("T")
@@ -453,6 +454,7 @@ class DeltaCR:
                 records = [record(p, procs[p], heads[p]) for p in pids if p in alive]
                 cap.refused.extend(r for rec in records for r in refusals(rec, tracer_ok))
                 cap.refused.extend(shared_lock_refusals(records))
+                in_writable_layer(records, layers)
                 if not cap.refused:
                     cap.refused.extend(r for rec in records for r in add_listeners(rec))
                 if not cap.refused:
@@ -1092,12 +1094,13 @@ class _PipePlan:
     def remaps(self, rec: ProcessRecord) -> list[native.Remap]:
         """rec's shared mappings of those objects (shared memory), mapped again from the
         same new object as every other process that shared it; and of the sandbox's named
-        files (capture.SharedMapping.named_file), from the file in the restored tree."""
+        files (capture.SharedMapping.named_file; read-only ones of its writable layer:
+        ProcessRecord.mapped_ro), from the file in the restored tree."""
         return [native.Remap(m.start, m.end, m.prot, self._made(i)[unlinked.MAPPING],
                              m.offset)
                 for i, u in enumerate(self.files) for m in u.maps if m.pid == rec.pid] + [
             native.Remap(m.start, m.end, m.prot, self._named(m.path, m.writable), m.offset)
-            for m in rec.shared if m.named_file]
+            for m in [*rec.shared, *rec.mapped_ro] if m.named_file]
 
     def _named(self, path: str, writable: bool) -> int:
         """Our descriptor of a named file in the restored tree, opened once per restore

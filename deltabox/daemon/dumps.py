@@ -559,9 +559,14 @@ def _unlinked_from(f: dict, data: bytes) -> unlinked.UnlinkedFile:
 
 def _rec_json(r: ProcessRecord) -> dict:
     d = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)
-         if f.name not in ("fds", "listens", "loop", "shared", "deleted_private")}
+         if f.name not in ("fds", "listens", "loop", "shared", "mapped_ro",
+                           "deleted_private")}
     d["fds"] = [{k: v for k, v in dataclasses.asdict(f).items() if k != "fdinfo"}
                 for f in r.fds]
+    # The named files' mappings are made again from them at every restore of templates
+    # rebuilt from this dump (engine._PipePlan.remaps); the rebuild maps its own.
+    d["shared"] = [dataclasses.asdict(m) for m in r.shared]
+    d["mapped_ro"] = [dataclasses.asdict(m) for m in r.mapped_ro]
     d["listens"] = [dict(dataclasses.asdict(ls), addr=ls.addr.hex()) for ls in r.listens]
     d["loop"] = eventloop.to_json(r.loop)
     return d
@@ -579,4 +584,6 @@ def _rec_from(d: dict) -> ProcessRecord:
                for ls in d.pop("listens")]
     loop = eventloop.from_json(d.pop("loop", None))
     shared = [SharedMapping(**m) for m in d.pop("shared", [])]
-    return ProcessRecord(**d, fds=fds, listens=listens, loop=loop, shared=shared)
+    mapped_ro = [SharedMapping(**m) for m in d.pop("mapped_ro", [])]
+    return ProcessRecord(**d, fds=fds, listens=listens, loop=loop, shared=shared,
+                         mapped_ro=mapped_ro)
