@@ -173,8 +173,9 @@ def _mappings(pid: int) -> tuple[int, list[SharedMapping], frozenset[tuple[int, 
     writable ones, any of an object with no name (a deleted file's read-only view would
     still show the original's later writes), and read-only views of named files (glibc's
     gconv-modules.cache; record() keeps those apart: only a file of the writable layer
-    can change under them); and the deleted files mapped privately. The patterns only see the lines that may match: run over the
-    whole map (re.M), the second took ~27 us a line (4.6 ms for a python's 172 lines)."""
+    can change under them); and the deleted files mapped privately. The patterns only
+    see the lines that may match: run over the whole map (re.M), the second took ~27 us
+    a line (4.6 ms for a python's 172 lines)."""
     try:
         maps = kernfs.read(f"/proc/{pid}/maps")
     except OSError:
@@ -343,9 +344,14 @@ def shared_lock_refusals(records: list[ProcessRecord]) -> list[Refusal]:
 
 def in_writable_layer(records: list[ProcessRecord], layers: Sequence[str]) -> None:
     """Keep in each record's mapped_ro only the files present in the sandbox's writable
-    layer (`layers[0]`, upper first; all of them if unknown): a file of a lower layer is
-    copied up before any write, so the pages a template maps of it never change."""
-    if not layers or not any(r.mapped_ro for r in records):
+    layer (`layers[0]`, upper first; if unknown, those of its root file system): a file
+    of a lower layer is copied up before any write, so the pages a template maps of it
+    never change."""
+    if not any(r.mapped_ro for r in records):
+        return
+    if not layers:
+        for rec in records:
+            rec.mapped_ro = [m for m in rec.mapped_ro if on_snapshotted_root(rec.pid, m.path)]
         return
     upper = os.open(layers[0], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
