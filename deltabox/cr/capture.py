@@ -354,9 +354,13 @@ def in_writable_layer(records: list[ProcessRecord], layers: Sequence[str]) -> No
             rec.mapped_ro = [m for m in rec.mapped_ro if on_snapshotted_root(rec.pid, m.path)]
         return
     upper = os.open(layers[0], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    present: dict[str, bool] = {}   # one look per file: bash and python both map gconv's
     try:
         for rec in records:
-            rec.mapped_ro = [m for m in rec.mapped_ro if _present(upper, m.path)]
+            for m in rec.mapped_ro:
+                if m.path not in present:
+                    present[m.path] = _present(upper, m.path)
+            rec.mapped_ro = [m for m in rec.mapped_ro if present[m.path]]
     finally:
         os.close(upper)
 
