@@ -609,6 +609,40 @@ def test_checkpoint_capture_by_the_daemon_is_not_sandbox_activity(insp, box, wat
             t.release()
 
 
+def test_a_restored_process_not_yet_run_is_not_taken_for_one_that_ran(insp, box, watched):
+    """A restore moves each process into the sandbox's cgroup before it runs an instruction,
+    then lets it go; on a busy machine it may not have run yet when the daemon re-arms the
+    watch. Joining the cgroup is not running: the process re-enters the call it was stopped
+    in (as a restored one does) and the turn stays untouched. Stand-in for a restored
+    process: bash stopped (SIGSTOP) inside its read, moved into the watched cgroup."""
+    p = subprocess.Popen(["bash", "-c", "read x"], stdin=subprocess.PIPE,
+                         stdout=subprocess.DEVNULL)
+    box.popens.append(p)
+    _wait_blocked(p.pid)
+    os.kill(p.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "bash did not stop"
+        time.sleep(0.005)
+    insp.watch(watched, box.id)
+    (box.unified / "cgroup.procs").write_text(str(p.pid))
+    if box.freezer is not None:
+        (box.freezer / "cgroup.procs").write_text(str(p.pid))
+    insp.poll()   # as the daemon re-arms: what came before belongs to the ended turn
+    insp.watch(watched, box.id, pids=[p.pid], restored={p.pid: [0]})   # 0: read
+    os.kill(p.pid, signal.SIGCONT)
+    _wait_blocked(p.pid)
+    e = box.turn(insp, watched)
+    assert not _quiet(e), _quiet(e)
+    assert e.complete and not e.processes_ran, e
+    # It does run now: the next turn says so.
+    p.stdin.write(b"x\n")
+    p.stdin.flush()
+    p.wait(10)
+    e = box.turn(insp, watched)
+    assert _quiet(e), e
+
+
 def test_turn_effects_are_json(insp, box, watched):
     insp.watch(watched, box.id)
     box.run(insp, watched, ["sh", "-c", "echo x > j"])

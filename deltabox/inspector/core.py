@@ -93,6 +93,15 @@ def _runtime_ns(pid: int, tid: int) -> int | None:
         return None
 
 
+def _joined_only(leaf) -> bool:
+    """A thread entry the program made when the thread joined the cgroup (a restore moves
+    each process in before it runs) and that no system call or signal handler has touched
+    since: the thread has not run yet (on a busy machine it may still wait for a CPU when
+    the watch is re-armed)."""
+    return (leaf.state == P.ST_UNKNOWN and leaf.nr == -1
+            and not leaf.flags & (P.TF_RETURNED | P.TF_SEEDED))
+
+
 def _tids(pid: int) -> list[int]:
     try:
         return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
@@ -489,7 +498,7 @@ class Inspector:
             for tid in tids:
                 try:
                     old = self._task_get(tid)
-                    mine = int(old.cgid) == w.cgid
+                    mine = int(old.cgid) == w.cgid and not _joined_only(old)
                 except KeyError:
                     mine = False
                 if not mine:   # not run yet: its one call, if the process had one
