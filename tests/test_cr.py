@@ -295,15 +295,80 @@ def test_a_file_lock_comes_back_with_its_holder(sbx: Sandbox, restore: Restore,
              timeout=5)
 
 
-def test_a_lock_on_a_shared_file_description_is_refused_by_name(sbx: Sandbox) -> None:
+def test_flock_command_keeps_its_lock_on_the_shared_description(sbx: Sandbox,
+                                                                restore: Restore) -> None:
     """`flock FILE CMD` locks FILE and runs CMD with the descriptor: one open file
-    description, and its flock, shared by two processes. A restore gives each descriptor
-    its own description, which would make two claims of one lock: refused naming both."""
+    description, and its flock, shared by two processes. They get one description again,
+    locked (refused by name until stop 48: each descriptor got its own)."""
     sbx.exec("nohup flock /workspace/lk sleep 100 >/dev/null 2>&1 &")
     wait_for(lambda: sbx.exec("pgrep -x sleep").exit_code == 0)
-    _refused_by_name(sbx, r"(?s)fd \d+: its file lock on /workspace/lk \(FLOCK WRITE 0-EOF\)"
-                          r" is on an open file description it shares with pid \d+ fd \d+: "
-                          "not restored")
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    sbx.exec("pkill -x sleep")
+    wait_for(lambda: sbx.exec(TRY_LOCK + "flock /workspace/lk").stdout == "free\n",
+             timeout=5)
+    target = restore(sbx, cp)
+    assert target.exec(TRY_LOCK + "flock /workspace/lk").stdout == "held\n"
+    # Both hold it (a second description's flock would have failed their restore).
+    assert len(target.exec("pgrep -x sleep; pgrep -x flock").stdout.split()) == 2
+    target.exec("pkill -x sleep")     # flock(1) exits with it: nobody holds the lock
+    wait_for(lambda: target.exec(TRY_LOCK + "flock /workspace/lk").stdout == "free\n",
+             timeout=5)
+
+
+# Two writers into one redirection (`> log 2>&1`), each alternating stdout and stderr:
+# every line lands after the last one, whoever wrote it, as long as all four descriptors
+# share one open file description (and its offset).
+INTERLEAVED = """
+import sys, time
+who, i = sys.argv[1], 0
+while True:
+    (sys.stdout if i % 2 == 0 else sys.stderr).write(f"{who} {i}\\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    i += 1
+    time.sleep(0.02)
+"""
+
+
+def _interleaved(log: bytes) -> dict[str, int]:
+    """Each writer's line count; every line whole and each writer's numbers in order
+    (a write through a descriptor with an offset of its own overwrites others' lines)."""
+    seen: dict[str, list[int]] = {"A": [], "B": []}
+    for line in log.decode().splitlines():
+        who, n = line.split()
+        seen[who].append(int(n))
+    for who, ns in seen.items():
+        assert ns == list(range(len(ns))), (who, ns)
+    return {who: len(ns) for who, ns in seen.items()}
+
+
+def test_descriptors_sharing_a_log_keep_one_offset(sbx: Sandbox, restore: Restore) -> None:
+    """`cmd > log 2>&1`, inherited by two processes: their four descriptors share one open
+    file description. The restored ones share one again, at the checkpoint's offset:
+    before stop 48 each was reopened with an offset of its own, and a line written
+    through stdout was overwritten by the next one through stderr (every other line
+    lost, silently)."""
+    sbx.files.write("il.py", INTERLEAVED)
+    sbx.exec("cd /workspace && nohup sh -c 'python3 il.py A & exec python3 il.py B' "
+             "> log 2>&1 &")
+    wait_for(lambda: min(_interleaved(sbx.files.read("log")).values()) >= 5)
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    at_cp = _interleaved(sbx.files.read("log"))
+    target = restore(sbx, cp)
+    wait_for(lambda: min(_interleaved(target.files.read("log")).values())
+             >= max(at_cp.values()) + 15, timeout=10)
+    target.exec("pkill -f il.py")
+
+
+def test_a_shared_description_on_dev_shm_is_refused_by_name(sbx: Sandbox) -> None:
+    """Two processes writing through one description of a /dev/shm file: that mount is not
+    in the snapshot (nor in the tree a restore opens files in): refused, naming them."""
+    sbx.exec("nohup sh -c 'sleep 100 & exec sleep 101' > /dev/shm/log 2>&1 &")
+    wait_for(lambda: sbx.exec("pgrep -c -x sleep").stdout.strip() == "2")
+    _refused_by_name(sbx, r"fd \d+: /dev/shm/log is open through one file description it "
+                          r"shares with pid \d+ fd \d+.*on a mount of its own")
 
 
 def _restored_halfway(sbx: Sandbox, restore: Restore, marker: str) -> tuple[Sandbox, float]:

@@ -32,6 +32,8 @@ from test_cr import (  # noqa: F401  (the catalog's cases, run here with the dis
     test_an_alarm_fires_after_a_restore_with_the_time_it_had_left,
     test_a_timeout_fires_after_a_restore_with_the_time_it_had_left,
     test_a_file_lock_comes_back_with_its_holder,
+    test_descriptors_sharing_a_log_keep_one_offset,
+    test_flock_command_keeps_its_lock_on_the_shared_description,
     test_a_file_mapped_shared_and_writable_comes_back,
     test_a_file_mapped_shared_read_only_shows_the_checkpoints_bytes,
     test_posix_timers_come_back_with_their_ids_and_time_left,

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from deltabox import Sandbox
 
 from conftest import HELD, OWN_PS, wait_for
-from test_cr import (LOCKER, REGISTRATIONS, SHARED_MEMORY, TCP_ENDS, THREADED, TIMERS,
-                     TRY_LOCK, _role)
+from test_cr import (INTERLEAVED, LOCKER, REGISTRATIONS, SHARED_MEMORY, TCP_ENDS, THREADED,
+                     TIMERS, TRY_LOCK, _interleaved, _role)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 SYS_KCMP, KCMP_VM = 312, 1
@@ -382,6 +382,26 @@ def test_file_locks_born_from_carriers(sbx: Sandbox) -> None:
     for kind in ("flock", "posix", "ofd"):
         wait_for(lambda: sbx.exec(TRY_LOCK + f"{kind} /workspace/lk-{kind}").stdout
                  == "free\n", what=f"{kind} free", timeout=5)
+
+
+def test_shared_log_born_from_carriers(sbx: Sandbox) -> None:
+    """Two processes writing into one `> log 2>&1`, born from carriers: the plan opened
+    the shared description once ahead, both carriers got it, and so do the born
+    processes; every line lands after the last one, at every rollback."""
+    sbx.files.write("il.py", INTERLEAVED)
+    # A left to init (not B's child: a restored parent's children are not born from
+    # carriers, cr/adoption.py).
+    sbx.exec("cd /workspace; nohup sh -c '(python3 il.py A &); exec python3 il.py B' "
+             "> log 2>&1 &")
+    wait_for(lambda: min(_interleaved(sbx.files.read("log")).values()) >= 5)
+    cp = sbx.checkpoint(mode="full")
+    at_cp = _interleaved(sbx.files.read("log"))
+    for i in range(2):
+        wait_for(lambda: _carriers_ready(sbx), what="a carrier")
+        assert sbx.rollback(cp).process_state == "restored"
+        assert _born_from_carrier("il.py\0B"), f"rollback {i}"   # its command line
+        wait_for(lambda: min(_interleaved(sbx.files.read("log")).values())
+                 >= max(at_cp.values()) + 10, timeout=10, what=f"rollback {i}: lines")
 
 
 def test_tcp_connection_born_from_carriers(sbx: Sandbox) -> None:

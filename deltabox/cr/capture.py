@@ -323,13 +323,15 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
 
 
 def shared_lock_refusals(records: list[ProcessRecord]) -> list[Refusal]:
-    """A flock or OFD lock belongs to an open file description; a restore reopens every
-    descriptor on its own, so one description shared by two descriptors (dup, or a fork's
-    parent and child: both show the lock) would come back as two, each claiming the lock
-    (and one's unlock no longer the other's). Refused, naming both."""
-    held = [(rec, f) for rec in records for f in rec.fds
-            if any((lk := native.FileLock.parse(f.fd, t)) is not None
-                   and lk.kind != native.LOCK_POSIX for t in f.locks)]
+    """A flock or OFD lock belongs to an open file description. A regular file's
+    description shared by two descriptors (dup, or a fork's parent and child: both show
+    the lock) comes back shared, and locked once (cr/shared_files.py, cr/unlinked.py); a
+    directory's is reopened for each descriptor, and would come back as two descriptions,
+    each claiming the lock (and one's unlock no longer the other's). Refused, naming
+    both."""
+    held = [(rec, f) for rec in records for f in rec.fds if f.kind != "file"
+            and any((lk := native.FileLock.parse(f.fd, t)) is not None
+                    and lk.kind != native.LOCK_POSIX for t in f.locks)]
     out = []
     for i, (rec, f) in enumerate(held):
         for rec2, f2 in held[i + 1:]:

@@ -68,7 +68,7 @@ from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from ..fs.files import open_in_root
-from . import adoption, eventloop, listeners, native, tcp, unlinked, watches
+from . import adoption, eventloop, listeners, native, shared_files, tcp, unlinked, watches
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .capture import (ProcessRecord, Refusal, Unsettled, add_listeners, record,
                       in_writable_layer, record_head, refusals, shared_lock_refusals,
@@ -179,6 +179,9 @@ class ProcessState:
     reused: list[int] = field(default_factory=list)
     # deleted-but-open files, their content copied at the checkpoint (cr/unlinked.py)
     unlinked: list[unlinked.UnlinkedFile] = field(default_factory=list)
+    # open file descriptions of named files that several descriptors share
+    # (cr/shared_files.py)
+    shared_files: list[shared_files.SharedFile] = field(default_factory=list)
     # images of the processes a restore adopts (cr/adoption.py), made at the first one
     images: adoption.Images | None = None
     # The processes, still in their stops after a capture that left the templates and
@@ -414,6 +417,7 @@ class DeltaCR:
         token = trio.lowlevel.current_trio_token()
         pipes: dict[int, PipeGroup] = {}
         files: list[unlinked.UnlinkedFile] = []
+        shared: list[shared_files.SharedFile] = []
 
         async def ptrace_pass() -> None:
             # Not cancellable once the ptrace thread runs it: the failure path needs what
@@ -444,7 +448,7 @@ class DeltaCR:
             # ptrace thread is inside the templates' forks it needs no GIL, whereas during
             # the stops it would wait for it (a thread wanting the GIL from a busy one gets
             # it only when that one blocks, or after the 5 ms switch interval).
-            nonlocal pipes, files
+            nonlocal pipes, files, shared
             await stops_done.wait()
             try:
                 if not cap.stops_done:
@@ -461,6 +465,9 @@ class DeltaCR:
                     cap.refused.extend(eventloop.capture(records, layers, self.watch_paths))
                 if not cap.refused:
                     files, why = unlinked.capture(records)
+                    cap.refused.extend(why)
+                if not cap.refused:
+                    shared, why = shared_files.capture(records)
                     cap.refused.extend(why)
                 if cap.refused:
                     return
@@ -501,7 +508,7 @@ class DeltaCR:
         stopped = {s.pid for s in cap.stopped}
         return ProcessState(cap.records, cap.templates, pipes, sessions,
                             reused=sorted(p for p in reuse or {} if p in stopped),
-                            unlinked=files,
+                            unlinked=files, shared_files=shared,
                             held=Held(cap.stopped, dict(reuse or {})) if later else None)
 
     async def make_templates(self, state: ProcessState) -> None:
@@ -581,7 +588,7 @@ class DeltaCR:
         target namespace (as its pid, group or session id), where a pid may fall back to
         a new one: then it does at once, not after 0.3 s of retries. On failure, kills
         what it spawned and raises."""
-        plan = pre.plan if pre is not None else _PipePlan(state.pipes, state.unlinked, rootfd)
+        plan = pre.plan if pre is not None else _plan(state, rootfd)
         plan.arm()  # a prespawned plan's timers start now, with the rollback
         out = Restored({}, {}, [])
         groups: dict[int, int] = {}          # host pgid at checkpoint -> pgid in the target
@@ -806,8 +813,7 @@ class DeltaCR:
                 and r.pid not in state.family and r.pid not in state.adopters]
         if not recs:
             return None
-        pre = Prespawned(state, _PipePlan(state.pipes, state.unlinked, rootfd, armed=False),
-                         {})
+        pre = Prespawned(state, _plan(state, rootfd, armed=False), {})
         try:
             for rec in recs:
                 spawn = _spawn_args(state, pre.plan, rec, mntfd)
@@ -924,14 +930,19 @@ def _close_saved(groups: dict[int, PipeGroup]) -> None:
             g.saved = None
 
 
+def _plan(state: ProcessState, rootfd: int, armed: bool = True) -> _PipePlan:
+    return _PipePlan(state.pipes, state.unlinked, rootfd, armed, state.shared_files)
+
+
 class _PipePlan:
     """The objects one restore gives its processes, made afresh: one pipe per captured
     pipe, refilled with its unread data; the event loops' eventfds and socket pairs
-    (loop_fds); the deleted-but-open files (file_fds)."""
+    (loop_fds); the deleted-but-open files and the shared descriptions of named files
+    (file_fds)."""
 
     def __init__(self, groups: dict[int, PipeGroup],
                  files: list[unlinked.UnlinkedFile] = (), rootfd: int = -1,
-                 armed: bool = True) -> None:
+                 armed: bool = True, shared: list[shared_files.SharedFile] = ()) -> None:
         self.groups = groups
         # Timers run from when the restored processes do: a plan made ahead for carriers
         # (prespawn) holds its timerfds disarmed until the restore calls arm().
@@ -950,6 +961,8 @@ class _PipePlan:
         self.loops_of: dict[int, dict[int, int]] = {}   # pid -> its loop_fds
         self.objects: dict[str, int | tuple[int, int]] = {}  # eventfd / pair key -> ours
         self.named: dict[tuple[str, bool], int] = {}   # shared-mapped files: ours
+        self.shared = shared           # named files' shared descriptions
+        self.shared_made: dict[int, int] = {}   # index in shared -> ours
         for g in groups.values():
             r, w = os.pipe2(os.O_CLOEXEC)
             self.fresh[g.inode] = (r, w)
@@ -1081,14 +1094,27 @@ class _PipePlan:
             eventloop.arm_timerfd(fd, t)
 
     def file_fds(self, rec: ProcessRecord) -> dict[int, int]:
-        """rec's deleted-but-open files, each made afresh once per restore (shared by
-        the processes that shared it): its fd -> our descriptor of that description."""
+        """rec's deleted-but-open files, each made afresh once per restore, and its
+        named files' descriptions that several descriptors share, each opened once per
+        restore (both shared by the descriptors that shared them): its fd -> our
+        descriptor of that description."""
         out: dict[int, int] = {}
         for i, u in enumerate(self.files):
             for j, d in enumerate(u.descriptions):
                 for pid, fd in d.holders:
                     if pid == rec.pid:
                         out[fd] = self._made(i)[j]
+        for fd, i in shared_files.holders_of(self.shared, rec.pid).items():
+            if i not in self.shared_made:
+                try:
+                    self.shared_made[i] = shared_files.open_again(self._root(),
+                                                                  self.shared[i])
+                except OSError as e:
+                    raise native.CRError(e.errno or errno.EIO, (
+                        f"{self.shared[i].path}, open in several descriptors: not in the "
+                        f"restored tree ({e.strerror})")) from None
+                self.loops.append(self.shared_made[i])
+            out[fd] = self.shared_made[i]
         return out
 
     def remaps(self, rec: ProcessRecord) -> list[native.Remap]:
@@ -1182,6 +1208,7 @@ class _PipePlan:
         self.listeners_of.clear()
         self.objects.clear()
         self.made.clear()
+        self.shared_made.clear()
         for fd in fds:
             os.close(fd)
 
@@ -1586,7 +1613,8 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
     fdmap.update(plan.file_fds(rec))
     cloexec = {f.fd for f in rec.fds if f.fd in fdmap and f.flags & os.O_CLOEXEC}
     files = [native.ReopenFile(f.fd, f.path, f.flags, f.pos)
-             for f in rec.fds if f.kind in ("file", "dir", "chr") and not f.deleted]
+             for f in rec.fds if f.kind in ("file", "dir", "chr") and not f.deleted
+             and f.fd not in fdmap]
     return _Spawn(state.templates[rec.pid], fdmap, files, rec.cwd, mntfd,
                   [] if ahead else rec.listens,
                   lane=state.lanes.get(rec.pid), cloexec=cloexec,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import trio
 
-from ..cr import adoption, eventloop, native, unlinked
+from ..cr import adoption, eventloop, native, shared_files, unlinked
 from ..cr.capture import ProcessRecord, SharedMapping
 from ..cr.engine import (PIPE_DEFAULT_SIZE, DeltaCR, PipeEnd, PipeGroup, ProcessState,
                          lone_leaders,
@@ -368,7 +368,8 @@ class Dumps:
             files.append(dict(dataclasses.asdict(u), saved=name))
         meta = dict(version=1, records=[_rec_json(r) for r in state.records], pipes=pipes,
                     sessions=state.sessions, session_states=state.session_states,
-                    unlinked=files)
+                    unlinked=files,
+                    shared_files=[dataclasses.asdict(s) for s in state.shared_files])
         raw = json.dumps(meta).encode()
         with open(tmp / "state.json", "wb") as f:
             f.write(raw)
@@ -431,6 +432,7 @@ class Dumps:
         return ProcessState(records, templates, pipes,
                             {k: int(v) for k, v in meta["sessions"].items()},
                             dict(meta["session_states"]), from_dump=cp_id, unlinked=files,
+                            shared_files=[_shared_from(s) for s in meta.get("shared_files", [])],
                             images=images)
 
 
@@ -535,6 +537,12 @@ def _refill(data: bytes) -> int:
     finally:
         os.close(w)
     return r
+
+
+def _shared_from(s: dict) -> shared_files.SharedFile:
+    """A shared description of a named file, as a dump keeps it."""
+    return shared_files.SharedFile(s["path"], s["flags"], s["pos"],
+                                   [(int(p), int(fd)) for p, fd in s["holders"]])
 
 
 def _unlinked_from(f: dict, data: bytes) -> unlinked.UnlinkedFile:
