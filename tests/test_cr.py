@@ -637,6 +637,105 @@ def test_loopback_tcp_server_answers(sbx: Sandbox, restore: Restore) -> None:
     wait_for(lambda: target.exec(GET).exit_code == 0)
 
 
+# A server on a named unix socket (a path, or "@name": an abstract name) that counts the
+# requests it answered (in memory), and a client holding one connection to it, asked by file.
+UNIX_SERVER = """
+import os, selectors, socket, sys
+name = sys.argv[1]
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind("\\0" + name[1:] if name.startswith("@") else name)
+if not name.startswith("@"):
+    os.chmod(name, 0o660)
+srv.listen(8)
+sel = selectors.DefaultSelector()
+sel.register(srv, selectors.EVENT_READ)
+n = 0
+open("/workspace/listening", "w").close()
+while True:
+    for key, _ in sel.select():
+        if key.fileobj is srv:
+            sel.register(srv.accept()[0], selectors.EVENT_READ)
+            continue
+        data = key.fileobj.recv(100)
+        if not data:
+            sel.unregister(key.fileobj)
+            key.fileobj.close()
+            continue
+        n += 1
+        key.fileobj.sendall(f"{data.decode()} {n}".encode())
+"""
+
+UNIX_CLIENT = """
+import os, socket, sys, time
+name = sys.argv[1]
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect("\\0" + name[1:] if name.startswith("@") else name)
+open("/workspace/connected", "w").close()
+n = 0
+while True:
+    if os.path.exists(f"/workspace/ask{n}"):
+        s.sendall(b"ping")
+        open(f"/workspace/got{n}.tmp", "w").write(s.recv(100).decode())
+        os.rename(f"/workspace/got{n}.tmp", f"/workspace/got{n}")
+        n += 1
+    time.sleep(0.01)
+"""
+
+
+def _unix_request(name: str, what: str) -> str:
+    """A command: connect to the server at `name`, send `what`, print the answer."""
+    addr = f"'\\0{name[1:]}'" if name.startswith("@") else f"'{name}'"
+    return (f"python3 -c \"import socket; s = socket.socket(socket.AF_UNIX); "
+            f"s.connect({addr}); s.sendall(b'{what}'); print(s.recv(100).decode())\"")
+
+
+def _ask_client(box: Sandbox, n: int) -> str:
+    """What the unix client got for its n-th request."""
+    box.files.write(f"ask{n}", "")
+    wait_for(lambda: box.files.exists(f"got{n}"))
+    return box.files.read(f"got{n}").decode()
+
+
+@pytest.mark.parametrize("name", ["/tmp/app.sock", "@dbx-test-app"])
+def test_a_named_unix_socket_server_and_its_connection(sbx: Sandbox, restore: Restore,
+                                                       name: str) -> None:
+    """A server listening on a named unix socket (a file, kept with its mode; an abstract
+    name) with a client's connection open: both come back, the connection carries on
+    (the server's count from the checkpoint), and a new client connects by the name.
+    Refused by name until stop 48."""
+    sbx.files.write("usrv.py", UNIX_SERVER)
+    sbx.files.write("ucli.py", UNIX_CLIENT)
+    sbx.exec(f"cd /workspace; nohup python3 usrv.py {name} >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("listening"))
+    sbx.exec(f"cd /workspace; nohup python3 ucli.py {name} >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("connected"))
+    assert _ask_client(sbx, 0) == "ping 1"
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    assert _ask_client(sbx, 1) == "ping 2"     # the original goes on
+    target = restore(sbx, cp)
+    assert _ask_client(target, 1) == "ping 2"  # the restored pair, the server's count
+    r = target.exec(_unix_request(name, "new"))
+    assert (r.exit_code, r.stdout) == (0, "new 3\n"), r
+    if not name.startswith("@"):
+        assert target.exec(f"stat -c %a {name}").stdout == "660\n"
+    target.exec("pkill -f usrv.py; pkill -f ucli.py; true")
+
+
+def test_a_connection_waiting_to_be_accepted_is_refused_by_name(sbx: Sandbox) -> None:
+    """A named unix listener with a connection nobody accepted yet: that connection has no
+    process to come back in. Refused, naming the listener."""
+    sbx.exec("nohup python3 -c \"import socket, time; s = socket.socket(socket.AF_UNIX); "
+             "s.bind('/tmp/q.sock'); s.listen(4); time.sleep(100)\" >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.exec("test -S /tmp/q.sock").exit_code == 0)
+    sbx.exec("nohup python3 -c \"import socket, time; s = socket.socket(socket.AF_UNIX); "
+             "s.connect('/tmp/q.sock'); open('/tmp/q.in', 'w'); time.sleep(100)\" "
+             ">/dev/null 2>&1 &")
+    wait_for(lambda: sbx.exec("test -e /tmp/q.in").exit_code == 0)
+    _refused_by_name(sbx, r"listening unix socket /tmp/q\.sock: 1 connection\(s\) waiting "
+                          "to be accepted")
+
+
 BIG_LEADER = """
 import os, socket
 os.setsid()                              # a session and group leader: new pid at a rollback

@@ -20,7 +20,8 @@ from deltabox import Sandbox
 
 from conftest import HELD, OWN_PS, wait_for
 from test_cr import (INTERLEAVED, LOCKER, REGISTRATIONS, SHARED_MEMORY, TCP_ENDS, THREADED,
-                     TIMERS, TRY_LOCK, _interleaved, _role)
+                     TIMERS, TRY_LOCK, UNIX_CLIENT, UNIX_SERVER, _ask_client, _interleaved,
+                     _role, _unix_request)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 SYS_KCMP, KCMP_VM = 312, 1
@@ -402,6 +403,29 @@ def test_shared_log_born_from_carriers(sbx: Sandbox) -> None:
         assert _born_from_carrier("il.py\0B"), f"rollback {i}"   # its command line
         wait_for(lambda: min(_interleaved(sbx.files.read("log")).values())
                  >= max(at_cp.values()) + 10, timeout=10, what=f"rollback {i}: lines")
+
+
+def test_named_unix_listener_born_from_carriers(sbx: Sandbox) -> None:
+    """A server on a unix socket file and a client's connection, born from carriers: the
+    plan made the listener ahead, bound in the generation the rollback takes (the live
+    server's file is another tree's), and the pair; at every rollback the connection
+    carries on from the checkpoint and a new client connects."""
+    sbx.files.write("usrv.py", UNIX_SERVER)
+    sbx.files.write("ucli.py", UNIX_CLIENT)
+    sbx.exec("cd /workspace; nohup python3 usrv.py /tmp/app.sock >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("listening"), what="listening")
+    sbx.exec("cd /workspace; nohup python3 ucli.py /tmp/app.sock >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("connected"), what="connected")
+    assert _ask_client(sbx, 0) == "ping 1"
+    cp = sbx.checkpoint(mode="full")
+    assert _ask_client(sbx, 1) == "ping 2"
+    for i in range(2):
+        wait_for(lambda: _carriers_ready(sbx), what="a carrier")
+        assert sbx.rollback(cp).process_state == "restored"
+        assert _born_from_carrier("usrv.py"), f"rollback {i}"
+        assert _ask_client(sbx, 1) == "ping 2", f"rollback {i}"
+        r = sbx.exec(_unix_request("/tmp/app.sock", "new"))
+        assert (r.exit_code, r.stdout) == (0, "new 3\n"), (i, r)
 
 
 def test_tcp_connection_born_from_carriers(sbx: Sandbox) -> None:

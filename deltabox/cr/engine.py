@@ -68,7 +68,8 @@ from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from ..fs.files import open_in_root
-from . import adoption, eventloop, listeners, native, shared_files, tcp, unlinked, watches
+from . import (adoption, eventloop, listeners, native, shared_files, tcp, unix_listeners,
+               unlinked, watches)
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .capture import (ProcessRecord, Refusal, Unsettled, add_listeners, record,
                       in_writable_layer, record_head, refusals, shared_lock_refusals,
@@ -622,9 +623,10 @@ class DeltaCR:
             ids = _rollback_ids(state) if into is None else {}
 
             async def args_for(rec: ProcessRecord) -> _Spawn:
-                if into is None and _connected(rec):
-                    # Its connections take the killed ones' addresses: gone once they
-                    # have exited (tcp.quiet_all closed them silently).
+                if into is None and (_connected(rec) or _abstract_name(rec)):
+                    # Its connections (and abstract names) take the killed ones'
+                    # addresses: gone once they have exited (tcp.quiet_all closed them
+                    # silently).
                     await addresses_free()
                 spawn = _spawn_args(state, plan, rec, mntfd, into)
                 if into is None:
@@ -802,14 +804,16 @@ class DeltaCR:
         """Carriers, in the generation `mntfd` that a rollback to `state` will use, of
         every process but multi-threaded ones a rollback does not restore (a session leader:
         native/threads.c), those watching a signalfd with epoll (the watch waits on the
-        signal queue of the task that made it: the carrier's, not its birth's) and captured
-        parents and children (restored held, and adopted: adoption.py):
+        signal queue of the task that made it: the carrier's, not its birth's), those
+        listening on an abstract unix name (the live process holds it: bound by their
+        spawn once it has exited) and captured parents and children (restored held, and
+        adopted: adoption.py):
         restore(pre=...) gives birth to the processes from them. None if none. A TCP
         connection's or listener's sockets are made ahead, their addresses taken by the
         rollback (the live process still holds them)."""
         ids = _rollback_ids(state)
         recs = [r for r in state.records if not (r.threads > 1 and ids[r.pid][0] is None)
-                and not eventloop.watches_signalfd(r.loop)
+                and not eventloop.watches_signalfd(r.loop) and not _abstract_name(r)
                 and r.pid not in state.family and r.pid not in state.adopters]
         if not recs:
             return None
@@ -1007,6 +1011,10 @@ class _PipePlan:
             ab = self._pair(c.key, lambda c=c: self._connection(c, netns_pid))
             out.update((n, ab[0]) for n in c.a)
             out.update((n, ab[1]) for n in c.b)
+        for u in loop.unix_listeners:
+            fd = self._object(u.key, lambda u=u: unix_listeners.make(u, netns_pid,
+                                                                     self._root()))
+            out.update((n, fd) for n in u.fds)
         return out
 
     def _connection(self, c: tcp.TcpConn, netns_pid: int) -> tuple[int, int]:
@@ -1503,6 +1511,12 @@ def _died_in_checkpoint(s: native.Stopped, step: Callable[[], T]) -> T:
 def _connected(rec: ProcessRecord) -> bool:
     """Whether rec holds a TCP connection (tcp.py)."""
     return bool(rec.loop and rec.loop.tcp)
+
+
+def _abstract_name(rec: ProcessRecord) -> bool:
+    """Whether rec listens on an abstract unix name (unix_listeners.py): the killed
+    process holds it until it exits (the sandbox's network namespace is the same)."""
+    return bool(rec.loop and any(u.abstract for u in rec.loop.unix_listeners))
 
 
 def _resume_all(stopped: list[native.Stopped]) -> None:

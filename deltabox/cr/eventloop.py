@@ -38,11 +38,11 @@ import socket
 import struct
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from .. import kernfs
-from . import native, sockdiag, tcp, watches
+from . import native, sockdiag, tcp, unix_listeners, watches
 from .capture import ProcessRecord, Refusal, is_loop_fd
 
 MAX_QUEUED = 4 << 20                      # bytes waiting in a socket we copy, at most
@@ -110,10 +110,11 @@ class LoopState:
     signalfds: list[SignalFd] = field(default_factory=list)
     inotifies: list[watches.Inotify] = field(default_factory=list)
     tcp: list[tcp.TcpConn] = field(default_factory=list)
+    unix_listeners: list[unix_listeners.UnixListener] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.epolls or self.eventfds or self.pairs or self.timerfds or
-                    self.signalfds or self.inotifies or self.tcp)
+                    self.signalfds or self.inotifies or self.tcp or self.unix_listeners)
 
 
 def capture(records: list[ProcessRecord], layers: Sequence[str] = (),
@@ -399,8 +400,10 @@ class _UnixDiag:
     state: int
     peer: int
     name: str
-    rqueue: int
+    rqueue: int          # a listener's: connections waiting to be accepted
     shutdown: int
+    raw_name: bytes = b""
+    wqueue: int = 0      # a listener's: its backlog
 
 
 UDIAG_SHOW_NAME, UDIAG_SHOW_PEER, UDIAG_SHOW_RQLEN = 0x1, 0x4, 0x10
@@ -427,7 +430,7 @@ def unix_sockets(pid: int) -> dict[int, _UnixDiag]:
 
 def _parse_unix(msg: bytes, out: dict[int, _UnixDiag]) -> None:
     _fam, typ, state, _pad, ino, _c0, _c1 = _UNIX_MSG.unpack_from(msg)
-    peer, name, rqueue, shutdown = 0, "", 0, 0
+    peer, name, rqueue, shutdown, raw, wqueue = 0, "", 0, 0, b"", 0
     at = _UNIX_MSG.size
     while at + _RTA.size <= len(msg):
         alen, atype = _RTA.unpack_from(msg, at)
@@ -438,12 +441,13 @@ def _parse_unix(msg: bytes, out: dict[int, _UnixDiag]) -> None:
             peer = struct.unpack_from("=I", data)[0]
         elif atype == UNIX_DIAG_NAME:
             name = data.decode(errors="replace") or "?"
+            raw = bytes(data)
         elif atype == UNIX_DIAG_RQLEN:
-            rqueue = struct.unpack_from("=I", data)[0]
+            rqueue, wqueue = struct.unpack_from("=II", data)
         elif atype == UNIX_DIAG_SHUTDOWN:
             shutdown = data[0]
         at += (alen + 3) & ~3
-    out[ino] = _UnixDiag(typ, state, peer, name, rqueue, shutdown)
+    out[ino] = _UnixDiag(typ, state, peer, name, rqueue, shutdown, raw, wqueue)
 
 
 @dataclass
@@ -464,6 +468,12 @@ class _Pairs:
         for rec, f in socks:
             self.holders[f.inode].append((rec, f))
         self.state: dict[int, _PairState | str] = {}    # lower inode of the pair -> ...
+        # Named listeners the sandbox holds (made again: unix_listeners.py), by inode, and
+        # their names: the connections they accepted show their name, and come back.
+        self.listeners: dict[int, unix_listeners.UnixListener | str] = {}
+        self.listening = {d.raw_name for ino, d in diag.items()
+                          if d.state == unix_listeners.TCP_LISTEN and d.raw_name
+                          and ino in self.holders}
 
     def _pair(self, ino: int) -> tuple[int, _PairState | str]:
         """The pair's key (its lower inode) and its state, or why it is refused."""
@@ -474,7 +484,7 @@ class _Pairs:
         return key, self.state[key]
 
     def _read(self, ino: int, d: _UnixDiag | None) -> _PairState | str:
-        why = _pair_refusal(ino, self.diag, self.holders)
+        why = _pair_refusal(ino, self.diag, self.holders, self.listening)
         if why:
             return why
         assert d is not None
@@ -489,10 +499,32 @@ class _Pairs:
         return _PairState(d.type, (ends[0][2], ends[1][2]), (ends[0][0], ends[1][0]),
                           (ends[0][1], ends[1][1]))
 
+    def _listener(self, rec: ProcessRecord, f: native.FdInfo
+                  ) -> unix_listeners.UnixListener | str:
+        """The named listener at f, read once whoever holds it."""
+        if f.inode not in self.listeners:
+            d = self.diag[f.inode]
+            self.listeners[f.inode] = unix_listeners.capture(
+                rec.pid, f.inode, d.type, d.raw_name, d.rqueue, d.wqueue,
+                bool(f.flags & os.O_NONBLOCK))
+        return self.listeners[f.inode]
+
     def add(self, rec: ProcessRecord, loop: LoopState, reasons: list[str]) -> None:
         mine: dict[int, SocketPair] = {}
+        heard: dict[int, unix_listeners.UnixListener] = {}
         for f in rec.fds:
             if f.kind != "socket" or not is_loop_fd(f) or tcp.is_connection(f):
+                continue
+            d = self.diag.get(f.inode)
+            if d is not None and d.state == unix_listeners.TCP_LISTEN and d.raw_name:
+                u = self._listener(rec, f)
+                if isinstance(u, str):
+                    reasons.append(f"fd {f.fd}: {u}")
+                elif f.inode in heard:
+                    heard[f.inode].fds.append(f.fd)
+                else:
+                    heard[f.inode] = dataclasses.replace(u, fds=[f.fd])
+                    loop.unix_listeners.append(heard[f.inode])
                 continue
             key, st = self._pair(f.inode)
             if isinstance(st, str):
@@ -506,7 +538,8 @@ class _Pairs:
 
 
 def _pair_refusal(ino: int, diag: dict[int, _UnixDiag],
-                  holders: dict[int, list[tuple[ProcessRecord, native.FdInfo]]]) -> str | None:
+                  holders: dict[int, list[tuple[ProcessRecord, native.FdInfo]]],
+                  listening: Collection[bytes] = ()) -> str | None:
     d = diag.get(ino)
     if d is None:
         return "not found by sock_diag"
@@ -521,7 +554,7 @@ def _pair_refusal(ino: int, diag: dict[int, _UnixDiag],
         e = diag.get(end)
         if e is None:
             return "its peer was not found by sock_diag"
-        if e.name:
+        if e.name and e.raw_name not in listening:   # else: accepted by a listener of ours
             return f"bound to {e.name!r}: named unix sockets are not captured"
         for rec, f in holders[end]:
             if _field(_fdinfo(rec.pid, f.fd), b"scm_fds") not in (None, b"0"):
@@ -681,7 +714,8 @@ def to_json(loop: LoopState | None) -> dict | None:
                   ends=[dict(dataclasses.asdict(e), send_data=e.send_data.hex(),
                              recv_data=e.recv_data.hex(), window=e.window.hex())
                         for e in c.ends])
-             for c in loop.tcp])
+             for c in loop.tcp],
+        unix_listeners=[dataclasses.asdict(u) for u in loop.unix_listeners])
 
 
 def from_json(d: dict | None) -> LoopState | None:
@@ -705,4 +739,5 @@ def from_json(d: dict | None) -> LoopState | None:
                                          recv_data=bytes.fromhex(e["recv_data"]),
                                          window=bytes.fromhex(e["window"])))
                           for e in c["ends"]])
-             for c in d.get("tcp", [])])
+             for c in d.get("tcp", [])],
+        unix_listeners=[unix_listeners.UnixListener(**u) for u in d.get("unix_listeners", [])])
