@@ -722,6 +722,28 @@ def test_a_named_unix_socket_server_and_its_connection(sbx: Sandbox, restore: Re
     target.exec("pkill -f usrv.py; pkill -f ucli.py; true")
 
 
+PTY_PAIR = """
+import os, pty, time
+pid, fd = pty.fork()              # the child on the slave, its controlling terminal
+if pid:
+    open("/workspace/pty-ready", "w").close()
+time.sleep(100)
+"""
+
+
+def test_a_pseudo_terminal_made_in_the_sandbox_is_refused_by_name(sbx: Sandbox) -> None:
+    """pty.fork() (pexpect, script, tmux): the master in one process, the slave (its
+    controlling terminal) in the other. Reopened by path, the master would be a new pty
+    and the slave is not in the restored generation's devpts: refused naming both (until
+    stop 48 the checkpoint passed and its rollback restarted the processes)."""
+    sbx.files.write("ptpair.py", PTY_PAIR)   # not pty.py: that would shadow the module
+    sbx.exec("cd /workspace; nohup python3 ptpair.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("pty-ready"))
+    _refused_by_name(sbx, r"(?s)fd \d+: the master of a pseudo-terminal \(/dev/ptmx\): a "
+                          r"terminal made in the sandbox is not captured.*fd 0: a "
+                          r"pseudo-terminal \(/dev/pts/0\)")
+
+
 def test_a_connection_waiting_to_be_accepted_is_refused_by_name(sbx: Sandbox) -> None:
     """A named unix listener with a connection nobody accepted yet: that connection has no
     process to come back in. Refused, naming the listener."""

@@ -24,9 +24,16 @@ from . import native, tcp
 if TYPE_CHECKING:
     from .eventloop import LoopState
 
-# Character devices a restored process may hold: reopened by path.
-# null zero full random urandom tty ptmx; pty slaves are major 136.
-HARMLESS_CHR = {(1, 3), (1, 5), (1, 7), (1, 8), (1, 9), (5, 0), (5, 2)}
+# Character devices a restored process may hold (null zero full random urandom): reopened
+# by path at a restore, there is nothing else to them.
+HARMLESS_CHR = {(1, 3), (1, 5), (1, 7), (1, 8), (1, 9)}
+# /dev/tty, /dev/ptmx (a pty's master) and the pty slaves (/dev/pts/N, major 136). No
+# session or command of the daemon has a terminal: a pty in a sandbox is a pair its
+# processes made (pexpect, script, tmux). Reopened by path, the master would be a new,
+# unrelated pty and the slave is not in the restored generation's own devpts: refused
+# (until stop 48 the checkpoint passed and its restore restarted the processes).
+TERMINALS = {(5, 0): "its controlling terminal (/dev/tty)",
+             (5, 2): "the master of a pseudo-terminal (/dev/ptmx)"}
 PTY_MAJOR = 136
 CAP_SYS_ADMIN = 21
 
@@ -422,10 +429,14 @@ def _fd_refusal(f: native.FdInfo) -> str | None:
             return "a packet-mode pipe (O_DIRECT): its message boundaries are not captured"
         return None
     if f.kind == "chr":
-        if f.rdev in HARMLESS_CHR or (f.rdev and f.rdev[0] == PTY_MAJOR):
+        if f.rdev in HARMLESS_CHR:
             return None
+        if f.rdev in TERMINALS or (f.rdev and f.rdev[0] == PTY_MAJOR):
+            what = TERMINALS.get(f.rdev) or f"a pseudo-terminal ({f.path})"
+            return (f"{what}: a terminal made in the sandbox is not captured (its pair, "
+                    "unread bytes, settings and controlling terminal would not come back)")
         return f"device {f.path} ({f.rdev[0]}:{f.rdev[1]}) is not one of " \
-               "null/zero/full/random/urandom/tty/pty" if f.rdev else f"device {f.path}"
+               "null/zero/full/random/urandom" if f.rdev else f"device {f.path}"
     if f.kind == "socket":
         if is_tcp_listener(f):
             return None
