@@ -362,13 +362,15 @@ def test_descriptors_sharing_a_log_keep_one_offset(sbx: Sandbox, restore: Restor
     target.exec("pkill -f il.py")
 
 
-def test_a_shared_description_on_dev_shm_is_refused_by_name(sbx: Sandbox) -> None:
-    """Two processes writing through one description of a /dev/shm file: that mount is not
-    in the snapshot (nor in the tree a restore opens files in): refused, naming them."""
-    sbx.exec("nohup sh -c 'sleep 100 & exec sleep 101' > /dev/shm/log 2>&1 &")
+def test_a_shared_description_on_proc_is_refused_by_name(sbx: Sandbox) -> None:
+    """Two processes reading through one description of a /proc file (a redirection): /proc
+    is not in the tree a restore opens files in (the daemon's view of the generation), so
+    the one description cannot be made again: refused, naming them. (Each alone would be
+    reopened by path; a file on /dev/shm is refused anyway.)"""
+    sbx.exec("nohup sh -c 'sleep 100 & exec sleep 101' 3< /proc/version >/dev/null 2>&1 &")
     wait_for(lambda: sbx.exec("pgrep -c -x sleep").stdout.strip() == "2")
-    _refused_by_name(sbx, r"fd \d+: /dev/shm/log is open through one file description it "
-                          r"shares with pid \d+ fd \d+.*on a mount of its own")
+    _refused_by_name(sbx, r"fd 3: /proc/version is open through one file description it "
+                          r"shares with pid \d+ fd 3.*on a mount of its own")
 
 
 def _restored_halfway(sbx: Sandbox, restore: Restore, marker: str) -> tuple[Sandbox, float]:
@@ -742,6 +744,25 @@ def test_a_pseudo_terminal_made_in_the_sandbox_is_refused_by_name(sbx: Sandbox) 
     _refused_by_name(sbx, r"(?s)fd \d+: the master of a pseudo-terminal \(/dev/ptmx\): a "
                           r"terminal made in the sandbox is not captured.*fd 0: a "
                           r"pseudo-terminal \(/dev/pts/0\)")
+
+
+def test_a_file_held_open_on_dev_shm_is_refused_by_name(sbx: Sandbox) -> None:
+    """A named file of /dev/shm held open (not mapped, not shared): /dev/shm is a tmpfs made
+    afresh for each generation, so a restore could not reopen it. Refused by name (until
+    stop 48 the checkpoint passed, its rollback restarted the processes and a fork failed
+    with INTERNAL). A /proc file is reopened like any (proc is mounted afresh with it)."""
+    sbx.exec("nohup python3 -c \"import time; f = open('/dev/shm/held', 'w'); "
+             "g = open('/proc/self/status'); open('/workspace/held', 'w'); time.sleep(100)\" "
+             ">/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("held"))
+    _refused_by_name(sbx, r"fd \d+: /dev/shm/held is on a mount of its own \(/dev/shm, "
+                          r"tmpfs\) that a checkpoint does not snapshot: not restored")
+    sbx.exec("pkill -f /dev/shm/held; true")
+    wait_for(lambda: sbx.exec("pgrep -f /dev/shm/held").exit_code != 0)
+    sbx.exec("nohup python3 -c \"import time; g = open('/proc/self/status'); "
+             "time.sleep(100)\" >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.exec("pgrep -f /proc/self/status").exit_code == 0)
+    assert sbx.checkpoint().kind == "full"
 
 
 def test_a_connection_waiting_to_be_accepted_is_refused_by_name(sbx: Sandbox) -> None:

@@ -322,10 +322,21 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
             refuse(f"writable shared mapping of the file {m.path} at {m.where}: it is on "
                    "a mount of its own (/dev, /dev/shm, /proc), which a checkpoint does "
                    "not snapshot")
+    table: list[tuple[str, str]] | None = None
     for f in rec.fds:
         reason = _fd_refusal(f)
         if reason:
             refuse(f"fd {f.fd}: {reason}")
+        elif f.kind == "file" and not f.deleted:
+            table = mounts(rec.pid) if table is None else table
+            point, fstype = mount_of(table, f.path)
+            if point != "/" and fstype not in _REMADE:
+                # /dev/shm and /dev are tmpfs made afresh for each generation (a mount
+                # made in the sandbox is not made again either): reopened by path, the
+                # file would be missing, or another one.
+                refuse(f"fd {f.fd}: {f.path} is on a mount of its own ({point}, "
+                       f"{fstype or 'unknown type'}) that a checkpoint does not snapshot: "
+                       "not restored")
     return out
 
 
@@ -387,20 +398,41 @@ def on_snapshotted_root(pid: int, path: str) -> bool:
     checkpoint snapshots, and not on a mount of its own (/dev and /dev/shm are tmpfs made
     afresh for each generation; /proc): the longest mount point of /proc/PID/mountinfo
     above it is "/"."""
+    return mount_of(mounts(pid), path)[0] == "/"
+
+
+def mounts(pid: int) -> list[tuple[str, str]]:
+    """pid's mount points and their file system types (/proc/PID/mountinfo); [] if gone."""
     try:
         info = kernfs.read(f"/proc/{pid}/mountinfo")
     except OSError:
-        return False
-    best = ""
+        return []
+    out = []
     for line in info.splitlines():
+        # id parent dev root POINT options [optional...] - TYPE source super-options
         fields = line.split(b" ")
-        if len(fields) < 5:
+        try:
+            fstype = fields[fields.index(b"-", 6) + 1]
+        except (ValueError, IndexError):
             continue
-        point = fields[4].decode(errors="replace")
+        out.append((fields[4].decode(errors="replace"), fstype.decode(errors="replace")))
+    return out
+
+
+def mount_of(table: list[tuple[str, str]], path: str) -> tuple[str, str]:
+    """The mount (point, type) of `table` that holds `path`: the longest point above it;
+    ("", "") if none."""
+    best = ("", "")
+    for point, fstype in table:
         under = path == point or path.startswith(point.rstrip("/") + "/")
-        if under and len(point) > len(best):
-            best = point
-    return best == "/"
+        if under and len(point) > len(best[0]):
+            best = (point, fstype)
+    return best
+
+
+# File systems a restored generation mounts afresh with the same files: a file there is
+# reopened by path like one of the snapshotted root.
+_REMADE = ("proc", "sysfs")
 
 
 def is_loop_fd(f: native.FdInfo) -> bool:

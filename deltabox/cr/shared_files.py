@@ -13,8 +13,8 @@ file description (kcmp KCMP_FILE), and a restore opens each description that sev
 once, in the restored tree, with its flags and offset, and gives it to every descriptor
 that held it (engine._PipePlan.file_fds), as the fork or dup that made them did. Its file
 locks then come back on the one description too. A shared description of a file on a
-mount of its own (/dev/shm, /proc: not in the snapshot, and not in the tree the daemon
-opens from) is refused by name. Not preserved: the description's credentials (the
+mount of its own (/proc, /sys: reopened by path when held alone, but not in the tree the
+daemon opens from; capture.py refuses files on the others, /dev/shm) is refused by name. Not preserved: the description's credentials (the
 daemon's, as for any object a restore makes for the processes).
 """
 
@@ -69,8 +69,8 @@ def capture(records: list[ProcessRecord]) -> tuple[list[SharedFile], list[Refusa
                 others = ", ".join(f"pid {r.nspid} fd {f.fd}" for r, f in g[1:])
                 refused.append(Refusal(first.nspid, first.cmd, (
                     f"fd {f0.fd}: {path} is open through one file description it shares "
-                    f"with {others}, on a mount of its own (/dev/shm, /proc) that a "
-                    "checkpoint does not snapshot: not restored")))
+                    f"with {others}, on a mount of its own (/proc, /sys), where a restore "
+                    "cannot open it once for all of them: not restored")))
                 continue
             shared.append(SharedFile(path, f0.flags & _KEEP, f0.pos,
                                      [(r.pid, f.fd) for r, f in g]))
