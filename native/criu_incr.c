@@ -893,14 +893,19 @@ static int classify_cb(const struct raw_vma *r, void *arg)
 			return fail(c->err, ENOTSUP, c->pid, "mapping %#llx-%#llx: SysV shared "
 				    "memory cannot be dumped", (unsigned long long)r->start,
 				    (unsigned long long)r->end);
-		/* A deleted /dev/shm file (a POSIX semaphore, multiprocessing's heap) is memory
-		 * like any deleted file's; a device node is not. */
+		/* A /dev/shm file, deleted or not (a POSIX semaphore or shared memory segment,
+		 * multiprocessing's heap), is memory: no restored tree holds it (each generation's
+		 * /dev/shm is a tmpfs of its own, whose held files the daemon makes again and maps
+		 * again over this: deltabox/cr/shm_files.py).  A device node is not. */
+		bool shm = strncmp(name, "/dev/shm/", 9) == 0;
+
 		if (strncmp(name, "/dev/", 5) == 0 && strcmp(name, "/dev/zero (deleted)") != 0 &&
-		    strcmp(name, "/dev/zero") != 0 && !(deleted && strncmp(name, "/dev/shm/", 9) == 0))
+		    strcmp(name, "/dev/zero") != 0 && !shm)
 			return fail(c->err, ENOTSUP, c->pid, "mapping %#llx-%#llx: device %s "
 				    "cannot be dumped", (unsigned long long)r->start,
 				    (unsigned long long)r->end, name);
-		if (deleted || strncmp(name, "/memfd:", 7) == 0 || strncmp(name, "/dev/zero", 9) == 0) {
+		if (deleted || shm || strncmp(name, "/memfd:", 7) == 0 ||
+		    strncmp(name, "/dev/zero", 9) == 0) {
 			/* No file to map at restore: keep every page, restore anonymous. */
 			v.flags |= VMA_WHOLE;
 		} else {

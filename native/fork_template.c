@@ -109,6 +109,7 @@
 #include <pthread.h>
 #include <time.h>
 #include <netinet/in.h>
+#include <linux/openat2.h>
 #include <linux/prctl.h>
 #include <sys/epoll.h>
 #include <sys/file.h>
@@ -3631,4 +3632,67 @@ int dbxcr_netns_socketpair(int netns_fd, int domain, int type, int sv[2],
 	sv[0] = j.fd[0];
 	sv[1] = j.fd[1];
 	return 0;
+}
+
+/* ---------- a file in a sandbox's mount namespace ----------
+ *
+ * A generation's /dev/shm is a tmpfs mounted in its own mount namespace only.  As for a
+ * socket above, a thread made for the call joins that namespace: it first stops sharing
+ * its file-system attributes with the daemon's other threads (unshare CLONE_FS; setns
+ * refuses a mount namespace to a thread that shares them), then opens the path from the
+ * namespace's root (setns moves the thread's root and cwd there) with no symlink followed.
+ * The thread ends with the call. */
+
+struct mntns_open_job {
+	int mntns_fd;
+	const char *path;
+	int flags, mode, fd, code;
+	const char *step;
+};
+
+static void *mntns_open_thread(void *arg)
+{
+	struct mntns_open_job *j = arg;
+	struct open_how how;
+
+	if (unshare(CLONE_FS) < 0) {
+		j->code = errno;
+		j->step = "unshare CLONE_FS";
+		return NULL;
+	}
+	if (setns(j->mntns_fd, CLONE_NEWNS) < 0) {
+		j->code = errno;
+		j->step = "setns into the mount namespace";
+		return NULL;
+	}
+	memset(&how, 0, sizeof(how));
+	how.flags = (uint64_t)(j->flags | O_CLOEXEC | O_NOFOLLOW);
+	how.mode = (j->flags & O_CREAT) ? (uint64_t)j->mode : 0;
+	how.resolve = RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+	j->fd = (int)syscall(SYS_openat2, AT_FDCWD, j->path, &how, sizeof(how));
+	if (j->fd < 0) {
+		j->code = errno;
+		j->step = "openat2";
+	}
+	return NULL;
+}
+
+int dbxcr_mntns_open(int mntns_fd, const char *path, int flags, int mode,
+		     struct dbxcr_error *err)
+{
+	struct mntns_open_job j = { mntns_fd, path, flags, mode, -1, 0, NULL };
+	pthread_t th;
+	int rc;
+
+	clear_error(err);
+	rc = pthread_create(&th, NULL, mntns_open_thread, &j);
+	if (rc != 0)
+		return fail(err, rc, current_tid(), "mntns open %s: pthread_create", path);
+	rc = pthread_join(th, NULL);
+	if (rc != 0)
+		return fail(err, rc, current_tid(), "mntns open %s: pthread_join", path);
+	if (j.code)
+		return fail(err, j.code, current_tid(), "open %s in mount namespace fd %d: %s",
+			    path, mntns_fd, j.step);
+	return j.fd;
 }

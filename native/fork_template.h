@@ -303,6 +303,11 @@ int dbxcr_netns_socket(int netns_fd, int domain, int type, int protocol,
 int dbxcr_netns_socketpair(int netns_fd, int domain, int type, int sv[2],
 			   struct dbxcr_error *err);
 
+/* Open `path` as seen in the mount namespace `mntns_fd` (a thread made for the call joins
+ * it), no symlink followed: flags (O_CLOEXEC added) and mode as open(2).  Our fd. */
+int dbxcr_mntns_open(int mntns_fd, const char *path, int flags, int mode,
+		     struct dbxcr_error *err);
+
 /* Move the parked template out of its process group into one of its own.  A process group
  * id stays allocated while any member exists, so a template (forked from a group member,
  * in that group) keeps the group leader's pid taken and the leader could not come back

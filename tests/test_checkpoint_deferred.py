@@ -160,14 +160,21 @@ def test_a_full_checkpoint_with_no_room_for_its_templates_is_refused_before_its_
     undone after it), nothing is kept, and its processes run on."""
     with new_sandbox(daemon.socket, pids_max=8) as sbx:   # init, its helper, 4 sleeps
         sbx.exec("for i in 1 2 3 4; do nohup sleep 1000 >/dev/null 2>&1 & done")
+        # (Looked at from the host: the sandbox has no room left to run ps.)
+        procs = Path(f"/sys/fs/cgroup/pids/{parent_name(str(daemon.state_dir.resolve()))}/"
+                     f"{sbx.id}/cgroup.procs")
+
+        def sleeps() -> list[int]:
+            return [p for p in map(int, procs.read_text().split())
+                    if process_name(p) == "sleep"]
+        # The shell does not wait for them: on a busy machine the last may still be
+        # nohup, not yet sleep, when the exec answers.
+        wait_for(lambda: len(sleeps()) == 4, timeout=10, what="4 sleeps")
         with pytest.raises(ResourceExhausted) as e:
             sbx.checkpoint(mode="full")
         assert "pids_max" in str(e.value) and "mode=fs" in str(e.value)
         assert sbx.checkpoints() == []
-        # (Looked at from the host: the sandbox has no room left to run ps.)
-        procs = Path(f"/sys/fs/cgroup/pids/{parent_name(str(daemon.state_dir.resolve()))}/"
-                     f"{sbx.id}/cgroup.procs")
-        pids = [p for p in map(int, procs.read_text().split()) if process_name(p) == "sleep"]
+        pids = sleeps()
         assert len(pids) == 4, pids
 
         def sleeping_untraced() -> bool:   # not left in a stop ("t"), nor traced

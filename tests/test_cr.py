@@ -746,19 +746,18 @@ def test_a_pseudo_terminal_made_in_the_sandbox_is_refused_by_name(sbx: Sandbox) 
                           r"pseudo-terminal \(/dev/pts/0\)")
 
 
-def test_a_file_held_open_on_dev_shm_is_refused_by_name(sbx: Sandbox) -> None:
-    """A named file of /dev/shm held open (not mapped, not shared): /dev/shm is a tmpfs made
-    afresh for each generation, so a restore could not reopen it. Refused by name (until
-    stop 48 the checkpoint passed, its rollback restarted the processes and a fork failed
-    with INTERNAL). A /proc file is reopened like any (proc is mounted afresh with it)."""
-    sbx.exec("nohup python3 -c \"import time; f = open('/dev/shm/held', 'w'); "
-             "g = open('/proc/self/status'); open('/workspace/held', 'w'); time.sleep(100)\" "
-             ">/dev/null 2>&1 &")
+def test_a_file_held_open_on_dev_is_refused_by_name(sbx: Sandbox) -> None:
+    """A file of /dev held open: /dev is a tmpfs made afresh for each generation, so a
+    restore could not reopen it. Refused by name (until stop 48 the checkpoint passed, its
+    rollback restarted the processes and a fork failed with INTERNAL; /dev/shm's files are
+    copied now). A /proc file is reopened like any (proc is mounted afresh with it)."""
+    sbx.exec("nohup python3 -c \"import time; f = open('/dev/held', 'w'); "
+             "open('/workspace/held', 'w'); time.sleep(100)\" >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("held"))
-    _refused_by_name(sbx, r"fd \d+: /dev/shm/held is on a mount of its own \(/dev/shm, "
-                          r"tmpfs\) that a checkpoint does not snapshot: not restored")
-    sbx.exec("pkill -f /dev/shm/held; true")
-    wait_for(lambda: sbx.exec("pgrep -f /dev/shm/held").exit_code != 0)
+    _refused_by_name(sbx, r"fd \d+: /dev/held is on a mount of its own \(/dev, tmpfs\) that "
+                          r"a checkpoint does not snapshot: not restored")
+    sbx.exec("pkill -f /dev/held; true")
+    wait_for(lambda: sbx.exec("pgrep -f /dev/held").exit_code != 0)
     sbx.exec("nohup python3 -c \"import time; g = open('/proc/self/status'); "
              "time.sleep(100)\" >/dev/null 2>&1 &")
     wait_for(lambda: sbx.exec("pgrep -f /proc/self/status").exit_code == 0)
@@ -2447,15 +2446,31 @@ def test_a_file_mapped_shared_read_only_shows_the_checkpoints_bytes(
     assert target.files.read("seen0") == b"check"
 
 
-def test_a_shared_writable_mapping_on_dev_shm_is_refused_by_name(sbx: Sandbox) -> None:
-    """/dev/shm is a tmpfs of each generation's own, not in the checkpoint's snapshot: a
-    named file there mapped shared and writable (shm_open) has no restored copy."""
+def test_a_dev_shm_file_mapped_shared_comes_back(sbx: Sandbox, restore: Restore) -> None:
+    """POSIX shared memory (shm_open, multiprocessing.shared_memory): a /dev/shm file held
+    open and mapped shared and writable. /dev/shm is a tmpfs of each generation's own, so
+    the checkpoint copies the file and the restore makes it again there: the restored
+    process sees the checkpoint's bytes, and its writes reach its own sandbox's file
+    (refused by name until stop 48)."""
     sbx.files.write("shm.py", MAPPED.replace("/workspace/m.bin", "/dev/shm/m.bin"))
     sbx.exec("cd /workspace && nohup python3 shm.py >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("mapped"))
-    _refused_by_name(sbx, r"(?s)pid \d+ \(python3 shm.py\).*writable shared mapping of the "
-                          r"file /dev/shm/m.bin at [0-9a-f]+-[0-9a-f]+: it is on a mount of its "
-                          "own")
+    size_mode = sbx.exec("stat -c '%s %a' /dev/shm/m.bin").stdout
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    head = "head -c 5 /dev/shm/m.bin"
+    sbx.files.write("cmd0", "later")
+    wait_for(lambda: sbx.files.exists("seen0"))
+    assert sbx.exec(head).stdout == "later"
+    target = restore(sbx, cp)
+    assert target.exec(head).stdout == "check"
+    assert target.exec("stat -c '%s %a' /dev/shm/m.bin").stdout == size_mode
+    target.files.write("cmd0", "after")
+    wait_for(lambda: target.files.exists("seen0"))
+    assert target.files.read("seen0") == b"check"        # what its mapping showed
+    assert target.exec(head).stdout == "after"           # its write reached its file
+    if target is not sbx and getattr(restore, "mode", "") != "disk-restart-fork":
+        assert sbx.exec(head).stdout == "later"   # (a restarted daemon rebooted the source)
 
 
 @pytest.mark.parametrize("journal", ["delete", "wal"])

@@ -318,7 +318,8 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
         if m.sysv:
             refuse(f"System V shared memory {m.path} at {m.where}: not captured (it "
                    "belongs to the IPC namespace, not to the process)")
-        elif m.named_file and not on_snapshotted_root(rec.pid, m.path):
+        elif m.named_file and not in_dev_shm(m.path) and not on_snapshotted_root(rec.pid,
+                                                                                   m.path):
             refuse(f"writable shared mapping of the file {m.path} at {m.where}: it is on "
                    "a mount of its own (/dev, /dev/shm, /proc), which a checkpoint does "
                    "not snapshot")
@@ -327,13 +328,13 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
         reason = _fd_refusal(f)
         if reason:
             refuse(f"fd {f.fd}: {reason}")
-        elif f.kind == "file" and not f.deleted:
+        elif f.kind == "file" and not f.deleted and not in_dev_shm(f.path):
             table = mounts(rec.pid) if table is None else table
             point, fstype = mount_of(table, f.path)
             if point != "/" and fstype not in _REMADE:
-                # /dev/shm and /dev are tmpfs made afresh for each generation (a mount
-                # made in the sandbox is not made again either): reopened by path, the
-                # file would be missing, or another one.
+                # /dev is a tmpfs made afresh for each generation (a mount made in the
+                # sandbox is not made again either): reopened by path, the file would be
+                # missing, or another one. (/dev/shm's are copied: shm_files.py.)
                 refuse(f"fd {f.fd}: {f.path} is on a mount of its own ({point}, "
                        f"{fstype or 'unknown type'}) that a checkpoint does not snapshot: "
                        "not restored")
@@ -371,15 +372,16 @@ def in_writable_layer(records: list[ProcessRecord], layers: Sequence[str]) -> No
         return
     if not layers:
         for rec in records:
-            rec.mapped_ro = [m for m in rec.mapped_ro if on_snapshotted_root(rec.pid, m.path)]
+            rec.mapped_ro = [m for m in rec.mapped_ro
+                             if in_dev_shm(m.path) or on_snapshotted_root(rec.pid, m.path)]
         return
     upper = os.open(layers[0], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     present: dict[str, bool] = {}   # one look per file: bash and python both map gconv's
     try:
         for rec in records:
             for m in rec.mapped_ro:
-                if m.path not in present:
-                    present[m.path] = _present(upper, m.path)
+                if m.path not in present:   # /dev/shm's are copied (shm_files.py)
+                    present[m.path] = in_dev_shm(m.path) or _present(upper, m.path)
             rec.mapped_ro = [m for m in rec.mapped_ro if present[m.path]]
     finally:
         os.close(upper)
@@ -391,6 +393,14 @@ def _present(root: int, path: str) -> bool:
         return True
     except OSError:
         return False
+
+
+def in_dev_shm(path: str) -> bool:
+    """A file of the sandbox's /dev/shm (POSIX shared memory, named semaphores): a tmpfs
+    made afresh for each generation, whose held files a checkpoint copies (shm_files.py)."""
+    name = path[len("/dev/shm/"):]
+    return (path.startswith("/dev/shm/") and bool(name) and "/" not in name
+            and not path.endswith(" (deleted)"))   # unlinked.py's
 
 
 def on_snapshotted_root(pid: int, path: str) -> bool:

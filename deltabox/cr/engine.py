@@ -68,8 +68,8 @@ from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from ..fs.files import open_in_root
-from . import (adoption, eventloop, listeners, native, shared_files, tcp, unix_listeners,
-               unlinked, watches)
+from . import (adoption, eventloop, listeners, native, shared_files, shm_files, tcp,
+               unix_listeners, unlinked, watches)
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .capture import (ProcessRecord, Refusal, Unsettled, add_listeners, record,
                       in_writable_layer, record_head, refusals, shared_lock_refusals,
@@ -183,6 +183,8 @@ class ProcessState:
     # open file descriptions of named files that several descriptors share
     # (cr/shared_files.py)
     shared_files: list[shared_files.SharedFile] = field(default_factory=list)
+    # the /dev/shm files the processes hold, copied at the checkpoint (cr/shm_files.py)
+    shm_files: list[shm_files.ShmFile] = field(default_factory=list)
     # images of the processes a restore adopts (cr/adoption.py), made at the first one
     images: adoption.Images | None = None
     # The processes, still in their stops after a capture that left the templates and
@@ -419,6 +421,7 @@ class DeltaCR:
         pipes: dict[int, PipeGroup] = {}
         files: list[unlinked.UnlinkedFile] = []
         shared: list[shared_files.SharedFile] = []
+        shm: list[shm_files.ShmFile] = []
 
         async def ptrace_pass() -> None:
             # Not cancellable once the ptrace thread runs it: the failure path needs what
@@ -449,7 +452,7 @@ class DeltaCR:
             # ptrace thread is inside the templates' forks it needs no GIL, whereas during
             # the stops it would wait for it (a thread wanting the GIL from a busy one gets
             # it only when that one blocks, or after the 5 ms switch interval).
-            nonlocal pipes, files, shared
+            nonlocal pipes, files, shared, shm
             await stops_done.wait()
             try:
                 if not cap.stops_done:
@@ -470,13 +473,18 @@ class DeltaCR:
                 if not cap.refused:
                     shared, why = shared_files.capture(records)
                     cap.refused.extend(why)
+                if not cap.refused:
+                    shm, why = shm_files.capture(records)
+                    cap.refused.extend(why)
                 if cap.refused:
+                    unlinked.close_saved(files)
                     return
                 pipes = _pipe_groups(records, *daemon_pipes())
                 cap.refused.extend(_save_unread(pipes, records))
                 if cap.refused:
                     _close_saved(pipes)
                     unlinked.close_saved(files)
+                    shm_files.close_saved(shm)
                     return
                 cap.records = records
             finally:
@@ -497,6 +505,7 @@ class DeltaCR:
                 await self.worker.run(_release_all, list(cap.templates.values()))
             _close_saved(pipes)
             unlinked.close_saved(files)
+            shm_files.close_saved(shm)
             if cap.refused and isinstance(e, Exception):  # the reasons, not what the stops
                 raise _refusal(cap.refused) from None     # made of them
             raise
@@ -509,7 +518,7 @@ class DeltaCR:
         stopped = {s.pid for s in cap.stopped}
         return ProcessState(cap.records, cap.templates, pipes, sessions,
                             reused=sorted(p for p in reuse or {} if p in stopped),
-                            unlinked=files, shared_files=shared,
+                            unlinked=files, shared_files=shared, shm_files=shm,
                             held=Held(cap.stopped, dict(reuse or {})) if later else None)
 
     async def make_templates(self, state: ProcessState) -> None:
@@ -589,7 +598,7 @@ class DeltaCR:
         target namespace (as its pid, group or session id), where a pid may fall back to
         a new one: then it does at once, not after 0.3 s of retries. On failure, kills
         what it spawned and raises."""
-        plan = pre.plan if pre is not None else _plan(state, rootfd)
+        plan = pre.plan if pre is not None else _plan(state, rootfd, mntfd)
         plan.arm()  # a prespawned plan's timers start now, with the rollback
         out = Restored({}, {}, [])
         groups: dict[int, int] = {}          # host pgid at checkpoint -> pgid in the target
@@ -817,7 +826,7 @@ class DeltaCR:
                 and r.pid not in state.family and r.pid not in state.adopters]
         if not recs:
             return None
-        pre = Prespawned(state, _plan(state, rootfd, armed=False), {})
+        pre = Prespawned(state, _plan(state, rootfd, mntfd, armed=False), {})
         try:
             for rec in recs:
                 spawn = _spawn_args(state, pre.plan, rec, mntfd)
@@ -874,6 +883,7 @@ class DeltaCR:
         await self.worker.run(_release_all, list(state.templates.values()))
         _close_saved(state.pipes)
         unlinked.close_saved(state.unlinked)
+        shm_files.close_saved(state.shm_files)
         if state.images is not None:
             await trio.to_thread.run_sync(state.images.close)
 
@@ -934,8 +944,14 @@ def _close_saved(groups: dict[int, PipeGroup]) -> None:
             g.saved = None
 
 
-def _plan(state: ProcessState, rootfd: int, armed: bool = True) -> _PipePlan:
-    return _PipePlan(state.pipes, state.unlinked, rootfd, armed, state.shared_files)
+def _plan(state: ProcessState, rootfd: int, mntfd: int, armed: bool = True) -> _PipePlan:
+    plan = _PipePlan(state.pipes, state.unlinked, rootfd, armed, state.shared_files)
+    try:
+        plan.make_shm(state.shm_files, mntfd)
+    except BaseException:
+        plan.close_all()
+        raise
+    return plan
 
 
 class _PipePlan:
@@ -967,6 +983,7 @@ class _PipePlan:
         self.named: dict[tuple[str, bool], int] = {}   # shared-mapped files: ours
         self.shared = shared           # named files' shared descriptions
         self.shared_made: dict[int, int] = {}   # index in shared -> ours
+        self.shm: dict[str, int] = {}  # /dev/shm files made again (make_shm): ours
         for g in groups.values():
             r, w = os.pipe2(os.O_CLOEXEC)
             self.fresh[g.inode] = (r, w)
@@ -1114,9 +1131,11 @@ class _PipePlan:
                         out[fd] = self._made(i)[j]
         for fd, i in shared_files.holders_of(self.shared, rec.pid).items():
             if i not in self.shared_made:
+                s = self.shared[i]
                 try:
-                    self.shared_made[i] = shared_files.open_again(self._root(),
-                                                                  self.shared[i])
+                    self.shared_made[i] = (
+                        shared_files.open_again(-1, s, self.shm[s.path]) if s.path in self.shm
+                        else shared_files.open_again(self._root(), s))
                 except OSError as e:
                     raise native.CRError(e.errno or errno.EIO, (
                         f"{self.shared[i].path}, open in several descriptors: not in the "
@@ -1136,9 +1155,21 @@ class _PipePlan:
             native.Remap(m.start, m.end, m.prot, self._named(m.path, m.writable), m.offset)
             for m in [*rec.shared, *rec.mapped_ro] if m.named_file]
 
+    def make_shm(self, files: list[shm_files.ShmFile], mntfd: int) -> None:
+        """The /dev/shm files of the checkpoint, made again in the generation `mntfd`
+        before any process reopens one by path (cr/shm_files.py)."""
+        for f in files:
+            try:
+                self.shm[f.path] = shm_files.make(f, mntfd)
+            except (OSError, native.CRError) as e:
+                raise native.CRError(e.errno or errno.EIO, f"{f.path}: making it again in "
+                                     f"the restored /dev/shm failed ({e})") from None
+
     def _named(self, path: str, writable: bool) -> int:
         """Our descriptor of a named file in the restored tree, opened once per restore
-        (closed with the other objects made)."""
+        (closed with the other objects made); a /dev/shm file's, as make_shm made it."""
+        if path in self.shm:
+            return self.shm[path]
         key = (path, writable)
         if key not in self.named:
             try:
@@ -1217,6 +1248,8 @@ class _PipePlan:
         self.objects.clear()
         self.made.clear()
         self.shared_made.clear()
+        fds += self.shm.values()
+        self.shm.clear()
         for fd in fds:
             os.close(fd)
 

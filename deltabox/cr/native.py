@@ -211,6 +211,9 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_netns_socketpair.argtypes = [ctypes.c_int] * 3 + [
             ctypes.POINTER(ctypes.c_int), err]
         lib.dbxcr_netns_socketpair.restype = ctypes.c_int
+        lib.dbxcr_mntns_open.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+                                         ctypes.c_int, err]
+        lib.dbxcr_mntns_open.restype = ctypes.c_int
         lib.dbxcr_spawn.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SpawnOpts), err]
         lib.dbxcr_spawn.restype = ctypes.c_int
         lib.dbxcr_spawn_carrier.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SpawnOpts),
@@ -1356,6 +1359,16 @@ def netns_socketpair(pid: int, type: int) -> tuple[socket.socket, socket.socket]
     if rc < 0:
         _raise(err)
     return socket.socket(fileno=sv[0]), socket.socket(fileno=sv[1])
+
+
+def mntns_open(mntns_fd: int, path: str, flags: int, mode: int = 0o600) -> int:
+    """`path` opened as the mount namespace `mntns_fd` sees it (a generation's /dev/shm),
+    no symlink followed (dbxcr_mntns_open): our fd, close-on-exec."""
+    err = _Err()
+    fd = _load().dbxcr_mntns_open(mntns_fd, os.fsencode(path), flags, mode, ctypes.byref(err))
+    if fd < 0:
+        _raise(err)
+    return fd
 
 
 def fds(pid: int) -> list[FdInfo]:

@@ -12,9 +12,10 @@ So at the checkpoint the sandbox's descriptors of named regular files are groupe
 file description (kcmp KCMP_FILE), and a restore opens each description that several hold
 once, in the restored tree, with its flags and offset, and gives it to every descriptor
 that held it (engine._PipePlan.file_fds), as the fork or dup that made them did. Its file
-locks then come back on the one description too. A shared description of a file on a
-mount of its own (/proc, /sys: reopened by path when held alone, but not in the tree the
-daemon opens from; capture.py refuses files on the others, /dev/shm) is refused by name. Not preserved: the description's credentials (the
+locks then come back on the one description too (a /dev/shm file's is opened from the
+file made again: cr/shm_files.py). A shared description of a file on another mount of
+its own (/proc, /sys: reopened by path when held alone, but not in the tree the daemon
+opens from) is refused by name. Not preserved: the description's credentials (the
 daemon's, as for any object a restore makes for the processes).
 """
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ..fs.files import open_in_root
 from . import native
-from .capture import ProcessRecord, Refusal, on_snapshotted_root
+from .capture import ProcessRecord, Refusal, in_dev_shm, on_snapshotted_root
 
 # The flags of a description that its reopen keeps: access mode and status flags. Those
 # that act only at open (O_CREAT, O_TRUNC, ...) and the descriptor's O_CLOEXEC are not.
@@ -65,7 +66,7 @@ def capture(records: list[ProcessRecord]) -> tuple[list[SharedFile], list[Refusa
             if len(g) < 2:
                 continue
             first, f0 = g[0]
-            if not on_snapshotted_root(first.pid, path):
+            if not in_dev_shm(path) and not on_snapshotted_root(first.pid, path):
                 others = ", ".join(f"pid {r.nspid} fd {f.fd}" for r, f in g[1:])
                 refused.append(Refusal(first.nspid, first.cmd, (
                     f"fd {f0.fd}: {path} is open through one file description it shares "
@@ -77,10 +78,14 @@ def capture(records: list[ProcessRecord]) -> tuple[list[SharedFile], list[Refusa
     return shared, refused
 
 
-def open_again(root: int, s: SharedFile) -> int:
-    """Our descriptor of a new description of s's file in the tree at `root`, with its
-    flags and offset."""
-    fd = open_in_root(root, s.path, s.flags | os.O_CLOEXEC)
+def open_again(root: int, s: SharedFile, made: int | None = None) -> int:
+    """Our descriptor of a new description of s's file in the tree at `root` (or of the
+    file `made`, our fd of a /dev/shm file made again: shm_files.py), with its flags and
+    offset."""
+    if made is not None:   # a new description of the same file, through its magic link
+        fd = os.open(f"/proc/self/fd/{made}", (s.flags & ~os.O_PATH) | os.O_CLOEXEC)
+    else:
+        fd = open_in_root(root, s.path, s.flags | os.O_CLOEXEC)
     try:
         if not s.flags & os.O_PATH:
             os.lseek(fd, s.pos, os.SEEK_SET)

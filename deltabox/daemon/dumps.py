@@ -27,7 +27,7 @@ from pathlib import Path
 
 import trio
 
-from ..cr import adoption, eventloop, native, shared_files, unlinked
+from ..cr import adoption, eventloop, native, shared_files, shm_files, unlinked
 from ..cr.capture import ProcessRecord, SharedMapping
 from ..cr.engine import (PIPE_DEFAULT_SIZE, DeltaCR, PipeEnd, PipeGroup, ProcessState,
                          lone_leaders,
@@ -366,10 +366,18 @@ class Dumps:
             (tmp / name).write_bytes(os.pread(u.saved, u.size, 0))
             total += u.size
             files.append(dict(dataclasses.asdict(u), saved=name))
+        shm = []
+        for i, f in enumerate(state.shm_files):
+            assert f.saved is not None
+            name = f"shm-{i}.data"
+            (tmp / name).write_bytes(os.pread(f.saved, f.size, 0))
+            total += f.size
+            shm.append(dict(dataclasses.asdict(f), saved=name))
         meta = dict(version=1, records=[_rec_json(r) for r in state.records], pipes=pipes,
                     sessions=state.sessions, session_states=state.session_states,
                     unlinked=files,
-                    shared_files=[dataclasses.asdict(s) for s in state.shared_files])
+                    shared_files=[dataclasses.asdict(s) for s in state.shared_files],
+                    shm_files=shm)
         raw = json.dumps(meta).encode()
         with open(tmp / "state.json", "wb") as f:
             f.write(raw)
@@ -400,6 +408,7 @@ class Dumps:
         templates: dict[int, native.Template] = {}
         pipes: dict[int, PipeGroup] = {}
         files: list[unlinked.UnlinkedFile] = []
+        shm: list[shm_files.ShmFile] = []
         try:
             lone = lone_leaders(records)
             for rec in records:
@@ -420,12 +429,15 @@ class Dumps:
                 pipes[pg.inode] = pg
             for f in meta.get("unlinked", []):
                 files.append(_unlinked_from(f, (d / f["saved"]).read_bytes()))
+            for f in meta.get("shm_files", []):
+                shm.append(_shm_from(f, (d / f["saved"]).read_bytes()))
         except BaseException:
             with trio.CancelScope(shield=True):
                 for t in templates.values():
                     await self.cr.worker.run(t.release)
                 _close_saved(pipes)
                 unlinked.close_saved(files)
+                shm_files.close_saved(shm)
             raise
         # Its processes' images serve the restores that adopt children (cr/adoption.py).
         images = adoption.Images(given={r.pid: str(d / str(r.nspid)) for r in records})
@@ -433,7 +445,7 @@ class Dumps:
                             {k: int(v) for k, v in meta["sessions"].items()},
                             dict(meta["session_states"]), from_dump=cp_id, unlinked=files,
                             shared_files=[_shared_from(s) for s in meta.get("shared_files", [])],
-                            images=images)
+                            shm_files=shm, images=images)
 
 
 async def _skip_pids(host_pid: int, last: int) -> None:
@@ -543,6 +555,21 @@ def _shared_from(s: dict) -> shared_files.SharedFile:
     """A shared description of a named file, as a dump keeps it."""
     return shared_files.SharedFile(s["path"], s["flags"], s["pos"],
                                    [(int(p), int(fd)) for p, fd in s["holders"]])
+
+
+def _shm_from(f: dict, data: bytes) -> shm_files.ShmFile:
+    """A /dev/shm file of a dump, its content back in a memfd."""
+    if len(data) != f["size"]:
+        raise native.ImageCorrupt(74, f"{f['saved']}: {len(data)} bytes, the dump says "
+                                  f"{f['size']}")
+    s = shm_files.ShmFile(f["path"], f["mode"], f["uid"], f["gid"], f["size"])
+    s.saved = os.memfd_create("dbx-shm", os.MFD_CLOEXEC)
+    try:
+        os.write(s.saved, data)
+    except BaseException:
+        os.close(s.saved)
+        raise
+    return s
 
 
 def _unlinked_from(f: dict, data: bytes) -> unlinked.UnlinkedFile:
