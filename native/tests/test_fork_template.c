@@ -21,6 +21,7 @@
 #include <sys/eventfd.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <netinet/in.h>
 #include <sys/random.h>
@@ -2647,6 +2648,56 @@ static void test_netns_socket(void)
 	close(ns);
 }
 
+/* dbxcr_mntns_open opens a path as another mount namespace sees it (a tmpfs mounted there
+ * only), creating it with the mode asked for, follows no symlink and leaves our own
+ * namespace as it was. */
+static void test_mntns_open(void)
+{
+	struct dbxcr_error err;
+	char dir[] = "/tmp/dbxcr-mntns-XXXXXX", path[96], link[96], ns[64];
+	char before[64] = { 0 }, after[64] = { 0 }, x;
+	int ready[2], nsfd, fd;
+	struct stat st;
+	pid_t holder;
+
+	current_test = "mntns-open";
+	CHECK(mkdtemp(dir) != NULL, "mkdtemp: %s", strerror(errno));
+	snprintf(path, sizeof(path), "%s/seg", dir);
+	snprintf(link, sizeof(link), "%s/link", dir);
+	if (pipe(ready) < 0)
+		abort();
+	holder = fork();
+	if (holder == 0) {	/* a namespace of its own with a tmpfs over dir */
+		if (unshare(CLONE_NEWNS) < 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0 ||
+		    mount("dbxcr-test", dir, "tmpfs", 0, "size=64k") < 0 || symlink("seg", link) < 0 ||
+		    write(ready[1], "x", 1) < 0)
+			_exit(1);
+		pause();
+		_exit(0);
+	}
+	close(ready[1]);
+	CHECK(read_timeout(ready[0], &x, 1, 5000) == 0, "holder not ready");
+	close(ready[0]);
+	snprintf(ns, sizeof(ns), "/proc/%d/ns/mnt", (int)holder);
+	nsfd = open(ns, O_RDONLY | O_CLOEXEC);
+	CHECK(nsfd >= 0 && readlink("/proc/thread-self/ns/mnt", before, sizeof(before) - 1) > 0,
+	      "open %s: %s", ns, strerror(errno));
+	fd = dbxcr_mntns_open(nsfd, path, O_RDWR | O_CREAT, 0640, &err);
+	CHECK(fd >= 0, "mntns open: %s", err.msg);
+	CHECK((fcntl(fd, F_GETFD) & FD_CLOEXEC) != 0, "fd not close-on-exec");
+	CHECK(fstat(fd, &st) == 0 && (st.st_mode & 07777) == 0640, "mode %o", st.st_mode);
+	CHECK(stat(path, &st) < 0 && errno == ENOENT, "the file is in our namespace too");
+	CHECK(readlink("/proc/thread-self/ns/mnt", after, sizeof(after) - 1) > 0 &&
+	      strcmp(before, after) == 0, "our namespace changed: %s -> %s", before, after);
+	close(fd);
+	CHECK(dbxcr_mntns_open(nsfd, link, O_RDWR, 0, &err) < 0 && err.code == ELOOP &&
+	      strstr(err.msg, "openat2") != NULL, "symlink followed: %d %s", err.code, err.msg);
+	close(nsfd);
+	kill(holder, SIGKILL);
+	waitpid(holder, NULL, 0);
+	CHECK(rmdir(dir) == 0, "rmdir %s: %s", dir, strerror(errno));
+}
+
 /* test_fork_template [NAME...]: the named tests only (all without a name). */
 static bool selected(const char *name, int argc, char **argv)
 {
@@ -2696,6 +2747,7 @@ int main(int argc, char **argv)
 		{ "listen-socket", test_listen_socket },
 		{ "epoll-recreated", test_epoll_recreated },
 		{ "netns-socket", test_netns_socket },
+		{ "mntns-open", test_mntns_open },
 		{ "template-nanosleep", test_template_nanosleep },
 		{ "template-ptimers", test_template_ptimers },
 		{ "template-shared-stack", test_template_shared_stack },
