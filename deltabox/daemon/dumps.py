@@ -359,20 +359,9 @@ class Dumps:
                     total += len(data)
             pipes[str(g.inode)] = dict(ends=[dataclasses.asdict(e) for e in g.ends],
                                        owner=g.owner, saved=saved, size=g.size)
-        files = []
-        for i, u in enumerate(state.unlinked):
-            assert u.saved is not None
-            name = f"unlinked-{i}.data"
-            (tmp / name).write_bytes(os.pread(u.saved, u.size, 0))
-            total += u.size
-            files.append(dict(dataclasses.asdict(u), saved=name))
-        shm = []
-        for i, f in enumerate(state.shm_files):
-            assert f.saved is not None
-            name = f"shm-{i}.data"
-            (tmp / name).write_bytes(os.pread(f.saved, f.size, 0))
-            total += f.size
-            shm.append(dict(dataclasses.asdict(f), saved=name))
+        files = _write_copies(tmp, "unlinked", state.unlinked)
+        shm = _write_copies(tmp, "shm", state.shm_files)
+        total += sum(x.size for x in [*state.unlinked, *state.shm_files])
         meta = dict(version=1, records=[_rec_json(r) for r in state.records], pipes=pipes,
                     sessions=state.sessions, session_states=state.session_states,
                     unlinked=files,
@@ -557,38 +546,48 @@ def _shared_from(s: dict) -> shared_files.SharedFile:
                                    [(int(p), int(fd)) for p, fd in s["holders"]])
 
 
-def _shm_from(f: dict, data: bytes) -> shm_files.ShmFile:
-    """A /dev/shm file of a dump, its content back in a memfd."""
+def _write_copies(tmp: Path, kind: str, objects: list) -> list[dict]:
+    """Each object's content copy (its memfd, `saved`) written beside the state as
+    KIND-I.data: their metadata, naming that file."""
+    out = []
+    for i, x in enumerate(objects):
+        assert x.saved is not None
+        name = f"{kind}-{i}.data"
+        (tmp / name).write_bytes(os.pread(x.saved, x.size, 0))
+        out.append(dict(dataclasses.asdict(x), saved=name))
+    return out
+
+
+def _memfd_of(f: dict, data: bytes) -> int:
+    """A memfd holding a copy read back from a dump (checked against its size)."""
     if len(data) != f["size"]:
         raise native.ImageCorrupt(74, f"{f['saved']}: {len(data)} bytes, the dump says "
                                   f"{f['size']}")
-    s = shm_files.ShmFile(f["path"], f["mode"], f["uid"], f["gid"], f["size"])
-    s.saved = os.memfd_create("dbx-shm", os.MFD_CLOEXEC)
+    fd = os.memfd_create("dbx-" + f["saved"].split("-")[0], os.MFD_CLOEXEC)
     try:
-        os.write(s.saved, data)
+        os.write(fd, data)  # a memfd takes it whole
     except BaseException:
-        os.close(s.saved)
+        os.close(fd)
         raise
+    return fd
+
+
+def _shm_from(f: dict, data: bytes) -> shm_files.ShmFile:
+    """A /dev/shm file of a dump, its content back in a memfd."""
+    s = shm_files.ShmFile(f["path"], f["mode"], f["uid"], f["gid"], f["size"])
+    s.saved = _memfd_of(f, data)
     return s
 
 
 def _unlinked_from(f: dict, data: bytes) -> unlinked.UnlinkedFile:
     """A deleted-but-open file of a dump, its content back in a memfd."""
-    if len(data) != f["size"]:
-        raise native.ImageCorrupt(74, f"{f['saved']}: {len(data)} bytes, the dump says "
-                                  f"{f['size']}")
     u = unlinked.UnlinkedFile(f["path"], f["mode"], f["uid"], f["gid"], f["size"],
                               [unlinked.Description(x["flags"], x["pos"],
                                                     [tuple(h) for h in x["holders"]])
                                for x in f["descriptions"]],
                               maps=[unlinked.MapHolder(**m) for m in f.get("maps", [])],
                               memory=f.get("memory", False))
-    u.saved = os.memfd_create("dbx-unlinked", os.MFD_CLOEXEC)
-    try:
-        os.write(u.saved, data)  # a memfd takes it whole
-    except BaseException:
-        os.close(u.saved)
-        raise
+    u.saved = _memfd_of(f, data)
     return u
 
 
