@@ -764,6 +764,51 @@ def test_a_file_held_open_on_dev_is_refused_by_name(sbx: Sandbox) -> None:
     assert sbx.checkpoint().kind == "full"
 
 
+def _templates_of(sbx: Sandbox) -> list[int]:
+    """Host pids of the sandbox's templates (in its cgroup, named dbx-template)."""
+    cg = open(f"/proc/{sbx.info().init_pid}/cgroup").read()
+    out = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if (open(f"/proc/{p}/comm").read().strip() == "dbx-template"
+                    and open(f"/proc/{p}/cgroup").read() == cg):
+                out.append(int(p))
+        except OSError:
+            pass
+    return out
+
+
+def test_a_killed_template_restarts_the_processes_of_a_fork_and_a_rollback(
+        sbx: Sandbox) -> None:
+    """A template killed from outside (as the OOM killer may): a fork of its checkpoint
+    gets the checkpoint's files and says its processes restarted and why, as a rollback
+    without a carrier does (until stop 48 the fork answered INTERNAL). A real SIGKILL, not
+    a mock."""
+    sbx.files.write("a", "checkpointed")
+    sbx.exec("nohup sleep 1000 >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.exec("pgrep -x sleep").exit_code == 0)
+    cp = sbx.checkpoint(mode="full")
+    assert cp.kind == "full"
+    wait_for(lambda: len(_templates_of(sbx)) == 1, what="its template")
+    os.kill(_templates_of(sbx)[0], signal.SIGKILL)
+    wait_for(lambda: not _templates_of(sbx), what="the template gone")
+    kid = sbx.fork(cp)[0]
+    try:
+        assert kid.process_state == "restarted", kid.fork_note
+        assert "restoring them failed" in kid.fork_note and "No such process" in kid.fork_note
+        assert kid.files.read("a") == b"checkpointed"
+        assert kid.exec("pgrep -x sleep").exit_code != 0
+    finally:
+        kid.kill()
+    # A rollback restarts them too, or has its carrier (spawned ahead from the template
+    # before it was killed: it holds a copy of its state) give birth to them.
+    r = sbx.rollback(cp)
+    assert (r.process_state == "restarted" and "No such process" in r.note
+            or r.process_state == "restored"), r
+    assert sbx.files.read("a") == b"checkpointed"
+    assert sbx.exec("echo alive").stdout == "alive\n"
+
+
 def test_a_connection_waiting_to_be_accepted_is_refused_by_name(sbx: Sandbox) -> None:
     """A named unix listener with a connection nobody accepted yet: that connection has no
     process to come back in. Refused, naming the listener."""

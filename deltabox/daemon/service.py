@@ -2331,7 +2331,14 @@ class Daemon:
                 except Exception as e:
                     if (limit := _fork_failed(cp, e)) is not None:
                         raise limit from e
-                    raise
+                    if not isinstance(e, native.CRError):
+                        raise
+                    # A template the restore could not use (one killed from outside: the
+                    # OOM killer): the children were undone; as a rollback would, they
+                    # get the checkpoint's files and say why their processes restarted.
+                    rows = await self._fork_files(cp, count, shared_layer, None)
+                    return rows, "restarted", (f"processes restarted: restoring them "
+                                               f"failed ({e})")
                 finally:
                     self._close_lanes_soon(state)
                 return rows, "restored", _with(f"{len(state.records)} processes restored "
