@@ -21,9 +21,11 @@ connected unix socket pair (queued bytes of a stream pair, buffer sizes). An eve
 timerfd, a signalfd, an inotify instance or a pair may be shared by several processes (a parent and the worker
 it forked, a `multiprocessing.Pipe`): the restore makes one object for all of them. Each
 non-blocking
-flag and close-on-exec flag as it was. Refused, with the reason: an epoll instance shared
-with another process, or watching another epoll instance or a descriptor the process no
-longer holds; a unix socket bound to a name or connected to a socket no process of the
+flag and close-on-exec flag as it was. A unix socket listening on a name comes back bound
+to it, and the connections it accepted as pairs (unix_listeners.py). Refused, with the
+reason: an epoll instance shared with another process, or watching another epoll instance
+or a descriptor the process no longer holds; a unix socket bound to a name (other than a
+listener and the connections it accepted) or connected to a socket no process of the
 sandbox holds; descriptors in flight (SCM_RIGHTS), a shut-down end, datagrams waiting in a
 datagram pair.
 """
