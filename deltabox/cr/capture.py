@@ -321,7 +321,7 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
         elif m.named_file and not in_dev_shm(m.path) and not on_snapshotted_root(rec.pid,
                                                                                    m.path):
             refuse(f"writable shared mapping of the file {m.path} at {m.where}: it is on "
-                   "a mount of its own (/dev, /dev/shm, /proc), which a checkpoint does "
+                   "a mount of its own (/dev, /proc), which a checkpoint does "
                    "not snapshot")
     table: list[tuple[str, str]] | None = None
     for f in rec.fds:
