@@ -307,6 +307,13 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
     def refuse(reason: str) -> None:
         out.append(Refusal(rec.nspid, rec.cmd, reason))
 
+    table: list[tuple[str, str]] | None = None
+
+    def mount(path: str) -> tuple[str, str]:   # mountinfo read once per process, if at all
+        nonlocal table
+        table = mounts(rec.pid) if table is None else table
+        return mount_of(table, path)
+
     for reason in _status_reasons(rec, tracer_ok):
         refuse(reason)
     for timer in rec.timers:
@@ -318,19 +325,16 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
         if m.sysv:
             refuse(f"System V shared memory {m.path} at {m.where}: not captured (it "
                    "belongs to the IPC namespace, not to the process)")
-        elif m.named_file and not in_dev_shm(m.path) and not on_snapshotted_root(rec.pid,
-                                                                                   m.path):
+        elif m.named_file and not in_dev_shm(m.path) and mount(m.path)[0] != "/":
             refuse(f"writable shared mapping of the file {m.path} at {m.where}: it is on "
                    "a mount of its own (/dev, /proc), which a checkpoint does "
                    "not snapshot")
-    table: list[tuple[str, str]] | None = None
     for f in rec.fds:
         reason = _fd_refusal(f)
         if reason:
             refuse(f"fd {f.fd}: {reason}")
         elif f.kind == "file" and not f.deleted and not in_dev_shm(f.path):
-            table = mounts(rec.pid) if table is None else table
-            point, fstype = mount_of(table, f.path)
+            point, fstype = mount(f.path)
             if point != "/" and fstype not in _REMADE:
                 # /dev is a tmpfs made afresh for each generation (a mount made in the
                 # sandbox is not made again either): reopened by path, the file would be

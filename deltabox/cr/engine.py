@@ -1133,9 +1133,9 @@ class _PipePlan:
             if i not in self.shared_made:
                 s = self.shared[i]
                 try:
-                    self.shared_made[i] = (
-                        shared_files.open_again(-1, s, self.shm[s.path]) if s.path in self.shm
-                        else shared_files.open_again(self._root(), s))
+                    self.shared_made[i] = (shared_files.reopen(self.shm[s.path], s)
+                                           if s.path in self.shm
+                                           else shared_files.open_again(self._root(), s))
                 except OSError as e:
                     raise native.CRError(e.errno or errno.EIO, (
                         f"{self.shared[i].path}, open in several descriptors: not in the "

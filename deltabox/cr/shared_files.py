@@ -78,14 +78,21 @@ def capture(records: list[ProcessRecord]) -> tuple[list[SharedFile], list[Refusa
     return shared, refused
 
 
-def open_again(root: int, s: SharedFile, made: int | None = None) -> int:
-    """Our descriptor of a new description of s's file in the tree at `root` (or of the
-    file `made`, our fd of a /dev/shm file made again: shm_files.py), with its flags and
-    offset."""
-    if made is not None:   # a new description of the same file, through its magic link
-        fd = os.open(f"/proc/self/fd/{made}", (s.flags & ~os.O_PATH) | os.O_CLOEXEC)
-    else:
-        fd = open_in_root(root, s.path, s.flags | os.O_CLOEXEC)
+def open_again(root: int, s: SharedFile) -> int:
+    """Our descriptor of a new description of s's file in the tree at `root`, with its
+    flags and offset."""
+    return _at_pos(open_in_root(root, s.path, s.flags | os.O_CLOEXEC), s)
+
+
+def reopen(made: int, s: SharedFile) -> int:
+    """The same for a file we made again ourselves (`made`, our fd of a /dev/shm file:
+    shm_files.py), through its magic link."""
+    return _at_pos(os.open(f"/proc/self/fd/{made}", (s.flags & ~os.O_PATH) | os.O_CLOEXEC),
+                   s)
+
+
+def _at_pos(fd: int, s: SharedFile) -> int:
+    """fd moved to the description's offset (closed if that fails)."""
     try:
         if not s.flags & os.O_PATH:
             os.lseek(fd, s.pos, os.SEEK_SET)

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 from . import native
 from .capture import ProcessRecord, Refusal, in_dev_shm
-
-MAX_BYTES = 64 << 20
+from .unlinked import MAX_BYTES, fill
 
 
 @dataclass
@@ -80,7 +79,7 @@ def _copy(pid: int, path: str) -> ShmFile | str:
                     "not copied at a checkpoint)")
         saved = os.memfd_create("dbx-shm", os.MFD_CLOEXEC)
         try:
-            _copy_all(fd, saved, st.st_size)
+            fill(saved, fd, st.st_size)
         except BaseException:
             os.close(saved)
             raise
@@ -90,23 +89,13 @@ def _copy(pid: int, path: str) -> ShmFile | str:
         os.close(fd)
 
 
-def _copy_all(src: int, dst: int, size: int) -> None:
-    done = 0
-    while done < size:
-        n = os.sendfile(dst, src, done, size - done)
-        if n == 0:
-            raise OSError(5, "the file shrank while copied")
-        done += n
-
-
 def make(f: ShmFile, mntns_fd: int) -> int:
     """f made again in the generation of `mntns_fd` (its /dev/shm), filled from the copy:
     our read-write fd of it."""
     assert f.saved is not None
     fd = native.mntns_open(mntns_fd, f.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, f.mode)
     try:
-        os.lseek(f.saved, 0, os.SEEK_SET)
-        _copy_all(f.saved, fd, f.size)
+        fill(fd, f.saved, f.size)
         os.fchown(fd, f.uid, f.gid)
         os.fchmod(fd, f.mode)
     except BaseException:

@@ -153,7 +153,7 @@ def _copy(h: _Held) -> UnlinkedFile:
         u = UnlinkedFile(h.path, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_size,
                          memory=h.memory)
         u.saved = os.memfd_create("dbx-unlinked", os.MFD_CLOEXEC)
-        _fill(u.saved, src, st.st_size)
+        fill(u.saved, src, st.st_size)
     finally:
         os.close(src)
     for rec, f in h.fds:
@@ -167,7 +167,7 @@ def _copy(h: _Held) -> UnlinkedFile:
     return u
 
 
-def _fill(dst: int, src: int, size: int) -> None:
+def fill(dst: int, src: int, size: int) -> None:
     """Copy `size` bytes from the start of src to dst (in the kernel)."""
     done = 0
     while done < size:
@@ -198,7 +198,7 @@ def recreate(u: UnlinkedFile, rootfd: int) -> dict[int, int]:
     try:
         os.fchown(fd, u.uid, u.gid)
         os.fchmod(fd, u.mode)
-        _fill(fd, u.saved, u.size)
+        fill(fd, u.saved, u.size)
         for i, d in enumerate(u.descriptions):
             made[i] = os.open(f"/proc/self/fd/{fd}", (d.flags & ~_REOPEN_DROP) | os.O_CLOEXEC)
             os.lseek(made[i], d.pos, os.SEEK_SET)
