@@ -615,6 +615,76 @@ def test_pipe_flags_size_and_unread_data(sbx: Sandbox, restore: Restore) -> None
     assert _report(target) == before
 
 
+# Two named pipes between two processes: `q`, a writer's lines waiting for its reader,
+# and `jobs`, a token pool as GNU make's fifo jobserver keeps one (opened read-write and
+# non-blocking, tokens read one at a time), held read-only by the reader too.
+FIFO_PAIR = """
+import os, sys, time
+W = '/workspace/'
+def wait(name):
+    while not os.path.exists(W + name):
+        time.sleep(0.02)
+if sys.argv[1] == 'writer':
+    jobs = os.open(W + 'jobs', os.O_RDWR | os.O_NONBLOCK)
+    os.write(jobs, b'+++')
+    q = open(W + 'q', 'w')   # waits for the reader
+    q.write(''.join(f'a{i}\\n' for i in range(1, 6)))
+    q.flush()
+    open(W + 'written', 'w').close()
+    wait('more')
+    q.write('b1:' + os.read(jobs, 1).decode() + '\\n')
+    q.flush()
+else:
+    jobs = os.open(W + 'jobs', os.O_RDONLY | os.O_NONBLOCK)
+    q = open(W + 'q')
+    wait('go')
+    with open(W + 'got', 'w') as out:
+        for line in q:
+            out.write(line)
+            out.flush()
+        out.write('EOF tokens=' + os.read(jobs, 10).decode() + '\\n')
+"""
+FIFO_GOT = "a1\na2\na3\na4\na5\nb1:+\nEOF tokens=++\n"
+
+
+def _drain_fifos(sbx: Sandbox) -> str:
+    sbx.exec("touch /workspace/go /workspace/more")
+    wait_for(lambda: "EOF" in sbx.exec("cat /workspace/got 2>/dev/null").stdout, timeout=10)
+    return sbx.files.read("got").decode()
+
+
+def test_named_pipes_keep_their_unread_bytes_and_ends(sbx: Sandbox, restore: Restore
+                                                      ) -> None:
+    """Named pipes (mkfifo; a make jobserver's token pool) come back with their unread
+    bytes and every end, so the restored reader gets the checkpoint's lines, the restored
+    writer's later ones, and EOF once it exits; a fork's pipes are its own (refused until
+    stop 49)."""
+    sbx.files.write("fifos.py", FIFO_PAIR)
+    sbx.exec("cd /workspace && mkfifo q jobs && "
+             "(nohup python3 fifos.py reader >/dev/null 2>&1 &) && "
+             "(nohup python3 fifos.py writer >/dev/null 2>&1 &)")
+    wait_for(lambda: sbx.files.exists("written"))
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    assert _drain_fifos(sbx) == FIFO_GOT   # the source's own, gone from its pipes
+    target = restore(sbx, cp)
+    assert not target.files.exists("got")
+    assert _drain_fifos(target) == FIFO_GOT
+    wait_for(lambda: target.exec("pgrep -f fifos.py").exit_code != 0, what="both done")
+
+
+def test_bytes_no_one_reads_in_a_named_pipe_are_refused_by_name(sbx: Sandbox) -> None:
+    """Bytes waiting in a named pipe that no process of the sandbox has open for reading
+    could not be copied without becoming its reader: refused, naming the pipe."""
+    sbx.exec("cd /workspace && mkfifo lonely && nohup python3 -c \"import os, time; "
+             "fd = os.open('lonely', os.O_RDWR); os.write(fd, b'x' * 10); "
+             "w = os.open('lonely', os.O_WRONLY); os.close(fd); "
+             "open('ready', 'w').close(); time.sleep(100)\" >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("ready"))
+    _refused_by_name(sbx, r"fd \d+: 10 bytes wait in the named pipe /workspace/lonely, "
+                          r"which no process of the sandbox has open for reading")
+
+
 GET = "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/who').read().decode())\""
 
 

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from deltabox import Sandbox
 
 from conftest import HELD, OWN_PS, wait_for
-from test_cr import (INTERLEAVED, LOCKER, REGISTRATIONS, SHARED_MEMORY, TCP_ENDS, THREADED,
-                     TIMERS, TRY_LOCK, UNIX_CLIENT, UNIX_SERVER, _ask_client, _interleaved,
-                     _role, _unix_request)
+from test_cr import (FIFO_GOT, FIFO_PAIR, INTERLEAVED, LOCKER, REGISTRATIONS, SHARED_MEMORY,
+                     TCP_ENDS, THREADED, TIMERS, TRY_LOCK, UNIX_CLIENT, UNIX_SERVER, _ask_client,
+                     _drain_fifos, _interleaved, _role, _unix_request)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 SYS_KCMP, KCMP_VM = 312, 1
@@ -403,6 +403,24 @@ def test_shared_log_born_from_carriers(sbx: Sandbox) -> None:
         assert _born_from_carrier("il.py\0B"), f"rollback {i}"   # its command line
         wait_for(lambda: min(_interleaved(sbx.files.read("log")).values())
                  >= max(at_cp.values()) + 10, timeout=10, what=f"rollback {i}: lines")
+
+
+def test_named_pipes_born_from_carriers(sbx: Sandbox) -> None:
+    """A writer and a reader of two named pipes, born from carriers: the plan made ahead
+    opened the pipes in the generation the rollback takes (the live ones are another
+    tree's) and put the checkpoint's bytes back; at every rollback the reader gets them,
+    the writer's later line and EOF."""
+    sbx.files.write("fifos.py", FIFO_PAIR)
+    sbx.exec("cd /workspace && mkfifo q jobs && "
+             "(nohup python3 fifos.py reader >/dev/null 2>&1 &) && "
+             "(nohup python3 fifos.py writer >/dev/null 2>&1 &)")
+    wait_for(lambda: sbx.files.exists("written"), what="written")
+    cp = sbx.checkpoint(mode="full")
+    for i in range(2):
+        wait_for(lambda: _carriers_ready(sbx), what="a carrier")
+        assert sbx.rollback(cp).process_state == "restored"
+        assert _born_from_carrier("fifos.py\0reader"), f"rollback {i}"
+        assert _drain_fifos(sbx) == FIFO_GOT, f"rollback {i}"
 
 
 def test_named_unix_listener_born_from_carriers(sbx: Sandbox) -> None:

@@ -333,12 +333,14 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
         reason = _fd_refusal(f)
         if reason:
             refuse(f"fd {f.fd}: {reason}")
-        elif f.kind == "file" and not f.deleted and not in_dev_shm(f.path):
+        elif (f.kind == "file" and not f.deleted and not in_dev_shm(f.path)) or \
+                f.kind == "fifo":
             point, fstype = mount(f.path)
-            if point != "/" and fstype not in _REMADE:
+            if point != "/" and (f.kind == "fifo" or fstype not in _REMADE):
                 # /dev is a tmpfs made afresh for each generation (a mount made in the
                 # sandbox is not made again either): reopened by path, the file would be
-                # missing, or another one. (/dev/shm's are copied: shm_files.py.)
+                # missing, or another one. (/dev/shm's files are copied: shm_files.py;
+                # a named pipe is made again in the restored tree: fifos.py.)
                 refuse(f"fd {f.fd}: {f.path} is on a mount of its own ({point}, "
                        f"{fstype or 'unknown type'}) that a checkpoint does not snapshot: "
                        "not restored")
@@ -489,7 +491,13 @@ def _fd_refusal(f: native.FdInfo) -> str | None:
         return (f"socket {f.describe()}: only listening TCP sockets, established TCP "
                 "connections and unix socket pairs within the sandbox are captured")
     if f.kind == "fifo":
-        return f"named pipe {f.path}: FIFOs are not captured yet"
+        if f.target.endswith(" (deleted)"):
+            return (f"named pipe {f.target}: deleted while open: no path to open it again "
+                    "by")
+        if f.flags & os.O_DIRECT:
+            return (f"named pipe {f.path} in packet mode (O_DIRECT): its message "
+                    "boundaries are not captured")
+        return None   # fifos.py
     return f"{f.path}: this kind of descriptor is not captured"
 
 

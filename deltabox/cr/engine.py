@@ -44,11 +44,8 @@ groups are re-made in the fork (setpgid), since the templates' groups belong to 
 
 from __future__ import annotations
 
-import array
 import collections
-import ctypes
 import errno
-import fcntl
 import functools
 import logging
 import os
@@ -56,7 +53,6 @@ import signal
 import socket
 import struct
 import threading
-import termios
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,8 +64,8 @@ from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from ..fs.files import open_in_root
-from . import (adoption, eventloop, listeners, native, shared_files, shm_files, tcp,
-               unix_listeners, unlinked, watches)
+from . import (adoption, eventloop, fifos, listeners, native, pipebuf, shared_files, shm_files,
+               tcp, unix_listeners, unlinked, watches)
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .capture import (ProcessRecord, Refusal, Unsettled, add_listeners, record,
                       in_writable_layer, record_head, refusals, shared_lock_refusals,
@@ -79,11 +75,7 @@ from .worker import PtraceWorker
 T = TypeVar("T")
 
 log = logging.getLogger("deltaboxd")
-_libc = ctypes.CDLL(None, use_errno=True)
-SPLICE_F_NONBLOCK = 2
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
-F_SETPIPE_SZ, F_GETPIPE_SZ = 1031, 1032
-PIPE_DEFAULT_SIZE = 65536
 # A child adopted by its restored parent is copied from its template's memory; when it is
 # bigger than the family's root (a shell's 3 MB against a server it started with `cd dir
 # && server &`), the root's image is copied instead and the child is its template's
@@ -96,39 +88,6 @@ CHAIN_MIN_GAIN_KB = 4 << 10
 # process of at least this size gets a second template on a second tracer thread.
 LANE_MIN_CHILDREN = 4
 LANE_MIN_RSS_KB = 16 << 10
-
-
-def _tee_copy(src_read: int, size: int) -> tuple[int | None, int]:
-    """A new pipe of capacity `size` holding a copy of what `src_read` has unread (without
-    consuming it): (its read end or None if there was nothing, bytes still missing from
-    the copy: 0 unless the copy fell short)."""
-    unread = _unread(src_read)
-    if not unread:
-        return None, 0
-    r, w = os.pipe2(os.O_CLOEXEC)
-    try:
-        _set_pipe_size(w, size)
-        n = _libc.tee(src_read, w, max(size, unread), SPLICE_F_NONBLOCK)
-        if n <= 0:
-            os.close(r)
-            return None, unread
-        return r, unread - n
-    finally:
-        os.close(w)
-
-
-def _unread(fd: int) -> int:
-    """Bytes waiting in the pipe `fd` belongs to (FIONREAD)."""
-    buf = array.array("i", [0])
-    fcntl.ioctl(fd, termios.FIONREAD, buf)
-    return buf[0]
-
-
-def _set_pipe_size(fd: int, size: int) -> None:
-    """Give a fresh pipe the capacity its original had (the kernel rounds up to pages;
-    root may exceed /proc/sys/fs/pipe-max-size)."""
-    if size > PIPE_DEFAULT_SIZE:
-        fcntl.fcntl(fd, F_SETPIPE_SZ, size)
 
 
 @dataclass
@@ -145,7 +104,7 @@ class PipeGroup:
     ends: list[PipeEnd] = field(default_factory=list)
     saved: int | None = None        # read end of a tee'd copy of unread data
     owner: str = ""                 # "session:<name>:<0|1|2>" | "daemon" | "" (nobody else)
-    size: int = PIPE_DEFAULT_SIZE   # capacity (F_GETPIPE_SZ) of a pipe among processes
+    size: int = pipebuf.PIPE_DEFAULT_SIZE   # capacity (F_GETPIPE_SZ) of a pipe among processes
 
 
 @dataclass
@@ -185,6 +144,8 @@ class ProcessState:
     shared_files: list[shared_files.SharedFile] = field(default_factory=list)
     # the /dev/shm files the processes hold, copied at the checkpoint (cr/shm_files.py)
     shm_files: list[shm_files.ShmFile] = field(default_factory=list)
+    # the named pipes the processes hold, their unread bytes copied (cr/fifos.py)
+    fifos: list[fifos.Fifo] = field(default_factory=list)
     # images of the processes a restore adopts (cr/adoption.py), made at the first one
     images: adoption.Images | None = None
     # The processes, still in their stops after a capture that left the templates and
@@ -422,6 +383,7 @@ class DeltaCR:
         files: list[unlinked.UnlinkedFile] = []
         shared: list[shared_files.SharedFile] = []
         shm: list[shm_files.ShmFile] = []
+        named_pipes: list[fifos.Fifo] = []
 
         async def ptrace_pass() -> None:
             # Not cancellable once the ptrace thread runs it: the failure path needs what
@@ -452,7 +414,7 @@ class DeltaCR:
             # ptrace thread is inside the templates' forks it needs no GIL, whereas during
             # the stops it would wait for it (a thread wanting the GIL from a busy one gets
             # it only when that one blocks, or after the 5 ms switch interval).
-            nonlocal pipes, files, shared, shm
+            nonlocal pipes, files, shared, shm, named_pipes
             await stops_done.wait()
             try:
                 if not cap.stops_done:
@@ -476,6 +438,9 @@ class DeltaCR:
                 if not cap.refused:
                     shm, why = shm_files.capture(records)
                     cap.refused.extend(why)
+                if not cap.refused:
+                    named_pipes, why = fifos.capture(records)
+                    cap.refused.extend(why)
                 if cap.refused:
                     unlinked.close_saved(files)
                     return
@@ -485,6 +450,7 @@ class DeltaCR:
                     _close_saved(pipes)
                     unlinked.close_saved(files)
                     shm_files.close_saved(shm)
+                    fifos.close_saved(named_pipes)
                     return
                 cap.records = records
             finally:
@@ -506,6 +472,7 @@ class DeltaCR:
             _close_saved(pipes)
             unlinked.close_saved(files)
             shm_files.close_saved(shm)
+            fifos.close_saved(named_pipes)
             if cap.refused and isinstance(e, Exception):  # the reasons, not what the stops
                 raise _refusal(cap.refused) from None     # made of them
             raise
@@ -518,7 +485,7 @@ class DeltaCR:
         stopped = {s.pid for s in cap.stopped}
         return ProcessState(cap.records, cap.templates, pipes, sessions,
                             reused=sorted(p for p in reuse or {} if p in stopped),
-                            unlinked=files, shared_files=shared, shm_files=shm,
+                            unlinked=files, shared_files=shared, shm_files=shm, fifos=named_pipes,
                             held=Held(cap.stopped, dict(reuse or {})) if later else None)
 
     async def make_templates(self, state: ProcessState) -> None:
@@ -884,6 +851,7 @@ class DeltaCR:
         _close_saved(state.pipes)
         unlinked.close_saved(state.unlinked)
         shm_files.close_saved(state.shm_files)
+        fifos.close_saved(state.fifos)
         if state.images is not None:
             await trio.to_thread.run_sync(state.images.close)
 
@@ -925,9 +893,9 @@ def _save_unread(groups: dict[int, PipeGroup], records: list[ProcessRecord]
         end = reader or g.ends[0]
         fd = native.copy_fd(end.pid, end.fd)
         try:
-            g.size = fcntl.fcntl(fd, F_GETPIPE_SZ)
+            g.size = pipebuf.size_of(fd)
             if reader is not None:
-                g.saved, missing = _tee_copy(fd, g.size)
+                g.saved, missing = pipebuf.tee_copy(fd, g.size)
                 if missing:
                     rec = next(r for r in records if r.pid == reader.pid)
                     out.append(Refusal(rec.nspid, rec.cmd, f"fd {reader.fd}: {missing} bytes "
@@ -945,7 +913,8 @@ def _close_saved(groups: dict[int, PipeGroup]) -> None:
 
 
 def _plan(state: ProcessState, rootfd: int, mntfd: int, armed: bool = True) -> _PipePlan:
-    plan = _PipePlan(state.pipes, state.unlinked, rootfd, armed, state.shared_files)
+    plan = _PipePlan(state.pipes, state.unlinked, rootfd, armed, state.shared_files,
+                     state.fifos)
     try:
         plan.make_shm(state.shm_files, mntfd)
     except BaseException:
@@ -962,7 +931,8 @@ class _PipePlan:
 
     def __init__(self, groups: dict[int, PipeGroup],
                  files: list[unlinked.UnlinkedFile] = (), rootfd: int = -1,
-                 armed: bool = True, shared: list[shared_files.SharedFile] = ()) -> None:
+                 armed: bool = True, shared: list[shared_files.SharedFile] = (),
+                 named_pipes: list[fifos.Fifo] = ()) -> None:
         self.groups = groups
         # Timers run from when the restored processes do: a plan made ahead for carriers
         # (prespawn) holds its timerfds disarmed until the restore calls arm().
@@ -984,12 +954,14 @@ class _PipePlan:
         self.shared = shared           # named files' shared descriptions
         self.shared_made: dict[int, int] = {}   # index in shared -> ours
         self.shm: dict[str, int] = {}  # /dev/shm files made again (make_shm): ours
+        self.fifos = named_pipes
+        self.fifos_made: dict[int, list[int]] = {}   # index in fifos -> its descriptions
         for g in groups.values():
             r, w = os.pipe2(os.O_CLOEXEC)
             self.fresh[g.inode] = (r, w)
-            _set_pipe_size(w, g.size)
+            pipebuf.set_size(w, g.size)
             if g.saved is not None:
-                _libc.tee(g.saved, w, max(g.size, PIPE_DEFAULT_SIZE), SPLICE_F_NONBLOCK)
+                pipebuf.put_back(g.saved, w, g.size)
             # Status flags belong to the open file description: the restored processes'
             # end gets the original's (an event loop's reader must stay non-blocking).
             for e in g.ends:
@@ -1121,8 +1093,9 @@ class _PipePlan:
     def file_fds(self, rec: ProcessRecord) -> dict[int, int]:
         """rec's deleted-but-open files, each made afresh once per restore, and its
         named files' descriptions that several descriptors share, each opened once per
-        restore (both shared by the descriptors that shared them): its fd -> our
-        descriptor of that description."""
+        restore, and its named pipes' descriptions, each pipe made once per restore (all
+        shared by the descriptors that shared them): its fd -> our descriptor of that
+        description."""
         out: dict[int, int] = {}
         for i, u in enumerate(self.files):
             for j, d in enumerate(u.descriptions):
@@ -1142,7 +1115,21 @@ class _PipePlan:
                         f"restored tree ({e.strerror})")) from None
                 self.loops.append(self.shared_made[i])
             out[fd] = self.shared_made[i]
+        for fd, (i, j) in fifos.holders_of(self.fifos, rec.pid).items():
+            out[fd] = self._fifo(i)[j]
         return out
+
+    def _fifo(self, i: int) -> list[int]:
+        """The i-th named pipe's descriptions, made once per restore."""
+        if i not in self.fifos_made:
+            try:
+                self.fifos_made[i] = fifos.make(self.fifos[i], self._root())
+            except OSError as e:
+                raise native.CRError(e.errno or errno.EIO, (
+                    f"named pipe {self.fifos[i].path}: opening it in the restored tree "
+                    f"failed ({e.strerror})")) from None
+            self.loops += self.fifos_made[i]
+        return self.fifos_made[i]
 
     def remaps(self, rec: ProcessRecord) -> list[native.Remap]:
         """rec's shared mappings of those objects (shared memory), mapped again from the
@@ -1248,6 +1235,7 @@ class _PipePlan:
         self.objects.clear()
         self.made.clear()
         self.shared_made.clear()
+        self.fifos_made.clear()
         fds += self.shm.values()
         self.shm.clear()
         for fd in fds:

@@ -652,7 +652,7 @@ class _Connections:
 
 # ---- epoll ---------------------------------------------------------------------------------
 
-_RESTORED_KINDS = ("pipe", "eventfd", "timerfd", "signalfd", "inotify", "socket", "chr")
+_RESTORED_KINDS = ("pipe", "fifo", "eventfd", "timerfd", "signalfd", "inotify", "socket", "chr")
 
 
 def _epolls(rec: ProcessRecord, shared: dict[tuple[int, int], int], loop: LoopState,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import fcntl
 import json
 import logging
 import os
@@ -27,11 +26,9 @@ from pathlib import Path
 
 import trio
 
-from ..cr import adoption, eventloop, native, shared_files, shm_files, unlinked
+from ..cr import adoption, eventloop, fifos, native, pipebuf, shared_files, shm_files, unlinked
 from ..cr.capture import ProcessRecord, SharedMapping
-from ..cr.engine import (PIPE_DEFAULT_SIZE, DeltaCR, PipeEnd, PipeGroup, ProcessState,
-                         lone_leaders,
-                         SPLICE_F_NONBLOCK, _close_saved, _libc, _unread)
+from ..cr.engine import DeltaCR, PipeEnd, PipeGroup, ProcessState, lone_leaders, _close_saved
 from .db import Database, columns
 from .scheduler import IOScheduler
 
@@ -45,7 +42,6 @@ CREATE TABLE IF NOT EXISTS dumps (
 );
 """
 NOT_COMPLETED = "its process dump had not completed when the daemon stopped"
-F_SETPIPE_SZ = 1031
 # Test-only: hold every dump back this long (tests/test_cr_durable.py kills the daemon while
 # a dump is pending). Never set in production.
 TEST_DELAY_S = float(os.environ.get("DELTABOX_TEST_DUMP_DELAY", "0") or 0)
@@ -352,13 +348,22 @@ class Dumps:
         for g in state.pipes.values():
             saved = None
             if g.saved is not None:
-                data = _peek(g.saved)
+                data = pipebuf.peek(g.saved)
                 if data:
                     saved = f"pipe-{g.inode}.data"
                     (tmp / saved).write_bytes(data)
                     total += len(data)
             pipes[str(g.inode)] = dict(ends=[dataclasses.asdict(e) for e in g.ends],
                                        owner=g.owner, saved=saved, size=g.size)
+        named_pipes = []
+        for i, f in enumerate(state.fifos):
+            saved = None
+            data = pipebuf.peek(f.saved) if f.saved is not None else b""
+            if data:
+                saved = f"fifo-{i}.data"
+                (tmp / saved).write_bytes(data)
+                total += len(data)
+            named_pipes.append(dict(dataclasses.asdict(f), saved=saved))
         files = _write_copies(tmp, "unlinked", state.unlinked)
         shm = _write_copies(tmp, "shm", state.shm_files)
         total += sum(x.size for x in [*state.unlinked, *state.shm_files])
@@ -366,7 +371,7 @@ class Dumps:
                     sessions=state.sessions, session_states=state.session_states,
                     unlinked=files,
                     shared_files=[dataclasses.asdict(s) for s in state.shared_files],
-                    shm_files=shm)
+                    shm_files=shm, fifos=named_pipes)
         raw = json.dumps(meta).encode()
         with open(tmp / "state.json", "wb") as f:
             f.write(raw)
@@ -398,6 +403,7 @@ class Dumps:
         pipes: dict[int, PipeGroup] = {}
         files: list[unlinked.UnlinkedFile] = []
         shm: list[shm_files.ShmFile] = []
+        named_pipes: list[fifos.Fifo] = []
         try:
             lone = lone_leaders(records)
             for rec in records:
@@ -412,14 +418,16 @@ class Dumps:
                 templates[rec.pid].own_session_done = rec.pid in lone
             for ino, g in meta["pipes"].items():
                 pg = PipeGroup(int(ino), [PipeEnd(**e) for e in g["ends"]], None, g["owner"],
-                               g.get("size", PIPE_DEFAULT_SIZE))
+                               g.get("size", pipebuf.PIPE_DEFAULT_SIZE))
                 if g["saved"]:
-                    pg.saved = _refill((d / g["saved"]).read_bytes())
+                    pg.saved = pipebuf.refill((d / g["saved"]).read_bytes())
                 pipes[pg.inode] = pg
             for f in meta.get("unlinked", []):
                 files.append(_unlinked_from(f, (d / f["saved"]).read_bytes()))
             for f in meta.get("shm_files", []):
                 shm.append(_shm_from(f, (d / f["saved"]).read_bytes()))
+            for f in meta.get("fifos", []):
+                named_pipes.append(_fifo_from(f, d))
         except BaseException:
             with trio.CancelScope(shield=True):
                 for t in templates.values():
@@ -427,6 +435,7 @@ class Dumps:
                 _close_saved(pipes)
                 unlinked.close_saved(files)
                 shm_files.close_saved(shm)
+                fifos.close_saved(named_pipes)
             raise
         # Its processes' images serve the restores that adopt children (cr/adoption.py).
         images = adoption.Images(given={r.pid: str(d / str(r.nspid)) for r in records})
@@ -434,7 +443,7 @@ class Dumps:
                             {k: int(v) for k, v in meta["sessions"].items()},
                             dict(meta["session_states"]), from_dump=cp_id, unlinked=files,
                             shared_files=[_shared_from(s) for s in meta.get("shared_files", [])],
-                            shm_files=shm, images=images)
+                            shm_files=shm, fifos=named_pipes, images=images)
 
 
 async def _skip_pids(host_pid: int, last: int) -> None:
@@ -501,49 +510,18 @@ def init_seccomp_filters(pid: int) -> int:
     return -1 if n == 1 << 30 else n
 
 
-def _peek(saved: int) -> bytes:
-    """The unread pipe data held in `saved` (a pipe's read end), without consuming it."""
-    size = max(1 << 20, _unread(saved))
-    r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-    try:
-        fcntl.fcntl(w, F_SETPIPE_SZ, size)
-    except OSError:
-        pass
-    try:
-        n = _libc.tee(saved, w, size, SPLICE_F_NONBLOCK)
-        os.close(w)
-        w = -1
-        out = b""
-        while n > 0 and len(out) < n:
-            chunk = os.read(r, n - len(out))
-            if not chunk:
-                break
-            out += chunk
-        return out
-    finally:
-        os.close(r)
-        if w >= 0:
-            os.close(w)
-
-
-def _refill(data: bytes) -> int:
-    r, w = os.pipe2(os.O_CLOEXEC)
-    try:
-        if len(data) > 65536:
-            fcntl.fcntl(w, F_SETPIPE_SZ, len(data))
-        os.write(w, data)
-    except BaseException:
-        os.close(r)
-        raise
-    finally:
-        os.close(w)
-    return r
-
-
 def _shared_from(s: dict) -> shared_files.SharedFile:
     """A shared description of a named file, as a dump keeps it."""
     return shared_files.SharedFile(s["path"], s["flags"], s["pos"],
                                    [(int(p), int(fd)) for p, fd in s["holders"]])
+
+
+def _fifo_from(f: dict, d: Path) -> fifos.Fifo:
+    """A named pipe, as a dump keeps it: its unread bytes read back from their file."""
+    return fifos.Fifo(f["path"], int(f["size"]), [
+        fifos.FifoDescription(int(x["flags"]), [(int(p), int(fd)) for p, fd in x["holders"]])
+        for x in f["descriptions"]],
+        pipebuf.refill((d / f["saved"]).read_bytes()) if f["saved"] else None)
 
 
 def _write_copies(tmp: Path, kind: str, objects: list) -> list[dict]:
