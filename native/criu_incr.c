@@ -826,8 +826,18 @@ struct dump_ctx {
 	struct vma_list *out;
 	unsigned long scratch;
 	const char *strip;
+	long long files_as_of_ns;	/* dbxcr_dump_opts */
 	struct dbxcr_error *err;
 };
+
+/* Whether st's file changed after as_of_ns (0: never): its ctime, on the coarse clock
+ * that lags by up to a tick, within 50 ms of it counts (deltabox/cr/private_maps.py). */
+static bool written_since(const struct stat *st, long long as_of_ns)
+{
+	long long ctime_ns = (long long)st->st_ctim.tv_sec * 1000000000LL + st->st_ctim.tv_nsec;
+
+	return as_of_ns > 0 && ctime_ns >= as_of_ns - 50000000LL;
+}
 
 static bool has_flag(const char *vmflags, const char *fl)
 {
@@ -926,7 +936,8 @@ static int classify_cb(const struct raw_vma *r, void *arg)
 			 * as at the checkpoint (the daemon maps it again from there), while the
 			 * live file this template maps may have changed since (written through
 			 * the mapping, or in place): no check for it. */
-			if (!(v.flags & VMA_SHARED) && stat(mf, &st) == 0) {
+			if (!(v.flags & VMA_SHARED) && stat(mf, &st) == 0 &&
+			    !written_since(&st, c->files_as_of_ns)) {
 				v.fsize = st.st_size;
 				v.mtime_sec = st.st_mtim.tv_sec;
 				v.mtime_nsec = st.st_mtim.tv_nsec;
@@ -1392,6 +1403,66 @@ static int vma_segments(pid_t pid, int pmfd, const struct vma *v, struct buf *se
 	return 0;
 }
 
+/* Copy into `to` the pages of the private file mapping [start, end) that `from` holds as
+ * its own (written since mapped: copy-on-write made them anonymous), at the same
+ * addresses.  `to` maps that range afresh from another file (fork_template.c
+ * remap_private), whose page cache gives the pages never written.  /proc/PID/mem writes
+ * through the mapping's protection (FOLL_FORCE, as ptrace's POKEDATA), so read-only text
+ * with relocations comes back too; both are stopped tracees of this thread. */
+int copy_private_pages(pid_t from, pid_t to, unsigned long start, unsigned long end,
+		       struct dbxcr_error *err)
+{
+	struct vma v = { .start = start, .end = end, .flags = VMA_FILE };
+	struct buf segs = { 0 };
+	char path[64], chunk[1 << 16];
+	int pmfd = -1, src = -1, dst = -1, rc = -1;
+
+	snprintf(path, sizeof(path), "/proc/%d/pagemap", (int)from);
+	pmfd = open(path, O_RDONLY | O_CLOEXEC);
+	snprintf(path, sizeof(path), "/proc/%d/mem", (int)from);
+	src = open(path, O_RDONLY | O_CLOEXEC);
+	snprintf(path, sizeof(path), "/proc/%d/mem", (int)to);
+	dst = open(path, O_RDWR | O_CLOEXEC);
+	if (pmfd < 0 || src < 0 || dst < 0) {
+		fail(err, errno, pmfd < 0 || src < 0 ? from : to, "open pagemap or mem to copy "
+		     "the private pages of %#lx-%#lx", start, end);
+		goto out;
+	}
+	if (vma_segments(from, pmfd, &v, &segs, err) < 0)
+		goto out;
+	for (size_t i = 0; i < segs.len / sizeof(struct seg); i++) {
+		const struct seg *g = (const struct seg *)segs.p + i;
+
+		for (uint64_t at = g->s; at < g->e;) {
+			size_t n = g->e - at < sizeof(chunk) ? (size_t)(g->e - at) : sizeof(chunk);
+
+			if (full_pread(src, chunk, n, (off_t)at) < 0) {
+				fail(err, errno, from, "read private pages at %#llx",
+				     (unsigned long long)at);
+				goto out;
+			}
+			ssize_t w = pwrite(dst, chunk, n, (off_t)at);
+
+			if (w != (ssize_t)n) {
+				fail(err, w < 0 ? errno : EIO, to, "write private pages at %#llx "
+				     "(%zd of %zu)", (unsigned long long)at, w, n);
+				goto out;
+			}
+			at += n;
+		}
+	}
+	rc = 0;
+out:
+	buf_free(&segs);
+	if (pmfd >= 0)
+		close(pmfd);
+	if (src >= 0)
+		close(src);
+	if (dst >= 0)
+		close(dst);
+	return rc;
+}
+
 struct dbxcr_dump_job {
 	pid_t pid;
 	int pdirfd, tmpfd, memfd, pmfd, max_level, fsync;
@@ -1817,7 +1888,8 @@ static int job_core(struct dbxcr_dump_job *j, struct dbxcr_template *tpl,
 	if (template_scratch(tpl, err) < 0)	/* before listing its mappings: cut out below */
 		return -1;
 	{
-		struct dump_ctx c = { pid, &j->vl, tpl->scratch, o->strip_prefix, err };
+		struct dump_ctx c = { pid, &j->vl, tpl->scratch, o->strip_prefix,
+				      o->files_as_of_ns, err };
 
 		if (walk_maps(pid, true, classify_cb, &c, err) < 0)
 			return -1;

@@ -40,6 +40,11 @@ struct dbxcr_dump_opts {
 	 * parent, pages.img empty): a quick image for dbxcr_held_adopt with this template as
 	 * its src, useless once the template is released. */
 	int live;
+	/* When the checkpoint saw the files (CLOCK_REALTIME ns; 0: unknown).  A private
+	 * mapping's file is checked at restore to be the size and mtime it was at the dump,
+	 * but one written in place since this time (its ctime later) no longer tells what the
+	 * checkpoint's was, which the tree given at restore has: it gets no check. */
+	long long files_as_of_ns;
 };
 
 struct dbxcr_dump_stats {

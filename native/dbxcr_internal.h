@@ -188,6 +188,8 @@ int mem_write(pid_t pid, unsigned long addr, const void *buf, size_t len,
 	      struct dbxcr_error *err);
 int mem_read(pid_t pid, unsigned long addr, void *buf, size_t len, struct dbxcr_error *err);
 int find_vdso(pid_t pid, unsigned long *start, unsigned long *end);
+int copy_private_pages(pid_t from, pid_t to, unsigned long start, unsigned long end,
+		       struct dbxcr_error *err);
 int find_syscall_site(struct tracee *t, struct dbxcr_error *err);
 int save_xstate(pid_t pid, void **out, size_t *out_len, struct dbxcr_error *err);
 int set_xstate(pid_t pid, void *xstate, size_t len, struct dbxcr_error *err);

@@ -2823,29 +2823,33 @@ static int recreate_epoll(struct tracee *c, unsigned long scratch, const struct 
 	return 0;
 }
 
-/* Map the received descriptor fd over the shared mapping [start, end) and close it.  The
- * child inherited the template's mapping: the original's own object, which it went on
- * writing after the checkpoint.  MAP_FIXED replaces it in one step; a mapping keeps its
- * file without the descriptor. */
-static int remap_shared(struct tracee *c, const struct dbxcr_remap *m, int fd,
-			struct dbxcr_error *err)
+/* Map the received descriptor fd over the mapping [start, end) and close it.  The child
+ * inherited the template's mapping: for a shared one, the original's own object, which it
+ * went on writing after the checkpoint; for a private one, a file written in place since,
+ * whose pages the template never wrote show the new bytes (a private mapping reads the
+ * page cache until written).  MAP_FIXED replaces it in one step; a mapping keeps its file
+ * without the descriptor.  A private one then gets back the pages the original had
+ * written, from the template (tpl). */
+static int remap(struct tracee *c, pid_t tpl, const struct dbxcr_remap *m, int fd,
+		 struct dbxcr_error *err)
 {
 	long a[6] = { (long)m->start, (long)(m->end - m->start), m->prot,
-		      MAP_SHARED | MAP_FIXED, fd, (long)m->offset };
+		      (m->private_map ? MAP_PRIVATE : MAP_SHARED) | MAP_FIXED, fd,
+		      (long)m->offset };
 	long got;
 
 	if (m->end <= m->start)
-		return fail(err, EINVAL, c->pid, "shared mapping %#lx-%#lx: empty", m->start,
-			    m->end);
-	got = rsys(c, SYS_mmap, a, err, "map shared memory again at %#lx-%#lx", m->start,
-		   m->end);
+		return fail(err, EINVAL, c->pid, "mapping %#lx-%#lx: empty", m->start, m->end);
+	got = rsys(c, SYS_mmap, a, err, "map %#lx-%#lx again", m->start, m->end);
 	if (got < 0)
 		return -1;
 	if ((unsigned long)got != m->start)
-		return fail(err, EFAULT, c->pid, "shared memory mapped at %#lx, not %#lx",
+		return fail(err, EFAULT, c->pid, "mapping made again at %#lx, not %#lx",
 			    (unsigned long)got, m->start);
+	if (m->private_map && copy_private_pages(tpl, c->pid, m->start, m->end, err) < 0)
+		return -1;
 	a[0] = fd;
-	return rsys(c, SYS_close, a, err, "close shared memory fd %d", fd) < 0 ? -1 : 0;
+	return rsys(c, SYS_close, a, err, "close the fd of mapping %#lx", m->start) < 0 ? -1 : 0;
 }
 
 /* Join the target sandbox's namespaces other than pid (born there) and mount (a
@@ -2991,7 +2995,7 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 			return -1;
 	}
 	for (size_t i = 0; i < o->nremaps; i++)
-		if (remap_shared(c, &o->remaps[i], got[first_fd + o->nfds + i], err) < 0)
+		if (remap(c, tpl->pid, &o->remaps[i], got[first_fd + o->nfds + i], err) < 0)
 			return -1;
 	for (size_t i = 0; i < o->nepolls; i++)
 		if (recreate_epoll(c, scratch, &o->epolls[i], err) < 0)

@@ -195,13 +195,17 @@ struct dbxcr_epoll {
 
 /* A shared mapping to replace in the child (MAP_SHARED | MAP_FIXED over [start, end)) by
  * the caller's descriptor src at offset: the template's mapping is the very object the
- * original process still writes, so a restore maps a copy saved at the checkpoint. */
+ * original process still writes, so a restore maps a copy saved at the checkpoint.
+ * private_map: a private mapping of a file written in place since the checkpoint, mapped
+ * again (MAP_PRIVATE) from the restored tree's file, the pages the original had written
+ * copied from the template. */
 struct dbxcr_remap {
 	unsigned long start;
 	unsigned long end;
 	int prot;			/* PROT_READ / PROT_WRITE / PROT_EXEC as the original had */
 	int src;
 	long long offset;		/* file offset of start */
+	int private_map;
 };
 
 /* A file lock the original held on one of its descriptors, taken again by the restored

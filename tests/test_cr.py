@@ -615,6 +615,60 @@ def test_pipe_flags_size_and_unread_data(sbx: Sandbox, restore: Restore) -> None
     assert _report(target) == before
 
 
+# Two private mappings of a 3-page file of the writable layer (AAAA, BBBB, CCCC): the
+# first written in page 0, the second written in page 2 and then made read-only (a
+# relocated text segment's shape). What each page starts with is reported.
+PRIVATE_MAPS = """
+import ctypes, mmap, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+f = open('/workspace/pages', 'rb')
+a = mmap.mmap(f.fileno(), 3 * 4096, flags=mmap.MAP_PRIVATE,
+              prot=mmap.PROT_READ | mmap.PROT_WRITE)
+a[0:5] = b'mine0'
+b = mmap.mmap(f.fileno(), 3 * 4096, flags=mmap.MAP_PRIVATE,
+              prot=mmap.PROT_READ | mmap.PROT_WRITE)
+b[8192:8197] = b'mine2'
+at = ctypes.addressof(ctypes.c_char.from_buffer(b))
+assert libc.mprotect(ctypes.c_void_p(at), 3 * 4096, mmap.PROT_READ) == 0
+while True:
+    if os.path.exists('/workspace/report'):
+        state = ' '.join(m[i:i + 5].decode() for m in (a, b) for i in (0, 4096, 8192))
+        open('/workspace/state', 'w').write(state)
+        os.remove('/workspace/report')
+    time.sleep(0.02)
+"""
+PAGES = b"A" * 4096 + b"B" * 4096 + b"C" * 4096
+PRIVATE_AT_CP = "mine0 BBBBB CCCCC AAAAA BBBBB mine2"
+REWRITE_PAGES = ("python3 -c \"f = open('/workspace/pages', 'r+b'); "
+                 "f.write(b'X' * 3 * 4096)\"")   # in place: the same inode
+
+
+def test_a_file_mapped_privately_and_written_in_place_shows_the_checkpoints_bytes(
+        sbx: Sandbox, restore: Restore) -> None:
+    """A file of the writable layer mapped privately, written in place after the
+    checkpoint (a C extension rebuilt in place, a memmap's data file rewritten): the live
+    process sees the new bytes in the pages it never wrote, and until stop 49 so did the
+    restored one (its template maps the same file), a fork's children reading the
+    source's later writes. Now the restored process sees the checkpoint's bytes there,
+    and its own written pages (also in a mapping made read-only since)."""
+    sbx.files.write("pages", PAGES)
+    sbx.files.write("pm.py", PRIVATE_MAPS)
+    sbx.exec("cd /workspace && nohup python3 pm.py >/dev/null 2>&1 &")
+    assert _report(sbx) == PRIVATE_AT_CP
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    sbx.exec(REWRITE_PAGES)
+    assert _report(sbx) == "mine0 XXXXX XXXXX XXXXX XXXXX mine2"   # the live view
+    target = restore(sbx, cp)
+    assert target.files.read("pages") == PAGES
+    assert _report(target) == PRIVATE_AT_CP
+    if target is not sbx:
+        target.exec(REWRITE_PAGES.replace("X", "Y"))   # the child's own file, not the source's
+        assert _report(target) == "mine0 YYYYY YYYYY YYYYY YYYYY mine2"
+        if not getattr(restore, "disk", False):   # (a restarted daemon's source restarted)
+            assert _report(sbx) == "mine0 XXXXX XXXXX XXXXX XXXXX mine2"
+
+
 # Two named pipes between two processes: `q`, a writer's lines waiting for its reader,
 # and `jobs`, a token pool as GNU make's fifo jobserver keeps one (opened read-write and
 # non-blocking, tokens read one at a time), held read-only by the reader too.

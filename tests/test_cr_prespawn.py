@@ -19,9 +19,10 @@ from collections.abc import Callable
 from deltabox import Sandbox
 
 from conftest import HELD, OWN_PS, wait_for
-from test_cr import (FIFO_GOT, FIFO_PAIR, INTERLEAVED, LOCKER, REGISTRATIONS, SHARED_MEMORY,
-                     TCP_ENDS, THREADED, TIMERS, TRY_LOCK, UNIX_CLIENT, UNIX_SERVER, _ask_client,
-                     _drain_fifos, _interleaved, _role, _unix_request)
+from test_cr import (FIFO_GOT, FIFO_PAIR, INTERLEAVED, LOCKER, PAGES, PRIVATE_AT_CP,
+                     PRIVATE_MAPS, REGISTRATIONS, REWRITE_PAGES, SHARED_MEMORY, TCP_ENDS,
+                     THREADED, TIMERS, TRY_LOCK, UNIX_CLIENT, UNIX_SERVER, _ask, _ask_client,
+                     _drain_fifos, _interleaved, _report, _role, _unix_request)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 SYS_KCMP, KCMP_VM = 312, 1
@@ -79,19 +80,6 @@ while not os.path.exists("/workspace/quit"):
         os.rename(tmp, "/workspace/state")
     time.sleep(0.01)
 """
-
-
-def _ask(sbx: Sandbox, what: str) -> None:
-    sbx.files.write(what, "1")
-    wait_for(lambda: not sbx.files.exists(what), what=what)
-
-
-def _report(sbx: Sandbox) -> str:
-    if sbx.files.exists("state"):
-        sbx.files.remove("state")
-    _ask(sbx, "report")
-    wait_for(lambda: sbx.files.exists("state"), what="state")
-    return sbx.files.read("state").decode()
 
 
 def test_repeated_rollbacks_from_carriers_are_exact(sbx: Sandbox) -> None:
@@ -403,6 +391,28 @@ def test_shared_log_born_from_carriers(sbx: Sandbox) -> None:
         assert _born_from_carrier("il.py\0B"), f"rollback {i}"   # its command line
         wait_for(lambda: min(_interleaved(sbx.files.read("log")).values())
                  >= max(at_cp.values()) + 10, timeout=10, what=f"rollback {i}: lines")
+
+
+def test_a_carrier_made_before_a_write_in_place_is_not_used(sbx: Sandbox) -> None:
+    """A process mapping a file privately that is written in place after its carrier was
+    made: that carrier's pages show the new bytes, so the rollback spawns the process
+    from its template instead, mapping the restored tree's file again. The next carrier,
+    made after the write, maps it again itself and is used."""
+    sbx.files.write("pages", PAGES)
+    sbx.files.write("pm.py", PRIVATE_MAPS)
+    sbx.exec("cd /workspace; nohup python3 pm.py >/dev/null 2>&1 &")
+    assert _report(sbx) == PRIVATE_AT_CP
+    cp = sbx.checkpoint(mode="full")
+    wait_for(lambda: _carriers_ready(sbx), what="a carrier")
+    sbx.exec(REWRITE_PAGES)
+    assert sbx.rollback(cp).process_state == "restored"
+    assert not _born_from_carrier("pm.py")
+    assert _report(sbx) == PRIVATE_AT_CP
+    sbx.exec(REWRITE_PAGES)
+    wait_for(lambda: _carriers_ready(sbx), what="a carrier")
+    assert sbx.rollback(cp).process_state == "restored"
+    assert _born_from_carrier("pm.py")
+    assert _report(sbx) == PRIVATE_AT_CP
 
 
 def test_named_pipes_born_from_carriers(sbx: Sandbox) -> None:

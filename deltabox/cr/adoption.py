@@ -207,10 +207,11 @@ class Images:
         for pid, path in dirs.items():
             self.dirs.setdefault(pid, path)
 
-    def make(self, rec: ProcessRecord, tpl: native.Template) -> str:
+    def make(self, rec: ProcessRecord, tpl: native.Template, files_as_of_ns: int = 0) -> str:
         """rec's image, made once: a live one (its pages indexed, left in the template,
         which the adoption copies them from). On the template's owner thread. The
-        sandbox's seccomp filter is the one the adopting parent has."""
+        sandbox's seccomp filter is the one the adopting parent has. files_as_of_ns:
+        ProcessState.captured_ns (native.dump)."""
         path = self.dirs.get(rec.pid)
         if path is not None:
             return path
@@ -219,7 +220,7 @@ class Images:
                 os.makedirs(self.base, exist_ok=True)
             self.own = tempfile.mkdtemp(prefix="images-", dir=self.base)
         path = os.path.join(self.own, str(rec.pid))
-        native.dump(tpl, path, seccomp_ok=True, live=True)
+        native.dump(tpl, path, seccomp_ok=True, live=True, files_as_of_ns=files_as_of_ns)
         self.dirs[rec.pid] = path
         return path
 

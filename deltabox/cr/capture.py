@@ -86,6 +86,9 @@ class ProcessRecord:
     mapped_ro: list[SharedMapping] = field(default_factory=list)
     # (inode, path) of deleted files it maps privately (cr/unlinked.py refuses holding one)
     deleted_private: frozenset[tuple[int, str]] = frozenset()
+    # private mappings of files in the sandbox's writable layer, which the live sandbox
+    # may write in place: mapped again at a restore if their file changed (private_maps.py)
+    mapped_private: list[SharedMapping] = field(default_factory=list)
     listens: list[native.ListenSocket] = field(default_factory=list)
     loop: LoopState | None = None   # epoll, eventfds, socket pairs (eventloop.capture)
     # its POSIX timers (timer_create) that cannot be made again, named with why: refused
@@ -175,21 +178,25 @@ _SHARED = re.compile(rb"([0-9a-f]+)-([0-9a-f]+) ([r-])([w-])([x-])s ([0-9a-f]+) 
 _PRIVATE_DELETED = re.compile(rb"\S+ \S{3}p \S+ \S+ (\d+) +(.*) \(deleted\)")
 
 
-def _mappings(pid: int) -> tuple[int, list[SharedMapping], frozenset[tuple[int, str]]]:
+def _mappings(pid: int) -> tuple[int, list[SharedMapping], frozenset[tuple[int, str]],
+                                 list[bytes]]:
     """How many mappings; the shared ones a restore cannot leave to the template:
     writable ones, any of an object with no name (a deleted file's read-only view would
     still show the original's later writes), and read-only views of named files (glibc's
     gconv-modules.cache; record() keeps those apart: only a file of the writable layer
-    can change under them); and the deleted files mapped privately. The patterns only
+    can change under them); the deleted files mapped privately; and the lines of the
+    private mappings of named files (record() keeps those of the writable layer). The
+    patterns only
     see the lines that may match: run over the whole map (re.M), the second took ~27 us
     a line (4.6 ms for a python's 172 lines)."""
     try:
         maps = kernfs.read(f"/proc/{pid}/maps")
     except OSError:
-        return 0, [], frozenset()
+        return 0, [], frozenset(), []
     lines = maps.splitlines()
     out = []
     private = set()
+    private_files = []
     for line in lines:
         perms = line.split(b" ", 2)[1:2]
         if perms and perms[0].endswith(b"s"):
@@ -202,10 +209,12 @@ def _mappings(pid: int) -> tuple[int, list[SharedMapping], frozenset[tuple[int, 
         elif line.endswith(b" (deleted)"):
             if (m := _PRIVATE_DELETED.fullmatch(line)) is not None:
                 private.add((int(m[1]), m[2].decode(errors="replace")))
-    return len(lines), out, frozenset(private)
+        elif b" /" in line:
+            private_files.append(line)
+    return len(lines), out, frozenset(private), private_files
 
 
-Head = tuple[str, int, list[SharedMapping], frozenset[tuple[int, str]]]
+Head = tuple[str, int, list[SharedMapping], frozenset[tuple[int, str]], list[bytes]]
 
 
 def record_head(pid: int) -> Head:
@@ -217,8 +226,9 @@ def record_head(pid: int) -> Head:
 
 def record(pid: int, st: native.ProcStatus, head: Head | None = None) -> ProcessRecord:
     """Read one stopped or frozen process from /proc (its status, and maybe its
-    record_head, already read)."""
-    cmd, mappings, maps, deleted_private = head if head is not None else record_head(pid)
+    record_head, already read; its private mappings of files are kept by
+    private_in_writable_layer)."""
+    cmd, mappings, maps, deleted_private, _ = head if head is not None else record_head(pid)
     shared = [m for m in maps if m.writable or m.copyable]
     read_only = [m for m in maps if not (m.writable or m.copyable)]
     try:
@@ -391,6 +401,55 @@ def in_writable_layer(records: list[ProcessRecord], layers: Sequence[str]) -> No
             rec.mapped_ro = [m for m in rec.mapped_ro if present[m.path]]
     finally:
         os.close(upper)
+
+
+def private_in_writable_layer(records: list[ProcessRecord], heads: dict[int, Head],
+                              layers: Sequence[str]) -> None:
+    """Set each record's mapped_private: its private mappings (from its head's maps
+    lines) of files of the sandbox's writable layer (`layers[0]`; if unknown, of every
+    named file), which the live sandbox may write in place (private_maps.py). A mapping
+    is of the upper layer's file when that layer has a file at its path with its inode
+    (/proc/PID/maps names the overlay's device for every layer, so the device cannot
+    tell): a mapping of a lower file copied up since keeps the lower one, which never
+    changes. One stat per file and capture."""
+    upper = os.open(layers[0], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if layers else -1
+    inode_of: dict[str, int | None] = {}   # path -> the upper layer's inode there
+    try:
+        for rec in records:
+            head = heads.get(rec.pid)
+            if head is None or not head[4]:
+                continue
+            keep = []
+            for line in head[4]:
+                i = line.find(b" /")
+                path = line[i + 1:].decode(errors="replace")
+                fields = line[:i].split()
+                if upper >= 0:
+                    if path not in inode_of:
+                        inode_of[path] = _upper_inode(upper, path)
+                    if inode_of[path] != int(fields[4]):
+                        continue
+                keep.append((fields, path))
+            rec.mapped_private = [_private_mapping(f, path) for f, path in keep]
+    finally:
+        if upper >= 0:
+            os.close(upper)
+
+
+def _upper_inode(upper: int, path: str) -> int | None:
+    try:
+        return os.stat(path.lstrip("/"), dir_fd=upper, follow_symlinks=False).st_ino
+    except OSError:
+        return None
+
+
+def _private_mapping(fields: list[bytes], path: str) -> SharedMapping:
+    """A private mapping from the fields of its maps line before the path ("START-END
+    PERMS OFFSET DEV INODE")."""
+    start, end = fields[0].split(b"-")
+    perms = fields[1]
+    prot = (perms[0:1] == b"r") * 1 | (perms[1:2] == b"w") * 2 | (perms[2:3] == b"x") * 4
+    return SharedMapping(int(start, 16), int(end, 16), prot, int(fields[2], 16), path)
 
 
 def _present(root: int, path: str) -> bool:

@@ -64,12 +64,12 @@ from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from ..fs.files import open_in_root
-from . import (adoption, eventloop, fifos, listeners, native, pipebuf, shared_files, shm_files,
-               tcp, unix_listeners, unlinked, watches)
+from . import (adoption, eventloop, fifos, listeners, native, pipebuf, private_maps, shared_files,
+               shm_files, tcp, unix_listeners, unlinked, watches)
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
-from .capture import (ProcessRecord, Refusal, Unsettled, add_listeners, record,
-                      in_writable_layer, record_head, refusals, shared_lock_refusals,
-                      status_refused)
+from .capture import (ProcessRecord, Refusal, SharedMapping, Unsettled, add_listeners,
+                      in_writable_layer, private_in_writable_layer, record, record_head,
+                      refusals, shared_lock_refusals, status_refused)
 from .worker import PtraceWorker
 
 T = TypeVar("T")
@@ -146,6 +146,9 @@ class ProcessState:
     shm_files: list[shm_files.ShmFile] = field(default_factory=list)
     # the named pipes the processes hold, their unread bytes copied (cr/fifos.py)
     fifos: list[fifos.Fifo] = field(default_factory=list)
+    # When the templates' view of the files they map was the checkpoint's (the capture's
+    # start, or a dump's rebuild): a file written after it is mapped again (private_maps.py)
+    captured_ns: int = 0
     # images of the processes a restore adopts (cr/adoption.py), made at the first one
     images: adoption.Images | None = None
     # The processes, still in their stops after a capture that left the templates and
@@ -226,6 +229,13 @@ class Prespawned:
     plan: _PipePlan
     carriers: dict[int, native.Carrier]  # record pid (host pid at the checkpoint) -> carrier
     spawned: set[int] = field(default_factory=set)   # every carrier's pid
+    # record pid -> the files its carrier maps again privately (written in place since the
+    # checkpoint when it was made: private_maps.py)
+    remapped: dict[int, set[str]] = field(default_factory=dict)
+
+    def stale(self, rec: ProcessRecord, changed: list[SharedMapping]) -> bool:
+        """Whether rec's carrier maps a file written in place since it was made."""
+        return bool({m.path for m in changed} - self.remapped.get(rec.pid, set()))
 
 
 class DeltaCR:
@@ -376,6 +386,7 @@ class DeltaCR:
         # What reads a process's memory map (its command line, its mappings) is read now:
         # a template's fork holds that map locked for milliseconds.
         heads = {p: record_head(p) for p in pids}
+        captured_ns = time.time_ns()   # the processes stopped, the files not yet written
         cap = _Pass()
         stops_done = trio.Event()
         token = trio.lowlevel.current_trio_token()
@@ -425,6 +436,7 @@ class DeltaCR:
                 cap.refused.extend(r for rec in records for r in refusals(rec, tracer_ok))
                 cap.refused.extend(shared_lock_refusals(records))
                 in_writable_layer(records, layers)
+                private_in_writable_layer(records, heads, layers)
                 if not cap.refused:
                     cap.refused.extend(r for rec in records for r in add_listeners(rec))
                 if not cap.refused:
@@ -486,6 +498,7 @@ class DeltaCR:
         return ProcessState(cap.records, cap.templates, pipes, sessions,
                             reused=sorted(p for p in reuse or {} if p in stopped),
                             unlinked=files, shared_files=shared, shm_files=shm, fifos=named_pipes,
+                            captured_ns=captured_ns,
                             held=Held(cap.stopped, dict(reuse or {})) if later else None)
 
     async def make_templates(self, state: ProcessState) -> None:
@@ -588,7 +601,15 @@ class DeltaCR:
                 tcp.clear_time_wait(state.templates[records[0].pid].pid, time_wait)
                 time_wait.clear()
 
+        # Files written in place since the checkpoint that a process maps privately, looked
+        # at once: a carrier made before the write holds their new bytes (private_maps.py).
+        changed = {r.pid: _changed_maps(state, r) for r in records if r.mapped_private}
         try:
+            if pre is not None:
+                stale = [pre.carriers.pop(r.pid) for r in records
+                         if r.pid in pre.carriers and pre.stale(r, changed.get(r.pid, []))]
+                if stale:
+                    await self.kill_carriers(stale)
             if plan.addresses_to_take:  # carriers' connections and listeners
                 await addresses_free()
                 plan.take_addresses()
@@ -604,7 +625,7 @@ class DeltaCR:
                     # addresses: gone once they have exited (tcp.quiet_all closed them
                     # silently).
                     await addresses_free()
-                spawn = _spawn_args(state, plan, rec, mntfd, into)
+                spawn = _spawn_args(state, plan, rec, mntfd, into, changed.get(rec.pid, []))
                 if into is None:
                     # A kept pid, and a listener's port, are free once the killed
                     # originals have exited (their pages go before their files: a big one
@@ -693,6 +714,7 @@ class DeltaCR:
         parent (adoption.py), held in turn: its pid."""
         parent = _adopt_group(state, rec, spawn, out, groups)
         spawn.image = await self._image(state, rec)
+        spawn.remaps = _image_remaps(spawn.remaps)
         spawn.parent, spawn.rootfd = held[parent.pid], rootfd
         pid = await self._spawn_retrying(spawn, pid_held=pid_held)
         assert spawn.held is not None
@@ -704,7 +726,8 @@ class DeltaCR:
         checkpoint)."""
         if state.images is None:
             state.images = adoption.Images(self.images_dir)
-        return await self.worker.run(state.images.make, rec, state.templates[rec.pid])
+        return await self.worker.run(state.images.make, rec, state.templates[rec.pid],
+                                     state.captured_ns)
 
     async def _chain(self, state: ProcessState, path: list[int], root: _Spawn,
                      args_for: Callable[[ProcessRecord], Awaitable[_Spawn]],
@@ -725,7 +748,7 @@ class DeltaCR:
             images = [await self._image(state, r) for r in recs[:-1]]
             made = await self.worker.run(
                 state.templates[recs[-1].pid].held_chain,
-                [(_spawn_kwargs(sp, _pid(sp), sp is root), img, state.templates[r.pid])
+                [(_image_kwargs(sp, _pid(sp), sp is root), img, state.templates[r.pid])
                  for sp, img, r in zip(spawns, images, recs)],
                 _spawn_kwargs(spawns[-1], _pid(spawns[-1]), False), rootfd)
         except native.CRError as e:
@@ -796,9 +819,11 @@ class DeltaCR:
         pre = Prespawned(state, _plan(state, rootfd, mntfd, armed=False), {})
         try:
             for rec in recs:
-                spawn = _spawn_args(state, pre.plan, rec, mntfd)
+                changed = _changed_maps(state, rec)
+                spawn = _spawn_args(state, pre.plan, rec, mntfd, changed=changed)
                 carrier = pre.carriers[rec.pid] = await self.worker.run(_carrier_of, spawn)
                 pre.spawned.add(carrier.pid)
+                pre.remapped[rec.pid] = {m.path for m in changed}
         except BaseException:
             with trio.CancelScope(shield=True):
                 await self.discard(pre)
@@ -1131,16 +1156,22 @@ class _PipePlan:
             self.loops += self.fifos_made[i]
         return self.fifos_made[i]
 
-    def remaps(self, rec: ProcessRecord) -> list[native.Remap]:
+    def remaps(self, rec: ProcessRecord, changed: list[SharedMapping]
+               ) -> list[native.Remap]:
         """rec's shared mappings of those objects (shared memory), mapped again from the
-        same new object as every other process that shared it; and of the sandbox's named
+        same new object as every other process that shared it; of the sandbox's named
         files (capture.SharedMapping.named_file; read-only ones of its writable layer:
-        ProcessRecord.mapped_ro), from the file in the restored tree."""
+        ProcessRecord.mapped_ro), from the file in the restored tree; and its private
+        mappings of files written in place since the checkpoint (`changed`:
+        private_maps.changed), from the file in the restored tree with the pages it had
+        written."""
         return [native.Remap(m.start, m.end, m.prot, self._made(i)[unlinked.MAPPING],
                              m.offset)
                 for i, u in enumerate(self.files) for m in u.maps if m.pid == rec.pid] + [
             native.Remap(m.start, m.end, m.prot, self._named(m.path, m.writable), m.offset)
-            for m in [*rec.shared, *rec.mapped_ro] if m.named_file]
+            for m in [*rec.shared, *rec.mapped_ro] if m.named_file] + [
+            native.Remap(m.start, m.end, m.prot, self._named(m.path, False), m.offset,
+                         private=True) for m in changed]
 
     def make_shm(self, files: list[shm_files.ShmFile], mntfd: int) -> None:
         """The /dev/shm files of the checkpoint, made again in the generation `mntfd`
@@ -1636,8 +1667,11 @@ def _leader(rec: ProcessRecord) -> bool:
 
 
 def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
-                mntfd: int, into: Elsewhere | None = None) -> _Spawn:
-    """What a child of rec's template needs: its pipes from `plan`, its files, its cwd."""
+                mntfd: int, into: Elsewhere | None = None,
+                changed: list[SharedMapping] | None = None) -> _Spawn:
+    """What a child of rec's template needs: its pipes from `plan`, its files, its cwd,
+    its private mappings of files written in place since the checkpoint (`changed`,
+    looked at if None)."""
     fdmap = {e.fd: plan.child_end(g, e) for g in state.pipes.values()
              for e in g.ends if e.pid == rec.pid}
     netns_pid = into.init_pid if into is not None else state.templates[rec.pid].pid
@@ -1654,7 +1688,27 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
                   [] if ahead else rec.listens,
                   lane=state.lanes.get(rec.pid), cloexec=cloexec,
                   epolls=rec.loop.epolls if rec.loop else [], threaded=rec.threads > 1,
-                  remaps=plan.remaps(rec), locks=_locks(rec))
+                  remaps=plan.remaps(rec, _changed_maps(state, rec) if changed is None
+                                     else changed),
+                  locks=_locks(rec))
+
+
+def _image_remaps(remaps: list[native.Remap]) -> list[native.Remap]:
+    """The remaps of a process restored from an image, which maps its files from the
+    restored tree already (criu_incr.c): no private mapping to make again."""
+    return [m for m in remaps if not m.private]
+
+
+def _image_kwargs(sp: _Spawn, set_tid: list[int] | None, into: bool) -> dict:
+    """_spawn_kwargs for a process restored from an image (_image_remaps)."""
+    kwargs = _spawn_kwargs(sp, set_tid, into)
+    kwargs["remaps"] = _image_remaps(kwargs["remaps"])
+    return kwargs
+
+
+def _changed_maps(state: ProcessState, rec: ProcessRecord) -> list[SharedMapping]:
+    """rec's private mappings whose file was written in place since the checkpoint."""
+    return private_maps.changed(rec, state.templates[rec.pid].pid, state.captured_ns)
 
 
 def _locks(rec: ProcessRecord) -> list[native.FileLock]:

@@ -135,7 +135,8 @@ class _Epoll(ctypes.Structure):
 
 class _Remap(ctypes.Structure):
     _fields_ = [("start", ctypes.c_ulong), ("end", ctypes.c_ulong), ("prot", ctypes.c_int),
-                ("src", ctypes.c_int), ("offset", ctypes.c_longlong)]
+                ("src", ctypes.c_int), ("offset", ctypes.c_longlong),
+                ("private_map", ctypes.c_int)]
 
 
 class _Lock(ctypes.Structure):  # fork_template.h struct dbxcr_lock
@@ -395,12 +396,16 @@ class FileLock:
 @dataclass(frozen=True)
 class Remap:
     """A shared mapping [start, end) to map again in a spawned child from our descriptor
-    src at offset (the template's is the original's own object)."""
+    src at offset (the template's is the original's own object); `private`: a private
+    mapping of a file written in place since the checkpoint, mapped again from src (the
+    restored tree's file) with the pages the original had written copied from the
+    template (cr/private_maps.py)."""
     start: int
     end: int
     prot: int
     src: int
     offset: int = 0
+    private: bool = False
 
 
 @dataclass(frozen=True)
@@ -598,7 +603,7 @@ class Template:
               for e, arr in zip(epolls, watch_arrays)])
         rms = list(remaps)
         crms = (_Remap * max(1, len(rms)))(
-            *[_Remap(m.start, m.end, m.prot, m.src, m.offset) for m in rms])
+            *[_Remap(m.start, m.end, m.prot, m.src, m.offset, int(m.private)) for m in rms])
         lks = list(locks)
         clks = (_Lock * max(1, len(lks)))(*[_Lock(k.fd, k.kind, k.type, k.start, k.len)
                                              for k in lks])
@@ -1500,7 +1505,7 @@ class _DumpOpts(ctypes.Structure):
     _fields_ = [("parent_path", ctypes.c_char_p), ("parent_ref", ctypes.c_char_p),
                 ("max_chain", ctypes.c_int), ("fsync", ctypes.c_int),
                 ("strip_prefix", ctypes.c_char_p), ("seccomp_ok", ctypes.c_int),
-                ("live", ctypes.c_int)]
+                ("live", ctypes.c_int), ("files_as_of_ns", ctypes.c_longlong)]
 
 
 class _ImageInfo(ctypes.Structure):
@@ -1567,7 +1572,8 @@ def _raise_img(err: _Err) -> None:
 
 
 def _dump_opts(path: str, parent: str | os.PathLike | None, max_chain: int, fsync: bool,
-               strip_prefix: str | None, seccomp_ok: bool, live: bool = False) -> _DumpOpts:
+               strip_prefix: str | None, seccomp_ok: bool, live: bool = False,
+               files_as_of_ns: int = 0) -> _DumpOpts:
     ppath = pref = None
     if parent is not None:
         parent_abs = os.path.abspath(os.fspath(parent))
@@ -1575,7 +1581,7 @@ def _dump_opts(path: str, parent: str | os.PathLike | None, max_chain: int, fsyn
         pref = os.fsencode(os.path.relpath(parent_abs, path))
     return _DumpOpts(ppath, pref, max_chain, int(fsync),
                      os.fsencode(strip_prefix) if strip_prefix else None, int(seccomp_ok),
-                     int(live))
+                     int(live), files_as_of_ns)
 
 
 def _stats(st: _DumpStats) -> DumpStats:
@@ -1586,17 +1592,20 @@ def _stats(st: _DumpStats) -> DumpStats:
 def dump(template: Template, path: str | os.PathLike, parent: str | os.PathLike | None = None,
          *, max_chain: int = 8, fsync: bool = False,
          strip_prefix: str | None = None, seccomp_ok: bool = False,
-         live: bool = False) -> DumpStats:
+         live: bool = False, files_as_of_ns: int = 0) -> DumpStats:
     """Write the template's checkpoint state into the new directory `path` (must not
     exist), as a delta against the image `parent` if given.  strip_prefix: the sandbox's
     root as this process sees it, removed from mapped file paths so they resolve under the
     root_dir given at restore.  seccomp_ok: dump a process with a seccomp filter (not in the
     image: the restored process gets its restore host's filter; pass it only when that host
     is confined alike).  live: index the pages without copying them (no parent): an image
-    only Held.adopt with this template restores, while it is held.  Call on the template's
-    owner thread."""
+    only Held.adopt with this template restores, while it is held.  files_as_of_ns: when
+    the checkpoint saw the files (time.time_ns()): a privately mapped file written since
+    is not checked at restore (native/criu_incr.h).  Call on the template's owner
+    thread."""
     return dump_begin(template, path, parent, max_chain=max_chain, fsync=fsync,
-                      strip_prefix=strip_prefix, seccomp_ok=seccomp_ok, live=live).finish()
+                      strip_prefix=strip_prefix, seccomp_ok=seccomp_ok, live=live,
+                      files_as_of_ns=files_as_of_ns).finish()
 
 
 class DumpJob:
@@ -1626,14 +1635,16 @@ class DumpJob:
 def dump_begin(template: Template, path: str | os.PathLike,
                parent: str | os.PathLike | None = None, *, max_chain: int = 8,
                fsync: bool = False, strip_prefix: str | None = None,
-               seccomp_ok: bool = False, live: bool = False) -> DumpJob:
+               seccomp_ok: bool = False, live: bool = False,
+               files_as_of_ns: int = 0) -> DumpJob:
     """The part of dump() that needs the tracer (call on the template's owner thread,
     with the template able to run injected calls); the returned job does the rest."""
     if template.released:
         raise CRError(_errno.EINVAL, f"template {template.pid} was released")
     lib = _load_images()
     path = os.path.abspath(os.fspath(path))
-    opts = _dump_opts(path, parent, max_chain, fsync, strip_prefix, seccomp_ok, live)
+    opts = _dump_opts(path, parent, max_chain, fsync, strip_prefix, seccomp_ok, live,
+                      files_as_of_ns)
     handle, err = ctypes.c_void_p(), _Err()
     if lib.dbxcr_dump_begin(template._handle, os.fsencode(path), ctypes.byref(opts),
                             ctypes.byref(handle), ctypes.byref(err)) < 0:

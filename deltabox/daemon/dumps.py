@@ -278,12 +278,14 @@ class Dumps:
                             _link_image, parent, tmp / str(rec.nspid), self.fsync):
                         continue  # the template the parent image was written from
                 try:
-                    st = await self._dump_one(sid, tpl, tmp / str(rec.nspid), parent, ok)
+                    st = await self._dump_one(sid, tpl, tmp / str(rec.nspid), parent, ok,
+                                              state.captured_ns)
                 except native.CRError:
                     if parent is None:
                         raise
                     shutil.rmtree(tmp / str(rec.nspid), ignore_errors=True)
-                    st = await self._dump_one(sid, tpl, tmp / str(rec.nspid), None, ok)
+                    st = await self._dump_one(sid, tpl, tmp / str(rec.nspid), None, ok,
+                                              state.captured_ns)
                 total += st.bytes_written
                 job_ms = max(job_ms, st.ms)
             async with self.io.slot(cp_id):
@@ -319,7 +321,8 @@ class Dumps:
                 ev.set()
 
     async def _dump_one(self, sid: str, tpl: native.Template, path: Path,
-                        parent: Path | None, seccomp_ok: bool) -> native.DumpStats:
+                        parent: Path | None, seccomp_ok: bool,
+                        files_as_of_ns: int) -> native.DumpStats:
         """One process image: what needs the tracer is a short job on the (shared) ptrace
         thread under the sandbox's lock; copying and hashing the pages (the bulk) runs on
         a plain thread, so checkpoints and rollbacks need not wait for it. Releasing the
@@ -332,7 +335,8 @@ class Dumps:
             t0 = time.perf_counter()
             job = await self.cr.worker.run(
                 lambda: native.dump_begin(tpl, path, parent, fsync=self.fsync,
-                                          seccomp_ok=seccomp_ok))
+                                          seccomp_ok=seccomp_ok,
+                                          files_as_of_ns=files_as_of_ns))
         self.worker_ms_max = max(self.worker_ms_max, (time.perf_counter() - t0) * 1000)
         try:
             async with self.io.slot(str(path)):  # the I/O: pages copied, hashed, written
@@ -404,6 +408,9 @@ class Dumps:
         files: list[unlinked.UnlinkedFile] = []
         shm: list[shm_files.ShmFile] = []
         named_pipes: list[fifos.Fifo] = []
+        # The rebuilt templates map root_dir's files as they are now (the checkpoint's):
+        # a later write in place there is looked for at each restore (cr/private_maps.py).
+        captured_ns = time.time_ns()
         try:
             lone = lone_leaders(records)
             for rec in records:
@@ -443,7 +450,8 @@ class Dumps:
                             {k: int(v) for k, v in meta["sessions"].items()},
                             dict(meta["session_states"]), from_dump=cp_id, unlinked=files,
                             shared_files=[_shared_from(s) for s in meta.get("shared_files", [])],
-                            shm_files=shm, fifos=named_pipes, images=images)
+                            shm_files=shm, fifos=named_pipes, images=images,
+                            captured_ns=captured_ns)
 
 
 async def _skip_pids(host_pid: int, last: int) -> None:
@@ -572,13 +580,16 @@ def _unlinked_from(f: dict, data: bytes) -> unlinked.UnlinkedFile:
 def _rec_json(r: ProcessRecord) -> dict:
     d = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)
          if f.name not in ("fds", "listens", "loop", "shared", "mapped_ro",
-                           "deleted_private")}
+                           "deleted_private", "mapped_private")}
     d["fds"] = [{k: v for k, v in dataclasses.asdict(f).items() if k != "fdinfo"}
                 for f in r.fds]
     # The named files' mappings are made again from them at every restore of templates
     # rebuilt from this dump (engine._PipePlan.remaps); the rebuild maps its own.
     d["shared"] = [dataclasses.asdict(m) for m in r.shared]
     d["mapped_ro"] = [dataclasses.asdict(m) for m in r.mapped_ro]
+    # The rebuilt templates map the restored tree's files, which the sandbox may write
+    # in place afterwards (cr/private_maps.py).
+    d["mapped_private"] = [dataclasses.asdict(m) for m in r.mapped_private]
     d["listens"] = [dict(dataclasses.asdict(ls), addr=ls.addr.hex()) for ls in r.listens]
     d["loop"] = eventloop.to_json(r.loop)
     return d
@@ -597,5 +608,6 @@ def _rec_from(d: dict) -> ProcessRecord:
     loop = eventloop.from_json(d.pop("loop", None))
     shared = [SharedMapping(**m) for m in d.pop("shared", [])]
     mapped_ro = [SharedMapping(**m) for m in d.pop("mapped_ro", [])]
+    mapped_private = [SharedMapping(**m) for m in d.pop("mapped_private", [])]
     return ProcessRecord(**d, fds=fds, listens=listens, loop=loop, shared=shared,
-                         mapped_ro=mapped_ro)
+                         mapped_ro=mapped_ro, mapped_private=mapped_private)

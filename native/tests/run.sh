@@ -14,7 +14,7 @@ mkdir -p deltabox/libexec build/native-tests
 	-fno-sanitize-recover=undefined -pthread \
 	-o build/native-tests/test_fork_template \
 	native/tests/test_fork_template.c native/fork_template.c native/threads.c native/timers.c native/dontfork.c \
-	native/ptrace_jobs.c
+	native/ptrace_jobs.c native/criu_incr.c
 
 "$CC" "${BASE[@]}" -O1 -fno-omit-frame-pointer -fsanitize=address,undefined \
 	-fno-sanitize-recover=undefined -pthread \

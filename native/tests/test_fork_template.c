@@ -423,10 +423,14 @@ struct state_report {
 	long long off;
 	char data[8];
 	int shm;	/* the first int of shm_page */
+	char priv[2];	/* the first byte of each page of priv_pages */
 };
 
 static unsigned char *shared_buf;	/* mapped before fork: same address in every copy */
 static int *shm_page;			/* MAP_SHARED | MAP_ANONYMOUS, one page */
+/* Two pages of priv_path ("A..." and "B..."), MAP_PRIVATE: 'm' writes the first. */
+static char *priv_pages;
+static char priv_path[64];
 static int prog_counter;
 
 static uint64_t checksum(const unsigned char *b, size_t n)
@@ -466,6 +470,7 @@ static void program(void)
 			prog_counter++;
 			fill_pattern(shared_buf, 100 + prog_counter);
 			shm_page[0]++;
+			priv_pages[0] = 'w';
 			if (read(FILE_FD, r.data, 5) != 5)
 				_exit(4);
 			break;
@@ -479,6 +484,8 @@ static void program(void)
 			r.eintr = eintr;
 			r.checksum = checksum(shared_buf, BUF_SIZE);
 			r.shm = shm_page[0];
+			r.priv[0] = priv_pages[0];
+			r.priv[1] = priv_pages[4096];
 			if (c == 'f')
 				r.off = lseek(FILE_FD, 0, SEEK_CUR);
 			if (write(REP_FD, &r, sizeof(r)) != sizeof(r))
@@ -643,7 +650,7 @@ static void test_shared_remap(void)
 	fds[0] = (struct dbxcr_fdmap){ cmd[0], CMD_FD, 0 };
 	fds[1] = (struct dbxcr_fdmap){ rep[1], REP_FD, 0 };
 	rm = (struct dbxcr_remap){ (unsigned long)shm_page, (unsigned long)shm_page + 4096,
-				   PROT_READ | PROT_WRITE, saved, 0 };
+				   PROT_READ | PROT_WRITE, saved, 0, 0 };
 	o.mntns_fd = -1;
 	o.fds = fds;
 	o.nfds = 2;
@@ -670,6 +677,83 @@ static void test_shared_remap(void)
 	o.nfds = 0;
 	CHECK(dbxcr_spawn(tpl, &o, &err) < 0 && err.code == EINVAL, "an empty remap: %s",
 	      err.msg);
+	stop_program(&kid);
+	close(saved);
+	dbxcr_release_template(tpl, &err);
+	stop_program(&orig);
+}
+
+/* Fill the two pages of the file fd with `first` and `second` (in place). */
+static void fill_pages(int fd, char first, char second)
+{
+	char page[4096];
+
+	memset(page, first, sizeof(page));
+	if (pwrite(fd, page, 4096, 0) != 4096)
+		abort();
+	memset(page, second, sizeof(page));
+	if (pwrite(fd, page, 4096, 4096) != 4096)
+		abort();
+}
+
+static void rewrite_priv(char first, char second)
+{
+	int fd = open(priv_path, O_WRONLY | O_CLOEXEC);
+
+	if (fd < 0)
+		abort();
+	fill_pages(fd, first, second);
+	close(fd);
+}
+
+/* A template's private file mapping is the file itself: a page the original never wrote
+ * shows the file's later in-place writes in every child, unless the mapping is made
+ * again (private_map) from a file with the checkpoint's bytes, the written page copied
+ * from the template. */
+static void test_private_remap(void)
+{
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl;
+	struct proc orig, plain, kid;
+	struct state_report r;
+	struct dbxcr_remap rm;
+	struct dbxcr_spawn_opts o = { 0 };
+	int saved;
+
+	current_test = "private-remap";
+	rewrite_priv('A', 'B');
+	orig = start_program();
+	CHECK(ask(&orig, 'm', &r) == 0 && ask(&orig, 'r', &r) == 0 && r.priv[0] == 'w' &&
+	      r.priv[1] == 'B', "original's pages %c %c, want w B", r.priv[0], r.priv[1]);
+	tpl = dbxcr_make_template(orig.pid, &err);
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (!tpl) {
+		stop_program(&orig);
+		return;
+	}
+	rewrite_priv('X', 'X');
+	plain = spawn_program(tpl, NULL, 0, -1, NULL, &err);
+	CHECK(plain.pid > 0 && ask(&plain, 'r', &r) == 0 && r.priv[0] == 'w' && r.priv[1] == 'X',
+	      "a child without the remap: %c %c, want w X (the file's new bytes)", r.priv[0],
+	      r.priv[1]);
+	stop_program(&plain);
+
+	/* What the daemon does: the restored tree's file, with the checkpoint's bytes. */
+	saved = memfd_create("checkpoint", MFD_CLOEXEC);
+	if (saved < 0)
+		abort();
+	fill_pages(saved, 'A', 'B');
+	rm = (struct dbxcr_remap){ (unsigned long)priv_pages, (unsigned long)priv_pages + 8192,
+				   PROT_READ | PROT_WRITE, saved, 0, 1 };
+	o.mntns_fd = -1;
+	o.remaps = &rm;
+	o.nremaps = 1;
+	kid = program_from(tpl, &o, NULL, &err);
+	CHECK(kid.pid > 0, "spawn with a private remap: %s", err.msg);
+	if (kid.pid > 0)
+		CHECK(ask(&kid, 'r', &r) == 0 && r.priv[0] == 'w' && r.priv[1] == 'B',
+		      "child's pages %c %c, want w B (its own write, the checkpoint's bytes)",
+		      r.priv[0], r.priv[1]);
 	stop_program(&kid);
 	close(saved);
 	dbxcr_release_template(tpl, &err);
@@ -2722,6 +2806,14 @@ int main(int argc, char **argv)
 	shm_page = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
 	if (shared_buf == MAP_FAILED || shm_page == MAP_FAILED)
 		abort();
+	snprintf(priv_path, sizeof(priv_path), "/tmp/dbxcr-priv-XXXXXX");
+	fd = mkstemp(priv_path);
+	if (fd < 0 || ftruncate(fd, 8192) < 0)
+		abort();
+	priv_pages = mmap(NULL, 8192, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+	close(fd);
+	if (priv_pages == MAP_FAILED)
+		abort();
 	snprintf(file_path, sizeof(file_path), "/tmp/dbxcr-test-XXXXXX");
 	fd = mkstemp(file_path);
 	if (fd < 0 || write(fd, file_text, sizeof(file_text) - 1) < 0)
@@ -2740,6 +2832,7 @@ int main(int argc, char **argv)
 		{ "inject-group-stopped", test_inject_group_stopped },
 		{ "templates", test_templates },
 		{ "shared-remap", test_shared_remap },
+		{ "private-remap", test_private_remap },
 		{ "template-copy", test_template_copy },
 		{ "carriers", test_carriers },
 		{ "jobs", test_jobs },
@@ -2767,6 +2860,7 @@ int main(int argc, char **argv)
 			tests[i].name, now_ms() - t0);
 	}
 	unlink(file_path);
+	unlink(priv_path);
 	munmap(shared_buf, BUF_SIZE);
 	fprintf(stderr, "%d failure(s)\n", failures);
 	return failures ? 1 : 0;
