@@ -312,6 +312,18 @@ int dbxcr_netns_socketpair(int netns_fd, int domain, int type, int sv[2],
 int dbxcr_mntns_open(int mntns_fd, const char *path, int flags, int mode,
 		     struct dbxcr_error *err);
 
+/* The System V IPC objects of the IPC namespace `ipcns_fd` (native/ipcns.c: a thread made
+ * for the call joins it).  clear: remove them all first (the counts are then what is
+ * left).  0, or -1 with err set. */
+struct dbxcr_ipc_objects {
+	int sem_sets;
+	int msg_queues;
+	int shm_segments;
+	int shm_detached;	/* of which no process has attached (shm_nattch 0) */
+};
+int dbxcr_ipcns_objects(int ipcns_fd, int clear, struct dbxcr_ipc_objects *out,
+			struct dbxcr_error *err);
+
 /* Move the parked template out of its process group into one of its own.  A process group
  * id stays allocated while any member exists, so a template (forked from a group member,
  * in that group) keeps the group leader's pid taken and the leader could not come back

@@ -870,6 +870,54 @@ def test_a_pseudo_terminal_made_in_the_sandbox_is_refused_by_name(sbx: Sandbox) 
                           r"pseudo-terminal \(/dev/pts/0\)")
 
 
+# Makes (or opens) System V IPC objects by key and prints a semaphore's value: "sem K [V]"
+# (V: set it), "msg K", "shm K" (a segment left unattached).
+SYSV = """
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+kind, key = sys.argv[1], int(sys.argv[2], 0)
+if kind == 'sem':
+    sid = libc.semget(key, 1, 0o600 | 0o1000)           # IPC_CREAT
+    assert sid >= 0, ctypes.get_errno()
+    if len(sys.argv) > 3:
+        assert libc.semctl(sid, 0, 16, ctypes.c_int(int(sys.argv[3]))) == 0   # SETVAL
+    print(libc.semctl(sid, 0, 12))                        # GETVAL
+elif kind == 'msg':
+    assert libc.msgget(key, 0o600 | 0o1000) >= 0, ctypes.get_errno()
+else:
+    assert libc.shmget(key, 4096, 0o600 | 0o1000) >= 0, ctypes.get_errno()
+"""
+
+
+def test_system_v_ipc_objects_are_refused_and_a_rollback_removes_later_ones(
+        sbx: Sandbox) -> None:
+    """System V semaphores and message queues belong to the sandbox's IPC namespace, not
+    to a process: no checkpoint holds them. Before stop 49 a rollback kept a semaphore's
+    value written after the checkpoint (probe: 5, set after a checkpoint taken at 1) and
+    a fork's children had none. Now a full checkpoint is refused while any exists (named
+    by kind; mode="fs" still works), and a rollback to a full checkpoint (taken with none)
+    removes those made since."""
+    sbx.files.write("sysv.py", SYSV)
+    sbx.exec("nohup sleep 1000 >/dev/null 2>&1 &")
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    assert sbx.exec("python3 /workspace/sysv.py sem 0x1234 5").stdout == "5\n"
+    sbx.exec("python3 /workspace/sysv.py msg 0x5678 && python3 /workspace/sysv.py shm 0x9abc")
+    with pytest.raises(deltabox.FailedPrecondition,
+                       match=r"System V IPC objects \(1 semaphore set, 1 message queue, 1 "
+                             r"shared memory segment no process attached; `ipcs` lists "
+                             r"them\).*ipcrm.*mode=\"fs\""):
+        sbx.checkpoint(mode="full")
+    assert sbx.checkpoint(mode="fs").kind == "fs"
+    assert sbx.rollback(cp).process_state == "restored"
+    assert "0x00001234" not in sbx.exec("ipcs -s").stdout
+    assert "0x00005678" not in sbx.exec("ipcs -q").stdout
+    assert "0x00009abc" not in sbx.exec("ipcs -m").stdout
+    assert sbx.exec("python3 /workspace/sysv.py sem 0x1234").stdout == "0\n"   # made anew
+    sbx.exec("ipcrm -S 0x1234")
+    assert sbx.checkpoint(mode="full").kind == "full"
+
+
 def test_a_file_held_open_on_dev_is_refused_by_name(sbx: Sandbox) -> None:
     """A file of /dev held open: /dev is a tmpfs made afresh for each generation, so a
     restore could not reopen it. Refused by name (until stop 48 the checkpoint passed, its

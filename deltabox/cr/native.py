@@ -139,6 +139,11 @@ class _Remap(ctypes.Structure):
                 ("private_map", ctypes.c_int)]
 
 
+class _IpcObjects(ctypes.Structure):  # fork_template.h struct dbxcr_ipc_objects
+    _fields_ = [("sem_sets", ctypes.c_int), ("msg_queues", ctypes.c_int),
+                ("shm_segments", ctypes.c_int), ("shm_detached", ctypes.c_int)]
+
+
 class _Lock(ctypes.Structure):  # fork_template.h struct dbxcr_lock
     _fields_ = [("fd", ctypes.c_int), ("kind", ctypes.c_int), ("type", ctypes.c_int),
                 ("start", ctypes.c_longlong), ("len", ctypes.c_longlong)]
@@ -215,6 +220,9 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_mntns_open.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
                                          ctypes.c_int, err]
         lib.dbxcr_mntns_open.restype = ctypes.c_int
+        lib.dbxcr_ipcns_objects.argtypes = [ctypes.c_int, ctypes.c_int,
+                                            ctypes.POINTER(_IpcObjects), err]
+        lib.dbxcr_ipcns_objects.restype = ctypes.c_int
         lib.dbxcr_spawn.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SpawnOpts), err]
         lib.dbxcr_spawn.restype = ctypes.c_int
         lib.dbxcr_spawn_carrier.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SpawnOpts),
@@ -1374,6 +1382,38 @@ def mntns_open(mntns_fd: int, path: str, flags: int, mode: int = 0o600) -> int:
     if fd < 0:
         _raise(err)
     return fd
+
+
+@dataclass(frozen=True)
+class IpcObjects:
+    """The System V IPC objects of an IPC namespace, by kind."""
+    sem_sets: int
+    msg_queues: int
+    shm_segments: int
+    shm_detached: int   # segments no process has attached
+
+    @property
+    def unheld(self) -> bool:
+        """Whether some exist that no process holds (a process attached to a segment
+        has it among its mappings: capture refuses it by that process)."""
+        return bool(self.sem_sets or self.msg_queues or self.shm_detached)
+
+    def describe_unheld(self) -> str:
+        """Those, e.g. "1 semaphore set, 2 message queues"."""
+        parts = [f"{n} {what}{'s' if n > 1 else ''}" for n, what in (
+            (self.sem_sets, "semaphore set"), (self.msg_queues, "message queue"),
+            (self.shm_detached, "shared memory segment no process attached")) if n]
+        return ", ".join(parts) or "none"
+
+
+def ipc_objects(ipcns_fd: int, clear: bool = False) -> IpcObjects:
+    """The System V IPC objects of the IPC namespace `ipcns_fd` (native/ipcns.c); with
+    `clear`, removed first (what is left)."""
+    out, err = _IpcObjects(), _Err()
+    if _load().dbxcr_ipcns_objects(ipcns_fd, int(clear), ctypes.byref(out),
+                                   ctypes.byref(err)) < 0:
+        _raise(err)
+    return IpcObjects(out.sem_sets, out.msg_queues, out.shm_segments, out.shm_detached)
 
 
 def fds(pid: int) -> list[FdInfo]:

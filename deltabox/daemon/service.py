@@ -1651,6 +1651,7 @@ class Daemon:
             snap.append(await trio.to_thread.run_sync(self._snapshot, row, layer))
 
         try:
+            _refuse_ipc_objects(live)
             for attempt in range(1, UNREAD_ATTEMPTS + 1):
                 listed = self._sandbox_processes(candidates)
                 procs = await self._settle_vforks(live, listed)
@@ -1886,6 +1887,10 @@ class Daemon:
             self.warm.prepare(sid, _warm_key(cp, stacked))  # for the next rollback to it
             old_sessions, live.sessions = live.sessions, {}
             pre, taken = None, pre  # the restore owns it now
+            if cp.procs_of is not None:
+                # Its capture found no System V IPC object (_refuse_ipc_objects): those
+                # made since go before anything runs again.
+                native.ipc_objects(live.rt.pidfd, clear=True)
             state, note, resumed = await self._restore_processes(live, cp, new_gen, taken)
         except BaseException:
             await _close_sessions(old_sessions)
@@ -2674,6 +2679,20 @@ def _fork_failed(cp: CheckpointRow, e: Exception) -> ResourceExhausted | None:
     RESOURCE_EXHAUSTED (else the error is raised as itself)."""
     log.error("fork %s: booting or restoring the children failed: %s", cp.id, e)
     return _cr_limit_error(e, "restoring")
+
+
+def _refuse_ipc_objects(live: Live) -> None:
+    """A full checkpoint is refused while the sandbox's IPC namespace holds System V
+    objects (native/ipcns.c): they belong to the namespace, not to a process, and are not
+    captured, so a rollback would keep their later values and a fork's children (a
+    namespace of their own) would not have them."""
+    objects = native.ipc_objects(live.rt.pidfd)
+    if objects.unheld:   # a segment a process attached is refused by that process
+        raise FailedPrecondition(
+            f"cannot capture the sandbox's processes faithfully: its IPC namespace holds "
+            f"System V IPC objects ({objects.describe_unheld()}; `ipcs` lists them), which "
+            "belong to the namespace rather than to a process and are not captured. "
+            "Remove them (`ipcrm`), or checkpoint with mode=\"fs\" (files only)")
 
 
 def _cr_limit_error(e: BaseException, what: str) -> ResourceExhausted | None:

@@ -8,13 +8,13 @@ BASE=(-O2 -g -Wall -Wextra -Werror -std=gnu11 -D_GNU_SOURCE)
 mkdir -p deltabox/libexec build/native-tests
 
 "$CC" "${BASE[@]}" -pthread -fPIC -shared -o deltabox/libexec/libdbxcr.so native/fork_template.c native/threads.c native/timers.c native/dontfork.c native/ptrace_jobs.c \
-	native/criu_incr.c
+	native/criu_incr.c native/ipcns.c
 
 "$CC" "${BASE[@]}" -O1 -fno-omit-frame-pointer -fsanitize=address,undefined \
 	-fno-sanitize-recover=undefined -pthread \
 	-o build/native-tests/test_fork_template \
 	native/tests/test_fork_template.c native/fork_template.c native/threads.c native/timers.c native/dontfork.c \
-	native/ptrace_jobs.c native/criu_incr.c
+	native/ptrace_jobs.c native/criu_incr.c native/ipcns.c
 
 "$CC" "${BASE[@]}" -O1 -fno-omit-frame-pointer -fsanitize=address,undefined \
 	-fno-sanitize-recover=undefined -pthread \
