@@ -17,6 +17,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# libdbxcr.so's sources, as the Makefile builds it (tests that load a fresh build use it)
+LIBDBXCR_SOURCES = ("fork_template.c", "threads.c", "timers.c", "dontfork.c", "ptrace_jobs.c",
+                    "criu_incr.c", "ipcns.c")
+
+
+def build_libdbxcr(prefix: str) -> Path:
+    """libdbxcr.so built from the current sources into a new temp dir (the Makefile's
+    flags), so a test never loads a stale library: its path."""
+    lib = Path(tempfile.mkdtemp(prefix=prefix)) / "libdbxcr.so"
+    subprocess.run(["gcc", "-O2", "-g", "-Wall", "-Wextra", "-Werror", "-std=gnu11",
+                    "-D_GNU_SOURCE", "-fPIC", "-shared", "-pthread", "-o", str(lib),
+                    *(str(ROOT / "native" / s) for s in LIBDBXCR_SOURCES)], check=True)
+    return lib
 # `ps` inside a sandbox without the stopped copies the daemon holds there: templates,
 # carriers and keepers, named dbx-template / dbx-carrier (their command lines are the
 # copied process's). Append the output format: f"{OWN_PS} stat=,args=".

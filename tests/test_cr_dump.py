@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import build_libdbxcr
+
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.skipif(
@@ -68,16 +70,8 @@ HOST = ("import os, time\n"
 @pytest.fixture(scope="module")
 def native():
     """The binding on a libdbxcr.so built from the current sources (Makefile command)."""
-    build = Path(tempfile.mkdtemp(prefix="dbxcr-dump-"))
-    lib = build / "libdbxcr.so"
-    subprocess.run(["gcc", "-O2", "-g", "-Wall", "-Wextra", "-Werror", "-std=gnu11",
-                    "-D_GNU_SOURCE", "-fPIC", "-shared", "-o", str(lib),
-                    str(ROOT / "native" / "fork_template.c"),
-                    str(ROOT / "native" / "threads.c"),
-                    str(ROOT / "native" / "timers.c"),
-                    str(ROOT / "native" / "dontfork.c"),
-                    str(ROOT / "native" / "ptrace_jobs.c"),
-                    str(ROOT / "native" / "criu_incr.c")], check=True)
+    lib = build_libdbxcr("dbxcr-dump-")
+    build = lib.parent
     os.environ["DELTABOX_LIBDBXCR"] = str(lib)
     from deltabox.cr import native as mod
     mod._lib = None

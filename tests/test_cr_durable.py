@@ -11,7 +11,7 @@ import pytest
 
 from deltabox import Sandbox
 
-from conftest import OWN_PS, DaemonProc, inspector_backend, private_daemon
+from conftest import OWN_PS, DaemonProc, inspector_backend, private_daemon, wait_for
 
 ARGS = ("--no-inspector", "--templates", "1")
 MB = 100
@@ -197,6 +197,31 @@ def test_rollback_waits_for_pending_dump(d: DaemonProc) -> None:
     assert k["hash"] == h0["hash"] and k["n"] == got["n"] + 1
     assert kid.session("s").run(PROBE).stdout.strip() == "hello v fn1 /tmp"
     kid.kill()
+
+
+def test_a_dump_after_a_dev_shm_file_mapped_privately_changed_fails(d: DaemonProc) -> None:
+    """A process image keeps the pages of a /dev/shm file's mapping as the template reads
+    them; a file mapped privately and written after the checkpoint, before the dump (held
+    back 2 s here), would give the new bytes: the dump fails, naming the file, and a
+    rollback once the templates are evicted restarts the processes saying so, instead of
+    restoring those bytes silently."""
+    from test_cr import PAGES, PRIVATE_MAPS
+    d.start(*ARGS, env={"DELTABOX_TEST_DUMP_DELAY": "2"})
+    sbx = Sandbox.create(socket=d.socket)
+    sbx.files.write("pages", PAGES)
+    sbx.files.write("pm.py", PRIVATE_MAPS)
+    sbx.exec("cd /workspace && cp pages /dev/shm/pages; nohup python3 pm.py /dev/shm/pages "
+             ">/dev/null 2>&1 &")
+    wait_for(lambda: sbx.exec("grep -c /dev/shm/pages /proc/$(pgrep -xn python3)/maps"
+                              ).stdout.strip() == "2", what="its two mappings")
+    cp = sbx.checkpoint(mode="full")
+    sbx.exec("python3 -c \"open('/dev/shm/pages', 'r+b').write(b'X' * 4096)\"")
+    line = dump_state(sbx, cp.id)
+    assert "failed" in line and "/dev/shm/pages, mapped privately, was written after the " \
+        "checkpoint" in line, line
+    sbx.checkpoint(mode="full")   # --templates 1: cp's are evicted
+    r = sbx.rollback(cp)
+    assert r.process_state == "restarted" and "process dump failed" in r.note, r.note
 
 
 def test_template_count_enforced_once_dumps_end(d: DaemonProc) -> None:

@@ -10,11 +10,12 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
+
+from conftest import build_libdbxcr
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,15 +53,8 @@ while True:
 def native():
     """The binding, on a libdbxcr.so built from the current source (same command as the
     Makefile rule) so the test never runs a stale library."""
-    build = Path(tempfile.mkdtemp(prefix="dbxcr-"))
-    lib = build / "libdbxcr.so"
-    subprocess.run(["gcc", "-O2", "-g", "-Wall", "-Wextra", "-Werror", "-std=gnu11",
-                    "-D_GNU_SOURCE", "-fPIC", "-shared", "-o", str(lib),
-                    str(ROOT / "native" / "fork_template.c"),
-                    str(ROOT / "native" / "threads.c"),
-                    str(ROOT / "native" / "timers.c"),
-                    str(ROOT / "native" / "dontfork.c"),
-                    str(ROOT / "native" / "ptrace_jobs.c")], check=True)
+    lib = build_libdbxcr("dbxcr-")
+    build = lib.parent
     os.environ["DELTABOX_LIBDBXCR"] = str(lib)
     from deltabox.cr import native as mod
     mod._lib = None

@@ -407,11 +407,11 @@ def private_in_writable_layer(records: list[ProcessRecord], heads: dict[int, Hea
                               layers: Sequence[str]) -> None:
     """Set each record's mapped_private: its private mappings (from its head's maps
     lines) of files of the sandbox's writable layer (`layers[0]`; if unknown, of every
-    named file), which the live sandbox may write in place (private_maps.py). A mapping
-    is of the upper layer's file when that layer has a file at its path with its inode
-    (/proc/PID/maps names the overlay's device for every layer, so the device cannot
-    tell): a mapping of a lower file copied up since keeps the lower one, which never
-    changes. One stat per file and capture."""
+    named file) and of its /dev/shm, which the live sandbox may write in place
+    (private_maps.py). A mapping is of the upper layer's file when that layer has a file
+    at its path with its inode (/proc/PID/maps names the overlay's device for every
+    layer, so the device cannot tell): a mapping of a lower file copied up since keeps
+    the lower one, which never changes. One stat per file and capture."""
     upper = os.open(layers[0], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if layers else -1
     inode_of: dict[str, int | None] = {}   # path -> the upper layer's inode there
     try:
@@ -424,7 +424,7 @@ def private_in_writable_layer(records: list[ProcessRecord], heads: dict[int, Hea
                 i = line.find(b" /")
                 path = line[i + 1:].decode(errors="replace")
                 fields = line[:i].split()
-                if upper >= 0:
+                if upper >= 0 and not in_dev_shm(path):
                     if path not in inode_of:
                         inode_of[path] = _upper_inode(upper, path)
                     if inode_of[path] != int(fields[4]):

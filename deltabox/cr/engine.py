@@ -726,8 +726,12 @@ class DeltaCR:
         checkpoint)."""
         if state.images is None:
             state.images = adoption.Images(self.images_dir)
-        return await self.worker.run(state.images.make, rec, state.templates[rec.pid],
-                                     state.captured_ns)
+        tpl = state.templates[rec.pid]
+        image = await self.worker.run(state.images.make, rec, tpl, state.captured_ns)
+        stale = private_maps.copied_stale(rec, tpl.pid, state.captured_ns)
+        if stale:
+            raise native.CRError(errno.ESTALE, stale)
+        return image
 
     async def _chain(self, state: ProcessState, path: list[int], root: _Spawn,
                      args_for: Callable[[ProcessRecord], Awaitable[_Spawn]],

@@ -24,7 +24,7 @@ dump maps the files of the tree it was rebuilt in, looked at the same way from t
 from __future__ import annotations
 
 import os
-from .capture import ProcessRecord, SharedMapping
+from .capture import ProcessRecord, SharedMapping, in_dev_shm
 
 # A file's ctime is the coarse clock's, which lags the time read at the capture by up to
 # a tick: a write just after the checkpoint must not pass for one before it. A file
@@ -46,6 +46,20 @@ def changed(rec: ProcessRecord, template_pid: int, since_ns: int) -> list[Shared
         if seen[m.path]:
             out.append(m)
     return out
+
+
+def copied_stale(rec: ProcessRecord, template_pid: int, since_ns: int) -> str | None:
+    """Why an image copied from rec's template (a process dump, an adoption's image)
+    would not hold the checkpoint's bytes, or None: an image keeps every page of a
+    /dev/shm file's mapping as the template reads it (criu_incr.c: each generation has its
+    own /dev/shm, so nothing to map it from at restore), and a privately mapped one
+    written since the checkpoint reads the new bytes in the pages the process never
+    wrote. Look after the copy: a write after it does not matter."""
+    for m in changed(rec, template_pid, since_ns):
+        if in_dev_shm(m.path):
+            return (f"pid {rec.nspid} ({rec.cmd}): {m.path}, mapped privately, was written "
+                    "after the checkpoint, before its image could copy it")
+    return None
 
 
 def _changed(template_pid: int, m: SharedMapping, since_ns: int) -> bool:

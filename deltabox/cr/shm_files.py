@@ -35,9 +35,11 @@ class ShmFile:
 
 
 def held(rec: ProcessRecord) -> set[str]:
-    """The /dev/shm files rec holds open or maps."""
+    """The /dev/shm files rec holds open or maps (shared, or privately: private_maps.py
+    maps one again from the copy if the live file changes)."""
     paths = {f.path for f in rec.fds if f.kind == "file" and not f.deleted}
     paths |= {m.path for m in [*rec.shared, *rec.mapped_ro] if m.named_file}
+    paths |= {m.path for m in rec.mapped_private}
     return {p for p in paths if in_dev_shm(p)}
 
 

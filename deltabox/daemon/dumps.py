@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -26,8 +27,9 @@ from pathlib import Path
 
 import trio
 
-from ..cr import adoption, eventloop, fifos, native, pipebuf, shared_files, shm_files, unlinked
-from ..cr.capture import ProcessRecord, SharedMapping
+from ..cr import (adoption, eventloop, fifos, native, pipebuf, private_maps, shared_files,
+                  shm_files, unlinked)
+from ..cr.capture import ProcessRecord, SharedMapping, in_dev_shm
 from ..cr.engine import DeltaCR, PipeEnd, PipeGroup, ProcessState, lone_leaders, _close_saved
 from .db import Database, columns
 from .scheduler import IOScheduler
@@ -274,9 +276,12 @@ class Dumps:
                 if parent is not None:
                     self.in_use.add(parent)
                     parents.append(parent)
-                    if made_by is tpl and await trio.to_thread.run_sync(
-                            _link_image, parent, tmp / str(rec.nspid), self.fsync):
-                        continue  # the template the parent image was written from
+                    # The template the parent image was written from (not one whose
+                    # /dev/shm pages may have changed since: private_maps.copied_stale).
+                    if (made_by is tpl and not _maps_dev_shm(rec)
+                            and await trio.to_thread.run_sync(
+                                _link_image, parent, tmp / str(rec.nspid), self.fsync)):
+                        continue
                 try:
                     st = await self._dump_one(sid, tpl, tmp / str(rec.nspid), parent, ok,
                                               state.captured_ns)
@@ -288,6 +293,9 @@ class Dumps:
                                               state.captured_ns)
                 total += st.bytes_written
                 job_ms = max(job_ms, st.ms)
+                stale = private_maps.copied_stale(rec, tpl.pid, state.captured_ns)
+                if stale:
+                    raise native.CRError(errno.ESTALE, stale)
             async with self.io.slot(cp_id):
                 total += await trio.to_thread.run_sync(self._write_meta_sync, tmp, state)
             if self.db.get_checkpoint(cp_id) is None:
@@ -522,6 +530,10 @@ def _shared_from(s: dict) -> shared_files.SharedFile:
     """A shared description of a named file, as a dump keeps it."""
     return shared_files.SharedFile(s["path"], s["flags"], s["pos"],
                                    [(int(p), int(fd)) for p, fd in s["holders"]])
+
+
+def _maps_dev_shm(rec: ProcessRecord) -> bool:
+    return any(in_dev_shm(m.path) for m in rec.mapped_private)
 
 
 def _fifo_from(f: dict, d: Path) -> fifos.Fifo:
