@@ -86,8 +86,9 @@ class ProcessRecord:
     mapped_ro: list[SharedMapping] = field(default_factory=list)
     # (inode, path) of deleted files it maps privately (cr/unlinked.py refuses holding one)
     deleted_private: frozenset[tuple[int, str]] = frozenset()
-    # private mappings of files in the sandbox's writable layer, which the live sandbox
-    # may write in place: mapped again at a restore if their file changed (private_maps.py)
+    # private mappings of files in the sandbox's writable layer or its /dev/shm, which the
+    # live sandbox may write in place: mapped again at a restore if their file changed
+    # (private_maps.py)
     mapped_private: list[SharedMapping] = field(default_factory=list)
     listens: list[native.ListenSocket] = field(default_factory=list)
     loop: LoopState | None = None   # epoll, eventfds, socket pairs (eventloop.capture)
@@ -185,10 +186,9 @@ def _mappings(pid: int) -> tuple[int, list[SharedMapping], frozenset[tuple[int, 
     still show the original's later writes), and read-only views of named files (glibc's
     gconv-modules.cache; record() keeps those apart: only a file of the writable layer
     can change under them); the deleted files mapped privately; and the lines of the
-    private mappings of named files (record() keeps those of the writable layer). The
-    patterns only
-    see the lines that may match: run over the whole map (re.M), the second took ~27 us
-    a line (4.6 ms for a python's 172 lines)."""
+    private mappings of named files (private_in_writable_layer keeps some). The patterns
+    only see the lines that may match: run over the whole map (re.M), the second took
+    ~27 us a line (4.6 ms for a python's 172 lines)."""
     try:
         maps = kernfs.read(f"/proc/{pid}/maps")
     except OSError:
@@ -438,9 +438,13 @@ def private_in_writable_layer(records: list[ProcessRecord], heads: dict[int, Hea
 
 def _upper_inode(upper: int, path: str) -> int | None:
     try:
-        return os.stat(path.lstrip("/"), dir_fd=upper, follow_symlinks=False).st_ino
+        fd = open_in_root(upper, path, os.O_PATH | os.O_NOFOLLOW)
     except OSError:
         return None
+    try:
+        return os.fstat(fd).st_ino
+    finally:
+        os.close(fd)
 
 
 def _private_mapping(fields: list[bytes], path: str) -> SharedMapping:

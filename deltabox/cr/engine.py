@@ -64,8 +64,8 @@ from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from ..fs.files import open_in_root
-from . import (adoption, eventloop, fifos, listeners, native, pipebuf, private_maps, shared_files,
-               shm_files, tcp, unix_listeners, unlinked, watches)
+from . import (adoption, eventloop, fifos, listeners, native, pipebuf, private_maps,
+               shared_files, shm_files, tcp, unix_listeners, unlinked, watches)
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .capture import (ProcessRecord, Refusal, SharedMapping, Unsettled, add_listeners,
                       in_writable_layer, private_in_writable_layer, record, record_head,
@@ -497,8 +497,8 @@ class DeltaCR:
         stopped = {s.pid for s in cap.stopped}
         return ProcessState(cap.records, cap.templates, pipes, sessions,
                             reused=sorted(p for p in reuse or {} if p in stopped),
-                            unlinked=files, shared_files=shared, shm_files=shm, fifos=named_pipes,
-                            captured_ns=captured_ns,
+                            unlinked=files, shared_files=shared, shm_files=shm,
+                            fifos=named_pipes, captured_ns=captured_ns,
                             held=Held(cap.stopped, dict(reuse or {})) if later else None)
 
     async def make_templates(self, state: ProcessState) -> None:

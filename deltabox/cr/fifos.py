@@ -87,14 +87,17 @@ def capture(records: list[ProcessRecord]) -> tuple[list[Fifo], list[Refusal]]:
             _add(fifo, firsts, rec, f)
     try:
         for fifo, firsts in by_node.values():
+            fifos.append(fifo)
             why = _save_unread(fifo, firsts)
             if why:
                 refused.append(why)
-            fifos.append(fifo)
-    finally:
-        if refused:
-            close_saved(fifos)
-    return ([] if refused else fifos), refused
+    except BaseException:
+        close_saved(fifos)
+        raise
+    if refused:
+        close_saved(fifos)
+        return [], refused
+    return fifos, refused
 
 
 def _add(fifo: Fifo, firsts: list[tuple[ProcessRecord, int]], rec: ProcessRecord,
