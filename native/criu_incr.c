@@ -3426,6 +3426,7 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 		tpl->nptimers = src->nptimers;
 		tpl->ptimers_ok = src->ptimers_ok;
 		memcpy(tpl->ptimers, src->ptimers, sizeof(tpl->ptimers));
+		tpl->group_stop = src->group_stop;
 	}
 	if (R.im->core->has_rseq) {	/* for births from carriers (threads.c: main_restore) */
 		tpl->main.rseq_ptr = R.im->core->rseq_ptr;

@@ -145,6 +145,9 @@ struct dbxcr_template {
 	unsigned long scratch;	/* SCRATCH_LEN bytes mapped in the template (and children) */
 	struct user_regs_struct park;	/* template's registers while idle */
 	struct pending_sigs pend;	/* origin's pending signals at checkpoint */
+	/* The origin was in a job-control stop at the checkpoint (kill -STOP, a shell's ^Z):
+	 * every child stops again once let go (stop_again).  0: it ran. */
+	bool group_stop;
 	char comm[16];		/* origin's name; the template itself is named TEMPLATE_COMM */
 	bool named;		/* ... already (see name_new_template) */
 	/* The template's command line is empty (its mm's argument bounds cut to nothing), so

@@ -749,6 +749,31 @@ static int restore_state(struct tracee *t, struct dbxcr_error *err)
 	return 0;
 }
 
+/* A child of a template whose origin sat in a job-control stop stops the same way once let
+ * go: SIGSTOP handed back at the detach (detach_tracee) is delivered before any of its
+ * code runs, and it enters the group stop (SIGSTOP whatever stopped the origin: a
+ * SIGTSTP sent to an orphaned process group would be discarded).  Its parent sees it
+ * stop again (SIGCHLD, CLD_STOPPED). */
+static void stop_again(struct tracee *c, const struct dbxcr_template *tpl)
+{
+	if (!tpl->group_stop)
+		return;
+	memset(&c->deferred_info, 0, sizeof(c->deferred_info));
+	c->deferred_info.si_signo = SIGSTOP;
+	c->deferred_info.si_code = SI_USER;
+	c->deferred_sig = SIGSTOP;
+}
+
+int dbxcr_template_group_stop(const struct dbxcr_template *tpl)
+{
+	return tpl->group_stop;
+}
+
+void dbxcr_template_set_group_stop(struct dbxcr_template *tpl, int stopped)
+{
+	tpl->group_stop = stopped != 0;
+}
+
 /* Detach; a dequeued signal is handed back through the current signal-delivery-stop. */
 static int detach_tracee(struct tracee *t, struct dbxcr_error *err)
 {
@@ -1252,8 +1277,9 @@ static int peek_pending(struct tracee *t, struct pending_sigs *p, bool own_only,
 				return fail(err, errno, t->pid, "PTRACE_PEEKSIGINFO");
 			if (got == 0)
 				break;
-			/* SIGKILL: a dying process, nothing to copy; SIGSTOP: children are
-			 * never started group-stopped (see spawn). */
+			/* SIGKILL: a dying process, nothing to copy; SIGSTOP: a stop already
+			 * taken shows as the group stop (stop_again), one still queued would
+			 * stop the checkpoint's process too, not its copy alone. */
 			if (si.si_signo == SIGKILL || si.si_signo == SIGSTOP)
 				continue;
 			if (p->n == MAX_PENDING)
@@ -1763,6 +1789,7 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 	tpl->sigmask = s->t.sigmask;
 	tpl->site = s->t.site;
 	tpl->pend = s->pend;
+	tpl->group_stop = s->kind == DBXCR_STOP_GROUP;
 	/* The template inherited the all-blocked mask we set on the original, so signals sent
 	 * to it stay pending (and fork does not pass pending signals to children). */
 	if (park_new(tpl, err) < 0) {
@@ -3097,6 +3124,7 @@ pid_t dbxcr_spawn(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opt
 		return -1;
 	if (thr && threads_release(child, tpl, thr, err) < 0)
 		return -1;
+	stop_again(&c, tpl);
 	if (restore_and_detach(&c, err) < 0) {
 		kill_traced(child);
 		return -1;
@@ -3359,6 +3387,7 @@ int dbxcr_held_release(struct dbxcr_held *h, struct dbxcr_error *err)
 		held_free(h);
 		return -1;
 	}
+	stop_again(&h->c, h->tpl);
 	if (restore_and_detach(&h->c, err) < 0) {
 		kill_traced(pid);
 		held_free(h);
@@ -3513,6 +3542,7 @@ pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t 
 	c.deferred_sig = 0;
 	if (thr && threads_release(child, &k->t, thr, err) < 0)
 		return -1;	/* killed and reaped */
+	stop_again(&c, &k->t);
 	if (restore_and_detach(&c, err) < 0) {
 		kill_traced(child);
 		return -1;

@@ -351,6 +351,11 @@ int dbxcr_template_drop_fds(struct dbxcr_template *tpl, struct dbxcr_error *err)
  * for ITIMER_REAL, _VIRTUAL and _PROF in turn, {interval s, us, time left s, us}. A
  * template restored from disk has none until they are set (the daemon keeps them). */
 void dbxcr_template_itimers(const struct dbxcr_template *tpl, long out[12]);
+
+/* Whether the origin sat in a job-control stop at the checkpoint (its children stop
+ * again once let go); set it for a template restored from disk, which has no stop. */
+int dbxcr_template_group_stop(const struct dbxcr_template *tpl);
+void dbxcr_template_set_group_stop(struct dbxcr_template *tpl, int stopped);
 int dbxcr_template_set_itimers(struct dbxcr_template *tpl, const long in[12],
 			       struct dbxcr_error *err);
 

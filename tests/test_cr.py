@@ -2522,6 +2522,88 @@ def test_deleted_open_temp_file(sbx: Sandbox, restore: Restore) -> None:
         assert _report(sbx) != before            # the source keeps its own
 
 
+# A memfd filled, sealed (no write, shrink, grow or more seals) and mapped read-only,
+# as a process hands a trusted buffer to a peer; reports its seals and what it holds.
+SEALED = """
+import fcntl, mmap, os, time
+fd = os.memfd_create('buffer', os.MFD_ALLOW_SEALING)
+os.write(fd, b'sealed payload' * 1000)
+fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK |
+            fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+m = mmap.mmap(fd, 14000, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+while True:
+    if os.path.exists('/workspace/report'):
+        try:
+            os.pwrite(fd, b'x', 0)
+            wrote = 'yes'
+        except PermissionError:
+            wrote = 'refused'
+        state = (f"seals={fcntl.fcntl(fd, fcntl.F_GET_SEALS)} write={wrote} "
+                 f"data={m[:14].decode()} {os.readlink(f'/proc/self/fd/{fd}')}")
+        open('/workspace/state', 'w').write(state)
+        os.remove('/workspace/report')
+    time.sleep(0.02)
+"""
+
+
+def test_a_sealed_memfd_keeps_its_seals(sbx: Sandbox, restore: Restore) -> None:
+    """A memfd's seals come back with its content (before stop 49 the new memfd had none:
+    writable again, silently, where its peer trusts it not to change)."""
+    sbx.files.write("sealed.py", SEALED)
+    sbx.exec("cd /workspace && nohup python3 sealed.py >/dev/null 2>&1 &")
+    before = _report(sbx)
+    assert before == "seals=15 write=refused data=sealed payload /memfd:buffer (deleted)", \
+        before
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    target = restore(sbx, cp)
+    assert _report(target) == before
+
+
+def test_a_memfd_sealed_against_future_writes_while_mapped_writable_is_refused(
+        sbx: Sandbox) -> None:
+    """F_SEAL_FUTURE_WRITE keeps the mappings made before it writable: the restore could
+    not make such a mapping again on the sealed copy. Refused by name."""
+    sbx.exec("nohup python3 -c \"import fcntl, mmap, os, time\n"
+             "fd = os.memfd_create('ring', os.MFD_ALLOW_SEALING)\nos.ftruncate(fd, 4096)\n"
+             "m = mmap.mmap(fd, 4096)\nfcntl.fcntl(fd, fcntl.F_ADD_SEALS, 0x10)\n"
+             "open('/workspace/held', 'w').close()\ntime.sleep(1000)\" >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("held"))
+    _refused_by_name(sbx, r"memfd:ring.*sealed against future writes while mapped "
+                          r"writable")
+
+
+STOPPED_LOOP = ("cd /workspace && nohup sh -c 'echo $$ > pid; i=0; while true; do "
+                "i=$((i+1)); echo $i > count; sleep 0.05; done' >/dev/null 2>&1 &")
+
+
+def _state_of(sbx: Sandbox) -> str:
+    """The state letter of the process whose pid is in /workspace/pid (T: stopped)."""
+    return sbx.exec("ps -o stat= -p $(cat /workspace/pid)").stdout.strip()[:1]
+
+
+def test_a_stopped_process_comes_back_stopped(sbx: Sandbox, restore: Restore) -> None:
+    """A process in a job-control stop (kill -STOP, a shell's ^Z) comes back stopped, and
+    runs on from where it stood once continued (before stop 49 it came back running: a
+    shell loop stopped at 6 counted on by itself after the rollback)."""
+    sbx.exec(STOPPED_LOOP)
+    wait_for(lambda: sbx.files.exists("count") and int(sbx.files.read("count")) >= 3)
+    sbx.exec("kill -STOP $(cat /workspace/pid)")
+    wait_for(lambda: _state_of(sbx) == "T", what="stopped")
+    at_cp = int(sbx.files.read("count"))
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    sbx.exec("kill -CONT $(cat /workspace/pid)")   # the source runs on
+    wait_for(lambda: int(sbx.files.read("count")) > at_cp + 2, what="the source counting")
+    target = restore(sbx, cp)
+    assert _state_of(target) == "T"
+    time.sleep(0.3)
+    assert int(target.files.read("count")) == at_cp
+    target.exec("kill -CONT $(cat /workspace/pid)")
+    wait_for(lambda: int(target.files.read("count")) > at_cp + 2, what="counting again")
+    target.exec("kill $(cat /workspace/pid)")
+
+
 def test_deleted_file_still_linked_elsewhere_is_refused(sbx: Sandbox) -> None:
     """Open through a name that was unlinked while another name (a hard link) stays: the
     file is not the process's own copy to make again; refused by name."""

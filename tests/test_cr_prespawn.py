@@ -22,7 +22,7 @@ from conftest import HELD, OWN_PS, wait_for
 from test_cr import (FIFO_GOT, FIFO_PAIR, INTERLEAVED, LOCKER, PAGES, PRIVATE_AT_CP,
                      PRIVATE_MAPS, REGISTRATIONS, REWRITE_PAGES, SHARED_MEMORY, TCP_ENDS,
                      THREADED, TIMERS, TRY_LOCK, UNIX_CLIENT, UNIX_SERVER, _ask, _ask_client,
-                     _drain_fifos, _interleaved, _report, _role, _unix_request)
+                     _drain_fifos, _interleaved, _report, _role, _state_of, _unix_request)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 SYS_KCMP, KCMP_VM = 312, 1
@@ -413,6 +413,29 @@ def test_a_carrier_made_before_a_write_in_place_is_not_used(sbx: Sandbox) -> Non
     assert sbx.rollback(cp).process_state == "restored"
     assert _born_from_carrier("pm.py")
     assert _report(sbx) == PRIVATE_AT_CP
+
+
+def test_a_stopped_process_born_from_a_carrier_stops_again(sbx: Sandbox) -> None:
+    """A process in a job-control stop, born from its carrier: it enters the stop before
+    running any of its code, at every rollback."""
+    # init's child, with no child of its own (a child's exit would make its kernel send
+    # the orphaned, stopped group SIGCONT)
+    sbx.files.write("loop.py", "import os, time\nopen('pid', 'w').write(str(os.getpid()))\n"
+                    "i = 0\nwhile True:\n    i += 1\n    open('count', 'w').write(str(i))\n"
+                    "    time.sleep(0.05)\n")
+    sbx.exec("cd /workspace && (nohup python3 loop.py >/dev/null 2>&1 &)")
+    wait_for(lambda: sbx.files.exists("count") and int(sbx.files.read("count")) >= 3)
+    sbx.exec("kill -STOP $(cat /workspace/pid)")
+    wait_for(lambda: _state_of(sbx) == "T", what="stopped")
+    at_cp = sbx.files.read("count")
+    cp = sbx.checkpoint(mode="full")
+    for i in range(2):
+        sbx.exec("kill -CONT $(cat /workspace/pid)")
+        wait_for(lambda: _carriers_ready(sbx), what="a carrier")
+        assert sbx.rollback(cp).process_state == "restored"
+        assert _born_from_carrier("loop.py"), f"rollback {i}"
+        assert _state_of(sbx) == "T", f"rollback {i}"
+        assert sbx.files.read("count") == at_cp
 
 
 def test_named_pipes_born_from_carriers(sbx: Sandbox) -> None:

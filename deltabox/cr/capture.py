@@ -98,6 +98,8 @@ class ProcessRecord:
     # restore from disk)
     itimers: list[int] = field(default_factory=lambda: [0] * 12)
     ptimers: list[list[int]] = field(default_factory=list)
+    # it sat in a job-control stop (Template.group_stop: kept for a restore from disk)
+    stopped: bool = False
 
     @property
     def running_timer(self) -> str | None:

@@ -1399,13 +1399,15 @@ def _template_held(held: Held, records: list[ProcessRecord]) -> dict[int, native
 
 def _note_timers(templates: dict[int, native.Template],
                  records: list[ProcessRecord]) -> None:
-    """Each record gets its template's interval and POSIX timers (read at the stop; a
-    shared template's from its own checkpoint): kept with it for a restore from disk."""
+    """Each record gets its template's interval and POSIX timers and its job-control stop
+    (read at the stop; a shared template's from its own checkpoint): kept with it for a
+    restore from disk."""
     for rec in records:
         tpl = templates.get(rec.pid)
         if tpl is not None:
             rec.itimers = tpl.itimers()
             rec.ptimers = tpl.ptimers()
+            rec.stopped = tpl.group_stop()
 
 
 def _syscalls_at_stop(cap: _Pass, later: bool) -> Callable[[int], adoption.Calls]:

@@ -193,6 +193,10 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_template_drop_fds.restype = ctypes.c_int
         lib.dbxcr_template_itimers.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_long)]
         lib.dbxcr_template_itimers.restype = None
+        lib.dbxcr_template_group_stop.argtypes = [ctypes.c_void_p]
+        lib.dbxcr_template_group_stop.restype = ctypes.c_int
+        lib.dbxcr_template_set_group_stop.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.dbxcr_template_set_group_stop.restype = None
         lib.dbxcr_template_set_itimers.argtypes = [ctypes.c_void_p,
                                                    ctypes.POINTER(ctypes.c_long), err]
         lib.dbxcr_template_set_itimers.restype = ctypes.c_int
@@ -644,6 +648,15 @@ class Template:
         out = (ctypes.c_long * 12)()
         _load().dbxcr_template_itimers(self._h(), out)
         return list(out)
+
+    def group_stop(self) -> bool:
+        """Whether the origin sat in a job-control stop at the checkpoint (kill -STOP, a
+        shell's ^Z): every child stops again once let go."""
+        return bool(_load().dbxcr_template_group_stop(self._h()))
+
+    def set_group_stop(self, stopped: bool) -> None:
+        """Give a template rebuilt from disk its origin's job-control stop."""
+        _load().dbxcr_template_set_group_stop(self._h(), int(stopped))
 
     def set_itimers(self, itimers: Sequence[int]) -> None:
         """Give a template rebuilt from disk the interval timers its origin had."""

@@ -17,11 +17,15 @@ memory share the new object. Refused: a file some descriptor holds while another
 path (a hard link left), a file whose directory is gone too, and a deleted file mapped
 privately as well (its private pages would not follow the new file). What is not
 preserved: the new object's name in /proc/PID/fd and maps (a memfd shows as
-"/memfd:NAME (deleted)") and its device and inode numbers.
+"/memfd:NAME (deleted)") and its device and inode numbers. A memfd's seals
+(`F_ADD_SEALS`: a peer trusts a sealed buffer not to change) come back once it is filled;
+one sealed against future writes (`F_SEAL_FUTURE_WRITE`) while mapped writable is refused
+(the mapping could not be made again).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 from dataclasses import dataclass, field
@@ -31,6 +35,7 @@ from . import native
 from .capture import ProcessRecord, Refusal, SharedMapping
 
 MAX_BYTES = 64 << 20
+F_SEAL_FUTURE_WRITE = 0x0010   # <linux/fcntl.h> (Python's fcntl lacks it before 3.12)
 # Flags of the original's open that would fail or mean something else on our reopen of
 # the new file through /proc/self/fd: O_TMPFILE (it includes O_DIRECTORY) stays in the
 # flags of a file opened with it, and O_NOFOLLOW refuses the magic link (tempfile sets it).
@@ -69,6 +74,7 @@ class UnlinkedFile:
     saved: int | None = None      # our memfd holding its content at the checkpoint
     maps: list[MapHolder] = field(default_factory=list)
     memory: bool = False          # made again as a memfd, not in its directory
+    seals: int = 0                # a memfd's seals (F_GET_SEALS)
 
 
 # /dev/shm is the sandbox's tmpfs (native/mkroot.c): its objects come back in memory too.
@@ -143,7 +149,23 @@ def _refusal(h: _Held) -> str | None:
         return "its directory is gone too: not captured"
     if any((h.st.st_ino, h.path) in r.deleted_private for r, _ in h.fds):
         return "also mapped privately: not captured"
+    if _seals(h.src) & F_SEAL_FUTURE_WRITE and any(m.writable for _, m in h.maps):
+        return ("sealed against future writes while mapped writable: the mapping could "
+                "not be made again (not captured)")
     return None
+
+
+def _seals(src: str) -> int:
+    """The seals of a memfd (0 for anything else)."""
+    if not src or "memfd:" not in os.readlink(src):
+        return 0
+    fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
 
 
 def _copy(h: _Held) -> UnlinkedFile:
@@ -151,7 +173,7 @@ def _copy(h: _Held) -> UnlinkedFile:
     try:
         st = os.fstat(src)
         u = UnlinkedFile(h.path, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_size,
-                         memory=h.memory)
+                         memory=h.memory, seals=_seals(h.src))
         u.saved = os.memfd_create("dbx-unlinked", os.MFD_CLOEXEC)
         fill(u.saved, src, st.st_size)
     finally:
@@ -199,6 +221,8 @@ def recreate(u: UnlinkedFile, rootfd: int) -> dict[int, int]:
         os.fchown(fd, u.uid, u.gid)
         os.fchmod(fd, u.mode)
         fill(fd, u.saved, u.size)
+        if u.seals:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, u.seals)
         for i, d in enumerate(u.descriptions):
             made[i] = os.open(f"/proc/self/fd/{fd}", (d.flags & ~_REOPEN_DROP) | os.O_CLOEXEC)
             os.lseek(made[i], d.pos, os.SEEK_SET)
@@ -218,7 +242,8 @@ def _new_object(u: UnlinkedFile, rootfd: int) -> int:
     """An empty unlinked object where u's kind lives, read-write."""
     if u.memory:
         name = os.path.basename(u.path.removeprefix("/memfd:")) or "shared"
-        return os.memfd_create(name[:200], os.MFD_CLOEXEC)
+        return os.memfd_create(name[:200], os.MFD_CLOEXEC |
+                               (os.MFD_ALLOW_SEALING if u.seals else 0))
     dirfd = open_in_root(rootfd, os.path.dirname(u.path) or "/", os.O_PATH | os.O_DIRECTORY)
     try:
         return os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, u.mode, dir_fd=dirfd)

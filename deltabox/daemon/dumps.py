@@ -428,6 +428,8 @@ class Dumps:
                     templates[rec.pid].set_itimers(rec.itimers)
                 if rec.ptimers:
                     templates[rec.pid].set_ptimers(rec.ptimers)
+                if rec.stopped:
+                    templates[rec.pid].set_group_stop(True)
                 # Rebuilt by the sandbox's init, it is in none of the captured sessions:
                 # a lone session leader's child leads its session again (cr/engine.py).
                 templates[rec.pid].own_session_done = rec.pid in lone
@@ -584,7 +586,7 @@ def _unlinked_from(f: dict, data: bytes) -> unlinked.UnlinkedFile:
                                                     [tuple(h) for h in x["holders"]])
                                for x in f["descriptions"]],
                               maps=[unlinked.MapHolder(**m) for m in f.get("maps", [])],
-                              memory=f.get("memory", False))
+                              memory=f.get("memory", False), seals=f.get("seals", 0))
     u.saved = _memfd_of(f, data)
     return u
 
