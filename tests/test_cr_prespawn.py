@@ -22,7 +22,8 @@ from conftest import HELD, OWN_PS, wait_for
 from test_cr import (FIFO_GOT, FIFO_PAIR, INTERLEAVED, LOCKER, PAGES, PRIVATE_AT_CP,
                      PRIVATE_MAPS, REGISTRATIONS, REWRITE_PAGES, SHARED_MEMORY, TCP_ENDS,
                      THREADED, TIMERS, TRY_LOCK, UNIX_CLIENT, UNIX_SERVER, _ask, _ask_client,
-                     _drain_fifos, _interleaved, _report, _role, _state_of, _unix_request)
+                     _count, _drain_fifos, _interleaved, _report, _role, _state_of,
+                     _unix_request)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 SYS_KCMP, KCMP_VM = 312, 1
@@ -424,7 +425,7 @@ def test_a_stopped_process_born_from_a_carrier_stops_again(sbx: Sandbox) -> None
                     "i = 0\nwhile True:\n    i += 1\n    open('count', 'w').write(str(i))\n"
                     "    time.sleep(0.05)\n")
     sbx.exec("cd /workspace && (nohup python3 loop.py >/dev/null 2>&1 &)")
-    wait_for(lambda: sbx.files.exists("count") and int(sbx.files.read("count")) >= 3)
+    wait_for(lambda: _count(sbx) >= 3)
     sbx.exec("kill -STOP $(cat /workspace/pid)")
     wait_for(lambda: _state_of(sbx) == "T", what="stopped")
     at_cp = sbx.files.read("count")

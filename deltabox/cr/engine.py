@@ -88,6 +88,7 @@ CHAIN_MIN_GAIN_KB = 4 << 10
 # process of at least this size gets a second template on a second tracer thread.
 LANE_MIN_CHILDREN = 4
 LANE_MIN_RSS_KB = 16 << 10
+PRIVATE_KNOWN_MAX = 50_000   # maps lines remembered (DeltaCR.private_known)
 
 
 @dataclass
@@ -243,6 +244,9 @@ class DeltaCR:
                  images_dir: str | None = None) -> None:
         self.worker = worker
         self.images_dir = images_dir   # where adopted children's images go (adoption.py)
+        # which maps lines of which process map a file of the writable layer
+        # (capture.private_in_writable_layer)
+        self.private_known: dict[tuple[int, bytes], bool] = {}
         self.lane_worker = lane_worker
         self._lane_users = 0   # fan-outs holding lanes (the threads are pinned meanwhile)
         self._masks: tuple[set[int], set[int]] | None = None
@@ -436,7 +440,9 @@ class DeltaCR:
                 cap.refused.extend(r for rec in records for r in refusals(rec, tracer_ok))
                 cap.refused.extend(shared_lock_refusals(records))
                 in_writable_layer(records, layers)
-                private_in_writable_layer(records, heads, layers)
+                if len(self.private_known) > PRIVATE_KNOWN_MAX:
+                    self.private_known.clear()
+                private_in_writable_layer(records, heads, layers, self.private_known)
                 if not cap.refused:
                     cap.refused.extend(r for rec in records for r in add_listeners(rec))
                 if not cap.refused:

@@ -47,6 +47,7 @@ from ..cr.capture import ProcessRecord, Unsettled
 from ..cr.engine import (DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, Resumed,
                          in_vfork, process_name, stopped_calls)
 from ..inspector import Decision, TurnEffects, touched_processes, untouched_processes
+from ..inspector.effects import LIST_CAP
 from . import budget
 from .faults import crash_point
 from .db import CheckpointRow, Database, SandboxRow
@@ -139,6 +140,9 @@ class Live:
     # a checkpoint captured a TCP connection: a rollback closes the killed processes'
     # connections silently first (cr/tcp.py: their addresses are the restored ones')
     tcp_captured: bool = False
+    # System V IPC objects may exist in its namespace: no check found it empty since the
+    # inspector last saw an IPC call or missed part of a turn (_refuse_ipc_objects)
+    ipc_seen: bool = True
     init_filters: int | None = None  # seccomp filters of its init (Daemon._init_filters)
     # (procs_from, pids): processes that ran in a turn whose checkpoint kept the parent's
     # templates for them (Daemon._note_drift): not reused while procs_from is the same
@@ -1151,6 +1155,8 @@ class Daemon:
             crash_point("checkpoint.frozen")
             alive = self._candidates(live) if frozen else set()
             effects = self.turns.end_turn(sid, alive)
+            if _may_have_made_ipc(effects):
+                live.ipc_seen = True
             decision = _keep_stacking(self._decide(mode, live, parent, effects, alive), row,
                                       parent)
             if decision.kind == "full":
@@ -1891,6 +1897,7 @@ class Daemon:
                 # Its capture found no System V IPC object (_refuse_ipc_objects): those
                 # made since go before anything runs again.
                 native.ipc_objects(live.rt.pidfd, clear=True)
+                live.ipc_seen = False
             state, note, resumed = await self._restore_processes(live, cp, new_gen, taken)
         except BaseException:
             await _close_sessions(old_sessions)
@@ -2681,11 +2688,23 @@ def _fork_failed(cp: CheckpointRow, e: Exception) -> ResourceExhausted | None:
     return _cr_limit_error(e, "restoring")
 
 
+def _may_have_made_ipc(effects: TurnEffects | None) -> bool:
+    """Whether a turn may have made System V IPC objects: the inspector saw an IPC call,
+    or did not see the whole turn."""
+    return (effects is None or not effects.complete or effects.lost_events > 0
+            or len(effects.other_effects) >= LIST_CAP   # the list was cut short
+            or any(e.startswith("System V") for e in effects.other_effects))
+
+
 def _refuse_ipc_objects(live: Live) -> None:
     """A full checkpoint is refused while the sandbox's IPC namespace holds System V
     objects (native/ipcns.c): they belong to the namespace, not to a process, and are not
     captured, so a rollback would keep their later values and a fork's children (a
-    namespace of their own) would not have them."""
+    namespace of their own) would not have them. Looked at only when an IPC call may have
+    happened since the namespace was last found empty (Live.ipc_seen; the call costs
+    ~0.1 ms in the daemon, a thread joining the namespace and the GIL back)."""
+    if not live.ipc_seen:
+        return
     objects = native.ipc_objects(live.rt.pidfd)
     if objects.unheld:   # a segment a process attached is refused by that process
         raise FailedPrecondition(
@@ -2693,6 +2712,7 @@ def _refuse_ipc_objects(live: Live) -> None:
             f"System V IPC objects ({objects.describe_unheld()}; `ipcs` lists them), which "
             "belong to the namespace rather than to a process and are not captured. "
             "Remove them (`ipcrm`), or checkpoint with mode=\"fs\" (files only)")
+    live.ipc_seen = False
 
 
 def _cr_limit_error(e: BaseException, what: str) -> ResourceExhausted | None:
