@@ -17,6 +17,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdbool.h>
 #include <string.h>
 #include <sys/ipc.h>
 #include <sys/msg.h>
@@ -47,41 +48,53 @@ struct ipcns_job {
 	struct dbxcr_ipc_objects out;
 };
 
-/* Remove every object of one kind: *_STAT_ANY on each index up to the highest in use
- * gives the object's id (an index with none fails: skipped); IPC_RMID removes it (a shared
- * memory segment still attached goes once detached). */
-static int clear_sems(int top)
-{
-	for (int i = 0; i <= top; i++) {
-		struct semid_ds ds;
-		union semun_arg a = { .buf = &ds };
-		int id = semctl(i, 0, SEM_STAT_ANY, a);
+enum ipc_kind { IPC_SEM, IPC_MSG, IPC_SHM };
 
-		if (id >= 0 && semctl(id, 0, IPC_RMID) < 0 && errno != EINVAL && errno != EIDRM)
-			return -1;
+/* The id of the object of `kind` at index i (*_STAT_ANY; -1 when the index holds none),
+ * and for a segment whether a process has it attached. */
+static int object_at(enum ipc_kind kind, int i, bool *attached)
+{
+	struct semid_ds sd;
+	struct msqid_ds md;
+	struct shmid_ds hd;
+	union semun_arg a = { .buf = &sd };
+	int id;
+
+	switch (kind) {
+	case IPC_SEM:
+		return semctl(i, 0, SEM_STAT_ANY, a);
+	case IPC_MSG:
+		return msgctl(i, MSG_STAT_ANY, &md);
+	case IPC_SHM:
+		id = shmctl(i, SHM_STAT_ANY, &hd);
+		if (attached)
+			*attached = id >= 0 && hd.shm_nattch > 0;
+		return id;
 	}
-	return 0;
+	return -1;
 }
 
-static int clear_msgs(int top)
+static int remove_object(enum ipc_kind kind, int id)
 {
-	for (int i = 0; i <= top; i++) {
-		struct msqid_ds ds;
-		int id = msgctl(i, MSG_STAT_ANY, &ds);
-
-		if (id >= 0 && msgctl(id, IPC_RMID, NULL) < 0 && errno != EINVAL && errno != EIDRM)
-			return -1;
+	switch (kind) {
+	case IPC_SEM:
+		return semctl(id, 0, IPC_RMID);
+	case IPC_MSG:
+		return msgctl(id, IPC_RMID, NULL);
+	case IPC_SHM:
+		return shmctl(id, IPC_RMID, NULL);
 	}
-	return 0;
+	return -1;
 }
 
-static int clear_shms(int top)
+/* Remove every object of one kind, on each index up to the highest in use (a shared
+ * memory segment still attached goes once detached; one gone meanwhile is no error). */
+static int clear_kind(enum ipc_kind kind, int top)
 {
 	for (int i = 0; i <= top; i++) {
-		struct shmid_ds ds;
-		int id = shmctl(i, SHM_STAT_ANY, &ds);
+		int id = object_at(kind, i, NULL);
 
-		if (id >= 0 && shmctl(id, IPC_RMID, NULL) < 0 && errno != EINVAL && errno != EIDRM)
+		if (id >= 0 && remove_object(kind, id) < 0 && errno != EINVAL && errno != EIDRM)
 			return -1;
 	}
 	return 0;
@@ -94,9 +107,9 @@ static int detached_shms(int top)
 	int n = 0;
 
 	for (int i = 0; i <= top; i++) {
-		struct shmid_ds ds;
+		bool attached;
 
-		if (shmctl(i, SHM_STAT_ANY, &ds) >= 0 && ds.shm_nattch == 0)
+		if (object_at(IPC_SHM, i, &attached) >= 0 && !attached)
 			n++;
 	}
 	return n;
@@ -120,21 +133,21 @@ static void *ipcns_thread(void *arg)
 	}
 	for (int pass = j->clear ? 0 : 1; pass < 2; pass++) {
 		top = semctl(0, 0, SEM_INFO, a);
-		if (top < 0 || (pass == 0 && top >= 0 && si.semusz && clear_sems(top) < 0)) {
+		if (top < 0 || (pass == 0 && top >= 0 && si.semusz && clear_kind(IPC_SEM, top) < 0)) {
 			j->code = errno;
 			j->step = pass ? "semctl SEM_INFO" : "remove semaphore sets";
 			return NULL;
 		}
 		j->out.sem_sets = si.semusz;
 		top = msgctl(0, MSG_INFO, (struct msqid_ds *)&mi);
-		if (top < 0 || (pass == 0 && mi.msgpool && clear_msgs(top) < 0)) {
+		if (top < 0 || (pass == 0 && mi.msgpool && clear_kind(IPC_MSG, top) < 0)) {
 			j->code = errno;
 			j->step = pass ? "msgctl MSG_INFO" : "remove message queues";
 			return NULL;
 		}
 		j->out.msg_queues = mi.msgpool;
 		top = shmctl(0, SHM_INFO, (struct shmid_ds *)&hi);
-		if (top < 0 || (pass == 0 && hi.used_ids && clear_shms(top) < 0)) {
+		if (top < 0 || (pass == 0 && hi.used_ids && clear_kind(IPC_SHM, top) < 0)) {
 			j->code = errno;
 			j->step = pass ? "shmctl SHM_INFO" : "remove shared memory segments";
 			return NULL;

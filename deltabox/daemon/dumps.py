@@ -358,23 +358,14 @@ class Dumps:
         pipes = {}
         total = 0
         for g in state.pipes.values():
-            saved = None
-            if g.saved is not None:
-                data = pipebuf.peek(g.saved)
-                if data:
-                    saved = f"pipe-{g.inode}.data"
-                    (tmp / saved).write_bytes(data)
-                    total += len(data)
+            saved, n = _write_unread(tmp, f"pipe-{g.inode}.data", g.saved)
+            total += n
             pipes[str(g.inode)] = dict(ends=[dataclasses.asdict(e) for e in g.ends],
                                        owner=g.owner, saved=saved, size=g.size)
         named_pipes = []
         for i, f in enumerate(state.fifos):
-            saved = None
-            data = pipebuf.peek(f.saved) if f.saved is not None else b""
-            if data:
-                saved = f"fifo-{i}.data"
-                (tmp / saved).write_bytes(data)
-                total += len(data)
+            saved, n = _write_unread(tmp, f"fifo-{i}.data", f.saved)
+            total += n
             named_pipes.append(dict(dataclasses.asdict(f), saved=saved))
         files = _write_copies(tmp, "unlinked", state.unlinked)
         shm = _write_copies(tmp, "shm", state.shm_files)
@@ -544,6 +535,16 @@ def _fifo_from(f: dict, d: Path) -> fifos.Fifo:
         fifos.FifoDescription(int(x["flags"]), [(int(p), int(fd)) for p, fd in x["holders"]])
         for x in f["descriptions"]],
         pipebuf.refill((d / f["saved"]).read_bytes()) if f["saved"] else None)
+
+
+def _write_unread(tmp: Path, name: str, saved: int | None) -> tuple[str | None, int]:
+    """A pipe's unread bytes kept at the checkpoint (a pipebuf.tee_copy, or None) written
+    beside the state as `name`: (that name, or None if there were none; bytes written)."""
+    data = pipebuf.peek(saved) if saved is not None else b""
+    if not data:
+        return None, 0
+    (tmp / name).write_bytes(data)
+    return name, len(data)
 
 
 def _write_copies(tmp: Path, kind: str, objects: list) -> list[dict]:
