@@ -2938,6 +2938,18 @@ static int join_group(struct tracee *c, int pgid, struct dbxcr_error *err)
 	return 0;
 }
 
+/* Make the pty slave at the child's fd its controlling terminal.  The kernel gives a
+ * terminal only to a session leader that has none (a fresh setsid() has none) and only if
+ * no other session has it (a pty made for this restore has no session yet); the terminal's
+ * foreground process group becomes the leader's, as the capture required (cr/ptys.py). */
+static int take_terminal(struct tracee *c, int fd, struct dbxcr_error *err)
+{
+	long a[6] = { fd, TIOCSCTTY, 0, 0, 0, 0 };
+
+	return rsys(c, SYS_ioctl, a, err, "ioctl(%d, TIOCSCTTY): its controlling terminal", fd)
+		< 0 ? -1 : 0;
+}
+
 /* What a spawn leaves: a running child, a carrier (stopped; a birth gives the process),
  * or a held child (stopped with its threads; it may fork adopted children: see the held
  * section below). */
@@ -3029,8 +3041,11 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 			return -1;
 	if (o->pgid && join_group(c, o->pgid, err) < 0)
 		return -1;
-	if (carrier)	/* pending signals, locks and the scratch page are the birth's business */
+	if (carrier)	/* pending signals, locks, the scratch page and the controlling
+			 * terminal are the birth's business */
 		return 0;
+	if (o->ctty && take_terminal(c, o->ctty - 1, err) < 0)
+		return -1;
 	if (take_locks(c, scratch, o->locks, o->nlocks, err) < 0)
 		return -1;
 	if (threads_recreate(c, tpl, o->set_tid_size > 0, false, thr, err) < 0)
@@ -3427,6 +3442,7 @@ struct dbxcr_carrier {
 	struct dbxcr_template t;	/* pid = the carrier; regs/xstate/mask/pend: origin's */
 	struct dbxcr_lock *locks;	/* taken by its birth (POSIX locks are the process's) */
 	size_t nlocks;
+	int ctty;	/* dbxcr_spawn_opts.ctty: its birth, a session leader, takes it */
 	bool born;
 	bool kept;	/* a keeper now: its descriptors closed */
 };
@@ -3454,6 +3470,7 @@ pid_t dbxcr_spawn_carrier(struct dbxcr_template *tpl, const struct dbxcr_spawn_o
 	}
 	k->t.pid = child;
 	k->t.tracer_tid = current_tid();
+	k->ctty = opts ? opts->ctty : 0;
 	if (opts && opts->nlocks) {
 		k->locks = malloc(opts->nlocks * sizeof(*k->locks));
 		if (!k->locks) {
@@ -3529,6 +3546,7 @@ pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t 
 	}
 	if (wait_birth(child, err) < 0 || adopt(&c, child, k->t.site, err) < 0 ||
 	    (pgid && join_group(&c, pgid, err) < 0) ||
+	    (k->ctty && take_terminal(&c, k->ctty - 1, err) < 0) ||
 	    threads_recreate(&c, &k->t, true, true, &thr, err) < 0)
 		goto kill;
 	if (take_locks(&c, k->t.scratch, k->locks, k->nlocks, err) < 0 ||

@@ -250,6 +250,10 @@ struct dbxcr_spawn_opts {
 	size_t nremaps;
 	const struct dbxcr_lock *locks;		/* file locks to take, once all fds are in */
 	size_t nlocks;
+	int ctty;			/* 1 + the child's fd of its controlling terminal (a
+					 * pty's slave), taken with TIOCSCTTY once it leads its
+					 * session (pgid DBXCR_NEW_SESSION); 0: none.  A
+					 * carrier keeps it for its birth. */
 };
 
 /* Fork a child from the template, re-root it as asked, restore the checkpointed registers

@@ -861,26 +861,137 @@ def test_a_named_unix_socket_server_and_its_connection(sbx: Sandbox, restore: Re
     target.exec("pkill -f usrv.py; pkill -f ucli.py; true")
 
 
-PTY_PAIR = """
-import os, pty, time
-pid, fd = pty.fork()              # the child on the slave, its controlling terminal
-if pid:
-    open("/workspace/pty-ready", "w").close()
-time.sleep(100)
+# A pexpect-style harness: an interactive bash on a pty (pty.fork: the shell leads its
+# session, the pty its controlling terminal), driven through the master by files: a command
+# in `cmd` is typed into the shell and its output, up to the next prompt, lands in `out`;
+# one in `cmd-nowait` is typed and left running. `ptyharness.py raw` keeps readline (raw
+# mode while it waits); `canonical`: bash without readline (--noediting) reads in canonical
+# mode; `orphan`: raw, the shell started by a child that exits (not the harness's child).
+PTY_HARNESS = r"""
+import fcntl, os, pty, select, sys, termios, time
+W = '/workspace/'
+mode = sys.argv[1]
+def shell():
+    os.environ.update(PS1='PROMPT$ ', TERM='dumb')
+    opts = ['--noediting'] if mode == 'canonical' else []
+    os.execvp('bash', ['bash', '--norc', '--noprofile', *opts, '-i'])
+if mode == 'orphan':
+    fd, slave = os.openpty()
+    if os.fork() == 0:
+        if os.fork() == 0:
+            os.setsid()
+            fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+            for n in range(3):
+                os.dup2(slave, n)
+            os.close(fd)
+            os.close(slave)
+            shell()
+        os._exit(0)
+    os.wait()
+    os.close(slave)
+else:
+    pid, fd = pty.fork()
+    if pid == 0:
+        shell()
+def until_prompt():
+    buf = b''
+    end = time.time() + 10
+    while not buf.endswith(b'PROMPT$ ') and time.time() < end:
+        if select.select([fd], [], [], 0.05)[0]:
+            buf += os.read(fd, 4096)
+    return buf
+until_prompt()
+open(W + 'pty-ready', 'w').close()
+while True:
+    for name in ('cmd', 'cmd-nowait'):
+        if os.path.exists(W + name):
+            line = open(W + name).read()
+            os.unlink(W + name)
+            os.write(fd, line.encode() + b'\n')
+            if name == 'cmd':
+                with open(W + 'out.tmp', 'wb') as f:
+                    f.write(until_prompt())
+                os.rename(W + 'out.tmp', W + 'out')
+    time.sleep(0.02)
 """
 
 
-def test_a_pseudo_terminal_made_in_the_sandbox_is_refused_by_name(sbx: Sandbox) -> None:
-    """pty.fork() (pexpect, script, tmux): the master in one process, the slave (its
-    controlling terminal) in the other. Reopened by path, the master would be a new pty
-    and the slave is not in the restored generation's devpts: refused naming both (until
-    stop 48 the checkpoint passed and its rollback restarted the processes)."""
-    sbx.files.write("ptpair.py", PTY_PAIR)   # not pty.py: that would shadow the module
-    sbx.exec("cd /workspace; nohup python3 ptpair.py >/dev/null 2>&1 &")
+def _start_pty_harness(sbx: Sandbox, mode: str = "raw") -> None:
+    sbx.files.write("ptyharness.py", PTY_HARNESS)   # not pty.py: that would shadow it
+    sbx.exec(f"cd /workspace; nohup python3 ptyharness.py {mode} >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("pty-ready"))
-    _refused_by_name(sbx, r"(?s)fd \d+: the master of a pseudo-terminal \(/dev/ptmx\): a "
-                          r"terminal made in the sandbox is not captured.*fd 0: a "
-                          r"pseudo-terminal \(/dev/pts/0\)")
+
+
+def _typed(sbx: Sandbox, line: str) -> str:
+    """The lines the harness's shell printed for `line` that start with "@" (so neither
+    the echo of the line nor the prompt), "@" stripped."""
+    sbx.files.write("cmd", line)
+    wait_for(lambda: sbx.files.exists("out"), what=f"the shell's answer to {line!r}")
+    out = sbx.files.read("out").decode(errors="replace")
+    sbx.exec("rm /workspace/out")
+    return "\n".join(x[1:] for x in out.replace("\r", "").split("\n") if x.startswith("@"))
+
+
+def test_a_shell_on_a_pseudo_terminal_comes_back_with_its_terminal(
+        sbx: Sandbox, restore: Restore) -> None:
+    """pexpect's, SWE-ReX's or a tmux pane's shell: an interactive bash on a pty made in
+    the sandbox, its driver holding the master. It comes back on a pty at the same index,
+    with its window size and settings, as its controlling terminal (job control: a command
+    it runs is the terminal's foreground group), and the driver keeps typing into it; a
+    fork's pair is its own. Refused by name until stop 50."""
+    _start_pty_harness(sbx)
+    assert _typed(sbx, "cd /tmp; X=before; stty cols 123 rows 45 intr ^G; echo @$(tty)") \
+        == "/dev/pts/0"
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    assert _typed(sbx, "X=after; cd /; stty cols 80 rows 24 intr ^C; echo @ok") == "ok"
+    target = restore(sbx, cp)
+    assert _typed(target, 'echo "@$X $PWD $(stty size) $(tty)"') == \
+        "before /tmp 45 123 /dev/pts/0"
+    # the harness's own child again (restored from an image of its template: adoption.py)
+    assert _typed(target, "echo @$PPID") == \
+        target.exec("pgrep -f '[p]tyharness'").stdout.strip()
+    assert _typed(target, "stty -a | grep -o 'intr = ^G' | sed s/^/@/") == "intr = ^G"
+    # Its controlling terminal (/proc/PID/stat's tty_nr: 136:0), and job control on it.
+    assert _typed(target, "echo @$(cut -d' ' -f7 /proc/$$/stat)") == str(136 << 8)
+    assert _typed(target, "python3 -c 'import os; print(\"@\", os.tcgetpgrp(0) == "
+                          "os.getpgrp() != os.getsid(0))'") == " True"
+    if target is not sbx and not getattr(restore, "disk", False):
+        # the source's shell is its own, on its own pty (a restarted daemon's source
+        # restarted its processes)
+        assert _typed(sbx, 'echo "@$X $PWD $(stty size)"') == "after / 24 80"
+
+
+def test_a_pseudo_terminal_that_cannot_come_back_is_refused_by_name(sbx: Sandbox) -> None:
+    """A command running in the terminal's shell (its session has two processes: the
+    restored command would be born outside the session that gets the terminal), a shell
+    in canonical mode (a line typed without its newline is invisible in the kernel) and
+    output its driver does not read are refused, naming the terminal."""
+    _start_pty_harness(sbx)
+    sbx.files.write("cmd-nowait", "sleep 1000")
+    wait_for(lambda: sbx.exec("pgrep -x sleep").exit_code == 0)
+    _refused_by_name(sbx, r"its controlling terminal /dev/pts/0, in a session of 2 "
+                          r"processes: a restore gives a terminal back only")
+    # ([p]: not the pattern's own shell)
+    sbx.exec("pkill -f '[p]tyharness'; pkill -x sleep; pkill -f '[b]ash --norc'; "
+             "rm -f pty-ready")
+    wait_for(lambda: sbx.exec("pgrep -f '[b]ash --norc' || pgrep -x sleep").exit_code != 0)
+    _start_pty_harness(sbx, "canonical")
+    with pytest.raises(deltabox.FailedPrecondition, match=(
+            r"/dev/pts/0 is in canonical mode \(ICANON\), where a line typed without its "
+            r"newline cannot be seen")):
+        sbx.checkpoint()
+    sbx.exec("pkill -f '[p]tyharness'; pkill -f '[b]ash --norc'")
+    wait_for(lambda: sbx.exec("pgrep -f '[b]ash --norc'").exit_code != 0)
+    sbx.exec("cd /workspace && nohup python3 -c \"import pty, time\n"
+             "if not pty.fork()[0]: print('unread ' * 10, flush=True); time.sleep(100)\n"
+             "time.sleep(100)\" >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.exec("pgrep -f '[u]nread'").exit_code == 0)
+    time.sleep(0.3)
+    with pytest.raises(deltabox.FailedPrecondition,
+                       match=r"\d+ bytes of output wait in /dev/pts/0's master, not read yet"):
+        sbx.checkpoint()
+    assert len(sbx.checkpoints()) == 1   # _refused_by_name's mode="fs" one
 
 
 # Makes (or opens) System V IPC objects by key and prints a semaphore's value: "sem K [V]"

@@ -22,8 +22,8 @@ from conftest import HELD, OWN_PS, wait_for
 from test_cr import (FIFO_GOT, FIFO_PAIR, INTERLEAVED, LOCKER, PAGES, PRIVATE_AT_CP,
                      PRIVATE_MAPS, REGISTRATIONS, REWRITE_PAGES, SHARED_MEMORY, TCP_ENDS,
                      THREADED, TIMERS, TRY_LOCK, UNIX_CLIENT, UNIX_SERVER, _ask, _ask_client,
-                     _count, _drain_fifos, _interleaved, _report, _role, _state_of,
-                     _unix_request)
+                     _count, _drain_fifos, _interleaved, _report, _role, _start_pty_harness,
+                     _state_of, _typed, _unix_request)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 SYS_KCMP, KCMP_VM = 312, 1
@@ -455,6 +455,25 @@ def test_named_pipes_born_from_carriers(sbx: Sandbox) -> None:
         assert sbx.rollback(cp).process_state == "restored"
         assert _born_from_carrier("fifos.py\0reader"), f"rollback {i}"
         assert _drain_fifos(sbx) == FIFO_GOT, f"rollback {i}"
+
+
+def test_a_shell_on_a_pseudo_terminal_born_from_a_carrier_takes_its_terminal(
+        sbx: Sandbox) -> None:
+    """An interactive bash on a pty whose driver is not its parent (its starter exited):
+    its carrier holds the pty's slave made ahead in the generation the rollback takes, and
+    its birth leads a session again and takes the slave as its controlling terminal (the
+    carrier, which cannot hand a terminal on, never took it)."""
+    _start_pty_harness(sbx, "orphan")
+    assert _typed(sbx, "cd /tmp; X=before; stty rows 33 cols 99; echo @$(tty)") == \
+        "/dev/pts/0"
+    cp = sbx.checkpoint(mode="full")
+    _typed(sbx, "X=after; echo @ok")
+    for i in range(2):
+        wait_for(lambda: _carriers_ready(sbx), what="a carrier")
+        assert sbx.rollback(cp).process_state == "restored"
+        assert _born_from_carrier("bash\0--norc"), f"rollback {i}"
+        assert _typed(sbx, 'echo "@$X $PWD $(stty size) $(cut -d" " -f7 /proc/$$/stat)"') \
+            == f"before /tmp 33 99 {136 << 8}", f"rollback {i}"
 
 
 def test_named_unix_listener_born_from_carriers(sbx: Sandbox) -> None:

@@ -27,14 +27,12 @@ if TYPE_CHECKING:
 # Character devices a restored process may hold (null zero full random urandom): reopened
 # by path at a restore, there is nothing else to them.
 HARMLESS_CHR = {(1, 3), (1, 5), (1, 7), (1, 8), (1, 9)}
-# /dev/tty, /dev/ptmx (a pty's master) and the pty slaves (/dev/pts/N, major 136). No
-# session or command of the daemon has a terminal: a pty in a sandbox is a pair its
-# processes made (pexpect, script, tmux). Reopened by path, the master would be a new,
-# unrelated pty and the slave is not in the restored generation's own devpts: refused
-# (until stop 48 the checkpoint passed and its restore restarted the processes).
-TERMINALS = {(5, 0): "its controlling terminal (/dev/tty)",
-             (5, 2): "the master of a pseudo-terminal (/dev/ptmx)"}
-PTY_MAJOR = 136
+# /dev/tty: a description of whichever terminal is the opener's controlling one, which
+# a restore would have to open after the process has taken its terminal back. Refused
+# (the ptys themselves, /dev/ptmx and /dev/pts/N, come back: cr/ptys.py).
+TERMINALS = {(5, 0): "its controlling terminal (/dev/tty)"}
+PTMX = (5, 2)                       # a pty's master
+PTS_MAJORS = range(136, 144)        # its slave, /dev/pts/N (UNIX98_PTY_SLAVE_MAJOR + 7)
 CAP_SYS_ADMIN = 21
 
 
@@ -100,6 +98,8 @@ class ProcessRecord:
     ptimers: list[list[int]] = field(default_factory=list)
     # it sat in a job-control stop (Template.group_stop: kept for a restore from disk)
     stopped: bool = False
+    tty_nr: int = 0           # its controlling terminal (/proc/pid/stat; cr/ptys.py)
+    tpgid: int = -1           # that terminal's foreground process group (host pid)
 
     @property
     def running_timer(self) -> str | None:
@@ -243,7 +243,8 @@ def record(pid: int, st: native.ProcStatus, head: Head | None = None) -> Process
                          tracer_pid=st.tracer_pid, cap_eff=st.cap_eff, uid=st.uid,
                          fds=native.fds(pid), rss_kb=st.rss_kb, mappings=mappings,
                          shared=shared, mapped_ro=read_only,
-                         deleted_private=deleted_private, timers=posix_timers(pid))
+                         deleted_private=deleted_private, timers=posix_timers(pid),
+                         tty_nr=st.tty_nr, tpgid=st.tpgid)
 
 
 def posix_timers(pid: int) -> list[str]:
@@ -558,10 +559,11 @@ def _fd_refusal(f: native.FdInfo) -> str | None:
     if f.kind == "chr":
         if f.rdev in HARMLESS_CHR:
             return None
-        if f.rdev in TERMINALS or (f.rdev and f.rdev[0] == PTY_MAJOR):
-            what = TERMINALS.get(f.rdev) or f"a pseudo-terminal ({f.path})"
-            return (f"{what}: a terminal made in the sandbox is not captured (its pair, "
-                    "unread bytes, settings and controlling terminal would not come back)")
+        if f.rdev in TERMINALS:
+            return (f"{TERMINALS[f.rdev]}: opened as /dev/tty, not captured (open the "
+                    "terminal by its name, /dev/pts/N, or use the descriptors it was given)")
+        if f.rdev == PTMX or f.rdev and f.rdev[0] in PTS_MAJORS:
+            return None   # cr/ptys.py
         return f"device {f.path} ({f.rdev[0]}:{f.rdev[1]}) is not one of " \
                "null/zero/full/random/urandom" if f.rdev else f"device {f.path}"
     if f.kind == "socket":

@@ -65,7 +65,7 @@ from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from ..fs.files import open_in_root
 from . import (adoption, eventloop, fifos, listeners, native, pipebuf, private_maps,
-               shared_files, shm_files, tcp, unix_listeners, unlinked, watches)
+               ptys, shared_files, shm_files, tcp, unix_listeners, unlinked, watches)
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .capture import (ProcessRecord, Refusal, SharedMapping, Unsettled, add_listeners,
                       in_writable_layer, private_in_writable_layer, record, record_head,
@@ -147,6 +147,8 @@ class ProcessState:
     shm_files: list[shm_files.ShmFile] = field(default_factory=list)
     # the named pipes the processes hold, their unread bytes copied (cr/fifos.py)
     fifos: list[fifos.Fifo] = field(default_factory=list)
+    # the pseudo-terminals they hold, with whose controlling terminal each is (cr/ptys.py)
+    ptys: list[ptys.Pty] = field(default_factory=list)
     # When the templates' view of the files they map was the checkpoint's (the capture's
     # start, or a dump's rebuild): a file written after it is mapped again (private_maps.py)
     captured_ns: int = 0
@@ -399,6 +401,7 @@ class DeltaCR:
         shared: list[shared_files.SharedFile] = []
         shm: list[shm_files.ShmFile] = []
         named_pipes: list[fifos.Fifo] = []
+        terminals: list[ptys.Pty] = []
 
         async def ptrace_pass() -> None:
             # Not cancellable once the ptrace thread runs it: the failure path needs what
@@ -429,7 +432,7 @@ class DeltaCR:
             # ptrace thread is inside the templates' forks it needs no GIL, whereas during
             # the stops it would wait for it (a thread wanting the GIL from a busy one gets
             # it only when that one blocks, or after the 5 ms switch interval).
-            nonlocal pipes, files, shared, shm, named_pipes
+            nonlocal pipes, files, shared, shm, named_pipes, terminals
             await stops_done.wait()
             try:
                 if not cap.stops_done:
@@ -458,6 +461,9 @@ class DeltaCR:
                     cap.refused.extend(why)
                 if not cap.refused:
                     named_pipes, why = fifos.capture(records)
+                    cap.refused.extend(why)
+                if not cap.refused:
+                    terminals, why = ptys.capture(records, lone_leaders(records))
                     cap.refused.extend(why)
                 if cap.refused:
                     unlinked.close_saved(files)
@@ -504,7 +510,7 @@ class DeltaCR:
         return ProcessState(cap.records, cap.templates, pipes, sessions,
                             reused=sorted(p for p in reuse or {} if p in stopped),
                             unlinked=files, shared_files=shared, shm_files=shm,
-                            fifos=named_pipes, captured_ns=captured_ns,
+                            fifos=named_pipes, ptys=terminals, captured_ns=captured_ns,
                             held=Held(cap.stopped, dict(reuse or {})) if later else None)
 
     async def make_templates(self, state: ProcessState) -> None:
@@ -637,6 +643,7 @@ class DeltaCR:
                     # originals have exited (their pages go before their files: a big one
                     # holds the port for tens of ms).
                     spawn.nspid, spawn.pgid = ids[rec.pid]
+                    spawn.ctty = _ctty(state, rec, spawn.pgid)
                     if spawn.nspid is not None or spawn.listens:
                         await addresses_free()
                 else:
@@ -652,6 +659,7 @@ class DeltaCR:
                                    or not _leader(rec) or alone else None)
                     spawn.into = into
                     spawn.pgid = native.NEW_SESSION if alone else groups.get(rec.pgid, -1)
+                    spawn.ctty = _ctty(state, rec, spawn.pgid)
                 return spawn
 
             chains = _chains(state)
@@ -831,6 +839,7 @@ class DeltaCR:
             for rec in recs:
                 changed = _changed_maps(state, rec)
                 spawn = _spawn_args(state, pre.plan, rec, mntfd, changed=changed)
+                spawn.ctty = _ctty(state, rec, ids[rec.pid][1])   # for its birth
                 carrier = pre.carriers[rec.pid] = await self.worker.run(_carrier_of, spawn)
                 pre.spawned.add(carrier.pid)
                 pre.remapped[rec.pid] = {m.path for m in changed}
@@ -952,6 +961,7 @@ def _plan(state: ProcessState, rootfd: int, mntfd: int, armed: bool = True) -> _
                      state.fifos)
     try:
         plan.make_shm(state.shm_files, mntfd)
+        plan.make_ptys(state.ptys, mntfd)
     except BaseException:
         plan.close_all()
         raise
@@ -991,6 +1001,8 @@ class _PipePlan:
         self.shm: dict[str, int] = {}  # /dev/shm files made again (make_shm): ours
         self.fifos = named_pipes
         self.fifos_made: dict[int, list[int]] = {}   # index in fifos -> its descriptions
+        self.ptys: list[ptys.Pty] = []
+        self.ptys_made: list[list[int]] = []   # per pty (make_ptys): its descriptions
         for g in groups.values():
             r, w = os.pipe2(os.O_CLOEXEC)
             self.fresh[g.inode] = (r, w)
@@ -1152,7 +1164,23 @@ class _PipePlan:
             out[fd] = self.shared_made[i]
         for fd, (i, j) in fifos.holders_of(self.fifos, rec.pid).items():
             out[fd] = self._fifo(i)[j]
+        for fd, (i, j) in ptys.holders_of(self.ptys, rec.pid).items():
+            out[fd] = self.ptys_made[i][j]
         return out
+
+    def make_ptys(self, terminals: list[ptys.Pty], mntfd: int) -> None:
+        """The pseudo-terminals, each a new pair at its index in the devpts of the
+        generation `mntfd` (all at once: each takes the lowest free index there)."""
+        self.ptys = terminals
+        for p in terminals:
+            try:
+                made = ptys.make(p, mntfd)
+            except (OSError, native.CRError) as e:
+                raise native.CRError(e.errno or errno.EIO, (
+                    f"pseudo-terminal {p.path}: making it again in the restored devpts "
+                    f"failed ({e})")) from None
+            self.ptys_made.append(made)
+            self.loops += made
 
     def _fifo(self, i: int) -> list[int]:
         """The i-th named pipe's descriptions, made once per restore."""
@@ -1277,6 +1305,7 @@ class _PipePlan:
         self.made.clear()
         self.shared_made.clear()
         self.fifos_made.clear()
+        self.ptys_made.clear()
         fds += self.shm.values()
         self.shm.clear()
         for fd in fds:
@@ -1664,6 +1693,7 @@ class _Spawn:
     rootfd: int = -1
     remaps: list[native.Remap] = field(default_factory=list)  # its shared memory, made anew
     locks: list[native.FileLock] = field(default_factory=list)  # its file locks, taken again
+    ctty: int = -1             # its fd of the pty it takes back as its controlling terminal
 
 
 def _time_wait_ports(state: ProcessState) -> set[int]:
@@ -1740,7 +1770,7 @@ def _locks(rec: ProcessRecord) -> list[native.FileLock]:
 def _carrier_of(sp: _Spawn) -> native.Carrier:
     return sp.tpl.spawn_carrier(fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd,
                                 cloexec_fds=sp.cloexec, epolls=sp.epolls, remaps=sp.remaps,
-                                locks=sp.locks)
+                                locks=sp.locks, ctty=sp.ctty)
 
 
 def _keep_all(carriers: list[native.Carrier]) -> None:
@@ -1820,6 +1850,19 @@ def _rollback_ids(state: ProcessState) -> dict[int, tuple[int | None, int]]:
     return out
 
 
+def _ctty(state: ProcessState, rec: ProcessRecord, pgid: int) -> int:
+    """rec's fd of the pty its child takes back as its controlling terminal, or -1. Only
+    a session's new leader can (pgid NEW_SESSION: the capture let only lone leaders
+    through, cr/ptys.py); one whose template could not leave the session fails the
+    restore rather than come back without its terminal."""
+    fd = ptys.controlling_fd(state.ptys, rec.pid)
+    if fd >= 0 and pgid != native.NEW_SESSION:
+        raise native.CRError(errno.EPERM, (
+            f"pid {rec.nspid}: it cannot lead a session again (its template did not leave "
+            "the session), so its controlling terminal cannot be given back"))
+    return fd
+
+
 def _new_session(state: ProcessState, rec: ProcessRecord) -> bool:
     """Whether rec's child leads a session of its own again: a lone session leader whose
     template left the session (lone_leaders)."""
@@ -1866,7 +1909,7 @@ def _spawn_kwargs(sp: _Spawn, set_tid: list[int] | None, into: bool) -> dict:
     kwargs = dict(
         fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd, set_tid=set_tid,
         cloexec_fds=sp.cloexec, epolls=sp.epolls, remaps=sp.remaps, pgid=sp.pgid,
-        listens=sp.listens, locks=sp.locks)
+        listens=sp.listens, locks=sp.locks, ctty=sp.ctty)
     if into and sp.into is not None:
         kwargs.update(pidns_fd=sp.into.pidns_fd, ns_pidfd=sp.into.init_pidfd,
                       cgroup_fds=sp.into.cgroup_fds)

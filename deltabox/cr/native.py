@@ -160,7 +160,8 @@ class _SpawnOpts(ctypes.Structure):
                 ("listens", ctypes.POINTER(_Listen)), ("nlistens", ctypes.c_size_t),
                 ("epolls", ctypes.POINTER(_Epoll)), ("nepolls", ctypes.c_size_t),
                 ("remaps", ctypes.POINTER(_Remap)), ("nremaps", ctypes.c_size_t),
-                ("locks", ctypes.POINTER(_Lock)), ("nlocks", ctypes.c_size_t)]
+                ("locks", ctypes.POINTER(_Lock)), ("nlocks", ctypes.c_size_t),
+                ("ctty", ctypes.c_int)]
 
 
 _lib: ctypes.CDLL | None = None
@@ -490,7 +491,8 @@ class Template:
               cloexec_fds: Iterable[int] = (), pidns_fd: int | None = None,
               ns_pidfd: int | None = None, cgroup_fds: Sequence[int] = (), pgid: int = 0,
               listens: Sequence[ListenSocket] = (), epolls: Sequence[Epoll] = (),
-              remaps: Sequence[Remap] = (), locks: Sequence[FileLock] = ()) -> int:
+              remaps: Sequence[Remap] = (), locks: Sequence[FileLock] = (),
+              ctty: int = -1) -> int:
         """Fork a child that continues where the origin was at checkpoint time.
 
         fds: {target_fd_in_child: our_fd}, e.g. fresh stdio pipes ({0: r, 1: w, 2: w}).
@@ -505,11 +507,13 @@ class Template:
         listens: listening TCP sockets created afresh (after joining the net namespace).
         epolls: epoll instances created afresh, last. remaps: shared mappings mapped again
         from our descriptors. locks: file locks taken again once every descriptor is in
-        (a carrier's by its birth).
+        (a carrier's by its birth). ctty: the child's fd (a pty's slave) that becomes its
+        controlling terminal once it leads its session (pgid NEW_SESSION; a carrier's
+        birth takes it), or -1.
         Returns the child's pid in our namespace; it is a sibling of the origin (same
         parent, same exit signal)."""
         with self._opts(fds, files, cwd, mntns_fd, set_tid, cloexec_fds, pidns_fd, ns_pidfd,
-                        cgroup_fds, pgid, listens, epolls, remaps, locks) as opts:
+                        cgroup_fds, pgid, listens, epolls, remaps, locks, ctty) as opts:
             err = _Err()
             pid = _load().dbxcr_spawn(self._handle, ctypes.byref(opts), ctypes.byref(err))
         if pid < 0:
@@ -586,7 +590,7 @@ class Template:
               cloexec_fds: Iterable[int] = (), pidns_fd: int | None = None,
               ns_pidfd: int | None = None, cgroup_fds: Sequence[int] = (), pgid: int = 0,
               listens: Sequence[ListenSocket] = (), epolls: Sequence[Epoll] = (),
-              remaps: Sequence[Remap] = (), locks: Sequence[FileLock] = ()
+              remaps: Sequence[Remap] = (), locks: Sequence[FileLock] = (), ctty: int = -1
               ) -> Iterator[_SpawnOpts]:
         """The C options of a spawn (valid inside the block: it owns the arrays)."""
         self._h()
@@ -622,7 +626,7 @@ class Template:
                          -1 if pidns_fd is None else pidns_fd,
                          -1 if ns_pidfd is None else ns_pidfd,
                          ccg, len(cg), pgid, clst, len(lst), ceps, len(epolls),
-                         crms, len(rms), clks, len(lks))
+                         crms, len(rms), clks, len(lks), ctty + 1)
 
     def syscalls(self) -> list[tuple[int, list[int]]]:
         """For each thread of the origin at the checkpoint (the main one first): the
@@ -1158,6 +1162,8 @@ class ProcStatus:
     rss_kb: int = 0
     cap_eff: int = -1       # effective capabilities (CapEff); -1: unknown
     uid: int = 0            # real uid, as the host sees it
+    tty_nr: int = 0         # its controlling terminal's device number (0: none)
+    tpgid: int = -1         # that terminal's foreground process group (host pid)
 
 
 def _status_field(text: bytes, name: bytes) -> bytes | None:
@@ -1196,7 +1202,8 @@ def proc_status(pid: int) -> ProcStatus:
                       nspid=tuple(int(x) for x in nspid.split()) if nspid else (pid,),
                       rss_kb=int(rss.split()[0]) if rss else 0,
                       cap_eff=int(caps, 16) if caps else -1,
-                      uid=int(uid.split()[0]) if uid else 0)
+                      uid=int(uid.split()[0]) if uid else 0, tty_nr=int(f[4]),
+                      tpgid=int(f[5]))
 
 
 def ids_in_namespace(pid: int, level: int) -> tuple[int, int, int] | None:

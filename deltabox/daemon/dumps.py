@@ -27,7 +27,7 @@ from pathlib import Path
 
 import trio
 
-from ..cr import (adoption, eventloop, fifos, native, pipebuf, private_maps, shared_files,
+from ..cr import (adoption, eventloop, fifos, native, pipebuf, private_maps, ptys, shared_files,
                   shm_files, unlinked)
 from ..cr.capture import ProcessRecord, SharedMapping, in_dev_shm
 from ..cr.engine import DeltaCR, PipeEnd, PipeGroup, ProcessState, lone_leaders, _close_saved
@@ -374,7 +374,7 @@ class Dumps:
                     sessions=state.sessions, session_states=state.session_states,
                     unlinked=files,
                     shared_files=[dataclasses.asdict(s) for s in state.shared_files],
-                    shm_files=shm, fifos=named_pipes)
+                    shm_files=shm, fifos=named_pipes, ptys=[p.to_json() for p in state.ptys])
         raw = json.dumps(meta).encode()
         with open(tmp / "state.json", "wb") as f:
             f.write(raw)
@@ -452,7 +452,8 @@ class Dumps:
                             dict(meta["session_states"]), from_dump=cp_id, unlinked=files,
                             shared_files=[_shared_from(s) for s in meta.get("shared_files", [])],
                             shm_files=shm, fifos=named_pipes, images=images,
-                            captured_ns=captured_ns)
+                            captured_ns=captured_ns,
+                            ptys=[ptys.Pty.from_json(p) for p in meta.get("ptys", [])])
 
 
 async def _skip_pids(host_pid: int, last: int) -> None:

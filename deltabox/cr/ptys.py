@@ -1,0 +1,371 @@
+"""Pseudo-terminals made in the sandbox: pexpect's and SWE-ReX's shell, a tmux server and
+its panes, `script`, a test harness driving a REPL.
+
+A pty is a pair made by opening the sandbox's /dev/ptmx: the master (the driver's end)
+and the slave /dev/pts/N (the program's end, usually its controlling terminal). Reopened
+by path at a restore, the master would be a new, unrelated pty and /dev/pts/N would not
+exist in the restored generation's own devpts. So the checkpoint notes each pty whose
+master a process of the sandbox holds: its index, the slave's and the master's settings
+(termios2), the window size, packet mode and exclusive mode, its open file descriptions
+(grouped by kcmp) and the session leader whose controlling terminal it is. A restore
+opens the generation's ptmx until it gets the same index (devpts gives the lowest free
+one), unlocks it, sets it up, gives the master's description its flags and opens each
+of the slave's descriptions through the master (TIOCGPTPEER: no path); the leader takes
+it back as its controlling terminal once it leads its session again (fork_template.c
+take_terminal). Every restored sandbox gets its own pair, in its own devpts.
+
+Refused by name (FAILED_PRECONDITION, or Unsettled for bytes its reader will take):
+- bytes waiting in either direction: the output a program wrote that the master's
+  holder has not read yet (Unsettled: the checkpoint lets it read them and tries again)
+  and input its program has not read;
+- a slave in canonical mode (ICANON): a line typed without its newline yet is in the
+  kernel, invisible (FIONREAD counts whole lines), so nothing could copy it. Shells
+  (readline), REPLs and full-screen programs read in raw mode while they wait;
+- a controlling terminal whose session has other processes than its leader (a command
+  running in the shell, a background job): the restored members would be born in their
+  templates' session, which no call can give a terminal back to; or whose foreground
+  group is not the leader's; or whose leader holds no descriptor of it;
+- a slave whose master no process of the sandbox holds, a pty of another devpts, a
+  locked one (unlockpt not called), another line discipline than N_TTY.
+Not kept: a terminal stopped by ^S (flow control; its output resumes), and the slave
+opened from the master (TIOCGPTPEER) reads /dev/pts/N as its path like any other.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import select
+import struct
+import termios
+from dataclasses import dataclass, field
+
+from . import native
+from .capture import PTMX, PTS_MAJORS, ProcessRecord, Refusal
+
+TCGETS2, TCSETS2 = 0x802C542A, 0x402C542B   # struct termios2: 44 bytes on x86_64
+TERMIOS2_SIZE = 44
+TIOCGPTN, TIOCSPTLCK, TIOCGPTLCK = 0x80045430, 0x40045431, 0x80045439
+TIOCGPKT, TIOCPKT = 0x80045438, 0x5420
+TIOCGEXCL = 0x80045440
+TIOCGPTPEER = 0x5441
+N_TTY = 0
+PTMX_PATH = "/dev/pts/ptmx"         # the sandbox's devpts: mkroot.c mounts it ptmxmode=0666
+MAX_SKIPS = 256                     # indices opened and dropped to reach one (devpts)
+_KEEP = os.O_ACCMODE | os.O_NONBLOCK
+
+
+@dataclass
+class PtyEnd:
+    """One open file description of a pty's end, and the descriptors that hold it."""
+    master: bool
+    flags: int                                          # access mode, O_NONBLOCK
+    holders: list[tuple[int, int]] = field(default_factory=list)   # (host pid, fd)
+
+
+@dataclass
+class Pty:
+    """A pseudo-terminal as the checkpoint found it."""
+    index: int                  # /dev/pts/N
+    termios: bytes              # the slave's struct termios2
+    master_termios: bytes
+    winsize: bytes              # struct winsize
+    packet: bool = False        # TIOCPKT on the master
+    exclusive: bool = False     # TIOCEXCL on the slave
+    descriptions: list[PtyEnd] = field(default_factory=list)
+    # the session leader whose controlling terminal it is (host pid at the checkpoint),
+    # and its fd of the slave, by which it takes it back
+    leader: int = 0
+    leader_fd: int = -1
+
+    @property
+    def path(self) -> str:
+        return f"/dev/pts/{self.index}"
+
+    def to_json(self) -> dict:
+        return dict(index=self.index, termios=self.termios.hex(),
+                    master_termios=self.master_termios.hex(), winsize=self.winsize.hex(),
+                    packet=self.packet, exclusive=self.exclusive, leader=self.leader,
+                    leader_fd=self.leader_fd,
+                    descriptions=[dict(master=d.master, flags=d.flags,
+                                       holders=[list(h) for h in d.holders])
+                                  for d in self.descriptions])
+
+    @classmethod
+    def from_json(cls, d: dict) -> Pty:
+        return cls(int(d["index"]), bytes.fromhex(d["termios"]),
+                   bytes.fromhex(d["master_termios"]), bytes.fromhex(d["winsize"]),
+                   bool(d["packet"]), bool(d["exclusive"]),
+                   [PtyEnd(bool(x["master"]), int(x["flags"]),
+                           [(int(p), int(fd)) for p, fd in x["holders"]])
+                    for x in d["descriptions"]], int(d["leader"]), int(d["leader_fd"]))
+
+
+def is_pty(f: native.FdInfo) -> bool:
+    """A descriptor of a pty's master (/dev/ptmx) or slave (/dev/pts/N)."""
+    return f.kind == "chr" and f.rdev is not None and (
+        f.rdev == PTMX or f.rdev[0] in PTS_MAJORS)
+
+
+def _slave_index(major: int, minor: int) -> int:
+    return (major - PTS_MAJORS.start) * 256 + minor
+
+
+def _int(fd: int, req: int) -> int:
+    return struct.unpack("i", fcntl.ioctl(fd, req, b"\0" * 4))[0]
+
+
+def capture(records: list[ProcessRecord], lone: set[int]
+            ) -> tuple[list[Pty], list[Refusal]]:
+    """The ptys the processes hold, with whose controlling terminal each is; the
+    refusals of those that cannot come back whole. `lone`: engine.lone_leaders."""
+    if not any(is_pty(f) for r in records for f in r.fds) and \
+            not any(r.tty_nr for r in records):
+        return [], []
+    refused: list[Refusal] = []
+    ends: dict[int, list[tuple[PtyEnd, ProcessRecord, int]]] = {}   # index -> ends
+    devpts = _devpts(records)
+    for rec in records:
+        for f in rec.fds:
+            if not is_pty(f):
+                continue
+            try:
+                index, why = _end_index(rec, f, devpts)
+            except OSError:
+                continue   # gone with its process: the capture's others notice
+            if why:
+                refused.append(Refusal(rec.nspid, rec.cmd, f"fd {f.fd}: {why}"))
+                continue
+            _add(ends.setdefault(index, []), rec, f)
+    ptys: list[Pty] = []
+    for index, group in sorted(ends.items()):
+        pty, why = _read(index, group)
+        if why is not None:
+            refused.append(why)
+        if pty is not None:
+            ptys.append(pty)
+    refused += _controlling(records, lone, {p.index: p for p in ptys})
+    return ([], refused) if refused else (ptys, refused)
+
+
+def _devpts(records: list[ProcessRecord]) -> int:
+    """The device of the sandbox's own devpts (-1 if it cannot be seen)."""
+    for rec in records:
+        try:
+            return os.stat(f"/proc/{rec.pid}/root/dev/pts").st_dev
+        except OSError:
+            continue
+    return -1
+
+
+def _end_index(rec: ProcessRecord, f: native.FdInfo, devpts: int) -> tuple[int, str | None]:
+    """(index, None) of the pty behind a descriptor, or (-1, why it is refused)."""
+    if f.rdev != PTMX:
+        st = os.stat(f"/proc/{rec.pid}/fd/{f.fd}")
+        if st.st_dev != devpts:
+            return -1, (f"{f.path}: a pseudo-terminal of another devpts than the sandbox's "
+                        "is not captured")
+        return _slave_index(os.major(st.st_rdev), os.minor(st.st_rdev)), None
+    ours = native.copy_fd(rec.pid, f.fd)
+    try:
+        index = _int(ours, TIOCGPTN)
+        try:
+            peer = fcntl.ioctl(ours, TIOCGPTPEER, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK
+                               | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+            return -1, (f"the master of /dev/pts/{index}, whose slave is still locked "
+                        "(unlockpt not called): not captured")
+        try:
+            if os.fstat(peer).st_dev != devpts:
+                return -1, ("the master of a pseudo-terminal of another devpts than the "
+                            "sandbox's is not captured")
+        finally:
+            os.close(peer)
+        return index, None
+    finally:
+        os.close(ours)
+
+
+def _add(group: list[tuple[PtyEnd, ProcessRecord, int]], rec: ProcessRecord,
+         f: native.FdInfo) -> None:
+    """f joins the description it shares (kcmp), or makes one of its own."""
+    master = f.rdev == PTMX
+    for end, rec0, fd0 in group:
+        if end.master == master and native.same_file(rec0.pid, fd0, rec.pid, f.fd):
+            end.holders.append((rec.pid, f.fd))
+            return
+    group.append((PtyEnd(master, f.flags & _KEEP, [(rec.pid, f.fd)]), rec, f.fd))
+
+
+def _read(index: int, group: list[tuple[PtyEnd, ProcessRecord, int]]
+          ) -> tuple[Pty | None, Refusal | None]:
+    """The pty's state, read through our copy of its master's description (None if no
+    process holds that), and why it is refused, if it is."""
+    masters = [(e, rec, fd) for e, rec, fd in group if e.master]
+    if not masters:
+        _, rec, fd = group[0]
+        return None, Refusal(rec.nspid, rec.cmd, (
+            f"fd {fd}: /dev/pts/{index}, whose master no process of the sandbox holds: "
+            "not captured"))
+    _, rec, fd = masters[0]
+    ours = native.copy_fd(rec.pid, fd)
+    try:
+        peer = fcntl.ioctl(ours, TIOCGPTPEER, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK
+                           | os.O_CLOEXEC)
+        try:
+            pty = Pty(index, fcntl.ioctl(peer, TCGETS2, bytes(TERMIOS2_SIZE)),
+                      fcntl.ioctl(ours, TCGETS2, bytes(TERMIOS2_SIZE)),
+                      fcntl.ioctl(peer, termios.TIOCGWINSZ, bytes(8)),
+                      bool(_int(ours, TIOCGPKT)), bool(_int(peer, TIOCGEXCL)),
+                      [e for e, _, _ in group])
+            why = _unsettled(pty, ours, peer, group)
+            if why is None and _int(peer, termios.TIOCGETD) != N_TTY:
+                why = Refusal(rec.nspid, rec.cmd, (
+                    f"fd {fd}: /dev/pts/{index} has another line discipline than N_TTY: "
+                    "not captured"))
+        finally:
+            os.close(peer)
+    finally:
+        os.close(ours)
+    return pty, why
+
+
+def _unsettled(pty: Pty, master: int, slave: int,
+               group: list[tuple[PtyEnd, ProcessRecord, int]]) -> Refusal | None:
+    """A refusal if bytes wait in the pty (or may, invisibly), else None."""
+    # poll() runs the pty's pending buffer work into the line discipline (n_tty_poll),
+    # so FIONREAD then counts what was written just before the freeze.
+    p = select.poll()
+    p.register(master, select.POLLIN)
+    p.register(slave, select.POLLIN)
+    p.poll(0)
+    lflag = struct.unpack_from("I", pty.termios, 12)[0]
+    readers = [(rec, fd) for e, rec, fd in group if e.master
+               and e.flags & os.O_ACCMODE != os.O_WRONLY]
+    out = _int(master, termios.FIONREAD)
+    _, rec0, fd0 = group[0]
+    if out:
+        rec, fd = readers[0] if readers else (rec0, fd0)
+        return Refusal(rec.nspid, rec.cmd, (
+            f"fd {fd}: {out} bytes of output wait in {pty.path}'s master, not read yet"),
+            unread=(rec.pid, fd) if readers else None)
+    if lflag & termios.ICANON:
+        return Refusal(rec0.nspid, rec0.cmd, (
+            f"fd {fd0}: {pty.path} is in canonical mode (ICANON), where a line typed "
+            "without its newline cannot be seen or copied: not captured; checkpoint while "
+            "its program reads in raw mode (a shell's readline prompt, a REPL)"))
+    waiting = _int(slave, termios.FIONREAD)
+    if waiting:
+        return Refusal(rec0.nspid, rec0.cmd, (
+            f"fd {fd0}: {waiting} bytes of input wait in {pty.path}, not read by its "
+            "program yet: not captured; checkpoint once it has read them"))
+    return None
+
+
+def _controlling(records: list[ProcessRecord], lone: set[int], ptys: dict[int, Pty]
+                 ) -> list[Refusal]:
+    """Note each pty's session leader; refuse controlling terminals that cannot be
+    given back (see the module's doc)."""
+    out = []
+    for rec in records:
+        if not rec.tty_nr:
+            continue
+        major, minor = os.major(rec.tty_nr), os.minor(rec.tty_nr)
+        if major not in PTS_MAJORS:
+            out.append(Refusal(rec.nspid, rec.cmd, (
+                f"its controlling terminal is the device {major}:{minor}, not a "
+                "pseudo-terminal of the sandbox: not captured")))
+            continue
+        index = _slave_index(major, minor)
+        pty = ptys.get(index)
+        why = None
+        if pty is None:
+            why = "whose master no process of the sandbox holds"
+        elif rec.pid != rec.sid or rec.pid not in lone:
+            n = sum(r.sid == rec.sid for r in records)
+            why = (f"in a session of {n} processes: a restore gives a terminal back only "
+                   "to a session leader alone in its session (the others would be born in "
+                   "a session no call can give it to); checkpoint while the terminal's "
+                   "shell waits for input with nothing running in it")
+        elif rec.tpgid != rec.pgid:
+            why = f"whose foreground process group ({rec.tpgid}) is not its own"
+        else:
+            fds = [fd for e in pty.descriptions if not e.master
+                   for pid, fd in e.holders if pid == rec.pid]
+            if not fds:
+                why = "of which it holds no descriptor"
+            else:
+                pty.leader, pty.leader_fd = rec.pid, min(fds)
+        if why:
+            out.append(Refusal(rec.nspid, rec.cmd, (
+                f"its controlling terminal /dev/pts/{index}, {why}: not captured")))
+    return out
+
+
+def make(pty: Pty, mntns_fd: int) -> list[int]:
+    """Our descriptors of pty's descriptions made again in the devpts of the mount
+    namespace `mntns_fd` (a new pair at the same index), in pty.descriptions' order."""
+    master = _open_index(mntns_fd, pty.index)
+    out: list[int] = []
+    try:
+        fcntl.ioctl(master, TIOCSPTLCK, struct.pack("i", 0))
+        peer = fcntl.ioctl(master, TIOCGPTPEER, os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(peer, TCSETS2, pty.termios)
+            fcntl.ioctl(master, TCSETS2, pty.master_termios)
+            fcntl.ioctl(master, termios.TIOCSWINSZ, pty.winsize)
+            if pty.packet:
+                fcntl.ioctl(master, TIOCPKT, struct.pack("i", 1))
+            for d in pty.descriptions:
+                if d.master:
+                    fd = os.dup(master)
+                    os.set_inheritable(fd, False)
+                    fcntl.fcntl(fd, fcntl.F_SETFL, d.flags & os.O_NONBLOCK)
+                else:
+                    fd = fcntl.ioctl(master, TIOCGPTPEER, d.flags | os.O_NOCTTY | os.O_CLOEXEC)
+                out.append(fd)
+            if pty.exclusive:
+                fcntl.ioctl(peer, termios.TIOCEXCL)
+        finally:
+            os.close(peer)
+    except BaseException:
+        for fd in out:
+            os.close(fd)
+        raise
+    finally:
+        os.close(master)
+    return out
+
+
+def _open_index(mntns_fd: int, index: int) -> int:
+    """A new pty's master at `index` in that namespace's devpts: each open takes the
+    lowest free index, so those below it (free in a fresh devpts, or taken by the ptys
+    made before) are opened and dropped."""
+    skipped: list[int] = []
+    try:
+        for _ in range(MAX_SKIPS + 1):
+            fd = native.mntns_open(mntns_fd, PTMX_PATH, os.O_RDWR | os.O_NOCTTY)
+            got = _int(fd, TIOCGPTN)
+            if got == index:
+                return fd
+            skipped.append(fd)
+            if got > index:
+                break
+        raise OSError(errno.EEXIST, f"/dev/pts/{index} is taken in the restored devpts")
+    finally:
+        for fd in skipped:
+            os.close(fd)
+
+
+def holders_of(ptys: list[Pty], pid: int) -> dict[int, tuple[int, int]]:
+    """pid's descriptors of ptys: fd -> (index in `ptys`, index of its description)."""
+    return {fd: (i, j) for i, p in enumerate(ptys) for j, d in enumerate(p.descriptions)
+            for h, fd in d.holders if h == pid}
+
+
+def controlling_fd(ptys: list[Pty], pid: int) -> int:
+    """The fd by which pid's process takes its controlling terminal back, or -1."""
+    return next((p.leader_fd for p in ptys if p.leader == pid), -1)
