@@ -17,8 +17,10 @@ command -v ip >/dev/null || need+=(iproute2)
 # The tests' and benchmarks' agent workloads run the host's git and pip inside sandboxes.
 command -v git >/dev/null || need+=(git)
 /usr/bin/python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
-# The fidelity catalog restores a node server (V8: many threads, a MADV_DONTFORK heap).
+# The fidelity catalog restores a node server (V8: many threads, a MADV_DONTFORK heap)
+# and a tmux session (a pty's pair and its controlling terminal).
 command -v node >/dev/null || need+=(nodejs)
+command -v tmux >/dev/null || need+=(tmux)
 if [ ${#need[@]} -eq 0 ]; then bcc; exit 0; fi
 if [ "$(id -u)" != 0 ]; then
   echo "install-deps: need root to install ${need[*]} (apt-get)" >&2; exit 1

@@ -235,6 +235,7 @@ class Prespawned:
     # record pid -> the files its carrier maps again privately (written in place since the
     # checkpoint when it was made: private_maps.py)
     remapped: dict[int, set[str]] = field(default_factory=dict)
+    discarded: bool = False   # DeltaCR.discard ran (it may be asked twice)
 
     def stale(self, rec: ProcessRecord, changed: list[SharedMapping]) -> bool:
         """Whether rec's carrier maps a file written in place since it was made."""
@@ -851,7 +852,10 @@ class DeltaCR:
 
     async def discard(self, pre: Prespawned) -> None:
         """Kill the carriers no rollback used and close their pipes (a rollback that did
-        not use them, or a warm generation dropped)."""
+        not use them, or a warm generation dropped). Once: a second call does nothing."""
+        if pre.discarded:
+            return
+        pre.discarded = True
         carriers = list(pre.carriers.values())
         pre.carriers.clear()
         pre.plan.close_all()

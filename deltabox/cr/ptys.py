@@ -5,8 +5,8 @@ A pty is a pair made by opening the sandbox's /dev/ptmx: the master (the driver'
 and the slave /dev/pts/N (the program's end, usually its controlling terminal). Reopened
 by path at a restore, the master would be a new, unrelated pty and /dev/pts/N would not
 exist in the restored generation's own devpts. So the checkpoint notes each pty whose
-master a process of the sandbox holds: its index, the slave's and the master's settings
-(termios2), the window size, packet mode and exclusive mode, its open file descriptions
+master a process of the sandbox holds: its index, its settings (termios2; the master's
+side is always the kernel's raw one), the window size, packet mode and exclusive mode, its open file descriptions
 (grouped by kcmp) and the session leader whose controlling terminal it is. A restore
 opens the generation's ptmx until it gets the same index (devpts gives the lowest free
 one), unlocks it, sets it up, gives the master's description its flags and opens each
@@ -14,10 +14,17 @@ of the slave's descriptions through the master (TIOCGPTPEER: no path); the leade
 it back as its controlling terminal once it leads its session again (fork_template.c
 take_terminal). Every restored sandbox gets its own pair, in its own devpts.
 
-Refused by name (FAILED_PRECONDITION, or Unsettled for bytes its reader will take):
-- bytes waiting in either direction: the output a program wrote that the master's
-  holder has not read yet (Unsettled: the checkpoint lets it read them and tries again)
-  and input its program has not read;
+Bytes waiting in it are copied: the output its program wrote that the master's holder
+has not read yet (pexpect reads only when it expects), and input typed that its program
+has not read. Reading them takes them out of the live pty, so the capture writes them
+back at once, unprocessed (the slave's OPOST off for output; its input processing and
+echo off for input: both were done when they first went through), the sandbox frozen;
+a restore puts them in the new pair the same way.
+
+Refused by name (FAILED_PRECONDITION, or Unsettled for output its reader will take):
+- output waiting in packet mode, behind a master whose settings process it, or while
+  the terminal is stopped by ^S (Unsettled: the checkpoint lets the reader take it and
+  tries again); more than 4000 bytes of input;
 - a slave in canonical mode (ICANON): a line typed without its newline yet is in the
   kernel, invisible (FIONREAD counts whole lines), so nothing could copy it. Shells
   (readline), REPLs and full-screen programs read in raw mode while they wait;
@@ -39,6 +46,8 @@ import os
 import select
 import struct
 import termios
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import native
@@ -54,6 +63,11 @@ N_TTY = 0
 PTMX_PATH = "/dev/pts/ptmx"         # the sandbox's devpts: mkroot.c mounts it ptmxmode=0666
 MAX_SKIPS = 256                     # indices opened and dropped to reach one (devpts)
 _KEEP = os.O_ACCMODE | os.O_NONBLOCK
+# Input processing a copy of waiting input is typed again without: only flow control stays
+# (clearing IXON would restart a terminal stopped by ^S).
+_FLOW = termios.IXON | termios.IXOFF | termios.IXANY
+_ECHOING = termios.ECHO | termios.ECHONL | termios.ISIG | termios.IEXTEN
+MAX_INPUT = 4000    # below N_TTY's 4096-byte buffer: a copy put back fits in one go
 
 
 @dataclass
@@ -68,8 +82,8 @@ class PtyEnd:
 class Pty:
     """A pseudo-terminal as the checkpoint found it."""
     index: int                  # /dev/pts/N
-    termios: bytes              # the slave's struct termios2
-    master_termios: bytes
+    termios: bytes              # struct termios2 (the slave's: the master's own are the
+                                # kernel's raw ones, which no call reads or sets)
     winsize: bytes              # struct winsize
     packet: bool = False        # TIOCPKT on the master
     exclusive: bool = False     # TIOCEXCL on the slave
@@ -78,28 +92,30 @@ class Pty:
     # and its fd of the slave, by which it takes it back
     leader: int = 0
     leader_fd: int = -1
+    output: bytes = b""         # written by its program, not read by the master's holder
+    input: bytes = b""          # typed at the master, not read by its program
 
     @property
     def path(self) -> str:
         return f"/dev/pts/{self.index}"
 
     def to_json(self) -> dict:
-        return dict(index=self.index, termios=self.termios.hex(),
-                    master_termios=self.master_termios.hex(), winsize=self.winsize.hex(),
+        return dict(index=self.index, termios=self.termios.hex(), winsize=self.winsize.hex(),
                     packet=self.packet, exclusive=self.exclusive, leader=self.leader,
-                    leader_fd=self.leader_fd,
+                    leader_fd=self.leader_fd, output=self.output.hex(),
+                    input=self.input.hex(),
                     descriptions=[dict(master=d.master, flags=d.flags,
                                        holders=[list(h) for h in d.holders])
                                   for d in self.descriptions])
 
     @classmethod
     def from_json(cls, d: dict) -> Pty:
-        return cls(int(d["index"]), bytes.fromhex(d["termios"]),
-                   bytes.fromhex(d["master_termios"]), bytes.fromhex(d["winsize"]),
+        return cls(int(d["index"]), bytes.fromhex(d["termios"]), bytes.fromhex(d["winsize"]),
                    bool(d["packet"]), bool(d["exclusive"]),
                    [PtyEnd(bool(x["master"]), int(x["flags"]),
                            [(int(p), int(fd)) for p, fd in x["holders"]])
-                    for x in d["descriptions"]], int(d["leader"]), int(d["leader_fd"]))
+                    for x in d["descriptions"]], int(d["leader"]), int(d["leader_fd"]),
+                   bytes.fromhex(d.get("output", "")), bytes.fromhex(d.get("input", "")))
 
 
 def is_pty(f: native.FdInfo) -> bool:
@@ -213,15 +229,14 @@ def _read(index: int, group: list[tuple[PtyEnd, ProcessRecord, int]]
     _, rec, fd = masters[0]
     ours = native.copy_fd(rec.pid, fd)
     try:
-        peer = fcntl.ioctl(ours, TIOCGPTPEER, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK
+        peer = fcntl.ioctl(ours, TIOCGPTPEER, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK
                            | os.O_CLOEXEC)
         try:
             pty = Pty(index, fcntl.ioctl(peer, TCGETS2, bytes(TERMIOS2_SIZE)),
-                      fcntl.ioctl(ours, TCGETS2, bytes(TERMIOS2_SIZE)),
                       fcntl.ioctl(peer, termios.TIOCGWINSZ, bytes(8)),
                       bool(_int(ours, TIOCGPKT)), bool(_int(peer, TIOCGEXCL)),
                       [e for e, _, _ in group])
-            why = _unsettled(pty, ours, peer, group)
+            why = _queues(pty, ours, peer, group)
             if why is None and _int(peer, termios.TIOCGETD) != N_TTY:
                 why = Refusal(rec.nspid, rec.cmd, (
                     f"fd {fd}: /dev/pts/{index} has another line discipline than N_TTY: "
@@ -233,36 +248,123 @@ def _read(index: int, group: list[tuple[PtyEnd, ProcessRecord, int]]
     return pty, why
 
 
-def _unsettled(pty: Pty, master: int, slave: int,
-               group: list[tuple[PtyEnd, ProcessRecord, int]]) -> Refusal | None:
-    """A refusal if bytes wait in the pty (or may, invisibly), else None."""
-    # poll() runs the pty's pending buffer work into the line discipline (n_tty_poll),
-    # so FIONREAD then counts what was written just before the freeze.
-    p = select.poll()
-    p.register(master, select.POLLIN)
-    p.register(slave, select.POLLIN)
-    p.poll(0)
-    lflag = struct.unpack_from("I", pty.termios, 12)[0]
-    readers = [(rec, fd) for e, rec, fd in group if e.master
-               and e.flags & os.O_ACCMODE != os.O_WRONLY]
-    out = _int(master, termios.FIONREAD)
+def _queues(pty: Pty, master: int, slave: int,
+            group: list[tuple[PtyEnd, ProcessRecord, int]]) -> Refusal | None:
+    """Copy the bytes waiting in the pty, output for its master's reader and input for
+    its program, into pty.output and pty.input, and give them back to the live pty (the
+    sandbox is frozen: nobody sees them go and come back); or why they cannot be (or may
+    wait unseen)."""
     _, rec0, fd0 = group[0]
-    if out:
-        rec, fd = readers[0] if readers else (rec0, fd0)
-        return Refusal(rec.nspid, rec.cmd, (
-            f"fd {fd}: {out} bytes of output wait in {pty.path}'s master, not read yet"),
-            unread=(rec.pid, fd) if readers else None)
-    if lflag & termios.ICANON:
+    if _lflag(pty.termios) & termios.ICANON:
         return Refusal(rec0.nspid, rec0.cmd, (
             f"fd {fd0}: {pty.path} is in canonical mode (ICANON), where a line typed "
             "without its newline cannot be seen or copied: not captured; checkpoint while "
             "its program reads in raw mode (a shell's readline prompt, a REPL)"))
-    waiting = _int(slave, termios.FIONREAD)
-    if waiting:
-        return Refusal(rec0.nspid, rec0.cmd, (
-            f"fd {fd0}: {waiting} bytes of input wait in {pty.path}, not read by its "
-            "program yet: not captured; checkpoint once it has read them"))
+    if _pending(master):
+        if pty.packet or not _writable(slave):
+            # Not copied (packet mode's headers, a slave stopped by ^S): its reader may
+            # take them (engine._refusal: Unsettled).
+            readers = [(rec, fd) for e, rec, fd in group if e.master
+                       and e.flags & os.O_ACCMODE != os.O_WRONLY]
+            rec, fd = readers[0] if readers else (rec0, fd0)
+            return Refusal(rec.nspid, rec.cmd, (
+                f"fd {fd}: {_pending(master)} bytes of output wait in {pty.path}'s master, "
+                "not read yet"), unread=(rec.pid, fd) if readers else None)
+        pty.output = _drain(master)
+        if not _give_output(slave, master, pty.termios, pty.output):
+            return Refusal(rec0.nspid, rec0.cmd, (
+                f"fd {fd0}: the {len(pty.output)} bytes of output waiting in {pty.path} "
+                "could not be copied"))
+    if _pending(slave):
+        if _pending(slave) > MAX_INPUT or not _writable(master):
+            return Refusal(rec0.nspid, rec0.cmd, (
+                f"fd {fd0}: {_pending(slave)} bytes of input wait in {pty.path}, not read by "
+                "its program yet: not captured; checkpoint once it has read them"))
+        pty.input = _drain(slave)
+        if not _give_input(master, slave, pty.termios, pty.input):
+            return Refusal(rec0.nspid, rec0.cmd, (
+                f"fd {fd0}: the {len(pty.input)} bytes of input waiting in {pty.path} "
+                "could not be copied"))
     return None
+
+
+def _lflag(t: bytes) -> int:
+    return struct.unpack_from("I", t, 12)[0]
+
+
+def _pending(fd: int) -> int:
+    """Bytes its reader would get now. poll() first runs the pty's buffer work into the
+    line discipline (n_tty_poll, when nothing is available yet), so that what was written
+    just before the freeze counts."""
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    p.poll(0)
+    return _int(fd, termios.FIONREAD)
+
+
+def _writable(fd: int) -> bool:
+    """Room to write (pty_write_room: none while the other side is stopped by ^S)."""
+    p = select.poll()
+    p.register(fd, select.POLLOUT)
+    return bool(p.poll(0))
+
+
+def _drain(fd: int) -> bytes:
+    data = b""
+    while n := _pending(fd):
+        data += os.read(fd, n)
+    return data
+
+
+def _write_all(fd: int, data: bytes) -> bool:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            return False
+    return True
+
+
+def _settled(fd: int, want: int) -> bool:
+    """Whether the bytes written reach the line discipline at fd (the pty's buffer work
+    runs asynchronously) within ~0.2 s, exactly `want` of them."""
+    for _ in range(200):
+        got = _pending(fd)
+        if got >= want:
+            return got == want
+        time.sleep(0.001)
+    return False
+
+
+def _with(slave: int, settings: bytes, temporary: bytes, write: Callable[[], bool],
+          reader: int, want: int) -> bool:
+    """Write under temporary settings of the slave, wait for the bytes to be in, put the
+    settings back (no ICANON or EXTPROC change: the line discipline keeps its buffer)."""
+    fcntl.ioctl(slave, TCSETS2, temporary)
+    try:
+        return write() and _settled(reader, want)
+    finally:
+        fcntl.ioctl(slave, TCSETS2, settings)
+
+
+def _give_output(slave: int, master: int, settings: bytes, data: bytes) -> bool:
+    """Output written again by the slave, unprocessed (OPOST off: it was processed when it
+    was first written), lands in the master's reader's queue as it was."""
+    o = bytearray(settings)
+    struct.pack_into("I", o, 4, struct.unpack_from("I", o, 4)[0] & ~termios.OPOST)
+    return _with(slave, settings, bytes(o), lambda: _write_all(slave, data), master,
+                 len(data))
+
+
+def _give_input(master: int, slave: int, settings: bytes, data: bytes) -> bool:
+    """Input typed again at the master, unprocessed (no translation, signal characters,
+    echo: done when it was first typed), lands in the program's queue as it was."""
+    i = bytearray(settings)
+    struct.pack_into("I", i, 0, struct.unpack_from("I", i, 0)[0] & _FLOW)
+    struct.pack_into("I", i, 12, _lflag(settings) & ~_ECHOING)
+    return _with(slave, settings, bytes(i), lambda: _write_all(master, data), slave,
+                 len(data))
 
 
 def _controlling(records: list[ProcessRecord], lone: set[int], ptys: dict[int, Pty]
@@ -312,10 +414,15 @@ def make(pty: Pty, mntns_fd: int) -> list[int]:
     out: list[int] = []
     try:
         fcntl.ioctl(master, TIOCSPTLCK, struct.pack("i", 0))
-        peer = fcntl.ioctl(master, TIOCGPTPEER, os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+        peer = fcntl.ioctl(master, TIOCGPTPEER, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK
+                           | os.O_CLOEXEC)
         try:
+            # The bytes that waited, each way, as the capture gave them back to the live
+            # pty.
+            if pty.input and not _give_input(master, peer, pty.termios, pty.input) or \
+                    pty.output and not _give_output(peer, master, pty.termios, pty.output):
+                raise OSError(errno.EIO, "its waiting bytes could not be put back")
             fcntl.ioctl(peer, TCSETS2, pty.termios)
-            fcntl.ioctl(master, TCSETS2, pty.master_termios)
             fcntl.ioctl(master, termios.TIOCSWINSZ, pty.winsize)
             if pty.packet:
                 fcntl.ioctl(master, TIOCPKT, struct.pack("i", 1))

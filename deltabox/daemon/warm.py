@@ -31,7 +31,7 @@ import os
 import select
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
@@ -91,6 +91,10 @@ class Ready:
     generation: Generation
     runtime: Runtime
     procs: Prespawned | None = None     # set by the `prespawn` hook
+    # carriers dropped (their templates went) whose discard waits for the sandbox's lock:
+    # a rollback that takes this generation discards them first, under that lock (they
+    # hold objects of the generation that it makes again: a pty's index in its devpts)
+    dropped: list[Prespawned] = field(default_factory=list)
 
 
 # Hooks the daemon sets: spawn a Ready's processes ahead (sets ready.procs), and discard
@@ -277,6 +281,7 @@ class WarmPool:
     def _discard_procs(self, sandbox_id: str, ready: Ready) -> None:
         procs, ready.procs = ready.procs, None
         if procs is not None and self.discard_procs is not None:
+            ready.dropped.append(procs)
             self.background.start_soon(self.discard_procs, sandbox_id, procs)
 
     def _discard(self, ready: Ready, sandbox_id: str) -> None:
