@@ -933,14 +933,16 @@ def _typed(sbx: Sandbox, line: str) -> str:
     return "\n".join(x[1:] for x in out.replace("\r", "").split("\n") if x.startswith("@"))
 
 
+@pytest.mark.parametrize("mode", ["raw", "canonical"])
 def test_a_shell_on_a_pseudo_terminal_comes_back_with_its_terminal(
-        sbx: Sandbox, restore: Restore) -> None:
+        sbx: Sandbox, restore: Restore, mode: str) -> None:
     """pexpect's, SWE-ReX's or a tmux pane's shell: an interactive bash on a pty made in
     the sandbox, its driver holding the master. It comes back on a pty at the same index,
     with its window size and settings, as its controlling terminal (job control: a command
     it runs is the terminal's foreground group), and the driver keeps typing into it; a
-    fork's pair is its own. Refused by name until stop 50."""
-    _start_pty_harness(sbx)
+    fork's pair is its own; with readline (raw mode while it waits) or without (canonical).
+    Refused by name until stop 50."""
+    _start_pty_harness(sbx, mode)
     assert _typed(sbx, "cd /tmp; X=before; stty cols 123 rows 45 intr ^G; echo @$(tty)") \
         == "/dev/pts/0"
     cp = sbx.checkpoint()
@@ -996,31 +998,39 @@ def test_a_tmux_session_comes_back(sbx: Sandbox, restore: Restore) -> None:
     assert _in_pane(target, 4, "echo @4 $(cut -d' ' -f7 /proc/$$/stat)") == str(136 << 8)
 
 
-# A pty pair with bytes waiting both ways at the checkpoint: its program (cbreak mode, echo
-# on) wrote "early" and does not read until `read` exists; its driver typed "typed\rahead"
-# and does not read until `drain` exists, then saves what it gets to `out`.
+# A pty pair with bytes waiting both ways at the checkpoint: its program (echo on) wrote
+# "early" and does not read until `read` exists; its driver typed and does not read until
+# `drain` exists, then saves what it gets to `out`. `ptyq.py cbreak`: the program reads
+# once, in cbreak mode (no line editing); `canonical`: it reads two lines, the first
+# typed whole (with an erase character taken literally after ^V), the second half typed
+# at the checkpoint and finished after `drain`.
 PTY_QUEUES = r"""
-import os, pty, select, termios, time, tty
+import os, pty, select, sys, termios, time, tty
 W = '/workspace/'
+canonical = sys.argv[1] == 'canonical'
 def wait(name):
     while not os.path.exists(W + name):
         time.sleep(0.02)
 pid, fd = pty.fork()
 if pid == 0:
-    tty.setcbreak(0)
-    t = termios.tcgetattr(0)
-    t[3] |= termios.ECHO
-    termios.tcsetattr(0, termios.TCSANOW, t)
+    if not canonical:
+        tty.setcbreak(0)
+        t = termios.tcgetattr(0)
+        t[3] |= termios.ECHO
+        termios.tcsetattr(0, termios.TCSANOW, t)
     os.write(1, b'early\n')
     open(W + 'raw', 'w').close()
     wait('read')
-    os.write(1, b'got:' + os.read(0, 100) + b'|')
+    got = [os.read(0, 100) for _ in range(1 + canonical)]
+    os.write(1, b'got:' + repr(got).encode() + b'|')
     time.sleep(1000)
 wait('raw')
 time.sleep(0.1)
-os.write(fd, b'typed\rahead')
+os.write(fd, b'first\x16\x7fline\nsec\x7fcond' if canonical else b'typed\rahead')
 open(W + 'written', 'w').close()
 wait('drain')
+if canonical:
+    os.write(fd, b' half\n')
 out = b''
 while select.select([fd], [], [], 0.5)[0]:
     out += os.read(fd, 4096)
@@ -1035,21 +1045,28 @@ def _drained(sbx: Sandbox) -> bytes:
     return sbx.files.read("out")
 
 
-def test_bytes_waiting_in_a_pseudo_terminal_come_back(sbx: Sandbox, restore: Restore
-                                                      ) -> None:
+@pytest.mark.parametrize("mode", ["cbreak", "canonical"])
+def test_bytes_waiting_in_a_pseudo_terminal_come_back(sbx: Sandbox, restore: Restore,
+                                                      mode: str) -> None:
     """Output its driver has not read (pexpect reads only when it expects) and input its
     program has not read are copied at the checkpoint, given back to the live pty at once
     and put in the restored pair, each exactly once: typed input is not echoed or
-    translated again, output not processed again (the live source drains the same)."""
+    translated again, output not processed again (the live source drains the same). In
+    canonical mode (a program reading lines) whole lines keep their ends and the line
+    being typed stays unfinished: the program reads it once the rest is typed."""
     sbx.files.write("ptyq.py", PTY_QUEUES)
-    sbx.exec("cd /workspace; nohup python3 ptyq.py >/dev/null 2>&1 &")
+    sbx.exec(f"cd /workspace; nohup python3 ptyq.py {mode} >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("written"))
     time.sleep(0.2)
     cp = sbx.checkpoint()
     assert cp.kind == "full"
     before = _drained(sbx)
-    # its output, the echo of the typed line (ICRNL, ECHO), then what it read (ONLCR)
-    assert before == b"early\r\ntyped\r\naheadgot:typed\r\nahead|"
+    if mode == "cbreak":
+        # its output, the echo of the typed line (ICRNL, ECHO), then what it read (ONLCR)
+        assert before == b"early\r\ntyped\r\naheadgot:[b'typed\\nahead']|"
+    else:
+        assert before.startswith(b"early\r\nfirst") and before.endswith(
+            b"got:[b'first\\x7fline\\n', b'second half\\n']|"), before
     target = restore(sbx, cp)
     assert not target.files.exists("out")
     assert _drained(target) == before
@@ -1057,24 +1074,13 @@ def test_bytes_waiting_in_a_pseudo_terminal_come_back(sbx: Sandbox, restore: Res
 
 def test_a_pseudo_terminal_that_cannot_come_back_is_refused_by_name(sbx: Sandbox) -> None:
     """A command running in the terminal's shell (its session has two processes: the
-    restored command would be born outside the session that gets the terminal) and a
-    shell in canonical mode (a line typed without its newline is invisible in the kernel)
-    are refused, naming the terminal."""
+    restored command would be born outside the session that gets the terminal) is
+    refused, naming the terminal."""
     _start_pty_harness(sbx)
     sbx.files.write("cmd-nowait", "sleep 1000")
     wait_for(lambda: sbx.exec("pgrep -x sleep").exit_code == 0)
     _refused_by_name(sbx, r"its controlling terminal /dev/pts/0, in a session of 2 "
                           r"processes: a restore gives a terminal back only")
-    # ([p]: not the pattern's own shell)
-    sbx.exec("pkill -f '[p]tyharness'; pkill -x sleep; pkill -f '[b]ash --norc'; "
-             "rm -f pty-ready")
-    wait_for(lambda: sbx.exec("pgrep -f '[b]ash --norc' || pgrep -x sleep").exit_code != 0)
-    _start_pty_harness(sbx, "canonical")
-    with pytest.raises(deltabox.FailedPrecondition, match=(
-            r"/dev/pts/0 is in canonical mode \(ICANON\), where a line typed without its "
-            r"newline cannot be seen")):
-        sbx.checkpoint()
-    assert len(sbx.checkpoints()) == 1   # _refused_by_name's mode="fs" one
 
 
 # Makes (or opens) System V IPC objects by key and prints a semaphore's value: "sem K [V]"

@@ -408,7 +408,8 @@ def in_writable_layer(records: list[ProcessRecord], layers: Sequence[str]) -> No
 
 def private_in_writable_layer(records: list[ProcessRecord], heads: dict[int, Head],
                               layers: Sequence[str],
-                              known: dict[tuple[int, bytes], bool]) -> None:
+                              known: dict[tuple[str, str, int], bool],
+                              scope: str = "") -> None:
     """Set each record's mapped_private: its private mappings (from its head's maps
     lines) of files of the sandbox's writable layer (`layers[0]`; if unknown, of every
     named file) and of its /dev/shm, which the live sandbox may write in place
@@ -416,8 +417,9 @@ def private_in_writable_layer(records: list[ProcessRecord], heads: dict[int, Hea
     at its path with its inode (/proc/PID/maps names the overlay's device for every
     layer, so the device cannot tell): a mapping of a lower file copied up since keeps
     the lower one, which never changes. A mapping's file never changes layer, so the
-    answer is kept in `known` (the caller's, by pid and maps line, across generations: a
-    restored process maps its checkpoint's files, and a snapshot keeps inode numbers):
+    answer is kept in `known` (the caller's, by `scope` (the sandbox), path and inode,
+    across generations: a restored process, with a new host pid and the new overlay's
+    device in its maps, maps its checkpoint's files, and a snapshot keeps inode numbers):
     a look per file the first time, ~10 us each (~0.2 ms for a shell and a python)."""
     upper_dir = layers[0] if layers else ""
     upper = -1
@@ -429,24 +431,23 @@ def private_in_writable_layer(records: list[ProcessRecord], heads: dict[int, Hea
                 continue
             keep = []
             for line in head[4]:
-                key = (rec.pid, line)
-                ours = known.get(key)
-                if ours is False:
-                    continue
                 i = line.find(b" /")
+                fields = line[:i].split()
                 path = line[i + 1:].decode(errors="replace")
-                if ours is None:
-                    ours = True
-                    if upper_dir and not in_dev_shm(path):
+                ours = True
+                if upper_dir and not in_dev_shm(path):
+                    key = (scope, path, int(fields[4]))
+                    found = known.get(key)
+                    if found is None:
                         if upper < 0:
                             upper = os.open(upper_dir, os.O_PATH | os.O_DIRECTORY |
                                             os.O_CLOEXEC)
                         if path not in inode_of:
                             inode_of[path] = _upper_inode(upper, path)
-                        ours = inode_of[path] == int(line[:i].split()[4])
-                    known[key] = ours
+                        found = known[key] = inode_of[path] == key[2]
+                    ours = found
                 if ours:
-                    keep.append((line[:i].split(), path))
+                    keep.append((fields, path))
             rec.mapped_private = [_private_mapping(f, path) for f, path in keep]
     finally:
         if upper >= 0:

@@ -88,7 +88,7 @@ CHAIN_MIN_GAIN_KB = 4 << 10
 # process of at least this size gets a second template on a second tracer thread.
 LANE_MIN_CHILDREN = 4
 LANE_MIN_RSS_KB = 16 << 10
-PRIVATE_KNOWN_MAX = 50_000   # maps lines remembered (DeltaCR.private_known)
+PRIVATE_KNOWN_MAX = 50_000   # mapped files remembered (DeltaCR.private_known)
 
 
 @dataclass
@@ -249,7 +249,7 @@ class DeltaCR:
         self.images_dir = images_dir   # where adopted children's images go (adoption.py)
         # which maps lines of which process map a file of the writable layer
         # (capture.private_in_writable_layer)
-        self.private_known: dict[tuple[int, bytes], bool] = {}
+        self.private_known: dict[tuple[str, str, int], bool] = {}
         self.lane_worker = lane_worker
         self._lane_users = 0   # fan-outs holding lanes (the threads are pinned meanwhile)
         self._masks: tuple[set[int], set[int]] | None = None
@@ -363,7 +363,8 @@ class DeltaCR:
                       daemon_pipes: Callable[[], tuple[dict[int, str], set[int]]],
                       tracer_ok: set[int],
                       reuse: Mapping[int, native.Template] | None = None,
-                      layers: Sequence[str] = (), later: bool = False) -> ProcessState:
+                      layers: Sequence[str] = (), later: bool = False, scope: str = ""
+                      ) -> ProcessState:
         """Stop `procs` (the sandbox's processes and their status, cgroup frozen by the caller
         before listing them), snapshot the files, template every process, resume. Raises
         FailedPrecondition listing every process that cannot be captured, changing nothing.
@@ -376,7 +377,8 @@ class DeltaCR:
         the processes are stopped, read and found capturable, return: `snapshot_files` is
         not called and no template is made; the processes stay stopped
         (ProcessState.held) until the caller, having called make_templates() and
-        snapshotted the files, calls resume()."""
+        snapshotted the files, calls resume(). `scope`: the sandbox's id (what the capture
+        remembers of its files is kept per sandbox: private_in_writable_layer)."""
         pids = list(procs)
         own = {int(t) for t in os.listdir("/proc/self/task")}
         if any(st.tracer_pid in own for st in procs.values()):
@@ -446,7 +448,7 @@ class DeltaCR:
                 in_writable_layer(records, layers)
                 if len(self.private_known) > PRIVATE_KNOWN_MAX:
                     self.private_known.clear()
-                private_in_writable_layer(records, heads, layers, self.private_known)
+                private_in_writable_layer(records, heads, layers, self.private_known, scope)
                 if not cap.refused:
                     cap.refused.extend(r for rec in records for r in add_listeners(rec))
                 if not cap.refused:

@@ -6,36 +6,35 @@ and the slave /dev/pts/N (the program's end, usually its controlling terminal). 
 by path at a restore, the master would be a new, unrelated pty and /dev/pts/N would not
 exist in the restored generation's own devpts. So the checkpoint notes each pty whose
 master a process of the sandbox holds: its index, its settings (termios2; the master's
-side is always the kernel's raw one), the window size, packet mode and exclusive mode, its open file descriptions
-(grouped by kcmp) and the session leader whose controlling terminal it is. A restore
-opens the generation's ptmx until it gets the same index (devpts gives the lowest free
-one), unlocks it, sets it up, gives the master's description its flags and opens each
-of the slave's descriptions through the master (TIOCGPTPEER: no path); the leader takes
-it back as its controlling terminal once it leads its session again (fork_template.c
-take_terminal). Every restored sandbox gets its own pair, in its own devpts.
+side is always the kernel's raw one), the window size, packet mode and exclusive mode,
+its open file descriptions (grouped by kcmp), the bytes waiting in it and the session
+leader whose controlling terminal it is. A restore opens the generation's ptmx until it
+gets the same index (devpts gives the lowest free one), unlocks it, sets it up, gives
+the master's description its flags and opens each of the slave's descriptions through
+the master (TIOCGPTPEER: no path); the leader takes it back as its controlling terminal
+once it leads its session again (fork_template.c take_terminal). Every restored sandbox
+gets its own pair, in its own devpts.
 
 Bytes waiting in it are copied: the output its program wrote that the master's holder
 has not read yet (pexpect reads only when it expects), and input typed that its program
-has not read. Reading them takes them out of the live pty, so the capture writes them
-back at once, unprocessed (the slave's OPOST off for output; its input processing and
-echo off for input: both were done when they first went through), the sandbox frozen;
-a restore puts them in the new pair the same way.
+has not read, in canonical mode (ICANON: a program reading lines) whole lines and the
+line being typed too (_take_lines). Reading them takes them out of the live pty, so the
+capture writes them back at once, unprocessed (the slave's OPOST off for output; its
+input processing and echo off for input: both were done when they first went through),
+the sandbox frozen; a restore puts them in the new pair the same way.
 
 Refused by name (FAILED_PRECONDITION, or Unsettled for output its reader will take):
-- output waiting in packet mode, behind a master whose settings process it, or while
-  the terminal is stopped by ^S (Unsettled: the checkpoint lets the reader take it and
-  tries again); more than 4000 bytes of input;
-- a slave in canonical mode (ICANON): a line typed without its newline yet is in the
-  kernel, invisible (FIONREAD counts whole lines), so nothing could copy it. Shells
-  (readline), REPLs and full-screen programs read in raw mode while they wait;
+- output waiting in packet mode (its reads carry a header) or while the terminal is
+  stopped by ^S (Unsettled: the checkpoint lets the reader take it and tries again);
+  more than 4000 bytes of input;
 - a controlling terminal whose session has other processes than its leader (a command
   running in the shell, a background job): the restored members would be born in their
   templates' session, which no call can give a terminal back to; or whose foreground
   group is not the leader's; or whose leader holds no descriptor of it;
 - a slave whose master no process of the sandbox holds, a pty of another devpts, a
   locked one (unlockpt not called), another line discipline than N_TTY.
-Not kept: a terminal stopped by ^S (flow control; its output resumes), and the slave
-opened from the master (TIOCGPTPEER) reads /dev/pts/N as its path like any other.
+Not kept: a terminal stopped by ^S (flow control: its output resumes); in canonical
+mode, a literal-next (^V) typed as the last character (the next one it would quote).
 """
 
 from __future__ import annotations
@@ -93,7 +92,9 @@ class Pty:
     leader: int = 0
     leader_fd: int = -1
     output: bytes = b""         # written by its program, not read by the master's holder
-    input: bytes = b""          # typed at the master, not read by its program
+    input: bytes = b""          # typed at the master, not read by its program (to type
+                                # again: ptys._take_lines)
+    input_seen: int = 0         # what FIONREAD counts of it once typed
 
     @property
     def path(self) -> str:
@@ -103,7 +104,7 @@ class Pty:
         return dict(index=self.index, termios=self.termios.hex(), winsize=self.winsize.hex(),
                     packet=self.packet, exclusive=self.exclusive, leader=self.leader,
                     leader_fd=self.leader_fd, output=self.output.hex(),
-                    input=self.input.hex(),
+                    input=self.input.hex(), input_seen=self.input_seen,
                     descriptions=[dict(master=d.master, flags=d.flags,
                                        holders=[list(h) for h in d.holders])
                                   for d in self.descriptions])
@@ -115,7 +116,8 @@ class Pty:
                    [PtyEnd(bool(x["master"]), int(x["flags"]),
                            [(int(p), int(fd)) for p, fd in x["holders"]])
                     for x in d["descriptions"]], int(d["leader"]), int(d["leader_fd"]),
-                   bytes.fromhex(d.get("output", "")), bytes.fromhex(d.get("input", "")))
+                   bytes.fromhex(d.get("output", "")), bytes.fromhex(d.get("input", "")),
+                   int(d.get("input_seen", 0)))
 
 
 def is_pty(f: native.FdInfo) -> bool:
@@ -255,11 +257,6 @@ def _queues(pty: Pty, master: int, slave: int,
     sandbox is frozen: nobody sees them go and come back); or why they cannot be (or may
     wait unseen)."""
     _, rec0, fd0 = group[0]
-    if _lflag(pty.termios) & termios.ICANON:
-        return Refusal(rec0.nspid, rec0.cmd, (
-            f"fd {fd0}: {pty.path} is in canonical mode (ICANON), where a line typed "
-            "without its newline cannot be seen or copied: not captured; checkpoint while "
-            "its program reads in raw mode (a shell's readline prompt, a REPL)"))
     if _pending(master):
         if pty.packet or not _writable(slave):
             # Not copied (packet mode's headers, a slave stopped by ^S): its reader may
@@ -275,17 +272,59 @@ def _queues(pty: Pty, master: int, slave: int,
             return Refusal(rec0.nspid, rec0.cmd, (
                 f"fd {fd0}: the {len(pty.output)} bytes of output waiting in {pty.path} "
                 "could not be copied"))
-    if _pending(slave):
-        if _pending(slave) > MAX_INPUT or not _writable(master):
-            return Refusal(rec0.nspid, rec0.cmd, (
-                f"fd {fd0}: {_pending(slave)} bytes of input wait in {pty.path}, not read by "
-                "its program yet: not captured; checkpoint once it has read them"))
+    if _pending(slave) > MAX_INPUT or not _writable(master):
+        # (Canonical mode counts whole lines only: the one being typed is checked below.)
+        return Refusal(rec0.nspid, rec0.cmd, (
+            f"fd {fd0}: {_pending(slave)} bytes of input wait in {pty.path}, not read by "
+            "its program yet: not captured; checkpoint once it has read them"))
+    canonical = bool(_lflag(pty.termios) & termios.ICANON)
+    if canonical:
+        pty.input, pty.input_seen = _take_lines(slave, pty.termios)
+    elif _pending(slave):
         pty.input = _drain(slave)
-        if not _give_input(master, slave, pty.termios, pty.input):
-            return Refusal(rec0.nspid, rec0.cmd, (
-                f"fd {fd0}: the {len(pty.input)} bytes of input waiting in {pty.path} "
-                "could not be copied"))
+        pty.input_seen = len(pty.input)
+    if pty.input and not _give_input(master, slave, pty.termios, pty.input,
+                                     pty.input_seen):
+        return Refusal(rec0.nspid, rec0.cmd, (
+            f"fd {fd0}: the {len(pty.input)} bytes of input waiting in {pty.path} could not "
+            "be copied"))
     return None
+
+
+def _take_lines(slave: int, settings: bytes) -> tuple[bytes, int]:
+    """Take the input waiting in a pty in canonical mode: (what typing it again gives
+    back, how much of it FIONREAD counts then). FIONREAD counts whole lines only, each
+    read gives one; the line being typed (no newline yet) shows only once the slave is
+    out of canonical mode, which also clears the line discipline's line marks: so the
+    whole lines are read first, then the rest with ICANON off, then ICANON goes back on
+    over an empty buffer, which changes nothing (n_tty_set_termios). Typed again (with
+    _give_input): a line ended by EOF gets its EOF character back (read drops it), and an
+    editing character taken literally gets the literal-next character (IEXTEN) first."""
+    cc = settings[17:36]
+    ends = {b"\n", bytes([cc[termios.VEOL]]), bytes([cc[termios.VEOL2]])} - {b"\0"}
+    editing = {cc[i] for i in (termios.VERASE, termios.VKILL, termios.VEOF, termios.VEOL,
+                               termios.VEOL2, termios.VWERASE, termios.VREPRINT,
+                               termios.VLNEXT)} - {0} | {ord("\n")}
+    lnext = bytes([cc[termios.VLNEXT]])
+
+    def literal(data: bytes) -> bytes:
+        return b"".join(lnext + bytes([c]) if c in editing else bytes([c]) for c in data)
+    typed, seen = b"", 0
+    while _pending(slave):
+        line = os.read(slave, 4096)   # one whole line
+        seen += len(line)
+        if line[-1:] in ends:
+            typed += literal(line[:-1]) + line[-1:]
+        else:   # ended by EOF, which the read dropped
+            typed += literal(line) + bytes([cc[termios.VEOF]])
+    off = bytearray(settings)
+    struct.pack_into("I", off, 12, _lflag(settings) & ~termios.ICANON)
+    fcntl.ioctl(slave, TCSETS2, bytes(off))
+    try:
+        typed += literal(_drain(slave))
+    finally:
+        fcntl.ioctl(slave, TCSETS2, settings)
+    return typed, seen
 
 
 def _lflag(t: bytes) -> int:
@@ -357,14 +396,17 @@ def _give_output(slave: int, master: int, settings: bytes, data: bytes) -> bool:
                  len(data))
 
 
-def _give_input(master: int, slave: int, settings: bytes, data: bytes) -> bool:
+def _give_input(master: int, slave: int, settings: bytes, data: bytes, seen: int) -> bool:
     """Input typed again at the master, unprocessed (no translation, signal characters,
-    echo: done when it was first typed), lands in the program's queue as it was."""
+    echo: done when it was first typed; in canonical mode only line editing, which
+    _take_lines escaped), lands in the program's queue as it was; `seen`: what FIONREAD
+    then counts."""
     i = bytearray(settings)
     struct.pack_into("I", i, 0, struct.unpack_from("I", i, 0)[0] & _FLOW)
-    struct.pack_into("I", i, 12, _lflag(settings) & ~_ECHOING)
-    return _with(slave, settings, bytes(i), lambda: _write_all(master, data), slave,
-                 len(data))
+    lflag = _lflag(settings)
+    struct.pack_into("I", i, 12, lflag & ~(_ECHOING if not lflag & termios.ICANON
+                                           else _ECHOING & ~termios.IEXTEN))
+    return _with(slave, settings, bytes(i), lambda: _write_all(master, data), slave, seen)
 
 
 def _controlling(records: list[ProcessRecord], lone: set[int], ptys: dict[int, Pty]
@@ -419,7 +461,8 @@ def make(pty: Pty, mntns_fd: int) -> list[int]:
         try:
             # The bytes that waited, each way, as the capture gave them back to the live
             # pty.
-            if pty.input and not _give_input(master, peer, pty.termios, pty.input) or \
+            if pty.input and not _give_input(master, peer, pty.termios, pty.input,
+                                             pty.input_seen) or \
                     pty.output and not _give_output(peer, master, pty.termios, pty.output):
                 raise OSError(errno.EIO, "its waiting bytes could not be put back")
             fcntl.ioctl(peer, TCSETS2, pty.termios)

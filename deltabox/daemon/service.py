@@ -1672,7 +1672,7 @@ class Daemon:
                         procs, thaw, snapshot, lambda: self._daemon_pipes(live),
                         tracer_ok=set(), reuse=reuse,
                         layers=live.rt.generation.layers if live.rt.generation else (),
-                        later=later)
+                        later=later, scope=row.id)
                     if later:
                         await self._room_for_templates(live, row, state)
                     live.tcp_captured |= state.holds_tcp
