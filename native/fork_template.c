@@ -3385,6 +3385,21 @@ void held_forget(struct dbxcr_held *h)
 	held_free(h);
 }
 
+/* The terminal's foreground process group, as the checkpoint found it: TIOCSPGRP needs a
+ * caller whose controlling terminal it is, in the terminal's session; from the leader,
+ * whose group the terminal took with it (take_terminal), the kernel sends no SIGTTOU.  The
+ * group must exist in the session by now (its members restored, held). */
+int dbxcr_held_foreground(struct dbxcr_held *h, int fd, pid_t pgrp, struct dbxcr_error *err)
+{
+	long a[6] = { fd, TIOCSPGRP, (long)h->tpl->scratch, 0, 0, 0 };
+
+	clear_error(err);
+	if (mem_write(h->c.pid, h->tpl->scratch, &pgrp, sizeof(pgrp), err) < 0)
+		return -1;
+	return rsys(&h->c, SYS_ioctl, a, err, "ioctl(%d, TIOCSPGRP, %d): its terminal's "
+		    "foreground process group", fd, (int)pgrp) < 0 ? -1 : 0;
+}
+
 int dbxcr_held_release(struct dbxcr_held *h, struct dbxcr_error *err)
 {
 	pid_t pid = h->c.pid;

@@ -298,6 +298,9 @@ pid_t dbxcr_spawn_held(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts
 		       struct dbxcr_held **out, struct dbxcr_error *err);
 pid_t dbxcr_held_pid(const struct dbxcr_held *h);
 int dbxcr_held_release(struct dbxcr_held *h, struct dbxcr_error *err);
+/* Before the release: make process group pgrp (in h's pid namespace) the foreground one of
+ * h's controlling terminal, which h holds at fd; h leads the terminal's session. */
+int dbxcr_held_foreground(struct dbxcr_held *h, int fd, pid_t pgrp, struct dbxcr_error *err);
 void dbxcr_held_kill(struct dbxcr_held *h);
 
 /* A socket created in the network namespace `netns_fd` refers to (a thread of our own

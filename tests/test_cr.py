@@ -865,14 +865,17 @@ def test_a_named_unix_socket_server_and_its_connection(sbx: Sandbox, restore: Re
 # A pexpect-style harness: an interactive bash on a pty (pty.fork: the shell leads its
 # session, the pty its controlling terminal), driven through the master by files: a command
 # in `cmd` is typed into the shell and its output, up to the next prompt, lands in `out`;
-# one in `cmd-nowait` is typed and left running. `ptyharness.py raw` keeps readline (raw
+# `keys` are typed as they are (no newline), the output up to the next prompt saved alike;
+# a command in `cmd-nowait` is typed and left running. `ptyharness.py raw` keeps readline (raw
 # mode while it waits); `canonical`: bash without readline (--noediting) reads in canonical
 # mode; `orphan`: raw, the shell started by a child that exits (not the harness's child).
 PTY_HARNESS = r"""
-import fcntl, os, pty, select, sys, termios, time
+import fcntl, os, pty, select, signal, sys, termios, time
 W = '/workspace/'
 mode = sys.argv[1]
 def shell():
+    for sig in (signal.SIGINT, signal.SIGQUIT):   # ignored under `nohup ... &`
+        signal.signal(sig, signal.SIG_DFL)
     os.environ.update(PS1='PROMPT$ ', TERM='dumb')
     opts = ['--noediting'] if mode == 'canonical' else []
     os.execvp('bash', ['bash', '--norc', '--noprofile', *opts, '-i'])
@@ -904,12 +907,12 @@ def until_prompt():
 until_prompt()
 open(W + 'pty-ready', 'w').close()
 while True:
-    for name in ('cmd', 'cmd-nowait'):
+    for name in ('cmd', 'keys', 'cmd-nowait'):
         if os.path.exists(W + name):
-            line = open(W + name).read()
+            line = open(W + name, 'rb').read()
             os.unlink(W + name)
-            os.write(fd, line.encode() + b'\n')
-            if name == 'cmd':
+            os.write(fd, line if name == 'keys' else line + b'\n')
+            if name != 'cmd-nowait':
                 with open(W + 'out.tmp', 'wb') as f:
                     f.write(until_prompt())
                 os.rename(W + 'out.tmp', W + 'out')
@@ -977,6 +980,32 @@ def _in_pane(sbx: Sandbox, n: int, line: str) -> str:
         return bool(got)
     wait_for(shown, what=f"the pane's answer to {line!r}")
     return got[0][len(f"@{n} "):].rstrip()
+
+
+def test_a_pty_shell_with_a_running_command_and_a_job_comes_back(sbx: Sandbox,
+                                                                 restore: Restore) -> None:
+    """The terminal's session with more than its shell: a background job and a command
+    running in the foreground at the checkpoint. Each is born of its restored shell in
+    the restored session (copied in from its template), the terminal's foreground group
+    is the command's again: ^C typed at the master interrupts it (SIGINT from the
+    terminal), the shell's prompt comes back and its job is still its own, on the
+    terminal. Refused until stop 50 (a session of more than its leader)."""
+    _start_pty_harness(sbx)
+    assert _typed(sbx, "sleep 1001 & echo @started") == "started"
+    sbx.files.write("cmd-nowait", "sleep 1002; echo @fg$((1 + 1))")
+    wait_for(lambda: sbx.exec("pgrep -c -x sleep").stdout.strip() == "2")
+    time.sleep(0.2)
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    target = restore(sbx, cp)
+    target.files.write("keys", "\x03")   # ^C: to the terminal's foreground group
+    wait_for(lambda: target.files.exists("out"), what="the prompt after ^C")
+    assert b"@fg2" not in target.files.read("out")   # `;` runs it only if not killed
+    target.exec("rm /workspace/out")
+    assert _typed(target, "echo @$(jobs -p | wc -l) $(cut -d' ' -f7 /proc/$(jobs -p)/stat)"
+                  ) == f"1 {136 << 8}"
+    assert _typed(target, "kill %1; wait %1; echo @$?") == "143"
+    assert target.exec("pgrep -x sleep").exit_code != 0
 
 
 def test_a_tmux_session_comes_back(sbx: Sandbox, restore: Restore) -> None:
@@ -1073,14 +1102,13 @@ def test_bytes_waiting_in_a_pseudo_terminal_come_back(sbx: Sandbox, restore: Res
 
 
 def test_a_pseudo_terminal_that_cannot_come_back_is_refused_by_name(sbx: Sandbox) -> None:
-    """A command running in the terminal's shell (its session has two processes: the
-    restored command would be born outside the session that gets the terminal) is
-    refused, naming the terminal."""
+    """A process of the terminal's session that is no child of another one of the session
+    (a job whose subshell exited: a child of init now) could not be born in the restored
+    session: refused, naming the terminal and the process."""
     _start_pty_harness(sbx)
-    sbx.files.write("cmd-nowait", "sleep 1000")
-    wait_for(lambda: sbx.exec("pgrep -x sleep").exit_code == 0)
-    _refused_by_name(sbx, r"its controlling terminal /dev/pts/0, in a session of 2 "
-                          r"processes: a restore gives a terminal back only")
+    assert _typed(sbx, "(sleep 1000 &); echo @ok") == "ok"
+    _refused_by_name(sbx, r"its controlling terminal /dev/pts/0, whose session's process "
+                          r"\d+ \(sleep 1000\) is not the child of a process of the session")
 
 
 # Makes (or opens) System V IPC objects by key and prints a semaphore's value: "sem K [V]"

@@ -60,16 +60,19 @@ Calls = Sequence[tuple[int, Sequence[int]]]   # Template.syscalls(): per thread 
 
 
 def adoptees(records: Iterable[ProcessRecord],
-             templates: Mapping[int, native.Template]) -> dict[int, int]:
+             templates: Mapping[int, native.Template],
+             forced: set[int] = frozenset()) -> dict[int, int]:
     """Captured child -> captured parent (host pids at the checkpoint) of the children a
-    restore gives back to their restored parent (see the module doc)."""
+    restore gives back to their restored parent (see the module doc); `forced`: children
+    adopted whatever their size (a pty session's: born in the restored session only so,
+    ptys.py)."""
     calls: dict[int, Calls] = {}   # each parent's, read once
     syscalls = template_syscalls(templates)
     out = {}
     for r, parent in _with_parents(records):
         if not _same_session(r, parent):
             continue
-        if cheap(r):
+        if cheap(r) or r.pid in forced:
             out[r.pid] = parent.pid
             continue
         if parent.pid not in calls:

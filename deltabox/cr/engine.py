@@ -177,7 +177,8 @@ class ProcessState:
     def family(self) -> dict[int, int]:
         """adoption.adoptees of its records: child -> parent, restored as such (fixed
         once captured: the templates hold the stops' registers)."""
-        return adoption.adoptees(self.records, self.templates)
+        return adoption.adoptees(self.records, self.templates,
+                                 forced=terminal_members(self.records))
 
     @functools.cached_property
     def adopters(self) -> set[int]:
@@ -466,7 +467,7 @@ class DeltaCR:
                     named_pipes, why = fifos.capture(records)
                     cap.refused.extend(why)
                 if not cap.refused:
-                    terminals, why = ptys.capture(records, lone_leaders(records))
+                    terminals, why = ptys.capture(records)
                     cap.refused.extend(why)
                 if cap.refused:
                     unlinked.close_saved(files)
@@ -700,7 +701,8 @@ class DeltaCR:
                 if into is not None:
                     groups.setdefault(rec.pgid, rec.nspid)
             if held:   # children before their parents, all at once
-                await self.worker.run(_release_held, list(held.values())[::-1])
+                await self.worker.run(_release_held, list(held.values())[::-1],
+                                      _foregrounds(state, held))
         except BaseException:
             with trio.CancelScope(shield=True):
                 # Gone before we say the restore failed: nothing half-restored lingers.
@@ -1806,12 +1808,23 @@ def _own_groups(records: list[ProcessRecord]) -> dict[int, int]:
 
 def lone_leaders(records: list[ProcessRecord]) -> set[int]:
     """Session leaders that are the only captured process of their session (a server
-    started with setsid, a kernel by jupyter_client): their templates leave the session
-    (Template.own_session), which frees its id, the leader's pid, once the live leader is
-    gone; the leader's child gets it back and leads a session again. With other members,
-    the session's templates stay in it: its members must be born in it."""
+    started with setsid, a kernel by jupyter_client), or that lead a pty's session (every
+    other process of which a restore gives back to its restored parent: ptys.py): their
+    templates leave the session (Template.own_session; so do those of the pty session's
+    others: terminal_members), which frees its id, the leader's pid, once the live
+    processes are gone; the leader's child gets it back and leads a session again. With
+    other members, the session's templates stay in it: its members must be born in it."""
     sessions = collections.Counter(r.sid for r in records)
-    return {r.pid for r in records if r.pid == r.sid and sessions[r.sid] == 1}
+    terminals = ptys.terminal_sessions(records)
+    return {r.pid for r in records if r.pid == r.sid
+            and (sessions[r.sid] == 1 or r.sid in terminals)}
+
+
+def terminal_members(records: list[ProcessRecord]) -> set[int]:
+    """The processes of a pty's session other than its leader: each is born of its
+    restored parent, in the restored session (adoption.adoptees' `forced`)."""
+    terminals = ptys.terminal_sessions(records)
+    return {r.pid for r in records if r.sid in terminals and r.pid != r.sid}
 
 
 def _leave_groups(templates: dict[int, native.Template], records: list[ProcessRecord]) -> None:
@@ -1819,7 +1832,7 @@ def _leave_groups(templates: dict[int, native.Template], records: list[ProcessRe
     of _own_groups' members out of their group, and those of lone_leaders out of their
     session (one injected setpgid or setsid each)."""
     groups = _own_groups(records)
-    lone = lone_leaders(records)
+    lone = lone_leaders(records) | terminal_members(records)
     for rec in records:
         tpl = templates.get(rec.pid)
         if rec.pid in lone and tpl is not None and not tpl.own_session_done:
@@ -1851,7 +1864,7 @@ def _rollback_ids(state: ProcessState) -> dict[int, tuple[int | None, int]]:
             continue
         freed = rec.pgid in groups and rec.pgid not in stayed
         keep = not _leader(rec) or (freed and rec.pid != rec.sid)
-        pgid = groups[rec.pgid] if state.templates[rec.pid].own_group_done else 0
+        pgid = groups.get(rec.pgid, 0) if state.templates[rec.pid].own_group_done else 0
         out[rec.pid] = (rec.nspid if keep else None), pgid
     return out
 
@@ -1969,7 +1982,7 @@ def _chains(state: ProcessState) -> dict[int, list[int]]:
         path.reverse()
         ancestors = [by_pid[p] for p in path[:-1]]
         if (len(ancestors) > native.CHAIN_MAX
-                or any(r.threads != 1 or r.shared for r in ancestors)
+                or any(r.threads != 1 or r.shared or r.tty_nr for r in ancestors)
                 or kid.rss_kb < ancestors[0].rss_kb + CHAIN_MIN_GAIN_KB):
             continue
         old = best.get(path[0])
@@ -1978,9 +1991,27 @@ def _chains(state: ProcessState) -> dict[int, list[int]]:
     return best
 
 
-def _release_held(held: list[native.Held]) -> None:
-    """Let held processes run (children before their parents); on a failure the rest
-    are left for _kill_held."""
+def _foregrounds(state: ProcessState, held: dict[int, native.Held]
+                 ) -> list[tuple[native.Held, int, int]]:
+    """(held leader, its fd of its terminal, the foreground group there) of each pty whose
+    foreground group was not its leader's (its members are restored by now)."""
+    out = []
+    for p in state.ptys:
+        if p.foreground:
+            if p.leader not in held:
+                raise native.CRError(errno.ESRCH, (
+                    f"{p.path}: its session's leader was not restored held, so its "
+                    "foreground process group cannot be given back"))
+            out.append((held[p.leader], p.leader_fd, p.foreground))
+    return out
+
+
+def _release_held(held: list[native.Held],
+                  foregrounds: list[tuple[native.Held, int, int]] = ()) -> None:
+    """Let held processes run (children before their parents), the terminals'
+    foreground groups set first; on a failure the rest are left for _kill_held."""
+    for h, fd, pgrp in foregrounds:
+        h.set_foreground(fd, pgrp)
     for h in held:
         h.release()
 

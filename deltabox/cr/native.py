@@ -250,6 +250,8 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_spawn_held.restype = ctypes.c_int
         lib.dbxcr_held_release.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_held_release.restype = ctypes.c_int
+        lib.dbxcr_held_foreground.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, err]
+        lib.dbxcr_held_foreground.restype = ctypes.c_int
         lib.dbxcr_held_kill.argtypes = [ctypes.c_void_p]
         lib.dbxcr_held_kill.restype = None
         lib.dbxcr_held_pid.argtypes = [ctypes.c_void_p]
@@ -940,6 +942,15 @@ class Held:
         if pid < 0:
             _raise_img(err)
         return Held(handle.value, pid)
+
+    def set_foreground(self, fd: int, pgrp: int) -> None:
+        """Before release(): make process group pgrp (in its pid namespace) the foreground
+        one of its controlling terminal, held at fd (it leads the terminal's session)."""
+        if self._handle is None:
+            raise CRError(_errno.EINVAL, f"held process {self.pid} was released or killed")
+        err = _Err()
+        if _load().dbxcr_held_foreground(self._handle, fd, pgrp, ctypes.byref(err)) < 0:
+            _raise(err)
 
     def release(self) -> None:
         err = _Err()

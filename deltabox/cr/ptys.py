@@ -27,10 +27,10 @@ Refused by name (FAILED_PRECONDITION, or Unsettled for output its reader will ta
 - output waiting in packet mode (its reads carry a header) or while the terminal is
   stopped by ^S (Unsettled: the checkpoint lets the reader take it and tries again);
   more than 4000 bytes of input;
-- a controlling terminal whose session has other processes than its leader (a command
-  running in the shell, a background job): the restored members would be born in their
-  templates' session, which no call can give a terminal back to; or whose foreground
-  group is not the leader's; or whose leader holds no descriptor of it;
+- a controlling terminal whose session has a process that is not the child of another
+  process of the session, or that maps memory shared with another process (it could not
+  be born in the restored session: see _session); whose foreground group has no
+  captured leader; whose leader holds no descriptor of it;
 - a slave whose master no process of the sandbox holds, a pty of another devpts, a
   locked one (unlockpt not called), another line discipline than N_TTY.
 Not kept: a terminal stopped by ^S (flow control: its output resumes); in canonical
@@ -88,9 +88,13 @@ class Pty:
     exclusive: bool = False     # TIOCEXCL on the slave
     descriptions: list[PtyEnd] = field(default_factory=list)
     # the session leader whose controlling terminal it is (host pid at the checkpoint),
-    # and its fd of the slave, by which it takes it back
+    # and its fd of the slave, by which it takes it back; the session's other processes
+    # (host pids: born of restored parents in it, adoption.py); its foreground process
+    # group (its id in the sandbox) if not the leader's (0)
     leader: int = 0
     leader_fd: int = -1
+    members: list[int] = field(default_factory=list)
+    foreground: int = 0
     output: bytes = b""         # written by its program, not read by the master's holder
     input: bytes = b""          # typed at the master, not read by its program (to type
                                 # again: ptys._take_lines)
@@ -105,6 +109,7 @@ class Pty:
                     packet=self.packet, exclusive=self.exclusive, leader=self.leader,
                     leader_fd=self.leader_fd, output=self.output.hex(),
                     input=self.input.hex(), input_seen=self.input_seen,
+                    members=self.members, foreground=self.foreground,
                     descriptions=[dict(master=d.master, flags=d.flags,
                                        holders=[list(h) for h in d.holders])
                                   for d in self.descriptions])
@@ -115,9 +120,11 @@ class Pty:
                    bool(d["packet"]), bool(d["exclusive"]),
                    [PtyEnd(bool(x["master"]), int(x["flags"]),
                            [(int(p), int(fd)) for p, fd in x["holders"]])
-                    for x in d["descriptions"]], int(d["leader"]), int(d["leader_fd"]),
-                   bytes.fromhex(d.get("output", "")), bytes.fromhex(d.get("input", "")),
-                   int(d.get("input_seen", 0)))
+                    for x in d["descriptions"]],
+                   leader=int(d["leader"]), leader_fd=int(d["leader_fd"]),
+                   members=[int(p) for p in d["members"]], foreground=int(d["foreground"]),
+                   output=bytes.fromhex(d["output"]), input=bytes.fromhex(d["input"]),
+                   input_seen=int(d["input_seen"]))
 
 
 def is_pty(f: native.FdInfo) -> bool:
@@ -134,10 +141,9 @@ def _int(fd: int, req: int) -> int:
     return struct.unpack("i", fcntl.ioctl(fd, req, b"\0" * 4))[0]
 
 
-def capture(records: list[ProcessRecord], lone: set[int]
-            ) -> tuple[list[Pty], list[Refusal]]:
+def capture(records: list[ProcessRecord]) -> tuple[list[Pty], list[Refusal]]:
     """The ptys the processes hold, with whose controlling terminal each is; the
-    refusals of those that cannot come back whole. `lone`: engine.lone_leaders."""
+    refusals of those that cannot come back whole."""
     if not any(is_pty(f) for r in records for f in r.fds) and \
             not any(r.tty_nr for r in records):
         return [], []
@@ -163,7 +169,7 @@ def capture(records: list[ProcessRecord], lone: set[int]
             refused.append(why)
         if pty is not None:
             ptys.append(pty)
-    refused += _controlling(records, lone, {p.index: p for p in ptys})
+    refused += _controlling(records, {p.index: p for p in ptys})
     return ([], refused) if refused else (ptys, refused)
 
 
@@ -409,10 +415,11 @@ def _give_input(master: int, slave: int, settings: bytes, data: bytes, seen: int
     return _with(slave, settings, bytes(i), lambda: _write_all(master, data), slave, seen)
 
 
-def _controlling(records: list[ProcessRecord], lone: set[int], ptys: dict[int, Pty]
-                 ) -> list[Refusal]:
-    """Note each pty's session leader; refuse controlling terminals that cannot be
-    given back (see the module's doc)."""
+def _controlling(records: list[ProcessRecord], ptys: dict[int, Pty]) -> list[Refusal]:
+    """Note each pty's session (its leader, the leader's fd of it, its other processes,
+    its foreground group); refuse controlling terminals that cannot be given back (see
+    the module's doc)."""
+    by_pid = {r.pid: r for r in records}
     out = []
     for rec in records:
         if not rec.tty_nr:
@@ -428,25 +435,57 @@ def _controlling(records: list[ProcessRecord], lone: set[int], ptys: dict[int, P
         why = None
         if pty is None:
             why = "whose master no process of the sandbox holds"
-        elif rec.pid != rec.sid or rec.pid not in lone:
-            n = sum(r.sid == rec.sid for r in records)
-            why = (f"in a session of {n} processes: a restore gives a terminal back only "
-                   "to a session leader alone in its session (the others would be born in "
-                   "a session no call can give it to); checkpoint while the terminal's "
-                   "shell waits for input with nothing running in it")
-        elif rec.tpgid != rec.pgid:
-            why = f"whose foreground process group ({rec.tpgid}) is not its own"
+        elif rec.pid != rec.sid:
+            if rec.sid not in by_pid:
+                why = "whose session's leader is not a process of the sandbox"
+            # else its leader's session check covers it
         else:
-            fds = [fd for e in pty.descriptions if not e.master
-                   for pid, fd in e.holders if pid == rec.pid]
-            if not fds:
-                why = "of which it holds no descriptor"
-            else:
-                pty.leader, pty.leader_fd = rec.pid, min(fds)
+            why = _session(rec, records, by_pid, pty)
         if why:
             out.append(Refusal(rec.nspid, rec.cmd, (
                 f"its controlling terminal /dev/pts/{index}, {why}: not captured")))
     return out
+
+
+def _session(leader: ProcessRecord, records: list[ProcessRecord],
+             by_pid: dict[int, ProcessRecord], pty: Pty) -> str | None:
+    """Note the terminal's session in `pty`, or say why it cannot come back. The leader
+    leads its session again at a restore (engine.lone_leaders) and takes the terminal
+    back; no call joins an existing session, so every other process of the session is
+    born in it from a restored parent of the session (adoption.py: each is a child of
+    one, copied in from its template), after the leader took its terminal (which they
+    inherit)."""
+    fds = [fd for e in pty.descriptions if not e.master
+           for pid, fd in e.holders if pid == leader.pid]
+    if not fds:
+        return "of which it holds no descriptor"
+    members = [r for r in records if r.sid == leader.sid and r.pid != leader.pid]
+    for m in members:
+        parent = by_pid.get(m.ppid)
+        if parent is None or parent.sid != leader.sid:
+            return (f"whose session's process {m.nspid} ({m.cmd}) is not the child of a "
+                    "process of the session (so it could not be born in the restored "
+                    "session)")
+        if m.shared:
+            return (f"whose session's process {m.nspid} ({m.cmd}) maps memory shared with "
+                    "another process (so it could not be born in the restored session)")
+    foreground = 0
+    if leader.tpgid != leader.pgid:
+        group = by_pid.get(leader.tpgid)
+        if group is None or group.sid != leader.sid:
+            return (f"whose foreground process group ({leader.tpgid} as the host sees it) "
+                    "has no leader in its session")
+        foreground = group.nspid
+    pty.leader, pty.leader_fd = leader.pid, min(fds)
+    pty.members = [m.pid for m in members]
+    pty.foreground = foreground
+    return None
+
+
+def terminal_sessions(records: list[ProcessRecord]) -> set[int]:
+    """The sessions (ids, host pids) whose leader has a pty as its controlling terminal."""
+    return {r.sid for r in records if r.pid == r.sid and r.tty_nr
+            and os.major(r.tty_nr) in PTS_MAJORS}
 
 
 def make(pty: Pty, mntns_fd: int) -> list[int]:
