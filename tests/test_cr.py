@@ -1017,6 +1017,12 @@ def test_a_tmux_session_comes_back(sbx: Sandbox, restore: Restore) -> None:
     assert sbx.exec("tmux new-session -d -s main -x 100 -y 30 "
                     "'bash --norc --noprofile -i'").exit_code == 0
     assert _in_pane(sbx, 1, 'cd /tmp; X=before; echo "@1 $(tty)"') == "/dev/pts/0"
+    # a second window runs a server in its shell's foreground (the pane's session: shell
+    # and server, the server's group the terminal's foreground)
+    assert sbx.exec("tmux new-window -t main -d 'bash --norc --noprofile -i' && sleep 0.3 "
+                    "&& tmux send-keys -t main:1 'cd /workspace && python3 -m http.server "
+                    "8123 --bind 127.0.0.1' Enter").exit_code == 0
+    wait_for(lambda: sbx.exec(GET.replace("8000/who", "8123/")).exit_code == 0)
     cp = sbx.checkpoint()
     assert cp.kind == "full"
     assert _in_pane(sbx, 2, 'X=after; cd /; echo "@2 $X"') == "after"
@@ -1025,6 +1031,12 @@ def test_a_tmux_session_comes_back(sbx: Sandbox, restore: Restore) -> None:
         "before /tmp /dev/pts/0 30 100"
     assert target.exec("tmux list-sessions -F '#{session_name}'").stdout == "main\n"
     assert _in_pane(target, 4, "echo @4 $(cut -d' ' -f7 /proc/$$/stat)") == str(136 << 8)
+    assert target.exec(GET.replace("8000/who", "8123/")).exit_code == 0   # the server
+    # ^C in its window reaches it (the terminal's foreground group) and its shell is back
+    target.exec("tmux send-keys -t main:1 C-c")
+    wait_for(lambda: target.exec(GET.replace("8000/who", "8123/")).exit_code != 0)
+    assert target.exec("tmux send-keys -t main:1 'echo \"@5 $((2 + 3))\"' Enter; sleep 0.3; "
+                       "tmux capture-pane -p -t main:1 | grep -c '^@5 5'").stdout == "1\n"
 
 
 # A pty pair with bytes waiting both ways at the checkpoint: its program (echo on) wrote
