@@ -2642,6 +2642,13 @@ static int put_string(struct tracee *c, unsigned long scratch, const char *s, co
 	return mem_write(c->pid, scratch, s, len, err);
 }
 
+/* /dev/tty opens the opener's controlling terminal (ENXIO without one): a child reopens
+ * it once it has its terminal (take_terminal, or inherited from its restored parent). */
+static bool is_dev_tty(const struct dbxcr_file *f)
+{
+	return strcmp(f->path, "/dev/tty") == 0;
+}
+
 /* Reopen one regular file at its fd number with its own file description and offset. */
 static int reopen_file(struct tracee *c, unsigned long scratch, const struct dbxcr_file *f,
 		       struct dbxcr_error *err)
@@ -3017,7 +3024,7 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 			return -1;
 	}
 	for (size_t i = 0; i < o->nfiles; i++)
-		if (reopen_file(c, scratch, &o->files[i], err) < 0)
+		if (!is_dev_tty(&o->files[i]) && reopen_file(c, scratch, &o->files[i], err) < 0)
 			return -1;
 	for (size_t i = 0; i < o->nlistens; i++)
 		if (recreate_listen(c, scratch, &o->listens[i], err) < 0)
@@ -3046,6 +3053,9 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		return 0;
 	if (o->ctty && take_terminal(c, o->ctty - 1, err) < 0)
 		return -1;
+	for (size_t i = 0; i < o->nfiles; i++)	/* its controlling terminal's, now it has one */
+		if (is_dev_tty(&o->files[i]) && reopen_file(c, scratch, &o->files[i], err) < 0)
+			return -1;
 	if (take_locks(c, scratch, o->locks, o->nlocks, err) < 0)
 		return -1;
 	if (threads_recreate(c, tpl, o->set_tid_size > 0, false, thr, err) < 0)

@@ -989,9 +989,11 @@ def test_a_pty_shell_with_a_running_command_and_a_job_comes_back(sbx: Sandbox,
     the restored session (copied in from its template), the terminal's foreground group
     is the command's again: ^C typed at the master interrupts it (SIGINT from the
     terminal), the shell's prompt comes back and its job is still its own, on the
-    terminal. Refused until stop 50 (a session of more than its leader)."""
+    terminal. The shell and its job hold /dev/tty open (as less, vim or a password
+    prompt do): reopened once each has its terminal. Refused until stop 50 (a session of
+    more than its leader, /dev/tty)."""
     _start_pty_harness(sbx)
-    assert _typed(sbx, "sleep 1001 & echo @started") == "started"
+    assert _typed(sbx, "exec 3<>/dev/tty; sleep 1001 & echo @started") == "started"
     sbx.files.write("cmd-nowait", "sleep 1002; echo @fg$((1 + 1))")
     wait_for(lambda: sbx.exec("pgrep -c -x sleep").stdout.strip() == "2")
     time.sleep(0.2)
@@ -1004,6 +1006,8 @@ def test_a_pty_shell_with_a_running_command_and_a_job_comes_back(sbx: Sandbox,
     target.exec("rm /workspace/out")
     assert _typed(target, "echo @$(jobs -p | wc -l) $(cut -d' ' -f7 /proc/$(jobs -p)/stat)"
                   ) == f"1 {136 << 8}"
+    assert _typed(target, "echo @$(readlink /proc/$$/fd/3 /proc/$(jobs -p)/fd/3) >&3") == \
+        "/dev/tty /dev/tty"
     assert _typed(target, "kill %1; wait %1; echo @$?") == "143"
     assert target.exec("pgrep -x sleep").exit_code != 0
 
@@ -1116,11 +1120,19 @@ def test_bytes_waiting_in_a_pseudo_terminal_come_back(sbx: Sandbox, restore: Res
 def test_a_pseudo_terminal_that_cannot_come_back_is_refused_by_name(sbx: Sandbox) -> None:
     """A process of the terminal's session that is no child of another one of the session
     (a job whose subshell exited: a child of init now) could not be born in the restored
-    session: refused, naming the terminal and the process."""
+    session, and /dev/tty held by a process that left the terminal's session would open
+    nothing: both refused, naming the terminal and the process."""
     _start_pty_harness(sbx)
     assert _typed(sbx, "(sleep 1000 &); echo @ok") == "ok"
     _refused_by_name(sbx, r"its controlling terminal /dev/pts/0, whose session's process "
                           r"\d+ \(sleep 1000\) is not the child of a process of the session")
+    # /dev/tty held by a process whose terminal it is not any more (a session of its own)
+    assert _typed(sbx, "pkill -x sleep; exec 4<>/dev/tty; setsid -f sleep 1003; exec 4>&-; "
+                       "echo @ok") == "ok"
+    with pytest.raises(deltabox.FailedPrecondition, match=(
+            r"\(sleep 1003\): fd 4: /dev/tty opened for a terminal that is not its "
+            r"controlling pseudo-terminal of the sandbox now")):
+        sbx.checkpoint()
 
 
 # Makes (or opens) System V IPC objects by key and prints a semaphore's value: "sem K [V]"

@@ -27,10 +27,9 @@ if TYPE_CHECKING:
 # Character devices a restored process may hold (null zero full random urandom): reopened
 # by path at a restore, there is nothing else to them.
 HARMLESS_CHR = {(1, 3), (1, 5), (1, 7), (1, 8), (1, 9)}
-# /dev/tty: a description of whichever terminal is the opener's controlling one, which
-# a restore would have to open after the process has taken its terminal back. Refused
-# (the ptys themselves, /dev/ptmx and /dev/pts/N, come back: cr/ptys.py).
-TERMINALS = {(5, 0): "its controlling terminal (/dev/tty)"}
+# /dev/tty (a description of the opener's controlling terminal), a pty's master and its
+# slave: cr/ptys.py.
+DEV_TTY = (5, 0)
 PTMX = (5, 2)                       # a pty's master
 PTS_MAJORS = range(136, 144)        # its slave, /dev/pts/N (UNIX98_PTY_SLAVE_MAJOR + 7)
 CAP_SYS_ADMIN = 21
@@ -560,10 +559,7 @@ def _fd_refusal(f: native.FdInfo) -> str | None:
     if f.kind == "chr":
         if f.rdev in HARMLESS_CHR:
             return None
-        if f.rdev in TERMINALS:
-            return (f"{TERMINALS[f.rdev]}: opened as /dev/tty, not captured (open the "
-                    "terminal by its name, /dev/pts/N, or use the descriptors it was given)")
-        if f.rdev == PTMX or f.rdev and f.rdev[0] in PTS_MAJORS:
+        if f.rdev in (DEV_TTY, PTMX) or f.rdev and f.rdev[0] in PTS_MAJORS:
             return None   # cr/ptys.py
         return f"device {f.path} ({f.rdev[0]}:{f.rdev[1]}) is not one of " \
                "null/zero/full/random/urandom" if f.rdev else f"device {f.path}"

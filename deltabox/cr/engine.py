@@ -67,7 +67,7 @@ from ..fs.files import open_in_root
 from . import (adoption, eventloop, fifos, listeners, native, pipebuf, private_maps,
                ptys, shared_files, shm_files, tcp, unix_listeners, unlinked, watches)
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
-from .capture import (ProcessRecord, Refusal, SharedMapping, Unsettled, add_listeners,
+from .capture import (DEV_TTY, ProcessRecord, Refusal, SharedMapping, Unsettled, add_listeners,
                       in_writable_layer, private_in_writable_layer, record, record_head,
                       refusals, shared_lock_refusals, status_refused)
 from .worker import PtraceWorker
@@ -825,18 +825,19 @@ class DeltaCR:
                        ) -> Prespawned | None:
         """Carriers, in the generation `mntfd` that a rollback to `state` will use, of
         every process but multi-threaded ones a rollback does not restore (a session leader:
-        native/threads.c), those watching a signalfd with epoll (the watch waits on the
-        signal queue of the task that made it: the carrier's, not its birth's), those
-        listening on an abstract unix name (the live process holds it: bound by their
-        spawn once it has exited) and captured parents and children (restored held, and
-        adopted: adoption.py):
-        restore(pre=...) gives birth to the processes from them. None if none. A TCP
+        native/threads.c), those holding /dev/tty open (reopened once a spawn has given
+        the process its terminal: ptys.py), those watching a signalfd with epoll (the
+        watch waits on the signal queue of the task that made it: the carrier's, not its
+        birth's), those listening on an abstract unix name (the live process holds it:
+        bound by their spawn once it has exited) and captured parents and children
+        (restored held, and adopted: adoption.py): restore(pre=...) gives birth to the processes from them. None if none. A TCP
         connection's or listener's sockets are made ahead, their addresses taken by the
         rollback (the live process still holds them)."""
         ids = _rollback_ids(state)
         recs = [r for r in state.records if not (r.threads > 1 and ids[r.pid][0] is None)
                 and not eventloop.watches_signalfd(r.loop) and not _abstract_name(r)
-                and r.pid not in state.family and r.pid not in state.adopters]
+                and r.pid not in state.family and r.pid not in state.adopters
+                and not ptys.holds_dev_tty(r)]
         if not recs:
             return None
         pre = Prespawned(state, _plan(state, rootfd, mntfd, armed=False), {})
@@ -1731,7 +1732,7 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
     fdmap.update(ahead)
     fdmap.update(plan.file_fds(rec))
     cloexec = {f.fd for f in rec.fds if f.fd in fdmap and f.flags & os.O_CLOEXEC}
-    files = [native.ReopenFile(f.fd, f.path, f.flags, f.pos)
+    files = [native.ReopenFile(f.fd, f.path, f.flags, -1 if f.rdev == DEV_TTY else f.pos)
              for f in rec.fds if f.kind in ("file", "dir", "chr") and not f.deleted
              and f.fd not in fdmap]
     return _Spawn(state.templates[rec.pid], fdmap, files, rec.cwd, mntfd,

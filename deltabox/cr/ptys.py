@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import native
-from .capture import PTMX, PTS_MAJORS, ProcessRecord, Refusal
+from .capture import DEV_TTY, PTMX, PTS_MAJORS, ProcessRecord, Refusal
 
 TCGETS2, TCSETS2 = 0x802C542A, 0x402C542B   # struct termios2: 44 bytes on x86_64
 TERMIOS2_SIZE = 44
@@ -58,6 +58,7 @@ TIOCGPTN, TIOCSPTLCK, TIOCGPTLCK = 0x80045430, 0x40045431, 0x80045439
 TIOCGPKT, TIOCPKT = 0x80045438, 0x5420
 TIOCGEXCL = 0x80045440
 TIOCGPTPEER = 0x5441
+TIOCGDEV = 0x80045432               # the device of the terminal behind a descriptor
 N_TTY = 0
 PTMX_PATH = "/dev/pts/ptmx"         # the sandbox's devpts: mkroot.c mounts it ptmxmode=0666
 MAX_SKIPS = 256                     # indices opened and dropped to reach one (devpts)
@@ -170,6 +171,7 @@ def capture(records: list[ProcessRecord]) -> tuple[list[Pty], list[Refusal]]:
         if pty is not None:
             ptys.append(pty)
     refused += _controlling(records, {p.index: p for p in ptys})
+    refused += _dev_tty(records, {p.index for p in ptys})
     return ([], refused) if refused else (ptys, refused)
 
 
@@ -480,6 +482,38 @@ def _session(leader: ProcessRecord, records: list[ProcessRecord],
     pty.members = [m.pid for m in members]
     pty.foreground = foreground
     return None
+
+
+def _dev_tty(records: list[ProcessRecord], captured: set[int]) -> list[Refusal]:
+    """/dev/tty held open (less, vim, a password prompt): reopened by a restored process
+    once it has its terminal back (fork_template.c), so it must be its controlling
+    terminal's, a pty of the checkpoint."""
+    out = []
+    for rec in records:
+        for f in rec.fds:
+            if f.kind != "chr" or f.rdev != DEV_TTY:
+                continue
+            try:
+                ours = native.copy_fd(rec.pid, f.fd)
+            except OSError:
+                continue   # gone with its process: the capture's others notice
+            try:
+                dev = _int(ours, TIOCGDEV) & 0xFFFFFFFF
+            except OSError:
+                dev = 0   # hung up: no terminal behind it any more
+            finally:
+                os.close(ours)
+            if not rec.tty_nr or dev != rec.tty_nr or \
+                    _slave_index(os.major(dev), os.minor(dev)) not in captured:
+                out.append(Refusal(rec.nspid, rec.cmd, (
+                    f"fd {f.fd}: /dev/tty opened for a terminal that is not its controlling "
+                    "pseudo-terminal of the sandbox now: not captured")))
+    return out
+
+
+def holds_dev_tty(rec: ProcessRecord) -> bool:
+    """Whether it holds /dev/tty open (reopened after its terminal is back)."""
+    return any(f.kind == "chr" and f.rdev == DEV_TTY for f in rec.fds)
 
 
 def terminal_sessions(records: list[ProcessRecord]) -> set[int]:
