@@ -830,9 +830,10 @@ class DeltaCR:
         watch waits on the signal queue of the task that made it: the carrier's, not its
         birth's), those listening on an abstract unix name (the live process holds it:
         bound by their spawn once it has exited) and captured parents and children
-        (restored held, and adopted: adoption.py): restore(pre=...) gives birth to the processes from them. None if none. A TCP
-        connection's or listener's sockets are made ahead, their addresses taken by the
-        rollback (the live process still holds them)."""
+        (restored held, and adopted: adoption.py): restore(pre=...) gives birth to the
+        processes from them. None if none. A TCP connection's or listener's sockets are
+        made ahead, their addresses taken by the rollback (the live process still holds
+        them)."""
         ids = _rollback_ids(state)
         recs = [r for r in state.records if not (r.threads > 1 and ids[r.pid][0] is None)
                 and not eventloop.watches_signalfd(r.loop) and not _abstract_name(r)
