@@ -246,11 +246,12 @@ def _read(index: int, group: list[tuple[PtyEnd, ProcessRecord, int]]
                       fcntl.ioctl(peer, termios.TIOCGWINSZ, bytes(8)),
                       bool(_int(ours, TIOCGPKT)), bool(_int(peer, TIOCGEXCL)),
                       [e for e, _, _ in group])
-            why = _queues(pty, ours, peer, group)
-            if why is None and _int(peer, termios.TIOCGETD) != N_TTY:
+            if _int(peer, termios.TIOCGETD) != N_TTY:   # before any byte is moved
                 why = Refusal(rec.nspid, rec.cmd, (
                     f"fd {fd}: /dev/pts/{index} has another line discipline than N_TTY: "
                     "not captured"))
+            else:
+                why = _queues(pty, ours, peer, group)
         finally:
             os.close(peer)
     finally:
@@ -280,12 +281,13 @@ def _queues(pty: Pty, master: int, slave: int,
             return Refusal(rec0.nspid, rec0.cmd, (
                 f"fd {fd0}: the {len(pty.output)} bytes of output waiting in {pty.path} "
                 "could not be copied"))
-    if _pending(slave) > MAX_INPUT or not _writable(master):
-        # (Canonical mode counts whole lines only: the one being typed is checked below.)
-        return Refusal(rec0.nspid, rec0.cmd, (
-            f"fd {fd0}: {_pending(slave)} bytes of input wait in {pty.path}, not read by "
-            "its program yet: not captured; checkpoint once it has read them"))
+    waiting = _pending(slave)   # in canonical mode, whole lines only (see _take_lines)
     canonical = bool(_lflag(pty.termios) & termios.ICANON)
+    if waiting > MAX_INPUT or (waiting or canonical) and not _writable(master):
+        # (No room to type it again: the slave's input is throttled, or the master stopped.)
+        return Refusal(rec0.nspid, rec0.cmd, (
+            f"fd {fd0}: {waiting or 'some'} bytes of input wait in {pty.path}, not read by "
+            "its program yet: not captured; checkpoint once it has read them"))
     if canonical:
         pty.input, pty.input_seen = _take_lines(slave, pty.termios)
     elif _pending(slave):
@@ -375,11 +377,15 @@ def _write_all(fd: int, data: bytes) -> bool:
 
 def _settled(fd: int, want: int) -> bool:
     """Whether the bytes written reach the line discipline at fd (the pty's buffer work
-    runs asynchronously) within ~0.2 s, exactly `want` of them."""
+    runs asynchronously) within ~0.2 s, exactly `want` of them. In canonical mode FIONREAD
+    shows a line as soon as its newline is in, and the poll() of _pending runs the buffer
+    work only while nothing shows: the rest of the chunk (a line being typed after it) is
+    given 1 ms more, which the work needs a few microseconds of."""
     for _ in range(200):
         got = _pending(fd)
         if got >= want:
-            return got == want
+            time.sleep(0.001)
+            return got == want == _pending(fd)
         time.sleep(0.001)
     return False
 
