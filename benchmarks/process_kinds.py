@@ -14,8 +14,11 @@ a subshell in wait4: restored as that shell's own child from an image of its tem
 its memory copied from the template, deltabox/cr/adoption.py; every other kind starts with
 `cd dir; nohup prog &`, no shell waiting), and the plain one beside an idle bash session
 (`session`) or a session with a small background job (`job`: `sleep 1000 &`, adopted by
-the restored shell, checked to be its child after every rollback), in the same run on one
-private daemon, each in a sandbox of its own with the same memory (--mb).
+the restored shell, checked to be its child after every rollback), or beside a detached
+tmux session whose pane runs an idle interactive bash (`tmux`: the pty made again at its
+index, the pane's shell taking it back as its controlling terminal, deltabox/cr/ptys.py;
+checked after every rollback by typing into the pane), in the same run on one private
+daemon, each in a sandbox of its own with the same memory (--mb).
 
 Each rep, for every kind in turn (the order rotates): the process changes its state (a
 counter and a page of its memory), pauses (--think: the warm pool prepares meanwhile),
@@ -47,7 +50,7 @@ from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, latenc
 from deltabox import Sandbox
 
 KINDS = ("plain", "asyncio", "tempfile", "threads", "shared", "watcher", "waited",
-         "session", "job")
+         "session", "job", "tmux")
 # Kinds whose process is the plain one, beside a bash session: idle (`session`), or with a
 # background job (`job`: `sleep 1000 &`, adopted by the restored shell: adoption.py).
 SESSION_KINDS = {"session": "true", "job": "sleep 1000 &"}
@@ -180,13 +183,27 @@ def start(d: PrivateDaemon, kind: str, mb: int, temp_mb: int, dirs: int) -> Sand
     sbx = Sandbox.create(socket=d.socket)
     sbx.files.write("prog.py", PROG)
     then = "&&" if kind == "waited" else ";"
-    prog = "plain" if kind in SESSION_KINDS else kind
+    prog = "plain" if kind in SESSION_KINDS or kind == "tmux" else kind
     sbx.exec(f"cd /workspace {then} nohup python3 prog.py {prog} {mb} {temp_mb} {dirs} "
              ">/dev/null 2>&1 &")
     wait_until(lambda: sbx.files.exists("ready"), f"the {kind} process")
     if kind in SESSION_KINDS:
         sbx.session("main").run(SESSION_KINDS[kind])
+    if kind == "tmux":
+        sbx.exec("tmux new-session -d -s main -x 100 -y 30 'bash --norc --noprofile -i'")
+        _pane_is_back(sbx, 0)
     return sbx
+
+
+def _pane_is_back(sbx: Sandbox, n: int) -> None:
+    """The tmux pane's shell answers what is typed into it, on /dev/pts/0, its
+    controlling terminal (tty_nr 136:0)."""
+    mark = f"@{n} /dev/pts/0 {136 << 8}"
+    sbx.exec(f"""tmux send-keys -t main 'echo "@{n} $(tty) $(cut -d" " -f7 /proc/$$/stat)"' """
+             "Enter")
+    wait_until(lambda: mark in [x.rstrip() for x in
+                                sbx.exec("tmux capture-pane -p -t main").stdout.split("\n")],
+               f"the tmux pane's answer {mark!r}")
 
 
 def _job_is_the_shells(sbx: Sandbox) -> None:
@@ -235,6 +252,8 @@ def one_rep(sbx: Sandbox, think: float, kind: str = "", dump_wait: bool = True
         raise RuntimeError(f"after the rollback the process reports {got!r}, not {want!r}")
     if kind == "job":
         _job_is_the_shells(sbx)
+    if kind == "tmux":
+        _pane_is_back(sbx, int(time.time() * 1000) % 1_000_000)
     return {"checkpoint": ck, "checkpoint_server": cp.duration_ms,
             "rollback": rb_ms, "rollback_server": rb.duration_ms}
 

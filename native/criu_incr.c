@@ -3129,7 +3129,13 @@ int dbxcr_held_chain(struct dbxcr_template *child_tpl, size_t n,
 	chain_birth_opts(&anc_opts[0], &o);
 	if (held_spawn_shared(child_tpl, &o, &x[0], err) < 0)
 		return -1;
-	for (made = 1; made < n; made++) {
+	for (made = 1; made <= n; made++) {
+		/* A pty session's leader takes its terminal before the rest are born of it. */
+		if (anc_opts[made - 1].ctty &&
+		    held_take_terminal(x[made - 1], &anc_opts[made - 1], err) < 0)
+			goto kill;
+		if (made == n)
+			break;
 		chain_birth_opts(&anc_opts[made], &o);
 		if (held_spawn_child(x[made - 1], child_tpl, &o, CLONE_VM, &x[made], err) < 0)
 			goto kill;

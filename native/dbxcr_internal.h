@@ -303,6 +303,8 @@ int held_spawn_child(struct dbxcr_held *h, struct dbxcr_template *tpl,
 		     struct dbxcr_held **out, struct dbxcr_error *err);
 pid_t held_spawn_shared(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *opts,
 			struct dbxcr_held **out, struct dbxcr_error *err);
+int held_take_terminal(struct dbxcr_held *h, const struct dbxcr_spawn_opts *o,
+		       struct dbxcr_error *err);
 int held_exec(struct dbxcr_held *h, int exe_fd, struct dbxcr_error *err);
 void held_forget(struct dbxcr_held *h);
 struct thread_set *threads_dup(const struct thread_set *src);

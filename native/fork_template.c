@@ -3240,6 +3240,35 @@ pid_t dbxcr_held_pid(const struct dbxcr_held *h)
 	return h->c.pid;
 }
 
+/* A held leader of a pty's session takes its terminal before it has its descriptors (a
+ * chain's root: its children, born next, inherit the terminal): the one descriptor of o's
+ * that is its terminal is installed at its number, then TIOCSCTTY (take_terminal).  The
+ * full setup later installs it again and takes the terminal again, which the kernel
+ * accepts from the session's leader. */
+int held_take_terminal(struct dbxcr_held *h, const struct dbxcr_spawn_opts *o,
+		       struct dbxcr_error *err)
+{
+	int target = o->ctty - 1, got;
+	long d[6] = { 0 };
+
+	for (size_t i = 0; i < o->nfds; i++) {
+		if (o->fds[i].target != target)
+			continue;
+		if (transfer_fds(&h->c, h->tpl->scratch, &o->fds[i].src, 1, &got, err) < 0)
+			return -1;
+		d[0] = got;
+		d[1] = target;
+		if (got != target && rsys(&h->c, SYS_dup3, d, err, "install fd %d", target) < 0)
+			return -1;
+		d[1] = 0;
+		if (got != target && rsys(&h->c, SYS_close, d, err, "close received fd %d", got) < 0)
+			return -1;
+		return take_terminal(&h->c, target, err);
+	}
+	return fail(err, EINVAL, h->c.pid, "its controlling terminal's fd %d is not among its "
+		    "descriptors", target);
+}
+
 /* clone3 in the held process: its own child (exit signal SIGCHLD, pid set_tid[0] in its
  * pid namespace; sharing its address space given CLONE_VM in flags), attached at birth
  * and stopped before it runs any code.  The held

@@ -1575,6 +1575,33 @@ def test_big_child_a_subshell_waits_for_is_shared_not_copied(sbx: Sandbox,
     assert target.files.read("crc1") == crc
 
 
+def test_a_big_command_in_a_pty_shell_is_shared_not_copied(sbx: Sandbox,
+                                                           restore: Restore) -> None:
+    """A 48 MB python running in the foreground of a pty's shell (a server started in a
+    tmux pane): restored as the shell's child in the terminal's session and foreground
+    group, it is its template's copy-on-write copy (a chain: engine._chains; the shell
+    takes its terminal before the command is born of it), its memory intact; ^C typed at
+    the master stops it."""
+    sbx.files.write("/workspace/server.py", SERVER)
+    _start_pty_harness(sbx)
+    sbx.files.write("cmd-nowait", "cd /workspace && python3 server.py")
+    wait_for(lambda: sbx.files.exists("crc0") and sbx.files.read("crc0") != b"")
+    crc = sbx.files.read("crc0")
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    target = restore(sbx, cp)
+    server = target.exec("pgrep -f '[s]erver.py'").stdout.strip()
+    assert target.exec(f"cut -d' ' -f7 /proc/{server}/stat").stdout.strip() == str(136 << 8)
+    private = target.exec(f"awk '/^Private_Dirty/ {{print $2}}' /proc/{server}/smaps_rollup")
+    assert int(private.stdout) < 16 << 10, private.stdout   # KB: 48 MB shared
+    target.exec("touch /workspace/ask")
+    wait_for(lambda: target.files.exists("crc1") and target.files.read("crc1") != b"")
+    assert target.files.read("crc1") == crc
+    target.files.write("keys", "\x03")   # ^C
+    wait_for(lambda: target.files.exists("out"), what="the prompt after ^C")
+    wait_for(lambda: target.exec("pgrep -f '[s]erver.py'").exit_code != 0)
+
+
 # Its main thread's sigaltstack, as sigaltstack(NULL, &old) reports it, in alt0 and then in
 # alt1 whenever `ask` appears.
 ALTSTACK = """\

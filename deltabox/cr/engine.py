@@ -1984,7 +1984,7 @@ def _chains(state: ProcessState) -> dict[int, list[int]]:
         path.reverse()
         ancestors = [by_pid[p] for p in path[:-1]]
         if (len(ancestors) > native.CHAIN_MAX
-                or any(r.threads != 1 or r.shared or r.tty_nr for r in ancestors)
+                or any(r.threads != 1 or r.shared for r in ancestors)
                 or kid.rss_kb < ancestors[0].rss_kb + CHAIN_MIN_GAIN_KB):
             continue
         old = best.get(path[0])
