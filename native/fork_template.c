@@ -118,6 +118,7 @@
 #include <sys/prctl.h>
 #include <sys/ptrace.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <sys/user.h>
@@ -3781,6 +3782,66 @@ static void *mntns_open_thread(void *arg)
 		j->step = "openat2";
 	}
 	return NULL;
+}
+
+/* ---------- binding a unix socket to a path of a sandbox's tree ----------
+ *
+ * The kernel keeps the path given to bind() as the socket's name (getsockname, sock_diag):
+ * binding through a directory's magic link (/proc/self/fd/N/name) would name it so.  A
+ * thread of our own with its own fs_struct (unshare(CLONE_FS)) chroots into the tree and
+ * binds the socket to the path itself, resolved in that tree only. */
+struct root_bind_job {
+	int root_fd;
+	int sock_fd;
+	const char *path;
+	int code;
+	const char *step;
+};
+
+static void *root_bind_thread(void *arg)
+{
+	struct root_bind_job *j = arg;
+	struct sockaddr_un sun = { .sun_family = AF_UNIX };
+
+	if (unshare(CLONE_FS) < 0) {
+		j->code = errno;
+		j->step = "unshare CLONE_FS";
+		return NULL;
+	}
+	if (fchdir(j->root_fd) < 0 || chroot(".") < 0) {
+		j->code = errno;
+		j->step = "chroot into the tree";
+		return NULL;
+	}
+	memcpy(sun.sun_path, j->path, strlen(j->path));
+	if (bind(j->sock_fd, (struct sockaddr *)&sun,
+		 (socklen_t)(offsetof(struct sockaddr_un, sun_path) + strlen(j->path) + 1)) < 0) {
+		j->code = errno;
+		j->step = "bind";
+	}
+	return NULL;
+}
+
+int dbxcr_root_bind(int root_fd, int sock_fd, const char *path, struct dbxcr_error *err)
+{
+	struct root_bind_job j = { root_fd, sock_fd, path, 0, NULL };
+	pthread_t th;
+	int rc;
+
+	clear_error(err);
+	if (path[0] != '/' || strlen(path) >= sizeof(((struct sockaddr_un *)0)->sun_path))
+		return fail(err, EINVAL, current_tid(), "bind to %s: not an absolute path that "
+			    "fits a unix socket's name", path);
+	rc = pthread_create(&th, NULL, root_bind_thread, &j);
+	if (rc != 0)
+		return fail(err, rc, current_tid(), "bind %s: pthread_create", path);
+	rc = pthread_join(th, NULL);
+	if (rc != 0)
+		return fail(err, rc, current_tid(), "bind %s: pthread_join", path);
+	if (j.code)
+		return fail(err, j.code, current_tid(), "bind socket fd %d to %s in the tree at fd "
+			    "%d: %s", sock_fd, path, root_fd, j.step);
+	return 0;
 }
 
 int dbxcr_mntns_open(int mntns_fd, const char *path, int flags, int mode,

@@ -314,6 +314,10 @@ int dbxcr_netns_socket(int netns_fd, int domain, int type, int protocol,
 int dbxcr_netns_socketpair(int netns_fd, int domain, int type, int sv[2],
 			   struct dbxcr_error *err);
 
+/* Bind our unix socket sock_fd to the absolute `path` of the tree at root_fd (resolved
+ * there only: a thread of ours chroots into it), so that the socket's name is `path`. */
+int dbxcr_root_bind(int root_fd, int sock_fd, const char *path, struct dbxcr_error *err);
+
 /* Open `path` as seen in the mount namespace `mntns_fd` (a thread made for the call joins
  * it), no symlink followed: flags (O_CLOEXEC added) and mode as open(2).  Our fd. */
 int dbxcr_mntns_open(int mntns_fd, const char *path, int flags, int mode,

@@ -859,6 +859,10 @@ def test_a_named_unix_socket_server_and_its_connection(sbx: Sandbox, restore: Re
     assert (r.exit_code, r.stdout) == (0, "new 3\n"), r
     if not name.startswith("@"):
         assert target.exec(f"stat -c %a {name}").stdout == "660\n"
+        # named by its path again: until stop 50 the restored socket was named by the
+        # /proc/self/fd link it had been bound through, and the next checkpoint refused it
+        assert "/proc/self" not in target.exec("cat /proc/net/unix").stdout
+    assert target.checkpoint().kind == "full"
     target.exec("pkill -f usrv.py; pkill -f ucli.py; true")
 
 
@@ -1034,6 +1038,7 @@ def test_a_tmux_session_comes_back(sbx: Sandbox, restore: Restore) -> None:
     assert _in_pane(target, 3, 'echo "@3 $X $PWD $(tty) $(stty size)"') == \
         "before /tmp /dev/pts/0 30 100"
     assert target.exec("tmux list-sessions -F '#{session_name}'").stdout == "main\n"
+    assert target.checkpoint().kind == "full"   # again (its socket's name: unix_listeners)
     assert _in_pane(target, 4, "echo @4 $(cut -d' ' -f7 /proc/$$/stat)") == str(136 << 8)
     assert target.exec(GET.replace("8000/who", "8123/")).exit_code == 0   # the server
     # ^C in its window reaches it (the terminal's foreground group) and its shell is back

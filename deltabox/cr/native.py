@@ -222,6 +222,8 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_netns_socketpair.argtypes = [ctypes.c_int] * 3 + [
             ctypes.POINTER(ctypes.c_int), err]
         lib.dbxcr_netns_socketpair.restype = ctypes.c_int
+        lib.dbxcr_root_bind.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, err]
+        lib.dbxcr_root_bind.restype = ctypes.c_int
         lib.dbxcr_mntns_open.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
                                          ctypes.c_int, err]
         lib.dbxcr_mntns_open.restype = ctypes.c_int
@@ -1400,6 +1402,15 @@ def netns_socketpair(pid: int, type: int) -> tuple[socket.socket, socket.socket]
     if rc < 0:
         _raise(err)
     return socket.socket(fileno=sv[0]), socket.socket(fileno=sv[1])
+
+
+def root_bind(root_fd: int, sock: socket.socket, path: str) -> None:
+    """Bind our unix socket to the absolute `path` of the tree at root_fd, resolved there
+    only, so that its name (getsockname, sock_diag) is `path` (dbxcr_root_bind)."""
+    err = _Err()
+    if _load().dbxcr_root_bind(root_fd, sock.fileno(), os.fsencode(path),
+                               ctypes.byref(err)) < 0:
+        _raise(err)
 
 
 def mntns_open(mntns_fd: int, path: str, flags: int, mode: int = 0o600) -> int:

@@ -99,9 +99,10 @@ def make(u: UnixListener, netns_pid: int, root: int) -> int:
 
 
 def _bind_path(s: socket.socket, u: UnixListener, root: int) -> None:
-    """Bind to u's path in the tree at `root`: through its directory (the path resolved in
-    that tree only), the checkpoint's stale socket file replaced, owner and mode as they
-    were."""
+    """Bind to u's path in the tree at `root` (resolved in that tree only, and the
+    socket's name: until stop 50 it was bound through its directory's /proc/self/fd link,
+    which became its name, so the next checkpoint looked for a socket file there and
+    refused), the checkpoint's stale socket file replaced, owner and mode as they were."""
     parent, base = os.path.split(u.name)
     d = open_in_root(root, parent or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -110,7 +111,7 @@ def _bind_path(s: socket.socket, u: UnixListener, root: int) -> None:
                 os.unlink(base, dir_fd=d)
         except FileNotFoundError:
             pass
-        s.bind(f"/proc/self/fd/{d}/{base}")
+        native.root_bind(root, s, u.name)
         os.chown(base, u.uid, u.gid, dir_fd=d, follow_symlinks=False)
         os.chmod(base, u.mode, dir_fd=d)
     finally:
