@@ -970,6 +970,13 @@ def test_a_shell_on_a_pseudo_terminal_comes_back_with_its_terminal(
         # the source's shell is its own, on its own pty (a restarted daemon's source
         # restarted its processes)
         assert _typed(sbx, 'echo "@$X $PWD $(stty size)"') == "after / 24 80"
+    # Again, from the restored shell: its commands still get its stdio (the restored
+    # descriptions once carried TIOCGPTPEER's O_CLOEXEC, which the next checkpoint took
+    # for close-on-exec descriptors: `tty` then said "not a tty").
+    cp2 = target.checkpoint()
+    assert cp2.kind == "full"
+    assert target.rollback(cp2).process_state == "restored"
+    assert _typed(target, "echo @$(tty) $X") == "/dev/pts/0 before"
 
 
 def _in_pane(sbx: Sandbox, n: int, line: str) -> str:
@@ -1131,6 +1138,19 @@ def test_a_pseudo_terminal_that_cannot_come_back_is_refused_by_name(sbx: Sandbox
     assert _typed(sbx, "(sleep 1000 &); echo @ok") == "ok"
     _refused_by_name(sbx, r"its controlling terminal /dev/pts/0, whose session's process "
                           r"\d+ \(sleep 1000\) is not the child of a process of the session")
+    # a slave opened from its master with O_CLOEXEC: which descriptors close on exec is
+    # hidden (the description carries the flag)
+    assert _typed(sbx, "pkill -x sleep; echo @ok") == "ok"
+    sbx.exec("cd /workspace && nohup python3 -c \"import fcntl, os, time\n"
+             "m = os.open('/dev/ptmx', os.O_RDWR | os.O_NOCTTY)\n"
+             "fcntl.ioctl(m, 0x40045431, b'\\0' * 4)\n"
+             "s = fcntl.ioctl(m, 0x5441, os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)\n"
+             "open('peer', 'w').close(); time.sleep(1000)\" >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("peer"))
+    with pytest.raises(deltabox.FailedPrecondition, match=(
+            r"fd \d+: /dev/pts/1 was opened from its master with O_CLOEXEC")):
+        sbx.checkpoint()
+    sbx.exec("pkill -f '[0]x5441'")
     # /dev/tty held by a process whose terminal it is not any more (a session of its own)
     assert _typed(sbx, "pkill -x sleep; exec 4<>/dev/tty; setsid -f sleep 1003; exec 4>&-; "
                        "echo @ok") == "ok"

@@ -159,10 +159,10 @@ def capture(records: list[ProcessRecord]) -> tuple[list[Pty], list[Refusal]]:
                 index, why = _end_index(rec, f, devpts)
             except OSError:
                 continue   # gone with its process: the capture's others notice
+            if why is None:
+                why = _add(ends.setdefault(index, []), rec, f)
             if why:
                 refused.append(Refusal(rec.nspid, rec.cmd, f"fd {f.fd}: {why}"))
-                continue
-            _add(ends.setdefault(index, []), rec, f)
     ptys: list[Pty] = []
     for index, group in sorted(ends.items()):
         pty, why = _read(index, group)
@@ -216,14 +216,47 @@ def _end_index(rec: ProcessRecord, f: native.FdInfo, devpts: int) -> tuple[int, 
 
 
 def _add(group: list[tuple[PtyEnd, ProcessRecord, int]], rec: ProcessRecord,
-         f: native.FdInfo) -> None:
-    """f joins the description it shares (kcmp), or makes one of its own."""
+         f: native.FdInfo) -> str | None:
+    """f joins the description it shares (kcmp), or makes one of its own; why it is
+    refused, if it is."""
     master = f.rdev == PTMX
     for end, rec0, fd0 in group:
         if end.master == master and native.same_file(rec0.pid, fd0, rec.pid, f.fd):
             end.holders.append((rec.pid, f.fd))
-            return
+            return None
     group.append((PtyEnd(master, f.flags & _KEEP, [(rec.pid, f.fd)]), rec, f.fd))
+    if not master and _sticky(rec.pid, f.fd):
+        return (f"{f.path} was opened from its master with O_CLOEXEC (TIOCGPTPEER keeps it "
+                "in the description, so which of its descriptors close on exec cannot be "
+                "told): not captured")
+    return None
+
+
+def _sticky(pid: int, fd: int) -> bool:
+    """Whether the description behind pid's fd carries O_CLOEXEC in its own flags, as
+    TIOCGPTPEER leaves it (an open(2) drops it): /proc/PID/fdinfo's flags then show it for
+    every descriptor of it, close-on-exec or not. Seen on a dup of ours that is not
+    close-on-exec."""
+    ours = native.copy_fd(pid, fd)
+    try:
+        # F_DUPFD: not close-on-exec (os.dup's is), so its fdinfo shows only the
+        # description's flags
+        dup = fcntl.fcntl(ours, fcntl.F_DUPFD, 0)
+        try:
+            flags = _fdinfo_flags(dup)
+        finally:
+            os.close(dup)
+    finally:
+        os.close(ours)
+    return bool(flags & os.O_CLOEXEC)
+
+
+def _fdinfo_flags(fd: int) -> int:
+    with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+        for line in f:
+            if line.startswith(b"flags:"):
+                return int(line.split()[1], 8)
+    return 0
 
 
 def _read(index: int, group: list[tuple[PtyEnd, ProcessRecord, int]]
@@ -551,10 +584,13 @@ def make(pty: Pty, mntns_fd: int) -> list[int]:
             for d in pty.descriptions:
                 if d.master:
                     fd = os.dup(master)
-                    os.set_inheritable(fd, False)
                     fcntl.fcntl(fd, fcntl.F_SETFL, d.flags & os.O_NONBLOCK)
                 else:
-                    fd = fcntl.ioctl(master, TIOCGPTPEER, d.flags | os.O_NOCTTY | os.O_CLOEXEC)
+                    # Not O_CLOEXEC: TIOCGPTPEER keeps it in the description's flags, where
+                    # /proc/PID/fdinfo shows it for every descriptor of it (_sticky), so
+                    # the next checkpoint would take them all for close-on-exec ones.
+                    fd = fcntl.ioctl(master, TIOCGPTPEER, d.flags | os.O_NOCTTY)
+                os.set_inheritable(fd, False)
                 out.append(fd)
             if pty.exclusive:
                 fcntl.ioctl(peer, termios.TIOCEXCL)
