@@ -305,6 +305,8 @@ pid_t held_spawn_shared(struct dbxcr_template *tpl, const struct dbxcr_spawn_opt
 			struct dbxcr_held **out, struct dbxcr_error *err);
 int held_take_terminal(struct dbxcr_held *h, const struct dbxcr_spawn_opts *o,
 		       struct dbxcr_error *err);
+/* Run fn(arg) on a thread of its own, joined (namespace and root changes end with it). */
+int on_own_thread(void *(*fn)(void *), void *arg, const char *what, struct dbxcr_error *err);
 int held_exec(struct dbxcr_held *h, int exe_fd, struct dbxcr_error *err);
 void held_forget(struct dbxcr_held *h);
 struct thread_set *threads_dup(const struct thread_set *src);

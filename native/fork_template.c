@@ -3784,6 +3784,22 @@ static void *mntns_open_thread(void *arg)
 	return NULL;
 }
 
+/* Run fn(arg) on a thread made for the call, and join it: what the call changes of its
+ * thread's namespaces, root or cwd (setns, unshare(CLONE_FS), chroot) ends with it. */
+int on_own_thread(void *(*fn)(void *), void *arg, const char *what, struct dbxcr_error *err)
+{
+	pthread_t th;
+	int rc;
+
+	rc = pthread_create(&th, NULL, fn, arg);
+	if (rc != 0)
+		return fail(err, rc, current_tid(), "%s: pthread_create", what);
+	rc = pthread_join(th, NULL);
+	if (rc != 0)
+		return fail(err, rc, current_tid(), "%s: pthread_join", what);
+	return 0;
+}
+
 /* ---------- binding a unix socket to a path of a sandbox's tree ----------
  *
  * The kernel keeps the path given to bind() as the socket's name (getsockname, sock_diag):
@@ -3825,19 +3841,13 @@ static void *root_bind_thread(void *arg)
 int dbxcr_root_bind(int root_fd, int sock_fd, const char *path, struct dbxcr_error *err)
 {
 	struct root_bind_job j = { root_fd, sock_fd, path, 0, NULL };
-	pthread_t th;
-	int rc;
 
 	clear_error(err);
 	if (path[0] != '/' || strlen(path) >= sizeof(((struct sockaddr_un *)0)->sun_path))
 		return fail(err, EINVAL, current_tid(), "bind to %s: not an absolute path that "
 			    "fits a unix socket's name", path);
-	rc = pthread_create(&th, NULL, root_bind_thread, &j);
-	if (rc != 0)
-		return fail(err, rc, current_tid(), "bind %s: pthread_create", path);
-	rc = pthread_join(th, NULL);
-	if (rc != 0)
-		return fail(err, rc, current_tid(), "bind %s: pthread_join", path);
+	if (on_own_thread(root_bind_thread, &j, "bind a unix socket", err) < 0)
+		return -1;
 	if (j.code)
 		return fail(err, j.code, current_tid(), "bind socket fd %d to %s in the tree at fd "
 			    "%d: %s", sock_fd, path, root_fd, j.step);
@@ -3848,16 +3858,10 @@ int dbxcr_mntns_open(int mntns_fd, const char *path, int flags, int mode,
 		     struct dbxcr_error *err)
 {
 	struct mntns_open_job j = { mntns_fd, path, flags, mode, -1, 0, NULL };
-	pthread_t th;
-	int rc;
 
 	clear_error(err);
-	rc = pthread_create(&th, NULL, mntns_open_thread, &j);
-	if (rc != 0)
-		return fail(err, rc, current_tid(), "mntns open %s: pthread_create", path);
-	rc = pthread_join(th, NULL);
-	if (rc != 0)
-		return fail(err, rc, current_tid(), "mntns open %s: pthread_join", path);
+	if (on_own_thread(mntns_open_thread, &j, "open in a mount namespace", err) < 0)
+		return -1;
 	if (j.code)
 		return fail(err, j.code, current_tid(), "open %s in mount namespace fd %d: %s",
 			    path, mntns_fd, j.step);

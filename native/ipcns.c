@@ -15,7 +15,6 @@
 #include "fork_template.h"
 
 #include <errno.h>
-#include <pthread.h>
 #include <sched.h>
 #include <stdbool.h>
 #include <string.h>
@@ -162,16 +161,10 @@ int dbxcr_ipcns_objects(int ipcns_fd, int clear, struct dbxcr_ipc_objects *out,
 			struct dbxcr_error *err)
 {
 	struct ipcns_job j = { ipcns_fd, clear, 0, NULL, { 0, 0, 0, 0 } };
-	pthread_t th;
-	int rc;
 
 	clear_error(err);
-	rc = pthread_create(&th, NULL, ipcns_thread, &j);
-	if (rc != 0)
-		return fail(err, rc, current_tid(), "IPC namespace fd %d: pthread_create", ipcns_fd);
-	rc = pthread_join(th, NULL);
-	if (rc != 0)
-		return fail(err, rc, current_tid(), "IPC namespace fd %d: pthread_join", ipcns_fd);
+	if (on_own_thread(ipcns_thread, &j, "join an IPC namespace", err) < 0)
+		return -1;
 	if (j.code)
 		return fail(err, j.code, current_tid(), "IPC namespace fd %d: %s", ipcns_fd,
 			    j.step);
