@@ -15,6 +15,8 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 
+import pexpect
+import ptyprocess
 import pytest
 
 import deltabox
@@ -991,6 +993,64 @@ def _in_pane(sbx: Sandbox, n: int, line: str) -> str:
         return bool(got)
     wait_for(shown, what=f"the pane's answer to {line!r}")
     return got[0][len(f"@{n} "):].rstrip()
+
+
+# A real pexpect driver (its files, and ptyprocess's, copied into /workspace/lib) and the
+# bash it spawned: a line in `go` is sent and what came before the next prompt lands in
+# `out`; "?alive" asks pexpect whether its child lives (waitpid on it: ECHILD raises if
+# the shell is not its child any more).
+PEXPECT_DRIVER = r"""
+import os, time, pexpect
+W = '/workspace/'
+c = pexpect.spawn('/bin/bash', ['--norc', '--noprofile'], echo=False, encoding='utf-8')
+c.sendline('PS1="P> "'); c.expect('P> ')
+c.sendline('cd /tmp; X=before'); c.expect('P> ')
+open(W + 'ready', 'w').close()
+while True:
+    if os.path.exists(W + 'go'):
+        line = open(W + 'go').read()
+        os.unlink(W + 'go')
+        if line == '?alive':
+            got = str(c.isalive())
+        else:
+            c.sendline(line)
+            c.expect('P> ')
+            got = c.before
+        open(W + 'out.tmp', 'w').write(got)
+        os.rename(W + 'out.tmp', W + 'out')
+    time.sleep(0.02)
+"""
+
+
+def _sent(sbx: Sandbox, line: str) -> str:
+    sbx.files.write("go", line)
+    wait_for(lambda: sbx.files.exists("out"), what=f"pexpect's answer to {line!r}")
+    out = sbx.files.read("out").decode()
+    sbx.exec("rm /workspace/out")
+    return out
+
+
+def test_a_real_pexpect_driver_and_its_shell_come_back(sbx: Sandbox, restore: Restore
+                                                      ) -> None:
+    """pexpect itself (SWE-ReX and many harnesses drive their shell with it): its driver
+    and the bash it spawned on a pty come back, the shell with its state and terminal,
+    still the driver's own child (pexpect's isalive() waits for it)."""
+    for mod in (pexpect, ptyprocess):
+        src = os.path.dirname(mod.__file__)
+        for name in os.listdir(src):
+            if name.endswith(".py"):
+                with open(os.path.join(src, name), "rb") as f:
+                    sbx.files.write(f"/workspace/lib/{mod.__name__}/{name}", f.read())
+    sbx.files.write("pexdriver.py", PEXPECT_DRIVER)
+    sbx.exec("cd /workspace; PYTHONPATH=/workspace/lib nohup python3 pexdriver.py "
+             ">/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("ready"))
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    assert _sent(sbx, "X=after; cd /") == ""
+    target = restore(sbx, cp)
+    assert _sent(target, 'echo "$X $PWD $(tty)"') == "before /tmp /dev/pts/0\r\n"
+    assert _sent(target, "?alive") == "True"
 
 
 def test_a_pty_shell_with_a_running_command_and_a_job_comes_back(sbx: Sandbox,

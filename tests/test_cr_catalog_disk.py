@@ -36,6 +36,7 @@ from test_cr import (  # noqa: F401  (the catalog's cases, run here with the dis
     test_named_pipes_keep_their_unread_bytes_and_ends,
     test_a_shell_on_a_pseudo_terminal_comes_back_with_its_terminal,
     test_a_tmux_session_comes_back,
+    test_a_real_pexpect_driver_and_its_shell_come_back,
     test_a_pty_shell_with_a_running_command_and_a_job_comes_back,
     test_bytes_waiting_in_a_pseudo_terminal_come_back,
     test_a_sealed_memfd_keeps_its_seals,
