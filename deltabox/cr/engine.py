@@ -21,12 +21,13 @@ rollback's pid is free at once; the keeper is killed afterwards (kill_carriers),
 rollback's path.
 
 What is preserved: memory, registers, threads, signal state, process group and session, cwd,
-files and offsets, pipes (with unread data), and the pid of every process that did not lead
-its session. A group leader's pid too: the kernel keeps a pid number allocated while any
+files and offsets, pipes (with unread data), ptys and controlling terminals (ptys.py), and
+the pid of every process that did not lead its session. A group leader's pid too: the kernel keeps a pid number allocated while any
 process uses it as a group id, and a template is such a process, so the templates of a
 group whose leader is captured leave it after the capture (_own_groups), and the children
 rejoin it at the rollback. Not preserved:
-- the pid of a session leader: its templates stay in its session (no call joins an existing
+- the pid of a session leader with other processes in its session (but a pty's:
+  lone_leaders): its templates stay in its session (no call joins an existing
   session), so it comes back with a new pid (its group and session ids, and its own idea of
   `$$`, unchanged); the same for any process whose pid is, by the rollback, another
   template's session or group id (the response's note names those pids);
