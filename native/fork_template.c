@@ -2946,6 +2946,25 @@ static int join_group(struct tracee *c, int pgid, struct dbxcr_error *err)
 	return 0;
 }
 
+/* Put a descriptor the child received (transfer_fds: close-on-exec) at its target number,
+ * close-on-exec as the original's was. */
+static int install_fd(struct tracee *c, int got, int target, int cloexec,
+		      struct dbxcr_error *err)
+{
+	long d[6] = { got, target, cloexec ? O_CLOEXEC : 0, 0, 0, 0 };
+
+	if (got == target) {
+		d[1] = F_SETFD;
+		d[2] = cloexec ? FD_CLOEXEC : 0;
+		return rsys(c, SYS_fcntl, d, err, "fd %d: F_SETFD", target) < 0 ? -1 : 0;
+	}
+	if (rsys(c, SYS_dup3, d, err, "install fd %d", target) < 0)
+		return -1;
+	d[1] = 0;
+	d[2] = 0;
+	return rsys(c, SYS_close, d, err, "close received fd %d", got) < 0 ? -1 : 0;
+}
+
 /* Make the pty slave at the child's fd its controlling terminal.  The kernel gives a
  * terminal only to a session leader that has none (a fresh setsid() has none) and only if
  * no other session has it (a pty made for this restore has no session yet); the terminal's
@@ -3030,17 +3049,9 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 	for (size_t i = 0; i < o->nlistens; i++)
 		if (recreate_listen(c, scratch, &o->listens[i], err) < 0)
 			return -1;
-	for (size_t i = 0; i < o->nfds; i++) {
-		long d[6] = { got[first_fd + i], o->fds[i].target,
-			      o->fds[i].cloexec ? O_CLOEXEC : 0, 0, 0, 0 };
-
-		if (rsys(c, SYS_dup3, d, err, "install fd %d", o->fds[i].target) < 0)
+	for (size_t i = 0; i < o->nfds; i++)
+		if (install_fd(c, got[first_fd + i], o->fds[i].target, o->fds[i].cloexec, err) < 0)
 			return -1;
-		d[1] = 0;
-		d[2] = 0;
-		if (rsys(c, SYS_close, d, err, "close received fd %ld", d[0]) < 0)
-			return -1;
-	}
 	for (size_t i = 0; i < o->nremaps; i++)
 		if (remap(c, tpl->pid, &o->remaps[i], got[first_fd + o->nfds + i], err) < 0)
 			return -1;
@@ -3250,19 +3261,12 @@ int held_take_terminal(struct dbxcr_held *h, const struct dbxcr_spawn_opts *o,
 		       struct dbxcr_error *err)
 {
 	int target = o->ctty - 1, got;
-	long d[6] = { 0 };
 
 	for (size_t i = 0; i < o->nfds; i++) {
 		if (o->fds[i].target != target)
 			continue;
-		if (transfer_fds(&h->c, h->tpl->scratch, &o->fds[i].src, 1, &got, err) < 0)
-			return -1;
-		d[0] = got;
-		d[1] = target;
-		if (got != target && rsys(&h->c, SYS_dup3, d, err, "install fd %d", target) < 0)
-			return -1;
-		d[1] = 0;
-		if (got != target && rsys(&h->c, SYS_close, d, err, "close received fd %d", got) < 0)
+		if (transfer_fds(&h->c, h->tpl->scratch, &o->fds[i].src, 1, &got, err) < 0 ||
+		    install_fd(&h->c, got, target, o->fds[i].cloexec, err) < 0)
 			return -1;
 		return take_terminal(&h->c, target, err);
 	}
@@ -3702,18 +3706,27 @@ static void *netns_socket_thread(void *arg)
 	return NULL;
 }
 
-static int netns_socket_run(struct netns_socket_job *j, struct dbxcr_error *err)
+/* Run fn(arg) on a thread made for the call, and join it: what the call changes of its
+ * thread's namespaces, root or cwd (setns, unshare(CLONE_FS), chroot) ends with it. */
+int on_own_thread(void *(*fn)(void *), void *arg, const char *what, struct dbxcr_error *err)
 {
 	pthread_t th;
 	int rc;
 
-	clear_error(err);
-	rc = pthread_create(&th, NULL, netns_socket_thread, j);
+	rc = pthread_create(&th, NULL, fn, arg);
 	if (rc != 0)
-		return fail(err, rc, current_tid(), "netns socket: pthread_create");
+		return fail(err, rc, current_tid(), "%s: pthread_create", what);
 	rc = pthread_join(th, NULL);
 	if (rc != 0)
-		return fail(err, rc, current_tid(), "netns socket: pthread_join");
+		return fail(err, rc, current_tid(), "%s: pthread_join", what);
+	return 0;
+}
+
+static int netns_socket_run(struct netns_socket_job *j, struct dbxcr_error *err)
+{
+	clear_error(err);
+	if (on_own_thread(netns_socket_thread, j, "netns socket", err) < 0)
+		return -1;
 	if (j->code)
 		return fail(err, j->code, current_tid(), "netns socket (fd %d, domain %d): %s",
 			    j->netns_fd, j->domain, j->step);
@@ -3782,22 +3795,6 @@ static void *mntns_open_thread(void *arg)
 		j->step = "openat2";
 	}
 	return NULL;
-}
-
-/* Run fn(arg) on a thread made for the call, and join it: what the call changes of its
- * thread's namespaces, root or cwd (setns, unshare(CLONE_FS), chroot) ends with it. */
-int on_own_thread(void *(*fn)(void *), void *arg, const char *what, struct dbxcr_error *err)
-{
-	pthread_t th;
-	int rc;
-
-	rc = pthread_create(&th, NULL, fn, arg);
-	if (rc != 0)
-		return fail(err, rc, current_tid(), "%s: pthread_create", what);
-	rc = pthread_join(th, NULL);
-	if (rc != 0)
-		return fail(err, rc, current_tid(), "%s: pthread_join", what);
-	return 0;
 }
 
 /* ---------- binding a unix socket to a path of a sandbox's tree ----------

@@ -299,7 +299,7 @@ def _queues(pty: Pty, master: int, slave: int,
     sandbox is frozen: nobody sees them go and come back); or why they cannot be (or may
     wait unseen)."""
     _, rec0, fd0 = group[0]
-    if _pending(master):
+    if out := _pending(master):
         if pty.packet or not _writable(slave):
             # Not copied (packet mode's headers, a slave stopped by ^S): its reader may
             # take them (engine._refusal: Unsettled).
@@ -307,7 +307,7 @@ def _queues(pty: Pty, master: int, slave: int,
                        and e.flags & os.O_ACCMODE != os.O_WRONLY]
             rec, fd = readers[0] if readers else (rec0, fd0)
             return Refusal(rec.nspid, rec.cmd, (
-                f"fd {fd}: {_pending(master)} bytes of output wait in {pty.path}'s master, "
+                f"fd {fd}: {out} bytes of output wait in {pty.path}'s master, "
                 "not read yet"), unread=(rec.pid, fd) if readers else None)
         pty.output = _drain(master)
         if not _give_output(slave, master, pty.termios, pty.output):

@@ -88,6 +88,7 @@ class _Held:
     src: str                      # a /proc path that opens it
     path: str
     memory: bool                  # it lives in memory: made again as a memfd
+    seals: int = 0                # a memfd's seals (_seals), read once
     fds: list[tuple[ProcessRecord, native.FdInfo]] = field(default_factory=list)
     maps: list[tuple[ProcessRecord, SharedMapping]] = field(default_factory=list)
 
@@ -115,6 +116,7 @@ def capture(records: list[ProcessRecord]) -> tuple[list[UnlinkedFile], list[Refu
     refused: list[Refusal] = []
     try:
         for h in held.values():
+            h.seals = _seals(h.src)   # read once: checked, then kept with the copy
             why = _refusal(h)
             if why:
                 rec, what = _first_holder(h)
@@ -149,7 +151,7 @@ def _refusal(h: _Held) -> str | None:
         return "its directory is gone too: not captured"
     if any((h.st.st_ino, h.path) in r.deleted_private for r, _ in h.fds):
         return "also mapped privately: not captured"
-    if _seals(h.src) & F_SEAL_FUTURE_WRITE and any(m.writable for _, m in h.maps):
+    if h.seals & F_SEAL_FUTURE_WRITE and any(m.writable for _, m in h.maps):
         return ("sealed against future writes while mapped writable: the mapping could "
                 "not be made again (not captured)")
     return None
@@ -173,7 +175,7 @@ def _copy(h: _Held) -> UnlinkedFile:
     try:
         st = os.fstat(src)
         u = UnlinkedFile(h.path, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_size,
-                         memory=h.memory, seals=_seals(h.src))
+                         memory=h.memory, seals=h.seals)
         u.saved = os.memfd_create("dbx-unlinked", os.MFD_CLOEXEC)
         fill(u.saved, src, st.st_size)
     finally:

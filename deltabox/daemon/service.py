@@ -1844,13 +1844,12 @@ class Daemon:
             ready = self.warm.take_ready(sid, _warm_key(cp, stacked), live.rt)
             pre = ready.procs if ready is not None else None
             try:
-                if ready is not None:
-                    # Their discard waits for this lock; they hold objects of the
-                    # generation (a pty's index) this restore makes again.
+                if ready is not None:  # prepared in the background: no snapshot, no mount
+                    # Carriers dropped there first: their discard waits for this lock, and
+                    # they hold objects of the generation (a pty's index) made again here.
                     for dropped in ready.dropped:
                         await self._discard_prespawned(None, dropped, live)
                     ready.dropped.clear()
-                if ready is not None:  # prepared in the background: no snapshot, no mount
                     layer, new_gen = ready.layer_id, ready.generation
                     killed = self._kill_processes(live)
                 else:
