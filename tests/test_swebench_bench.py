@@ -6,11 +6,14 @@ overhead_pct against the floor)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 
-from benchmarks.common import write_json
+from benchmarks.common import make_settle, write_json
 from benchmarks.swebench import core, env, report, trajectory
 from benchmarks.swebench.modes import mcts_schedule
+from conftest import new_sandbox
 
 WORKDIR = "/testbed"
 # Each command's exit code depends on the state it runs in, so a system that restores the
@@ -124,3 +127,30 @@ def test_replay_agrees_across_systems(daemon, tmp_path: Path) -> None:
         assert code == action.get("returncode", 0), (step, action, code)
     assert "mcts" in doc["summary"] and "targets" in doc
     assert "| tiny |" in report.markdown(doc | {"duration_s": 1.0}, "x")
+
+
+def test_settle_does_not_wait_for_a_generation_templates_still_hold(daemon) -> None:
+    """A checkpoint's templates keep the generation they were made in after rollbacks have
+    left it: btrfs lists it deleted until they are released. The benchmarks' settle between
+    runs must not wait for it (a CI run once waited its whole minute at every settle, and
+    test_replay_agrees_across_systems timed out)."""
+    settle = make_settle(daemon.socket)
+    store = __import__("deltabox").info(socket=daemon.socket).store_path
+    with new_sandbox(daemon.socket) as sbx:
+        sh = sbx.session()
+        sh.run("sleep 1000 &")
+        cp = sbx.checkpoint()
+        for i in range(2):
+            sh.run(f"echo {i} > f{i}")
+            assert sbx.rollback(cp).process_state == "restored"
+        deadline = time.monotonic() + 10   # the left generation is retired in the background
+        while time.monotonic() < deadline:
+            held = subprocess.run(["btrfs", "subvolume", "list", "-d", store], check=True,
+                                  capture_output=True, text=True).stdout.strip()
+            if held:
+                break
+            time.sleep(0.1)
+        assert held, "the first generation was dropped although its templates live"
+        t0 = time.monotonic()
+        settle()
+        assert time.monotonic() - t0 < 20
