@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
              common)
     p.add_argument("id", metavar="ID", help="sandbox id")
     p.add_argument("--session", metavar="NAME", help="run in this persistent bash session")
+    p.add_argument("-t", "--tty", action="store_true",
+                   help="with --session: the session runs its commands on a pseudo-terminal "
+                        "(chosen when it starts; output as a terminal shows it)")
     p.add_argument("--timeout", metavar="S", type=float, help="kill the command after S seconds")
     p.add_argument("--cwd", metavar="DIR", help="working directory (default /workspace)")
     p.add_argument("--env", metavar="K=V", type=_env_pair, action="append", default=[],
@@ -450,10 +453,12 @@ def cmd_exec(args: argparse.Namespace, client: Client) -> int:
     if not args.cmd:
         raise UsageError("exec needs a command, e.g. `deltabox exec ID -- ls -la`")
     sbx = _sandbox(client, args.id)
+    if args.tty and not args.session:
+        raise UsageError("--tty needs --session (a session on a pseudo-terminal)")
     if args.session:
         if args.cwd or args.env or args.stdin:
             raise UsageError("--cwd, --env and --stdin cannot be used with --session")
-        result = sbx.session(args.session).run(" ".join(args.cmd), timeout=args.timeout,
+        result = sbx.session(args.session, tty=args.tty).run(" ".join(args.cmd), timeout=args.timeout,
                                                checkpoint=args.checkpoint,
                                                checkpoint_label=args.checkpoint_label,
                                                rollback_to=args.rollback_to)

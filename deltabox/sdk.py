@@ -180,9 +180,11 @@ class Sandbox:
                                                       rollback=convert.rollback_of(chunk))
         raise errors.Internal("ExecStream ended without an exit status")
 
-    def session(self, name: str = "main") -> Session:
-        """A persistent bash session (cwd, env, jobs survive between runs)."""
-        return Session(self, name)
+    def session(self, name: str = "main", tty: bool = False) -> Session:
+        """A persistent bash session (cwd, env, jobs survive between runs). With `tty`, its
+        commands run on a pseudo-terminal (programs see a terminal; their output comes back
+        as a terminal shows it, stderr merged into stdout, lines ending "\r\n")."""
+        return Session(self, name, tty)
 
     def sessions(self) -> builtins.list[str]:
         resp = self._client.call("ListSessions", pb.SandboxRef(sandbox_id=self.id))
@@ -308,9 +310,10 @@ def _fork(client: Client, checkpoint_id: str, count: int,
 class Session:
     """A named bash session inside a sandbox; created by the daemon on first run."""
 
-    def __init__(self, sandbox: Sandbox, name: str) -> None:
+    def __init__(self, sandbox: Sandbox, name: str, tty: bool = False) -> None:
         self.sandbox = sandbox
         self.name = name
+        self.tty = tty
 
     def run(self, command: str, timeout: float | None = None, checkpoint: str | None = None,
             checkpoint_label: str = "", rollback_to: CheckpointLike | None = None
@@ -322,7 +325,7 @@ class Session:
                                    command=command, timeout=timeout or 0.0,
                                    checkpoint=checkpoint or "",
                                    checkpoint_label=checkpoint_label,
-                                   rollback_to=_cp_id_or_none(rollback_to))
+                                   rollback_to=_cp_id_or_none(rollback_to), tty=self.tty)
         resp = self.sandbox._client.call("SessionRun", req, timeout=_deadline(timeout))
         return convert.exec_result(resp)
 

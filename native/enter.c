@@ -31,12 +31,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #define MAX_CGROUPS 16
 #define MAX_ENV 512
+#define TTY_FD 3	/* where a session shell finds its terminal (sandbox/session.py) */
 
 struct enter_opts {
 	int pidfd;
@@ -45,6 +47,7 @@ struct enter_opts {
 	const char *cgroups[MAX_CGROUPS];
 	int n_cgroups;
 	const char *cwd;
+	int tty;	/* a pty slave: the command's controlling terminal, at TTY_FD (-1: none) */
 	char *env[MAX_ENV + 1];
 	int n_env;
 	char **argv;
@@ -61,12 +64,13 @@ static void parse_args(int argc, char **argv, struct enter_opts *o)
 		{"cwd", required_argument, NULL, 'd'},
 		{"env", required_argument, NULL, 'e'},
 		{"userns", no_argument, NULL, 'u'},
+		{"tty", required_argument, NULL, 't'},
 		{NULL, 0, NULL, 0},
 	};
 	int c;
 
 	memset(o, 0, sizeof(*o));
-	o->pidfd = o->mntfd = -1;
+	o->pidfd = o->mntfd = o->tty = -1;
 	o->cwd = "/";
 	while ((c = getopt_long(argc, argv, "+", longopts, NULL)) != -1) {
 		switch (c) {
@@ -87,6 +91,9 @@ static void parse_args(int argc, char **argv, struct enter_opts *o)
 		case 'u':
 			o->userns = 1;
 			break;
+		case 't':
+			o->tty = dbx_parse_fd(optarg, "--tty");
+			break;
 		case 'e':
 			if (o->n_env == MAX_ENV)
 				dbx_die("too many --env (max %d)", MAX_ENV);
@@ -96,7 +103,7 @@ static void parse_args(int argc, char **argv, struct enter_opts *o)
 			break;
 		default:
 			dbx_die("usage: dbx-enter --pidfd FD --mntfd FD [--userns] [--cgroup F]... [--cwd D] "
-				"[--env K=V]... -- ARGV...");
+				"[--env K=V]... [--tty FD] -- ARGV...");
 		}
 	}
 	if (o->pidfd < 0 || o->mntfd < 0)
@@ -120,6 +127,21 @@ static void enter_sandbox(const struct enter_opts *o)
 	close(o->mntfd);
 }
 
+/* The pty slave `fd` becomes the controlling terminal of the session we just led
+ * (TIOCSCTTY: a session leader without one takes the terminal it names; its foreground
+ * group is then ours), and the command's TTY_FD. */
+static void take_tty(int fd)
+{
+	if (ioctl(fd, TIOCSCTTY, 0) < 0)
+		dbx_die_errno("TIOCSCTTY on the session's terminal (fd %d)", fd);
+	if (fd != TTY_FD) {
+		if (dup2(fd, TTY_FD) < 0)
+			dbx_die_errno("dup2 the session's terminal (fd %d) to fd %d", fd, TTY_FD);
+		if (close(fd) < 0)
+			dbx_die_errno("close fd %d", fd);
+	}
+}
+
 /* In the child: from here on failures are the command's, reported like a shell would. */
 static __attribute__((noreturn)) void exec_command(const struct enter_opts *o)
 {
@@ -127,6 +149,8 @@ static __attribute__((noreturn)) void exec_command(const struct enter_opts *o)
 
 	if (setsid() < 0)
 		dbx_die_errno("setsid");
+	if (o->tty >= 0)
+		take_tty(o->tty);
 	if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0)
 		dbx_die_errno("PR_SET_PDEATHSIG");
 	/* Our parent lives outside the sandbox's pid namespace, so getppid() is 0 while it is
@@ -192,6 +216,10 @@ int main(int argc, char **argv)
 		exec_command(&o);
 	}
 	child_pgid = child;
+	/* The terminal is the command's alone: a slave we kept would keep the pty open after
+	 * the command's end. */
+	if (o.tty >= 0 && close(o.tty) < 0)
+		dbx_die_errno("close the session's terminal (fd %d)", o.tty);
 	forward_termination();
 	sigprocmask(SIG_SETMASK, &old, NULL);
 	/* Reap every child, not only the command: processes restored into forks from the

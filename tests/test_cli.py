@@ -28,6 +28,10 @@ def test_cli_workflow(daemon) -> None:
         assert cli(daemon, "exec", sid, "--", "cat", "f").stdout == "hi\n"
         r = cli(daemon, "--json", "exec", sid, "--session", "s", "--", "cd /tmp; pwd")
         assert json.loads(r.stdout)["stdout"] == "/tmp\n"
+        r = cli(daemon, "--json", "exec", sid, "--session", "t", "--tty", "--", "tty")
+        assert json.loads(r.stdout)["stdout"] == "/dev/pts/0\r\n"
+        r = cli(daemon, "exec", sid, "--tty", "--", "tty", check=False)
+        assert r.returncode == 2 and "--tty needs --session" in r.stderr
         kids = cli(daemon, "fork", cp, "--count", "2").stdout.split()
         assert len(kids) == 2
         cp2 = cli(daemon, "checkpoint", kids[0]).stdout.strip()

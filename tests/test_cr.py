@@ -1189,6 +1189,41 @@ def test_bytes_waiting_in_a_pseudo_terminal_come_back(sbx: Sandbox, restore: Res
     assert _drained(target) == before
 
 
+def test_a_tty_session_comes_back_on_its_terminal(sbx: Sandbox, restore: Restore) -> None:
+    """A session started with tty=True: its commands run on a pty of the sandbox whose
+    master the daemon holds, the shell leading its session with it as controlling terminal.
+    A checkpoint captures the pty with the session; the restored session (a fork's too) is
+    on a pty at the same index with its settings, its job still running on it, and the
+    daemon reads its output from the new master."""
+    sh = sbx.session("term", tty=True)
+    r = sh.run("cd /tmp; X=before; stty cols 123 rows 45 intr ^G; sleep 1000 & tty; "
+               "test -t 0 -a -t 1 -a -t 2 && echo all-tty; echo err >&2")
+    assert (r.exit_code, r.stdout, r.stderr) == (0, "/dev/pts/0\r\nall-tty\r\nerr\r\n", "")
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    sh.run("X=after; cd /; stty cols 80 rows 24 intr ^C; kill %1; wait")
+    target = restore(sbx, cp)
+    tsh = target.session("term", tty=True)
+    check = ('echo "$X $PWD $(stty size) $(tty)"; jobs; stty -a | grep -o "intr = ^G"; '
+             "exec 9</dev/tty && echo /dev/tty; echo $(cut -d' ' -f7 /proc/$$/stat) "
+             "$(($(ps -o sid= -p $$)==$$))")
+    lines = tsh.run(check).stdout.split("\r\n")[:-1]
+    assert lines[0] == "before /tmp 45 123 /dev/pts/0", lines
+    assert lines[1].startswith("[1]+") and "Running" in lines[1] and "sleep 1000" in lines[1]
+    assert lines[2:] == ["intr = ^G", "/dev/tty", f"{136 << 8} 1"], lines
+    if restore.mode == "fork":   # type: ignore[attr-defined]
+        assert sh.run('echo "$X $PWD $(stty size)"').stdout == "after / 24 80\r\n"
+    # Again from the restored session: its terminal is captured as the session's again.
+    cp2 = target.checkpoint()
+    assert cp2.kind == "full"
+    tsh.run("X=later")
+    assert target.rollback(cp2).process_state == "restored"
+    assert tsh.run("echo $X $(tty); jobs | grep -c Running").stdout == \
+        "before /dev/pts/0\r\n1\r\n"
+    with pytest.raises(deltabox.FailedPrecondition, match="pseudo-terminal, not on pipes"):
+        target.session("term").run("true")
+
+
 def test_a_pseudo_terminal_that_cannot_come_back_is_refused_by_name(sbx: Sandbox) -> None:
     """A process of the terminal's session that is no child of another one of the session
     (a job whose subshell exited: a child of init now) could not be born in the restored

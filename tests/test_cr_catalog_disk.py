@@ -39,6 +39,7 @@ from test_cr import (  # noqa: F401  (the catalog's cases, run here with the dis
     test_a_real_pexpect_driver_and_its_shell_come_back,
     test_a_pty_shell_with_a_running_command_and_a_job_comes_back,
     test_bytes_waiting_in_a_pseudo_terminal_come_back,
+    test_a_tty_session_comes_back_on_its_terminal,
     test_a_sealed_memfd_keeps_its_seals,
     test_a_stopped_process_comes_back_stopped,
     test_a_file_mapped_privately_and_written_in_place_shows_the_checkpoints_bytes,

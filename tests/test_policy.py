@@ -443,3 +443,48 @@ def test_a_shell_that_ran_is_captured_afresh_even_when_quiet(sbx: Sandbox, ebpf:
     assert after.kind == "full", after.reasons
     assert not any(r.startswith("templates kept") for r in after.reasons), after.reasons
     assert sh.run("echo ok").stdout == "ok\n"
+
+
+def test_a_tty_session_command_that_changed_only_its_terminal_is_captured(
+        sbx: Sandbox, ebpf: str) -> None:
+    """`stty` in a tty session changes the terminal and none of the shell's variables: the
+    session's state includes its terminal's settings and size, so the next checkpoint is
+    not an alias of one that has the old ones (a rollback to it would give them back)."""
+    sh = sbx.session("term", tty=True)
+    sh.run("true")
+    before = sbx.checkpoint()
+    assert before.kind == "full"
+    sh.run("true")
+    assert sbx.checkpoint().kind == "skipped"   # (the digest alone changes nothing)
+    sh.run("stty cols 100 -echo")
+    after = sbx.checkpoint()
+    assert after.kind == "full", after.reasons
+    sbx.rollback(before)
+    assert sh.run("stty size; stty -a | grep -o -- ' -echo '").stdout == "24 80\r\n"
+    sbx.rollback(after)
+    assert sh.run("stty size; stty -a | grep -o -- ' -echo '").stdout == "24 100\r\n -echo \r\n"
+
+
+def test_a_session_command_that_changed_only_the_shells_descriptors_is_captured(
+        sbx: Sandbox, ebpf: str) -> None:
+    """`exec 9>log` opens a descriptor in the shell and changes none of its variables: the
+    session's state includes its descriptors (and their offsets), so the next checkpoint
+    captures the shell (before stop 51 it kept the parent's template, without fd 9: after
+    a rollback to it `echo >&9` failed with "Bad file descriptor")."""
+    sh = sbx.session("main")
+    sh.run("printf 'a\\nb\\nc\\n' > lines")
+    base = sbx.checkpoint()
+    assert base.kind == "full"
+    sh.run("exec 9>>log 8<lines")
+    opened = sbx.checkpoint()
+    assert opened.kind == "full", opened.reasons
+    sh.run("read x <&8")
+    moved = sbx.checkpoint()     # the offset of fd 8 moved
+    assert moved.kind == "full", moved.reasons
+    sh.run("exec 9>&- 8<&-")
+    sbx.rollback(opened)
+    assert sh.run("echo hi >&9 && read x <&8 && echo $x").stdout == "a\n"
+    sbx.rollback(moved)
+    assert sh.run("read x <&8 && echo $x").stdout == "b\n"
+    sbx.rollback(base)
+    assert sh.run("echo hi >&9").exit_code != 0

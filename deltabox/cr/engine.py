@@ -197,6 +197,8 @@ class Restored:
     pids: dict[int, int]                 # nspid -> new host pid
     session_fds: dict[str, tuple[int, int, int, int]]   # name -> (pid, stdin_w, out_r, err_r)
     daemon_fds: list[tuple[int, bool]]   # our ends: (fd, is_read_end) to drain or hold
+    # name -> the master of the session's terminal (a session on a pty: sandbox/session.py)
+    session_ttys: dict[str, int] = field(default_factory=dict)
     # pids (in the sandbox) that were still allocated, as another template's process group
     # or session id, so their processes came back with new pids
     renumbered: list[int] = field(default_factory=list)
@@ -365,8 +367,8 @@ class DeltaCR:
                       daemon_pipes: Callable[[], tuple[dict[int, str], set[int]]],
                       tracer_ok: set[int],
                       reuse: Mapping[int, native.Template] | None = None,
-                      layers: Sequence[str] = (), later: bool = False, scope: str = ""
-                      ) -> ProcessState:
+                      layers: Sequence[str] = (), later: bool = False, scope: str = "",
+                      session_ttys: Mapping[str, int] | None = None) -> ProcessState:
         """Stop `procs` (the sandbox's processes and their status, cgroup frozen by the caller
         before listing them), snapshot the files, template every process, resume. Raises
         FailedPrecondition listing every process that cannot be captured, changing nothing.
@@ -380,7 +382,9 @@ class DeltaCR:
         not called and no template is made; the processes stay stopped
         (ProcessState.held) until the caller, having called make_templates() and
         snapshotted the files, calls resume(). `scope`: the sandbox's id (what the capture
-        remembers of its files is kept per sandbox: private_in_writable_layer)."""
+        remembers of its files is kept per sandbox: private_in_writable_layer).
+        `session_ttys`: the masters of the sessions' terminals the daemon holds (name ->
+        its fd): their ptys are captured as the sessions' (ptys.capture)."""
         pids = list(procs)
         own = {int(t) for t in os.listdir("/proc/self/task")}
         if any(st.tracer_pid in own for st in procs.values()):
@@ -468,7 +472,7 @@ class DeltaCR:
                     named_pipes, why = fifos.capture(records)
                     cap.refused.extend(why)
                 if not cap.refused:
-                    terminals, why = ptys.capture(records)
+                    terminals, why = ptys.capture(records, session_ttys)
                     cap.refused.extend(why)
                 if cap.refused:
                     unlinked.close_saved(files)
@@ -722,6 +726,8 @@ class DeltaCR:
         plan.settle()
         out.session_fds = {name: (out.pids[_nspid(state, pid)], *plan.session_ends(name))
                            for name, pid in state.sessions.items()}
+        out.session_ttys = {name: fd for name in state.sessions
+                            if (fd := plan.session_tty(name)) is not None}
         out.daemon_fds = plan.daemon_ends()
         plan.close_child_ends()
         return out
@@ -1277,6 +1283,11 @@ class _PipePlan:
             r, w = self.fresh[g.inode]
             ends.append(w if stream == "0" else r)
         return ends[0], ends[1], ends[2]
+
+    def session_tty(self, name: str) -> int | None:
+        """Our copy of the master of a restored session's terminal (None: on pipes)."""
+        fd = ptys.owned_master(self.ptys, self.ptys_made, f"session:{name}")
+        return None if fd is None else os.dup(fd)
 
     def daemon_ends(self) -> list[tuple[int, bool]]:
         """Other ends the daemon keeps: a read end to drain, or a write end to hold open."""

@@ -46,7 +46,7 @@ import select
 import struct
 import termios
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from . import native
@@ -76,6 +76,7 @@ class PtyEnd:
     master: bool
     flags: int                                          # access mode, O_NONBLOCK
     holders: list[tuple[int, int]] = field(default_factory=list)   # (host pid, fd)
+    owner: str = ""     # "session:<name>": the daemon's master of a session's terminal
 
 
 @dataclass
@@ -111,7 +112,7 @@ class Pty:
                     leader_fd=self.leader_fd, output=self.output.hex(),
                     input=self.input.hex(), input_seen=self.input_seen,
                     members=self.members, foreground=self.foreground,
-                    descriptions=[dict(master=d.master, flags=d.flags,
+                    descriptions=[dict(master=d.master, flags=d.flags, owner=d.owner,
                                        holders=[list(h) for h in d.holders])
                                   for d in self.descriptions])
 
@@ -120,7 +121,8 @@ class Pty:
         return cls(int(d["index"]), bytes.fromhex(d["termios"]), bytes.fromhex(d["winsize"]),
                    bool(d["packet"]), bool(d["exclusive"]),
                    [PtyEnd(bool(x["master"]), int(x["flags"]),
-                           [(int(p), int(fd)) for p, fd in x["holders"]])
+                           [(int(p), int(fd)) for p, fd in x["holders"]],
+                           str(x.get("owner", "")))
                     for x in d["descriptions"]],
                    leader=int(d["leader"]), leader_fd=int(d["leader_fd"]),
                    members=[int(p) for p in d["members"]], foreground=int(d["foreground"]),
@@ -142,9 +144,11 @@ def _int(fd: int, req: int) -> int:
     return struct.unpack("i", fcntl.ioctl(fd, req, b"\0" * 4))[0]
 
 
-def capture(records: list[ProcessRecord]) -> tuple[list[Pty], list[Refusal]]:
+def capture(records: list[ProcessRecord], daemon_masters: Mapping[str, int] | None = None
+            ) -> tuple[list[Pty], list[Refusal]]:
     """The ptys the processes hold, with whose controlling terminal each is; the
-    refusals of those that cannot come back whole."""
+    refusals of those that cannot come back whole. `daemon_masters`: the masters the
+    daemon holds of its sessions' terminals (name -> our fd), noted as owned by them."""
     if not any(is_pty(f) for r in records for f in r.fds) and \
             not any(r.tty_nr for r in records):
         return [], []
@@ -163,6 +167,10 @@ def capture(records: list[ProcessRecord]) -> tuple[list[Pty], list[Refusal]]:
                 why = _add(ends.setdefault(index, []), rec, f)
             if why:
                 refused.append(Refusal(rec.nspid, rec.cmd, f"fd {f.fd}: {why}"))
+    for name, fd in (daemon_masters or {}).items():
+        group = ends.get(_int(fd, TIOCGPTN))
+        if group is not None:   # (none: no process of the sandbox holds its slave now)
+            group.append((PtyEnd(True, 0, owner=f"session:{name}"), None, fd))
     ptys: list[Pty] = []
     for index, group in sorted(ends.items()):
         pty, why = _read(index, group)
@@ -215,13 +223,18 @@ def _end_index(rec: ProcessRecord, f: native.FdInfo, devpts: int) -> tuple[int, 
         os.close(ours)
 
 
-def _add(group: list[tuple[PtyEnd, ProcessRecord, int]], rec: ProcessRecord,
+# An end's description, its first holder's record (None: the daemon's own fd) and fd.
+_Group = list[tuple[PtyEnd, ProcessRecord | None, int]]
+
+
+def _add(group: _Group, rec: ProcessRecord,
          f: native.FdInfo) -> str | None:
     """f joins the description it shares (kcmp), or makes one of its own; why it is
     refused, if it is."""
     master = f.rdev == PTMX
     for end, rec0, fd0 in group:
-        if end.master == master and native.same_file(rec0.pid, fd0, rec.pid, f.fd):
+        if rec0 is not None and end.master == master and \
+                native.same_file(rec0.pid, fd0, rec.pid, f.fd):
             end.holders.append((rec.pid, f.fd))
             return None
     group.append((PtyEnd(master, f.flags & _KEEP, [(rec.pid, f.fd)]), rec, f.fd))
@@ -259,18 +272,17 @@ def _fdinfo_flags(fd: int) -> int:
     return 0
 
 
-def _read(index: int, group: list[tuple[PtyEnd, ProcessRecord, int]]
-          ) -> tuple[Pty | None, Refusal | None]:
+def _read(index: int, group: _Group) -> tuple[Pty | None, Refusal | None]:
     """The pty's state, read through our copy of its master's description (None if no
     process holds that), and why it is refused, if it is."""
     masters = [(e, rec, fd) for e, rec, fd in group if e.master]
+    _, rec, fd = next((x for x in group if x[1] is not None))   # whom a refusal names
     if not masters:
-        _, rec, fd = group[0]
         return None, Refusal(rec.nspid, rec.cmd, (
             f"fd {fd}: /dev/pts/{index}, whose master no process of the sandbox holds: "
             "not captured"))
-    _, rec, fd = masters[0]
-    ours = native.copy_fd(rec.pid, fd)
+    _, holder, master_fd = masters[0]
+    ours = native.copy_fd(holder.pid, master_fd) if holder is not None else os.dup(master_fd)
     try:
         peer = fcntl.ioctl(ours, TIOCGPTPEER, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK
                            | os.O_CLOEXEC)
@@ -292,18 +304,18 @@ def _read(index: int, group: list[tuple[PtyEnd, ProcessRecord, int]]
     return pty, why
 
 
-def _queues(pty: Pty, master: int, slave: int,
-            group: list[tuple[PtyEnd, ProcessRecord, int]]) -> Refusal | None:
+def _queues(pty: Pty, master: int, slave: int, group: _Group) -> Refusal | None:
     """Copy the bytes waiting in the pty, output for its master's reader and input for
     its program, into pty.output and pty.input, and give them back to the live pty (the
     sandbox is frozen: nobody sees them go and come back); or why they cannot be (or may
     wait unseen)."""
-    _, rec0, fd0 = group[0]
+    _, rec0, fd0 = group[0]   # a process's (the daemon's ends come last)
+    assert rec0 is not None
     if out := _pending(master):
         if pty.packet or not _writable(slave):
             # Not copied (packet mode's headers, a slave stopped by ^S): its reader may
             # take them (engine._refusal: Unsettled).
-            readers = [(rec, fd) for e, rec, fd in group if e.master
+            readers = [(rec, fd) for e, rec, fd in group if e.master and rec is not None
                        and e.flags & os.O_ACCMODE != os.O_WRONLY]
             rec, fd = readers[0] if readers else (rec0, fd0)
             return Refusal(rec.nspid, rec.cmd, (
@@ -603,6 +615,30 @@ def make(pty: Pty, mntns_fd: int) -> list[int]:
     finally:
         os.close(master)
     return out
+
+
+def new_pair(mntns_fd: int, rows: int, cols: int) -> tuple[int, int]:
+    """A new pty in the devpts of the mount namespace `mntns_fd`, for a session of the
+    daemon: (its master, the slave to give its shell). The slave is opened without
+    O_CLOEXEC, which TIOCGPTPEER would keep in its description (_sticky)."""
+    master = native.mntns_open(mntns_fd, PTMX_PATH, os.O_RDWR | os.O_NOCTTY)
+    try:
+        fcntl.ioctl(master, TIOCSPTLCK, struct.pack("i", 0))
+        fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        return master, fcntl.ioctl(master, TIOCGPTPEER, os.O_RDWR | os.O_NOCTTY)
+    except BaseException:
+        os.close(master)
+        raise
+
+
+def owned_master(terminals: list[Pty], made: list[list[int]], owner: str) -> int | None:
+    """Of the ptys a restore made (`made`: their descriptions, ptys.make), the descriptor
+    of the master `owner` held at the checkpoint (a session of the daemon), if any."""
+    for p, fds in zip(terminals, made):
+        for d, fd in zip(p.descriptions, fds):
+            if d.owner == owner:
+                return fd
+    return None
 
 
 def _open_index(mntns_fd: int, index: int) -> int:

@@ -248,7 +248,7 @@ class Servicer(pb_grpc.DeltaBoxServicer):
         ran = self._run(context, self.d.session_run, request.sandbox_id, request.session,
                         request.command, request.timeout, request.checkpoint,
                         request.checkpoint_label, self._answered(context, request.checkpoint),
-                        request.rollback_to)
+                        request.rollback_to, request.tty)
         return exec_pb(ran)
 
     def SessionClose(self, request, context):  # noqa: N802

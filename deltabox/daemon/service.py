@@ -971,10 +971,11 @@ class Daemon:
 
     async def session_run(self, sid: str, name: str, command: str, timeout: float,
                           checkpoint: str = "", checkpoint_label: str = "",
-                          answered: trio.Event | None = None, rollback_to: str = "") -> Ran:
-        """Run bash source in a named persistent shell (created on first use); with
-        `checkpoint` and `rollback_to`, as in exec (after the rollback, the session is the
-        checkpoint's)."""
+                          answered: trio.Event | None = None, rollback_to: str = "",
+                          tty: bool = False) -> Ran:
+        """Run bash source in a named persistent shell (created on first use, on a
+        pseudo-terminal with `tty`); with `checkpoint` and `rollback_to`, as in exec (after
+        the rollback, the session is the checkpoint's)."""
         if checkpoint:
             checkpoint = checkpoint_mode(checkpoint, checkpoint_label)
         if not SESSION_NAME.match(name or ""):
@@ -989,14 +990,20 @@ class Daemon:
         async with live.lock:
             live = self._live(sid)
             session = live.sessions.get(name)
+            if session is not None and session.alive and session.tty != tty:
+                kinds = ("on pipes", "on a pseudo-terminal")
+                raise FailedPrecondition(
+                    f"session {name!r} runs {kinds[session.tty]}, not {kinds[tty]}: close "
+                    "it first, or use another name")
             if session is None or not session.alive:
                 if name in live.restarted:
                     note = f"session {name!r} was restarted: the sandbox was rolled back"
                     live.restarted.discard(name)
                 elif session is not None:
                     note = f"session {name!r} was restarted: its shell had exited"
-                session = Session(name)
-                await session.start(live.rt, self._env(row, {"TERM": "dumb"}), self.background)
+                session = Session(name, tty)
+                term = "xterm-256color" if tty else "dumb"
+                await session.start(live.rt, self._env(row, {"TERM": term}), self.background)
                 live.sessions[name] = session
                 if session.spawned is not None:
                     self.turns.expect_entry(sid, session.spawned.pid)
@@ -1672,7 +1679,9 @@ class Daemon:
                         procs, thaw, snapshot, lambda: self._daemon_pipes(live),
                         tracer_ok=set(), reuse=reuse,
                         layers=live.rt.generation.layers if live.rt.generation else (),
-                        later=later, scope=row.id)
+                        later=later, scope=row.id,
+                        session_ttys={n: fd for n, sess in live.sessions.items()
+                                      if (fd := sess.master_fd()) is not None})
                     if later:
                         await self._room_for_templates(live, row, state)
                     live.tcp_captured |= state.holds_tcp
@@ -2159,10 +2168,13 @@ class Daemon:
         """Take over the daemon's side of restored processes: their session shells, and
         pipes they write to us (drained) or read from us (held open)."""
         for name, (pid, stdin_w, out_r, err_r) in restored.session_fds.items():
-            sess = Session(name)
+            master = restored.session_ttys.get(name)
+            sess = Session(name, tty=master is not None)
             sess.attach(AdoptedShell(pid, os.pidfd_open(pid), trio.lowlevel.FdStream(stdin_w),
                                      trio.lowlevel.FdStream(out_r),
-                                     trio.lowlevel.FdStream(err_r)), self.background)
+                                     trio.lowlevel.FdStream(err_r),
+                                     None if master is None else
+                                     trio.lowlevel.FdStream(master)), self.background)
             sess.state = sess.turn_state = state.session_states.get(name)
             live.sessions[name] = sess
         for fd, is_read in restored.daemon_fds:

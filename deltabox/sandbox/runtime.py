@@ -96,11 +96,15 @@ class Runtime:
         """Processes a rollback must not kill: the launcher and init."""
         return {self.launcher.pid, self.init_pid}
 
-    def enter_argv(self, argv: list[str], cwd: str, env: dict[str, str]) -> list[str]:
-        """The dbx-enter command line that runs argv inside this sandbox."""
+    def enter_argv(self, argv: list[str], cwd: str, env: dict[str, str], tty: int = -1
+                   ) -> list[str]:
+        """The dbx-enter command line that runs argv inside this sandbox (`tty`: our fd of
+        a pty's slave, its controlling terminal and fd 3)."""
         assert self.generation is not None
         cmd = [helper("dbx-enter"), "--pidfd", str(self.pidfd),
                "--mntfd", str(self.generation.mntfd), "--cwd", cwd]
+        if tty >= 0:
+            cmd += ["--tty", str(tty)]
         if self.userns:
             cmd.append("--userns")
         for f in self.cgroup.procs_files:

@@ -14,16 +14,29 @@ stack and jobs, all from builtins (no process is started). The daemon keeps a di
 change, the shell's running changed nothing a rollback would bring back (daemon/turns.py).
 Variables that change by themselves on every command ($_, $RANDOM, $SECONDS, $LINENO, ...)
 and the session's own bookkeeping are left out.
+
+A session started with `tty` runs its commands on a pseudo-terminal of the sandbox's own
+devpts, whose master the daemon holds: the shell leads its session with the pty as its
+controlling terminal (dbx-enter --tty) and keeps it at fd 3; each command runs with
+stdin, stdout and stderr on it (programs see a terminal: isatty, colours, /dev/tty, line
+editing), while the markers still go through the pipes, and one more marker through the
+pty tells where the command's output on it ends. Its output is the terminal's, stdout and
+stderr merged, as a terminal shows it (ONLCR: "\r\n"); a command that reads its input
+waits for it as in a terminal (until the timeout). A checkpoint captures the pty with the
+session (cr/ptys.py: the master is the daemon's); a restore gives the daemon a new one.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import os
 import re
 import secrets
 import signal
 import subprocess
+import termios
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -31,11 +44,14 @@ from dataclasses import dataclass
 import trio
 
 from ..background import GuardedNursery
+from ..cr import ptys
 
 from .execute import OUTPUT_LIMIT, ExecOutput, _terminate, exit_code
 from .runtime import HELPER_ENV, Runtime
 
 _TAIL = 512
+TTY_FD = 3              # where a session's shell keeps its terminal (native/enter.c)
+TTY_ROWS, TTY_COLS = 24, 80
 SETTLE_MAX_S = 0.05     # how long run() waits for the shell to read again (Session._settle)
 SETTLE_POLL_S = 0.0002
 # Bash builtins that print the shell's state (stdout), run after every command.
@@ -96,6 +112,9 @@ async def _pump(stream: trio.abc.ReceiveStream, target: _Stream) -> None:
             target.feed(data)
     except (trio.ClosedResourceError, trio.BrokenResourceError):
         pass
+    except OSError as e:   # a pty's master once no slave is open any more
+        if e.errno != errno.EIO:
+            raise
     finally:
         target.eof.set()
 
@@ -103,10 +122,12 @@ async def _pump(stream: trio.abc.ReceiveStream, target: _Stream) -> None:
 class SpawnedShell:
     """A shell the daemon started (through dbx-enter, its child)."""
 
-    def __init__(self, proc: trio.Process) -> None:
+    def __init__(self, proc: trio.Process, master: trio.lowlevel.FdStream | None = None
+                 ) -> None:
         self.proc = proc
         assert proc.stdin and proc.stdout and proc.stderr
         self.stdin, self.stdout, self.stderr = proc.stdin, proc.stdout, proc.stderr
+        self.master = master           # of its terminal (a tty session)
         self.bash: int | None = None   # its host pid, once found (Session.shell_pid)
 
     def alive(self) -> bool:
@@ -129,6 +150,7 @@ class AdoptedShell:
     stdin: trio.lowlevel.FdStream
     stdout: trio.lowlevel.FdStream
     stderr: trio.lowlevel.FdStream
+    master: trio.lowlevel.FdStream | None = None   # of its terminal (a tty session)
 
     def alive(self) -> bool:
         try:
@@ -158,12 +180,14 @@ Shell = SpawnedShell | AdoptedShell
 class Session:
     """A bash shell living in the sandbox; `run` is serialized per session."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, tty: bool = False) -> None:
         self.name = name
+        self.tty = tty
         self.shell: Shell | None = None
         self.lock = trio.Lock()
         self.out = _Stream(OUTPUT_LIMIT)
         self.err = _Stream(OUTPUT_LIMIT)
+        self.term = _Stream(OUTPUT_LIMIT)   # what the master reads (a tty session)
         # Digest of the shell's state after its last command (None: unknown), and what it
         # was when the current turn began (set by the daemon at checkpoints and restores).
         self.state: str | None = None
@@ -180,11 +204,32 @@ class Session:
 
     async def start(self, rt: Runtime, env: dict[str, str], background: GuardedNursery) -> None:
         argv = ["bash", "--noprofile", "--norc"]
-        proc = await trio.lowlevel.open_process(
-            rt.enter_argv(argv, "/workspace", env), stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=rt.pass_fds,
-            env=HELPER_ENV)
-        self.attach(SpawnedShell(proc), background)
+        master = slave = -1
+        if self.tty:
+            assert rt.generation is not None
+            master, slave = ptys.new_pair(rt.generation.mntfd, TTY_ROWS, TTY_COLS)
+        try:
+            proc = await trio.lowlevel.open_process(
+                rt.enter_argv(argv, "/workspace", env, tty=slave), stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=(*rt.pass_fds, slave) if self.tty else rt.pass_fds, env=HELPER_ENV)
+        except BaseException:
+            if self.tty:
+                os.close(master)
+            raise
+        finally:
+            if self.tty:
+                os.close(slave)   # the shell's alone: its end closes the pty
+        self.attach(SpawnedShell(proc, trio.lowlevel.FdStream(master) if self.tty else None),
+                    background)
+
+    def master_fd(self) -> int | None:
+        """The daemon's descriptor of the session's terminal (None: on pipes, or gone)."""
+        master = self.shell.master if self.shell is not None else None
+        try:
+            return None if master is None else master.fileno()
+        except trio.ClosedResourceError:
+            return None
 
     def shell_pid(self, exclude: Collection[int] = ()) -> int | None:
         """Host pid of the bash process (a spawned shell is dbx-enter's child; so are the
@@ -209,8 +254,11 @@ class Session:
         """Talk to `shell` from now on (a new one, or one restored by a rollback)."""
         self.shell = shell
         self.out, self.err = _Stream(OUTPUT_LIMIT), _Stream(OUTPUT_LIMIT)
+        self.term = _Stream(OUTPUT_LIMIT)
         background.start_soon(_pump, shell.stdout, self.out)
         background.start_soon(_pump, shell.stderr, self.err)
+        if shell.master is not None:
+            background.start_soon(_pump, shell.master, self.term)
 
     async def run(self, command: str, timeout: float | None) -> ExecOutput:
         assert self.shell is not None
@@ -219,10 +267,14 @@ class Session:
         rc_marker = f"\n__DBX_{nonce}_RC=".encode()
         self.out.reset(rc_marker)
         self.err.reset(f"\n__DBX_{nonce}_END\n".encode())
+        tty_marker = f"__DBX_{nonce}_TTY".encode()
+        self.term.reset(tty_marker if self.tty else b"")
+        stdio = f"<&{TTY_FD} >&{TTY_FD} 2>&{TTY_FD} {TTY_FD}>&-" if self.tty else "</dev/null"
         script = (f"IFS= read -r -d '' __dbx_cmd <<'__DBX_EOF_{nonce}'\n{command}\n"
                   f"__DBX_EOF_{nonce}\n"
-                  'eval "$__dbx_cmd" </dev/null\n'
+                  f'eval "$__dbx_cmd" {stdio}\n'
                   f"printf '\\n__DBX_{nonce}_RC=%d\\n' $?\n"
+                  + (f"printf '\\n{tty_marker.decode()}' >&{TTY_FD}\n" if self.tty else "") +
                   "unset __dbx_cmd\n"  # multi-line; and not the shell's own state
                   f"printf '\\n__DBX_{nonce}_STATE\\n' >&2\n"
                   f"{_STATE_SCRIPT}\n"
@@ -239,8 +291,16 @@ class Session:
             await self.close()
         stdout, out_trunc, rest = self.out.result()
         stderr, err_trunc, _ = self.err.result()
+        if self.tty:   # the command's output is the terminal's (its stdout pipe is unused)
+            stdout, out_trunc, _ = self.term.result()
+            stdout = _strip_newline(stdout)
         stderr, self.state = _split_state(stderr, f"\n__DBX_{nonce}_STATE\n".encode(),
                                           err_trunc)
+        if self.state is not None:
+            # A command may have changed the shell's descriptors (exec 9>log, a read that
+            # moved an offset) or its terminal (stty) and nothing else: the shell's state
+            # includes them.
+            self.state = _with_process(self.state, self.shell_pid(), self.master_fd())
         if self.out.found.is_set():
             code = int(rest.split(b"\n", 1)[0] or b"0")
             if self.err.found.is_set():
@@ -272,6 +332,8 @@ class Session:
             async def markers() -> None:
                 await self.out.found.wait()
                 await self.err.found.wait()
+                if self.tty:
+                    await self.term.found.wait()
                 n.cancel_scope.cancel()
 
             async def shell_end() -> None:
@@ -289,6 +351,8 @@ class Session:
         with trio.CancelScope(shield=True):
             await self.shell.stdin.aclose()
             await self.shell.terminate()
+            if self.shell.master is not None:
+                await self.shell.master.aclose()
 
 
 def _reading_commands(pid: int) -> bool:
@@ -298,6 +362,53 @@ def _reading_commands(pid: int) -> bool:
             return f.read(16).startswith(b"0 0x0 ")   # read(0, ...)
     except OSError:
         return True   # gone: nothing to wait for
+
+
+def _with_process(state: str, pid: int | None, master: int | None) -> str:
+    """The shell's state digest, its descriptors' and its terminal's in one digest."""
+    h = hashlib.sha256(state.encode())
+    if pid is not None:
+        h.update(_descriptors(pid))
+    if master is not None:
+        h.update(_terminal(master))
+    return h.hexdigest()[:32]
+
+
+def _descriptors(pid: int) -> bytes:
+    """The shell's descriptors: number, what it is (a pipe's or socket's kind only: a
+    restore makes new ones) and offset (~0.1 ms for a shell's handful)."""
+    out = []
+    try:
+        fds = sorted(os.listdir(f"/proc/{pid}/fd"), key=int)
+    except OSError:
+        return b""   # gone: the next run finds it
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
+                pos = f.readline().strip()
+        except OSError:
+            continue
+        if target.startswith(("pipe:", "socket:", "anon_inode:")):
+            target = target.split(":", 1)[0]
+        out.append(b"%s %s %s\n" % (fd.encode(), os.fsencode(target), pos))
+    return b"".join(out)
+
+
+def _terminal(master: int) -> bytes:
+    """Its terminal's settings and size, read through the master (TCGETS2 and TIOCGWINSZ
+    there give the slave's)."""
+    try:
+        return (fcntl.ioctl(master, ptys.TCGETS2, bytes(ptys.TERMIOS2_SIZE)) +
+                fcntl.ioctl(master, termios.TIOCGWINSZ, bytes(8)))
+    except OSError:
+        return b""   # hung up: the shell is gone, which the next run finds
+
+
+def _strip_newline(out: bytes) -> bytes:
+    """A tty command's output without the newline its end marker began with (ONLCR's
+    "\r\n", or "\n" if the command turned output processing off)."""
+    return out[:-2] if out.endswith(b"\r\n") else out[:-1] if out.endswith(b"\n") else out
 
 
 def _split_state(stderr: bytes, marker: bytes, truncated: bool) -> tuple[bytes, str | None]:
