@@ -5,7 +5,9 @@ A pty is a pair made by opening the sandbox's /dev/ptmx: the master (the driver'
 and the slave /dev/pts/N (the program's end, usually its controlling terminal). Reopened
 by path at a restore, the master would be a new, unrelated pty and /dev/pts/N would not
 exist in the restored generation's own devpts. So the checkpoint notes each pty whose
-master a process of the sandbox holds: its index, its settings (termios2; the master's
+master a process of the sandbox holds, or the daemon for a session on a pty
+(sandbox/session.py; that master description is noted as the session's, and a restore
+gives the daemon its new one): its index, its settings (termios2; the master's
 side is always the kernel's raw one), the window size, packet mode and exclusive mode,
 its open file descriptions (grouped by kcmp), the bytes waiting in it and the session
 leader whose controlling terminal it is. A restore opens the generation's ptmx until it
@@ -31,8 +33,8 @@ Refused by name (FAILED_PRECONDITION, or Unsettled for output its reader will ta
   process of the session, or that maps memory shared with another process (it could not
   be born in the restored session: see _session); whose foreground group has no
   captured leader; whose leader holds no descriptor of it;
-- a slave whose master no process of the sandbox holds, a pty of another devpts, a
-  locked one (unlockpt not called), another line discipline than N_TTY.
+- a slave whose master no process of the sandbox (nor the daemon) holds, a pty of
+  another devpts, a locked one (unlockpt not called), another line discipline than N_TTY.
 Not kept: a terminal stopped by ^S (flow control: its output resumes); in canonical
 mode, a literal-next (^V) typed as the last character (the next one it would quote).
 """
