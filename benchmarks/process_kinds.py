@@ -17,8 +17,10 @@ its memory copied from the template, deltabox/cr/adoption.py; every other kind s
 the restored shell, checked to be its child after every rollback), or beside a detached
 tmux session whose pane runs an idle interactive bash (`tmux`: the pty made again at its
 index, the pane's shell taking it back as its controlling terminal, deltabox/cr/ptys.py;
-checked after every rollback by typing into the pane), in the same run on one private
-daemon, each in a sandbox of its own with the same memory (--mb).
+checked after every rollback by typing into the pane), or beside an idle session on a
+pseudo-terminal (`tty`: the daemon holds its master, a restore gives it a new one; checked
+after every rollback to run on /dev/pts/0), in the same run on one private daemon, each in
+a sandbox of its own with the same memory (--mb).
 
 Each rep, for every kind in turn (the order rotates): the process changes its state (a
 counter and a page of its memory), pauses (--think: the warm pool prepares meanwhile),
@@ -50,10 +52,10 @@ from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, latenc
 from deltabox import Sandbox
 
 KINDS = ("plain", "asyncio", "tempfile", "threads", "shared", "watcher", "waited",
-         "session", "job", "tmux")
+         "session", "job", "tmux", "tty")
 # Kinds whose process is the plain one, beside a bash session: idle (`session`), or with a
 # background job (`job`: `sleep 1000 &`, adopted by the restored shell: adoption.py).
-SESSION_KINDS = {"session": "true", "job": "sleep 1000 &"}
+SESSION_KINDS = {"session": "true", "job": "sleep 1000 &", "tty": "true"}
 
 PROG = r"""
 import asyncio, concurrent.futures, ctypes, hashlib, os, select, socket, struct, sys
@@ -188,7 +190,7 @@ def start(d: PrivateDaemon, kind: str, mb: int, temp_mb: int, dirs: int) -> Sand
              ">/dev/null 2>&1 &")
     wait_until(lambda: sbx.files.exists("ready"), f"the {kind} process")
     if kind in SESSION_KINDS:
-        sbx.session("main").run(SESSION_KINDS[kind])
+        sbx.session("main", tty=kind == "tty").run(SESSION_KINDS[kind])
     if kind == "tmux":
         sbx.exec("tmux new-session -d -s main -x 100 -y 30 'bash --norc --noprofile -i'")
         _pane_is_back(sbx, 0)
@@ -254,6 +256,10 @@ def one_rep(sbx: Sandbox, think: float, kind: str = "", dump_wait: bool = True
         _job_is_the_shells(sbx)
     if kind == "tmux":
         _pane_is_back(sbx, int(time.time() * 1000) % 1_000_000)
+    if kind == "tty":
+        out = sbx.session("main", tty=True).run("tty").stdout
+        if out != "/dev/pts/0\r\n":
+            raise RuntimeError(f"after the rollback the tty session says {out!r}")
     return {"checkpoint": ck, "checkpoint_server": cp.duration_ms,
             "rollback": rb_ms, "rollback_server": rb.duration_ms}
 
