@@ -395,27 +395,31 @@ def kill_and_wait(sandboxes: Iterable[Any], timeout: float = 60) -> tuple[float,
     return answered, (time.perf_counter() - t0) * 1000
 
 
-def _drop_deleted(btrfs: Callable[..., str], stuck_s: float = 3.0, cap_s: float = 60) -> None:
-    """Wait until btrfs's cleaner has dropped the deleted subvolumes, or until the list has
-    not changed for `stuck_s`: a deleted subvolume something still holds (a template's
-    mapped file in a layer another sandbox of the same daemon keeps, a lazily detached
-    mount) is dropped only once released, and waiting for it would stall every run (a CI
-    run once waited the whole minute at every settle)."""
+def _drop_deleted(btrfs: Callable[..., str], held: set[str], stuck_s: float = 3.0,
+                  cap_s: float = 60) -> None:
+    """Wait until btrfs's cleaner has dropped the deleted subvolumes, or until their list
+    has not changed for `stuck_s`: a deleted subvolume something still holds (a
+    checkpoint's templates keep the generation they were made in) is dropped only once
+    released, and waiting for it would stall every run (a CI run once waited the whole
+    minute at every settle). Those found so go to `held` (their ids), which later calls
+    do not wait for again."""
     deadline = time.monotonic() + cap_s
-    last, since = None, time.monotonic()
+    last: set[str] | None = None
+    since = time.monotonic()
     while time.monotonic() < deadline:
         # A transaction commit wakes the cleaner; deleted subvolumes are listed until it
         # is done (`subvolume sync` alone waits for a commit that may not come).
         btrfs("filesystem", "sync")
-        listed = btrfs("subvolume", "list", "-d").strip()
+        listed = {line.split()[1] for line in btrfs("subvolume", "list", "-d").splitlines()
+                  if line.startswith("ID ")} - held
         if not listed:
             return
         if listed != last:
             last, since = listed, time.monotonic()
         elif time.monotonic() - since >= stuck_s:
-            print(f"settle: {len(listed.splitlines())} deleted subvolume(s) still held "
-                  f"after {stuck_s:.0f} s without progress; not waiting for them",
-                  file=sys.stderr)
+            print(f"settle: {len(listed)} deleted subvolume(s) still held after "
+                  f"{stuck_s:.0f} s without progress; not waiting for them", file=sys.stderr)
+            held |= listed
             return
         time.sleep(0.1)
 
@@ -427,6 +431,7 @@ def make_settle(socket: str) -> Callable[[], float]:
     import deltabox
 
     info = deltabox.info(socket=socket)
+    held: set[str] = set()   # deleted subvolumes found held: not waited for again
 
     def btrfs(*args: str) -> str:
         return subprocess.run(["btrfs", *args, info.store_path], capture_output=True,
@@ -436,7 +441,7 @@ def make_settle(socket: str) -> Callable[[], float]:
         t0 = time.perf_counter()
         os.sync()
         if info.store_backend.startswith("btrfs"):
-            _drop_deleted(btrfs)
+            _drop_deleted(btrfs, held)
         return (time.perf_counter() - t0) * 1000
 
     return settle
