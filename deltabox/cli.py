@@ -458,10 +458,10 @@ def cmd_exec(args: argparse.Namespace, client: Client) -> int:
     if args.session:
         if args.cwd or args.env or args.stdin:
             raise UsageError("--cwd, --env and --stdin cannot be used with --session")
-        result = sbx.session(args.session, tty=args.tty).run(" ".join(args.cmd), timeout=args.timeout,
-                                               checkpoint=args.checkpoint,
-                                               checkpoint_label=args.checkpoint_label,
-                                               rollback_to=args.rollback_to)
+        session = sbx.session(args.session, tty=args.tty)
+        result = session.run(" ".join(args.cmd), timeout=args.timeout,
+                             checkpoint=args.checkpoint, checkpoint_label=args.checkpoint_label,
+                             rollback_to=args.rollback_to)
         if not args.json:
             _writer(sys.stdout.buffer)(result.stdout_bytes)
             _writer(sys.stderr.buffer)(result.stderr_bytes)
