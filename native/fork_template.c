@@ -2977,6 +2977,23 @@ static int take_terminal(struct tracee *c, int fd, struct dbxcr_error *err)
 		< 0 ? -1 : 0;
 }
 
+/* Lock the original's locked memory again (see struct dbxcr_mlock). mlock2 faults the
+ * range in (a private page copied from the template on write access), as the original's
+ * mlock did; MLOCK_ONFAULT only marks it. */
+static int lock_memory(struct tracee *c, const struct dbxcr_mlock *m, size_t n,
+		       struct dbxcr_error *err)
+{
+	for (size_t i = 0; i < n; i++) {
+		long a[6] = { (long)m[i].start, (long)(m[i].end - m[i].start),
+			      m[i].onfault ? MLOCK_ONFAULT : 0, 0, 0, 0 };
+
+		if (rsys(c, SYS_mlock2, a, err, "mlock2 %#lx-%#lx%s", m[i].start, m[i].end,
+			 m[i].onfault ? " (on fault)" : "") < 0)
+			return -1;
+	}
+	return 0;
+}
+
 /* What a spawn leaves: a running child, a carrier (stopped; a birth gives the process),
  * or a held child (stopped with its threads; it may fork adopted children: see the held
  * section below). */
@@ -3059,6 +3076,8 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		if (recreate_epoll(c, scratch, &o->epolls[i], err) < 0)
 			return -1;
 	if (o->pgid && join_group(c, o->pgid, err) < 0)
+		return -1;
+	if (lock_memory(c, o->mlocks, o->nmlocks, err) < 0)
 		return -1;
 	if (carrier)	/* pending signals, locks, the scratch page and the controlling
 			 * terminal are the birth's business */

@@ -222,6 +222,14 @@ struct dbxcr_lock {
 	long long start, len;
 };
 
+/* A range of the original's memory that was locked (mlock, mlockall's MCL_CURRENT: VM_LOCKED
+ * in /proc/PID/smaps), on fault only if onfault (mlock2 MLOCK_ONFAULT): a fork does not
+ * inherit memory locks, so every child locks it again. */
+struct dbxcr_mlock {
+	unsigned long start, end;
+	int onfault;
+};
+
 struct dbxcr_spawn_opts {
 	int mntns_fd;			/* caller's fd of a mount namespace to join, or -1 */
 	const char *cwd;		/* directory to chdir to (after setns), or NULL */
@@ -254,6 +262,9 @@ struct dbxcr_spawn_opts {
 					 * pty's slave), taken with TIOCSCTTY once it leads its
 					 * session (pgid DBXCR_NEW_SESSION); 0: none.  A
 					 * carrier keeps it for its birth. */
+	const struct dbxcr_mlock *mlocks;	/* memory to lock again (a carrier locks it:
+						 * its births share its address space) */
+	size_t nmlocks;
 };
 
 /* Fork a child from the template, re-root it as asked, restore the checkpointed registers

@@ -2972,6 +2972,47 @@ def test_a_memfd_sealed_against_future_writes_while_mapped_writable_is_refused(
                           r"writable")
 
 
+LOCKED = """
+import ctypes, mmap, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+def addr(m):
+    return ctypes.addressof(ctypes.c_char.from_buffer(m))
+locked, onfault = mmap.mmap(-1, 1 << 20), mmap.mmap(-1, 1 << 20)
+locked[:5] = b'kept!'
+assert libc.mlock(ctypes.c_void_p(addr(locked)), ctypes.c_size_t(1 << 20)) == 0
+assert libc.syscall(325, ctypes.c_void_p(addr(onfault)), ctypes.c_size_t(1 << 20), 1) == 0
+onfault[:4096] = b'x' * 4096   # one page faulted in, and locked
+def flags(m):
+    a, out = addr(m), None
+    for line in open('/proc/self/smaps'):
+        if '-' in line[:40] and not line[0].isupper():
+            out = int(line.split('-')[0], 16) == a
+        elif out and line.startswith('VmFlags'):
+            return ' '.join(f for f in line.split()[1:] if f in ('lo', 'lf'))
+while True:
+    if os.path.exists('/workspace/report'):
+        lck = [x.split()[1] for x in open('/proc/self/status') if x.startswith('VmLck')][0]
+        state = f"VmLck={lck} locked=[{flags(locked)}] onfault=[{flags(onfault)}] {locked[:5]}"
+        open('/workspace/state', 'w').write(state)
+        os.remove('/workspace/report')
+    time.sleep(0.02)
+"""
+
+
+def test_locked_memory_comes_back_locked(sbx: Sandbox, restore: Restore) -> None:
+    """Memory a process locked (mlock; mlock2 on fault) is locked again in its restored
+    copy, the same ranges the same way (fork drops memory locks: before stop 51 a restored
+    gpg-agent's or a crypto library's locked pages came back unlocked, silently)."""
+    sbx.files.write("locked.py", LOCKED)
+    sbx.exec("cd /workspace && nohup python3 locked.py >/dev/null 2>&1 &")
+    before = _report(sbx)
+    assert before == "VmLck=2048 locked=[lo] onfault=[lo lf] b'kept!'", before
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    target = restore(sbx, cp)
+    assert _report(target) == before
+
+
 STOPPED_LOOP = ("cd /workspace && nohup sh -c 'echo $$ > pid; i=0; while true; do "
                 "i=$((i+1)); echo $i > count; sleep 0.05; done' >/dev/null 2>&1 &")
 

@@ -99,6 +99,9 @@ class ProcessRecord:
     stopped: bool = False
     tty_nr: int = 0           # its controlling terminal (/proc/pid/stat; cr/ptys.py)
     tpgid: int = -1           # that terminal's foreground process group (host pid)
+    # the memory it locked (mlock, mlockall's MCL_CURRENT), locked again at every restore;
+    # mlockall's MCL_FUTURE (which /proc does not show) is not kept
+    mlocks: list[native.MemoryLock] = field(default_factory=list)
 
     @property
     def running_timer(self) -> str | None:
@@ -243,7 +246,29 @@ def record(pid: int, st: native.ProcStatus, head: Head | None = None) -> Process
                          fds=native.fds(pid), rss_kb=st.rss_kb, mappings=mappings,
                          shared=shared, mapped_ro=read_only,
                          deleted_private=deleted_private, timers=posix_timers(pid),
-                         tty_nr=st.tty_nr, tpgid=st.tpgid)
+                         tty_nr=st.tty_nr, tpgid=st.tpgid,
+                         mlocks=locked_ranges(pid) if st.locked_kb else [])
+
+
+def locked_ranges(pid: int) -> list[native.MemoryLock]:
+    """pid's locked memory: the mappings /proc/PID/smaps flags "lo" (VM_LOCKED), with "lf"
+    (VM_LOCKONFAULT) if locked on fault only. Read only for a process whose status shows
+    locked memory (VmLck): smaps walks every page table."""
+    out: list[native.MemoryLock] = []
+    start = end = 0
+    try:
+        raw = kernfs.read(f"/proc/{pid}/smaps")
+    except OSError:
+        return out
+    for line in raw.splitlines():
+        if line.startswith(b"VmFlags:"):
+            flags = line.split()[1:]
+            if b"lo" in flags:
+                out.append(native.MemoryLock(start, end, b"lf" in flags))
+        elif b"-" in line[:40] and not line[:1].isupper():   # a mapping's first line
+            lo, _, hi = line.split(None, 1)[0].partition(b"-")
+            start, end = int(lo, 16), int(hi, 16)
+    return out
 
 
 def posix_timers(pid: int) -> list[str]:

@@ -1716,6 +1716,7 @@ class _Spawn:
     remaps: list[native.Remap] = field(default_factory=list)  # its shared memory, made anew
     locks: list[native.FileLock] = field(default_factory=list)  # its file locks, taken again
     ctty: int = -1             # its fd of the pty it takes back as its controlling terminal
+    mlocks: list[native.MemoryLock] = field(default_factory=list)  # its memory locked again
 
 
 def _time_wait_ports(state: ProcessState) -> set[int]:
@@ -1754,7 +1755,7 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
                   epolls=rec.loop.epolls if rec.loop else [], threaded=rec.threads > 1,
                   remaps=plan.remaps(rec, _changed_maps(state, rec) if changed is None
                                      else changed),
-                  locks=_locks(rec))
+                  locks=_locks(rec), mlocks=rec.mlocks)
 
 
 def _image_remaps(remaps: list[native.Remap]) -> list[native.Remap]:
@@ -1792,7 +1793,7 @@ def _locks(rec: ProcessRecord) -> list[native.FileLock]:
 def _carrier_of(sp: _Spawn) -> native.Carrier:
     return sp.tpl.spawn_carrier(fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd,
                                 cloexec_fds=sp.cloexec, epolls=sp.epolls, remaps=sp.remaps,
-                                locks=sp.locks, ctty=sp.ctty)
+                                locks=sp.locks, ctty=sp.ctty, mlocks=sp.mlocks)
 
 
 def _keep_all(carriers: list[native.Carrier]) -> None:
@@ -1942,7 +1943,7 @@ def _spawn_kwargs(sp: _Spawn, set_tid: list[int] | None, into: bool) -> dict:
     kwargs = dict(
         fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd, set_tid=set_tid,
         cloexec_fds=sp.cloexec, epolls=sp.epolls, remaps=sp.remaps, pgid=sp.pgid,
-        listens=sp.listens, locks=sp.locks, ctty=sp.ctty)
+        listens=sp.listens, locks=sp.locks, ctty=sp.ctty, mlocks=sp.mlocks)
     if into and sp.into is not None:
         kwargs.update(pidns_fd=sp.into.pidns_fd, ns_pidfd=sp.into.init_pidfd,
                       cgroup_fds=sp.into.cgroup_fds)

@@ -149,6 +149,10 @@ class _Lock(ctypes.Structure):  # fork_template.h struct dbxcr_lock
                 ("start", ctypes.c_longlong), ("len", ctypes.c_longlong)]
 
 
+class _MLock(ctypes.Structure):  # fork_template.h struct dbxcr_mlock
+    _fields_ = [("start", ctypes.c_ulong), ("end", ctypes.c_ulong), ("onfault", ctypes.c_int)]
+
+
 class _SpawnOpts(ctypes.Structure):
     _fields_ = [("mntns_fd", ctypes.c_int), ("cwd", ctypes.c_char_p),
                 ("files", ctypes.POINTER(_File)), ("nfiles", ctypes.c_size_t),
@@ -161,7 +165,8 @@ class _SpawnOpts(ctypes.Structure):
                 ("epolls", ctypes.POINTER(_Epoll)), ("nepolls", ctypes.c_size_t),
                 ("remaps", ctypes.POINTER(_Remap)), ("nremaps", ctypes.c_size_t),
                 ("locks", ctypes.POINTER(_Lock)), ("nlocks", ctypes.c_size_t),
-                ("ctty", ctypes.c_int)]
+                ("ctty", ctypes.c_int),
+                ("mlocks", ctypes.POINTER(_MLock)), ("nmlocks", ctypes.c_size_t)]
 
 
 _lib: ctypes.CDLL | None = None
@@ -382,6 +387,15 @@ _LOCK_TYPES = {"READ": fcntl.F_RDLCK, "WRITE": fcntl.F_WRLCK}
 
 
 @dataclass(frozen=True)
+class MemoryLock:
+    """A range of a process's memory it locked (mlock; on fault only: mlock2's
+    MLOCK_ONFAULT), locked again in every child of its template (fork drops locks)."""
+    start: int
+    end: int
+    onfault: bool = False
+
+
+@dataclass(frozen=True)
 class FileLock:
     """A file lock a restored process takes again on its descriptor `fd` (fork_template.h
     struct dbxcr_lock): kind LOCK_*, type fcntl.F_RDLCK or F_WRLCK, bytes from `start`
@@ -496,7 +510,7 @@ class Template:
               ns_pidfd: int | None = None, cgroup_fds: Sequence[int] = (), pgid: int = 0,
               listens: Sequence[ListenSocket] = (), epolls: Sequence[Epoll] = (),
               remaps: Sequence[Remap] = (), locks: Sequence[FileLock] = (),
-              ctty: int = -1) -> int:
+              ctty: int = -1, mlocks: Sequence[MemoryLock] = ()) -> int:
         """Fork a child that continues where the origin was at checkpoint time.
 
         fds: {target_fd_in_child: our_fd}, e.g. fresh stdio pipes ({0: r, 1: w, 2: w}).
@@ -513,11 +527,12 @@ class Template:
         from our descriptors. locks: file locks taken again once every descriptor is in
         (a carrier's by its birth). ctty: the child's fd (a pty's slave) that becomes its
         controlling terminal once it leads its session (pgid NEW_SESSION; a carrier's
-        birth takes it), or -1.
+        birth takes it), or -1. mlocks: memory ranges locked again (fork drops locks).
         Returns the child's pid in our namespace; it is a sibling of the origin (same
         parent, same exit signal)."""
         with self._opts(fds, files, cwd, mntns_fd, set_tid, cloexec_fds, pidns_fd, ns_pidfd,
-                        cgroup_fds, pgid, listens, epolls, remaps, locks, ctty) as opts:
+                        cgroup_fds, pgid, listens, epolls, remaps, locks, ctty,
+                        mlocks) as opts:
             err = _Err()
             pid = _load().dbxcr_spawn(self._handle, ctypes.byref(opts), ctypes.byref(err))
         if pid < 0:
@@ -594,8 +609,8 @@ class Template:
               cloexec_fds: Iterable[int] = (), pidns_fd: int | None = None,
               ns_pidfd: int | None = None, cgroup_fds: Sequence[int] = (), pgid: int = 0,
               listens: Sequence[ListenSocket] = (), epolls: Sequence[Epoll] = (),
-              remaps: Sequence[Remap] = (), locks: Sequence[FileLock] = (), ctty: int = -1
-              ) -> Iterator[_SpawnOpts]:
+              remaps: Sequence[Remap] = (), locks: Sequence[FileLock] = (), ctty: int = -1,
+              mlocks: Sequence[MemoryLock] = ()) -> Iterator[_SpawnOpts]:
         """The C options of a spawn (valid inside the block: it owns the arrays)."""
         self._h()
         cloexec = set(cloexec_fds)
@@ -624,13 +639,16 @@ class Template:
         lks = list(locks)
         clks = (_Lock * max(1, len(lks)))(*[_Lock(k.fd, k.kind, k.type, k.start, k.len)
                                              for k in lks])
+        mls = list(mlocks)
+        cmls = (_MLock * max(1, len(mls)))(*[_MLock(m.start, m.end, int(m.onfault))
+                                             for m in mls])
         yield _SpawnOpts(-1 if mntns_fd is None else mntns_fd, cwd_b,
                          cfiles, len(file_items), fdmaps, len(fd_items),
                          ctids if tids else None, len(tids),
                          -1 if pidns_fd is None else pidns_fd,
                          -1 if ns_pidfd is None else ns_pidfd,
                          ccg, len(cg), pgid, clst, len(lst), ceps, len(epolls),
-                         crms, len(rms), clks, len(lks), ctty + 1)
+                         crms, len(rms), clks, len(lks), ctty + 1, cmls, len(mls))
 
     def syscalls(self) -> list[tuple[int, list[int]]]:
         """For each thread of the origin at the checkpoint (the main one first): the
@@ -1177,6 +1195,7 @@ class ProcStatus:
     uid: int = 0            # real uid, as the host sees it
     tty_nr: int = 0         # its controlling terminal's device number (0: none)
     tpgid: int = -1         # that terminal's foreground process group (host pid)
+    locked_kb: int = 0      # memory it locked (VmLck)
 
 
 def _status_field(text: bytes, name: bytes) -> bytes | None:
@@ -1210,13 +1229,14 @@ def proc_status(pid: int) -> ProcStatus:
     rss = _status_field(status, b"VmRSS")
     caps = _status_field(status, b"CapEff")
     uid = _status_field(status, b"Uid")
+    locked = _status_field(status, b"VmLck")
     return ProcStatus(ppid=int(f[1]), pgid=int(f[2]), sid=int(f[3]), threads=int(f[17]),
                       state=f[0].decode(), tracer_pid=int(tracer),
                       nspid=tuple(int(x) for x in nspid.split()) if nspid else (pid,),
                       rss_kb=int(rss.split()[0]) if rss else 0,
                       cap_eff=int(caps, 16) if caps else -1,
                       uid=int(uid.split()[0]) if uid else 0, tty_nr=int(f[4]),
-                      tpgid=int(f[5]))
+                      tpgid=int(f[5]), locked_kb=int(locked.split()[0]) if locked else 0)
 
 
 def ids_in_namespace(pid: int, level: int) -> tuple[int, int, int] | None:

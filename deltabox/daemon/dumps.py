@@ -596,7 +596,7 @@ def _unlinked_from(f: dict, data: bytes) -> unlinked.UnlinkedFile:
 def _rec_json(r: ProcessRecord) -> dict:
     d = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)
          if f.name not in ("fds", "listens", "loop", "shared", "mapped_ro",
-                           "deleted_private", "mapped_private")}
+                           "deleted_private", "mapped_private", "mlocks")}
     d["fds"] = [{k: v for k, v in dataclasses.asdict(f).items() if k != "fdinfo"}
                 for f in r.fds]
     # The named files' mappings are made again from them at every restore of templates
@@ -608,6 +608,7 @@ def _rec_json(r: ProcessRecord) -> dict:
     d["mapped_private"] = [dataclasses.asdict(m) for m in r.mapped_private]
     d["listens"] = [dict(dataclasses.asdict(ls), addr=ls.addr.hex()) for ls in r.listens]
     d["loop"] = eventloop.to_json(r.loop)
+    d["mlocks"] = [dataclasses.asdict(m) for m in r.mlocks]
     return d
 
 
@@ -625,5 +626,6 @@ def _rec_from(d: dict) -> ProcessRecord:
     shared = [SharedMapping(**m) for m in d.pop("shared", [])]
     mapped_ro = [SharedMapping(**m) for m in d.pop("mapped_ro", [])]
     mapped_private = [SharedMapping(**m) for m in d.pop("mapped_private", [])]
+    mlocks = [native.MemoryLock(**m) for m in d.pop("mlocks", [])]
     return ProcessRecord(**d, fds=fds, listens=listens, loop=loop, shared=shared,
-                         mapped_ro=mapped_ro, mapped_private=mapped_private)
+                         mapped_ro=mapped_ro, mapped_private=mapped_private, mlocks=mlocks)
