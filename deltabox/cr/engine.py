@@ -21,7 +21,8 @@ rollback's pid is free at once; the keeper is killed afterwards (kill_carriers),
 rollback's path.
 
 What is preserved: memory, registers, threads, signal state, process group and session, cwd,
-files and offsets, pipes (with unread data), ptys and controlling terminals (ptys.py), and
+files and offsets, pipes (with unread data), ptys and controlling terminals (ptys.py),
+locked memory (mlock: locked again in every copy, which fork would not), and
 the pid of every process that did not lead its session. A group leader's pid too: the kernel keeps a pid number allocated while any
 process uses it as a group id, and a template is such a process, so the templates of a
 group whose leader is captured leave it after the capture (_own_groups), and the children
@@ -35,7 +36,11 @@ rejoin it at the rollback. Not preserved:
   waiting for: it is the parent its template had, the sandbox's init once the original
   parent died in the rollback (the response's note names it). Every other child of a
   captured parent is adopted by its restored parent (adoption.py): restored held, its
-  memory copied in from its template.
+  memory copied in from its template;
+- what a fork resets and no call sets back: the CPU time a process used (times(2),
+  CLOCK_PROCESS_CPUTIME_ID start again from zero), memory marked MADV_WIPEONFORK (a
+  random generator's state: zero-filled, so it reseeds), a parent-death signal
+  (PR_SET_PDEATHSIG, tied to a parent a restore may not keep), mlockall's MCL_FUTURE.
 
 Restoring into a fork (`Elsewhere`): the fork's pid namespace is nested below the templates'
 sandbox's, so a template can give birth there (setns into it around clone3); the child joins
