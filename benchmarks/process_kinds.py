@@ -53,8 +53,9 @@ from deltabox import Sandbox
 
 KINDS = ("plain", "asyncio", "tempfile", "threads", "shared", "watcher", "waited",
          "session", "job", "tmux", "tty")
-# Kinds whose process is the plain one, beside a bash session: idle (`session`), or with a
-# background job (`job`: `sleep 1000 &`, adopted by the restored shell: adoption.py).
+# Kinds whose process is the plain one, beside a bash session: idle (`session`), with a
+# background job (`job`: `sleep 1000 &`, adopted by the restored shell: adoption.py), or
+# idle on a pseudo-terminal (`tty`).
 SESSION_KINDS = {"session": "true", "job": "sleep 1000 &", "tty": "true"}
 
 PROG = r"""

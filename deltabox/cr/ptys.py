@@ -278,7 +278,7 @@ def _read(index: int, group: _Group) -> tuple[Pty | None, Refusal | None]:
     """The pty's state, read through our copy of its master's description (None if no
     process holds that), and why it is refused, if it is."""
     masters = [(e, rec, fd) for e, rec, fd in group if e.master]
-    _, rec, fd = next((x for x in group if x[1] is not None))   # whom a refusal names
+    _, rec, fd = next(x for x in group if x[1] is not None)   # whom a refusal names
     if not masters:
         return None, Refusal(rec.nspid, rec.cmd, (
             f"fd {fd}: /dev/pts/{index}, whose master no process of the sandbox holds: "

@@ -208,15 +208,15 @@ class Session:
             proc = await trio.lowlevel.open_process(
                 rt.enter_argv(argv, "/workspace", env, tty=slave), stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(*rt.pass_fds, slave) if self.tty else rt.pass_fds, env=HELPER_ENV)
+                pass_fds=rt.pass_fds + ((slave,) if slave >= 0 else ()), env=HELPER_ENV)
         except BaseException:
-            if self.tty:
+            if master >= 0:
                 os.close(master)
             raise
         finally:
-            if self.tty:
+            if slave >= 0:
                 os.close(slave)   # the shell's alone: its end closes the pty
-        self.attach(SpawnedShell(proc, trio.lowlevel.FdStream(master) if self.tty else None),
+        self.attach(SpawnedShell(proc, trio.lowlevel.FdStream(master) if master >= 0 else None),
                     background)
 
     def master_fd(self) -> int | None:
