@@ -334,14 +334,16 @@ int dbxcr_root_bind(int root_fd, int sock_fd, const char *path, struct dbxcr_err
 int dbxcr_mntns_open(int mntns_fd, const char *path, int flags, int mode,
 		     struct dbxcr_error *err);
 
-/* The System V IPC objects of the IPC namespace `ipcns_fd` (native/ipcns.c: a thread made
- * for the call joins it).  clear: remove them all first (the counts are then what is
- * left).  0, or -1 with err set. */
+/* The System V IPC objects and POSIX message queues of the IPC namespace `ipcns_fd`
+ * (native/ipcns.c: a thread made for the call joins it).  clear: remove them all first (the
+ * counts are then what is left).  0, or -1 with err set. */
 struct dbxcr_ipc_objects {
 	int sem_sets;
 	int msg_queues;
 	int shm_segments;
 	int shm_detached;	/* of which no process has attached (shm_nattch 0) */
+	int posix_queues;	/* POSIX message queues (mq_open) */
+	char posix_names[128];	/* their names, ", "-separated, cut short at the size */
 };
 int dbxcr_ipcns_objects(int ipcns_fd, int clear, struct dbxcr_ipc_objects *out,
 			struct dbxcr_error *err);

@@ -1,23 +1,36 @@
-/* System V IPC objects of a sandbox's IPC namespace.
+/* System V IPC objects and POSIX message queues of a sandbox's IPC namespace.
  *
- * Semaphore sets, message queues and shared memory segments belong to an IPC namespace,
- * not to a process: a checkpoint of the sandbox's files and processes does not hold them,
- * a rollback would leave the live ones (their values written after the checkpoint) and a
- * fork's children, in a namespace of their own, would find none.  The daemon counts them
+ * Semaphore sets, message queues and shared memory segments, and POSIX message queues
+ * (mq_open), belong to an IPC namespace, not to a process: a checkpoint of the sandbox's
+ * files and processes does not hold them, a rollback would leave the live ones (their
+ * values written after the checkpoint) and a fork's children, in a namespace of their
+ * own, would find none.  The daemon counts them
  * at a full checkpoint (which is refused while any exists) and removes those a rollback
  * finds (made after its checkpoint, which had none).
  *
  * The objects a task sees, and the *_INFO and *_STAT_ANY commands, are those of its own
  * IPC namespace (current->nsproxy), so a thread made for the call joins the sandbox's
- * (setns CLONE_NEWIPC acts on the calling thread alone) and ends with the call. */
+ * (setns CLONE_NEWIPC acts on the calling thread alone) and ends with the call.
+ *
+ * POSIX message queues are the files of the namespace's own mqueue file system, which
+ * mq_open uses without any mount.  A new mqueue fs context takes the caller's IPC
+ * namespace and the kernel gives it that namespace's superblock (get_tree_keyed), so a
+ * detached mount of it (fsopen, fsmount: attached to no mount table, gone with its fd)
+ * lists the sandbox's queues and unlinks them, touching no mount namespace. */
 
 #include "dbxcr_internal.h"
 #include "fork_template.h"
 
+#include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <linux/mount.h>
 #include <sched.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <sys/ipc.h>
 #include <sys/msg.h>
 #include <sys/sem.h>
@@ -114,6 +127,74 @@ static int detached_shms(int top)
 	return n;
 }
 
+/* Append a queue's name to the ", "-separated list, cut short (with "...") at its size. */
+static void add_name(char *names, size_t size, const char *name)
+{
+	size_t used = strlen(names);
+	int n = snprintf(names + used, size - used, "%s/%s", used ? ", " : "", name);
+
+	if (n < 0 || (size_t)n >= size - used)
+		memcpy(names + size - 4, "...", 4);
+}
+
+/* A detached mount of the calling thread's IPC namespace's mqueue file system (see the
+ * file comment); its fd, or -1 with errno set. */
+static int mqueue_mount(void)
+{
+	int fs = (int)syscall(SYS_fsopen, "mqueue", FSOPEN_CLOEXEC);
+	int mnt = -1;
+
+	if (fs < 0)
+		return -1;
+	if (syscall(SYS_fsconfig, fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) == 0)
+		mnt = (int)syscall(SYS_fsmount, fs, FSMOUNT_CLOEXEC, 0);
+	int saved = errno;
+	close(fs);
+	errno = saved;
+	return mnt;
+}
+
+/* Count the namespace's POSIX message queues into j->out (their names too); with clear,
+ * unlink each instead (one unlinked meanwhile is no error: a queue still open lives on
+ * for its holders, nameless, as after mq_unlink).  0, or -1 with errno set. */
+static int posix_queues(struct ipcns_job *j, bool clear)
+{
+	int mnt = mqueue_mount(), dir;
+	struct dirent *e;
+	DIR *d;
+
+	if (mnt < 0)
+		return -1;
+	dir = openat(mnt, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	close(mnt);   /* the directory's open file keeps the mount */
+	if (dir < 0 || !(d = fdopendir(dir))) {
+		int saved = errno;
+		if (dir >= 0)
+			close(dir);
+		errno = saved;
+		return -1;
+	}
+	j->out.posix_queues = 0;
+	j->out.posix_names[0] = '\0';
+	errno = 0;
+	while ((e = readdir(d))) {
+		if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+			continue;
+		if (clear) {
+			if (unlinkat(dirfd(d), e->d_name, 0) < 0 && errno != ENOENT)
+				break;
+		} else {
+			j->out.posix_queues++;
+			add_name(j->out.posix_names, sizeof(j->out.posix_names), e->d_name);
+		}
+		errno = 0;
+	}
+	int saved = errno;
+	closedir(d);
+	errno = saved;
+	return saved ? -1 : 0;
+}
+
 /* How many objects of each kind exist; with clear, remove them first (the count is then
  * what is left: 0).  *_INFO returns the highest index in use (-1 or 0 when none). */
 static void *ipcns_thread(void *arg)
@@ -153,6 +234,12 @@ static void *ipcns_thread(void *arg)
 		}
 		j->out.shm_segments = hi.used_ids;
 		j->out.shm_detached = hi.used_ids ? detached_shms(top) : 0;
+		if (posix_queues(j, pass == 0) < 0) {
+			j->code = errno;
+			j->step = pass ? "list the POSIX message queues (a detached mqueue mount)"
+				       : "unlink the POSIX message queues";
+			return NULL;
+		}
 	}
 	return NULL;
 }
@@ -160,7 +247,7 @@ static void *ipcns_thread(void *arg)
 int dbxcr_ipcns_objects(int ipcns_fd, int clear, struct dbxcr_ipc_objects *out,
 			struct dbxcr_error *err)
 {
-	struct ipcns_job j = { ipcns_fd, clear, 0, NULL, { 0, 0, 0, 0 } };
+	struct ipcns_job j = { ipcns_fd, clear, 0, NULL, { 0, 0, 0, 0, 0, "" } };
 
 	clear_error(err);
 	if (on_own_thread(ipcns_thread, &j, "join an IPC namespace", err) < 0)

@@ -1303,6 +1303,101 @@ def test_system_v_ipc_objects_are_refused_and_a_rollback_removes_later_ones(
     assert sbx.checkpoint(mode="full").kind == "full"
 
 
+# Makes a POSIX message queue /NAME holding one message and, with "hold", keeps it open
+# (and unlinked, with "unlink"); else exits, the queue left in the namespace.
+MQUEUE = """
+import ctypes, os, sys, time
+rt = ctypes.CDLL('librt.so.1', use_errno=True)
+name = ('/' + sys.argv[1]).encode()
+q = rt.mq_open(name, os.O_CREAT | os.O_RDWR, 0o600, None)
+assert q >= 0, ctypes.get_errno()
+assert rt.mq_send(q, b'job', 3, 0) == 0, ctypes.get_errno()
+if 'unlink' in sys.argv:
+    rt.mq_unlink(name)
+if 'hold' in sys.argv:
+    if os.path.isdir('/workspace'):   # in a sandbox
+        open('/workspace/held', 'w').close()
+    print('held', flush=True)
+    time.sleep(1000)
+"""
+
+
+def test_posix_message_queues_are_refused_and_a_rollback_removes_later_ones(
+        sbx: Sandbox) -> None:
+    """A POSIX message queue (mq_open) belongs to the IPC namespace, like System V
+    objects. Before stop 52 a checkpoint took a process holding one as a file "/NAME" of
+    the tree: its rollback failed to reopen it and restarted the processes, a file at
+    that path would have been opened instead, and one unlinked while open was "copied" as
+    a deleted file of the queue's text. Now the queue is refused by name while it
+    exists, an unlinked one by its holder, and a rollback removes those made since."""
+    sbx.files.write("mq.py", MQUEUE)
+    sbx.exec("nohup sleep 1000 >/dev/null 2>&1 &")
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    sbx.exec("python3 /workspace/mq.py jobs && python3 /workspace/mq.py results")
+    with pytest.raises(deltabox.FailedPrecondition, match=(
+            r"its IPC namespace holds 2 POSIX message queues \(/jobs, /results\), which "
+            r"belong to the namespace.*mq_unlink.*mode=\"fs\"")):
+        sbx.checkpoint()
+    assert [c.id for c in sbx.checkpoints()] == [cp.id]   # nothing committed
+    assert sbx.checkpoint(mode="fs").kind == "fs"
+    assert sbx.rollback(cp).process_state == "restored"
+    sbx.exec("python3 /workspace/mq.py results && python3 /workspace/mq.py jobs")
+    with pytest.raises(deltabox.FailedPrecondition, match=r"2 POSIX message queues"):
+        sbx.checkpoint(mode="full")
+    assert sbx.rollback(cp).process_state == "restored"   # none left: a checkpoint again
+    assert sbx.checkpoint(mode="full").kind == "full"
+    sbx.exec("touch /workspace/hidden && nohup python3 /workspace/mq.py hidden hold unlink "
+             ">/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("held"))
+    with pytest.raises(deltabox.FailedPrecondition, match=(
+            r"\(python3 /workspace/mq.py hidden hold unlink\): fd 3: deleted-but-open "
+            r"file /hidden: a POSIX message queue \(mq_open\), not a file of the "
+            r"sandbox's tree or memory: not captured")):
+        sbx.checkpoint(mode="full")
+
+
+def test_a_posix_message_queue_held_open_is_refused_by_its_holder() -> None:
+    """A queue's descriptor reads as "/NAME", a path of the tree; before stop 52 it was
+    taken as that file (reopened by path: another file, or none). In a sandbox the
+    namespace's refusal comes first; this is the holder's own, whatever else the
+    checkpoint sees: its mount is none of the process's mount table (a real process on the
+    host holding a queue of the host's namespace)."""
+    import subprocess
+    import uuid
+
+    from deltabox.cr import capture, native
+
+    name = f"dbx-test-{uuid.uuid4().hex[:8]}"
+    child = subprocess.Popen(["python3", "-c", MQUEUE, name, "hold"], cwd="/",
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "held\n"
+        rec = capture.record(child.pid, native.proc_status(child.pid))
+        fd = next(f.fd for f in rec.fds if f.path == f"/{name}")
+        assert [r.reason for r in capture.refusals(rec, set())] == [
+            f"fd {fd}: /{name} is on a file system the process's mount table does not show "
+            "(a POSIX message queue, or a mount since detached): not captured"]
+    finally:
+        child.kill()
+        child.wait()
+        subprocess.run(["python3", "-c", "import ctypes, sys; "
+                        "ctypes.CDLL('librt.so.1').mq_unlink(sys.argv[1].encode())",
+                        f"/{name}"], check=True)
+
+
+def test_a_linux_aio_context_is_refused_by_name(sbx: Sandbox) -> None:
+    """io_setup's ring is a shared mapping of no file a restore could map again; until
+    stop 52 its refusal said "still linked under another name"."""
+    sbx.exec("nohup python3 -c \"import ctypes, time\nlibc = ctypes.CDLL(None)\n"
+             "ctx = ctypes.c_ulong(0)\nassert libc.syscall(206, 8, ctypes.byref(ctx)) == 0\n"
+             "open('/workspace/held', 'w').close()\ntime.sleep(1000)\" >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("held"))
+    _refused_by_name(sbx, r"shared memory /\[aio\] \(deleted\) at [0-9a-f]+-[0-9a-f]+: a "
+                          r"Linux AIO context's ring \(io_setup\), not a file of the "
+                          r"sandbox's tree or memory: not captured")
+
+
 def test_a_file_held_open_on_dev_is_refused_by_name(sbx: Sandbox) -> None:
     """A file of /dev held open: /dev is a tmpfs made afresh for each generation, so a
     restore could not reopen it. Refused by name (until stop 48 the checkpoint passed, its
@@ -3011,6 +3106,48 @@ def test_locked_memory_comes_back_locked(sbx: Sandbox, restore: Restore) -> None
     assert cp.kind == "full"
     target = restore(sbx, cp)
     assert _report(target) == before
+
+
+# Each process marked "marker-X" in its command line: nice, scheduling class, I/O
+# priority, oom_score_adj, core dump filter, open files limit (soft and hard).
+ATTRS = ("for p in $(pgrep -f '^marker-'); do echo $(tr '\\0' ' ' < /proc/$p/cmdline) "
+         "nice=$(ps -o ni= -p $p | tr -d ' ') cls=$(ps -o cls= -p $p | tr -d ' ') "
+         "io=$(ionice -p $p | tr -d ' ') "
+         "oom=$(cat /proc/$p/oom_score_adj) core=$(cat /proc/$p/coredump_filter) "
+         "nofile=$(grep 'open files' /proc/$p/limits | awk '{print $4 \"/\" $5}'); done | sort")
+
+
+def test_scheduling_and_resource_limits_come_back(sbx: Sandbox, restore: Restore) -> None:
+    """nice, scheduling class, I/O priority, oom_score_adj, core dump filter and rlimits
+    are each process's own. A shell's background job and a child it waits for are
+    restored as copies of their restored parent (adoption): before stop 52 they came
+    back with its values, silently (nice 7 and `ulimit -n 444` as 0 and 20000). Now they
+    are set back on every process restored from an image (cr/taskattrs.py), and on the
+    templates rebuilt from a dump."""
+    s = sbx.session("main")
+    sbx.exec("(ulimit -Sn 333; ulimit -Hn 555; cd /workspace && nohup nice -n 5 ionice -c3 bash -c "
+             "'echo 123 > /proc/self/oom_score_adj; echo 0x7 > /proc/self/coredump_filter; "
+             "exec -a marker-init sleep 1001' >/dev/null 2>&1 &)")
+    s.run("(ulimit -n 444; nice -n 7 bash -c 'exec -a marker-job sleep 1002') &")
+    # too big to be adopted: spawned from its template (rebuilt from a dump: init's fork)
+    sbx.exec("ulimit -Sn 111; cd /workspace && setsid -f nice -n 4 bash -c 'echo 55 > "
+             "/proc/self/oom_score_adj; exec -a marker-big python3 -c \"import time; "
+             "time.sleep(1000)\"' >/dev/null 2>&1")
+    s.run("(ulimit -Sn 222; ulimit -Hn 666; nice -n 9 ionice -c2 -n1 chrt -b 0 bash -c "
+          "'bash -c \"exec -a marker-waited sleep 1003\"; :') &")
+    wait_for(lambda: len(sbx.exec(ATTRS).stdout.splitlines()) == 4, what="four markers")
+    before = sbx.exec(ATTRS).stdout
+    assert before.splitlines() == [
+        "marker-big -c import time; time.sleep(1000) nice=4 cls=TS io=none:prio0 oom=55 "
+        "core=00000033 nofile=111/20000",
+        "marker-init 1001 nice=5 cls=TS io=idle oom=123 core=00000007 nofile=333/555",
+        "marker-job 1002 nice=7 cls=TS io=none:prio0 oom=0 core=00000033 nofile=444/444",
+        "marker-waited 1003 nice=9 cls=B io=best-effort:prio1 oom=0 core=00000033 "
+        "nofile=222/666"], before
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    target = restore(sbx, cp)
+    assert target.exec(ATTRS).stdout == before
 
 
 STOPPED_LOOP = ("cd /workspace && nohup sh -c 'echo $$ > pid; i=0; while true; do "

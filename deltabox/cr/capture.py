@@ -20,6 +20,7 @@ from .. import kernfs
 from ..errors import FailedPrecondition
 from ..fs.files import open_in_root
 from . import native, tcp
+from .taskattrs import TaskAttrs
 
 if TYPE_CHECKING:
     from .eventloop import LoopState
@@ -102,6 +103,9 @@ class ProcessRecord:
     # the memory it locked (mlock, mlockall's MCL_CURRENT), locked again at every restore;
     # mlockall's MCL_FUTURE (which /proc does not show) is not kept
     mlocks: list[native.MemoryLock] = field(default_factory=list)
+    # nice, priorities, rlimits, ...: read from its template when first needed, for a
+    # restore from an image, and kept in its dump (taskattrs.py); None until then
+    task: TaskAttrs | None = None
 
     @property
     def running_timer(self) -> str | None:
@@ -344,12 +348,12 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
     def refuse(reason: str) -> None:
         out.append(Refusal(rec.nspid, rec.cmd, reason))
 
-    table: list[tuple[str, str]] | None = None
+    table: list[tuple[int, str, str]] | None = None
 
-    def mount(path: str) -> tuple[str, str]:   # mountinfo read once per process, if at all
+    def table_() -> list[tuple[int, str, str]]:   # mountinfo read once, if at all
         nonlocal table
         table = mounts(rec.pid) if table is None else table
-        return mount_of(table, path)
+        return table
 
     for reason in _status_reasons(rec, tracer_ok):
         refuse(reason)
@@ -362,7 +366,7 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
         if m.sysv:
             refuse(f"System V shared memory {m.path} at {m.where}: not captured (it "
                    "belongs to the IPC namespace, not to the process)")
-        elif m.named_file and not in_dev_shm(m.path) and mount(m.path)[0] != "/":
+        elif m.named_file and not in_dev_shm(m.path) and mount_of(table_(), m.path)[0] != "/":
             refuse(f"writable shared mapping of the file {m.path} at {m.where}: it is on "
                    "a mount of its own (/dev, /proc), which a checkpoint does "
                    "not snapshot")
@@ -372,7 +376,17 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
             refuse(f"fd {f.fd}: {reason}")
         elif (f.kind == "file" and not f.deleted and not in_dev_shm(f.path)) or \
                 f.kind == "fifo":
-            point, fstype = mount(f.path)
+            found = mount_by_id(table_(), f.mnt_id) if f.mnt_id else \
+                mount_of(table_(), f.path)   # a record of a dump made before stop 52
+            if found is None:
+                # Its path names a file of the sandbox's tree that it is not: a POSIX
+                # message queue (mq_open) shows as "/NAME" but lives in the IPC
+                # namespace's own file system; reopened by path it would be another file.
+                refuse(f"fd {f.fd}: {f.path} is on a file system the process's mount table "
+                       "does not show (a POSIX message queue, or a mount since detached): "
+                       "not captured")
+                continue
+            point, fstype = found
             if point != "/" and (f.kind == "fifo" or fstype not in _REMADE):
                 # /dev is a tmpfs made afresh for each generation (a mount made in the
                 # sandbox is not made again either): reopened by path, the file would be
@@ -522,8 +536,9 @@ def on_snapshotted_root(pid: int, path: str) -> bool:
     return mount_of(mounts(pid), path)[0] == "/"
 
 
-def mounts(pid: int) -> list[tuple[str, str]]:
-    """pid's mount points and their file system types (/proc/PID/mountinfo); [] if gone."""
+def mounts(pid: int) -> list[tuple[int, str, str]]:
+    """pid's mounts: id, mount point and file system type (/proc/PID/mountinfo); [] if
+    gone."""
     try:
         info = kernfs.read(f"/proc/{pid}/mountinfo")
     except OSError:
@@ -536,19 +551,25 @@ def mounts(pid: int) -> list[tuple[str, str]]:
             fstype = fields[fields.index(b"-", 6) + 1]
         except (ValueError, IndexError):
             continue
-        out.append((fields[4].decode(errors="replace"), fstype.decode(errors="replace")))
+        out.append((int(fields[0]), fields[4].decode(errors="replace"),
+                    fstype.decode(errors="replace")))
     return out
 
 
-def mount_of(table: list[tuple[str, str]], path: str) -> tuple[str, str]:
+def mount_of(table: list[tuple[int, str, str]], path: str) -> tuple[str, str]:
     """The mount (point, type) of `table` that holds `path`: the longest point above it;
     ("", "") if none."""
     best = ("", "")
-    for point, fstype in table:
+    for _, point, fstype in table:
         under = path == point or path.startswith(point.rstrip("/") + "/")
         if under and len(point) > len(best[0]):
             best = (point, fstype)
     return best
+
+
+def mount_by_id(table: list[tuple[int, str, str]], mnt_id: int) -> tuple[str, str] | None:
+    """The mount (point, type) of `table` with this id; None if the table has none."""
+    return next(((point, fstype) for i, point, fstype in table if i == mnt_id), None)
 
 
 # File systems a restored generation mounts afresh with the same files: a file there is

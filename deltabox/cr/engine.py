@@ -71,7 +71,8 @@ from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from ..fs.files import open_in_root
 from . import (adoption, eventloop, fifos, listeners, native, pipebuf, private_maps,
-               ptys, shared_files, shm_files, tcp, unix_listeners, unlinked, watches)
+               ptys, shared_files, shm_files, taskattrs, tcp, unix_listeners, unlinked,
+               watches)
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .capture import (DEV_TTY, ProcessRecord, Refusal, SharedMapping, Unsettled, add_listeners,
                       in_writable_layer, private_in_writable_layer, record, record_head,
@@ -750,6 +751,7 @@ class DeltaCR:
         pid = await self._spawn_retrying(spawn, pid_held=pid_held)
         assert spawn.held is not None
         held[rec.pid] = spawn.held
+        _give_attrs(state, rec, pid)   # a fork of its parent: its nice, rlimits, ...
         return pid
 
     async def _image(self, state: ProcessState, rec: ProcessRecord) -> str:
@@ -793,6 +795,7 @@ class DeltaCR:
         for rec, h in zip(recs, made):
             held[rec.pid] = h
             out.pids[rec.nspid] = h.pid
+            _give_attrs(state, rec, h.pid)   # an ancestor is born of the child's template
             if root.into is not None:
                 groups.setdefault(rec.pgid, rec.nspid)
         return True
@@ -1984,6 +1987,14 @@ def _adopt_group(state: ProcessState, rec: ProcessRecord, spawn: _Spawn, out: Re
 def _pid(sp: _Spawn) -> list[int] | None:
     """The set_tid of sp's pid, if it keeps one."""
     return [sp.nspid] if sp.nspid is not None else None
+
+
+def _give_attrs(state: ProcessState, rec: ProcessRecord, pid: int) -> None:
+    """rec's nice, priorities, rlimits, ... (taskattrs.py) on pid, its copy restored from
+    an image as another process's fork; read from its template the first time."""
+    if rec.task is None:
+        rec.task = taskattrs.read(state.templates[rec.pid].pid)
+    taskattrs.apply(pid, rec.task)
 
 
 def _chains(state: ProcessState) -> dict[int, list[int]]:

@@ -13,9 +13,11 @@ unlinked file in the same directory of the restored file system (`O_TMPFILE`) wi
 original's mode and owner. Each open file description comes back with its flags and
 offset, shared by the descriptors (and processes) that shared it, and each shared mapping
 is mapped again from it at its address, offset and protection, so processes that shared
-memory share the new object. Refused: a file some descriptor holds while another holds its
-path (a hard link left), a file whose directory is gone too, and a deleted file mapped
-privately as well (its private pages would not follow the new file). What is not
+memory share the new object. Refused: an object of a file system that is neither the
+sandbox's tree nor memory (a POSIX message queue unlinked while open, a Linux AIO
+context's ring: their content is no file's), a file some descriptor holds while another
+holds its path (a hard link left), a file whose directory is gone too, and a deleted file
+mapped privately as well (its private pages would not follow the new file). What is not
 preserved: the new object's name in /proc/PID/fd and maps (a memfd shows as
 "/memfd:NAME (deleted)") and its device and inode numbers. A memfd's seals
 (`F_ADD_SEALS`: a peer trusts a sealed buffer not to change) come back once it is filled;
@@ -30,11 +32,19 @@ import os
 import stat
 from dataclasses import dataclass, field
 
+from .. import kernfs
 from ..fs.files import open_in_root
 from . import native
 from .capture import ProcessRecord, Refusal, SharedMapping
 
 MAX_BYTES = 64 << 20
+# statfs f_type of the file systems whose unlinked objects are copied: the sandbox's tree
+# (overlay) and memory (tmpfs: /dev/shm, a memfd, anonymous shared memory)
+_COPIED_FS = (0x794C7630, 0x01021994)
+# and of those an object may be on instead, by what a user would know them as
+_OTHER_FS = {0x19800202: "a POSIX message queue (mq_open)",
+             0xA10A10A1: "a Linux AIO context's ring (io_setup)",
+             0x958458F6: "hugetlbfs", 0x5345434D: "memfd_secret memory"}
 F_SEAL_FUTURE_WRITE = 0x0010   # <linux/fcntl.h> (Python's fcntl lacks it before 3.12)
 # Flags of the original's open that would fail or mean something else on our reopen of
 # the new file through /proc/self/fd: O_TMPFILE (it includes O_DIRECTORY) stays in the
@@ -141,6 +151,10 @@ def _first_holder(h: _Held) -> tuple[ProcessRecord, str]:
 
 
 def _refusal(h: _Held) -> str | None:
+    fs = kernfs.fs_type(h.src)
+    if fs not in _COPIED_FS:
+        return (f"{_OTHER_FS.get(fs, f'a file system of type {fs:#x}')}, not a file of the "
+                "sandbox's tree or memory: not captured")
     if h.st.st_nlink:
         return "still linked under another name: not captured"
     if h.st.st_size > MAX_BYTES:

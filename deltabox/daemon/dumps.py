@@ -28,8 +28,9 @@ from pathlib import Path
 import trio
 
 from ..cr import (adoption, eventloop, fifos, native, pipebuf, private_maps, ptys, shared_files,
-                  shm_files, unlinked)
+                  shm_files, taskattrs, unlinked)
 from ..cr.capture import ProcessRecord, SharedMapping, in_dev_shm
+from ..cr.taskattrs import TaskAttrs
 from ..cr.engine import DeltaCR, PipeEnd, PipeGroup, ProcessState, lone_leaders, _close_saved
 from .db import Database, columns
 from .scheduler import IOScheduler
@@ -268,6 +269,8 @@ class Dumps:
                 if tpl.released:
                     raise native.CRError(22, f"the templates of {cp_id} were released "
                                          "before their dump")
+                if rec.task is None:   # kept in the record (state.json), as is
+                    rec.task = taskattrs.read(tpl.pid)
                 ok = _seccomp_filters(tpl.pid) <= seccomp_filters
                 key = (sid, rec.nspid, rec.cmd)
                 parent, made_by = self.last.get(key, (None, None))
@@ -415,6 +418,8 @@ class Dumps:
             for rec in records:
                 templates[rec.pid] = await self.cr.worker.run(
                     native.restore_template, host_pid, d / str(rec.nspid), root_dir)
+                if rec.task is not None:   # forked from host_pid: its nice, rlimits, ...
+                    taskattrs.apply(templates[rec.pid].pid, rec.task)
                 if any(rec.itimers):   # not in the image: kept with the record
                     templates[rec.pid].set_itimers(rec.itimers)
                 if rec.ptimers:
@@ -596,7 +601,7 @@ def _unlinked_from(f: dict, data: bytes) -> unlinked.UnlinkedFile:
 def _rec_json(r: ProcessRecord) -> dict:
     d = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)
          if f.name not in ("fds", "listens", "loop", "shared", "mapped_ro",
-                           "deleted_private", "mapped_private", "mlocks")}
+                           "deleted_private", "mapped_private", "mlocks", "task")}
     d["fds"] = [{k: v for k, v in dataclasses.asdict(f).items() if k != "fdinfo"}
                 for f in r.fds]
     # The named files' mappings are made again from them at every restore of templates
@@ -609,6 +614,7 @@ def _rec_json(r: ProcessRecord) -> dict:
     d["listens"] = [dict(dataclasses.asdict(ls), addr=ls.addr.hex()) for ls in r.listens]
     d["loop"] = eventloop.to_json(r.loop)
     d["mlocks"] = [dataclasses.asdict(m) for m in r.mlocks]
+    d["task"] = r.task.to_json() if r.task is not None else None
     return d
 
 
@@ -627,5 +633,7 @@ def _rec_from(d: dict) -> ProcessRecord:
     mapped_ro = [SharedMapping(**m) for m in d.pop("mapped_ro", [])]
     mapped_private = [SharedMapping(**m) for m in d.pop("mapped_private", [])]
     mlocks = [native.MemoryLock(**m) for m in d.pop("mlocks", [])]
+    task = d.pop("task", None)   # absent in dumps made before stop 52
     return ProcessRecord(**d, fds=fds, listens=listens, loop=loop, shared=shared,
-                         mapped_ro=mapped_ro, mapped_private=mapped_private, mlocks=mlocks)
+                         mapped_ro=mapped_ro, mapped_private=mapped_private, mlocks=mlocks,
+                         task=TaskAttrs.from_json(task) if task else None)

@@ -1908,8 +1908,8 @@ class Daemon:
             old_sessions, live.sessions = live.sessions, {}
             pre, taken = None, pre  # the restore owns it now
             if cp.procs_of is not None:
-                # Its capture found no System V IPC object (_refuse_ipc_objects): those
-                # made since go before anything runs again.
+                # Its capture found no System V IPC object or POSIX message queue
+                # (_refuse_ipc_objects): those made since go before anything runs again.
                 native.ipc_objects(live.rt.pidfd, clear=True)
                 live.ipc_seen = False
             state, note, resumed = await self._restore_processes(live, cp, new_gen, taken)
@@ -2715,20 +2715,21 @@ def _may_have_made_ipc(effects: TurnEffects | None) -> bool:
 
 def _refuse_ipc_objects(live: Live) -> None:
     """A full checkpoint is refused while the sandbox's IPC namespace holds System V
-    objects (native/ipcns.c): they belong to the namespace, not to a process, and are not
-    captured, so a rollback would keep their later values and a fork's children (a
-    namespace of their own) would not have them. Looked at only when an IPC call may have
-    happened since the namespace was last found empty (Live.ipc_seen; the call costs
-    ~0.1 ms in the daemon, a thread joining the namespace and the GIL back)."""
+    objects or POSIX message queues (native/ipcns.c): they belong to the namespace, not to
+    a process, and are not captured, so a rollback would keep their later values and a
+    fork's children (a namespace of their own) would not have them. Looked at only when an
+    IPC call may have happened since the namespace was last found empty (Live.ipc_seen;
+    the call costs ~0.1 ms in the daemon, a thread joining the namespace and the GIL
+    back)."""
     if not live.ipc_seen:
         return
     objects = native.ipc_objects(live.rt.pidfd)
     if objects.unheld:   # a segment a process attached is refused by that process
         raise FailedPrecondition(
             f"cannot capture the sandbox's processes faithfully: its IPC namespace holds "
-            f"System V IPC objects ({objects.describe_unheld()}; `ipcs` lists them), which "
-            "belong to the namespace rather than to a process and are not captured. "
-            "Remove them (`ipcrm`), or checkpoint with mode=\"fs\" (files only)")
+            f"{objects.describe_unheld()}, which belong to the namespace rather than to a "
+            "process and are not captured. Remove them (`ipcrm`; a POSIX queue: "
+            "mq_unlink), or checkpoint with mode=\"fs\" (files only)")
     live.ipc_seen = False
 
 

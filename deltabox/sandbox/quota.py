@@ -23,6 +23,7 @@ import os
 import struct
 from pathlib import Path
 
+from .. import kernfs
 from ..errors import FailedPrecondition
 
 _IOC_WRITE, _IOC_READ = 1, 2
@@ -45,15 +46,10 @@ BTRFS_SUPER_MAGIC = 0x9123683E
 
 
 def _is_btrfs(path: Path) -> bool:
-    import ctypes
-
-    class StatFs(ctypes.Structure):
-        _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 112)]
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    buf = StatFs()
-    return libc.statfs(str(path).encode(), ctypes.byref(buf)) == 0 and \
-        buf.f_type & 0xFFFFFFFF == BTRFS_SUPER_MAGIC
+    try:
+        return kernfs.fs_type(path) == BTRFS_SUPER_MAGIC
+    except OSError:
+        return False
 
 
 def supported(store_root: Path) -> bool:
