@@ -25,10 +25,10 @@ $(VENV)/.installed: pyproject.toml
 native: $(NATIVE_BINS)
 $(LIBEXEC)/libdbxcr.so: native/fork_template.c native/fork_template.h native/criu_incr.c \
 		native/criu_incr.h native/dbxcr_internal.h native/threads.c native/timers.c native/dontfork.c \
-		native/ptrace_jobs.c native/ipcns.c
+		native/ptrace_jobs.c native/ipcns.c native/prctls.c
 	@mkdir -p $(LIBEXEC)
 	$(CC) $(CFLAGS) -pthread -fPIC -shared -o $@ native/fork_template.c native/threads.c native/timers.c native/dontfork.c native/criu_incr.c \
-	  native/ptrace_jobs.c native/ipcns.c
+	  native/ptrace_jobs.c native/ipcns.c native/prctls.c
 $(LIBEXEC)/dbx-%: native/%.c native/common.h
 	@mkdir -p $(LIBEXEC)
 	$(CC) $(CFLAGS) -static -o $@ $< native/common.c

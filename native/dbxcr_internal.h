@@ -234,6 +234,11 @@ int check_owner(const struct dbxcr_template *tpl, struct dbxcr_error *err);
 int transfer_fds(struct tracee *c, unsigned long scratch, const int *src, size_t n, int *out,
 		 struct dbxcr_error *err);
 
+/* prctls.c: read (all) or set (those that differ) in a stopped tracee by injected calls. */
+int tracee_prctls(struct tracee *t, struct dbxcr_prctls *out, struct dbxcr_error *err);
+int tracee_set_prctls(struct tracee *t, const struct dbxcr_prctls *want,
+		      struct dbxcr_error *err);
+
 /* dontfork.c */
 /* The runs of mappings of `orig` its fresh fork `tpl` does not have (none: *n = 0). */
 int dontfork_runs(pid_t orig, pid_t tpl, struct vma_run **runs, int *n, struct dbxcr_error *err);

@@ -3463,6 +3463,13 @@ int dbxcr_held_foreground(struct dbxcr_held *h, int fd, pid_t pgrp, struct dbxcr
 		    "foreground process group", fd, (int)pgrp) < 0 ? -1 : 0;
 }
 
+int dbxcr_held_set_prctls(struct dbxcr_held *h, const struct dbxcr_prctls *want,
+			  struct dbxcr_error *err)
+{
+	clear_error(err);
+	return tracee_set_prctls(&h->c, want, err);
+}
+
 int dbxcr_held_release(struct dbxcr_held *h, struct dbxcr_error *err)
 {
 	pid_t pid = h->c.pid;

@@ -334,6 +334,26 @@ int dbxcr_root_bind(int root_fd, int sock_fd, const char *path, struct dbxcr_err
 int dbxcr_mntns_open(int mntns_fd, const char *path, int flags, int mode,
 		     struct dbxcr_error *err);
 
+/* A process's prctl state that a fork copies and no /proc file shows (native/prctls.c). */
+struct dbxcr_prctls {
+	int dumpable;		/* PR_GET_DUMPABLE */
+	int securebits;		/* PR_GET_SECUREBITS (SECBIT_KEEP_CAPS among them) */
+	int thp_disable;	/* PR_GET_THP_DISABLE */
+	int memory_merge;	/* PR_GET_MEMORY_MERGE (0 without KSM) */
+	int mce_kill;		/* PR_MCE_KILL_GET */
+};
+/* The template's (its origin's at the checkpoint), by injected calls; the owner thread
+ * only.  0, or -1 with err set. */
+int dbxcr_template_prctls(struct dbxcr_template *tpl, struct dbxcr_prctls *out,
+			  struct dbxcr_error *err);
+/* Set in the template those that differ from `want` (a template rebuilt from an image is
+ * its host's fork), so that its children have them.  0, or -1 with err set. */
+int dbxcr_template_set_prctls(struct dbxcr_template *tpl, const struct dbxcr_prctls *want,
+			      struct dbxcr_error *err);
+/* The same in a held process, before its release. */
+int dbxcr_held_set_prctls(struct dbxcr_held *h, const struct dbxcr_prctls *want,
+			  struct dbxcr_error *err);
+
 /* The System V IPC objects and POSIX message queues of the IPC namespace `ipcns_fd`
  * (native/ipcns.c: a thread made for the call joins it).  clear: remove them all first (the
  * counts are then what is left).  0, or -1 with err set. */

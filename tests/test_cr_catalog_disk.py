@@ -42,6 +42,7 @@ from test_cr import (  # noqa: F401  (the catalog's cases, run here with the dis
     test_a_tty_session_comes_back_on_its_terminal,
     test_a_sealed_memfd_keeps_its_seals,
     test_locked_memory_comes_back_locked, test_scheduling_and_resource_limits_come_back,
+    test_prctl_state_comes_back,
     test_a_stopped_process_comes_back_stopped,
     test_a_file_mapped_privately_and_written_in_place_shows_the_checkpoints_bytes,
     test_a_dev_shm_file_mapped_shared_comes_back,

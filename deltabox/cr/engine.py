@@ -751,8 +751,17 @@ class DeltaCR:
         pid = await self._spawn_retrying(spawn, pid_held=pid_held)
         assert spawn.held is not None
         held[rec.pid] = spawn.held
-        _give_attrs(state, rec, pid)   # a fork of its parent: its nice, rlimits, ...
+        await self._give_attrs(state, rec, spawn.held)   # its parent's fork: nice, rlimits, ...
         return pid
+
+    async def _give_attrs(self, state: ProcessState, rec: ProcessRecord,
+                          held: native.Held) -> None:
+        """rec's nice, priorities, rlimits, prctl state (taskattrs.py) on its copy restored
+        from an image as another process's fork, held; read from its template the first
+        time."""
+        if rec.task is None:
+            rec.task = await self.worker.run(taskattrs.read, state.templates[rec.pid])
+        await self.worker.run(taskattrs.give, held, rec.task)
 
     async def _image(self, state: ProcessState, rec: ProcessRecord) -> str:
         """The image a restore copies rec's memory from (adoption.Images: made once per
@@ -795,7 +804,7 @@ class DeltaCR:
         for rec, h in zip(recs, made):
             held[rec.pid] = h
             out.pids[rec.nspid] = h.pid
-            _give_attrs(state, rec, h.pid)   # an ancestor is born of the child's template
+            await self._give_attrs(state, rec, h)   # an ancestor: the child's template's fork
             if root.into is not None:
                 groups.setdefault(rec.pgid, rec.nspid)
         return True
@@ -1987,14 +1996,6 @@ def _adopt_group(state: ProcessState, rec: ProcessRecord, spawn: _Spawn, out: Re
 def _pid(sp: _Spawn) -> list[int] | None:
     """The set_tid of sp's pid, if it keeps one."""
     return [sp.nspid] if sp.nspid is not None else None
-
-
-def _give_attrs(state: ProcessState, rec: ProcessRecord, pid: int) -> None:
-    """rec's nice, priorities, rlimits, ... (taskattrs.py) on pid, its copy restored from
-    an image as another process's fork; read from its template the first time."""
-    if rec.task is None:
-        rec.task = taskattrs.read(state.templates[rec.pid].pid)
-    taskattrs.apply(pid, rec.task)
 
 
 def _chains(state: ProcessState) -> dict[int, list[int]]:

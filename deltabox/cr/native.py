@@ -145,6 +145,11 @@ class _IpcObjects(ctypes.Structure):  # fork_template.h struct dbxcr_ipc_objects
                 ("posix_queues", ctypes.c_int), ("posix_names", ctypes.c_char * 128)]
 
 
+class _Prctls(ctypes.Structure):  # fork_template.h struct dbxcr_prctls
+    _fields_ = [(name, ctypes.c_int) for name in ("dumpable", "securebits", "thp_disable",
+                                                   "memory_merge", "mce_kill")]
+
+
 class _Lock(ctypes.Structure):  # fork_template.h struct dbxcr_lock
     _fields_ = [("fd", ctypes.c_int), ("kind", ctypes.c_int), ("type", ctypes.c_int),
                 ("start", ctypes.c_longlong), ("len", ctypes.c_longlong)]
@@ -260,6 +265,13 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_held_release.restype = ctypes.c_int
         lib.dbxcr_held_foreground.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, err]
         lib.dbxcr_held_foreground.restype = ctypes.c_int
+        lib.dbxcr_held_set_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls), err]
+        lib.dbxcr_held_set_prctls.restype = ctypes.c_int
+        lib.dbxcr_template_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls), err]
+        lib.dbxcr_template_prctls.restype = ctypes.c_int
+        lib.dbxcr_template_set_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls),
+                                                  err]
+        lib.dbxcr_template_set_prctls.restype = ctypes.c_int
         lib.dbxcr_held_kill.argtypes = [ctypes.c_void_p]
         lib.dbxcr_held_kill.restype = None
         lib.dbxcr_held_pid.argtypes = [ctypes.c_void_p]
@@ -385,6 +397,22 @@ class Epoll:
 LOCK_FLOCK, LOCK_POSIX, LOCK_OFD = 1, 2, 3   # fork_template.h DBXCR_LOCK_*
 _LOCK_KINDS = {"FLOCK": LOCK_FLOCK, "POSIX": LOCK_POSIX, "OFDLCK": LOCK_OFD}
 _LOCK_TYPES = {"READ": fcntl.F_RDLCK, "WRITE": fcntl.F_WRLCK}
+
+
+@dataclass(frozen=True)
+class Prctls:
+    """A process's prctl state that a fork copies and no /proc file shows (native/prctls.c):
+    PR_GET_DUMPABLE, PR_GET_SECUREBITS, PR_GET_THP_DISABLE, PR_GET_MEMORY_MERGE (0
+    without KSM), PR_MCE_KILL_GET."""
+    dumpable: int
+    securebits: int
+    thp_disable: int
+    memory_merge: int
+    mce_kill: int
+
+    def _c(self) -> _Prctls:
+        return _Prctls(self.dumpable, self.securebits, self.thp_disable, self.memory_merge,
+                       self.mce_kill)
 
 
 @dataclass(frozen=True)
@@ -682,6 +710,22 @@ class Template:
         """Give a template rebuilt from disk its origin's job-control stop."""
         _load().dbxcr_template_set_group_stop(self._h(), int(stopped))
 
+    def prctls(self) -> Prctls:
+        """Its origin's prctl state at the checkpoint (injected PR_GET_* calls)."""
+        out, err = _Prctls(), _Err()
+        if _load().dbxcr_template_prctls(self._h(), ctypes.byref(out), ctypes.byref(err)) < 0:
+            _raise(err)
+        return Prctls(out.dumpable, out.securebits, out.thp_disable, out.memory_merge,
+                      out.mce_kill)
+
+    def set_prctls(self, want: Prctls) -> None:
+        """Give a template rebuilt from disk (its host's fork) its origin's prctl state,
+        which its children then have."""
+        err = _Err()
+        if _load().dbxcr_template_set_prctls(self._h(), ctypes.byref(want._c()),
+                                             ctypes.byref(err)) < 0:
+            _raise(err)
+
     def set_itimers(self, itimers: Sequence[int]) -> None:
         """Give a template rebuilt from disk the interval timers its origin had."""
         err = _Err()
@@ -971,6 +1015,16 @@ class Held:
             raise CRError(_errno.EINVAL, f"held process {self.pid} was released or killed")
         err = _Err()
         if _load().dbxcr_held_foreground(self._handle, fd, pgrp, ctypes.byref(err)) < 0:
+            _raise(err)
+
+    def set_prctls(self, want: Prctls) -> None:
+        """Before release(): the prctl state of the process it restores (it is another
+        process's fork: an adopted child, a chain's ancestor)."""
+        if self._handle is None:
+            raise CRError(_errno.EINVAL, f"held process {self.pid} was released or killed")
+        err = _Err()
+        if _load().dbxcr_held_set_prctls(self._handle, ctypes.byref(want._c()),
+                                         ctypes.byref(err)) < 0:
             _raise(err)
 
     def release(self) -> None:

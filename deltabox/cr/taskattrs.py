@@ -1,29 +1,30 @@
-"""A process's scheduling and resource attributes, which fork(2) copies from the parent
-that forks: nice, scheduling policy and priority, I/O priority, oom_score_adj, timer
-slack, core dump filter and resource limits (`ulimit`).
+"""A process's scheduling, resource and prctl attributes, which fork(2) copies from the
+parent that forks: nice, scheduling policy and priority, I/O priority, oom_score_adj,
+timer slack, core dump filter, resource limits (`ulimit`), and the prctl state no /proc
+file shows (dumpable, securebits, THP refused, KSM merging, machine-check policy:
+native/prctls.c).
 
 A process spawned from its own template (a fork of it at the checkpoint) has them all.
 One restored from an image is another process's fork given the image's memory: an adopted
 child is its restored parent's, a chain's ancestor is the chain's child's template's, a
 template rebuilt from a dump is the sandbox init's (adoption.py, engine._chain,
 daemon/dumps.py). Until stop 52 such a process silently had that other process's
-attributes (probe: `nice -n 3` and `ulimit -n 77` of a child its shell waited for came back
-as 0 and the shell's limit; the shell of a chain came back with its python's). So they are
-read once from the template (the live process's values at the checkpoint instant: a fork
-copies them and a template never runs; kept in its record, and so in its dump) and set on
-each such process before it runs, from outside: every one of them has a call or a /proc
-file that takes a pid.
+attributes (probe: `nice -n 7` and `ulimit -n 444` of a shell's job came back as 0 and
+20000; a python that cleared PR_SET_DUMPABLE and set PR_SET_THP_DISABLE came back with
+neither). So they are read once from the template (the live process's values at the
+checkpoint instant: a fork copies them and a template never runs; kept in its record, and
+so in its dump) and given to each such process before it runs: from outside where a call
+or a /proc file takes a pid, by injected prctl calls for the rest.
 
-Not here, because no call reads them from outside (each would be an injected prctl per
-process): PR_SET_DUMPABLE, keep-capabilities and securebits, PR_SET_THP_DISABLE, KSM's
-PR_SET_MEMORY_MERGE, the machine-check kill policy; PR_SET_CHILD_SUBREAPER, which fork does
-not copy either (documented in engine.py); and CPU affinity, which a spawn pins for a moment
+Not here: PR_SET_CHILD_SUBREAPER and PR_SET_PDEATHSIG, which fork does not copy either
+(documented in engine.py), and CPU affinity, which a spawn pins for a moment
 (fork_template.c colocate), so a read of the template's could catch that.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import os
 import resource
@@ -49,29 +50,45 @@ class TaskAttrs:
     timerslack_ns: int
     coredump_filter: int
     rlimits: tuple[tuple[int, int], ...]   # (soft, hard) per RLIMIT_*, in order
+    prctls: native.Prctls
 
     def to_json(self) -> dict:
         return {"nice": self.nice, "policy": self.policy, "rt_priority": self.rt_priority,
                 "ioprio": self.ioprio,
                 "oom_score_adj": self.oom_score_adj, "timerslack_ns": self.timerslack_ns,
                 "coredump_filter": self.coredump_filter,
-                "rlimits": [list(r) for r in self.rlimits]}
+                "rlimits": [list(r) for r in self.rlimits],
+                "prctls": dataclasses.asdict(self.prctls)}
 
     @classmethod
     def from_json(cls, d: dict) -> TaskAttrs:
         return cls(d["nice"], d["policy"], d["rt_priority"], d["ioprio"],
                    d["oom_score_adj"], d["timerslack_ns"], d["coredump_filter"],
-                   tuple((s, h) for s, h in d["rlimits"]))
+                   tuple((s, h) for s, h in d["rlimits"]), native.Prctls(**d["prctls"]))
 
 
-def read(pid: int) -> TaskAttrs:
-    """pid's attributes (~20 system calls and three /proc reads). Raises CRError (ESRCH:
-    the process is gone)."""
+def read(tpl: native.Template) -> TaskAttrs:
+    """The template's origin's attributes at the checkpoint (~20 system calls, three /proc
+    reads, five injected calls). On the template's owner thread (the ptrace worker).
+    Raises CRError."""
+    return TaskAttrs(**_outside(tpl.pid), prctls=tpl.prctls())
+
+
+def give(target: native.Template | native.Held, want: TaskAttrs) -> None:
+    """Give `target` (a restored process held before it runs, or a template rebuilt from
+    a dump) the attributes `want`, setting only those it lacks. On its owner thread.
+    Raises CRError naming the attribute."""
+    _apply(target.pid, want)
+    target.set_prctls(want.prctls)
+
+
+def _outside(pid: int) -> dict:
+    """pid's attributes that a call or a /proc file reads from outside, by field name."""
     try:
         ioprio = _libc.syscall(_SYS_IOPRIO_GET, _IOPRIO_WHO_PROCESS, pid)
         if ioprio < 0:
             _raise_errno(f"ioprio_get of pid {pid}")
-        return TaskAttrs(
+        return dict(
             nice=os.getpriority(os.PRIO_PROCESS, pid),
             policy=os.sched_getscheduler(pid),
             rt_priority=os.sched_getparam(pid).sched_priority,
@@ -85,31 +102,29 @@ def read(pid: int) -> TaskAttrs:
                              f"reading the attributes of pid {pid}: {e}") from None
 
 
-def apply(pid: int, want: TaskAttrs) -> None:
-    """Give pid (a restored process not yet running) the attributes it had, setting only
-    those that differ from what it has. Raises CRError naming the attribute."""
-    have = read(pid)
+def _apply(pid: int, want: TaskAttrs) -> None:
+    """Those _outside reads, set where pid's differ from `want`'s."""
+    have = _outside(pid)
     step = ""
     try:
         for r, lim in zip(_RLIMITS, want.rlimits):
-            if lim != have.rlimits[r]:
+            if lim != have["rlimits"][r]:
                 step = f"prlimit {r} {lim}"
                 resource.prlimit(pid, r, lim)
-        if (want.policy, want.rt_priority) != (have.policy, have.rt_priority):
+        if (want.policy, want.rt_priority) != (have["policy"], have["rt_priority"]):
             step = f"sched_setscheduler {want.policy} {want.rt_priority}"
             os.sched_setscheduler(pid, want.policy, os.sched_param(want.rt_priority))
-        if want.nice != have.nice:
+        if want.nice != have["nice"]:
             step = f"setpriority {want.nice}"
             os.setpriority(os.PRIO_PROCESS, pid, want.nice)
-        if want.ioprio != have.ioprio:
+        if want.ioprio != have["ioprio"]:
             step = f"ioprio_set {want.ioprio:#x}"
             if _libc.syscall(_SYS_IOPRIO_SET, _IOPRIO_WHO_PROCESS, pid, want.ioprio) < 0:
                 _raise_errno(step)
-        for name, value, now in (("oom_score_adj", str(want.oom_score_adj), have.oom_score_adj),
-                                 ("timerslack_ns", str(want.timerslack_ns), have.timerslack_ns),
-                                 ("coredump_filter", f"{want.coredump_filter:#x}",
-                                  have.coredump_filter)):
-            if int(value, 0) != now:
+        for name, value in (("oom_score_adj", str(want.oom_score_adj)),
+                            ("timerslack_ns", str(want.timerslack_ns)),
+                            ("coredump_filter", f"{want.coredump_filter:#x}")):
+            if int(value, 0) != have[name]:
                 step = f"write {value} to /proc/{pid}/{name}"
                 kernfs.write(f"/proc/{pid}/{name}", value.encode())
     except OSError as e:

@@ -270,7 +270,7 @@ class Dumps:
                     raise native.CRError(22, f"the templates of {cp_id} were released "
                                          "before their dump")
                 if rec.task is None:   # kept in the record (state.json), as is
-                    rec.task = taskattrs.read(tpl.pid)
+                    rec.task = await self.cr.worker.run(taskattrs.read, tpl)
                 ok = _seccomp_filters(tpl.pid) <= seccomp_filters
                 key = (sid, rec.nspid, rec.cmd)
                 parent, made_by = self.last.get(key, (None, None))
@@ -419,7 +419,7 @@ class Dumps:
                 templates[rec.pid] = await self.cr.worker.run(
                     native.restore_template, host_pid, d / str(rec.nspid), root_dir)
                 if rec.task is not None:   # forked from host_pid: its nice, rlimits, ...
-                    taskattrs.apply(templates[rec.pid].pid, rec.task)
+                    await self.cr.worker.run(taskattrs.give, templates[rec.pid], rec.task)
                 if any(rec.itimers):   # not in the image: kept with the record
                     templates[rec.pid].set_itimers(rec.itimers)
                 if rec.ptimers:

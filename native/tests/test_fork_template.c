@@ -1464,6 +1464,46 @@ static void test_template_nanosleep(void)
 	close(rep[0]);
 }
 
+/* prctl state no /proc file shows: read from a template by injected calls (the origin's
+ * dumpable flag cleared, THP refused), and set in it (a template rebuilt from an image is
+ * its host's fork, which has the host's). */
+static void test_template_prctls(void)
+{
+	pid_t pid;
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl;
+	struct dbxcr_prctls p, want;
+
+	current_test = "template-prctls";
+	pid = fork();
+	if (pid == 0) {
+		if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0 || prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) < 0)
+			_exit(2);
+		pause();
+		_exit(0);
+	}
+	CHECK(wait_in_syscall(pid, SYS_pause) == 0, "child never paused");
+	tpl = dbxcr_make_template(pid, &err);
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (tpl) {
+		CHECK(dbxcr_template_prctls(tpl, &p, &err) == 0, "read: %s", err.msg);
+		CHECK(p.dumpable == 0 && p.thp_disable == 1 && p.mce_kill == PR_MCE_KILL_DEFAULT,
+		      "read dumpable %d thp %d mce %d", p.dumpable, p.thp_disable, p.mce_kill);
+		want = p;
+		want.dumpable = 1;
+		want.thp_disable = 0;
+		want.mce_kill = PR_MCE_KILL_EARLY;
+		CHECK(dbxcr_template_set_prctls(tpl, &want, &err) == 0, "set: %s", err.msg);
+		CHECK(dbxcr_template_prctls(tpl, &p, &err) == 0, "read again: %s", err.msg);
+		CHECK(p.dumpable == 1 && p.thp_disable == 0 && p.mce_kill == PR_MCE_KILL_EARLY,
+		      "after set: dumpable %d thp %d mce %d", p.dumpable, p.thp_disable,
+		      p.mce_kill);
+		CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
+	}
+	kill(pid, SIGKILL);
+	reap(pid);
+}
+
 /* The ids /proc/PID/timers lists, in order, as "0 2 ..." (at most len bytes). */
 static void timer_ids(pid_t pid, char *out, size_t len)
 {
@@ -2843,6 +2883,7 @@ int main(int argc, char **argv)
 		{ "mntns-open", test_mntns_open },
 		{ "template-nanosleep", test_template_nanosleep },
 		{ "template-ptimers", test_template_ptimers },
+		{ "template-prctls", test_template_prctls },
 		{ "template-shared-stack", test_template_shared_stack },
 		{ "threads-recreated", test_threads },
 		{ "stop-frozen-tree", test_stop_frozen_tree },

@@ -1,0 +1,133 @@
+/* A process's prctl state that a fork copies and no /proc file shows: whether it may be
+ * dumped and traced (PR_SET_DUMPABLE: ssh-agent and gpg-agent clear it), its securebits
+ * (keep-capabilities among them), transparent huge pages refused (PR_SET_THP_DISABLE),
+ * KSM merging of all its memory (PR_SET_MEMORY_MERGE) and its machine-check kill policy.
+ *
+ * A child spawned from its template has them (a fork).  One restored from an image is
+ * another process's fork given the image's memory (an adopted child, a chain's ancestor,
+ * a template rebuilt from a dump: cr/taskattrs.py), so the daemon reads them from the
+ * parked template by injected PR_GET_* calls and sets the ones that differ in the copy,
+ * held before it runs, by injected PR_SET_* calls: each process's own, as the process
+ * itself would.  A securebit some copy has locked and the original has not cannot be
+ * cleared: that restore fails, naming it. */
+#include <errno.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+
+#include "dbxcr_internal.h"
+#include "fork_template.h"
+
+/* Newer <linux/prctl.h> only. */
+#ifndef PR_SET_MEMORY_MERGE
+#define PR_SET_MEMORY_MERGE 67
+#define PR_GET_MEMORY_MERGE 68
+#endif
+
+static long get_one(struct tracee *t, int option, long arg2, long *out, struct dbxcr_error *err)
+{
+	long a[6] = { option, arg2, 0, 0, 0, 0 };
+	long ret;
+
+	if (remote_syscall(t, SYS_prctl, a, &ret, err) < 0)
+		return -1;
+	/* PR_GET_MEMORY_MERGE on a kernel without KSM: nothing to keep. */
+	if (ret == -EINVAL && option == PR_GET_MEMORY_MERGE)
+		ret = 0;
+	if (ret < 0)
+		return fail(err, (int)-ret, t->pid, "prctl(%d) to read its state", option);
+	*out = ret;
+	return 0;
+}
+
+int tracee_prctls(struct tracee *t, struct dbxcr_prctls *out, struct dbxcr_error *err)
+{
+	long v[5];
+
+	if (get_one(t, PR_GET_DUMPABLE, 0, &v[0], err) < 0 ||
+	    get_one(t, PR_GET_SECUREBITS, 0, &v[1], err) < 0 ||
+	    get_one(t, PR_GET_THP_DISABLE, 0, &v[2], err) < 0 ||
+	    get_one(t, PR_GET_MEMORY_MERGE, 0, &v[3], err) < 0 ||
+	    get_one(t, PR_MCE_KILL_GET, 0, &v[4], err) < 0)
+		return -1;
+	out->dumpable = (int)v[0];
+	out->securebits = (int)v[1];
+	out->thp_disable = (int)v[2];
+	out->memory_merge = (int)v[3];
+	out->mce_kill = (int)v[4];
+	return 0;
+}
+
+static int set_one(struct tracee *t, long option, long arg2, long arg3, const char *what,
+		   struct dbxcr_error *err)
+{
+	long a[6] = { option, arg2, arg3, 0, 0, 0 };
+
+	return rsys(t, SYS_prctl, a, err, "prctl to restore its %s (%ld)", what,
+		    option == PR_MCE_KILL ? arg3 : arg2) < 0 ? -1 : 0;
+}
+
+int tracee_set_prctls(struct tracee *t, const struct dbxcr_prctls *want,
+		      struct dbxcr_error *err)
+{
+	struct dbxcr_prctls have;
+
+	if (tracee_prctls(t, &have, err) < 0)
+		return -1;
+	if (want->securebits != have.securebits &&
+	    set_one(t, PR_SET_SECUREBITS, want->securebits, 0, "securebits", err) < 0)
+		return -1;
+	if (want->thp_disable != have.thp_disable &&
+	    set_one(t, PR_SET_THP_DISABLE, want->thp_disable, 0, "THP refusal", err) < 0)
+		return -1;
+	if (want->memory_merge != have.memory_merge &&
+	    set_one(t, PR_SET_MEMORY_MERGE, want->memory_merge, 0, "KSM merging", err) < 0)
+		return -1;
+	if (want->mce_kill != have.mce_kill &&
+	    (want->mce_kill == PR_MCE_KILL_DEFAULT
+		     ? set_one(t, PR_MCE_KILL, PR_MCE_KILL_CLEAR, 0, "machine-check policy", err)
+		     : set_one(t, PR_MCE_KILL, PR_MCE_KILL_SET, want->mce_kill,
+			       "machine-check policy", err)) < 0)
+		return -1;
+	/* Last: the others are the process's own calls whatever it may be traced by.  2
+	 * (SUID_DUMP_ROOT) comes only from an exec, which set it in the copy too. */
+	if (want->dumpable != have.dumpable && want->dumpable != 2 &&
+	    set_one(t, PR_SET_DUMPABLE, want->dumpable, 0, "dumpable flag", err) < 0)
+		return -1;
+	return 0;
+}
+
+int dbxcr_template_prctls(struct dbxcr_template *tpl, struct dbxcr_prctls *out,
+			  struct dbxcr_error *err)
+{
+	struct dbxcr_error ignored;
+	struct tracee t;
+	int rc = 0;
+
+	clear_error(err);
+	if (check_owner(tpl, err) < 0 || adopt(&t, tpl->pid, tpl->site, err) < 0)
+		return -1;
+	t.regs = tpl->park;
+	if (tracee_prctls(&t, out, err) < 0)
+		rc = -1;
+	if (park(tpl, rc ? &ignored : err) < 0)
+		rc = -1;
+	return rc;
+}
+
+int dbxcr_template_set_prctls(struct dbxcr_template *tpl, const struct dbxcr_prctls *want,
+			      struct dbxcr_error *err)
+{
+	struct dbxcr_error ignored;
+	struct tracee t;
+	int rc = 0;
+
+	clear_error(err);
+	if (check_owner(tpl, err) < 0 || adopt(&t, tpl->pid, tpl->site, err) < 0)
+		return -1;
+	t.regs = tpl->park;
+	if (tracee_set_prctls(&t, want, err) < 0)
+		rc = -1;
+	if (park(tpl, rc ? &ignored : err) < 0)
+		rc = -1;
+	return rc;
+}
