@@ -40,7 +40,11 @@ rejoin it at the rollback. Not preserved:
 - what a fork resets and no call sets back: the CPU time a process used (times(2),
   CLOCK_PROCESS_CPUTIME_ID start again from zero), memory marked MADV_WIPEONFORK (a
   random generator's state: zero-filled, so it reseeds), a parent-death signal
-  (PR_SET_PDEATHSIG, tied to a parent a restore may not keep), mlockall's MCL_FUTURE.
+  (PR_SET_PDEATHSIG, tied to a parent a restore may not keep), a child subreaper's flag
+  (PR_SET_CHILD_SUBREAPER: no /proc file shows it), mlockall's MCL_FUTURE.
+A process restored from an image (adopted, a chain's, rebuilt from a dump) is another
+process's fork: its nice, priorities, rlimits and prctl state are set back from its
+template's (taskattrs.py).
 
 Restoring into a fork (`Elsewhere`): the fork's pid namespace is nested below the templates'
 sandbox's, so a template can give birth there (setns into it around clone3); the child joins
