@@ -341,6 +341,7 @@ struct dbxcr_prctls {
 	int thp_disable;	/* PR_GET_THP_DISABLE */
 	int memory_merge;	/* PR_GET_MEMORY_MERGE (0 without KSM) */
 	int mce_kill;		/* PR_MCE_KILL_GET */
+	int no_new_privs;	/* PR_GET_NO_NEW_PRIVS */
 };
 /* The template's (its origin's at the checkpoint), by injected calls; the owner thread
  * only.  0, or -1 with err set. */

@@ -1,15 +1,17 @@
 /* A process's prctl state that a fork copies and no /proc file shows: whether it may be
  * dumped and traced (PR_SET_DUMPABLE: ssh-agent and gpg-agent clear it), its securebits
  * (keep-capabilities among them), transparent huge pages refused (PR_SET_THP_DISABLE),
- * KSM merging of all its memory (PR_SET_MEMORY_MERGE) and its machine-check kill policy.
+ * KSM merging of all its memory (PR_SET_MEMORY_MERGE) and its machine-check kill policy;
+ * and no_new_privs (status shows it, but only the process can set it).
  *
  * A child spawned from its template has them (a fork).  One restored from an image is
  * another process's fork given the image's memory (an adopted child, a chain's ancestor,
  * a template rebuilt from a dump: cr/taskattrs.py), so the daemon reads them from the
  * parked template by injected PR_GET_* calls and sets the ones that differ in the copy,
  * held before it runs, by injected PR_SET_* calls: each process's own, as the process
- * itself would.  A securebit some copy has locked and the original has not cannot be
- * cleared: that restore fails, naming it. */
+ * itself would.  A securebit some copy has locked and the original has not, or
+ * no_new_privs the copy has and the original had not, cannot be cleared: that restore
+ * fails, naming it. */
 #include <errno.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
@@ -41,9 +43,10 @@ static long get_one(struct tracee *t, int option, long arg2, long *out, struct d
 
 int tracee_prctls(struct tracee *t, struct dbxcr_prctls *out, struct dbxcr_error *err)
 {
-	long v[5];
+	long v[6];
 
-	if (get_one(t, PR_GET_DUMPABLE, 0, &v[0], err) < 0 ||
+	if (get_one(t, PR_GET_NO_NEW_PRIVS, 0, &v[5], err) < 0 ||
+	    get_one(t, PR_GET_DUMPABLE, 0, &v[0], err) < 0 ||
 	    get_one(t, PR_GET_SECUREBITS, 0, &v[1], err) < 0 ||
 	    get_one(t, PR_GET_THP_DISABLE, 0, &v[2], err) < 0 ||
 	    get_one(t, PR_GET_MEMORY_MERGE, 0, &v[3], err) < 0 ||
@@ -54,6 +57,7 @@ int tracee_prctls(struct tracee *t, struct dbxcr_prctls *out, struct dbxcr_error
 	out->thp_disable = (int)v[2];
 	out->memory_merge = (int)v[3];
 	out->mce_kill = (int)v[4];
+	out->no_new_privs = (int)v[5];
 	return 0;
 }
 
@@ -72,6 +76,12 @@ int tracee_set_prctls(struct tracee *t, const struct dbxcr_prctls *want,
 	struct dbxcr_prctls have;
 
 	if (tracee_prctls(t, &have, err) < 0)
+		return -1;
+	if (have.no_new_privs && !want->no_new_privs)
+		return fail(err, EPERM, t->pid, "no_new_privs is set in the copy and was not in "
+			    "the process: it cannot be cleared");
+	if (want->no_new_privs && !have.no_new_privs &&
+	    set_one(t, PR_SET_NO_NEW_PRIVS, 1, 0, "no_new_privs", err) < 0)
 		return -1;
 	if (want->securebits != have.securebits &&
 	    set_one(t, PR_SET_SECUREBITS, want->securebits, 0, "securebits", err) < 0)

@@ -3154,12 +3154,13 @@ def test_scheduling_and_resource_limits_come_back(sbx: Sandbox, restore: Restore
 PRCTLS = """
 import ctypes, os, time
 libc = ctypes.CDLL(None, use_errno=True)
-for args in ((4, 0), (41, 1), (33, 1, 1), (28, 0x10)):   # dumpable 0, THP off, MCE early,
-    assert libc.prctl(*args, 0, 0, 0) == 0, (args, ctypes.get_errno())   # SECBIT_KEEP_CAPS
+# dumpable 0, THP off, MCE early, SECBIT_KEEP_CAPS, no_new_privs
+for args in ((4, 0), (41, 1), (33, 1, 1), (28, 0x10), (38, 1)):
+    assert libc.prctl(*args, 0, 0, 0) == 0, (args, ctypes.get_errno())
 open('/workspace/ready', 'w').close()
 while True:
     if os.path.exists('/workspace/report'):
-        got = [libc.prctl(op, 0, 0, 0, 0) for op in (3, 42, 34, 27)]
+        got = [libc.prctl(op, 0, 0, 0, 0) for op in (3, 42, 34, 27, 39)]
         open('/workspace/state', 'w').write(' '.join(map(str, got)))
         os.unlink('/workspace/report')
     time.sleep(0.02)
@@ -3169,18 +3170,19 @@ while True:
 def test_prctl_state_comes_back(sbx: Sandbox, restore: Restore) -> None:
     """PR_SET_DUMPABLE (ssh-agent and gpg-agent clear it), PR_SET_THP_DISABLE, the
     machine-check kill policy and securebits are copied by fork and shown by no /proc
-    file. A process restored from an image (from a dump, adopted, a chain's) is another
-    process's fork: before stop 52 it came back with that one's (1 0 2 0 here); now they
-    are read from its template and set again (cr/taskattrs.py, native/prctls.c)."""
+    file (no_new_privs is, but only the process sets it). A process restored from an
+    image (from a dump, adopted, a chain's) is another process's fork: before stop 52 it
+    came back with that one's (1 0 2 0 0 here); now they are read from its template and
+    set again (cr/taskattrs.py, native/prctls.c)."""
     sbx.files.write("prctls.py", PRCTLS)
     # its shell waits for it: restored as a chain or adopted, from images
     sbx.session("main").run("(bash -c 'python3 /workspace/prctls.py; :' &)")
     wait_for(lambda: sbx.files.exists("ready"))
-    assert _report(sbx) == "0 1 1 16"
+    assert _report(sbx) == "0 1 1 16 1"
     cp = sbx.checkpoint()
     assert cp.kind == "full"
     target = restore(sbx, cp)
-    assert _report(target) == "0 1 1 16"
+    assert _report(target) == "0 1 1 16 1"
 
 
 STOPPED_LOOP = ("cd /workspace && nohup sh -c 'echo $$ > pid; i=0; while true; do "

@@ -147,7 +147,8 @@ class _IpcObjects(ctypes.Structure):  # fork_template.h struct dbxcr_ipc_objects
 
 class _Prctls(ctypes.Structure):  # fork_template.h struct dbxcr_prctls
     _fields_ = [(name, ctypes.c_int) for name in ("dumpable", "securebits", "thp_disable",
-                                                   "memory_merge", "mce_kill")]
+                                                   "memory_merge", "mce_kill",
+                                                   "no_new_privs")]
 
 
 class _Lock(ctypes.Structure):  # fork_template.h struct dbxcr_lock
@@ -403,16 +404,17 @@ _LOCK_TYPES = {"READ": fcntl.F_RDLCK, "WRITE": fcntl.F_WRLCK}
 class Prctls:
     """A process's prctl state that a fork copies and no /proc file shows (native/prctls.c):
     PR_GET_DUMPABLE, PR_GET_SECUREBITS, PR_GET_THP_DISABLE, PR_GET_MEMORY_MERGE (0
-    without KSM), PR_MCE_KILL_GET."""
+    without KSM), PR_MCE_KILL_GET; and PR_GET_NO_NEW_PRIVS, which only the process sets."""
     dumpable: int
     securebits: int
     thp_disable: int
     memory_merge: int
     mce_kill: int
+    no_new_privs: int = 0
 
     def _c(self) -> _Prctls:
         return _Prctls(self.dumpable, self.securebits, self.thp_disable, self.memory_merge,
-                       self.mce_kill)
+                       self.mce_kill, self.no_new_privs)
 
 
 @dataclass(frozen=True)
@@ -716,7 +718,7 @@ class Template:
         if _load().dbxcr_template_prctls(self._h(), ctypes.byref(out), ctypes.byref(err)) < 0:
             _raise(err)
         return Prctls(out.dumpable, out.securebits, out.thp_disable, out.memory_merge,
-                      out.mce_kill)
+                      out.mce_kill, out.no_new_privs)
 
     def set_prctls(self, want: Prctls) -> None:
         """Give a template rebuilt from disk (its host's fork) its origin's prctl state,

@@ -1493,11 +1493,16 @@ static void test_template_prctls(void)
 		want.dumpable = 1;
 		want.thp_disable = 0;
 		want.mce_kill = PR_MCE_KILL_EARLY;
+		want.no_new_privs = 1;
 		CHECK(dbxcr_template_set_prctls(tpl, &want, &err) == 0, "set: %s", err.msg);
 		CHECK(dbxcr_template_prctls(tpl, &p, &err) == 0, "read again: %s", err.msg);
-		CHECK(p.dumpable == 1 && p.thp_disable == 0 && p.mce_kill == PR_MCE_KILL_EARLY,
-		      "after set: dumpable %d thp %d mce %d", p.dumpable, p.thp_disable,
-		      p.mce_kill);
+		CHECK(p.dumpable == 1 && p.thp_disable == 0 && p.mce_kill == PR_MCE_KILL_EARLY &&
+		      p.no_new_privs == 1, "after set: dumpable %d thp %d mce %d nnp %d",
+		      p.dumpable, p.thp_disable, p.mce_kill, p.no_new_privs);
+		/* once set, no_new_privs cannot be cleared: refused, naming it */
+		want.no_new_privs = 0;
+		CHECK(dbxcr_template_set_prctls(tpl, &want, &err) < 0 && err.code == EPERM &&
+		      strstr(err.msg, "no_new_privs"), "clearing no_new_privs: %s", err.msg);
 		CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
 	}
 	kill(pid, SIGKILL);
