@@ -3222,6 +3222,24 @@ def test_a_stopped_process_comes_back_stopped(sbx: Sandbox, restore: Restore) ->
     target.exec("kill $(cat /workspace/pid)")
 
 
+def test_a_deleted_working_directory_is_refused_by_name(sbx: Sandbox) -> None:
+    """A session whose directory was removed under it (`cd build && rm -rf ../build`):
+    a restore enters a process's cwd by path, which the checkpoint's tree lacks. Before
+    stop 52 the checkpoint passed and its rollback restarted the processes; now it is
+    refused by name and passes once the shell is elsewhere."""
+    s = sbx.session("main")
+    s.run("mkdir /workspace/gone && cd /workspace/gone && rmdir /workspace/gone")
+    with pytest.raises(deltabox.FailedPrecondition, match=(
+            r"\(bash[^)]*\): its working directory /workspace/gone was deleted: no path to "
+            r"enter it by; `cd` elsewhere and checkpoint again")):
+        sbx.checkpoint()
+    s.run("cd /workspace")
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    assert sbx.rollback(cp).process_state == "restored"
+    assert s.run("pwd").stdout == "/workspace\n"
+
+
 def test_deleted_file_still_linked_elsewhere_is_refused(sbx: Sandbox) -> None:
     """Open through a name that was unlinked while another name (a hard link) stays: the
     file is not the process's own copy to make again; refused by name."""

@@ -1,8 +1,8 @@
 """A process's scheduling, resource and prctl attributes, which fork(2) copies from the
 parent that forks: nice, scheduling policy and priority, I/O priority, oom_score_adj,
-timer slack, core dump filter, resource limits (`ulimit`), and the prctl state no /proc
-file shows (dumpable, securebits, THP refused, KSM merging, machine-check policy:
-native/prctls.c).
+timer slack, core dump filter, resource limits (`ulimit`), and prctl state only the
+process itself can set (dumpable, securebits, THP refused, KSM merging, machine-check
+policy, no_new_privs: native/prctls.c).
 
 A process spawned from its own template (a fork of it at the checkpoint) has them all.
 One restored from an image is another process's fork given the image's memory: an adopted
