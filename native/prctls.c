@@ -114,7 +114,10 @@ int dbxcr_template_prctls(struct dbxcr_template *tpl, struct dbxcr_prctls *out,
 	int rc = 0;
 
 	clear_error(err);
-	if (check_owner(tpl, err) < 0 || adopt(&t, tpl->pid, tpl->site, err) < 0)
+	/* Its parked registers (tpl->park) are set once its scratch area is mapped, which a
+	 * template gets at its first spawn or dump, not at its making. */
+	if (check_owner(tpl, err) < 0 || template_scratch(tpl, err) < 0 ||
+	    adopt(&t, tpl->pid, tpl->site, err) < 0)
 		return -1;
 	t.regs = tpl->park;
 	if (tracee_prctls(&t, out, err) < 0)
@@ -132,7 +135,10 @@ int dbxcr_template_set_prctls(struct dbxcr_template *tpl, const struct dbxcr_prc
 	int rc = 0;
 
 	clear_error(err);
-	if (check_owner(tpl, err) < 0 || adopt(&t, tpl->pid, tpl->site, err) < 0)
+	/* Its parked registers (tpl->park) are set once its scratch area is mapped, which a
+	 * template gets at its first spawn or dump, not at its making. */
+	if (check_owner(tpl, err) < 0 || template_scratch(tpl, err) < 0 ||
+	    adopt(&t, tpl->pid, tpl->site, err) < 0)
 		return -1;
 	t.regs = tpl->park;
 	if (tracee_set_prctls(&t, want, err) < 0)

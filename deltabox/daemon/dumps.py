@@ -270,7 +270,7 @@ class Dumps:
                     raise native.CRError(22, f"the templates of {cp_id} were released "
                                          "before their dump")
                 if rec.task is None:   # kept in the record (state.json), as is
-                    rec.task = await self.cr.worker.run(taskattrs.read, tpl)
+                    rec.task = await self._task_attrs(sid, tpl)
                 ok = _seccomp_filters(tpl.pid) <= seccomp_filters
                 key = (sid, rec.nspid, rec.cmd)
                 parent, made_by = self.last.get(key, (None, None))
@@ -330,6 +330,17 @@ class Dumps:
             ev = self.events.pop(cp_id, None)
             if ev is not None:
                 ev.set()
+
+    async def _task_attrs(self, sid: str, tpl: native.Template) -> TaskAttrs:
+        """The template's process's attributes (cr/taskattrs.py), read by injected calls
+        under the sandbox's lock, as the dump's own: a template runs them, which it cannot
+        while a checkpoint has the sandbox's cgroup frozen (a read outside the lock hung
+        the ptrace thread, and so the daemon, until a thaw that thread was to do)."""
+        lock = self.sandbox_lock(sid)
+        async with lock if lock is not None else trio.Lock():
+            if tpl.released:
+                raise native.CRError(22, "the templates were released before their dump")
+            return await self.cr.worker.run(taskattrs.read, tpl)
 
     async def _dump_one(self, sid: str, tpl: native.Template, path: Path,
                         parent: Path | None, seccomp_ok: bool,

@@ -294,11 +294,6 @@ class Session:
             stdout = _strip_newline(stdout)
         stderr, self.state = _split_state(stderr, f"\n__DBX_{nonce}_STATE\n".encode(),
                                           err_trunc)
-        if self.state is not None:
-            # A command may have changed the shell's descriptors (exec 9>log, a read that
-            # moved an offset) or its terminal (stty) and nothing else: the shell's state
-            # includes them.
-            self.state = _with_process(self.state, self.shell_pid(), self.master_fd())
         if self.out.found.is_set():
             code = int(rest.split(b"\n", 1)[0] or b"0")
             if self.err.found.is_set():
@@ -306,6 +301,13 @@ class Session:
         else:  # the shell exited (e.g. `exit 3`) or was killed
             await self.close()
             code = self.shell.exit_code()
+        if self.state is not None:
+            # A command may have changed the shell's descriptors (exec 9>log, a read that
+            # moved an offset) or its terminal (stty) and nothing else: the shell's state
+            # includes them. Read once it is back in its read: while it prints a marker,
+            # bash holds a saved copy of the descriptor it redirects (fd 10), which made a
+            # read-only turn's digest differ now and then (stop 51's test_policy flake).
+            self.state = _with_process(self.state, self.shell_pid(), self.master_fd())
         return ExecOutput(code, stdout, stderr, (time.perf_counter() - t0) * 1000, timed_out,
                           out_trunc and output.total > output.limit,
                           err_trunc and self.err.total > self.err.limit)
