@@ -106,8 +106,9 @@ int tracee_set_prctls(struct tracee *t, const struct dbxcr_prctls *want,
 	return 0;
 }
 
-int dbxcr_template_prctls(struct dbxcr_template *tpl, struct dbxcr_prctls *out,
-			  struct dbxcr_error *err)
+/* Read into `out`, or set `want`, in the parked template, parked again after. */
+static int in_template(struct dbxcr_template *tpl, struct dbxcr_prctls *out,
+		       const struct dbxcr_prctls *want, struct dbxcr_error *err)
 {
 	struct dbxcr_error ignored;
 	struct tracee t;
@@ -120,30 +121,21 @@ int dbxcr_template_prctls(struct dbxcr_template *tpl, struct dbxcr_prctls *out,
 	    adopt(&t, tpl->pid, tpl->site, err) < 0)
 		return -1;
 	t.regs = tpl->park;
-	if (tracee_prctls(&t, out, err) < 0)
+	if ((want ? tracee_set_prctls(&t, want, err) : tracee_prctls(&t, out, err)) < 0)
 		rc = -1;
 	if (park(tpl, rc ? &ignored : err) < 0)
 		rc = -1;
 	return rc;
 }
 
+int dbxcr_template_prctls(struct dbxcr_template *tpl, struct dbxcr_prctls *out,
+			  struct dbxcr_error *err)
+{
+	return in_template(tpl, out, NULL, err);
+}
+
 int dbxcr_template_set_prctls(struct dbxcr_template *tpl, const struct dbxcr_prctls *want,
 			      struct dbxcr_error *err)
 {
-	struct dbxcr_error ignored;
-	struct tracee t;
-	int rc = 0;
-
-	clear_error(err);
-	/* Its parked registers (tpl->park) are set once its scratch area is mapped, which a
-	 * template gets at its first spawn or dump, not at its making. */
-	if (check_owner(tpl, err) < 0 || template_scratch(tpl, err) < 0 ||
-	    adopt(&t, tpl->pid, tpl->site, err) < 0)
-		return -1;
-	t.regs = tpl->park;
-	if (tracee_set_prctls(&t, want, err) < 0)
-		rc = -1;
-	if (park(tpl, rc ? &ignored : err) < 0)
-		rc = -1;
-	return rc;
+	return in_template(tpl, NULL, want, err);
 }
