@@ -1537,22 +1537,35 @@ class IpcObjects:
 _ipcns_objects: Any = None   # dbxcr_ipcns_objects, called with the GIL held (ipc_objects)
 
 
-def ipc_objects(ipcns_fd: int, clear: bool = False) -> IpcObjects:
+def mqueue_dir(ipcns_fd: int) -> int:
+    """A directory fd on the root of the IPC namespace's mqueue file system (a detached
+    mount it keeps): ipc_objects' `mq_dir`, kept per sandbox so that its calls make no
+    mount (native/ipcns.c). Ours to close."""
+    err = _Err()
+    fd = ctypes.PyDLL(str(library_path())).dbxcr_ipcns_mqueue_dir(ipcns_fd, ctypes.byref(err))
+    if fd < 0:
+        _raise(err)
+    return fd
+
+
+def ipc_objects(ipcns_fd: int, clear: bool = False, mq_dir: int = -1) -> IpcObjects:
     """The System V IPC objects and POSIX message queues of the IPC namespace `ipcns_fd`
     (native/ipcns.c); with `clear`, removed first (what is left). Called with the GIL
-    held (ctypes.PyDLL): the call takes ~0.1 ms here (a thread made to join the namespace,
-    a detached mqueue mount listed: +10 us), while taking the GIL back after a releasing
-    call waits for the daemon's other threads (0.1-0.2 ms measured in the daemon)."""
+    held (ctypes.PyDLL): the call takes ~30 us here warm (a thread made to join the
+    namespace; listing `mq_dir` adds ~5 us, a mount made for the call without it ~35),
+    while taking the GIL back after a releasing call waits for the daemon's other threads
+    (0.1-0.2 ms measured in the daemon)."""
     global _ipcns_objects
     if _ipcns_objects is None:
         _load()   # the library exists
         fn = ctypes.PyDLL(str(library_path())).dbxcr_ipcns_objects
-        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(_IpcObjects),
+        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_IpcObjects),
                        ctypes.POINTER(_Err)]
         fn.restype = ctypes.c_int
         _ipcns_objects = fn
     out, err = _IpcObjects(), _Err()
-    if _ipcns_objects(ipcns_fd, int(clear), ctypes.byref(out), ctypes.byref(err)) < 0:
+    if _ipcns_objects(ipcns_fd, int(clear), mq_dir, ctypes.byref(out),
+                      ctypes.byref(err)) < 0:
         _raise(err)
     names = out.posix_names.decode(errors="replace")
     if not names.endswith("..."):   # in the directory's order, unless cut short

@@ -143,6 +143,9 @@ class Live:
     # System V IPC objects may exist in its namespace: no check found it empty since the
     # inspector last saw an IPC call or missed part of a turn (_refuse_ipc_objects)
     ipc_seen: bool = True
+    # its IPC namespace's mqueue directory (native.mqueue_dir), opened at the first IPC
+    # check and kept: each check lists it with no mount of its own
+    mq_dir: int = -1
     init_filters: int | None = None  # seccomp filters of its init (Daemon._init_filters)
     # (procs_from, pids): processes that ran in a turn whose checkpoint kept the parent's
     # templates for them (Daemon._note_drift): not reused while procs_from is the same
@@ -736,6 +739,9 @@ class Daemon:
         live.keepers.clear()
         for fd in live.held_fds:
             os.close(fd)
+        if live.mq_dir >= 0:
+            os.close(live.mq_dir)
+            live.mq_dir = -1
         for fd in live.dying:
             os.close(fd)
         if self._nested_in(sid):
@@ -1910,7 +1916,7 @@ class Daemon:
             if cp.procs_of is not None:
                 # Its capture found no System V IPC object or POSIX message queue
                 # (_refuse_ipc_objects): those made since go before anything runs again.
-                native.ipc_objects(live.rt.pidfd, clear=True)
+                native.ipc_objects(live.rt.pidfd, clear=True, mq_dir=_mq_dir(live))
                 live.ipc_seen = False
             state, note, resumed = await self._restore_processes(live, cp, new_gen, taken)
         except BaseException:
@@ -2723,7 +2729,7 @@ def _refuse_ipc_objects(live: Live) -> None:
     back)."""
     if not live.ipc_seen:
         return
-    objects = native.ipc_objects(live.rt.pidfd)
+    objects = native.ipc_objects(live.rt.pidfd, mq_dir=_mq_dir(live))
     if objects.unheld:   # a segment a process attached is refused by that process
         raise FailedPrecondition(
             f"cannot capture the sandbox's processes faithfully: its IPC namespace holds "
@@ -2731,6 +2737,13 @@ def _refuse_ipc_objects(live: Live) -> None:
             "process and are not captured. Remove them (`ipcrm`; a POSIX queue: "
             "mq_unlink), or checkpoint with mode=\"fs\" (files only)")
     live.ipc_seen = False
+
+
+def _mq_dir(live: Live) -> int:
+    """The sandbox's mqueue directory, opened the first time (closed with the sandbox)."""
+    if live.mq_dir < 0:
+        live.mq_dir = native.mqueue_dir(live.rt.pidfd)
+    return live.mq_dir
 
 
 def _cr_limit_error(e: BaseException, what: str) -> ResourceExhausted | None:
