@@ -368,8 +368,8 @@ struct dbxcr_ipc_objects {
 };
 int dbxcr_ipcns_objects(int ipcns_fd, int clear, int mq_dir, struct dbxcr_ipc_objects *out,
 			struct dbxcr_error *err);
-/* mq_dir above (-1: a mount is made for each call): a directory fd on the root of the
- * namespace's mqueue file system (a detached mount the fd keeps).  The fd, or -1. */
+/* mq_dir above: a directory fd on the root of the namespace's mqueue file system (a
+ * detached mount the fd keeps), which the caller keeps per namespace.  The fd, or -1. */
 int dbxcr_ipcns_mqueue_dir(int ipcns_fd, struct dbxcr_error *err);
 
 /* Move the parked template out of its process group into one of its own.  A process group

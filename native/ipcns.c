@@ -56,6 +56,7 @@ union semun_arg {
 
 struct ipcns_job {
 	int ipcns_fd, clear, mq_dir, code;
+	bool open_dir;		/* dbxcr_ipcns_mqueue_dir: open mq_dir, count nothing */
 	const char *step;
 	struct dbxcr_ipc_objects out;
 };
@@ -156,11 +157,11 @@ static int mqueue_mount(void)
 
 /* Count the namespace's POSIX message queues into j->out (their names too); with clear,
  * unlink each instead (one unlinked meanwhile is no error: a queue still open lives on
- * for its holders, nameless, as after mq_unlink).  mnt: mqueue_mount's.  0, or -1 with
- * errno set. */
-static int posix_queues(struct ipcns_job *j, int mnt, bool clear)
+ * for its holders, nameless, as after mq_unlink).  0, or -1 with errno set. */
+static int posix_queues(struct ipcns_job *j, bool clear)
 {
-	int dir = openat(mnt, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);   /* its own offset */
+	/* The caller's directory, opened again: a listing of its own from the start. */
+	int dir = openat(j->mq_dir, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
 	struct dirent *e;
 	DIR *d;
 
@@ -192,113 +193,108 @@ static int posix_queues(struct ipcns_job *j, int mnt, bool clear)
 	return saved ? -1 : 0;
 }
 
-/* How many objects of each kind exist; with clear, remove them first (the count is then
- * what is left: 0).  *_INFO returns the highest index in use (-1 or 0 when none). */
-static void *ipcns_thread(void *arg)
+/* The root of the namespace's mqueue file system, opened through a mount made for the
+ * call (the directory's open file keeps it), into j->mq_dir. */
+static void open_mqueue_dir(struct ipcns_job *j)
 {
-	struct ipcns_job *j = arg;
-	struct seminfo si;
-	struct msginfo mi;
-	struct shm_info hi;
-	union semun_arg a = { .info = &si };
-	int top, mq;
+	int mnt = mqueue_mount();
 
-	if (setns(j->ipcns_fd, CLONE_NEWIPC) < 0) {
-		j->code = errno;
-		j->step = "setns into the IPC namespace";
-		return NULL;
-	}
-	/* The caller's directory of the namespace's mqueue file system, else a mount made for
-	 * this call (~35 us here, ~0.1 ms after a pause: the caller keeps one per sandbox). */
-	mq = j->mq_dir >= 0 ? fcntl(j->mq_dir, F_DUPFD_CLOEXEC, 0) : mqueue_mount();
-	if (mq < 0) {
-		j->code = errno;
-		j->step = "mount the namespace's mqueue file system (detached)";
-		return NULL;
-	}
-	for (int pass = j->clear ? 0 : 1; pass < 2; pass++) {
-		top = semctl(0, 0, SEM_INFO, a);
-		if (top < 0 || (pass == 0 && top >= 0 && si.semusz && clear_kind(IPC_SEM, top) < 0)) {
-			j->code = errno;
-			j->step = pass ? "semctl SEM_INFO" : "remove semaphore sets";
-			break;
-		}
-		j->out.sem_sets = si.semusz;
-		top = msgctl(0, MSG_INFO, (struct msqid_ds *)&mi);
-		if (top < 0 || (pass == 0 && mi.msgpool && clear_kind(IPC_MSG, top) < 0)) {
-			j->code = errno;
-			j->step = pass ? "msgctl MSG_INFO" : "remove message queues";
-			break;
-		}
-		j->out.msg_queues = mi.msgpool;
-		top = shmctl(0, SHM_INFO, (struct shmid_ds *)&hi);
-		if (top < 0 || (pass == 0 && hi.used_ids && clear_kind(IPC_SHM, top) < 0)) {
-			j->code = errno;
-			j->step = pass ? "shmctl SHM_INFO" : "remove shared memory segments";
-			break;
-		}
-		j->out.shm_segments = hi.used_ids;
-		j->out.shm_detached = hi.used_ids ? detached_shms(top) : 0;
-		if (posix_queues(j, mq, pass == 0) < 0) {
-			j->code = errno;
-			j->step = pass ? "list the POSIX message queues (a detached mqueue mount)"
-				       : "unlink the POSIX message queues";
-			break;
-		}
-	}
-	close(mq);
-	return NULL;
-}
-
-static void *mqueue_dir_thread(void *arg)
-{
-	struct ipcns_job *j = arg;
-	int mnt;
-
-	if (setns(j->ipcns_fd, CLONE_NEWIPC) < 0) {
-		j->code = errno;
-		j->step = "setns into the IPC namespace";
-		return NULL;
-	}
-	mnt = mqueue_mount();
 	if (mnt < 0) {
 		j->code = errno;
 		j->step = "mount the namespace's mqueue file system (detached)";
-		return NULL;
+		return;
 	}
 	j->mq_dir = openat(mnt, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
 	if (j->mq_dir < 0) {
 		j->code = errno;
 		j->step = "open the mqueue file system's root";
 	}
-	close(mnt);   /* the directory's open file keeps the mount */
+	close(mnt);
+}
+
+/* How many objects of each kind exist; with clear, remove them first (the count is then
+ * what is left: 0).  *_INFO returns the highest index in use (-1 or 0 when none). */
+static void count_objects(struct ipcns_job *j)
+{
+	struct seminfo si;
+	struct msginfo mi;
+	struct shm_info hi;
+	union semun_arg a = { .info = &si };
+	int top;
+
+	for (int pass = j->clear ? 0 : 1; pass < 2; pass++) {
+		top = semctl(0, 0, SEM_INFO, a);
+		if (top < 0 || (pass == 0 && top >= 0 && si.semusz && clear_kind(IPC_SEM, top) < 0)) {
+			j->code = errno;
+			j->step = pass ? "semctl SEM_INFO" : "remove semaphore sets";
+			return;
+		}
+		j->out.sem_sets = si.semusz;
+		top = msgctl(0, MSG_INFO, (struct msqid_ds *)&mi);
+		if (top < 0 || (pass == 0 && mi.msgpool && clear_kind(IPC_MSG, top) < 0)) {
+			j->code = errno;
+			j->step = pass ? "msgctl MSG_INFO" : "remove message queues";
+			return;
+		}
+		j->out.msg_queues = mi.msgpool;
+		top = shmctl(0, SHM_INFO, (struct shmid_ds *)&hi);
+		if (top < 0 || (pass == 0 && hi.used_ids && clear_kind(IPC_SHM, top) < 0)) {
+			j->code = errno;
+			j->step = pass ? "shmctl SHM_INFO" : "remove shared memory segments";
+			return;
+		}
+		j->out.shm_segments = hi.used_ids;
+		j->out.shm_detached = hi.used_ids ? detached_shms(top) : 0;
+		if (posix_queues(j, pass == 0) < 0) {
+			j->code = errno;
+			j->step = pass ? "list the POSIX message queues"
+				       : "unlink the POSIX message queues";
+			return;
+		}
+	}
+}
+
+static void *ipcns_thread(void *arg)
+{
+	struct ipcns_job *j = arg;
+
+	if (setns(j->ipcns_fd, CLONE_NEWIPC) < 0) {
+		j->code = errno;
+		j->step = "setns into the IPC namespace";
+	} else if (j->open_dir) {
+		open_mqueue_dir(j);
+	} else {
+		count_objects(j);
+	}
 	return NULL;
+}
+
+/* Run the job on a thread of its own in the namespace. */
+static int run_job(struct ipcns_job *j, struct dbxcr_error *err)
+{
+	clear_error(err);
+	if (on_own_thread(ipcns_thread, j, "join an IPC namespace", err) < 0)
+		return -1;
+	if (j->code)
+		return fail(err, j->code, current_tid(), "IPC namespace fd %d: %s", j->ipcns_fd,
+			    j->step);
+	return 0;
 }
 
 int dbxcr_ipcns_mqueue_dir(int ipcns_fd, struct dbxcr_error *err)
 {
-	struct ipcns_job j = { ipcns_fd, 0, -1, 0, NULL, { 0, 0, 0, 0, 0, "" } };
+	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .mq_dir = -1, .open_dir = true };
 
-	clear_error(err);
-	if (on_own_thread(mqueue_dir_thread, &j, "join an IPC namespace", err) < 0)
-		return -1;
-	if (j.code)
-		return fail(err, j.code, current_tid(), "IPC namespace fd %d: %s", ipcns_fd,
-			    j.step);
-	return j.mq_dir;
+	return run_job(&j, err) < 0 ? -1 : j.mq_dir;
 }
 
 int dbxcr_ipcns_objects(int ipcns_fd, int clear, int mq_dir, struct dbxcr_ipc_objects *out,
 			struct dbxcr_error *err)
 {
-	struct ipcns_job j = { ipcns_fd, clear, mq_dir, 0, NULL, { 0, 0, 0, 0, 0, "" } };
+	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .clear = clear, .mq_dir = mq_dir };
 
-	clear_error(err);
-	if (on_own_thread(ipcns_thread, &j, "join an IPC namespace", err) < 0)
+	if (run_job(&j, err) < 0)
 		return -1;
-	if (j.code)
-		return fail(err, j.code, current_tid(), "IPC namespace fd %d: %s", ipcns_fd,
-			    j.step);
 	*out = j.out;
 	return 0;
 }

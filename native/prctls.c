@@ -25,9 +25,9 @@
 #define PR_GET_MEMORY_MERGE 68
 #endif
 
-static long get_one(struct tracee *t, int option, long arg2, long *out, struct dbxcr_error *err)
+static int get_one(struct tracee *t, int option, int *out, struct dbxcr_error *err)
 {
-	long a[6] = { option, arg2, 0, 0, 0, 0 };
+	long a[6] = { option, 0, 0, 0, 0, 0 };
 	long ret;
 
 	if (remote_syscall(t, SYS_prctl, a, &ret, err) < 0)
@@ -37,27 +37,19 @@ static long get_one(struct tracee *t, int option, long arg2, long *out, struct d
 		ret = 0;
 	if (ret < 0)
 		return fail(err, (int)-ret, t->pid, "prctl(%d) to read its state", option);
-	*out = ret;
+	*out = (int)ret;
 	return 0;
 }
 
 int tracee_prctls(struct tracee *t, struct dbxcr_prctls *out, struct dbxcr_error *err)
 {
-	long v[6];
-
-	if (get_one(t, PR_GET_NO_NEW_PRIVS, 0, &v[5], err) < 0 ||
-	    get_one(t, PR_GET_DUMPABLE, 0, &v[0], err) < 0 ||
-	    get_one(t, PR_GET_SECUREBITS, 0, &v[1], err) < 0 ||
-	    get_one(t, PR_GET_THP_DISABLE, 0, &v[2], err) < 0 ||
-	    get_one(t, PR_GET_MEMORY_MERGE, 0, &v[3], err) < 0 ||
-	    get_one(t, PR_MCE_KILL_GET, 0, &v[4], err) < 0)
+	if (get_one(t, PR_GET_DUMPABLE, &out->dumpable, err) < 0 ||
+	    get_one(t, PR_GET_SECUREBITS, &out->securebits, err) < 0 ||
+	    get_one(t, PR_GET_THP_DISABLE, &out->thp_disable, err) < 0 ||
+	    get_one(t, PR_GET_MEMORY_MERGE, &out->memory_merge, err) < 0 ||
+	    get_one(t, PR_MCE_KILL_GET, &out->mce_kill, err) < 0 ||
+	    get_one(t, PR_GET_NO_NEW_PRIVS, &out->no_new_privs, err) < 0)
 		return -1;
-	out->dumpable = (int)v[0];
-	out->securebits = (int)v[1];
-	out->thp_disable = (int)v[2];
-	out->memory_merge = (int)v[3];
-	out->mce_kill = (int)v[4];
-	out->no_new_privs = (int)v[5];
 	return 0;
 }
 

@@ -381,8 +381,7 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
             refuse(f"fd {f.fd}: {reason}")
         elif (f.kind == "file" and not f.deleted and not in_dev_shm(f.path)) or \
                 f.kind == "fifo":
-            found = mount_by_id(table_(), f.mnt_id) if f.mnt_id else \
-                mount_of(table_(), f.path)   # a record of a dump made before stop 52
+            found = mount_by_id(table_(), f.mnt_id)
             if found is None:
                 # Its path names a file of the sandbox's tree that it is not: a POSIX
                 # message queue (mq_open) shows as "/NAME" but lives in the IPC

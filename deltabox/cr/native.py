@@ -266,6 +266,8 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_held_release.restype = ctypes.c_int
         lib.dbxcr_held_foreground.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, err]
         lib.dbxcr_held_foreground.restype = ctypes.c_int
+        lib.dbxcr_ipcns_mqueue_dir.argtypes = [ctypes.c_int, err]
+        lib.dbxcr_ipcns_mqueue_dir.restype = ctypes.c_int
         lib.dbxcr_held_set_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls), err]
         lib.dbxcr_held_set_prctls.restype = ctypes.c_int
         lib.dbxcr_template_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls), err]
@@ -1542,17 +1544,17 @@ def mqueue_dir(ipcns_fd: int) -> int:
     mount it keeps): ipc_objects' `mq_dir`, kept per sandbox so that its calls make no
     mount (native/ipcns.c). Ours to close."""
     err = _Err()
-    fd = ctypes.PyDLL(str(library_path())).dbxcr_ipcns_mqueue_dir(ipcns_fd, ctypes.byref(err))
+    fd = _load().dbxcr_ipcns_mqueue_dir(ipcns_fd, ctypes.byref(err))
     if fd < 0:
         _raise(err)
     return fd
 
 
-def ipc_objects(ipcns_fd: int, clear: bool = False, mq_dir: int = -1) -> IpcObjects:
+def ipc_objects(ipcns_fd: int, mq_dir: int, clear: bool = False) -> IpcObjects:
     """The System V IPC objects and POSIX message queues of the IPC namespace `ipcns_fd`
-    (native/ipcns.c); with `clear`, removed first (what is left). Called with the GIL
-    held (ctypes.PyDLL): the call takes ~30 us here warm (a thread made to join the
-    namespace; listing `mq_dir` adds ~5 us, a mount made for the call without it ~35),
+    (native/ipcns.c), the queues listed in `mq_dir` (mqueue_dir's); with `clear`, removed
+    first (what is left). Called with the GIL held (ctypes.PyDLL): the call takes ~40 us
+    here warm (a thread made to join the namespace; the listing ~15 of them),
     while taking the GIL back after a releasing call waits for the daemon's other threads
     (0.1-0.2 ms measured in the daemon)."""
     global _ipcns_objects

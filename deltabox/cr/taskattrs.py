@@ -53,12 +53,7 @@ class TaskAttrs:
     prctls: native.Prctls
 
     def to_json(self) -> dict:
-        return {"nice": self.nice, "policy": self.policy, "rt_priority": self.rt_priority,
-                "ioprio": self.ioprio,
-                "oom_score_adj": self.oom_score_adj, "timerslack_ns": self.timerslack_ns,
-                "coredump_filter": self.coredump_filter,
-                "rlimits": [list(r) for r in self.rlimits],
-                "prctls": dataclasses.asdict(self.prctls)}
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, d: dict) -> TaskAttrs:
@@ -69,7 +64,7 @@ class TaskAttrs:
 
 def read(tpl: native.Template) -> TaskAttrs:
     """The template's origin's attributes at the checkpoint (~20 system calls, three /proc
-    reads, five injected calls). On the template's owner thread (the ptrace worker).
+    reads, six injected calls). On the template's owner thread (the ptrace worker).
     Raises CRError."""
     return TaskAttrs(**_outside(tpl.pid), prctls=tpl.prctls())
 

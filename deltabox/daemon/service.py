@@ -1916,7 +1916,7 @@ class Daemon:
             if cp.procs_of is not None:
                 # Its capture found no System V IPC object or POSIX message queue
                 # (_refuse_ipc_objects): those made since go before anything runs again.
-                native.ipc_objects(live.rt.pidfd, clear=True, mq_dir=_mq_dir(live))
+                native.ipc_objects(live.rt.pidfd, _mq_dir(live), clear=True)
                 live.ipc_seen = False
             state, note, resumed = await self._restore_processes(live, cp, new_gen, taken)
         except BaseException:
@@ -2729,7 +2729,7 @@ def _refuse_ipc_objects(live: Live) -> None:
     back)."""
     if not live.ipc_seen:
         return
-    objects = native.ipc_objects(live.rt.pidfd, mq_dir=_mq_dir(live))
+    objects = native.ipc_objects(live.rt.pidfd, _mq_dir(live))
     if objects.unheld:   # a segment a process attached is refused by that process
         raise FailedPrecondition(
             f"cannot capture the sandbox's processes faithfully: its IPC namespace holds "
