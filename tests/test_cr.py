@@ -2883,6 +2883,171 @@ def test_node_http_server(sbx: Sandbox, restore: Restore) -> None:
     assert get(target, "bump").startswith("n=43 big=7 seen=3 ")
 
 
+JAVA_COUNTER = """
+import java.nio.file.*;
+import java.util.*;
+import java.util.concurrent.*;
+
+public class Counter {
+    static final Path W = Path.of("/workspace");
+
+    public static void main(String[] args) throws Exception {
+        Map<String, Integer> seen = new HashMap<>();
+        ExecutorService pool = Executors.newFixedThreadPool(4);
+        int n = 0;
+        Files.writeString(W.resolve("ready"), "1");
+        while (true) {
+            if (Files.exists(W.resolve("bump"))) {
+                n++;
+                seen.put("k" + n, n * n);
+                Files.delete(W.resolve("bump"));
+            }
+            if (Files.exists(W.resolve("report"))) {
+                System.gc();
+                List<Future<Integer>> parts = new ArrayList<>();
+                for (int t = 0; t < 4; t++) {
+                    final int part = t;
+                    parts.add(pool.submit(() -> seen.values().stream()
+                        .filter(v -> v % 4 == part).mapToInt(Integer::intValue).sum()));
+                }
+                int sum = 0;
+                for (Future<Integer> f : parts) sum += f.get();
+                Path tmp = W.resolve("state.tmp");
+                Files.writeString(tmp, "n=" + n + " size=" + seen.size() + " sum=" + sum +
+                                  " pid=" + ProcessHandle.current().pid());
+                Files.move(tmp, W.resolve("state"), StandardCopyOption.ATOMIC_MOVE);
+                Files.delete(W.resolve("report"));
+            }
+            Thread.sleep(10);
+        }
+    }
+}
+"""
+
+
+def test_a_jvm_comes_back(sbx: Sandbox, restore: Restore) -> None:
+    """A Java program (OpenJDK: a few dozen threads, its JIT's code, a garbage-collected
+    heap, a thread pool, its perf-data file mapped shared under /tmp, and the NIO
+    "pre-close" unix socket whose other end the JVM closes at start): its counter and map
+    come back, and its pool and collector work on. Until stop 53 every JVM was refused
+    ("unix socket ... not connected: only socket pairs are captured")."""
+    sbx.files.write("Counter.java", JAVA_COUNTER)
+    r = sbx.exec("cd /workspace && javac Counter.java && "
+                 "(nohup java -Xmx64m -cp . Counter >java.log 2>&1 &)", timeout=120)
+    assert r.exit_code == 0, r
+    _wait_file(sbx, "ready")
+    for _ in range(3):
+        _ask(sbx, "bump")
+    before = _report(sbx)
+    assert before.startswith("n=3 size=3 sum=14 pid="), before
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    _ask(sbx, "bump")
+    assert _report(sbx).startswith("n=4 size=4 sum=30 ")
+    target = restore(sbx, cp)
+    assert _report(target) == before
+    _ask(target, "bump")
+    _ask(target, "bump")
+    assert _report(target).startswith("n=5 size=5 sum=55 ")
+    assert target.files.read("java.log") == b""
+
+
+LONE_SOCKETS = """
+import errno, os, socket, time
+W = "/workspace/"
+a, b = socket.socketpair()                  # its peer closed, bytes waiting
+b.send(b"tail")
+b.close()
+c, d = socket.socketpair()                  # its peer closed with bytes unread: ECONNRESET
+c.send(b"x")
+d.close()
+g, h = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)   # a datagram end, peer gone
+h.close()
+u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)         # never connected
+u.setblocking(False)
+n = 0
+
+
+def attempt(f):
+    try:
+        return repr(f())
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e.errno))
+
+
+def probe():
+    out = [f"n={n}"]
+    for name, s, calls in (("a", a, ("recv", "recv", "send")), ("c", c, ("recv", "recv", "send")),
+                           ("g", g, ("send", "send"))):
+        out.append(name + ":" + ",".join(
+            attempt(lambda: s.recv(100) if x == "recv" else s.send(b"z")) for x in calls))
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(b"\\0dbx-lone-%d" % os.getpid())
+    srv.listen()
+    out.append(f"u:{u.type.name},{u.getblocking()},{attempt(lambda: u.connect(srv.getsockname()))}")
+    conn, _ = srv.accept()
+    u.send(b"hi")
+    out.append(f"u:{conn.recv(10)!r}")
+    return " ".join(out)
+
+
+open(W + "ready", "w").write("1")
+while True:
+    if os.path.exists(W + "bump"):
+        n += 1
+        os.remove(W + "bump")
+    if os.path.exists(W + "probe"):
+        open(W + "probed.tmp", "w").write(probe())
+        os.rename(W + "probed.tmp", W + "probed")
+        os.remove(W + "probe")
+    time.sleep(0.01)
+"""
+
+
+def _probe(box: Sandbox) -> str:
+    _ask(box, "probe")
+    text = box.files.read("probed").decode()
+    box.files.remove("probed")
+    return text
+
+
+def test_unix_sockets_whose_peer_is_gone_come_back(sbx: Sandbox, restore: Restore) -> None:
+    """Unix sockets with no other end in the sandbox: ends of pairs whose peer was closed
+    (with bytes waiting; with the ECONNRESET a peer closing on unread bytes leaves; a
+    datagram end) and one never connected. Every JVM holds the first kind, so until stop
+    53 every JVM was refused ("not connected: only socket pairs are captured"). Each is
+    made again with that state (eventloop.LoneSocket): what the restored process reads,
+    sends and connects is what the original did after the checkpoint, call for call."""
+    sbx.files.write("lone.py", LONE_SOCKETS)
+    sbx.exec("cd /workspace && nohup python3 lone.py >/dev/null 2>&1 &")
+    _wait_file(sbx, "ready")
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    _ask(sbx, "bump")
+    after = _probe(sbx)
+    assert after == ("n=1 a:b'tail',b'',EPIPE c:ECONNRESET,b'',EPIPE "
+                     "g:ECONNREFUSED,ENOTCONN u:SOCK_STREAM,False,None u:b'hi'"), after
+    target = restore(sbx, cp)
+    assert _probe(target) == after.replace("n=1", "n=0")
+
+
+def test_a_connection_not_yet_accepted_is_refused(sbx: Sandbox) -> None:
+    """A client connected to a unix listener that has not accepted it has, to sock_diag,
+    the look of a socket whose peer was closed (no peer inode) but is not shut down: it
+    is refused by its holder, with what to do."""
+    sbx.files.write("pending.py", (
+        "import socket, time\n"
+        "srv = socket.socket(socket.AF_UNIX); srv.bind('/tmp/p.sock'); srv.listen()\n"
+        "cli = socket.socket(socket.AF_UNIX); cli.connect('/tmp/p.sock')\n"
+        "open('/workspace/ready', 'w').write('1')\n"
+        "time.sleep(1000)\n"))
+    sbx.exec("cd /workspace && nohup python3 pending.py >/dev/null 2>&1 &")
+    _wait_file(sbx, "ready")
+    with pytest.raises(deltabox.FailedPrecondition,
+                       match=r"\(python3 pending.py\): fd 4: unix socket .*not accepted yet"):
+        sbx.checkpoint()
+
+
 def test_threads_roll_back_in_a_fork(sbx: Sandbox) -> None:
     """A fork's restored process leads a process group of its own (its template's group
     is the source's), so the fork's own checkpoints hold a group leader: its templates

@@ -1090,6 +1090,9 @@ class _PipePlan:
             ab = self._pair(p.key, lambda p=p: _fresh_pair(p, netns_pid))
             out.update((n, ab[0]) for n in p.a)
             out.update((n, ab[1]) for n in p.b)
+        for x in loop.lone:
+            fd = self._object(x.key, lambda x=x: _lone_socket(x, netns_pid))
+            out.update((n, fd) for n in x.fds)
         for c in loop.tcp:
             ab = self._pair(c.key, lambda c=c: self._connection(c, netns_pid))
             out.update((n, ab[0]) for n in c.a)
@@ -1379,18 +1382,10 @@ def _fresh_pair(p: eventloop.SocketPair, netns_pid: int) -> tuple[int, int]:
     from the other end), its buffer sizes and non-blocking flags set; our fds."""
     a, b = native.netns_socketpair(netns_pid, p.type)
     try:
-        for s, (snd, rcv) in ((a, p.bufs_a), (b, p.bufs_b)):
-            # The kernel doubles what is set (its bookkeeping) and reports the doubled
-            # value: set half of what was reported; FORCE passes the sysctl caps (root).
-            if snd:
-                s.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, snd // 2)
-            if rcv:
-                s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcv // 2)
-        for src, data in ((b, p.data_a), (a, p.data_b)):
-            if data:
-                src.setblocking(False)
-                if src.send(data) != len(data):  # a stream pair's queue: one send
-                    raise OSError(errno.ENOBUFS, "the queued bytes did not fit again")
+        _set_bufs(a, p.bufs_a)
+        _set_bufs(b, p.bufs_b)
+        _send_all(b, p.data_a)
+        _send_all(a, p.data_b)
         a.setblocking(not p.nonblock_a)
         b.setblocking(not p.nonblock_b)
         return a.detach(), b.detach()
@@ -1398,6 +1393,54 @@ def _fresh_pair(p: eventloop.SocketPair, netns_pid: int) -> tuple[int, int]:
         a.close()
         b.close()
         raise
+
+
+def _lone_socket(x: eventloop.LoneSocket, netns_pid: int) -> int:
+    """A new socket like `x` was, in netns_pid's network namespace; our fd. A widowed one
+    is a fresh pair's end whose other end sent it the bytes waiting and was closed (which
+    shuts a stream end down, as the original's peer's close did); sent one byte it never
+    reads first if the original has ECONNRESET pending (the kernel's report of a peer
+    closed with bytes unread)."""
+    if not x.widowed:
+        a = native.netns_socket(netns_pid, socket.AF_UNIX, x.type)
+        try:
+            _set_bufs(a, x.bufs)
+            a.setblocking(not x.nonblock)
+            return a.detach()
+        except BaseException:
+            a.close()
+            raise
+    a, b = native.netns_socketpair(netns_pid, x.type)
+    with b:
+        try:
+            _set_bufs(a, x.bufs)
+            _send_all(b, x.data)
+            if x.reset:
+                _send_all(a, b"\0")
+            a.setblocking(not x.nonblock)
+        except BaseException:
+            a.close()
+            raise
+    return a.detach()
+
+
+def _set_bufs(s: socket.socket, bufs: tuple[int, int]) -> None:
+    """The buffer sizes getsockopt reported: the kernel doubles what is set (its
+    bookkeeping) and reports the doubled value, so half is set; FORCE passes the sysctl
+    caps (root)."""
+    snd, rcv = bufs
+    if snd:
+        s.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, snd // 2)
+    if rcv:
+        s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcv // 2)
+
+
+def _send_all(src: socket.socket, data: bytes) -> None:
+    """Queue `data` at src's peer again, in one send (a stream socket's queue)."""
+    if data:
+        src.setblocking(False)
+        if src.send(data) != len(data):
+            raise OSError(errno.ENOBUFS, "the queued bytes did not fit again")
 
 
 def _refusal(refused: list[Refusal]) -> FailedPrecondition:

@@ -17,7 +17,9 @@ a timerfd (clock, time left and interval, expirations not yet read, absolute and
 cancel-on-set flags: armed again when the restored processes are let run, so the time
 left runs from the restore, as for a stopped process); a signalfd (its signal mask; it
 reads the signals of whichever process reads it, as the original did); an unnamed
-connected unix socket pair (queued bytes of a stream pair, buffer sizes). An eventfd, a
+connected unix socket pair (queued bytes of a stream pair, buffer sizes); an unnamed unix
+socket with no other end (LoneSocket: its peer closed, as every JVM's NIO holds one, with
+its waiting bytes and pending error; or never connected). An eventfd, a
 timerfd, a signalfd, an inotify instance or a pair may be shared by several processes (a parent and the worker
 it forked, a `multiprocessing.Pipe`): the restore makes one object for all of them. Each
 non-blocking
@@ -26,7 +28,7 @@ to it, and the connections it accepted as pairs (unix_listeners.py). Refused, wi
 reason: an epoll instance shared with another process, or watching another epoll instance
 or a descriptor the process no longer holds; a unix socket bound to a name (other than a
 listener and the connections it accepted) or connected to a socket no process of the
-sandbox holds; descriptors in flight (SCM_RIGHTS), a shut-down end, datagrams waiting in a
+sandbox holds (or to a listener that has not accepted it yet); descriptors in flight (SCM_RIGHTS), a shut-down end, datagrams waiting in a
 datagram pair.
 """
 
@@ -36,6 +38,7 @@ import ctypes
 import dataclasses
 import fcntl
 import os
+import select
 import socket
 import struct
 import time
@@ -103,11 +106,29 @@ class SocketPair:
 
 
 @dataclass
+class LoneSocket:
+    """An unnamed unix socket with no other end in the sandbox: one whose peer was closed
+    (`widowed`: a read returns the bytes `data` still waiting, then the pending error if
+    `reset`, then end of file; a write fails with EPIPE) or one never connected. Every
+    JVM holds one (its NIO "pre-close" descriptor: one end of a socket pair whose other
+    end it closed at start). `key` names it across the processes that share it."""
+    key: str
+    type: int
+    widowed: bool
+    fds: list[int] = field(default_factory=list)
+    nonblock: bool = False
+    data: bytes = b""
+    reset: bool = False                   # the peer left unread bytes: ECONNRESET pending
+    bufs: tuple[int, int] = (0, 0)
+
+
+@dataclass
 class LoopState:
     """What a process's event-loop descriptors need at a restore."""
     epolls: list[native.Epoll] = field(default_factory=list)
     eventfds: list[EventFd] = field(default_factory=list)
     pairs: list[SocketPair] = field(default_factory=list)
+    lone: list[LoneSocket] = field(default_factory=list)
     timerfds: list[TimerFd] = field(default_factory=list)
     signalfds: list[SignalFd] = field(default_factory=list)
     inotifies: list[watches.Inotify] = field(default_factory=list)
@@ -115,7 +136,7 @@ class LoopState:
     unix_listeners: list[unix_listeners.UnixListener] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.epolls or self.eventfds or self.pairs or self.timerfds or
+        return bool(self.epolls or self.eventfds or self.pairs or self.lone or self.timerfds or
                     self.signalfds or self.inotifies or self.tcp or self.unix_listeners)
 
 
@@ -473,6 +494,7 @@ class _Pairs:
         # Named listeners the sandbox holds (made again: unix_listeners.py), by inode, and
         # their names: the connections they accepted show their name, and come back.
         self.listeners: dict[int, unix_listeners.UnixListener | str] = {}
+        self.lones: dict[int, LoneSocket | str] = {}       # inode -> ...
         self.listening = {d.raw_name for ino, d in diag.items()
                           if d.state == unix_listeners.TCP_LISTEN and d.raw_name
                           and ino in self.holders}
@@ -511,8 +533,22 @@ class _Pairs:
                 bool(f.flags & os.O_NONBLOCK))
         return self.listeners[f.inode]
 
+    def _lone(self, rec: ProcessRecord, f: native.FdInfo, d: _UnixDiag) -> LoneSocket | str:
+        """The lone socket at f, read once whoever holds it."""
+        if f.inode not in self.lones:
+            why = _lone_refusal(d, self.listening) or _in_flight(self.holders[f.inode])
+            if why:
+                self.lones[f.inode] = why
+            else:
+                try:
+                    self.lones[f.inode] = _read_lone(rec.pid, f.fd, f.inode, d)
+                except OSError as e:
+                    self.lones[f.inode] = f"reading the socket: {e}"
+        return self.lones[f.inode]
+
     def add(self, rec: ProcessRecord, loop: LoopState, reasons: list[str]) -> None:
         mine: dict[int, SocketPair] = {}
+        alone: dict[int, LoneSocket] = {}
         heard: dict[int, unix_listeners.UnixListener] = {}
         for f in rec.fds:
             if f.kind != "socket" or not is_loop_fd(f) or tcp.is_connection(f):
@@ -527,6 +563,16 @@ class _Pairs:
                 else:
                     heard[f.inode] = dataclasses.replace(u, fds=[f.fd])
                     loop.unix_listeners.append(heard[f.inode])
+                continue
+            if d is not None and _is_lone(d):
+                lone = self._lone(rec, f, d)
+                if isinstance(lone, str):
+                    reasons.append(f"fd {f.fd}: unix socket {f.describe()}: {lone}")
+                elif f.inode in alone:
+                    alone[f.inode].fds.append(f.fd)
+                else:
+                    alone[f.inode] = dataclasses.replace(lone, fds=[f.fd])
+                    loop.lone.append(alone[f.inode])
                 continue
             key, st = self._pair(f.inode)
             if isinstance(st, str):
@@ -558,9 +604,9 @@ def _pair_refusal(ino: int, diag: dict[int, _UnixDiag],
             return "its peer was not found by sock_diag"
         if e.name and e.raw_name not in listening:   # else: accepted by a listener of ours
             return f"bound to {e.name!r}: named unix sockets are not captured"
-        for rec, f in holders[end]:
-            if _field(_fdinfo(rec.pid, f.fd), b"scm_fds") not in (None, b"0"):
-                return "descriptors in flight (SCM_RIGHTS) are not captured"
+        why = _in_flight(holders[end])
+        if why:
+            return why
         if e.shutdown:
             return "an end is shut down: not captured"
         if e.rqueue and d.type != socket.SOCK_STREAM:
@@ -570,17 +616,75 @@ def _pair_refusal(ino: int, diag: dict[int, _UnixDiag],
     return None
 
 
+def _in_flight(holders: list[tuple[ProcessRecord, native.FdInfo]]) -> str | None:
+    for rec, f in holders:
+        if _field(_fdinfo(rec.pid, f.fd), b"scm_fds") not in (None, b"0"):
+            return "descriptors in flight (SCM_RIGHTS) are not captured"
+    return None
+
+
+TCP_CLOSE = 7
+SHUTDOWN_MASK = 3
+
+
+def _is_lone(d: _UnixDiag) -> bool:
+    """A unix socket with no live peer: connected once, its peer since closed (the kernel
+    keeps it "established" with a peer no socket inode names), or never connected."""
+    return (d.state == TCP_ESTABLISHED and not d.peer) or d.state == TCP_CLOSE
+
+
+def _lone_refusal(d: _UnixDiag, listening: Collection[bytes]) -> str | None:
+    if d.type not in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET):
+        return f"socket type {d.type} is not captured"
+    if d.name and d.raw_name not in listening:   # else: accepted by a listener of ours
+        return f"bound to {d.name!r}: named unix sockets are not captured"
+    if d.state == TCP_CLOSE:
+        return "it was shut down: not captured" if d.shutdown else None
+    # Closing a stream or seqpacket socket shuts its peer down both ways (unix_release_sock);
+    # a datagram peer's close leaves the survivor as it was.
+    if d.type == socket.SOCK_DGRAM and d.shutdown:
+        return "its peer was closed and it was shut down: not captured"
+    if d.type != socket.SOCK_DGRAM and d.shutdown != SHUTDOWN_MASK:
+        # Also the look of a connection its listener has not accepted yet.
+        return ("connected to a socket not accepted yet (or shut down): not captured; "
+                "checkpoint once the connection is accepted")
+    if d.rqueue and d.type != socket.SOCK_STREAM:
+        return "datagrams waiting to be read are not captured"
+    if d.rqueue > MAX_QUEUED:
+        return f"{d.rqueue} bytes waiting (more than {MAX_QUEUED} are not captured)"
+    return None
+
+
+def _read_lone(pid: int, fd: int, ino: int, d: _UnixDiag) -> LoneSocket:
+    """The lone socket's state: what _queued reads, and whether an error is pending (a
+    stream peer closed with bytes it had not read makes the kernel report ECONNRESET to
+    the survivor once its own bytes are read; poll shows it as POLLERR without taking it,
+    where SO_ERROR would clear it)."""
+    widowed = d.state == TCP_ESTABLISHED
+    with socket.socket(fileno=native.copy_fd(pid, fd)) as s:
+        data, bufs, nonblock = _read_end(s, d)
+        p = select.poll()
+        p.register(s.fileno(), 0)
+        reset = widowed and any(ev & select.POLLERR for _, ev in p.poll(0))
+    return LoneSocket(f"unix:{ino}", d.type, widowed, [], nonblock, data, reset, bufs)
+
+
 def _queued(pid: int, fd: int, d: _UnixDiag) -> tuple[bytes, tuple[int, int], bool]:
+    """_read_end of another process's socket."""
+    with socket.socket(fileno=native.copy_fd(pid, fd)) as s:
+        return _read_end(s, d)
+
+
+def _read_end(s: socket.socket, d: _UnixDiag) -> tuple[bytes, tuple[int, int], bool]:
     """The bytes waiting to be read at this end (peeked, not consumed), its buffer sizes
     and whether it is non-blocking (a status flag of the one open file description every
     holder of this end shares)."""
-    with socket.socket(fileno=native.copy_fd(pid, fd)) as s:
-        bufs = (s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
-                s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
-        nonblock = bool(fcntl.fcntl(s.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK)
-        if not d.rqueue:
-            return b"", bufs, nonblock
-        data = s.recv(d.rqueue, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    bufs = (s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
+            s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
+    nonblock = bool(fcntl.fcntl(s.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK)
+    if not d.rqueue:
+        return b"", bufs, nonblock
+    data = s.recv(d.rqueue, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     if len(data) != d.rqueue:
         raise OSError(0, f"peeked {len(data)} of the {d.rqueue} bytes waiting")
     return data, bufs, nonblock
@@ -709,6 +813,7 @@ def to_json(loop: LoopState | None) -> dict | None:
         eventfds=[dataclasses.asdict(e) for e in loop.eventfds],
         pairs=[dict(dataclasses.asdict(p), data_a=p.data_a.hex(), data_b=p.data_b.hex())
                for p in loop.pairs],
+        lone=[dict(dataclasses.asdict(x), data=x.data.hex()) for x in loop.lone],
         timerfds=[dataclasses.asdict(t) for t in loop.timerfds],
         signalfds=[dataclasses.asdict(x) for x in loop.signalfds],
         inotifies=[dataclasses.asdict(x) for x in loop.inotifies],
@@ -732,6 +837,8 @@ def from_json(d: dict | None) -> LoopState | None:
                                  data_b=bytes.fromhex(p["data_b"]),
                                  bufs_a=tuple(p["bufs_a"]), bufs_b=tuple(p["bufs_b"])))
                for p in d["pairs"]],
+        lone=[LoneSocket(**dict(x, data=bytes.fromhex(x["data"]), bufs=tuple(x["bufs"])))
+              for x in d.get("lone", [])],
         timerfds=[TimerFd(**t) for t in d.get("timerfds", [])],
         signalfds=[SignalFd(**x) for x in d.get("signalfds", [])],
         inotifies=[watches.Inotify(**dict(x, watches=[watches.Watch(**w) for w in x["watches"]]))
