@@ -2643,6 +2643,105 @@ static int put_string(struct tracee *c, unsigned long scratch, const char *s, co
 	return mem_write(c->pid, scratch, s, len, err);
 }
 
+/* A path at `at`, a little way into the scratch area (after other arguments). */
+static int put_at(struct tracee *c, unsigned long at, const char *path, struct dbxcr_error *err)
+{
+	size_t len = strlen(path) + 1;
+
+	if (len > PATH_MAX)
+		return fail(err, ENAMETOOLONG, c->pid, "%s is %zu bytes", path, len);
+	return mem_write(c->pid, at, path, len, err);
+}
+
+/* The access and modification times of the directory `first` (the outermost stand-in) is
+ * made in, read in the child (the restored tree is its view): `anchor` gets its path. */
+static int anchor_times(struct tracee *c, unsigned long scratch, const char *first,
+			char anchor[PATH_MAX], struct timespec times[2], struct dbxcr_error *err)
+{
+	const char *slash = strrchr(first, '/');
+	size_t len = slash ? (size_t)(slash - first) : 0;
+	struct stat st;
+	long a[6] = { AT_FDCWD, 0, 0, AT_SYMLINK_NOFOLLOW, 0, 0 };
+
+	if (!slash || len >= PATH_MAX - 1)
+		return fail(err, EINVAL, c->pid, "stand-in %s of a deleted cwd: not an absolute "
+			    "path", first);
+	memcpy(anchor, first, len);
+	strcpy(anchor + len, len ? "" : "/");
+	a[1] = (long)(scratch + sizeof(st));
+	a[2] = (long)scratch;
+	if (put_at(c, scratch + sizeof(st), anchor, err) < 0 ||
+	    rsys(c, SYS_newfstatat, a, err, "stat %s (holding a deleted cwd)", anchor) < 0 ||
+	    mem_read(c->pid, scratch, &st, sizeof(st), err) < 0)
+		return -1;
+	times[0] = st.st_atim;
+	times[1] = st.st_mtim;
+	return 0;
+}
+
+static int set_anchor_times(struct tracee *c, unsigned long scratch, const char *anchor,
+			    const struct timespec times[2], struct dbxcr_error *err)
+{
+	long a[6] = { AT_FDCWD, (long)(scratch + 2 * sizeof(*times)), (long)scratch,
+		      AT_SYMLINK_NOFOLLOW, 0, 0 };
+
+	if (mem_write(c->pid, scratch, times, 2 * sizeof(*times), err) < 0 ||
+	    put_at(c, scratch + 2 * sizeof(*times), anchor, err) < 0)
+		return -1;
+	return rsys(c, SYS_utimensat, a, err, "set the times of %s back", anchor) < 0 ? -1 : 0;
+}
+
+/* chdir to o->cwd in the child.  A directory removed while a process is in it stays
+ * alive, empty and nameless, as that process's cwd (lookups in it fail with ENOENT, its
+ * ".." still leads to the directory that held it); the restored tree has no path to it.
+ * For such a cwd the caller names stand-ins (o->cwd_made, outermost first, the last being
+ * o->cwd): the child makes them, enters the innermost and removes them all again, so its
+ * cwd is once more a removed directory before it runs (deltabox/cr/deleted_cwd.py).  What
+ * was made is removed even when a step fails, and the directory they were made in gets
+ * back the access and modification times mkdir and rmdir changed: nothing is left. */
+static int enter_cwd(struct tracee *c, unsigned long scratch, const struct dbxcr_spawn_opts *o,
+		     struct dbxcr_error *err)
+{
+	struct timespec times[2];
+	char anchor[PATH_MAX];
+	long a[6] = { 0 };
+	size_t made = 0;
+	int rc = 0;
+
+	if (o->ncwd_made && anchor_times(c, scratch, o->cwd_made[0], anchor, times, err) < 0)
+		return -1;
+	a[0] = (long)scratch;
+	a[1] = 0700;
+	for (; made < o->ncwd_made; made++) {
+		if (put_string(c, scratch, o->cwd_made[made], "stand-in of a deleted cwd", err) < 0 ||
+		    rsys(c, SYS_mkdir, a, err, "mkdir %s (stand-in of a deleted cwd)",
+			 o->cwd_made[made]) < 0) {
+			rc = -1;
+			break;
+		}
+	}
+	if (rc == 0 && (put_string(c, scratch, o->cwd, "cwd", err) < 0 ||
+			rsys(c, SYS_chdir, a, err, "chdir %s", o->cwd) < 0))
+		rc = -1;
+	while (made > 0) {
+		struct dbxcr_error ignored;
+		struct dbxcr_error *e = rc == 0 ? err : &ignored;
+
+		made--;
+		if (put_string(c, scratch, o->cwd_made[made], "stand-in of a deleted cwd", e) < 0 ||
+		    rsys(c, SYS_rmdir, a, e, "rmdir %s (stand-in of a deleted cwd)",
+			 o->cwd_made[made]) < 0)
+			rc = -1;
+	}
+	if (o->ncwd_made) {
+		struct dbxcr_error ignored;
+
+		if (set_anchor_times(c, scratch, anchor, times, rc == 0 ? err : &ignored) < 0)
+			rc = -1;
+	}
+	return rc;
+}
+
 /* /dev/tty opens the opener's controlling terminal (ENXIO without one): a child reopens
  * it once it has its terminal (take_terminal, or inherited from its restored parent). */
 static bool is_dev_tty(const struct dbxcr_file *f)
@@ -3053,13 +3152,8 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		if (rsys(c, SYS_close, a, err, "close mount namespace fd") < 0)
 			return -1;
 	}
-	if (o->cwd) {
-		if (put_string(c, scratch, o->cwd, "cwd", err) < 0)
-			return -1;
-		a[0] = (long)scratch;
-		if (rsys(c, SYS_chdir, a, err, "chdir %s", o->cwd) < 0)
-			return -1;
-	}
+	if (o->cwd && enter_cwd(c, scratch, o, err) < 0)
+		return -1;
 	for (size_t i = 0; i < o->nfiles; i++)
 		if (!is_dev_tty(&o->files[i]) && reopen_file(c, scratch, &o->files[i], err) < 0)
 			return -1;

@@ -265,6 +265,10 @@ struct dbxcr_spawn_opts {
 	const struct dbxcr_mlock *mlocks;	/* memory to lock again (a carrier locks it:
 						 * its births share its address space) */
 	size_t nmlocks;
+	const char *const *cwd_made;	/* a cwd deleted since it was entered: stand-in
+					 * directories the child makes (outermost first)
+					 * to enter cwd, and removes before it runs */
+	size_t ncwd_made;
 };
 
 /* Fork a child from the template, re-root it as asked, restore the checkpointed registers

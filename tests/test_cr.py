@@ -3387,22 +3387,63 @@ def test_a_stopped_process_comes_back_stopped(sbx: Sandbox, restore: Restore) ->
     target.exec("kill $(cat /workspace/pid)")
 
 
-def test_a_deleted_working_directory_is_refused_by_name(sbx: Sandbox) -> None:
-    """A session whose directory was removed under it (`cd build && rm -rf ../build`):
-    a restore enters a process's cwd by path, which the checkpoint's tree lacks. Before
-    stop 52 the checkpoint passed and its rollback restarted the processes; now it is
-    refused by name and passes once the shell is elsewhere."""
+GONE_CWD = """
+import os, time
+def probe():
+    # What a process in a removed directory sees, asked in a child (its own cwd stays).
+    pid = os.fork()
+    if pid == 0:
+        out = []
+        for f in (os.getcwd, lambda: open("x", "w"), lambda: os.listdir(".")):
+            try:
+                out.append(repr(f()))
+            except OSError as e:
+                out.append(type(e).__name__)
+        os.chdir("..")
+        os.chdir("..")
+        out.append(os.getcwd())
+        open("/workspace/probed", "w").write(" ".join(out))
+        os._exit(0)
+    os.waitpid(pid, 0)
+open("/workspace/ready", "w").write("1")
+while True:
+    if os.path.exists("/workspace/probe"):
+        probe()
+        os.remove("/workspace/probe")
+    time.sleep(0.01)
+"""
+
+AFTER_GONE = "touch y 2>&1; ls -a; cd ..; pwd; ls -a /workspace /workspace/build"
+
+
+def test_a_deleted_working_directory_comes_back_deleted(sbx: Sandbox, restore: Restore) -> None:
+    """Processes whose directory was removed under them (`cd build && rm -rf ../build`):
+    a python in a/b after `rm -rf a`, and a session in build after `rm -rf build && mkdir
+    build` (another directory has its name now). A restore enters a process's cwd by path,
+    which the checkpoint's tree lacks: before stop 52 the checkpoint passed and the
+    rollback restarted the processes, at stop 52 it was refused. Now each comes back in a
+    removed directory (deleted_cwd.py): nothing can be made in it, getcwd fails, `..`
+    leads where it did (through a, removed too, to /workspace), and the tree holds no
+    stand-in and has its times as at the checkpoint."""
+    sbx.files.write("gone.py", GONE_CWD)
     s = sbx.session("main")
-    s.run("mkdir /workspace/gone && cd /workspace/gone && rmdir /workspace/gone")
-    with pytest.raises(deltabox.FailedPrecondition, match=(
-            r"\(bash[^)]*\): its working directory /workspace/gone was deleted: no path to "
-            r"enter it by; `cd` elsewhere and checkpoint again")):
-        sbx.checkpoint()
-    s.run("cd /workspace")
+    r = s.run("mkdir -p /workspace/a/b && cd /workspace/a/b && "
+              "(python3 /workspace/gone.py >/dev/null 2>&1 &) && cd /workspace && "
+              "mkdir build && cd build && rm -rf /workspace/build /workspace/a && "
+              "mkdir /workspace/build && touch /workspace/build/keep")
+    assert r.exit_code == 0, r
+    _wait_file(sbx, "ready")
+    times = sbx.exec("stat -c '%y %n' /workspace /workspace/build").stdout
     cp = sbx.checkpoint()
-    assert cp.kind == "full"
-    assert sbx.rollback(cp).process_state == "restored"
-    assert s.run("pwd").stdout == "/workspace\n"
+    assert cp.kind == "full", cp.reasons
+    probed = _probe(sbx)
+    assert probed == "FileNotFoundError FileNotFoundError [] /workspace", probed
+    shell = s.run(AFTER_GONE).stdout
+    assert shell.startswith("touch: cannot touch 'y': No such file or directory\n"), shell
+    target = restore(sbx, cp)
+    assert target.exec("stat -c '%y %n' /workspace /workspace/build").stdout == times
+    assert _probe(target) == probed
+    assert target.session("main").run(AFTER_GONE).stdout == shell
 
 
 def test_deleted_file_still_linked_elsewhere_is_refused(sbx: Sandbox) -> None:

@@ -44,6 +44,7 @@ from test_cr import (  # noqa: F401  (the catalog's cases, run here with the dis
     test_locked_memory_comes_back_locked, test_scheduling_and_resource_limits_come_back,
     test_prctl_state_comes_back, test_a_jvm_comes_back,
     test_unix_sockets_whose_peer_is_gone_come_back,
+    test_a_deleted_working_directory_comes_back_deleted,
     test_a_stopped_process_comes_back_stopped,
     test_a_file_mapped_privately_and_written_in_place_shows_the_checkpoints_bytes,
     test_a_dev_shm_file_mapped_shared_comes_back,

@@ -357,11 +357,6 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
 
     for reason in _status_reasons(rec, tracer_ok):
         refuse(reason)
-    if rec.cwd.endswith(" (deleted)"):
-        # A restore chdirs into it by path, which the checkpoint's tree does not have
-        # (before stop 52 the checkpoint passed and its restore restarted the processes).
-        refuse(f"its working directory {rec.cwd.removesuffix(' (deleted)')} was deleted: "
-               "no path to enter it by; `cd` elsewhere and checkpoint again")
     for timer in rec.timers:
         # fork(2) does not pass them on; a restored process would never get the signal
         # (`timeout 60 CMD` restored so would wait for CMD forever).

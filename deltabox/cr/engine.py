@@ -74,9 +74,9 @@ from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from ..fs.files import open_in_root
-from . import (adoption, eventloop, fifos, listeners, native, pipebuf, private_maps,
-               ptys, shared_files, shm_files, taskattrs, tcp, unix_listeners, unlinked,
-               watches)
+from . import (adoption, deleted_cwd, eventloop, fifos, listeners, native, pipebuf,
+               private_maps, ptys, shared_files, shm_files, taskattrs, tcp, unix_listeners,
+               unlinked, watches)
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .taskattrs import TaskAttrs
 from .capture import (DEV_TTY, ProcessRecord, Refusal, SharedMapping, Unsettled, add_listeners,
@@ -1287,10 +1287,22 @@ class _PipePlan:
             self.loops.append(fd)
         return self.named[key]
 
+    def cwd(self, rec: ProcessRecord) -> tuple[str, list[str]]:
+        """The directory rec's child enters, and for a cwd deleted since rec entered it
+        the stand-ins the child makes to enter it and removes again (deleted_cwd.py)."""
+        if not deleted_cwd.is_deleted(rec.cwd):
+            return rec.cwd, []
+        try:
+            return deleted_cwd.stand_ins(self._root(), rec.cwd)
+        except OSError as e:
+            raise native.CRError(e.errno or errno.EIO, f"pid {rec.nspid}: its deleted working "
+                                 f"directory {rec.cwd}: no stand-in ({e})") from None
+
     def _root(self) -> int:
         if self.rootfd < 0:
-            raise native.CRError(errno.EINVAL, "restoring a deleted-but-open file or an "
-                                 "inotify instance needs the generation's root")
+            raise native.CRError(errno.EINVAL, "restoring a deleted-but-open file, an "
+                                 "inotify instance or a deleted working directory needs "
+                                 "the generation's root")
         return self.rootfd
 
     def _made(self, i: int) -> dict[int, int]:
@@ -1790,6 +1802,7 @@ class _Spawn:
     locks: list[native.FileLock] = field(default_factory=list)  # its file locks, taken again
     ctty: int = -1             # its fd of the pty it takes back as its controlling terminal
     mlocks: list[native.MemoryLock] = field(default_factory=list)  # its memory locked again
+    cwd_made: list[str] = field(default_factory=list)   # a deleted cwd's (deleted_cwd.py)
 
 
 def _time_wait_ports(state: ProcessState) -> set[int]:
@@ -1822,8 +1835,9 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
     files = [native.ReopenFile(f.fd, f.path, f.flags, -1 if f.rdev == DEV_TTY else f.pos)
              for f in rec.fds if f.kind in ("file", "dir", "chr") and not f.deleted
              and f.fd not in fdmap]
-    return _Spawn(state.templates[rec.pid], fdmap, files, rec.cwd, mntfd,
-                  [] if ahead else rec.listens,
+    cwd, cwd_made = plan.cwd(rec)
+    return _Spawn(state.templates[rec.pid], fdmap, files, cwd, mntfd,
+                  [] if ahead else rec.listens, cwd_made=cwd_made,
                   lane=state.lanes.get(rec.pid), cloexec=cloexec,
                   epolls=rec.loop.epolls if rec.loop else [], threaded=rec.threads > 1,
                   remaps=plan.remaps(rec, _changed_maps(state, rec) if changed is None
@@ -1866,7 +1880,8 @@ def _locks(rec: ProcessRecord) -> list[native.FileLock]:
 def _carrier_of(sp: _Spawn) -> native.Carrier:
     return sp.tpl.spawn_carrier(fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd,
                                 cloexec_fds=sp.cloexec, epolls=sp.epolls, remaps=sp.remaps,
-                                locks=sp.locks, ctty=sp.ctty, mlocks=sp.mlocks)
+                                locks=sp.locks, ctty=sp.ctty, mlocks=sp.mlocks,
+                                cwd_made=sp.cwd_made)
 
 
 def _keep_all(carriers: list[native.Carrier]) -> None:
@@ -2016,7 +2031,8 @@ def _spawn_kwargs(sp: _Spawn, set_tid: list[int] | None, into: bool) -> dict:
     kwargs = dict(
         fds=sp.fdmap, files=sp.files, cwd=sp.cwd, mntns_fd=sp.mntfd, set_tid=set_tid,
         cloexec_fds=sp.cloexec, epolls=sp.epolls, remaps=sp.remaps, pgid=sp.pgid,
-        listens=sp.listens, locks=sp.locks, ctty=sp.ctty, mlocks=sp.mlocks)
+        listens=sp.listens, locks=sp.locks, ctty=sp.ctty, mlocks=sp.mlocks,
+        cwd_made=sp.cwd_made)
     if into and sp.into is not None:
         kwargs.update(pidns_fd=sp.into.pidns_fd, ns_pidfd=sp.into.init_pidfd,
                       cgroup_fds=sp.into.cgroup_fds)

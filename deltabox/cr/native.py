@@ -173,7 +173,8 @@ class _SpawnOpts(ctypes.Structure):
                 ("remaps", ctypes.POINTER(_Remap)), ("nremaps", ctypes.c_size_t),
                 ("locks", ctypes.POINTER(_Lock)), ("nlocks", ctypes.c_size_t),
                 ("ctty", ctypes.c_int),
-                ("mlocks", ctypes.POINTER(_MLock)), ("nmlocks", ctypes.c_size_t)]
+                ("mlocks", ctypes.POINTER(_MLock)), ("nmlocks", ctypes.c_size_t),
+                ("cwd_made", ctypes.POINTER(ctypes.c_char_p)), ("ncwd_made", ctypes.c_size_t)]
 
 
 _lib: ctypes.CDLL | None = None
@@ -543,7 +544,8 @@ class Template:
               ns_pidfd: int | None = None, cgroup_fds: Sequence[int] = (), pgid: int = 0,
               listens: Sequence[ListenSocket] = (), epolls: Sequence[Epoll] = (),
               remaps: Sequence[Remap] = (), locks: Sequence[FileLock] = (),
-              ctty: int = -1, mlocks: Sequence[MemoryLock] = ()) -> int:
+              ctty: int = -1, mlocks: Sequence[MemoryLock] = (),
+              cwd_made: Sequence[str] = ()) -> int:
         """Fork a child that continues where the origin was at checkpoint time.
 
         fds: {target_fd_in_child: our_fd}, e.g. fresh stdio pipes ({0: r, 1: w, 2: w}).
@@ -561,11 +563,13 @@ class Template:
         (a carrier's by its birth). ctty: the child's fd (a pty's slave) that becomes its
         controlling terminal once it leads its session (pgid NEW_SESSION; a carrier's
         birth takes it), or -1. mlocks: memory ranges locked again (fork drops locks).
+        cwd_made: for a cwd deleted since the process entered it, the stand-in
+        directories the child makes to enter it and removes again (cr/deleted_cwd.py).
         Returns the child's pid in our namespace; it is a sibling of the origin (same
         parent, same exit signal)."""
         with self._opts(fds, files, cwd, mntns_fd, set_tid, cloexec_fds, pidns_fd, ns_pidfd,
                         cgroup_fds, pgid, listens, epolls, remaps, locks, ctty,
-                        mlocks) as opts:
+                        mlocks, cwd_made) as opts:
             err = _Err()
             pid = _load().dbxcr_spawn(self._handle, ctypes.byref(opts), ctypes.byref(err))
         if pid < 0:
@@ -643,7 +647,8 @@ class Template:
               ns_pidfd: int | None = None, cgroup_fds: Sequence[int] = (), pgid: int = 0,
               listens: Sequence[ListenSocket] = (), epolls: Sequence[Epoll] = (),
               remaps: Sequence[Remap] = (), locks: Sequence[FileLock] = (), ctty: int = -1,
-              mlocks: Sequence[MemoryLock] = ()) -> Iterator[_SpawnOpts]:
+              mlocks: Sequence[MemoryLock] = (),
+              cwd_made: Sequence[str] = ()) -> Iterator[_SpawnOpts]:
         """The C options of a spawn (valid inside the block: it owns the arrays)."""
         self._h()
         cloexec = set(cloexec_fds)
@@ -675,13 +680,16 @@ class Template:
         mls = list(mlocks)
         cmls = (_MLock * max(1, len(mls)))(*[_MLock(m.start, m.end, int(m.onfault))
                                              for m in mls])
+        made = [os.fsencode(p) for p in cwd_made]
+        cmade = (ctypes.c_char_p * max(1, len(made)))(*made)
         yield _SpawnOpts(-1 if mntns_fd is None else mntns_fd, cwd_b,
                          cfiles, len(file_items), fdmaps, len(fd_items),
                          ctids if tids else None, len(tids),
                          -1 if pidns_fd is None else pidns_fd,
                          -1 if ns_pidfd is None else ns_pidfd,
                          ccg, len(cg), pgid, clst, len(lst), ceps, len(epolls),
-                         crms, len(rms), clks, len(lks), ctty + 1, cmls, len(mls))
+                         crms, len(rms), clks, len(lks), ctty + 1, cmls, len(mls),
+                         cmade, len(made))
 
     def syscalls(self) -> list[tuple[int, list[int]]]:
         """For each thread of the origin at the checkpoint (the main one first): the

@@ -612,6 +612,73 @@ static bool same_link(const char *a, const char *b)
 	return strcmp(x, y) == 0;
 }
 
+static bool same_mtime(const char *path, const struct timespec *want)
+{
+	struct stat st;
+
+	return stat(path, &st) == 0 && st.st_mtim.tv_sec == want->tv_sec &&
+	       st.st_mtim.tv_nsec == want->tv_nsec;
+}
+
+/* A cwd removed since the process entered it: the child makes the stand-ins it is given,
+ * enters the innermost and removes them again, so its cwd reads "(deleted)"; the directory
+ * they were made in keeps its times; a failing step leaves nothing behind either. */
+static void test_spawn_deleted_cwd(void)
+{
+	static const struct timespec old[2] = { { 1000000000, 5 }, { 1000000000, 7 } };
+	char dir[] = "/tmp/dbx-cwd-XXXXXX", a[64], ab[80], proc[64], link[PATH_MAX],
+	     want[PATH_MAX];
+	const char *made[2] = { a, ab };
+	struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1 };
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl;
+	struct proc orig, kid;
+	ssize_t n;
+
+	current_test = "spawn-deleted-cwd";
+	if (!mkdtemp(dir) || utimensat(AT_FDCWD, dir, old, 0) < 0)
+		abort();
+	snprintf(a, sizeof(a), "%s/a", dir);
+	snprintf(ab, sizeof(ab), "%s/a/b", dir);
+	orig = start_program();
+	tpl = dbxcr_make_template(orig.pid, &err);
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (!tpl) {
+		stop_program(&orig);
+		rmdir(dir);
+		return;
+	}
+	o.cwd = ab;
+	o.cwd_made = made;
+	o.ncwd_made = 2;
+	kid = program_from(tpl, &o, NULL, &err);
+	CHECK(kid.pid > 0, "spawn: %s", err.msg);
+	snprintf(proc, sizeof(proc), "/proc/%d/cwd", kid.pid);
+	snprintf(want, sizeof(want), "%s (deleted)", ab);
+	n = kid.pid > 0 ? readlink(proc, link, sizeof(link) - 1) : -1;
+	if (n >= 0)
+		link[n] = '\0';
+	CHECK(n >= 0 && strcmp(link, want) == 0, "child's cwd %s, want %s",
+	      n >= 0 ? link : "?", want);
+	CHECK(access(a, F_OK) < 0 && errno == ENOENT, "stand-in %s left", a);
+	CHECK(same_mtime(dir, &old[1]), "%s's mtime changed", dir);
+	stop_program(&kid);
+
+	/* chdir fails (a cwd that is not the innermost stand-in): refused, nothing left */
+	o.cwd = "/nonexistent-dbx";
+	kid = program_from(tpl, &o, NULL, &err);
+	CHECK(kid.pid < 0 && err.code == ENOENT && strstr(err.msg, "chdir /nonexistent-dbx"),
+	      "a failed chdir: pid %d, %s", kid.pid, err.msg);
+	stop_program(&kid);
+	CHECK(access(a, F_OK) < 0 && errno == ENOENT, "stand-in %s left after a failure", a);
+	CHECK(same_mtime(dir, &old[1]), "%s's mtime changed by a failure", dir);
+
+	CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
+	stop_program(&orig);
+	if (rmdir(dir) < 0)
+		CHECK(false, "rmdir %s: %s", dir, strerror(errno));
+}
+
 /* A template (a fork) shares MAP_SHARED memory with the original: a child spawned from it
  * sees the original's later writes unless the mapping is replaced (dbxcr_remap). */
 static void test_shared_remap(void)
@@ -2889,6 +2956,7 @@ int main(int argc, char **argv)
 		{ "template-nanosleep", test_template_nanosleep },
 		{ "template-ptimers", test_template_ptimers },
 		{ "template-prctls", test_template_prctls },
+		{ "spawn-deleted-cwd", test_spawn_deleted_cwd },
 		{ "template-shared-stack", test_template_shared_stack },
 		{ "threads-recreated", test_threads },
 		{ "stop-frozen-tree", test_stop_frozen_tree },
