@@ -19,8 +19,10 @@ tmux session whose pane runs an idle interactive bash (`tmux`: the pty made agai
 index, the pane's shell taking it back as its controlling terminal, deltabox/cr/ptys.py;
 checked after every rollback by typing into the pane), or beside an idle session on a
 pseudo-terminal (`tty`: the daemon holds its master, a restore gives it a new one; checked
-after every rollback to run on /dev/pts/0), in the same run on one private daemon, each in
-a sandbox of its own with the same memory (--mb).
+after every rollback to run on /dev/pts/0), or beside a JVM (`jvm`: OpenJDK, a few dozen
+threads, the NIO socket whose peer it closed, deltabox/cr/eventloop.py LoneSocket; its own
+counter checked too), in the same run on one private daemon, each in a sandbox of its own
+with the same memory (--mb).
 
 Each rep, for every kind in turn (the order rotates): the process changes its state (a
 counter and a page of its memory), pauses (--think: the warm pool prepares meanwhile),
@@ -52,7 +54,7 @@ from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, latenc
 from deltabox import Sandbox
 
 KINDS = ("plain", "asyncio", "tempfile", "threads", "shared", "watcher", "waited",
-         "session", "job", "tmux", "tty")
+         "session", "job", "tmux", "tty", "jvm")
 # Kinds whose process is the plain one, beside a bash session: idle (`session`), with a
 # background job (`job`: `sleep 1000 &`, adopted by the restored shell: adoption.py), or
 # idle on a pseudo-terminal (`tty`).
@@ -166,17 +168,54 @@ while True:
 """
 
 
+# The `jvm` kind: beside the plain process, a JVM (OpenJDK: a few dozen threads, its NIO
+# socket whose peer it closed, a perf-data file mapped shared) counting in its heap.
+JVM_PROG = """
+import java.nio.file.*;
+public class Count {
+    public static void main(String[] args) throws Exception {
+        Path w = Path.of("/workspace");
+        java.util.List<int[]> kept = new java.util.ArrayList<>();
+        Files.writeString(w.resolve("jready"), "1");
+        while (true) {
+            if (Files.exists(w.resolve("jbump"))) {
+                kept.add(new int[1024]);
+                Files.delete(w.resolve("jbump"));
+            }
+            if (Files.exists(w.resolve("jreport"))) {
+                Files.writeString(w.resolve(".jstate"), " jvm=" + kept.size());
+                Files.move(w.resolve(".jstate"), w.resolve("jstate"),
+                           StandardCopyOption.ATOMIC_MOVE);
+                Files.delete(w.resolve("jreport"));
+            }
+            Thread.sleep(5);
+        }
+    }
+}
+"""
+
+
 def _ask(sbx: Sandbox, what: str) -> None:
     sbx.files.write(what, "1")
     wait_until(lambda: not sbx.files.exists(what), what)
 
 
-def _report(sbx: Sandbox) -> str:
-    if sbx.files.exists("state"):
-        sbx.files.remove("state")
-    _ask(sbx, "report")
-    wait_until(lambda: sbx.files.exists("state"), "the report")
-    return sbx.files.read("state").decode()
+def _report(sbx: Sandbox, kind: str = "") -> str:
+    """The process's report (and the JVM's, for `jvm`)."""
+    out = ""
+    for name in ("state", "jstate") if kind == "jvm" else ("state",):
+        if sbx.files.exists(name):
+            sbx.files.remove(name)
+        _ask(sbx, "report" if name == "state" else "jreport")
+        wait_until(lambda: sbx.files.exists(name), "the report")
+        out += sbx.files.read(name).decode()
+    return out
+
+
+def _bump(sbx: Sandbox, kind: str) -> None:
+    _ask(sbx, "bump")
+    if kind == "jvm":
+        _ask(sbx, "jbump")
 
 
 def start(d: PrivateDaemon, kind: str, mb: int, temp_mb: int, dirs: int) -> Sandbox:
@@ -195,6 +234,13 @@ def start(d: PrivateDaemon, kind: str, mb: int, temp_mb: int, dirs: int) -> Sand
     if kind == "tmux":
         sbx.exec("tmux new-session -d -s main -x 100 -y 30 'bash --norc --noprofile -i'")
         _pane_is_back(sbx, 0)
+    if kind == "jvm":
+        sbx.files.write("Count.java", JVM_PROG)
+        r = sbx.exec("cd /workspace && javac Count.java && "
+                     "(nohup java -Xmx64m -cp . Count >/dev/null 2>&1 &)", timeout=120)
+        if r.exit_code != 0:
+            raise RuntimeError(f"starting the JVM failed: {r.stderr}")
+        wait_until(lambda: sbx.files.exists("jready"), "the JVM")
     return sbx
 
 
@@ -232,8 +278,8 @@ def one_rep(sbx: Sandbox, think: float, kind: str = "", dump_wait: bool = True
     (untimed), so no call pays for another's background work. (Not btrfs's cleaner of the
     layers rollbacks drop: on this VM it can take minutes with the CPUs idle.)"""
     os.sync()
-    _ask(sbx, "bump")
-    want = _report(sbx)
+    _bump(sbx, kind)
+    want = _report(sbx, kind)
     time.sleep(think)
     t0 = time.perf_counter()
     cp = sbx.checkpoint()
@@ -243,14 +289,14 @@ def one_rep(sbx: Sandbox, think: float, kind: str = "", dump_wait: bool = True
     if dump_wait:
         _dump_done(sbx, cp.id)
     os.sync()
-    _ask(sbx, "bump")
+    _bump(sbx, kind)
     time.sleep(think)
     t0 = time.perf_counter()
     rb = sbx.rollback(cp)
     rb_ms = (time.perf_counter() - t0) * 1000
     if rb.process_state != "restored":
         raise RuntimeError(f"rollback: {rb.process_state}: {rb.note}")
-    got = _report(sbx)
+    got = _report(sbx, kind)
     if got != want:
         raise RuntimeError(f"after the rollback the process reports {got!r}, not {want!r}")
     if kind == "job":
