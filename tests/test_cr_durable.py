@@ -5,6 +5,7 @@ dumps that had not completed restart processes and say why. A real private daemo
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -315,3 +316,34 @@ def test_kept_template_gets_its_image_linked_and_restores_after_kill9(d: DaemonP
     assert r.process_state == "restored" and "restored from disk" in r.note, r.note
     assert idle_hash(sbx) == want
     assert sbx.session("s").run("echo $X").stdout == "two\n"
+
+
+def test_templates_killed_inside_the_sandbox_come_back_from_the_dump(d: DaemonProc) -> None:
+    """A template is a fork of a sandbox process, so the sandbox's own processes can kill
+    it (`kill -9 -1`, as an agent cleaning up might run; the OOM killer too). A rollback
+    then failed ("PTRACE_GETREGS: No such process") and restarted the processes though
+    the checkpoint's dump was on disk; a fork did the same. Now the killed templates are
+    released and the processes come back from the dump, saying why."""
+    d.start("--no-inspector")
+    sbx = Sandbox.create(socket=d.socket)
+    h0 = start_processes(sbx)
+    cp = sbx.checkpoint(mode="full")
+    assert "complete" in dump_state(sbx, cp.id)
+    ask(sbx, "mutate")
+    sbx.exec("kill -9 -1")
+    r = sbx.rollback(cp)
+    assert r.process_state == "restored", r.note
+    assert re.search(r"its process templates for pid [\d, ]+ were killed .*kill -9 -1.*; "
+                     rf"\d processes restored from disk \(dump of {cp.id}", r.note), r.note
+    got = ask(sbx)
+    assert got["hash"] == h0["hash"] and got["n"] == h0["n"] + 1
+    assert sbx.session("s").run(PROBE).stdout.strip() == "hello v fn1 /tmp"
+
+    sbx.exec("kill -9 -1")      # the rebuilt templates, now
+    kid = sbx.fork(cp)[0]
+    try:
+        assert kid.process_state == "restored", kid.fork_note
+        assert f"restored from disk (dump of {cp.id})" in kid.fork_note
+        assert ask(kid)["hash"] == h0["hash"]
+    finally:
+        kid.kill()

@@ -1661,6 +1661,23 @@ def _wait_stop(s: native.Stopped) -> None:
                     "with mode=\"fs\" (files only)") from None
 
 
+def killed_templates(state: ProcessState) -> list[int]:
+    """The checkpoint pids whose template is gone (a zombie, or no longer there): a
+    template is a fork of a sandbox process, so the sandbox's own processes can kill it
+    (`kill -9 -1`; the OOM killer too). Its checkpoint's processes then come back from
+    its dump, or restart."""
+    return [r.nspid for r in state.records
+            if r.pid in state.templates and not _alive(state.templates[r.pid].pid)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = kernfs.read(f"/proc/{pid}/stat")
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2:][:1] not in b"ZX"
+
+
 def process_name(pid: int) -> str:
     """Its command name (comm), "?" once gone: for errors that name a process."""
     try:

@@ -28,8 +28,8 @@ to it, and the connections it accepted as pairs (unix_listeners.py). Refused, wi
 reason: an epoll instance shared with another process, or watching another epoll instance
 or a descriptor the process no longer holds; a unix socket bound to a name (other than a
 listener and the connections it accepted) or connected to a socket no process of the
-sandbox holds (or to a listener that has not accepted it yet); descriptors in flight (SCM_RIGHTS), a shut-down end, datagrams waiting in a
-datagram pair.
+sandbox holds (or to a listener that has not accepted it yet); descriptors in flight
+(SCM_RIGHTS), a shut-down end, datagrams waiting in a datagram pair.
 """
 
 from __future__ import annotations

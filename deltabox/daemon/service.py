@@ -45,7 +45,7 @@ from ..background import GuardedNursery, run_all
 from ..cr import hostmem, native, tcp, watches
 from ..cr.capture import ProcessRecord, Unsettled
 from ..cr.engine import (DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, Resumed,
-                         in_vfork, process_name, stopped_calls)
+                         in_vfork, killed_templates, process_name, stopped_calls)
 from ..inspector import Decision, TurnEffects, touched_processes, untouched_processes
 from ..inspector.effects import LIST_CAP
 from . import budget
@@ -2014,9 +2014,31 @@ class Daemon:
                 why = "its process templates live in another sandbox or were lost in a restart"
             return "restarted", f"processes restarted: {why}", {}
         live.captured[key] = captured  # most recently used last
-        return await self._restore_logged(
+        got = await self._restore_logged(
             live, captured, cp, f"{len(captured.records)} processes restored from templates",
             fresh=None, gen=gen, pre=pre)
+        if got[0] != "restored" and (killed := await self._drop_killed(live, key)):
+            # Not on the way of a rollback that works: looked at once one failed.
+            disk = await self._restore_from_disk(live, cp, key, gen)
+            got = disk if disk is not None else ("restarted", "processes restarted", {})
+            got = (got[0], f"{killed}; {got[1]}", got[2])
+        return got
+
+    async def _drop_killed(self, live: Live, key: str) -> str:
+        """If a process of the sandbox (or the OOM killer) killed some of key's templates,
+        release them all (the checkpoint's processes come back from its dump, or restart)
+        and say which; "" if none was."""
+        state = live.captured.get(key)
+        killed = killed_templates(state) if state is not None else []
+        if not killed or state is None:
+            return ""
+        del live.captured[key]
+        await self.cr.release(state)
+        log.warning("sandbox %s: the templates of %s for pid %s were killed: released",
+                    live.rt.sandbox_id, key, killed)
+        return (f"its process templates for pid {', '.join(map(str, killed))} were killed (a "
+                "template is a fork of a sandbox process: `kill -9 -1` in the sandbox reaches "
+                "it)")
 
     async def _prespawn(self, sid: str, cp_layer: str, ready: Ready) -> None:
         """Warm pool hook: spawn carriers, into `ready`'s generation, of the processes a
@@ -2335,6 +2357,12 @@ class Daemon:
             raise ResourceExhausted(f"forking {count} would exceed the limit of "
                                     f"{self.cfg.max_sandboxes} sandboxes")
         owner, why = self._template_owner(cp)
+        if owner is not None and cp.procs_of is not None:
+            async with self.live[owner].lock:   # a template killed: fork from the dump
+                killed = await self._drop_killed(self.live[owner], cp.procs_of)
+            if killed:
+                owner, why = self._template_owner(cp)
+                why = killed if owner is None else why
         if owner is None and cp.procs_of is not None and self.dumps.pending(cp.procs_of):
             await self.dumps.wait(cp.procs_of)  # templates evicted from a dump backlog
             owner, why = self._template_owner(cp)
