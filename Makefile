@@ -9,7 +9,7 @@ LIBEXEC := deltabox/libexec
 NATIVE_BINS := $(LIBEXEC)/dbx-init $(LIBEXEC)/dbx-enter $(LIBEXEC)/dbx-mkroot $(LIBEXEC)/libdbxcr.so
 PROTO_OUT := deltabox/api/deltabox_pb2.py
 
-.PHONY: install deps venv native proto demo test bench clean
+.PHONY: install deps venv native proto demo test bench clean dbxcr-sources
 install: deps venv native proto
 
 deps:
@@ -23,12 +23,15 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 native: $(NATIVE_BINS)
-$(LIBEXEC)/libdbxcr.so: native/fork_template.c native/fork_template.h native/criu_incr.c \
-		native/criu_incr.h native/dbxcr_internal.h native/threads.c native/timers.c native/dontfork.c \
-		native/ptrace_jobs.c native/ipcns.c native/prctls.c
+# libdbxcr.so's sources: the one list (native/tests/run.sh and tests/conftest.py read it).
+DBXCR_SRCS := native/fork_template.c native/threads.c native/timers.c native/dontfork.c \
+	native/criu_incr.c native/ptrace_jobs.c native/ipcns.c native/prctls.c
+dbxcr-sources:
+	@echo $(DBXCR_SRCS)
+$(LIBEXEC)/libdbxcr.so: $(DBXCR_SRCS) native/fork_template.h native/criu_incr.h \
+		native/dbxcr_internal.h
 	@mkdir -p $(LIBEXEC)
-	$(CC) $(CFLAGS) -pthread -fPIC -shared -o $@ native/fork_template.c native/threads.c native/timers.c native/dontfork.c native/criu_incr.c \
-	  native/ptrace_jobs.c native/ipcns.c native/prctls.c
+	$(CC) $(CFLAGS) -pthread -fPIC -shared -o $@ $(DBXCR_SRCS)
 $(LIBEXEC)/dbx-%: native/%.c native/common.h
 	@mkdir -p $(LIBEXEC)
 	$(CC) $(CFLAGS) -static -o $@ $< native/common.c

@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _libdbxcr_sources() -> tuple[str, ...]:
-    """libdbxcr.so's C sources, read from the Makefile's rule for it: one list to keep
+    """libdbxcr.so's C sources, read from the Makefile's DBXCR_SRCS: one list to keep
     (a source added there and not here failed every test that builds its own copy)."""
     lines = (ROOT / "Makefile").read_text().split("\n")
-    at = next(i for i, line in enumerate(lines) if line.startswith("$(LIBEXEC)/libdbxcr.so:"))
+    at = next(i for i, line in enumerate(lines) if line.startswith("DBXCR_SRCS :="))
     rule = [lines[at]]
     while rule[-1].endswith("\\"):
         at += 1

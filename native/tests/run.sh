@@ -7,20 +7,18 @@ CC=${CC:-gcc}
 BASE=(-O2 -g -Wall -Wextra -Werror -std=gnu11 -D_GNU_SOURCE)
 mkdir -p deltabox/libexec build/native-tests
 
-"$CC" "${BASE[@]}" -pthread -fPIC -shared -o deltabox/libexec/libdbxcr.so native/fork_template.c native/threads.c native/timers.c native/dontfork.c native/ptrace_jobs.c \
-	native/criu_incr.c native/ipcns.c native/prctls.c
+# libdbxcr.so's sources, as the Makefile lists them (DBXCR_SRCS): one list to keep.
+read -r -a SRCS <<< "$(make -s --no-print-directory dbxcr-sources)"
+
+"$CC" "${BASE[@]}" -pthread -fPIC -shared -o deltabox/libexec/libdbxcr.so "${SRCS[@]}"
 
 "$CC" "${BASE[@]}" -O1 -fno-omit-frame-pointer -fsanitize=address,undefined \
 	-fno-sanitize-recover=undefined -pthread \
-	-o build/native-tests/test_fork_template \
-	native/tests/test_fork_template.c native/fork_template.c native/threads.c native/timers.c native/dontfork.c \
-	native/ptrace_jobs.c native/criu_incr.c native/ipcns.c native/prctls.c
+	-o build/native-tests/test_fork_template native/tests/test_fork_template.c "${SRCS[@]}"
 
 "$CC" "${BASE[@]}" -O1 -fno-omit-frame-pointer -fsanitize=address,undefined \
 	-fno-sanitize-recover=undefined -pthread \
-	-o build/native-tests/test_criu_incr \
-	native/tests/test_criu_incr.c native/criu_incr.c native/fork_template.c native/threads.c native/timers.c native/dontfork.c \
-	native/prctls.c
+	-o build/native-tests/test_criu_incr native/tests/test_criu_incr.c "${SRCS[@]}"
 # The process the image tests dump and restore: no sanitizer runtime in it.
 "$CC" "${BASE[@]}" -o build/native-tests/criu_target native/tests/criu_target.c
 # A static program a held chain's ancestors exec to drop an address space (never run).
