@@ -2931,6 +2931,12 @@ static int recreate_epoll(struct tracee *c, unsigned long scratch, const struct 
 	long a[6] = { e->cloexec ? EPOLL_CLOEXEC : 0, 0, 0, 0, 0, 0 };
 	long efd;
 
+	if (e->dup_of > 0) {	/* a second descriptor of one instance (mio dups its own) */
+		long d[6] = { e->dup_of - 1, e->fd, e->cloexec ? O_CLOEXEC : 0, 0, 0, 0 };
+
+		return rsys(c, SYS_dup3, d, err, "epoll fd %d: dup3 of epoll fd %d", e->fd,
+			    e->dup_of - 1) < 0 ? -1 : 0;
+	}
 	efd = rsys(c, SYS_epoll_create1, a, err, "epoll fd %d: epoll_create1", e->fd);
 	if (efd < 0)
 		return -1;
@@ -3562,6 +3568,30 @@ int dbxcr_held_set_prctls(struct dbxcr_held *h, const struct dbxcr_prctls *want,
 {
 	clear_error(err);
 	return tracee_set_prctls(&h->c, want, err);
+}
+
+int dbxcr_held_install_fd(struct dbxcr_held *h, int src, int target, int cloexec,
+			  const struct dbxcr_epoll_watch *adds, size_t nadds,
+			  struct dbxcr_error *err)
+{
+	struct tracee *c = &h->c;
+	unsigned long scratch = h->tpl->scratch;
+	int got;
+
+	clear_error(err);
+	if (transfer_fds(c, scratch, &src, 1, &got, err) < 0 ||
+	    install_fd(c, got, target, cloexec, err) < 0)
+		return -1;
+	for (size_t i = 0; i < nadds; i++) {
+		struct epoll_event ev = { .events = adds[i].events, .data.u64 = adds[i].data };
+		long ctl[6] = { adds[i].fd, EPOLL_CTL_ADD, target, (long)scratch, 0, 0 };
+
+		if (mem_write(c->pid, scratch, &ev, sizeof(ev), err) < 0 ||
+		    rsys(c, SYS_epoll_ctl, ctl, err, "epoll fd %d: watch fd %d (events %#x)",
+			 adds[i].fd, target, adds[i].events) < 0)
+			return -1;
+	}
+	return 0;
 }
 
 int dbxcr_held_release(struct dbxcr_held *h, struct dbxcr_error *err)

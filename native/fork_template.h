@@ -191,6 +191,8 @@ struct dbxcr_epoll {
 	int cloexec;
 	const struct dbxcr_epoll_watch *watches;
 	size_t nwatches;
+	int dup_of;	/* 1 + the fd of the instance (made earlier in the list) fd is another
+			 * descriptor of, no watches of its own; 0: a new instance */
 };
 
 /* A shared mapping to replace in the child (MAP_SHARED | MAP_FIXED over [start, end)) by
@@ -357,6 +359,15 @@ int dbxcr_template_set_prctls(struct dbxcr_template *tpl, const struct dbxcr_prc
 			      struct dbxcr_error *err);
 /* The same in a held process, before its release. */
 int dbxcr_held_set_prctls(struct dbxcr_held *h, const struct dbxcr_prctls *want,
+			  struct dbxcr_error *err);
+
+/* Before its release: our descriptor src at fd `target` of the held process (close-on-exec
+ * if cloexec), then watched by its epoll instances as `adds` say (each watch's fd: the
+ * epoll instance's; target is the descriptor watched).  For a descriptor that could not
+ * exist when the process was spawned: a pidfd of a child restored after it
+ * (deltabox/cr/pidfds.py).  0, or -1 with err set. */
+int dbxcr_held_install_fd(struct dbxcr_held *h, int src, int target, int cloexec,
+			  const struct dbxcr_epoll_watch *adds, size_t nadds,
 			  struct dbxcr_error *err);
 
 /* The System V IPC objects and POSIX message queues of the IPC namespace `ipcns_fd`

@@ -12,6 +12,7 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -2881,6 +2882,96 @@ def test_node_http_server(sbx: Sandbox, restore: Restore) -> None:
     assert get(target, "x") == before
     assert get(target, "bump").startswith("n=42 big=7 seen=2 ")
     assert get(target, "bump").startswith("n=43 big=7 seen=3 ")
+
+
+PIDFD_PARENT = """
+import os, select, time
+W = "/workspace/"
+pid = os.fork()
+if pid == 0:   # a child that exits with the status it is told
+    while not os.path.exists(W + "child-exit"):
+        time.sleep(0.02)
+    os._exit(int(open(W + "child-exit").read()))
+pfd = os.pidfd_open(pid)   # as tokio, asyncio (3.12+) and Go's os/exec hold one
+os.set_blocking(pfd, False)
+ep = select.epoll()
+ep.register(pfd, select.EPOLLIN)
+open(W + "ready", "w").write(str(pid))
+while not ep.poll(0.05):
+    pass
+info = os.waitid(os.P_PIDFD, pfd, os.WEXITED)
+flags = "nonblock" if not os.get_blocking(pfd) else "blocking"
+open(W + "reaped", "w").write(f"{info.si_pid} {info.si_status} {flags}")
+"""
+
+
+def test_a_pidfd_of_a_child_comes_back_with_its_child(sbx: Sandbox, restore: Restore) -> None:
+    """A parent holding a pidfd of its child, watched with epoll and reaped with
+    waitid(P_PIDFD), as tokio (`uv run`), Python 3.12+'s asyncio and Go's os/exec do.
+    Refused until stop 53 ("anon_inode:[pidfd]: this kind of descriptor is not
+    captured"). Now the child is its restored parent's own again (adopted though it is a
+    9 MB python) and the parent gets a pidfd of it at the same number, flags and epoll
+    watch (cr/pidfds.py): the child's exit wakes it and it reaps the child's status."""
+    sbx.files.write("pidfd.py", PIDFD_PARENT)
+    sbx.exec("cd /workspace && nohup python3 pidfd.py >/dev/null 2>&1 &")
+    _wait_file(sbx, "ready")
+    child = sbx.files.read("ready").decode()
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    sbx.files.write("child-exit", "3")
+    wait_for(lambda: sbx.files.exists("reaped"))
+    assert sbx.files.read("reaped").decode() == f"{child} 3 nonblock"
+    target = restore(sbx, cp)
+    assert not target.files.exists("reaped") and not target.files.exists("child-exit")
+    time.sleep(0.2)
+    assert not target.files.exists("reaped")   # the parent waits on
+    target.files.write("child-exit", "5")
+    wait_for(lambda: target.files.exists("reaped"))
+    assert target.files.read("reaped").decode() == f"{child} 5 nonblock"
+
+
+def test_a_pidfd_of_a_process_not_its_child_is_refused(sbx: Sandbox) -> None:
+    """A pidfd of a process that is not the holder's child could not be waited for
+    through once restored either way; refused by its holder, naming both."""
+    sbx.files.write("notmine.py", "import os, subprocess, time\n"
+                    "pid = int(subprocess.check_output(['pgrep', '-x', 'sleep']))\n"
+                    "fd = os.pidfd_open(pid)\nopen('/workspace/ready', 'w').write('1')\n"
+                    "time.sleep(1000)\n")
+    sbx.exec("cd /workspace && (nohup sleep 1000 >/dev/null 2>&1 &) && sleep 0.1 && "
+             "(nohup python3 notmine.py >/dev/null 2>&1 &)")
+    _wait_file(sbx, "ready")
+    with pytest.raises(deltabox.FailedPrecondition,
+                       match=r"\(python3 notmine.py\): fd \d+: a pidfd of pid \d+ "
+                             r"\(sleep 1000\), not its child"):
+        sbx.checkpoint()
+
+
+def test_uv_run_keeps_its_child(sbx: Sandbox, restore: Restore) -> None:
+    """`uv run app.py &`: uv (tokio: a few threads, a pidfd of its child in its epoll set,
+    two descriptors of one epoll instance) waits for the python it started. Refused
+    until stop 53. Now both come back, the python as uv's child, and uv still ends with
+    its child's exit status."""
+    uv = os.path.join(os.path.dirname(sys.executable), "uv")   # the venv's: a dev dependency
+    with open(uv, "rb") as f:
+        sbx.files.write("uv", f.read())
+    sbx.files.write("app.py", "import os, sys, time\n"
+                    "open('/workspace/ready', 'w').write(str(os.getpid()))\n"
+                    "while not os.path.exists('/workspace/stop'):\n    time.sleep(0.02)\n"
+                    "sys.exit(int(open('/workspace/stop').read()))\n")
+    sbx.exec("cd /workspace && chmod +x uv && (UV_CACHE_DIR=/tmp/uv nohup sh -c "
+             "'./uv run --no-project --python /usr/bin/python3 app.py; echo $? > uv-exit' "
+             ">/dev/null 2>&1 &)")
+    _wait_file(sbx, "ready")
+    app = sbx.files.read("ready").decode()
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    target = restore(sbx, cp)
+    ps = target.exec(f"{OWN_PS} pid=,ppid=,args=").stdout
+    uv_pid = next(line.split()[0] for line in ps.splitlines() if line.split()[2] == "./uv")
+    assert any(line.split()[:2] == [app, uv_pid] for line in ps.splitlines()), ps
+    target.files.write("stop", "7")
+    wait_for(lambda: target.files.exists("uv-exit"))
+    assert target.files.read("uv-exit").decode().strip() == "7"
 
 
 JAVA_COUNTER = """

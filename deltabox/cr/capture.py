@@ -24,6 +24,7 @@ from .taskattrs import TaskAttrs
 
 if TYPE_CHECKING:
     from .eventloop import LoopState
+    from .pidfds import PidFd
 
 # Character devices a restored process may hold (null zero full random urandom): reopened
 # by path at a restore, there is nothing else to them.
@@ -106,6 +107,8 @@ class ProcessRecord:
     # nice, priorities, rlimits, ...: read from its template when first needed, for a
     # restore from an image, and kept in its dump (taskattrs.py); None until then
     task: TaskAttrs | None = None
+    # its pidfds of its children (pidfds.capture): given back once the children exist
+    pidfds: list[PidFd] = field(default_factory=list)
 
     @property
     def running_timer(self) -> str | None:
@@ -591,7 +594,7 @@ def _fd_refusal(f: native.FdInfo) -> str | None:
         # take_locks); a lease or delegation it would not have.
         return (f"holds {', '.join(other)} on {f.path}: leases and delegations are not "
                 "captured; checkpoint once it is released")
-    if is_loop_fd(f):
+    if is_loop_fd(f) or f.kind == "pidfd":   # eventloop.capture, pidfds.capture
         return None
     if f.kind in ("dir", "chr") and f.target.endswith(" (deleted)"):
         # Reopened by path at a restore (a deleted file's content is copied: unlinked.py),

@@ -74,7 +74,7 @@ from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from ..fs.files import open_in_root
-from . import (adoption, deleted_cwd, eventloop, fifos, listeners, native, pipebuf,
+from . import (adoption, deleted_cwd, eventloop, fifos, listeners, native, pidfds, pipebuf,
                private_maps, ptys, shared_files, shm_files, taskattrs, tcp, unix_listeners,
                unlinked, watches)
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
@@ -190,7 +190,8 @@ class ProcessState:
         """adoption.adoptees of its records: child -> parent, restored as such (fixed
         once captured: the templates hold the stops' registers)."""
         return adoption.adoptees(self.records, self.templates,
-                                 forced=terminal_members(self.records))
+                                 forced=terminal_members(self.records) |
+                                 pidfds.children(self.records))
 
     @functools.cached_property
     def adopters(self) -> set[int]:
@@ -471,6 +472,8 @@ class DeltaCR:
                 if not cap.refused:
                     cap.refused.extend(eventloop.capture(records, layers, self.watch_paths))
                 if not cap.refused:
+                    cap.refused.extend(pidfds.capture(records))
+                if not cap.refused:
                     files, why = unlinked.capture(records)
                     cap.refused.extend(why)
                 if not cap.refused:
@@ -717,6 +720,7 @@ class DeltaCR:
                 if into is not None:
                     groups.setdefault(rec.pgid, rec.nspid)
             if held:   # children before their parents, all at once
+                await self.worker.run(_give_pidfds, state, held)
                 await self.worker.run(_release_held, list(held.values())[::-1],
                                       _foregrounds(state, held))
         except BaseException:
@@ -1856,7 +1860,8 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
     return _Spawn(state.templates[rec.pid], fdmap, files, cwd, mntfd,
                   [] if ahead else rec.listens, cwd_made=cwd_made,
                   lane=state.lanes.get(rec.pid), cloexec=cloexec,
-                  epolls=rec.loop.epolls if rec.loop else [], threaded=rec.threads > 1,
+                  epolls=pidfds.without_pidfd_watches(rec, rec.loop.epolls) if rec.loop
+                  else [], threaded=rec.threads > 1,
                   remaps=plan.remaps(rec, _changed_maps(state, rec) if changed is None
                                      else changed),
                   locks=_locks(rec), mlocks=rec.mlocks)
@@ -2125,6 +2130,16 @@ def _foregrounds(state: ProcessState, held: dict[int, native.Held]
                     "foreground process group cannot be given back"))
             out.append((held[p.leader], p.leader_fd, p.foreground))
     return out
+
+
+def _give_pidfds(state: ProcessState, held: dict[int, native.Held]) -> None:
+    """The held restored parents' pidfds of their children, which exist now (pidfds.py)."""
+    for rec in state.records:
+        if rec.pidfds:
+            if rec.pid not in held or any(p.child not in held for p in rec.pidfds):
+                raise native.CRError(errno.EPROTO, f"pid {rec.nspid}: its pidfds' children "
+                                     "were not restored as its own")
+            pidfds.install(rec, held[rec.pid], lambda pid: held[pid].pid)
 
 
 def _release_held(held: list[native.Held],

@@ -756,7 +756,8 @@ class _Connections:
 
 # ---- epoll ---------------------------------------------------------------------------------
 
-_RESTORED_KINDS = ("pipe", "fifo", "eventfd", "timerfd", "signalfd", "inotify", "socket", "chr")
+_RESTORED_KINDS = ("pipe", "fifo", "eventfd", "timerfd", "signalfd", "inotify", "socket", "chr",
+                   "pidfd")
 
 
 def _epolls(rec: ProcessRecord, shared: dict[tuple[int, int], int], loop: LoopState,
@@ -768,9 +769,11 @@ def _epolls(rec: ProcessRecord, shared: dict[tuple[int, int], int], loop: LoopSt
             reasons.append(f"fd {f.fd}: epoll instance shared with pid "
                            f"{shared[(rec.pid, f.fd)]}: not captured")
             continue
-        if any(native.same_file(rec.pid, f.fd, rec.pid, g.fd) for g in eps[:i]):
-            reasons.append(f"fd {f.fd}: a second descriptor of one epoll instance: not "
-                           "captured")
+        first = next((g for g in eps[:i] if native.same_file(rec.pid, f.fd, rec.pid, g.fd)),
+                     None)
+        if first is not None:   # another descriptor of it (dup): dup'd again
+            loop.epolls.append(native.Epoll(f.fd, bool(f.flags & os.O_CLOEXEC),
+                                            dup_of=first.fd))
             continue
         watches, why = _watches(rec.pid, f.fd, kinds)
         if why:
@@ -807,7 +810,7 @@ def to_json(loop: LoopState | None) -> dict | None:
     if not loop:
         return None
     return dict(
-        epolls=[dict(fd=e.fd, cloexec=e.cloexec,
+        epolls=[dict(fd=e.fd, cloexec=e.cloexec, dup_of=e.dup_of,
                      watches=[[w.fd, w.events, w.data] for w in e.watches])
                 for e in loop.epolls],
         eventfds=[dataclasses.asdict(e) for e in loop.eventfds],
@@ -830,7 +833,8 @@ def from_json(d: dict | None) -> LoopState | None:
         return None
     return LoopState(
         epolls=[native.Epoll(e["fd"], e["cloexec"],
-                             tuple(native.EpollWatch(*w) for w in e["watches"]))
+                             tuple(native.EpollWatch(*w) for w in e["watches"]),
+                             e.get("dup_of", -1))
                 for e in d["epolls"]],
         eventfds=[EventFd(**e) for e in d["eventfds"]],
         pairs=[SocketPair(**dict(p, data_a=bytes.fromhex(p["data_a"]),

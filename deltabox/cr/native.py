@@ -130,7 +130,8 @@ class _EpollWatch(ctypes.Structure):
 
 class _Epoll(ctypes.Structure):
     _fields_ = [("fd", ctypes.c_int), ("cloexec", ctypes.c_int),
-                ("watches", ctypes.POINTER(_EpollWatch)), ("nwatches", ctypes.c_size_t)]
+                ("watches", ctypes.POINTER(_EpollWatch)), ("nwatches", ctypes.c_size_t),
+                ("dup_of", ctypes.c_int)]
 
 
 class _Remap(ctypes.Structure):
@@ -271,6 +272,10 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_ipcns_mqueue_dir.restype = ctypes.c_int
         lib.dbxcr_held_set_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls), err]
         lib.dbxcr_held_set_prctls.restype = ctypes.c_int
+        lib.dbxcr_held_install_fd.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                              ctypes.c_int, ctypes.POINTER(_EpollWatch),
+                                              ctypes.c_size_t, err]
+        lib.dbxcr_held_install_fd.restype = ctypes.c_int
         lib.dbxcr_template_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls), err]
         lib.dbxcr_template_prctls.restype = ctypes.c_int
         lib.dbxcr_template_set_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls),
@@ -396,6 +401,7 @@ class Epoll:
     fd: int
     cloexec: bool
     watches: tuple[EpollWatch, ...] = ()
+    dup_of: int = -1    # another descriptor of the instance at this fd (made before it)
 
 
 LOCK_FLOCK, LOCK_POSIX, LOCK_OFD = 1, 2, 3   # fork_template.h DBXCR_LOCK_*
@@ -669,7 +675,7 @@ class Template:
         watch_arrays = [(_EpollWatch * max(1, len(e.watches)))(
             *[_EpollWatch(w.fd, w.events, w.data) for w in e.watches]) for e in epolls]
         ceps = (_Epoll * max(1, len(epolls)))(
-            *[_Epoll(e.fd, int(e.cloexec), arr, len(e.watches))
+            *[_Epoll(e.fd, int(e.cloexec), arr, len(e.watches), e.dup_of + 1)
               for e, arr in zip(epolls, watch_arrays)])
         rms = list(remaps)
         crms = (_Remap * max(1, len(rms)))(
@@ -1037,6 +1043,20 @@ class Held:
         err = _Err()
         if _load().dbxcr_held_set_prctls(self._handle, ctypes.byref(want._c()),
                                          ctypes.byref(err)) < 0:
+            _raise(err)
+
+    def install_fd(self, src: int, target: int, cloexec: bool,
+                   watched_by: Sequence[EpollWatch] = ()) -> None:
+        """Before release(): our descriptor `src` at its fd `target`, and watched by its
+        epoll instances (each EpollWatch's fd: the epoll instance's) with those events
+        and data (native: dbxcr_held_install_fd)."""
+        if self._handle is None:
+            raise CRError(_errno.EINVAL, f"held process {self.pid} was released or killed")
+        adds = (_EpollWatch * max(1, len(watched_by)))(
+            *[_EpollWatch(w.fd, w.events, w.data) for w in watched_by])
+        err = _Err()
+        if _load().dbxcr_held_install_fd(self._handle, src, target, int(cloexec), adds,
+                                         len(watched_by), ctypes.byref(err)) < 0:
             _raise(err)
 
     def release(self) -> None:
@@ -1615,6 +1635,8 @@ def fds(pid: int) -> list[FdInfo]:
             kind = "signalfd"
         elif target == "anon_inode:inotify":
             kind = "inotify"
+        elif target == "anon_inode:[pidfd]" or target.startswith("pidfd:"):
+            kind = "pidfd"
         elif target.startswith("anon_inode:"):
             kind = "anon"
         elif _stat.S_ISREG(mode):

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import trio
 
-from ..cr import (adoption, eventloop, fifos, native, pipebuf, private_maps, ptys, shared_files,
-                  shm_files, taskattrs, unlinked)
+from ..cr import (adoption, eventloop, fifos, native, pidfds, pipebuf, private_maps, ptys,
+                  shared_files, shm_files, taskattrs, unlinked)
 from ..cr.capture import ProcessRecord, SharedMapping, in_dev_shm
 from ..cr.taskattrs import TaskAttrs
 from ..cr.engine import DeltaCR, PipeEnd, PipeGroup, ProcessState, lone_leaders, _close_saved
@@ -612,7 +612,8 @@ def _unlinked_from(f: dict, data: bytes) -> unlinked.UnlinkedFile:
 def _rec_json(r: ProcessRecord) -> dict:
     d = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)
          if f.name not in ("fds", "listens", "loop", "shared", "mapped_ro",
-                           "deleted_private", "mapped_private", "mlocks", "task")}
+                           "deleted_private", "mapped_private", "mlocks", "task",
+                           "pidfds")}
     d["fds"] = [{k: v for k, v in dataclasses.asdict(f).items() if k != "fdinfo"}
                 for f in r.fds]
     # The named files' mappings are made again from them at every restore of templates
@@ -626,6 +627,7 @@ def _rec_json(r: ProcessRecord) -> dict:
     d["loop"] = eventloop.to_json(r.loop)
     d["mlocks"] = [dataclasses.asdict(m) for m in r.mlocks]
     d["task"] = r.task.to_json() if r.task is not None else None
+    d["pidfds"] = [dataclasses.asdict(p) for p in r.pidfds]
     return d
 
 
@@ -645,6 +647,7 @@ def _rec_from(d: dict) -> ProcessRecord:
     mapped_private = [SharedMapping(**m) for m in d.pop("mapped_private", [])]
     mlocks = [native.MemoryLock(**m) for m in d.pop("mlocks", [])]
     task = d.pop("task", None)   # absent in dumps made before stop 52
+    pids = [pidfds.PidFd(**p) for p in d.pop("pidfds", [])]   # before stop 53: none
     return ProcessRecord(**d, fds=fds, listens=listens, loop=loop, shared=shared,
                          mapped_ro=mapped_ro, mapped_private=mapped_private, mlocks=mlocks,
-                         task=TaskAttrs.from_json(task) if task else None)
+                         task=TaskAttrs.from_json(task) if task else None, pidfds=pids)
