@@ -16,7 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <dirent.h>
+#include <sys/epoll.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -504,6 +506,61 @@ static bool zombie_of(pid_t pid, pid_t parent)
 	return false;
 }
 
+/* Whether /proc/pid/fdinfo/fd has a line starting with `want`. */
+static bool fdinfo_has(pid_t pid, int fd, const char *want)
+{
+	char path[64], line[256];
+	bool found = false;
+	FILE *f;
+
+	snprintf(path, sizeof(path), "/proc/%d/fdinfo/%d", (int)pid, fd);
+	f = fopen(path, "re");
+	if (!f)
+		return false;
+	while (!found && fgets(line, sizeof(line), f))
+		found = strncmp(line, want, strlen(want)) == 0;
+	fclose(f);
+	return found;
+}
+
+/* dbxcr_held_install_fd: an epoll instance of ours at fd 78 of the held parent, then a
+ * pidfd of its adopted child at fd 77, close-on-exec, watched by it (cr/pidfds.py). */
+static void check_install_fd(struct dbxcr_held *hp, pid_t parent, pid_t child)
+{
+	struct dbxcr_epoll_watch add = { 78, EPOLLIN, 42 };
+	struct dbxcr_error err;
+	char want[64];
+	int ep = epoll_create1(EPOLL_CLOEXEC), pfd = (int)syscall(SYS_pidfd_open, child, 0);
+
+	if (ep < 0 || pfd < 0) {
+		CHECK(0, "epoll_create1 / pidfd_open: %s", strerror(errno));
+	} else {
+		CHECK(dbxcr_held_install_fd(hp, ep, 78, 0, NULL, 0, &err) == 0,
+		      "install an epoll instance: %s", err.msg);
+		CHECK(dbxcr_held_install_fd(hp, pfd, 77, 1, &add, 1, &err) == 0,
+		      "install the pidfd: %s", err.msg);
+		snprintf(want, sizeof(want), "Pid:\t%d", (int)child);
+		CHECK(fdinfo_has(parent, 77, want), "fd 77 of the parent is no pidfd of %d",
+		      (int)child);
+		CHECK(fdinfo_has(parent, 77, "flags:\t02000002"), "fd 77: not O_RDWR|O_CLOEXEC");
+		/* the kernel's format (fs/eventpoll.c: ep_show_fdinfo), which always adds
+		 * EPOLLERR and EPOLLHUP */
+		snprintf(want, sizeof(want), "tfd: %8d events: %8x data: %16llx", 77,
+			 (unsigned)(EPOLLIN | EPOLLERR | EPOLLHUP), 42ULL);
+		CHECK(fdinfo_has(parent, 78, want), "the epoll instance at fd 78 does not watch "
+		      "fd 77");
+		/* a watch of an fd it does not hold: refused, naming the step */
+		add.fd = 79;
+		CHECK(dbxcr_held_install_fd(hp, pfd, 76, 1, &add, 1, &err) < 0 &&
+		      err.code == EBADF && strstr(err.msg, "epoll fd 79: watch fd 76"),
+		      "a watch by a missing epoll fd: %s", err.msg);
+	}
+	if (ep >= 0)
+		close(ep);
+	if (pfd >= 0)
+		close(pfd);
+}
+
 /* A held process (spawned from a template, stopped) adopts a child restored from an image:
  * the child is the held process's own (its parent pid, and once it exits a zombie waiting
  * for that parent: the restored host sits in pause() and does not reap), with the
@@ -576,6 +633,8 @@ static void test_held_adopt(const char *base, bool live)
 		goto out;
 	CHECK(ppid_of(child) == parent, "the adopted child's parent is %d, not %d",
 	      (int)ppid_of(child), (int)parent);
+	if (!live)
+		check_install_fd(hp, parent, child);
 	CHECK(dbxcr_held_release(hc, &err) == 0, "release the child: %s", err.msg);
 	hc = NULL;
 	CHECK(dbxcr_held_release(hp, &err) == 0, "release the parent: %s", err.msg);
