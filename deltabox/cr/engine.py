@@ -719,8 +719,9 @@ class DeltaCR:
                     out.renumbered.append(rec.nspid)
                 if into is not None:
                     groups.setdefault(rec.pgid, rec.nspid)
-            if held:   # children before their parents, all at once
+            if any(r.pidfds for r in records):
                 await self.worker.run(_give_pidfds, state, held)
+            if held:   # children before their parents, all at once
                 await self.worker.run(_release_held, list(held.values())[::-1],
                                       _foregrounds(state, held))
         except BaseException:
