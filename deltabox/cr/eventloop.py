@@ -45,11 +45,13 @@ import time
 from collections import defaultdict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from .. import kernfs
 from . import native, sockdiag, tcp, unix_listeners, watches
 from .capture import ProcessRecord, Refusal, is_loop_fd
 
+T = TypeVar("T", "LoneSocket", unix_listeners.UnixListener)
 MAX_QUEUED = 4 << 20                      # bytes waiting in a socket we copy, at most
 
 
@@ -558,21 +560,15 @@ class _Pairs:
                 u = self._listener(rec, f)
                 if isinstance(u, str):
                     reasons.append(f"fd {f.fd}: {u}")
-                elif f.inode in heard:
-                    heard[f.inode].fds.append(f.fd)
                 else:
-                    heard[f.inode] = dataclasses.replace(u, fds=[f.fd])
-                    loop.unix_listeners.append(heard[f.inode])
+                    _held_at(f, u, heard, loop.unix_listeners)
                 continue
             if d is not None and _is_lone(d):
                 lone = self._lone(rec, f, d)
                 if isinstance(lone, str):
                     reasons.append(f"fd {f.fd}: unix socket {f.describe()}: {lone}")
-                elif f.inode in alone:
-                    alone[f.inode].fds.append(f.fd)
                 else:
-                    alone[f.inode] = dataclasses.replace(lone, fds=[f.fd])
-                    loop.lone.append(alone[f.inode])
+                    _held_at(f, lone, alone, loop.lone)
                 continue
             key, st = self._pair(f.inode)
             if isinstance(st, str):
@@ -583,6 +579,16 @@ class _Pairs:
                                        *st.data, *st.bufs)
                 loop.pairs.append(mine[key])
             (mine[key].a if f.inode == key else mine[key].b).append(f.fd)
+
+
+def _held_at(f: native.FdInfo, obj: T, seen: dict[int, T], out: list[T]) -> None:
+    """One process's fd f of the socket `obj` describes: added to its copy for this
+    process (made at the first of its fds, appended to `out`)."""
+    if f.inode in seen:
+        seen[f.inode].fds.append(f.fd)
+    else:
+        seen[f.inode] = dataclasses.replace(obj, fds=[f.fd])
+        out.append(seen[f.inode])
 
 
 def _pair_refusal(ino: int, diag: dict[int, _UnixDiag],
