@@ -19,7 +19,10 @@ tmux session whose pane runs an idle interactive bash (`tmux`: the pty made agai
 index, the pane's shell taking it back as its controlling terminal, deltabox/cr/ptys.py;
 checked after every rollback by typing into the pane), or beside an idle session on a
 pseudo-terminal (`tty`: the daemon holds its master, a restore gives it a new one; checked
-after every rollback to run on /dev/pts/0), or beside a JVM (`jvm`: OpenJDK, a few dozen
+after every rollback to run on /dev/pts/0), or the plain one started by a python that polls it (`polled`: a program's
+child, adopted by its restored parent whatever its size since stop 53: its memory copied
+at every rollback, deltabox/cr/adoption.py; its parent's pid checked), or beside a JVM
+(`jvm`: OpenJDK, a few dozen
 threads, the NIO socket whose peer it closed, deltabox/cr/eventloop.py LoneSocket; its own
 counter checked too), in the same run on one private daemon, each in a sandbox of its own
 with the same memory (--mb).
@@ -54,7 +57,7 @@ from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, latenc
 from deltabox import Sandbox
 
 KINDS = ("plain", "asyncio", "tempfile", "threads", "shared", "watcher", "waited",
-         "session", "job", "tmux", "tty", "jvm")
+         "session", "job", "tmux", "tty", "jvm", "polled")
 # Kinds whose process is the plain one, beside a bash session: idle (`session`), with a
 # background job (`job`: `sleep 1000 &`, adopted by the restored shell: adoption.py), or
 # idle on a pseudo-terminal (`tty`).
@@ -225,9 +228,14 @@ def start(d: PrivateDaemon, kind: str, mb: int, temp_mb: int, dirs: int) -> Sand
     sbx = Sandbox.create(socket=d.socket)
     sbx.files.write("prog.py", PROG)
     then = "&&" if kind == "waited" else ";"
-    prog = "plain" if kind in SESSION_KINDS or kind == "tmux" else kind
-    sbx.exec(f"cd /workspace {then} nohup python3 prog.py {prog} {mb} {temp_mb} {dirs} "
-             ">/dev/null 2>&1 &")
+    prog = "plain" if kind in SESSION_KINDS or kind in ("tmux", "jvm", "polled") else kind
+    args = f"prog.py {prog} {mb} {temp_mb} {dirs}"
+    if kind == "polled":   # the child of a python that polls it (adopted: adoption.py)
+        sbx.files.write("poll.py", "import subprocess, sys, time\n"
+                        f"p = subprocess.Popen([sys.executable] + {args.split()!r})\n"
+                        "while p.poll() is None:\n    time.sleep(0.05)\n")
+        args = "poll.py"
+    sbx.exec(f"cd /workspace {then} nohup python3 {args} >/dev/null 2>&1 &")
     wait_until(lambda: sbx.files.exists("ready"), f"the {kind} process")
     if kind in SESSION_KINDS:
         sbx.session("main", tty=kind == "tty").run(SESSION_KINDS[kind])

@@ -1886,6 +1886,48 @@ def test_big_child_nobody_waits_for_comes_back_with_a_note(sbx: Sandbox) -> None
     assert re.search(rf"^ *{s.run('echo $BASHPID').stdout.strip()} sleep 1000", rows, re.M), rows
 
 
+POLLING_PARENT = """
+import os, subprocess, sys, time
+W = "/workspace/"
+kid = subprocess.Popen([sys.executable, "-c",
+    "import os, time\\n"
+    "b = bytearray(os.urandom(1)) * (40 << 20)\\n"
+    "open('/workspace/kid-ready', 'w').write('1')\\n"
+    "while not os.path.exists('/workspace/kid-exit'):\\n"
+    "    time.sleep(0.02)\\n"
+    "os._exit(int(open('/workspace/kid-exit').read()))\\n"])
+while True:   # as a supervisor or Jupyter's restarter: polls, never blocks in a wait
+    code = kid.poll()
+    open(W + "seen.tmp", "w").write("alive" if code is None else f"exited {code}")
+    os.rename(W + "seen.tmp", W + "seen")
+    if code is not None:
+        break
+    time.sleep(0.05)
+"""
+
+
+def test_a_programs_big_child_is_its_child_again(sbx: Sandbox, restore: Restore) -> None:
+    """A program (not a shell) that started a 40 MB child and polls it, as a supervisor,
+    a reloader or a Jupyter server's kernel restarter does. Until stop 53 the child came
+    back as a child of init (too big to copy for a child nobody waits for): Popen.poll()
+    then took ECHILD for an exit with status 0 at once (a Jupyter server restarted its
+    kernel, its state lost; `node --watch` hung at its next reload). Now it is adopted by
+    its restored parent whatever its size: alive, then its real exit status."""
+    sbx.files.write("poller.py", POLLING_PARENT)
+    sbx.exec("cd /workspace && nohup python3 poller.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("kid-ready") and sbx.files.exists("seen"))
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    target = restore(sbx, cp)
+    note = target.fork_note if target is not sbx else ""
+    assert "child of init" not in note, note
+    time.sleep(0.3)   # a few polls
+    assert target.files.read("seen") == b"alive"
+    target.files.write("kid-exit", "7")
+    wait_for(lambda: target.files.read("seen") != b"alive")
+    assert target.files.read("seen") == b"exited 7"
+
+
 def test_process_waiting_for_a_child_it_cannot_get_back_is_refused(sbx: Sandbox) -> None:
     """A child in another session than its parent's, which it does not lead, cannot be
     given back to its restored parent: a parent blocked waiting for it is refused, by

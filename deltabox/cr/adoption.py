@@ -17,18 +17,24 @@ Which children (in their parent's session, or leading one of their own):
   in a wait4/waitid this child would answer: a shell running a command, a shell loop's
   `sleep`, `subprocess.run`, a child watcher thread): without adoption that wait fails
   as soon as the parent runs, whatever the child's size;
-- every other child up to ADOPT_MAX_RSS_KB resident that maps no memory shared with
-  another process (unlinked.py re-shares such memory between template children only): a
-  shell's background job (`cmd &`, which the shell reaps when it ends and a later `wait`
-  waits for), a Popen waited for later, a small worker. Without adoption it would come
-  back as a child of init: the shell's `wait` would return at once and its `jobs` would
-  say Running forever.
+- every other child of a program that is not a shell (since stop 53), whatever its size,
+  if it maps no memory shared with another process (unlinked.py re-shares such memory
+  between template children only): a program that starts a child watches it, and acts on
+  what it finds: Python's `Popen.poll()` takes ECHILD for an exit with status 0 (so a
+  Jupyter server's restarter killed and restarted its kernel a few seconds after a
+  rollback, its state lost), `node --watch` (libuv) never heard of its child's exit again
+  and hung at its next reload ("Waiting for graceful termination...");
+- a shell's other children up to ADOPT_MAX_RSS_KB resident (same condition): its
+  background jobs (`cmd &`, which the shell reaps when it ends and a later `wait` waits
+  for), a small tool. Without adoption one comes back as a child of init: the shell's
+  `wait` returns at once and its `jobs` say Running forever.
 The copy costs its memory (about 0.5 ms per MB here, both CPUs copying, on top of the
 mappings and the held spawn): a shell's job or a small tool costs a few ms, a 10 MB
-python ~18 ms, 20 of them ~0.5 s, more than restarting them. So bigger children that
-nobody waits for (a server or a worker started with `nohup prog &`) come back from their
-templates as before (fast, from carriers) as children of init; the rollback's response
-names them (orphaned). Not adoptable: a child in another session
+python ~18 ms, 20 of them ~0.5 s, more than restarting them. So a shell's bigger children
+that it does not wait for (a server or a worker started with `nohup prog &` from a
+session) come back from their templates as before (fast, from carriers) as children of
+init; the rollback's response names them (orphaned). A program's children are worth
+their copy: what it does with them breaks without it. Not adoptable: a child in another session
 than its parent's that does not lead it (it could not be put back in that session); its
 parent waiting for it is refused at the checkpoint (refusals).
 
@@ -72,7 +78,7 @@ def adoptees(records: Iterable[ProcessRecord],
     for r, parent in _with_parents(records):
         if not _same_session(r, parent):
             continue
-        if cheap(r) or r.pid in forced:
+        if cheap(r) or r.pid in forced or (not r.shared and not is_shell(parent)):
             out[r.pid] = parent.pid
             continue
         if parent.pid not in calls:
@@ -80,6 +86,17 @@ def adoptees(records: Iterable[ProcessRecord],
         if _waiting_for(calls[parent.pid], r):
             out[r.pid] = parent.pid
     return out
+
+
+# Shells keep their jobs for `jobs`, `wait` and `fg`: their big ones are left to init (above).
+SHELLS = frozenset({"bash", "sh", "dash", "zsh", "ksh", "mksh", "fish", "tcsh", "csh",
+                    "busybox", "ash"})
+
+
+def is_shell(rec: ProcessRecord) -> bool:
+    """Whether rec runs a shell (its command's program name)."""
+    prog = rec.cmd.split(" ", 1)[0].rsplit("/", 1)[-1].lstrip("-")
+    return prog in SHELLS
 
 
 def cheap(child: ProcessRecord) -> bool:
@@ -98,7 +115,7 @@ def orphaned(records: Iterable[ProcessRecord], family: Mapping[int, int],
             continue
         why = ("it maps memory shared with another process" if r.shared else
                f"its {r.rss_kb // 1024} MB are over the {ADOPT_MAX_RSS_KB // 1024} MB "
-               "copied for a child its parent does not wait for"
+               "copied for a shell's child it does not wait for"
                if _same_session(r, parent) else "it is in another session")
         out.append(f"pid {r.nspid} ({r.cmd}) is now a child of init, not of pid "
                    f"{parent.nspid} ({why})")
