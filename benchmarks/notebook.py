@@ -41,13 +41,18 @@ WHEELS = "/opt/notebook-wheels"
 
 CLIENT = r"""
 import os, sys, time
-from jupyter_client import BlockingKernelClient
+from jupyter_client import BlockingKernelClient, KernelManager
 W = "/workspace/"
-while not os.path.exists(W + "kernel.json"):   # written by the kernel once it listens
-    time.sleep(0.01)
-time.sleep(0.05)
-kc = BlockingKernelClient(connection_file=W + "kernel.json")
-kc.load_connection_file()
+if sys.argv[1:] == ["manager"]:   # the kernel is our child, watching us (ParentPollerUnix)
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel()
+    kc = km.client()
+else:   # the shell started the kernel
+    while not os.path.exists(W + "kernel.json"):   # written by the kernel once it listens
+        time.sleep(0.01)
+    time.sleep(0.05)
+    kc = BlockingKernelClient(connection_file=W + "kernel.json")
+    kc.load_connection_file()
 kc.start_channels()
 kc.wait_for_ready(timeout=120)
 
@@ -125,18 +130,24 @@ def setup(d: PrivateDaemon, cache: Path, n_cells: int, mb: int) -> Sandbox:
     return sbx
 
 
-def start(sbx: Sandbox) -> float:
-    """Start the kernel and its client and run every cell: ms until they are done. The
-    kernel is started by the shell, not by a jupyter_client KernelManager: one started so
-    watches its parent (ipykernel's ParentPollerUnix exits once getppid() is 1), and a
-    restored process's parent is the sandbox's init (README, "Not preserved")."""
+def start(sbx: Sandbox, launch: str = "manager") -> float:
+    """Start the kernel and its client and run every cell: ms until they are done.
+    `manager`: the client starts the kernel (jupyter_client's KernelManager, as a Jupyter
+    server does): the kernel is its child and exits once its parent is gone (ipykernel's
+    ParentPollerUnix: getppid() == 1), so it needs its parent back at every restore
+    (adopted since stop 53: its memory copied); `shell`: the shell starts both, the
+    kernel a child of init (before stop 53 the only way a rollback kept it)."""
     for name in ("kernel-ready", "kernel.json"):
         if sbx.files.exists(name):
             sbx.files.remove(name)
     t0 = time.perf_counter()
-    sbx.exec(f"cd /workspace && (nohup {VENV}/bin/python -m ipykernel_launcher "
-             "-f /workspace/kernel.json >kernel.log 2>&1 &) && "
-             f"(nohup {VENV}/bin/python client.py >client.log 2>&1 &)")
+    if launch == "manager":
+        sbx.exec(f"cd /workspace && (nohup {VENV}/bin/python client.py manager "
+                 ">client.log 2>&1 &)")
+    else:
+        sbx.exec(f"cd /workspace && (nohup {VENV}/bin/python -m ipykernel_launcher "
+                 "-f /workspace/kernel.json >kernel.log 2>&1 &) && "
+                 f"(nohup {VENV}/bin/python client.py >client.log 2>&1 &)")
     wait_until(lambda: sbx.files.exists("kernel-ready"), "the kernel and its cells", 120)
     return (time.perf_counter() - t0) * 1000
 
@@ -150,12 +161,12 @@ def ask(sbx: Sandbox, code: str) -> str:
     return sbx.files.read("answer").decode()
 
 
-def restart_and_replay(sbx: Sandbox, step: str, want: str) -> float:
+def restart_and_replay(sbx: Sandbox, step: str, want: str, launch: str) -> float:
     """Kill the client and kernel, start them again, run every cell and the step to the
     checkpoint's state again: ms until the state is back."""
     sbx.exec(f"pkill -9 -f '{VENV}/bin/python' || true")
     t0 = time.perf_counter()
-    start(sbx)
+    start(sbx, launch)
     got = ask(sbx, step + STATE)
     ms = (time.perf_counter() - t0) * 1000
     if got != want:
@@ -163,7 +174,7 @@ def restart_and_replay(sbx: Sandbox, step: str, want: str) -> float:
     return ms
 
 
-def one_rep(sbx: Sandbox, rep: int, think: float) -> dict[str, Any]:
+def one_rep(sbx: Sandbox, rep: int, think: float, launch: str) -> dict[str, Any]:
     """Step, checkpoint; change, roll back; check; then the baseline back to the same
     state (the session's cells and this rep's step)."""
     step = f"x = {rep + 1}\n"
@@ -184,7 +195,7 @@ def one_rep(sbx: Sandbox, rep: int, think: float) -> dict[str, Any]:
     got = ask(sbx, STATE)
     if got != want:
         raise RuntimeError(f"after the rollback the kernel reports {got!r}, not {want!r}")
-    replay = restart_and_replay(sbx, step, want)
+    replay = restart_and_replay(sbx, step, want, launch)
     return {"checkpoint": ck, "checkpoint_server": cp.duration_ms, "rollback": rb_ms,
             "rollback_server": rb.duration_ms, "restart_replay": replay, "state": want}
 
@@ -211,6 +222,9 @@ def main() -> int:
     p.add_argument("--cells", type=int, default=8, help="cells of the session (>= 4)")
     p.add_argument("--mb", type=int, default=50, help="memory the cells build (MiB)")
     p.add_argument("--think", type=float, default=0.3, help="pause before each op (s)")
+    p.add_argument("--launch", choices=("manager", "shell"), default="manager",
+                   help="who starts the kernel: the client (a KernelManager, the kernel "
+                        "its child, as under a Jupyter server) or the shell")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
@@ -218,10 +232,10 @@ def main() -> int:
     with terminate_as_exception(), PrivateDaemon() as d:
         sbx = setup(d, args.cache_dir, args.cells, args.mb)
         try:
-            first_start = start(sbx)
-            one_rep(sbx, -1, args.think)  # warm-up
+            first_start = start(sbx, args.launch)
+            one_rep(sbx, -1, args.think, args.launch)  # warm-up
             for rep in range(args.reps):
-                runs.append({"rep": rep, **one_rep(sbx, rep, args.think)})
+                runs.append({"rep": rep, **one_rep(sbx, rep, args.think, args.launch)})
                 log(f"rep {rep + 1}/{args.reps}: rollback {runs[-1]['rollback']:.1f} ms, "
                     f"restart and replay {runs[-1]['restart_replay']:.0f} ms")
         finally:
@@ -231,6 +245,7 @@ def main() -> int:
                                                summary["rollback"]["p50"])
         result: dict[str, Any] = {"benchmark": "notebook", "reps": args.reps,
                                   "cells": args.cells, "mb": args.mb, "think_s": args.think,
+                                  "launch": args.launch,
                                   "packages": PACKAGES, "first_start_ms": first_start,
                                   "runs": runs, "summary": summary}
         info = machine_info(d.socket)
