@@ -2357,15 +2357,17 @@ class Daemon:
             raise ResourceExhausted(f"forking {count} would exceed the limit of "
                                     f"{self.cfg.max_sandboxes} sandboxes")
         owner, why = self._template_owner(cp)
+        killed = ""
         if owner is not None and cp.procs_of is not None:
             async with self.live[owner].lock:   # a template killed: fork from the dump
                 killed = await self._drop_killed(self.live[owner], cp.procs_of)
             if killed:
                 owner, why = self._template_owner(cp)
-                why = killed if owner is None else why
         if owner is None and cp.procs_of is not None and self.dumps.pending(cp.procs_of):
             await self.dumps.wait(cp.procs_of)  # templates evicted from a dump backlog
             owner, why = self._template_owner(cp)
+        if killed and owner is None:
+            why = killed
         disk = None
         if owner is None:  # rebuild the templates from the dump, in a live family sandbox
             owner, disk = await self._dump_holder(cp, why)
