@@ -1431,6 +1431,23 @@ def _templates_of(sbx: Sandbox) -> list[int]:
     return out
 
 
+def test_a_checkpoint_right_after_a_rollback_from_carriers(sbx: Sandbox) -> None:
+    """A rollback whose processes are born from carriers turns the carriers into keepers
+    in the background, by calls injected into them; a checkpoint right after froze the
+    cgroup in between, the injected call never ran, and the daemon's ptrace thread and
+    that checkpoint waited for ever (a CI rehearsal hung; a probe hung at its second
+    cycle). The keepers are made under the sandbox's lock now."""
+    sbx.exec("nohup python3 -c 'import time; time.sleep(1000)' >/dev/null 2>&1 &")
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    for _ in range(8):
+        time.sleep(0.3)   # the warm pool spawns the carriers meanwhile
+        assert sbx.rollback(cp).process_state == "restored"
+        c = sbx.checkpoint()   # at once: the keepers are being made
+        assert c.kind == "full", c.reasons
+        sbx.delete_checkpoint(c.id)
+
+
 def test_a_killed_template_restarts_the_processes_of_a_fork_and_a_rollback(
         sbx: Sandbox) -> None:
     """A template killed from outside (as the OOM killer may) before its checkpoint's

@@ -2091,6 +2091,14 @@ class Daemon:
             await self.cr.discard(pre)
             live.prespawned -= pre.spawned
 
+    async def _keep_carriers(self, live: Live, carriers: list[native.Carrier]) -> None:
+        """Carriers that gave birth become keepers (DeltaCR.keep), under the sandbox's
+        lock: keep injects calls into them, in the sandbox's cgroup, and a checkpoint's
+        freeze in between would stop them midway; the ptrace thread then waited for ever
+        and the checkpoint behind it (a CI rehearsal hung so)."""
+        async with live.lock:
+            await self.cr.keep(carriers)
+
     async def _restore_logged(self, live: Live, state: ProcessState, cp: CheckpointRow,
                               note: str, fresh: bool | None,
                               gen: runtime.Generation | None = None,
@@ -2112,8 +2120,9 @@ class Daemon:
                     if pre is not None:  # born by the restore, or killed by it
                         live.prespawned -= pre.spawned
                 live.keepers.update(restored.keepers)
-                if restored.keepers:  # on the ptrace thread while the rollback answers
-                    self.background.start_soon(self.cr.keep, list(restored.keepers.values()))
+                if restored.keepers:  # on the ptrace thread once the rollback answered
+                    self.background.start_soon(self._keep_carriers, live,
+                                               list(restored.keepers.values()))
                 self._adopt(live, restored, state)
             else:
                 await self._victims_gone(live)  # the killed originals' pids must be free
