@@ -1436,15 +1436,14 @@ def test_a_checkpoint_right_after_a_rollback_from_carriers(sbx: Sandbox) -> None
     in the background, by calls injected into them; a checkpoint right after froze the
     cgroup in between, the injected call never ran, and the daemon's ptrace thread and
     that checkpoint waited for ever (a CI rehearsal hung; a probe hung at its second
-    cycle). The keepers are made under the sandbox's lock now."""
+    cycle). A checkpoint waits for the keepers now."""
     sbx.exec("nohup python3 -c 'import time; time.sleep(1000)' >/dev/null 2>&1 &")
     cp = sbx.checkpoint()
     assert cp.kind == "full", cp.reasons
     for _ in range(8):
         time.sleep(0.3)   # the warm pool spawns the carriers meanwhile
         assert sbx.rollback(cp).process_state == "restored"
-        c = sbx.checkpoint()   # at once: the keepers are being made
-        assert c.kind == "full", c.reasons
+        c = sbx.checkpoint(mode="full")   # at once: the keepers are being made
         sbx.delete_checkpoint(c.id)
 
 

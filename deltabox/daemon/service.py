@@ -135,6 +135,8 @@ class Live:
     prespawned: set[int] = field(default_factory=set)
     # host pid of a running process born from a carrier -> its keeper (engine.restore)
     keepers: dict[int, native.Carrier] = field(default_factory=dict)
+    # set once the last rollback's carriers are keepers (_keep_carriers); None: none made
+    keeping: trio.Event | None = None
     # keepers of processes a rollback killed, until reaped (_victims_gone)
     old_keepers: list[OldKeepers] = field(default_factory=list)
     # a checkpoint captured a TCP connection: a rollback closes the killed processes'
@@ -1163,6 +1165,8 @@ class Daemon:
         frozen = not self._nothing_runs(live)
         hold = False  # kept frozen (and captured processes stopped) until a later snapshot
         if frozen:
+            if live.keeping is not None:   # never frozen midway (_keep_carriers)
+                await live.keeping.wait()
             live.rt.cgroup.freeze()
         try:
             crash_point("checkpoint.frozen")
@@ -2091,13 +2095,16 @@ class Daemon:
             await self.cr.discard(pre)
             live.prespawned -= pre.spawned
 
-    async def _keep_carriers(self, live: Live, carriers: list[native.Carrier]) -> None:
-        """Carriers that gave birth become keepers (DeltaCR.keep), under the sandbox's
-        lock: keep injects calls into them, in the sandbox's cgroup, and a checkpoint's
-        freeze in between would stop them midway; the ptrace thread then waited for ever
-        and the checkpoint behind it (a CI rehearsal hung so)."""
-        async with live.lock:
+    async def _keep_carriers(self, done: trio.Event, carriers: list[native.Carrier]) -> None:
+        """Carriers that gave birth become keepers (DeltaCR.keep), then `done` (the
+        sandbox's `keeping`) is set: keep injects calls into them, in the sandbox's
+        cgroup, so a checkpoint waits for it before it freezes the cgroup (frozen midway,
+        the ptrace thread waited for ever, and the checkpoint behind it: a CI rehearsal
+        hung so). The next command does not wait."""
+        try:
             await self.cr.keep(carriers)
+        finally:
+            done.set()
 
     async def _restore_logged(self, live: Live, state: ProcessState, cp: CheckpointRow,
                               note: str, fresh: bool | None,
@@ -2120,8 +2127,9 @@ class Daemon:
                     if pre is not None:  # born by the restore, or killed by it
                         live.prespawned -= pre.spawned
                 live.keepers.update(restored.keepers)
-                if restored.keepers:  # on the ptrace thread once the rollback answered
-                    self.background.start_soon(self._keep_carriers, live,
+                if restored.keepers:  # on the ptrace thread while the rollback answers
+                    live.keeping = trio.Event()
+                    self.background.start_soon(self._keep_carriers, live.keeping,
                                                list(restored.keepers.values()))
                 self._adopt(live, restored, state)
             else:
