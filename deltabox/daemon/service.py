@@ -1165,8 +1165,8 @@ class Daemon:
         frozen = not self._nothing_runs(live)
         hold = False  # kept frozen (and captured processes stopped) until a later snapshot
         if frozen:
-            if live.keeping is not None:   # never frozen midway (_keep_carriers)
-                await live.keeping.wait()
+            if live.keeping is not None and not live.keeping.is_set():
+                await live.keeping.wait()   # never frozen midway (_keep_carriers)
             live.rt.cgroup.freeze()
         try:
             crash_point("checkpoint.frozen")
