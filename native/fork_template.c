@@ -2633,24 +2633,21 @@ static int move_off_targets(struct tracee *c, const struct dbxcr_spawn_opts *o, 
 	return 0;
 }
 
-static int put_string(struct tracee *c, unsigned long scratch, const char *s, const char *what,
-		      struct dbxcr_error *err)
+/* A string at `at` of the scratch area, `room` bytes of it left from there. */
+static int put_at(struct tracee *c, unsigned long at, size_t room, const char *s,
+		  const char *what, struct dbxcr_error *err)
 {
 	size_t len = strlen(s) + 1;
 
-	if (len > SCRATCH_LEN)
+	if (len > room)
 		return fail(err, ENAMETOOLONG, c->pid, "%s is %zu bytes", what, len);
-	return mem_write(c->pid, scratch, s, len, err);
+	return mem_write(c->pid, at, s, len, err);
 }
 
-/* A path at `at`, a little way into the scratch area (after other arguments). */
-static int put_at(struct tracee *c, unsigned long at, const char *path, struct dbxcr_error *err)
+static int put_string(struct tracee *c, unsigned long scratch, const char *s, const char *what,
+		      struct dbxcr_error *err)
 {
-	size_t len = strlen(path) + 1;
-
-	if (len > PATH_MAX)
-		return fail(err, ENAMETOOLONG, c->pid, "%s is %zu bytes", path, len);
-	return mem_write(c->pid, at, path, len, err);
+	return put_at(c, scratch, SCRATCH_LEN, s, what, err);
 }
 
 /* The access and modification times of the directory `first` (the outermost stand-in) is
@@ -2670,7 +2667,7 @@ static int anchor_times(struct tracee *c, unsigned long scratch, const char *fir
 	strcpy(anchor + len, len ? "" : "/");
 	a[1] = (long)(scratch + sizeof(st));
 	a[2] = (long)scratch;
-	if (put_at(c, scratch + sizeof(st), anchor, err) < 0 ||
+	if (put_at(c, scratch + sizeof(st), SCRATCH_LEN - sizeof(st), anchor, anchor, err) < 0 ||
 	    rsys(c, SYS_newfstatat, a, err, "stat %s (holding a deleted cwd)", anchor) < 0 ||
 	    mem_read(c->pid, scratch, &st, sizeof(st), err) < 0)
 		return -1;
@@ -2686,7 +2683,8 @@ static int set_anchor_times(struct tracee *c, unsigned long scratch, const char 
 		      AT_SYMLINK_NOFOLLOW, 0, 0 };
 
 	if (mem_write(c->pid, scratch, times, 2 * sizeof(*times), err) < 0 ||
-	    put_at(c, scratch + 2 * sizeof(*times), anchor, err) < 0)
+	    put_at(c, scratch + 2 * sizeof(*times), SCRATCH_LEN - 2 * sizeof(*times), anchor,
+		   anchor, err) < 0)
 		return -1;
 	return rsys(c, SYS_utimensat, a, err, "set the times of %s back", anchor) < 0 ? -1 : 0;
 }
@@ -2921,6 +2919,19 @@ static int take_locks(struct tracee *c, unsigned long scratch, const struct dbxc
 	return 0;
 }
 
+/* In the child, epoll_ctl(epfd, EPOLL_CTL_ADD, w->fd) with w's events and data. */
+static int add_watch(struct tracee *c, unsigned long scratch, int epfd,
+		     const struct dbxcr_epoll_watch *w, struct dbxcr_error *err)
+{
+	struct epoll_event ev = { .events = w->events, .data.u64 = w->data };
+	long ctl[6] = { epfd, EPOLL_CTL_ADD, w->fd, (long)scratch, 0, 0 };
+
+	if (mem_write(c->pid, scratch, &ev, sizeof(ev), err) < 0)
+		return -1;
+	return rsys(c, SYS_epoll_ctl, ctl, err, "epoll fd %d: watch fd %d (events %#x)", epfd,
+		    w->fd, w->events) < 0 ? -1 : 0;
+}
+
 /* Create an epoll instance like the original's at e->fd and add its watches.  The child
  * still holds the template's copy at e->fd (one instance with the original process: an
  * epoll_ctl on it would change the original's), replaced by dup3 before any watch is
@@ -2949,17 +2960,9 @@ static int recreate_epoll(struct tracee *c, unsigned long scratch, const struct 
 		if (rsys(c, SYS_close, d, err, "epoll fd %d: close %ld", e->fd, efd) < 0)
 			return -1;
 	}
-	for (size_t i = 0; i < e->nwatches; i++) {
-		const struct dbxcr_epoll_watch *w = &e->watches[i];
-		struct epoll_event ev = { .events = w->events, .data.u64 = w->data };
-		long ctl[6] = { e->fd, EPOLL_CTL_ADD, w->fd, (long)scratch, 0, 0 };
-
-		if (mem_write(c->pid, scratch, &ev, sizeof(ev), err) < 0)
+	for (size_t i = 0; i < e->nwatches; i++)
+		if (add_watch(c, scratch, e->fd, &e->watches[i], err) < 0)
 			return -1;
-		if (rsys(c, SYS_epoll_ctl, ctl, err, "epoll fd %d: watch fd %d (events %#x)",
-			 e->fd, w->fd, w->events) < 0)
-			return -1;
-	}
 	return 0;
 }
 
@@ -3583,12 +3586,9 @@ int dbxcr_held_install_fd(struct dbxcr_held *h, int src, int target, int cloexec
 	    install_fd(c, got, target, cloexec, err) < 0)
 		return -1;
 	for (size_t i = 0; i < nadds; i++) {
-		struct epoll_event ev = { .events = adds[i].events, .data.u64 = adds[i].data };
-		long ctl[6] = { adds[i].fd, EPOLL_CTL_ADD, target, (long)scratch, 0, 0 };
+		struct dbxcr_epoll_watch w = { target, adds[i].events, adds[i].data };
 
-		if (mem_write(c->pid, scratch, &ev, sizeof(ev), err) < 0 ||
-		    rsys(c, SYS_epoll_ctl, ctl, err, "epoll fd %d: watch fd %d (events %#x)",
-			 adds[i].fd, target, adds[i].events) < 0)
+		if (add_watch(c, scratch, adds[i].fd, &w, err) < 0)
 			return -1;
 	}
 	return 0;

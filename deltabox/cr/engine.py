@@ -469,10 +469,10 @@ class DeltaCR:
                 private_in_writable_layer(records, heads, layers, self.private_known, scope)
                 if not cap.refused:
                     cap.refused.extend(r for rec in records for r in add_listeners(rec))
+                if not cap.refused:   # before eventloop.capture drops the fdinfo it read
+                    cap.refused.extend(pidfds.capture(records))
                 if not cap.refused:
                     cap.refused.extend(eventloop.capture(records, layers, self.watch_paths))
-                if not cap.refused:
-                    cap.refused.extend(pidfds.capture(records))
                 if not cap.refused:
                     files, why = unlinked.capture(records)
                     cap.refused.extend(why)
@@ -1672,15 +1672,7 @@ def killed_templates(state: ProcessState) -> list[int]:
     (`kill -9 -1`; the OOM killer too). Its checkpoint's processes then come back from
     its dump, or restart."""
     return [r.nspid for r in state.records
-            if r.pid in state.templates and not _alive(state.templates[r.pid].pid)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = kernfs.read(f"/proc/{pid}/stat")
-    except OSError:
-        return False
-    return stat[stat.rindex(b")") + 2:][:1] not in b"ZX"
+            if r.pid in state.templates and _exiting(state.templates[r.pid].pid)]
 
 
 def process_name(pid: int) -> str:

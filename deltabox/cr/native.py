@@ -1285,7 +1285,7 @@ class ProcStatus:
     locked_kb: int = 0      # memory it locked (VmLck)
 
 
-def _status_field(text: bytes, name: bytes) -> bytes | None:
+def proc_field(text: bytes, name: bytes) -> bytes | None:
     """The value of `name:` in a /proc text of "name: value" lines (None if absent)."""
     key = name + b":"
     if text.startswith(key):
@@ -1300,7 +1300,7 @@ def _status_field(text: bytes, name: bytes) -> bytes | None:
 
 
 def _required_field(text: bytes, name: bytes, path: str) -> bytes:
-    value = _status_field(text, name)
+    value = proc_field(text, name)
     if value is None:
         raise OSError(_errno.EPROTO, f"{path} has no {name.decode()} field")
     return value
@@ -1312,11 +1312,11 @@ def proc_status(pid: int) -> ProcStatus:
     f = stat[stat.rindex(b")") + 2:].split()
     status = kernfs.read(f"/proc/{pid}/status")
     tracer = _required_field(status, b"TracerPid", f"/proc/{pid}/status")
-    nspid = _status_field(status, b"NSpid")
-    rss = _status_field(status, b"VmRSS")
-    caps = _status_field(status, b"CapEff")
-    uid = _status_field(status, b"Uid")
-    locked = _status_field(status, b"VmLck")
+    nspid = proc_field(status, b"NSpid")
+    rss = proc_field(status, b"VmRSS")
+    caps = proc_field(status, b"CapEff")
+    uid = proc_field(status, b"Uid")
+    locked = proc_field(status, b"VmLck")
     return ProcStatus(ppid=int(f[1]), pgid=int(f[2]), sid=int(f[3]), threads=int(f[17]),
                       state=f[0].decode(), tracer_pid=int(tracer),
                       nspid=tuple(int(x) for x in nspid.split()) if nspid else (pid,),
@@ -1334,10 +1334,10 @@ def ids_in_namespace(pid: int, level: int) -> tuple[int, int, int] | None:
         status = kernfs.read(f"/proc/{pid}/status")
     except OSError:
         return None
-    state = _status_field(status, b"State")
+    state = proc_field(status, b"State")
     if state is None or state.split()[:1] == [b"Z"]:
         return None
-    ids = [_status_field(status, k) for k in (b"NSpid", b"NSpgid", b"NSsid")]
+    ids = [proc_field(status, k) for k in (b"NSpid", b"NSpgid", b"NSsid")]
     if any(v is None for v in ids):
         return None
     per = [v.split() for v in ids]  # type: ignore[union-attr]
@@ -1657,7 +1657,8 @@ def fds(pid: int) -> list[FdInfo]:
             deleted = True
             target = target[:-len(" (deleted)")]
         out.append(FdInfo(fd, kind, target, deleted, flags, pos, st.st_ino, rdev, sock,
-                          fdinfo=info if kind == "inotify" else b"", locks=_locks(info),
+                          fdinfo=info if kind in ("inotify", "pidfd") else b"",
+                          locks=_locks(info),
                           mnt_id=mnt_id))
     return out
 

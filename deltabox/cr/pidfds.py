@@ -20,7 +20,6 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .. import kernfs
 from . import native
 from .capture import ProcessRecord, Refusal
 
@@ -50,7 +49,7 @@ def capture(records: list[ProcessRecord]) -> list[Refusal]:
         for f in rec.fds:
             if not is_pidfd(f):
                 continue
-            pid = _target(rec.pid, f.fd)
+            pid = _target(f)
             why = _refusal(rec, by_pid.get(pid) if pid is not None else None, pid)
             if why:
                 out.append(Refusal(rec.nspid, rec.cmd, f"fd {f.fd}: a pidfd {why}"))
@@ -61,18 +60,12 @@ def capture(records: list[ProcessRecord]) -> list[Refusal]:
     return out
 
 
-def _target(pid: int, fd: int) -> int | None:
-    """The host pid a pidfd names (fdinfo's "Pid:", as our /proc sees it); None once the
-    process has exited (-1) or if unreadable."""
-    try:
-        info = kernfs.read(f"/proc/{pid}/fdinfo/{fd}")
-    except OSError:
-        return None
-    for line in info.splitlines():
-        if line.startswith(b"Pid:"):
-            n = int(line.split()[1])
-            return n if n > 0 else None
-    return None
+def _target(f: native.FdInfo) -> int | None:
+    """The host pid a pidfd names (its fdinfo's "Pid:", as our /proc sees it, read with
+    the process's descriptors); None once the process has exited (-1)."""
+    pid = native.proc_field(f.fdinfo, b"Pid")
+    n = int(pid) if pid else -1
+    return n if n > 0 else None
 
 
 def _refusal(rec: ProcessRecord, child: ProcessRecord | None, pid: int | None) -> str | None:

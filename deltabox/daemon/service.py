@@ -2034,7 +2034,7 @@ class Daemon:
         and say which; "" if none was."""
         state = live.captured.get(key)
         killed = killed_templates(state) if state is not None else []
-        if not killed or state is None:
+        if state is None or not killed:
             return ""
         del live.captured[key]
         await self.cr.release(state)
