@@ -14,8 +14,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from deltabox import Sandbox
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,6 +96,17 @@ def wait_for(cond: Callable[[], object], timeout: float = 20, what: str = "") ->
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what or cond}"
         time.sleep(0.05)
+
+
+def dump_state(sbx: Sandbox, cp_id: str, timeout: float = 60) -> str:
+    """The process-dump line of a checkpoint's reasons, once it is no longer pending."""
+    deadline = time.monotonic() + timeout
+    while True:
+        cp = next(c for c in sbx.checkpoints() if c.id == cp_id)
+        line = next((r for r in cp.reasons if r.startswith("process dump:")), "")
+        if "pending" not in line or time.monotonic() > deadline:
+            return line
+        time.sleep(0.1)
 
 
 def wait_ready(d: DaemonProc, timeout: float = 60) -> None:

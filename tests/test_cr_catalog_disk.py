@@ -25,7 +25,7 @@ import pytest
 import deltabox
 from deltabox import Sandbox
 
-from conftest import OWN_PS, DaemonProc, new_sandbox, private_daemon
+from conftest import OWN_PS, DaemonProc, dump_state, new_sandbox, private_daemon
 from test_cr import (  # noqa: F401  (the catalog's cases, run here with the disk fixtures)
     Restore, test_a_sleep_restored_from_an_image_sleeps_the_time_it_had_left,
     test_an_adopted_childs_alarm_comes_back,
@@ -86,17 +86,10 @@ def sbx(disk_daemon: DaemonProc) -> Iterator[Sandbox]:
         yield s
 
 
-def dump_complete(sbx: Sandbox, cp_id: str, timeout: float = 60) -> None:
+def dump_complete(sbx: Sandbox, cp_id: str) -> None:
     """Until the checkpoint's process dump is no longer pending; it must be complete."""
-    deadline = time.monotonic() + timeout
-    while True:
-        cp = next(c for c in sbx.checkpoints() if c.id == cp_id)
-        line = next((r for r in cp.reasons if r.startswith("process dump:")), "")
-        if "pending" not in line:
-            assert "complete" in line, cp.reasons
-            return
-        assert time.monotonic() < deadline, "the process dump did not complete"
-        time.sleep(0.1)
+    line = dump_state(sbx, cp_id)
+    assert "complete" in line, line
 
 
 @pytest.fixture(params=["disk-evicted", "disk-restart", "disk-restart-fork"])

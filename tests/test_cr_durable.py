@@ -12,7 +12,8 @@ import pytest
 
 from deltabox import Sandbox
 
-from conftest import OWN_PS, DaemonProc, inspector_backend, private_daemon, wait_for
+from conftest import (OWN_PS, DaemonProc, dump_state, inspector_backend, private_daemon,
+                      wait_for)
 
 ARGS = ("--no-inspector", "--templates", "1")
 MB = 100
@@ -56,17 +57,6 @@ def ask(sbx: Sandbox, what: str = "hash", timeout: float = 30) -> dict:
             return json.loads(sbx.files.read("resp"))
         time.sleep(0.05)
     raise TimeoutError("the python process did not answer")
-
-
-def dump_state(sbx: Sandbox, cp_id: str, timeout: float = 60) -> str:
-    """The process-dump line of a checkpoint's reasons, once it is no longer pending."""
-    deadline = time.monotonic() + timeout
-    while True:
-        cp = next(c for c in sbx.checkpoints() if c.id == cp_id)
-        line = next((r for r in cp.reasons if r.startswith("process dump:")), "")
-        if "pending" not in line or time.monotonic() > deadline:
-            return line
-        time.sleep(0.1)
 
 
 def start_processes(sbx: Sandbox) -> dict:

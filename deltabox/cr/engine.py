@@ -788,7 +788,8 @@ class DeltaCR:
             state.images = adoption.Images(self.images_dir)
         tpl = state.templates[rec.pid]
         image = await self.worker.run(state.images.make, rec, tpl, state.captured_ns)
-        stale = private_maps.copied_stale(rec, tpl.pid, state.captured_ns)
+        stale = private_maps.copied_stale(rec, tpl.pid, state.captured_ns,
+                                           state.shm_files)
         if stale:
             raise native.CRError(errno.ESTALE, stale)
         return image

@@ -24,7 +24,10 @@ dump maps the files of the tree it was rebuilt in, looked at the same way from t
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+
 from .capture import ProcessRecord, SharedMapping, in_dev_shm
+from .shm_files import ShmFile
 
 # A file's ctime is the coarse clock's, which lags the time read at the capture by up to
 # a tick: a write just after the checkpoint must not pass for one before it. A file
@@ -48,23 +51,36 @@ def changed(rec: ProcessRecord, template_pid: int, since_ns: int) -> list[Shared
     return out
 
 
-def copied_stale(rec: ProcessRecord, template_pid: int, since_ns: int) -> str | None:
+def copied_stale(rec: ProcessRecord, template_pid: int, since_ns: int,
+                 shm: Sequence[ShmFile] = ()) -> str | None:
     """Why an image copied from rec's template (a process dump, an adoption's image)
     would not hold the checkpoint's bytes, or None: an image keeps every page of a
     /dev/shm file's mapping as the template reads it (criu_incr.c: each generation has its
     own /dev/shm, so nothing to map it from at restore), and a privately mapped one
     written since the checkpoint reads the new bytes in the pages the process never
-    wrote. Look after the copy: a write after it does not matter."""
-    for m in changed(rec, template_pid, since_ns):
-        if in_dev_shm(m.path):
-            return (f"pid {rec.nspid} ({rec.cmd}): {m.path}, mapped privately, was written "
-                    "after the checkpoint, before its image could copy it")
+    wrote. Look after the copy: a write after it does not matter. A file whose ctime is
+    still the one `shm` (the checkpoint's copies) read was not written since: the slack
+    that makes a write just before the checkpoint count as changed would fail its dump."""
+    at_cp = {f.path: f.ctime_ns for f in shm if f.ctime_ns}
+    for m in rec.mapped_private:
+        if not in_dev_shm(m.path):
+            continue
+        ctime = _ctime(template_pid, m)
+        if ctime is not None and (ctime < since_ns - SLACK_NS or ctime == at_cp.get(m.path)):
+            continue
+        return (f"pid {rec.nspid} ({rec.cmd}): {m.path}, mapped privately, was written "
+                "after the checkpoint, before its image could copy it")
     return None
 
 
 def _changed(template_pid: int, m: SharedMapping, since_ns: int) -> bool:
+    ctime = _ctime(template_pid, m)
+    return ctime is None or ctime >= since_ns - SLACK_NS
+
+
+def _ctime(template_pid: int, m: SharedMapping) -> int | None:
+    """The ctime of the file the template maps at m (None: it cannot be looked at)."""
     try:
-        st = os.stat(f"/proc/{template_pid}/map_files/{m.start:x}-{m.end:x}")
+        return os.stat(f"/proc/{template_pid}/map_files/{m.start:x}-{m.end:x}").st_ctime_ns
     except OSError:
-        return True
-    return st.st_ctime_ns >= since_ns - SLACK_NS
+        return None

@@ -32,6 +32,10 @@ class ShmFile:
     gid: int
     size: int
     saved: int | None = None   # our memfd holding its content at the checkpoint
+    # its ctime then (0: unknown). Reading it marks the ctime queried, so any later write
+    # is stamped with a fine-grained, different time (multigrain timestamps, tmpfs):
+    # private_maps.copied_stale tells a write just before the checkpoint from one after.
+    ctime_ns: int = 0
 
 
 def held(rec: ProcessRecord) -> set[str]:
@@ -86,7 +90,7 @@ def _copy(pid: int, path: str) -> ShmFile | str:
             os.close(saved)
             raise
         return ShmFile(path, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_size,
-                       saved)
+                       saved, st.st_ctime_ns)
     finally:
         os.close(fd)
 

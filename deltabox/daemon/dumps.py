@@ -296,7 +296,8 @@ class Dumps:
                                               state.captured_ns)
                 total += st.bytes_written
                 job_ms = max(job_ms, st.ms)
-                stale = private_maps.copied_stale(rec, tpl.pid, state.captured_ns)
+                stale = private_maps.copied_stale(rec, tpl.pid, state.captured_ns,
+                                                   state.shm_files)
                 if stale:
                     raise native.CRError(errno.ESTALE, stale)
             async with self.io.slot(cp_id):
