@@ -558,10 +558,12 @@ struct image {
 	struct pagemap_fixed *pm;
 	struct run_img *runs;
 	uint64_t *hashes;	/* 2 per page of this image's pages.img, in file order */
+	struct run_img *runs_own;	/* runs when not pm_raw's (skip_remapped), or NULL */
 };
 
 static void image_free(struct image *im)
 {
+	free(im->runs_own);
 	free(im->core_raw);
 	free(im->mm_raw);
 	free(im->pm_raw);
@@ -3069,12 +3071,14 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 						  const pid_t *set_tid, size_t set_tid_size,
 						  int image_dirfd, int root_dirfd,
 						  const struct dbxcr_template *src, pid_t inplace,
+						  const struct dbxcr_spawn_opts *skip,
 						  struct dbxcr_error *err);
 
 struct dbxcr_template *dbxcr_restore_template(pid_t host, int image_dirfd, int root_dirfd,
 					      struct dbxcr_error *err)
 {
-	return restore_template_in(host, NULL, NULL, 0, image_dirfd, root_dirfd, NULL, 0, err);
+	return restore_template_in(host, NULL, NULL, 0, image_dirfd, root_dirfd, NULL, 0, NULL,
+				   err);
 }
 
 pid_t dbxcr_held_adopt(struct dbxcr_held *parent, int image_dirfd, int root_dirfd,
@@ -3085,7 +3089,7 @@ pid_t dbxcr_held_adopt(struct dbxcr_held *parent, int image_dirfd, int root_dirf
 
 	*out = NULL;
 	tpl = restore_template_in(dbxcr_held_pid(parent), parent, opts->set_tid,
-				  opts->set_tid_size, image_dirfd, root_dirfd, src, 0, err);
+				  opts->set_tid_size, image_dirfd, root_dirfd, src, 0, opts, err);
 	if (!tpl)
 		return -1;
 	if (held_become(tpl, opts, out, err) < 0)	/* takes tpl */
@@ -3154,7 +3158,7 @@ int dbxcr_held_chain(struct dbxcr_template *child_tpl, size_t n,
 		if (held_exec(x[i], exe_fd, err) < 0)
 			goto kill;
 		tpl = restore_template_in(pid, NULL, NULL, 0, image_dirfds[i], root_dirfd, srcs[i],
-					  pid, err);
+					  pid, NULL, err);
 		held_forget(x[i]);	/* the process is tpl's now, or killed */
 		x[i] = NULL;
 		if (!tpl)
@@ -3229,10 +3233,83 @@ static int open_live(struct restore *R, int image_dirfd, const struct dbxcr_temp
 	return 0;
 }
 
+/* A kept piece [from, to) of run r, its data offset moved with its start (the hashes are
+ * indexed by it). */
+static struct run_img run_piece(const struct run_img *r, uint64_t from, uint64_t to)
+{
+	struct run_img p = *r;
+
+	p.vaddr = from;
+	p.npages = (uint32_t)((to - from) / PAGE);
+	p.off = r->off + (from - r->vaddr) / PAGE;
+	return p;
+}
+
+static int by_start(const void *a, const void *b)
+{
+	const struct dbxcr_remap *x = a, *y = b;
+
+	return x->start < y->start ? -1 : x->start > y->start;
+}
+
+/* Drop from image im's runs the pages of the ranges the spawn maps afresh over whatever
+ * the restore wrote there: the shared mappings in `remaps` (not private_map), whose object
+ * the daemon made again from its copy at the checkpoint (a semaphore, shared memory).  An
+ * adopted child sharing memory would otherwise have that memory copied in at every
+ * restore, only to be mapped over.  Runs are clipped or split around each range: a piece
+ * is kept before a range only where the range starts, and one after the last, so the
+ * kept pieces fit in nruns + ranges. */
+static int skip_remapped(struct image *im, const struct dbxcr_remap *remaps, size_t n,
+			 pid_t pid, struct dbxcr_error *err)
+{
+	struct dbxcr_remap *skip;
+	struct run_img *out;
+	size_t ns = 0, kept = 0, cap;
+
+	for (size_t i = 0; i < n; i++)
+		ns += !remaps[i].private_map;
+	if (!ns || !im->pm->nruns)
+		return 0;
+	skip = calloc(ns, sizeof(*skip));
+	cap = im->pm->nruns + ns;
+	out = calloc(cap, sizeof(*out));
+	if (!skip || !out) {
+		free(skip);
+		free(out);
+		return fail(err, ENOMEM, pid, "allocate %zu runs", cap);
+	}
+	ns = 0;
+	for (size_t i = 0; i < n; i++)
+		if (!remaps[i].private_map)
+			skip[ns++] = remaps[i];
+	qsort(skip, ns, sizeof(*skip), by_start);
+	for (uint64_t r = 0; r < im->pm->nruns; r++) {
+		const struct run_img *run = &im->runs[r];
+		uint64_t cur = run->vaddr, end = run->vaddr + (uint64_t)run->npages * PAGE;
+
+		for (size_t i = 0; i < ns && cur < end; i++) {
+			if (skip[i].end <= cur || skip[i].start >= end)
+				continue;
+			if (skip[i].start > cur)
+				out[kept++] = run_piece(run, cur, skip[i].start);
+			cur = skip[i].end;
+		}
+		if (cur < end)
+			out[kept++] = run_piece(run, cur, end);
+	}
+	free(skip);
+	free(im->runs_own);
+	im->runs_own = out;
+	im->runs = out;
+	im->pm->nruns = kept;
+	return 0;
+}
+
 static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held *parent,
 						  const pid_t *set_tid, size_t set_tid_size,
 						  int image_dirfd, int root_dirfd,
 						  const struct dbxcr_template *src, pid_t inplace,
+						  const struct dbxcr_spawn_opts *skip,
 						  struct dbxcr_error *err)
 {
 	struct restore R;
@@ -3253,6 +3330,8 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 		return NULL;
 	}
 	if (chain_load(image_dirfd, c, host, err) < 0)
+		goto out_nochild;
+	if (skip && skip_remapped(&c->im[0], skip->remaps, skip->nremaps, host, err) < 0)
 		goto out_nochild;
 	R.c = c;
 	R.im = &c->im[0];

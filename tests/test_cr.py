@@ -2773,7 +2773,7 @@ def test_dontfork_mapping(sbx: Sandbox, restore: Restore) -> None:
 
 
 SHARED_MEMORY = """
-import mmap, multiprocessing as mp, os, tempfile, time
+import mmap, multiprocessing as mp, os, sys, tempfile, time
 ctx = mp.get_context("fork")
 val = ctx.Value("i", 41)          # multiprocessing's heap (a /dev/shm file, unlinked) + a lock
 go, done = ctx.Semaphore(0), ctx.Semaphore(0)   # POSIX semaphores: /dev/shm, unlinked
@@ -2796,13 +2796,29 @@ def worker():                     # shares all of it with its parent
         anon[5] = (anon[5] + 1) % 256
         done.release()
 
-if os.fork() == 0:
-    worker()
+if sys.argv[1:] == ["detached"]:   # a grandchild left to init: not the parent's child
+    if os.fork() == 0:
+        if os.fork() == 0:
+            worker()
+        os._exit(0)
+    os.wait()
+    kid = None
+else:
+    kid = os.fork()
+    if kid == 0:
+        worker()
+
+def ours():
+    try:
+        return os.waitpid(kid, os.WNOHANG) == (0, 0)   # alive, and its parent's child
+    except ChildProcessError:
+        return False
 
 def report():
     open("/workspace/state", "w").write(
         f"v={val.value} anon={bytes(anon[:6])!r} mem={bytes(mem[:7])!r} "
-        f"fd={os.pread(mfd, 7, 0)!r} tmp={bytes(view[:6])!r}")
+        f"fd={os.pread(mfd, 7, 0)!r} tmp={bytes(view[:6])!r} "
+        f"child={'-' if kid is None else ours()}")
 
 open("/workspace/shm-ready", "w").close()
 while True:
@@ -2830,31 +2846,36 @@ def test_shared_memory(sbx: Sandbox, restore: Restore) -> None:
     descriptors and read through their mappings): a template shares it with the live processes, so it is copied
     at the checkpoint and mapped again at a restore. It comes back as it was, still shared
     (the child, asleep on a semaphore, wakes when the parent posts it and its writes are
-    the parent's), and a fork's copy is its own (before, refused)."""
+    the parent's), and a fork's copy is its own (before, refused). The child is its
+    parent's again (adopted: its image skips the shared pages, mapped again over it; until
+    stop 54 it came back a child of init)."""
     sbx.files.write("shm.py", SHARED_MEMORY)
     sbx.exec("cd /workspace && nohup python3 shm.py >/dev/null 2>&1 &")
     _wait_file(sbx, "shm-ready")
     _ask(sbx, "bump")
     before = _report(sbx)
-    assert before == "v=141 anon=b'hello\\x01' mem=b'memfd-1' fd=b'memfd-1' tmp=b'file-1'", before
+    assert before == ("v=141 anon=b'hello\\x01' mem=b'memfd-1' fd=b'memfd-1' tmp=b'file-1' "
+                      "child=True"), before
     target = _checkpoint_mutate_restore(sbx, restore, before)
     _ask(target, "bump")
-    assert _report(target) == "v=241 anon=b'hello\\x02' mem=b'memfd-1' fd=b'memfd-1' tmp=b'file-1'"
+    assert _report(target) == ("v=241 anon=b'hello\\x02' mem=b'memfd-1' fd=b'memfd-1' "
+                               "tmp=b'file-1' child=True")
     if restore.mode == "fork":  # type: ignore[attr-defined]
-        assert _report(sbx) == "v=999 anon=b'XXXXX\\x01' mem=b'memfd-9' fd=b'memfd-9' tmp=b'file-9'"
+        assert _report(sbx) == ("v=999 anon=b'XXXXX\\x01' mem=b'memfd-9' fd=b'memfd-9' "
+                                "tmp=b'file-9' child=True")
 
 
 POOL = """
-import multiprocessing as mp, os, time
+import multiprocessing as mp, os, sys, time
 from concurrent.futures import ProcessPoolExecutor
 
 def square(x):
     return x * x, os.getpid()
 
 if __name__ == "__main__":
-    mp.set_start_method("fork")
-    pool = mp.Pool(2)                        # 3 threads, 2 workers, queues on pipes and
-    ex = ProcessPoolExecutor(2)              # semaphores; an executor: the same and more
+    ctx = mp.get_context(sys.argv[1])
+    pool = ctx.Pool(2)                       # 3 threads, 2 workers, queues on pipes and
+    ex = ProcessPoolExecutor(2, mp_context=ctx)   # semaphores; an executor: the same and more
     n = 41
     done = sum(r for r, _ in pool.map(square, range(10)))
     done += sum(r for r, _ in ex.map(square, range(10)))
@@ -2872,22 +2893,39 @@ if __name__ == "__main__":
             n += 1
             done += pool.apply(square, (3,))[0]
             os.remove("/workspace/mutate")
+        if os.path.exists("/workspace/finish"):   # the workers' exit, as their parent sees it
+            workers = pool._pool + list(ex._processes.values())
+            pool.close()
+            pool.join()
+            ex.shutdown()
+            open("/workspace/state", "w").write(f"exit={[p.exitcode for p in workers]}")
+            os.remove("/workspace/finish")
+            break
         time.sleep(0.01)
 """
 
 
-def test_multiprocessing_pool_and_executor(sbx: Sandbox, restore: Restore) -> None:
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_multiprocessing_pool_and_executor(sbx: Sandbox, restore: Restore, method: str) -> None:
     """multiprocessing's Pool and a ProcessPoolExecutor (threads in the parent, worker
-    processes, pipes, semaphores in shared memory): restored with their state, their
-    workers alive, and both still run jobs."""
+    processes, pipes, semaphores in shared memory), with each start method: restored with
+    their state, their workers alive, and both still run jobs; at the end the workers
+    exit and their parent gets their exit status. Until stop 54 spawn and forkserver were
+    refused (their semaphores are named: /dev/shm/sem.NAME, mapped under the temporary
+    name sem_open made them with, removed: shm_files.named_again), and a worker sharing
+    memory came back a child of init: its parent read no exit status (exitcode None;
+    forkserver's parent, told by the server, waited for ever)."""
     sbx.files.write("pool.py", POOL)
-    sbx.exec("cd /workspace && nohup python3 pool.py >/dev/null 2>&1 &")
+    sbx.exec(f"cd /workspace && nohup python3 pool.py {method} >/dev/null 2>&1 &")
     _wait_file(sbx, "pool-ready")
     before = _report(sbx)
     assert before == "n=41 done=570 total=4940 workers=2+2 alive=True", before
     target = _checkpoint_mutate_restore(sbx, restore, before)
     _ask(target, "mutate")
     assert _report(target) == "n=42 done=579 total=4940 workers=2+2 alive=True"
+    target.files.remove("state")
+    _ask(target, "finish")
+    assert target.files.read("state") == b"exit=[0, 0, 0, 0]"
 
 
 @pytest.mark.parametrize("setup,why", [

@@ -281,10 +281,11 @@ def _rollbacks_from_carriers(sbx: Sandbox, prepare: str, change: str, times: int
 def test_shared_memory_born_from_carriers(sbx: Sandbox) -> None:
     """Processes sharing memory (multiprocessing's Value and semaphores, anonymous shared
     memory, a memfd) born from carriers: each carrier maps the new object before the birth
-    (which shares the carrier's address space), so parent and child come back sharing it,
-    with the checkpoint's content, at every rollback."""
+    (which shares the carrier's address space), so both come back sharing it, with the
+    checkpoint's content, at every rollback. (The worker is left to init: a child of the
+    process is adopted instead, restored from an image, not born from a carrier.)"""
     sbx.files.write("shm.py", SHARED_MEMORY)
-    sbx.exec("cd /workspace; nohup python3 shm.py >/dev/null 2>&1 &")
+    sbx.exec("cd /workspace; nohup python3 shm.py detached >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("shm-ready"), what="ready")
 
     def shared(at_cp: str, i: int) -> None:

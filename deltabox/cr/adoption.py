@@ -17,13 +17,17 @@ Which children (in their parent's session, or leading one of their own):
   in a wait4/waitid this child would answer: a shell running a command, a shell loop's
   `sleep`, `subprocess.run`, a child watcher thread): without adoption that wait fails
   as soon as the parent runs, whatever the child's size;
-- every other child of a program that is not a shell (since stop 53), whatever its size,
-  if it maps no memory shared with another process (unlinked.py re-shares such memory
-  between template children only): a program that starts a child watches it, and acts on
-  what it finds: Python's `Popen.poll()` takes ECHILD for an exit with status 0 (so a
-  Jupyter server's restarter killed and restarted its kernel a few seconds after a
-  rollback, its state lost), `node --watch` (libuv) never heard of its child's exit again
-  and hung at its next reload ("Waiting for graceful termination...");
+- every other child of a program that is not a shell (since stop 53), whatever its size
+  and whatever memory it shares with others (since stop 54: the shared objects, made
+  again, are mapped over its image, whose restore skips their pages: criu_incr.c
+  skip_remapped): a program that starts a child watches it, and acts on what it finds:
+  Python's `Popen.poll()` takes ECHILD for an exit with status 0 (so a Jupyter server's
+  restarter killed and restarted its kernel a few seconds after a rollback, its state
+  lost), `node --watch` (libuv) never heard of its child's exit again and hung at its
+  next reload ("Waiting for graceful termination..."), multiprocessing's workers (which
+  share its semaphores) exited with no status for their pool, and the forkserver start
+  method's server, which reaps them and tells the pool, never told it: `pool.join()`
+  waited for ever;
 - a shell's other children up to ADOPT_MAX_RSS_KB resident (same condition): its
   background jobs (`cmd &`, which the shell reaps when it ends and a later `wait` waits
   for), a small tool. Without adoption one comes back as a child of init: the shell's
@@ -78,7 +82,7 @@ def adoptees(records: Iterable[ProcessRecord],
     for r, parent in _with_parents(records):
         if not _same_session(r, parent):
             continue
-        if cheap(r) or r.pid in forced or (not r.shared and not is_shell(parent)):
+        if cheap(r) or r.pid in forced or not is_shell(parent):
             out[r.pid] = parent.pid
             continue
         if parent.pid not in calls:

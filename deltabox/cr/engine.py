@@ -474,6 +474,7 @@ class DeltaCR:
                 if not cap.refused:
                     cap.refused.extend(eventloop.capture(records, layers, self.watch_paths))
                 if not cap.refused:
+                    shm_files.named_again(records)   # before unlinked.capture looks
                     files, why = unlinked.capture(records)
                     cap.refused.extend(why)
                 if not cap.refused:

@@ -15,6 +15,7 @@ before any process reopens it by path; its shared mappings are mapped again from
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from dataclasses import dataclass
@@ -36,6 +37,50 @@ class ShmFile:
     # is stamped with a fine-grained, different time (multigrain timestamps, tmpfs):
     # private_maps.copied_stale tells a write just before the checkpoint from one after.
     ctime_ns: int = 0
+
+
+def named_again(records: list[ProcessRecord]) -> None:
+    """Give each shared mapping of a /dev/shm file whose mapped name was removed while the
+    file kept another name that name, so it is copied and mapped again as a named file.
+    glibc's sem_open makes a semaphore under a temporary name, maps it, links it to its
+    own name and removes the temporary one: every semaphore of Python's multiprocessing
+    with the spawn or forkserver start method (which unlinks it only when it is freed)
+    shows in maps as that removed name. Looked at only for such mappings (one listing of
+    /dev/shm per process holding one). Call with the processes stopped."""
+    for rec in records:
+        names: dict[int, str] | None = None
+        for i, m in enumerate(rec.shared):
+            base = m.path.removesuffix(" (deleted)")
+            if base == m.path or not in_dev_shm(base):
+                continue
+            try:
+                st = os.stat(f"/proc/{rec.pid}/map_files/{m.where}")
+            except OSError:
+                continue   # unlinked.capture says why
+            if not st.st_nlink:
+                continue
+            if names is None:
+                names = _dev_shm_names(rec.pid, st.st_dev)
+            name = names.get(st.st_ino)
+            if name is not None:
+                rec.shared[i] = dataclasses.replace(m, path=name)
+
+
+def _dev_shm_names(pid: int, dev: int) -> dict[int, str]:
+    """Inode -> /dev/shm/NAME of the regular files of pid's /dev/shm on device `dev`."""
+    out: dict[int, str] = {}
+    try:
+        with os.scandir(f"/proc/{pid}/root/dev/shm") as it:
+            for e in it:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode) and st.st_dev == dev:
+                    out.setdefault(st.st_ino, f"/dev/shm/{e.name}")
+    except OSError:
+        pass
+    return out
 
 
 def held(rec: ProcessRecord) -> set[str]:

@@ -3,6 +3,7 @@
  *                        stdin, one per line, answers on stdout:
  *                          s      -> "sum <hex> <ncmds> <xmm>"   (checksum of all state)
  *                          m K    -> mutate pages [0, K) and answer "ok"
+ *                          a      -> "at <address of the patterned memory>"
  *                          q      -> exit 0
  *   criu_target host   : a restore host: reaps children forever. */
 #include <signal.h>
@@ -93,6 +94,9 @@ int main(int argc, char **argv)
 			data_words[ncmds % 512]++;
 			xmm += 1.0;
 			printf("ok\n");
+			fflush(stdout);
+		} else if (line[0] == 'a') {
+			printf("at %p\n", (void *)mem);
 			fflush(stdout);
 		} else if (line[0] == 'q') {
 			return 0;

@@ -17,6 +17,7 @@
 #include <string.h>
 #include <dirent.h>
 #include <sys/epoll.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -561,11 +562,37 @@ static void check_install_fd(struct dbxcr_held *hp, pid_t parent, pid_t child)
 		close(pfd);
 }
 
+/* A memfd holding a copy of pid's memory [at, at + len), or -1. */
+static int memfd_copy_of(pid_t pid, unsigned long at, size_t len)
+{
+	char path[64];
+	char *buf = malloc(len);
+	int mem, fd = -1;
+
+	snprintf(path, sizeof(path), "/proc/%d/mem", (int)pid);
+	mem = open(path, O_RDONLY | O_CLOEXEC);
+	if (buf && mem >= 0 && pread(mem, buf, len, (off_t)at) == (ssize_t)len) {
+		fd = memfd_create("remapped", MFD_CLOEXEC);
+		if (fd >= 0 && write(fd, buf, len) != (ssize_t)len) {
+			close(fd);
+			fd = -1;
+		}
+	}
+	if (mem >= 0)
+		close(mem);
+	free(buf);
+	return fd;
+}
+
 /* A held process (spawned from a template, stopped) adopts a child restored from an image:
  * the child is the held process's own (its parent pid, and once it exits a zombie waiting
  * for that parent: the restored host sits in pause() and does not reap), with the
  * image's state.  live: the image only indexes the pages, which are copied from the
- * template given as the source; without that source it is refused, changing nothing. */
+ * template given as the source; without that source it is refused, changing nothing.
+ * Pages [64, 128) of its 256 are mapped afresh, shared, from a memfd holding their copy
+ * (a remap, as the daemon maps a shared object it made again): the image's runs are cut
+ * around them (skip_remapped), the pages on both sides still the image's (the hash and
+ * the checksum agree), and the child writes through to the memfd. */
 static void test_held_adopt(const char *base, bool live)
 {
 	struct dbxcr_error err;
@@ -573,8 +600,9 @@ static void test_held_adopt(const char *base, bool live)
 	struct dbxcr_template *tc = NULL, *th = NULL;
 	struct dbxcr_held *hp = NULL, *hc = NULL;
 	struct proc orig = { -1, -1, -1 }, host = { -1, -1, -1 }, ch = { -1, -1, -1 };
-	char s0[128] = "", rep[128], img[1024];
-	int fi = -1, root = -1, a[2] = { -1, -1 }, b[2] = { -1, -1 };
+	char s0[128] = "", rep[128] = "", img[1024];
+	int fi = -1, root = -1, a[2] = { -1, -1 }, b[2] = { -1, -1 }, shm = -1;
+	unsigned long mem = 0;
 	pid_t parent = -1, child = -1;
 
 	current_test = live ? "held_adopt_live" : "held_adopt";
@@ -583,8 +611,14 @@ static void test_held_adopt(const char *base, bool live)
 		CHECK(0, "start targets");
 		goto out;
 	}
+	CHECK(ask(&orig, "a\n", rep, sizeof(rep)) == 0 && sscanf(rep, "at %lx", &mem) == 1,
+	      "the target's memory: '%s'", rep);
 	CHECK(ask(&orig, "s\n", s0, sizeof(s0)) == 0, "no answer from target");
 	wait_in_read(orig.pid);
+	shm = mem ? memfd_copy_of(orig.pid, mem + 64 * 4096, 64 * 4096) : -1;
+	CHECK(shm >= 0, "the target's 256 pages (at %#lx) copied to a memfd", mem);
+	if (shm < 0)
+		goto out;
 	tc = dbxcr_make_template(orig.pid, &err);
 	CHECK(tc != NULL, "make_template: %s", err.msg);
 	if (!tc)
@@ -617,8 +651,10 @@ static void test_held_adopt(const char *base, bool live)
 	}
 	{
 		struct dbxcr_fdmap m[2] = { { a[0], 0, 0 }, { b[1], 1, 0 } };
+		struct dbxcr_remap r = { mem + 64 * 4096, mem + 128 * 4096,
+					 PROT_READ | PROT_WRITE, shm, 0, 0 };
 		struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1,
-					      .fds = m, .nfds = 2 };
+					      .fds = m, .nfds = 2, .remaps = &r, .nremaps = 1 };
 
 		if (live) {
 			pid_t none = dbxcr_held_adopt(hp, fi, root, NULL, &o, &hc, &err);
@@ -651,6 +687,16 @@ static void test_held_adopt(const char *base, bool live)
 		      sscanf(rep, "sum %63s %u", sum, &n) == 2 && !strcmp(sum, sum0) &&
 		      n == n0 + 1, "the adopted child answers '%s', the original '%s'", rep, s0);
 	}
+	{
+		/* "m 100", its 4th command (a, s; s, m), adds 4 to word p of each page p < 100 */
+		uint64_t before = 0, after = 0;
+		off_t at = (70 - 64) * 4096 + 70 * 8;
+
+		CHECK(pread(shm, &before, 8, at) == 8 && ask(&ch, "m 100\n", rep, sizeof(rep)) == 0 &&
+		      pread(shm, &after, 8, at) == 8 && after == before + 4,
+		      "the remapped page 70 reads %#llx then %#llx through the memfd",
+		      (unsigned long long)before, (unsigned long long)after);
+	}
 	CHECK(write(ch.in, "q\n", 2) == 2, "ask the child to exit");
 	CHECK(zombie_of(child, parent), "the adopted child %d did not wait for its parent %d "
 	      "to reap it", (int)child, (int)parent);
@@ -677,6 +723,8 @@ out:
 		close(fi);
 	if (root >= 0)
 		close(root);
+	if (shm >= 0)
+		close(shm);
 }
 
 /* A held chain: the small parent's image copied in place, the big child its template's
