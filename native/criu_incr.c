@@ -797,14 +797,16 @@ static int walk_maps(pid_t pid, bool smaps, raw_cb cb, void *ctx, struct dbxcr_e
 	memset(&r, 0, sizeof(r));
 	while (getline(&line, &cap, f) > 0) {
 		unsigned long long s, e, off;
+		unsigned long ino;
 		char perms[8];
 		int pos = 0;
 
 		line[strcspn(line, "\n")] = '\0';
-		if (sscanf(line, "%llx-%llx %7s %llx %*s %lu %n", &s, &e, perms, &off, &r.inode,
+		if (sscanf(line, "%llx-%llx %7s %llx %*s %lu %n", &s, &e, perms, &off, &ino,
 			   &pos) >= 5 && pos > 0) {
 			if (have && (rc = cb(&r, ctx)) < 0)
 				break;
+			r.inode = ino;	/* this line's, once the previous record is done */
 			r.start = s;
 			r.end = e;
 			r.pgoff = off / PAGE;
@@ -849,6 +851,18 @@ static bool has_flag(const char *vmflags, const char *fl)
 	return strstr(vmflags, pat) != NULL;
 }
 
+/* The VMA_* flags smaps' VmFlags give (growing down, the madvise flags kept). */
+#define VMA_VMFLAGS (VMA_GROWSDOWN | VMA_HUGE | VMA_NOHUGE | VMA_WIPEONFORK | VMA_DONTDUMP)
+
+static uint32_t vmflags_of(const char *vmflags)
+{
+	return (has_flag(vmflags, "gd") ? VMA_GROWSDOWN : 0) |
+	       (has_flag(vmflags, "hg") ? VMA_HUGE : 0) |
+	       (has_flag(vmflags, "nh") ? VMA_NOHUGE : 0) |
+	       (has_flag(vmflags, "wf") ? VMA_WIPEONFORK : 0) |
+	       (has_flag(vmflags, "dd") ? VMA_DONTDUMP : 0);
+}
+
 static int classify_cb(const struct raw_vma *r, void *arg)
 {
 	struct dump_ctx *c = arg;
@@ -868,16 +882,7 @@ static int classify_cb(const struct raw_vma *r, void *arg)
 		 (r->perms[2] == 'x' ? PROT_EXEC : 0);
 	if (r->perms[3] == 's')
 		v.flags |= VMA_SHARED;
-	if (has_flag(r->vmflags, "gd"))
-		v.flags |= VMA_GROWSDOWN;
-	if (has_flag(r->vmflags, "hg"))
-		v.flags |= VMA_HUGE;
-	if (has_flag(r->vmflags, "nh"))
-		v.flags |= VMA_NOHUGE;
-	if (has_flag(r->vmflags, "wf"))
-		v.flags |= VMA_WIPEONFORK;
-	if (has_flag(r->vmflags, "dd"))
-		v.flags |= VMA_DONTDUMP;
+	v.flags |= vmflags_of(r->vmflags);
 	if (has_flag(r->vmflags, "io") || has_flag(r->vmflags, "pf"))
 		if (!is_special_name(name))
 			return fail(c->err, ENOTSUP, c->pid, "mapping %#llx-%#llx (%s) is device "
@@ -2515,16 +2520,60 @@ struct restore {
 	int live_fd;			/* reader.live_fd */
 	uint64_t code, scratch;		/* C and D */
 	bool *extra_write;		/* per VMA: mapped with PROT_WRITE added */
+	bool *kept;			/* per VMA: the newborn's own kept (r_keep_forked), or
+					 * NULL */
 	/* Restored in place right after an exec (dbxcr_held_chain): every signal's action is
 	 * SIG_DFL, or SIG_IGN for those in `ignored`, with no flags, mask or restorer. */
 	bool after_exec;
 	uint64_t ignored;
 };
 
+/* The index of the image's first VMA starting at or after `start` (nvma: none). */
+static uint32_t vma_from(const struct image *im, uint64_t start)
+{
+	uint32_t lo = 0, hi = im->mm->nvma;
+
+	while (lo < hi) {
+		uint32_t mid = lo + (hi - lo) / 2;
+
+		if (im->vmas[mid].start < start)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	return lo;
+}
+
+/* munmap [s, e) in the tracee, merged with the pending range when they touch (one call
+ * for a run of neighbours); e == 0 flushes. */
+static int unmap_piece(struct restore *R, uint64_t *ps, uint64_t *pe, uint64_t s, uint64_t e,
+		       struct dbxcr_error *err)
+{
+	long a[6] = { 0 };
+
+	if (e && s == *pe && *pe > *ps) {
+		*pe = e;
+		return 0;
+	}
+	if (*pe > *ps) {
+		a[0] = (long)*ps;
+		a[1] = (long)(*pe - *ps);
+		if (RS(&R->t, SYS_munmap, err, "munmap old mapping %#llx-%#llx",
+		       (unsigned long long)*ps, (unsigned long long)*pe) < 0)
+			return -1;
+	}
+	*ps = s;
+	*pe = e;
+	return 0;
+}
+
+/* Unmap everything the newborn has but the special mappings, the restorer's pages and
+ * the image's VMAs kept in it (r_keep_forked). */
 static int r_unmap_old(struct restore *R, struct dbxcr_error *err)
 {
+	const struct image *im = R->im;
 	struct cur_maps m = { 0 };
-	long a[6] = { 0 };
+	uint64_t ps = 0, pe = 0;
 	int rc = -1;
 
 	if (walk_maps(R->pid, false, cur_cb, &m, err) < 0) {
@@ -2532,23 +2581,25 @@ static int r_unmap_old(struct restore *R, struct dbxcr_error *err)
 			fail(err, ENOMEM, R->pid, "read maps");
 		goto out;
 	}
-	for (size_t i = 0; i < m.n;) {
-		uint64_t s = m.r[i].s, e = m.r[i].e;
+	for (size_t i = 0; i < m.n; i++) {
+		uint64_t s = m.r[i].s, e = m.r[i].e, cur = s;
 
-		if (m.name[i][0] || s == R->code || s == R->scratch) {
-			i++;
+		if (m.name[i][0] || s == R->code || s == R->scratch)
 			continue;
+		for (uint32_t k = R->kept ? vma_from(im, s) : im->mm->nvma;
+		     k < im->mm->nvma && im->vmas[k].start < e; k++) {
+			if (!R->kept[k] || im->vmas[k].end > e)
+				continue;
+			if (im->vmas[k].start > cur &&
+			    unmap_piece(R, &ps, &pe, cur, im->vmas[k].start, err) < 0)
+				goto out;
+			cur = im->vmas[k].end;
 		}
-		while (i + 1 < m.n && m.r[i + 1].s == e && !m.name[i + 1][0] &&
-		       m.r[i + 1].s != R->code && m.r[i + 1].s != R->scratch)
-			e = m.r[++i].e;
-		i++;
-		a[0] = (long)s;
-		a[1] = (long)(e - s);
-		if (RS(&R->t, SYS_munmap, err, "munmap old mapping %#llx-%#llx",
-		       (unsigned long long)s, (unsigned long long)e) < 0)
+		if (cur < e && unmap_piece(R, &ps, &pe, cur, e, err) < 0)
 			goto out;
 	}
+	if (unmap_piece(R, &ps, &pe, 0, 0, err) < 0)
+		goto out;
 	rc = 0;
 out:
 	cur_free(&m);
@@ -2718,6 +2769,17 @@ static int r_map_vmas(struct restore *R, struct dbxcr_error *err)
 			if (v->flags & VMA_SPECIAL)
 				continue;
 			R->extra_write[k] = vma_gets_pages(im, v, &run_i) && !(prot & PROT_WRITE);
+			if (R->kept && R->kept[k]) {	/* there, as the image has it */
+				if (!R->extra_write[k])
+					continue;
+				a[0] = (long)v->start;
+				a[1] = (long)(v->end - v->start);
+				a[2] = prot | PROT_WRITE;
+				if (RS(&R->t, SYS_mprotect, err, "mprotect kept %#llx",
+				       (unsigned long long)v->start) < 0)
+					return -1;
+				continue;
+			}
 			if (R->extra_write[k])
 				prot |= PROT_WRITE;
 			flags |= (v->flags & VMA_SHARED) ? MAP_SHARED : MAP_PRIVATE;
@@ -3305,6 +3367,282 @@ static int skip_remapped(struct image *im, const struct dbxcr_remap *remaps, siz
 	return 0;
 }
 
+/* An adopted child is born a fork of its restored parent (held_fork), which holds the
+ * parent's pages at the checkpoint copy-on-write; and the child was a fork of that parent,
+ * so every page neither wrote since is one physical frame in the parent's template, the
+ * child's template (src, where the image's pages are read) and the newborn.  So each
+ * private anonymous mapping the newborn has exactly as the image has it (range,
+ * protection, madvise flags) is kept: only the pages whose frame differs from src's are
+ * written, and the newborn's pages the image does not have are dropped (MADV_DONTNEED:
+ * they read as zero, as an absent page of the image does).  A pool's worker or a shell's
+ * job then costs the pages it wrote, not all of its memory.  A mapping whose drops (one
+ * injected call per range, ~25 us: about what writing KEEP_DROP_PAGES pages costs) would
+ * cost more than the writes kept spare is mapped afresh instead.  Frames are read from
+ * pagemap (root: PFNs shown); a frame unknown (0, swapped) counts as different. */
+#define KEEP_DROP_PAGES 8
+#define PM_PRESENT (1ULL << 63)
+#define PM_SWAP (1ULL << 62)
+#define PM_PFN ((1ULL << 55) - 1)
+#define KEPT_SAME 1		/* one frame in the newborn and in src */
+#define KEPT_THERE 2		/* the newborn has the page (present or swapped) */
+#define KEPT_COVERED 4		/* the image has it: in one of its runs */
+
+struct kept_vma {
+	uint32_t k;		/* the image's VMA */
+	uint64_t start, end;
+	uint8_t *st;		/* per page: KEPT_* */
+};
+
+static int keep_cb(const struct raw_vma *r, void *arg)
+{
+	struct restore *R = arg;
+	const struct image *im = R->im;
+	uint32_t prot = (r->perms[0] == 'r' ? PROT_READ : 0) |
+			(r->perms[1] == 'w' ? PROT_WRITE : 0) |
+			(r->perms[2] == 'x' ? PROT_EXEC : 0);
+	uint32_t flags = vmflags_of(r->vmflags);
+
+	if (r->inode || r->perms[3] != 'p' ||
+	    (r->name[0] && strcmp(r->name, "[heap]") && strcmp(r->name, "[stack]")))
+		return 0;
+	/* Each of the image's VMAs inside this one (the kernel merges neighbouring
+	 * anonymous mappings, so either side may hold a few as one) */
+	for (uint32_t k = vma_from(im, r->start); k < im->mm->nvma &&
+	     im->vmas[k].end <= r->end; k++) {
+		const struct vma_img *v = &im->vmas[k];
+
+		if (!(v->flags & (VMA_SHARED | VMA_FILE | VMA_SPECIAL | VMA_WHOLE)) &&
+		    prot == v->prot && flags == (v->flags & VMA_VMFLAGS))
+			R->kept[k] = true;
+
+	}
+	return 0;
+}
+
+/* Per page of kv: whether the newborn has it, and whether in src's frame. */
+static int kept_pages(struct kept_vma *kv, int nfd, int sfd, pid_t pid, pid_t src,
+		      struct dbxcr_error *err)
+{
+	size_t np = (kv->end - kv->start) / PAGE;
+	uint64_t *n = malloc(np * 8), *s = malloc(np * 8);
+	int rc = -1;
+
+	kv->st = calloc(np, 1);
+	if (!n || !s || !kv->st) {
+		fail(err, ENOMEM, pid, "allocate %zu pages' entries", np);
+		goto out;
+	}
+	if (full_pread(nfd, n, np * 8, (off_t)(kv->start / PAGE * 8)) < 0 ||
+	    full_pread(sfd, s, np * 8, (off_t)(kv->start / PAGE * 8)) < 0) {
+		fail(err, errno, pid, "read pagemap at %#llx (newborn %d, source %d)",
+		     (unsigned long long)kv->start, (int)pid, (int)src);
+		goto out;
+	}
+	for (size_t i = 0; i < np; i++) {
+		if (n[i] & (PM_PRESENT | PM_SWAP))
+			kv->st[i] |= KEPT_THERE;
+		if ((n[i] & PM_PRESENT) && (s[i] & PM_PRESENT) && (n[i] & PM_PFN) &&
+		    (n[i] & PM_PFN) == (s[i] & PM_PFN))
+			kv->st[i] |= KEPT_SAME;
+	}
+	rc = 0;
+out:
+	free(n);
+	free(s);
+	return rc;
+}
+
+/* Mark each kept page the image's runs hold; unkeep a mapping whose drops would cost more
+ * than the writes it spares (KEEP_DROP_PAGES). */
+static void kept_cover(struct restore *R, struct kept_vma *kv, size_t nk)
+{
+	const struct image *im = R->im;
+	size_t j = 0;
+
+	for (uint64_t r = 0; r < im->pm->nruns; r++) {
+		uint64_t rs = im->runs[r].vaddr, re = rs + (uint64_t)im->runs[r].npages * PAGE;
+
+		while (j < nk && kv[j].end <= rs)
+			j++;
+		for (size_t t = j; t < nk && kv[t].start < re; t++) {
+			uint64_t a = rs > kv[t].start ? rs : kv[t].start;
+			uint64_t b = re < kv[t].end ? re : kv[t].end;
+
+			for (uint64_t p = a; p < b; p += PAGE)
+				kv[t].st[(p - kv[t].start) / PAGE] |= KEPT_COVERED;
+		}
+	}
+	for (size_t t = 0; t < nk; t++) {
+		size_t np = (kv[t].end - kv[t].start) / PAGE, ranges = 0, same = 0;
+
+		for (size_t i = 0; i < np; i++) {
+			if ((kv[t].st[i] & (KEPT_THERE | KEPT_COVERED)) == KEPT_THERE &&
+			    (i == 0 || (kv[t].st[i - 1] & (KEPT_THERE | KEPT_COVERED)) != KEPT_THERE))
+				ranges++;
+			same += (kv[t].st[i] & (KEPT_SAME | KEPT_COVERED)) ==
+				(KEPT_SAME | KEPT_COVERED);
+		}
+		if (ranges * KEEP_DROP_PAGES > same)
+			R->kept[kv[t].k] = false;
+	}
+}
+
+static int push_run(struct run_img **out, size_t *n, size_t *cap, struct run_img r)
+{
+	if (*n == *cap) {
+		size_t c = *cap ? *cap * 2 : 64;
+		struct run_img *x = realloc(*out, c * sizeof(*x));
+
+		if (!x)
+			return -1;
+		*out = x;
+		*cap = c;
+	}
+	(*out)[(*n)++] = r;
+	return 0;
+}
+
+/* The image's runs without the pages kept mappings already hold (KEPT_SAME). */
+static int kept_runs(struct restore *R, const struct kept_vma *kv, size_t nk,
+		     struct dbxcr_error *err)
+{
+	struct image *im = R->im;
+	struct run_img *out = NULL;
+	size_t n = 0, cap = 0, j = 0;
+
+	for (uint64_t r = 0; r < im->pm->nruns; r++) {
+		const struct run_img *run = &im->runs[r];
+		uint64_t end = run->vaddr + (uint64_t)run->npages * PAGE, from = run->vaddr;
+
+		for (uint64_t p = run->vaddr; p < end; p += PAGE) {
+			while (j < nk && kv[j].end <= p)
+				j++;
+			if (j == nk || kv[j].start > p || !R->kept[kv[j].k] ||
+			    !(kv[j].st[(p - kv[j].start) / PAGE] & KEPT_SAME))
+				continue;
+			if (from < p && push_run(&out, &n, &cap, run_piece(run, from, p)) < 0)
+				goto nomem;
+			from = p + PAGE;
+		}
+		if (from < end && push_run(&out, &n, &cap, run_piece(run, from, end)) < 0)
+			goto nomem;
+	}
+	free(im->runs_own);
+	im->runs_own = out;
+	im->runs = out;
+	im->pm->nruns = n;
+	return 0;
+nomem:
+	free(out);
+	return fail(err, ENOMEM, R->pid, "allocate runs");
+}
+
+/* Drop the newborn's pages of kept mappings that the image does not have. */
+static int kept_drops(struct restore *R, const struct kept_vma *kv, size_t nk,
+		      struct dbxcr_error *err)
+{
+	long a[6] = { 0 };
+
+	for (size_t t = 0; t < nk; t++) {
+		size_t np = (kv[t].end - kv[t].start) / PAGE;
+
+		if (!R->kept[kv[t].k])
+			continue;
+		for (size_t i = 0; i < np;) {
+			size_t e = i;
+
+			if ((kv[t].st[i] & (KEPT_THERE | KEPT_COVERED)) != KEPT_THERE) {
+				i++;
+				continue;
+			}
+			while (e < np && (kv[t].st[e] & (KEPT_THERE | KEPT_COVERED)) == KEPT_THERE)
+				e++;
+			a[0] = (long)(kv[t].start + i * PAGE);
+			a[1] = (long)((e - i) * PAGE);
+			a[2] = MADV_DONTNEED;
+			if (RS(&R->t, SYS_madvise, err, "madvise(DONTNEED) %#llx",
+			       (unsigned long long)kv[t].start + i * PAGE) < 0)
+				return -1;
+			i = e;
+		}
+	}
+	return 0;
+}
+
+/* What the newborn keeps, before anything is changed: -1 if it could not be looked at (the
+ * caller then keeps nothing: a slower restore, the same result). */
+static ssize_t keep_plan(struct restore *R, pid_t src, struct kept_vma **out,
+			 struct dbxcr_error *err)
+{
+	uint32_t nv = R->im->mm->nvma;
+	struct kept_vma *kv = NULL;
+	size_t nk = 0, made = 0;
+	char path[64];
+	int nfd = -1, sfd = -1;
+	ssize_t rc = -1;
+
+	if (walk_maps(R->pid, true, keep_cb, R, err) < 0)
+		goto out;
+	for (uint32_t k = 0; k < nv; k++)
+		nk += R->kept[k];
+	kv = calloc(nk + 1, sizeof(*kv));
+	snprintf(path, sizeof(path), "/proc/%d/pagemap", (int)R->pid);
+	nfd = open(path, O_RDONLY | O_CLOEXEC);
+	snprintf(path, sizeof(path), "/proc/%d/pagemap", (int)src);
+	sfd = open(path, O_RDONLY | O_CLOEXEC);
+	if (!kv || nfd < 0 || sfd < 0) {
+		fail(err, kv ? errno : ENOMEM, R->pid, "open the pagemaps (source %d)", (int)src);
+		goto out;
+	}
+	for (uint32_t k = 0; k < nv; k++) {
+		if (!R->kept[k])
+			continue;
+		kv[made] = (struct kept_vma){ k, R->im->vmas[k].start, R->im->vmas[k].end, NULL };
+		if (kept_pages(&kv[made++], nfd, sfd, R->pid, src, err) < 0)
+			goto out;
+	}
+	kept_cover(R, kv, made);
+	rc = (ssize_t)made;
+out:
+	if (rc < 0 && kv) {
+		for (size_t t = 0; t < made; t++)
+			free(kv[t].st);
+		free(kv);
+		kv = NULL;
+	}
+	*out = kv;
+	if (nfd >= 0)
+		close(nfd);
+	if (sfd >= 0)
+		close(sfd);
+	return rc;
+}
+
+static int r_keep_forked(struct restore *R, pid_t src, struct dbxcr_error *err)
+{
+	struct kept_vma *kv = NULL;
+	struct dbxcr_error ignored;
+	ssize_t nk;
+	int rc = 0;
+
+	R->kept = calloc(R->im->mm->nvma + 1, sizeof(bool));
+	if (!R->kept)
+		return 0;	/* nothing kept */
+	nk = keep_plan(R, src, &kv, &ignored);
+	if (nk <= 0) {
+		free(kv);	/* none made: no page states */
+		free(R->kept);
+		R->kept = NULL;
+		return 0;
+	}
+	if (kept_runs(R, kv, (size_t)nk, err) < 0 || kept_drops(R, kv, (size_t)nk, err) < 0)
+		rc = -1;
+	for (ssize_t t = 0; t < nk; t++)
+		free(kv[t].st);
+	free(kv);
+	return rc;
+}
+
 static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held *parent,
 						  const pid_t *set_tid, size_t set_tid_size,
 						  int image_dirfd, int root_dirfd,
@@ -3451,6 +3789,8 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 			goto kill;
 		R.t.site = R.code;
 	}
+	if (parent && src && r_keep_forked(&R, src->pid, err) < 0)
+		goto kill;
 	if (r_unmap_old(&R, err) < 0 || r_set_mm(&R, err) < 0 || r_move_vdso(&R, err) < 0 || r_map_vmas(&R, err) < 0 ||
 	    r_write_pages(&R, err) < 0 || r_finish_mm(&R, err) < 0)
 		goto kill;
@@ -3568,6 +3908,7 @@ out_nochild:
 	if (R.live_fd >= 0)
 		close(R.live_fd);
 	free(R.extra_write);
+	free(R.kept);
 	chain_free(c);
 	free(c);
 	return tpl;

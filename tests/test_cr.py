@@ -1952,6 +1952,94 @@ def test_a_programs_big_child_is_its_child_again(sbx: Sandbox, restore: Restore)
     assert target.files.read("seen") == b"exited 7"
 
 
+# A parent and the child it forked (no exec), each changing the memory they shared in its
+# own way, as a multiprocessing worker and its pool do: 2048 pages, 0-1535 patterned
+# before the fork. The child writes 100-199, drops 200-299 (MADV_DONTNEED: zero again),
+# writes 1600 (a page the fork did not have) and makes 1000-1099 read-only (its mapping
+# split in three); the parent writes 300-399 and 1700-1799 (pages the child never had).
+FORKED_MEMORY = """
+import ctypes, mmap, os, time, zlib
+libc = ctypes.CDLL(None, use_errno=True)
+P, N = 4096, 2048
+m = mmap.mmap(-1, N * P, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+at = ctypes.addressof(ctypes.c_char.from_buffer(m))
+def fill(first, last, salt):
+    for i in range(first, last):
+        m[i * P:(i + 1) * P] = bytes([(i * 7 + salt) % 251 + 1]) * P
+fill(0, 1536, 0)
+who, kid = "p", os.fork()
+if kid == 0:
+    who = "c"
+    fill(100, 200, 3)
+    assert libc.madvise(ctypes.c_void_p(at + 200 * P), 100 * P, 4) == 0   # MADV_DONTNEED
+    fill(1600, 1601, 5)
+    assert libc.mprotect(ctypes.c_void_p(at + 1000 * P), 100 * P, 1) == 0  # PROT_READ
+else:
+    fill(300, 400, 11)
+    fill(1700, 1800, 13)
+def ours():
+    try:
+        return os.waitpid(kid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return False
+open(f"/workspace/ready-{who}", "w").close()
+n = 0
+while True:
+    if os.path.exists(f"/workspace/rep-{who}"):
+        rows = [zlib.crc32(m[i * P:(i + 1) * P]) for i in range(N)]
+        out = f"{who} n={n} crc={zlib.crc32(str(rows).encode())} p200={m[200 * P]} " \
+              f"p1700={m[1700 * P]} p1600={m[1600 * P]}"
+        if who == "p":
+            out += f" child={ours()}"
+        open(f"/workspace/st-{who}", "w").write(out)
+        os.remove(f"/workspace/rep-{who}")
+    if os.path.exists(f"/workspace/mut-{who}"):
+        n += 1
+        fill(0, 50, 17) if who == "p" else fill(400, 450, 19)
+        if who == "p":
+            fill(1800, 1900, 23)
+        os.remove(f"/workspace/mut-{who}")
+    time.sleep(0.02)
+"""
+
+
+def test_a_forked_childs_memory_comes_back_page_for_page(sbx: Sandbox, restore: Restore) -> None:
+    """A child forked without exec shares its parent's pages until either writes one; an
+    adopted child is born a fork of its restored parent, so since stop 54 its restore
+    keeps the pages still one frame with its template's and writes only the others
+    (criu_incr.c r_keep_forked), dropping the parent's pages it never had. Every page of
+    both comes back as at the checkpoint: the child's own writes, its dropped and
+    read-only pages, the parent's writes it must not see, and after the checkpoint both
+    change more (the parent pages the child never had)."""
+    sbx.files.write("fm.py", FORKED_MEMORY)
+    sbx.exec("cd /workspace && nohup python3 fm.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("ready-p") and sbx.files.exists("ready-c"))
+
+    def report(target: Sandbox) -> tuple[str, str]:
+        got = []
+        for who in "pc":
+            if target.files.exists(f"st-{who}"):
+                target.files.remove(f"st-{who}")
+            _ask(target, f"rep-{who}")
+            got.append(target.files.read(f"st-{who}").decode())
+        return got[0], got[1]
+
+    before = report(sbx)
+    assert before[0].endswith(" p200=146 p1700=117 p1600=0 child=True"), before
+    assert before[1].endswith(" p200=0 p1700=0 p1600=162"), before
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    _ask(sbx, "mut-p")
+    _ask(sbx, "mut-c")
+    assert report(sbx) != before
+    target = restore(sbx, cp)
+    assert report(target) == before
+    _ask(target, "mut-p")
+    _ask(target, "mut-c")
+    after = report(target)
+    assert after[0].startswith("p n=1 ") and after[1].startswith("c n=1 "), after
+
+
 def test_process_waiting_for_a_child_it_cannot_get_back_is_refused(sbx: Sandbox) -> None:
     """A child in another session than its parent's, which it does not lead, cannot be
     given back to its restored parent: a parent blocked waiting for it is refused, by

@@ -47,6 +47,7 @@ from test_cr import (  # noqa: F401  (the catalog's cases, run here with the dis
     test_a_deleted_working_directory_comes_back_deleted,
     test_a_pidfd_of_a_child_comes_back_with_its_child, test_uv_run_keeps_its_child,
     test_a_programs_big_child_is_its_child_again,
+    test_a_forked_childs_memory_comes_back_page_for_page,
     test_a_stopped_process_comes_back_stopped,
     test_a_file_mapped_privately_and_written_in_place_shows_the_checkpoints_bytes,
     test_a_dev_shm_file_mapped_shared_comes_back,

@@ -34,7 +34,11 @@ Which children (in their parent's session, or leading one of their own):
   `wait` returns at once and its `jobs` say Running forever.
 The copy costs its memory (about 0.5 ms per MB here, both CPUs copying, on top of the
 mappings and the held spawn): a shell's job or a small tool costs a few ms, a 10 MB
-python ~18 ms, 20 of them ~0.5 s, more than restarting them. So a shell's bigger children
+python ~18 ms, 20 of them ~0.5 s, more than restarting them. A child forked without an
+exec (a multiprocessing worker, a subshell) costs only the pages it or its parent wrote
+since the fork: the adopted child is born a fork of its restored parent, and its
+restore keeps the pages still one frame with its template's (criu_incr.c
+r_keep_forked, since stop 54). So a shell's bigger children
 that it does not wait for (a server or a worker started with `nohup prog &` from a
 session) come back from their templates as before (fast, from carriers) as children of
 init; the rollback's response names them (orphaned). A program's children are worth
