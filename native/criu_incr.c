@@ -3380,6 +3380,7 @@ static int skip_remapped(struct image *im, const struct dbxcr_remap *remaps, siz
  * cost more than the writes kept spare is mapped afresh instead.  Frames are read from
  * pagemap (root: PFNs shown); a frame unknown (0, swapped) counts as different. */
 #define KEEP_DROP_PAGES 8
+#define KEEP_MIN_PAGES 256
 #define PM_PRESENT (1ULL << 63)
 #define PM_SWAP (1ULL << 62)
 #define PM_PFN ((1ULL << 55) - 1)
@@ -3618,6 +3619,29 @@ out:
 	return rc;
 }
 
+/* Pages of the image in private anonymous VMAs: what keeping could spare. */
+static uint64_t keepable_pages(const struct image *im)
+{
+	uint64_t n = 0, run_i = 0;
+
+	for (uint32_t k = 0; k < im->mm->nvma; k++) {
+		const struct vma_img *v = &im->vmas[k];
+
+		if (v->flags & (VMA_SHARED | VMA_FILE | VMA_SPECIAL | VMA_WHOLE))
+			continue;
+		while (run_i < im->pm->nruns &&
+		       im->runs[run_i].vaddr + (uint64_t)im->runs[run_i].npages * PAGE <= v->start)
+			run_i++;
+		for (uint64_t r = run_i; r < im->pm->nruns && im->runs[r].vaddr < v->end; r++) {
+			uint64_t a = im->runs[r].vaddr > v->start ? im->runs[r].vaddr : v->start;
+			uint64_t e = im->runs[r].vaddr + (uint64_t)im->runs[r].npages * PAGE;
+
+			n += ((e < v->end ? e : v->end) - a) / PAGE;
+		}
+	}
+	return n;
+}
+
 static int r_keep_forked(struct restore *R, pid_t src, struct dbxcr_error *err)
 {
 	struct kept_vma *kv = NULL;
@@ -3625,6 +3649,10 @@ static int r_keep_forked(struct restore *R, pid_t src, struct dbxcr_error *err)
 	ssize_t nk;
 	int rc = 0;
 
+	/* Looking costs a walk of the newborn's page tables (smaps) and both pagemaps, about
+	 * what writing KEEP_MIN_PAGES pages does: not worth it for a smaller image. */
+	if (keepable_pages(R->im) < KEEP_MIN_PAGES)
+		return 0;
 	R->kept = calloc(R->im->mm->nvma + 1, sizeof(bool));
 	if (!R->kept)
 		return 0;	/* nothing kept */
