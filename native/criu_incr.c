@@ -70,6 +70,11 @@
  *     page contents are mapped writable first and mprotect'ed to their protections after.
  *  5. Page contents: pread from the pages.img of the right level, hash-checked, written
  *     with process_vm_writev.
+ *  Adopted (dbxcr_held_adopt), R is a fork of the held parent instead, and steps 2 and 4-5
+ *  keep what it already has right: the private anonymous mappings holding one of the
+ *  image's, their pages still one frame with the image's template's not written
+ *  (r_keep_forked), and nothing written where the spawn maps a shared object afresh
+ *  (skip_remapped).
  *  6. prctl(PR_SET_MM, PR_SET_MM_MAP): code/data/brk/stack/arg/env bounds, auxv, exe file.
  *     rseq registered again as dumped; sigactions (into a process that has just exec'ed,
  *     only those that differ from what the exec left: SIG_DFL, or SIG_IGN, no flags),
