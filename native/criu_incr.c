@@ -856,6 +856,13 @@ static bool has_flag(const char *vmflags, const char *fl)
 	return strstr(vmflags, pat) != NULL;
 }
 
+/* The PROT_* bits of a maps line's permissions ("rwxp"). */
+static uint32_t prot_of(const char *perms)
+{
+	return (perms[0] == 'r' ? PROT_READ : 0) | (perms[1] == 'w' ? PROT_WRITE : 0) |
+	       (perms[2] == 'x' ? PROT_EXEC : 0);
+}
+
 /* The VMA_* flags smaps' VmFlags give (growing down, the madvise flags kept). */
 #define VMA_VMFLAGS (VMA_GROWSDOWN | VMA_HUGE | VMA_NOHUGE | VMA_WIPEONFORK | VMA_DONTDUMP)
 
@@ -883,8 +890,7 @@ static int classify_cb(const struct raw_vma *r, void *arg)
 	v.end = r->end;
 	v.pgoff = r->pgoff;
 	v.fsize = -1;
-	v.prot = (r->perms[0] == 'r' ? PROT_READ : 0) | (r->perms[1] == 'w' ? PROT_WRITE : 0) |
-		 (r->perms[2] == 'x' ? PROT_EXEC : 0);
+	v.prot = prot_of(r->perms);
 	if (r->perms[3] == 's')
 		v.flags |= VMA_SHARED;
 	v.flags |= vmflags_of(r->vmflags);
@@ -3312,6 +3318,30 @@ static struct run_img run_piece(const struct run_img *r, uint64_t from, uint64_t
 	return p;
 }
 
+static int push_run(struct run_img **out, size_t *n, size_t *cap, struct run_img r)
+{
+	if (*n == *cap) {
+		size_t c = *cap ? *cap * 2 : 64;
+		struct run_img *x = realloc(*out, c * sizeof(*x));
+
+		if (!x)
+			return -1;
+		*out = x;
+		*cap = c;
+	}
+	(*out)[(*n)++] = r;
+	return 0;
+}
+
+/* im's runs from now on: `out` (n of them), owned by im. */
+static void replace_runs(struct image *im, struct run_img *out, size_t n)
+{
+	free(im->runs_own);
+	im->runs_own = out;
+	im->runs = out;
+	im->pm->nruns = n;
+}
+
 static int by_start(const void *a, const void *b)
 {
 	const struct dbxcr_remap *x = a, *y = b;
@@ -3323,28 +3353,21 @@ static int by_start(const void *a, const void *b)
  * the restore wrote there: the shared mappings in `remaps` (not private_map), whose object
  * the daemon made again from its copy at the checkpoint (a semaphore, shared memory).  An
  * adopted child sharing memory would otherwise have that memory copied in at every
- * restore, only to be mapped over.  Runs are clipped or split around each range: a piece
- * is kept before a range only where the range starts, and one after the last, so the
- * kept pieces fit in nruns + ranges. */
+ * restore, only to be mapped over.  Runs are clipped or split around each range. */
 static int skip_remapped(struct image *im, const struct dbxcr_remap *remaps, size_t n,
 			 pid_t pid, struct dbxcr_error *err)
 {
 	struct dbxcr_remap *skip;
-	struct run_img *out;
-	size_t ns = 0, kept = 0, cap;
+	struct run_img *out = NULL;
+	size_t ns = 0, kept = 0, cap = 0;
 
 	for (size_t i = 0; i < n; i++)
 		ns += !remaps[i].private_map;
 	if (!ns || !im->pm->nruns)
 		return 0;
 	skip = calloc(ns, sizeof(*skip));
-	cap = im->pm->nruns + ns;
-	out = calloc(cap, sizeof(*out));
-	if (!skip || !out) {
-		free(skip);
-		free(out);
-		return fail(err, ENOMEM, pid, "allocate %zu runs", cap);
-	}
+	if (!skip)
+		goto nomem;
 	ns = 0;
 	for (size_t i = 0; i < n; i++)
 		if (!remaps[i].private_map)
@@ -3357,19 +3380,21 @@ static int skip_remapped(struct image *im, const struct dbxcr_remap *remaps, siz
 		for (size_t i = 0; i < ns && cur < end; i++) {
 			if (skip[i].end <= cur || skip[i].start >= end)
 				continue;
-			if (skip[i].start > cur)
-				out[kept++] = run_piece(run, cur, skip[i].start);
+			if (skip[i].start > cur &&
+			    push_run(&out, &kept, &cap, run_piece(run, cur, skip[i].start)) < 0)
+				goto nomem;
 			cur = skip[i].end;
 		}
-		if (cur < end)
-			out[kept++] = run_piece(run, cur, end);
+		if (cur < end && push_run(&out, &kept, &cap, run_piece(run, cur, end)) < 0)
+			goto nomem;
 	}
 	free(skip);
-	free(im->runs_own);
-	im->runs_own = out;
-	im->runs = out;
-	im->pm->nruns = kept;
+	replace_runs(im, out, kept);
 	return 0;
+nomem:
+	free(skip);
+	free(out);
+	return fail(err, ENOMEM, pid, "allocate runs");
 }
 
 /* An adopted child is born a fork of its restored parent (held_fork), which holds the
@@ -3393,6 +3418,12 @@ static int skip_remapped(struct image *im, const struct dbxcr_remap *remaps, siz
 #define KEPT_THERE 2		/* the newborn has the page (present or swapped) */
 #define KEPT_COVERED 4		/* the image has it: in one of its runs */
 
+/* Private anonymous memory of the image (what a fork of the parent may hold already). */
+static bool private_anon(const struct vma_img *v)
+{
+	return !(v->flags & (VMA_SHARED | VMA_FILE | VMA_SPECIAL | VMA_WHOLE));
+}
+
 struct kept_vma {
 	uint32_t k;		/* the image's VMA */
 	uint64_t start, end;
@@ -3403,10 +3434,7 @@ static int keep_cb(const struct raw_vma *r, void *arg)
 {
 	struct restore *R = arg;
 	const struct image *im = R->im;
-	uint32_t prot = (r->perms[0] == 'r' ? PROT_READ : 0) |
-			(r->perms[1] == 'w' ? PROT_WRITE : 0) |
-			(r->perms[2] == 'x' ? PROT_EXEC : 0);
-	uint32_t flags = vmflags_of(r->vmflags);
+	uint32_t prot = prot_of(r->perms), flags = vmflags_of(r->vmflags);
 
 	if (r->inode || r->perms[3] != 'p' ||
 	    (r->name[0] && strcmp(r->name, "[heap]") && strcmp(r->name, "[stack]")))
@@ -3417,10 +3445,8 @@ static int keep_cb(const struct raw_vma *r, void *arg)
 	     im->vmas[k].end <= r->end; k++) {
 		const struct vma_img *v = &im->vmas[k];
 
-		if (!(v->flags & (VMA_SHARED | VMA_FILE | VMA_SPECIAL | VMA_WHOLE)) &&
-		    prot == v->prot && flags == (v->flags & VMA_VMFLAGS))
+		if (private_anon(v) && prot == v->prot && flags == (v->flags & VMA_VMFLAGS))
 			R->kept[k] = true;
-
 	}
 	return 0;
 }
@@ -3493,21 +3519,6 @@ static void kept_cover(struct restore *R, struct kept_vma *kv, size_t nk)
 	}
 }
 
-static int push_run(struct run_img **out, size_t *n, size_t *cap, struct run_img r)
-{
-	if (*n == *cap) {
-		size_t c = *cap ? *cap * 2 : 64;
-		struct run_img *x = realloc(*out, c * sizeof(*x));
-
-		if (!x)
-			return -1;
-		*out = x;
-		*cap = c;
-	}
-	(*out)[(*n)++] = r;
-	return 0;
-}
-
 /* The image's runs without the pages kept mappings already hold (KEPT_SAME). */
 static int kept_runs(struct restore *R, const struct kept_vma *kv, size_t nk,
 		     struct dbxcr_error *err)
@@ -3533,10 +3544,7 @@ static int kept_runs(struct restore *R, const struct kept_vma *kv, size_t nk,
 		if (from < end && push_run(&out, &n, &cap, run_piece(run, from, end)) < 0)
 			goto nomem;
 	}
-	free(im->runs_own);
-	im->runs_own = out;
-	im->runs = out;
-	im->pm->nruns = n;
+	replace_runs(im, out, n);
 	return 0;
 nomem:
 	free(out);
@@ -3591,7 +3599,11 @@ static ssize_t keep_plan(struct restore *R, pid_t src, struct kept_vma **out,
 		goto out;
 	for (uint32_t k = 0; k < nv; k++)
 		nk += R->kept[k];
-	kv = calloc(nk + 1, sizeof(*kv));
+	if (!nk) {	/* nothing to look at further */
+		rc = 0;
+		goto out;
+	}
+	kv = calloc(nk, sizeof(*kv));
 	snprintf(path, sizeof(path), "/proc/%d/pagemap", (int)R->pid);
 	nfd = open(path, O_RDONLY | O_CLOEXEC);
 	snprintf(path, sizeof(path), "/proc/%d/pagemap", (int)src);
@@ -3632,7 +3644,7 @@ static uint64_t keepable_pages(const struct image *im)
 	for (uint32_t k = 0; k < im->mm->nvma; k++) {
 		const struct vma_img *v = &im->vmas[k];
 
-		if (v->flags & (VMA_SHARED | VMA_FILE | VMA_SPECIAL | VMA_WHOLE))
+		if (!private_anon(v))
 			continue;
 		while (run_i < im->pm->nruns &&
 		       im->runs[run_i].vaddr + (uint64_t)im->runs[run_i].npages * PAGE <= v->start)
@@ -3663,7 +3675,6 @@ static int r_keep_forked(struct restore *R, pid_t src, struct dbxcr_error *err)
 		return 0;	/* nothing kept */
 	nk = keep_plan(R, src, &kv, &ignored);
 	if (nk <= 0) {
-		free(kv);	/* none made: no page states */
 		free(R->kept);
 		R->kept = NULL;
 		return 0;

@@ -109,6 +109,12 @@ def dump_state(sbx: Sandbox, cp_id: str, timeout: float = 60) -> str:
         time.sleep(0.1)
 
 
+def dump_complete(sbx: Sandbox, cp_id: str) -> None:
+    """Until the checkpoint's process dump is no longer pending; it must be complete."""
+    line = dump_state(sbx, cp_id)
+    assert "complete" in line, line
+
+
 def wait_ready(d: DaemonProc, timeout: float = 60) -> None:
     import deltabox
 

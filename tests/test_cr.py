@@ -23,7 +23,7 @@ import pytest
 import deltabox
 from deltabox import Sandbox
 
-from conftest import HELD, OWN_PS, dump_state, launchers_below, wait_for
+from conftest import HELD, OWN_PS, dump_complete, launchers_below, wait_for
 
 Restore = Callable[[Sandbox, deltabox.Checkpoint], Sandbox]
 
@@ -672,8 +672,7 @@ def test_a_file_mapped_privately_and_written_in_place_shows_the_checkpoints_byte
         # A process image keeps a /dev/shm mapping's pages as the template reads them:
         # the dump must have copied them before the write (a dump after it fails:
         # private_maps.copied_stale).
-        line = dump_state(sbx, cp.id)
-        assert "complete" in line, line
+        dump_complete(sbx, cp.id)
     rewrite = REWRITE_PAGES.replace("/workspace/pages", where)
     sbx.exec(rewrite)
     assert _report(sbx) == "mine0 XXXXX XXXXX XXXXX XXXXX mine2"   # the live view

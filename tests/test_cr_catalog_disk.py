@@ -25,7 +25,7 @@ import pytest
 import deltabox
 from deltabox import Sandbox
 
-from conftest import OWN_PS, DaemonProc, dump_state, new_sandbox, private_daemon
+from conftest import OWN_PS, DaemonProc, dump_complete, new_sandbox, private_daemon
 from test_cr import (  # noqa: F401  (the catalog's cases, run here with the disk fixtures)
     Restore, test_a_sleep_restored_from_an_image_sleeps_the_time_it_had_left,
     test_an_adopted_childs_alarm_comes_back,
@@ -85,12 +85,6 @@ def sbx(disk_daemon: DaemonProc) -> Iterator[Sandbox]:
         disk_daemon.start(*ARGS)  # a case that failed midway through a restart
     with new_sandbox(disk_daemon.socket) as s:
         yield s
-
-
-def dump_complete(sbx: Sandbox, cp_id: str) -> None:
-    """Until the checkpoint's process dump is no longer pending; it must be complete."""
-    line = dump_state(sbx, cp_id)
-    assert "complete" in line, line
 
 
 @pytest.fixture(params=["disk-evicted", "disk-restart", "disk-restart-fork"])
