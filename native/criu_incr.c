@@ -2437,6 +2437,9 @@ static void cur_free(struct cur_maps *m)
 
 /* Run a syscall in R; on failure the message names the step. */
 #define RS(t, nr, err, ...) rsys((t), (nr), a, (err), __VA_ARGS__)
+#define BATCH_AT 16	/* the batch loop's offset in the restorer's code page */
+/* The call queued in R's batch (batch.c), run with the rest of its step's calls. */
+#define BS(R, nr, expect, err, ...) batch_add((R)->b, (nr), a, (expect), (err), __VA_ARGS__)
 
 static pid_t fork_from_host(pid_t host, struct dbxcr_error *err)
 {
@@ -2530,6 +2533,7 @@ struct restore {
 	int root;
 	int live_fd;			/* reader.live_fd */
 	uint64_t code, scratch;		/* C and D */
+	struct batch *b;		/* the calls of a step, run by C's loop */
 	bool *extra_write;		/* per VMA: mapped with PROT_WRITE added */
 	bool *kept;			/* per VMA: the newborn's own kept (r_keep_forked), or
 					 * NULL */
@@ -2569,7 +2573,7 @@ static int unmap_piece(struct restore *R, uint64_t *ps, uint64_t *pe, uint64_t s
 	if (*pe > *ps) {
 		a[0] = (long)*ps;
 		a[1] = (long)(*pe - *ps);
-		if (RS(&R->t, SYS_munmap, err, "munmap old mapping %#llx-%#llx",
+		if (BS(R, SYS_munmap, 0, err, "munmap old mapping %#llx-%#llx",
 		       (unsigned long long)*ps, (unsigned long long)*pe) < 0)
 			return -1;
 	}
@@ -2609,7 +2613,7 @@ static int r_unmap_old(struct restore *R, struct dbxcr_error *err)
 		if (cur < e && unmap_piece(R, &ps, &pe, cur, e, err) < 0)
 			goto out;
 	}
-	if (unmap_piece(R, &ps, &pe, 0, 0, err) < 0)
+	if (unmap_piece(R, &ps, &pe, 0, 0, err) < 0 || batch_run(R->b, err) < 0)
 		goto out;
 	rc = 0;
 out:
@@ -2720,10 +2724,12 @@ static int r_move_vdso(struct restore *R, struct dbxcr_error *err)
 			a[1] = a[2] = (long)(sp[i].e - sp[i].s);
 			a[3] = MREMAP_MAYMOVE | MREMAP_FIXED;
 			a[4] = (long)to;
-			if (RS(&R->t, SYS_mremap, err, "mremap vdso/vvar %#llx -> %#llx",
+			if (BS(R, SYS_mremap, 0, err, "mremap vdso/vvar %#llx -> %#llx",
 			       (unsigned long long)from, (unsigned long long)to) < 0)
 				goto out;
 		}
+	if (batch_run(R->b, err) < 0)
+		goto out;
 	rc = 0;
 	goto out;
 layout:
@@ -2775,7 +2781,7 @@ static int r_map_vmas(struct restore *R, struct dbxcr_error *err)
 			close(local[k]);
 		for (uint32_t k = i; k < j; k++) {
 			const struct vma_img *v = &im->vmas[k];
-			long prot = v->prot, flags = MAP_FIXED_NOREPLACE, fd = -1, off = 0, got;
+			long prot = v->prot, flags = MAP_FIXED_NOREPLACE, fd = -1, off = 0;
 
 			if (v->flags & VMA_SPECIAL)
 				continue;
@@ -2786,7 +2792,7 @@ static int r_map_vmas(struct restore *R, struct dbxcr_error *err)
 				a[0] = (long)v->start;
 				a[1] = (long)(v->end - v->start);
 				a[2] = prot | PROT_WRITE;
-				if (RS(&R->t, SYS_mprotect, err, "mprotect kept %#llx",
+				if (BS(R, SYS_mprotect, 0, err, "mprotect kept %#llx",
 				       (unsigned long long)v->start) < 0)
 					return -1;
 				continue;
@@ -2810,15 +2816,11 @@ static int r_map_vmas(struct restore *R, struct dbxcr_error *err)
 			a[3] = flags;
 			a[4] = fd;
 			a[5] = off;
-			got = RS(&R->t, SYS_mmap, err, "mmap %#llx-%#llx (%.*s)",
-				 (unsigned long long)v->start, (unsigned long long)v->end,
-				 (int)(v->name_len > 200 ? 200 : v->name_len),
-				 v->name_len ? im->strtab + v->name_off : "anon");
-			if (got < 0)
+			if (BS(R, SYS_mmap, v->start, err, "mmap %#llx-%#llx (%.*s)",
+			       (unsigned long long)v->start, (unsigned long long)v->end,
+			       (int)(v->name_len > 80 ? 80 : v->name_len),
+			       v->name_len ? im->strtab + v->name_off : "anon") < 0)
 				return -1;
-			if ((uint64_t)got != v->start)
-				return fail(err, EEXIST, R->pid, "mmap at %#llx landed at %#lx",
-					    (unsigned long long)v->start, got);
 			{
 				static const struct { uint32_t f; int adv; } madv[] = {
 					{ VMA_HUGE, MADV_HUGEPAGE }, { VMA_NOHUGE, MADV_NOHUGEPAGE },
@@ -2831,7 +2833,7 @@ static int r_map_vmas(struct restore *R, struct dbxcr_error *err)
 					a[0] = (long)v->start;
 					a[1] = (long)(v->end - v->start);
 					a[2] = madv[q].adv;
-					if (RS(&R->t, SYS_madvise, err, "madvise(%d) %#llx",
+					if (BS(R, SYS_madvise, 0, err, "madvise(%d) %#llx",
 					       madv[q].adv, (unsigned long long)v->start) < 0)
 						return -1;
 				}
@@ -2839,9 +2841,12 @@ static int r_map_vmas(struct restore *R, struct dbxcr_error *err)
 		}
 		for (size_t k = 0; k < nf; k++) {
 			a[0] = remote[k];
-			if (RS(&R->t, SYS_close, err, "close mapped file fd") < 0)
+			if (BS(R, SYS_close, 0, err, "close mapped file fd") < 0)
 				return -1;
 		}
+		/* Before the next batch of files reuses these descriptors' numbers. */
+		if (batch_run(R->b, err) < 0)
+			return -1;
 		i = j;
 		continue;
 fail_batch:
@@ -3032,7 +3037,7 @@ static int r_finish_mm(struct restore *R, struct dbxcr_error *err)
 		a[0] = (long)v->start;
 		a[1] = (long)(v->end - v->start);
 		a[2] = v->prot;
-		if (RS(&R->t, SYS_mprotect, err, "mprotect %#llx", (unsigned long long)v->start) < 0)
+		if (BS(R, SYS_mprotect, 0, err, "mprotect %#llx", (unsigned long long)v->start) < 0)
 			return -1;
 	}
 	if (core->has_rseq) {
@@ -3040,21 +3045,32 @@ static int r_finish_mm(struct restore *R, struct dbxcr_error *err)
 		a[1] = core->rseq_len;
 		a[2] = 0;
 		a[3] = core->rseq_sig;
-		if (RS(&R->t, SYS_rseq, err, "rseq register %#llx",
+		if (BS(R, SYS_rseq, 0, err, "rseq register %#llx",
 		       (unsigned long long)core->rseq_ptr) < 0)
 			return -1;
 	}
-	return 0;
+	return batch_run(R->b, err);
 }
 
+/* Where r_signals_and_ids puts its calls' arguments in the scratch area (below the batch
+ * table): every action, then the alternate stack, the name, the groups. */
+#define SA_AT 0
+#define SS_AT (SA_AT + NSIG_K * sizeof(struct ksigaction))
+#define COMM_AT (SS_AT + 64)
+#define GROUPS_AT (COMM_AT + 64)
+_Static_assert(GROUPS_AT + (MAX_GROUPS + 1) * sizeof(uint32_t) <= BATCH_TABLE_OFF,
+	       "r_signals_and_ids' arguments overlap the batch table");
+
+/* Signal actions, alternate stack, umask, personality, name and credentials: one batch,
+ * credentials last (after dropping root nothing before them would be allowed). */
 static int r_signals_and_ids(struct restore *R, struct dbxcr_error *err)
 {
 	const struct core_fixed *core = R->im->core;
 	long a[6] = { 0 };
 
-	/* Every action written at once (one memory write, not one per signal); each set by
-	 * an injected call unless it is what the process has already (after an exec). */
-	if (mem_write(R->pid, R->scratch, core->sig, sizeof(core->sig), err) < 0)
+	/* Every action written at once; each set by a call unless it is what the process
+	 * has already (after an exec). */
+	if (mem_write(R->pid, R->scratch + SA_AT, core->sig, sizeof(core->sig), err) < 0)
 		return -1;
 	for (int sig = 1; sig <= NSIG_K; sig++) {
 		const struct ksigaction *k = &core->sig[sig - 1];
@@ -3066,10 +3082,10 @@ static int r_signals_and_ids(struct restore *R, struct dbxcr_error *err)
 		    !k->flags && !k->restorer && !k->mask)
 			continue;
 		a[0] = sig;
-		a[1] = (long)(R->scratch + (sig - 1) * sizeof(struct ksigaction));
+		a[1] = (long)(R->scratch + SA_AT + (sig - 1) * sizeof(struct ksigaction));
 		a[2] = 0;
 		a[3] = 8;
-		if (RS(&R->t, SYS_rt_sigaction, err, "rt_sigaction(%d)", sig) < 0)
+		if (BS(R, SYS_rt_sigaction, 0, err, "rt_sigaction(%d)", sig) < 0)
 			return -1;
 	}
 	{
@@ -3083,23 +3099,30 @@ static int r_signals_and_ids(struct restore *R, struct dbxcr_error *err)
 			ss.ss_sp = NULL;
 			ss.ss_size = 0;
 		}
-		if (mem_write(R->pid, R->scratch, &ss, sizeof(ss), err) < 0)
+		if (mem_write(R->pid, R->scratch + SS_AT, &ss, sizeof(ss), err) < 0)
 			return -1;
-		a[0] = (long)R->scratch;
+		a[0] = (long)(R->scratch + SS_AT);
 		a[1] = 0;
-		if (RS(&R->t, SYS_sigaltstack, err, "sigaltstack") < 0)
+		if (BS(R, SYS_sigaltstack, 0, err, "sigaltstack") < 0)
 			return -1;
 	}
 	a[0] = core->umask;
-	if (RS(&R->t, SYS_umask, err, "umask") < 0)
+	if (BS(R, SYS_umask, 0, err, "umask") < 0)
 		return -1;
 	a[0] = core->personality;
-	if (RS(&R->t, SYS_personality, err, "personality(%#x)", core->personality) < 0)
+	if (BS(R, SYS_personality, 0, err, "personality(%#x)", core->personality) < 0)
 		return -1;
 	/* The restored process is a template: its children get core->comm back (tpl->comm). */
-	if (set_comm(&R->t, R->scratch, TEMPLATE_COMM, err) < 0)
-		return -1;
-	/* Credentials last: after dropping root nothing above would be allowed. */
+	{
+		char comm[16] = TEMPLATE_COMM;
+
+		if (mem_write(R->pid, R->scratch + COMM_AT, comm, sizeof(comm), err) < 0)
+			return -1;
+		a[0] = PR_SET_NAME;
+		a[1] = (long)(R->scratch + COMM_AT);
+		if (BS(R, SYS_prctl, 0, err, "prctl(PR_SET_NAME, %s)", comm) < 0)
+			return -1;
+	}
 	{
 		struct core_fixed now;
 		struct dbxcr_error e2;
@@ -3111,29 +3134,29 @@ static int r_signals_and_ids(struct restore *R, struct dbxcr_error *err)
 		    memcmp(now.groups, core->groups, sizeof(uint32_t) * core->ngroups) ||
 		    memcmp(now.gid, core->gid, sizeof(now.gid)) ||
 		    memcmp(now.uid, core->uid, sizeof(now.uid))) {
-			uint32_t g[MAX_GROUPS];
+			uint32_t g[MAX_GROUPS + 1] = { 0 };
 
-			memcpy(g, core->groups, sizeof(g));
-			if (mem_write(R->pid, R->scratch, g, sizeof(uint32_t) * core->ngroups + 4,
-				      err) < 0)
+			memcpy(g, core->groups, sizeof(core->groups));
+			if (mem_write(R->pid, R->scratch + GROUPS_AT, g,
+				      sizeof(uint32_t) * core->ngroups + 4, err) < 0)
 				return -1;
 			a[0] = core->ngroups;
-			a[1] = (long)R->scratch;
-			if (RS(&R->t, SYS_setgroups, err, "setgroups") < 0)
+			a[1] = (long)(R->scratch + GROUPS_AT);
+			if (BS(R, SYS_setgroups, 0, err, "setgroups") < 0)
 				return -1;
 			a[0] = core->gid[0];
 			a[1] = core->gid[1];
 			a[2] = core->gid[2];
-			if (RS(&R->t, SYS_setresgid, err, "setresgid") < 0)
+			if (BS(R, SYS_setresgid, 0, err, "setresgid") < 0)
 				return -1;
 			a[0] = core->uid[0];
 			a[1] = core->uid[1];
 			a[2] = core->uid[2];
-			if (RS(&R->t, SYS_setresuid, err, "setresuid") < 0)
+			if (BS(R, SYS_setresuid, 0, err, "setresuid") < 0)
 				return -1;
 		}
 	}
-	return 0;
+	return batch_run(R->b, err);
 }
 
 /* The restore into a fresh process: a child of `host` (fork_from_host), or, given
@@ -3574,13 +3597,13 @@ static int kept_drops(struct restore *R, const struct kept_vma *kv, size_t nk,
 			a[0] = (long)(kv[t].start + i * PAGE);
 			a[1] = (long)((e - i) * PAGE);
 			a[2] = MADV_DONTNEED;
-			if (RS(&R->t, SYS_madvise, err, "madvise(DONTNEED) %#llx",
+			if (BS(R, SYS_madvise, 0, err, "madvise(DONTNEED) %#llx",
 			       (unsigned long long)kv[t].start + i * PAGE) < 0)
 				return -1;
 			i = e;
 		}
 	}
-	return 0;
+	return batch_run(R->b, err);
 }
 
 /* What the newborn keeps, before anything is changed: -1 if it could not be looked at (the
@@ -3784,9 +3807,11 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 		struct range *all;
 		size_t na = 0;
 		long got;
-		static const unsigned char code[16] = { 0x0f, 0x05, 0xcc, 0xcc, 0xcc, 0xcc, 0xcc,
-							0xcc, 0xcc, 0xcc, 0xcc, 0xcc, 0xcc, 0xcc,
-							0xcc, 0xcc };
+		/* A syscall site, and from BATCH_AT the batch loop (batch.c). */
+		unsigned char code[BATCH_AT + BATCH_LOOP_LEN] = { 0x0f, 0x05 };
+
+		memset(code + 2, 0xcc, BATCH_AT - 2);
+		memcpy(code + BATCH_AT, batch_loop, BATCH_LOOP_LEN);
 
 		if (walk_maps(child, false, cur_cb, &m, err) < 0)
 			goto kill;
@@ -3826,6 +3851,12 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 			goto kill;
 		if (mem_write(child, R.code, code, sizeof(code), err) < 0)
 			goto kill;
+		R.b = malloc(sizeof(*R.b));
+		if (!R.b) {
+			fail(err, ENOMEM, child, "allocate");
+			goto kill;
+		}
+		batch_init(R.b, &R.t, R.code + BATCH_AT, R.scratch + BATCH_TABLE_OFF);
 		a[0] = (long)R.code;
 		a[1] = PAGE;
 		a[2] = PROT_READ | PROT_EXEC;
@@ -3953,6 +3984,7 @@ out_nochild:
 		close(R.live_fd);
 	free(R.extra_write);
 	free(R.kept);
+	free(R.b);
 	chain_free(c);
 	free(c);
 	return tpl;

@@ -233,6 +233,36 @@ int park(struct dbxcr_template *tpl, struct dbxcr_error *err);
 int check_owner(const struct dbxcr_template *tpl, struct dbxcr_error *err);
 int transfer_fds(struct tracee *c, unsigned long scratch, const int *src, size_t n, int *out,
 		 struct dbxcr_error *err);
+/* A stop's ptrace event (0: a signal-delivery-stop), and a signal such a stop dequeued,
+ * kept to be handed back (fork_template.c). */
+int stop_event(int status);
+int defer_signal(struct tracee *t, int sig, struct dbxcr_error *err);
+
+/* batch.c: calls injected into a stopped tracee many at once, by a loop in a code page of
+ * ours in it (batch_loop, written there by its caller) over a table in its scratch area
+ * (BATCH_MAX calls from BATCH_TABLE_OFF: the area's lower half stays free for the calls'
+ * arguments).  Calls run in the order added, when the table is full or at batch_run; the
+ * first that fails stops them and is reported with its step's text. */
+#define BATCH_LOOP_LEN 64
+#define BATCH_TABLE_OFF (SCRATCH_LEN / 2)
+#define BATCH_MAX ((SCRATCH_LEN - BATCH_TABLE_OFF) / 64)
+extern const unsigned char batch_loop[BATCH_LOOP_LEN];
+struct batch_call {
+	int64_t nr, a[6], ret;
+};
+struct batch {
+	struct tracee *t;
+	unsigned long loop, table;	/* in the tracee */
+	size_t n;
+	struct batch_call calls[BATCH_MAX];
+	unsigned long expect[BATCH_MAX];	/* the result a call must have (mmap's address), or 0 */
+	char step[BATCH_MAX][120];	/* each call's step, for its error */
+};
+void batch_init(struct batch *b, struct tracee *t, unsigned long loop, unsigned long scratch_table);
+__attribute__((format(printf, 6, 7)))
+int batch_add(struct batch *b, long nr, const long a[6], unsigned long expect,
+	      struct dbxcr_error *err, const char *fmt, ...);
+int batch_run(struct batch *b, struct dbxcr_error *err);
 
 /* prctls.c: read (all) or set (those that differ) in a stopped tracee by injected calls. */
 int tracee_prctls(struct tracee *t, struct dbxcr_prctls *out, struct dbxcr_error *err);

@@ -284,7 +284,7 @@ int wait_stop(pid_t pid, int *status, struct dbxcr_error *err)
 	}
 }
 
-static int stop_event(int status)
+int stop_event(int status)
 {
 	return (unsigned)status >> 16;
 }
@@ -292,7 +292,7 @@ static int stop_event(int status)
 /* A signal-delivery-stop for a signal other than our single-step trap: remember it so the
  * program still gets it.  Everything but SIGKILL/SIGSTOP is blocked while we work, so
  * apart from the attach stop this is only ever SIGSTOP. */
-static int defer_signal(struct tracee *t, int sig, struct dbxcr_error *err)
+int defer_signal(struct tracee *t, int sig, struct dbxcr_error *err)
 {
 	if (t->deferred_sig == 0) {
 		if (ptrace(PTRACE_GETSIGINFO, t->pid, 0, &t->deferred_info) < 0)

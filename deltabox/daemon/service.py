@@ -2046,7 +2046,8 @@ class Daemon:
 
     async def _prespawn(self, sid: str, cp_layer: str, ready: Ready) -> None:
         """Warm pool hook: spawn carriers, into `ready`'s generation, of the processes a
-        rollback to the checkpoint on `cp_layer` restores (engine.DeltaCR.prespawn). Only
+        rollback to the checkpoint on `cp_layer` restores (engine.DeltaCR.prespawn), and
+        make the images it restores others from (images_ahead). Only
         when idle: not while the ptrace thread or this sandbox is busy (under load the extra
         forks cost more than the rollbacks they would speed up; a soak of 32 sandboxes ran
         at 41 instead of 59 cycles/s); else that rollback forks from the templates."""
@@ -2077,6 +2078,7 @@ class Daemon:
             if pre is not None:
                 ready.procs = pre
                 live.prespawned |= pre.spawned
+            await self.cr.images_ahead(state)
 
     async def _discard_prespawned(self, sid: str | None, pre: Prespawned,
                                   live: Live | None = None) -> None:

@@ -1,6 +1,7 @@
 /* Tests for native/fork_template.c on real processes (needs root and ptrace).
  * Built with ASan/UBSan by native/tests/run.sh; exits non-zero if any check fails. */
 #include "../fork_template.h"
+#include "../dbxcr_internal.h"	/* batch.c's interface: linked in from the sources */
 #include "test_util.h"
 
 #include <errno.h>
@@ -274,6 +275,144 @@ static void test_inject_read(void)
 	CHECK(WIFEXITED(reap(pid)), "child did not exit cleanly");
 	close(rep[0]);
 	close(cmd[1]);
+}
+
+/* /proc/PID/maps lines starting in [lo, hi). */
+static int maps_in(pid_t pid, unsigned long lo, unsigned long hi)
+{
+	char path[64], line[512];
+	FILE *f;
+	int n = 0;
+
+	snprintf(path, sizeof(path), "/proc/%d/maps", (int)pid);
+	f = fopen(path, "r");
+	if (!f)
+		return -1;
+	while (fgets(line, sizeof(line), f)) {
+		unsigned long s = strtoul(line, NULL, 16);
+
+		n += s >= lo && s < hi;
+	}
+	fclose(f);
+	return n;
+}
+
+/* The umask /proc/PID/status shows, or -1. */
+static long status_umask(pid_t pid)
+{
+	char path[64], line[256];
+	FILE *f;
+	long m = -1;
+
+	snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+	f = fopen(path, "r");
+	if (!f)
+		return -1;
+	while (fgets(line, sizeof(line), f))
+		if (strncmp(line, "Umask:", 6) == 0)
+			m = strtol(line + 6, NULL, 8);
+	fclose(f);
+	return m;
+}
+
+/* A batch of calls (batch.c) in a process blocked in read(): more calls than a table
+ * holds run in order, each mmap where it was asked; the first failure stops the rest and
+ * names its step; a result other than the one expected is an error; and the process
+ * then finishes its read as if nothing had happened. */
+static void test_inject_batch(void)
+{
+	const unsigned long page = 4096, base = 0x3e0000000000UL;
+	const int nmaps = BATCH_MAX + 22;
+	int cmd[2], rep[2];
+	pid_t pid;
+	struct dbxcr_error err;
+	struct read_report r;
+	struct tracee t;
+	struct batch *b = calloc(1, sizeof(*b));
+	long a[6] = { 0 }, code, scratch;
+
+	current_test = "inject-batch";
+	if (!b || pipe(cmd) < 0 || pipe(rep) < 0)
+		abort();
+	pid = fork();
+	if (pid == 0) {
+		umask(022);
+		memset(&r, 0, sizeof(r));
+		r.n = read(cmd[0], r.data, sizeof(r.data) - 1);
+		r.err = r.n < 0 ? errno : 0;
+		if (write(rep[1], &r, sizeof(r)) < 0)
+			_exit(2);
+		_exit(0);
+	}
+	close(rep[1]);
+	close(cmd[0]);
+	CHECK(wait_in_syscall(pid, SYS_read) == 0, "child never blocked in read");
+	if (attach(&t, pid, &err) < 0) {
+		CHECK(0, "attach: %s", err.msg);
+		kill_reap(pid);
+		free(b);
+		return;
+	}
+	a[1] = (long)page;
+	a[2] = PROT_READ | PROT_WRITE;
+	a[3] = MAP_PRIVATE | MAP_ANONYMOUS;
+	a[4] = -1;
+	code = rsys(&t, SYS_mmap, a, &err, "mmap code");
+	a[1] = SCRATCH_LEN;
+	scratch = rsys(&t, SYS_mmap, a, &err, "mmap scratch");
+	CHECK(code > 0 && scratch > 0, "mmap: %s", err.msg);
+	CHECK(mem_write(pid, (unsigned long)code, batch_loop, BATCH_LOOP_LEN, &err) == 0,
+	      "write the loop: %s", err.msg);
+	a[0] = code;
+	a[1] = (long)page;
+	a[2] = PROT_READ | PROT_EXEC;
+	CHECK(rsys(&t, SYS_mprotect, a, &err, "mprotect code") == 0, "%s", err.msg);
+	batch_init(b, &t, (unsigned long)code, (unsigned long)scratch + BATCH_TABLE_OFF);
+
+	for (int i = 0; i < nmaps; i++) {
+		a[0] = (long)(base + 2 * page * (unsigned long)i);
+		a[1] = (long)page;
+		a[2] = PROT_READ;
+		a[3] = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE;
+		CHECK(batch_add(b, SYS_mmap, a, (unsigned long)a[0], &err, "mmap %d", i) == 0,
+		      "add %d: %s", i, err.msg);
+	}
+	CHECK(b->n == (size_t)(nmaps - BATCH_MAX), "a full table runs at once: %zu left", b->n);
+	CHECK(batch_run(b, &err) == 0, "run: %s", err.msg);
+	CHECK(maps_in(pid, base, base + 2 * page * (unsigned long)nmaps) == nmaps,
+	      "%d of %d mappings made", maps_in(pid, base, base + 2 * page * nmaps), nmaps);
+
+	memset(a, 0, sizeof(a));
+	a[0] = 077;
+	batch_add(b, SYS_umask, a, 0, &err, "umask 077");
+	a[0] = 12345;
+	batch_add(b, SYS_close, a, 0, &err, "close %d", 12345);
+	a[0] = 0;
+	batch_add(b, SYS_umask, a, 0, &err, "umask 0");
+	CHECK(batch_run(b, &err) < 0 && err.code == EBADF && strstr(err.msg, "close 12345"),
+	      "a failing call: code %d, %s", err.code, err.msg);
+	CHECK(status_umask(pid) == 077, "calls after the failure ran: umask %lo",
+	      status_umask(pid));
+
+	a[0] = (long)base;	/* taken: a hint only, so the kernel maps elsewhere */
+	a[1] = (long)page;
+	a[2] = PROT_READ;
+	a[3] = MAP_PRIVATE | MAP_ANONYMOUS;
+	a[4] = -1;
+	batch_add(b, SYS_mmap, a, base, &err, "mmap over mmap 0");
+	CHECK(batch_run(b, &err) < 0 && err.code == EEXIST && strstr(err.msg, "landed at"),
+	      "an unexpected result: code %d, %s", err.code, err.msg);
+
+	CHECK(restore_and_detach(&t, &err) == 0, "detach: %s", err.msg);
+	tracee_free(&t);
+	CHECK(write(cmd[1], "batch", 5) == 5, "write");
+	CHECK(read_timeout(rep[0], &r, sizeof(r), 5000) == 0, "no report");
+	CHECK(r.n == 5 && strcmp(r.data, "batch") == 0, "read gave %zd '%s' errno %d", r.n,
+	      r.data, r.err);
+	CHECK(WIFEXITED(reap(pid)), "child did not exit cleanly");
+	close(rep[0]);
+	close(cmd[1]);
+	free(b);
 }
 
 static volatile sig_atomic_t usr1_count, usr2_seen;
@@ -2938,6 +3077,7 @@ int main(int argc, char **argv)
 	} tests[] = {
 		{ "inject-nanosleep", test_inject_nanosleep },
 		{ "inject-read", test_inject_read },
+		{ "inject-batch", test_inject_batch },
 		{ "inject-pause", test_inject_pause },
 		{ "inject-pending-signal", test_inject_pending_signal },
 		{ "inject-wait4", test_inject_wait4 },
