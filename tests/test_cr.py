@@ -1279,13 +1279,13 @@ else:
 
 
 def test_system_v_ipc_objects_are_refused_and_a_rollback_removes_later_ones(
-        sbx: Sandbox) -> None:
+        ebpf: str, sbx: Sandbox) -> None:
     """System V semaphores and message queues belong to the sandbox's IPC namespace, not
     to a process: no checkpoint holds them. Before stop 49 a rollback kept a semaphore's
     value written after the checkpoint (probe: 5, set after a checkpoint taken at 1) and
     a fork's children had none. Now a full checkpoint is refused while any exists (named
     by kind; mode="fs" still works), and a rollback to a full checkpoint (taken with none)
-    removes those made since."""
+    removes those made since, whether a checkpoint saw them or not."""
     sbx.files.write("sysv.py", SYSV)
     sbx.exec("nohup sleep 1000 >/dev/null 2>&1 &")
     cp = sbx.checkpoint()
@@ -1305,6 +1305,11 @@ def test_system_v_ipc_objects_are_refused_and_a_rollback_removes_later_ones(
     assert sbx.exec("python3 /workspace/sysv.py sem 0x1234").stdout == "0\n"   # made anew
     sbx.exec("ipcrm -S 0x1234")
     assert sbx.checkpoint(mode="full").kind == "full"
+    # Made in the turn the rollback ends, which no checkpoint looked at: a rollback looks
+    # for objects only when the inspector saw an IPC call (or missed part of the turn).
+    assert sbx.exec("python3 /workspace/sysv.py sem 0x1234 7").stdout == "7\n"
+    assert sbx.rollback(cp).process_state == "restored"
+    assert "0x00001234" not in sbx.exec("ipcs -s").stdout
 
 
 # Makes a POSIX message queue /NAME holding one message and, with "hold", keeps it open

@@ -788,7 +788,9 @@ class DeltaCR:
         if state.images is None:
             state.images = adoption.Images(self.images_dir)
         tpl = state.templates[rec.pid]
-        image = await self.worker.run(state.images.make, rec, tpl, state.captured_ns)
+        image = state.images.dirs.get(rec.pid)  # made already: no trip to the worker
+        if image is None:
+            image = await self.worker.run(state.images.make, rec, tpl, state.captured_ns)
         stale = private_maps.copied_stale(rec, tpl.pid, state.captured_ns,
                                            state.shm_files)
         if stale:

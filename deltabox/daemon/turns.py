@@ -159,6 +159,16 @@ class Turns:
             return None
         return self.inspector.peek(sid)  # type: ignore[union-attr]
 
+    def may_have_made_ipc(self, sid: str) -> bool:
+        """Whether the current turn may have made IPC objects so far (an IPC call, or a
+        part of it not watched)."""
+        if sid in self._partial or not self._watching(sid):
+            return True
+        try:
+            return self.inspector.saw_ipc(sid)  # type: ignore[union-attr]
+        except (InspectorUnavailable, KeyError):
+            return True
+
     def lost_turn(self, sid: str) -> None:
         """A turn ended without a checkpoint holding its effects (the checkpoint failed):
         the next one must not build on them."""
