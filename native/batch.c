@@ -22,7 +22,6 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/ptrace.h>
-#include <sys/wait.h>
 
 #include "dbxcr_internal.h"
 
@@ -49,36 +48,21 @@ static int remote_batch(struct tracee *t, unsigned long loop, unsigned long tabl
 			size_t *done, long *last, struct dbxcr_error *err)
 {
 	struct user_regs_struct r = t->regs;
-	int status;
 
 	r.rip = loop;
 	r.r12 = table;
 	r.r13 = n;
 	r.orig_rax = (unsigned long)-1;
 	r.eflags &= ~0x100ULL;	/* TF: left set by the last single-step */
+	/* The loop needs no stack; a stack pointer on the current alternate signal stack
+	 * would make sigaltstack fail with EPERM (the process stopped in a handler there). */
+	r.rsp = 0;
 	if (ptrace(PTRACE_SETREGS, t->pid, 0, &r) < 0)
 		return fail(err, errno, t->pid, "PTRACE_SETREGS for a batch of %zu calls", n);
 	if (ptrace(PTRACE_CONT, t->pid, 0, 0) < 0)
 		return fail(err, errno, t->pid, "PTRACE_CONT for a batch of %zu calls", n);
-	for (;;) {
-		int sig, ev;
-
-		if (wait_stop(t->pid, &status, err) < 0)
-			return -1;
-		sig = WSTOPSIG(status);
-		ev = stop_event(status);
-		if (ev == 0 && sig == SIGTRAP)
-			break;
-		if (ev == 0 && defer_signal(t, sig, err) < 0)
-			return -1;
-		/* else PTRACE_EVENT_STOP: an interrupt or a group stop */
-		if (ptrace(PTRACE_CONT, t->pid, 0, 0) < 0)
-			return fail(err, errno, t->pid, "PTRACE_CONT in a batch of %zu calls", n);
-	}
-	t->in_signal_stop = true;
-	t->in_get_signal = true;
-	if (ptrace(PTRACE_GETREGS, t->pid, 0, &r) < 0)
-		return fail(err, errno, t->pid, "PTRACE_GETREGS after a batch of %zu calls", n);
+	if (wait_trap(t, PTRACE_CONT, &r, err) < 0)
+		return -1;
 	if (r.rip != loop + BATCH_LOOP_LEN || r.r13 > n)
 		return fail(err, EFAULT, t->pid, "batch of %zu calls: stopped at %#llx, expected %#lx",
 			    n, (unsigned long long)r.rip, loop + BATCH_LOOP_LEN);

@@ -233,10 +233,11 @@ int park(struct dbxcr_template *tpl, struct dbxcr_error *err);
 int check_owner(const struct dbxcr_template *tpl, struct dbxcr_error *err);
 int transfer_fds(struct tracee *c, unsigned long scratch, const int *src, size_t n, int *out,
 		 struct dbxcr_error *err);
-/* A stop's ptrace event (0: a signal-delivery-stop), and a signal such a stop dequeued,
- * kept to be handed back (fork_template.c). */
-int stop_event(int status);
-int defer_signal(struct tracee *t, int sig, struct dbxcr_error *err);
+/* Resume a running tracee's stops with `how` (PTRACE_SINGLESTEP or PTRACE_CONT) until it
+ * traps (SIGTRAP): a fork event notes the new task in t->new_child, another signal is
+ * kept to be handed back, interrupts and group stops are resumed through.  Its registers
+ * at the trap in *r. */
+int wait_trap(struct tracee *t, int how, struct user_regs_struct *r, struct dbxcr_error *err);
 
 /* batch.c: calls injected into a stopped tracee many at once, by a loop in a code page of
  * ours in it (batch_loop, written there by its caller) over a table in its scratch area

@@ -284,7 +284,7 @@ int wait_stop(pid_t pid, int *status, struct dbxcr_error *err)
 	}
 }
 
-int stop_event(int status)
+static int stop_event(int status)
 {
 	return (unsigned)status >> 16;
 }
@@ -292,7 +292,7 @@ int stop_event(int status)
 /* A signal-delivery-stop for a signal other than our single-step trap: remember it so the
  * program still gets it.  Everything but SIGKILL/SIGSTOP is blocked while we work, so
  * apart from the attach stop this is only ever SIGSTOP. */
-int defer_signal(struct tracee *t, int sig, struct dbxcr_error *err)
+static int defer_signal(struct tracee *t, int sig, struct dbxcr_error *err)
 {
 	if (t->deferred_sig == 0) {
 		if (ptrace(PTRACE_GETSIGINFO, t->pid, 0, &t->deferred_info) < 0)
@@ -613,10 +613,9 @@ static int syscall_start(struct tracee *t, long nr, const long a[6], struct dbxc
 	return 0;
 }
 
-/* Wait for the system call syscall_start began: its return value in *ret. */
-static int syscall_finish(struct tracee *t, long nr, long *ret, struct dbxcr_error *err)
+int wait_trap(struct tracee *t, int how, struct user_regs_struct *r, struct dbxcr_error *err)
 {
-	struct user_regs_struct r;
+	const char *req = how == PTRACE_CONT ? "PTRACE_CONT" : "PTRACE_SINGLESTEP";
 	int status;
 
 	for (;;) {
@@ -638,13 +637,23 @@ static int syscall_finish(struct tracee *t, long nr, long *ret, struct dbxcr_err
 			return -1;
 		}
 		/* else PTRACE_EVENT_STOP: pending interrupt or group stop */
-		if (ptrace(PTRACE_SINGLESTEP, t->pid, 0, 0) < 0)
-			return fail(err, errno, t->pid, "PTRACE_SINGLESTEP for syscall %ld", nr);
+		if (ptrace((enum __ptrace_request)how, t->pid, 0, 0) < 0)
+			return fail(err, errno, t->pid, "%s on the way to a trap", req);
 	}
 	t->in_signal_stop = true;
 	t->in_get_signal = true;
-	if (ptrace(PTRACE_GETREGS, t->pid, 0, &r) < 0)
-		return fail(err, errno, t->pid, "PTRACE_GETREGS after syscall %ld", nr);
+	if (ptrace(PTRACE_GETREGS, t->pid, 0, r) < 0)
+		return fail(err, errno, t->pid, "PTRACE_GETREGS at a trap");
+	return 0;
+}
+
+/* Wait for the system call syscall_start began: its return value in *ret. */
+static int syscall_finish(struct tracee *t, long nr, long *ret, struct dbxcr_error *err)
+{
+	struct user_regs_struct r;
+
+	if (wait_trap(t, PTRACE_SINGLESTEP, &r, err) < 0)
+		return -1;
 	if (r.rip != t->site + 2) {
 		/* A successful exec returns into the new image, at its entry: the single-step
 		 * trap comes there, before its first instruction (held_exec). */

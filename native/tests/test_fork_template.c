@@ -239,15 +239,13 @@ struct read_report {
 	char data[16];
 };
 
-static void test_inject_read(void)
+/* A child blocked in read() on a pipe, reporting what it read (struct read_report): the
+ * caller writes to cmd[1] and reads rep[0]. */
+static pid_t start_reader(int cmd[2], int rep[2])
 {
-	int cmd[2], rep[2];
-	pid_t pid;
-	struct dbxcr_error err;
 	struct read_report r;
-	struct dbxcr_info info;
+	pid_t pid;
 
-	current_test = "inject-read";
 	if (pipe(cmd) < 0 || pipe(rep) < 0)
 		abort();
 	pid = fork();
@@ -261,6 +259,19 @@ static void test_inject_read(void)
 	}
 	close(rep[1]);
 	close(cmd[0]);
+	return pid;
+}
+
+static void test_inject_read(void)
+{
+	int cmd[2], rep[2];
+	pid_t pid;
+	struct dbxcr_error err;
+	struct read_report r;
+	struct dbxcr_info info;
+
+	current_test = "inject-read";
+	pid = start_reader(cmd, rep);
 	CHECK(wait_in_syscall(pid, SYS_read) == 0, "child never blocked in read");
 	CHECK(getpid_in(pid, &err) == pid, "getpid: %s", err.msg);
 	CHECK(getpid_in(pid, &err) == pid, "getpid again: %s", err.msg);
@@ -277,23 +288,44 @@ static void test_inject_read(void)
 	close(cmd[1]);
 }
 
-/* /proc/PID/maps lines starting in [lo, hi). */
-static int maps_in(pid_t pid, unsigned long lo, unsigned long hi)
+/* The address ranges of pid's mappings ("start-end\n" each) into buf; its length. */
+static size_t maps_ranges(pid_t pid, char *buf, size_t len)
 {
 	char path[64], line[512];
+	size_t n = 0;
 	FILE *f;
-	int n = 0;
 
+	buf[0] = '\0';
 	snprintf(path, sizeof(path), "/proc/%d/maps", (int)pid);
 	f = fopen(path, "r");
 	if (!f)
-		return -1;
-	while (fgets(line, sizeof(line), f)) {
-		unsigned long s = strtoul(line, NULL, 16);
+		return 0;
+	while (fgets(line, sizeof(line), f) && n + 64 < len) {
+		char *sp = strchr(line, ' ');
+
+		if (sp) {
+			memcpy(buf + n, line, (size_t)(sp - line));
+			n += (size_t)(sp - line);
+			buf[n++] = '\n';
+		}
+	}
+	buf[n] = '\0';
+	fclose(f);
+	return n;
+}
+
+/* How many of pid's mappings start in [lo, hi). */
+static int maps_in(pid_t pid, unsigned long lo, unsigned long hi)
+{
+	static char buf[65536];
+	int n = 0;
+
+	maps_ranges(pid, buf, sizeof(buf));
+	for (char *p = buf; *p; p = strchr(p, '\n') + 1) {
+		unsigned long s = strtoul(p, NULL, 16);
 
 		n += s >= lo && s < hi;
 	}
-	fclose(f);
 	return n;
 }
 
@@ -332,20 +364,9 @@ static void test_inject_batch(void)
 	long a[6] = { 0 }, code, scratch;
 
 	current_test = "inject-batch";
-	if (!b || pipe(cmd) < 0 || pipe(rep) < 0)
+	if (!b)
 		abort();
-	pid = fork();
-	if (pid == 0) {
-		umask(022);
-		memset(&r, 0, sizeof(r));
-		r.n = read(cmd[0], r.data, sizeof(r.data) - 1);
-		r.err = r.n < 0 ? errno : 0;
-		if (write(rep[1], &r, sizeof(r)) < 0)
-			_exit(2);
-		_exit(0);
-	}
-	close(rep[1]);
-	close(cmd[0]);
+	pid = start_reader(cmd, rep);
 	CHECK(wait_in_syscall(pid, SYS_read) == 0, "child never blocked in read");
 	if (attach(&t, pid, &err) < 0) {
 		CHECK(0, "attach: %s", err.msg);
@@ -1349,10 +1370,11 @@ static void test_carriers(void)
 	{
 		char name[32];
 
-		char args[4096], kargs[16];
+		char args[4096], kargs[16], maps[16384];
 		ssize_t nargs = cmdline_of(orig.pid, args, sizeof(args));
 
 		comm_of(orig.pid, name);
+		maps_ranges(orig.pid, maps, sizeof(maps));
 		/* A carrier is a template's child: disguised until its birth. */
 		CHECK(cmdline_of(kpid, kargs, sizeof(kargs)) == 0, "carrier command line not empty");
 		stop_program(&orig);
@@ -1367,11 +1389,15 @@ static void test_carriers(void)
 			      strcmp(comm_of(kpid, b), "dbx-carrier") == 0,
 			      "born named '%s' (want '%s'), keeper '%s'", a, name, b);
 			{
-				char got[4096];
+				char got[4096], born_maps[16384];
 
 				CHECK(nargs > 0 && cmdline_of(child, got, sizeof(got)) == nargs &&
 				      memcmp(got, args, (size_t)nargs) == 0,
 				      "born process's command line is not the original's");
+				/* no scratch area or batch loop page left behind */
+				maps_ranges(child, born_maps, sizeof(born_maps));
+				CHECK(strcmp(born_maps, maps) == 0, "born mappings:\n%s\nwant:\n%s",
+				      born_maps, maps);
 			}
 		}
 	}
