@@ -3721,6 +3721,7 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 	struct chain *c = NULL;
 	struct dbxcr_template *tpl = NULL;
 	struct dbxcr_error ignored;
+	struct pinning pin = { 0 };
 	long a[6] = { 0 };
 	void *cur_x = NULL;
 	size_t cur_xlen = 0;
@@ -3757,6 +3758,9 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 	if (child < 0)
 		goto out_nochild;
 	R.pid = child;
+	/* Some forty calls are injected one by one or in batches: each a plain context switch
+	 * with the child on our CPU, an IPI and a VM exit across CPUs (colocate). */
+	pin_beside(&pin, child);
 	/* The caller exec'ed it: every action is the exec's, SIG_DFL or SIG_IGN. */
 	R.after_exec = inplace > 0;
 	if (R.after_exec && sig_ignored(child, &R.ignored, err) < 0)
@@ -3971,11 +3975,15 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 		tpl = NULL;
 		goto kill;
 	}
+	if (unpin_beside(&pin, err) < 0) {	/* its own mask before it ever runs */
+		dbxcr_release_template(tpl, &ignored);
+		tpl = NULL;
+	}
 	goto out;
 kill:
 	kill_traced(child);
+	unpin_beside(&pin, &ignored);
 out:
-	(void)ignored;
 	free(cur_x);
 out_nochild:
 	if (!tpl && inplace > 0 && child < 0)

@@ -239,6 +239,17 @@ int transfer_fds(struct tracee *c, unsigned long scratch, const int *src, size_t
  * at the trap in *r. */
 int wait_trap(struct tracee *t, int how, struct user_regs_struct *r, struct dbxcr_error *err);
 
+/* A process pinned to the CPU we run on, and the calling thread with it, for a run of
+ * injected calls (fork_template.c: "tracer and template on one CPU"); unpin_beside puts
+ * both masks back (the process's before it runs). */
+struct pinning {
+	pid_t pid;
+	bool self, other;
+	cpu_set_t self_mask, mask;
+};
+void pin_beside(struct pinning *p, pid_t pid);
+int unpin_beside(struct pinning *p, struct dbxcr_error *err);
+
 /* batch.c: calls injected into a stopped tracee many at once, by a loop in a code page of
  * ours in it (batch_loop, written there by its caller) over a table in its scratch area
  * (BATCH_MAX calls from BATCH_TABLE_OFF: the area's lower half stays free for the calls'

@@ -2264,24 +2264,63 @@ struct colocation {
 	cpu_set_t self_mask;	/* the calling thread's affinity before */
 };
 
+/* The CPU we run on as a mask in *one; false if unknown. */
+static bool this_cpu(cpu_set_t *one)
+{
+	int cpu = sched_getcpu();
+
+	CPU_ZERO(one);
+	if (cpu < 0)
+		return false;
+	CPU_SET(cpu, one);
+	return true;
+}
+
+/* Pin the calling thread to `one`, its mask before in *saved. */
+static bool pin_self(const cpu_set_t *one, cpu_set_t *saved)
+{
+	return sched_getaffinity(0, sizeof(*saved), saved) == 0 &&
+	       sched_setaffinity(0, sizeof(*one), one) == 0;
+}
+
 static void colocate(struct colocation *c, struct dbxcr_template *tpl)
 {
 	cpu_set_t one;
-	int cpu = sched_getcpu();
 
 	c->pinned = c->self_pinned = false;
-	if (cpu < 0)
+	if (!this_cpu(&one))
 		return;
 	if (!tpl->affinity_known &&
 	    sched_getaffinity(tpl->pid, sizeof(tpl->affinity), &tpl->affinity) == 0)
 		tpl->affinity_known = true;
-	CPU_ZERO(&one);
-	CPU_SET(cpu, &one);
-	if (sched_getaffinity(0, sizeof(c->self_mask), &c->self_mask) == 0 &&
-	    sched_setaffinity(0, sizeof(one), &one) == 0)
-		c->self_pinned = true;
+	c->self_pinned = pin_self(&one, &c->self_mask);
 	if (tpl->affinity_known && sched_setaffinity(tpl->pid, sizeof(one), &one) == 0)
 		c->pinned = true;
+}
+
+void pin_beside(struct pinning *p, pid_t pid)
+{
+	cpu_set_t one;
+
+	p->pid = pid;
+	p->self = p->other = false;
+	if (!this_cpu(&one))
+		return;
+	p->self = pin_self(&one, &p->self_mask);
+	p->other = sched_getaffinity(pid, sizeof(p->mask), &p->mask) == 0 &&
+		   sched_setaffinity(pid, sizeof(one), &one) == 0;
+}
+
+int unpin_beside(struct pinning *p, struct dbxcr_error *err)
+{
+	int rc = 0;
+
+	if (p->other && sched_setaffinity(p->pid, sizeof(p->mask), &p->mask) < 0)
+		rc = fail(err, errno, p->pid, "restoring its CPU affinity");
+	if (p->self)
+		sched_setaffinity(0, sizeof(p->self_mask), &p->self_mask);
+	p->self = p->other = false;
+	return rc;
 }
 
 /* The template's own affinity for a child born while it was pinned. */
