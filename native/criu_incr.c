@@ -3870,8 +3870,14 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 	}
 	if (parent && src && r_keep_forked(&R, src->pid, err) < 0)
 		goto kill;
-	if (r_unmap_old(&R, err) < 0 || r_set_mm(&R, err) < 0 || r_move_vdso(&R, err) < 0 || r_map_vmas(&R, err) < 0 ||
-	    r_write_pages(&R, err) < 0 || r_finish_mm(&R, err) < 0)
+	if (r_unmap_old(&R, err) < 0 || r_set_mm(&R, err) < 0 || r_move_vdso(&R, err) < 0 ||
+	    r_map_vmas(&R, err) < 0)
+		goto kill;
+	/* The page writers are threads of ours: they would inherit the pin and share a CPU. */
+	if (unpin_beside(&pin, err) < 0 || r_write_pages(&R, err) < 0)
+		goto kill;
+	pin_beside(&pin, child);
+	if (r_finish_mm(&R, err) < 0)
 		goto kill;
 	if (r_signals_and_ids(&R, err) < 0)
 		goto kill;

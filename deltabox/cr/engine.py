@@ -882,7 +882,6 @@ class DeltaCR:
                     await self._image(state, rec)
                 except native.CRError as e:
                     log.debug("image of pid %s ahead of a rollback: %s", rec.nspid, e)
-                    return
 
     async def prespawn(self, state: ProcessState, mntfd: int, rootfd: int
                        ) -> Prespawned | None:
