@@ -3484,6 +3484,7 @@ int held_become(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *o,
 		struct dbxcr_held **out, struct dbxcr_error *err)
 {
 	struct pidns_switch none = { -1, -1 };
+	struct pinning pin = { 0 };
 	struct dbxcr_held *h;
 
 	*out = NULL;
@@ -3500,8 +3501,14 @@ int held_become(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *o,
 		dbxcr_held_kill(h);
 		return -1;
 	}
+	/* Its re-rooting injects calls one by one: beside us (colocate), unless it has
+	 * threads to make, which would inherit the pin. */
+	if (!tpl->threads)
+		pin_beside(&pin, tpl->pid);
 	if (adopt(&h->c, tpl->pid, tpl->site, err) < 0 ||
-	    setup_child(&h->c, tpl, o, &none, SPAWN_HELD, &h->thr, err) < 0) {
+	    setup_child(&h->c, tpl, o, &none, SPAWN_HELD, &h->thr, err) < 0 ||
+	    unpin_beside(&pin, err) < 0) {
+		unpin_beside(&pin, NULL);
 		dbxcr_held_kill(h);
 		return -1;
 	}
@@ -3617,8 +3624,15 @@ int dbxcr_held_foreground(struct dbxcr_held *h, int fd, pid_t pgrp, struct dbxcr
 int dbxcr_held_set_prctls(struct dbxcr_held *h, const struct dbxcr_prctls *want,
 			  struct dbxcr_error *err)
 {
+	struct pinning pin;
+	int rc;
+
 	clear_error(err);
-	return tracee_set_prctls(&h->c, want, err);
+	pin_beside(&pin, h->c.pid);	/* its calls one by one: beside us (colocate) */
+	rc = tracee_set_prctls(&h->c, want, err);
+	if (unpin_beside(&pin, rc < 0 ? NULL : err) < 0)
+		rc = -1;
+	return rc;
 }
 
 int dbxcr_held_install_fd(struct dbxcr_held *h, int src, int target, int cloexec,
