@@ -3053,20 +3053,24 @@ static int r_finish_mm(struct restore *R, struct dbxcr_error *err)
 }
 
 /* Where r_signals_and_ids puts its calls' arguments in the scratch area (below the batch
- * table): every action, then the alternate stack, the name, the groups. */
+ * table): every action, then the alternate stack, the groups. */
 #define SA_AT 0
 #define SS_AT (SA_AT + NSIG_K * sizeof(struct ksigaction))
-#define COMM_AT (SS_AT + 64)
-#define GROUPS_AT (COMM_AT + 64)
+#define GROUPS_AT (SS_AT + 64)
 _Static_assert(GROUPS_AT + (MAX_GROUPS + 1) * sizeof(uint32_t) <= BATCH_TABLE_OFF,
 	       "r_signals_and_ids' arguments overlap the batch table");
 
-/* Signal actions, alternate stack, umask, personality, name and credentials: one batch,
- * credentials last (after dropping root nothing before them would be allowed). */
+/* The name, then signal actions, alternate stack, umask, personality and credentials in
+ * one batch, credentials last (after dropping root nothing before them would be
+ * allowed). */
 static int r_signals_and_ids(struct restore *R, struct dbxcr_error *err)
 {
 	const struct core_fixed *core = R->im->core;
 	long a[6] = { 0 };
+
+	/* The restored process is a template: its children get core->comm back (tpl->comm). */
+	if (set_comm(&R->t, R->scratch, TEMPLATE_COMM, err) < 0)
+		return -1;
 
 	/* Every action written at once; each set by a call unless it is what the process
 	 * has already (after an exec). */
@@ -3112,17 +3116,6 @@ static int r_signals_and_ids(struct restore *R, struct dbxcr_error *err)
 	a[0] = core->personality;
 	if (BS(R, SYS_personality, 0, err, "personality(%#x)", core->personality) < 0)
 		return -1;
-	/* The restored process is a template: its children get core->comm back (tpl->comm). */
-	{
-		char comm[16] = TEMPLATE_COMM;
-
-		if (mem_write(R->pid, R->scratch + COMM_AT, comm, sizeof(comm), err) < 0)
-			return -1;
-		a[0] = PR_SET_NAME;
-		a[1] = (long)(R->scratch + COMM_AT);
-		if (BS(R, SYS_prctl, 0, err, "prctl(PR_SET_NAME, %s)", comm) < 0)
-			return -1;
-	}
 	{
 		struct core_fixed now;
 		struct dbxcr_error e2;

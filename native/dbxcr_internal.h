@@ -270,7 +270,7 @@ struct batch {
 	unsigned long expect[BATCH_MAX];	/* the result a call must have (mmap's address), or 0 */
 	char step[BATCH_MAX][120];	/* each call's step, for its error */
 };
-void batch_init(struct batch *b, struct tracee *t, unsigned long loop, unsigned long scratch_table);
+void batch_init(struct batch *b, struct tracee *t, unsigned long loop, unsigned long table);
 __attribute__((format(printf, 6, 7)))
 int batch_add(struct batch *b, long nr, const long a[6], unsigned long expect,
 	      struct dbxcr_error *err, const char *fmt, ...);
