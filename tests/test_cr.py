@@ -2185,6 +2185,8 @@ while True:
                     go = True
                     cv.notify_all()
                 workers[2].join(5)
+                while os.path.exists(f"/proc/self/task/{workers[2].native_id}"):
+                    time.sleep(0.001)           # its kernel task ends after the join
             elif cmd == "cpus":
                 consumer_cpus = None
                 q.put("cpus")
@@ -2201,13 +2203,27 @@ while True:
                     cv.notify_all()
                 t0 = time.monotonic()
                 for t in workers:
-                    t.join(10)
+                    t.join(3)                   # all four inside the test's 20 s wait
                 alive = [t.name for t in workers if t.is_alive()]
+                while len(os.listdir("/proc/self/task")) > 1 and time.monotonic() < t0 + 5:
+                    time.sleep(0.001)           # join returns before the kernel task ends
                 open("/workspace/state", "w").write(
                     f"alive={alive} took={time.monotonic() - t0 < 5} {state()}")
             os.remove(f"/workspace/{cmd}")
     time.sleep(0.01)
 """
+
+
+def _join(box: Sandbox) -> str:
+    """Ask thr.py to end and join its threads; its report. Should that hang, fail with each
+    thread's kernel state."""
+    try:
+        _ask(box, "join")
+    except AssertionError as e:
+        tasks = box.exec("for t in /proc/$(pgrep -of '^python3 thr.py')/task/*; do "
+                         "echo $t $(cat $t/comm) $(cat $t/wchan) $(cat $t/syscall); done")
+        raise AssertionError(f"join did not finish: {tasks.stdout}") from e
+    return box.files.read("state").decode()
 
 
 def _ticks(box: Sandbox) -> list[int]:
@@ -2242,8 +2258,7 @@ def test_threads_come_back(sbx: Sandbox, restore: Restore) -> None:
     _ask(target, "feed")
     _ask(target, "wake")
     assert _report(target).startswith("n=9 consumed=10 woke=waiter ")
-    _ask(target, "join")
-    joined = target.files.read("state").decode()
+    joined = _join(target)
     assert joined.startswith("alive=[] took=True n=9 "), joined
     if restore.mode == "fork":  # type: ignore[attr-defined]
         assert _report(sbx).startswith("n=9 consumed=10 woke=waiter ")  # the source's own
@@ -3357,13 +3372,7 @@ def test_threads_roll_back_in_a_fork(sbx: Sandbox) -> None:
             r = kid.rollback(cp)
             assert r.process_state == "restored", r.note
             assert _report(kid) == before
-        try:
-            _ask(kid, "join")
-        except AssertionError as e:  # which threads hang, and where (a CI run saw this once)
-            tasks = kid.exec("for t in /proc/$(pgrep -of '^python3 thr.py')/task/*; do "
-                             "echo $t $(cat $t/comm) $(cat $t/wchan) $(cat $t/syscall); done")
-            raise AssertionError(f"join did not finish: {tasks.stdout}") from e
-        assert kid.files.read("state").decode().startswith("alive=[] took=True ")
+        assert _join(kid).startswith("alive=[] took=True ")
     finally:
         kid.kill()
 

@@ -23,7 +23,7 @@ from conftest import HELD, OWN_PS, wait_for
 from test_cr import (FIFO_GOT, FIFO_PAIR, INTERLEAVED, LOCKER, PAGES, PRIVATE_AT_CP,
                      PRIVATE_MAPS, REGISTRATIONS, REWRITE_PAGES, SHARED_MEMORY, TCP_ENDS,
                      THREADED, TIMERS, TRY_LOCK, UNIX_CLIENT, UNIX_SERVER, _ask, _ask_client,
-                     _count, _drain_fifos, _interleaved, _report, _role, _start_pty_harness,
+                     _count, _drain_fifos, _interleaved, _join, _report, _role, _start_pty_harness,
                      _state_of, _typed, _unix_request)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -336,8 +336,7 @@ def test_threaded_process_born_from_carriers(sbx: Sandbox) -> None:
     wait_for(lambda: any(_same_vm(live[0], p) for p, (st, name) in _host_procs(marker).items()
                       if name == "dbx-carrier"), what="its keeper")
     _ask(sbx, "wake")
-    _ask(sbx, "join")
-    joined = sbx.files.read("state").decode()
+    joined = _join(sbx)
     assert joined.startswith("alive=[] took=True "), joined
 
 
