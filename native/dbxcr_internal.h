@@ -124,7 +124,8 @@ struct vma_run {
 /* One POSIX timer of a process (timers.c). */
 struct ptimer {
 	int id, clock;
-	int notify;		/* SIGEV_SIGNAL, _NONE or _THREAD, | SIGEV_THREAD_ID: main thread */
+	int notify;		/* SIGEV_SIGNAL, _NONE or _THREAD, | SIGEV_THREAD_ID: one thread */
+	pid_t thread;		/* that thread's tid in its pid namespace; 0: the main thread */
 	int signo;
 	uint64_t value;		/* sigev_value */
 	struct itimerspec spec;	/* interval and time left at the checkpoint */

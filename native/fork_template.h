@@ -424,10 +424,11 @@ int dbxcr_template_set_itimers(struct dbxcr_template *tpl, const long in[12],
 
 /* The origin's POSIX timers at the checkpoint (timers.c), made again with their ids in
  * every child, DBXCR_PTIMER_FIELDS longs each: id, clock, notify (SIGEV_*), signal,
- * sigev_value, interval s, ns, time left s, ns.  Returns how many were written (at most
+ * sigev_value, interval s, ns, time left s, ns, and the tid (in its pid namespace) of the
+ * thread it signals if not the main one, else 0.  Returns how many were written (at most
  * max), or -1 if one cannot be made again.  dbxcr_ptimers_supported: how many timers a
  * process may have to be captured, 0 if this kernel cannot give a timer its id back. */
-#define DBXCR_PTIMER_FIELDS 9
+#define DBXCR_PTIMER_FIELDS 10
 int dbxcr_template_ptimers(const struct dbxcr_template *tpl, long *out, int max);
 int dbxcr_template_set_ptimers(struct dbxcr_template *tpl, const long *in, int n,
 			       struct dbxcr_error *err);

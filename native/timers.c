@@ -13,9 +13,11 @@
  * left and interval come from an injected timer_gettime.  A program names a timer by its
  * id, so a restored one must have the same: prctl(PR_TIMER_CREATE_RESTORE_IDS) makes the
  * next timer_create calls take the id written at their timer_t pointer (EBUSY if taken).
- * Not restored, and refused by the daemon at the checkpoint (cr/capture.py): a timer
- * signalling a thread other than the main one, one on another process's CPU clock, more
- * than MAX_PTIMERS of them, and any on a kernel without the prctl.  Lost: a timer's
+ * A timer aimed at one thread (SIGEV_THREAD_ID) is aimed at the same tid again: a
+ * multi-threaded process comes back only with its threads' tids.  Not restored, and
+ * refused by the daemon at the checkpoint (cr/capture.py): a timer aimed at a thread that
+ * has exited, one on another process's CPU clock, more than MAX_PTIMERS of them, and any
+ * on a kernel without the prctl.  Lost: a timer's
  * overrun count, and the kernel's note that its signal is queued (a pending timer signal
  * is queued again as any other, with its siginfo). */
 #include <errno.h>
@@ -108,10 +110,25 @@ int dbxcr_ptimers_supported(void)
 		? 0 : MAX_PTIMERS;
 }
 
-/* "notify: signal/pid.N" (or none/..., thread/...; tid.N: SIGEV_THREAD_ID).  Only the
- * process itself, or its main thread, can be targeted again: `pid` is its host pid, as
- * the daemon's /proc shows it. */
-static bool parse_notify(const char *v, pid_t pid, struct ptimer *p)
+/* The tid in its pid namespace of the thread of tpl's origin whose host tid is `host`; 0
+ * if it has none. */
+static pid_t thread_nstid(const struct dbxcr_template *tpl, pid_t host)
+{
+	const struct thread_set *set = tpl->threads;
+
+	for (int i = 0; set && i < set->n; i++)
+		if (set->t[i].tid == host)
+			return set->t[i].nstid;
+	return 0;
+}
+
+/* "notify: signal/pid.N" (or none/..., thread/...; tid.N: SIGEV_THREAD_ID), N a host pid
+ * as the daemon's /proc shows it (`pid`: the process's).  A timer aimed at the process,
+ * its main thread or one of its other threads can be made again: the threads come back
+ * with their tids (a glibc SIGEV_THREAD timer signals a helper thread glibc made for it:
+ * vim's).  Not one aimed at a thread that has exited. */
+static bool parse_notify(const char *v, const struct dbxcr_template *tpl, pid_t pid,
+			 struct ptimer *p)
 {
 	static const char *const how[] = { "signal", "none", "thread" };	/* SIGEV_* 0-2 */
 	char kind[16], whom[8];
@@ -126,7 +143,10 @@ static bool parse_notify(const char *v, pid_t pid, struct ptimer *p)
 		return false;
 	if (!strcmp(whom, "tid")) {
 		p->notify |= SIGEV_THREAD_ID;
-		return who == pid;
+		if (who == pid)
+			return true;
+		p->thread = who > 0 && who <= INT32_MAX ? thread_nstid(tpl, (pid_t)who) : 0;
+		return p->thread > 0;
 	}
 	return !strcmp(whom, "pid");
 }
@@ -167,7 +187,7 @@ static int read_ptimers(pid_t pid, struct dbxcr_template *tpl, struct dbxcr_erro
 		} else if (sscanf(line, "signal: %d/%llx", &p->signo, &value) == 2) {
 			p->value = value;
 		} else if (!strncmp(line, "notify: ", 8)) {
-			if (!parse_notify(line + 8, pid, p))
+			if (!parse_notify(line + 8, tpl, pid, p))
 				tpl->ptimers_ok = false;
 		} else if (sscanf(line, "ClockID: %d", &p->clock) == 1 && !own_clock(p->clock)) {
 			tpl->ptimers_ok = false;
@@ -205,12 +225,14 @@ static int make_ptimer(struct tracee *c, const struct dbxcr_template *tpl,
 	ev.sigev_value.sival_ptr = (void *)(uintptr_t)p->value;
 	ev.sigev_signo = p->signo;
 	ev.sigev_notify = p->notify;
+	/* The kernel looks the thread up in the caller's pid namespace, where every thread
+	 * came back with its tid (threads.c), before this runs (finish_child). */
 	if (p->notify & SIGEV_THREAD_ID)
-		ev._sigev_un._tid = tid;
+		ev._sigev_un._tid = p->thread ? p->thread : tid;
 	if (mem_write(c->pid, tpl->scratch, &ev, sizeof(ev), err) < 0 ||
 	    mem_write(c->pid, id_at, &id, sizeof(id), err) < 0 ||
-	    rsys(c, SYS_timer_create, mk, err, "timer_create(clock %d) with id %d", p->clock,
-		 p->id) < 0)
+	    rsys(c, SYS_timer_create, mk, err, "timer_create(clock %d) with id %d, aimed at "
+		 "thread %d", p->clock, p->id, (int)ev._sigev_un._tid) < 0)
 		return -1;
 	if (!p->spec.it_value.tv_sec && !p->spec.it_value.tv_nsec)
 		return 0;
@@ -235,7 +257,7 @@ int arm_ptimers(struct tracee *c, const struct dbxcr_template *tpl, struct dbxcr
 		return fail(err, EOPNOTSUPP, tpl->pid, "a POSIX timer of pid %d cannot be made "
 			    "again (see /proc/PID/timers at the checkpoint)", (int)tpl->origin);
 	for (int i = 0; i < tpl->nptimers && !tid; i++)
-		if (tpl->ptimers[i].notify & SIGEV_THREAD_ID)
+		if ((tpl->ptimers[i].notify & SIGEV_THREAD_ID) && !tpl->ptimers[i].thread)
 			tid = rsys(c, SYS_gettid, none, err, "gettid for a thread's timer");
 	if (tid < 0 || rsys(c, SYS_prctl, on, err, "prctl(PR_TIMER_CREATE_RESTORE_IDS, on)") < 0)
 		return -1;
@@ -263,6 +285,7 @@ int dbxcr_template_ptimers(const struct dbxcr_template *tpl, long *out, int max)
 		o[6] = p->spec.it_interval.tv_nsec;
 		o[7] = p->spec.it_value.tv_sec;
 		o[8] = p->spec.it_value.tv_nsec;
+		o[9] = p->thread;
 	}
 	return tpl->ptimers_ok ? n : -1;
 }
@@ -279,7 +302,8 @@ int dbxcr_template_set_ptimers(struct dbxcr_template *tpl, const long *in, int n
 		if (v[0] < 0 || v[0] > INT32_MAX || !own_clock((int)v[1]) ||
 		    (v[2] & ~SIGEV_THREAD_ID) > SIGEV_THREAD || v[3] < 0 || v[3] > SIGRTMAX ||
 		    v[5] < 0 || v[6] < 0 || v[6] >= 1000000000 || v[7] < 0 || v[8] < 0 ||
-		    v[8] >= 1000000000)
+		    v[8] >= 1000000000 || v[9] < 0 || v[9] > INT32_MAX ||
+		    (v[9] && !(v[2] & SIGEV_THREAD_ID)))
 			return fail(err, EINVAL, tpl->pid, "POSIX timer %d: a field out of range",
 				    i);
 	}
@@ -291,7 +315,7 @@ int dbxcr_template_set_ptimers(struct dbxcr_template *tpl, const long *in, int n
 		tpl->ptimers[i] = (struct ptimer){
 			.id = (int)v[0], .clock = (int)v[1], .notify = (int)v[2],
 			.signo = (int)v[3], .value = (uint64_t)v[4],
-			.spec = { { v[5], v[6] }, { v[7], v[8] } },
+			.spec = { { v[5], v[6] }, { v[7], v[8] } }, .thread = (pid_t)v[9],
 		};
 	}
 	return 0;

@@ -21,6 +21,8 @@ command -v git >/dev/null || need+=(git)
 # and a tmux session (a pty's pair and its controlling terminal).
 command -v node >/dev/null || need+=(nodejs)
 command -v tmux >/dev/null || need+=(tmux)
+# ... vim in a tmux pane (a glibc SIGEV_THREAD timer: a thread the timer signals)
+command -v vim >/dev/null || need+=(vim)
 # ... and a JVM (its NIO socket whose peer it closed, a few dozen threads).
 command -v javac >/dev/null || need+=(default-jdk-headless)
 if [ ${#need[@]} -eq 0 ]; then bcc; exit 0; fi

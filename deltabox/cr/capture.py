@@ -280,9 +280,10 @@ def locked_ranges(pid: int) -> list[native.MemoryLock]:
 
 def posix_timers(pid: int) -> list[str]:
     """pid's POSIX timers that a restored process cannot get back (native/timers.c makes
-    the others again), each named with why, e.g. "timer 1 (clock 1, signal 10) signals
-    thread 812 only". From /proc/PID/timers ("ID: 0", "signal: 14/<sigev_value>",
-    "notify: signal/pid.5" or ".../tid.N", "ClockID: 0" per timer; host pids)."""
+    the others again, one aimed at a thread aimed at the same thread), each named with
+    why, e.g. "timer 1 (clock 1, signal 10) signals thread 812, which has exited". From
+    /proc/PID/timers ("ID: 0", "signal: 14/<sigev_value>", "notify: signal/pid.5" or
+    ".../tid.N", "ClockID: 0" per timer; host pids)."""
     try:
         raw = kernfs.read(f"/proc/{pid}/timers")
     except OSError:
@@ -310,8 +311,9 @@ def posix_timers(pid: int) -> list[str]:
                 whom.startswith((b"pid.", b"tid.")) and whom[4:].isdigit()):
             out.append(f"{_timer_name(t)} notifies as {t.get(b'notify', b'?').decode()}, "
                        "not understood")
-        elif whom.startswith(b"tid.") and int(whom[4:]) != pid:
-            out.append(f"{_timer_name(t)} signals thread {int(whom[4:])} only")
+        elif whom.startswith(b"tid.") and not os.path.exists(
+                f"/proc/{pid}/task/{int(whom[4:])}"):
+            out.append(f"{_timer_name(t)} signals thread {int(whom[4:])}, which has exited")
         elif clock < 0 and ~(clock >> 3) != 0:
             out.append(f"{_timer_name(t)} runs on the CPU clock of pid {~(clock >> 3)}")
     return out

@@ -333,7 +333,7 @@ def _raise(err: _Err) -> None:
 
 # native/dbxcr_internal.h: the most threads a captured process may have.
 MAX_THREADS = 256
-PTIMER_FIELDS = 9       # longs per POSIX timer (fork_template.h DBXCR_PTIMER_FIELDS)
+PTIMER_FIELDS = 10      # longs per POSIX timer (fork_template.h DBXCR_PTIMER_FIELDS)
 
 
 def ptimers_supported() -> int:
@@ -754,7 +754,8 @@ class Template:
     def ptimers(self) -> list[list[int]]:
         """The origin's POSIX timers at the checkpoint, made again with their ids in every
         child (fork drops them): per timer [id, clock, notify (SIGEV_*), signal,
-        sigev_value, interval s, ns, time left s, ns]. CRError if one cannot be made
+        sigev_value, interval s, ns, time left s, ns, the tid of the thread it signals if
+        not the main one else 0]. CRError if one cannot be made
         again (the capture refuses the process first: capture.posix_timers)."""
         n = 64   # more than a captured process may have (ptimers_supported)
         out = (ctypes.c_long * (n * PTIMER_FIELDS))()
@@ -765,8 +766,9 @@ class Template:
         return [list(out[i * PTIMER_FIELDS:(i + 1) * PTIMER_FIELDS]) for i in range(got)]
 
     def set_ptimers(self, ptimers: Sequence[Sequence[int]]) -> None:
-        """Give a template rebuilt from disk the POSIX timers its origin had."""
-        flat = [v for t in ptimers for v in t]
+        """Give a template rebuilt from disk the POSIX timers its origin had (a dump
+        written before stop 56 has no thread field: the main thread's, 0)."""
+        flat = [v for t in ptimers for v in [*t, 0][:PTIMER_FIELDS]]
         err = _Err()
         if _load().dbxcr_template_set_ptimers(self._h(), (ctypes.c_long * max(len(flat), 1))(
                 *flat), len(ptimers), ctypes.byref(err)) < 0:

@@ -1821,9 +1821,9 @@ static void test_template_ptimers(void)
 			else
 				CHECK(v[0] == 2 && v[1] == CLOCK_REALTIME && v[2] == (SIGEV_SIGNAL |
 				      SIGEV_THREAD_ID) && v[3] == SIGUSR1 && (int)v[4] == 77 &&
-				      v[7] == 0 && v[8] > 500000000, "timer %ld: clock %ld notify %ld "
-				      "signal %ld value %ld left %ld.%09ld", v[0], v[1], v[2], v[3],
-				      v[4], v[7], v[8]);
+				      v[7] == 0 && v[8] > 500000000 && v[9] == 0, "timer %ld: clock "
+				      "%ld notify %ld signal %ld value %ld left %ld.%09ld thread %ld",
+				      v[0], v[1], v[2], v[3], v[4], v[7], v[8], v[9]);
 		}
 		child = dbxcr_spawn(tpl, NULL, &err);
 		CHECK(child > 0, "spawn: %s", err.msg);
