@@ -920,6 +920,58 @@ def test_a_named_unix_socket_server_and_its_connection(sbx: Sandbox, restore: Re
     target.exec("pkill -f usrv.py; pkill -f ucli.py; true")
 
 
+AGENT = """
+import ctypes, os, select, socket, struct
+libc = ctypes.CDLL(None, use_errno=True)
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind("/workspace/agent/S.sock")
+srv.listen(8)
+ino = libc.inotify_init1(0)              # as gpg-agent: the socket's directory watched,
+assert libc.inotify_add_watch(ino, b"/workspace/agent", 0x200 | 0x40) >= 0  # IN_DELETE,
+n = 0                                    # IN_MOVED_FROM; its socket gone: it shuts down
+open("/workspace/listening", "w").close()
+while True:
+    ready, _, _ = select.select([srv, ino], [], [])
+    if ino in ready:
+        raw = os.read(ino, 4096)
+        wd, mask, cookie, size = struct.unpack_from("iIII", raw)
+        name = raw[16:16 + size].rstrip(b"\\0").decode()
+        open("/workspace/seen", "w").write(f"{mask:#x} {name}")
+        if name == "S.sock":
+            raise SystemExit("socket file has been removed - shutting down")
+    if srv in ready:
+        c = srv.accept()[0]
+        n += 1
+        c.sendall(f"{c.recv(100).decode()} {n}".encode())
+        c.close()
+"""
+
+
+def test_a_socket_file_watched_by_its_server_is_not_seen_replaced(sbx: Sandbox,
+                                                                  restore: Restore) -> None:
+    """gpg-agent watches its socket's directory (inotify) and shuts down when the socket
+    file is deleted. A restore binds the listener again, replacing the checkpoint's stale
+    socket file: it did so after making the watch, so the restored agent saw its socket
+    deleted and quit (gpg-connect-agent: "no running gpg-agent"). Listeners bound to a
+    path are now bound before any watch is made: the server answers with its count, saw
+    nothing, and still sees a real deletion."""
+    sbx.exec("mkdir /workspace/agent")
+    sbx.files.write("agent.py", AGENT)
+    sbx.exec("cd /workspace; nohup python3 agent.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("listening"))
+    assert sbx.exec(_unix_request("/workspace/agent/S.sock", "a")).stdout == "a 1\n"
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    assert sbx.exec(_unix_request("/workspace/agent/S.sock", "b")).stdout == "b 2\n"
+    target = restore(sbx, cp)
+    assert target.exec(_unix_request("/workspace/agent/S.sock", "c")).stdout == "c 2\n"
+    assert not target.files.exists("seen")
+    target.exec("rm /workspace/agent/S.sock")     # the watch still watches
+    wait_for(lambda: target.files.exists("seen"))
+    assert target.files.read("seen") == b"0x200 S.sock"
+    wait_for(lambda: target.exec("pgrep -f agent.py").exit_code != 0)
+
+
 # A pexpect-style harness: an interactive bash on a pty (pty.fork: the shell leads its
 # session, the pty its controlling terminal), driven through the master by files: a command
 # in `cmd` is typed into the shell and its output, up to the next prompt, lands in `out`;

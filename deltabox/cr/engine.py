@@ -1030,7 +1030,8 @@ def _close_saved(groups: dict[int, PipeGroup]) -> None:
 
 def _plan(state: ProcessState, rootfd: int, mntfd: int, armed: bool = True) -> _PipePlan:
     plan = _PipePlan(state.pipes, state.unlinked, rootfd, armed, state.shared_files,
-                     state.fifos)
+                     state.fifos, [u for r in state.records if r.loop
+                                   for u in r.loop.unix_listeners if not u.abstract])
     try:
         plan.make_shm(state.shm_files, mntfd)
         plan.make_ptys(state.ptys, mntfd)
@@ -1049,8 +1050,10 @@ class _PipePlan:
     def __init__(self, groups: dict[int, PipeGroup],
                  files: list[unlinked.UnlinkedFile] = (), rootfd: int = -1,
                  armed: bool = True, shared: list[shared_files.SharedFile] = (),
-                 named_pipes: list[fifos.Fifo] = ()) -> None:
+                 named_pipes: list[fifos.Fifo] = (),
+                 named_listeners: Sequence[unix_listeners.UnixListener] = ()) -> None:
         self.groups = groups
+        self.named_listeners = named_listeners   # every process's, bound before any watch
         # Timers run from when the restored processes do: a plan made ahead for carriers
         # (prespawn) holds its timerfds disarmed until the restore calls arm().
         self.armed = armed
@@ -1108,6 +1111,8 @@ class _PipePlan:
         for sf in loop.signalfds:
             fd = self._object(sf.key, lambda sf=sf: eventloop.new_signalfd(sf))
             out.update((n, fd) for n in sf.fds)
+        if loop.inotifies:
+            self._bind_named_listeners(netns_pid)
         for ino in loop.inotifies:
             fd = self._object(ino.key, lambda ino=ino: watches.new_inotify(ino, self._root()))
             out.update((n, fd) for n in ino.fds)
@@ -1123,10 +1128,19 @@ class _PipePlan:
             out.update((n, ab[0]) for n in c.a)
             out.update((n, ab[1]) for n in c.b)
         for u in loop.unix_listeners:
-            fd = self._object(u.key, lambda u=u: unix_listeners.make(u, netns_pid,
-                                                                     self._root()))
-            out.update((n, fd) for n in u.fds)
+            out.update((n, self._unix_listener(u, netns_pid)) for n in u.fds)
         return out
+
+    def _unix_listener(self, u: unix_listeners.UnixListener, netns_pid: int) -> int:
+        return self._object(u.key, lambda: unix_listeners.make(u, netns_pid, self._root()))
+
+    def _bind_named_listeners(self, netns_pid: int) -> None:
+        """Every process's unix listeners bound to a path, before the first inotify watch is
+        made: binding replaces the checkpoint's stale socket file, and a watch on its
+        directory would report that file deleted (gpg-agent then shuts down: "socket file
+        has been removed")."""
+        for u in self.named_listeners:
+            self._unix_listener(u, netns_pid)
 
     def _connection(self, c: tcp.TcpConn, netns_pid: int) -> tuple[int, int]:
         """c's two ends: connected at once, or, in a plan made ahead (prespawn), left
