@@ -831,6 +831,77 @@ def test_loopback_tcp_server_answers(sbx: Sandbox, restore: Restore) -> None:
     wait_for(lambda: target.exec(GET).exit_code == 0)
 
 
+# A prefork server: the parent binds a port and its workers accept on the same socket, each
+# answering with its pid and how many it answered; "forked" workers are the parent's forks
+# (gunicorn), an "exec"ed one gets the socket at an fd (werkzeug's reloader, uvicorn --reload),
+# "orphaned" ones outlive their parent (a daemon's).
+PREFORK = """
+import os, socket, subprocess, sys
+SERVE = '''
+import os, socket, sys
+lst = socket.socket(fileno=int(sys.argv[1]))
+n = 0
+while True:
+    c = lst.accept()[0]
+    n += 1
+    c.sendall(f"{os.getpid()} {n}".encode())
+    c.close()
+'''
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", 8124))
+srv.listen(16)
+if sys.argv[1] in ("forked", "orphaned"):
+    for _ in range(2):
+        if os.fork() == 0:
+            sys.argv[1:] = [str(srv.fileno())]
+            exec(SERVE)
+    if sys.argv[1] == "orphaned":     # a daemon's workers, left to init
+        open("/workspace/listening", "w").close()
+        os._exit(0)
+else:
+    subprocess.Popen([sys.executable, "-c", SERVE, str(srv.fileno())], pass_fds=[srv.fileno()])
+open("/workspace/listening", "w").close()
+while True:
+    os.wait()
+"""
+
+ASK_PREFORK = ("python3 -c \"import socket; s = socket.create_connection(('127.0.0.1', 8124)); "
+               "print(s.recv(100).decode())\"")
+
+
+def _ask_prefork(box: Sandbox) -> tuple[str, int]:
+    r = box.exec(ASK_PREFORK)
+    assert r.exit_code == 0, r
+    pid, n = r.stdout.split()
+    return pid, int(n)
+
+
+@pytest.mark.parametrize("workers", ["forked", "exec", "orphaned"])
+def test_a_listener_its_workers_share_comes_back_shared(sbx: Sandbox, restore: Restore,
+                                                        workers: str) -> None:
+    """A port the parent bound and its workers accept on (gunicorn's, a reloader's): the
+    socket several processes hold comes back as one socket they all hold. Before, each
+    restored process bound a copy of its own, the second bind failed (EADDRINUSE) and the
+    processes restarted. Each worker answers on with its count from the checkpoint."""
+    sbx.files.write("prefork.py", PREFORK)
+    sbx.exec(f"cd /workspace && nohup python3 prefork.py {workers} >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("listening"))
+    counts = dict(_ask_prefork(sbx) for _ in range(6))
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    for _ in range(3):
+        _ask_prefork(sbx)
+    target = restore(sbx, cp)
+    for _ in range(6):
+        pid, n = _ask_prefork(target)
+        assert pid in counts and n == counts[pid] + 1, (pid, n, counts)
+        counts[pid] = n
+    inodes = target.exec("for p in $(pgrep -f prefork.py) $(pgrep -f 'import os, socket'); "
+                         "do readlink /proc/$p/fd/3; done | sort -u").stdout.split()
+    assert len(inodes) == 1 and inodes[0].startswith("socket:"), inodes   # one socket
+
+
 # A server on a named unix socket (a path, or "@name": an abstract name) that counts the
 # requests it answered (in memory), and a client holding one connection to it, asked by file.
 UNIX_SERVER = """

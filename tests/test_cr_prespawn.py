@@ -21,10 +21,10 @@ from deltabox.cr import private_maps
 
 from conftest import HELD, OWN_PS, wait_for
 from test_cr import (FIFO_GOT, FIFO_PAIR, INTERLEAVED, LOCKER, PAGES, PRIVATE_AT_CP,
-                     PRIVATE_MAPS, REGISTRATIONS, REWRITE_PAGES, SHARED_MEMORY, TCP_ENDS,
+                     PREFORK, PRIVATE_MAPS, REGISTRATIONS, REWRITE_PAGES, SHARED_MEMORY, TCP_ENDS,
                      THREADED, TIMERS, TRY_LOCK, UNIX_CLIENT, UNIX_SERVER, _ask, _ask_client,
-                     _count, _drain_fifos, _interleaved, _join, _report, _role, _start_pty_harness,
-                     _state_of, _typed, _unix_request)
+                     _ask_prefork, _count, _drain_fifos, _interleaved, _join, _report, _role,
+                     _start_pty_harness, _state_of, _typed, _unix_request)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 SYS_KCMP, KCMP_VM = 312, 1
@@ -276,6 +276,29 @@ def _rollbacks_from_carriers(sbx: Sandbox, prepare: str, change: str, times: int
         if after is not None:
             after(at_cp, i)
     return at_cp
+
+
+def test_a_listener_shared_by_processes_born_from_carriers(sbx: Sandbox) -> None:
+    """Two workers accepting on one port their parent bound before it exited, each born
+    from a carrier: the carriers get one socket made ahead, bound once at each rollback
+    (each got a copy of its own before, and the second bind failed). Every worker answers
+    on with its count from the checkpoint, rollback after rollback."""
+    sbx.files.write("prefork.py", PREFORK)
+    sbx.exec("cd /workspace && nohup python3 prefork.py orphaned >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("listening"))
+    counts = dict(_ask_prefork(sbx) for _ in range(6))
+    cp = sbx.checkpoint(mode="full")
+    for i in range(2):
+        wait_for(lambda: _carriers_ready(sbx), what="a carrier")
+        for _ in range(3):
+            _ask_prefork(sbx)
+        r = sbx.rollback(cp)
+        assert r.process_state == "restored", r.note
+        seen = dict(counts)
+        for _ in range(4):
+            pid, n = _ask_prefork(sbx)
+            assert n == seen[pid] + 1, (i, pid, n, seen)
+            seen[pid] = n
 
 
 def test_shared_memory_born_from_carriers(sbx: Sandbox) -> None:

@@ -667,7 +667,7 @@ def listen_socket(pid: int, f: native.FdInfo) -> tuple[native.ListenSocket, int]
             addr=_sockaddr(s.family, s.getsockname()), backlog=max(1, backlog),
             reuseaddr=bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)),
             reuseport=bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT)),
-            v6only=v6only)
+            v6only=v6only, ino=f.inode)
     return ls, queued
 
 

@@ -64,7 +64,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -662,6 +662,9 @@ class DeltaCR:
                     # silently).
                     await addresses_free()
                 spawn = _spawn_args(state, plan, rec, mntfd, into, changed.get(rec.pid, []))
+                if plan.addresses_to_take:  # a listener several processes hold
+                    await addresses_free()
+                    plan.take_addresses()
                 if into is None:
                     # A kept pid, and a listener's port, are free once the killed
                     # originals have exited (their pages go before their files: a big one
@@ -1031,7 +1034,8 @@ def _close_saved(groups: dict[int, PipeGroup]) -> None:
 def _plan(state: ProcessState, rootfd: int, mntfd: int, armed: bool = True) -> _PipePlan:
     plan = _PipePlan(state.pipes, state.unlinked, rootfd, armed, state.shared_files,
                      state.fifos, [u for r in state.records if r.loop
-                                   for u in r.loop.unix_listeners if not u.abstract])
+                                   for u in r.loop.unix_listeners if not u.abstract],
+                     _shared_listeners(state))
     try:
         plan.make_shm(state.shm_files, mntfd)
         plan.make_ptys(state.ptys, mntfd)
@@ -1051,8 +1055,10 @@ class _PipePlan:
                  files: list[unlinked.UnlinkedFile] = (), rootfd: int = -1,
                  armed: bool = True, shared: list[shared_files.SharedFile] = (),
                  named_pipes: list[fifos.Fifo] = (),
-                 named_listeners: Sequence[unix_listeners.UnixListener] = ()) -> None:
+                 named_listeners: Sequence[unix_listeners.UnixListener] = (),
+                 shared_listeners: Collection[int] = ()) -> None:
         self.groups = groups
+        self.shared_listeners = shared_listeners   # TCP listeners' inodes: listener_fds
         self.named_listeners = named_listeners   # every process's, bound before any watch
         # Timers run from when the restored processes do: a plan made ahead for carriers
         # (prespawn) holds its timerfds disarmed until the restore calls arm().
@@ -1160,19 +1166,27 @@ class _PipePlan:
             tcp.settle_ends(c, ab)
 
     def listener_fds(self, rec: ProcessRecord, netns_pid: int) -> dict[int, int]:
-        """rec's listening sockets as a plan made ahead (prespawn) makes them, unbound until
-        take_addresses() (the live process holds their ports): its fd -> our copy. Empty
-        for a plan made by the restore itself: the spawned child makes its own (native).
-        Made once per process (its carrier's serve a spawn that replaces it)."""
+        """rec's listening sockets the daemon makes, unbound until take_addresses() (the
+        killed processes hold their ports): its fd -> our copy. A plan made ahead
+        (prespawn) makes them all; the restore's own plan those several processes share (a
+        prefork server's master and workers, a reloader and its child: one socket they all
+        hold again; each child making its own, the second bind failed with EADDRINUSE),
+        the spawned child making the others (native). Made once per process (its carrier's
+        serve a spawn that replaces it), and once per socket."""
         out = self.listeners_of.get(rec.pid)
-        if out is not None or self.armed or not rec.listens:
+        if out is not None or not rec.listens:
             return out or {}
         out = self.listeners_of[rec.pid] = {}
         for ls in rec.listens:
-            fd = out[ls.fd] = listeners.open_ahead(ls, netns_pid)
-            self.loops.append(fd)
-            self.unbound.append((ls, fd))
+            if not self.armed or ls.ino in self.shared_listeners:
+                key = f"listen:{ls.ino}" if ls.ino else f"listen:{rec.pid}:{ls.fd}"
+                out[ls.fd] = self._object(key, lambda ls=ls: self._unbound(ls, netns_pid))
         return out
+
+    def _unbound(self, ls: native.ListenSocket, netns_pid: int) -> int:
+        fd = listeners.open_ahead(ls, netns_pid)
+        self.unbound.append((ls, fd))
+        return fd
 
     @property
     def addresses_to_take(self) -> bool:
@@ -1853,6 +1867,13 @@ class _Spawn:
     cwd_made: list[str] = field(default_factory=list)   # a deleted cwd's (deleted_cwd.py)
 
 
+def _shared_listeners(state: ProcessState) -> set[int]:
+    """The inodes of the TCP listeners more than one process holds (a fork shares them)."""
+    held = collections.Counter(ino for r in state.records
+                               for ino in {ls.ino for ls in r.listens if ls.ino})
+    return {ino for ino, n in held.items() if n > 1}
+
+
 def _time_wait_ports(state: ProcessState) -> set[int]:
     """The ports of the listeners a rollback binds again without SO_REUSEADDR: one
     connection in TIME_WAIT there would block the bind (tcp.clear_time_wait)."""
@@ -1876,7 +1897,7 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
     netns_pid = into.init_pid if into is not None else state.templates[rec.pid].pid
     if rec.loop:
         fdmap.update(plan.loop_fds(rec, netns_pid))
-    ahead = plan.listener_fds(rec, netns_pid)   # else the child makes them
+    ahead = plan.listener_fds(rec, netns_pid)   # the others the child makes
     fdmap.update(ahead)
     fdmap.update(plan.file_fds(rec))
     cloexec = {f.fd for f in rec.fds if f.fd in fdmap and f.flags & os.O_CLOEXEC}
@@ -1885,7 +1906,7 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
              and f.fd not in fdmap]
     cwd, cwd_made = plan.cwd(rec)
     return _Spawn(state.templates[rec.pid], fdmap, files, cwd, mntfd,
-                  [] if ahead else rec.listens, cwd_made=cwd_made,
+                  [ls for ls in rec.listens if ls.fd not in ahead], cwd_made=cwd_made,
                   lane=state.lanes.get(rec.pid), cloexec=cloexec,
                   epolls=pidfds.without_pidfd_watches(rec, rec.loop.epolls) if rec.loop
                   else [], threaded=rec.threads > 1,

@@ -376,6 +376,7 @@ class ListenSocket:
     reuseaddr: bool = False
     reuseport: bool = False
     v6only: bool = False
+    ino: int = 0         # the socket's inode: the same socket in several processes
 
     def _c(self) -> _Listen:
         if len(self.addr) > 128:
