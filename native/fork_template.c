@@ -117,6 +117,7 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/ptrace.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/syscall.h>
@@ -3691,6 +3692,114 @@ void dbxcr_held_kill(struct dbxcr_held *h)
 		threads_kill(h->c.pid, h->thr, h->tpl->threads->n);
 	kill_traced(h->c.pid);
 	held_free(h);
+}
+
+/* ---------- zombies ----------
+ *
+ * A child that had exited when the checkpoint was taken, its parent not having waited for
+ * it yet, is no process to restore; but its parent's next wait must find it, with its pid
+ * and its status (Python's subprocess takes a wait's ECHILD for exit status 0).  It is made
+ * again as a child of the held parent that ends at once: born sharing the parent's address
+ * space (CLONE_VM: nothing copied), it runs exit_group with the code, or dies of the
+ * signal (its default action, no core: RLIMIT_CORE 0).  The SIGCHLD its death sends the
+ * parent is taken back (the original's, if it was pending at the checkpoint, is queued
+ * again with the parent's other pending signals at its release). */
+
+/* Wait until `pid` is a zombie (no child of ours to wait for) with wait status `status`
+ * (/proc/PID/stat's last field, exit_code). */
+static int wait_zombie(pid_t pid, int status, struct dbxcr_error *err)
+{
+	char path[64], buf[1024], *p;
+
+	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+	for (int i = 0; i < 20000; i++) {
+		if (read_small_file(path, buf, sizeof(buf)) < 0)
+			return fail(err, errno, pid, "read %s", path);
+		p = strrchr(buf, ')');
+		if (p && p[1] == ' ' && p[2] == 'Z') {
+			p = strrchr(buf, ' ');
+			if (!p || atoi(p + 1) != status)
+				return fail(err, EPROTO, pid, "the zombie child ended with status "
+					    "%s, not %#x", p ? p + 1 : "?", status);
+			return 0;
+		}
+		usleep(50);
+	}
+	return fail(err, ETIMEDOUT, pid, "the zombie child never exited");
+}
+
+static int zombie_exits(struct tracee *z, unsigned long scratch, int status,
+			struct dbxcr_error *err)
+{
+	if (WIFSIGNALED(status)) {
+		static const unsigned char dfl[32];	/* struct kernel_sigaction: SIG_DFL */
+		struct rlimit none = { 0, 0 };
+		int sig = WTERMSIG(status);
+		long a[6] = { sig, (long)scratch, 0, 8, 0, 0 };
+
+		if (prlimit(z->pid, RLIMIT_CORE, &none, NULL) < 0)
+			return fail(err, errno, z->pid, "prlimit(RLIMIT_CORE, 0)");
+		if (mem_write(z->pid, scratch, dfl, sizeof(dfl), err) < 0 ||
+		    rsys(z, SYS_rt_sigaction, a, err, "rt_sigaction(%d, SIG_DFL)", sig) < 0)
+			return -1;
+		/* Handed back at the detach, from the injected call's signal-delivery-stop
+		 * (queued again instead if blocked: nothing is). */
+		if (set_sigmask(z->pid, 0, err) < 0)
+			return -1;
+		memset(&z->deferred_info, 0, sizeof(z->deferred_info));
+		z->deferred_info.si_signo = sig;
+		z->deferred_info.si_code = SI_USER;
+		z->deferred_sig = sig;
+		return 0;
+	}
+	z->regs.rip = z->site;
+	z->regs.rax = SYS_exit_group;
+	z->regs.orig_rax = (unsigned long)-1;
+	z->regs.rdi = (unsigned long)WEXITSTATUS(status);
+	if (set_sigmask(z->pid, ~0ULL, err) < 0)	/* nothing runs before the exit */
+		return -1;
+	if (ptrace(PTRACE_SETREGS, z->pid, 0, &z->regs) < 0)
+		return fail(err, errno, z->pid, "PTRACE_SETREGS (exit_group)");
+	return 0;
+}
+
+int dbxcr_held_zombie(struct dbxcr_held *h, pid_t nspid, int status, const char *comm,
+		      struct dbxcr_error *err)
+{
+	unsigned long scratch = h->tpl->scratch;
+	struct timespec now = { 0, 0 };
+	uint64_t chld = 1ULL << (SIGCHLD - 1);
+	long a[6] = { (long)scratch, 0, (long)(scratch + sizeof(chld)), 8, 0, 0 };
+	struct tracee z;
+	pid_t child;
+	long got;
+
+	clear_error(err);
+	if (!WIFEXITED(status) && !(WIFSIGNALED(status) && !WCOREDUMP(status)))
+		return fail(err, EINVAL, h->c.pid, "zombie child %d: status %#x is no exit or "
+			    "death by a signal without a core dump", (int)nspid, status);
+	child = held_fork(h, &nspid, 1, CLONE_VM, err);
+	if (child < 0)
+		return -1;
+	if (adopt(&z, child, h->c.site, err) < 0 ||
+	    (comm[0] && set_comm(&z, scratch, comm, err) < 0) ||	/* ps: [comm] <defunct> */
+	    zombie_exits(&z, scratch, status, err) < 0 || detach_tracee(&z, err) < 0) {
+		kill_traced(child);
+		return -1;
+	}
+	if (wait_zombie(child, status, err) < 0) {
+		kill(child, SIGKILL);	/* no tracee of ours now: not left running */
+		return -1;
+	}
+	if (mem_write(h->c.pid, scratch, &chld, sizeof(chld), err) < 0 ||
+	    mem_write(h->c.pid, scratch + sizeof(chld), &now, sizeof(now), err) < 0)
+		return -1;
+	if (remote_syscall(&h->c, SYS_rt_sigtimedwait, a, &got, err) < 0)
+		return -1;
+	if (got != SIGCHLD && got != -EAGAIN)
+		return fail(err, got < 0 ? (int)-got : EPROTO, h->c.pid, "taking back the SIGCHLD "
+			    "of zombie child %d: %ld", (int)nspid, got);
+	return 0;
 }
 
 /* ---------- carriers and keepers (spawned ahead of a rollback) ----------

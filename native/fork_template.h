@@ -319,6 +319,11 @@ int dbxcr_held_release(struct dbxcr_held *h, struct dbxcr_error *err);
  * h's controlling terminal, which h holds at fd; h leads the terminal's session. */
 int dbxcr_held_foreground(struct dbxcr_held *h, int fd, pid_t pgrp, struct dbxcr_error *err);
 void dbxcr_held_kill(struct dbxcr_held *h);
+/* Before the release: a child of h that had exited, not yet waited for, at the checkpoint
+ * (a zombie), made again with its pid (in h's pid namespace), its name and its wait
+ * status: an exit, or a death by a signal without a core dump. */
+int dbxcr_held_zombie(struct dbxcr_held *h, pid_t nspid, int status, const char *comm,
+		      struct dbxcr_error *err);
 
 /* A socket created in the network namespace `netns_fd` refers to (a thread of our own
  * joins it for the call: the caller's namespaces are untouched), e.g. a sock_diag netlink

@@ -2215,6 +2215,57 @@ def test_a_forked_childs_memory_comes_back_page_for_page(sbx: Sandbox, restore: 
     assert after[0].startswith("p n=1 ") and after[1].startswith("c n=1 "), after
 
 
+ZOMBIES = """
+import os, signal, time
+got = []
+signal.signal(signal.SIGCHLD, lambda *_: got.append(1))
+a = os.fork()
+if a == 0:
+    os._exit(7)
+b = os.fork()
+if b == 0:
+    time.sleep(100)
+    os._exit(0)
+os.kill(b, signal.SIGTERM)
+time.sleep(0.3)                          # both exited, neither waited for: zombies
+open("/workspace/ready", "w").write(f"{a} {b}")
+while not os.path.exists("/workspace/reap"):
+    time.sleep(0.02)
+out = [f"sigchld={len(got)}"]
+for p in (a, b):
+    try:
+        out.append(f"{p}:{os.waitstatus_to_exitcode(os.waitpid(p, 0)[1])}")
+    except ChildProcessError:
+        out.append(f"{p}:ECHILD")
+open("/workspace/reaped", "w").write(" ".join(out))
+time.sleep(1000)
+"""
+
+
+def test_children_not_waited_for_yet_come_back_exited(sbx: Sandbox, restore: Restore) -> None:
+    """Children that had exited when the checkpoint was taken, their parent not having
+    waited for them yet (zombies: a Popen whose poll() comes later), come back as such,
+    with their pids and statuses: the parent's wait gets exit code 7 and death by SIGTERM,
+    and no SIGCHLD more than it had. Before, they were left out: the wait failed with
+    ECHILD, which Python's subprocess reports as exit status 0."""
+    sbx.files.write("z.py", ZOMBIES)
+    sbx.exec("cd /workspace && nohup python3 z.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("ready"))
+    a, b = sbx.files.read("ready").split()
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    sbx.files.write("reap", "")
+    wait_for(lambda: sbx.files.exists("reaped"))
+    expected = sbx.files.read("reaped").decode()
+    assert expected.endswith(f" {a.decode()}:7 {b.decode()}:-15"), expected   # the original's
+    target = restore(sbx, cp)
+    ps = target.exec(f"ps -o stat=,comm= -p {a.decode()},{b.decode()}").stdout.split()
+    assert ps == ["Z", "python3", "Z", "python3"], ps
+    target.files.write("reap", "")
+    wait_for(lambda: target.files.exists("reaped"))
+    assert target.files.read("reaped").decode() == expected
+
+
 def test_process_waiting_for_a_child_it_cannot_get_back_is_refused(sbx: Sandbox) -> None:
     """A child in another session than its parent's, which it does not lead, cannot be
     given back to its restored parent: a parent blocked waiting for it is refused, by

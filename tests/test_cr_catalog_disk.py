@@ -54,6 +54,7 @@ from test_cr import (  # noqa: F401  (the catalog's cases, run here with the dis
     test_a_named_unix_socket_server_and_its_connection,
     test_a_socket_file_watched_by_its_server_is_not_seen_replaced,
     test_a_listener_its_workers_share_comes_back_shared,
+    test_children_not_waited_for_yet_come_back_exited,
     test_flock_command_keeps_its_lock_on_the_shared_description,
     test_a_file_mapped_shared_and_writable_comes_back,
     test_a_file_mapped_shared_read_only_shows_the_checkpoints_bytes,

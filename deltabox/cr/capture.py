@@ -109,6 +109,8 @@ class ProcessRecord:
     task: TaskAttrs | None = None
     # its pidfds of its children (pidfds.capture): given back once the children exist
     pidfds: list[PidFd] = field(default_factory=list)
+    # its children that had exited, not yet waited for: (nspid, wait status, name)
+    zombies: list[tuple[int, int, str]] = field(default_factory=list)
 
     @property
     def running_timer(self) -> str | None:
@@ -254,7 +256,37 @@ def record(pid: int, st: native.ProcStatus, head: Head | None = None) -> Process
                          shared=shared, mapped_ro=read_only,
                          deleted_private=deleted_private, timers=posix_timers(pid),
                          tty_nr=st.tty_nr, tpgid=st.tpgid,
-                         mlocks=locked_ranges(pid) if st.locked_kb else [])
+                         mlocks=locked_ranges(pid) if st.locked_kb else [],
+                         zombies=zombie_children(pid))
+
+
+def zombie_children(pid: int) -> list[tuple[int, int, str]]:
+    """(pid in its namespace, wait status, name) of each child of pid that has exited and not
+    been waited for yet (a zombie): made again at a restore (Held.zombie), so the parent's
+    wait finds it. From /proc/PID/task/*/children and each child's stat (state, and its
+    exit_code field: the status a wait gives)."""
+    out = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            kids = kernfs.read(f"/proc/{pid}/task/{tid}/children").split()
+        except OSError:
+            continue
+        for kid in kids:
+            try:
+                stat = kernfs.read(f"/proc/{int(kid)}/stat")
+                fields = stat[stat.rindex(b")") + 2:].split()
+                if fields[0] != b"Z":
+                    continue
+                status = native.proc_status(int(kid))
+            except (OSError, ValueError, IndexError):
+                continue
+            comm = stat[stat.index(b"(") + 1:stat.rindex(b")")].decode(errors="surrogateescape")
+            out.append((status.nspid[-1] if status.nspid else int(kid), int(fields[-1]), comm))
+    return out
 
 
 def locked_ranges(pid: int) -> list[native.MemoryLock]:
@@ -362,6 +394,10 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
 
     for reason in _status_reasons(rec, tracer_ok):
         refuse(reason)
+    for nspid, status, _ in rec.zombies:
+        if status & 0x80:   # WCOREDUMP: made again, it would dump a core of its parent
+            refuse(f"child {nspid} died of signal {status & 0x7f} with a core dump and has "
+                   "not been waited for: not restored; checkpoint once it has been")
     for timer in rec.timers:
         # fork(2) does not pass them on; a restored process would never get the signal
         # (`timeout 60 CMD` restored so would wait for CMD forever).

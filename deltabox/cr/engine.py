@@ -195,8 +195,9 @@ class ProcessState:
 
     @functools.cached_property
     def adopters(self) -> set[int]:
-        """The parents in `family`: restored held until their children exist."""
-        return set(self.family.values())
+        """The parents in `family`, and those of zombies (ProcessRecord.zombies): restored
+        held until their children exist."""
+        return set(self.family.values()) | {r.pid for r in self.records if r.zombies}
 
     @functools.cached_property
     def orphans(self) -> str:
@@ -716,6 +717,7 @@ class DeltaCR:
                                                           failed=first)
                     if spawn.held is not None:
                         held[rec.pid] = spawn.held
+                        await self._zombies(rec, spawn.held)
                 out.pids[rec.nspid] = pid
                 if carrier is not None and carrier.child == pid:
                     out.keepers[pid] = carrier
@@ -765,12 +767,31 @@ class DeltaCR:
         pid = await self._spawn_retrying(spawn, pid_held=pid_held)
         assert spawn.held is not None
         held[rec.pid] = spawn.held
+        await self._zombies(rec, spawn.held)
         # A fork of its held parent, which has the parent's own attributes by now (spawned
         # from its template, or given them like this): set only if the child's differ (a
         # shell's job has the shell's, as a rule: ~0.5 ms saved per adopted child).
         if await self._task_of(state, rec) != await self._task_of(state, parent):
             await self._give_attrs(state, rec, spawn.held)
         return pid
+
+    async def _zombies(self, rec: ProcessRecord, held: native.Held) -> None:
+        """rec's children that had exited, not waited for yet, made again as such. Their
+        pids are free once the originals, orphaned by the rollback's kill, are reaped
+        (EEXIST until then: reap and retry, as _spawn_retrying)."""
+        for nspid, status, comm in rec.zombies:
+            deadline = trio.current_time() + 2.0
+            delay = 0.0002
+            while True:
+                try:
+                    await self.worker.run(held.zombie, nspid, status, comm)
+                    break
+                except native.CRError as e:
+                    if e.errno != errno.EEXIST or trio.current_time() > deadline:
+                        raise
+                if not reap_orphans():
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, 0.05)
 
     async def _task_of(self, state: ProcessState, rec: ProcessRecord) -> TaskAttrs:
         """rec's nice, priorities, rlimits, prctl state (taskattrs.py), read from its
@@ -828,6 +849,7 @@ class DeltaCR:
             return False
         for rec, h in zip(recs, made):
             held[rec.pid] = h
+            await self._zombies(rec, h)
             out.pids[rec.nspid] = h.pid
             await self._give_attrs(state, rec, h)   # an ancestor: the child's template's fork
             if root.into is not None:

@@ -268,6 +268,9 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_held_release.restype = ctypes.c_int
         lib.dbxcr_held_foreground.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, err]
         lib.dbxcr_held_foreground.restype = ctypes.c_int
+        lib.dbxcr_held_zombie.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                          ctypes.c_char_p, err]
+        lib.dbxcr_held_zombie.restype = ctypes.c_int
         lib.dbxcr_ipcns_mqueue_dir.argtypes = [ctypes.c_int, err]
         lib.dbxcr_ipcns_mqueue_dir.restype = ctypes.c_int
         lib.dbxcr_held_set_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls), err]
@@ -1036,6 +1039,18 @@ class Held:
             raise CRError(_errno.EINVAL, f"held process {self.pid} was released or killed")
         err = _Err()
         if _load().dbxcr_held_foreground(self._handle, fd, pgrp, ctypes.byref(err)) < 0:
+            _raise(err)
+
+    def zombie(self, nspid: int, status: int, comm: str) -> None:
+        """Before release(): its child `nspid` (in its pid namespace) named `comm` that had
+        exited with wait status `status` and was not waited for yet, made again, exited (a
+        zombie)."""
+        if self._handle is None:
+            raise CRError(_errno.EINVAL, f"held process {self.pid} was released or killed")
+        err = _Err()
+        if _load().dbxcr_held_zombie(self._handle, nspid, status,
+                                     comm.encode(errors="surrogateescape")[:15],
+                                     ctypes.byref(err)) < 0:
             _raise(err)
 
     def set_prctls(self, want: Prctls) -> None:

@@ -414,9 +414,10 @@ class Dumps:
         records = [_rec_from(r) for r in meta["records"]]
         if reserve_pids and records:
             # Above every pid and thread id the processes get back (a thread's is in its
-            # image only).
+            # image only), and their zombie children's.
             await _skip_pids(host_pid, max(max(r.nspid, native.image_info(
-                d / str(r.nspid))[3] if r.threads > 1 else 0) for r in records))
+                d / str(r.nspid))[3] if r.threads > 1 else 0,
+                *(z[0] for z in r.zombies)) for r in records))
         templates: dict[int, native.Template] = {}
         pipes: dict[int, PipeGroup] = {}
         files: list[unlinked.UnlinkedFile] = []

@@ -507,6 +507,87 @@ static bool zombie_of(pid_t pid, pid_t parent)
 	return false;
 }
 
+/* A free pid well above the ones in use (the kernel hands them out upwards), for set_tid. */
+static pid_t free_pid(void)
+{
+	char buf[32] = "", path[32];
+	int last, fd = open("/proc/sys/kernel/ns_last_pid", O_RDONLY | O_CLOEXEC);
+
+	if (fd < 0)
+		return -1;
+	if (read(fd, buf, sizeof(buf) - 1) <= 0)
+		buf[0] = '\0';
+	close(fd);
+	last = atoi(buf);
+	if (last <= 0)
+		return -1;
+	for (pid_t p = last + 5000; p < last + 6000; p++) {
+		snprintf(path, sizeof(path), "/proc/%d", (int)p);
+		if (access(path, F_OK) < 0)
+			return p;
+	}
+	return -1;
+}
+
+/* Whether pid's /proc/pid/stat shows comm `comm` and wait status `status`. */
+static bool exited_as(pid_t pid, const char *comm, int status)
+{
+	char buf[512], want[64], *p;
+
+	if (proc_read(pid, "stat", buf, sizeof(buf)) < 0)
+		return false;
+	snprintf(want, sizeof(want), "(%s) Z ", comm);
+	p = strrchr(buf, ' ');
+	return strstr(buf, want) && p && atoi(p + 1) == status;
+}
+
+/* held_zombie: a held process gets back children that had exited and not been waited for
+ * (zombies) with their pids, names and wait statuses, an exit code and a death by a
+ * signal (no core dump); a status with a core dump is refused, nothing made. */
+static void test_held_zombie(void)
+{
+	struct dbxcr_error err;
+	struct dbxcr_template *th = NULL;
+	struct dbxcr_held *hp = NULL;
+	struct proc host = { -1, -1, -1 };
+	struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1 };
+	pid_t parent = -1, z1 = free_pid(), z2 = -1, z3 = -1;
+
+	current_test = "held_zombie";
+	if (z1 <= 0 || start_target("host", &host) < 0) {
+		CHECK(0, "a free pid (%d), the target", (int)z1);
+		goto out;
+	}
+	z2 = z1 + 1;
+	z3 = z1 + 2;
+	th = dbxcr_make_template(host.pid, &err);
+	CHECK(th != NULL, "make_template: %s", err.msg);
+	if (!th)
+		goto out;
+	parent = dbxcr_spawn_held(th, &o, &hp, &err);
+	CHECK(parent > 0, "spawn_held: %s", err.msg);
+	if (parent <= 0)
+		goto out;
+	CHECK(dbxcr_held_zombie(hp, z1, 7 << 8, "exited", &err) == 0, "exit 7: %s", err.msg);
+	CHECK(dbxcr_held_zombie(hp, z2, SIGTERM, "killed", &err) == 0, "SIGTERM: %s", err.msg);
+	CHECK(dbxcr_held_zombie(hp, z3, SIGSEGV | 0x80, "cored", &err) < 0 && err.code == EINVAL,
+	      "a core dump's status: %d (%s)", err.code, err.msg);
+	CHECK(zombie_of(z1, parent) && exited_as(z1, "exited", 7 << 8),
+	      "pid %d: a zombie of %d, exited with 7", (int)z1, (int)parent);
+	CHECK(zombie_of(z2, parent) && exited_as(z2, "killed", SIGTERM),
+	      "pid %d: a zombie of %d, killed by SIGTERM", (int)z2, (int)parent);
+	CHECK(ppid_of(z3) < 0, "pid %d was made for a status it refused", (int)z3);
+	CHECK(dbxcr_held_release(hp, &err) == 0, "release the parent: %s", err.msg);
+	hp = NULL;
+out:
+	if (hp)
+		dbxcr_held_kill(hp);
+	kill_wait(parent);	/* its zombies go with it (reaped by init) */
+	dbxcr_release_template(th, &err);
+	kill_wait(host.pid);
+	close_proc(&host);
+}
+
 /* Whether /proc/pid/fdinfo/fd has a line starting with `want`. */
 static bool fdinfo_has(pid_t pid, int fd, const char *want)
 {
@@ -880,6 +961,7 @@ int main(int argc, char **argv)
 	test_dump_two_steps(base);
 	test_held_adopt(base, false);
 	test_held_adopt(base, true);
+	test_held_zombie();
 	test_held_chain(base);
 	rm_rf(base);
 	if (failures) {
