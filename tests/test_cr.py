@@ -2290,6 +2290,19 @@ def test_process_waiting_for_a_child_it_cannot_get_back_is_refused(sbx: Sandbox)
     assert sbx.files.read("st") == b"5"
 
 
+@pytest.mark.parametrize("name", ["/workspace/log.sock", "@dbx-log"])
+def test_a_named_datagram_socket_is_refused_by_its_name(sbx: Sandbox, name: str) -> None:
+    """A unix datagram socket bound to a name (a syslog-like receiver) is not captured:
+    refused naming the name as the program gave it (the path showed the NUL after it)."""
+    addr = f"'\\0{name[1:]}'" if name.startswith("@") else f"'{name}'"
+    sbx.exec(f"nohup python3 -c \"import socket, time\ns = socket.socket(socket.AF_UNIX, "
+             f"socket.SOCK_DGRAM)\ns.bind({addr})\nopen('/workspace/ready', 'w').close()\n"
+             f"time.sleep(1000)\" >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("ready"))
+    _refused_by_name(sbx, rf"(?s)pid \d+ \(python3 -c import socket.*fd 3: .*bound to "
+                          rf"'{re.escape(name)}': named unix sockets are not captured")
+
+
 def test_udp_socket_is_refused_with_a_clear_error(sbx: Sandbox) -> None:
     """Refused by an fd (known only once the processes are read, which a capture does
     while it stops them): the error names it, and the process runs on, not left stopped."""

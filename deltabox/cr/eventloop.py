@@ -465,8 +465,11 @@ def _parse_unix(msg: bytes, out: dict[int, _UnixDiag]) -> None:
         if atype == UNIX_DIAG_PEER:
             peer = struct.unpack_from("=I", data)[0]
         elif atype == UNIX_DIAG_NAME:
-            name = data.decode(errors="replace") or "?"
             raw = bytes(data)
+            # As a message shows it: a path without the NUL the kernel keeps after it
+            # ('/workspace/log.sock\x00' before), an abstract name after an "@".
+            name = ("@" + raw[1:].decode(errors="backslashreplace") if raw[:1] == b"\0"
+                    else raw.rstrip(b"\0").decode(errors="replace")) or "?"
         elif atype == UNIX_DIAG_RQLEN:
             rqueue, wqueue = struct.unpack_from("=II", data)
         elif atype == UNIX_DIAG_SHUTDOWN:
