@@ -13,7 +13,7 @@ import re
 import socket
 import struct
 from dataclasses import dataclass, field
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 from .. import kernfs
@@ -237,10 +237,11 @@ def record_head(pid: int) -> Head:
     return (cmdline(pid), *_mappings(pid))
 
 
-def record(pid: int, st: native.ProcStatus, head: Head | None = None) -> ProcessRecord:
+def record(pid: int, st: native.ProcStatus, head: Head | None = None,
+           alive: Collection[int] = ()) -> ProcessRecord:
     """Read one stopped or frozen process from /proc (its status, and maybe its
     record_head, already read; its private mappings of files are kept by
-    private_in_writable_layer)."""
+    private_in_writable_layer). `alive`: processes known not to be zombies (read already)."""
     cmd, mappings, maps, deleted_private, _ = head if head is not None else record_head(pid)
     shared = [m for m in maps if m.writable or m.copyable]
     read_only = [m for m in maps if not (m.writable or m.copyable)]
@@ -257,14 +258,14 @@ def record(pid: int, st: native.ProcStatus, head: Head | None = None) -> Process
                          deleted_private=deleted_private, timers=posix_timers(pid),
                          tty_nr=st.tty_nr, tpgid=st.tpgid,
                          mlocks=locked_ranges(pid) if st.locked_kb else [],
-                         zombies=zombie_children(pid))
+                         zombies=zombie_children(pid, alive))
 
 
-def zombie_children(pid: int) -> list[tuple[int, int, str]]:
+def zombie_children(pid: int, alive: Collection[int] = ()) -> list[tuple[int, int, str]]:
     """(pid in its namespace, wait status, name) of each child of pid that has exited and not
     been waited for yet (a zombie): made again at a restore (Held.zombie), so the parent's
-    wait finds it. From /proc/PID/task/*/children and each child's stat (state, and its
-    exit_code field: the status a wait gives)."""
+    wait finds it. From /proc/PID/task/*/children and each other child's stat (state, and
+    its exit_code field: the status a wait gives). No cgroup lists a zombie."""
     out = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -276,6 +277,8 @@ def zombie_children(pid: int) -> list[tuple[int, int, str]]:
         except OSError:
             continue
         for kid in kids:
+            if int(kid) in alive:
+                continue
             try:
                 stat = kernfs.read(f"/proc/{int(kid)}/stat")
                 fields = stat[stat.rindex(b")") + 2:].split()

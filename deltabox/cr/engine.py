@@ -461,7 +461,7 @@ class DeltaCR:
                     return
                 await trio.lowlevel.checkpoint()  # the snapshot's thread starts first
                 alive = {s.pid for s in cap.stopped}  # the rest died meanwhile
-                records = [record(p, procs[p], heads[p]) for p in pids if p in alive]
+                records = [record(p, procs[p], heads[p], procs) for p in pids if p in alive]
                 cap.refused.extend(r for rec in records for r in refusals(rec, tracer_ok))
                 cap.refused.extend(shared_lock_refusals(records))
                 in_writable_layer(records, layers)
@@ -592,10 +592,7 @@ class DeltaCR:
                         continue
                 if e.errno != errno.EEXIST or trio.current_time() > deadline:
                     raise
-            if reap_orphans():  # the killed original was a zombie waiting for us
-                continue
-            await trio.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            delay = await _until_reaped(delay)
 
     async def restore(self, state: ProcessState, mntfd: int, rootfd: int,
                       into: Elsewhere | None = None,
@@ -638,6 +635,13 @@ class DeltaCR:
                 tcp.clear_time_wait(state.templates[records[0].pid].pid, time_wait)
                 time_wait.clear()
 
+        async def take_addresses() -> None:
+            """The plan's sockets made unbound (a carrier's, a listener several processes
+            hold: listener_fds) take their addresses, once the killed ones are free."""
+            if plan.addresses_to_take:
+                await addresses_free()
+                plan.take_addresses()
+
         # Files written in place since the checkpoint that a process maps privately, looked
         # at once: a carrier made before the write holds their new bytes (private_maps.py).
         changed = {r.pid: _changed_maps(state, r) for r in records if r.mapped_private}
@@ -647,9 +651,7 @@ class DeltaCR:
                          if r.pid in pre.carriers and pre.stale(r, changed.get(r.pid, []))]
                 if stale:
                     await self.kill_carriers(stale)
-            if plan.addresses_to_take:  # carriers' connections and listeners
-                await addresses_free()
-                plan.take_addresses()
+            await take_addresses()  # carriers' connections and listeners
             if into is None and pre is not None:
                 born = await self._births(records, pre, victims)
                 if born:
@@ -663,9 +665,7 @@ class DeltaCR:
                     # silently).
                     await addresses_free()
                 spawn = _spawn_args(state, plan, rec, mntfd, into, changed.get(rec.pid, []))
-                if plan.addresses_to_take:  # a listener several processes hold
-                    await addresses_free()
-                    plan.take_addresses()
+                await take_addresses()  # a listener several processes hold
                 if into is None:
                     # A kept pid, and a listener's port, are free once the killed
                     # originals have exited (their pages go before their files: a big one
@@ -789,9 +789,7 @@ class DeltaCR:
                 except native.CRError as e:
                     if e.errno != errno.EEXIST or trio.current_time() > deadline:
                         raise
-                if not reap_orphans():
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, 0.05)
+                delay = await _until_reaped(delay)
 
     async def _task_of(self, state: ProcessState, rec: ProcessRecord) -> TaskAttrs:
         """rec's nice, priorities, rlimits, prctl state (taskattrs.py), read from its
@@ -1887,6 +1885,15 @@ class _Spawn:
     ctty: int = -1             # its fd of the pty it takes back as its controlling terminal
     mlocks: list[native.MemoryLock] = field(default_factory=list)  # its memory locked again
     cwd_made: list[str] = field(default_factory=list)   # a deleted cwd's (deleted_cwd.py)
+
+
+async def _until_reaped(delay: float) -> float:
+    """Between attempts at a pid still taken (EEXIST) by a killed original: reap it if it
+    was a zombie waiting for us, else wait `delay`; the next attempt's delay."""
+    if reap_orphans():
+        return delay
+    await trio.sleep(delay)
+    return min(delay * 2, 0.05)
 
 
 def _shared_listeners(state: ProcessState) -> set[int]:
