@@ -3053,16 +3053,13 @@ static int r_finish_mm(struct restore *R, struct dbxcr_error *err)
 }
 
 /* Where r_signals_and_ids puts its calls' arguments in the scratch area (below the batch
- * table): every action, then the alternate stack, the groups. */
+ * table): every action, then the alternate stack. */
 #define SA_AT 0
 #define SS_AT (SA_AT + NSIG_K * sizeof(struct ksigaction))
-#define GROUPS_AT (SS_AT + 64)
-_Static_assert(GROUPS_AT + (MAX_GROUPS + 1) * sizeof(uint32_t) <= BATCH_TABLE_OFF,
+_Static_assert(SS_AT + sizeof(stack_t) <= BATCH_TABLE_OFF,
 	       "r_signals_and_ids' arguments overlap the batch table");
 
-/* The name, then signal actions, alternate stack, umask, personality and credentials in
- * one batch, credentials last (after dropping root nothing before them would be
- * allowed). */
+/* The name, then signal actions, alternate stack, umask and personality in one batch. */
 static int r_signals_and_ids(struct restore *R, struct dbxcr_error *err)
 {
 	const struct core_fixed *core = R->im->core;
@@ -3116,39 +3113,11 @@ static int r_signals_and_ids(struct restore *R, struct dbxcr_error *err)
 	a[0] = core->personality;
 	if (BS(R, SYS_personality, 0, err, "personality(%#x)", core->personality) < 0)
 		return -1;
-	{
-		struct core_fixed now;
-		struct dbxcr_error e2;
-
-		memset(&now, 0, sizeof(now));
-		if (read_status_bits(R->pid, &now, 1, &e2) < 0)
-			return fail(err, e2.code, R->pid, "%s", e2.msg);
-		if (now.ngroups != core->ngroups ||
-		    memcmp(now.groups, core->groups, sizeof(uint32_t) * core->ngroups) ||
-		    memcmp(now.gid, core->gid, sizeof(now.gid)) ||
-		    memcmp(now.uid, core->uid, sizeof(now.uid))) {
-			uint32_t g[MAX_GROUPS + 1] = { 0 };
-
-			memcpy(g, core->groups, sizeof(core->groups));
-			if (mem_write(R->pid, R->scratch + GROUPS_AT, g,
-				      sizeof(uint32_t) * core->ngroups + 4, err) < 0)
-				return -1;
-			a[0] = core->ngroups;
-			a[1] = (long)(R->scratch + GROUPS_AT);
-			if (BS(R, SYS_setgroups, 0, err, "setgroups") < 0)
-				return -1;
-			a[0] = core->gid[0];
-			a[1] = core->gid[1];
-			a[2] = core->gid[2];
-			if (BS(R, SYS_setresgid, 0, err, "setresgid") < 0)
-				return -1;
-			a[0] = core->uid[0];
-			a[1] = core->uid[1];
-			a[2] = core->uid[2];
-			if (BS(R, SYS_setresuid, 0, err, "setresuid") < 0)
-				return -1;
-		}
-	}
+	/* The image's uids, gids and groups are not switched to here: a process of another
+	 * user could not do the rest of its restore (nor its spawns: clone3 set_tid, setns).
+	 * A process that ran without root's rights has its credentials on its template
+	 * (tpl->creds, from src or set by the daemon: deltabox/cr/creds.py), given back last
+	 * in every child (creds.c). */
 	return batch_run(R->b, err);
 }
 
@@ -3167,6 +3136,15 @@ struct dbxcr_template *dbxcr_restore_template(pid_t host, int image_dirfd, int r
 					      struct dbxcr_error *err)
 {
 	return restore_template_in(host, NULL, NULL, 0, image_dirfd, root_dirfd, NULL, 0, NULL,
+				   err);
+}
+
+struct dbxcr_template *dbxcr_restore_template_from(pid_t host, int image_dirfd,
+						   int root_dirfd,
+						   const struct dbxcr_template *src,
+						   struct dbxcr_error *err)
+{
+	return restore_template_in(host, NULL, NULL, 0, image_dirfd, root_dirfd, src, 0, NULL,
 				   err);
 }
 
@@ -3930,6 +3908,7 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 		tpl->ptimers_ok = src->ptimers_ok;
 		memcpy(tpl->ptimers, src->ptimers, sizeof(tpl->ptimers));
 		tpl->group_stop = src->group_stop;
+		tpl->creds = src->creds;
 	}
 	if (R.im->core->has_rseq) {	/* for births from carriers (threads.c: main_restore) */
 		tpl->main.rseq_ptr = R.im->core->rseq_ptr;

@@ -90,6 +90,13 @@ int dbxcr_verify_image(int image_dirfd, struct dbxcr_error *err);
  * children of host (CLONE_PARENT).  It holds no descriptors. */
 struct dbxcr_template *dbxcr_restore_template(pid_t host, int image_dirfd, int root_dirfd,
 					      struct dbxcr_error *err);
+/* The same from a live image (its pages left in `src`, the template it was made from,
+ * which also gives the new one what the image does not hold: timers, job-control stop,
+ * credentials to give back).  Root's copy of an unprivileged process's template. */
+struct dbxcr_template *dbxcr_restore_template_from(pid_t host, int image_dirfd,
+						   int root_dirfd,
+						   const struct dbxcr_template *src,
+						   struct dbxcr_error *err);
 
 /* Restore the image into a new child of the held process `parent` (fork_template.h: a
  * restored parent, stopped) with the pid opts->set_tid, re-rooted as dbxcr_spawn would

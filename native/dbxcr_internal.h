@@ -176,6 +176,8 @@ struct dbxcr_template {
 	int nptimers;
 	bool ptimers_ok;
 	struct ptimer ptimers[MAX_PTIMERS];
+	/* What its children get back last (creds.c); creds.set 0: the template's own. */
+	struct dbxcr_creds creds;
 };
 
 /* Options for every tracee we inject into (see fork_template.c). */
@@ -281,6 +283,11 @@ int batch_run(struct batch *b, struct dbxcr_error *err);
 int tracee_prctls(struct tracee *t, struct dbxcr_prctls *out, struct dbxcr_error *err);
 int tracee_set_prctls(struct tracee *t, const struct dbxcr_prctls *want,
 		      struct dbxcr_error *err);
+
+/* creds.c: the credentials c (if set) given to the stopped tracee t, one of a child's
+ * threads, by injected calls using the scratch page at `scratch`; checked. */
+int creds_give(struct tracee *t, unsigned long scratch, const struct dbxcr_creds *c,
+	       struct dbxcr_error *err);
 
 /* dontfork.c */
 /* The runs of mappings of `orig` its fresh fork `tpl` does not have (none: *n = 0). */

@@ -3060,7 +3060,10 @@ static int join_sandbox_ns(struct tracee *c, int pidfd, struct dbxcr_error *err)
 /* Last steps in a child before it gets the checkpointed registers: queue the original's
  * pending signals again and arm its timers (fork copies neither: timers.c), give back the
  * original's name and command line (the template's disguise) and unmap the scratch page. */
-static int finish_child(struct tracee *c, struct dbxcr_template *tpl, struct dbxcr_error *err)
+/* `thr`: the child's other threads (NULL: it has none), still stopped: they get the
+ * template's credentials too, while the scratch page is still mapped. */
+static int finish_child(struct tracee *c, struct dbxcr_template *tpl, struct tracee *thr,
+			struct dbxcr_error *err)
 {
 	long a[6] = { (long)tpl->scratch, SCRATCH_LEN, 0, 0, 0, 0 };
 
@@ -3072,6 +3075,12 @@ static int finish_child(struct tracee *c, struct dbxcr_template *tpl, struct dbx
 	if (tpl->comm[0] && set_comm(c, tpl->scratch, tpl->comm, err) < 0)
 		return -1;
 	if (tpl->args_hidden && set_mm_bounds(c, tpl->scratch, tpl->mm, false, err) < 0)
+		return -1;
+	/* Last: after it, the child may lack the rights every step above needs. */
+	for (int i = 0; thr && i < tpl->threads->n; i++)
+		if (creds_give(&thr[i], tpl->scratch, &tpl->creds, err) < 0)
+			return -1;
+	if (creds_give(c, tpl->scratch, &tpl->creds, err) < 0)
 		return -1;
 	if (rsys(c, SYS_munmap, a, err, "munmap scratch") < 0)
 		return -1;
@@ -3246,7 +3255,7 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 	if (kind == SPAWN_HELD || kind == SPAWN_HELD_SHARED)	/* its scratch page serves its
 								 * adoptions; finish at release */
 		return 0;
-	if (finish_child(c, tpl, err) < 0) {
+	if (finish_child(c, tpl, *thr, err) < 0) {
 		if (*thr) {
 			threads_kill(c->pid, *thr, tpl->threads->n);
 			free(*thr);
@@ -3663,7 +3672,7 @@ int dbxcr_held_release(struct dbxcr_held *h, struct dbxcr_error *err)
 	struct tracee *thr = h->thr;
 
 	clear_error(err);
-	if (finish_child(&h->c, h->tpl, err) < 0) {
+	if (finish_child(&h->c, h->tpl, thr, err) < 0) {
 		dbxcr_held_kill(h);
 		return -1;
 	}
@@ -3930,7 +3939,7 @@ pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t 
 	    threads_recreate(&c, &k->t, true, true, &thr, err) < 0)
 		goto kill;
 	if (take_locks(&c, k->t.scratch, k->locks, k->nlocks, err) < 0 ||
-	    finish_child(&c, &k->t, err) < 0 || unpin_child(&col, &k->t, child, err) < 0)
+	    finish_child(&c, &k->t, thr, err) < 0 || unpin_child(&col, &k->t, child, err) < 0)
 		goto kill_threads;
 	colocation_end(&col);
 	c.regs = k->t.regs;

@@ -13,6 +13,7 @@
 #define DBX_FORK_TEMPLATE_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <sys/types.h>
 
 struct dbxcr_error {
@@ -419,6 +420,22 @@ int dbxcr_template_drop_fds(struct dbxcr_template *tpl, struct dbxcr_error *err)
  * for ITIMER_REAL, _VIRTUAL and _PROF in turn, {interval s, us, time left s, us}. A
  * template restored from disk has none until they are set (the daemon keeps them). */
 void dbxcr_template_itimers(const struct dbxcr_template *tpl, long out[12]);
+
+/* The credentials a template's children get back last (creds.c): ids as the process's own
+ * user namespace sees them (real, effective, saved, filesystem), its supplementary groups,
+ * its capability sets.  Set on a template only for a process that ran as another user or
+ * without capabilities (the template itself is then root's, or never spawned from). */
+#define DBXCR_MAX_GROUPS 64
+struct dbxcr_creds {
+	int set;		/* 0: none to give (a fork keeps the template's) */
+	uint32_t uid[4];
+	uint32_t gid[4];
+	int ngroups;
+	uint32_t groups[DBXCR_MAX_GROUPS];
+	uint64_t cap_inh, cap_prm, cap_eff, cap_bnd, cap_amb;
+};
+int dbxcr_template_set_creds(struct dbxcr_template *tpl, const struct dbxcr_creds *c,
+			     struct dbxcr_error *err);
 
 /* Whether the origin sat in a job-control stop at the checkpoint (its children stop
  * again once let go); set it for a template restored from disk, which has no stop. */

@@ -851,9 +851,13 @@ srv = socket.socket()
 srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 srv.bind(("127.0.0.1", 8124))
 srv.listen(16)
-if sys.argv[1] in ("forked", "orphaned"):
+if sys.argv[1] in ("forked", "orphaned", "dropped"):
     for _ in range(2):
         if os.fork() == 0:
+            if sys.argv[1] == "dropped":     # nginx's workers: nobody's
+                os.setgroups([])
+                os.setresgid(65534, 65534, 65534)
+                os.setresuid(65534, 65534, 65534)
             sys.argv[1:] = [str(srv.fileno())]
             exec(SERVE)
     if sys.argv[1] == "orphaned":     # a daemon's workers, left to init
@@ -877,13 +881,14 @@ def _ask_prefork(box: Sandbox) -> tuple[str, int]:
     return pid, int(n)
 
 
-@pytest.mark.parametrize("workers", ["forked", "exec", "orphaned"])
+@pytest.mark.parametrize("workers", ["forked", "exec", "orphaned", "dropped"])
 def test_a_listener_its_workers_share_comes_back_shared(sbx: Sandbox, restore: Restore,
                                                         workers: str) -> None:
     """A port the parent bound and its workers accept on (gunicorn's, a reloader's): the
     socket several processes hold comes back as one socket they all hold. Before, each
     restored process bound a copy of its own, the second bind failed (EADDRINUSE) and the
-    processes restarted. Each worker answers on with its count from the checkpoint."""
+    processes restarted. Each worker answers on with its count from the checkpoint.
+    `dropped`: workers that became nobody after the fork (nginx's), as nobody again."""
     sbx.files.write("prefork.py", PREFORK)
     sbx.exec(f"cd /workspace && nohup python3 prefork.py {workers} >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("listening"))
@@ -900,6 +905,11 @@ def test_a_listener_its_workers_share_comes_back_shared(sbx: Sandbox, restore: R
     inodes = target.exec("for p in $(pgrep -f prefork.py) $(pgrep -f 'import os, socket'); "
                          "do readlink /proc/$p/fd/3; done | sort -u").stdout.split()
     assert len(inodes) == 1 and inodes[0].startswith("socket:"), inodes   # one socket
+    if workers == "dropped":
+        ps = target.exec(f"{OWN_PS} uid=,args=").stdout.splitlines()
+        uids = sorted(uid for uid, args in (line.split(None, 1) for line in ps)
+                      if args.startswith("python3 prefork.py"))
+        assert uids == ["0", "65534", "65534"], ps
 
 
 # A server on a named unix socket (a path, or "@name": an abstract name) that counts the
@@ -3638,21 +3648,144 @@ def test_threads_of_a_session_leader_are_refused_at_rollback(sbx: Sandbox) -> No
     assert "thr.py" not in sbx.exec(f"{OWN_PS} args=").stdout
 
 
-@pytest.mark.parametrize("userns", [False, True], ids=["root", "userns"])
-def test_ordinary_user_process_is_refused(daemon, userns: bool) -> None:
-    """A process without CAP_SYS_ADMIN (here uid 1000) cannot be restored with its pid (the
-    kernel wants the capability in the process that clones): the checkpoint says so and
-    names it, instead of a rollback that would restart it. (Before, the checkpoint passed
-    and the rollback failed: "clone3 set_tid: no CAP_SYS_ADMIN".)"""
-    with Sandbox.create(socket=daemon.socket, user_namespace=userns) as sbx:
-        sbx.exec("setpriv --reuid 1000 --regid 1000 --clear-groups sleep 1000 "
-                 ">/dev/null 2>&1 &")
+# A process that reports, when sent SIGUSR1, how many reports it made (in memory), its
+# ids and every thread's credential lines (/proc/self/task/*/status), into
+# /workspace/creds/PID.json. A second thread sleeps: it must come back with them too.
+CRED_PROBE = """
+import json, os, signal, socket, threading, time
+n = 0
+KEYS = ("Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")
+def lines(path):
+    return [l for l in open(path).read().splitlines() if l.split(":")[0] in KEYS]
+def report(*_):
+    global n
+    n += 1
+    tasks = [lines(f"/proc/self/task/{t}/status") for t in os.listdir("/proc/self/task")]
+    out = dict(n=n, pid=os.getpid(), ppid=os.getppid(), sid=os.getsid(0),
+               pgid=os.getpgid(0), ids=[os.getresuid(), os.getresgid(), sorted(os.getgroups())],
+               threads=len(tasks), creds=sorted({tuple(t) for t in tasks}))
+    if os.environ.get("BIND"):   # what its capabilities allow: a port below 1024
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", int(os.environ["BIND"])))
+            out["bind"] = "ok"
+        except OSError as e:
+            out["bind"] = e.strerror
+        s.close()
+    tmp = f"/workspace/creds/.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(out, f)
+    os.rename(tmp, f"/workspace/creds/{os.getpid()}.json")
+signal.signal(signal.SIGUSR1, report)
+threading.Thread(target=time.sleep, args=(10**6,), daemon=True).start()
+open(f"/workspace/creds/{os.getpid()}.up", "w").close()
+while True:
+    time.sleep(1)
+"""
+AS_1000 = "setpriv --reuid 1000 --regid 1000"
+
+
+def _start_cred_probes(box: Sandbox, cmd: str, count: int = 1) -> list[int]:
+    """Run `cmd` (which starts `count` probes) in the background; their pids."""
+    box.files.write("cred_probe.py", CRED_PROBE)
+    box.exec("mkdir -p -m 1777 /workspace/creds")
+    box.exec(f"cd /workspace && {cmd} >/dev/null 2>&1 &")
+
+    def up() -> list[int]:
+        names = box.exec("ls /workspace/creds").stdout.split()
+        return sorted(int(n[:-3]) for n in names if n.endswith(".up"))
+    wait_for(lambda: len(up()) >= count, what="the probes to start")
+    return up()
+
+
+def _ask_creds(box: Sandbox, pid: int) -> dict:
+    """The probe's report (its count goes up by one)."""
+    box.exec(f"rm -f /workspace/creds/{pid}.json; kill -USR1 {pid}")
+    wait_for(lambda: box.files.exists(f"creds/{pid}.json"), what=f"probe {pid}'s report")
+    return json.loads(box.files.read(f"creds/{pid}.json"))
+
+
+@pytest.mark.parametrize("how", ["user", "capabilities"])
+def test_a_process_of_another_user_comes_back_as_that_user(sbx: Sandbox, restore: Restore,
+                                                           how: str) -> None:
+    """A server run as another user (started with setsid, as pg_ctl starts PostgreSQL):
+    its uids, gids, groups and capability sets come back in each of its threads, with its
+    memory. `capabilities`: one that keeps CAP_NET_BIND_SERVICE (ambient: it can still
+    bind port 80) with CAP_NET_RAW out of its bounding set. Until stop 57 such a process
+    was refused at the checkpoint ("runs without CAP_SYS_ADMIN")."""
+    cmd = (f"setsid {AS_1000} --groups 5,7 python3 cred_probe.py" if how == "user" else
+           f"BIND=80 setsid {AS_1000} --clear-groups --inh-caps +net_bind_service "
+           "--ambient-caps +net_bind_service --bounding-set -net_raw python3 cred_probe.py")
+    [pid] = _start_cred_probes(sbx, cmd)
+    before = _ask_creds(sbx, pid)
+    assert before["ids"][0] == [1000, 1000, 1000] and before["threads"] == 2, before
+    if how == "capabilities":
+        assert before["bind"] == "ok" and "CapAmb:\t0000000000000400" in before["creds"][0]
+    else:
+        assert before["ids"][2] == [5, 7], before
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    _ask_creds(sbx, pid)
+    target = restore(sbx, cp)
+    after = _ask_creds(target, pid)
+    assert after == dict(before, n=2), (before, after)
+    assert len(after["creds"]) == 1   # every thread's are the same
+
+
+def test_another_users_session_comes_back_with_its_children(sbx: Sandbox,
+                                                            restore: Restore) -> None:
+    """A session that runs as another user, its leader waiting for its children (a
+    database's server and its workers): the leader keeps its pid and leads its session,
+    the children are its own again, in its session, all as that user."""
+    leader = (f"setsid {AS_1000} --clear-groups bash -c "
+              "'python3 cred_probe.py & python3 cred_probe.py & wait'")
+    kids = _start_cred_probes(sbx, leader, count=2)
+    before = {k: _ask_creds(sbx, k) for k in kids}
+    sid = before[kids[0]]["sid"]
+    assert {b["ppid"] for b in before.values()} == {sid}, before
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    sbx.exec(f"kill -9 {kids[0]}")
+    target = restore(sbx, cp)
+    for k in kids:
+        assert _ask_creds(target, k) == dict(before[k], n=2)
+    ps = target.exec(f"ps -o pid=,sid=,uid=,args= -p {sid}").stdout.split(None, 3)
+    assert ps[:3] == [str(sid), str(sid), "1000"] and "wait" in ps[3], ps
+
+
+def test_an_unprivileged_orphan_in_a_foreign_session_is_refused(daemon) -> None:
+    """A process of another user whose parent is gone, in a session it does not lead,
+    could come back only in init's session: the checkpoint is refused, naming it and
+    what to do."""
+    with Sandbox.create(socket=daemon.socket) as sbx:
+        sbx.exec(f"{AS_1000} --clear-groups sleep 1000 >/dev/null 2>&1 &")
         wait_for(lambda: sbx.exec("pgrep -u 1000 -x sleep").exit_code == 0)
         with pytest.raises(deltabox.FailedPrecondition,
-                           match=r"pid \d+ \(sleep 1000\): runs without CAP_SYS_ADMIN"):
+                           match=r"pid \d+ \(sleep 1000\): runs as uid 1000, gid 1000 .*"
+                                 r"neither leads its session.*start it with setsid"):
             sbx.checkpoint(mode="full")
         assert sbx.checkpoints() == []
         assert sbx.checkpoint(mode="fs").kind == "fs"
+
+
+def test_another_users_process_in_a_user_namespace(daemon) -> None:
+    """In a sandbox with a user namespace, the ids given back are the namespace's (the
+    host sees them shifted by the sandbox's base): rollback and fork."""
+    with Sandbox.create(socket=daemon.socket, user_namespace=True) as sbx:
+        [pid] = _start_cred_probes(sbx, f"setsid {AS_1000} --groups 5 python3 cred_probe.py")
+        before = _ask_creds(sbx, pid)
+        assert before["ids"] == [[1000] * 3, [1000] * 3, [5]], before
+        cp = sbx.checkpoint()
+        assert cp.kind == "full", cp.reasons
+        res = sbx.rollback(cp)
+        assert res.process_state == "restored", res
+        assert _ask_creds(sbx, pid) == dict(before, n=2)
+        kid = sbx.fork(cp)[0]
+        try:
+            assert kid.process_state == "restored", kid.fork_note
+            assert _ask_creds(kid, pid) == dict(before, n=2)
+        finally:
+            kid.kill()
 
 
 UNLINKED = """

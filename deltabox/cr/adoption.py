@@ -252,6 +252,12 @@ class Images:
         self.dirs[rec.pid] = path
         return path
 
+    def drop(self, pid: int) -> None:
+        """Forget pid's image, removed if it is ours (its template was replaced)."""
+        path = self.dirs.pop(pid, None)
+        if path is not None and self.own is not None and path.startswith(self.own + os.sep):
+            shutil.rmtree(path, ignore_errors=True)
+
     def close(self) -> None:
         if self.own is not None:
             shutil.rmtree(self.own, ignore_errors=True)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from .. import kernfs
 from ..errors import FailedPrecondition
 from ..fs.files import open_in_root
-from . import native, tcp
+from . import creds as creds_, native, tcp
 from .taskattrs import TaskAttrs
 
 if TYPE_CHECKING:
@@ -34,7 +34,6 @@ HARMLESS_CHR = {(1, 3), (1, 5), (1, 7), (1, 8), (1, 9)}
 DEV_TTY = (5, 0)
 PTMX = (5, 2)                       # a pty's master
 PTS_MAJORS = range(136, 144)        # its slave, /dev/pts/N (UNIX98_PTY_SLAVE_MAJOR + 7)
-CAP_SYS_ADMIN = 21
 
 
 @dataclass(frozen=True)
@@ -111,6 +110,11 @@ class ProcessRecord:
     pidfds: list[PidFd] = field(default_factory=list)
     # its children that had exited, not yet waited for: (nspid, wait status, name)
     zombies: list[tuple[int, int, str]] = field(default_factory=list)
+    # its credentials, if it runs without the capabilities to restore itself (creds.py):
+    # given back last at every restore; None: root's, as a fork keeps them
+    creds: creds_.Creds | None = None
+    # why its credentials could not be read ("" if they were, or are not needed)
+    creds_unread: str = ""
 
     @property
     def running_timer(self) -> str | None:
@@ -250,6 +254,12 @@ def record(pid: int, st: native.ProcStatus, head: Head | None = None,
     except OSError:
         cwd = "/"
     nspid = st.nspid[-1] if st.nspid else pid
+    creds, unread = None, ""
+    if creds_.unprivileged(st.cap_eff):
+        try:
+            creds = creds_.read(pid)
+        except (OSError, ValueError) as e:
+            unread = str(e)
     return ProcessRecord(pid=pid, nspid=nspid, ppid=st.ppid, pgid=st.pgid, sid=st.sid,
                          cmd=cmd, cwd=cwd, threads=st.threads,
                          tracer_pid=st.tracer_pid, cap_eff=st.cap_eff, uid=st.uid,
@@ -258,7 +268,8 @@ def record(pid: int, st: native.ProcStatus, head: Head | None = None,
                          deleted_private=deleted_private, timers=posix_timers(pid),
                          tty_nr=st.tty_nr, tpgid=st.tpgid,
                          mlocks=locked_ranges(pid) if st.locked_kb else [],
-                         zombies=zombie_children(pid, alive))
+                         zombies=zombie_children(pid, alive), creds=creds,
+                         creds_unread=unread)
 
 
 def zombie_children(pid: int, alive: Collection[int] = ()) -> list[tuple[int, int, str]]:
@@ -372,12 +383,6 @@ def _status_reasons(st: native.ProcStatus | ProcessRecord, tracer_ok: set[int]) 
         out.append(f"{st.threads} threads: at most {native.MAX_THREADS} are captured")
     if st.tracer_pid and st.tracer_pid not in tracer_ok:
         out.append(f"traced by pid {st.tracer_pid}")
-    if st.cap_eff >= 0 and not st.cap_eff >> CAP_SYS_ADMIN & 1:
-        # Its restore runs clone3 with set_tid (and, into a new generation or a fork, setns)
-        # as the process itself, which the kernel allows only with that capability.
-        out.append(f"runs without CAP_SYS_ADMIN (uid {st.uid} as the host sees it: an "
-                   "ordinary user's process, or one that dropped capabilities); a restore "
-                   "would need it in the process itself, so such processes are not captured")
     return out
 
 
@@ -397,6 +402,12 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
 
     for reason in _status_reasons(rec, tracer_ok):
         refuse(reason)
+    if rec.creds_unread:
+        refuse(f"runs without CAP_SYS_ADMIN and its credentials could not be read: "
+               f"{rec.creds_unread}")
+    why = creds_.refusal(rec)
+    if why:
+        refuse(why)
     for nspid, status, _ in rec.zombies:
         if status & 0x80:   # WCOREDUMP: made again, it would dump a core of its parent
             refuse(f"child {nspid} died of signal {status & 0x7f} with a core dump and has "

@@ -74,7 +74,7 @@ from .. import kernfs
 from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from ..fs.files import open_in_root
-from . import (adoption, deleted_cwd, eventloop, fifos, listeners, native, pidfds, pipebuf,
+from . import (adoption, creds, deleted_cwd, eventloop, fifos, listeners, native, pidfds, pipebuf,
                private_maps, ptys, shared_files, shm_files, taskattrs, tcp, unix_listeners,
                unlinked, watches)
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
@@ -191,7 +191,7 @@ class ProcessState:
         once captured: the templates hold the stops' registers)."""
         return adoption.adoptees(self.records, self.templates,
                                  forced=terminal_members(self.records) |
-                                 pidfds.children(self.records))
+                                 pidfds.children(self.records) | creds.forced(self.records))
 
     @functools.cached_property
     def adopters(self) -> set[int]:
@@ -464,6 +464,7 @@ class DeltaCR:
                 records = [record(p, procs[p], heads[p], procs) for p in pids if p in alive]
                 cap.refused.extend(r for rec in records for r in refusals(rec, tracer_ok))
                 cap.refused.extend(shared_lock_refusals(records))
+                cap.refused.extend(creds.refusals(records))
                 in_writable_layer(records, layers)
                 if len(self.private_known) > PRIVATE_KNOWN_MAX:
                     self.private_known.clear()
@@ -546,6 +547,28 @@ class DeltaCR:
         with trio.CancelScope(shield=True):
             state.templates = await self.worker.run(_template_held, state.held,
                                                     state.records)
+
+    async def give_creds(self, state: ProcessState, host_pid: int, root_dir: str) -> None:
+        """Once a capture's templates exist: the credentials of its unprivileged processes
+        on their templates, and for those not born of a restored parent, a template of
+        root's rebuilt from an image of their fork (cr/creds.py), forked from `host_pid`
+        (the sandbox's init) with mapped files resolved under `root_dir`. Raises CRError
+        (the capture is undone by the caller)."""
+        rebuilt = creds.rebuilt(state.records)
+        for rec in state.records:
+            if rec.creds is None or state.templates[rec.pid].rebuilt:
+                continue   # root's, or shared with a checkpoint before (and rebuilt then)
+            tpl = state.templates[rec.pid]
+            await self.worker.run(creds.give, tpl, rec.creds)
+            if rec.pid not in rebuilt:
+                continue
+            await self._task_of(state, rec)   # the fork's: the rebuilt one is init's fork
+            image = await self._image(state, rec)
+            new = await self.worker.run(_rebuild, rec, host_pid, image, root_dir, tpl)
+            assert state.images is not None
+            state.images.drop(rec.pid)
+            state.templates[rec.pid] = new
+            await self.worker.run(_release_all, [tpl])
 
     async def resume(self, state: ProcessState) -> None:
         """Let the processes a `later` capture holds stopped run again."""
@@ -993,6 +1016,38 @@ class DeltaCR:
         fifos.close_saved(state.fifos)
         if state.images is not None:
             await trio.to_thread.run_sync(state.images.close)
+
+
+def _rebuild(rec: ProcessRecord, host_pid: int, image: str, root_dir: str,
+             source: native.Template) -> native.Template:
+    """On the ptrace thread: rec's template of root's, rebuilt from the live image of its
+    fork `source` (give_creds), which gives it its timers, stop and credentials."""
+    tpl = native.restore_template(host_pid, image, root_dir, source)
+    try:
+        if rec.task is not None:   # a fork of host_pid's: its nice, rlimits, ...
+            taskattrs.give(tpl, rec.task)
+        tpl.rebuilt = True
+        # In init's group and session, not the process's: its child leads its session
+        # again (creds.sessions, lone_leaders).
+        tpl.own_group_done = tpl.own_session_done = True
+    except BaseException:
+        tpl.release()
+        raise
+    return tpl
+
+
+def rebuilt_as(tpl: native.Template, rec: ProcessRecord) -> None:
+    """Give a template rebuilt from rec's image (a fork of the sandbox's init) what rec's
+    process had and the image does not hold: its attributes, timers, job-control stop, and
+    its session left if it leads one again (lone_leaders)."""
+    if rec.task is not None:
+        taskattrs.give(tpl, rec.task)
+    if any(rec.itimers):
+        tpl.set_itimers(rec.itimers)
+    if rec.ptimers:
+        tpl.set_ptimers(rec.ptimers)
+    if rec.stopped:
+        tpl.set_group_stop(True)
 
 
 def _nspid(state: ProcessState, host_pid: int) -> int:
@@ -2017,16 +2072,23 @@ def lone_leaders(records: list[ProcessRecord]) -> set[int]:
     processes are gone; the leader's child gets it back and leads a session again. With
     other members, the session's templates stay in it: its members must be born in it."""
     sessions = collections.Counter(r.sid for r in records)
-    terminals = ptys.terminal_sessions(records)
+    born = _born_sessions(records)
     return {r.pid for r in records if r.pid == r.sid
-            and (sessions[r.sid] == 1 or r.sid in terminals)}
+            and (sessions[r.sid] == 1 or r.sid in born)}
+
+
+def _born_sessions(records: list[ProcessRecord]) -> set[int]:
+    """Sessions whose leader leads them again and whose other members are all born in
+    them of their restored parents: a pty's (ptys.py), and an unprivileged leader's
+    whose template is rebuilt as root's (creds.py)."""
+    return ptys.terminal_sessions(records) | creds.sessions(records)
 
 
 def terminal_members(records: list[ProcessRecord]) -> set[int]:
-    """The processes of a pty's session other than its leader: each is born of its
-    restored parent, in the restored session (adoption.adoptees' `forced`)."""
-    terminals = ptys.terminal_sessions(records)
-    return {r.pid for r in records if r.sid in terminals and r.pid != r.sid}
+    """The processes of a _born_sessions session other than its leader: each is born of
+    its restored parent, in the restored session (adoption.adoptees' `forced`)."""
+    born = _born_sessions(records)
+    return {r.pid for r in records if r.sid in born and r.pid != r.sid}
 
 
 def _leave_groups(templates: dict[int, native.Template], records: list[ProcessRecord]) -> None:
@@ -2177,8 +2239,8 @@ def _chains(state: ProcessState) -> dict[int, list[int]]:
     by_pid = {r.pid: r for r in state.records}
     best: dict[int, list[int]] = {}
     for kid in state.records:
-        if kid.pid not in state.family or kid.threads != 1:
-            continue
+        if kid.pid not in state.family or kid.threads != 1 or kid.creds is not None:
+            continue   # (one without the rights to spawn itself: creds.py)
         path = [kid.pid]
         while path[-1] in state.family:
             path.append(state.family[path[-1]])

@@ -152,6 +152,18 @@ class _Prctls(ctypes.Structure):  # fork_template.h struct dbxcr_prctls
                                                    "no_new_privs")]
 
 
+MAX_GROUPS = 64   # fork_template.h DBXCR_MAX_GROUPS
+
+
+class _Creds(ctypes.Structure):  # fork_template.h struct dbxcr_creds
+    _fields_ = [("set", ctypes.c_int), ("uid", ctypes.c_uint32 * 4),
+                ("gid", ctypes.c_uint32 * 4), ("ngroups", ctypes.c_int),
+                ("groups", ctypes.c_uint32 * MAX_GROUPS),
+                ("cap_inh", ctypes.c_uint64), ("cap_prm", ctypes.c_uint64),
+                ("cap_eff", ctypes.c_uint64), ("cap_bnd", ctypes.c_uint64),
+                ("cap_amb", ctypes.c_uint64)]
+
+
 class _Lock(ctypes.Structure):  # fork_template.h struct dbxcr_lock
     _fields_ = [("fd", ctypes.c_int), ("kind", ctypes.c_int), ("type", ctypes.c_int),
                 ("start", ctypes.c_longlong), ("len", ctypes.c_longlong)]
@@ -284,6 +296,8 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_template_set_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls),
                                                   err]
         lib.dbxcr_template_set_prctls.restype = ctypes.c_int
+        lib.dbxcr_template_set_creds.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Creds), err]
+        lib.dbxcr_template_set_creds.restype = ctypes.c_int
         lib.dbxcr_held_kill.argtypes = [ctypes.c_void_p]
         lib.dbxcr_held_kill.restype = None
         lib.dbxcr_held_pid.argtypes = [ctypes.c_void_p]
@@ -529,6 +543,8 @@ class Template:
         self.owner_thread = threading.get_native_id()
         self.own_group_done = False   # moved out of its process group (own_group)
         self.own_session_done = False  # and out of its session (own_session)
+        # root's copy of an unprivileged process, rebuilt from its image (cr/creds.py)
+        self.rebuilt = False
         self._refs = 1   # checkpoints holding it (share); release() by each, the last frees
 
     def share(self) -> "Template":
@@ -746,6 +762,18 @@ class Template:
         err = _Err()
         if _load().dbxcr_template_set_prctls(self._h(), ctypes.byref(want._c()),
                                              ctypes.byref(err)) < 0:
+            _raise(err)
+
+    def set_creds(self, uids: Sequence[int], gids: Sequence[int], groups: Sequence[int],
+                  caps: Sequence[int]) -> None:
+        """Credentials every child of the template gets back last (native/creds.c): ids in
+        the process's user namespace (real, effective, saved, filesystem), supplementary
+        groups, capability sets (inheritable, permitted, effective, bounding, ambient)."""
+        c = _Creds(1, (ctypes.c_uint32 * 4)(*uids), (ctypes.c_uint32 * 4)(*gids),
+                   len(groups), (ctypes.c_uint32 * MAX_GROUPS)(*groups[:MAX_GROUPS]), *caps)
+        c.ngroups = len(groups)
+        err = _Err()
+        if _load().dbxcr_template_set_creds(self._h(), ctypes.byref(c), ctypes.byref(err)) < 0:
             _raise(err)
 
     def set_itimers(self, itimers: Sequence[int]) -> None:
@@ -1794,6 +1822,9 @@ def _load_images() -> ctypes.CDLL:
         lib.dbxcr_verify_image.restype = ctypes.c_int
         lib.dbxcr_restore_template.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, err]
         lib.dbxcr_restore_template.restype = ctypes.c_void_p
+        lib.dbxcr_restore_template_from.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                                    ctypes.c_void_p, err]
+        lib.dbxcr_restore_template_from.restype = ctypes.c_void_p
         lib.dbxcr_held_adopt.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                          ctypes.c_void_p, ctypes.POINTER(_SpawnOpts),
                                          ctypes.POINTER(ctypes.c_void_p), err]
@@ -1921,9 +1952,12 @@ def verify_image(path: str | os.PathLike) -> None:
 
 
 def restore_template(host_pid: int, image_dir: str | os.PathLike,
-                     root_dir: str | os.PathLike = "/") -> Template:
+                     root_dir: str | os.PathLike = "/", source: Template | None = None
+                     ) -> Template:
     """Rebuild a parked Template from an image (see the section comment above).  Owned by
-    the calling thread.  Raises ImageCorrupt for a damaged image, CRError otherwise."""
+    the calling thread.  `source`: the template a live image was made from (its pages
+    are there; it also gives its timers, stop and credentials).  Raises ImageCorrupt for
+    a damaged image, CRError otherwise."""
     lib = _load_images()
     try:
         ifd = os.open(os.fspath(image_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -1933,7 +1967,9 @@ def restore_template(host_pid: int, image_dir: str | os.PathLike,
         rfd = os.open(os.fspath(root_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             err = _Err()
-            handle = lib.dbxcr_restore_template(host_pid, ifd, rfd, ctypes.byref(err))
+            handle = (lib.dbxcr_restore_template(host_pid, ifd, rfd, ctypes.byref(err))
+                      if source is None else lib.dbxcr_restore_template_from(
+                          host_pid, ifd, rfd, source._h(), ctypes.byref(err)))
             if not handle:
                 _raise_img(err)
         finally:

@@ -91,10 +91,29 @@ def _outside(pid: int) -> dict:
             oom_score_adj=int(kernfs.read(f"/proc/{pid}/oom_score_adj")),
             timerslack_ns=int(kernfs.read(f"/proc/{pid}/timerslack_ns")),
             coredump_filter=int(kernfs.read(f"/proc/{pid}/coredump_filter"), 16),
-            rlimits=tuple(resource.prlimit(pid, r) for r in _RLIMITS))
+            rlimits=_rlimits(pid))
     except OSError as e:
         raise native.CRError(e.errno or errno.EIO,
                              f"reading the attributes of pid {pid}: {e}") from None
+
+
+def _rlimits(pid: int) -> tuple[tuple[int, int], ...]:
+    """pid's (soft, hard) limits in RLIMIT_* order. prlimit(2) of another user's process
+    needs CAP_SYS_RESOURCE, which root may lack (a container's): /proc/PID/limits then,
+    whose lines follow the same order."""
+    try:
+        return tuple(resource.prlimit(pid, r) for r in _RLIMITS)
+    except PermissionError:
+        pass
+    lines = kernfs.read(f"/proc/{pid}/limits").decode().splitlines()[1:]
+    out = []
+    for line in lines[:len(_RLIMITS)]:
+        soft, hard = line[26:47].split()[0], line[47:68].split()[0]
+        out.append(tuple(resource.RLIM_INFINITY if v == "unlimited" else int(v)
+                         for v in (soft, hard)))
+    if len(out) != len(_RLIMITS):
+        raise OSError(errno.EPROTO, f"/proc/{pid}/limits has {len(out)} limits")
+    return tuple(out)  # type: ignore[return-value]
 
 
 def _apply(pid: int, want: TaskAttrs) -> None:

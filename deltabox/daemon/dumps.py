@@ -27,11 +27,12 @@ from pathlib import Path
 
 import trio
 
-from ..cr import (adoption, eventloop, fifos, native, pidfds, pipebuf, private_maps, ptys,
+from ..cr import (adoption, creds, eventloop, fifos, native, pidfds, pipebuf, private_maps, ptys,
                   shared_files, shm_files, taskattrs, unlinked)
 from ..cr.capture import ProcessRecord, SharedMapping, in_dev_shm
 from ..cr.taskattrs import TaskAttrs
-from ..cr.engine import DeltaCR, PipeEnd, PipeGroup, ProcessState, lone_leaders, _close_saved
+from ..cr.engine import (DeltaCR, PipeEnd, PipeGroup, ProcessState, lone_leaders, rebuilt_as,
+                         _close_saved)
 from .db import Database, columns
 from .scheduler import IOScheduler
 
@@ -431,14 +432,11 @@ class Dumps:
             for rec in records:
                 templates[rec.pid] = await self.cr.worker.run(
                     native.restore_template, host_pid, d / str(rec.nspid), root_dir)
-                if rec.task is not None:   # forked from host_pid: its nice, rlimits, ...
-                    await self.cr.worker.run(taskattrs.give, templates[rec.pid], rec.task)
-                if any(rec.itimers):   # not in the image: kept with the record
-                    templates[rec.pid].set_itimers(rec.itimers)
-                if rec.ptimers:
-                    templates[rec.pid].set_ptimers(rec.ptimers)
-                if rec.stopped:
-                    templates[rec.pid].set_group_stop(True)
+                # Forked from host_pid: its nice, rlimits, timers, ... kept with the record.
+                await self.cr.worker.run(rebuilt_as, templates[rec.pid], rec)
+                if rec.creds is not None:   # root's copy of an unprivileged one (creds.py)
+                    await self.cr.worker.run(creds.give, templates[rec.pid], rec.creds)
+                    templates[rec.pid].rebuilt = True
                 # Rebuilt by the sandbox's init, it is in none of the captured sessions:
                 # a lone session leader's child leads its session again (cr/engine.py).
                 templates[rec.pid].own_session_done = rec.pid in lone
@@ -615,7 +613,7 @@ def _rec_json(r: ProcessRecord) -> dict:
     d = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)
          if f.name not in ("fds", "listens", "loop", "shared", "mapped_ro",
                            "deleted_private", "mapped_private", "mlocks", "task",
-                           "pidfds")}
+                           "pidfds", "creds")}
     d["fds"] = [{k: v for k, v in dataclasses.asdict(f).items() if k != "fdinfo"}
                 for f in r.fds]
     # The named files' mappings are made again from them at every restore of templates
@@ -630,6 +628,7 @@ def _rec_json(r: ProcessRecord) -> dict:
     d["mlocks"] = [dataclasses.asdict(m) for m in r.mlocks]
     d["task"] = r.task.to_json() if r.task is not None else None
     d["pidfds"] = [dataclasses.asdict(p) for p in r.pidfds]
+    d["creds"] = r.creds.to_json() if r.creds is not None else None
     return d
 
 
@@ -650,6 +649,8 @@ def _rec_from(d: dict) -> ProcessRecord:
     mlocks = [native.MemoryLock(**m) for m in d.pop("mlocks", [])]
     task = d.pop("task", None)   # absent in dumps made before stop 52
     pids = [pidfds.PidFd(**p) for p in d.pop("pidfds", [])]   # before stop 53: none
+    cred = d.pop("creds", None)   # before stop 57: none (such processes were refused)
     return ProcessRecord(**d, fds=fds, listens=listens, loop=loop, shared=shared,
                          mapped_ro=mapped_ro, mapped_private=mapped_private, mlocks=mlocks,
-                         task=TaskAttrs.from_json(task) if task else None, pidfds=pids)
+                         task=TaskAttrs.from_json(task) if task else None, pidfds=pids,
+                         creds=creds.Creds.from_json(cred) if cred else None)

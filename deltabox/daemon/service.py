@@ -1304,6 +1304,7 @@ class Daemon:
             assert captured is not None
             try:
                 await self.cr.make_templates(captured)  # on the ptrace thread
+                await self._give_creds(self._live(sid), captured)
             except Exception as e:
                 errors.append(_cr_limit_error(e, "capturing") or _templates_error(cp, e))
 
@@ -1694,6 +1695,13 @@ class Daemon:
                                       if (fd := sess.master_fd()) is not None})
                     if later:
                         await self._room_for_templates(live, row, state)
+                    else:
+                        try:
+                            await self._give_creds(live, state)
+                        except BaseException:
+                            with trio.CancelScope(shield=True):
+                                await self.cr.release(state)
+                            raise
                     live.tcp_captured |= state.holds_tcp
                     return state, snap[0] if snap else None
                 except Unsettled as e:
@@ -1715,6 +1723,21 @@ class Daemon:
             raise
         finally:
             thaw()
+
+    async def _give_creds(self, live: Live, state: ProcessState) -> None:
+        """A capture's unprivileged processes made restorable (cr/creds.py), or
+        FailedPrecondition (the caller releases the capture)."""
+        if not any(r.creds is not None for r in state.records):
+            return
+        gen = live.rt.generation
+        assert gen is not None
+        try:
+            await self.cr.give_creds(state, live.rt.init_pid, f"/proc/self/fd/{gen.rootfd}")
+        except native.CRError as e:
+            raise FailedPrecondition(
+                f"the processes that run without the capabilities to restore themselves "
+                f"could not be made restorable: {e}; checkpoint with mode=fs (files "
+                "only)") from e
 
     async def _room_for_templates(self, live: Live, row: SandboxRow,
                                   state: ProcessState) -> None:

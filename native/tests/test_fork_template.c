@@ -1741,6 +1741,93 @@ static void test_template_prctls(void)
 	reap(pid);
 }
 
+/* The value of "name:" in /proc/pid/status, tabs turned to spaces ("" if none). */
+static const char *status_line(pid_t pid, const char *name, char *out, size_t len)
+{
+	char buf[4096], *at;
+	size_t n = strlen(name);
+
+	out[0] = '\0';
+	if (proc_read(pid, "status", buf, sizeof(buf)) < 0)
+		return out;
+	for (at = buf; at; at = strchr(at, '\n')) {
+		if (*at == '\n')
+			at++;
+		if (!strncmp(at, name, n) && at[n] == ':') {
+			size_t i = 0;
+
+			for (at += n + 2; *at && *at != '\n' && i + 1 < len; at++)
+				out[i++] = *at == '\t' ? ' ' : *at;
+			while (i && out[i - 1] == ' ')
+				i--;
+			out[i] = '\0';
+			break;
+		}
+	}
+	return out;
+}
+
+/* Credentials set on a root's template (creds.c): its child runs with them, in every
+ * field /proc shows; a bounding set with a capability root's lacks fails the spawn, naming
+ * it; more groups than are given back are refused. */
+static void test_template_creds(void)
+{
+	struct dbxcr_creds c = { .uid = { 1000, 1001, 1002, 1003 },
+				 .gid = { 2000, 2001, 2002, 2003 }, .ngroups = 2,
+				 .groups = { 5, 7 } };
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl;
+	char line[128], want[64];
+	uint64_t bnd;
+	pid_t pid, child;
+
+	current_test = "template-creds";
+	pid = fork();
+	if (pid == 0) {
+		pause();
+		_exit(0);
+	}
+	CHECK(wait_in_syscall(pid, SYS_pause) == 0, "child never paused");
+	bnd = strtoull(status_line(pid, "CapBnd", line, sizeof(line)), NULL, 16);
+	tpl = dbxcr_make_template(pid, &err);
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (!tpl)
+		goto out;
+	c.cap_prm = c.cap_eff = c.cap_inh = c.cap_amb = 1ull << 10;	/* NET_BIND_SERVICE */
+	c.cap_bnd = bnd & ~(1ull << 13);				/* without NET_RAW */
+	CHECK(dbxcr_template_set_creds(tpl, &c, &err) == 0, "set: %s", err.msg);
+	child = dbxcr_spawn(tpl, NULL, &err);
+	CHECK(child > 0, "spawn: %s", err.msg);
+	if (child > 0) {
+		CHECK(!strcmp(status_line(child, "Uid", line, sizeof(line)), "1000 1001 1002 1003"),
+		      "Uid: %s", line);
+		CHECK(!strcmp(status_line(child, "Gid", line, sizeof(line)), "2000 2001 2002 2003"),
+		      "Gid: %s", line);
+		CHECK(!strcmp(status_line(child, "Groups", line, sizeof(line)), "5 7"),
+		      "Groups: %s", line);
+		CHECK(!strcmp(status_line(child, "CapEff", line, sizeof(line)), "0000000000000400") &&
+		      !strcmp(status_line(child, "CapAmb", line, sizeof(line)), "0000000000000400"),
+		      "CapEff/CapAmb: %s", line);
+		snprintf(want, sizeof(want), "%016llx", (unsigned long long)c.cap_bnd);
+		CHECK(!strcmp(status_line(child, "CapBnd", line, sizeof(line)), want),
+		      "CapBnd: %s, not %s", line, want);
+		kill(child, SIGKILL);
+		reap(child);
+	}
+	/* a bounding set wider than root's here: refused at the spawn, the child gone */
+	c.cap_bnd = bnd | 1ull << 62;
+	CHECK(dbxcr_template_set_creds(tpl, &c, &err) == 0, "set: %s", err.msg);
+	CHECK(dbxcr_spawn(tpl, NULL, &err) < 0 && err.code == EPERM &&
+	      strstr(err.msg, "bounding set"), "a wider bounding set: %s", err.msg);
+	c.ngroups = DBXCR_MAX_GROUPS + 1;
+	CHECK(dbxcr_template_set_creds(tpl, &c, &err) < 0 && err.code == EINVAL,
+	      "too many groups: %s", err.msg);
+	CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
+out:
+	kill(pid, SIGKILL);
+	reap(pid);
+}
+
 /* The ids /proc/PID/timers lists, in order, as "0 2 ..." (at most len bytes). */
 static void timer_ids(pid_t pid, char *out, size_t len)
 {
@@ -3122,6 +3209,7 @@ int main(int argc, char **argv)
 		{ "template-nanosleep", test_template_nanosleep },
 		{ "template-ptimers", test_template_ptimers },
 		{ "template-prctls", test_template_prctls },
+		{ "template-creds", test_template_creds },
 		{ "spawn-deleted-cwd", test_spawn_deleted_cwd },
 		{ "template-shared-stack", test_template_shared_stack },
 		{ "threads-recreated", test_threads },
