@@ -24,7 +24,10 @@ child, adopted by its restored parent whatever its size since stop 53: its memor
 at every rollback, deltabox/cr/adoption.py; its parent's pid checked), or beside a JVM
 (`jvm`: OpenJDK, a few dozen
 threads, the NIO socket whose peer it closed, deltabox/cr/eventloop.py LoneSocket; its own
-counter checked too), in the same run on one private daemon, each in a sandbox of its own
+counter checked too), or the plain one run as another user (`user`: uid 1000 with setsid
+and setpriv, as a database's server runs; its template rebuilt as root's from an image at
+each checkpoint, its credentials given back last at each rollback: deltabox/cr/creds.py;
+its uid checked), in the same run on one private daemon, each in a sandbox of its own
 with the same memory (--mb).
 
 Each rep, for every kind in turn (the order rotates): the process changes its state (a
@@ -57,7 +60,7 @@ from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, latenc
 from deltabox import Sandbox
 
 KINDS = ("plain", "asyncio", "tempfile", "threads", "shared", "watcher", "waited",
-         "session", "job", "tmux", "tty", "jvm", "polled")
+         "session", "job", "tmux", "tty", "jvm", "polled", "user")
 # Kinds whose process is the plain one, beside a bash session: idle (`session`), with a
 # background job (`job`: `sleep 1000 &`, adopted by the restored shell: adoption.py), or
 # idle on a pseudo-terminal (`tty`).
@@ -228,14 +231,19 @@ def start(d: PrivateDaemon, kind: str, mb: int, temp_mb: int, dirs: int) -> Sand
     sbx = Sandbox.create(socket=d.socket)
     sbx.files.write("prog.py", PROG)
     then = "&&" if kind == "waited" else ";"
-    prog = "plain" if kind in SESSION_KINDS or kind in ("tmux", "jvm", "polled") else kind
+    prog = "plain" if kind in SESSION_KINDS or kind in ("tmux", "jvm", "polled", "user") \
+        else kind
     args = f"prog.py {prog} {mb} {temp_mb} {dirs}"
     if kind == "polled":   # the child of a python that polls it (adopted: adoption.py)
         sbx.files.write("poll.py", "import subprocess, sys, time\n"
                         f"p = subprocess.Popen([sys.executable] + {args.split()!r})\n"
                         "while p.poll() is None:\n    time.sleep(0.05)\n")
         args = "poll.py"
-    sbx.exec(f"cd /workspace {then} nohup python3 {args} >/dev/null 2>&1 &")
+    python = "python3"
+    if kind == "user":   # another user's server (deltabox/cr/creds.py)
+        sbx.exec("chmod 777 /workspace")
+        python = "setsid setpriv --reuid 1000 --regid 1000 --clear-groups python3"
+    sbx.exec(f"cd /workspace {then} nohup {python} {args} >/dev/null 2>&1 &")
     wait_until(lambda: sbx.files.exists("ready"), f"the {kind} process")
     if kind in SESSION_KINDS:
         sbx.session("main", tty=kind == "tty").run(SESSION_KINDS[kind])
@@ -315,6 +323,10 @@ def one_rep(sbx: Sandbox, think: float, kind: str = "", dump_wait: bool = True
         out = sbx.session("main", tty=True).run("tty").stdout
         if out != "/dev/pts/0\r\n":
             raise RuntimeError(f"after the rollback the tty session says {out!r}")
+    if kind == "user":
+        uids = sbx.exec("ps -o uid= -C python3").stdout.split()
+        if uids != ["1000"]:
+            raise RuntimeError(f"after the rollback the process runs as uid {uids}")
     return {"checkpoint": ck, "checkpoint_server": cp.duration_ms,
             "rollback": rb_ms, "rollback_server": rb.duration_ms}
 

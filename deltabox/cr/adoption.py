@@ -61,7 +61,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from . import native
-from .capture import ProcessRecord, Refusal
+from .capture import ProcessRecord, Refusal, same_session
 
 SYS_WAIT4, SYS_WAITID = 61, 247        # x86_64
 # The biggest child adopted though its parent does not wait for it (see the module doc):
@@ -84,7 +84,7 @@ def adoptees(records: Iterable[ProcessRecord],
     syscalls = template_syscalls(templates)
     out = {}
     for r, parent in _with_parents(records):
-        if not _same_session(r, parent):
+        if not same_session(r, parent):
             continue
         if cheap(r) or r.pid in forced or not is_shell(parent):
             out[r.pid] = parent.pid
@@ -124,7 +124,7 @@ def orphaned(records: Iterable[ProcessRecord], family: Mapping[int, int],
         why = ("it maps memory shared with another process" if r.shared else
                f"its {r.rss_kb // 1024} MB are over the {ADOPT_MAX_RSS_KB // 1024} MB "
                "copied for a shell's child it does not wait for"
-               if _same_session(r, parent) else "it is in another session")
+               if same_session(r, parent) else "it is in another session")
         out.append(f"pid {r.nspid} ({r.cmd}) is now a child of init, not of pid "
                    f"{parent.nspid} ({why})")
     if len(out) > most:
@@ -141,7 +141,7 @@ def refusals(records: Iterable[ProcessRecord],
     calls: dict[int, Calls] = {}   # each parent's, read once
     out = []
     for kid, parent in _with_parents(records):
-        if _same_session(kid, parent):
+        if same_session(kid, parent):
             continue
         if parent.pid not in calls:
             calls[parent.pid] = syscalls(parent.pid)
@@ -164,11 +164,6 @@ def _with_parents(records: Iterable[ProcessRecord]
     for r in recs:
         if (parent := by_pid.get(r.ppid)) is not None:
             yield r, parent
-
-
-def _same_session(child: ProcessRecord, parent: ProcessRecord) -> bool:
-    """Born in its parent's session, a child can stay there or lead one of its own."""
-    return child.sid == parent.sid or child.sid == child.pid
 
 
 def template_syscalls(templates: Mapping[int, native.Template]) -> Callable[[int], Calls]:

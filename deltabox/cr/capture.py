@@ -134,6 +134,12 @@ class ProcessRecord:
                          for f in self.fds])
 
 
+def same_session(child: ProcessRecord, parent: ProcessRecord) -> bool:
+    """Born in its parent's session, a child can stay there or lead one of its own (what
+    a restore that gives it back to its parent can do: adoption.py)."""
+    return child.sid == parent.sid or child.sid == child.pid
+
+
 def cmdline(pid: int) -> str:
     try:
         raw = kernfs.read(f"/proc/{pid}/cmdline")

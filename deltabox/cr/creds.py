@@ -152,9 +152,11 @@ def _by_pid(records: Iterable[ProcessRecord]) -> dict[int, ProcessRecord]:
 
 
 def born_of_parent(rec: ProcessRecord, by_pid: dict[int, ProcessRecord]) -> bool:
-    """Whether rec is born of its restored parent (a captured process of its session)."""
+    """Whether rec is born of its restored parent: a captured process of its session, or
+    any captured parent if rec leads a session of its own (PostgreSQL's backends each
+    call setsid): capture.same_session, adoption's rule."""
     parent = by_pid.get(rec.ppid)
-    return parent is not None and parent.sid == rec.sid
+    return parent is not None and capture.same_session(rec, parent)
 
 
 def rebuilt(records: list[ProcessRecord]) -> set[int]:

@@ -1304,7 +1304,6 @@ class Daemon:
             assert captured is not None
             try:
                 await self.cr.make_templates(captured)  # on the ptrace thread
-                await self._give_creds(self._live(sid), captured)
             except Exception as e:
                 errors.append(_cr_limit_error(e, "capturing") or _templates_error(cp, e))
 
@@ -1325,6 +1324,12 @@ class Daemon:
             if hold:
                 await self._let_go(live, captured)
                 cp.freeze_ms += (time.perf_counter() - answered_at) * 1000
+            if error is None and later:
+                assert captured is not None
+                try:   # from the templates, the processes running again meanwhile
+                    await self._give_creds(live, captured)
+                except Exception as e:
+                    error = _templates_error(cp, e)
             if error is None:
                 try:
                     snap = await trio.to_thread.run_sync(self._frozen, row, cp.layer_id)
