@@ -23,6 +23,8 @@ command -v node >/dev/null || need+=(nodejs)
 command -v tmux >/dev/null || need+=(tmux)
 # ... vim in a tmux pane (a glibc SIGEV_THREAD timer: a thread the timer signals)
 command -v vim >/dev/null || need+=(vim)
+# ... nginx (a root master whose workers run as nobody, all in its session; its pid file)
+command -v nginx >/dev/null || need+=(nginx-light)
 # ... and a JVM (its NIO socket whose peer it closed, a few dozen threads).
 command -v javac >/dev/null || need+=(default-jdk-headless)
 if [ ${#need[@]} -eq 0 ]; then bcc; exit 0; fi

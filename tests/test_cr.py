@@ -3622,15 +3622,20 @@ def test_threads_roll_back_in_a_fork(sbx: Sandbox) -> None:
         kid.kill()
 
 
-def test_threads_of_a_session_leader_are_refused_at_rollback(sbx: Sandbox) -> None:
-    """A session leader with another member in its session comes back from a rollback
-    with a new pid (the member's template, in the session, keeps its id allocated; a lone
-    leader keeps its pid: test_lone_session_leader_keeps_its_pid); glibc caches its main
+@pytest.mark.parametrize("member", ["program", "orphan"])
+def test_threads_of_a_session_leader_are_refused_at_rollback(sbx: Sandbox,
+                                                             member: str) -> None:
+    """A session leader with an orphan in its session comes back from a rollback with a
+    new pid (the member's template, in the session, keeps its id allocated; a lone
+    leader keeps its pid: test_lone_session_leader_keeps_its_pid, and so does one whose
+    members are all adopted since stop 57: `program`); glibc caches its main
     thread's tid, so such a multi-threaded leader is not restored with one: the rollback
     says why and restarts, nothing runs half-restored. A fork (a fresh pid namespace)
     keeps every tid and restores it."""
-    sbx.files.write("thr.py", "import os, time\nos.setsid()\nif os.fork() == 0:\n"
-                    "    time.sleep(10000)\n" + THREADED)
+    child = ("if os.fork() == 0:\n    time.sleep(10000)\n" if member == "program" else
+             "if os.fork() == 0:\n    if os.fork() == 0:\n        time.sleep(10000)\n"
+             "    os._exit(0)\nos.wait()\n")
+    sbx.files.write("thr.py", "import os, time\nos.setsid()\n" + child + THREADED)
     sbx.exec("cd /workspace && nohup python3 thr.py >/dev/null 2>&1 &")
     _wait_file(sbx, "thr-ready")
     before = _report(sbx)
@@ -3643,9 +3648,44 @@ def test_threads_of_a_session_leader_are_refused_at_rollback(sbx: Sandbox) -> No
     finally:
         kid.kill()
     r = sbx.rollback(cp)
+    if member == "program":
+        assert r.process_state == "restored", r.note
+        assert _report(sbx) == before
+        return
     assert r.process_state == "restarted", r.note
     assert "multi-threaded" in r.note and "its own pid" in r.note, r.note
     assert "thr.py" not in sbx.exec(f"{OWN_PS} args=").stdout
+
+
+def test_a_session_leader_its_parent_waits_for_is_its_child_again(sbx: Sandbox,
+                                                                  restore: Restore) -> None:
+    """A program waiting for a session leader it started (`subprocess.run(["setsid",
+    ...])`), the leader with a job of its own: the leader comes back with its pid, as its
+    parent's child, leading its session, its job in it. Before stop 57 the leader, a
+    session leader with a member, came back with a new pid: the parent's wait failed and
+    it went on as if its child had exited (it exited here), silently."""
+    sbx.exec("nohup python3 -c \"import subprocess; subprocess.run(['setsid', 'bash', '-c', "
+             "'sleep 1000 & wait']); open('/workspace/returned', 'w')\" >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.exec("pgrep -x sleep").exit_code == 0)
+
+    def tree(box: Sandbox) -> list[str]:
+        ps = box.exec(f"{OWN_PS} pid=,ppid=,pgid=,sid=,args=").stdout.splitlines()
+        return [" ".join(line.split()[:5]) for line in ps
+                if "import subprocess" in line or "bash -c sleep" in line
+                or line.split()[4:5] == ["sleep"]]
+
+    before = tree(sbx)
+    assert len(before) == 3, before
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    sbx.exec("pkill -x sleep")
+    wait_for(lambda: sbx.files.exists("returned"))
+    target = restore(sbx, cp)
+    # (The parent, whose own session's leader had exited, is compared by its pid alone:
+    # a fork or a disk restore gives it a group of its own in another session.)
+    after = tree(target)
+    assert after[0].split()[0] == before[0].split()[0] and after[1:] == before[1:], after
+    assert not target.files.exists("returned")
 
 
 # A process that reports, when sent SIGUSR1, how many reports it made (in memory), its
@@ -3751,6 +3791,69 @@ def test_another_users_session_comes_back_with_its_children(sbx: Sandbox,
         assert _ask_creds(target, k) == dict(before[k], n=2)
     ps = target.exec(f"ps -o pid=,sid=,uid=,args= -p {sid}").stdout.split(None, 3)
     assert ps[:3] == [str(sid), str(sid), "1000"] and "wait" in ps[3], ps
+
+
+NGINX_CONF = """
+worker_processes 2;
+pid /workspace/ng/nginx.pid;
+error_log /workspace/ng/error.log;
+events { worker_connections 64; }
+http {
+    access_log off;
+    client_body_temp_path /workspace/ng/tmp;
+    proxy_temp_path /workspace/ng/tmp;
+    fastcgi_temp_path /workspace/ng/tmp;
+    server { listen 127.0.0.1:8080; location / { root /workspace/ng/www; } }
+}
+"""
+NGINX = "nginx -c /workspace/ng/nginx.conf"
+
+
+def _nginx(box: Sandbox) -> tuple[str, list[str]]:
+    """What nginx serves, and its processes as "pid ppid uid args" lines."""
+    page = box.exec("curl -s 127.0.0.1:8080/").stdout
+    ps = box.exec(f"{OWN_PS} pid=,ppid=,uid=,args= | grep '[n]ginx:'").stdout
+    return page, [" ".join(line.split()) for line in ps.splitlines()]
+
+
+def _without_master_ppid(ps: list[str]) -> list[str]:
+    return [re.sub(r"^(\d+) \d+ ", r"\1 - ", line) if "master process" in line else line
+            for line in ps]
+
+
+def test_nginx_comes_back_with_its_pid_and_workers(sbx: Sandbox, restore: Restore) -> None:
+    """nginx: a root master and two workers that run as nobody, all in the master's
+    session. It serves the checkpoint's page; the master has its pid back, so its pid
+    file is right and `nginx -s reload` reaches it (before stop 57 the master, a session
+    leader with members, came back with a new pid, silently: the reload signalled a pid
+    gone); the reloaded workers run as nobody."""
+    sbx.files.write("ng/nginx.conf", NGINX_CONF)
+    sbx.files.write("ng/www/index.html", "checkpoint\n")
+    sbx.exec(f"mkdir -p /workspace/ng/tmp && {NGINX}")
+    wait_for(lambda: _nginx(sbx)[0] == "checkpoint\n", what="nginx to serve")
+    page, before = _nginx(sbx)
+    master = sbx.files.read("ng/nginx.pid").decode().strip()
+    assert sorted(line.split()[2] for line in before) == ["0", "65534", "65534"], before
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    sbx.exec(f"{NGINX} -s stop")
+    target = restore(sbx, cp)
+    # (The master's parent is init; in a fork it is outside the fork's pid namespace.)
+    assert _nginx(target)[0] == page
+    assert _without_master_ppid(_nginx(target)[1]) == _without_master_ppid(before)
+    assert target.files.read("ng/nginx.pid").decode().strip() == master
+    target.files.write("ng/www/index.html", "reloaded\n")
+    assert target.exec(f"{NGINX} -s reload").exit_code == 0
+    old = {line.split()[0] for line in before if "worker process" in line}
+
+    def reloaded() -> bool:
+        page, ps = _nginx(target)
+        workers = [line.split() for line in ps if "worker process" in line]
+        return page == "reloaded\n" and len(ps) == 3 and all(
+            w[1] == master and w[0] not in old for w in workers)
+    wait_for(reloaded, what="nginx to reload: new workers of the master")
+    uids = sorted(line.split()[2] for line in _nginx(target)[1])
+    assert uids == ["0", "65534", "65534"], _nginx(target)
 
 
 def test_an_unprivileged_orphan_in_a_foreign_session_is_refused(daemon) -> None:
@@ -4574,10 +4677,11 @@ while True:
 def test_pid_held_as_another_checkpoints_group_or_session(sbx: Sandbox, leads: str) -> None:
     """Checkpoint A holds a process as a member of its shell's group; it then leads a
     group (or a session) of its own with a child in it, and checkpoint B holds both. B's
-    templates leave the group (engine._own_groups), so a rollback to A gives the process
-    its pid back. A session they cannot leave: B's templates keep that pid allocated as
-    a session id for as long as B exists, so a rollback to A gives the process a new pid
-    (and says so). Everything else about it is A's either way."""
+    templates leave the group (engine._own_groups), or the session, whose only other
+    member is a program's child (adoption.adopted_sessions; until stop 57 they stayed in
+    it, keeping that pid allocated as a session id for as long as B existed, and a
+    rollback to A gave the process a new pid), so a rollback to A gives the process its
+    pid back, and one to B the leader and its child in its group."""
     sbx.files.write("/workspace/p.py", LEADS_LATER)
     s = sbx.session("s")
     s.run(f"cd /workspace && python3 p.py {leads} >/dev/null 2>&1 &")
@@ -4594,17 +4698,13 @@ def test_pid_held_as_another_checkpoints_group_or_session(sbx: Sandbox, leads: s
     assert r.process_state == "restored", r.note
     value, new_pid, new_group = _report(sbx).split()
     assert value == "at-first" and new_group == group
-    if leads == "session":
-        assert f"pid {pid} was in use" in r.note, r.note
-        assert int(new_pid) != pid
-        return
     assert "was in use" not in r.note, r.note
     assert int(new_pid) == pid
     r = sbx.rollback(cp_b)  # the leader comes back with its pid, its child in its group
     assert r.process_state == "restored", r.note
     assert _report(sbx).split() == ["leader", str(pid), str(pid)]
     # (keepers, stopped, share the process's memory and so show its command line)
-    members = sbx.exec(f"{OWN_PS} stat=,pgid=,args= | grep '[p].py group' | grep -v '^t' "
+    members = sbx.exec(f"{OWN_PS} stat=,pgid=,args= | grep '[p].py {leads}' | grep -v '^t' "
                        "| awk '{print $2}'")
     assert members.stdout.split() == [str(pid), str(pid)], members.stdout
 

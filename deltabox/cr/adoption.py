@@ -107,6 +107,37 @@ def is_shell(rec: ProcessRecord) -> bool:
     return prog in SHELLS
 
 
+def adopted_sessions(records: Iterable[ProcessRecord]) -> set[int]:
+    """Sessions (host ids) with members whose leader is captured and whose every other
+    process is adopted by the rules above whatever its parent waits for: a program's
+    child (nginx's master and workers, gunicorn's, a database's), or a small child of a
+    shell (a session's jobs), its parent in the session. Their templates can all leave
+    the session, so the leader gets its pid back (engine.lone_leaders): a daemon's pid
+    file stays right (`nginx -s reload` signalled a pid gone before stop 57), and a
+    parent waiting for a leader it started (`subprocess.run(["setsid", ...])`) still has
+    its child (before, the leader's new pid made that wait fail: the parent went on as if
+    it had exited). A shell's big job is adopted only if waited for, so whether its
+    session is born can change from one checkpoint to the next: one whose templates stay
+    in the session keeps its id taken, and a rollback to another then gives the leader a
+    new pid in a new session, and says so (tried at stop 38, reverted then)."""
+    recs = list(records)
+    by_pid = {r.pid: r for r in recs}
+    members: dict[int, list[ProcessRecord]] = {}
+    for r in recs:
+        members.setdefault(r.sid, []).append(r)
+    out = set()
+    for sid, those in members.items():
+        if sid in by_pid and len(those) > 1 and all(
+                r.pid == sid or _born_in_session(r, by_pid) for r in those):
+            out.add(sid)
+    return out
+
+
+def _born_in_session(r: ProcessRecord, by_pid: Mapping[int, ProcessRecord]) -> bool:
+    parent = by_pid.get(r.ppid)
+    return parent is not None and parent.sid == r.sid and (cheap(r) or not is_shell(parent))
+
+
 def cheap(child: ProcessRecord) -> bool:
     """Adopted whether or not its parent waits for it: small, and sharing no memory."""
     return child.rss_kb <= ADOPT_MAX_RSS_KB and not child.shared

@@ -151,19 +151,31 @@ def _by_pid(records: Iterable[ProcessRecord]) -> dict[int, ProcessRecord]:
     return {r.pid: r for r in records}
 
 
-def born_of_parent(rec: ProcessRecord, by_pid: dict[int, ProcessRecord]) -> bool:
+def born_of_parent(rec: ProcessRecord, by_pid: dict[int, ProcessRecord],
+                   alone: set[int]) -> bool:
     """Whether rec is born of its restored parent: a captured process of its session, or
-    any captured parent if rec leads a session of its own (PostgreSQL's backends each
-    call setsid): capture.same_session, adoption's rule."""
+    any captured parent if rec leads a session alone (PostgreSQL's backends each call
+    setsid), which its restore leads again (engine.lone_leaders). `alone`: such
+    sessions."""
     parent = by_pid.get(rec.ppid)
-    return parent is not None and capture.same_session(rec, parent)
+    return parent is not None and (parent.sid == rec.sid or rec.sid in alone
+                                   and rec.pid == rec.sid)
+
+
+def _alone(records: list[ProcessRecord]) -> set[int]:
+    """Sessions of one captured process."""
+    count: dict[int, int] = {}
+    for r in records:
+        count[r.sid] = count.get(r.sid, 0) + 1
+    return {sid for sid, n in count.items() if n == 1}
 
 
 def rebuilt(records: list[ProcessRecord]) -> set[int]:
     """The unprivileged processes whose templates are rebuilt as root's (see the module
     doc): those not born of a restored parent."""
-    by_pid = _by_pid(records)
-    return {r.pid for r in records if r.creds is not None and not born_of_parent(r, by_pid)}
+    by_pid, alone = _by_pid(records), _alone(records)
+    return {r.pid for r in records
+            if r.creds is not None and not born_of_parent(r, by_pid, alone)}
 
 
 def sessions(records: list[ProcessRecord]) -> set[int]:
@@ -177,16 +189,16 @@ def forced(records: list[ProcessRecord]) -> set[int]:
     """Children adopted whatever their size (adoption.adoptees' `forced`): unprivileged
     ones born of their restored parent, and every other process of a rebuilt leader's
     session."""
-    by_pid = _by_pid(records)
+    by_pid, alone = _by_pid(records), _alone(records)
     led = sessions(records)
-    return {r.pid for r in records if born_of_parent(r, by_pid)
+    return {r.pid for r in records if born_of_parent(r, by_pid, alone)
             and (r.creds is not None or (r.sid in led and r.pid != r.sid))}
 
 
 def refusals(records: list[ProcessRecord]) -> list[capture.Refusal]:
     """Unprivileged processes that could not come back in their session, and the processes
     of a rebuilt leader's session that could not be born in it."""
-    by_pid = _by_pid(records)
+    by_pid, alone = _by_pid(records), _alone(records)
     out = []
     for pid in sorted(rebuilt(records)):
         r = by_pid[pid]
@@ -198,7 +210,7 @@ def refusals(records: list[ProcessRecord]) -> list[capture.Refusal]:
                 "init's session; start it with setsid, or from the sandbox's processes")))
     led = sessions(records)
     for r in records:
-        if r.sid in led and r.pid != r.sid and not born_of_parent(r, by_pid):
+        if r.sid in led and r.pid != r.sid and not born_of_parent(r, by_pid, alone):
             leader = by_pid[r.sid]
             out.append(capture.Refusal(r.nspid, r.cmd, (
                 f"in the session of pid {leader.nspid} ({leader.cmd}), which runs as "

@@ -1038,8 +1038,8 @@ def _rebuild(rec: ProcessRecord, host_pid: int, image: str, root_dir: str,
 
 def rebuilt_as(tpl: native.Template, rec: ProcessRecord) -> None:
     """Give a template rebuilt from rec's image (a fork of the sandbox's init) what rec's
-    process had and the image does not hold: its attributes, timers, job-control stop, and
-    its session left if it leads one again (lone_leaders)."""
+    process had and the image does not hold: its attributes, timers and job-control stop
+    (a dump's rebuilt templates: daemon/dumps.py)."""
     if rec.task is not None:
         taskattrs.give(tpl, rec.task)
     if any(rec.itimers):
@@ -2079,9 +2079,11 @@ def lone_leaders(records: list[ProcessRecord]) -> set[int]:
 
 def _born_sessions(records: list[ProcessRecord]) -> set[int]:
     """Sessions whose leader leads them again and whose other members are all born in
-    them of their restored parents: a pty's (ptys.py), and an unprivileged leader's
-    whose template is rebuilt as root's (creds.py)."""
-    return ptys.terminal_sessions(records) | creds.sessions(records)
+    them of their restored parents: a pty's (ptys.py), an unprivileged leader's whose
+    template is rebuilt as root's (creds.py), and one whose members are all adopted
+    anyway (adoption.adopted_sessions)."""
+    return (ptys.terminal_sessions(records) | creds.sessions(records)
+            | adoption.adopted_sessions(records))
 
 
 def terminal_members(records: list[ProcessRecord]) -> set[int]:
