@@ -27,11 +27,13 @@ the pid of every process that did not lead its session. A group leader's pid too
 process uses it as a group id, and a template is such a process, so the templates of a
 group whose leader is captured leave it after the capture (_own_groups), and the children
 rejoin it at the rollback. Not preserved:
-- the pid of a session leader with other processes in its session (but a pty's:
-  lone_leaders): its templates stay in its session (no call joins an existing
-  session), so it comes back with a new pid (its group and session ids, and its own idea of
-  `$$`, unchanged); the same for any process whose pid is, by the rollback, another
-  template's session or group id (the response's note names those pids);
+- the pid of a session leader with a process in its session that is not born in it of
+  a restored parent (lone_leaders: a pty's session, an unprivileged leader's, one whose
+  members are all adopted keep theirs): its templates stay in its session (no call
+  joins an existing session), so it comes back with a new pid (its group and session
+  ids, and its own idea of `$$`, unchanged); the same for any process whose pid is, by
+  the rollback, another template's session or group id (the response's note names
+  those pids);
 - the *parent* of a child bigger than adoption.ADOPT_MAX_RSS_KB that its parent was not
   waiting for: it is the parent its template had, the sandbox's init once the original
   parent died in the rollback (the response's note names it). Every other child of a
@@ -44,7 +46,8 @@ rejoin it at the rollback. Not preserved:
   (PR_SET_CHILD_SUBREAPER: no /proc file shows it), mlockall's MCL_FUTURE.
 A process restored from an image (adopted, a chain's, rebuilt from a dump) is another
 process's fork: its nice, priorities, rlimits and prctl state are set back from its
-template's (taskattrs.py).
+template's (taskattrs.py). One that ran as another user or without capabilities comes
+back from a copy of root's and gets its credentials back last (creds.py).
 
 Restoring into a fork (`Elsewhere`): the fork's pid namespace is nested below the templates'
 sandbox's, so a template can give birth there (setns into it around clone3); the child joins
@@ -190,7 +193,7 @@ class ProcessState:
         """adoption.adoptees of its records: child -> parent, restored as such (fixed
         once captured: the templates hold the stops' registers)."""
         return adoption.adoptees(self.records, self.templates,
-                                 forced=terminal_members(self.records) |
+                                 forced=born_members(self.records) |
                                  pidfds.children(self.records) | creds.forced(self.records))
 
     @functools.cached_property
@@ -2065,12 +2068,13 @@ def _own_groups(records: list[ProcessRecord]) -> dict[int, int]:
 
 def lone_leaders(records: list[ProcessRecord]) -> set[int]:
     """Session leaders that are the only captured process of their session (a server
-    started with setsid, a kernel by jupyter_client), or that lead a pty's session (every
-    other process of which a restore gives back to its restored parent: ptys.py): their
-    templates leave the session (Template.own_session; so do those of the pty session's
-    others: terminal_members), which frees its id, the leader's pid, once the live
-    processes are gone; the leader's child gets it back and leads a session again. With
-    other members, the session's templates stay in it: its members must be born in it."""
+    started with setsid, a kernel by jupyter_client), or that lead a session every other
+    process of which a restore gives back to its restored parent (_born_sessions: a
+    pty's, ...): their templates leave the session (Template.own_session; so do those of
+    the session's others: born_members), which frees its id, the leader's pid, once the
+    live processes are gone; the leader's child gets it back and leads a session again.
+    With other members, the session's templates stay in it: its members must be born in
+    it."""
     sessions = collections.Counter(r.sid for r in records)
     born = _born_sessions(records)
     return {r.pid for r in records if r.pid == r.sid
@@ -2086,7 +2090,7 @@ def _born_sessions(records: list[ProcessRecord]) -> set[int]:
             | adoption.adopted_sessions(records))
 
 
-def terminal_members(records: list[ProcessRecord]) -> set[int]:
+def born_members(records: list[ProcessRecord]) -> set[int]:
     """The processes of a _born_sessions session other than its leader: each is born of
     its restored parent, in the restored session (adoption.adoptees' `forced`)."""
     born = _born_sessions(records)
@@ -2098,7 +2102,7 @@ def _leave_groups(templates: dict[int, native.Template], records: list[ProcessRe
     of _own_groups' members out of their group, and those of lone_leaders out of their
     session (one injected setpgid or setsid each)."""
     groups = _own_groups(records)
-    lone = lone_leaders(records) | terminal_members(records)
+    lone = lone_leaders(records) | born_members(records)
     for rec in records:
         tpl = templates.get(rec.pid)
         if rec.pid in lone and tpl is not None and not tpl.own_session_done:
