@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING
 from .. import kernfs
 from ..errors import FailedPrecondition
 from ..fs.files import open_in_root
-from . import creds as creds_, native, tcp
+from . import native, tcp
 from .taskattrs import TaskAttrs
 
 if TYPE_CHECKING:
+    from .creds import Creds
     from .eventloop import LoopState
     from .pidfds import PidFd
 
@@ -112,7 +113,7 @@ class ProcessRecord:
     zombies: list[tuple[int, int, str]] = field(default_factory=list)
     # its credentials, if it runs without the capabilities to restore itself (creds.py):
     # given back last at every restore; None: root's, as a fork keeps them
-    creds: creds_.Creds | None = None
+    creds: Creds | None = None
     # why its credentials could not be read ("" if they were, or are not needed)
     creds_unread: str = ""
 
@@ -260,6 +261,7 @@ def record(pid: int, st: native.ProcStatus, head: Head | None = None,
     except OSError:
         cwd = "/"
     nspid = st.nspid[-1] if st.nspid else pid
+    from . import creds as creds_   # (creds.py reads this module's records)
     creds, unread = None, ""
     if creds_.unprivileged(st.cap_eff):
         try:
@@ -411,6 +413,7 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
     if rec.creds_unread:
         refuse(f"runs without CAP_SYS_ADMIN and its credentials could not be read: "
                f"{rec.creds_unread}")
+    from . import creds as creds_
     why = creds_.refusal(rec)
     if why:
         refuse(why)

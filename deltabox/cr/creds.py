@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .. import kernfs
-from . import capture, native
+from . import adoption, capture, native, ptys
 
 if TYPE_CHECKING:
     from .capture import ProcessRecord
@@ -152,30 +152,32 @@ def _by_pid(records: Iterable[ProcessRecord]) -> dict[int, ProcessRecord]:
 
 
 def born_of_parent(rec: ProcessRecord, by_pid: dict[int, ProcessRecord],
-                   alone: set[int]) -> bool:
+                   again: set[int]) -> bool:
     """Whether rec is born of its restored parent: a captured process of its session, or
-    any captured parent if rec leads a session alone (PostgreSQL's backends each call
-    setsid), which its restore leads again (engine.lone_leaders). `alone`: such
-    sessions."""
+    any captured parent if rec leads a session its restore leads again whatever anyone's
+    credentials (`again`: _again), as PostgreSQL's backends, each alone in a session of
+    its own, or a tmux pane's shell."""
     parent = by_pid.get(rec.ppid)
-    return parent is not None and (parent.sid == rec.sid or rec.sid in alone
+    return parent is not None and (parent.sid == rec.sid or rec.sid in again
                                    and rec.pid == rec.sid)
 
 
-def _alone(records: list[ProcessRecord]) -> set[int]:
-    """Sessions of one captured process."""
+def _again(records: list[ProcessRecord]) -> set[int]:
+    """Sessions whose leader leads them again at a restore (engine.lone_leaders) whatever
+    anyone's credentials: a lone process's, a pty's, one whose members are all adopted."""
     count: dict[int, int] = {}
     for r in records:
         count[r.sid] = count.get(r.sid, 0) + 1
-    return {sid for sid, n in count.items() if n == 1}
+    return ({sid for sid, n in count.items() if n == 1} | ptys.terminal_sessions(records)
+            | adoption.adopted_sessions(records))
 
 
 def rebuilt(records: list[ProcessRecord]) -> set[int]:
     """The unprivileged processes whose templates are rebuilt as root's (see the module
     doc): those not born of a restored parent."""
-    by_pid, alone = _by_pid(records), _alone(records)
+    by_pid, again = _by_pid(records), _again(records)
     return {r.pid for r in records
-            if r.creds is not None and not born_of_parent(r, by_pid, alone)}
+            if r.creds is not None and not born_of_parent(r, by_pid, again)}
 
 
 def sessions(records: list[ProcessRecord]) -> set[int]:
@@ -189,16 +191,16 @@ def forced(records: list[ProcessRecord]) -> set[int]:
     """Children adopted whatever their size (adoption.adoptees' `forced`): unprivileged
     ones born of their restored parent, and every other process of a rebuilt leader's
     session."""
-    by_pid, alone = _by_pid(records), _alone(records)
+    by_pid, again = _by_pid(records), _again(records)
     led = sessions(records)
-    return {r.pid for r in records if born_of_parent(r, by_pid, alone)
+    return {r.pid for r in records if born_of_parent(r, by_pid, again)
             and (r.creds is not None or (r.sid in led and r.pid != r.sid))}
 
 
 def refusals(records: list[ProcessRecord]) -> list[capture.Refusal]:
     """Unprivileged processes that could not come back in their session, and the processes
     of a rebuilt leader's session that could not be born in it."""
-    by_pid, alone = _by_pid(records), _alone(records)
+    by_pid, again = _by_pid(records), _again(records)
     out = []
     for pid in sorted(rebuilt(records)):
         r = by_pid[pid]
@@ -210,7 +212,7 @@ def refusals(records: list[ProcessRecord]) -> list[capture.Refusal]:
                 "init's session; start it with setsid, or from the sandbox's processes")))
     led = sessions(records)
     for r in records:
-        if r.sid in led and r.pid != r.sid and not born_of_parent(r, by_pid, alone):
+        if r.sid in led and r.pid != r.sid and not born_of_parent(r, by_pid, again):
             leader = by_pid[r.sid]
             out.append(capture.Refusal(r.nspid, r.cmd, (
                 f"in the session of pid {leader.nspid} ({leader.cmd}), which runs as "
