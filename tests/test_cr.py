@@ -1300,6 +1300,24 @@ def test_a_tmux_session_comes_back(sbx: Sandbox, restore: Restore) -> None:
                        "tmux capture-pane -p -t main:1 | grep -c '^@5 5'").stdout == "1\n"
 
 
+def test_a_tmux_pane_of_another_user_comes_back(sbx: Sandbox, restore: Restore) -> None:
+    """A tmux pane whose shell runs as another user (the pane's command: setpriv ... bash):
+    the shell leads the pane's session on its pty, a child of the root tmux server, and
+    comes back as that user, the server's child still, with its variables and its job."""
+    sbx.exec("chmod 777 /workspace")
+    assert sbx.exec("tmux new-session -d -s main -x 100 -y 30 'setpriv --reuid 1000 "
+                    "--regid 1000 --clear-groups bash --norc --noprofile -i'").exit_code == 0
+    assert _in_pane(sbx, 1, 'X=before; sleep 1000 & echo "@1 $(id -u)"') == "1000"
+    shell = _in_pane(sbx, 2, 'echo "@2 $$ $PPID $(ps -o sid= -p $$)"').split()
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    assert _in_pane(sbx, 3, 'X=after; kill %1; echo "@3 $X"') == "after"
+    target = restore(sbx, cp)
+    assert _in_pane(target, 4, 'echo "@4 $X $(id -u) $$ $PPID $(ps -o sid= -p $$) '
+                               '$(jobs | grep -c Running)"').split() == \
+        ["before", "1000", *shell, "1"]
+
+
 # A pty pair with bytes waiting both ways at the checkpoint: its program (echo on) wrote
 # "early" and does not read until `read` exists; its driver typed and does not read until
 # `drain` exists, then saves what it gets to `out`. `ptyq.py cbreak`: the program reads

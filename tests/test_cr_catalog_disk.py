@@ -63,6 +63,7 @@ from test_cr import (  # noqa: F401  (the catalog's cases, run here with the dis
     test_a_process_of_another_user_comes_back_as_that_user,
     test_another_users_session_comes_back_with_its_children,
     test_nginx_comes_back_with_its_pid_and_workers,
+    test_a_tmux_pane_of_another_user_comes_back,
     test_a_session_leader_its_parent_waits_for_is_its_child_again,
     test_asyncio_server_with_eventfd_and_socket_pair, test_bash_session_state,
     test_counter_file_and_memory_agree, test_deleted_open_temp_file, test_dontfork_mapping,
