@@ -40,7 +40,8 @@ counter and memory's CRC: the worker bumps them at each change, the number of wa
 whether a file closed after writing in one of the directories is reported on its watch;
 and its parent's pid, for every kind) must equal the one taken before the checkpoint.
 Client-side latency through the SDK; the daemon's own duration
-beside it. JSON and a PNG to --out (default benchmarks/out).
+beside it; and per checkpoint, how long after its answer it settled (its templates and
+snapshot made: a rollback to it waits for that) and how long its processes were held. JSON and a PNG to --out (default benchmarks/out).
 
     .venv/bin/python -m benchmarks.process_kinds [--reps 20] [--mb 50] [--temp-mb 8]
         [--watch-dirs 200]
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -287,6 +289,21 @@ def _dump_done(sbx: Sandbox, cp_id: str) -> None:
     wait_until(done, "the process dump")
 
 
+def _settled(sbx: Sandbox, cp_id: str) -> tuple[float, float]:
+    """(ms after the checkpoint's answer until its templates and snapshot were made: the
+    checkpoint is pending until then, 0 if made before the answer; ms its sandbox was
+    frozen or its processes held in their stops), from its reasons and freeze_ms."""
+    deadline = time.monotonic() + 10
+    while True:
+        cp = sbx.get_checkpoint(cp_id)
+        made = [m for r in cp.reasons if (m := re.search(r"made ([\d.]+) ms after the answer",
+                                                          r))]
+        if made or not any("right after this answer" in r for r in cp.reasons) \
+                or time.monotonic() > deadline:
+            return (float(made[0][1]) if made else 0.0), cp.freeze_ms
+        time.sleep(0.02)
+
+
 def one_rep(sbx: Sandbox, think: float, kind: str = "", dump_wait: bool = True
             ) -> dict[str, float]:
     """Change, checkpoint; change, roll back; check. Latencies in ms. Between the timed
@@ -302,6 +319,7 @@ def one_rep(sbx: Sandbox, think: float, kind: str = "", dump_wait: bool = True
     ck = (time.perf_counter() - t0) * 1000
     if cp.kind != "full":
         raise RuntimeError(f"checkpoint kind {cp.kind}: {cp.reasons}")
+    settled, held = _settled(sbx, cp.id)
     if dump_wait:
         _dump_done(sbx, cp.id)
     os.sync()
@@ -328,15 +346,19 @@ def one_rep(sbx: Sandbox, think: float, kind: str = "", dump_wait: bool = True
         if uids != ["1000"]:
             raise RuntimeError(f"after the rollback the process runs as uid {uids}")
     return {"checkpoint": ck, "checkpoint_server": cp.duration_ms,
-            "rollback": rb_ms, "rollback_server": rb.duration_ms}
+            "rollback": rb_ms, "rollback_server": rb.duration_ms,
+            "settled_after_answer": settled, "held": held}
 
 
 OPS = ("checkpoint", "checkpoint_server", "rollback", "rollback_server")
+# Per checkpoint, not timed by the client: how long after its answer it settled, and how
+# long its processes were held (a rebuilt template, `user`, is made in between).
+SETTLE_OPS = ("settled_after_answer", "held")
 
 
 def summarize(runs: list[dict[str, Any]], kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
-    s: dict[str, Any] = {k: {op: stats([r[op] for r in runs if r["kind"] == k]) for op in OPS}
-                         for k in kinds}
+    s: dict[str, Any] = {k: {op: stats([r[op] for r in runs if r["kind"] == k])
+                             for op in OPS + SETTLE_OPS} for k in kinds}
     s["p50_over_plain"] = {k: {op: s[k][op]["p50"] / s["plain"][op]["p50"] for op in OPS}
                            for k in kinds if k != "plain"}
     return s
@@ -406,7 +428,9 @@ def main() -> int:
     s = result["summary"]
     for k in kinds:
         print(f"{k:9s} checkpoint p50 {s[k]['checkpoint']['p50']:6.2f} ms "
-              f"(daemon {s[k]['checkpoint_server']['p50']:5.2f}) | rollback p50 "
+              f"(daemon {s[k]['checkpoint_server']['p50']:5.2f}; settled "
+              f"{s[k]['settled_after_answer']['p50']:5.1f} after the answer, held "
+              f"{s[k]['held']['p50']:4.1f}) | rollback p50 "
               f"{s[k]['rollback']['p50']:6.2f} ms (daemon {s[k]['rollback_server']['p50']:5.2f})")
     for k, r in s["p50_over_plain"].items():
         print(f"{k} / plain (p50): checkpoint {r['checkpoint']:.2f}x, rollback "
