@@ -768,10 +768,10 @@ class Template:
                   caps: Sequence[int]) -> None:
         """Credentials every child of the template gets back last (native/creds.c): ids in
         the process's user namespace (real, effective, saved, filesystem), supplementary
-        groups, capability sets (inheritable, permitted, effective, bounding, ambient)."""
+        groups, capability sets (inheritable, permitted, effective, bounding, ambient).
+        More than MAX_GROUPS groups: CRError (EINVAL)."""
         c = _Creds(1, (ctypes.c_uint32 * 4)(*uids), (ctypes.c_uint32 * 4)(*gids),
                    len(groups), (ctypes.c_uint32 * MAX_GROUPS)(*groups[:MAX_GROUPS]), *caps)
-        c.ngroups = len(groups)
         err = _Err()
         if _load().dbxcr_template_set_creds(self._h(), ctypes.byref(c), ctypes.byref(err)) < 0:
             _raise(err)
