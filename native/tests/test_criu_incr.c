@@ -508,22 +508,43 @@ static bool zombie_of(pid_t pid, pid_t parent)
 }
 
 /* A free pid well above the ones in use (the kernel hands them out upwards), for set_tid. */
-static pid_t free_pid(void)
+static int read_int(const char *path)
 {
-	char buf[32] = "", path[32];
-	int last, fd = open("/proc/sys/kernel/ns_last_pid", O_RDONLY | O_CLOEXEC);
+	char buf[32] = "";
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
 
 	if (fd < 0)
 		return -1;
 	if (read(fd, buf, sizeof(buf) - 1) <= 0)
 		buf[0] = '\0';
 	close(fd);
-	last = atoi(buf);
-	if (last <= 0)
+	return atoi(buf);
+}
+
+static bool pid_free(pid_t p)
+{
+	char path[32];
+
+	snprintf(path, sizeof(path), "/proc/%d", (int)p);
+	return access(path, F_OK) < 0;
+}
+
+/* The first of three free pids well ahead of the last one given, below pid_max (clone3
+ * fails with EINVAL above it: 32768 here, which the counter reaches in a long run) and
+ * above the 300 the kernel skips when it wraps. */
+static pid_t free_pid(void)
+{
+	int last = read_int("/proc/sys/kernel/ns_last_pid");
+	int max = read_int("/proc/sys/kernel/pid_max");
+
+	if (last <= 0 || max <= 1000)
 		return -1;
-	for (pid_t p = last + 5000; p < last + 6000; p++) {
-		snprintf(path, sizeof(path), "/proc/%d", (int)p);
-		if (access(path, F_OK) < 0)
+	for (int i = 0; i < 1000; i++) {
+		pid_t p = (pid_t)((last + 5000 + i) % (max - 3));
+
+		if (p < 300)
+			continue;
+		if (pid_free(p) && pid_free(p + 1) && pid_free(p + 2))
 			return p;
 	}
 	return -1;
