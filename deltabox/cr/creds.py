@@ -12,12 +12,16 @@ root's, and its credentials are given back last, in every thread, before it runs
 (native/creds.c):
 
 - a child of a captured process of its own session is born of its restored parent
-  (adoption.py: forced, whatever its size), from an image of its template;
+  (adoption.py: forced, whatever its size), from an image of its template; so is one
+  leading a session of its own that a restore leads again whoever runs in it (alone in
+  it, as each of PostgreSQL's backends; a pty's, as a tmux pane's shell; one whose
+  members are all adopted: _again);
 - any other leads its session (a server started with setsid, as `pg_ctl` starts
-  PostgreSQL): its template is rebuilt once, right after the capture, from an image of
-  the fork (native.restore_template, forked from the sandbox's init, as a dump's are),
-  and its child leads its session again at every restore, the others of the session born
-  in it of their restored parents (as a terminal's session: engine.lone_leaders);
+  PostgreSQL): its template is rebuilt once per checkpoint, once the processes run
+  again, from an image of the fork (native.restore_template, forked from the sandbox's
+  init, as a dump's are), and its child leads its session again at every restore, the
+  others of the session born in it of their restored parents (as a terminal's session:
+  engine.lone_leaders);
 - one that leads no session and has no captured parent in its session (an orphan in
   another's session) is refused: it could only come back in init's session.
 
