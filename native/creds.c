@@ -57,25 +57,37 @@ int dbxcr_template_set_creds(struct dbxcr_template *tpl, const struct dbxcr_cred
 	return 0;
 }
 
-/* A capability set line of /proc/TID/status ("CapBnd:\t000001ffffffffff"). */
-static int read_capset(pid_t tid, const char *name, uint64_t *out, struct dbxcr_error *err)
+/* The thread's /proc/TID/status into buf. */
+static int read_status(pid_t tid, char *buf, size_t len, struct dbxcr_error *err)
 {
-	char path[64], buf[4096];
-	const char *at;
-	size_t len = strlen(name);
+	char path[64];
 
 	snprintf(path, sizeof(path), "/proc/%d/status", (int)tid);
-	if (read_small_file(path, buf, sizeof(buf)) < 0)
+	if (read_small_file(path, buf, len) < 0)
 		return fail(err, errno, tid, "reading %s for its capabilities", path);
-	for (at = buf; at; at = strchr(at, '\n')) {
-		if (*at == '\n')
-			at++;
-		if (!strncmp(at, name, len) && at[len] == ':') {
-			*out = strtoull(at + len + 1, NULL, 16);
-			return 0;
-		}
-	}
-	return fail(err, EPROTO, tid, "%s has no %s line", path, name);
+	return 0;
+}
+
+/* A capability set's line of a status text ("CapBnd:\t000001ffffffffff"). */
+static int capset_of(pid_t tid, const char *status, const char *name, uint64_t *out,
+		     struct dbxcr_error *err)
+{
+	const char *v = status_field(status, name);
+
+	if (!v)
+		return fail(err, EPROTO, tid, "/proc/%d/status has no %s line", (int)tid, name);
+	*out = strtoull(v, NULL, 16);
+	return 0;
+}
+
+/* One capability set of the thread, as /proc shows it now. */
+static int read_capset(pid_t tid, const char *name, uint64_t *out, struct dbxcr_error *err)
+{
+	char buf[4096];
+
+	if (read_status(tid, buf, sizeof(buf), err) < 0)
+		return -1;
+	return capset_of(tid, buf, name, out, err);
 }
 
 static int drop_bounding(struct tracee *t, uint64_t want, struct dbxcr_error *err)
@@ -190,15 +202,18 @@ static int set_caps(struct tracee *t, unsigned long scratch, const struct dbxcr_
 	return 0;
 }
 
-/* The thread's sets as /proc shows them now: what it will run with. */
+/* The thread's sets as /proc shows them now (one read): what it will run with. */
 static int check_caps(pid_t tid, const struct dbxcr_creds *c, struct dbxcr_error *err)
 {
 	static const char *const names[] = { "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb" };
 	const uint64_t want[] = { c->cap_inh, c->cap_prm, c->cap_eff, c->cap_bnd, c->cap_amb };
-	uint64_t got;
+	char buf[4096];
+	uint64_t got = 0;
 
+	if (read_status(tid, buf, sizeof(buf), err) < 0)
+		return -1;
 	for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++) {
-		if (read_capset(tid, names[i], &got, err) < 0)
+		if (capset_of(tid, buf, names[i], &got, err) < 0)
 			return -1;
 		if (got != want[i])
 			return fail(err, EPERM, tid, "its %s is %016" PRIx64 " after the restore, "

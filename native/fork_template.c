@@ -209,7 +209,7 @@ static int count_threads(pid_t pid)
 	return n;
 }
 
-static const char *status_field(const char *status, const char *name)
+const char *status_field(const char *status, const char *name)
 {
 	size_t len = strlen(name);
 	const char *p = status;

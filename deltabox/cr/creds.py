@@ -179,9 +179,17 @@ def _again(records: list[ProcessRecord]) -> set[int]:
 def rebuilt(records: list[ProcessRecord]) -> set[int]:
     """The unprivileged processes whose templates are rebuilt as root's (see the module
     doc): those not born of a restored parent."""
+    if not _any(records):
+        return set()
     by_pid, again = _by_pid(records), _again(records)
     return {r.pid for r in records
             if r.creds is not None and not born_of_parent(r, by_pid, again)}
+
+
+def _any(records: list[ProcessRecord]) -> bool:
+    """Whether any process has credentials to give back (else, as a rule, nothing here
+    applies: every capture asks)."""
+    return any(r.creds is not None for r in records)
 
 
 def sessions(records: list[ProcessRecord]) -> set[int]:
@@ -195,6 +203,8 @@ def forced(records: list[ProcessRecord]) -> set[int]:
     """Children adopted whatever their size (adoption.adoptees' `forced`): unprivileged
     ones born of their restored parent, and every other process of a rebuilt leader's
     session."""
+    if not _any(records):
+        return set()
     by_pid, again = _by_pid(records), _again(records)
     led = sessions(records)
     return {r.pid for r in records if born_of_parent(r, by_pid, again)
@@ -204,6 +214,8 @@ def forced(records: list[ProcessRecord]) -> set[int]:
 def refusals(records: list[ProcessRecord]) -> list[capture.Refusal]:
     """Unprivileged processes that could not come back in their session, and the processes
     of a rebuilt leader's session that could not be born in it."""
+    if not _any(records):
+        return []
     by_pid, again = _by_pid(records), _again(records)
     out = []
     for pid in sorted(rebuilt(records)):

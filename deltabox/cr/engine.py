@@ -2066,7 +2066,7 @@ def _own_groups(records: list[ProcessRecord]) -> dict[int, int]:
     return {r.pgid: r.nspid for r in records if r.pid == r.pgid and r.pid != r.sid}
 
 
-def lone_leaders(records: list[ProcessRecord]) -> set[int]:
+def lone_leaders(records: list[ProcessRecord], born: set[int] | None = None) -> set[int]:
     """Session leaders that are the only captured process of their session (a server
     started with setsid, a kernel by jupyter_client), or that lead a session every other
     process of which a restore gives back to its restored parent (_born_sessions: a
@@ -2076,7 +2076,7 @@ def lone_leaders(records: list[ProcessRecord]) -> set[int]:
     With other members, the session's templates stay in it: its members must be born in
     it."""
     sessions = collections.Counter(r.sid for r in records)
-    born = _born_sessions(records)
+    born = _born_sessions(records) if born is None else born
     return {r.pid for r in records if r.pid == r.sid
             and (sessions[r.sid] == 1 or r.sid in born)}
 
@@ -2090,10 +2090,11 @@ def _born_sessions(records: list[ProcessRecord]) -> set[int]:
             | adoption.adopted_sessions(records))
 
 
-def born_members(records: list[ProcessRecord]) -> set[int]:
-    """The processes of a _born_sessions session other than its leader: each is born of
-    its restored parent, in the restored session (adoption.adoptees' `forced`)."""
-    born = _born_sessions(records)
+def born_members(records: list[ProcessRecord], born: set[int] | None = None) -> set[int]:
+    """The processes of a _born_sessions session (`born`, computed if not given) other
+    than its leader: each is born of its restored parent, in the restored session
+    (adoption.adoptees' `forced`)."""
+    born = _born_sessions(records) if born is None else born
     return {r.pid for r in records if r.sid in born and r.pid != r.sid}
 
 
@@ -2102,7 +2103,8 @@ def _leave_groups(templates: dict[int, native.Template], records: list[ProcessRe
     of _own_groups' members out of their group, and those of lone_leaders out of their
     session (one injected setpgid or setsid each)."""
     groups = _own_groups(records)
-    lone = lone_leaders(records) | born_members(records)
+    born = _born_sessions(records)
+    lone = lone_leaders(records, born) | born_members(records, born)
     for rec in records:
         tpl = templates.get(rec.pid)
         if rec.pid in lone and tpl is not None and not tpl.own_session_done:
