@@ -17,7 +17,8 @@
  *     fresh anonymous mapping of the same kind (its sharing with other processes, and
  *     its content, are the daemon's: the template's pages are the live process's later
  *     writes, so every child gets the daemon's copy mapped over it: dbxcr_remap).
- *     SysV shm and device mappings are refused.
+ *     A System V segment's attachment the same (the daemon makes the segment again and
+ *     every child attaches it over the mapping).  Device mappings are refused.
  *   - page contents with process_vm_readv (or /proc/T/mem for unreadable VMAs); all-zero
  *     pages are recorded without data (anonymous: not at all, fresh memory is zero).
  *   - injected into the parked template: brk(0), rt_sigaction(sig, NULL, &old) for every
@@ -84,7 +85,7 @@
  *     like a template made by dbxcr_template_stopped (all signals blocked, registers set to
  *     exit_group if ever resumed, EXITKILL).  Registers, xstate (same size as this CPU's,
  *     checked), mask and pending signals come from the image into the template struct.
- * Not restored (documented limits): SysV shm, device mappings, VMA names ([anon:x]),
+ * Not restored (documented limits): device mappings, VMA names ([anon:x]),
  * mlock, seccomp filters (refused at dump), capabilities other than those implied by the
  * uids, rlimits/session/timers (host's apply). A multi-threaded process's other threads
  * come from core.img's threads section into the template, and every child clones them.
@@ -917,10 +918,11 @@ static int classify_cb(const struct raw_vma *r, void *arg)
 				    (unsigned long long)r->end, name);
 		}
 	} else if (name[0] == '/') {
-		if (strncmp(name, "/SYSV", 5) == 0)
-			return fail(c->err, ENOTSUP, c->pid, "mapping %#llx-%#llx: SysV shared "
-				    "memory cannot be dumped", (unsigned long long)r->start,
-				    (unsigned long long)r->end);
+		/* A System V segment's attachment is kept like shared anonymous memory: the
+		 * segment belongs to the IPC namespace, made again there by the daemon with
+		 * its id and content (deltabox/cr/sysv_shm.py), and every child attaches it
+		 * over this mapping (dbxcr_remap.sysv). */
+		bool sysv = strncmp(name, "/SYSV", 5) == 0;
 		/* A /dev/shm file, deleted or not (a POSIX semaphore or shared memory segment,
 		 * multiprocessing's heap), is memory: no restored tree holds it (each generation's
 		 * /dev/shm is a tmpfs of its own, whose held files the daemon makes again and maps
@@ -932,7 +934,7 @@ static int classify_cb(const struct raw_vma *r, void *arg)
 			return fail(c->err, ENOTSUP, c->pid, "mapping %#llx-%#llx: device %s "
 				    "cannot be dumped", (unsigned long long)r->start,
 				    (unsigned long long)r->end, name);
-		if (deleted || shm || strncmp(name, "/memfd:", 7) == 0 ||
+		if (deleted || shm || sysv || strncmp(name, "/memfd:", 7) == 0 ||
 		    strncmp(name, "/dev/zero", 9) == 0) {
 			/* No file to map at restore: keep every page, restore anonymous. */
 			v.flags |= VMA_WHOLE;

@@ -118,6 +118,7 @@
 #include <sys/prctl.h>
 #include <sys/ptrace.h>
 #include <sys/resource.h>
+#include <sys/shm.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/syscall.h>
@@ -3015,6 +3016,29 @@ static int recreate_epoll(struct tracee *c, unsigned long scratch, const struct 
 	return 0;
 }
 
+/* Attach the System V segment m->shmid at m->start over the template's attachment, which
+ * is the checkpointed process's own segment (or, in a fork, the source sandbox's): the
+ * child is in the target IPC namespace by now, where the restore made the segment again
+ * with its id and content.  SHM_REMAP replaces the old attachment in one step (its
+ * attach count drops, the new one's rises, as for the original); the protection follows
+ * from the flags as the original's shmat gave it (capture refuses any other). */
+static int attach_segment(struct tracee *c, const struct dbxcr_remap *m,
+			  struct dbxcr_error *err)
+{
+	long a[6] = { m->shmid, (long)m->start,
+		      SHM_REMAP | (m->prot & PROT_WRITE ? 0 : SHM_RDONLY) |
+		      (m->prot & PROT_EXEC ? SHM_EXEC : 0), 0, 0, 0 };
+	long got = rsys(c, SYS_shmat, a, err, "shmat System V segment %d at %#lx", m->shmid,
+			m->start);
+
+	if (got < 0)
+		return -1;
+	if ((unsigned long)got != m->start)
+		return fail(err, EFAULT, c->pid, "System V segment %d attached at %#lx, not %#lx",
+			    m->shmid, (unsigned long)got, m->start);
+	return 0;
+}
+
 /* Map the received descriptor fd over the mapping [start, end) and close it.  The child
  * inherited the template's mapping: for a shared one, the original's own object, which it
  * went on writing after the checkpoint; for a private one, a file written in place since,
@@ -3032,6 +3056,8 @@ static int remap(struct tracee *c, pid_t tpl, const struct dbxcr_remap *m, int f
 
 	if (m->end <= m->start)
 		return fail(err, EINVAL, c->pid, "mapping %#lx-%#lx: empty", m->start, m->end);
+	if (m->sysv)
+		return attach_segment(c, m, err);
 	got = rsys(c, SYS_mmap, a, err, "map %#lx-%#lx again", m->start, m->end);
 	if (got < 0)
 		return -1;
@@ -3201,7 +3227,8 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 	for (size_t i = 0; i < o->nfds; i++)
 		src[n++] = o->fds[i].src;
 	for (size_t i = 0; i < o->nremaps; i++)
-		src[n++] = o->remaps[i].src;
+		if (!o->remaps[i].sysv)		/* an attach passes no descriptor */
+			src[n++] = o->remaps[i].src;
 	if (n && transfer_fds(c, scratch, src, n, got, err) < 0)
 		return -1;
 	if (n && move_off_targets(c, o, got, n, err) < 0)
@@ -3230,8 +3257,8 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 	for (size_t i = 0; i < o->nfds; i++)
 		if (install_fd(c, got[first_fd + i], o->fds[i].target, o->fds[i].cloexec, err) < 0)
 			return -1;
-	for (size_t i = 0; i < o->nremaps; i++)
-		if (remap(c, tpl->pid, &o->remaps[i], got[first_fd + o->nfds + i], err) < 0)
+	for (size_t i = 0, k = first_fd + o->nfds; i < o->nremaps; i++)
+		if (remap(c, tpl->pid, &o->remaps[i], o->remaps[i].sysv ? -1 : got[k++], err) < 0)
 			return -1;
 	for (size_t i = 0; i < o->nepolls; i++)
 		if (recreate_epoll(c, scratch, &o->epolls[i], err) < 0)

@@ -209,6 +209,10 @@ struct dbxcr_remap {
 	int src;
 	long long offset;		/* file offset of start */
 	int private_map;
+	int sysv;			/* 1: attach the System V segment shmid over [start, end)
+					 * instead (shmat SHM_REMAP; src unused): the segment made
+					 * again in the child's IPC namespace (ipcns.c) */
+	int shmid;
 };
 
 /* A file lock the original held on one of its descriptors, taken again by the restored
@@ -389,9 +393,36 @@ struct dbxcr_ipc_objects {
 };
 int dbxcr_ipcns_objects(int ipcns_fd, int clear, int mq_dir, struct dbxcr_ipc_objects *out,
 			struct dbxcr_error *err);
+/* clear: 1 removes every object; this, every one but the shared memory segments (a
+ * restore makes those of its checkpoint: dbxcr_ipcns_shm_make) */
+#define DBXCR_IPC_CLEAR_BUT_SHM 2
 /* mq_dir above: a directory fd on the root of the namespace's mqueue file system (a
  * detached mount the fd keeps), which the caller keeps per namespace.  The fd, or -1. */
 int dbxcr_ipcns_mqueue_dir(int ipcns_fd, struct dbxcr_error *err);
+
+/* A System V shared memory segment of an IPC namespace (ipcns.c).  shm_list fills these
+ * (fd: a read-only descriptor of its memory, ours to close); shm_make makes the namespace's
+ * segments exactly these, each with its id, owner and mode, and its content read from fd
+ * (-1: zeros), and says which it found removed (IPC_RMID) but still attached, which no
+ * call makes whole again. */
+struct dbxcr_shm_segment {
+	int id;
+	int key;
+	unsigned int mode;		/* shm_perm.mode: permission bits, SHM_LOCKED */
+	unsigned int uid, gid;
+	int nattch;			/* list only */
+	unsigned long long size;
+	int fd;
+	int removed;			/* make only (out) */
+};
+int dbxcr_ipcns_shm_list(int ipcns_fd, struct dbxcr_shm_segment *out, size_t max,
+			 size_t *n, struct dbxcr_error *err);
+int dbxcr_ipcns_shm_make(int ipcns_fd, struct dbxcr_shm_segment *segs, size_t n,
+			 struct dbxcr_error *err);
+/* shm_make leaves the segments open to every process, for the restored ones to attach
+ * whatever their credentials at that point: this gives them their own modes back. */
+int dbxcr_ipcns_shm_modes(int ipcns_fd, struct dbxcr_shm_segment *segs, size_t n,
+			  struct dbxcr_error *err);
 
 /* Move the parked template out of its process group into one of its own.  A process group
  * id stays allocated while any member exists, so a template (forked from a group member,

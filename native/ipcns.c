@@ -29,6 +29,7 @@
 #include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/sendfile.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <sys/ipc.h>
@@ -238,7 +239,8 @@ static void count_objects(struct ipcns_job *j)
 		}
 		j->out.msg_queues = mi.msgpool;
 		top = shmctl(0, SHM_INFO, (struct shmid_ds *)&hi);
-		if (top < 0 || (pass == 0 && hi.used_ids && clear_kind(IPC_SHM, top) < 0)) {
+		if (top < 0 || (pass == 0 && hi.used_ids && j->clear != DBXCR_IPC_CLEAR_BUT_SHM &&
+				clear_kind(IPC_SHM, top) < 0)) {
 			j->code = errno;
 			j->step = pass ? "shmctl SHM_INFO" : "remove shared memory segments";
 			return;
@@ -297,4 +299,337 @@ int dbxcr_ipcns_objects(int ipcns_fd, int clear, int mq_dir, struct dbxcr_ipc_ob
 		return -1;
 	*out = j.out;
 	return 0;
+}
+
+/* System V shared memory segments, captured and made again
+ * ---------------------------------------------------------
+ * A segment is memory of the namespace: a checkpoint copies it (the daemon, from the
+ * descriptor shm_list gives), and a restore makes the namespace's segments those of the
+ * checkpoint before any process is born, each with its id, so that every restored
+ * process attaches it where the original had it (fork_template.c, attach_segment) and
+ * calls naming the id (shmctl, a later shmat) find it.  An id is chosen through the
+ * namespace's kernel.shm_next_id (the next segment made takes it; the kernel resets it
+ * to -1), which, like every ipc sysctl, is the opener's IPC namespace's: the thread
+ * opens it after joining the namespace. */
+
+struct shm_job {
+	int ipcns_fd, code;
+	const char *step;
+	int id;				/* the segment the step was at, or -1 */
+	struct dbxcr_shm_segment *out;	/* list */
+	struct dbxcr_shm_segment *inout;	/* make */
+	size_t max, n;
+	bool modes_only;		/* make: set the modes, nothing else */
+};
+
+static unsigned long long page_up(unsigned long long n)
+{
+	unsigned long long page = (unsigned long long)sysconf(_SC_PAGESIZE);
+
+	return (n + page - 1) / page * page;
+}
+
+/* A read-only descriptor of the segment's memory (a file of the kernel's internal shmem
+ * mount), through a short attachment of our own: /proc/self/map_files opens the file a
+ * mapping maps.  -1 with errno set. */
+static int segment_fd(int id, unsigned long long size)
+{
+	char path[80];
+	void *at = shmat(id, NULL, SHM_RDONLY);
+	int fd, saved;
+
+	if (at == (void *)-1)
+		return -1;
+	snprintf(path, sizeof(path), "/proc/self/map_files/%lx-%lx", (unsigned long)at,
+		 (unsigned long)at + (unsigned long)page_up(size));
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	saved = errno;
+	shmdt(at);
+	errno = saved;
+	return fd;
+}
+
+static void shm_list(struct shm_job *j)
+{
+	struct shm_info hi;
+	int top = shmctl(0, SHM_INFO, (struct shmid_ds *)&hi);
+
+	if (top < 0) {
+		j->code = errno;
+		j->step = "shmctl SHM_INFO";
+		return;
+	}
+	for (int i = 0; i <= top && hi.used_ids; i++) {
+		struct shmid_ds d;
+		int id = shmctl(i, SHM_STAT_ANY, &d);
+		struct dbxcr_shm_segment *s;
+
+		if (id < 0)
+			continue;	/* no segment at this index */
+		if (j->n == j->max) {
+			j->code = ENOSPC;
+			j->step = "more segments than the daemon captures";
+			return;
+		}
+		s = &j->out[j->n];
+		*s = (struct dbxcr_shm_segment){ .id = id, .key = d.shm_perm.__key,
+			.mode = d.shm_perm.mode, .uid = d.shm_perm.uid, .gid = d.shm_perm.gid,
+			.nattch = (int)d.shm_nattch, .size = d.shm_segsz };
+		s->fd = segment_fd(id, d.shm_segsz);
+		if (s->fd < 0) {
+			j->code = errno;
+			j->step = "attach the segment to read it";
+			j->id = id;
+			return;
+		}
+		j->n++;
+	}
+}
+
+/* Make the segment's memory fd's first `size` bytes: every page punched out, then fd's
+ * data written, its holes (pages never written: zeros) left holes.  Through the
+ * segment's own file (shmem), not an attachment: writing zeros would allocate them. */
+static int fill_segment(int shm, unsigned long long size, int fd)
+{
+	off_t off = 0;
+
+	if (fallocate(shm, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)size) < 0)
+		return -1;
+	while (fd >= 0 && (unsigned long long)off < size) {
+		off_t data = lseek(fd, off, SEEK_DATA), hole;
+
+		if (data < 0)
+			return errno == ENXIO ? 0 : -1;	/* ENXIO: only holes are left */
+		hole = lseek(fd, data, SEEK_HOLE);
+		if (hole < 0)
+			return -1;
+		if ((unsigned long long)hole > size)
+			hole = (off_t)size;
+		if (lseek(shm, data, SEEK_SET) < 0)
+			return -1;
+		for (off = data; off < hole;) {
+			ssize_t r = sendfile(shm, fd, &off, (size_t)(hole - off));
+
+			if (r <= 0) {
+				if (r == 0)
+					errno = EIO;	/* shorter than its size */
+				return -1;
+			}
+		}
+	}
+	return 0;
+}
+
+/* Give the segment `id` fd's content, through an attachment of our own. */
+static int fill_through_attachment(int id, unsigned long long size, int fd)
+{
+	char path[80];
+	void *at = shmat(id, NULL, 0);
+	int shm, rc, saved;
+
+	if (at == (void *)-1)
+		return -1;
+	snprintf(path, sizeof(path), "/proc/self/map_files/%lx-%lx", (unsigned long)at,
+		 (unsigned long)at + (unsigned long)page_up(size));
+	shm = open(path, O_RDWR | O_CLOEXEC);
+	rc = shm < 0 ? -1 : fill_segment(shm, size, fd);
+	saved = errno;
+	if (shm >= 0)
+		close(shm);
+	shmdt(at);
+	errno = saved;
+	return rc;
+}
+
+/* A new segment with s's key, size and id (kernel.shm_next_id). */
+static int create_segment(struct shm_job *j, const struct dbxcr_shm_segment *s)
+{
+	char id[16];
+	int fd, n, got;
+
+	j->step = "write kernel.shm_next_id";
+	fd = open("/proc/sys/kernel/shm_next_id", O_WRONLY | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	n = snprintf(id, sizeof(id), "%d", s->id);
+	if (write(fd, id, (size_t)n) != n) {
+		int saved = errno;
+		close(fd);
+		errno = saved;
+		return -1;
+	}
+	close(fd);
+	j->step = "shmget";
+	got = shmget(s->key, s->size, IPC_CREAT | IPC_EXCL | (int)(s->mode & 0777));
+	if (got >= 0 && got != s->id) {
+		/* The id's index is held: an attached segment removed under another sequence
+		 * number lives on until detached (the next free index was taken instead). */
+		shmctl(got, IPC_RMID, NULL);
+		errno = EBUSY;
+		j->step = "its id's index is held by a removed segment still attached";
+		return -1;
+	}
+	return got;
+}
+
+/* Until every restored process has attached it, a segment is open to all (its mode's
+ * bits for others set: shm_modes sets its own back): a restored process attaches it
+ * before it gets its own credentials back (creds.c: last), as root without
+ * CAP_IPC_OWNER (a sandbox's bounding set lacks it), or as a parent's fork. */
+#define RESTORE_MODE 0666
+
+/* Make one segment as s has it: the namespace's segment of that id if there is one (see
+ * shm_make), else a new one; owner, mode (but RESTORE_MODE), lock and content as s's. */
+static int make_segment(struct shm_job *j, struct dbxcr_shm_segment *s)
+{
+	struct shmid_ds d;
+
+	if (shmctl(s->id, IPC_STAT, &d) < 0) {
+		if (errno != EINVAL && errno != EIDRM)
+			return -1;
+		if (create_segment(j, s) < 0)
+			return -1;
+		j->step = "shmctl IPC_STAT";
+		if (shmctl(s->id, IPC_STAT, &d) < 0)
+			return -1;
+	} else if (d.shm_segsz != s->size) {
+		errno = EEXIST;
+		j->step = "a segment of another size holds its id";
+		return -1;
+	}
+	s->removed = (d.shm_perm.mode & SHM_DEST) || d.shm_perm.__key != s->key;
+	j->step = "shmctl IPC_SET (owner and mode)";
+	d.shm_perm.uid = s->uid;
+	d.shm_perm.gid = s->gid;
+	d.shm_perm.mode = (s->mode & 0777) | RESTORE_MODE;
+	if (shmctl(s->id, IPC_SET, &d) < 0)
+		return -1;
+	j->step = "shmctl SHM_LOCK / SHM_UNLOCK";
+	if (shmctl(s->id, s->mode & SHM_LOCKED ? SHM_LOCK : SHM_UNLOCK, NULL) < 0)
+		return -1;
+	j->step = "fill the segment from its copy";
+	return fill_through_attachment(s->id, s->size, s->fd);
+}
+
+/* Whether id is one of the segments to make. */
+static bool wanted_id(const struct shm_job *j, int id)
+{
+	for (size_t i = 0; i < j->n; i++)
+		if (j->inout[i].id == id)
+			return true;
+	return false;
+}
+
+/* The namespace's segments made exactly j->inout: others removed, and each made with its
+ * id.  A segment already there with that id is kept and given the content: a rollback's
+ * (the templates of the checkpoint keep theirs attached, so it can be no other: the
+ * kernel keeps an attached segment's id, even once removed, until its last detach, so a
+ * new one could not take it), or another checkpoint's in a fork. */
+static void shm_make(struct shm_job *j)
+{
+	struct shm_info hi;
+	int top = shmctl(0, SHM_INFO, (struct shmid_ds *)&hi);
+
+	if (top < 0) {
+		j->code = errno;
+		j->step = "shmctl SHM_INFO";
+		return;
+	}
+	for (int i = 0; i <= top && hi.used_ids; i++) {
+		struct shmid_ds d;
+		int id = shmctl(i, SHM_STAT_ANY, &d);
+
+		if (id >= 0 && !wanted_id(j, id) && !(d.shm_perm.mode & SHM_DEST) &&
+		    shmctl(id, IPC_RMID, NULL) < 0 && errno != EINVAL && errno != EIDRM) {
+			j->code = errno;
+			j->step = "remove a segment made since";
+			j->id = id;
+			return;
+		}
+	}
+	for (size_t i = 0; i < j->n; i++) {
+		if (make_segment(j, &j->inout[i]) < 0) {
+			j->code = errno;
+			j->id = j->inout[i].id;
+			return;
+		}
+	}
+}
+
+/* The segments' own modes, once every restored process has attached them. */
+static void shm_modes(struct shm_job *j)
+{
+	for (size_t i = 0; i < j->n; i++) {
+		struct dbxcr_shm_segment *s = &j->inout[i];
+		struct shmid_ds d;
+
+		if (shmctl(s->id, IPC_STAT, &d) < 0 || (d.shm_perm.mode = s->mode & 0777,
+							shmctl(s->id, IPC_SET, &d) < 0)) {
+			j->code = errno;
+			j->step = "shmctl IPC_SET (its mode)";
+			j->id = s->id;
+			return;
+		}
+	}
+}
+
+static void *shm_thread(void *arg)
+{
+	struct shm_job *j = arg;
+
+	if (setns(j->ipcns_fd, CLONE_NEWIPC) < 0) {
+		j->code = errno;
+		j->step = "setns into the IPC namespace";
+	} else if (j->out) {
+		shm_list(j);
+	} else if (j->modes_only) {
+		shm_modes(j);
+	} else {
+		shm_make(j);
+	}
+	return NULL;
+}
+
+static int run_shm_job(struct shm_job *j, struct dbxcr_error *err)
+{
+	clear_error(err);
+	if (on_own_thread(shm_thread, j, "join an IPC namespace", err) < 0)
+		return -1;
+	if (j->code && j->id >= 0)
+		return fail(err, j->code, current_tid(), "IPC namespace fd %d: System V shared "
+			    "memory segment %d: %s", j->ipcns_fd, j->id, j->step);
+	if (j->code)
+		return fail(err, j->code, current_tid(), "IPC namespace fd %d: %s", j->ipcns_fd,
+			    j->step);
+	return 0;
+}
+
+int dbxcr_ipcns_shm_list(int ipcns_fd, struct dbxcr_shm_segment *out, size_t max,
+			 size_t *n, struct dbxcr_error *err)
+{
+	struct shm_job j = { .ipcns_fd = ipcns_fd, .id = -1, .out = out, .max = max };
+	int rc = run_shm_job(&j, err);
+
+	if (rc < 0)
+		for (size_t i = 0; i < j.n; i++)
+			close(out[i].fd);
+	*n = rc < 0 ? 0 : j.n;
+	return rc;
+}
+
+int dbxcr_ipcns_shm_make(int ipcns_fd, struct dbxcr_shm_segment *segs, size_t n,
+			 struct dbxcr_error *err)
+{
+	struct shm_job j = { .ipcns_fd = ipcns_fd, .id = -1, .inout = segs, .n = n };
+
+	return run_shm_job(&j, err);
+}
+
+int dbxcr_ipcns_shm_modes(int ipcns_fd, struct dbxcr_shm_segment *segs, size_t n,
+			  struct dbxcr_error *err)
+{
+	struct shm_job j = { .ipcns_fd = ipcns_fd, .id = -1, .inout = segs, .n = n,
+			     .modes_only = true };
+
+	return run_shm_job(&j, err);
 }

@@ -47,6 +47,8 @@ class Refusal:
     unread: tuple[int, int] | None = None
 
     def __str__(self) -> str:
+        if not self.pid:   # the sandbox's, not a process's (cr/sysv_shm.py)
+            return f"{self.cmd}: {self.reason}"
         return f"pid {self.pid} ({self.cmd}): {self.reason}"
 
 
@@ -228,8 +230,7 @@ def _mappings(pid: int) -> tuple[int, list[SharedMapping], frozenset[tuple[int, 
                 prot = (m[3] == b"r") * 1 | (m[4] == b"w") * 2 | (m[5] == b"x") * 4
                 sm = SharedMapping(int(m[1], 16), int(m[2], 16), prot, int(m[6], 16),
                                    m[7].decode(errors="replace"))
-                if sm.writable or not sm.sysv:
-                    out.append(sm)
+                out.append(sm)
         elif line.endswith(b" (deleted)"):
             if (m := _PRIVATE_DELETED.fullmatch(line)) is not None:
                 private.add((int(m[1]), m[2].decode(errors="replace")))
@@ -254,8 +255,8 @@ def record(pid: int, st: native.ProcStatus, head: Head | None = None,
     record_head, already read; its private mappings of files are kept by
     private_in_writable_layer). `alive`: processes known not to be zombies (read already)."""
     cmd, mappings, maps, deleted_private, _ = head if head is not None else record_head(pid)
-    shared = [m for m in maps if m.writable or m.copyable]
-    read_only = [m for m in maps if not (m.writable or m.copyable)]
+    shared = [m for m in maps if m.writable or m.copyable or m.sysv]
+    read_only = [m for m in maps if not (m.writable or m.copyable or m.sysv)]
     try:
         cwd = os.readlink(f"/proc/{pid}/cwd")
     except OSError:
@@ -427,10 +428,7 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
         refuse(f"POSIX timer {timer}: not restored; checkpoint once it has fired or been "
                "deleted")
     for m in rec.shared:
-        if m.sysv:
-            refuse(f"System V shared memory {m.path} at {m.where}: not captured (it "
-                   "belongs to the IPC namespace, not to the process)")
-        elif m.named_file and not in_dev_shm(m.path) and mount_of(table_(), m.path)[0] != "/":
+        if m.named_file and not in_dev_shm(m.path) and mount_of(table_(), m.path)[0] != "/":
             refuse(f"writable shared mapping of the file {m.path} at {m.where}: it is on "
                    "a mount of its own (/dev, /proc), which a checkpoint does "
                    "not snapshot")

@@ -78,8 +78,8 @@ from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from ..fs.files import open_in_root
 from . import (adoption, creds, deleted_cwd, eventloop, fifos, listeners, native, pidfds, pipebuf,
-               private_maps, ptys, shared_files, shm_files, taskattrs, tcp, unix_listeners,
-               unlinked, watches)
+               private_maps, ptys, shared_files, shm_files, sysv_shm, taskattrs, tcp,
+               unix_listeners, unlinked, watches)
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .taskattrs import TaskAttrs
 from .capture import (DEV_TTY, ProcessRecord, Refusal, SharedMapping, Unsettled, add_listeners,
@@ -164,6 +164,8 @@ class ProcessState:
     fifos: list[fifos.Fifo] = field(default_factory=list)
     # the pseudo-terminals they hold, with whose controlling terminal each is (cr/ptys.py)
     ptys: list[ptys.Pty] = field(default_factory=list)
+    # the System V shared memory segments of the sandbox's IPC namespace (cr/sysv_shm.py)
+    sysv_shm: list[sysv_shm.Segment] = field(default_factory=list)
     # When the templates' view of the files they map was the checkpoint's (the capture's
     # start, or a dump's rebuild): a file written after it is mapped again (private_maps.py)
     captured_ns: int = 0
@@ -221,6 +223,7 @@ class Restored:
     # host pid of a process born from a carrier -> its keeper (native.Carrier): kill the
     # process first, then the keeper
     keepers: dict[int, native.Carrier] = field(default_factory=dict)
+    note: str = ""   # what came back otherwise than it was (System V segments removed)
 
 
 # Restored processes (host pids) -> the calls they were stopped in (stopped_calls).
@@ -384,7 +387,8 @@ class DeltaCR:
                       tracer_ok: set[int],
                       reuse: Mapping[int, native.Template] | None = None,
                       layers: Sequence[str] = (), later: bool = False, scope: str = "",
-                      session_ttys: Mapping[str, int] | None = None) -> ProcessState:
+                      session_ttys: Mapping[str, int] | None = None,
+                      ipcns: int = -1, ipc_maybe: bool = False) -> ProcessState:
         """Stop `procs` (the sandbox's processes and their status, cgroup frozen by the caller
         before listing them), snapshot the files, template every process, resume. Raises
         FailedPrecondition listing every process that cannot be captured, changing nothing.
@@ -400,7 +404,9 @@ class DeltaCR:
         snapshotted the files, calls resume(). `scope`: the sandbox's id (what the capture
         remembers of its files is kept per sandbox: private_in_writable_layer).
         `session_ttys`: the masters of the sessions' terminals the daemon holds (name ->
-        its fd): their ptys are captured as the sessions' (ptys.capture)."""
+        its fd): their ptys are captured as the sessions' (ptys.capture). `ipcns`: a
+        pidfd of a process in the sandbox's IPC namespace, whose System V segments are
+        captured when a process has one attached or `ipc_maybe` (sysv_shm.wanted)."""
         pids = list(procs)
         own = {int(t) for t in os.listdir("/proc/self/task")}
         if any(st.tracer_pid in own for st in procs.values()):
@@ -427,6 +433,7 @@ class DeltaCR:
         shm: list[shm_files.ShmFile] = []
         named_pipes: list[fifos.Fifo] = []
         terminals: list[ptys.Pty] = []
+        segments: list[sysv_shm.Segment] = []
 
         async def ptrace_pass() -> None:
             # Not cancellable once the ptrace thread runs it: the failure path needs what
@@ -457,7 +464,7 @@ class DeltaCR:
             # ptrace thread is inside the templates' forks it needs no GIL, whereas during
             # the stops it would wait for it (a thread wanting the GIL from a busy one gets
             # it only when that one blocks, or after the 5 ms switch interval).
-            nonlocal pipes, files, shared, shm, named_pipes, terminals
+            nonlocal pipes, files, shared, shm, named_pipes, terminals, segments
             await stops_done.wait()
             try:
                 if not cap.stops_done:
@@ -494,6 +501,12 @@ class DeltaCR:
                 if not cap.refused:
                     terminals, why = ptys.capture(records, session_ttys)
                     cap.refused.extend(why)
+                if not cap.refused and sysv_shm.wanted(records, ipc_maybe):
+                    if ipcns < 0:
+                        raise Internal("System V shared memory to capture, but no IPC "
+                                       "namespace given")
+                    segments, why = sysv_shm.capture(ipcns, records)
+                    cap.refused.extend(why)
                 if cap.refused:
                     unlinked.close_saved(files)
                     return
@@ -504,6 +517,7 @@ class DeltaCR:
                     unlinked.close_saved(files)
                     shm_files.close_saved(shm)
                     fifos.close_saved(named_pipes)
+                    sysv_shm.close_saved(segments)
                     return
                 cap.records = records
             finally:
@@ -526,6 +540,7 @@ class DeltaCR:
             unlinked.close_saved(files)
             shm_files.close_saved(shm)
             fifos.close_saved(named_pipes)
+            sysv_shm.close_saved(segments)
             if cap.refused and isinstance(e, Exception):  # the reasons, not what the stops
                 raise _refusal(cap.refused) from None     # made of them
             raise
@@ -540,6 +555,7 @@ class DeltaCR:
                             reused=sorted(p for p in reuse or {} if p in stopped),
                             unlinked=files, shared_files=shared, shm_files=shm,
                             fifos=named_pipes, ptys=terminals, captured_ns=captured_ns,
+                            sysv_shm=segments,
                             held=Held(cap.stopped, dict(reuse or {})) if later else None)
 
     async def make_templates(self, state: ProcessState) -> None:
@@ -624,7 +640,8 @@ class DeltaCR:
                       into: Elsewhere | None = None,
                       victims: list[int] | None = None,
                       pre: Prespawned | None = None,
-                      pid_held: Callable[[int], bool] | None = None) -> Restored:
+                      pid_held: Callable[[int], bool] | None = None,
+                      ipcns: int = -1) -> Restored:
         """Spawn every template's child into the generation `mntfd`: in the templates' own
         sandbox (rollback: the caller killed the live processes; `victims`, their pidfds,
         are waited for, closed and emptied before a pid is reused), or `into` another
@@ -636,11 +653,20 @@ class DeltaCR:
         addresses first.
         `pid_held(nspid)`: whether a process that will not exit holds that pid of the
         target namespace (as its pid, group or session id), where a pid may fall back to
-        a new one: then it does at once, not after 0.3 s of retries. On failure, kills
-        what it spawned and raises."""
+        a new one: then it does at once, not after 0.3 s of retries. `ipcns`: (rollback) a
+        pidfd of a process in the sandbox's IPC namespace, where the checkpoint's System V
+        segments are made again (a fork's are made in `into`'s). On failure, kills what
+        it spawned and raises."""
+        if state.sysv_shm and into is None:
+            # The killed processes write no more to the segments the restore fills.
+            await wait_exited(victims or [])
+            victims = None
+        target_ipc = into.init_pidfd if into is not None else ipcns
+        note = _make_segments(state, target_ipc) if state.sysv_shm else ""   # before any
+        # process attaches one
         plan = pre.plan if pre is not None else _plan(state, rootfd, mntfd)
         plan.arm()  # a prespawned plan's timers start now, with the rollback
-        out = Restored({}, {}, [])
+        out = Restored({}, {}, [], note=note)
         groups: dict[int, int] = {}          # host pgid at checkpoint -> pgid in the target
         records = _leaders_first(state.records)
         born: dict[int, int | native.CRError] = {}  # checkpoint pid -> born pid, or why not
@@ -751,6 +777,8 @@ class DeltaCR:
                     out.renumbered.append(rec.nspid)
                 if into is not None:
                     groups.setdefault(rec.pgid, rec.nspid)
+            if state.sysv_shm:   # every process has attached its segments
+                sysv_shm.settle(target_ipc, state.sysv_shm)
             if any(r.pidfds for r in records):
                 await self.worker.run(_give_pidfds, state, held)
             if held:   # children before their parents, all at once
@@ -940,14 +968,17 @@ class DeltaCR:
         the process its terminal: ptys.py), those watching a signalfd with epoll (the
         watch waits on the signal queue of the task that made it: the carrier's, not its
         birth's), those listening on an abstract unix name (the live process holds it:
-        bound by their spawn once it has exited) and captured parents and children
+        bound by their spawn once it has exited), those attaching a System V segment
+        (made again by the rollback, with the live one's id) and captured parents and children
         (restored held, and adopted: adoption.py): restore(pre=...) gives birth to the
         processes from them. None if none. A TCP connection's or listener's sockets are
         made ahead, their addresses taken by the rollback (the live process still holds
         them)."""
         ids = _rollback_ids(state)
+        attaching = {a.pid for s in state.sysv_shm for a in s.attached}
         recs = [r for r in state.records if not (r.threads > 1 and ids[r.pid][0] is None)
                 and not eventloop.watches_signalfd(r.loop) and not _abstract_name(r)
+                and r.pid not in attaching
                 and r.pid not in state.family and r.pid not in state.adopters
                 and not ptys.holds_dev_tty(r)]
         if not recs:
@@ -1017,6 +1048,7 @@ class DeltaCR:
         unlinked.close_saved(state.unlinked)
         shm_files.close_saved(state.shm_files)
         fifos.close_saved(state.fifos)
+        sysv_shm.close_saved(state.sysv_shm)
         if state.images is not None:
             await trio.to_thread.run_sync(state.images.close)
 
@@ -1998,8 +2030,20 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
                   epolls=pidfds.without_pidfd_watches(rec, rec.loop.epolls) if rec.loop
                   else [], threaded=rec.threads > 1,
                   remaps=plan.remaps(rec, _changed_maps(state, rec) if changed is None
-                                     else changed),
+                                     else changed) + sysv_shm.remaps(state.sysv_shm, rec.pid),
                   locks=_locks(rec), mlocks=rec.mlocks)
+
+
+def _make_segments(state: ProcessState, ipcns: int) -> str:
+    """The checkpoint's System V segments, made again in the namespace of `ipcns`; the
+    note sysv_shm.make gives."""
+    if ipcns < 0:
+        raise Internal("System V shared memory to restore, but no IPC namespace given")
+    try:
+        return sysv_shm.make(ipcns, state.sysv_shm)
+    except native.CRError as e:
+        raise native.CRError(e.errno or errno.EIO, f"making the System V shared memory "
+                             f"segments again failed ({e})") from None
 
 
 def _image_remaps(remaps: list[native.Remap]) -> list[native.Remap]:

@@ -137,7 +137,13 @@ class _Epoll(ctypes.Structure):
 class _Remap(ctypes.Structure):
     _fields_ = [("start", ctypes.c_ulong), ("end", ctypes.c_ulong), ("prot", ctypes.c_int),
                 ("src", ctypes.c_int), ("offset", ctypes.c_longlong),
-                ("private_map", ctypes.c_int)]
+                ("private_map", ctypes.c_int), ("sysv", ctypes.c_int), ("shmid", ctypes.c_int)]
+
+
+class _ShmSegment(ctypes.Structure):  # fork_template.h struct dbxcr_shm_segment
+    _fields_ = [("id", ctypes.c_int), ("key", ctypes.c_int), ("mode", ctypes.c_uint),
+                ("uid", ctypes.c_uint), ("gid", ctypes.c_uint), ("nattch", ctypes.c_int),
+                ("size", ctypes.c_ulonglong), ("fd", ctypes.c_int), ("removed", ctypes.c_int)]
 
 
 class _IpcObjects(ctypes.Structure):  # fork_template.h struct dbxcr_ipc_objects
@@ -285,6 +291,15 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_held_zombie.restype = ctypes.c_int
         lib.dbxcr_ipcns_mqueue_dir.argtypes = [ctypes.c_int, err]
         lib.dbxcr_ipcns_mqueue_dir.restype = ctypes.c_int
+        lib.dbxcr_ipcns_shm_list.argtypes = [ctypes.c_int, ctypes.POINTER(_ShmSegment),
+                                             ctypes.c_size_t,
+                                             ctypes.POINTER(ctypes.c_size_t), err]
+        lib.dbxcr_ipcns_shm_list.restype = ctypes.c_int
+        lib.dbxcr_ipcns_shm_make.argtypes = [ctypes.c_int, ctypes.POINTER(_ShmSegment),
+                                             ctypes.c_size_t, err]
+        lib.dbxcr_ipcns_shm_make.restype = ctypes.c_int
+        lib.dbxcr_ipcns_shm_modes.argtypes = lib.dbxcr_ipcns_shm_make.argtypes
+        lib.dbxcr_ipcns_shm_modes.restype = ctypes.c_int
         lib.dbxcr_held_set_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls), err]
         lib.dbxcr_held_set_prctls.restype = ctypes.c_int
         lib.dbxcr_held_install_fd.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
@@ -485,13 +500,15 @@ class Remap:
     src at offset (the template's is the original's own object); `private`: a private
     mapping of a file written in place since the checkpoint, mapped again from src (the
     restored tree's file) with the pages the original had written copied from the
-    template (cr/private_maps.py)."""
+    template (cr/private_maps.py). `shmid` >= 0: attach that System V segment of the
+    child's IPC namespace over it instead (src unused: cr/sysv_shm.py)."""
     start: int
     end: int
     prot: int
     src: int
     offset: int = 0
     private: bool = False
+    shmid: int = -1
 
 
 @dataclass(frozen=True)
@@ -699,7 +716,8 @@ class Template:
               for e, arr in zip(epolls, watch_arrays)])
         rms = list(remaps)
         crms = (_Remap * max(1, len(rms)))(
-            *[_Remap(m.start, m.end, m.prot, m.src, m.offset, int(m.private)) for m in rms])
+            *[_Remap(m.start, m.end, m.prot, m.src, m.offset, int(m.private),
+                     int(m.shmid >= 0), m.shmid) for m in rms])
         lks = list(locks)
         clks = (_Lock * max(1, len(lks)))(*[_Lock(k.fd, k.kind, k.type, k.start, k.len)
                                              for k in lks])
@@ -1591,18 +1609,16 @@ class IpcObjects:
 
     @property
     def unheld(self) -> bool:
-        """Whether some exist that no process holds (a process attached to a segment
-        has it among its mappings: capture refuses it by that process). A POSIX queue
-        counts whether open or not: its messages are the namespace's either way."""
-        return bool(self.sem_sets or self.msg_queues or self.shm_detached or
-                    self.posix_queues)
+        """Whether some exist that a checkpoint does not capture: any but shared memory
+        segments (cr/sysv_shm.py). A POSIX queue counts whether open or not: its messages
+        are the namespace's either way."""
+        return bool(self.sem_sets or self.msg_queues or self.posix_queues)
 
     def describe_unheld(self) -> str:
         """Those, e.g. "System V IPC objects (1 semaphore set; `ipcs` lists them) and
         2 POSIX message queues (/a, /b)"."""
         sysv = [f"{n} {what}{'s' if n > 1 else ''}" for n, what in (
-            (self.sem_sets, "semaphore set"), (self.msg_queues, "message queue"),
-            (self.shm_detached, "shared memory segment no process attached")) if n]
+            (self.sem_sets, "semaphore set"), (self.msg_queues, "message queue")) if n]
         parts = [f"System V IPC objects ({', '.join(sysv)}; `ipcs` lists them)"] if sysv else []
         if self.posix_queues:
             s = "s" if self.posix_queues > 1 else ""
@@ -1624,10 +1640,11 @@ def mqueue_dir(ipcns_fd: int) -> int:
     return fd
 
 
-def ipc_objects(ipcns_fd: int, mq_dir: int, clear: bool = False) -> IpcObjects:
+def ipc_objects(ipcns_fd: int, mq_dir: int, clear: bool = False,
+                keep_shm: bool = False) -> IpcObjects:
     """The System V IPC objects and POSIX message queues of the IPC namespace `ipcns_fd`
     (native/ipcns.c), the queues listed in `mq_dir` (mqueue_dir's); with `clear`, removed
-    first (what is left). Called with the GIL held (ctypes.PyDLL): the call takes ~40 us
+    first (what is left), but for the shared memory segments with `keep_shm`. Called with the GIL held (ctypes.PyDLL): the call takes ~40 us
     here warm (a thread made to join the namespace; the listing ~15 of them),
     while taking the GIL back after a releasing call waits for the daemon's other threads
     (0.1-0.2 ms measured in the daemon)."""
@@ -1640,7 +1657,7 @@ def ipc_objects(ipcns_fd: int, mq_dir: int, clear: bool = False) -> IpcObjects:
         fn.restype = ctypes.c_int
         _ipcns_objects = fn
     out, err = _IpcObjects(), _Err()
-    if _ipcns_objects(ipcns_fd, int(clear), mq_dir, ctypes.byref(out),
+    if _ipcns_objects(ipcns_fd, (2 if keep_shm else 1) if clear else 0, mq_dir, ctypes.byref(out),
                       ctypes.byref(err)) < 0:
         _raise(err)
     names = out.posix_names.decode(errors="replace")
@@ -1648,6 +1665,57 @@ def ipc_objects(ipcns_fd: int, mq_dir: int, clear: bool = False) -> IpcObjects:
         names = ", ".join(sorted(names.split(", ")))
     return IpcObjects(out.sem_sets, out.msg_queues, out.shm_segments, out.shm_detached,
                       out.posix_queues, names)
+
+
+@dataclass
+class ShmSegment:
+    """A System V shared memory segment of an IPC namespace (native/ipcns.c). `fd`: from
+    shm_segments, a read-only descriptor of its memory (the caller's to close); for
+    make_shm_segments, its content (-1: zeros)."""
+    id: int
+    key: int
+    mode: int       # shm_perm.mode: permission bits, SHM_DEST, SHM_LOCKED
+    uid: int
+    gid: int
+    size: int
+    nattch: int = 0
+    fd: int = -1
+
+
+SHM_SEGMENTS_MAX = 256   # captured per namespace (the kernel's default limit is 4096)
+
+
+def shm_segments(ipcns_fd: int) -> list[ShmSegment]:
+    """The System V shared memory segments of the IPC namespace `ipcns_fd` (a pidfd of a
+    process in it), each with a descriptor of its memory."""
+    out = (_ShmSegment * SHM_SEGMENTS_MAX)()
+    n, err = ctypes.c_size_t(), _Err()
+    if _load().dbxcr_ipcns_shm_list(ipcns_fd, out, SHM_SEGMENTS_MAX, ctypes.byref(n),
+                                    ctypes.byref(err)) < 0:
+        _raise(err)
+    return [ShmSegment(s.id, s.key, s.mode, s.uid, s.gid, s.size, s.nattch, s.fd)
+            for s in out[:n.value]]
+
+
+def make_shm_segments(ipcns_fd: int, segments: Sequence[ShmSegment]) -> list[int]:
+    """Make the IPC namespace's segments exactly `segments` (any other removed), each with
+    its id, owner, mode and content: the ids of those found there removed (IPC_RMID) but
+    still attached, which keep their id but not their key."""
+    arr = (_ShmSegment * max(1, len(segments)))(
+        *[_ShmSegment(s.id, s.key, s.mode, s.uid, s.gid, 0, s.size, s.fd) for s in segments])
+    err = _Err()
+    if _load().dbxcr_ipcns_shm_make(ipcns_fd, arr, len(segments), ctypes.byref(err)) < 0:
+        _raise(err)
+    return [s.id for s in arr[:len(segments)] if s.removed]
+
+
+def shm_segment_modes(ipcns_fd: int, segments: Sequence[ShmSegment]) -> None:
+    """Give the segments made by make_shm_segments (open to all until then) their modes."""
+    arr = (_ShmSegment * max(1, len(segments)))(
+        *[_ShmSegment(s.id, s.key, s.mode, s.uid, s.gid, 0, s.size, -1) for s in segments])
+    err = _Err()
+    if _load().dbxcr_ipcns_shm_modes(ipcns_fd, arr, len(segments), ctypes.byref(err)) < 0:
+        _raise(err)
 
 
 def fds(pid: int) -> list[FdInfo]:

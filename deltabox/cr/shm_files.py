@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from . import native
 from .capture import ProcessRecord, Refusal, in_dev_shm
-from .unlinked import MAX_BYTES, fill
+from .unlinked import MAX_BYTES, copy_data, data_bytes
 
 
 @dataclass
@@ -125,12 +125,12 @@ def _copy(pid: int, path: str) -> ShmFile | str:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return "not a regular file"
-        if st.st_size > MAX_BYTES:
-            return (f"{st.st_size} bytes of /dev/shm (more than {MAX_BYTES >> 20} MiB are "
+        if (n := data_bytes(fd, st.st_size)) > MAX_BYTES:
+            return (f"{n} bytes written in /dev/shm (more than {MAX_BYTES >> 20} MiB are "
                     "not copied at a checkpoint)")
         saved = os.memfd_create("dbx-shm", os.MFD_CLOEXEC)
         try:
-            fill(saved, fd, st.st_size)
+            copy_data(saved, fd, st.st_size)
         except BaseException:
             os.close(saved)
             raise
@@ -146,7 +146,7 @@ def make(f: ShmFile, mntns_fd: int) -> int:
     assert f.saved is not None
     fd = native.mntns_open(mntns_fd, f.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, f.mode)
     try:
-        fill(fd, f.saved, f.size)
+        copy_data(fd, f.saved, f.size)
         os.fchown(fd, f.uid, f.gid)
         os.fchmod(fd, f.mode)
     except BaseException:

@@ -28,7 +28,7 @@ from pathlib import Path
 import trio
 
 from ..cr import (adoption, creds, eventloop, fifos, native, pidfds, pipebuf, private_maps, ptys,
-                  shared_files, shm_files, taskattrs, unlinked)
+                  shared_files, shm_files, sysv_shm, taskattrs, unlinked)
 from ..cr.capture import ProcessRecord, SharedMapping, in_dev_shm
 from ..cr.taskattrs import TaskAttrs
 from ..cr.engine import (DeltaCR, PipeEnd, PipeGroup, ProcessState, lone_leaders, rebuilt_as,
@@ -385,12 +385,14 @@ class Dumps:
             named_pipes.append(dict(dataclasses.asdict(f), saved=saved))
         files = _write_copies(tmp, "unlinked", state.unlinked)
         shm = _write_copies(tmp, "shm", state.shm_files)
-        total += sum(x.size for x in [*state.unlinked, *state.shm_files])
+        segments = _write_copies(tmp, "sysv", state.sysv_shm)
+        total += sum(x.size for x in [*state.unlinked, *state.shm_files, *state.sysv_shm])
         meta = dict(version=1, records=[_rec_json(r) for r in state.records], pipes=pipes,
                     sessions=state.sessions, session_states=state.session_states,
                     unlinked=files,
                     shared_files=[dataclasses.asdict(s) for s in state.shared_files],
-                    shm_files=shm, fifos=named_pipes, ptys=[p.to_json() for p in state.ptys])
+                    shm_files=shm, fifos=named_pipes, ptys=[p.to_json() for p in state.ptys],
+                    sysv_shm=segments)
         raw = json.dumps(meta).encode()
         with open(tmp / "state.json", "wb") as f:
             f.write(raw)
@@ -424,6 +426,7 @@ class Dumps:
         files: list[unlinked.UnlinkedFile] = []
         shm: list[shm_files.ShmFile] = []
         named_pipes: list[fifos.Fifo] = []
+        segments: list[sysv_shm.Segment] = []
         # The rebuilt templates map root_dir's files as they are now (the checkpoint's):
         # a later write in place there is looked for at each restore (cr/private_maps.py).
         captured_ns = time.time_ns()
@@ -447,9 +450,11 @@ class Dumps:
                     pg.saved = pipebuf.refill((d / g["saved"]).read_bytes())
                 pipes[pg.inode] = pg
             for f in meta.get("unlinked", []):
-                files.append(_unlinked_from(f, (d / f["saved"]).read_bytes()))
+                files.append(_unlinked_from(f, d))
             for f in meta.get("shm_files", []):
-                shm.append(_shm_from(f, (d / f["saved"]).read_bytes()))
+                shm.append(_shm_from(f, d))
+            for f in meta.get("sysv_shm", []):
+                segments.append(_segment_from(f, d))
             for f in meta.get("fifos", []):
                 named_pipes.append(_fifo_from(f, d))
         except BaseException:
@@ -460,6 +465,7 @@ class Dumps:
                 unlinked.close_saved(files)
                 shm_files.close_saved(shm)
                 fifos.close_saved(named_pipes)
+                sysv_shm.close_saved(segments)
             raise
         # Its processes' images serve the restores that adopt children (cr/adoption.py).
         images = adoption.Images(given={r.pid: str(d / str(r.nspid)) for r in records})
@@ -469,7 +475,8 @@ class Dumps:
                             shared_files=[_shared_from(s) for s in meta.get("shared_files", [])],
                             shm_files=shm, fifos=named_pipes, images=images,
                             captured_ns=captured_ns,
-                            ptys=[ptys.Pty.from_json(p) for p in meta.get("ptys", [])])
+                            ptys=[ptys.Pty.from_json(p) for p in meta.get("ptys", [])],
+                            sysv_shm=segments)
 
 
 async def _skip_pids(host_pid: int, last: int) -> None:
@@ -566,38 +573,54 @@ def _write_unread(tmp: Path, name: str, saved: int | None) -> tuple[str | None, 
 
 def _write_copies(tmp: Path, kind: str, objects: list) -> list[dict]:
     """Each object's content copy (its memfd, `saved`) written beside the state as
-    KIND-I.data: their metadata, naming that file."""
+    KIND-I.data, sparse as the copy is: their metadata, naming that file."""
     out = []
     for i, x in enumerate(objects):
         assert x.saved is not None
         name = f"{kind}-{i}.data"
-        (tmp / name).write_bytes(os.pread(x.saved, x.size, 0))
+        fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            unlinked.copy_data(fd, x.saved, x.size)
+        finally:
+            os.close(fd)
         out.append(dict(dataclasses.asdict(x), saved=name))
     return out
 
 
-def _memfd_of(f: dict, data: bytes) -> int:
+def _memfd_of(f: dict, d: Path) -> int:
     """A memfd holding a copy read back from a dump (checked against its size)."""
-    if len(data) != f["size"]:
-        raise native.ImageCorrupt(74, f"{f['saved']}: {len(data)} bytes, the dump says "
-                                  f"{f['size']}")
-    fd = os.memfd_create("dbx-" + f["saved"].split("-")[0], os.MFD_CLOEXEC)
+    src = os.open(d / f["saved"], os.O_RDONLY | os.O_CLOEXEC)
     try:
-        os.write(fd, data)  # a memfd takes it whole
-    except BaseException:
-        os.close(fd)
-        raise
+        if (n := os.fstat(src).st_size) != f["size"]:
+            raise native.ImageCorrupt(74, f"{f['saved']}: {n} bytes, the dump says "
+                                      f"{f['size']}")
+        fd = os.memfd_create("dbx-" + f["saved"].split("-")[0], os.MFD_CLOEXEC)
+        try:
+            unlinked.copy_data(fd, src, n)
+        except BaseException:
+            os.close(fd)
+            raise
+    finally:
+        os.close(src)
     return fd
 
 
-def _shm_from(f: dict, data: bytes) -> shm_files.ShmFile:
+def _shm_from(f: dict, d: Path) -> shm_files.ShmFile:
     """A /dev/shm file of a dump, its content back in a memfd."""
     s = shm_files.ShmFile(f["path"], f["mode"], f["uid"], f["gid"], f["size"])
-    s.saved = _memfd_of(f, data)
+    s.saved = _memfd_of(f, d)
     return s
 
 
-def _unlinked_from(f: dict, data: bytes) -> unlinked.UnlinkedFile:
+def _segment_from(f: dict, d: Path) -> sysv_shm.Segment:
+    """A System V segment of a dump, its content back in a memfd."""
+    s = sysv_shm.Segment(f["id"], f["key"], f["mode"], f["uid"], f["gid"], f["size"],
+                         attached=[sysv_shm.Attachment(**a) for a in f["attached"]])
+    s.saved = _memfd_of(f, d)
+    return s
+
+
+def _unlinked_from(f: dict, d: Path) -> unlinked.UnlinkedFile:
     """A deleted-but-open file of a dump, its content back in a memfd."""
     u = unlinked.UnlinkedFile(f["path"], f["mode"], f["uid"], f["gid"], f["size"],
                               [unlinked.Description(x["flags"], x["pos"],
@@ -605,7 +628,7 @@ def _unlinked_from(f: dict, data: bytes) -> unlinked.UnlinkedFile:
                                for x in f["descriptions"]],
                               maps=[unlinked.MapHolder(**m) for m in f.get("maps", [])],
                               memory=f.get("memory", False), seals=f.get("seals", 0))
-    u.saved = _memfd_of(f, data)
+    u.saved = _memfd_of(f, d)
     return u
 
 

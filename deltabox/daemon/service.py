@@ -1533,11 +1533,15 @@ class Daemon:
     def _timed(self, live: Live, key: str | None) -> ProcessRecord | None:
         """A process of checkpoint `key` (held here or by an ancestor) with a timer armed
         at that checkpoint (ProcessRecord.running_timer)."""
+        state = self._held_state(live, key)
+        return next((r for r in state.records if r.running_timer), None) if state else None
+
+    def _held_state(self, live: Live, key: str | None) -> ProcessState | None:
+        """The processes captured at checkpoint `key`, held here or by an ancestor."""
         if key is None:
             return None
         holder = live if key in live.captured else self._ancestor_holding(live, key)
-        state = holder.captured.get(key) if holder is not None else None
-        return next((r for r in state.records if r.running_timer), None) if state else None
+        return holder.captured.get(key) if holder is not None else None
 
     def _procs_available(self, live: Live, key: str) -> bool:
         """Whether the processes captured at checkpoint `key` can be restored here."""
@@ -1697,7 +1701,8 @@ class Daemon:
                         layers=live.rt.generation.layers if live.rt.generation else (),
                         later=later, scope=row.id,
                         session_ttys={n: fd for n, sess in live.sessions.items()
-                                      if (fd := sess.master_fd()) is not None})
+                                      if (fd := sess.master_fd()) is not None},
+                        ipcns=live.rt.pidfd, ipc_maybe=live.ipc_seen)
                     if later:
                         await self._room_for_templates(live, row, state)
                     else:
@@ -1946,11 +1951,14 @@ class Daemon:
             old_sessions, live.sessions = live.sessions, {}
             pre, taken = None, pre  # the restore owns it now
             if cp.procs_of is not None:
-                # Its capture found no System V IPC object or POSIX message queue
-                # (_refuse_ipc_objects): those made since go before anything runs again,
-                # looked for only if some may have been (a look costs ~0.25 ms).
+                # Its capture found no System V IPC object or POSIX message queue but
+                # shared memory segments (_refuse_ipc_objects), which the restore makes
+                # again: those made since go before anything runs again, looked for only
+                # if some may have been (a look costs ~0.25 ms).
                 if live.ipc_seen or self.turns.may_have_made_ipc(sid):
-                    native.ipc_objects(live.rt.pidfd, _mq_dir(live), clear=True)
+                    held = self._held_state(live, cp.procs_of)
+                    native.ipc_objects(live.rt.pidfd, _mq_dir(live), clear=True,
+                                       keep_shm=held is not None and bool(held.sysv_shm))
                 live.ipc_seen = False
             state, note, resumed = await self._restore_processes(live, cp, new_gen, taken)
         except BaseException:
@@ -2154,7 +2162,8 @@ class Daemon:
                     live.tcp_captured |= state.holds_tcp
                     restored = await self.cr.restore(
                         state, gen.mntfd, gen.rootfd, victims=live.dying, pre=pre,
-                        pid_held=functools.partial(self._pid_held, live))
+                        pid_held=functools.partial(self._pid_held, live),
+                        ipcns=live.rt.pidfd)
                 finally:
                     if pre is not None:  # born by the restore, or killed by it
                         live.prespawned -= pre.spawned
@@ -2167,12 +2176,16 @@ class Daemon:
             else:
                 await self._victims_gone(live)  # the killed originals' pids must be free
                 restored = await self._restore_into(live, state, fresh=fresh)
+            if state.sysv_shm:   # made again: the next checkpoint looks at them
+                live.ipc_seen = True
         except Exception as e:
             log.error("rollback %s: restoring processes failed: %s", cp.id, e)
             return "restarted", f"restoring the processes failed ({e}); sessions restart", {}
         if restored.renumbered:
             note += (f"; pid {', '.join(map(str, restored.renumbered))} was in use as another "
                      "checkpoint's process group or session id: restored with a new pid")
+        if restored.note:
+            note += f"; {restored.note}"
         return "restored", _with(note, state.orphans), stopped_calls(state, restored)
 
     async def _restore_from_disk(self, live: Live, cp: CheckpointRow, key: str,
@@ -2800,22 +2813,23 @@ def _may_have_made_ipc(effects: TurnEffects | None) -> bool:
 
 def _refuse_ipc_objects(live: Live) -> None:
     """A full checkpoint is refused while the sandbox's IPC namespace holds System V
-    objects or POSIX message queues (native/ipcns.c): they belong to the namespace, not to
-    a process, and are not captured, so a rollback would keep their later values and a
-    fork's children (a namespace of their own) would not have them. Looked at only when an
+    semaphores or message queues, or POSIX message queues (native/ipcns.c): they belong to
+    the namespace, not to a process, and are not captured, so a rollback would keep their
+    later values and a fork's children (a namespace of their own) would not have them.
+    Shared memory segments are captured (cr/sysv_shm.py). Looked at only when an
     IPC call may have happened since the namespace was last found empty (Live.ipc_seen;
     the call costs ~0.1 ms in the daemon, a thread joining the namespace and the GIL
     back)."""
     if not live.ipc_seen:
         return
     objects = native.ipc_objects(live.rt.pidfd, _mq_dir(live))
-    if objects.unheld:   # a segment a process attached is refused by that process
+    if objects.unheld:   # shared memory segments are captured (cr/sysv_shm.py)
         raise FailedPrecondition(
             f"cannot capture the sandbox's processes faithfully: its IPC namespace holds "
             f"{objects.describe_unheld()}, which belong to the namespace rather than to a "
             "process and are not captured. Remove them (`ipcrm`; a POSIX queue: "
             "mq_unlink), or checkpoint with mode=\"fs\" (files only)")
-    live.ipc_seen = False
+    live.ipc_seen = objects.shm_segments > 0   # captured: looked at every time
 
 
 def _mq_dir(live: Live) -> int:

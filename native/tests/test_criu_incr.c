@@ -753,8 +753,8 @@ static void test_held_adopt(const char *base, bool live)
 	}
 	{
 		struct dbxcr_fdmap m[2] = { { a[0], 0, 0 }, { b[1], 1, 0 } };
-		struct dbxcr_remap r = { mem + 64 * 4096, mem + 128 * 4096,
-					 PROT_READ | PROT_WRITE, shm, 0, 0 };
+		struct dbxcr_remap r = { .start = mem + 64 * 4096, .end = mem + 128 * 4096,
+					 .prot = PROT_READ | PROT_WRITE, .src = shm };
 		struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1,
 					      .fds = m, .nfds = 2, .remaps = &r, .nremaps = 1 };
 

@@ -876,8 +876,9 @@ static void test_shared_remap(void)
 		abort();
 	fds[0] = (struct dbxcr_fdmap){ cmd[0], CMD_FD, 0 };
 	fds[1] = (struct dbxcr_fdmap){ rep[1], REP_FD, 0 };
-	rm = (struct dbxcr_remap){ (unsigned long)shm_page, (unsigned long)shm_page + 4096,
-				   PROT_READ | PROT_WRITE, saved, 0, 0 };
+	rm = (struct dbxcr_remap){ .start = (unsigned long)shm_page,
+				   .end = (unsigned long)shm_page + 4096,
+				   .prot = PROT_READ | PROT_WRITE, .src = saved };
 	o.mntns_fd = -1;
 	o.fds = fds;
 	o.nfds = 2;
@@ -970,8 +971,9 @@ static void test_private_remap(void)
 	if (saved < 0)
 		abort();
 	fill_pages(saved, 'A', 'B');
-	rm = (struct dbxcr_remap){ (unsigned long)priv_pages, (unsigned long)priv_pages + 8192,
-				   PROT_READ | PROT_WRITE, saved, 0, 1 };
+	rm = (struct dbxcr_remap){ .start = (unsigned long)priv_pages,
+				   .end = (unsigned long)priv_pages + 8192,
+				   .prot = PROT_READ | PROT_WRITE, .src = saved, .private_map = 1 };
 	o.mntns_fd = -1;
 	o.remaps = &rm;
 	o.nremaps = 1;
