@@ -13,7 +13,8 @@
  *     swapped page.  Private file VMAs: only present pages that are not page-cache pages
  *     (PM_FILE clear: the copy-on-write anonymous copies), so text and read-only data
  *     come back from the file.  Shared file VMAs: nothing (the file is the content).
- *     Shared anonymous memory (/dev/zero, memfd, deleted files): every page, restored as a
+ *     Shared anonymous memory (/dev/zero, memfd, deleted files): every page holding data
+ *     in the object (its holes, never written, are zeros: data_segments), restored as a
  *     fresh anonymous mapping of the same kind (its sharing with other processes, and
  *     its content, are the daemon's: the template's pages are the live process's later
  *     writes, so every child gets the daemon's copy mapped over it: dbxcr_remap).
@@ -1349,12 +1350,56 @@ static int add_seg(struct buf *b, uint64_t s, uint64_t e)
 /* Cleared once if the kernel lacks PAGEMAP_SCAN; dumps may finish on several threads. */
 static _Atomic bool scan_works = true;
 
+/* The pages of a shared VMA_WHOLE mapping (shared memory: /dev/zero, a memfd, a /dev/shm
+ * file, a System V segment) that hold data in its object: the object's holes, pages no
+ * process ever wrote, read as zeros, as the restore's fresh mapping does.  Reading them
+ * through the mapping would allocate them, in the live process's own object (the
+ * template shares it): 160 MiB of PostgreSQL-like shared buffers of which 2 were written
+ * would be 160 resident after a dump.  The object is found through /proc/PID/map_files
+ * (its range as maps shows it); 1 when it cannot be (the caller stores every page). */
+static int data_segments(pid_t pid, const struct vma *v, struct buf *segs,
+			 struct dbxcr_error *err)
+{
+	char path[96];
+	off_t base = (off_t)(v->pgoff * PAGE), end = base + (off_t)(v->end - v->start);
+	off_t at = base;
+	int fd;
+
+	snprintf(path, sizeof(path), "/proc/%d/map_files/%llx-%llx", (int)pid,
+		 (unsigned long long)v->start, (unsigned long long)v->end);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return 1;
+	while (at < end) {
+		off_t data = lseek(fd, at, SEEK_DATA), hole;
+
+		if (data < 0 || data >= end)
+			break;	/* ENXIO: holes to the end (any other error: same, harmless) */
+		hole = lseek(fd, data, SEEK_HOLE);
+		if (hole < 0 || hole > end)
+			hole = end;
+		data &= ~(off_t)(PAGE - 1);
+		if (add_seg(segs, v->start + (uint64_t)(data - base),
+			    v->start + (uint64_t)(hole - base + PAGE - 1) / PAGE * PAGE) < 0) {
+			close(fd);
+			return fail(err, ENOMEM, pid, "allocate");
+		}
+		at = hole;
+	}
+	close(fd);
+	return 0;
+}
+
 static int vma_segments(pid_t pid, int pmfd, const struct vma *v, struct buf *segs,
 			struct dbxcr_error *err)
 {
 	bool file = v->flags & VMA_FILE;
+	int rc;
 
 	segs->len = 0;
+	if ((v->flags & (VMA_WHOLE | VMA_SHARED)) == (VMA_WHOLE | VMA_SHARED) &&
+	    (rc = data_segments(pid, v, segs, err)) <= 0)
+		return rc;
 	if (v->flags & VMA_WHOLE)
 		return add_seg(segs, v->start, v->end) < 0 ? fail(err, ENOMEM, pid, "allocate") : 0;
 	if (scan_works) {

@@ -497,7 +497,7 @@ static int make_segment(struct shm_job *j, struct dbxcr_shm_segment *s)
 		j->step = "a segment of another size holds its id";
 		return -1;
 	}
-	s->removed = (d.shm_perm.mode & SHM_DEST) || d.shm_perm.__key != s->key;
+	s->removed = (d.shm_perm.mode & SHM_DEST) && !(s->mode & SHM_DEST);
 	j->step = "shmctl IPC_SET (owner and mode)";
 	d.shm_perm.uid = s->uid;
 	d.shm_perm.gid = s->gid;
@@ -556,18 +556,33 @@ static void shm_make(struct shm_job *j)
 	}
 }
 
-/* The segments' own modes, once every restored process has attached them. */
+/* A segment's own mode, once every restored process has attached it; one the checkpoint
+ * found removed while attached (SHM_DEST: keyless, gone at its last detach) removed
+ * again, now that its processes hold it. */
+static int settle_segment(struct shm_job *j, const struct dbxcr_shm_segment *s)
+{
+	struct shmid_ds d;
+
+	j->step = "shmctl IPC_SET (its mode)";
+	if (shmctl(s->id, IPC_STAT, &d) < 0)
+		return -1;
+	bool removed = d.shm_perm.mode & SHM_DEST;
+
+	d.shm_perm.mode = s->mode & 0777;
+	if (shmctl(s->id, IPC_SET, &d) < 0)
+		return -1;
+	j->step = "shmctl IPC_RMID (removed at the checkpoint)";
+	if ((s->mode & SHM_DEST) && !removed && shmctl(s->id, IPC_RMID, NULL) < 0)
+		return -1;
+	return 0;
+}
+
 static void shm_modes(struct shm_job *j)
 {
 	for (size_t i = 0; i < j->n; i++) {
-		struct dbxcr_shm_segment *s = &j->inout[i];
-		struct shmid_ds d;
-
-		if (shmctl(s->id, IPC_STAT, &d) < 0 || (d.shm_perm.mode = s->mode & 0777,
-							shmctl(s->id, IPC_SET, &d) < 0)) {
+		if (settle_segment(j, &j->inout[i]) < 0) {
 			j->code = errno;
-			j->step = "shmctl IPC_SET (its mode)";
-			j->id = s->id;
+			j->id = j->inout[i].id;
 			return;
 		}
 	}

@@ -25,6 +25,9 @@ command -v tmux >/dev/null || need+=(tmux)
 command -v vim >/dev/null || need+=(vim)
 # ... nginx (a root master whose workers run as nobody, all in its session; its pid file)
 command -v nginx >/dev/null || need+=(nginx-light)
+# ... PostgreSQL (a System V segment, 148 MiB of shared buffers, its own user); the
+# package's own cluster is not made (nothing of it runs on the host)
+ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || need+=(postgresql)
 # ... and a JVM (its NIO socket whose peer it closed, a few dozen threads).
 command -v javac >/dev/null || need+=(default-jdk-headless)
 if [ ${#need[@]} -eq 0 ]; then bcc; exit 0; fi
@@ -32,6 +35,10 @@ if [ "$(id -u)" != 0 ]; then
   echo "install-deps: need root to install ${need[*]} (apt-get)" >&2; exit 1
 fi
 export DEBIAN_FRONTEND=noninteractive
+if [[ " ${need[*]} " == *" postgresql "* ]]; then
+  mkdir -p /etc/postgresql-common/createcluster.d
+  echo "create_main_cluster = false" > /etc/postgresql-common/createcluster.d/deltabox.conf
+fi
 apt-get install -y -q "${need[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null; apt-get install -y -q "${need[@]}" >/dev/null; }
 echo "install-deps: installed ${need[*]}"
 bcc

@@ -11,20 +11,25 @@ At the checkpoint (every process stopped) each segment of the namespace, attache
 is copied into a memfd of the daemon (its pages never written are not: the copy is
 sparse, and at most unlinked.MAX_BYTES of written pages per segment), with its id, key,
 owner and mode. A restore, before any process is born, makes the target namespace's
-segments exactly those (a rollback removes the live ones first; a fork's namespace starts
-empty): each with its id (through the namespace's kernel.shm_next_id), key, owner, mode,
-SHM_LOCK and content; then every restored process attaches it where the original had it,
-over the template's attachment (shmat SHM_REMAP, native/fork_template.c), read-only or
-executable as it was. A segment already there with the id is given the content rather
-than made: in a rollback it is the checkpoint's own (the kernel keeps an attached
-segment's id until its last detach, and the templates keep it attached). Until every
-restored process has attached it, a segment's mode lets all attach it (a restored
-process attaches it before its credentials are given back; native/ipcns.c). Refused by the process: an attachment covering part of its segment
-(a partial munmap or mprotect), one without read access, one of a segment removed
-(IPC_RMID) while attached (no id to make it again with), a huge-page segment. Not kept:
-the creator's ids (cuid, cgid: root's), the creator's and last pids, the times
-(attach, detach, change), and the attach count, which the templates' attachments raise
-(a template is a stopped copy of the process: `ipcs -m` counts it).
+segments exactly those (others removed): each with its id (through the namespace's
+kernel.shm_next_id), key, owner, mode, SHM_LOCK and content; then every restored process
+attaches it where the original had it, over the template's attachment (shmat SHM_REMAP,
+native/fork_template.c), read-only or executable as it was. A segment already there with
+the id is given the content rather than made: in a rollback it is the checkpoint's own
+(the kernel keeps an attached segment's id until its last detach, and the templates keep
+it attached). Until every restored process has attached it, a segment's mode lets all
+attach it (a restored process attaches it before its credentials are given back:
+native/ipcns.c); then it gets its own mode (settle). A segment removed (IPC_RMID) while
+attached, keyless until its last detach, comes back removed.
+
+Refused by the process: an attachment covering part of its segment (a partial munmap or
+mprotect), one without read access, one of another IPC namespace than the sandbox's, a
+huge-page segment. What a rollback cannot make as it was: a segment removed since the
+checkpoint (the checkpoint's templates keep it attached, so its id stays taken and it
+stays removed: the rollback's note says so; a fork makes it whole). Not kept: the
+creator's ids (cuid, cgid: root's), the creator's and last pids, the times (attach,
+detach, change), and the attach count, which the templates' attachments raise (a
+template is a stopped copy of the process: `ipcs -m` counts it).
 """
 
 from __future__ import annotations
@@ -126,8 +131,8 @@ def _attach(records: list[ProcessRecord], by_id: dict[int, Segment]) -> list[Ref
 def _attachment_refusal(start: int, end: int, offset: int, prot: int,
                         seg: Segment | None) -> str | None:
     if seg is None:
-        return ("removed (IPC_RMID) while attached: no id to make it again with, not "
-                "captured; checkpoint before removing it, or once detached")
+        return ("not a segment of the sandbox's IPC namespace (the process is in one of "
+                "its own: `unshare --ipc`): not captured")
     whole = -(-seg.size // _PAGE) * _PAGE
     if offset or end - start != whole:
         return (f"{end - start} of its {whole} bytes mapped there (part unmapped or "
@@ -175,7 +180,8 @@ def make(ipcns_fd: int, segments: list[Segment]) -> str:
 
 def settle(ipcns_fd: int, segments: list[Segment]) -> None:
     """Once every restored process has attached its segments: their own modes back (make
-    leaves them open to all: a process attaches before it has its credentials back)."""
+    leaves them open to all: a process attaches before it has its credentials back), and
+    those removed at the checkpoint removed again."""
     native.shm_segment_modes(ipcns_fd, [
         native.ShmSegment(s.id, s.key, s.mode, s.uid, s.gid, s.size) for s in segments])
 

@@ -145,6 +145,9 @@ class Live:
     # System V IPC objects may exist in its namespace: no check found it empty since the
     # inspector last saw an IPC call or missed part of a turn (_refuse_ipc_objects)
     ipc_seen: bool = True
+    # A rollback's: the IPC objects made since its checkpoint go before its processes
+    # come back (_clear_ipc), those not the checkpoint's shared memory segments
+    ipc_clear: bool = False
     # its IPC namespace's mqueue directory (native.mqueue_dir), opened at the first IPC
     # check and kept: each check lists it with no mount of its own
     mq_dir: int = -1
@@ -1536,6 +1539,15 @@ class Daemon:
         state = self._held_state(live, key)
         return next((r for r in state.records if r.running_timer), None) if state else None
 
+    def _clear_ipc(self, live: Live, state: ProcessState | None) -> None:
+        """A rollback's IPC objects made since its checkpoint, removed before the restore of
+        `state` (its shared memory segments are made again by the restore: sysv_shm), or,
+        with no state, before the processes restart."""
+        if live.ipc_clear:
+            live.ipc_clear = False
+            native.ipc_objects(live.rt.pidfd, _mq_dir(live), clear=True,
+                               keep_shm=state is not None and bool(state.sysv_shm))
+
     def _held_state(self, live: Live, key: str | None) -> ProcessState | None:
         """The processes captured at checkpoint `key`, held here or by an ancestor."""
         if key is None:
@@ -1955,12 +1967,12 @@ class Daemon:
                 # shared memory segments (_refuse_ipc_objects), which the restore makes
                 # again: those made since go before anything runs again, looked for only
                 # if some may have been (a look costs ~0.25 ms).
-                if live.ipc_seen or self.turns.may_have_made_ipc(sid):
-                    held = self._held_state(live, cp.procs_of)
-                    native.ipc_objects(live.rt.pidfd, _mq_dir(live), clear=True,
-                                       keep_shm=held is not None and bool(held.sysv_shm))
+                live.ipc_clear = live.ipc_seen or self.turns.may_have_made_ipc(sid)
                 live.ipc_seen = False
-            state, note, resumed = await self._restore_processes(live, cp, new_gen, taken)
+            try:
+                state, note, resumed = await self._restore_processes(live, cp, new_gen, taken)
+            finally:
+                self._clear_ipc(live, None)   # no restore came to it (processes restarted)
         except BaseException:
             await _close_sessions(old_sessions)
             raise
@@ -2156,6 +2168,7 @@ class Daemon:
         crash_point("rollback.restoring")
         budget.touch(state)
         try:
+            self._clear_ipc(live, state)
             if fresh is None:
                 assert gen is not None
                 try:
