@@ -23,6 +23,7 @@ import pytest
 import deltabox
 from deltabox import Sandbox
 
+from benchmarks import postgres_cr
 from conftest import HELD, OWN_PS, dump_complete, launchers_below, wait_for
 
 Restore = Callable[[Sandbox, deltabox.Checkpoint], Sandbox]
@@ -3529,25 +3530,10 @@ def test_a_system_v_segment_mapped_in_part_is_refused(sbx: Sandbox) -> None:
     assert sbx.checkpoint(mode="fs").kind == "fs"
 
 
-# PostgreSQL's server as its own user, its socket in /workspace/pg, no TCP port. `pg.sh
-# sql "QUERY"` prints the rows (one line each); `pg.sh stop` shuts it down cleanly.
-PG_SH = """
-set -e
-bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
-as_pg() { setpriv --reuid postgres --regid postgres --clear-groups env HOME=/workspace/pg "$@"; }
-case "$1" in
-start)
-  mkdir -p /workspace/pg && chown postgres: /workspace/pg
-  as_pg "$bin/initdb" -D /workspace/pg/data -A trust -N >/dev/null
-  as_pg "$bin/pg_ctl" -D /workspace/pg/data -w -l /workspace/pg/log \\
-    -o "-k /workspace/pg -c listen_addresses=''" start >/dev/null ;;
-sql) as_pg psql -h /workspace/pg -d postgres -tAc "$2" ;;
-stop) as_pg "$bin/pg_ctl" -D /workspace/pg/data -w -m fast stop >/dev/null ;;
-esac
-"""
-
 
 def _pg(box: Sandbox, *args: str) -> str:
+    """benchmarks/postgres_cr.py's pg.sh (start, sql QUERY, stop), its failure shown with the
+    server's log."""
     r = box.exec(["bash", "/workspace/pg.sh", *args], timeout=60)
     assert r.exit_code == 0, (args, r.stdout, r.stderr, box.exec("cat /workspace/pg/log").stdout)
     return r.stdout
@@ -3560,7 +3546,7 @@ def test_postgresql_comes_back(sbx: Sandbox, restore: Restore) -> None:
     new connections served (a backend forked by the restored postmaster), and a clean
     shutdown. Before this stop the checkpoint was refused for the System V segment, then
     for the size of the shared buffers."""
-    sbx.files.write("pg.sh", PG_SH)
+    sbx.files.write("pg.sh", postgres_cr.PG_SH)
     _pg(sbx, "start")
     _pg(sbx, "sql", "create table t (x int); insert into t values (1)")
     # (The postmaster's parent is init; in a fork it is outside the fork's pid namespace.)
