@@ -58,6 +58,7 @@ bench: install
 	$(PY) -m benchmarks.neighbours --quick
 	$(PY) -m benchmarks.process_kinds
 	$(PY) -m benchmarks.notebook --reps 5
+	$(PY) -m benchmarks.postgres_cr --reps 5
 	$(PY) -m benchmarks.swebench.run --quick --out benchmarks/out/swebench
 
 clean:
