@@ -55,11 +55,18 @@ union semun_arg {
 	struct seminfo *info;
 };
 
+/* A call's work, run by a thread of its own once it has joined the namespace. */
 struct ipcns_job {
-	int ipcns_fd, clear, mq_dir, code;
-	bool open_dir;		/* dbxcr_ipcns_mqueue_dir: open mq_dir, count nothing */
+	int ipcns_fd, code;
+	void (*work)(struct ipcns_job *j);
 	const char *step;
+	int id;				/* the shared memory segment the step was at, or -1 */
+	/* count_objects, open_mqueue_dir */
+	int clear, mq_dir;
 	struct dbxcr_ipc_objects out;
+	/* shm_list (segs out), shm_make and shm_modes (segs in, and out: removed) */
+	struct dbxcr_shm_segment *segs;
+	size_t max, n;
 };
 
 enum ipc_kind { IPC_SEM, IPC_MSG, IPC_SHM };
@@ -263,10 +270,8 @@ static void *ipcns_thread(void *arg)
 	if (setns(j->ipcns_fd, CLONE_NEWIPC) < 0) {
 		j->code = errno;
 		j->step = "setns into the IPC namespace";
-	} else if (j->open_dir) {
-		open_mqueue_dir(j);
 	} else {
-		count_objects(j);
+		j->work(j);
 	}
 	return NULL;
 }
@@ -277,6 +282,9 @@ static int run_job(struct ipcns_job *j, struct dbxcr_error *err)
 	clear_error(err);
 	if (on_own_thread(ipcns_thread, j, "join an IPC namespace", err) < 0)
 		return -1;
+	if (j->code && j->id >= 0)
+		return fail(err, j->code, current_tid(), "IPC namespace fd %d: System V shared "
+			    "memory segment %d: %s", j->ipcns_fd, j->id, j->step);
 	if (j->code)
 		return fail(err, j->code, current_tid(), "IPC namespace fd %d: %s", j->ipcns_fd,
 			    j->step);
@@ -285,7 +293,8 @@ static int run_job(struct ipcns_job *j, struct dbxcr_error *err)
 
 int dbxcr_ipcns_mqueue_dir(int ipcns_fd, struct dbxcr_error *err)
 {
-	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .mq_dir = -1, .open_dir = true };
+	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = open_mqueue_dir, .id = -1,
+			       .mq_dir = -1 };
 
 	return run_job(&j, err) < 0 ? -1 : j.mq_dir;
 }
@@ -293,7 +302,8 @@ int dbxcr_ipcns_mqueue_dir(int ipcns_fd, struct dbxcr_error *err)
 int dbxcr_ipcns_objects(int ipcns_fd, int clear, int mq_dir, struct dbxcr_ipc_objects *out,
 			struct dbxcr_error *err)
 {
-	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .clear = clear, .mq_dir = mq_dir };
+	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = count_objects, .id = -1,
+			       .clear = clear, .mq_dir = mq_dir };
 
 	if (run_job(&j, err) < 0)
 		return -1;
@@ -311,16 +321,6 @@ int dbxcr_ipcns_objects(int ipcns_fd, int clear, int mq_dir, struct dbxcr_ipc_ob
  * namespace's kernel.shm_next_id (the next segment made takes it; the kernel resets it
  * to -1), which, like every ipc sysctl, is the opener's IPC namespace's: the thread
  * opens it after joining the namespace. */
-
-struct shm_job {
-	int ipcns_fd, code;
-	const char *step;
-	int id;				/* the segment the step was at, or -1 */
-	struct dbxcr_shm_segment *out;	/* list */
-	struct dbxcr_shm_segment *inout;	/* make */
-	size_t max, n;
-	bool modes_only;		/* make: set the modes, nothing else */
-};
 
 static unsigned long long page_up(unsigned long long n)
 {
@@ -349,7 +349,10 @@ static int segment_fd(int id, unsigned long long size)
 	return fd;
 }
 
-static void shm_list(struct shm_job *j)
+/* Call fn for each segment of the namespace (SHM_STAT_ANY on every index up to the
+ * highest in use), until one returns -1 having said why (j->code, j->step, j->id). */
+static void each_segment(struct ipcns_job *j,
+			 int (*fn)(struct ipcns_job *j, int id, const struct shmid_ds *d))
 {
 	struct shm_info hi;
 	int top = shmctl(0, SHM_INFO, (struct shmid_ds *)&hi);
@@ -362,28 +365,39 @@ static void shm_list(struct shm_job *j)
 	for (int i = 0; i <= top && hi.used_ids; i++) {
 		struct shmid_ds d;
 		int id = shmctl(i, SHM_STAT_ANY, &d);
-		struct dbxcr_shm_segment *s;
 
-		if (id < 0)
-			continue;	/* no segment at this index */
-		if (j->n == j->max) {
-			j->code = ENOSPC;
-			j->step = "more segments than the daemon captures";
+		if (id >= 0 && fn(j, id, &d) < 0)
 			return;
-		}
-		s = &j->out[j->n];
-		*s = (struct dbxcr_shm_segment){ .id = id, .key = d.shm_perm.__key,
-			.mode = d.shm_perm.mode, .uid = d.shm_perm.uid, .gid = d.shm_perm.gid,
-			.nattch = (int)d.shm_nattch, .size = d.shm_segsz };
-		s->fd = segment_fd(id, d.shm_segsz);
-		if (s->fd < 0) {
-			j->code = errno;
-			j->step = "attach the segment to read it";
-			j->id = id;
-			return;
-		}
-		j->n++;
 	}
+}
+
+static int list_segment(struct ipcns_job *j, int id, const struct shmid_ds *d)
+{
+	struct dbxcr_shm_segment *s;
+
+	if (j->n == j->max) {
+		j->code = ENOSPC;
+		j->step = "more segments than the daemon captures";
+		return -1;
+	}
+	s = &j->segs[j->n];
+	*s = (struct dbxcr_shm_segment){ .id = id, .key = d->shm_perm.__key,
+		.mode = d->shm_perm.mode, .uid = d->shm_perm.uid, .gid = d->shm_perm.gid,
+		.nattch = (int)d->shm_nattch, .size = d->shm_segsz };
+	s->fd = segment_fd(id, d->shm_segsz);
+	if (s->fd < 0) {
+		j->code = errno;
+		j->step = "attach the segment to read it";
+		j->id = id;
+		return -1;
+	}
+	j->n++;
+	return 0;
+}
+
+static void shm_list(struct ipcns_job *j)
+{
+	each_segment(j, list_segment);
 }
 
 /* Make the segment's memory fd's first `size` bytes: every page punched out, then fd's
@@ -442,7 +456,7 @@ static int fill_through_attachment(int id, unsigned long long size, int fd)
 }
 
 /* A new segment with s's key, size and id (kernel.shm_next_id). */
-static int create_segment(struct shm_job *j, const struct dbxcr_shm_segment *s)
+static int create_segment(struct ipcns_job *j, const struct dbxcr_shm_segment *s)
 {
 	char id[16];
 	int fd, n, got;
@@ -480,7 +494,7 @@ static int create_segment(struct shm_job *j, const struct dbxcr_shm_segment *s)
 
 /* Make one segment as s has it: the namespace's segment of that id if there is one (see
  * shm_make), else a new one; owner, mode (but RESTORE_MODE), lock and content as s's. */
-static int make_segment(struct shm_job *j, struct dbxcr_shm_segment *s)
+static int make_segment(struct ipcns_job *j, struct dbxcr_shm_segment *s)
 {
 	struct shmid_ds d;
 
@@ -512,45 +526,41 @@ static int make_segment(struct shm_job *j, struct dbxcr_shm_segment *s)
 }
 
 /* Whether id is one of the segments to make. */
-static bool wanted_id(const struct shm_job *j, int id)
+static bool wanted_id(const struct ipcns_job *j, int id)
 {
 	for (size_t i = 0; i < j->n; i++)
-		if (j->inout[i].id == id)
+		if (j->segs[i].id == id)
 			return true;
 	return false;
 }
 
-/* The namespace's segments made exactly j->inout: others removed, and each made with its
+/* A segment the restore does not make (made since the checkpoint) removed; one removed
+ * already, and still attached, goes with its last detach. */
+static int remove_unwanted(struct ipcns_job *j, int id, const struct shmid_ds *d)
+{
+	if (wanted_id(j, id) || (d->shm_perm.mode & SHM_DEST) ||
+	    shmctl(id, IPC_RMID, NULL) == 0 || errno == EINVAL || errno == EIDRM)
+		return 0;
+	j->code = errno;
+	j->step = "remove a segment made since";
+	j->id = id;
+	return -1;
+}
+
+/* The namespace's segments made exactly j->segs: others removed, and each made with its
  * id.  A segment already there with that id is kept and given the content: a rollback's
  * (the templates of the checkpoint keep theirs attached, so it can be no other: the
  * kernel keeps an attached segment's id, even once removed, until its last detach, so a
  * new one could not take it), or another checkpoint's in a fork. */
-static void shm_make(struct shm_job *j)
+static void shm_make(struct ipcns_job *j)
 {
-	struct shm_info hi;
-	int top = shmctl(0, SHM_INFO, (struct shmid_ds *)&hi);
-
-	if (top < 0) {
-		j->code = errno;
-		j->step = "shmctl SHM_INFO";
+	each_segment(j, remove_unwanted);
+	if (j->code)
 		return;
-	}
-	for (int i = 0; i <= top && hi.used_ids; i++) {
-		struct shmid_ds d;
-		int id = shmctl(i, SHM_STAT_ANY, &d);
-
-		if (id >= 0 && !wanted_id(j, id) && !(d.shm_perm.mode & SHM_DEST) &&
-		    shmctl(id, IPC_RMID, NULL) < 0 && errno != EINVAL && errno != EIDRM) {
-			j->code = errno;
-			j->step = "remove a segment made since";
-			j->id = id;
-			return;
-		}
-	}
 	for (size_t i = 0; i < j->n; i++) {
-		if (make_segment(j, &j->inout[i]) < 0) {
+		if (make_segment(j, &j->segs[i]) < 0) {
 			j->code = errno;
-			j->id = j->inout[i].id;
+			j->id = j->segs[i].id;
 			return;
 		}
 	}
@@ -559,7 +569,7 @@ static void shm_make(struct shm_job *j)
 /* A segment's own mode, once every restored process has attached it; one the checkpoint
  * found removed while attached (SHM_DEST: keyless, gone at its last detach) removed
  * again, now that its processes hold it. */
-static int settle_segment(struct shm_job *j, const struct dbxcr_shm_segment *s)
+static int settle_segment(struct ipcns_job *j, const struct dbxcr_shm_segment *s)
 {
 	struct shmid_ds d;
 
@@ -577,53 +587,23 @@ static int settle_segment(struct shm_job *j, const struct dbxcr_shm_segment *s)
 	return 0;
 }
 
-static void shm_modes(struct shm_job *j)
+static void shm_modes(struct ipcns_job *j)
 {
 	for (size_t i = 0; i < j->n; i++) {
-		if (settle_segment(j, &j->inout[i]) < 0) {
+		if (settle_segment(j, &j->segs[i]) < 0) {
 			j->code = errno;
-			j->id = j->inout[i].id;
+			j->id = j->segs[i].id;
 			return;
 		}
 	}
 }
 
-static void *shm_thread(void *arg)
-{
-	struct shm_job *j = arg;
-
-	if (setns(j->ipcns_fd, CLONE_NEWIPC) < 0) {
-		j->code = errno;
-		j->step = "setns into the IPC namespace";
-	} else if (j->out) {
-		shm_list(j);
-	} else if (j->modes_only) {
-		shm_modes(j);
-	} else {
-		shm_make(j);
-	}
-	return NULL;
-}
-
-static int run_shm_job(struct shm_job *j, struct dbxcr_error *err)
-{
-	clear_error(err);
-	if (on_own_thread(shm_thread, j, "join an IPC namespace", err) < 0)
-		return -1;
-	if (j->code && j->id >= 0)
-		return fail(err, j->code, current_tid(), "IPC namespace fd %d: System V shared "
-			    "memory segment %d: %s", j->ipcns_fd, j->id, j->step);
-	if (j->code)
-		return fail(err, j->code, current_tid(), "IPC namespace fd %d: %s", j->ipcns_fd,
-			    j->step);
-	return 0;
-}
-
 int dbxcr_ipcns_shm_list(int ipcns_fd, struct dbxcr_shm_segment *out, size_t max,
 			 size_t *n, struct dbxcr_error *err)
 {
-	struct shm_job j = { .ipcns_fd = ipcns_fd, .id = -1, .out = out, .max = max };
-	int rc = run_shm_job(&j, err);
+	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = shm_list, .id = -1, .segs = out,
+			       .max = max };
+	int rc = run_job(&j, err);
 
 	if (rc < 0)
 		for (size_t i = 0; i < j.n; i++)
@@ -635,16 +615,17 @@ int dbxcr_ipcns_shm_list(int ipcns_fd, struct dbxcr_shm_segment *out, size_t max
 int dbxcr_ipcns_shm_make(int ipcns_fd, struct dbxcr_shm_segment *segs, size_t n,
 			 struct dbxcr_error *err)
 {
-	struct shm_job j = { .ipcns_fd = ipcns_fd, .id = -1, .inout = segs, .n = n };
+	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = shm_make, .id = -1, .segs = segs,
+			       .n = n };
 
-	return run_shm_job(&j, err);
+	return run_job(&j, err);
 }
 
 int dbxcr_ipcns_shm_modes(int ipcns_fd, struct dbxcr_shm_segment *segs, size_t n,
 			  struct dbxcr_error *err)
 {
-	struct shm_job j = { .ipcns_fd = ipcns_fd, .id = -1, .inout = segs, .n = n,
-			     .modes_only = true };
+	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = shm_modes, .id = -1, .segs = segs,
+			       .n = n };
 
-	return run_shm_job(&j, err);
+	return run_job(&j, err);
 }

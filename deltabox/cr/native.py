@@ -1644,10 +1644,10 @@ def ipc_objects(ipcns_fd: int, mq_dir: int, clear: bool = False,
                 keep_shm: bool = False) -> IpcObjects:
     """The System V IPC objects and POSIX message queues of the IPC namespace `ipcns_fd`
     (native/ipcns.c), the queues listed in `mq_dir` (mqueue_dir's); with `clear`, removed
-    first (what is left), but for the shared memory segments with `keep_shm`. Called with the GIL held (ctypes.PyDLL): the call takes ~40 us
-    here warm (a thread made to join the namespace; the listing ~15 of them),
-    while taking the GIL back after a releasing call waits for the daemon's other threads
-    (0.1-0.2 ms measured in the daemon)."""
+    first (what is left), but for the shared memory segments with `keep_shm`. Called with
+    the GIL held (ctypes.PyDLL): the call takes ~40 us here warm (a thread made to join
+    the namespace; the listing ~15 of them), while taking the GIL back after a releasing
+    call waits for the daemon's other threads (0.1-0.2 ms measured in the daemon)."""
     global _ipcns_objects
     if _ipcns_objects is None:
         _load()   # the library exists
@@ -1657,7 +1657,8 @@ def ipc_objects(ipcns_fd: int, mq_dir: int, clear: bool = False,
         fn.restype = ctypes.c_int
         _ipcns_objects = fn
     out, err = _IpcObjects(), _Err()
-    if _ipcns_objects(ipcns_fd, (2 if keep_shm else 1) if clear else 0, mq_dir, ctypes.byref(out),
+    mode = (2 if keep_shm else 1) if clear else 0   # 2: DBXCR_IPC_CLEAR_BUT_SHM
+    if _ipcns_objects(ipcns_fd, mode, mq_dir, ctypes.byref(out),
                       ctypes.byref(err)) < 0:
         _raise(err)
     names = out.posix_names.decode(errors="replace")

@@ -22,6 +22,7 @@
 #include <sys/eventfd.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/shm.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <netinet/in.h>
@@ -3148,6 +3149,75 @@ static void test_mntns_open(void)
 	CHECK(rmdir(dir) == 0, "rmdir %s: %s", dir, strerror(errno));
 }
 
+/* System V segments in another IPC namespace: dbxcr_ipcns_shm_make makes them with their
+ * ids (one under a later sequence number), owner, lock and sparse content, open to all
+ * until dbxcr_ipcns_shm_modes; dbxcr_ipcns_shm_list reads them back; a second make removes
+ * the one it is not given. */
+static void test_ipcns_shm(void)
+{
+	struct dbxcr_error err;
+	struct dbxcr_shm_segment segs[2], got[4];
+	char ready_byte, buf[8] = { 0 };
+	int ready[2], pidfd, content;
+	size_t n = 0;
+	pid_t holder;
+
+	current_test = "ipcns-shm";
+	if (pipe(ready) < 0)
+		abort();
+	holder = fork();
+	if (holder == 0) {
+		if (unshare(CLONE_NEWIPC) < 0 || write(ready[1], "x", 1) < 0)
+			_exit(1);
+		pause();
+		_exit(0);
+	}
+	close(ready[1]);
+	CHECK(read_timeout(ready[0], &ready_byte, 1, 5000) == 0, "holder not ready");
+	close(ready[0]);
+	pidfd = (int)syscall(SYS_pidfd_open, holder, 0);
+	content = memfd_create("seg", MFD_CLOEXEC);
+	CHECK(pidfd >= 0 && content >= 0 && ftruncate(content, 5 * 4096) == 0 &&
+	      pwrite(content, "seg-7", 5, 3 * 4096) == 5, "setup: %s", strerror(errno));
+	segs[0] = (struct dbxcr_shm_segment){ .id = 7, .key = 0x7777, .mode = 0640 | SHM_LOCKED,
+		.uid = 1000, .gid = 1000, .size = 5 * 4096, .fd = content };
+	segs[1] = (struct dbxcr_shm_segment){ .id = 32768 + 1, .key = 0, .mode = 0600,
+		.size = 100, .fd = -1 };
+	CHECK(dbxcr_ipcns_shm_make(pidfd, segs, 2, &err) == 0, "make: %s", err.msg);
+	CHECK(!segs[0].removed && !segs[1].removed, "found removed");
+	/* Listed by index: 32769 (sequence 1, index 1) first. */
+	CHECK(dbxcr_ipcns_shm_list(pidfd, got, 4, &n, &err) == 0 && n == 2, "list: %zu %s", n,
+	      err.msg);
+	if (n == 2) {
+		CHECK(got[1].id == 7 && got[1].key == 0x7777 && got[1].uid == 1000 &&
+		      (got[1].mode & 0777) == 0666 && (got[1].mode & SHM_LOCKED) &&
+		      got[1].size == 5 * 4096, "segment 7: %d %#x %o", got[1].id, got[1].key,
+		      got[1].mode);
+		CHECK(got[0].id == 32769 && got[0].size == 100, "first: id %d", got[0].id);
+		CHECK(lseek(got[1].fd, 0, SEEK_DATA) == 3 * 4096 &&
+		      pread(got[1].fd, buf, 5, 3 * 4096) == 5 && !strcmp(buf, "seg-7"),
+		      "content: %s (holes kept?)", buf);
+	}
+	for (size_t i = 0; i < n; i++)
+		close(got[i].fd);
+	CHECK(dbxcr_ipcns_shm_modes(pidfd, segs, 2, &err) == 0, "modes: %s", err.msg);
+	CHECK(dbxcr_ipcns_shm_list(pidfd, got, 4, &n, &err) == 0 && n == 2 &&
+	      (got[1].mode & 0777) == 0640 && (got[0].mode & 0777) == 0600, "modes not set");
+	for (size_t i = 0; i < n; i++)
+		close(got[i].fd);
+	CHECK(dbxcr_ipcns_shm_make(pidfd, segs, 1, &err) == 0 &&
+	      dbxcr_ipcns_shm_list(pidfd, got, 4, &n, &err) == 0 && n == 1 && got[0].id == 7,
+	      "the segment not given stays: %zu", n);
+	for (size_t i = 0; i < n; i++)
+		close(got[i].fd);
+	CHECK(dbxcr_ipcns_shm_list(pidfd, got, 0, &n, &err) < 0 && err.code == ENOSPC && n == 0,
+	      "over max: %d", err.code);
+	close(content);
+	close(pidfd);
+	kill(holder, SIGKILL);
+	waitpid(holder, NULL, 0);
+}
+
 /* test_fork_template [NAME...]: the named tests only (all without a name). */
 static bool selected(const char *name, int argc, char **argv)
 {
@@ -3208,6 +3278,7 @@ int main(int argc, char **argv)
 		{ "epoll-recreated", test_epoll_recreated },
 		{ "netns-socket", test_netns_socket },
 		{ "mntns-open", test_mntns_open },
+		{ "ipcns-shm", test_ipcns_shm },
 		{ "template-nanosleep", test_template_nanosleep },
 		{ "template-ptimers", test_template_ptimers },
 		{ "template-prctls", test_template_prctls },
