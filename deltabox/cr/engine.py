@@ -58,6 +58,7 @@ groups are re-made in the fork (setpgid), since the templates' groups belong to 
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import functools
 import logging
@@ -662,8 +663,8 @@ class DeltaCR:
             await wait_exited(victims or [])
             victims = None
         target_ipc = into.init_pidfd if into is not None else ipcns
-        note = _make_segments(state, target_ipc) if state.sysv_shm else ""   # before any
-        # process attaches one
+        # Made before any process attaches one.
+        note = _make_segments(state, target_ipc) if state.sysv_shm else ""
         plan = pre.plan if pre is not None else _plan(state, rootfd, mntfd)
         plan.arm()  # a prespawned plan's timers start now, with the rollback
         out = Restored({}, {}, [], note=note)
@@ -785,6 +786,9 @@ class DeltaCR:
                 await self.worker.run(_release_held, list(held.values())[::-1],
                                       _foregrounds(state, held))
         except BaseException:
+            if state.sysv_shm:   # not left open to all (the restarted processes' sandbox)
+                with contextlib.suppress(native.CRError):
+                    sysv_shm.settle(target_ipc, state.sysv_shm)
             with trio.CancelScope(shield=True):
                 # Gone before we say the restore failed: nothing half-restored lingers.
                 await self.worker.run(_kill_held, list(held.values())[::-1])
