@@ -2017,15 +2017,17 @@ int dbxcr_template_drop_fds(struct dbxcr_template *tpl, struct dbxcr_error *err)
 }
 
 /* One argument-less call (setpgid(0, 0) or setsid()) injected into the parked template. */
-static int template_leave(struct dbxcr_template *tpl, long nr, const char *what,
-			  struct dbxcr_error *err)
+/* One call injected into the parked template, which is parked again after it. */
+static int template_call(struct dbxcr_template *tpl, long nr, const long args[6],
+			 const char *what, struct dbxcr_error *err)
 {
 	struct dbxcr_error ignored;
 	struct tracee t;
-	long a[6] = { 0 };
+	long a[6];
 	int rc = 0;
 
 	clear_error(err);
+	memcpy(a, args, sizeof(a));
 	if (check_owner(tpl, err) < 0 || adopt(&t, tpl->pid, tpl->site, err) < 0)
 		return -1;
 	t.regs = tpl->park;
@@ -2038,14 +2040,26 @@ static int template_leave(struct dbxcr_template *tpl, long nr, const char *what,
 
 int dbxcr_template_own_group(struct dbxcr_template *tpl, struct dbxcr_error *err)
 {
-	return template_leave(tpl, SYS_setpgid, "setpgid(0, 0)", err);
+	static const long none[6];
+
+	return template_call(tpl, SYS_setpgid, none, "setpgid(0, 0)", err);
 }
 
 int dbxcr_template_own_session(struct dbxcr_template *tpl, struct dbxcr_error *err)
 {
+	static const long none[6];
+
 	/* setsid() fails (EPERM) in a group leader: a fresh template is not one (it is a
 	 * fork in its process's group), unless own_group made it one. */
-	return template_leave(tpl, SYS_setsid, "setsid()", err);
+	return template_call(tpl, SYS_setsid, none, "setsid()", err);
+}
+
+int dbxcr_template_shmdt(struct dbxcr_template *tpl, unsigned long addr,
+			 struct dbxcr_error *err)
+{
+	long a[6] = { (long)addr, 0, 0, 0, 0, 0 };
+
+	return template_call(tpl, SYS_shmdt, a, "shmdt", err);
 }
 
 /* Free the struct (what it owns), not the process it describes. */

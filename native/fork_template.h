@@ -439,6 +439,14 @@ int dbxcr_template_own_group(struct dbxcr_template *tpl, struct dbxcr_error *err
 int dbxcr_template_own_session(struct dbxcr_template *tpl, struct dbxcr_error *err);
 #define DBXCR_NEW_SESSION (-2)
 
+/* Detach the System V segment the parked template has attached at addr (a fork keeps the
+ * process's attachments).  A template attached would keep the segment's id taken, even
+ * once the sandbox removed it (the kernel frees an id at the last detach), so a rollback
+ * could not make it again, and `ipcs` would count the template; its children attach the
+ * segment the restore makes (dbxcr_remap.sysv). */
+int dbxcr_template_shmdt(struct dbxcr_template *tpl, unsigned long addr,
+			 struct dbxcr_error *err);
+
 /* Close every descriptor of the parked template: its copies would keep the process's open
  * file descriptions alive after the process closes them (no EOF for a pipe's reader, a
  * flock or OFD lock still taken, a port still bound).  Its later children get only what

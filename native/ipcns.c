@@ -492,24 +492,43 @@ static int create_segment(struct ipcns_job *j, const struct dbxcr_shm_segment *s
  * CAP_IPC_OWNER (a sandbox's bounding set lacks it), or as a parent's fork. */
 #define RESTORE_MODE 0666
 
-/* Make one segment as s has it: the namespace's segment of that id if there is one (see
- * shm_make), else a new one; owner, mode (but RESTORE_MODE), lock and content as s's. */
+/* Whether the namespace's segment d, holding s's id, can be kept as s: the same key and
+ * size, and removed only if s was. */
+static bool keepable(const struct shmid_ds *d, const struct dbxcr_shm_segment *s)
+{
+	return d->shm_perm.__key == s->key && d->shm_segsz == s->size &&
+	       (!(d->shm_perm.mode & SHM_DEST) || (s->mode & SHM_DEST));
+}
+
+/* Make one segment as s has it, with its id: the namespace's segment of that id if it can
+ * be kept as s (the live one in a rollback, the processes that attached it gone), else a
+ * new one, the other removed first (with no process attached, its id is free at once;
+ * one still attached, by a process no rollback kills, is refilled, and says it was
+ * removed); owner, mode (but RESTORE_MODE), lock and content as s's. */
 static int make_segment(struct ipcns_job *j, struct dbxcr_shm_segment *s)
 {
 	struct shmid_ds d;
+	bool there = shmctl(s->id, IPC_STAT, &d) == 0;
 
-	if (shmctl(s->id, IPC_STAT, &d) < 0) {
-		if (errno != EINVAL && errno != EIDRM)
+	if (!there && errno != EINVAL && errno != EIDRM)
+		return -1;
+	if (there && !keepable(&d, s)) {
+		j->step = "remove the segment holding its id";
+		if (!(d.shm_perm.mode & SHM_DEST) && shmctl(s->id, IPC_RMID, NULL) < 0)
 			return -1;
+		there = shmctl(s->id, IPC_STAT, &d) == 0;
+		if (there && d.shm_segsz != s->size) {
+			errno = EBUSY;
+			j->step = "a segment of another size, still attached, holds its id";
+			return -1;
+		}
+	}
+	if (!there) {
 		if (create_segment(j, s) < 0)
 			return -1;
 		j->step = "shmctl IPC_STAT";
 		if (shmctl(s->id, IPC_STAT, &d) < 0)
 			return -1;
-	} else if (d.shm_segsz != s->size) {
-		errno = EEXIST;
-		j->step = "a segment of another size holds its id";
-		return -1;
 	}
 	s->removed = (d.shm_perm.mode & SHM_DEST) && !(s->mode & SHM_DEST);
 	j->step = "shmctl IPC_SET (owner and mode)";
@@ -548,10 +567,9 @@ static int remove_unwanted(struct ipcns_job *j, int id, const struct shmid_ds *d
 }
 
 /* The namespace's segments made exactly j->segs: others removed, and each made with its
- * id.  A segment already there with that id is kept and given the content: a rollback's
- * (the templates of the checkpoint keep theirs attached, so it can be no other: the
- * kernel keeps an attached segment's id, even once removed, until its last detach, so a
- * new one could not take it), or another checkpoint's in a fork. */
+ * id (make_segment).  The kernel frees an attached segment's id only at its last detach,
+ * even once removed: the templates detach theirs (dbxcr_template_shmdt), and a rollback
+ * makes these once the processes it killed are gone. */
 static void shm_make(struct ipcns_job *j)
 {
 	each_segment(j, remove_unwanted);

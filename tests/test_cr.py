@@ -3417,9 +3417,9 @@ if kid == 0:
             ctypes.memset(A + 100, 0, 1)
         time.sleep(0.01)
 
-def segments():   # this namespace's, as `ipcs -m` reads them: id:perms:uid:size
+def segments():   # this namespace's, as `ipcs -m` reads them: id:perms:uid:size:nattch
     rows = [line.split() for line in open("/proc/sysvipc/shm").read().splitlines()[1:]]
-    return " ".join(sorted(f"{r[1]}:{r[2]}:{r[7]}:{r[3]}" for r in rows))
+    return " ".join(sorted(f"{r[1]}:{r[2]}:{r[7]}:{r[3]}:{r[6]}" for r in rows))
 
 def report():
     C = attach(c, SHM_RDONLY)
@@ -3466,17 +3466,18 @@ def test_system_v_shared_memory_comes_back_with_its_ids(sbx: Sandbox,
                                                         restore: Restore) -> None:
     """System V shared memory segments belong to the IPC namespace: made again with their
     ids, keys, owner, modes and content, attached where each process had them (shared
-    with a child, read-only), whether attached or not, and those made since gone. Before
-    this stop a checkpoint refused any process attached to one (PostgreSQL's postmaster
-    and backends), and any segment no process attached."""
+    with a child, read-only), whether attached or not, and those made since gone; their
+    attach counts are the processes' (the templates detach theirs). Before this stop a
+    checkpoint refused any process attached to one (PostgreSQL's postmaster and
+    backends), and any segment no process attached."""
     _start_sysv(sbx)
     _ask(sbx, "bump")
     before = _report(sbx)
     ids = before.split("ids=")[1].split()[0].split(",")
     assert before == (
-        f"a=aye-1/aye-1 b=bee-1 c=sea-1 key=-1 segs={ids[0]}:600:1000:8192 "
-        f"{ids[1]}:640:1000:4096 {ids[2]}:644:1000:3145728 ids={','.join(ids)} child=True "
-        "uid=1000"), before
+        f"a=aye-1/aye-1 b=bee-1 c=sea-1 key=-1 segs={ids[0]}:600:1000:8192:2 "
+        f"{ids[1]}:640:1000:4096:2 {ids[2]}:644:1000:3145728:0 ids={','.join(ids)} "
+        "child=True uid=1000"), before
     target = _checkpoint_mutate_restore(sbx, restore, before)
     _ask(target, "mutate")   # the child's writes are the parent's, in the new segment
     _ask(target, "bump")
@@ -3486,35 +3487,31 @@ def test_system_v_shared_memory_comes_back_with_its_ids(sbx: Sandbox,
         assert _report(sbx).startswith("a=aye-9/aye-1 b=bee-9 c=sea-9 "), _report(sbx)
 
 
-def test_a_system_v_segment_removed_while_attached_comes_back_removed(
+def test_a_system_v_segment_removed_comes_back_as_it_was_at_the_checkpoint(
         sbx: Sandbox, restore: Restore) -> None:
-    """A segment removed (IPC_RMID) while attached lives on, keyless, until its last
-    detach: it comes back so, with its content and id, and goes once detached. One
-    removed after the checkpoint: in a fork it is made again whole; a rollback cannot
-    (the checkpoint keeps it attached, so its id is taken: no new one can have it) and
-    says so."""
+    """A segment removed (IPC_RMID) since the checkpoint comes back whole, with its id and
+    key (a template attached to it would have kept its id taken, and the rollback could
+    only have given it back removed); one removed while attached at the checkpoint lives
+    on, keyless, until its last detach: it comes back so, and goes once detached."""
     _start_sysv(sbx)
+    before = _report(sbx)
+    b = before.split("ids=")[1].split(",")[1]
     cp = sbx.checkpoint()
     assert cp.kind == "full", cp.reasons
     _ask(sbx, "remove")
+    assert f" {b}:1640:1000:4096:2 " in _report(sbx)   # SHM_DEST shows in its mode
+    target = restore(sbx, cp)
+    assert _report(target) == before
+    if restore.mode != "fork":  # type: ignore[attr-defined]
+        _ask(sbx, "remove")     # (a fork's source has it removed still)
     gone = _report(sbx)
-    b = gone.split("ids=")[1].split(",")[1]
-    assert f" {b}:1640:1000:4096 " in gone, gone   # SHM_DEST shows in its mode
-    if restore.mode == "rollback":  # type: ignore[attr-defined]
-        res = sbx.rollback(cp)
-        assert res.process_state == "restored", res
-        assert (f"System V shared memory segment {b} was removed (IPC_RMID) since the "
-                "checkpoint") in res.note, res.note
-        assert _report(sbx) == gone
-        return
-    kid = restore(sbx, cp)
-    assert f" {b}:640:1000:4096 " in _report(kid)   # whole again
+    assert f" {b}:1640:1000:4096:2 " in gone, gone
     cp2 = sbx.checkpoint()          # removed, still attached: captured so
     assert cp2.kind == "full", cp2.reasons
-    kid2 = restore(sbx, cp2)
-    assert _report(kid2) == gone
-    kid2.exec("pkill -u 1000 python3")
-    wait_for(lambda: kid2.exec("cat /proc/sysvipc/shm").stdout.count("\n") == 3,
+    again = restore(sbx, cp2)
+    assert _report(again) == gone
+    again.exec("pkill -u 1000 python3")
+    wait_for(lambda: again.exec("cat /proc/sysvipc/shm").stdout.count("\n") == 3,
              what="the removed segment to go with its last attachment")
 
 

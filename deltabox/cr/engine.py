@@ -532,6 +532,9 @@ class DeltaCR:
                 raise _refusal(cap.refused)
             if not cap.resumed and not later:
                 await self.worker.run(_resume_all, cap.stopped)
+            if segments and not later:   # the processes run again meanwhile
+                await self.worker.run(_detach_segments, cap.templates, segments,
+                                      set(reuse or {}))
         except BaseException as e:
             with trio.CancelScope(shield=True):
                 if not cap.resumed:
@@ -567,6 +570,14 @@ class DeltaCR:
         with trio.CancelScope(shield=True):
             state.templates = await self.worker.run(_template_held, state.held,
                                                     state.records)
+            if state.sysv_shm:
+                try:
+                    await self.worker.run(_detach_segments, state.templates,
+                                          state.sysv_shm, set(state.held.reuse))
+                except BaseException:
+                    await self.worker.run(_release_all, list(state.templates.values()))
+                    state.templates = {}
+                    raise
 
     async def give_creds(self, state: ProcessState, host_pid: int, root_dir: str) -> None:
         """Once a capture's templates exist: the credentials of its unprivileged processes
@@ -2046,6 +2057,17 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
                   remaps=plan.remaps(rec, _changed_maps(state, rec) if changed is None
                                      else changed) + sysv_shm.remaps(state.sysv_shm, rec.pid),
                   locks=_locks(rec), mlocks=rec.mlocks)
+
+
+def _detach_segments(templates: Mapping[int, native.Template],
+                     segments: list[sysv_shm.Segment], reused: Collection[int]) -> None:
+    """On the ptrace thread: every new template's System V attachments detached
+    (native.Template.shmdt: the restore makes the segments and its children attach them);
+    a reused one's were at its own capture."""
+    for s in segments:
+        for a in s.attached:
+            if a.pid not in reused:
+                templates[a.pid].shmdt(a.start)
 
 
 def _make_segments(state: ProcessState, ipcns: int) -> str:

@@ -320,6 +320,8 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_template_own_group.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_template_own_group.restype = ctypes.c_int
         lib.dbxcr_template_own_session.argtypes = [ctypes.c_void_p, err]
+        lib.dbxcr_template_shmdt.argtypes = [ctypes.c_void_p, ctypes.c_ulong, err]
+        lib.dbxcr_template_shmdt.restype = ctypes.c_int
         lib.dbxcr_template_own_session.restype = ctypes.c_int
         lib.dbxcr_template_copy.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_template_copy.restype = ctypes.c_void_p
@@ -832,6 +834,13 @@ class Template:
         if _load().dbxcr_template_own_group(self._h(), ctypes.byref(err)) < 0:
             _raise(err)
         self.own_group_done = True
+
+    def shmdt(self, addr: int) -> None:
+        """Detach the System V segment attached at addr in the template
+        (native/fork_template.h): its children attach the one the restore makes."""
+        err = _Err()
+        if _load().dbxcr_template_shmdt(self._h(), addr, ctypes.byref(err)) < 0:
+            _raise(err)
 
     def own_session(self) -> None:
         """Move the template out of its session (and group) into one of its own, so that

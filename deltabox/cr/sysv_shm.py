@@ -14,22 +14,23 @@ owner and mode. A restore, before any process is born, makes the target namespac
 segments exactly those (others removed): each with its id (through the namespace's
 kernel.shm_next_id), key, owner, mode, SHM_LOCK and content; then every restored process
 attaches it where the original had it, over the template's attachment (shmat SHM_REMAP,
-native/fork_template.c), read-only or executable as it was. A segment already there with
-the id is given the content rather than made: in a rollback it is the checkpoint's own
-(the kernel keeps an attached segment's id until its last detach, and the templates keep
-it attached). Until every restored process has attached it, a segment's mode lets all
-attach it (a restored process attaches it before its credentials are given back:
-native/ipcns.c); then it gets its own mode (settle). A segment removed (IPC_RMID) while
-attached, keyless until its last detach, comes back removed.
+native/fork_template.c), read-only or executable as it was. The templates detach theirs
+once made (the kernel frees a segment's id only at its last detach, even once removed, so
+an attached template would keep it taken, and `ipcs` would count it): a rollback, once
+the processes it killed are gone, finds the id free or held by the live segment, which it
+keeps if its key and size are the checkpoint's (refilled), else removes and makes anew.
+Until every restored process has attached it, a segment's mode lets all attach it (a
+restored process attaches it before its credentials are given back: native/ipcns.c);
+then it gets its own mode (settle). A segment removed (IPC_RMID) while attached, keyless
+until its last detach, comes back removed; one removed since the checkpoint comes back
+whole.
 
 Refused by the process: an attachment covering part of its segment (a partial munmap or
 mprotect), one without read access, one of another IPC namespace than the sandbox's, a
-huge-page segment. What a rollback cannot make as it was: a segment removed since the
-checkpoint (the checkpoint's templates keep it attached, so its id stays taken and it
-stays removed: the rollback's note says so; a fork makes it whole). Not kept: the
-creator's ids (cuid, cgid: root's), the creator's and last pids, the times (attach,
-detach, change), and the attach count, which the templates' attachments raise (a
-template is a stopped copy of the process: `ipcs -m` counts it).
+huge-page segment. Not kept: the creator's ids (cuid, cgid: root's), the creator's and
+last pids, the times (attach, detach, change). (A segment whose id a process the rollback
+does not kill still holds, removed, is refilled and stays removed: the rollback's note
+says so.)
 """
 
 from __future__ import annotations
