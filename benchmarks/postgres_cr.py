@@ -10,11 +10,14 @@ pause (--think), `checkpoint()` is timed (full, or mode="fs"); once its backgrou
 dump is written (untimed), more rows go in, pause, then timed: `rollback()` and the first
 query answered after it ("back in service": for the restart, the rollback, `pg_ctl start`
 and the query), which must count the rows of the checkpoint; then `fork()` of the same
-checkpoint and the first query in the child. A query alone is timed too (the floor).
-Also measured once: the bytes the daemon holds for the server's shared memory at a
-checkpoint (its copies' allocated blocks), against the mappings' size.
+checkpoint and the first query in the child. A query alone is timed too (the floor). Then a
+fan-out: `fork(count=N)` of the last checkpoint for each N of --fanout, until every child
+answers a query (for the restart, `pg_ctl start` in each child in turn). Also measured
+once: the bytes the daemon holds for the server's shared memory at a checkpoint (its
+copies' allocated blocks), against the mappings' size.
 
-    .venv/bin/python -m benchmarks.postgres_cr [--reps 10] [--rows 1000] [--out DIR]
+    .venv/bin/python -m benchmarks.postgres_cr [--reps 10] [--rows 1000] [--fanout 1,4,8]
+        [--out DIR]
 """
 
 from __future__ import annotations
@@ -132,6 +135,24 @@ def one_rep(box: Sandbox, way: str, rows: int, think: float) -> dict[str, Any]:
             "query_ms": query_ms}
 
 
+def fanout(box: Sandbox, way: str, n: int) -> dict[str, Any]:
+    """fork(count=n) of box's newest checkpoint, until every child answers a query."""
+    cp = box.checkpoints()[-1]
+    t0 = time.perf_counter()
+    kids = box.fork(cp, count=n)
+    try:
+        fork_ms = (time.perf_counter() - t0) * 1000
+        for kid in kids:
+            if way == "restart":
+                pg(kid, "start")
+            count(kid)
+        return {"way": way, "n": n, "fork_ms": fork_ms,
+                "serving_ms": (time.perf_counter() - t0) * 1000}
+    finally:
+        for kid in kids:
+            kid.kill()
+
+
 METRICS = ("checkpoint_ms", "rollback_ms", "service_ms", "fork_service_ms", "query_ms")
 
 
@@ -164,6 +185,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--rows", type=int, default=1000, help="rows inserted per change")
     p.add_argument("--think", type=float, default=0.2, help="pause before each call (s)")
+    p.add_argument("--fanout", default="1,4,8", help="children per fan-out fork")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
     runs: list[dict[str, Any]] = []
@@ -185,12 +207,15 @@ def main() -> int:
                     runs.append({"rep": rep, **one_rep(boxes[way], way, args.rows,
                                                        args.think)})
                 log(f"rep {rep + 1}/{args.reps}")
+            fans = [fanout(boxes[w], w, int(n)) for n in args.fanout.split(",") if n
+                    for w in WAYS]
         finally:
             for box in boxes.values():
                 box.kill()
         result: dict[str, Any] = {"benchmark": "postgres_cr", "reps": args.reps,
                                   "rows": args.rows, "think_s": args.think, "runs": runs,
-                                  "shared_memory": copies, "summary": summarize(runs)}
+                                  "shared_memory": copies, "fanout": fans,
+                                  "summary": summarize(runs)}
         info = machine_info(d.socket)
     record_cleanup(result, d)
     path = write_json(args.out / "postgres_cr.json", result, info)
@@ -204,6 +229,9 @@ def main() -> int:
           f"{r['fork_service_ms']:.1f}x in a fork; shared memory held per checkpoint "
           f"{copies['held_bytes'] / 2**20:.1f} MiB of {copies['mapped_bytes'] / 2**20:.1f} "
           "MiB mapped")
+    for f in fans:
+        print(f"fan-out {f['n']:2d} {f['way']:9s} fork {f['fork_ms']:7.1f} ms, all serving "
+              f"{f['serving_ms']:7.1f} ms")
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     return 0
 
