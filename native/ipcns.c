@@ -329,23 +329,38 @@ static unsigned long long page_up(unsigned long long n)
 	return (n + page - 1) / page * page;
 }
 
-/* A read-only descriptor of the segment's memory (a file of the kernel's internal shmem
- * mount), through a short attachment of our own: /proc/self/map_files opens the file a
- * mapping maps.  -1 with errno set. */
-static int segment_fd(int id, unsigned long long size)
+/* A descriptor of the segment's memory (a file of the kernel's internal shmem mount),
+ * through an attachment of our own, *at (the caller detaches it; (void *)-1 if none was
+ * made): /proc/self/map_files opens the file a mapping maps.  -1 with errno set. */
+static int segment_file(int id, unsigned long long size, int flags, void **at)
 {
 	char path[80];
-	void *at = shmat(id, NULL, SHM_RDONLY);
-	int fd, saved;
 
-	if (at == (void *)-1)
+	*at = shmat(id, NULL, flags == O_RDONLY ? SHM_RDONLY : 0);
+	if (*at == (void *)-1)
 		return -1;
-	snprintf(path, sizeof(path), "/proc/self/map_files/%lx-%lx", (unsigned long)at,
-		 (unsigned long)at + (unsigned long)page_up(size));
-	fd = open(path, O_RDONLY | O_CLOEXEC);
-	saved = errno;
-	shmdt(at);
+	snprintf(path, sizeof(path), "/proc/self/map_files/%lx-%lx", (unsigned long)*at,
+		 (unsigned long)*at + (unsigned long)page_up(size));
+	return open(path, flags | O_CLOEXEC);
+}
+
+/* Detach our attachment, errno kept. */
+static void detach(void *at)
+{
+	int saved = errno;
+
+	if (at != (void *)-1)
+		shmdt(at);
 	errno = saved;
+}
+
+/* A read-only descriptor of the segment's memory. */
+static int segment_fd(int id, unsigned long long size)
+{
+	void *at;
+	int fd = segment_file(id, size, O_RDONLY, &at);
+
+	detach(at);
 	return fd;
 }
 
@@ -437,21 +452,17 @@ static int fill_segment(int shm, unsigned long long size, int fd)
 /* Give the segment `id` fd's content, through an attachment of our own. */
 static int fill_through_attachment(int id, unsigned long long size, int fd)
 {
-	char path[80];
-	void *at = shmat(id, NULL, 0);
-	int shm, rc, saved;
+	void *at;
+	int shm = segment_file(id, size, O_RDWR, &at), rc;
 
-	if (at == (void *)-1)
-		return -1;
-	snprintf(path, sizeof(path), "/proc/self/map_files/%lx-%lx", (unsigned long)at,
-		 (unsigned long)at + (unsigned long)page_up(size));
-	shm = open(path, O_RDWR | O_CLOEXEC);
 	rc = shm < 0 ? -1 : fill_segment(shm, size, fd);
-	saved = errno;
-	if (shm >= 0)
+	if (shm >= 0) {
+		int saved = errno;
+
 		close(shm);
-	shmdt(at);
-	errno = saved;
+		errno = saved;
+	}
+	detach(at);
 	return rc;
 }
 
