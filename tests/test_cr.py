@@ -3515,6 +3515,24 @@ def test_a_system_v_segment_removed_comes_back_as_it_was_at_the_checkpoint(
              what="the removed segment to go with its last attachment")
 
 
+def test_a_system_v_segment_nobody_attached_too_big_to_copy_is_refused(
+        sbx: Sandbox) -> None:
+    """A segment is copied at every checkpoint, up to 64 MiB written: one with more,
+    attached by no process, is refused as the sandbox's, with its id and key."""
+    sbx.exec("python3 -c \"import ctypes; libc = ctypes.CDLL(None); "
+             "libc.shmat.restype = ctypes.c_void_p; "
+             "sid = libc.shmget(0x6565, 65 << 20, 0o1600); at = libc.shmat(sid, None, 0); "
+             "ctypes.memset(ctypes.c_void_p(at), 7, 65 << 20)\"")
+    sbx.exec("nohup sleep 1000 >/dev/null 2>&1 &")
+    with pytest.raises(deltabox.FailedPrecondition, match=(
+            r"the sandbox's IPC namespace: System V shared memory segment \d+ \(key "
+            r"0x6565\): 68157440 bytes written \(more than 64 MiB")):
+        sbx.checkpoint()
+    assert sbx.checkpoint(mode="fs").kind == "fs"
+    sbx.exec("ipcrm -M 0x6565")
+    assert sbx.checkpoint().kind == "full"
+
+
 def test_a_system_v_segment_mapped_in_part_is_refused(sbx: Sandbox) -> None:
     """An attachment is made again whole (shmat): one a process unmapped in part is
     refused by that process, naming the segment and what to do."""

@@ -62,7 +62,7 @@ class Attachment:
 class Segment:
     id: int
     key: int
-    mode: int                     # shm_perm.mode: permission bits and SHM_LOCKED
+    mode: int                     # shm_perm.mode: permission bits, SHM_DEST, SHM_LOCKED
     uid: int
     gid: int
     size: int
@@ -157,7 +157,7 @@ def _refusal(s: native.ShmSegment) -> str | None:
 
 def _namespace_refusal(records: list[ProcessRecord], seg: Segment, why: str) -> Refusal:
     """By the first process attached to it, else by the sandbox (pid 0: the namespace)."""
-    what = f"System V shared memory segment {seg.id} (key {seg.key:#x}): {why}"
+    what = f"System V shared memory segment {seg.id} (key {seg.key & 0xFFFFFFFF:#x}): {why}"
     if seg.attached:
         rec = next(r for r in records if r.pid == seg.attached[0].pid)
         return Refusal(rec.nspid, rec.cmd, what)
