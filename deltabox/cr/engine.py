@@ -1967,9 +1967,10 @@ class Elsewhere:
     cgroup_fds: list[int]
     init_pid: int           # the same init (the network namespace a restore's pairs use)
     fresh: bool = True      # a new fork: no pid of the namespace is taken yet
-    # A pid still taken (e.g. as the process-group id of another checkpoint's template)
-    # gives the process a new pid instead of failing the restore (templates rebuilt from
-    # a dump restoring into their own sandbox).
+    # A pid still taken (e.g. as the process-group id of another checkpoint's template,
+    # or as a template's own pid) gives the process a new pid instead of failing the
+    # restore (a sandbox rolling back: templates rebuilt from a dump, or a fork's
+    # ancestor's, whose children are born among the fork's own templates).
     pid_fallback: bool = False
 
 

@@ -2195,8 +2195,9 @@ class Daemon:
             log.error("rollback %s: restoring processes failed: %s", cp.id, e)
             return "restarted", f"restoring the processes failed ({e}); sessions restart", {}
         if restored.renumbered:
-            note += (f"; pid {', '.join(map(str, restored.renumbered))} was in use as another "
-                     "checkpoint's process group or session id: restored with a new pid")
+            note += (f"; pid {', '.join(map(str, restored.renumbered))} was in use by another "
+                     "checkpoint's templates (as a pid, process group or session id): "
+                     "restored with a new pid")
         if restored.note:
             note += f"; {restored.note}"
         return "restored", _with(note, state.orphans), stopped_calls(state, restored)
@@ -2583,8 +2584,7 @@ class Daemon:
             live.tcp_captured |= state.holds_tcp
             restored = await self.cr.restore(
                 state, rt.generation.mntfd, rt.generation.rootfd,
-                Elsewhere(pidns, rt.pidfd, cg_fds, rt.init_pid, fresh,
-                          pid_fallback=state.from_dump is not None and not fresh),
+                Elsewhere(pidns, rt.pidfd, cg_fds, rt.init_pid, fresh, pid_fallback=not fresh),
                 pid_held=functools.partial(self._pid_held, live))
         finally:
             for fd in [pidns, *cg_fds]:
