@@ -3878,6 +3878,43 @@ def test_a_connection_not_yet_accepted_is_refused(sbx: Sandbox) -> None:
         sbx.checkpoint()
 
 
+def test_a_forks_rollback_to_its_ancestors_checkpoint_renumbers_a_pid_held(
+        sbx: Sandbox) -> None:
+    """A fork rolled back to its ancestor's checkpoint restores processes among its own
+    checkpoints' templates, which may hold a pid one of them needs (here the first
+    template of the fork's checkpoint takes it, by ns_last_pid): that process comes back
+    with a new pid, the note says which, as a sandbox's own rollback does. Until stop 58
+    every process restarted, after 2 s of retries (found with PostgreSQL in a fork of a
+    fork)."""
+    sbx.exec("nohup sleep 1001 >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.exec("pgrep -f 'sleep 1001'").stdout.strip() != "")
+    x = int(sbx.exec("pgrep -f 'sleep 1001'").stdout)
+    cp1 = sbx.checkpoint()
+    assert cp1.kind == "full", cp1.reasons
+    # A process that runs (a template of it is made at each checkpoint) and forks nothing.
+    sbx.exec(f"kill {x}; nohup python3 -c 'import time\nwhile True: time.sleep(0.02)' "
+             ">/dev/null 2>&1 &")
+    cp2 = sbx.checkpoint()
+    kid = sbx.fork(cp2)[0]
+    try:
+        assert kid.process_state == "restored", kid.fork_note
+        # (The sandbox's /proc/sys is read-only: set from the host, in its pid namespace.)
+        subprocess.run(["nsenter", f"--pid=/proc/{kid.info().init_pid}/ns/pid", "--", "sh",
+                        "-c", f"echo {x - 1} > /proc/sys/kernel/ns_last_pid"], check=True)
+        ck = kid.checkpoint(mode="full")
+        assert ck.kind == "full", ck.reasons
+        dump_complete(kid, ck.id)   # its templates are made after the answer
+        held = kid.exec(f"ps -o comm= -p {x}").stdout.strip()
+        assert held == "dbx-template", (x, kid.exec("ps -eo pid,comm").stdout)
+        r = kid.rollback(cp1)
+        assert r.process_state == "restored", r.note
+        assert f"pid {x} was in use by another checkpoint's templates" in r.note, r.note
+        pid = kid.exec("pgrep -f 'sleep 1001'").stdout.strip()
+        assert pid and int(pid) != x, pid
+    finally:
+        kid.kill()
+
+
 def test_threads_roll_back_in_a_fork(sbx: Sandbox) -> None:
     """A fork's restored process leads a process group of its own (its template's group
     is the source's), so the fork's own checkpoints hold a group leader: its templates
