@@ -387,7 +387,6 @@ struct dbxcr_ipc_objects {
 	int sem_sets;
 	int msg_queues;
 	int shm_segments;
-	int shm_detached;	/* of which no process has attached (shm_nattch 0) */
 	int posix_queues;	/* POSIX message queues (mq_open) */
 	char posix_names[128];	/* their names, ", "-separated, cut short at the size */
 };

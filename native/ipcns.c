@@ -71,15 +71,13 @@ struct ipcns_job {
 
 enum ipc_kind { IPC_SEM, IPC_MSG, IPC_SHM };
 
-/* The id of the object of `kind` at index i (*_STAT_ANY; -1 when the index holds none),
- * and for a segment whether a process has it attached. */
-static int object_at(enum ipc_kind kind, int i, bool *attached)
+/* The id of the object of `kind` at index i (*_STAT_ANY; -1 when the index holds none). */
+static int object_at(enum ipc_kind kind, int i)
 {
 	struct semid_ds sd;
 	struct msqid_ds md;
 	struct shmid_ds hd;
 	union semun_arg a = { .buf = &sd };
-	int id;
 
 	switch (kind) {
 	case IPC_SEM:
@@ -87,10 +85,7 @@ static int object_at(enum ipc_kind kind, int i, bool *attached)
 	case IPC_MSG:
 		return msgctl(i, MSG_STAT_ANY, &md);
 	case IPC_SHM:
-		id = shmctl(i, SHM_STAT_ANY, &hd);
-		if (attached)
-			*attached = id >= 0 && hd.shm_nattch > 0;
-		return id;
+		return shmctl(i, SHM_STAT_ANY, &hd);
 	}
 	return -1;
 }
@@ -113,27 +108,12 @@ static int remove_object(enum ipc_kind kind, int id)
 static int clear_kind(enum ipc_kind kind, int top)
 {
 	for (int i = 0; i <= top; i++) {
-		int id = object_at(kind, i, NULL);
+		int id = object_at(kind, i);
 
 		if (id >= 0 && remove_object(kind, id) < 0 && errno != EINVAL && errno != EIDRM)
 			return -1;
 	}
 	return 0;
-}
-
-/* Shared memory segments no process has attached (shm_nattch 0): those no process's
- * mappings show (a checkpoint refuses an attached one by its process). */
-static int detached_shms(int top)
-{
-	int n = 0;
-
-	for (int i = 0; i <= top; i++) {
-		bool attached;
-
-		if (object_at(IPC_SHM, i, &attached) >= 0 && !attached)
-			n++;
-	}
-	return n;
 }
 
 /* Append a queue's name to the ", "-separated list, cut short (with "...") at its size. */
@@ -253,7 +233,6 @@ static void count_objects(struct ipcns_job *j)
 			return;
 		}
 		j->out.shm_segments = hi.used_ids;
-		j->out.shm_detached = hi.used_ids ? detached_shms(top) : 0;
 		if (posix_queues(j, pass == 0) < 0) {
 			j->code = errno;
 			j->step = pass ? "list the POSIX message queues"

@@ -148,7 +148,7 @@ class _ShmSegment(ctypes.Structure):  # fork_template.h struct dbxcr_shm_segment
 
 class _IpcObjects(ctypes.Structure):  # fork_template.h struct dbxcr_ipc_objects
     _fields_ = [("sem_sets", ctypes.c_int), ("msg_queues", ctypes.c_int),
-                ("shm_segments", ctypes.c_int), ("shm_detached", ctypes.c_int),
+                ("shm_segments", ctypes.c_int),
                 ("posix_queues", ctypes.c_int), ("posix_names", ctypes.c_char * 128)]
 
 
@@ -1612,7 +1612,6 @@ class IpcObjects:
     sem_sets: int
     msg_queues: int
     shm_segments: int
-    shm_detached: int   # segments no process has attached
     posix_queues: int = 0
     posix_names: str = ""   # e.g. "/jobs, /results" (cut short with "...")
 
@@ -1673,7 +1672,7 @@ def ipc_objects(ipcns_fd: int, mq_dir: int, clear: bool = False,
     names = out.posix_names.decode(errors="replace")
     if not names.endswith("..."):   # in the directory's order, unless cut short
         names = ", ".join(sorted(names.split(", ")))
-    return IpcObjects(out.sem_sets, out.msg_queues, out.shm_segments, out.shm_detached,
+    return IpcObjects(out.sem_sets, out.msg_queues, out.shm_segments,
                       out.posix_queues, names)
 
 
@@ -1707,12 +1706,16 @@ def shm_segments(ipcns_fd: int) -> list[ShmSegment]:
             for s in out[:n.value]]
 
 
+def _shm_array(segments: Sequence[ShmSegment]) -> Any:
+    return (_ShmSegment * max(1, len(segments)))(
+        *[_ShmSegment(s.id, s.key, s.mode, s.uid, s.gid, 0, s.size, s.fd) for s in segments])
+
+
 def make_shm_segments(ipcns_fd: int, segments: Sequence[ShmSegment]) -> list[int]:
     """Make the IPC namespace's segments exactly `segments` (any other removed), each with
     its id, owner, mode and content: the ids of those found there removed (IPC_RMID) but
     still attached, which keep their id but not their key."""
-    arr = (_ShmSegment * max(1, len(segments)))(
-        *[_ShmSegment(s.id, s.key, s.mode, s.uid, s.gid, 0, s.size, s.fd) for s in segments])
+    arr = _shm_array(segments)
     err = _Err()
     if _load().dbxcr_ipcns_shm_make(ipcns_fd, arr, len(segments), ctypes.byref(err)) < 0:
         _raise(err)
@@ -1721,8 +1724,7 @@ def make_shm_segments(ipcns_fd: int, segments: Sequence[ShmSegment]) -> list[int
 
 def shm_segment_modes(ipcns_fd: int, segments: Sequence[ShmSegment]) -> None:
     """Give the segments made by make_shm_segments (open to all until then) their modes."""
-    arr = (_ShmSegment * max(1, len(segments)))(
-        *[_ShmSegment(s.id, s.key, s.mode, s.uid, s.gid, 0, s.size, -1) for s in segments])
+    arr = _shm_array(segments)
     err = _Err()
     if _load().dbxcr_ipcns_shm_modes(ipcns_fd, arr, len(segments), ctypes.byref(err)) < 0:
         _raise(err)

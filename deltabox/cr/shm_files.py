@@ -125,7 +125,7 @@ def _copy(pid: int, path: str) -> ShmFile | str:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return "not a regular file"
-        if (n := data_bytes(fd, st.st_size)) > MAX_BYTES:
+        if st.st_size > MAX_BYTES and (n := data_bytes(fd, st.st_size)) > MAX_BYTES:
             return (f"{n} bytes written in /dev/shm (more than {MAX_BYTES >> 20} MiB are "
                     "not copied at a checkpoint)")
         saved = os.memfd_create("dbx-shm", os.MFD_CLOEXEC)

@@ -149,8 +149,7 @@ def _refusal(s: native.ShmSegment) -> str | None:
         return "in huge pages (SHM_HUGETLB): not captured"
     if fs != _TMPFS:
         return f"on a file system of type {fs:#x}: not captured"
-    n = data_bytes(s.fd, s.size)
-    if n > MAX_BYTES:
+    if s.size > MAX_BYTES and (n := data_bytes(s.fd, s.size)) > MAX_BYTES:
         return f"{n} bytes written (more than {MAX_BYTES >> 20} MiB are not captured)"
     return None
 
@@ -168,9 +167,7 @@ def make(ipcns_fd: int, segments: list[Segment]) -> str:
     """Make the namespace's segments exactly `segments`, with their ids and content,
     before any process that attaches one is born; what could not be made as it was, for
     the response's note (or "")."""
-    removed = native.make_shm_segments(ipcns_fd, [
-        native.ShmSegment(s.id, s.key, s.mode, s.uid, s.gid, s.size,
-                          fd=s.saved if s.saved is not None else -1) for s in segments])
+    removed = native.make_shm_segments(ipcns_fd, _native(segments))
     if not removed:
         return ""
     ids = ", ".join(map(str, removed))
@@ -183,8 +180,13 @@ def settle(ipcns_fd: int, segments: list[Segment]) -> None:
     """Once every restored process has attached its segments: their own modes back (make
     leaves them open to all: a process attaches before it has its credentials back), and
     those removed at the checkpoint removed again."""
-    native.shm_segment_modes(ipcns_fd, [
-        native.ShmSegment(s.id, s.key, s.mode, s.uid, s.gid, s.size) for s in segments])
+    native.shm_segment_modes(ipcns_fd, _native(segments))
+
+
+def _native(segments: list[Segment]) -> list[native.ShmSegment]:
+    """The segments as native/ipcns.c takes them, with our copy of each one's content."""
+    return [native.ShmSegment(s.id, s.key, s.mode, s.uid, s.gid, s.size,
+                              fd=s.saved if s.saved is not None else -1) for s in segments]
 
 
 def remaps(segments: list[Segment], pid: int) -> list[native.Remap]:

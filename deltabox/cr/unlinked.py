@@ -159,7 +159,7 @@ def _refusal(h: _Held) -> str | None:
                 "sandbox's tree or memory: not captured")
     if h.st.st_nlink:
         return "still linked under another name: not captured"
-    if (n := _data_bytes_of(h)) > MAX_BYTES:
+    if h.st.st_size > MAX_BYTES and (n := _data_bytes_of(h)) > MAX_BYTES:
         return f"{n} bytes written (more than {MAX_BYTES >> 20} MiB are not captured)"
     rec = (h.fds or h.maps)[0][0]
     if not h.memory and \
