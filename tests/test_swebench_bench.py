@@ -94,7 +94,12 @@ def test_replay_agrees_across_systems(daemon, tmp_path: Path) -> None:
     assert lin["deltabox"]["codes"] == {str(i): c for i, c in enumerate([0, 0, 0, 2][:LINEAR])}
     assert sum(o["op"] == "checkpoint" for o in lin["deltabox"]["ops"]) == LINEAR + 1
     assert not runs["linear"]["repeats"] and set(runs["mcts"]["repeats"]) == {
-        "floor", "deltabox", "docker_commit"}
+        "floor", "deltabox", "deltabox_turn", "docker_commit"}
+    # every system replayed in lockstep, step by step: each replay spans the others'
+    for run in runs.values():
+        spans = [r["span_s"] for r in [*run["systems"].values(), *run["repeats"].values()]]
+        assert len(run["lockstep"]) == len(spans) and max(a for a, _ in spans) < min(
+            b for _, b in spans), run["lockstep"]
 
     mcts = runs["mcts"]
     assert set(mcts["systems"]) == set(core.ORDER)

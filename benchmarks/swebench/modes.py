@@ -20,8 +20,10 @@ action.
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
+from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -92,14 +94,18 @@ def _totals(ops: list[dict[str, Any]]) -> dict[str, float]:
     return {"e2e_ms": cr + act, "cr_ms": cr, "action_ms": act}
 
 
-def run_tree(system: System, steps: list[Step], linear: bool) -> dict[str, Any]:
-    """Replay a schedule (linear or mcts) on one system; what results.json keeps of it."""
-    t_wall = time.perf_counter()
+def tree_replay(system: System, steps: list[Step],
+                linear: bool) -> Generator[None, None, dict[str, Any]]:
+    """Replay a schedule (linear or mcts) on one system, pausing (a `yield`) after its
+    start and after every step; returns what results.json keeps of it (span_s: its
+    start and end, epoch seconds)."""
+    t_wall, t_begin = time.perf_counter(), time.time()
     codes: dict[int, Any] = {}
     hashes: dict[str, dict[str, str]] = {}
     system.start()
     try:
         system.checkpoint(0, [], step=-1)
+        yield
         for s in steps:
             path = list(range(s.depth - 1))
             system.pause()               # decides where to go next: then rollback + action
@@ -107,22 +113,64 @@ def run_tree(system: System, steps: list[Step], linear: bool) -> dict[str, Any]:
                 system.rollback(s.parent, path, s.step)
             codes[s.step] = system.act_and_checkpoint(s.action, s.step, s.node,
                                                       list(range(s.depth)))
-            if s.rollback and system.tree:
+            if s.rollback:
                 # After the action, not between the rollback and it: the hash reads every
                 # file, which would warm the page cache for the action; and deltabox_turn
                 # rolls back inside the action's call.
                 hashes[f"step {s.step}: node {s.parent}, then its action"] = system.hash()
             if linear and (s.step + 1) % HASH_EVERY_LINEAR == 0:
                 hashes[f"node {s.node}"] = system.hash()
+            yield
         hashes["final"] = system.hash()
     finally:
         system.close()
     out = {"ops": system.ops, **_totals(system.ops), "codes": codes, "hashes": hashes,
            "wall_ms": (time.perf_counter() - t_wall) * 1000,
-           "kills_untimed_ms": system.cleanup_ms}
-    if hasattr(system, "replay_codes"):
-        out["replay_codes"] = system.replay_codes
+           "span_s": [t_begin, time.time()], "kills_untimed_ms": system.cleanup_ms}
+    out.update(system.extras())
     return out
+
+
+def run_tree(system: System, steps: list[Step], linear: bool) -> dict[str, Any]:
+    """Replay a schedule on one system, from start to end."""
+    replay = tree_replay(system, steps, linear)
+    while True:
+        try:
+            next(replay)
+        except StopIteration as done:
+            return done.value
+
+
+def run_trees_lockstep(systems: dict[str, System], steps: list[Step], linear: bool,
+                       between: Callable[[], float]) -> tuple[dict[str, dict[str, Any]],
+                                                              list[float]]:
+    """Replay the schedule on every system at once, step by step: round r runs step r on
+    each system in turn, starting one system further each round, and `between` (the
+    runner's settle: sync, btrfs cleanup) runs after each system's step. A drift of the
+    machine over the minutes of a run then weighs on every system alike, where one replay
+    after another put it between them. Returns each system's result (as run_tree) and
+    the time `between` took per round."""
+    replays = {key: tree_replay(sys_, steps, linear) for key, sys_ in systems.items()}
+    results: dict[str, dict[str, Any]] = {}
+    settled: list[float] = []
+    try:
+        for r in itertools.count():
+            keys = list(replays)
+            if not keys:
+                break
+            spent = 0.0
+            for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+                try:
+                    next(replays[key])
+                except StopIteration as done:
+                    results[key] = done.value
+                    del replays[key]
+                spent += between()
+            settled.append(spent)
+    finally:
+        for replay in replays.values():     # a system failed: close the others' sandboxes
+            replay.close()
+    return {key: results[key] for key in systems}, settled
 
 
 def run_fanout(system: System, mid: int, counts: list[int]) -> dict[str, Any]:
@@ -142,7 +190,7 @@ def run_fanout(system: System, mid: int, counts: list[int]) -> dict[str, Any]:
         for n in counts:
             system.tag = {"phase": "fanout", "n": n}
             system.pause()               # one decision to fan out, then N children act
-            if not system.tree:
+            if not system.forks:
                 codes[str(n)] = [system.action(mid, mid, child=c) for c in range(n)]
                 continue
             kids = system.children(mid, path, n, mid)
@@ -165,8 +213,7 @@ def run_fanout(system: System, mid: int, counts: list[int]) -> dict[str, Any]:
     out = {"ops": system.ops, **_totals(system.ops), "per_n": per_n, "codes": codes,
            "hashes": hashes, "wall_ms": (time.perf_counter() - t_wall) * 1000,
            "kills_untimed_ms": system.cleanup_ms}
-    if hasattr(system, "replay_codes"):
-        out["replay_codes"] = system.replay_codes
+    out.update(system.extras())
     return out
 
 

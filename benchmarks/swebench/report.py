@@ -209,7 +209,7 @@ LABELS = {"deltabox": "DeltaBox"}
 def twice(doc: dict[str, Any]) -> list[str]:
     """The systems that ran twice somewhere in the run, in their order of the repeats."""
     names = {n for r in _runs(doc) for n in r.get("repeats", {})}
-    return [n for n in ("floor", "deltabox", "docker_commit") if n in names]
+    return [n for n in ("floor", "deltabox", "deltabox_turn", "docker_commit") if n in names]
 
 
 def repeated(p: dict[str, Any]) -> str:
@@ -221,10 +221,14 @@ def repeated(p: dict[str, Any]) -> str:
 
 
 def repeat_order(doc: dict[str, Any], p: dict[str, Any]) -> str:
-    """How the repeated systems were ordered (core.run_order), in words."""
+    """How the systems were ordered (core.run_order, modes.run_trees_lockstep), in words."""
     names = [LABELS.get(n, n) for n in twice(doc) or ["floor", "deltabox"]]
-    text = (f"{', '.join(names[:-1])} and {names[-1]} ran twice{repeated(p)}, in the order "
-            f"{', '.join(names + names[::-1])}, then the other baselines")
+    text = f"{', '.join(names[:-1])} and {names[-1]} ran twice{repeated(p)}"
+    if p.get("lockstep", False):
+        text += (" and, in linear and mcts, every replay in lockstep (step by step, each "
+                 "system in turn)")
+    else:
+        text += f", in the order {', '.join(names + names[::-1])}, then the other baselines"
     return text[0].upper() + text[1:]
 
 

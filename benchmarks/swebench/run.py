@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    f"thinking; default {core.Plan.think:g} s)")
     p.add_argument("--warmup", type=int, default=core.Plan.warmup_actions,
                    help="actions run untimed once per trajectory before measuring")
+    p.add_argument("--sequential", action="store_true",
+                   help="run the systems one after another (in linear and mcts too; "
+                   "default: there, all of them in lockstep, step by step)")
     p.add_argument("--no-repeat", action="store_true",
                    help="run every system once (default: floor, deltabox, docker_commit, "
                    "docker_commit, deltabox, floor, then the other baselines; the figures "
@@ -105,7 +108,7 @@ def make_plan(args: argparse.Namespace) -> core.Plan:
         seed=args.seed, fanout_counts=tuple(int(x) for x in fan.split(",")),
         replay_fanout_max=args.replay_fanout_max or (4 if args.quick else 8),
         timeout=args.timeout, think=args.think,
-        warmup_actions=args.warmup, repeat=not args.no_repeat,
+        warmup_actions=args.warmup, repeat=not args.no_repeat, lockstep=not args.sequential,
         repeat_modes=tuple(m for m in core.MODES if m in repeat_modes),
         linear_actions=args.linear_actions or (30 if args.quick else 0),
         turn_modes=("mcts",) if args.quick else ("linear", "mcts"))

@@ -135,7 +135,7 @@ class System:
     """Base: one live sandbox, a list of timed operations, the codes of the actions."""
 
     name = "system"
-    tree = True                   # replays the tree faithfully (floor does not roll back)
+    forks = True                  # makes children in fan-out (the floor runs the action N times)
 
     def __init__(self, ctx: Ctx) -> None:
         self.ctx = ctx
@@ -190,6 +190,17 @@ class System:
     def rollback(self, node: int, path: list[int], step: int) -> None:
         raise NotImplementedError
 
+    def extras(self) -> dict[str, Any]:
+        """What results.json keeps of this system besides its operations."""
+        return {}
+
+    def _replay(self, sbx: Any, path: list[int], step: int) -> list[Code]:
+        """Run the actions of `path` in `sbx` (a fresh sandbox): the node's state without
+        C/R. Their codes are kept in replay_codes; timing them is the caller's choice."""
+        codes = [run_action(self.ctx, sbx, self.ctx.traj.actions[i]) for i in path]
+        self.replay_codes.append({"step": step, "actions": list(path), "codes": codes})
+        return codes
+
     def children(self, node: int, path: list[int], n: int, step: int) -> list[Any]:
         """`n` sandboxes in the state of `node` (fan-out); the caller kills them."""
         raise NotImplementedError
@@ -204,11 +215,31 @@ class System:
 
 
 class Floor(System):
+    """The same actions in the same states, without checkpoint or rollback. A step that
+    expands another node than the live one gets that node's state off the clock: a fresh
+    sandbox with the node's path replayed, untimed (restart_replay's rollback, unpaid).
+    Before stop 59 the floor ran every expansion's action on one path, so its actions did
+    other work than the tree's (a `python x.py` after a rollback compiles its modules again;
+    on the floor's path they were compiled already)."""
+
     name = "floor"
-    tree = False
+    forks = False
+
+    def __init__(self, ctx: Ctx) -> None:
+        super().__init__(ctx)
+        self.replay_codes: list[dict[str, Any]] = []
+        self.replays_untimed_ms: list[float] = []
 
     def rollback(self, node: int, path: list[int], step: int) -> None:
-        """No C/R: the floor just goes on from where it is."""
+        old, self.sbx = self.sbx, None
+        self._kill(old)
+        t0 = time.perf_counter()
+        self.sbx = self.ctx.fresh()
+        self._replay(self.sbx, path, step)
+        self.replays_untimed_ms.append((time.perf_counter() - t0) * 1000)
+
+    def extras(self) -> dict[str, Any]:
+        return {"replay_codes": self.replay_codes, "replays_untimed_ms": self.replays_untimed_ms}
 
 
 class DeltaBox(System):
@@ -560,11 +591,6 @@ class RestartReplay(System):
         super().__init__(ctx)
         self.replay_codes: list[dict[str, Any]] = []
 
-    def _replay(self, sbx: Any, path: list[int], step: int) -> list[Code]:
-        codes = [run_action(self.ctx, sbx, self.ctx.traj.actions[i]) for i in path]
-        self.replay_codes.append({"step": step, "actions": list(path), "codes": codes})
-        return codes
-
     def rollback(self, node: int, path: list[int], step: int) -> None:
         old, self.sbx = self.sbx, None
         self._kill(old)
@@ -573,6 +599,9 @@ class RestartReplay(System):
         self._replay(self.sbx, path, step)
         self.record("rollback", (time.perf_counter() - t0) * 1000, step=step, node=node,
                     replayed=len(path))
+
+    def extras(self) -> dict[str, Any]:
+        return {"replay_codes": self.replay_codes}
 
     def children(self, node: int, path: list[int], n: int, step: int) -> list[Any]:
         kids = []
