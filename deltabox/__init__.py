@@ -19,7 +19,7 @@ from deltabox.errors import (DeadlineExceeded, DeltaBoxError, FailedPrecondition
 
 if TYPE_CHECKING:
     from deltabox.models import (Checkpoint, DaemonInfo, DiffResult, ExecResult, FileInfo,
-                                 RollbackResult, SandboxInfo, WriteResult)
+                                 ReadBytes, RollbackResult, SandboxInfo, WriteResult)
     from deltabox.sdk import Files, Sandbox, Session, info
 
 __version__ = "0.1.0"
@@ -35,6 +35,7 @@ _LAZY: dict[str, str] = {
     "DiffResult": "deltabox.models",
     "FileInfo": "deltabox.models",
     "WriteResult": "deltabox.models",
+    "ReadBytes": "deltabox.models",
     "SandboxInfo": "deltabox.models",
     "DaemonInfo": "deltabox.models",
 }
@@ -44,7 +45,7 @@ __all__ = [
     "NotFound", "ResourceExhausted", "Unavailable",
     "Sandbox", "Session", "Files", "info",
     "Checkpoint", "ExecResult", "RollbackResult", "DiffResult", "FileInfo", "WriteResult",
-    "SandboxInfo", "DaemonInfo",
+    "ReadBytes", "SandboxInfo", "DaemonInfo",
 ]
 
 

@@ -19,7 +19,8 @@ from typing import Any, BinaryIO
 from deltabox import convert, errors
 from deltabox.api import deltabox_pb2 as pb
 from deltabox.client import Client, connect
-from deltabox.models import Checkpoint, DiffResult, ExecResult, TurnReport, WriteResult
+from deltabox.models import (Checkpoint, DiffResult, ExecResult, ReadBytes, TurnReport,
+                             WriteResult)
 from deltabox.sdk import Sandbox
 
 PROG = "deltabox"
@@ -205,11 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
              "directory) receives the file under its own name.",
              "deltabox cp ./main.py $id:/workspace/\ndeltabox cp $id:/workspace/out.log -\n"
              "deltabox cp ./fix.py $id:/workspace/app.py --rollback-to $cp --checkpoint auto"
-             "   # an edit as a search step",
+             "   # an edit as a search step\n"
+             "deltabox cp $id:/workspace/app.py - --rollback-to $cp   # read it at node $cp",
              common)
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
-    _step_options(p, "once the file is written (upload only)", "nothing is written")
+    _step_options(p, "once the file is written (upload only)",
+                  "nothing is written or read")
     return parser
 
 
@@ -482,12 +485,14 @@ def cmd_exec(args: argparse.Namespace, client: Client) -> int:
     return _exit_status(result.exit_code)
 
 
-def _report_step(result: ExecResult | WriteResult) -> None:
+def _report_step(result: ExecResult | WriteResult | ReadBytes) -> None:
     """On stderr: the rollback a step asked for, its note, the checkpoint it promised."""
     if result.rollback is not None:
         print(f"{PROG}: rolled back to {result.rollback.checkpoint_id} first "
               f"({result.rollback.process_state or 'files'}; "
               f"{result.rollback.duration_ms:.1f} ms)", file=sys.stderr)
+    if isinstance(result, ReadBytes):
+        return
     if result.note:
         print(f"{PROG}: note: {result.note}", file=sys.stderr)
     if result.checkpoint_id:
@@ -639,8 +644,8 @@ def cmd_cp(args: argparse.Namespace, client: Client) -> int:
     dst_id, dst = parse_cp_spec(args.dst)
     if (src_id is None) == (dst_id is None):
         raise UsageError("exactly one of SRC and DST must be ID:PATH")
-    if dst_id is None and (args.checkpoint or args.rollback_to):
-        raise UsageError("--checkpoint and --rollback-to go with an upload (DST is ID:PATH)")
+    if dst_id is None and args.checkpoint:
+        raise UsageError("--checkpoint goes with an upload (DST is ID:PATH)")
     if dst_id is not None:  # upload
         if src != "-" and os.path.isdir(src):
             raise UsageError(f"{src} is a directory; cp copies single files")
@@ -656,7 +661,9 @@ def cmd_cp(args: argparse.Namespace, client: Client) -> int:
             _report_step(wrote)
         return 0
     assert src_id is not None
-    data = _sandbox(client, src_id).files.read(src)
+    data = _sandbox(client, src_id).files.read(src, rollback_to=args.rollback_to)
+    if isinstance(data, ReadBytes) and data.rollback is not None and not args.json:
+        _report_step(data)
     if dst == "-":
         _writer(sys.stdout.buffer)(data)
         return 0
@@ -665,7 +672,9 @@ def cmd_cp(args: argparse.Namespace, client: Client) -> int:
     with open(dst, "wb") as f:
         f.write(data)
     if args.json:
-        _print_json({"path": os.path.abspath(dst), "size": len(data)})
+        rolled = getattr(data, "rollback", None)
+        _print_json({"path": os.path.abspath(dst), "size": len(data),
+                     **({"rollback": rolled.model_dump()} if rolled is not None else {})})
     return 0
 
 

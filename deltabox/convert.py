@@ -34,9 +34,9 @@ def exec_result_from_parts(exit_code: int, stdout: bytes, stderr: bytes, duratio
     )
 
 
-def rollback_of(msg: pb.ExecResponse | pb.ExecChunk | pb.WriteFileResponse
+def rollback_of(msg: pb.ExecResponse | pb.ExecChunk | pb.WriteFileResponse | pb.FileData
                 ) -> models.RollbackResult | None:
-    """The rollback a command or a write asked for (`rollback_to`), None if none."""
+    """The rollback a command, a write or a read asked for (`rollback_to`), None if none."""
     return rollback_result(msg.rollback) if msg.HasField("rollback") else None
 
 

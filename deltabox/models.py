@@ -84,6 +84,18 @@ class WriteResult(FileInfo):
     note: str = ""
 
 
+class ReadBytes(bytes):
+    """A file's bytes as `Files.read(path, rollback_to=cp)` returns them: bytes in every
+    way, with the rollback asked for before the read (as ExecResult.rollback)."""
+
+    rollback: RollbackResult | None
+
+    def __new__(cls, data: bytes, rollback: RollbackResult | None) -> ReadBytes:
+        out = super().__new__(cls, data)
+        out.rollback = rollback
+        return out
+
+
 class SandboxInfo(_Model):
     id: str
     family_id: str

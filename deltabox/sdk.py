@@ -23,7 +23,7 @@ from deltabox import convert, errors
 from deltabox.api import deltabox_pb2 as pb
 from deltabox.client import Client, connect, default_socket
 from deltabox.models import (Checkpoint, DaemonInfo, DiffResult, ExecResult, FileInfo,
-                             RollbackResult, SandboxInfo, TurnReport, WriteResult)
+                             ReadBytes, RollbackResult, SandboxInfo, TurnReport, WriteResult)
 
 __all__ = ["Sandbox", "Session", "Files", "info"]
 
@@ -377,8 +377,17 @@ class Files:
                                   rollback_to=_cp_id_or_none(rollback_to))
         return convert.write_result(self._call("WriteFile", req))
 
-    def read(self, path: str) -> bytes:
-        return bytes(self._call("ReadFile", self._ref(path)).data)
+    def read(self, path: str, rollback_to: CheckpointLike | None = None) -> bytes:
+        """The file's bytes. With `rollback_to`, the sandbox is first rolled back to that
+        checkpoint, as in Sandbox.exec: a step that begins by reading the file it edits is
+        one call; the bytes are then a ReadBytes whose `rollback` is the rollback's
+        result. If the rollback fails, nothing is read and its error is raised."""
+        req = pb.ReadFileRequest(sandbox_id=self._sandbox.id, path=path,
+                                 rollback_to=_cp_id_or_none(rollback_to))
+        msg = self._call("ReadFile", req)
+        if not req.rollback_to:
+            return bytes(msg.data)
+        return ReadBytes(msg.data, convert.rollback_of(msg))
 
     def read_text(self, path: str, encoding: str = "utf-8") -> str:
         return self.read(path).decode(encoding, errors="replace")

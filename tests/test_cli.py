@@ -87,10 +87,15 @@ def test_cli_cp_as_a_search_step(daemon, tmp_path) -> None:
         assert cli(daemon, "exec", sid, "--", "cat", "/workspace/f").stdout == "node\n"
         cli(daemon, "rollback", sid, child.group(1))
         assert cli(daemon, "exec", sid, "--", "cat", "/workspace/f").stdout == "edited\n"
-        r = cli(daemon, "cp", f"{sid}:/workspace/f", str(tmp_path / "out"), "--rollback-to",
-                cp, check=False)                          # a download is no step
-        assert r.returncode == 2 and "go with an upload" in r.stderr, r.stderr
+        r = cli(daemon, "cp", f"{sid}:/workspace/f", str(tmp_path / "out"), "--checkpoint",
+                "auto", check=False)                      # a download checkpoints nothing
+        assert r.returncode == 2 and "goes with an upload" in r.stderr, r.stderr
         assert not (tmp_path / "out").exists()
+        # a read at the node: rolled back to CP, then the file downloaded
+        r = cli(daemon, "cp", f"{sid}:/workspace/f", "-", "--rollback-to", cp)
+        assert r.stdout == "node\n" and f"rolled back to {cp} first" in r.stderr, r.stderr
+        assert cli(daemon, "exec", sid, "--", "test", "-e", "/workspace/g",
+                   check=False).returncode == 1
     finally:
         cli(daemon, "rm", sid, check=False)
 

@@ -104,6 +104,46 @@ def test_an_edit_is_a_step_too(sbx: Sandbox) -> None:
     assert plain.rollback is None and plain.checkpoint_id == ""
 
 
+def test_a_read_begins_a_step(sbx: Sandbox) -> None:
+    """files.read(..., rollback_to=): an edit that reads the file first (str_replace) starts
+    its step with the read, rolled back to the node; the write then checkpoints the end."""
+    s = sbx.session("main")
+    sbx.files.write("src.py", "x = 'node'\n")
+    node = sbx.checkpoint()
+    s.run("X=later")
+    sbx.files.write("src.py", "x = 'elsewhere'\n")
+    sbx.files.write("other", "made after the node")
+
+    text = sbx.files.read("src.py", rollback_to=node)
+    assert text == b"x = 'node'\n" and isinstance(text, deltabox.ReadBytes)
+    assert text.rollback is not None and text.rollback.checkpoint_id == node.id
+    assert text.rollback.process_state == "restored"
+    assert not sbx.files.exists("other")            # rolled back before the read
+    assert s.run("echo ${X-unset}").stdout == "unset\n"
+    w = sbx.files.write("src.py", text.replace(b"node", b"child"), checkpoint="auto")
+    sbx.rollback(node)
+    sbx.rollback(w.checkpoint_id)
+    assert sbx.files.read("src.py") == b"x = 'child'\n"
+    plain = sbx.files.read("src.py")
+    assert type(plain) is bytes                     # no rollback asked: plain bytes
+
+    sbx.files.write("src.py", "x = 'elsewhere'\n")
+    with pytest.raises(deltabox.NotFound):          # absent at the node: rolled back anyway
+        sbx.files.read("other", rollback_to=node)
+    assert sbx.files.read("src.py") == b"x = 'node'\n"
+
+
+def test_a_read_whose_rollback_fails_reads_nothing(sbx: Sandbox) -> None:
+    sbx.files.write("e", "before")
+    cp = sbx.checkpoint()
+    sbx.files.write("e", "now")
+    with pytest.raises(deltabox.NotFound, match="cp-0000000000"):
+        sbx.files.read("e", rollback_to="cp-0000000000")
+    with pytest.raises(deltabox.InvalidArgument, match="path"):
+        sbx.files.read("", rollback_to=cp)      # refused for itself, before the rollback
+    assert sbx.files.read("e") == b"now"           # not rolled back
+
+
 def test_an_edit_whose_rollback_fails_writes_nothing(sbx: Sandbox) -> None:
     sbx.files.write("e", "before")
     cp = sbx.checkpoint()

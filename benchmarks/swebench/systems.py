@@ -74,26 +74,38 @@ def run_action(ctx: Ctx, sbx: Any, action: Action) -> Code:
     return run_edit(ctx, sbx, action)[0]
 
 
+@dataclass
+class NoWrite:
+    """An edit that wrote nothing (its old text absent): the rollback its read carried."""
+    rollback: Any
+    checkpoint_id: str = ""
+
+
 def run_edit(ctx: Ctx, sbx: Any, action: Action, **turn: Any) -> tuple[Code, Any]:
     """A file action (create, or replace `old` by `new` once); with `checkpoint=MODE,
-    checkpoint_label=...` and `rollback_to=CP` passed to its write, as run_shell's (an
-    edit reads the file first: its rollback must then come before, in a call of its own).
-    (code, the SDK's WriteResult or None if nothing was written)."""
+    checkpoint_label=...` and `rollback_to=CP` as run_shell's: the rollback in the
+    action's first call (an edit's read of the file, a create's write), the checkpoint in
+    its write. (code, the SDK's WriteResult with the rollback's result, a NoWrite if
+    nothing was written, or None if the first call failed)."""
     from deltabox import errors
 
     path = action.path if action.path.startswith("/") else f"{ctx.env.workdir}/{action.path}"
+    first = {"rollback_to": turn.pop("rollback_to")} if "rollback_to" in turn else {}
     try:
         if action.kind == "create":
-            return 0, sbx.files.write(path, action.content, **turn)
-        text = sbx.files.read(path).decode("utf-8", errors="surrogateescape")
+            return 0, sbx.files.write(path, action.content, **first, **turn)
+        data = sbx.files.read(path, **first)
     except errors.NotFound:
         return "missing", None
     except errors.DeltaBoxError as e:
         return f"error:{type(e).__name__}", None
+    rolled = getattr(data, "rollback", None)
+    text = data.decode("utf-8", errors="surrogateescape")
     if action.old not in text:
-        return "no-match", None
-    return 0, sbx.files.write(path, text.replace(action.old, action.new, 1).encode(
+        return "no-match", NoWrite(rolled)
+    w = sbx.files.write(path, text.replace(action.old, action.new, 1).encode(
         "utf-8", errors="surrogateescape"), **turn)
+    return 0, w.model_copy(update={"rollback": rolled}) if rolled is not None else w
 
 
 def run_shell(ctx: Ctx, sbx: Any, action: Action, **turn: Any) -> tuple[Code, Any]:
@@ -290,13 +302,14 @@ class DeltaBoxTurn(DeltaBox):
     action is `exec(..., rollback_to=NODE, checkpoint="auto")`: the rollback to the node
     it expands, the action, and the checkpoint at its end asked for in the same call. The
     daemon takes the checkpoint while the agent thinks (the untimed pause); a rollback or
-    fork naming it waits for it if it is not done. A file action's write carries the same
-    (`files.write(..., rollback_to=, checkpoint=)`); an edit reads the file first, so its
-    rollback is a call of its own before it; one that writes nothing (its old text absent)
-    takes its checkpoint with `checkpoint(background=True)`. Recorded: a rollback inside
-    the action's call as its daemon time, the action as the rest of the call; as the
-    checkpoint's client time only an extra call (0 when the action's call took it); the
-    checkpoint's own daemon time and kind are read afterwards, untimed."""
+    fork naming it waits for it if it is not done. A file action carries the same: a
+    create's write both (`files.write(..., rollback_to=, checkpoint=)`), an edit the
+    rollback in its read of the file (`files.read(..., rollback_to=)`, since stop 59; a
+    call of its own before) and the checkpoint in its write; one that writes nothing (its
+    old text absent) takes its checkpoint with `checkpoint(background=True)`. Recorded: a
+    rollback inside the action's call as its daemon time, the action as the rest of the
+    call; as the checkpoint's client time only an extra call (0 when the action's call
+    took it); the checkpoint's own daemon time and kind are read afterwards, untimed."""
 
     name = "deltabox_turn"
 
@@ -308,18 +321,9 @@ class DeltaBoxTurn(DeltaBox):
         """Deferred to the next action's call (act_and_checkpoint)."""
         self.pending = (node, step)
 
-    def _rollback_now(self) -> None:
-        """A deferred rollback the next action cannot carry (a file edit): its own call."""
-        if self.pending is not None:
-            node, step = self.pending
-            self.pending = None
-            super().rollback(node, [], step)
-
     def act_and_checkpoint(self, idx: int, step: int, node: int, path: list[int]) -> Code:
         action = self.ctx.traj.actions[idx]
         label = f"node {node}"
-        if action.kind == "edit":
-            self._rollback_now()
         rollback, self.pending = self.pending, None
         t0 = time.perf_counter()
         turn: dict[str, Any] = {"checkpoint": "auto", "checkpoint_label": label}
@@ -329,7 +333,7 @@ class DeltaBoxTurn(DeltaBox):
         code, r = act(self.ctx, self.sbx, action, **turn)
         cp_id, rb = (r.checkpoint_id, r.rollback) if r is not None else ("", None)
         t1 = t2 = time.perf_counter()
-        if r is None and action.kind != "shell":  # nothing written: a call of its own
+        if not cp_id and action.kind != "shell":  # nothing written: a call of its own
             cp_id = self.sbx.checkpoint(label=label, background=True).id
             t2 = time.perf_counter()
         rb_ms = 0.0

@@ -27,7 +27,7 @@ from ..fs.files import FileStat
 from ..models import CreateParams
 from .db import CheckpointRow, SandboxRow
 from .idlegc import IdleCollector
-from .service import Daemon, Ran, Wrote
+from .service import Daemon, Ran, Read, Wrote
 
 log = logging.getLogger("deltaboxd")
 T = TypeVar("T")
@@ -63,8 +63,8 @@ def exec_pb(ran: Ran) -> pb.ExecResponse:
                            checkpoint_id=ran.checkpoint_id, rollback=rollback_pb(ran))
 
 
-def rollback_pb(ran: Ran | Wrote) -> pb.RollbackResponse | None:
-    """The rollback a command or a write asked for (`rollback_to`), unset if none."""
+def rollback_pb(ran: Ran | Wrote | Read) -> pb.RollbackResponse | None:
+    """The rollback a command, a write or a read asked for (`rollback_to`), unset if none."""
     return pb.RollbackResponse(**ran.rollback) if ran.rollback is not None else None
 
 
@@ -264,7 +264,9 @@ class Servicer(pb_grpc.DeltaBoxServicer):
         return self._run(context, lambda: self.d.files(request.sandbox_id, op, *args, **kw))
 
     def ReadFile(self, request, context):  # noqa: N802
-        return pb.FileData(data=self._files(context, request, "read", request.path))
+        r = self._run(context, self.d.read_file, request.sandbox_id, request.path,
+                      request.rollback_to)
+        return pb.FileData(data=r.data, rollback=rollback_pb(r))
 
     def WriteFile(self, request, context):  # noqa: N802
         w = self._run(context, self.d.write_file, request.sandbox_id, request.path,

@@ -315,6 +315,14 @@ class Wrote:
     rollback: dict | None = None
 
 
+@dataclass
+class Read:
+    """A file read's end, as ReadFile reports it: the data, and the rollback asked for
+    before it."""
+    data: bytes
+    rollback: dict | None = None
+
+
 R = TypeVar("R", Ran, Wrote)
 
 
@@ -979,6 +987,18 @@ class Daemon:
         assert isinstance(stat, FileStat)
         return await self._turn_end(sid, Wrote(stat, rollback=rolled), checkpoint,
                                     checkpoint_label, answered)
+
+    async def read_file(self, sid: str, path: str, rollback_to: str = "") -> Read:
+        """Read a file (SandboxFiles.read); with `rollback_to`, the sandbox rolled back to
+        that checkpoint first, as exec and write_file do: a step that begins by reading the
+        file it edits, at the node it expands, is one round trip. A path refused for itself
+        is refused before the rollback; a read that fails after it (the file is absent at
+        that checkpoint) leaves the sandbox rolled back, as two calls would."""
+        check_path(path)
+        rolled = await self._rollback_first(sid, rollback_to)
+        data = await self.files(sid, "read", path)
+        assert isinstance(data, bytes)
+        return Read(data, rollback=rolled)
 
     async def session_run(self, sid: str, name: str, command: str, timeout: float,
                           checkpoint: str = "", checkpoint_label: str = "",
