@@ -2155,6 +2155,80 @@ def test_a_programs_big_child_is_its_child_again(sbx: Sandbox, restore: Restore)
     assert target.files.read("seen") == b"exited 7"
 
 
+# A parent and the child it forked, the child sandboxed by a seccomp filter of its own
+# (sshd's pre-auth child, a browser's renderer): one instruction allowing every call,
+# enough to count in /proc status. `wait`: the parent waits for it.
+SECCOMP_CHILD = r"""
+import ctypes, os, struct, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+kid = os.fork()
+if kid == 0:
+    insn = ctypes.create_string_buffer(struct.pack("=HBBI", 0x06, 0, 0, 0x7FFF0000))
+    prog = ctypes.create_string_buffer(struct.pack("=H6xQ", 1, ctypes.addressof(insn)))
+    assert libc.prctl(38, 1, 0, 0, 0) == 0                          # PR_SET_NO_NEW_PRIVS
+    assert libc.syscall(317, 1, 0, prog) == 0, ctypes.get_errno()   # SECCOMP_SET_MODE_FILTER
+    open("/workspace/kid", "w").write(str(os.getpid()))
+    while True:
+        time.sleep(0.05)
+open("/workspace/parent", "w").write(str(os.getpid()))
+if sys.argv[1] == "wait":
+    os.waitpid(kid, 0)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def _status(sbx: Sandbox, pid: int) -> dict[str, int]:
+    out = sbx.exec(f"grep -E '^(PPid|Seccomp_filters):' /proc/{pid}/status").stdout
+    return {k: int(v) for k, v in (line.split(":") for line in out.splitlines())}
+
+
+def test_a_child_with_a_seccomp_filter_of_its_own_keeps_it(sbx: Sandbox) -> None:
+    """A child born from its restored parent gets the parent's seccomp filters, and no call
+    reads or takes one off: until stop 59 such a child (adopted: a program's child) came
+    back running without the filter it had installed, silently. Now it comes back from
+    its own template, its filters its own, as a child of init, and the note says why."""
+    sbx.files.write("sec.py", SECCOMP_CHILD)
+    sbx.exec("cd /workspace && nohup python3 sec.py poll >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("kid") and sbx.files.exists("parent"))
+    kid, parent = int(sbx.files.read("kid")), int(sbx.files.read("parent"))
+    before = _status(sbx, kid)
+    assert before["Seccomp_filters"] == _status(sbx, parent)["Seccomp_filters"] + 1
+    assert before["PPid"] == parent
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    sbx.exec(f"kill {kid} {parent}")
+
+    res = sbx.rollback(cp)
+    assert res.process_state == "restored", res
+    assert _status(sbx, kid)["Seccomp_filters"] == before["Seccomp_filters"]
+    assert _status(sbx, parent)["Seccomp_filters"] == before["Seccomp_filters"] - 1
+    assert f"pid {kid} (python3 sec.py poll) is now a child of init" in res.note, res.note
+    assert "seccomp filters" in res.note, res.note
+
+    child = sbx.fork(cp)[0]
+    try:
+        assert child.process_state == "restored", child.fork_note
+        assert "seccomp filters" in child.fork_note, child.fork_note
+        assert _status(child, kid)["Seccomp_filters"] == before["Seccomp_filters"]
+    finally:
+        child.kill()
+
+
+def test_a_parent_waiting_for_a_child_with_a_seccomp_filter_of_its_own_is_refused(
+        sbx: Sandbox) -> None:
+    """Its wait would fail once restored (the child no longer its child): refused, named."""
+    sbx.files.write("sec.py", SECCOMP_CHILD)
+    sbx.exec("cd /workspace && nohup python3 sec.py wait >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("kid") and sbx.files.exists("parent"))
+    parent = int(sbx.files.read("parent"))
+    with pytest.raises(deltabox.FailedPrecondition, match=(
+            rf"pid {parent} \(python3 sec.py wait\): waits for its child \d+ .*seccomp "
+            r"filters")):
+        sbx.checkpoint(mode="full")
+    assert sbx.checkpoint(mode="fs").kind == "fs"
+
+
 # A parent and the child it forked (no exec), each changing the memory they shared in its
 # own way, as a multiprocessing worker and its pool do: 2048 pages, 0-1535 patterned
 # before the fork. The child writes 100-199, drops 200-299 (MADV_DONTNEED: zero again),

@@ -75,15 +75,22 @@ def test_a_rollback_that_fails_runs_nothing(daemon, sbx: Sandbox) -> None:
     assert sbx.files.read("h") == b"after"
 
 
-def test_an_edit_is_a_step_too(sbx: Sandbox) -> None:
-    """files.write(..., rollback_to=, checkpoint=): rolled back to the node, the file
-    written there, the result checkpointed; the node and the child each keep their own."""
+def _edited_since_a_node(sbx: Sandbox) -> tuple[deltabox.Session, deltabox.Checkpoint]:
+    """A node (src.py, a session), then changes since: src.py rewritten, a file made, a
+    shell variable set."""
     s = sbx.session("main")
     sbx.files.write("src.py", "x = 'node'\n")
     node = sbx.checkpoint()
     s.run("X=later")
     sbx.files.write("src.py", "x = 'elsewhere'\n")
     sbx.files.write("other", "made after the node")
+    return s, node
+
+
+def test_an_edit_is_a_step_too(sbx: Sandbox) -> None:
+    """files.write(..., rollback_to=, checkpoint=): rolled back to the node, the file
+    written there, the result checkpointed; the node and the child each keep their own."""
+    s, node = _edited_since_a_node(sbx)
 
     w = sbx.files.write("src.py", "x = 'child'\n", rollback_to=node, checkpoint="auto",
                         checkpoint_label="child")
@@ -107,12 +114,7 @@ def test_an_edit_is_a_step_too(sbx: Sandbox) -> None:
 def test_a_read_begins_a_step(sbx: Sandbox) -> None:
     """files.read(..., rollback_to=): an edit that reads the file first (str_replace) starts
     its step with the read, rolled back to the node; the write then checkpoints the end."""
-    s = sbx.session("main")
-    sbx.files.write("src.py", "x = 'node'\n")
-    node = sbx.checkpoint()
-    s.run("X=later")
-    sbx.files.write("src.py", "x = 'elsewhere'\n")
-    sbx.files.write("other", "made after the node")
+    s, node = _edited_since_a_node(sbx)
 
     text = sbx.files.read("src.py", rollback_to=node)
     assert text == b"x = 'node'\n" and isinstance(text, deltabox.ReadBytes)

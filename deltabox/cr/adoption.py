@@ -42,9 +42,11 @@ r_keep_forked, since stop 54). So a shell's bigger children
 that it does not wait for (a server or a worker started with `nohup prog &` from a
 session) come back from their templates as before (fast, from carriers) as children of
 init; the rollback's response names them (orphaned). A program's children are worth
-their copy: what it does with them breaks without it. Not adoptable: a child in another session
-than its parent's that does not lead it (it could not be put back in that session); its
-parent waiting for it is refused at the checkpoint (refusals).
+their copy: what it does with them breaks without it. Not adoptable (`adoptable`): a child in
+another session than its parent's that does not lead it (it could not be put back in that
+session), and one running under other seccomp filters than its parent's (born from its
+parent it would get the parent's: since stop 59); its parent waiting for it is refused at
+the checkpoint (refusals).
 
 The images: the checkpoint's durable process dump (daemon/dumps.py, written in the
 background after every full checkpoint) once it is complete, else a live image of the
@@ -84,7 +86,7 @@ def adoptees(records: Iterable[ProcessRecord],
     syscalls = template_syscalls(templates)
     out = {}
     for r, parent in _with_parents(records):
-        if not same_session(r, parent):
+        if not adoptable(r, parent):
             continue
         if cheap(r) or r.pid in forced or not is_shell(parent):
             out[r.pid] = parent.pid
@@ -135,7 +137,21 @@ def adopted_sessions(records: Iterable[ProcessRecord]) -> set[int]:
 
 def _born_in_session(r: ProcessRecord, by_pid: Mapping[int, ProcessRecord]) -> bool:
     parent = by_pid.get(r.ppid)
-    return parent is not None and parent.sid == r.sid and (cheap(r) or not is_shell(parent))
+    return (parent is not None and parent.sid == r.sid and adoptable(r, parent)
+            and (cheap(r) or not is_shell(parent)))
+
+
+def adoptable(child: ProcessRecord, parent: ProcessRecord) -> bool:
+    """Whether a restore can give `child` back to `parent` faithfully at all: born in its
+    parent's session (it can stay there or lead its own), and running under its parent's
+    seccomp filters. An adopted child is born a fork of its restored parent and so gets
+    the parent's filters: a child that installed a filter of its own (a sandboxed worker:
+    sshd's pre-auth child, a browser's renderer) would come back without it, silently
+    (reading it with PTRACE_SECCOMP_GET_FILTER and installing it again in the newborn
+    is not done). So it comes back from its template instead, its filters its own, as a
+    child of init (the note names it). Compared by count (/proc status): a parent and a
+    child that each added as many since the fork are not told apart."""
+    return same_session(child, parent) and child.seccomp_filters == parent.seccomp_filters
 
 
 def cheap(child: ProcessRecord) -> bool:
@@ -152,10 +168,13 @@ def orphaned(records: Iterable[ProcessRecord], family: Mapping[int, int],
     for r, parent in _with_parents(records):
         if r.pid in family:
             continue
-        why = ("it maps memory shared with another process" if r.shared else
+        why = ("it is in another session" if not same_session(r, parent) else
+               f"it runs under {r.seccomp_filters} seccomp filters, its parent under "
+               f"{parent.seccomp_filters}: from its parent it would get the parent's"
+               if not adoptable(r, parent) else
+               "it maps memory shared with another process" if r.shared else
                f"its {r.rss_kb // 1024} MB are over the {ADOPT_MAX_RSS_KB // 1024} MB "
-               "copied for a shell's child it does not wait for"
-               if same_session(r, parent) else "it is in another session")
+               "copied for a shell's child it does not wait for")
         out.append(f"pid {r.nspid} ({r.cmd}) is now a child of init, not of pid "
                    f"{parent.nspid} ({why})")
     if len(out) > most:
@@ -172,18 +191,22 @@ def refusals(records: Iterable[ProcessRecord],
     calls: dict[int, Calls] = {}   # each parent's, read once
     out = []
     for kid, parent in _with_parents(records):
-        if same_session(kid, parent):
+        if adoptable(kid, parent):
             continue
         if parent.pid not in calls:
             calls[parent.pid] = syscalls(parent.pid)
         name = _waiting_for(calls[parent.pid], kid)
         if name is not None:
+            why = ("it is in another session than its parent's, which it does not lead"
+                   if not same_session(kid, parent) else
+                   f"it runs under {kid.seccomp_filters} seccomp filters, its parent under "
+                   f"{parent.seccomp_filters}, and a child given back to its parent gets "
+                   "the parent's")
             out.append(Refusal(parent.nspid, parent.cmd, (
                 f"waits for its child {kid.nspid} ({kid.cmd}) ({name}), which would not be "
-                "its child once restored (it is in another session than its parent's, which "
-                "it does not lead), so the wait would fail (ECHILD) and a made-up exit "
-                "status would follow; checkpoint once the wait has returned, or with "
-                "mode=\"fs\"")))
+                f"its child once restored ({why}), so the wait would fail (ECHILD) and a "
+                "made-up exit status would follow; checkpoint once the wait has returned, "
+                "or with mode=\"fs\"")))
     return out
 
 

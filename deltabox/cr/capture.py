@@ -101,6 +101,7 @@ class ProcessRecord:
     ptimers: list[list[int]] = field(default_factory=list)
     # it sat in a job-control stop (Template.group_stop: kept for a restore from disk)
     stopped: bool = False
+    seccomp_filters: int = 0  # seccomp filters it runs under (adoption.py: its parent's?)
     tty_nr: int = 0           # its controlling terminal (/proc/pid/stat; cr/ptys.py)
     tpgid: int = -1           # that terminal's foreground process group (host pid)
     # the memory it locked (mlock, mlockall's MCL_CURRENT), locked again at every restore;
@@ -275,7 +276,7 @@ def record(pid: int, st: native.ProcStatus, head: Head | None = None,
                          fds=native.fds(pid), rss_kb=st.rss_kb, mappings=mappings,
                          shared=shared, mapped_ro=read_only,
                          deleted_private=deleted_private, timers=posix_timers(pid),
-                         tty_nr=st.tty_nr, tpgid=st.tpgid,
+                         tty_nr=st.tty_nr, tpgid=st.tpgid, seccomp_filters=st.seccomp_filters,
                          mlocks=locked_ranges(pid) if st.locked_kb else [],
                          zombies=zombie_children(pid, alive), creds=creds,
                          creds_unread=unread)

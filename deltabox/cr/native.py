@@ -1356,6 +1356,7 @@ class ProcStatus:
     tty_nr: int = 0         # its controlling terminal's device number (0: none)
     tpgid: int = -1         # that terminal's foreground process group (host pid)
     locked_kb: int = 0      # memory it locked (VmLck)
+    seccomp_filters: int = 0  # seccomp filters it runs under (Seccomp_filters)
 
 
 def proc_field(text: bytes, name: bytes) -> bytes | None:
@@ -1390,13 +1391,15 @@ def proc_status(pid: int) -> ProcStatus:
     caps = proc_field(status, b"CapEff")
     uid = proc_field(status, b"Uid")
     locked = proc_field(status, b"VmLck")
+    filters = proc_field(status, b"Seccomp_filters")
     return ProcStatus(ppid=int(f[1]), pgid=int(f[2]), sid=int(f[3]), threads=int(f[17]),
                       state=f[0].decode(), tracer_pid=int(tracer),
                       nspid=tuple(int(x) for x in nspid.split()) if nspid else (pid,),
                       rss_kb=int(rss.split()[0]) if rss else 0,
                       cap_eff=int(caps, 16) if caps else -1,
                       uid=int(uid.split()[0]) if uid else 0, tty_nr=int(f[4]),
-                      tpgid=int(f[5]), locked_kb=int(locked.split()[0]) if locked else 0)
+                      tpgid=int(f[5]), locked_kb=int(locked.split()[0]) if locked else 0,
+                      seccomp_filters=int(filters) if filters else 0)
 
 
 def ids_in_namespace(pid: int, level: int) -> tuple[int, int, int] | None:
