@@ -124,7 +124,8 @@ def run_mode(ctx: Ctx, mode: str, plan: Plan) -> dict[str, Any]:
         for key, res in results.items():
             log(f"{ctx.traj.name[:48]} {mode}: {key} e2e {res['e2e_ms'] / 1000:.2f} s "
                 f"(C/R {res['cr_ms'] / 1000:.2f} s)")
-            (run["repeats"] if key.endswith("#2") else run["systems"])[key.split("#")[0]] = res
+            name = key.split("#")[0]
+            (run["repeats"] if key.endswith("#2") else run["systems"])[name] = res
     else:
         for key in keys:
             name = key.split("#")[0]

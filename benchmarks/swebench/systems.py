@@ -147,7 +147,7 @@ class System:
     """Base: one live sandbox, a list of timed operations, the codes of the actions."""
 
     name = "system"
-    forks = True                  # makes children in fan-out (the floor runs the action N times)
+    forks = True                  # makes children in fan-out (the floor: the action N times)
 
     def __init__(self, ctx: Ctx) -> None:
         self.ctx = ctx
@@ -251,7 +251,8 @@ class Floor(System):
         self.replays_untimed_ms.append((time.perf_counter() - t0) * 1000)
 
     def extras(self) -> dict[str, Any]:
-        return {"replay_codes": self.replay_codes, "replays_untimed_ms": self.replays_untimed_ms}
+        return {"replay_codes": self.replay_codes,
+                "replays_untimed_ms": self.replays_untimed_ms}
 
 
 class DeltaBox(System):
