@@ -19,8 +19,8 @@ from typing import Any, BinaryIO
 from deltabox import convert, errors
 from deltabox.api import deltabox_pb2 as pb
 from deltabox.client import Client, connect
-from deltabox.models import (Checkpoint, DiffResult, ExecResult, ReadBytes, TurnReport,
-                             WriteResult)
+from deltabox.models import (Checkpoint, DiffResult, ExecResult, ReadBytes, RollbackResult,
+                             TurnReport, WriteResult)
 from deltabox.sdk import Sandbox
 
 PROG = "deltabox"
@@ -485,14 +485,17 @@ def cmd_exec(args: argparse.Namespace, client: Client) -> int:
     return _exit_status(result.exit_code)
 
 
-def _report_step(result: ExecResult | WriteResult | ReadBytes) -> None:
+def _report_rollback(rolled: RollbackResult | None) -> None:
+    """On stderr: the rollback a step asked for before it."""
+    if rolled is not None:
+        print(f"{PROG}: rolled back to {rolled.checkpoint_id} first "
+              f"({rolled.process_state or 'files'}; {rolled.duration_ms:.1f} ms)",
+              file=sys.stderr)
+
+
+def _report_step(result: ExecResult | WriteResult) -> None:
     """On stderr: the rollback a step asked for, its note, the checkpoint it promised."""
-    if result.rollback is not None:
-        print(f"{PROG}: rolled back to {result.rollback.checkpoint_id} first "
-              f"({result.rollback.process_state or 'files'}; "
-              f"{result.rollback.duration_ms:.1f} ms)", file=sys.stderr)
-    if isinstance(result, ReadBytes):
-        return
+    _report_rollback(result.rollback)
     if result.note:
         print(f"{PROG}: note: {result.note}", file=sys.stderr)
     if result.checkpoint_id:
@@ -662,8 +665,8 @@ def cmd_cp(args: argparse.Namespace, client: Client) -> int:
         return 0
     assert src_id is not None
     data = _sandbox(client, src_id).files.read(src, rollback_to=args.rollback_to)
-    if isinstance(data, ReadBytes) and data.rollback is not None and not args.json:
-        _report_step(data)
+    if isinstance(data, ReadBytes) and not args.json:
+        _report_rollback(data.rollback)
     if dst == "-":
         _writer(sys.stdout.buffer)(data)
         return 0

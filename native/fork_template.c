@@ -2016,7 +2016,6 @@ int dbxcr_template_drop_fds(struct dbxcr_template *tpl, struct dbxcr_error *err)
 	return rc;
 }
 
-/* One argument-less call (setpgid(0, 0) or setsid()) injected into the parked template. */
 /* One call injected into the parked template, which is parked again after it. */
 static int template_call(struct dbxcr_template *tpl, long nr, const long args[6],
 			 const char *what, struct dbxcr_error *err)

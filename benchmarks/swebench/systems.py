@@ -155,6 +155,7 @@ class System:
         self.ops: list[dict[str, Any]] = []
         self.cleanup_ms: list[float] = []      # kills of replaced sandboxes (untimed)
         self.tag: dict[str, Any] = {}          # merged into every record (phase, fan-out N)
+        self.replay_codes: list[dict[str, Any]] = []   # paths replayed (_replay)
 
     # --- bookkeeping ----------------------------------------------------------------------
     def record(self, op: str, ms: float, **extra: Any) -> dict[str, Any]:
@@ -213,6 +214,16 @@ class System:
         self.replay_codes.append({"step": step, "actions": list(path), "codes": codes})
         return codes
 
+    def _restart(self, path: list[int], step: int) -> float:
+        """The live sandbox replaced by a fresh one with `path` replayed in it (the kill
+        of the old one untimed); the ms the fresh one and the replay took."""
+        old, self.sbx = self.sbx, None
+        self._kill(old)
+        t0 = time.perf_counter()
+        self.sbx = self.ctx.fresh()
+        self._replay(self.sbx, path, step)
+        return (time.perf_counter() - t0) * 1000
+
     def children(self, node: int, path: list[int], n: int, step: int) -> list[Any]:
         """`n` sandboxes in the state of `node` (fan-out); the caller kills them."""
         raise NotImplementedError
@@ -239,16 +250,10 @@ class Floor(System):
 
     def __init__(self, ctx: Ctx) -> None:
         super().__init__(ctx)
-        self.replay_codes: list[dict[str, Any]] = []
         self.replays_untimed_ms: list[float] = []
 
     def rollback(self, node: int, path: list[int], step: int) -> None:
-        old, self.sbx = self.sbx, None
-        self._kill(old)
-        t0 = time.perf_counter()
-        self.sbx = self.ctx.fresh()
-        self._replay(self.sbx, path, step)
-        self.replays_untimed_ms.append((time.perf_counter() - t0) * 1000)
+        self.replays_untimed_ms.append(self._restart(path, step))
 
     def extras(self) -> dict[str, Any]:
         return {"replay_codes": self.replay_codes,
@@ -592,17 +597,8 @@ class DockerCommit(System):
 class RestartReplay(System):
     name = "restart_replay"
 
-    def __init__(self, ctx: Ctx) -> None:
-        super().__init__(ctx)
-        self.replay_codes: list[dict[str, Any]] = []
-
     def rollback(self, node: int, path: list[int], step: int) -> None:
-        old, self.sbx = self.sbx, None
-        self._kill(old)
-        t0 = time.perf_counter()
-        self.sbx = self.ctx.fresh()
-        self._replay(self.sbx, path, step)
-        self.record("rollback", (time.perf_counter() - t0) * 1000, step=step, node=node,
+        self.record("rollback", self._restart(path, step), step=step, node=node,
                     replayed=len(path))
 
     def extras(self) -> dict[str, Any]:

@@ -154,6 +154,15 @@ def adoptable(child: ProcessRecord, parent: ProcessRecord) -> bool:
     return same_session(child, parent) and child.seccomp_filters == parent.seccomp_filters
 
 
+def _not_adoptable(child: ProcessRecord, parent: ProcessRecord) -> str:
+    """Why `adoptable` says no, for a note or a refusal."""
+    if not same_session(child, parent):
+        return "it is in another session than its parent's, which it does not lead"
+    return (f"it runs under {child.seccomp_filters} seccomp filters, its parent under "
+            f"{parent.seccomp_filters}, and a child given back to its parent gets the "
+            "parent's")
+
+
 def cheap(child: ProcessRecord) -> bool:
     """Adopted whether or not its parent waits for it: small, and sharing no memory."""
     return child.rss_kb <= ADOPT_MAX_RSS_KB and not child.shared
@@ -168,10 +177,7 @@ def orphaned(records: Iterable[ProcessRecord], family: Mapping[int, int],
     for r, parent in _with_parents(records):
         if r.pid in family:
             continue
-        why = ("it is in another session" if not same_session(r, parent) else
-               f"it runs under {r.seccomp_filters} seccomp filters, its parent under "
-               f"{parent.seccomp_filters}: from its parent it would get the parent's"
-               if not adoptable(r, parent) else
+        why = (_not_adoptable(r, parent) if not adoptable(r, parent) else
                "it maps memory shared with another process" if r.shared else
                f"its {r.rss_kb // 1024} MB are over the {ADOPT_MAX_RSS_KB // 1024} MB "
                "copied for a shell's child it does not wait for")
@@ -197,16 +203,11 @@ def refusals(records: Iterable[ProcessRecord],
             calls[parent.pid] = syscalls(parent.pid)
         name = _waiting_for(calls[parent.pid], kid)
         if name is not None:
-            why = ("it is in another session than its parent's, which it does not lead"
-                   if not same_session(kid, parent) else
-                   f"it runs under {kid.seccomp_filters} seccomp filters, its parent under "
-                   f"{parent.seccomp_filters}, and a child given back to its parent gets "
-                   "the parent's")
             out.append(Refusal(parent.nspid, parent.cmd, (
                 f"waits for its child {kid.nspid} ({kid.cmd}) ({name}), which would not be "
-                f"its child once restored ({why}), so the wait would fail (ECHILD) and a "
-                "made-up exit status would follow; checkpoint once the wait has returned, "
-                "or with mode=\"fs\"")))
+                f"its child once restored ({_not_adoptable(kid, parent)}), so the wait "
+                "would fail (ECHILD) and a made-up exit status would follow; checkpoint "
+                "once the wait has returned, or with mode=\"fs\"")))
     return out
 
 

@@ -320,9 +320,9 @@ def _load() -> ctypes.CDLL:
         lib.dbxcr_template_own_group.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_template_own_group.restype = ctypes.c_int
         lib.dbxcr_template_own_session.argtypes = [ctypes.c_void_p, err]
+        lib.dbxcr_template_own_session.restype = ctypes.c_int
         lib.dbxcr_template_shmdt.argtypes = [ctypes.c_void_p, ctypes.c_ulong, err]
         lib.dbxcr_template_shmdt.restype = ctypes.c_int
-        lib.dbxcr_template_own_session.restype = ctypes.c_int
         lib.dbxcr_template_copy.argtypes = [ctypes.c_void_p, err]
         lib.dbxcr_template_copy.restype = ctypes.c_void_p
         lib.dbxcr_template_adopt.argtypes = [ctypes.c_void_p, err]
