@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -84,6 +85,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tmp-parent", type=Path, default=Path("/var/tmp"),
                    help="where the private daemon's state dir goes")
     p.add_argument("--keep-state", action="store_true", help="keep the daemon's temp dir")
+    p.add_argument("--daemon-args", default="", metavar="ARGS",
+                   help="more deltaboxd options, one string (an A/B of a daemon setting: "
+                   "e.g. --daemon-args='--prewarm-mb 0'); the command line in results.json "
+                   "records them")
     return p.parse_args(argv)
 
 
@@ -141,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     errors: list[dict[str, Any]] = []
     doc = core.results_doc(done, plan, command, kind, errors)
     machine: dict[str, Any] = {}
-    daemon = PrivateDaemon(parent=args.tmp_parent, keep=args.keep_state)
+    daemon = PrivateDaemon(parent=args.tmp_parent, keep=args.keep_state,
+                           extra_args=shlex.split(args.daemon_args))
     json_path = args.out / "results.json"
     with terminate_as_exception():
         try:

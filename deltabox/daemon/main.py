@@ -72,6 +72,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="per sandbox, how many recent checkpoints keep a mounted clone ready, "
                    "so a rollback to them skips the snapshot and the mount (default 32; 0 "
                    "disables; measured ~0.6 MiB kernel memory per checkpoint, all included)")
+    p.add_argument("--prewarm-mb", type=_count, default=64, metavar="MB",
+                   help="per ready generation (--warm-generations), how many MiB of the files "
+                   "the sandbox wrote before the checkpoint to read into the page cache while "
+                   "it waits, so the commands after a rollback do not read them from the "
+                   "store (a clone's files start uncached; default 64, files over 8 MiB "
+                   "and past 4096 files left out; 0 disables)")
     p.add_argument("--fork-spares", type=_count, default=32, metavar="N",
                    help="per sandbox that forks with processes, how many sandbox inits to "
                    "boot ahead for its next fork (as many as its last fork had children, at "
@@ -196,7 +202,8 @@ async def serve(args: argparse.Namespace) -> None:
                  default_pids_max=args.default_pids_max,
                  default_disk_mb=(min(10240, args.store_size_gb * 512)
                                   if args.default_disk_mb is None else args.default_disk_mb),
-                 warm_per_sandbox=args.warm_generations, durable=args.durable,
+                 warm_per_sandbox=args.warm_generations, prewarm_mb=args.prewarm_mb,
+                 durable=args.durable,
                  fork_spares=args.fork_spares,
                  templates_per_sandbox=args.templates,
                  template_budget_mb=_template_budget(args.template_memory_mb),

@@ -96,6 +96,7 @@ class Config:
     default_disk_mb: int = 10240         # quota per writable layer; 0 = none
     max_sandboxes: int = 1024
     warm_per_sandbox: int = 32
+    prewarm_mb: int = 64                 # per ready generation, its layer's files read ahead
     fork_spares: int = 32                # inits booted ahead per sandbox that forks (spares.py)
     durable: bool = False
     templates_per_sandbox: int = 32
@@ -353,7 +354,8 @@ class Daemon:
         self.warm = WarmPool(store, background, self._build_for,
                              lambda layer: self.db.layer_refs(layer) > 0,
                              lambda sid, rt: sid in self.live and self.live[sid].rt is rt,
-                             self.io, per_sandbox=cfg.warm_per_sandbox)
+                             self.io, per_sandbox=cfg.warm_per_sandbox,
+                             prewarm_bytes=cfg.prewarm_mb << 20)
         self.warm.new_id = lambda: new_id("L")
         self.warm.prespawn = self._prespawn
         self.warm.discard_procs = self._discard_prespawned

@@ -26,6 +26,7 @@ spares are bounded too (MAX_SPARES, least recently prepared out): see there why.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import select
@@ -37,6 +38,7 @@ import trio
 
 from ..background import GuardedNursery
 from ..cr.engine import ProcessState, Prespawned
+from ..fs.prewarm import Prewarmed, prewarm
 from ..fs.store import Store
 from ..sandbox.reaper import kill_pidfds
 from ..sandbox.runtime import Generation, Runtime
@@ -95,6 +97,8 @@ class Ready:
     # a rollback that takes this generation discards them first, under that lock (they
     # hold objects of the generation that it makes again: a pty's index in its devpts)
     dropped: list[Prespawned] = field(default_factory=list)
+    prewarmed: Prewarmed | None = None  # what was read ahead of the rollback (_prewarm)
+    reading: trio.Event | None = None   # set when a read ahead of its files has ended
 
 
 # Hooks the daemon sets: spawn a Ready's processes ahead (sets ready.procs), and discard
@@ -107,7 +111,7 @@ class WarmPool:
     def __init__(self, store: Store, background: GuardedNursery, build: BuildFn,
                  exists: Callable[[str], bool], is_current: Callable[[str, Runtime], bool],
                  io: IOScheduler, per_sandbox: int = 8, max_spares: int = MAX_SPARES,
-                 delay: float = 0.02) -> None:
+                 delay: float = 0.02, prewarm_bytes: int = 0) -> None:
         self.store = store
         self.io = io
         self.background = background
@@ -117,6 +121,7 @@ class WarmPool:
         self.per_sandbox = per_sandbox
         self.max_spares = max_spares
         self.delay = delay
+        self.prewarm_bytes = prewarm_bytes
         # checkpoint layer -> its clone, least recently prepared first
         self.spares: OrderedDict[str, str] = OrderedDict()
         self.preparing: set[tuple[str | None, str]] = set()  # (sandbox, layer) under way
@@ -199,6 +204,25 @@ class WarmPool:
             holding = [r for r in slot.values() if r.procs is not None]  # oldest first
             for old_ready in holding[:max(0, len(holding) - MAX_CARRIER_SETS)]:
                 self._discard_procs(sandbox_id, old_ready)
+        if self.prewarm_bytes > 0 and cp_layer == source_layer(cp_layer):
+            await self._prewarm(sandbox_id, cp_layer, ready)
+
+    async def _prewarm(self, sandbox_id: str, cp_layer: str, ready: Ready) -> None:
+        """Read the clone's files ahead (fs/prewarm.py) while it waits; a clone stacked
+        empty over its checkpoint (stacked_key) has none of its own."""
+        # Its own key: nothing in the foreground waits for it (io.wait).
+        async with self.io.slot("prewarm:" + ready.layer_id):
+            if not self.is_ready(sandbox_id, cp_layer, ready):
+                return   # taken (or dropped) meanwhile: its files are read on demand
+            upper = self.store.layer_path(ready.layer_id) / "upper"
+            ready.reading = trio.Event()
+            try:
+                ready.prewarmed = await trio.to_thread.run_sync(
+                    functools.partial(prewarm, upper, max_bytes=self.prewarm_bytes))
+            finally:
+                ready.reading.set()
+            log.debug("sandbox %s: read ahead for %s: %s", sandbox_id, cp_layer,
+                      ready.prewarmed)
 
     def _keep_spare(self, cp_layer: str, layer: str) -> None:
         """Keep `layer` as cp_layer's spare; past max_spares, the least recently prepared
@@ -290,6 +314,8 @@ class WarmPool:
         async def discard() -> None:
             if procs is not None and self.discard_procs is not None:
                 await self.discard_procs(sandbox_id, procs)  # they live in the generation
+            if ready.reading is not None:  # its files are open in a worker thread
+                await ready.reading.wait()
             await trio.to_thread.run_sync(ready.generation.close)
             await trio.to_thread.run_sync(self.store.delete, ready.layer_id)
         self.background.start_soon(discard)
