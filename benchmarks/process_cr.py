@@ -1238,6 +1238,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fork-spares", type=int, default=None, metavar="N",
                    help="run deltaboxd with --fork-spares N (0: every fork child boots its "
                    "own init, the baseline of the fork spares, README 'Fork spares')")
+    p.add_argument("--daemon-arg", action="append", default=[], metavar="ARG",
+                   help="extra deltaboxd argument (repeatable), for an A/B of a daemon "
+                   "setting, e.g. --daemon-arg=--prewarm-mb=0")
     p.add_argument("--replot", type=Path, metavar="JSON",
                    help="only redraw the PNG (next to JSON) from an earlier process_cr.json")
     return p.parse_args(argv)
@@ -1301,7 +1304,8 @@ def main(argv: list[str] | None = None) -> int:
     daemon = PrivateDaemon(parent=args.tmp_parent, keep=args.keep_state,
                            extra_args=(["--no-fork-lanes"] if args.no_fork_lanes else []) +
                            ([] if args.fork_spares is None
-                            else ["--fork-spares", str(args.fork_spares)]))
+                            else ["--fork-spares", str(args.fork_spares)]) +
+                           args.daemon_arg)
     with terminate_as_exception(), host_thp(args.thp):
         try:
             daemon.start()
@@ -1310,6 +1314,7 @@ def main(argv: list[str] | None = None) -> int:
             machine["transparent_hugepage_unadvised_sizes"] = hostmem.unadvised_sizes()
             machine["fork_lanes"] = not args.no_fork_lanes
             machine["fork_spares"] = args.fork_spares   # None: the daemon's default
+            machine["daemon_args"] = args.daemon_arg
             machine["workload_python"] = sandbox_python()
             log(f"daemon up: store {machine['deltabox'].get('store_backend')}; workload "
                 f"interpreter {machine['workload_python']}")

@@ -30,6 +30,7 @@ import functools
 import logging
 import os
 import select
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -216,13 +217,14 @@ class WarmPool:
                 return   # taken (or dropped) meanwhile: its files are read on demand
             upper = self.store.layer_path(ready.layer_id) / "upper"
             ready.reading = trio.Event()
+            t0 = time.perf_counter()
             try:
                 ready.prewarmed = await trio.to_thread.run_sync(
                     functools.partial(prewarm, upper, max_bytes=self.prewarm_bytes))
             finally:
                 ready.reading.set()
-            log.debug("sandbox %s: read ahead for %s: %s", sandbox_id, cp_layer,
-                      ready.prewarmed)
+            log.debug("sandbox %s: read ahead for %s in %.1f ms: %s", sandbox_id, cp_layer,
+                      (time.perf_counter() - t0) * 1000, ready.prewarmed)
 
     def _keep_spare(self, cp_layer: str, layer: str) -> None:
         """Keep `layer` as cp_layer's spare; past max_spares, the least recently prepared
