@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -85,10 +84,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tmp-parent", type=Path, default=Path("/var/tmp"),
                    help="where the private daemon's state dir goes")
     p.add_argument("--keep-state", action="store_true", help="keep the daemon's temp dir")
-    p.add_argument("--daemon-args", default="", metavar="ARGS",
-                   help="more deltaboxd options, one string (an A/B of a daemon setting: "
-                   "e.g. --daemon-args='--prewarm-mb 0'); the command line in results.json "
-                   "records them")
+    p.add_argument("--daemon-arg", action="append", default=[], metavar="ARG",
+                   help="extra deltaboxd argument (repeatable), for an A/B of a daemon "
+                   "setting, e.g. --daemon-arg=--prewarm-mb=0 (results.json's command line "
+                   "records it)")
     return p.parse_args(argv)
 
 
@@ -147,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     doc = core.results_doc(done, plan, command, kind, errors)
     machine: dict[str, Any] = {}
     daemon = PrivateDaemon(parent=args.tmp_parent, keep=args.keep_state,
-                           extra_args=shlex.split(args.daemon_args))
+                           extra_args=args.daemon_arg)
     json_path = args.out / "results.json"
     with terminate_as_exception():
         try:
