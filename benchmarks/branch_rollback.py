@@ -88,9 +88,12 @@ def main() -> int:
     p.add_argument("--files", type=int, default=3000, help="files of 8 KiB in the tree")
     p.add_argument("--think", type=float, default=0.3, help="pause before each rollback (s)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--daemon-arg", action="append", default=[], metavar="ARG",
+                   help="extra deltaboxd argument (repeatable), for an A/B of a daemon "
+                   "setting, e.g. --daemon-arg=--prewarm-mb=0")
     args = p.parse_args()
     runs: list[dict[str, Any]] = []
-    with terminate_as_exception(), PrivateDaemon() as d:
+    with terminate_as_exception(), PrivateDaemon(extra_args=args.daemon_arg) as d:
         src = Sandbox.create(socket=d.socket)
         kids: dict[str, Sandbox] = {}
         try:
@@ -113,7 +116,8 @@ def main() -> int:
                 k.kill()
             src.kill()
         result: dict[str, Any] = {"benchmark": "branch_rollback", "reps": args.reps,
-                                  "files": args.files, "think_s": args.think, "runs": runs,
+                                  "files": args.files, "think_s": args.think,
+                                  "daemon_args": args.daemon_arg, "runs": runs,
                                   "summary": summarize(runs)}
         info = machine_info(d.socket)
     record_cleanup(result, d)
