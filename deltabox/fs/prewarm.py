@@ -6,7 +6,8 @@ rollback to it, on the critical path of the agent's next command (stop 59 probes
 ~600 such files took 69 against 57 ms p50, importing packages unpacked into the sandbox's
 layer 13-27 ms more). The warm pool's ready generation is built during the agent's pause;
 asking the kernel to read its layer's files ahead then (POSIX_FADV_WILLNEED: asynchronous,
-no copy into this process) moves that cost off the rollback's path.
+no copy into this process) moves that cost off the rollback's path
+(`benchmarks/after_rollback.py` measures both ways).
 
 Only the sandbox's own layer: files of the image and of a shared base layer keep their
 inodes, and so their page cache, across rollbacks. Bounded (files walked, bytes asked for)
@@ -33,10 +34,11 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_
 
 @dataclass
 class Prewarmed:
+    seen: int = 0           # regular files looked at
     files: int = 0          # files asked for
     bytes: int = 0          # their bytes
     skipped: int = 0        # regular files over MAX_FILE_BYTES, not programs
-    errors: int = 0         # files that could not be opened (gone meanwhile: a race, not a fault)
+    errors: int = 0         # files or directories not read (gone meanwhile: a race, not a fault)
     truncated: bool = False  # a bound was reached: the walk stopped there
 
 
@@ -46,41 +48,46 @@ def prewarm(upper: str | Path, max_files: int = MAX_FILES, max_bytes: int = MAX_
     a bound is reached. Never raises: a file gone meanwhile is counted, not an error."""
     out = Prewarmed()
     stack = [str(upper)]
-    seen = 0
     while stack and not out.truncated:
         try:
             with os.scandir(stack.pop()) as it:
-                entries = list(it)
-        except OSError:
+                # entry by entry: a directory of a million is never held in memory
+                for e in it:
+                    if not _one(e, stack, out, max_files, max_bytes, max_file_bytes):
+                        out.truncated = True
+                        break
+        except OSError:   # the directory went (a race with the sandbox), or unreadable
             out.errors += 1
-            continue
-        for e in entries:
-            try:
-                if e.is_dir(follow_symlinks=False):
-                    stack.append(e.path)
-                    continue
-                if not e.is_file(follow_symlinks=False):
-                    continue
-                seen += 1
-                size = e.stat(follow_symlinks=False).st_size
-            except OSError:
-                out.errors += 1
-                continue
-            if seen > max_files:
-                out.truncated = True
-                break
-            if size > max_file_bytes and not (size <= max_bytes and _loaded_whole(e)):
-                out.skipped += 1
-                continue
-            if out.bytes + size > max_bytes:
-                out.truncated = True
-                break
-            if size and _advise(e.path, size):
-                out.files += 1
-                out.bytes += size
-            elif size:
-                out.errors += 1
     return out
+
+
+def _one(e: os.DirEntry[str], stack: list[str], out: Prewarmed, max_files: int,
+         max_bytes: int, max_file_bytes: int) -> bool:
+    """Push a directory, advise a regular file; False once a bound is reached."""
+    try:
+        if e.is_dir(follow_symlinks=False):
+            stack.append(e.path)
+            return True
+        if not e.is_file(follow_symlinks=False):
+            return True
+        out.seen += 1
+        size = e.stat(follow_symlinks=False).st_size
+    except OSError:
+        out.errors += 1
+        return True
+    if out.seen > max_files:
+        return False
+    if size > max_file_bytes and not (size <= max_bytes and _loaded_whole(e)):
+        out.skipped += 1
+        return True
+    if out.bytes + size > max_bytes:
+        return False
+    if size and _advise(e.path, size):
+        out.files += 1
+        out.bytes += size
+    elif size:
+        out.errors += 1
+    return True
 
 
 def _loaded_whole(e: os.DirEntry[str]) -> bool:
