@@ -119,13 +119,19 @@ def measure(kind: str, daemons: dict[str, PrivateDaemon], reps: int, think: floa
     return runs
 
 
+WAYS = ("after_rollback", "no_rollback")
+
+
+def times(runs: list[dict[str, Any]], kind: str, arm: str, way: str) -> list[float]:
+    return [r["ms"] for r in runs if (r["kind"], r["arm"], r["way"]) == (kind, arm, way)]
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kind in dict.fromkeys(r["kind"] for r in runs):
         per: dict[str, Any] = {}
         for arm in ARMS:
-            by = {w: stats([r["ms"] for r in runs if (r["kind"], r["arm"], r["way"]) ==
-                            (kind, arm, w)]) for w in ("after_rollback", "no_rollback")}
+            by = {w: stats(times(runs, kind, arm, w)) for w in WAYS}
             per[arm] = {**by, "excess_ms_p50": by["after_rollback"]["p50"] -
                         by["no_rollback"]["p50"]}
         out[kind] = per
@@ -137,9 +143,7 @@ def plot(runs: list[dict[str, Any]], path: Path, machine: dict[str, Any]) -> Pat
         plt = pyplot()
     except ImportError:
         return None
-    groups = {f"{kind}, {arm}": {w: [r["ms"] for r in runs if (r["kind"], r["arm"], r["way"])
-                                      == (kind, arm, w)]
-                                 for w in ("after_rollback", "no_rollback")}
+    groups = {f"{kind}, {arm}": {w: times(runs, kind, arm, w) for w in WAYS}
               for kind in dict.fromkeys(r["kind"] for r in runs) for arm in ARMS}
     fig, ax = plt.subplots(figsize=(11, 4.5))
     latency_boxplot(ax, groups, log_scale=False)
