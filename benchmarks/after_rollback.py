@@ -176,9 +176,7 @@ def main() -> int:
     result: dict[str, Any] = {"benchmark": "after_rollback", "reps": args.reps,
                               "think_s": args.think, "arms": ARMS, "commands": COMMAND,
                               "runs": runs, "summary": summarize(runs)}
-    record_cleanup(result, a)
-    result["cleanup"]["own_leaks"] += b.leaks
-    result["cleanup"]["problems"] += b.cleanup_problems
+    record_cleanup(result, a, b)
     path = write_json(args.out / "after_rollback.json", result, info)
     png = plot(runs, args.out / "after_rollback.png", info)
     for kind, per in result["summary"].items():

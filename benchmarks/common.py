@@ -352,10 +352,12 @@ def leakcheck() -> tuple[bool, str]:
 
 # ---- statistics ------------------------------------------------------------------------------
 
-def record_cleanup(result: dict[str, Any], daemon: PrivateDaemon) -> None:
-    """Record in the result what the run left behind (its own leaks, and the machine's)."""
+def record_cleanup(result: dict[str, Any], *daemons: PrivateDaemon) -> None:
+    """Record in the result what the run left behind (its daemons' own leaks, and the
+    machine's)."""
     clean, report = leakcheck()
-    result["cleanup"] = {"own_leaks": daemon.leaks, "problems": daemon.cleanup_problems,
+    result["cleanup"] = {"own_leaks": [x for d in daemons for x in d.leaks],
+                         "problems": [x for d in daemons for x in d.cleanup_problems],
                          "leakcheck_clean": clean, "leakcheck": report}
     if not clean:
         log(f"leakcheck (whole machine; other runs count too):\n{report}")

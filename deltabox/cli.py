@@ -19,8 +19,8 @@ from typing import Any, BinaryIO
 from deltabox import convert, errors
 from deltabox.api import deltabox_pb2 as pb
 from deltabox.client import Client, connect
-from deltabox.models import (Checkpoint, DiffResult, ExecResult, ReadBytes, RollbackResult,
-                             TurnReport, WriteResult)
+from deltabox.models import (Checkpoint, DiffResult, ExecResult, RollbackResult, TurnReport,
+                             WriteResult)
 from deltabox.sdk import Sandbox
 
 PROG = "deltabox"
@@ -665,7 +665,7 @@ def cmd_cp(args: argparse.Namespace, client: Client) -> int:
         return 0
     assert src_id is not None
     data = _sandbox(client, src_id).files.read(src, rollback_to=args.rollback_to)
-    if isinstance(data, ReadBytes) and not args.json:
+    if not args.json:
         _report_rollback(data.rollback)
     if dst == "-":
         _writer(sys.stdout.buffer)(data)

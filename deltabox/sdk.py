@@ -377,7 +377,7 @@ class Files:
                                   rollback_to=_cp_id_or_none(rollback_to))
         return convert.write_result(self._call("WriteFile", req))
 
-    def read(self, path: str, rollback_to: CheckpointLike | None = None) -> bytes:
+    def read(self, path: str, rollback_to: CheckpointLike | None = None) -> ReadBytes:
         """The file's bytes. With `rollback_to`, the sandbox is first rolled back to that
         checkpoint, as in Sandbox.exec: a step that begins by reading the file it edits is
         one call; the bytes are then a ReadBytes whose `rollback` is the rollback's

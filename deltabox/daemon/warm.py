@@ -39,7 +39,7 @@ import trio
 
 from ..background import GuardedNursery
 from ..cr.engine import ProcessState, Prespawned
-from ..fs.prewarm import Prewarmed, prewarm
+from ..fs.prewarm import prewarm
 from ..fs.store import Store
 from ..sandbox.reaper import kill_pidfds
 from ..sandbox.runtime import Generation, Runtime
@@ -98,7 +98,6 @@ class Ready:
     # a rollback that takes this generation discards them first, under that lock (they
     # hold objects of the generation that it makes again: a pty's index in its devpts)
     dropped: list[Prespawned] = field(default_factory=list)
-    prewarmed: Prewarmed | None = None  # what was read ahead of the rollback (_prewarm)
     reading: trio.Event | None = None   # set when a read ahead of its files has ended
 
 
@@ -219,12 +218,12 @@ class WarmPool:
             ready.reading = trio.Event()
             t0 = time.perf_counter()
             try:
-                ready.prewarmed = await trio.to_thread.run_sync(
+                done = await trio.to_thread.run_sync(
                     functools.partial(prewarm, upper, max_bytes=self.prewarm_bytes))
             finally:
                 ready.reading.set()
             log.debug("sandbox %s: read ahead for %s in %.1f ms: %s", sandbox_id, cp_layer,
-                      (time.perf_counter() - t0) * 1000, ready.prewarmed)
+                      (time.perf_counter() - t0) * 1000, done)
 
     def _keep_spare(self, cp_layer: str, layer: str) -> None:
         """Keep `layer` as cp_layer's spare; past max_spares, the least recently prepared
