@@ -1,6 +1,11 @@
 """The first command after a rollback: how much slower than the same command without one,
-with the warm pool's read-ahead (fs/prewarm.py) and without it (`--prewarm-mb 0`), on two
-private daemons in the same run.
+on two private daemons in the same run that differ in one setting (`--ab`):
+
+- `read_ahead` (default): with the warm pool's read-ahead (fs/prewarm.py) and without it
+  (`--prewarm-mb 0`);
+- `quiet_wait`: the work a rollback leaves (the next rollback's preparation, the killed
+  processes' teardown, the old mount) waiting for the command after it (daemon/foreground.py)
+  and starting at once (`--quiet-wait-ms 0`).
 
 A rollback gives the sandbox a new generation: a fresh overlay mount (no dentries yet) over
 a btrfs clone of the checkpoint (new inodes: the page cache of every file the sandbox wrote
@@ -14,12 +19,16 @@ a pause (`--think`: the warm pool prepares the next rollback meanwhile). Kinds:
 - `packages`: Python imports grpc, protobuf and pydantic unpacked into the sandbox's own
   layer (what a `pip install` in the sandbox makes; grpc's library alone is 17 MB);
 - `image`: Python imports a dozen standard-library modules of the image (its page cache
-  survives; its overlay dentries do not).
+  survives; its overlay dentries do not);
+- `startups`: what an agent's step mostly is: a few programs started (`true`, `python3 -c
+  pass` twice, then the `image` kind's imports), in a bash session the checkpoint holds
+  (the rollback brings the shell back; the others run through `exec`).
 
 Reported per kind and arm: p50s and the after-rollback excess (p50 difference) with the
 read-ahead against without it. JSON (and a PNG) to --out (default benchmarks/out).
 
     .venv/bin/python -m benchmarks.after_rollback [--kinds written,packages,image] [--reps 16]
+    .venv/bin/python -m benchmarks.after_rollback --ab quiet_wait --kinds startups,image
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ SETUP = {
         for m in STDLIB) + f" && python3 -m compileall -q {LIB} > /dev/null"),
     "packages": f"mkdir -p {PKGS}",
     "image": "true",
+    "startups": "true",
 }
 COMMAND = {
     "written": (f"python3 -c 'import sys; sys.path.insert(0, \"{LIB}\"); import json, "
@@ -58,7 +68,11 @@ COMMAND = {
     "image": ("python3 -c 'import json, decimal, email.mime.text, http.client, "
               "xml.dom.minidom, asyncio, unittest, argparse, logging, sqlite3, csv, tarfile'"),
 }
-ARMS = {"read_ahead": [], "none": ["--prewarm-mb", "0"]}
+COMMAND["startups"] = "true && python3 -c pass && python3 -c pass && " + COMMAND["image"]
+SESSION_KINDS = ("startups",)
+# --ab: two arms, each a daemon's extra arguments; the first is the default setting
+AB = {"read_ahead": {"read_ahead": [], "none": ["--prewarm-mb", "0"]},
+      "quiet_wait": {"waits": [], "at_once": ["--quiet-wait-ms", "0"]}}
 
 
 def packages_tar() -> bytes:
@@ -79,13 +93,18 @@ def prepare(sbx: Sandbox, kind: str) -> Any:
         raise RuntimeError(f"{kind} setup failed: {r.stderr[-500:]}")
     if kind == "packages":
         sbx.files.upload_tar(PKGS, packages_tar())
+    if kind in SESSION_KINDS:
+        sbx.session("main").run("cd /root && export STEP=1")
     run(sbx, kind)
     return sbx.checkpoint(label=kind)
 
 
 def run(sbx: Sandbox, kind: str) -> float:
     t0 = time.perf_counter()
-    r = sbx.exec(["bash", "-c", COMMAND[kind]])
+    if kind in SESSION_KINDS:
+        r = sbx.session("main").run(COMMAND[kind])
+    else:
+        r = sbx.exec(["bash", "-c", COMMAND[kind]])
     ms = (time.perf_counter() - t0) * 1000
     if r.exit_code != 0:
         raise RuntimeError(f"{kind}: exit {r.exit_code}: {r.stderr[-500:]}")
@@ -126,11 +145,11 @@ def times(runs: list[dict[str, Any]], kind: str, arm: str, way: str) -> list[flo
     return [r["ms"] for r in runs if (r["kind"], r["arm"], r["way"]) == (kind, arm, way)]
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kind in dict.fromkeys(r["kind"] for r in runs):
         per: dict[str, Any] = {}
-        for arm in ARMS:
+        for arm in arms:
             by = {w: stats(times(runs, kind, arm, w)) for w in WAYS}
             per[arm] = {**by, "excess_ms_p50": by["after_rollback"]["p50"] -
                         by["no_rollback"]["p50"]}
@@ -138,17 +157,18 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def plot(runs: list[dict[str, Any]], path: Path, machine: dict[str, Any]) -> Path | None:
+def plot(runs: list[dict[str, Any]], arms: list[str], path: Path, machine: dict[str, Any]
+         ) -> Path | None:
     try:
         plt = pyplot()
     except ImportError:
         return None
     groups = {f"{kind}, {arm}": {w: times(runs, kind, arm, w) for w in WAYS}
-              for kind in dict.fromkeys(r["kind"] for r in runs) for arm in ARMS}
+              for kind in dict.fromkeys(r["kind"] for r in runs) for arm in arms}
     fig, ax = plt.subplots(figsize=(11, 4.5))
     latency_boxplot(ax, groups, log_scale=False)
-    finish_figure(fig, path, "a command right after a rollback, with and without read-ahead",
-                  machine)
+    finish_figure(fig, path, f"a command right after a rollback and without one: "
+                  f"{' / '.join(arms)}", machine)
     return path
 
 
@@ -159,6 +179,8 @@ def main() -> int:
                    help="comma-separated, of: " + ", ".join(COMMAND))
     p.add_argument("--reps", type=int, default=16)
     p.add_argument("--think", type=float, default=0.3, help="pause before each command (s)")
+    p.add_argument("--ab", choices=list(AB), default="read_ahead",
+                   help="the daemon setting the two arms differ in (default read_ahead)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
@@ -166,23 +188,26 @@ def main() -> int:
     if unknown:
         p.error(f"unknown kind(s) {', '.join(unknown)}: choose from {', '.join(COMMAND)}")
     runs: list[dict[str, Any]] = []
-    with terminate_as_exception(), PrivateDaemon(extra_args=ARMS["read_ahead"]) as a, \
-            PrivateDaemon(extra_args=ARMS["none"]) as b:
-        daemons = {"read_ahead": a, "none": b}
+    arms = AB[args.ab]
+    (name_a, args_a), (name_b, args_b) = arms.items()
+    with terminate_as_exception(), PrivateDaemon(extra_args=args_a) as a, \
+            PrivateDaemon(extra_args=args_b) as b:
+        daemons = {name_a: a, name_b: b}
         for kind in kinds:
             log(f"{kind}: {args.reps} reps")
             runs += measure(kind, daemons, args.reps, args.think)
         info = machine_info(a.socket)
     result: dict[str, Any] = {"benchmark": "after_rollback", "reps": args.reps,
-                              "think_s": args.think, "arms": ARMS, "commands": COMMAND,
-                              "runs": runs, "summary": summarize(runs)}
+                              "think_s": args.think, "ab": args.ab, "arms": arms,
+                              "commands": {k: COMMAND[k] for k in kinds}, "runs": runs,
+                              "summary": summarize(runs, list(arms))}
     record_cleanup(result, a, b)
     path = write_json(args.out / "after_rollback.json", result, info)
-    png = plot(runs, args.out / "after_rollback.png", info)
+    png = plot(runs, list(arms), args.out / "after_rollback.png", info)
     for kind, per in result["summary"].items():
         line = "; ".join(f"{arm}: {per[arm]['after_rollback']['p50']:.1f} after a rollback, "
                          f"{per[arm]['no_rollback']['p50']:.1f} without "
-                         f"({per[arm]['excess_ms_p50']:+.1f})" for arm in ARMS)
+                         f"({per[arm]['excess_ms_p50']:+.1f})" for arm in arms)
         print(f"{kind:9s} p50 ms  {line}")
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     return 0

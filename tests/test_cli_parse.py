@@ -266,14 +266,16 @@ def test_exec_checkpoint_options_then_the_command() -> None:
 
 def test_daemon_counts_refuse_negative_or_junk(capsys) -> None:
     """deltaboxd's count options (--fork-spares, --templates, --warm-generations,
-    --prewarm-mb) take 0 or more; anything else is refused at start with a message naming
+    --prewarm-mb, --quiet-wait-ms) take 0 or more; anything else is refused at start with a message naming
     the option."""
     from deltabox.daemon import main as daemon_main
 
     assert daemon_main.parse_args(["--fork-spares", "0"]).fork_spares == 0
     assert daemon_main.parse_args([]).fork_spares == 32
     assert daemon_main.parse_args([]).prewarm_mb == 64
-    for opt in ("--fork-spares", "--templates", "--warm-generations", "--prewarm-mb"):
+    assert daemon_main.parse_args([]).quiet_wait_ms == 1000
+    for opt in ("--fork-spares", "--templates", "--warm-generations", "--prewarm-mb",
+                "--quiet-wait-ms"):
         for bad in ("-1", "x", "2.5"):
             with pytest.raises(SystemExit):
                 daemon_main.parse_args([opt, bad])

@@ -78,6 +78,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "it waits, so the commands after a rollback do not read them from the "
                    "store (a clone's files start uncached; default 64, files over 8 MiB "
                    "and past 4096 files left out; 0 disables)")
+    p.add_argument("--quiet-wait-ms", type=_count, default=1000, metavar="MS",
+                   help="how long the work a rollback leaves behind (preparing the next "
+                   "rollback, tearing down the killed processes, unmounting the old tree) "
+                   "waits for the command the agent runs next to end, so as not to slow it "
+                   "(default 1000; 0: that work starts after a few milliseconds, during "
+                   "the command)")
     p.add_argument("--fork-spares", type=_count, default=32, metavar="N",
                    help="per sandbox that forks with processes, how many sandbox inits to "
                    "boot ahead for its next fork (as many as its last fork had children, at "
@@ -203,6 +209,7 @@ async def serve(args: argparse.Namespace) -> None:
                  default_disk_mb=(min(10240, args.store_size_gb * 512)
                                   if args.default_disk_mb is None else args.default_disk_mb),
                  warm_per_sandbox=args.warm_generations, prewarm_mb=args.prewarm_mb,
+                 quiet_wait_ms=args.quiet_wait_ms,
                  durable=args.durable,
                  fork_spares=args.fork_spares,
                  templates_per_sandbox=args.templates,

@@ -50,6 +50,7 @@ from ..inspector import Decision, TurnEffects, touched_processes, untouched_proc
 from ..inspector.effects import LIST_CAP
 from . import budget
 from .faults import crash_point
+from .foreground import Foreground
 from .db import CheckpointRow, Database, SandboxRow
 from .dumps import NOT_COMPLETED, Dumps, init_seccomp_filters
 from .pending import EarlyAnswer, PendingCheckpoints, Underway
@@ -97,6 +98,7 @@ class Config:
     max_sandboxes: int = 1024
     warm_per_sandbox: int = 32
     prewarm_mb: int = 64                 # per ready generation, its layer's files read ahead
+    quiet_wait_ms: int = 1000            # deferrable work's wait for a command (foreground.py)
     fork_spares: int = 32                # inits booted ahead per sandbox that forks (spares.py)
     durable: bool = False
     templates_per_sandbox: int = 32
@@ -359,6 +361,9 @@ class Daemon:
         self.warm.new_id = lambda: new_id("L")
         self.warm.prespawn = self._prespawn
         self.warm.discard_procs = self._discard_prespawned
+        # the work a rollback leaves waits for the command after it
+        self.foreground = Foreground(cfg.quiet_wait_ms / 1000)
+        self.warm.quiet = self.foreground.quiet
         self.spares = Spares(self._boot_spare, self._stop_spare, lambda: new_id("sb"),
                              background, per_owner=cfg.fork_spares)
         self.family_locks: dict[str, trio.Lock] = {}
@@ -840,11 +845,13 @@ class Daemon:
             return freed
 
     def _retire_later(self, gen: runtime.Generation | None, layer_id: str,
-                      step: str = "", after: list[trio.Event] | None = None) -> None:
+                      step: str = "", after: list[trio.Event] | None = None,
+                      quiet_for: str = "") -> None:
         """Drop a layer (and the generation mounted on it, if any) after the call returned,
         off the hot path, and after `after` (keepers living in the generation, a removed
         sandbox's teardown); a generation GEN_RETIRE_DELAY_S later (the one a rollback
-        left: the command that follows goes first). Closing the last reference to a mount
+        left: the command that follows goes first), and once the sandbox `quiet_for` runs
+        no command of its caller's (foreground.py). Closing the last reference to a mount
         namespace unmounts its tree synchronously (milliseconds of RCU grace periods), so
         it happens in a worker thread (it holds two fds and a mount namespace), then the
         layer goes through a queue drained by RETIRE_WORKERS tasks: a task per deletion
@@ -864,6 +871,8 @@ class Daemon:
             try:
                 if gen is not None:
                     await trio.sleep(GEN_RETIRE_DELAY_S)
+                if quiet_for:
+                    await self.foreground.quiet(quiet_for)
                 for ev in after or ():
                     await ev.wait()
                 if gen is not None:
@@ -941,7 +950,8 @@ class Daemon:
             live.procs.add(running.proc)
             self.turns.expect_entry(sid, running.proc.pid)
         try:
-            out = await execute.wait(running, timeout or None)
+            with self.foreground.command(sid):
+                out = await execute.wait(running, timeout or None)
         finally:
             live.procs.discard(running.proc)
         if out.timed_out:
@@ -1043,7 +1053,8 @@ class Daemon:
             if session.spawned is not None:
                 live.procs.add(session.spawned)
         async with session.lock:
-            out = await session.run(command, timeout or None)
+            with self.foreground.command(sid):
+                out = await session.run(command, timeout or None)
         if out.timed_out:
             live.sessions.pop(name, None)
             raise DeadlineExceeded(_timeout_message(command[:200], timeout, out) +
@@ -1979,7 +1990,8 @@ class Daemon:
             with self.db.transaction():
                 self.db.put_sandbox(row)
             crash_point("rollback.after_commit")
-            self._retire_later(old, old_layer, after=[k.gone for k in live.old_keepers])
+            self._retire_later(old, old_layer, after=[k.gone for k in live.old_keepers],
+                               quiet_for=sid)
             self._release_bases([b for b in old_bases if b not in row.bases])
             self.warm.prepare(sid, _warm_key(cp, stacked))  # for the next rollback to it
             old_sessions, live.sessions = live.sessions, {}
@@ -2034,6 +2046,7 @@ class Daemon:
     async def _reap_keepers(self, live: Live, old: OldKeepers) -> None:
         try:
             await trio.sleep(KEEPER_KILL_DELAY_S)  # let the rollback's response go first
+            await self.foreground.quiet(live.rt.sandbox_id)  # and the command after it
             await self.cr.kill_carriers(old.carriers)
         finally:
             old.gone.set()

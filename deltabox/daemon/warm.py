@@ -101,10 +101,12 @@ class Ready:
     reading: trio.Event | None = None   # set when a read ahead of its files has ended
 
 
-# Hooks the daemon sets: spawn a Ready's processes ahead (sets ready.procs), and discard
-# processes spawned ahead (under the sandbox's lock).
+# Hooks the daemon sets: spawn a Ready's processes ahead (sets ready.procs), discard
+# processes spawned ahead (under the sandbox's lock), and wait until a sandbox runs no
+# command of its caller's (foreground.py).
 PrespawnFn = Callable[[str, str, Ready], Awaitable[None]]
 DiscardFn = Callable[[str, Prespawned], Awaitable[None]]
+QuietFn = Callable[[str], Awaitable[None]]
 
 
 class WarmPool:
@@ -130,6 +132,7 @@ class WarmPool:
         self.new_id: Callable[[], str] = lambda: ""
         self.prespawn: PrespawnFn | None = None
         self.discard_procs: DiscardFn | None = None
+        self.quiet: QuietFn | None = None
         self.clone_threads = trio.CapacityLimiter(CLONE_THREADS)
 
     @property
@@ -161,8 +164,12 @@ class WarmPool:
 
     async def _prepare_now(self, sandbox_id: str | None, cp_layer: str) -> None:
         # Let the call that triggered this, and the agent's next step, go first: a snapshot
-        # here shares btrfs's transaction commit with their snapshots.
+        # here shares btrfs's transaction commit with their snapshots, and the whole
+        # preparation competes for the CPUs with the sandbox's next command (after a
+        # rollback, the agent runs one at once): it waits for that command's end.
         await trio.sleep(self.delay)
+        if sandbox_id is not None and self.quiet is not None:
+            await self.quiet(sandbox_id)
         src = source_layer(cp_layer)
         if cp_layer not in self.spares and self.max_spares > 0:
             layer = self.new_id()
