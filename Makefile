@@ -9,7 +9,7 @@ LIBEXEC := deltabox/libexec
 NATIVE_BINS := $(LIBEXEC)/dbx-init $(LIBEXEC)/dbx-enter $(LIBEXEC)/dbx-mkroot $(LIBEXEC)/libdbxcr.so
 PROTO_OUT := deltabox/api/deltabox_pb2.py
 
-.PHONY: install deps venv native proto demo test bench clean dbxcr-sources
+.PHONY: install deps venv native proto demo test bench bench-all clean dbxcr-sources
 install: deps venv native proto
 
 deps:
@@ -49,7 +49,13 @@ test: install
 	bash native/tests/run.sh
 	$(PY) -m pytest -q tests
 
+# bench: the short versions of the process-state and SWE-bench benchmarks (under 10 minutes
+# here); bench-all: every benchmark's quick version (about 25 minutes).
 bench: install
+	$(PY) -m benchmarks.process_cr --quick
+	$(PY) -m benchmarks.swebench.run --quick --out benchmarks/out/swebench
+
+bench-all: install
 	$(PY) -m benchmarks.fs_cr --quick
 	$(PY) -m benchmarks.process_cr --quick
 	$(PY) -m benchmarks.long_session

@@ -825,7 +825,8 @@ def run_template_memory(d: PrivateDaemon, plan: Plan) -> list[dict[str, Any]]:
             init_pid = sbx.info().init_pid
             before = workload_templates(init_pid)
             wl.settle()
-            cp = sbx.checkpoint()
+            cp = sbx.get_checkpoint(sbx.checkpoint())  # answered before its templates
+            # are made (right after the answer): get_checkpoint waits for them.
             # The template, and soon carriers forked from it for the next rollback
             # (daemon/warm.py; same cmdline, stopped, later pids): the template is the first.
             tpls = sorted(workload_templates(init_pid) - before)
