@@ -3240,7 +3240,7 @@ pid_t dbxcr_held_adopt(struct dbxcr_held *parent, int image_dirfd, int root_dirf
 				  opts->set_tid_size, image_dirfd, root_dirfd, src, 0, opts, err);
 	if (!tpl)
 		return -1;
-	if (held_become(tpl, opts, out, err) < 0)	/* takes tpl */
+	if (held_become(tpl, opts, true, out, err) < 0)	/* takes tpl */
 		return -1;
 	return dbxcr_held_pid(*out);
 }
@@ -3317,7 +3317,8 @@ int dbxcr_held_chain(struct dbxcr_template *child_tpl, size_t n,
 		o.ns_pidfd = -1;
 		o.cgroup_fds = NULL;
 		o.ncgroup_fds = 0;
-		if (held_become(tpl, &o, &out[i], err) < 0)	/* takes tpl */
+		/* The root's parent is not its restored one (a spawn's: see finish_child). */
+		if (held_become(tpl, &o, i > 0, &out[i], err) < 0)	/* takes tpl */
 			goto kill;
 	}
 	return dbxcr_held_pid(out[0]);
@@ -3990,6 +3991,8 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 		memcpy(tpl->ptimers, src->ptimers, sizeof(tpl->ptimers));
 		tpl->group_stop = src->group_stop;
 		tpl->creds = src->creds;
+		tpl->pdeathsig = src->pdeathsig;
+		tpl->subreaper = src->subreaper;
 	}
 	if (R.im->core->has_rseq) {	/* for births from carriers (threads.c: main_restore) */
 		tpl->main.rseq_ptr = R.im->core->rseq_ptr;

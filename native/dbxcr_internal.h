@@ -178,6 +178,12 @@ struct dbxcr_template {
 	struct ptimer ptimers[MAX_PTIMERS];
 	/* What its children get back last (creds.c); creds.set 0: the template's own. */
 	struct dbxcr_creds creds;
+	/* What fork drops and no /proc file shows (prctls.c): the origin's parent-death
+	 * signal (its main thread's: the kernel keeps one per thread), given back to a child
+	 * born of its restored parent only, and its child-subreaper flag, given back to every
+	 * child. */
+	int pdeathsig;
+	bool subreaper;
 };
 
 /* Options for every tracee we inject into (see fork_template.c). */
@@ -283,6 +289,12 @@ int batch_run(struct batch *b, struct dbxcr_error *err);
 
 /* prctls.c: read (all) or set (those that differ) in a stopped tracee by injected calls. */
 int tracee_prctls(struct tracee *t, struct dbxcr_prctls *out, struct dbxcr_error *err);
+/* The stopped process's parent-death signal and child-subreaper flag (injected calls; t
+ * must be ours to inject with), and their giving back to a child before it runs. */
+int tracee_parent_death(struct tracee *t, int *pdeathsig, bool *subreaper,
+			struct dbxcr_error *err);
+int give_parent_death(struct tracee *c, const struct dbxcr_template *tpl, bool born_of_parent,
+		      struct dbxcr_error *err);
 int tracee_set_prctls(struct tracee *t, const struct dbxcr_prctls *want,
 		      struct dbxcr_error *err);
 
@@ -354,7 +366,7 @@ void threads_kill(pid_t child, const struct tracee *thr, int n);
 pid_t held_fork(struct dbxcr_held *h, const pid_t *set_tid, size_t n, unsigned long flags,
 		struct dbxcr_error *err);
 int held_become(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *o,
-		struct dbxcr_held **out, struct dbxcr_error *err);
+		bool born_of_parent, struct dbxcr_held **out, struct dbxcr_error *err);
 int held_spawn_child(struct dbxcr_held *h, struct dbxcr_template *tpl,
 		     const struct dbxcr_spawn_opts *o, unsigned long flags,
 		     struct dbxcr_held **out, struct dbxcr_error *err);

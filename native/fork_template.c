@@ -1766,7 +1766,9 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 	else if (tpl && !s->nthreads && main_capture(pid, &tpl->main, err) < 0)
 		tpl_ok = false;
 	else if (tpl && tpl->xstate && (capture_itimers(&s->t, tpl->itimers, err) < 0 ||
-					capture_ptimers(&s->t, tpl, err) < 0))
+					capture_ptimers(&s->t, tpl, err) < 0 ||
+					tracee_parent_death(&s->t, &tpl->pdeathsig,
+							    &tpl->subreaper, err) < 0))
 		tpl_ok = false;
 	/* The original goes back first, whatever happened to the template. */
 	if (!tpl || !tpl->xstate || !tpl_ok || unmodify(s, err) < 0) {
@@ -3102,7 +3104,7 @@ static int join_sandbox_ns(struct tracee *c, int pidfd, struct dbxcr_error *err)
 /* `thr`: the child's other threads (NULL: it has none), still stopped: they get the
  * template's credentials too, while the scratch page is still mapped. */
 static int finish_child(struct tracee *c, struct dbxcr_template *tpl, struct tracee *thr,
-			struct dbxcr_error *err)
+			bool born_of_parent, struct dbxcr_error *err)
 {
 	long a[6] = { (long)tpl->scratch, SCRATCH_LEN, 0, 0, 0, 0 };
 
@@ -3119,7 +3121,8 @@ static int finish_child(struct tracee *c, struct dbxcr_template *tpl, struct tra
 	for (int i = 0; thr && i < tpl->threads->n; i++)
 		if (creds_give(&thr[i], tpl->scratch, &tpl->creds, err) < 0)
 			return -1;
-	if (creds_give(c, tpl->scratch, &tpl->creds, err) < 0)
+	if (creds_give(c, tpl->scratch, &tpl->creds, err) < 0 ||
+	    give_parent_death(c, tpl, born_of_parent, err) < 0)
 		return -1;
 	if (rsys(c, SYS_munmap, a, err, "munmap scratch") < 0)
 		return -1;
@@ -3295,7 +3298,7 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 	if (kind == SPAWN_HELD || kind == SPAWN_HELD_SHARED)	/* its scratch page serves its
 								 * adoptions; finish at release */
 		return 0;
-	if (finish_child(c, tpl, *thr, err) < 0) {
+	if (finish_child(c, tpl, *thr, false, err) < 0) {
 		if (*thr) {
 			threads_kill(c->pid, *thr, tpl->threads->n);
 			free(*thr);
@@ -3414,6 +3417,8 @@ struct dbxcr_held {
 	bool shared;	/* shares its template's address space (CLONE_VM): no rseq
 			 * registration or sigaltstack of its own, nor will its forks have
 			 * them (held_spawn_child gives them back) */
+	bool born_of_parent;	/* born of its restored parent (an adopted child, a chain's
+				 * member but its root): gets its parent-death signal back */
 };
 
 static void held_free(struct dbxcr_held *h)
@@ -3531,7 +3536,7 @@ pid_t held_fork(struct dbxcr_held *h, const pid_t *set_tid, size_t n, unsigned l
  * becomes the process itself: re-rooted as a spawn's child would be (no namespace or
  * cgroup to change: it was born in its parent's), held.  Takes tpl. */
 int held_become(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *o,
-		struct dbxcr_held **out, struct dbxcr_error *err)
+		bool born_of_parent, struct dbxcr_held **out, struct dbxcr_error *err)
 {
 	struct pidns_switch none = { -1, -1 };
 	struct pinning pin = { 0 };
@@ -3545,6 +3550,7 @@ int held_become(struct dbxcr_template *tpl, const struct dbxcr_spawn_opts *o,
 	}
 	h->tpl = tpl;
 	h->own_tpl = true;
+	h->born_of_parent = born_of_parent;
 	h->c.pid = tpl->pid;	/* what dbxcr_held_kill kills, whatever fails below */
 	if (tpl->threads && o->set_tid_size == 0) {
 		own_pid_only(tpl, err);
@@ -3612,6 +3618,7 @@ int held_spawn_child(struct dbxcr_held *h, struct dbxcr_template *tpl,
 	c->tpl = tpl;
 	c->c.pid = child;	/* what dbxcr_held_kill kills, whatever fails below */
 	c->shared = h->shared && (flags & CLONE_VM);
+	c->born_of_parent = true;
 	if (adopt(&c->c, child, tpl->site, err) < 0 ||
 	    setup_child(&c->c, tpl, o, &none, SPAWN_HELD, &c->thr, err) < 0 ||
 	    (h->shared && !c->shared && (template_altstack(tpl, &ss, err) < 0 ||
@@ -3712,7 +3719,7 @@ int dbxcr_held_release(struct dbxcr_held *h, struct dbxcr_error *err)
 	struct tracee *thr = h->thr;
 
 	clear_error(err);
-	if (finish_child(&h->c, h->tpl, thr, err) < 0) {
+	if (finish_child(&h->c, h->tpl, thr, h->born_of_parent, err) < 0) {
 		dbxcr_held_kill(h);
 		return -1;
 	}
@@ -3979,7 +3986,7 @@ pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t 
 	    threads_recreate(&c, &k->t, true, true, &thr, err) < 0)
 		goto kill;
 	if (take_locks(&c, k->t.scratch, k->locks, k->nlocks, err) < 0 ||
-	    finish_child(&c, &k->t, thr, err) < 0 || unpin_child(&col, &k->t, child, err) < 0)
+	    finish_child(&c, &k->t, thr, false, err) < 0 || unpin_child(&col, &k->t, child, err) < 0)
 		goto kill_threads;
 	colocation_end(&col);
 	c.regs = k->t.regs;

@@ -367,6 +367,13 @@ int dbxcr_template_prctls(struct dbxcr_template *tpl, struct dbxcr_prctls *out,
  * its host's fork), so that its children have them.  0, or -1 with err set. */
 int dbxcr_template_set_prctls(struct dbxcr_template *tpl, const struct dbxcr_prctls *want,
 			      struct dbxcr_error *err);
+/* The origin's parent-death signal (0: none) and child-subreaper flag, which fork drops:
+ * read when the template was made, given back to its children (native/prctls.c). */
+void dbxcr_template_parent_death(const struct dbxcr_template *tpl, int *pdeathsig,
+				 int *subreaper);
+/* Give them to a template rebuilt from disk.  0, or -1 (EINVAL: no such signal). */
+int dbxcr_template_set_parent_death(struct dbxcr_template *tpl, int pdeathsig, int subreaper,
+				    struct dbxcr_error *err);
 /* The same in a held process, before its release. */
 int dbxcr_held_set_prctls(struct dbxcr_held *h, const struct dbxcr_prctls *want,
 			  struct dbxcr_error *err);

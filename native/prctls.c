@@ -131,3 +131,66 @@ int dbxcr_template_set_prctls(struct dbxcr_template *tpl, const struct dbxcr_prc
 {
 	return in_template(tpl, NULL, want, err);
 }
+
+/* ---------- what fork drops: the parent-death signal and the child-subreaper flag ----------
+ *
+ * Neither is copied to a child (copy_process clears pdeath_signal; a new process's signal
+ * struct starts with is_child_subreaper 0) and no /proc file shows them, so they are read
+ * from the stopped original when its template is made (PR_GET_*: two injected calls, the
+ * answers written below its stack's red zone) and given back to each child before it runs.
+ *
+ * The flag belongs to the process alone: every child gets it.  The signal is tied to the
+ * parent: the kernel sends it when the thread that is the process's parent exits.  It is
+ * given back only to a child born of its restored parent (an adopted child, a chain's);
+ * one spawned from its template is the template's sibling, whose parent is the sandbox's
+ * init or, in a fork, a process of the source sandbox, whose death must not signal it.
+ * After the credentials (creds_give): the kernel clears the signal when a process's
+ * effective or filesystem ids change. */
+int tracee_parent_death(struct tracee *t, int *pdeathsig, bool *subreaper,
+			struct dbxcr_error *err)
+{
+	long a[6] = { PR_GET_PDEATHSIG, 0, 0, 0, 0, 0 };
+	int v = 0;
+
+	if (query_on_stack(t, SYS_prctl, a, 1, &v, sizeof(v), "prctl(PR_GET_PDEATHSIG)",
+			   err) < 0)
+		return -1;
+	*pdeathsig = v;
+	a[0] = PR_GET_CHILD_SUBREAPER;
+	v = 0;
+	if (query_on_stack(t, SYS_prctl, a, 1, &v, sizeof(v), "prctl(PR_GET_CHILD_SUBREAPER)",
+			   err) < 0)
+		return -1;
+	*subreaper = v != 0;
+	return 0;
+}
+
+int give_parent_death(struct tracee *c, const struct dbxcr_template *tpl, bool born_of_parent,
+		      struct dbxcr_error *err)
+{
+	if (tpl->subreaper &&
+	    set_one(c, PR_SET_CHILD_SUBREAPER, 1, 0, "child-subreaper flag", err) < 0)
+		return -1;
+	if (born_of_parent && tpl->pdeathsig &&
+	    set_one(c, PR_SET_PDEATHSIG, tpl->pdeathsig, 0, "parent-death signal", err) < 0)
+		return -1;
+	return 0;
+}
+
+void dbxcr_template_parent_death(const struct dbxcr_template *tpl, int *pdeathsig,
+				 int *subreaper)
+{
+	*pdeathsig = tpl->pdeathsig;
+	*subreaper = tpl->subreaper;
+}
+
+int dbxcr_template_set_parent_death(struct dbxcr_template *tpl, int pdeathsig, int subreaper,
+				    struct dbxcr_error *err)
+{
+	clear_error(err);
+	if (pdeathsig < 0 || pdeathsig > 64)
+		return fail(err, EINVAL, tpl->pid, "parent-death signal %d", pdeathsig);
+	tpl->pdeathsig = pdeathsig;
+	tpl->subreaper = subreaper != 0;
+	return 0;
+}

@@ -4511,6 +4511,84 @@ def test_prctl_state_comes_back(sbx: Sandbox, restore: Restore) -> None:
     assert _report(target) == "0 1 1 16 1"
 
 
+PARENT_DEATH = """
+import ctypes, os, signal, time
+libc = ctypes.CDLL(None, use_errno=True)
+W = '/workspace/'
+def get(op):   # PR_GET_PDEATHSIG (2), PR_GET_CHILD_SUBREAPER (37): an int written back
+    v = ctypes.c_int(-1)
+    assert libc.prctl(op, ctypes.byref(v), 0, 0, 0) == 0, ctypes.get_errno()
+    return v.value
+def serve(who):
+    while True:
+        if os.path.exists(W + 'ask_' + who):
+            open(W + who + '.tmp', 'w').write('%d %d' % (get(37), get(2)))
+            os.rename(W + who + '.tmp', W + who + '_state')
+            os.unlink(W + 'ask_' + who)
+        time.sleep(0.02)
+assert libc.prctl(36, 1, 0, 0, 0) == 0   # PR_SET_CHILD_SUBREAPER
+if os.fork() == 0:
+    signal.signal(signal.SIGUSR1,
+                  lambda *_: open(W + 'orphaned', 'w').write(str(os.getppid())))
+    assert libc.prctl(1, signal.SIGUSR1, 0, 0, 0) == 0   # PR_SET_PDEATHSIG
+    open(W + 'child_ready', 'w').close()
+    serve('child')
+open(W + 'parent_pid', 'w').write(str(os.getpid()))
+serve('parent')
+"""
+
+
+def _subreaper_and_pdeathsig(box: Sandbox, who: str) -> str:
+    if box.files.exists(f"{who}_state"):
+        box.files.remove(f"{who}_state")
+    _ask(box, f"ask_{who}")
+    wait_for(lambda: box.files.exists(f"{who}_state"))
+    return box.files.read(f"{who}_state").decode()
+
+
+def test_parent_death_signal_and_subreaper_come_back(sbx: Sandbox, restore: Restore) -> None:
+    """fork drops a process's parent-death signal (PR_SET_PDEATHSIG: PostgreSQL's
+    backends, a worker that must not outlive its supervisor) and its child-subreaper flag
+    (tini -s, a supervisor collecting its daemons' orphans), and no /proc file shows them:
+    until stop 63 every restored process came back without them. Now they are read when
+    the template is made and given back before it runs (native/prctls.c): the flag to
+    every process, the signal to one born of its restored parent (here the python's child,
+    adopted), so that its parent's death signals it again."""
+    sbx.files.write("parent_death.py", PARENT_DEATH)
+    sbx.session("main").run("(python3 /workspace/parent_death.py &)")
+    wait_for(lambda: sbx.files.exists("child_ready") and sbx.files.exists("parent_pid"))
+    assert _subreaper_and_pdeathsig(sbx, "parent") == "1 0"
+    assert _subreaper_and_pdeathsig(sbx, "child") == f"0 {signal.SIGUSR1}"
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    target = restore(sbx, cp)
+    assert _subreaper_and_pdeathsig(target, "parent") == "1 0"
+    assert _subreaper_and_pdeathsig(target, "child") == f"0 {signal.SIGUSR1}"
+    assert not target.files.exists("orphaned")
+    target.exec("kill -KILL $(cat /workspace/parent_pid)")
+    wait_for(lambda: target.files.exists("orphaned"), what="the child's parent-death signal")
+    target.exec("pkill -f parent_death.py || true")
+
+
+def test_a_child_back_as_inits_is_named_without_its_parent_death_signal(sbx: Sandbox) -> None:
+    """A child that comes back as init's (too big to copy into its shell, which does not
+    wait for it) does not get its parent-death signal back: the signal was its shell's
+    death's, and init's death (the sandbox's end) must not send it. The rollback's note
+    says so beside its new parent."""
+    s = sbx.session("main")
+    s.run("python3 -c 'import ctypes, os, time; ctypes.CDLL(None).prctl(1, 10, 0, 0, 0); "
+          "b = bytearray(os.urandom(1)) * (48 << 20); time.sleep(1000)' &")
+    wait_for(lambda: int(sbx.exec(f"{OWN_PS} rss=,args= | awk '/[p]ython3 -c/ {{print $1}}'")
+                      .stdout.strip() or 0) > 40 << 10)
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    r = sbx.rollback(cp)
+    assert r.process_state == "restored", r.note
+    assert re.search(r"pid \d+ \(python3 -c import ctypes.*\) is now a child of init, without "
+                     r"its parent-death signal \(SIGUSR1\), not of pid \d+", r.note), r.note
+    s.run("kill %1")
+
+
 STOPPED_LOOP = ("cd /workspace && nohup sh -c 'echo $$ > pid; i=0; while true; do "
                 "i=$((i+1)); echo $i > count; sleep 0.05; done' >/dev/null 2>&1 &")
 

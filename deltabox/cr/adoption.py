@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -172,7 +173,7 @@ def orphaned(records: Iterable[ProcessRecord], family: Mapping[int, int],
              most: int = 3) -> list[str]:
     """The captured children of captured parents that a restore does not adopt, as the
     response names them (the first `most`, then how many more): each comes back as a
-    child of init."""
+    child of init, and without its parent-death signal, which init's death would send."""
     out = []
     for r, parent in _with_parents(records):
         if r.pid in family:
@@ -181,11 +182,20 @@ def orphaned(records: Iterable[ProcessRecord], family: Mapping[int, int],
                "it maps memory shared with another process" if r.shared else
                f"its {r.rss_kb // 1024} MB are over the {ADOPT_MAX_RSS_KB // 1024} MB "
                "copied for a shell's child it does not wait for")
-        out.append(f"pid {r.nspid} ({r.cmd}) is now a child of init, not of pid "
+        lost = (f", without its parent-death signal ({_signame(r.pdeathsig)})"
+                if r.pdeathsig else "")
+        out.append(f"pid {r.nspid} ({r.cmd}) is now a child of init{lost}, not of pid "
                    f"{parent.nspid} ({why})")
     if len(out) > most:
         out[most:] = [f"and {len(out) - most} more children likewise"]
     return out
+
+
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:   # a real-time one but the first and last
+        return f"signal {sig}"
 
 
 def refusals(records: Iterable[ProcessRecord],

@@ -101,6 +101,10 @@ class ProcessRecord:
     ptimers: list[list[int]] = field(default_factory=list)
     # it sat in a job-control stop (Template.group_stop: kept for a restore from disk)
     stopped: bool = False
+    # its parent-death signal (PR_SET_PDEATHSIG; 0: none) and child-subreaper flag, which
+    # fork drops (Template.parent_death: kept for a restore from disk)
+    pdeathsig: int = 0
+    subreaper: bool = False
     seccomp_filters: int = 0  # seccomp filters it runs under (adoption.py: its parent's?)
     tty_nr: int = 0           # its controlling terminal (/proc/pid/stat; cr/ptys.py)
     tpgid: int = -1           # that terminal's foreground process group (host pid)

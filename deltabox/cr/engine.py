@@ -41,9 +41,10 @@ rejoin it at the rollback. Not preserved:
   memory copied in from its template;
 - what a fork resets and no call sets back: the CPU time a process used (times(2),
   CLOCK_PROCESS_CPUTIME_ID start again from zero), memory marked MADV_WIPEONFORK (a
-  random generator's state: zero-filled, so it reseeds), a parent-death signal
-  (PR_SET_PDEATHSIG, tied to a parent a restore may not keep), a child subreaper's flag
-  (PR_SET_CHILD_SUBREAPER: no /proc file shows it), mlockall's MCL_FUTURE.
+  random generator's state: zero-filled, so it reseeds), the parent-death signal of a
+  process not born of its restored parent (PR_SET_PDEATHSIG: its parent is init; the
+  others and every child subreaper's flag get theirs back, native/prctls.c), mlockall's
+  MCL_FUTURE.
 A process restored from an image (adopted, a chain's, rebuilt from a dump) is another
 process's fork: its nice, priorities, rlimits and prctl state are set back from its
 template's (taskattrs.py). One that ran as another user or without capabilities comes
@@ -1102,6 +1103,8 @@ def rebuilt_as(tpl: native.Template, rec: ProcessRecord) -> None:
         tpl.set_ptimers(rec.ptimers)
     if rec.stopped:
         tpl.set_group_stop(True)
+    if rec.pdeathsig or rec.subreaper:
+        tpl.set_parent_death(rec.pdeathsig, rec.subreaper)
 
 
 def _nspid(state: ProcessState, host_pid: int) -> int:
@@ -1729,15 +1732,16 @@ def _template_held(held: Held, records: list[ProcessRecord]) -> dict[int, native
 
 def _note_timers(templates: dict[int, native.Template],
                  records: list[ProcessRecord]) -> None:
-    """Each record gets its template's interval and POSIX timers and its job-control stop
-    (read at the stop; a shared template's from its own checkpoint): kept with it for a
-    restore from disk."""
+    """Each record gets its template's interval and POSIX timers, its job-control stop,
+    parent-death signal and subreaper flag (read at the stop; a shared template's from its
+    own checkpoint): kept with it for a restore from disk."""
     for rec in records:
         tpl = templates.get(rec.pid)
         if tpl is not None:
             rec.itimers = tpl.itimers()
             rec.ptimers = tpl.ptimers()
             rec.stopped = tpl.group_stop()
+            rec.pdeathsig, rec.subreaper = tpl.parent_death()
 
 
 def _syscalls_at_stop(cap: _Pass, later: bool) -> Callable[[int], adoption.Calls]:

@@ -213,147 +213,162 @@ def _load() -> ctypes.CDLL:
         if not path.exists():
             raise CRError(_errno.ENOENT, f"{path}: libdbxcr.so is not built (run `make native`)")
         lib = ctypes.CDLL(str(path), use_errno=True)
-        err = ctypes.POINTER(_Err)
-        lib.dbxcr_describe.argtypes = [ctypes.c_int, ctypes.POINTER(_Info), err]
-        lib.dbxcr_describe.restype = ctypes.c_int
-        lib.dbxcr_inject_syscall.argtypes = [ctypes.c_int, ctypes.c_long,
-                                             ctypes.POINTER(ctypes.c_long),
-                                             ctypes.POINTER(ctypes.c_long), err]
-        lib.dbxcr_inject_syscall.restype = ctypes.c_int
-        lib.dbxcr_make_template.argtypes = [ctypes.c_int, err]
-        lib.dbxcr_make_template.restype = ctypes.c_void_p
-        lib.dbxcr_template_drop_fds.argtypes = [ctypes.c_void_p, err]
-        lib.dbxcr_template_drop_fds.restype = ctypes.c_int
-        lib.dbxcr_template_itimers.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_long)]
-        lib.dbxcr_template_itimers.restype = None
-        lib.dbxcr_template_group_stop.argtypes = [ctypes.c_void_p]
-        lib.dbxcr_template_group_stop.restype = ctypes.c_int
-        lib.dbxcr_template_set_group_stop.argtypes = [ctypes.c_void_p, ctypes.c_int]
-        lib.dbxcr_template_set_group_stop.restype = None
-        lib.dbxcr_template_set_itimers.argtypes = [ctypes.c_void_p,
-                                                   ctypes.POINTER(ctypes.c_long), err]
-        lib.dbxcr_template_set_itimers.restype = ctypes.c_int
-        lib.dbxcr_template_ptimers.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_long),
-                                               ctypes.c_int]
-        lib.dbxcr_template_ptimers.restype = ctypes.c_int
-        lib.dbxcr_template_set_ptimers.argtypes = [ctypes.c_void_p,
-                                                   ctypes.POINTER(ctypes.c_long), ctypes.c_int,
-                                                   err]
-        lib.dbxcr_template_set_ptimers.restype = ctypes.c_int
-        lib.dbxcr_ptimers_supported.argtypes = []
-        lib.dbxcr_ptimers_supported.restype = ctypes.c_int
-        lib.dbxcr_template_pid.argtypes = [ctypes.c_void_p]
-        lib.dbxcr_template_pid.restype = ctypes.c_int
-        lib.dbxcr_template_origin.argtypes = [ctypes.c_void_p]
-        lib.dbxcr_template_origin.restype = ctypes.c_int
-        lib.dbxcr_template_syscall.argtypes = [ctypes.c_void_p, ctypes.c_int,
-                                               ctypes.POINTER(ctypes.c_long)]
-        lib.dbxcr_template_syscall.restype = ctypes.c_long
-        lib.dbxcr_netns_socket.argtypes = [ctypes.c_int] * 4 + [err]
-        lib.dbxcr_netns_socket.restype = ctypes.c_int
-        lib.dbxcr_netns_socketpair.argtypes = [ctypes.c_int] * 3 + [
-            ctypes.POINTER(ctypes.c_int), err]
-        lib.dbxcr_netns_socketpair.restype = ctypes.c_int
-        lib.dbxcr_root_bind.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, err]
-        lib.dbxcr_root_bind.restype = ctypes.c_int
-        lib.dbxcr_mntns_open.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
-                                         ctypes.c_int, err]
-        lib.dbxcr_mntns_open.restype = ctypes.c_int
-        lib.dbxcr_spawn.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SpawnOpts), err]
-        lib.dbxcr_spawn.restype = ctypes.c_int
-        lib.dbxcr_spawn_carrier.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SpawnOpts),
-                                            ctypes.POINTER(ctypes.c_void_p), err]
-        lib.dbxcr_spawn_carrier.restype = ctypes.c_int
-        lib.dbxcr_carrier_birth.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
-                                            ctypes.c_size_t, ctypes.c_int, err]
-        lib.dbxcr_carrier_birth.restype = ctypes.c_int
-        lib.dbxcr_carrier_keep.argtypes = [ctypes.c_void_p, err]
-        lib.dbxcr_carrier_keep.restype = ctypes.c_int
-        lib.dbxcr_carrier_kill.argtypes = [ctypes.c_void_p, err]
-        lib.dbxcr_carrier_kill.restype = ctypes.c_int
-        lib.dbxcr_jobs_new.argtypes = [err]
-        lib.dbxcr_jobs_new.restype = ctypes.c_void_p
-        lib.dbxcr_jobs_post.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Births), err]
-        lib.dbxcr_jobs_post.restype = ctypes.c_int
-        lib.dbxcr_jobs_wait.argtypes = [ctypes.c_void_p, err]
-        lib.dbxcr_jobs_wait.restype = ctypes.c_int
-        lib.dbxcr_jobs_free.argtypes = [ctypes.c_void_p]
-        lib.dbxcr_jobs_free.restype = None
-        lib.dbxcr_spawn_held.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SpawnOpts),
-                                         ctypes.POINTER(ctypes.c_void_p), err]
-        lib.dbxcr_spawn_held.restype = ctypes.c_int
-        lib.dbxcr_held_release.argtypes = [ctypes.c_void_p, err]
-        lib.dbxcr_held_release.restype = ctypes.c_int
-        lib.dbxcr_held_foreground.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, err]
-        lib.dbxcr_held_foreground.restype = ctypes.c_int
-        lib.dbxcr_held_zombie.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                          ctypes.c_char_p, err]
-        lib.dbxcr_held_zombie.restype = ctypes.c_int
-        lib.dbxcr_ipcns_mqueue_dir.argtypes = [ctypes.c_int, err]
-        lib.dbxcr_ipcns_mqueue_dir.restype = ctypes.c_int
-        lib.dbxcr_ipcns_shm_list.argtypes = [ctypes.c_int, ctypes.POINTER(_ShmSegment),
-                                             ctypes.c_size_t,
-                                             ctypes.POINTER(ctypes.c_size_t), err]
-        lib.dbxcr_ipcns_shm_list.restype = ctypes.c_int
-        lib.dbxcr_ipcns_shm_make.argtypes = [ctypes.c_int, ctypes.POINTER(_ShmSegment),
-                                             ctypes.c_size_t, err]
-        lib.dbxcr_ipcns_shm_make.restype = ctypes.c_int
-        lib.dbxcr_ipcns_shm_modes.argtypes = lib.dbxcr_ipcns_shm_make.argtypes
-        lib.dbxcr_ipcns_shm_modes.restype = ctypes.c_int
-        lib.dbxcr_held_set_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls), err]
-        lib.dbxcr_held_set_prctls.restype = ctypes.c_int
-        lib.dbxcr_held_install_fd.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                              ctypes.c_int, ctypes.POINTER(_EpollWatch),
-                                              ctypes.c_size_t, err]
-        lib.dbxcr_held_install_fd.restype = ctypes.c_int
-        lib.dbxcr_template_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls), err]
-        lib.dbxcr_template_prctls.restype = ctypes.c_int
-        lib.dbxcr_template_set_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls),
-                                                  err]
-        lib.dbxcr_template_set_prctls.restype = ctypes.c_int
-        lib.dbxcr_template_set_creds.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Creds), err]
-        lib.dbxcr_template_set_creds.restype = ctypes.c_int
-        lib.dbxcr_held_kill.argtypes = [ctypes.c_void_p]
-        lib.dbxcr_held_kill.restype = None
-        lib.dbxcr_held_pid.argtypes = [ctypes.c_void_p]
-        lib.dbxcr_held_pid.restype = ctypes.c_int
-        lib.dbxcr_template_own_group.argtypes = [ctypes.c_void_p, err]
-        lib.dbxcr_template_own_group.restype = ctypes.c_int
-        lib.dbxcr_template_own_session.argtypes = [ctypes.c_void_p, err]
-        lib.dbxcr_template_own_session.restype = ctypes.c_int
-        lib.dbxcr_template_shmdt.argtypes = [ctypes.c_void_p, ctypes.c_ulong, err]
-        lib.dbxcr_template_shmdt.restype = ctypes.c_int
-        lib.dbxcr_template_copy.argtypes = [ctypes.c_void_p, err]
-        lib.dbxcr_template_copy.restype = ctypes.c_void_p
-        lib.dbxcr_template_adopt.argtypes = [ctypes.c_void_p, err]
-        lib.dbxcr_template_adopt.restype = ctypes.c_int
-        lib.dbxcr_release_template.argtypes = [ctypes.c_void_p, err]
-        lib.dbxcr_release_template.restype = ctypes.c_int
-        lib.dbxcr_stop_begin.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), err]
-        lib.dbxcr_stop_begin.restype = ctypes.c_int
-        lib.dbxcr_stop_wait.argtypes = [ctypes.c_void_p, ctypes.c_int, err]
-        lib.dbxcr_stop_wait.restype = ctypes.c_int
-        lib.dbxcr_stop_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(_StopInfo)]
-        lib.dbxcr_stop_get_info.restype = None
-        lib.dbxcr_stop_syscall.argtypes = [ctypes.c_void_p, ctypes.c_int,
-                                           ctypes.POINTER(ctypes.c_long)]
-        lib.dbxcr_stop_syscall.restype = ctypes.c_long
-        lib.dbxcr_stop_hold.argtypes = [ctypes.c_void_p, err]
-        lib.dbxcr_stop_hold.restype = ctypes.c_int
-        lib.dbxcr_template_stopped.argtypes = [ctypes.c_void_p, err]
-        lib.dbxcr_template_stopped.restype = ctypes.c_void_p
-        lib.dbxcr_template_start.argtypes = [ctypes.c_void_p, err]
-        lib.dbxcr_template_start.restype = ctypes.c_int
-        lib.dbxcr_template_finish.argtypes = [ctypes.c_void_p, err]
-        lib.dbxcr_template_finish.restype = ctypes.c_void_p
-        lib.dbxcr_stop_resume.argtypes = [ctypes.c_void_p, err]
-        lib.dbxcr_stop_resume.restype = ctypes.c_int
-        lib.dbxcr_stop_abort.argtypes = [ctypes.c_void_p]
-        lib.dbxcr_stop_abort.restype = None
-        lib.dbxcr_stop_sweep.argtypes = [ctypes.c_int]
-        lib.dbxcr_stop_sweep.restype = ctypes.c_int
+        try:
+            _bind(lib)
+        except AttributeError as e:   # built from an older checkout
+            raise CRError(_errno.ENOSYS, f"{path} lacks a function this checkout calls "
+                          f"({e}): rebuild it with `make native`") from None
         _lib = lib
         return lib
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    """Every function's argument and result types (ctypes assumes int otherwise)."""
+    err = ctypes.POINTER(_Err)
+    lib.dbxcr_describe.argtypes = [ctypes.c_int, ctypes.POINTER(_Info), err]
+    lib.dbxcr_describe.restype = ctypes.c_int
+    lib.dbxcr_inject_syscall.argtypes = [ctypes.c_int, ctypes.c_long,
+                                         ctypes.POINTER(ctypes.c_long),
+                                         ctypes.POINTER(ctypes.c_long), err]
+    lib.dbxcr_inject_syscall.restype = ctypes.c_int
+    lib.dbxcr_make_template.argtypes = [ctypes.c_int, err]
+    lib.dbxcr_make_template.restype = ctypes.c_void_p
+    lib.dbxcr_template_drop_fds.argtypes = [ctypes.c_void_p, err]
+    lib.dbxcr_template_drop_fds.restype = ctypes.c_int
+    lib.dbxcr_template_itimers.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_long)]
+    lib.dbxcr_template_itimers.restype = None
+    lib.dbxcr_template_group_stop.argtypes = [ctypes.c_void_p]
+    lib.dbxcr_template_group_stop.restype = ctypes.c_int
+    lib.dbxcr_template_set_group_stop.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.dbxcr_template_set_group_stop.restype = None
+    ip = ctypes.POINTER(ctypes.c_int)
+    lib.dbxcr_template_parent_death.argtypes = [ctypes.c_void_p, ip, ip]
+    lib.dbxcr_template_parent_death.restype = None
+    lib.dbxcr_template_set_parent_death.argtypes = [ctypes.c_void_p, ctypes.c_int,
+                                                    ctypes.c_int, err]
+    lib.dbxcr_template_set_parent_death.restype = ctypes.c_int
+    lib.dbxcr_template_set_itimers.argtypes = [ctypes.c_void_p,
+                                               ctypes.POINTER(ctypes.c_long), err]
+    lib.dbxcr_template_set_itimers.restype = ctypes.c_int
+    lib.dbxcr_template_ptimers.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_long),
+                                           ctypes.c_int]
+    lib.dbxcr_template_ptimers.restype = ctypes.c_int
+    lib.dbxcr_template_set_ptimers.argtypes = [ctypes.c_void_p,
+                                               ctypes.POINTER(ctypes.c_long), ctypes.c_int,
+                                               err]
+    lib.dbxcr_template_set_ptimers.restype = ctypes.c_int
+    lib.dbxcr_ptimers_supported.argtypes = []
+    lib.dbxcr_ptimers_supported.restype = ctypes.c_int
+    lib.dbxcr_template_pid.argtypes = [ctypes.c_void_p]
+    lib.dbxcr_template_pid.restype = ctypes.c_int
+    lib.dbxcr_template_origin.argtypes = [ctypes.c_void_p]
+    lib.dbxcr_template_origin.restype = ctypes.c_int
+    lib.dbxcr_template_syscall.argtypes = [ctypes.c_void_p, ctypes.c_int,
+                                           ctypes.POINTER(ctypes.c_long)]
+    lib.dbxcr_template_syscall.restype = ctypes.c_long
+    lib.dbxcr_netns_socket.argtypes = [ctypes.c_int] * 4 + [err]
+    lib.dbxcr_netns_socket.restype = ctypes.c_int
+    lib.dbxcr_netns_socketpair.argtypes = [ctypes.c_int] * 3 + [
+        ctypes.POINTER(ctypes.c_int), err]
+    lib.dbxcr_netns_socketpair.restype = ctypes.c_int
+    lib.dbxcr_root_bind.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, err]
+    lib.dbxcr_root_bind.restype = ctypes.c_int
+    lib.dbxcr_mntns_open.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+                                     ctypes.c_int, err]
+    lib.dbxcr_mntns_open.restype = ctypes.c_int
+    lib.dbxcr_spawn.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SpawnOpts), err]
+    lib.dbxcr_spawn.restype = ctypes.c_int
+    lib.dbxcr_spawn_carrier.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SpawnOpts),
+                                        ctypes.POINTER(ctypes.c_void_p), err]
+    lib.dbxcr_spawn_carrier.restype = ctypes.c_int
+    lib.dbxcr_carrier_birth.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
+                                        ctypes.c_size_t, ctypes.c_int, err]
+    lib.dbxcr_carrier_birth.restype = ctypes.c_int
+    lib.dbxcr_carrier_keep.argtypes = [ctypes.c_void_p, err]
+    lib.dbxcr_carrier_keep.restype = ctypes.c_int
+    lib.dbxcr_carrier_kill.argtypes = [ctypes.c_void_p, err]
+    lib.dbxcr_carrier_kill.restype = ctypes.c_int
+    lib.dbxcr_jobs_new.argtypes = [err]
+    lib.dbxcr_jobs_new.restype = ctypes.c_void_p
+    lib.dbxcr_jobs_post.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Births), err]
+    lib.dbxcr_jobs_post.restype = ctypes.c_int
+    lib.dbxcr_jobs_wait.argtypes = [ctypes.c_void_p, err]
+    lib.dbxcr_jobs_wait.restype = ctypes.c_int
+    lib.dbxcr_jobs_free.argtypes = [ctypes.c_void_p]
+    lib.dbxcr_jobs_free.restype = None
+    lib.dbxcr_spawn_held.argtypes = [ctypes.c_void_p, ctypes.POINTER(_SpawnOpts),
+                                     ctypes.POINTER(ctypes.c_void_p), err]
+    lib.dbxcr_spawn_held.restype = ctypes.c_int
+    lib.dbxcr_held_release.argtypes = [ctypes.c_void_p, err]
+    lib.dbxcr_held_release.restype = ctypes.c_int
+    lib.dbxcr_held_foreground.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, err]
+    lib.dbxcr_held_foreground.restype = ctypes.c_int
+    lib.dbxcr_held_zombie.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                      ctypes.c_char_p, err]
+    lib.dbxcr_held_zombie.restype = ctypes.c_int
+    lib.dbxcr_ipcns_mqueue_dir.argtypes = [ctypes.c_int, err]
+    lib.dbxcr_ipcns_mqueue_dir.restype = ctypes.c_int
+    lib.dbxcr_ipcns_shm_list.argtypes = [ctypes.c_int, ctypes.POINTER(_ShmSegment),
+                                         ctypes.c_size_t,
+                                         ctypes.POINTER(ctypes.c_size_t), err]
+    lib.dbxcr_ipcns_shm_list.restype = ctypes.c_int
+    lib.dbxcr_ipcns_shm_make.argtypes = [ctypes.c_int, ctypes.POINTER(_ShmSegment),
+                                         ctypes.c_size_t, err]
+    lib.dbxcr_ipcns_shm_make.restype = ctypes.c_int
+    lib.dbxcr_ipcns_shm_modes.argtypes = lib.dbxcr_ipcns_shm_make.argtypes
+    lib.dbxcr_ipcns_shm_modes.restype = ctypes.c_int
+    lib.dbxcr_held_set_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls), err]
+    lib.dbxcr_held_set_prctls.restype = ctypes.c_int
+    lib.dbxcr_held_install_fd.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                          ctypes.c_int, ctypes.POINTER(_EpollWatch),
+                                          ctypes.c_size_t, err]
+    lib.dbxcr_held_install_fd.restype = ctypes.c_int
+    lib.dbxcr_template_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls), err]
+    lib.dbxcr_template_prctls.restype = ctypes.c_int
+    lib.dbxcr_template_set_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls),
+                                              err]
+    lib.dbxcr_template_set_prctls.restype = ctypes.c_int
+    lib.dbxcr_template_set_creds.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Creds), err]
+    lib.dbxcr_template_set_creds.restype = ctypes.c_int
+    lib.dbxcr_held_kill.argtypes = [ctypes.c_void_p]
+    lib.dbxcr_held_kill.restype = None
+    lib.dbxcr_held_pid.argtypes = [ctypes.c_void_p]
+    lib.dbxcr_held_pid.restype = ctypes.c_int
+    lib.dbxcr_template_own_group.argtypes = [ctypes.c_void_p, err]
+    lib.dbxcr_template_own_group.restype = ctypes.c_int
+    lib.dbxcr_template_own_session.argtypes = [ctypes.c_void_p, err]
+    lib.dbxcr_template_own_session.restype = ctypes.c_int
+    lib.dbxcr_template_shmdt.argtypes = [ctypes.c_void_p, ctypes.c_ulong, err]
+    lib.dbxcr_template_shmdt.restype = ctypes.c_int
+    lib.dbxcr_template_copy.argtypes = [ctypes.c_void_p, err]
+    lib.dbxcr_template_copy.restype = ctypes.c_void_p
+    lib.dbxcr_template_adopt.argtypes = [ctypes.c_void_p, err]
+    lib.dbxcr_template_adopt.restype = ctypes.c_int
+    lib.dbxcr_release_template.argtypes = [ctypes.c_void_p, err]
+    lib.dbxcr_release_template.restype = ctypes.c_int
+    lib.dbxcr_stop_begin.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), err]
+    lib.dbxcr_stop_begin.restype = ctypes.c_int
+    lib.dbxcr_stop_wait.argtypes = [ctypes.c_void_p, ctypes.c_int, err]
+    lib.dbxcr_stop_wait.restype = ctypes.c_int
+    lib.dbxcr_stop_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(_StopInfo)]
+    lib.dbxcr_stop_get_info.restype = None
+    lib.dbxcr_stop_syscall.argtypes = [ctypes.c_void_p, ctypes.c_int,
+                                       ctypes.POINTER(ctypes.c_long)]
+    lib.dbxcr_stop_syscall.restype = ctypes.c_long
+    lib.dbxcr_stop_hold.argtypes = [ctypes.c_void_p, err]
+    lib.dbxcr_stop_hold.restype = ctypes.c_int
+    lib.dbxcr_template_stopped.argtypes = [ctypes.c_void_p, err]
+    lib.dbxcr_template_stopped.restype = ctypes.c_void_p
+    lib.dbxcr_template_start.argtypes = [ctypes.c_void_p, err]
+    lib.dbxcr_template_start.restype = ctypes.c_int
+    lib.dbxcr_template_finish.argtypes = [ctypes.c_void_p, err]
+    lib.dbxcr_template_finish.restype = ctypes.c_void_p
+    lib.dbxcr_stop_resume.argtypes = [ctypes.c_void_p, err]
+    lib.dbxcr_stop_resume.restype = ctypes.c_int
+    lib.dbxcr_stop_abort.argtypes = [ctypes.c_void_p]
+    lib.dbxcr_stop_abort.restype = None
+    lib.dbxcr_stop_sweep.argtypes = [ctypes.c_int]
+    lib.dbxcr_stop_sweep.restype = ctypes.c_int
 
 
 def _error(err: _Err) -> CRError:
@@ -767,6 +782,22 @@ class Template:
     def set_group_stop(self, stopped: bool) -> None:
         """Give a template rebuilt from disk its origin's job-control stop."""
         _load().dbxcr_template_set_group_stop(self._h(), int(stopped))
+
+    def parent_death(self) -> tuple[int, bool]:
+        """The origin's parent-death signal (0: none) and child-subreaper flag, which
+        fork drops (native/prctls.c): every child gets the flag back, a child born of its
+        restored parent the signal."""
+        sig, sub = ctypes.c_int(), ctypes.c_int()
+        _load().dbxcr_template_parent_death(self._h(), ctypes.byref(sig), ctypes.byref(sub))
+        return sig.value, bool(sub.value)
+
+    def set_parent_death(self, pdeathsig: int, subreaper: bool) -> None:
+        """Give a template rebuilt from disk its origin's parent-death signal and
+        child-subreaper flag."""
+        err = _Err()
+        if _load().dbxcr_template_set_parent_death(self._h(), pdeathsig, int(subreaper),
+                                                   ctypes.byref(err)) < 0:
+            _raise(err)
 
     def prctls(self) -> Prctls:
         """Its origin's prctl state at the checkpoint (injected PR_GET_* calls)."""

@@ -16,8 +16,9 @@ checkpoint instant: a fork copies them and a template never runs; kept in its re
 so in its dump) and given to each such process before it runs: from outside where a call
 or a /proc file takes a pid, by injected prctl calls for the rest.
 
-Not here: PR_SET_CHILD_SUBREAPER and PR_SET_PDEATHSIG, which fork does not copy either
-(documented in engine.py), and CPU affinity, which a spawn pins for a moment
+Not here: PR_SET_CHILD_SUBREAPER and PR_SET_PDEATHSIG, which fork does not copy, so no
+template has them to read (native/prctls.c reads them from the original as its template is
+made), and CPU affinity, which a spawn pins for a moment
 (fork_template.c colocate), so a read of the template's could catch that.
 """
 

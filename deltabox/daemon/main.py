@@ -14,8 +14,8 @@ from pathlib import Path
 
 import trio
 
-from ..errors import DeltaBoxError
-from ..fs.store import open_store
+from ..errors import DeltaBoxError, InvalidArgument
+from ..fs.store import close_store, open_store
 from ..sandbox.cgroups import CgroupDriver, favor_dynmods, favordynmods_state, parent_name
 from ..sandbox.reaper import become_subreaper, reap_orphans
 from ..sandbox.runtime import raise_fd_limit
@@ -23,6 +23,7 @@ from ..sandbox.userns import IdMap
 from ..background import GuardedNursery
 from ..cr import hostmem
 from ..cr.engine import DeltaCR
+from ..cr.native import CRError
 from ..cr.worker import PtraceWorker
 from .db import Database
 from .idlegc import IdleCollector
@@ -154,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     except DeltaBoxError as e:
         print(f"deltaboxd: {e.message}", file=sys.stderr)
         return 1
+    except CRError as e:   # at start: the native library (missing, stale)
+        print(f"deltaboxd: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -178,6 +182,20 @@ def _template_budget(mb: int | None) -> int:
     total_kb = int(next(line.split()[1] for line in open("/proc/meminfo")
                         if line.startswith("MemTotal:")))
     return total_kb // 1024 // 4
+
+
+def _read_token(path: str | None) -> str | None:
+    """The token TCP clients must send (--token-file), or None without one."""
+    if not path:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as e:
+        raise InvalidArgument(f"cannot read --token-file {path}: {e.strerror}")
+    if not token:
+        raise InvalidArgument(f"--token-file {path} is empty: write the token TCP clients "
+                              "will send (DELTABOX_TOKEN) into it")
+    return token
 
 
 def _lock_state_dir(state_dir: Path) -> int:
@@ -215,52 +233,58 @@ async def serve(args: argparse.Namespace) -> None:
                  templates_per_sandbox=args.templates,
                  template_budget_mb=_template_budget(args.template_memory_mb),
                  userns=args.userns_range)
+    token = _read_token(args.token_file)   # bad input: refused before anything is mounted
     store = open_store(state_dir, args.store_size_gb, args.store, args.durable,
                        direct_io=args.loop_io == "direct")
-    db = Database(state_dir / "deltabox.db")
-    token = Path(args.token_file).read_text().strip() if args.token_file else None
-    sock = Path(args.socket)
-    sock.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-    sock.unlink(missing_ok=True)
-    # Images of the processes restores adopt (cr/adoption.py): kept only while the
-    # checkpoints live in this daemon, so whatever a previous run left goes.
-    images_dir = state_dir / "run" / "images"
-    shutil.rmtree(images_dir, ignore_errors=True)
-    lanes = contextlib.nullcontext() if args.no_fork_lanes else PtraceWorker("deltabox-lane")
-    async with PtraceWorker() as ptrace, lanes as lane, trio.open_nursery() as nursery:
-        background = GuardedNursery(nursery)
-        daemon = Daemon(cfg, store, db, CgroupDriver(parent_name(str(state_dir))), background,
-                        DeltaCR(ptrace, lane, str(images_dir)))
-        nursery.start_soon(_reap_forever, daemon)
-        try:
-            await daemon.recover()
-            idle = IdleCollector()
-            daemon.spares.quiet = idle.quiet  # spares boot once the calls have stopped
-            server = make_server(Servicer(daemon, trio.lowlevel.current_trio_token(), token,
-                                          idle), str(sock), args.listen)
-            idle.install()
-            server.start()
-            os.chmod(sock, 0o660)
-            nursery.start_soon(idle.run)
-            nursery.start_soon(_load_inspector, daemon, background, idle,
-                               not args.no_inspector)
-            nursery.start_soon(daemon.enforce_template_budget)
-            nursery.start_soon(daemon.sweep_keepers)
-            nursery.start_soon(daemon.clean_store)
-            log.info("serving on unix:%s%s (store %s at %s)", sock,
-                     f" and {args.listen}" if args.listen else "", store.backend, store.root)
-            if not hostmem.unadvised_sizes():
-                log.info("transparent huge pages: %s", hostmem.describe())
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for signum in signals:
-                    log.info("%s: shutting down", signal.Signals(signum).name)
-                    break
-            stopped = server.stop(grace=2)
-            await trio.to_thread.run_sync(stopped.wait)
-        finally:
-            await daemon.shutdown()
-            sock.unlink(missing_ok=True)
-            nursery.cancel_scope.cancel()
+    owned = False
+    try:
+        db = Database(state_dir / "deltabox.db")
+        sock = Path(args.socket)
+        sock.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        sock.unlink(missing_ok=True)
+        # Images of the processes restores adopt (cr/adoption.py): kept only while the
+        # checkpoints live in this daemon, so whatever a previous run left goes.
+        images_dir = state_dir / "run" / "images"
+        shutil.rmtree(images_dir, ignore_errors=True)
+        lanes = contextlib.nullcontext() if args.no_fork_lanes else PtraceWorker("deltabox-lane")
+        async with PtraceWorker() as ptrace, lanes as lane, trio.open_nursery() as nursery:
+            background = GuardedNursery(nursery)
+            daemon = Daemon(cfg, store, db, CgroupDriver(parent_name(str(state_dir))), background,
+                            DeltaCR(ptrace, lane, str(images_dir)))
+            owned = True   # from here on, daemon.shutdown() releases the store
+            nursery.start_soon(_reap_forever, daemon)
+            try:
+                await daemon.recover()
+                idle = IdleCollector()
+                daemon.spares.quiet = idle.quiet  # spares boot once the calls have stopped
+                server = make_server(Servicer(daemon, trio.lowlevel.current_trio_token(), token,
+                                              idle), str(sock), args.listen)
+                idle.install()
+                server.start()
+                os.chmod(sock, 0o660)
+                nursery.start_soon(idle.run)
+                nursery.start_soon(_load_inspector, daemon, background, idle,
+                                   not args.no_inspector)
+                nursery.start_soon(daemon.enforce_template_budget)
+                nursery.start_soon(daemon.sweep_keepers)
+                nursery.start_soon(daemon.clean_store)
+                log.info("serving on unix:%s%s (store %s at %s)", sock,
+                         f" and {args.listen}" if args.listen else "", store.backend, store.root)
+                if not hostmem.unadvised_sizes():
+                    log.info("transparent huge pages: %s", hostmem.describe())
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        log.info("%s: shutting down", signal.Signals(signum).name)
+                        break
+                stopped = server.stop(grace=2)
+                await trio.to_thread.run_sync(stopped.wait)
+            finally:
+                await daemon.shutdown()
+                sock.unlink(missing_ok=True)
+                nursery.cancel_scope.cancel()
+    finally:
+        if not owned:   # failed before the daemon held it (a stale native library, ...)
+            close_store(store)
     os.close(lock_fd)
 
 

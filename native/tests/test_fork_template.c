@@ -1744,6 +1744,94 @@ static void test_template_prctls(void)
 	reap(pid);
 }
 
+/* What fork drops: the parent-death signal and the child-subreaper flag, read from the
+ * original when its template is made.  A spawn (the template's sibling, not born of a
+ * restored parent) gets the flag back and not the signal; a rebuilt template's are set. */
+struct death_report {
+	pid_t pid;
+	int subreaper, pdeathsig;
+};
+
+static void report_parent_death(int rep)
+{
+	struct death_report r = { getpid(), -1, -1 };
+
+	if (prctl(PR_GET_CHILD_SUBREAPER, &r.subreaper, 0, 0, 0) < 0 ||
+	    prctl(PR_GET_PDEATHSIG, &r.pdeathsig, 0, 0, 0) < 0 ||
+	    write(rep, &r, sizeof(r)) != sizeof(r))
+		_exit(2);
+}
+
+static void test_template_parent_death(void)
+{
+	int go[2], rep[2], sig = -1, sub = -1;
+	pid_t pid, child = -1, child2 = -1;
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl;
+	struct death_report r;
+	bool seen_orig = false, seen_child = false, seen_child2 = false;
+
+	current_test = "template-parent-death";
+	if (pipe(go) < 0 || pipe(rep) < 0)
+		abort();
+	pid = fork();
+	if (pid == 0) {
+		char c;
+
+		close(go[1]);
+		if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0 ||
+		    prctl(PR_SET_PDEATHSIG, SIGUSR1, 0, 0, 0) < 0)
+			_exit(2);
+		if (read(go[0], &c, 1) < 0)
+			_exit(3);
+		report_parent_death(rep[1]);
+		_exit(0);
+	}
+	close(go[0]);
+	close(rep[1]);
+	CHECK(wait_in_syscall(pid, SYS_read) == 0, "child never blocked in read");
+	tpl = dbxcr_make_template(pid, &err);
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (tpl) {
+		dbxcr_template_parent_death(tpl, &sig, &sub);
+		CHECK(sig == SIGUSR1 && sub == 1, "read pdeathsig %d subreaper %d", sig, sub);
+		child = dbxcr_spawn(tpl, NULL, &err);
+		CHECK(child > 0, "spawn: %s", err.msg);
+		CHECK(dbxcr_template_set_parent_death(tpl, 65, 0, &err) < 0 && err.code == EINVAL,
+		      "signal 65 accepted: %s", err.msg);
+		CHECK(dbxcr_template_set_parent_death(tpl, 0, 0, &err) == 0, "set: %s", err.msg);
+		child2 = dbxcr_spawn(tpl, NULL, &err);
+		CHECK(child2 > 0, "second spawn: %s", err.msg);
+	}
+	close(go[1]);	/* EOF: each reports and exits */
+	for (int i = 0; i < 1 + (child > 0) + (child2 > 0); i++) {
+		CHECK(read_timeout(rep[0], &r, sizeof(r), 5000) == 0, "no report %d", i);
+		if (r.pid == pid) {
+			seen_orig = true;
+			CHECK(r.subreaper == 1 && r.pdeathsig == SIGUSR1, "original: %d %d",
+			      r.subreaper, r.pdeathsig);
+		} else if (r.pid == child) {
+			seen_child = true;
+			CHECK(r.subreaper == 1 && r.pdeathsig == 0, "spawn: subreaper %d pdeathsig %d "
+			      "(want 1 0)", r.subreaper, r.pdeathsig);
+		} else if (r.pid == child2) {
+			seen_child2 = true;
+			CHECK(r.subreaper == 0 && r.pdeathsig == 0, "spawn after set: %d %d",
+			      r.subreaper, r.pdeathsig);
+		}
+	}
+	CHECK(seen_orig && seen_child == (child > 0) && seen_child2 == (child2 > 0),
+	      "reports: original %d spawn %d second %d", seen_orig, seen_child, seen_child2);
+	reap(pid);
+	if (child > 0)
+		reap(child);
+	if (child2 > 0)
+		reap(child2);
+	if (tpl)
+		CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
+	close(rep[0]);
+}
+
 /* The value of "name:" in /proc/pid/status, tabs turned to spaces ("" if none). */
 static const char *status_line(pid_t pid, const char *name, char *out, size_t len)
 {
@@ -3282,6 +3370,7 @@ int main(int argc, char **argv)
 		{ "template-nanosleep", test_template_nanosleep },
 		{ "template-ptimers", test_template_ptimers },
 		{ "template-prctls", test_template_prctls },
+		{ "template-parent-death", test_template_parent_death },
 		{ "template-creds", test_template_creds },
 		{ "spawn-deleted-cwd", test_spawn_deleted_cwd },
 		{ "template-shared-stack", test_template_shared_stack },
