@@ -49,10 +49,9 @@ test: install
 	bash native/tests/run.sh
 	$(PY) -m pytest -q tests
 
-# bench: the short versions of the process-state and SWE-bench benchmarks (under 10 minutes
-# here); bench-all: every benchmark's quick version (about 25 minutes).
+# bench: the SWE-bench trajectory replay's short version (under 10 minutes here); bench-all:
+# every benchmark's quick version (about 25 minutes).
 bench: install
-	$(PY) -m benchmarks.process_cr --quick
 	$(PY) -m benchmarks.swebench.run --quick --out benchmarks/out/swebench
 
 bench-all: install

@@ -1745,6 +1745,7 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 	bool tpl_ok = true;
 	struct vma_run *runs = NULL;
 	int nruns = 0;
+	struct pinning pin = { 0 };
 
 	clear_error(err);
 	if (owns(s, err) < 0)
@@ -1759,6 +1760,12 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 	tpl = child > 0 ? calloc(1, sizeof(*tpl)) : NULL;
 	if (tpl)
 		tpl->xstate = malloc(s->t.xstate_len);
+	/* What the fork did not copy is read by calls injected one by one (timers, the
+	 * parent-death signal, ...): the process beside us meanwhile ("tracer and template on
+	 * one CPU"), its own mask put back after.  The template, forked already, has that
+	 * mask; the page-table copy ran on the process's own CPU. */
+	if (tpl && tpl->xstate)
+		pin_beside(&pin, pid);
 	if (child > 0 && (!tpl || !tpl->xstate))
 		fail(err, ENOMEM, pid, "allocate template");
 	else if (tpl && s->nthreads && !(tpl->threads = capture_threads(s, &tpl->main, err)))
@@ -1770,6 +1777,12 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 					tracee_parent_death(&s->t, &tpl->pdeathsig,
 							    &tpl->subreaper, err) < 0))
 		tpl_ok = false;
+	{
+		struct dbxcr_error ignored;
+
+		if (unpin_beside(&pin, tpl_ok ? err : &ignored) < 0)
+			tpl_ok = false;
+	}
 	/* The original goes back first, whatever happened to the template. */
 	if (!tpl || !tpl->xstate || !tpl_ok || unmodify(s, err) < 0) {
 		struct dbxcr_error ignored;

@@ -2091,21 +2091,26 @@ def test_main_thread_sigaltstack(sbx: Sandbox, restore: Restore, start: str) -> 
     assert target.files.read("alt1") == b"True flags=0 size=65536"
 
 
+def _big_job(sbx: Sandbox, s: deltabox.Session, setup: str = "") -> None:
+    """A python of 48 MB resident, the session shell's background job (not waited for)."""
+    s.run(f"python3 -c 'import ctypes, os, time; {setup}"
+          "b = bytearray(os.urandom(1)) * (48 << 20); time.sleep(1000)' &")
+    wait_for(lambda: int(sbx.exec(f"{OWN_PS} rss=,args= | awk '/[p]ython3 -c/ {{print $1}}'")
+                      .stdout.strip() or 0) > 40 << 10)
+
+
 def test_big_child_nobody_waits_for_comes_back_with_a_note(sbx: Sandbox) -> None:
     """A child too big to be copied into its restored parent at every rollback (and not
     waited for) comes back from its template as a child of init, and the rollback's note
     says so, by pid and name; a small sibling is adopted."""
     s = sbx.session("main")
-    s.run("python3 -c 'import os, time; b = bytearray(os.urandom(1)) * (48 << 20); "
-          "time.sleep(1000)' &")
     s.run("sleep 1000 &")
-    wait_for(lambda: int(sbx.exec(f"{OWN_PS} rss=,args= | awk '/[p]ython3 -c/ {{print $1}}'")
-                      .stdout.strip() or 0) > 40 << 10)
+    _big_job(sbx, s)
     cp = sbx.checkpoint()
     assert cp.kind == "full", cp.reasons
     r = sbx.rollback(cp)
     assert r.process_state == "restored", r.note
-    assert re.search(r"pid \d+ \(python3 -c import os, time.*\) is now a child of init, not "
+    assert re.search(r"pid \d+ \(python3 -c import ctypes, os.*\) is now a child of init, not "
                      r"of pid \d+ \(its \d+ MB are over the 6 MB", r.note), r.note
     assert "(sleep 1000) is now a child of init" not in r.note, r.note
     rows = s.run("for p in $(jobs -p); do ps -o ppid=,args= -p $p; done").stdout
@@ -4576,10 +4581,7 @@ def test_a_child_back_as_inits_is_named_without_its_parent_death_signal(sbx: San
     death's, and init's death (the sandbox's end) must not send it. The rollback's note
     says so beside its new parent."""
     s = sbx.session("main")
-    s.run("python3 -c 'import ctypes, os, time; ctypes.CDLL(None).prctl(1, 10, 0, 0, 0); "
-          "b = bytearray(os.urandom(1)) * (48 << 20); time.sleep(1000)' &")
-    wait_for(lambda: int(sbx.exec(f"{OWN_PS} rss=,args= | awk '/[p]ython3 -c/ {{print $1}}'")
-                      .stdout.strip() or 0) > 40 << 10)
+    _big_job(sbx, s, "ctypes.CDLL(None).prctl(1, 10, 0, 0, 0); ")
     cp = sbx.checkpoint()
     assert cp.kind == "full", cp.reasons
     r = sbx.rollback(cp)

@@ -1,0 +1,113 @@
+"""A/B of one native step between builds: making (and releasing) a template of a process.
+
+Builds libdbxcr.so from each git revision given (`git archive` of native/, the Makefile's
+source list and flags) or takes the working tree's, loads them side by side in one process
+(ctypes, RTLD_LOCAL: each keeps its own symbols) and times `dbxcr_make_template` on one
+sleeping python, the builds taking turns in rotating order; the release is not timed.
+Writes JSON (p50, mean per build and each build's p50 over the first one's).
+
+    .venv/bin/python -m benchmarks.template_ab --rev 12dfd2b --rev worktree --reps 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CFLAGS = ["-O2", "-g", "-Wall", "-Wextra", "-Werror", "-std=gnu11", "-D_GNU_SOURCE",
+          "-pthread", "-fPIC", "-shared"]
+
+
+class _Err(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_int), ("msg", ctypes.c_char * 512)]
+
+
+def build(rev: str, into: Path) -> Path:
+    """libdbxcr.so of `rev` ("worktree": the checkout's native/ as it is)."""
+    src = into / rev
+    src.mkdir()
+    if rev == "worktree":
+        subprocess.run(["cp", "-r", str(ROOT / "native"), str(src)], check=True)
+    else:
+        tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "native", "Makefile"],
+                             check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(src)], input=tar, check=True)
+    makefile = src / "Makefile" if (src / "Makefile").exists() else ROOT / "Makefile"
+    sources = subprocess.run(["make", "-s", "--no-print-directory", "-f", str(makefile),
+                              "dbxcr-sources"], cwd=src, check=True, capture_output=True,
+                             text=True).stdout.split()
+    out = src / "libdbxcr.so"
+    subprocess.run(["cc", *CFLAGS, "-o", str(out), *sources], cwd=src, check=True)
+    return out
+
+
+def load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path), use_errno=True)
+    lib.dbxcr_make_template.argtypes = [ctypes.c_int, ctypes.POINTER(_Err)]
+    lib.dbxcr_make_template.restype = ctypes.c_void_p
+    lib.dbxcr_release_template.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Err)]
+    lib.dbxcr_release_template.restype = ctypes.c_int
+    return lib
+
+
+def measure(libs: dict[str, ctypes.CDLL], pid: int, reps: int) -> dict[str, list[float]]:
+    names = list(libs)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    err = _Err()
+    for i in range(reps):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            t0 = time.perf_counter()
+            tpl = libs[name].dbxcr_make_template(pid, ctypes.byref(err))
+            t1 = time.perf_counter()
+            if not tpl:
+                raise RuntimeError(f"{name}: make_template: {err.msg.decode()}")
+            if libs[name].dbxcr_release_template(tpl, ctypes.byref(err)) != 0:
+                raise RuntimeError(f"{name}: release: {err.msg.decode()}")
+            out[name].append((t1 - t0) * 1e6)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rev", action="append", required=True,
+                    help="a git revision, or `worktree`; the first is the baseline")
+    ap.add_argument("--reps", type=int, default=600, help="templates per build (600)")
+    ap.add_argument("--out", default="benchmarks/out/template_ab.json")
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("template_ab: needs root (ptrace of the target)", file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory(prefix="dbx-template-ab-") as tmp:
+        libs = {rev: load(build(rev, Path(tmp))) for rev in args.rev}
+        target = subprocess.Popen([sys.executable, "-c",
+                                   "import time\nwhile True: time.sleep(1000)"])
+        try:
+            time.sleep(0.3)
+            raw = measure(libs, target.pid, args.reps)
+        finally:
+            target.kill()
+            target.wait()
+    base = statistics.median(raw[args.rev[0]])
+    res = {"command": " ".join(shlex.quote(a) for a in sys.argv),
+           "builds": {n: dict(p50_us=round(statistics.median(v), 1),
+                              mean_us=round(statistics.mean(v), 1), n=len(v),
+                              p50_over_first=round(statistics.median(v) / base, 3))
+                      for n, v in raw.items()}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps(res["builds"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
