@@ -192,6 +192,50 @@ def leaks(state_dir: Path) -> list[str]:
     return found
 
 
+def sweep(base: Path) -> None:
+    """Take away what a daemon on `base` left behind (leaks): its helpers killed, its
+    mounts detached (their loop devices with them), its cgroups removed."""
+    from deltabox.sandbox.cgroups import parent_name
+
+    parent = parent_name(str((base / "state").resolve()))
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True,
+                        text=True).stdout
+    for line in ps.splitlines():
+        if "libexec/dbx-" in line and parent in line:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split()[0]), signal.SIGKILL)
+    with open("/proc/self/mounts") as f:
+        mounts = [line.split()[1] for line in f if str(base) in line.split()[1]]
+    for mnt in sorted(mounts, key=len, reverse=True):   # the deepest first
+        subprocess.run(["umount", "-l", mnt], capture_output=True)
+    cgroups = [*Path("/sys/fs/cgroup").glob(f"*/{parent}"), *Path("/sys/fs/cgroup").glob(parent)]
+    deadline = time.monotonic() + 3   # the killed helpers leave their cgroups as they exit
+    for top in cgroups:
+        for cg in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                cg.rmdir()
+        while top.exists() and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                top.rmdir()
+                break
+            time.sleep(0.1)
+
+
+def settle(base: Path, what: str = "deltaboxd") -> None:
+    """After a daemon on `base` stopped: nothing it made may be left behind (a loop device
+    detaches a moment after its umount). Whatever is fails the test, and goes first (sweep),
+    so that one failing test does not leave it to the next ones; `base` is removed."""
+    left = leaks(base)
+    deadline = time.monotonic() + 5
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = leaks(base)
+    if left:
+        sweep(base)
+    shutil.rmtree(base, ignore_errors=True)
+    assert not left, f"{what} left behind: {left}"
+
+
 @contextlib.contextmanager
 def private_daemon(prefix: str, sock: str = "d.sock") -> Iterator[DaemonProc]:
     """A DaemonProc (not started) on a fresh state dir under /var/tmp; stopped afterwards,
@@ -202,14 +246,7 @@ def private_daemon(prefix: str, sock: str = "d.sock") -> Iterator[DaemonProc]:
         yield d
     finally:
         d.stop()
-        left = leaks(base)
-        deadline = time.monotonic() + 5  # a loop device detaches a moment after its umount
-        while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = leaks(base)
-        if not left:
-            shutil.rmtree(base, ignore_errors=True)
-        assert not left, f"deltaboxd left behind: {left}"
+        settle(base)
 
 
 @pytest.fixture(scope="session")

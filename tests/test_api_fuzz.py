@@ -15,7 +15,6 @@ import hashlib
 import io
 import math
 import os
-import shutil
 import tarfile
 import tempfile
 from pathlib import Path
@@ -28,7 +27,7 @@ from hypothesis import strategies as st
 from deltabox.api import deltabox_pb2 as pb
 from deltabox.api import deltabox_pb2_grpc as pb_grpc
 
-from conftest import DaemonProc, leaks
+from conftest import DaemonProc, settle
 
 EXAMPLES = int(os.environ.get("DBX_FUZZ_EXAMPLES", "100"))  # per RPC (26 RPCs)
 # The suite draws the same requests at every run (a CI verdict must not depend on luck);
@@ -104,10 +103,7 @@ def env():
         e.channel.close()
     finally:
         d.stop()
-        left = leaks(base)
-        if not left:
-            shutil.rmtree(base, ignore_errors=True)
-        assert not left, f"left behind: {left}"
+        settle(base)
 
 
 # ---- strategies per field -----------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 
 import deltabox
 from deltabox import Sandbox
-from conftest import DaemonProc, leaks
+from conftest import DaemonProc, settle
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +29,7 @@ def copy_daemon():
     finally:
         d.stop()
         subprocess.run(["umount", str(state)], check=False)
-        left = leaks(base)
-        shutil.rmtree(base, ignore_errors=True) if not left else None
-        assert not left, f"left behind: {left}"
+        settle(base)
 
 
 def test_copy_store_checkpoint_rollback_fork(copy_daemon: DaemonProc) -> None:

@@ -6,7 +6,6 @@ loop device)."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, leaks
+from conftest import ROOT, settle
 
 
 @pytest.fixture
@@ -24,11 +23,7 @@ def base() -> Iterator[Path]:
     try:
         yield d
     finally:
-        left = leaks(d)
-        # Found or not, nothing stays: the store's mount goes (its loop device with it).
-        subprocess.run(["umount", str(d / "state" / "store")], capture_output=True)
-        shutil.rmtree(d, ignore_errors=True)
-        assert not left, f"a failed start left behind: {left}"
+        settle(d, "a failed start")
 
 
 def _start(base: Path, *extra: str, env: dict[str, str] | None = None

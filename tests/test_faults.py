@@ -9,7 +9,6 @@ Also: a full store during a checkpoint, and an OOM inside a sandbox during a che
 
 from __future__ import annotations
 
-import shutil
 import signal
 import sqlite3
 import subprocess
@@ -26,7 +25,7 @@ from deltabox.cr.capture import cmdline
 from deltabox.daemon.faults import STEPS
 from deltabox.sandbox.cgroups import parent_name
 
-from conftest import DaemonProc, inspector_backend, leaks, wait_for
+from conftest import DaemonProc, inspector_backend, leaks, settle, wait_for
 
 # Fault tests run without the eBPF inspector (it loads for seconds in the background) and
 # without warm ready generations; spare clones are uncommitted layers that recovery removes.
@@ -73,10 +72,7 @@ def base():
     own daemon on it."""
     b = Path(tempfile.mkdtemp(prefix="dbx-faults-", dir="/var/tmp"))
     yield b
-    left = leaks(b)
-    if not left:
-        shutil.rmtree(b, ignore_errors=True)
-    assert not left, f"left behind: {left}"
+    settle(b)
 
 
 @pytest.fixture
@@ -306,10 +302,7 @@ def small_store():
         except Exception:
             pass
         dp.stop()
-        left = leaks(b)
-        if not left:
-            shutil.rmtree(b, ignore_errors=True)
-        assert not left, f"left behind: {left}"
+        settle(b)
 
 
 def test_full_store_during_checkpoint(small_store: DaemonProc) -> None:

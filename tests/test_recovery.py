@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -15,7 +14,7 @@ from deltabox import Sandbox
 from deltabox.fs import btrfs
 from deltabox.sandbox.cgroups import parent_name
 
-from conftest import DaemonProc, launchers_below, leaks
+from conftest import DaemonProc, launchers_below, leaks, settle
 
 
 @pytest.fixture
@@ -26,9 +25,7 @@ def own_daemon():
         yield d
     finally:
         d.stop()
-        left = leaks(base)
-        shutil.rmtree(base, ignore_errors=True) if not left else None
-        assert not left, f"left behind: {left}"
+        settle(base)
 
 
 def _dbx_processes(d: DaemonProc) -> set[int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import deltabox
-from conftest import DaemonProc, leaks
+from conftest import DaemonProc, settle
 
 
 def _free_port() -> int:
@@ -35,6 +34,4 @@ def test_tcp_requires_the_token(monkeypatch: pytest.MonkeyPatch) -> None:
             assert sbx.exec("echo remote").stdout == "remote\n"
     finally:
         d.stop()
-        left = leaks(base)
-        shutil.rmtree(base, ignore_errors=True) if not left else None
-        assert not left
+        settle(base)
