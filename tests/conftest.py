@@ -208,17 +208,14 @@ def sweep(base: Path) -> None:
         mounts = [line.split()[1] for line in f if str(base) in line.split()[1]]
     for mnt in sorted(mounts, key=len, reverse=True):   # the deepest first
         subprocess.run(["umount", "-l", mnt], capture_output=True)
-    cgroups = [*Path("/sys/fs/cgroup").glob(f"*/{parent}"), *Path("/sys/fs/cgroup").glob(parent)]
+    tops = [*Path("/sys/fs/cgroup").glob(f"*/{parent}"), *Path("/sys/fs/cgroup").glob(parent)]
     deadline = time.monotonic() + 3   # the killed helpers leave their cgroups as they exit
-    for top in cgroups:
-        for cg in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+    while (dirs := [d for t in tops if t.exists() for d in [*t.rglob("*"), t] if d.is_dir()]) \
+            and time.monotonic() < deadline:
+        for cg in sorted(dirs, key=lambda d: -len(d.parts)):   # the deepest first
             with contextlib.suppress(OSError):
                 cg.rmdir()
-        while top.exists() and time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                top.rmdir()
-                break
-            time.sleep(0.1)
+        time.sleep(0.1)
 
 
 def settle(base: Path, what: str = "deltaboxd") -> None:

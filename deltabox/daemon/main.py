@@ -15,7 +15,7 @@ from pathlib import Path
 import trio
 
 from ..errors import DeltaBoxError, InvalidArgument
-from ..fs.store import close_store, open_store
+from ..fs.store import Store, close_store, open_store
 from ..sandbox.cgroups import CgroupDriver, favor_dynmods, favordynmods_state, parent_name
 from ..sandbox.reaper import become_subreaper, reap_orphans
 from ..sandbox.runtime import raise_fd_limit
@@ -236,56 +236,59 @@ async def serve(args: argparse.Namespace) -> None:
     token = _read_token(args.token_file)   # bad input: refused before anything is mounted
     store = open_store(state_dir, args.store_size_gb, args.store, args.durable,
                        direct_io=args.loop_io == "direct")
-    owned = False
     try:
-        db = Database(state_dir / "deltabox.db")
-        sock = Path(args.socket)
-        sock.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-        sock.unlink(missing_ok=True)
-        # Images of the processes restores adopt (cr/adoption.py): kept only while the
-        # checkpoints live in this daemon, so whatever a previous run left goes.
-        images_dir = state_dir / "run" / "images"
-        shutil.rmtree(images_dir, ignore_errors=True)
-        lanes = contextlib.nullcontext() if args.no_fork_lanes else PtraceWorker("deltabox-lane")
-        async with PtraceWorker() as ptrace, lanes as lane, trio.open_nursery() as nursery:
-            background = GuardedNursery(nursery)
-            daemon = Daemon(cfg, store, db, CgroupDriver(parent_name(str(state_dir))), background,
-                            DeltaCR(ptrace, lane, str(images_dir)))
-            owned = True   # from here on, daemon.shutdown() releases the store
-            nursery.start_soon(_reap_forever, daemon)
-            try:
-                await daemon.recover()
-                idle = IdleCollector()
-                daemon.spares.quiet = idle.quiet  # spares boot once the calls have stopped
-                server = make_server(Servicer(daemon, trio.lowlevel.current_trio_token(), token,
-                                              idle), str(sock), args.listen)
-                idle.install()
-                server.start()
-                os.chmod(sock, 0o660)
-                nursery.start_soon(idle.run)
-                nursery.start_soon(_load_inspector, daemon, background, idle,
-                                   not args.no_inspector)
-                nursery.start_soon(daemon.enforce_template_budget)
-                nursery.start_soon(daemon.sweep_keepers)
-                nursery.start_soon(daemon.clean_store)
-                log.info("serving on unix:%s%s (store %s at %s)", sock,
-                         f" and {args.listen}" if args.listen else "", store.backend, store.root)
-                if not hostmem.unadvised_sizes():
-                    log.info("transparent huge pages: %s", hostmem.describe())
-                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for signum in signals:
-                        log.info("%s: shutting down", signal.Signals(signum).name)
-                        break
-                stopped = server.stop(grace=2)
-                await trio.to_thread.run_sync(stopped.wait)
-            finally:
-                await daemon.shutdown()
-                sock.unlink(missing_ok=True)
-                nursery.cancel_scope.cancel()
-    finally:
-        if not owned:   # failed before the daemon held it (a stale native library, ...)
-            close_store(store)
+        await _serve_store(args, cfg, state_dir, store, token)
+    finally:   # a start that failed before the daemon held the store leaves it mounted
+        close_store(store)   # (nothing left to do after the daemon's shutdown)
     os.close(lock_fd)
+
+
+async def _serve_store(args: argparse.Namespace, cfg: Config, state_dir: Path, store: Store,
+                       token: str | None) -> None:
+    """The daemon on its mounted store, until SIGTERM or SIGINT."""
+    db = Database(state_dir / "deltabox.db")
+    sock = Path(args.socket)
+    sock.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    sock.unlink(missing_ok=True)
+    # Images of the processes restores adopt (cr/adoption.py): kept only while the
+    # checkpoints live in this daemon, so whatever a previous run left goes.
+    images_dir = state_dir / "run" / "images"
+    shutil.rmtree(images_dir, ignore_errors=True)
+    lanes = contextlib.nullcontext() if args.no_fork_lanes else PtraceWorker("deltabox-lane")
+    async with PtraceWorker() as ptrace, lanes as lane, trio.open_nursery() as nursery:
+        background = GuardedNursery(nursery)
+        daemon = Daemon(cfg, store, db, CgroupDriver(parent_name(str(state_dir))), background,
+                        DeltaCR(ptrace, lane, str(images_dir)))
+        nursery.start_soon(_reap_forever, daemon)
+        try:
+            await daemon.recover()
+            idle = IdleCollector()
+            daemon.spares.quiet = idle.quiet  # spares boot once the calls have stopped
+            server = make_server(Servicer(daemon, trio.lowlevel.current_trio_token(), token,
+                                          idle), str(sock), args.listen)
+            idle.install()
+            server.start()
+            os.chmod(sock, 0o660)
+            nursery.start_soon(idle.run)
+            nursery.start_soon(_load_inspector, daemon, background, idle,
+                               not args.no_inspector)
+            nursery.start_soon(daemon.enforce_template_budget)
+            nursery.start_soon(daemon.sweep_keepers)
+            nursery.start_soon(daemon.clean_store)
+            log.info("serving on unix:%s%s (store %s at %s)", sock,
+                     f" and {args.listen}" if args.listen else "", store.backend, store.root)
+            if not hostmem.unadvised_sizes():
+                log.info("transparent huge pages: %s", hostmem.describe())
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    log.info("%s: shutting down", signal.Signals(signum).name)
+                    break
+            stopped = server.stop(grace=2)
+            await trio.to_thread.run_sync(stopped.wait)
+        finally:
+            await daemon.shutdown()
+            sock.unlink(missing_ok=True)
+            nursery.cancel_scope.cancel()
 
 
 if __name__ == "__main__":

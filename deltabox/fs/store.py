@@ -366,8 +366,9 @@ def _mount_loop_image(img: Path, mnt: Path, size_gb: int, options: str) -> None:
 
 
 def close_store(store: Store) -> None:
-    """Unmount a loop store (the loop device detaches itself: mount -o loop sets autoclear)."""
-    if store.backend != "btrfs-loop":
+    """Unmount a loop store (the loop device detaches itself: mount -o loop sets autoclear);
+    nothing if it is not mounted (closed already)."""
+    if store.backend != "btrfs-loop" or not os.path.ismount(store.root):
         return
     r = subprocess.run(["umount", str(store.root)], capture_output=True, text=True)
     if r.returncode != 0:
