@@ -17,6 +17,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import statistics
@@ -342,12 +343,39 @@ def other_daemons() -> list[str]:
 
 
 def leakcheck() -> tuple[bool, str]:
-    """Run ../shared/tools/leakcheck if present; (clean, output)."""
+    """Run ../shared/tools/leakcheck if present; (clean, output). The tool lists every
+    process whose command line names deltabox, which a benchmark's own (`--systems
+    deltabox,...`) and its shell's do: those are not leftovers, and are not counted."""
     tool = ROOT.parent / "shared" / "tools" / "leakcheck"
     if not tool.exists():
         return True, "leakcheck not found; skipped"
     r = subprocess.run([str(tool)], capture_output=True, text=True)
-    return r.returncode == 0, (r.stdout + r.stderr).strip()
+    ours = _ancestors(os.getpid())
+    lines = [x for x in (r.stdout + r.stderr).strip().splitlines()
+             if _leaked_pid(x) not in ours and x != "leakcheck: clean"]
+    if any(x.startswith("leak:") for x in lines):
+        return False, "\n".join(lines)
+    note = " (this benchmark's own processes left out)" if r.returncode else ""
+    return True, "\n".join(lines + [f"leakcheck: clean{note}"])
+
+
+def _ancestors(pid: int) -> set[int]:
+    """pid and every process above it."""
+    out = set()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return out
+
+
+def _leaked_pid(line: str) -> int | None:
+    """The pid of a leakcheck line "leak: process PID: CMD"; None for other lines."""
+    m = re.match(r"leak: process (\d+):", line)
+    return int(m.group(1)) if m else None
 
 
 # ---- statistics ------------------------------------------------------------------------------

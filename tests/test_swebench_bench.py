@@ -159,3 +159,30 @@ def test_settle_does_not_wait_for_a_generation_templates_still_hold(daemon) -> N
         t0 = time.monotonic()
         settle()
         assert time.monotonic() - t0 < 20
+
+
+def test_leakcheck_counts_other_processes_but_not_the_benchmark_itself() -> None:
+    """A run started as `... --systems floor,deltabox` names deltabox on its own command
+    line: its record must not call the machine unclean for that (stop 63's full run's
+    RESULTS did), while a process it did not start still counts."""
+    from benchmarks.common import leakcheck
+    script = ("import subprocess, sys, time\n"
+              "from benchmarks.common import leakcheck\n"
+              "print(leakcheck()[0])\n"
+              "p = subprocess.Popen(['bash', '-c', 'exec -a deltabox-probe-child sleep 30'])\n"
+              "time.sleep(0.3)\n"
+              "try:\n"
+              "    clean, text = leakcheck()\n"
+              "    print(clean, 'deltabox-probe-child' in text, 'deltabox-probe-run' in text)\n"
+              "finally:\n"
+              "    p.kill(); p.wait()\n")
+    root = Path(__file__).resolve().parent.parent
+    before = leakcheck()[0]
+    r = subprocess.run(["bash", "-c", 'exec -a deltabox-probe-run "$0" -c "$1"',
+                        str(root / ".venv" / "bin" / "python"), script],
+                       cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    first, second = r.stdout.split("\n")[:2]
+    assert second.split()[1:] == ["True", "False"], r.stdout   # the child named, the run not
+    if before:   # (otherwise something else on this machine makes both unclean)
+        assert (first, second.split()[0]) == ("True", "False"), r.stdout
