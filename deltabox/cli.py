@@ -188,9 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("b", metavar="B", help="to checkpoint id")
 
     p = _add(sub, "rm", "remove sandboxes",
-             "Remove sandboxes, killing their processes and freeing checkpoints only they use.",
-             "deltabox rm $id1 $id2", common)
-    p.add_argument("ids", metavar="ID", nargs="+", help="sandbox id")
+             "Remove sandboxes, killing their processes and freeing checkpoints only they use. "
+             "--all removes every sandbox of the daemon (those of other users of it too).",
+             "deltabox rm $id1 $id2\ndeltabox rm --all", common)
+    p.add_argument("ids", metavar="ID", nargs="*", help="sandbox id")
+    p.add_argument("--all", action="store_true",
+                   help="every sandbox the daemon has (`deltabox ls` lists them)")
 
     p = _add(sub, "rmcp", "delete checkpoints", "Delete checkpoints.",
              "deltabox rmcp $cp1 $cp2", common)
@@ -280,7 +283,10 @@ def parse_args(argv: Sequence[str], parser: argparse.ArgumentParser | None = Non
         args, extra = parser.parse_known_args(argv)
         args.daemon_args = extra
         return args
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if command == "rm" and bool(args.ids) == args.all:
+        parser.error("rm: give sandbox ids or --all (not both), e.g. `deltabox rm $id`")
+    return args
 
 
 # --- rendering (pure, so they are testable without a daemon) -------------------------------
@@ -617,8 +623,11 @@ def _each(ids: Sequence[str], action: Callable[[str], Any], as_json: bool,
 
 
 def cmd_rm(args: argparse.Namespace, client: Client) -> int:
-    return _each(args.ids, lambda i: _sandbox(client, i).kill(), args.json,
-                 "checkpoints_freed")
+    ids = args.ids
+    if args.all:
+        resp = client.call("ListSandboxes", pb.ListSandboxesRequest())
+        ids = [s.id for s in resp.sandboxes]
+    return _each(ids, lambda i: _sandbox(client, i).kill(), args.json, "checkpoints_freed")
 
 
 def cmd_rmcp(args: argparse.Namespace, client: Client) -> int:

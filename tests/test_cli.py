@@ -120,3 +120,22 @@ def test_cli_create_with_a_user_namespace(daemon) -> None:
         assert "--userns" in cli(daemon, "create", "--help").stdout
     finally:
         cli(daemon, "rm", info["id"], check=False)
+
+
+def test_rm_all_removes_every_sandbox_and_their_processes() -> None:
+    from conftest import private_daemon
+
+    with private_daemon("dbx-rmall-") as d:
+        d.start()
+        a = cli(d, "create").stdout.strip()
+        b = cli(d, "create").stdout.strip()
+        cli(d, "exec", a, "--session", "s", "--", "sleep 613.25 &")
+        cli(d, "checkpoint", b)
+        r = cli(d, "--json", "rm", "--all")
+        assert sorted(x["id"] for x in json.loads(r.stdout)) == sorted([a, b])
+        assert json.loads(cli(d, "--json", "ls").stdout) == []
+        assert subprocess.run(["pgrep", "-f", "sleep 613.25"], capture_output=True).returncode == 1
+        again = cli(d, "rm", "--all")
+        assert again.stdout == "" and again.returncode == 0
+        bad = cli(d, "rm", check=False)
+        assert bad.returncode == 2 and "--all" in bad.stderr

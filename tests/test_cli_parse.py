@@ -85,7 +85,8 @@ def test_daemon_passes_unknown_options_through() -> None:
 
 @pytest.mark.parametrize("argv", [
     ["create", "--env", "NOEQUALS"], ["checkpoint", "x", "--mode", "bogus"], ["rollback", "x"],
-    ["fork", "cp", "--count", "many"], ["rm"], ["nosuchcommand"], [], ["ls", "--bogus"],
+    ["fork", "cp", "--count", "many"], ["rm"], ["rm", "a", "--all"], ["nosuchcommand"], [],
+    ["ls", "--bogus"],
 ])
 def test_usage_errors_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -95,6 +96,7 @@ def test_usage_errors_exit_2(argv: list[str]) -> None:
 
 def test_multi_id_commands() -> None:
     assert cli.parse_args(["rm", "a", "b"]).ids == ["a", "b"]
+    assert cli.parse_args(["rm", "--all"]).all
     assert cli.parse_args(["rmcp", "c1"]).ids == ["c1"]
     fork = cli.parse_args(["fork", "cp1", "--count", "4"])
     assert (fork.checkpoint, fork.count) == ("cp1", 4)
