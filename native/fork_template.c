@@ -2892,76 +2892,91 @@ static int requeue_pending(struct tracee *c, struct dbxcr_template *tpl,
 	return 0;
 }
 
-/* Create a listening TCP socket like the original's and install it at l->fd.  Bound with
- * SO_REUSEADDR so connections of the killed original lingering in TIME_WAIT cannot block
- * the port; the original's own SO_REUSEADDR value is set afterwards. */
+static bool is_dgram(const struct dbxcr_listen *l)
+{
+	return (l->type & 0xf) == SOCK_DGRAM;
+}
+
+static const char *sock_kind(const struct dbxcr_listen *l)
+{
+	return is_dgram(l) ? "UDP socket" : "listening socket";
+}
+
+/* setsockopt(s, level, name, &value) in the child, the value passed through scratch. */
+static int set_sockopt(struct tracee *c, unsigned long scratch, long s, const struct dbxcr_listen *l,
+		       int level, int name, int value, struct dbxcr_error *err)
+{
+	long d[6] = { s, level, name, (long)scratch, sizeof(int), 0 };
+
+	if (mem_write(c->pid, scratch, &value, sizeof(value), err) < 0)
+		return -1;
+	if (rsys(c, SYS_setsockopt, d, err, "%s fd %d: setsockopt(%d, %d) = %d", sock_kind(l),
+		 l->fd, level, name, value) < 0)
+		return -1;
+	return 0;
+}
+
+/* bind or connect (nr) the child's socket s to a raw sockaddr, passed at scratch + 64 (the
+ * option values use the first bytes). */
+static int set_address(struct tracee *c, unsigned long scratch, long s, const struct dbxcr_listen *l,
+		       long nr, const unsigned char *addr, unsigned int len, struct dbxcr_error *err)
+{
+	long d[6] = { s, (long)(scratch + 64), len, 0, 0, 0 };
+
+	if (mem_write(c->pid, scratch + 64, addr, len, err) < 0)
+		return -1;
+	if (rsys(c, nr, d, err, "%s fd %d: %s", sock_kind(l), l->fd,
+		 nr == SYS_bind ? "bind" : "connect") < 0)
+		return -1;
+	return 0;
+}
+
+/* Create a listening TCP socket or a UDP socket like the original's and install it at
+ * l->fd.  Bound with SO_REUSEADDR so connections of the killed original lingering in
+ * TIME_WAIT cannot block the port; the original's own SO_REUSEADDR value is set afterwards.
+ * A UDP socket's connect() only records its peer: the peer need not exist yet. */
 static int recreate_listen(struct tracee *c, unsigned long scratch, const struct dbxcr_listen *l,
 			   struct dbxcr_error *err)
 {
 	long a[6] = { l->family, l->type, l->protocol, 0, 0, 0 };
 	long s, d[6] = { 0 };
-	int one = 1;
 
-	if (l->addrlen > sizeof(l->addr))
-		return fail(err, EINVAL, c->pid, "listening socket fd %d: address of %u bytes",
-			    l->fd, l->addrlen);
-	s = rsys(c, SYS_socket, a, err, "listening socket fd %d: socket", l->fd);
+	if (l->addrlen > sizeof(l->addr) || l->peerlen > sizeof(l->peer) ||
+	    l->nopts > DBXCR_SOCKOPTS)
+		return fail(err, EINVAL, c->pid, "%s fd %d: address of %u bytes, peer of %u, "
+			    "%u options", sock_kind(l), l->fd, l->addrlen, l->peerlen, l->nopts);
+	s = rsys(c, SYS_socket, a, err, "%s fd %d: socket", sock_kind(l), l->fd);
 	if (s < 0)
 		return -1;
-	if (mem_write(c->pid, scratch, &one, sizeof(one), err) < 0)
+	if (set_sockopt(c, scratch, s, l, SOL_SOCKET, SO_REUSEADDR, 1, err) < 0 ||
+	    (l->reuseport && set_sockopt(c, scratch, s, l, SOL_SOCKET, SO_REUSEPORT, 1, err) < 0) ||
+	    (l->family == AF_INET6 &&
+	     set_sockopt(c, scratch, s, l, IPPROTO_IPV6, IPV6_V6ONLY, l->v6only, err) < 0))
 		return -1;
-	d[0] = s;
-	d[1] = SOL_SOCKET;
-	d[2] = SO_REUSEADDR;
-	d[3] = (long)scratch;
-	d[4] = sizeof(int);
-	if (rsys(c, SYS_setsockopt, d, err, "listening socket fd %d: SO_REUSEADDR", l->fd) < 0)
+	for (unsigned int i = 0; i < l->nopts; i++)
+		if (set_sockopt(c, scratch, s, l, l->opts[i].level, l->opts[i].name,
+				l->opts[i].value, err) < 0)
+			return -1;
+	if (l->addrlen && set_address(c, scratch, s, l, SYS_bind, l->addr, l->addrlen, err) < 0)
 		return -1;
-	if (l->reuseport) {
-		d[2] = SO_REUSEPORT;
-		if (rsys(c, SYS_setsockopt, d, err, "listening socket fd %d: SO_REUSEPORT",
-			 l->fd) < 0)
+	if (!is_dgram(l)) {
+		d[0] = s;
+		d[1] = l->backlog;
+		if (rsys(c, SYS_listen, d, err, "listening socket fd %d: listen", l->fd) < 0)
 			return -1;
 	}
-	if (l->family == AF_INET6) {
-		if (mem_write(c->pid, scratch, &l->v6only, sizeof(int), err) < 0)
-			return -1;
-		d[1] = IPPROTO_IPV6;
-		d[2] = IPV6_V6ONLY;
-		if (rsys(c, SYS_setsockopt, d, err, "listening socket fd %d: IPV6_V6ONLY",
-			 l->fd) < 0)
-			return -1;
-	}
-	if (mem_write(c->pid, scratch + 64, l->addr, l->addrlen, err) < 0)
+	if (l->peerlen && set_address(c, scratch, s, l, SYS_connect, l->peer, l->peerlen, err) < 0)
 		return -1;
-	d[1] = (long)(scratch + 64);
-	d[2] = l->addrlen;
-	if (rsys(c, SYS_bind, d, err, "listening socket fd %d: bind", l->fd) < 0)
+	if (!l->reuseaddr && set_sockopt(c, scratch, s, l, SOL_SOCKET, SO_REUSEADDR, 0, err) < 0)
 		return -1;
-	d[1] = l->backlog;
-	if (rsys(c, SYS_listen, d, err, "listening socket fd %d: listen", l->fd) < 0)
-		return -1;
-	if (!l->reuseaddr) {
-		int zero = 0;
-
-		if (mem_write(c->pid, scratch, &zero, sizeof(zero), err) < 0)
-			return -1;
-		d[1] = SOL_SOCKET;
-		d[2] = SO_REUSEADDR;
-		d[3] = (long)scratch;
-		d[4] = sizeof(int);
-		if (rsys(c, SYS_setsockopt, d, err, "listening socket fd %d: SO_REUSEADDR=0",
-			 l->fd) < 0)
-			return -1;
-	}
 	if (s != l->fd) {
 		d[0] = s;
 		d[1] = l->fd;
 		d[2] = (l->type & SOCK_CLOEXEC) ? O_CLOEXEC : 0;
-		if (rsys(c, SYS_dup3, d, err, "listening socket fd %d: dup3", l->fd) < 0)
+		if (rsys(c, SYS_dup3, d, err, "%s fd %d: dup3", sock_kind(l), l->fd) < 0)
 			return -1;
 		d[1] = d[2] = 0;
-		if (rsys(c, SYS_close, d, err, "listening socket fd %d: close %ld", l->fd, s) < 0)
+		if (rsys(c, SYS_close, d, err, "%s fd %d: close %ld", sock_kind(l), l->fd, s) < 0)
 			return -1;
 	}
 	return 0;

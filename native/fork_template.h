@@ -160,20 +160,36 @@ struct dbxcr_fdmap {
 	int cloexec;
 };
 
-/* A listening TCP socket to create afresh in the child (in its network namespace, after
- * joining it) and install at fd.  The template holds no listening socket: it would keep
- * the port bound and queue connections nobody accepts. */
+/* An integer socket option the original had away from a fresh socket's value. */
+struct dbxcr_sockopt {
+	int level;
+	int name;
+	int value;
+};
+
+#define DBXCR_SOCKOPTS 16
+
+/* A listening TCP socket, or a UDP socket, to create afresh in the child (in its network
+ * namespace, after joining it) and install at fd.  The template holds no such socket: it
+ * would keep the port bound and queue connections (datagrams) nobody takes.  A UDP socket
+ * is bound only if the original was (addrlen), connected only if it was (peerlen), and
+ * never listens. */
 struct dbxcr_listen {
 	int fd;
 	int family;		/* AF_INET or AF_INET6 */
-	int type;		/* SOCK_STREAM | SOCK_NONBLOCK / SOCK_CLOEXEC as the original had */
+	int type;		/* SOCK_STREAM or SOCK_DGRAM | SOCK_NONBLOCK / SOCK_CLOEXEC as the
+				 * original had */
 	int protocol;
 	int backlog;
 	int reuseaddr;		/* SO_REUSEADDR value to leave set (bind always uses 1) */
 	int reuseport;
 	int v6only;		/* IPV6_V6ONLY, AF_INET6 only */
-	unsigned int addrlen;
+	unsigned int addrlen;	/* 0: not bound (a UDP socket only) */
 	unsigned char addr[128];	/* the bound address (getsockname) */
+	unsigned int peerlen;	/* 0: not connected */
+	unsigned char peer[128];	/* a UDP socket's peer (getpeername) */
+	unsigned int nopts;
+	struct dbxcr_sockopt opts[DBXCR_SOCKOPTS];	/* set before the bind */
 };
 
 /* An epoll instance to create afresh in the child and install at fd, with the

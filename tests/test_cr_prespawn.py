@@ -22,8 +22,8 @@ from deltabox.cr import private_maps
 from conftest import HELD, OWN_PS, wait_for
 from test_cr import (FIFO_GOT, FIFO_PAIR, INTERLEAVED, LOCKER, PAGES, PRIVATE_AT_CP,
                      PREFORK, PRIVATE_MAPS, REGISTRATIONS, REWRITE_PAGES, SHARED_MEMORY, TCP_ENDS,
-                     THREADED, TIMERS, TRY_LOCK, UNIX_CLIENT, UNIX_SERVER, _ask, _ask_client,
-                     _ask_prefork, _count, _drain_fifos, _interleaved, _join, _report, _role,
+                     THREADED, TIMERS, TRY_LOCK, UDP_SERVER, UNIX_CLIENT, UNIX_SERVER, _ask,
+                     _ask_client, _ask_prefork, _ask_udp, _count, _drain_fifos, _interleaved, _join, _report, _role,
                      _start_pty_harness, _state_of, _typed, _unix_request)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -299,6 +299,24 @@ def test_a_listener_shared_by_processes_born_from_carriers(sbx: Sandbox) -> None
             pid, n = _ask_prefork(sbx)
             assert n == seen[pid] + 1, (i, pid, n, seen)
             seen[pid] = n
+
+
+def test_udp_sockets_born_from_carriers(sbx: Sandbox) -> None:
+    """The carrier's UDP sockets are made ahead unbound (the live process holds the
+    ports) and bound, connected, at each rollback: the server answers with its count from
+    the checkpoint, its connected socket keeps its port and peer, rollback after rollback."""
+    sbx.files.write("udp.py", UDP_SERVER)
+    sbx.exec("cd /workspace; nohup python3 udp.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("udp-ready"))
+    at_cp = _ask_udp(sbx, "state")
+    cp = sbx.checkpoint(mode="full")
+    for _ in range(2):
+        wait_for(lambda: _carriers_ready(sbx), what="a carrier")
+        _ask_udp(sbx, "relay")
+        r = sbx.rollback(cp)
+        assert r.process_state == "restored", r.note
+        assert _ask_udp(sbx, "state") == [at_cp[0] + 1, at_cp[1]]
+        assert _ask_udp(sbx, "relay", v6=True) == [at_cp[0] + 2, True]
 
 
 def test_shared_memory_born_from_carriers(sbx: Sandbox) -> None:

@@ -63,16 +63,17 @@ def test_streamed_exec_carries_the_checkpoint(sbx: Sandbox) -> None:
 
 def test_a_failed_background_checkpoint_reports_its_error_to_whoever_names_it(
         sbx: Sandbox) -> None:
-    # A process holding a UDP socket cannot be captured: a full checkpoint must be refused.
+    # A process holding a netlink socket cannot be captured: a full checkpoint must be
+    # refused.
     r = sbx.exec("nohup python3 -c \"import socket, time\n"
-                 "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\ns.bind(('127.0.0.1', 9998))\n"
+                 "s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)\n"
                  "time.sleep(1000)\" >/dev/null 2>&1 & sleep 0.3", checkpoint="full")
     assert r.exit_code == 0 and r.checkpoint_id  # the command's output is not lost
     with pytest.raises(deltabox.FailedPrecondition,
                        match=rf"(?s){r.checkpoint_id} was requested in the background and "
-                       r"failed: .*udp"):
+                       r"failed: .*netlink"):
         sbx.rollback(r.checkpoint_id)
-    with pytest.raises(deltabox.FailedPrecondition, match="udp"):
+    with pytest.raises(deltabox.FailedPrecondition, match="netlink"):
         sbx.get_checkpoint(r.checkpoint_id)
     assert sbx.checkpoints() == []  # nothing half-made was committed
     assert "python3" in sbx.exec(f"{OWN_PS} comm=").stdout  # the sandbox runs on

@@ -1,9 +1,10 @@
 """What a checkpoint records of each sandbox process, and what it refuses to capture.
 
 Refusing is the safety net of DeltaCR: a process holding state that the restore cannot
-recreate faithfully (a UDP or named unix socket, a connection to outside the sandbox, a
-device other than the harmless ones, an epoll instance shared between processes...) makes the checkpoint fail with the pid, the command and the reason,
-rather than come back subtly wrong after a rollback.
+recreate faithfully (a socket with data or an error waiting, a connection to outside the
+sandbox, a device other than the harmless ones, an epoll instance shared between
+processes...) makes the checkpoint fail with the pid, the command and the reason, rather
+than come back subtly wrong after a rollback.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 from .. import kernfs
 from ..errors import FailedPrecondition
 from ..fs.files import open_in_root
-from . import native, tcp
+from . import native, tcp, udp
 from .taskattrs import TaskAttrs
 
 if TYPE_CHECKING:
@@ -676,10 +677,10 @@ def _fd_refusal(f: native.FdInfo) -> str | None:
         return f"device {f.path} ({f.rdev[0]}:{f.rdev[1]}) is not one of " \
                "null/zero/full/random/urandom" if f.rdev else f"device {f.path}"
     if f.kind == "socket":
-        if is_tcp_listener(f):
+        if is_tcp_listener(f) or udp.is_udp(f):
             return None
         return (f"socket {f.describe()}: only listening TCP sockets, established TCP "
-                "connections and unix socket pairs within the sandbox are captured")
+                "connections, UDP sockets and unix sockets within the sandbox are captured")
     if f.kind == "fifo":
         if f.target.endswith(" (deleted)"):
             return (f"named pipe {f.target}: deleted while open: no path to open it again "
@@ -734,20 +735,23 @@ def listen_socket(pid: int, f: native.FdInfo) -> tuple[native.ListenSocket, int]
 
 
 def add_listeners(rec: ProcessRecord) -> list[Refusal]:
-    """Fill rec.listens; refuse a listener with connections waiting to be accepted (the
-    restored copy could not have them)."""
+    """Fill rec.listens with its TCP listeners and UDP sockets; refuse a listener with
+    connections waiting to be accepted, a UDP socket with a datagram or an error waiting
+    (the restored copy could not have them)."""
     out = []
     for f in rec.fds:
-        if f.kind != "socket" or not is_tcp_listener(f):
+        if f.kind != "socket" or not (is_tcp_listener(f) or udp.is_udp(f)):
             continue
         try:
-            ls, queued = listen_socket(rec.pid, f)
-        except OSError as e:
+            if udp.is_udp(f):
+                ls, why = udp.capture(rec.pid, f, _sockaddr)
+            else:
+                ls, queued = listen_socket(rec.pid, f)
+                why = queued and f"{queued} connection(s) wait to be accepted: not captured"
+        except OSError as e:   # native.CRError too
             out.append(Refusal(rec.nspid, rec.cmd, f"fd {f.fd}: reading the socket: {e}"))
             continue
-        if queued:
-            out.append(Refusal(rec.nspid, rec.cmd,
-                               f"fd {f.fd}: {f.describe()} has {queued} connection(s) waiting "
-                               "to be accepted"))
+        if why:
+            out.append(Refusal(rec.nspid, rec.cmd, f"fd {f.fd}: {f.describe()}: {why}"))
         rec.listens.append(ls)
     return out

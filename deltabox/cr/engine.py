@@ -2027,7 +2027,8 @@ def _time_wait_ports(state: ProcessState) -> set[int]:
     """The ports of the listeners a rollback binds again without SO_REUSEADDR: one
     connection in TIME_WAIT there would block the bind (tcp.clear_time_wait)."""
     return {struct.unpack_from("!H", ls.addr, 2)[0]
-            for r in state.records for ls in r.listens if not ls.reuseaddr}
+            for r in state.records for ls in r.listens if not ls.reuseaddr
+            and not ls.datagram}
 
 
 def _leader(rec: ProcessRecord) -> bool:

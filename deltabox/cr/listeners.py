@@ -1,5 +1,6 @@
 """Listening TCP sockets of a carrier made ahead of a rollback (a dev server, a Jupyter
-kernel's five ZeroMQ ports).
+kernel's five ZeroMQ ports), and its UDP sockets (udp.py: bound and connected, never
+listening).
 
 A spawn from a template makes its listeners in the child (native recreate_listen: socket,
 options, bind, listen). A carrier is spawned while the live process still holds the port,
@@ -35,6 +36,8 @@ def open_ahead(ls: native.ListenSocket, netns_pid: int) -> int:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if ls.family == socket.AF_INET6:
             s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(ls.v6only))
+        for level, name, value in ls.options:
+            s.setsockopt(level, name, value)
     except OSError as e:
         s.close()
         raise _failed(ls, "options", e) from e
@@ -46,11 +49,16 @@ def open_ahead(ls: native.ListenSocket, netns_pid: int) -> int:
 
 def listen(ls: native.ListenSocket, fd: int) -> None:
     """Bind the socket open_ahead gave (ours; still open after) to ls's address and listen
-    with its backlog: from now on the carrier's process holds the listener."""
+    with its backlog (a UDP socket: bind if it was bound, connect to its peer if it had
+    one): from now on the carrier's process holds it."""
     with socket.socket(fileno=os.dup(fd)) as s:
         try:
-            s.bind(address(ls.family, ls.addr))
-            s.listen(ls.backlog)
+            if ls.addr:
+                s.bind(address(ls.family, ls.addr))
+            if not ls.datagram:
+                s.listen(ls.backlog)
+            if ls.peer:
+                s.connect(address(ls.family, ls.peer))
             if not ls.reuseaddr:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
         except OSError as e:
@@ -71,5 +79,7 @@ def address(family: int, raw: bytes) -> tuple:
 
 
 def _failed(ls: native.ListenSocket, step: str, e: OSError) -> native.CRError:
-    return native.CRError(e.errno or errno.EIO, f"listening socket fd {ls.fd} "
-                          f"({address(ls.family, ls.addr)[:2]}): {step}: {e.strerror or e}")
+    kind = "UDP socket" if ls.datagram else "listening socket"
+    where = f" ({address(ls.family, ls.addr)[:2]})" if ls.addr else ""
+    return native.CRError(e.errno or errno.EIO,
+                          f"{kind} fd {ls.fd}{where}: {step}: {e.strerror or e}")

@@ -115,12 +115,21 @@ class _StopInfo(ctypes.Structure):
                 ("done", ctypes.c_int)]
 
 
+class _SockOpt(ctypes.Structure):
+    _fields_ = [("level", ctypes.c_int), ("name", ctypes.c_int), ("value", ctypes.c_int)]
+
+
+SOCKOPTS = 16   # DBXCR_SOCKOPTS
+
+
 class _Listen(ctypes.Structure):
     _fields_ = [("fd", ctypes.c_int), ("family", ctypes.c_int), ("type", ctypes.c_int),
                 ("protocol", ctypes.c_int), ("backlog", ctypes.c_int),
                 ("reuseaddr", ctypes.c_int), ("reuseport", ctypes.c_int),
                 ("v6only", ctypes.c_int), ("addrlen", ctypes.c_uint),
-                ("addr", ctypes.c_ubyte * 128)]
+                ("addr", ctypes.c_ubyte * 128), ("peerlen", ctypes.c_uint),
+                ("peer", ctypes.c_ubyte * 128), ("nopts", ctypes.c_uint),
+                ("opts", _SockOpt * SOCKOPTS)]
 
 
 class _EpollWatch(ctypes.Structure):
@@ -415,24 +424,38 @@ class ProcInfo:
 
 @dataclass(frozen=True)
 class ListenSocket:
-    """A listening TCP socket to create afresh in a spawned child and install at fd."""
+    """A listening TCP socket, or a UDP socket, to create afresh in a spawned child and
+    install at fd (a UDP socket bound if addr, connected if peer; it never listens)."""
     fd: int
     family: int
-    type: int            # SOCK_STREAM | SOCK_NONBLOCK / SOCK_CLOEXEC as the original
-    protocol: int
-    addr: bytes          # raw sockaddr (getsockname)
+    type: int            # SOCK_STREAM or SOCK_DGRAM | SOCK_NONBLOCK / SOCK_CLOEXEC as the
+    protocol: int        # original
+    addr: bytes          # raw sockaddr (getsockname); b"": not bound (UDP)
     backlog: int = 128
     reuseaddr: bool = False
     reuseport: bool = False
     v6only: bool = False
     ino: int = 0         # the socket's inode: the same socket in several processes
+    peer: bytes = b""    # raw sockaddr of a connected UDP socket's peer
+    # (level, name, value) of the integer options set away from a fresh socket's value
+    options: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def datagram(self) -> bool:
+        return self.type & 0xf == socket.SOCK_DGRAM
 
     def _c(self) -> _Listen:
-        if len(self.addr) > 128:
-            raise CRError(_errno.EINVAL, f"fd {self.fd}: socket address too long")
+        if len(self.addr) > 128 or len(self.peer) > 128 or len(self.options) > SOCKOPTS:
+            raise CRError(_errno.EINVAL, f"fd {self.fd}: socket address too long, or more "
+                          f"than {SOCKOPTS} options")
         c = _Listen(self.fd, self.family, self.type, self.protocol, self.backlog,
                     int(self.reuseaddr), int(self.reuseport), int(self.v6only), len(self.addr))
         ctypes.memmove(c.addr, self.addr, len(self.addr))
+        c.peerlen = len(self.peer)
+        ctypes.memmove(c.peer, self.peer, len(self.peer))
+        c.nopts = len(self.options)
+        for i, (level, name, value) in enumerate(self.options):
+            c.opts[i] = _SockOpt(level, name, value)
         return c
 
 

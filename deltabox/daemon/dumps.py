@@ -646,7 +646,8 @@ def _rec_json(r: ProcessRecord) -> dict:
     # The rebuilt templates map the restored tree's files, which the sandbox may write
     # in place afterwards (cr/private_maps.py).
     d["mapped_private"] = [dataclasses.asdict(m) for m in r.mapped_private]
-    d["listens"] = [dict(dataclasses.asdict(ls), addr=ls.addr.hex()) for ls in r.listens]
+    d["listens"] = [dict(dataclasses.asdict(ls), addr=ls.addr.hex(), peer=ls.peer.hex())
+                    for ls in r.listens]
     d["loop"] = eventloop.to_json(r.loop)
     d["mlocks"] = [dataclasses.asdict(m) for m in r.mlocks]
     d["task"] = r.task.to_json() if r.task is not None else None
@@ -663,7 +664,11 @@ def _rec_from(d: dict) -> ProcessRecord:
         f["locks"] = tuple(f.get("locks", ()))
         fds.append(native.FdInfo(**f, rdev=tuple(rdev) if rdev else None,
                                  socket=native.SockInfo(**sock) if sock else None))
-    listens = [native.ListenSocket(**dict(ls, addr=bytes.fromhex(ls["addr"])))
+    # (before stop 64 only TCP listeners: no peer, no options)
+    listens = [native.ListenSocket(**dict(ls, addr=bytes.fromhex(ls["addr"]),
+                                          peer=bytes.fromhex(ls.get("peer", "")),
+                                          options=tuple(tuple(o) for o in
+                                                        ls.get("options", ()))))
                for ls in d.pop("listens")]
     loop = eventloop.from_json(d.pop("loop", None))
     shared = [SharedMapping(**m) for m in d.pop("shared", [])]

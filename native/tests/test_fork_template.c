@@ -3058,6 +3058,86 @@ static void test_listen_socket(void)
 		kill_reap(srv);
 }
 
+/* A UDP socket blocked in recv(), bound and connected to our socket `peer`, with
+ * SO_BROADCAST on: its template holds no socket (the port is free once the original dies),
+ * and a child spawned with the socket made again (bound, connected, the option set) gets
+ * our datagram and answers through send(), which only a connected socket can; it answers
+ * with the option's value. */
+static void test_udp_socket(void)
+{
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl;
+	struct sockaddr_in sa = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	struct sockaddr_in pa = sa;
+	socklen_t len = sizeof(sa);
+	struct dbxcr_listen l;
+	struct dbxcr_spawn_opts o;
+	int u, peer, one = 1, probe;
+	pid_t srv, child = -1;
+	char buf[4] = { 0 };
+
+	current_test = "udp-socket";
+	peer = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	u = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	CHECK(peer >= 0 && u >= 0 && bind(peer, (struct sockaddr *)&pa, sizeof(pa)) == 0 &&
+	      getsockname(peer, (struct sockaddr *)&pa, &len) == 0 &&
+	      setsockopt(u, SOL_SOCKET, SO_BROADCAST, &one, sizeof(one)) == 0 &&
+	      bind(u, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
+	      connect(u, (struct sockaddr *)&pa, sizeof(pa)) == 0 &&
+	      getsockname(u, (struct sockaddr *)&sa, &len) == 0, "udp: %s", strerror(errno));
+	srv = fork();
+	if (srv == 0) {
+		int bc = 0;
+		socklen_t bl = sizeof(bc);
+		char x;
+
+		if (recv(u, &x, 1, 0) != 1 ||
+		    getsockopt(u, SOL_SOCKET, SO_BROADCAST, &bc, &bl) < 0)
+			_exit(2);
+		_exit(send(u, bc ? "b1" : "b0", 2, 0) == 2 ? 0 : 3);
+	}
+	close(u);
+	CHECK(wait_in_syscall(srv, SYS_recvfrom) == 0, "server never blocked in recv");
+	tpl = dbxcr_make_template(srv, &err);
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (tpl) {
+		CHECK(dbxcr_template_drop_fds(tpl, &err) == 0, "template_drop_fds: %s", err.msg);
+		kill_reap(srv);
+		srv = -1;
+		probe = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+		CHECK(probe >= 0 && bind(probe, (struct sockaddr *)&sa, sizeof(sa)) == 0,
+		      "the template still holds the port: %s", strerror(errno));
+		close(probe);
+		memset(&l, 0, sizeof(l));
+		l.fd = u;
+		l.family = AF_INET;
+		l.type = SOCK_DGRAM | SOCK_CLOEXEC;
+		l.addrlen = sizeof(sa);
+		memcpy(l.addr, &sa, sizeof(sa));
+		l.peerlen = sizeof(pa);
+		memcpy(l.peer, &pa, sizeof(pa));
+		l.nopts = 1;
+		l.opts[0] = (struct dbxcr_sockopt){ SOL_SOCKET, SO_BROADCAST, 1 };
+		memset(&o, 0, sizeof(o));
+		o.mntns_fd = -1;
+		o.listens = &l;
+		o.nlistens = 1;
+		child = dbxcr_spawn(tpl, &o, &err);
+		CHECK(child > 0, "spawn: %s", err.msg);
+		CHECK(sendto(peer, "x", 1, 0, (struct sockaddr *)&sa, sizeof(sa)) == 1,
+		      "sendto: %s", strerror(errno));
+		CHECK(read_timeout(peer, buf, 2, 5000) == 0 && memcmp(buf, "b1", 2) == 0,
+		      "restored socket did not answer through its peer with the option ('%s')",
+		      buf);
+		CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
+	}
+	if (child > 0)
+		CHECK(reap(child) == 0, "restored server exit status");
+	if (srv > 0)
+		kill_reap(srv);
+	close(peer);
+}
+
 /* Count the watches an epoll instance of pid lists in /proc fdinfo. */
 static int epoll_watch_count(pid_t pid, int efd)
 {
@@ -3363,6 +3443,7 @@ int main(int argc, char **argv)
 		{ "jobs", test_jobs },
 		{ "spawn-mntns", test_spawn_mntns },
 		{ "listen-socket", test_listen_socket },
+		{ "udp-socket", test_udp_socket },
 		{ "epoll-recreated", test_epoll_recreated },
 		{ "netns-socket", test_netns_socket },
 		{ "mntns-open", test_mntns_open },
