@@ -18,6 +18,7 @@ namespace has no multicast route).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import select
 import socket
@@ -28,6 +29,7 @@ from . import native
 _SO_MEMINFO = 55
 _MEMINFO = struct.Struct("=3I")    # SK_MEMINFO_RMEM_ALLOC, _RCVBUF, _WMEM_ALLOC
 _UDP_CORK = 1
+_SIOCGSKNS = 0x894C
 
 _SOL, _IP, _IPV6 = socket.SOL_SOCKET, socket.IPPROTO_IP, socket.IPPROTO_IPV6
 # The integer options of a UDP socket that change what its process sees (where it may
@@ -58,7 +60,7 @@ def capture(pid: int, f: native.FdInfo, sockaddr) -> tuple[native.ListenSocket, 
     nothing in it: poll, not a peek (a peek would hand over a pending error), and no
     SO_ERROR (reading it clears it). `sockaddr` turns a getsockname tuple into raw bytes."""
     with socket.socket(fileno=native.copy_fd(pid, f.fd)) as s:
-        why = _unsettled(s)
+        why = _elsewhere(pid, s) or _unsettled(s)
         name = s.getsockname()
         try:
             peer = s.getpeername()
@@ -80,6 +82,19 @@ def capture(pid: int, f: native.FdInfo, sockaddr) -> tuple[native.ListenSocket, 
             ino=f.inode, peer=sockaddr(s.family, peer) if peer is not None else b"",
             options=_options(pid, s))
     return ls, why
+
+
+def _elsewhere(pid: int, s: socket.socket) -> str | None:
+    """Why the socket is not of the process's network namespace (one handed in from
+    outside the sandbox: made again in the sandbox's, it would reach other addresses), or
+    None. SIOCGSKNS opens the socket's namespace."""
+    ns = fcntl.ioctl(s.fileno(), _SIOCGSKNS)
+    try:
+        if os.fstat(ns).st_ino == os.stat(f"/proc/{pid}/ns/net").st_ino:
+            return None
+    finally:
+        os.close(ns)
+    return "made in another network namespace than its process's: not captured"
 
 
 def _unsettled(s: socket.socket) -> str | None:
