@@ -8,7 +8,8 @@ loopback or wildcard ones, free again in a rollback once the killed processes ar
 free in a fork's own namespace. It is made like a listener (listeners.py, native
 recreate_listen): bound, connected, never listening.
 
-Refused, naming the socket: a datagram waiting to be read (a restored socket could not
+Refused, naming the socket: one made in another network namespace than its process's (handed
+in from outside), a datagram waiting to be read (a restored socket could not
 have it), an error waiting to be read (an ICMP port-unreachable's ECONNREFUSED, an error
 queue: the next call would not see it), a datagram being built (UDP_CORK or MSG_MORE: its
 bytes are in the kernel). Not restored: buffer sizes (SO_RCVBUF, SO_SNDBUF: tuning, clamped
