@@ -27,8 +27,10 @@ threads, the NIO socket whose peer it closed, deltabox/cr/eventloop.py LoneSocke
 counter checked too), or the plain one run as another user (`user`: uid 1000 with setsid
 and setpriv, as a database's server runs; its template rebuilt as root's from an image at
 each checkpoint, its credentials given back last at each rollback: deltabox/cr/creds.py;
-its uid checked), in the same run on one private daemon, each in a sandbox of its own
-with the same memory (--mb).
+its uid checked), or the plain one with a bound UDP socket and one connected to it
+(`udp`: made again bound and connected at each rollback, deltabox/cr/udp.py; a datagram
+sent through the connected one checked to arrive from its port), in the same run on one
+private daemon, each in a sandbox of its own with the same memory (--mb).
 
 Each rep, for every kind in turn (the order rotates): the process changes its state (a
 counter and a page of its memory), pauses (--think: the warm pool prepares meanwhile),
@@ -62,7 +64,7 @@ from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, latenc
 from deltabox import Sandbox
 
 KINDS = ("plain", "asyncio", "tempfile", "threads", "shared", "watcher", "waited",
-         "session", "job", "tmux", "tty", "jvm", "polled", "user")
+         "session", "job", "tmux", "tty", "jvm", "polled", "user", "udp")
 # Kinds whose process is the plain one, beside a bash session: idle (`session`), with a
 # background job (`job`: `sleep 1000 &`, adopted by the restored shell: adoption.py), or
 # idle on a pseudo-terminal (`tty`).
@@ -118,6 +120,11 @@ def probe():   # whether a file closed after writing in one directory shows on i
     i = n % dirs
     open(f"/workspace/tree/d{i}/probe", "a").close()
     return (wds[i], "probe") in events()
+if kind == "udp":   # a bound UDP socket and one connected to it (deltabox/cr/udp.py)
+    us = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    us.bind(("127.0.0.1", 9200))
+    uc = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    uc.connect(("127.0.0.1", 9200))
 if kind == "threads":   # four idle workers, each waiting on the pool's queue
     pool = concurrent.futures.ThreadPoolExecutor(4)
     for f in [pool.submit(time.sleep, 0.05) for _ in range(4)]:
@@ -140,6 +147,10 @@ def report():
         out += f" val={val.value} shm={zlib.crc32(shm)}"
     if kind == "watcher":
         out += f" watches={len(set(wds))} seen={probe()}"
+    if kind == "udp":   # sent through the connected one, from its own port
+        uc.send(str(n).encode())
+        got, came = us.recvfrom(100)
+        out += f" udp={got.decode()} port={uc.getsockname()[1]} from={came == uc.getsockname()}"
     return out
 
 def step():

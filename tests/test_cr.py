@@ -3214,8 +3214,8 @@ def test_tcp_connection_to_no_process_of_the_sandbox_is_refused() -> None:
         rec = capture.record(child.pid, native.proc_status(child.pid))
         assert [r.reason for r in capture.refusals(rec, set())] == [
             f"fd {fd}: socket inet tcp close-wait {local} -> 127.0.0.1:{port}: only listening "
-            "TCP sockets, established TCP connections and unix socket pairs within the "
-            "sandbox are captured"]
+            "TCP sockets, established TCP connections, UDP sockets and unix sockets within "
+            "the sandbox are captured"]
     finally:
         child.kill()
         child.wait()
