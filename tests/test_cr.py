@@ -945,6 +945,57 @@ def test_a_udp_socket_with_something_waiting_is_refused(sbx: Sandbox, waiting: s
     _refused_by_name(sbx, rf"pid \d+ \(python3 wait.py\): fd \d+: inet udp {what}")
 
 
+# A TCP server whose listener has options set (keepalive and its timings, no delay, a
+# deferred accept, a fast-open queue, a type of service), most of which the connections it
+# accepts inherit: it answers with its count, its listener's options and its connection's.
+TCP_OPTIONS_SERVER = """
+import json, socket
+T = socket.IPPROTO_TCP
+OPTS = {"keepalive": (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+        "nodelay": (T, socket.TCP_NODELAY, 1), "keepidle": (T, socket.TCP_KEEPIDLE, 77),
+        "keepcnt": (T, socket.TCP_KEEPCNT, 3), "defer": (T, socket.TCP_DEFER_ACCEPT, 5),
+        "fastopen": (T, 23, 16), "tos": (socket.IPPROTO_IP, socket.IP_TOS, 0x10)}
+srv = socket.socket()
+for level, name, value in OPTS.values():
+    srv.setsockopt(level, name, value)
+srv.bind(("127.0.0.1", 8131))
+srv.listen(4)
+n = 0
+open("/workspace/listening", "w").close()
+while True:
+    c = srv.accept()[0]
+    c.recv(10)
+    n += 1
+    mine = {k: srv.getsockopt(lv, nm) for k, (lv, nm, _) in OPTS.items()}
+    got = {k: c.getsockopt(lv, nm) for k, (lv, nm, _) in OPTS.items()
+           if k in ("keepalive", "nodelay", "keepidle", "keepcnt")}
+    c.sendall(json.dumps([n, mine, got]).encode())
+    c.close()
+"""
+
+ASK_OPTIONS = ("python3 -c \"import socket; s = socket.create_connection(('127.0.0.1', 8131)); "
+               "s.sendall(b'?'); print(s.recv(1000).decode())\"")
+
+
+def test_a_listeners_options_come_back_and_its_connections_inherit_them(
+        sbx: Sandbox, restore: Restore) -> None:
+    """The options a server set on its listener (before stop 64 only SO_REUSEADDR,
+    SO_REUSEPORT and IPV6_V6ONLY came back): the restored listener has them, and the
+    connections it accepts inherit keepalive, its timings and no-delay as before."""
+    sbx.files.write("opts.py", TCP_OPTIONS_SERVER)
+    sbx.exec("cd /workspace; nohup python3 opts.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("listening"))
+    n, mine, got = json.loads(sbx.exec(ASK_OPTIONS).stdout)
+    assert got == {"keepalive": 1, "nodelay": 1, "keepidle": 77, "keepcnt": 3}, got
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    sbx.exec(ASK_OPTIONS)
+    target = restore(sbx, cp)
+    r = target.exec(ASK_OPTIONS)
+    assert r.exit_code == 0, r
+    assert json.loads(r.stdout) == [n + 1, mine, got]
+
+
 # A prefork server: the parent binds a port and its workers accept on the same socket, each
 # answering with its pid and how many it answered; "forked" workers are the parent's forks
 # (gunicorn), an "exec"ed one gets the socket at an fd (werkzeug's reloader, uvicorn --reload),

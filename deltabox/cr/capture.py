@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from .. import kernfs
 from ..errors import FailedPrecondition
 from ..fs.files import open_in_root
-from . import native, tcp, udp
+from . import native, sockopts, tcp, udp
 from .taskattrs import TaskAttrs
 
 if TYPE_CHECKING:
@@ -712,8 +712,9 @@ def _sockaddr(family: int, name: tuple) -> bytes:
 
 
 def listen_socket(pid: int, f: native.FdInfo) -> tuple[native.ListenSocket, int]:
-    """What it takes to create this listening socket afresh, and how many connections wait
-    in its accept queue (TCP_INFO on a listener reports both queue and backlog)."""
+    """What it takes to create this listening socket afresh (its options: sockopts.py),
+    and how many connections wait in its accept queue (TCP_INFO on a listener reports both
+    queue and backlog)."""
     with socket.socket(fileno=native.copy_fd(pid, f.fd)) as s:
         info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
         _ato, _smss, _rmss, queued, backlog = _TCP_INFO_BACKLOG.unpack_from(info)
@@ -730,7 +731,8 @@ def listen_socket(pid: int, f: native.FdInfo) -> tuple[native.ListenSocket, int]
             addr=_sockaddr(s.family, s.getsockname()), backlog=max(1, backlog),
             reuseaddr=bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)),
             reuseport=bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT)),
-            v6only=v6only, ino=f.inode)
+            v6only=v6only, ino=f.inode,
+            options=sockopts.differing(pid, s, sockopts.LISTENER))
     return ls, queued
 
 

@@ -683,7 +683,11 @@ class DeltaCR:
         groups: dict[int, int] = {}          # host pgid at checkpoint -> pgid in the target
         records = _leaders_first(state.records)
         born: dict[int, int | native.CRError] = {}  # checkpoint pid -> born pid, or why not
-        time_wait = _time_wait_ports(state) if into is None else set()
+        # A rollback binds its listeners where its killed processes may have left
+        # connections in TIME_WAIT: its own sandbox, also when it rolls back onto
+        # templates rebuilt from a dump (into, not fresh); a new fork's namespace has none.
+        time_wait = _time_wait_ports(state) if into is None or not into.fresh else set()
+        netns_pid = into.init_pid if into is not None else state.templates[records[0].pid].pid
         # Restored parents of adopted children, then those children (record pid -> held
         # process; adoption.py): all held until every one exists.
         held: dict[int, native.Held] = {}
@@ -697,7 +701,7 @@ class DeltaCR:
                 await wait_exited(victims)
                 victims = None
             if time_wait:
-                tcp.clear_time_wait(state.templates[records[0].pid].pid, time_wait)
+                tcp.clear_time_wait(netns_pid, time_wait)
                 time_wait.clear()
 
         async def take_addresses() -> None:
@@ -753,6 +757,8 @@ class DeltaCR:
                     spawn.into = into
                     spawn.pgid = native.NEW_SESSION if alone else groups.get(rec.pgid, -1)
                     spawn.ctty = _ctty(state, rec, spawn.pgid)
+                    if spawn.listens:   # (a rollback onto rebuilt templates: time_wait)
+                        await addresses_free()
                 return spawn
 
             chains = _chains(state)

@@ -2,15 +2,16 @@
 the options that change what its process sees), and what cannot be captured.
 
 A UDP socket carries no connection: a copy bound to the same address, connected to the same
-peer, with the same options, is the same socket to its process, once nothing waits in it.
+peer, with the same options (sockopts.py), is the same socket to its process, once nothing
+waits in it.
 The sandbox's network namespace has loopback only (native/init.c), so its addresses are
 loopback or wildcard ones, free again in a rollback once the killed processes are gone and
 free in a fork's own namespace. It is made like a listener (listeners.py, native
 recreate_listen): bound, connected, never listening.
 
-Refused, naming the socket: one made in another network namespace than its process's (handed
-in from outside), a datagram waiting to be read (a restored socket could not
-have it), an error waiting to be read (an ICMP port-unreachable's ECONNREFUSED, an error
+Refused, naming the socket: one made in another network namespace than its process's
+(handed in from outside), a datagram waiting to be read (a restored socket could not have
+it), an error waiting to be read (an ICMP port-unreachable's ECONNREFUSED, an error
 queue: the next call would not see it), a datagram being built (UDP_CORK or MSG_MORE: its
 bytes are in the kernel). Not restored: buffer sizes (SO_RCVBUF, SO_SNDBUF: tuning, clamped
 by sysctls) and multicast memberships (no call lists them; loopback takes none: the
@@ -25,30 +26,13 @@ import select
 import socket
 import struct
 
-from . import native
+from . import native, sockopts
 
 _SO_MEMINFO = 55
 _MEMINFO = struct.Struct("=3I")    # SK_MEMINFO_RMEM_ALLOC, _RCVBUF, _WMEM_ALLOC
-_UDP_CORK = 1
 _SIOCGSKNS = 0x894C
 
-_SOL, _IP, _IPV6 = socket.SOL_SOCKET, socket.IPPROTO_IP, socket.IPPROTO_IPV6
-# The integer options of a UDP socket that change what its process sees (where it may
-# send, what recvmsg returns beside the data, how its datagrams leave): each restored
-# where the original's differs from a fresh socket's. By number (uapi headers), as Python
-# names only some of them.
-_COMMON = [(_SOL, n) for n in (6, 12, 29, 35, 63, 64, 40, 11)] + [
-    (socket.IPPROTO_UDP, _UDP_CORK)]
-# BROADCAST PRIORITY TIMESTAMP(NS)_OLD TIMESTAMP(NS)_NEW RXQ_OVFL NO_CHECK; UDP_CORK
-OPTIONS = {
-    socket.AF_INET: _COMMON + [(_IP, n) for n in (1, 2, 8, 10, 11, 12, 13, 15, 20, 33, 34)],
-    # TOS TTL PKTINFO MTU_DISCOVER RECVERR RECVTTL RECVTOS FREEBIND RECVORIGDSTADDR
-    # MULTICAST_TTL MULTICAST_LOOP
-    socket.AF_INET6: _COMMON + [(_IPV6, n) for n in (16, 18, 19, 23, 25, 49, 51, 66, 67)],
-    # UNICAST_HOPS MULTICAST_HOPS MULTICAST_LOOP MTU_DISCOVER RECVERR RECVPKTINFO
-    # RECVHOPLIMIT RECVTCLASS TCLASS
-}
-
+_SOL, _IPV6 = socket.SOL_SOCKET, socket.IPPROTO_IPV6
 
 def is_udp(f: native.FdInfo) -> bool:
     k = f.socket
@@ -81,7 +65,7 @@ def capture(pid: int, f: native.FdInfo, sockaddr) -> tuple[native.ListenSocket, 
             v6only=s.family == socket.AF_INET6 and bool(s.getsockopt(_IPV6,
                                                                       socket.IPV6_V6ONLY)),
             ino=f.inode, peer=sockaddr(s.family, peer) if peer is not None else b"",
-            options=_options(pid, s))
+            options=sockopts.differing(pid, s, sockopts.UDP))
     return ls, why
 
 
@@ -115,18 +99,3 @@ def _unsettled(s: socket.socket) -> str | None:
                 "captured")
     return None
 
-
-def _options(pid: int, s: socket.socket) -> tuple[tuple[int, int, int], ...]:
-    """The options of OPTIONS whose value differs from a fresh socket's, made in the
-    process's network namespace (its sysctls give some of the defaults)."""
-    fresh = native.netns_socket(pid, s.family, socket.SOCK_DGRAM, 0)
-    with fresh:
-        out = []
-        for level, name in OPTIONS.get(s.family, ()):
-            try:
-                value, default = s.getsockopt(level, name), fresh.getsockopt(level, name)
-            except OSError:
-                continue
-            if value != default:
-                out.append((level, name, value))
-    return tuple(out)

@@ -1,0 +1,68 @@
+"""The integer socket options a restored socket gets again: those of a table that the
+original has away from a fresh socket's value (a UDP socket's, udp.py; a TCP listener's,
+capture.listen_socket).
+
+Compared with a fresh socket of the same kind made in the process's own network namespace
+(its sysctls give some defaults, IP_TTL's for one), so an option the program never set is
+never set on the copy: setting some to their reported value is not a no-op (TCP_MAXSEG
+reports 536 unset, and 536 set clamps every connection). The copy gets them before its
+bind (native recreate_listen, listeners.open_ahead). Options are by number (uapi
+headers), as Python names only some of them; buffer sizes are left out (tuning, read
+back doubled and clamped by sysctls).
+"""
+
+from __future__ import annotations
+
+import socket
+
+from . import native
+
+_SOL, _IP, _IPV6, _TCP = (socket.SOL_SOCKET, socket.IPPROTO_IP, socket.IPPROTO_IPV6,
+                          socket.IPPROTO_TCP)
+_UDP_CORK = 1
+
+# Both kinds: SO_PRIORITY SO_TIMESTAMP(NS)_OLD SO_TIMESTAMP(NS)_NEW SO_RXQ_OVFL
+_SOCKET = [(_SOL, n) for n in (12, 29, 35, 63, 64, 40)]
+# IP_TOS IP_TTL IP_MTU_DISCOVER IP_FREEBIND
+_IP_BOTH = [(_IP, n) for n in (1, 2, 10, 15)]
+# IPV6_UNICAST_HOPS IPV6_MTU_DISCOVER IPV6_TCLASS
+_IPV6_BOTH = [(_IPV6, n) for n in (16, 23, 67)]
+
+# A UDP socket's that change what its process sees: where it may send (SO_BROADCAST), what
+# recvmsg returns beside the data (IP_PKTINFO, IP_RECVERR, IP_RECVTTL, IP_RECVTOS,
+# IP_RECVORIGDSTADDR; IPV6_RECVERR, IPV6_RECVPKTINFO, IPV6_RECVHOPLIMIT, IPV6_RECVTCLASS),
+# how its datagrams leave (SO_NO_CHECK, UDP_CORK, the multicast TTL and loop).
+_UDP = _SOCKET + [(_SOL, 6), (_SOL, 11), (socket.IPPROTO_UDP, _UDP_CORK)]
+UDP = {
+    socket.AF_INET: _UDP + _IP_BOTH + [(_IP, n) for n in (8, 11, 12, 13, 20, 33, 34)],
+    socket.AF_INET6: _UDP + _IPV6_BOTH + [(_IPV6, n) for n in (18, 19, 25, 49, 51, 66)],
+}
+
+# A TCP listener's, most of them inherited by the connections it accepts: SO_KEEPALIVE,
+# TCP_NODELAY, TCP_MAXSEG, TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT, TCP_DEFER_ACCEPT,
+# TCP_QUICKACK, TCP_USER_TIMEOUT, TCP_FASTOPEN (its queue), TCP_NOTSENT_LOWAT.
+_LISTENER = _SOCKET + [(_SOL, 9)] + [(_TCP, n) for n in (1, 2, 4, 5, 6, 9, 12, 18, 23, 25)]
+LISTENER = {
+    socket.AF_INET: _LISTENER + _IP_BOTH,
+    socket.AF_INET6: _LISTENER + _IPV6_BOTH,
+}
+
+
+def differing(pid: int, s: socket.socket, table: dict[int, list[tuple[int, int]]]
+              ) -> tuple[tuple[int, int, int], ...]:
+    """(level, name, value) of each option of table[s.family] whose value on s differs
+    from a fresh socket's of s's type, made in pid's network namespace."""
+    fresh = native.netns_socket(pid, s.family, s.type & 0xf, 0)
+    with fresh:
+        out = []
+        for level, name in table.get(s.family, ()):
+            try:
+                value, default = s.getsockopt(level, name), fresh.getsockopt(level, name)
+            except OSError:
+                continue
+            if value != default:
+                out.append((level, name, value))
+    if len(out) > native.SOCKOPTS:
+        raise native.CRError(22, f"{len(out)} socket options set (at most "
+                             f"{native.SOCKOPTS} are made again)")
+    return tuple(out)
