@@ -839,6 +839,7 @@ def test_loopback_tcp_server_answers(sbx: Sandbox, restore: Restore) -> None:
 UDP_SERVER = """
 import json, selectors, socket
 srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)   # above rmem_max
 srv.bind(("127.0.0.1", 9125))
 cli = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 cli.connect(("127.0.0.1", 9125))
@@ -868,6 +869,8 @@ while True:
             out = came == cli.getsockname()
         else:
             out = dict(cli=cli.getsockname(), peer=cli.getpeername(), idle=idle.getsockname(),
+                       rcvbuf=srv.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
+                       sndbuf=cli.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
                        bc=idle.getsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST),
                        v6only=six.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY),
                        pktinfo=six.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_RECVPKTINFO),
@@ -912,6 +915,27 @@ def test_udp_sockets_come_back_bound_connected_and_with_their_options(sbx: Sandb
 
 # A datagram nobody read yet; an ICMP port-unreachable's error nobody read yet (the
 # connected socket's peer port has no socket).
+def test_a_buffer_size_above_what_a_process_may_set_is_refused(sbx: Sandbox) -> None:
+    """A receive buffer bigger than net.core.rmem_max now (lowered after the process set
+    it) could not be set again: refused, naming the socket, the size and the sysctl."""
+    sbx.exec("nohup python3 -c \"import socket, time\ns = socket.socket(socket.AF_INET, "
+             "socket.SOCK_DGRAM)\ns.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)\n"
+             "s.bind(('127.0.0.1', 9129))\nopen('/workspace/ready', 'w').close()\n"
+             "time.sleep(300)\" >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("ready"))
+    sysctl = "/proc/sys/net/core/rmem_max"
+    was = open(sysctl).read()
+    try:
+        with open(sysctl, "w") as f:
+            f.write("262144")
+        _refused_by_name(sbx, r"fd 3: inet udp unconnected 127.0.0.1:9129: its receive "
+                              r"buffer of 1048576 bytes is above net.core.rmem_max "
+                              r"\(262144\): not made again")
+    finally:
+        with open(sysctl, "w") as f:
+            f.write(was)
+
+
 UDP_WAITING = {
     "datagram": """
 import socket, time
@@ -952,6 +976,7 @@ TCP_OPTIONS_SERVER = """
 import json, socket
 T = socket.IPPROTO_TCP
 OPTS = {"keepalive": (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+        "rcvbuf": (socket.SOL_SOCKET, socket.SO_RCVBUF, 3000),
         "nodelay": (T, socket.TCP_NODELAY, 1), "keepidle": (T, socket.TCP_KEEPIDLE, 77),
         "keepcnt": (T, socket.TCP_KEEPCNT, 3), "defer": (T, socket.TCP_DEFER_ACCEPT, 5),
         "fastopen": (T, 23, 16), "tos": (socket.IPPROTO_IP, socket.IP_TOS, 0x10)}
@@ -968,7 +993,7 @@ while True:
     n += 1
     mine = {k: srv.getsockopt(lv, nm) for k, (lv, nm, _) in OPTS.items()}
     got = {k: c.getsockopt(lv, nm) for k, (lv, nm, _) in OPTS.items()
-           if k in ("keepalive", "nodelay", "keepidle", "keepcnt")}
+           if k in ("keepalive", "nodelay", "keepidle", "keepcnt", "rcvbuf")}
     c.sendall(json.dumps([n, mine, got]).encode())
     c.close()
 """
@@ -986,7 +1011,8 @@ def test_a_listeners_options_come_back_and_its_connections_inherit_them(
     sbx.exec("cd /workspace; nohup python3 opts.py >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("listening"))
     n, mine, got = json.loads(sbx.exec(ASK_OPTIONS).stdout)
-    assert got == {"keepalive": 1, "nodelay": 1, "keepidle": 77, "keepcnt": 3}, got
+    assert got == {"keepalive": 1, "nodelay": 1, "keepidle": 77, "keepcnt": 3,
+                   "rcvbuf": 6000}, got
     cp = sbx.checkpoint()
     assert cp.kind == "full", cp.reasons
     sbx.exec(ASK_OPTIONS)

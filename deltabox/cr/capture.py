@@ -750,7 +750,10 @@ def add_listeners(rec: ProcessRecord) -> list[Refusal]:
             else:
                 ls, queued = listen_socket(rec.pid, f)
                 why = queued and f"{queued} connection(s) wait to be accepted: not captured"
-        except OSError as e:   # native.CRError too
+        except native.CRError as e:   # what cannot be made again (sockopts.py)
+            out.append(Refusal(rec.nspid, rec.cmd, f"fd {f.fd}: {f.describe()}: {e.strerror}"))
+            continue
+        except OSError as e:
             out.append(Refusal(rec.nspid, rec.cmd, f"fd {f.fd}: reading the socket: {e}"))
             continue
         if why:

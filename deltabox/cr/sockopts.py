@@ -7,22 +7,32 @@ Compared with a fresh socket of the same kind made in the process's own network 
 never set on the copy: setting some to their reported value is not a no-op (TCP_MAXSEG
 reports 536 unset, and 536 set clamps every connection). The copy gets them before its
 bind (native recreate_listen, listeners.open_ahead). Options are by number (uapi
-headers), as Python names only some of them; buffer sizes are left out (tuning, read
-back doubled and clamped by sysctls).
+headers), as Python names only some of them.
+
+Buffer sizes a program set (SO_RCVBUF, SO_SNDBUF: a statsd server's big receive buffer; on
+a listener, its connections' buffers and no autotuning) read back doubled; they are set
+again at half the value read, which doubles back to exactly it, and locks the size as the
+original's is locked. The kernel caps what is set at net.core.rmem_max / wmem_max (the
+FORCE variants need CAP_NET_ADMIN, which sandbox processes lack): a size above the cap
+now (set by a process that had it, or before the cap was lowered) is refused.
 """
 
 from __future__ import annotations
 
 import socket
 
+from .. import kernfs
 from . import native
 
 _SOL, _IP, _IPV6, _TCP = (socket.SOL_SOCKET, socket.IPPROTO_IP, socket.IPPROTO_IPV6,
                           socket.IPPROTO_TCP)
 _UDP_CORK = 1
+# set again at half the value read, within the cap of this sysctl
+_BUFFERS = {(_SOL, 7): "wmem_max", (_SOL, 8): "rmem_max"}   # SO_SNDBUF, SO_RCVBUF
 
-# Both kinds: SO_PRIORITY SO_TIMESTAMP(NS)_OLD SO_TIMESTAMP(NS)_NEW SO_RXQ_OVFL
-_SOCKET = [(_SOL, n) for n in (12, 29, 35, 63, 64, 40)]
+# Both kinds: SO_PRIORITY SO_TIMESTAMP(NS)_OLD SO_TIMESTAMP(NS)_NEW SO_RXQ_OVFL, the
+# buffer sizes
+_SOCKET = [(_SOL, n) for n in (12, 29, 35, 63, 64, 40)] + list(_BUFFERS)
 # IP_TOS IP_TTL IP_MTU_DISCOVER IP_FREEBIND
 _IP_BOTH = [(_IP, n) for n in (1, 2, 10, 15)]
 # IPV6_UNICAST_HOPS IPV6_MTU_DISCOVER IPV6_TCLASS
@@ -61,8 +71,21 @@ def differing(pid: int, s: socket.socket, table: dict[int, list[tuple[int, int]]
             except OSError:
                 continue
             if value != default:
+                cap = _BUFFERS.get((level, name))
+                if cap:
+                    value //= 2
+                    _within(cap, value)
                 out.append((level, name, value))
     if len(out) > native.SOCKOPTS:
         raise native.CRError(22, f"{len(out)} socket options set (at most "
                              f"{native.SOCKOPTS} are made again)")
     return tuple(out)
+
+
+def _within(sysctl: str, size: int) -> None:
+    """Refuse a buffer size a process could not set again (the kernel would cap it)."""
+    cap = int(kernfs.read(f"/proc/sys/net/core/{sysctl}"))
+    if size > cap:
+        kind = "receive" if sysctl == "rmem_max" else "send"
+        raise native.CRError(22, f"its {kind} buffer of {size} bytes is above "
+                             f"net.core.{sysctl} ({cap}): not made again")
