@@ -32,7 +32,7 @@ $(LIBEXEC)/libdbxcr.so: $(DBXCR_SRCS) native/fork_template.h native/criu_incr.h 
 		native/dbxcr_internal.h
 	@mkdir -p $(LIBEXEC)
 	$(CC) $(CFLAGS) -pthread -fPIC -shared -o $@ $(DBXCR_SRCS)
-$(LIBEXEC)/dbx-%: native/%.c native/common.h
+$(LIBEXEC)/dbx-%: native/%.c native/common.c native/common.h
 	@mkdir -p $(LIBEXEC)
 	$(CC) $(CFLAGS) -static -o $@ $< native/common.c
 

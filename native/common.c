@@ -174,6 +174,12 @@ static const int dbx_denied_syscalls[] = {
 static const int dbx_enosys_syscalls[] = {
 	/* io_uring runs operations outside this filter's view */
 	__NR_io_uring_setup, __NR_io_uring_enter, __NR_io_uring_register,
+	/* A Linux AIO context (a ring the kernel maps, requests in flight in the kernel) can
+	 * be neither templated nor made again, so a process holding one could never be
+	 * checkpointed; without it, programs use their synchronous or threaded I/O (InnoDB:
+	 * "Linux Native AIO disabled"). */
+	__NR_io_setup, __NR_io_destroy, __NR_io_submit, __NR_io_cancel, __NR_io_getevents,
+	__NR_io_pgetevents,
 };
 
 #define NS_CLONE_FLAGS                                                                       \

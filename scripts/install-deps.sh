@@ -28,6 +28,8 @@ command -v nginx >/dev/null || need+=(nginx-light)
 # ... PostgreSQL (a System V segment, 148 MiB of shared buffers, its own user); the
 # package's own cluster is not made (nothing of it runs on the host)
 ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || need+=(postgresql)
+# ... MariaDB (InnoDB's threads, buffer pool and redo log; its AIO fallback in a sandbox)
+command -v mariadbd >/dev/null || need+=(mariadb-server)
 # The read-ahead's test sees a file's page cache from inside a sandbox (fincore).
 command -v fincore >/dev/null || need+=(util-linux-extra)
 # ... and a JVM (its NIO socket whose peer it closed, a few dozen threads).

@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import platform
+import re
 import select
 import signal
 import subprocess
@@ -1075,6 +1076,30 @@ def test_a_udp_socket_of_another_network_namespace_is_refused() -> None:
         assert udp.capture(p.pid, fds[inner], capture._sockaddr)[1] is None
         why = udp.capture(p.pid, fds[outer], capture._sockaddr)[1]
         assert why and "another network namespace" in why, why
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_linux_aio_context_is_refused_by_name() -> None:
+    """io_setup's ring is a shared mapping of no file a restore could map again. A sandbox
+    process cannot make one (its io_setup fails with ENOSYS since stop 64); one that holds
+    it anyway is refused, naming it (here a process of the host, captured as a sandbox's)."""
+    from deltabox.cr import capture, native, unlinked
+    prog = ("import ctypes, time\nctx = ctypes.c_ulong(0)\n"
+            "assert ctypes.CDLL(None).syscall(206, 8, ctypes.byref(ctx)) == 0\n"
+            "print(ctx.value, flush=True)\ntime.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", prog], stdout=subprocess.PIPE,
+                         stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    try:
+        ring = int(p.stdout.readline())
+        rec = capture.record(p.pid, native.proc_status(p.pid))
+        files, refused = unlinked.capture([rec])
+        unlinked.close_saved(files)
+        assert len(refused) == 1 and re.fullmatch(
+            rf"shared memory /\[aio\] \(deleted\) at {ring:x}-[0-9a-f]+: a Linux AIO "
+            r"context's ring \(io_setup\), not a file of the sandbox's tree or memory: not "
+            r"captured", refused[0].reason), refused
     finally:
         p.kill()
         p.wait()
