@@ -64,6 +64,7 @@ bench-all: install
 	$(PY) -m benchmarks.process_kinds
 	$(PY) -m benchmarks.notebook --reps 5
 	$(PY) -m benchmarks.postgres_cr --reps 5
+	$(PY) -m benchmarks.postgres_cr --server mariadb --reps 5
 	$(PY) -m benchmarks.swebench.run --quick --out benchmarks/out/swebench
 
 clean:

@@ -3,7 +3,9 @@ processes (DeltaCR: its System V segment, its 148 MiB of shared buffers copied b
 page, its backends' fork of the postmaster), against the restart an agent sandbox without
 process checkpoints falls back to: a file-only checkpoint, whose rollback or fork kills the
 server and starts it again on the checkpoint's files (crash recovery: WAL replayed), in
-the same run on one private daemon, each in a sandbox of its own.
+the same run on one private daemon, each in a sandbox of its own. `--server mariadb`: the
+same with a MariaDB server (InnoDB: its threads, its buffer pool in private memory, its
+redo log replayed by a restart).
 
 Each rep, for both ways in turn (the order rotates): a transaction inserts --rows rows,
 pause (--think), `checkpoint()` is timed (full, or mode="fs"); once its background process
@@ -16,8 +18,8 @@ answers a query (for the restart, `pg_ctl start` in each child in turn). Also me
 once: the bytes the daemon holds for the server's shared memory at a checkpoint (its
 copies' allocated blocks), against the mappings' size.
 
-    .venv/bin/python -m benchmarks.postgres_cr [--reps 10] [--rows 1000] [--fanout 1,4,8]
-        [--out DIR]
+    .venv/bin/python -m benchmarks.postgres_cr [--server postgres|mariadb] [--reps 10]
+        [--rows 1000] [--fanout 1,4,8] [--out DIR]
 """
 
 from __future__ import annotations
@@ -50,12 +52,43 @@ sql) as_pg psql -h /workspace/pg -d postgres -tAc "$2" ;;
 stop) as_pg "$bin/pg_ctl" -D /workspace/pg/data -w -m fast stop >/dev/null ;;
 esac
 """
+# The same for a MariaDB server: its data directory, socket and log in /workspace/my, a
+# loopback port, queries in database d (made at the first start).
+MARIADB_SH = """
+set -e
+my=/workspace/my
+case "$1" in
+start)
+  mkdir -p $my
+  [ -d $my/data ] || mariadb-install-db --datadir=$my/data --user=root \\
+    --auth-root-authentication-method=normal >$my/install.log 2>&1
+  (cd /workspace; nohup mariadbd --datadir=$my/data --user=root --socket=$my/sock \\
+    --port=3307 --bind-address=127.0.0.1 --pid-file=$my/pid --log-error=$my/err.log \\
+    >/dev/null 2>&1 &)
+  for i in $(seq 300); do
+    mariadb -S $my/sock -uroot -e 'create database if not exists d' >/dev/null 2>&1 && exit 0
+    sleep 0.1
+  done
+  exit 1 ;;
+sql) mariadb -S $my/sock -uroot -D d -N -B -e "$2" ;;
+stop) mariadb-admin -S $my/sock -uroot shutdown ;;
+esac
+"""
+SCRIPTS = {"postgres": PG_SH, "mariadb": MARIADB_SH}
+# A transaction of `rows` rows
+FILL = {"postgres": "insert into t select g from generate_series(1, {rows}) g",
+        "mariadb": "insert into t select seq from seq_1_to_{rows}"}
+TITLE = {"postgres": "PostgreSQL", "mariadb": "MariaDB"}
 
 
 def pg(box: Sandbox, *args: str) -> str:
-    r = box.exec(["bash", "/workspace/pg.sh", *args], timeout=120)
+    """The sandbox's server script (db.sh: start, sql QUERY, stop)."""
+    r = box.exec(["bash", "/workspace/db.sh", *args], timeout=120)
     if r.exit_code != 0:
-        raise RuntimeError(f"pg.sh {' '.join(args)} exited {r.exit_code}: {r.stderr[-400:]}")
+        log_tail = box.exec("tail -20 /workspace/my/err.log /workspace/pg/log 2>/dev/null; "
+                            "ps -eo pid,stat,args").stdout
+        raise RuntimeError(f"{box.id}: db.sh {' '.join(args)} exited {r.exit_code}: "
+                           f"{r.stderr[-400:]}\n{log_tail}")
     return r.stdout
 
 
@@ -78,9 +111,10 @@ def held_copies(daemon_pid: int) -> int:
 
 
 def shared_mapped(box: Sandbox) -> int:
-    """Bytes of shared memory the postmaster maps (anonymous, System V, /dev/shm)."""
-    out = box.exec("grep -E ' rw.s .*(/dev/zero|/SYSV|/dev/shm)' "
-                   "/proc/$(head -1 /workspace/pg/data/postmaster.pid)/maps").stdout
+    """Bytes of shared memory the server maps (anonymous, System V, /dev/shm)."""
+    out = box.exec("grep -E ' rw.s .*(/dev/zero|/SYSV|/dev/shm)' /proc/$(head -1 "
+                   "/workspace/pg/data/postmaster.pid 2>/dev/null || cat /workspace/my/pid)"
+                   "/maps").stdout
     return sum(int(e, 16) - int(s, 16) for s, e in
                (line.split()[0].split("-") for line in out.splitlines()))
 
@@ -92,8 +126,7 @@ def dump_done(box: Sandbox, cp_id: str) -> None:
     wait_until(done, "the process dump")
 
 
-def one_rep(box: Sandbox, way: str, rows: int, think: float) -> dict[str, Any]:
-    insert = f"insert into t select g from generate_series(1, {rows}) g"
+def one_rep(box: Sandbox, way: str, insert: str, think: float) -> dict[str, Any]:
     pg(box, "sql", insert)
     time.sleep(think)
     t0 = time.perf_counter()
@@ -165,7 +198,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for m in ("service_ms", "fork_service_ms")}}
 
 
-def plot(runs: list[dict[str, Any]], path: Path, machine: dict[str, Any]) -> Path | None:
+def plot(runs: list[dict[str, Any]], path: Path, machine: dict[str, Any],
+         title: str = "PostgreSQL") -> Path | None:
     try:
         plt = pyplot()
     except ImportError:
@@ -174,7 +208,7 @@ def plot(runs: list[dict[str, Any]], path: Path, machine: dict[str, Any]) -> Pat
               for m in METRICS}
     fig, ax = plt.subplots(figsize=(11, 4.5))
     latency_boxplot(ax, groups)
-    finish_figure(fig, path, "PostgreSQL: checkpoint, rollback, fork (DeltaCR vs restart)",
+    finish_figure(fig, path, f"{title}: checkpoint, rollback, fork (DeltaCR vs restart)",
                   machine)
     return path
 
@@ -182,6 +216,7 @@ def plot(runs: list[dict[str, Any]], path: Path, machine: dict[str, Any]) -> Pat
 def main() -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.postgres_cr", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--server", choices=sorted(SCRIPTS), default="postgres")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--rows", type=int, default=1000, help="rows inserted per change")
     p.add_argument("--think", type=float, default=0.2, help="pause before each call (s)")
@@ -193,7 +228,7 @@ def main() -> int:
         boxes = {w: Sandbox.create(socket=d.socket, memory_mb=2048) for w in WAYS}
         try:
             for box in boxes.values():
-                box.files.write("pg.sh", PG_SH)
+                box.files.write("db.sh", SCRIPTS[args.server])
                 pg(box, "start")
                 pg(box, "sql", "create table t (x int)")
             assert d.proc is not None
@@ -204,22 +239,25 @@ def main() -> int:
             for rep in range(args.reps):
                 k = rep % len(WAYS)
                 for way in WAYS[k:] + WAYS[:k]:
-                    runs.append({"rep": rep, **one_rep(boxes[way], way, args.rows,
-                                                       args.think)})
+                    runs.append({"rep": rep, **one_rep(
+                        boxes[way], way, FILL[args.server].format(rows=args.rows),
+                        args.think)})
                 log(f"rep {rep + 1}/{args.reps}")
             fans = [fanout(boxes[w], w, int(n)) for n in args.fanout.split(",") if n
                     for w in WAYS]
         finally:
             for box in boxes.values():
                 box.kill()
-        result: dict[str, Any] = {"benchmark": "postgres_cr", "reps": args.reps,
+        result: dict[str, Any] = {"benchmark": "postgres_cr", "server": args.server,
+                                  "reps": args.reps,
                                   "rows": args.rows, "think_s": args.think, "runs": runs,
                                   "shared_memory": copies, "fanout": fans,
                                   "summary": summarize(runs)}
         info = machine_info(d.socket)
     record_cleanup(result, d)
-    path = write_json(args.out / "postgres_cr.json", result, info)
-    png = plot(runs, args.out / "postgres_cr.png", info)
+    name = "postgres_cr" if args.server == "postgres" else f"{args.server}_cr"
+    path = write_json(args.out / f"{name}.json", result, info)
+    png = plot(runs, args.out / f"{name}.png", info, TITLE[args.server])
     s = result["summary"]
     for w in WAYS:
         print(f"{w:9s} " + "  ".join(f"{m.removesuffix('_ms')} {s[w][m]['p50']:7.1f}"

@@ -33,7 +33,8 @@
  * file comment, except one: -ERESTART_RESTARTBLOCK continues from the task's restart_block
  * (a futex wait, a poll or a relative sleep with a timeout), which a new thread does not
  * have (clone copies the creating thread's): such a call is executed again from the start
- * (restart_without_block).
+ * (restart_without_block), or, if it was restart_syscall itself (interrupted twice), it
+ * returns EINTR.
  *
  * rseq: a thread stopped inside a restartable sequence is sent to its abort handler, as
  * the kernel does to a preempted one on its way back to user mode (a restored thread may
@@ -225,6 +226,18 @@ void restart_without_block(struct user_regs_struct *regs)
 {
 	if ((long)regs->orig_rax < 0 || (long)regs->rax != -KERN_ERESTART_RESTARTBLOCK)
 		return;
+	if (regs->orig_rax == SYS_restart_syscall) {
+		/* Interrupted a second time (an earlier checkpoint's stop sent it through
+		 * restart_syscall): only the task's restart_block knows which call it restarts
+		 * (a futex wait, a poll, a sleep), and the new task's restart_syscall() would run
+		 * its creator's block instead (a poll of the main thread's descriptors, whose
+		 * count glibc's futex wait took for an error and aborted: MariaDB).  The call
+		 * returns EINTR, as the kernel answers a task whose block is gone and as each of
+		 * those calls may return; callers wait again. */
+		regs->rax = (unsigned long)-EINTR;
+		regs->orig_rax = (unsigned long)-1;
+		return;
+	}
 	if (regs->orig_rax == SYS_nanosleep && regs->rsi)
 		regs->rdi = regs->rsi;
 	else if (regs->orig_rax == SYS_clock_nanosleep && regs->r10)

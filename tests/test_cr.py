@@ -1784,6 +1784,56 @@ def test_a_posix_message_queue_held_open_is_refused_by_its_holder() -> None:
                         f"/{name}"], check=True)
 
 
+# A thread in a timed futex wait (threading.Event.wait) beside a main thread in a timed
+# poll of a named pipe; a byte in the pipe makes the main thread set the event, and the
+# thread says it woke.
+TWICE_INTERRUPTED = """
+import os, select, threading
+ev = threading.Event()
+def worker():
+    n = 0
+    while True:
+        if ev.wait(600):
+            ev.clear()
+            n += 1
+            open(f"/workspace/woke{n}", "w").close()
+threading.Thread(target=worker, daemon=True).start()
+fd = os.open("/workspace/fifo", os.O_RDWR | os.O_NONBLOCK)
+p = select.poll()
+p.register(fd, select.POLLIN)
+open("/workspace/ready", "w").close()
+while True:
+    if p.poll(600000):
+        os.read(fd, 100)
+        ev.set()
+"""
+
+
+def test_threads_interrupted_twice_wait_on_after_a_restore(sbx: Sandbox,
+                                                          restore: Restore) -> None:
+    """Each checkpoint stops the threads, and a timed wait goes on after it through
+    restart_syscall, which only the thread's own restart_block can answer. A thread
+    captured there (a second checkpoint) came back running its creator's block: here the
+    main thread's poll, whose count glibc's futex wait took for an error and aborted the
+    process (found with MariaDB, stop 64). Now the wait returns EINTR and is waited
+    again: the thread wakes when the event is set."""
+    sbx.files.write("twice.py", TWICE_INTERRUPTED)
+    sbx.exec("cd /workspace && mkfifo fifo; cd /workspace; nohup python3 twice.py "
+             ">/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("ready"))
+    time.sleep(0.2)
+    first = sbx.checkpoint()
+    assert first.kind == "full", first.reasons
+    time.sleep(0.2)
+    cp = sbx.checkpoint()   # both threads inside restart_syscall now
+    assert cp.kind == "full", cp.reasons
+    target = restore(sbx, cp)
+    for n in (1, 2):
+        target.exec("echo x > /workspace/fifo")
+        wait_for(lambda: target.files.exists(f"woke{n}"), timeout=10, what=f"wake {n}")
+    assert target.exec("pgrep -f twice.py").exit_code == 0
+
+
 def test_linux_aio_is_not_implemented_in_a_sandbox(sbx: Sandbox) -> None:
     """A Linux AIO context could never be checkpointed (test_cr_native.py: refused by
     name); since stop 64 a sandbox's io_setup fails with ENOSYS, as io_uring's calls do,
@@ -3852,32 +3902,8 @@ def test_postgresql_comes_back(sbx: Sandbox, restore: Restore) -> None:
     assert target.exec(ps).stdout == ""
 
 
-# A MariaDB server on a data directory of /workspace, its socket there and a loopback
-# port: `my.sh start` (the data directory made the first time), `my.sh sql "QUERY"` prints
-# the rows, `my.sh stop`.
-MARIADB_SH = """
-set -e
-my=/workspace/my
-case "$1" in
-start)
-  mkdir -p $my
-  [ -d $my/data ] || mariadb-install-db --datadir=$my/data --user=root \\
-    --auth-root-authentication-method=normal >$my/install.log 2>&1
-  (cd /workspace; nohup mariadbd --datadir=$my/data --user=root --socket=$my/sock \\
-    --port=3307 --bind-address=127.0.0.1 --pid-file=$my/pid --log-error=$my/err.log \\
-    >/dev/null 2>&1 &)
-  for i in $(seq 200); do
-    mariadb -S $my/sock -uroot -e 'select 1' >/dev/null 2>&1 && exit 0
-    sleep 0.1
-  done
-  exit 1 ;;
-sql) mariadb -S $my/sock -uroot -N -B -e "$2" ;;
-stop) mariadb-admin -S $my/sock -uroot shutdown ;;
-esac
-"""
-
-
 def _my(box: Sandbox, *args: str) -> str:
+    """benchmarks/postgres_cr.py's MariaDB script (start, sql QUERY in database d, stop)."""
     r = box.exec(["bash", "/workspace/my.sh", *args], timeout=120)
     assert r.exit_code == 0, (r, box.exec("tail -20 /workspace/my/err.log").stdout)
     return r.stdout
@@ -3889,9 +3915,9 @@ def test_mariadb_comes_back(sbx: Sandbox, restore: Restore) -> None:
     checkpoint: its table without the row inserted since, connections served on its
     socket and its port, a clean shutdown. Before stop 64 its AIO context's ring was
     refused."""
-    sbx.files.write("my.sh", MARIADB_SH)
+    sbx.files.write("my.sh", postgres_cr.MARIADB_SH)
     _my(sbx, "start")
-    _my(sbx, "sql", "create database d; create table d.t (x int primary key) engine=innodb; "
+    _my(sbx, "sql", "create table d.t (x int primary key) engine=innodb; "
                     "insert into d.t values (1)")
     threads = int(sbx.exec("ls /proc/$(cat /workspace/my/pid)/task | wc -l").stdout)
     assert threads > 4, threads

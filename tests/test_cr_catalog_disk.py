@@ -66,7 +66,7 @@ from test_cr import (  # noqa: F401  (the catalog's cases, run here with the dis
     test_nginx_comes_back_with_its_pid_and_workers,
     test_system_v_shared_memory_comes_back_with_its_ids,
     test_big_shared_memory_mostly_unwritten_comes_back, test_postgresql_comes_back,
-    test_mariadb_comes_back,
+    test_mariadb_comes_back, test_threads_interrupted_twice_wait_on_after_a_restore,
     test_a_tmux_pane_of_another_user_comes_back,
     test_a_session_leader_its_parent_waits_for_is_its_child_again,
     test_asyncio_server_with_eventfd_and_socket_pair, test_bash_session_state,
