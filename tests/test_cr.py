@@ -1822,10 +1822,10 @@ def test_threads_interrupted_twice_wait_on_after_a_restore(sbx: Sandbox,
              ">/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("ready"))
     time.sleep(0.2)
-    first = sbx.checkpoint()
+    first = sbx.checkpoint(mode="full")
     assert first.kind == "full", first.reasons
     time.sleep(0.2)
-    cp = sbx.checkpoint()   # both threads inside restart_syscall now
+    cp = sbx.checkpoint(mode="full")   # both threads inside restart_syscall now
     assert cp.kind == "full", cp.reasons
     target = restore(sbx, cp)
     for n in (1, 2):

@@ -687,7 +687,6 @@ class DeltaCR:
         # connections in TIME_WAIT: its own sandbox, also when it rolls back onto
         # templates rebuilt from a dump (into, not fresh); a new fork's namespace has none.
         time_wait = _time_wait_ports(state) if into is None or not into.fresh else set()
-        netns_pid = into.init_pid if into is not None else state.templates[records[0].pid].pid
         # Restored parents of adopted children, then those children (record pid -> held
         # process; adoption.py): all held until every one exists.
         held: dict[int, native.Held] = {}
@@ -701,7 +700,8 @@ class DeltaCR:
                 await wait_exited(victims)
                 victims = None
             if time_wait:
-                tcp.clear_time_wait(netns_pid, time_wait)
+                tcp.clear_time_wait(into.init_pid if into is not None
+                                    else state.templates[records[0].pid].pid, time_wait)
                 time_wait.clear()
 
         async def take_addresses() -> None:
