@@ -6,6 +6,7 @@ rollback, fork and restore from disk keep processes' ids. A real daemon, real na
 from __future__ import annotations
 
 import io
+import json
 import os
 import secrets
 import subprocess
@@ -20,7 +21,7 @@ import pytest
 from deltabox import FailedPrecondition, Sandbox
 from deltabox.sandbox.userns import IdMap
 
-from conftest import DaemonProc, new_sandbox, private_daemon
+from conftest import DaemonProc, new_sandbox, private_daemon, wait_for
 
 BASE = 100000  # deltaboxd's default --userns-range 100000:65536
 # A background process running as an ordinary user (uid/gid 1000) inside the sandbox.
@@ -145,6 +146,33 @@ def test_processes_keep_their_ids_through_rollback_and_fork(ubox: Sandbox) -> No
                 == ["kept", "0"]
         finally:
             grandkid.kill()
+    finally:
+        kid.kill()
+
+
+def test_sockets_come_back_in_the_namespace(ubox: Sandbox) -> None:
+    """A UDP server beside a connected and an unused UDP socket, and a TCP listener with
+    options its connections inherit, in a sandbox of its own user namespace: the sockets
+    are made again by the sandbox's root (its namespace's, not the host's) with their
+    addresses and options, through a rollback and a fork."""
+    from test_cr import ASK_OPTIONS, TCP_OPTIONS_SERVER, UDP_SERVER, _ask_udp
+
+    ubox.files.write("udp.py", UDP_SERVER)
+    ubox.files.write("opts.py", TCP_OPTIONS_SERVER)
+    ubox.exec("cd /workspace; nohup python3 udp.py >/dev/null 2>&1 &")
+    ubox.exec("cd /workspace; nohup python3 opts.py >/dev/null 2>&1 &")
+    wait_for(lambda: ubox.files.exists("udp-ready") and ubox.files.exists("listening"))
+    n, udp = _ask_udp(ubox, "state")
+    m, mine, got = json.loads(ubox.exec(ASK_OPTIONS).stdout)
+    cp = ubox.checkpoint(mode="full")
+    r = ubox.rollback(cp)
+    assert r.process_state == "restored", r.note
+    kid = ubox.fork(cp)[0]
+    try:
+        assert kid.process_state == "restored", kid.fork_note
+        for box in (ubox, kid):
+            assert _ask_udp(box, "state") == [n + 1, udp]
+            assert json.loads(box.exec(ASK_OPTIONS).stdout) == [m + 1, mine, got]
     finally:
         kid.kill()
 
