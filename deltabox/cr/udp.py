@@ -13,9 +13,9 @@ Refused, naming the socket: one made in another network namespace than its proce
 (handed in from outside), a datagram waiting to be read (a restored socket could not have
 it), an error waiting to be read (an ICMP port-unreachable's ECONNREFUSED, an error
 queue: the next call would not see it), a datagram being built (UDP_CORK or MSG_MORE: its
-bytes are in the kernel). Not restored: buffer sizes (SO_RCVBUF, SO_SNDBUF: tuning, clamped
-by sysctls) and multicast memberships (no call lists them; loopback takes none: the
-namespace has no multicast route).
+bytes are in the kernel), a buffer size above what a process may set now (sockopts.py). Not
+restored: multicast memberships (no call lists them; loopback takes none: the namespace
+has no multicast route).
 """
 
 from __future__ import annotations
