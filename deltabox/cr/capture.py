@@ -700,17 +700,6 @@ def is_tcp_listener(f: native.FdInfo) -> bool:
 _TCP_INFO_BACKLOG = struct.Struct("=8x4xIIIII")  # after rto: ato snd_mss rcv_mss unacked sacked
 
 
-def _sockaddr(family: int, name: tuple) -> bytes:
-    """The raw struct sockaddr_in/_in6 for a getsockname() tuple."""
-    if family == socket.AF_INET:
-        host, port = name
-        return struct.pack("=H", family) + struct.pack("!H", port) + \
-            socket.inet_pton(family, host) + bytes(8)
-    host, port, flow, scope = name
-    return struct.pack("=H", family) + struct.pack("!HI", port, flow) + \
-        socket.inet_pton(family, host.split("%")[0]) + struct.pack("=I", scope)
-
-
 def listen_socket(pid: int, f: native.FdInfo) -> tuple[native.ListenSocket, int]:
     """What it takes to create this listening socket afresh (its options: sockopts.py),
     and how many connections wait in its accept queue (TCP_INFO on a listener reports both
@@ -718,21 +707,9 @@ def listen_socket(pid: int, f: native.FdInfo) -> tuple[native.ListenSocket, int]
     with socket.socket(fileno=native.copy_fd(pid, f.fd)) as s:
         info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
         _ato, _smss, _rmss, queued, backlog = _TCP_INFO_BACKLOG.unpack_from(info)
-        typ = socket.SOCK_STREAM
-        if f.flags & os.O_NONBLOCK:
-            typ |= socket.SOCK_NONBLOCK
-        if f.flags & os.O_CLOEXEC:
-            typ |= socket.SOCK_CLOEXEC
-        v6only = (s.family == socket.AF_INET6 and
-                  bool(s.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)))
-        ls = native.ListenSocket(
-            fd=f.fd, family=int(s.family), type=typ,
-            protocol=s.getsockopt(socket.SOL_SOCKET, socket.SO_PROTOCOL),
-            addr=_sockaddr(s.family, s.getsockname()), backlog=max(1, backlog),
-            reuseaddr=bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)),
-            reuseport=bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT)),
-            v6only=v6only, ino=f.inode,
-            options=sockopts.differing(pid, s, sockopts.LISTENER))
+        ls = sockopts.remade(pid, f, s, sockopts.LISTENER,
+                             addr=sockopts.sockaddr(s.family, s.getsockname()),
+                             backlog=max(1, backlog))
     return ls, queued
 
 
@@ -746,7 +723,7 @@ def add_listeners(rec: ProcessRecord) -> list[Refusal]:
             continue
         try:
             if udp.is_udp(f):
-                ls, why = udp.capture(rec.pid, f, _sockaddr)
+                ls, why = udp.capture(rec.pid, f)
             else:
                 ls, queued = listen_socket(rec.pid, f)
                 why = queued and f"{queued} connection(s) wait to be accepted: not captured"

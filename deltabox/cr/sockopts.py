@@ -19,7 +19,9 @@ now (set by a process that had it, or before the cap was lowered) is refused.
 
 from __future__ import annotations
 
+import os
 import socket
+import struct
 
 from .. import kernfs
 from . import native
@@ -56,6 +58,37 @@ LISTENER = {
     socket.AF_INET: _LISTENER + _IP_BOTH,
     socket.AF_INET6: _LISTENER + _IPV6_BOTH,
 }
+
+
+def remade(pid: int, f: native.FdInfo, s: socket.socket,
+           table: dict[int, list[tuple[int, int]]], **where: object) -> native.ListenSocket:
+    """What it takes to make pid's socket at f (our copy s) again: its kind, flags, the
+    options a bind depends on, those of `table` it set; `where`: its address, backlog,
+    peer."""
+    typ = int(s.type)
+    if f.flags & os.O_NONBLOCK:
+        typ |= socket.SOCK_NONBLOCK
+    if f.flags & os.O_CLOEXEC:
+        typ |= socket.SOCK_CLOEXEC
+    return native.ListenSocket(
+        fd=f.fd, family=int(s.family), type=typ,
+        protocol=s.getsockopt(_SOL, socket.SO_PROTOCOL),
+        reuseaddr=bool(s.getsockopt(_SOL, socket.SO_REUSEADDR)),
+        reuseport=bool(s.getsockopt(_SOL, socket.SO_REUSEPORT)),
+        v6only=s.family == socket.AF_INET6 and bool(s.getsockopt(_IPV6, socket.IPV6_V6ONLY)),
+        ino=f.inode, options=differing(pid, s, table), **where)  # type: ignore[arg-type]
+
+
+def sockaddr(family: int, name: tuple) -> bytes:
+    """The raw struct sockaddr_in/_in6 for a getsockname() tuple (listeners.address's
+    inverse)."""
+    if family == socket.AF_INET:
+        host, port = name
+        return struct.pack("=H", family) + struct.pack("!H", port) + \
+            socket.inet_pton(family, host) + bytes(8)
+    host, port, flow, scope = name
+    return struct.pack("=H", family) + struct.pack("!HI", port, flow) + \
+        socket.inet_pton(family, host.split("%")[0]) + struct.pack("=I", scope)
 
 
 def differing(pid: int, s: socket.socket, table: dict[int, list[tuple[int, int]]]

@@ -32,18 +32,18 @@ _SO_MEMINFO = 55
 _MEMINFO = struct.Struct("=3I")    # SK_MEMINFO_RMEM_ALLOC, _RCVBUF, _WMEM_ALLOC
 _SIOCGSKNS = 0x894C
 
-_SOL, _IPV6 = socket.SOL_SOCKET, socket.IPPROTO_IPV6
+_SOL = socket.SOL_SOCKET
 
 def is_udp(f: native.FdInfo) -> bool:
     k = f.socket
     return k is not None and k.family in ("inet", "inet6") and k.type == "udp"
 
 
-def capture(pid: int, f: native.FdInfo, sockaddr) -> tuple[native.ListenSocket, str | None]:
+def capture(pid: int, f: native.FdInfo) -> tuple[native.ListenSocket, str | None]:
     """What it takes to make pid's UDP socket at f again, and why it cannot be captured
     now (or None). Read from our own copy of it (pidfd_getfd), with calls that change
     nothing in it: poll, not a peek (a peek would hand over a pending error), and no
-    SO_ERROR (reading it clears it). `sockaddr` turns a getsockname tuple into raw bytes."""
+    SO_ERROR (reading it clears it)."""
     with socket.socket(fileno=native.copy_fd(pid, f.fd)) as s:
         why = _elsewhere(pid, s) or _unsettled(s)
         name = s.getsockname()
@@ -51,21 +51,10 @@ def capture(pid: int, f: native.FdInfo, sockaddr) -> tuple[native.ListenSocket, 
             peer = s.getpeername()
         except OSError:
             peer = None
-        typ = socket.SOCK_DGRAM
-        if f.flags & os.O_NONBLOCK:
-            typ |= socket.SOCK_NONBLOCK
-        if f.flags & os.O_CLOEXEC:
-            typ |= socket.SOCK_CLOEXEC
-        ls = native.ListenSocket(
-            fd=f.fd, family=int(s.family), type=typ,
-            protocol=s.getsockopt(_SOL, socket.SO_PROTOCOL),
-            addr=sockaddr(s.family, name) if name[1] else b"", backlog=0,
-            reuseaddr=bool(s.getsockopt(_SOL, socket.SO_REUSEADDR)),
-            reuseport=bool(s.getsockopt(_SOL, socket.SO_REUSEPORT)),
-            v6only=s.family == socket.AF_INET6 and bool(s.getsockopt(_IPV6,
-                                                                      socket.IPV6_V6ONLY)),
-            ino=f.inode, peer=sockaddr(s.family, peer) if peer is not None else b"",
-            options=sockopts.differing(pid, s, sockopts.UDP))
+        ls = sockopts.remade(
+            pid, f, s, sockopts.UDP, backlog=0,
+            addr=sockopts.sockaddr(s.family, name) if name[1] else b"",
+            peer=sockopts.sockaddr(s.family, peer) if peer is not None else b"")
     return ls, why
 
 
