@@ -238,6 +238,9 @@ int remote_clone3(struct tracee *t, unsigned long scratch, struct dbx_clone_args
 		  const pid_t *set_tid, size_t n, long *ret, struct dbxcr_error *err);
 void tracee_free(struct tracee *t);
 void kill_traced(pid_t pid);
+/* SIGKILL a task we trace and reap it; while its parent is a live single-threaded process,
+ * that parent sees nothing of it (no zombie, no SIGCHLD): reap_unseen.c. */
+int reap_unseen(pid_t pid, struct dbxcr_error *err);
 int wait_birth(pid_t child, struct dbxcr_error *err);
 void park_regs(struct dbxcr_template *tpl, const struct user_regs_struct *base);
 int park(struct dbxcr_template *tpl, struct dbxcr_error *err);

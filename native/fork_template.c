@@ -53,7 +53,8 @@
  *    a PTRACE_EVENT_STOP trap before ever returning to user mode, so it runs no program
  *    code.  It is then parked: all signals blocked, registers set to run exit_group(0) if it
  *    were ever resumed, and PTRACE_O_EXITKILL (inherited from the options set on the
- *    original) kills it if the tracer thread dies.
+ *    original) kills it if the tracer thread dies.  Its release keeps its end from that
+ *    parent while the parent lives (reap_unseen.c).
  *  - spawn injects clone3(CLONE_PARENT, set_tid) into the template: the child is again a
  *    sibling, i.e. it takes the original's place under the same parent with the same exit
  *    signal (and with set_tid the same pid).  In the child, before it runs anything, we
@@ -2087,7 +2088,7 @@ static void template_free(struct dbxcr_template *tpl)
 
 int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err)
 {
-	int status, rc = 0;
+	int rc = 0;
 	pid_t pid;
 
 	clear_error(err);
@@ -2102,25 +2103,11 @@ int dbxcr_release_template(struct dbxcr_template *tpl, struct dbxcr_error *err)
 		/* We cannot reap it from here; SIGKILL still ends it (its parent reaps it). */
 		kill(pid, SIGKILL);
 		rc = -1;
-	} else if (kill(pid, SIGKILL) < 0 && errno != ESRCH) {
-		rc = fail(err, errno, pid, "kill template");
 	} else {
 		/* As its tracer we see its death first; reaping it here releases it fully when
-		 * we are also its parent, otherwise hands the zombie to its parent, which gets
-		 * SIGCHLD (the template carries the original's exit signal). */
-		for (;;) {
-			pid_t r = waitpid(pid, &status, __WALL);
-
-			if (r < 0 && errno == EINTR)
-				continue;
-			if (r < 0) {
-				if (errno != ECHILD)
-					rc = fail(err, errno, pid, "reap template");
-				break;
-			}
-			if (WIFEXITED(status) || WIFSIGNALED(status))
-				break;
-		}
+		 * we are also its parent, otherwise hands the zombie to its parent with the
+		 * original's exit signal, which reap_unseen keeps from a live parent. */
+		rc = reap_unseen(pid, err);
 	}
 	template_free(tpl);
 	return rc;
@@ -4067,7 +4054,8 @@ int dbxcr_carrier_kill(struct dbxcr_carrier *k, struct dbxcr_error *err)
 	clear_error(err);
 	if (check_owner(&k->t, err) < 0)
 		return -1;
-	kill_traced(k->t.pid);
+	/* Best effort, as kill_traced: a carrier is its template's sibling (same parent). */
+	reap_unseen(k->t.pid, &(struct dbxcr_error){ 0 });
 	free(k->t.xstate);
 	threads_free(k->t.threads);
 	free(k->t.dontfork);

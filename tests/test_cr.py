@@ -2611,6 +2611,72 @@ def test_children_not_waited_for_yet_come_back_exited(sbx: Sandbox, restore: Res
     assert target.files.read("reaped").decode() == expected
 
 
+REAPER = """
+import os, signal, sys, threading, time
+got, reaped = [], []
+signal.signal(signal.SIGCHLD, lambda *_: got.append(1))
+if sys.argv[1] == "threaded":
+    threading.Thread(target=time.sleep, args=(1000,), daemon=True).start()
+child = os.fork()
+if child == 0:
+    time.sleep(1000)
+    os._exit(0)
+open("/workspace/ready", "w").write(str(child))
+while True:                              # a shell's, a supervisor's way: any child
+    try:
+        pid, _ = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            reaped.append(pid)
+    except ChildProcessError:
+        pass
+    if os.path.exists("/workspace/ask"):
+        os.unlink("/workspace/ask")
+        open("/workspace/told.tmp", "w").write(f"sigchld={len(got)} reaped={reaped}")
+        os.rename("/workspace/told.tmp", "/workspace/told")
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.parametrize("parent", ["single", "threaded"])
+def test_a_dropped_checkpoint_is_not_seen_by_a_live_parent(sbx: Sandbox, parent: str) -> None:
+    """A template (and a carrier spawned from it) is a child of its process's parent.
+    Dropping its checkpoint while that parent lives ends it unseen: no SIGCHLD, nothing
+    for a wait for any child, no zombie (until this stop the parent reaped a stranger
+    killed by SIGKILL, or kept its zombie). The parent still sees its own child end. A
+    parent with a second thread may get the SIGCHLD (that thread is not held), nothing
+    else."""
+    sbx.files.write("reaper.py", REAPER)
+    sbx.exec(f"cd /workspace && nohup python3 reaper.py {parent} >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("ready"))
+    child = int(sbx.files.read("ready"))
+    ppid = sbx.exec(f"ps -o ppid= -p {child}").stdout.strip()
+
+    def told() -> str:
+        sbx.files.write("ask", "")
+        wait_for(lambda: sbx.files.exists("told"))
+        out = sbx.files.read("told").decode()
+        sbx.files.remove("told")
+        return out
+    first = sbx.checkpoint()
+    second = sbx.checkpoint()
+    assert first.kind == second.kind == "full", (first.reasons, second.reasons)
+    children = f"ps -o pid=,stat=,comm= --ppid {ppid}"
+    assert "dbx-" in sbx.exec(children).stdout    # the templates are the parent's
+    time.sleep(0.5)   # the warm pool's carriers for the newest, spawned by now
+    assert sbx.delete_checkpoint(first) and sbx.delete_checkpoint(second)
+    wait_for(lambda: "dbx-" not in sbx.exec(children).stdout, what="templates gone")
+    assert sbx.exec(children).stdout.split() == [str(child), "S", "python3"]
+    seen = told()
+    if parent == "threaded":
+        assert re.fullmatch(r"sigchld=[0-2] reaped=\[\]", seen), seen
+    else:
+        assert seen == "sigchld=0 reaped=[]"
+    sigchlds = int(seen.split()[0].split("=")[1])
+    sbx.exec(f"kill {child}")
+    wait_for(lambda: told() == f"sigchld={sigchlds + 1} reaped=[{child}]",
+             what="its own child's end")
+
+
 def test_process_waiting_for_a_child_it_cannot_get_back_is_refused(sbx: Sandbox) -> None:
     """A child in another session than its parent's, which it does not lead, cannot be
     given back to its restored parent: a parent blocked waiting for it is refused, by
@@ -3900,6 +3966,29 @@ def test_postgresql_comes_back(sbx: Sandbox, restore: Restore) -> None:
         assert _pg(sbx, "sql", "select string_agg(x::text, ',' order by x) from t") == "1,2\n"
     _pg(target, "stop")
     assert target.exec(ps).stdout == ""
+
+
+def test_postgresql_runs_on_when_its_checkpoint_is_dropped(sbx: Sandbox) -> None:
+    """Dropping a checkpoint ends its templates; those of the postmaster's children are
+    the postmaster's children too (siblings of the processes they copy). Until this stop
+    their ends reached it: it took a child killed by SIGKILL for a crashed backend and
+    restarted every server process ("terminating any other active server processes",
+    then crash recovery, connections refused meanwhile). Now it sees nothing."""
+    sbx.files.write("pg.sh", postgres_cr.PG_SH)
+    _pg(sbx, "start")
+    _pg(sbx, "sql", "create table t (x int); insert into t values (1)")
+    ps = "ps -e -o pid=,ppid=,stat=,args= | grep -v ' ps '"   # templates too
+    before = sbx.exec(ps).stdout
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    time.sleep(0.5)   # the warm pool's carriers, if any, are spawned by now
+    assert sbx.delete_checkpoint(cp)
+    wait_for(lambda: "[dbx-" not in sbx.exec(ps).stdout, what="templates gone")
+    assert sbx.exec(ps).stdout == before   # the same processes, no zombie left
+    _pg(sbx, "sql", "insert into t values (2)")
+    log = sbx.exec("cat /workspace/pg/log").stdout
+    assert "terminated by signal" not in log and "recovery" not in log, log
+    _pg(sbx, "stop")
 
 
 def _my(box: Sandbox, *args: str) -> str:

@@ -570,6 +570,100 @@ static void test_inject_wait4(void)
 	close(rep[0]);
 }
 
+/* ---------- a released template, unseen by its parent ---------- */
+
+static volatile sig_atomic_t sigchlds;
+
+static void count_sigchld(int sig)
+{
+	(void)sig;
+	sigchlds++;
+}
+
+/* The parent of the test's templated process: counts its SIGCHLDs and, on each command
+ * byte, reports {SIGCHLDs so far, waitpid(-1, WNOHANG) (0: only live children), its
+ * child's pid} -- a program that reaps any child, as a shell or postmaster does. */
+static void chld_counting_parent(int cmd, int rep)
+{
+	struct sigaction sa = { .sa_handler = count_sigchld };
+	int r[3];
+	char c;
+
+	sigaction(SIGCHLD, &sa, NULL);
+	r[2] = (int)fork();
+	if (r[2] == 0) {
+		for (;;)
+			pause();
+	}
+	if (write(rep, &r[2], sizeof(int)) < 0)
+		_exit(2);
+	for (;;) {
+		ssize_t n = read(cmd, &c, 1);
+
+		if (n < 0 && errno == EINTR)
+			continue;	/* a SIGCHLD we were meant not to see */
+		if (n <= 0)
+			_exit(0);
+		r[0] = sigchlds;
+		r[1] = (int)waitpid(-1, NULL, WNOHANG);
+		if (write(rep, r, sizeof(r)) < 0)
+			_exit(2);
+	}
+}
+
+static int ask_parent(int cmd, int rep, int r[3])
+{
+	return write(cmd, "r", 1) == 1 ? read_timeout(rep, r, 3 * sizeof(int), 5000) : -1;
+}
+
+static void test_release_unseen(void)
+{
+	int cmd[2], rep[2], r[3] = { 0 };
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl;
+	struct dbxcr_info info;
+	pid_t parent, child = -1, tpid;
+
+	current_test = "release-unseen";
+	if (pipe2(cmd, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0)
+		abort();
+	parent = fork();
+	if (parent == 0) {
+		close(cmd[1]), close(rep[0]);
+		chld_counting_parent(cmd[0], rep[1]);
+	}
+	CHECK(read_timeout(rep[0], &child, sizeof(child), 5000) == 0, "no child");
+	CHECK(wait_in_syscall(parent, SYS_read) == 0, "parent never read");
+	tpl = child > 0 ? dbxcr_make_template(child, &err) : NULL;
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (!tpl)
+		goto out;
+	tpid = dbxcr_template_pid(tpl);
+	CHECK(dbxcr_describe(tpid, &info, &err) == 0 && info.ppid == parent,
+	      "template %d: parent %d, not %d", tpid, info.ppid, parent);
+	CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
+	/* Gone for good: no zombie left with the parent, no SIGCHLD, nothing to reap. */
+	CHECK(dbxcr_describe(tpid, &info, &err) < 0, "template %d still there (state %c)",
+	      tpid, info.state);
+	CHECK(ask_parent(cmd[1], rep[0], r) == 0 && r[0] == 0 && r[1] == 0,
+	      "the parent saw the template end: %d SIGCHLD, waitpid(-1) = %d", r[0], r[1]);
+	/* ... while it does see its own child end. */
+	kill(child, SIGKILL);
+	for (int i = 0; i < 100 && proc_read(child, "stat", (char[8]){ 0 }, 8) > 0 &&
+	     dbxcr_describe(child, &info, &err) == 0 && info.state != 'Z'; i++)
+		sleep_ms(10);
+	CHECK(ask_parent(cmd[1], rep[0], r) == 0 && r[0] == 1 && r[1] == child,
+	      "its own child's end: %d SIGCHLD, waitpid(-1) = %d (child %d)", r[0], r[1],
+	      child);
+	child = -1;
+out:
+	if (child > 0)
+		kill(child, SIGKILL);
+	close(cmd[1]);
+	reap(parent);
+	close(cmd[0]), close(rep[0]), close(rep[1]);
+}
+
 /* ---------- 2. templates and children ---------- */
 
 #define BUF_SIZE (1 << 20)
@@ -3435,6 +3529,7 @@ int main(int argc, char **argv)
 		{ "inject-pending-signal", test_inject_pending_signal },
 		{ "inject-wait4", test_inject_wait4 },
 		{ "inject-group-stopped", test_inject_group_stopped },
+		{ "release-unseen", test_release_unseen },
 		{ "templates", test_templates },
 		{ "shared-remap", test_shared_remap },
 		{ "private-remap", test_private_remap },

@@ -1,0 +1,187 @@
+/* Ending a task we trace (a template, a carrier or a keeper) without its parent seeing it.
+ *
+ * A template is its original's sibling (clone(CLONE_PARENT), fork_template.c), and so are
+ * the carriers spawned from it: their real parent is the original's parent, a live process
+ * of the sandbox until a rollback ends it (they are then orphans under the sandbox's init).
+ * When we kill such a task and reap it as its tracer, wait_task_zombie() hands it to its
+ * real parent (do_notify_parent with its exit signal): a zombie plus SIGCHLD.  A parent
+ * that waits for any child then reaps a stranger killed by SIGKILL: PostgreSQL's
+ * postmaster takes it for a crashed backend and restarts every server process, nginx
+ * logs an alert, a parent that never waits for it keeps the zombie.
+ *
+ * So while that parent is a live process we hold it for the moment: seize and interrupt it
+ * (its main thread, its signals blocked, as for any injection; fork_template.c's file
+ * comment), note whether SIGCHLD is already pending for it, kill and reap the task, reap
+ * the zombie the parent was handed with an injected wait4(pid, WNOHANG | __WALL), take back
+ * the SIGCHLD the kernel queued (rt_sigtimedwait with a zero timeout, its arguments on the
+ * parent's stack below the red zone, put back after) unless one was pending before, and let
+ * the parent go with its registers, mask and any signal its stop dequeued.  It ran nothing
+ * meanwhile; its wait, poll or sleep restarts as after any ptrace stop.
+ *
+ * A parent with several threads may still see the SIGCHLD: sent to the process, it goes to
+ * a thread that does not block it, one we do not hold, possibly before we take it back
+ * (the zombie is reaped all the same, unless that thread's wait for any child was first).
+ * Otherwise the task ends as it always did and the parent sees it: an init (dbx-init, which
+ * reaps anything), a parent traced (by us too: a process a checkpoint holds stopped),
+ * stopped, in uninterruptible sleep (a vfork, or frozen: its stop would not come until the
+ * thaw), or gone.
+ */
+#include "dbxcr_internal.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ptrace.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define SIGCHLD_BIT (1ULL << (SIGCHLD - 1))
+
+/* pid's number in the pid namespace at `level` (1: the host's), from its NSpid line;
+ * 0 if it has none there. */
+static pid_t pid_at_level(pid_t pid, int level)
+{
+	char path[64], status[8192];
+	const char *v;
+
+	snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+	if (read_small_file(path, status, sizeof(status)) < 0 ||
+	    !(v = status_field(status, "NSpid")))
+		return 0;
+	for (int i = 1;; i++) {
+		char *next;
+		long x = strtol(v, &next, 10);
+
+		if (next == v || *v == '\n')
+			return 0;
+		if (i == level)
+			return (pid_t)x;
+		v = next;
+	}
+}
+
+/* The parent worth holding while pid ends, or 0 (see the file comment); *seen: pid as that
+ * parent names it (its pid namespace's number: a sandbox's process). */
+static pid_t parent_to_hold(pid_t pid, pid_t *seen)
+{
+	struct dbxcr_info self, parent;
+	struct dbxcr_error ignored;
+
+	if (dbxcr_describe(pid, &self, &ignored) < 0 || self.ppid <= 1 || self.ppid == getpid())
+		return 0;
+	if (dbxcr_describe(self.ppid, &parent, &ignored) < 0)
+		return 0;
+	if (parent.nspid == 1 || parent.tracer_pid != 0)
+		return 0;
+	if (parent.state != 'S' && parent.state != 'R')
+		return 0;
+	*seen = pid_at_level(pid, parent.nspid_depth);
+	return *seen > 0 ? self.ppid : 0;
+}
+
+/* SIGCHLD pending for the stopped pid, in its main thread's queue or the process's. */
+static bool sigchld_pending(pid_t pid)
+{
+	char path[64], status[8192];
+	const char *v;
+	uint64_t mask = 0;
+
+	snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+	if (read_small_file(path, status, sizeof(status)) < 0)
+		return true;	/* unknown: then take nothing back */
+	if ((v = status_field(status, "SigPnd")))
+		mask |= strtoull(v, NULL, 16);
+	if ((v = status_field(status, "ShdPnd")))
+		mask |= strtoull(v, NULL, 16);
+	return (mask & SIGCHLD_BIT) != 0;
+}
+
+/* SIGKILL pid and reap it as its tracer (its parent, if someone else, gets it next). */
+static int kill_and_reap(pid_t pid, struct dbxcr_error *err)
+{
+	int status;
+
+	if (kill(pid, SIGKILL) < 0 && errno != ESRCH)
+		return fail(err, errno, pid, "kill");
+	for (;;) {
+		pid_t r = waitpid(pid, &status, __WALL);
+
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r < 0)
+			return errno == ECHILD ? 0 : fail(err, errno, pid, "reap");
+		if (WIFEXITED(status) || WIFSIGNALED(status))
+			return 0;
+	}
+}
+
+/* In the held parent p: dequeue the SIGCHLD just queued for it. */
+static int take_back_sigchld(struct tracee *p, pid_t child, struct dbxcr_error *err)
+{
+	struct {
+		uint64_t set;
+		uint64_t pad;
+		struct timespec zero;
+	} in = { SIGCHLD_BIT, 0, { 0, 0 } };
+	unsigned long at = (unsigned long)((p->regs.rsp - 128 - 64) & ~63ULL);
+	unsigned char saved[64];
+	long a[6] = { (long)at, 0, (long)(at + offsetof(typeof(in), zero)), 8, 0, 0 };
+	struct dbxcr_error ignored;
+	long got = 0;
+	int rc = 0;
+
+	if (mem_read(p->pid, at, saved, sizeof(saved), err) < 0 ||
+	    mem_write(p->pid, at, &in, sizeof(in), err) < 0)
+		return -1;
+	if (remote_syscall(p, SYS_rt_sigtimedwait, a, &got, err) < 0)
+		rc = -1;
+	else if (got != SIGCHLD && got != -EAGAIN)
+		rc = fail(err, got < 0 ? (int)-got : EPROTO, p->pid,
+			  "taking back the SIGCHLD of %d: %ld", (int)child, got);
+	if (mem_write(p->pid, at, saved, sizeof(saved), rc ? &ignored : err) < 0)
+		rc = -1;
+	return rc;
+}
+
+/* In the held parent p, once pid (`seen` there) is its zombie: reap it, and take back its
+ * SIGCHLD. */
+static int unseen_in_parent(struct tracee *p, pid_t pid, pid_t seen, bool was_pending,
+			    struct dbxcr_error *err)
+{
+	long a[6] = { seen, 0, WNOHANG | __WALL, 0, 0, 0 };
+	long got;
+
+	/* -ECHILD: the parent ignores SIGCHLD, so the kernel reaped it (and sent nothing). */
+	if (remote_syscall(p, SYS_wait4, a, &got, err) < 0)
+		return -1;
+	if (got != seen && got != -ECHILD)
+		return fail(err, got < 0 ? (int)-got : EPROTO, p->pid,
+			    "reaping %d in its parent: wait4 gave %ld", (int)pid, got);
+	return was_pending ? 0 : take_back_sigchld(p, pid, err);
+}
+
+int reap_unseen(pid_t pid, struct dbxcr_error *err)
+{
+	struct dbxcr_error perr;
+	struct tracee p;
+	pid_t seen = 0, parent = parent_to_hold(pid, &seen);
+	bool held = parent > 0 && attach(&p, parent, &perr) == 0;
+	bool was_pending = held && sigchld_pending(parent);
+	int rc = kill_and_reap(pid, err);
+
+	if (!held)
+		return rc;
+	/* A failure here costs only the quiet: the parent sees the task end, as before. */
+	if (rc == 0)
+		unseen_in_parent(&p, pid, seen, was_pending, &perr);
+	restore_and_detach(&p, &perr);
+	tracee_free(&p);
+	return rc;
+}
