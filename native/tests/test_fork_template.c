@@ -581,21 +581,39 @@ static void count_sigchld(int sig)
 }
 
 /* The parent of the test's templated process: counts its SIGCHLDs and, on each command
- * byte, reports {SIGCHLDs so far, waitpid(-1, WNOHANG) (0: only live children), its
- * child's pid} -- a program that reaps any child, as a shell or postmaster does. */
-static void chld_counting_parent(int cmd, int rep)
+ * byte, reports {SIGCHLDs so far, waitpid(-1, WNOHANG) twice (0: only live children)} --
+ * a program that reaps any child, as a shell or postmaster does.  `pending`: a first
+ * child has exited while SIGCHLD was blocked (its SIGCHLD pending), unblocked at the
+ * first command. */
+static void chld_counting_parent(int cmd, int rep, bool pending)
 {
 	struct sigaction sa = { .sa_handler = count_sigchld };
+	sigset_t chld;
 	int r[3];
+	pid_t child;
 	char c;
 
 	sigaction(SIGCHLD, &sa, NULL);
-	r[2] = (int)fork();
-	if (r[2] == 0) {
+	sigemptyset(&chld);
+	sigaddset(&chld, SIGCHLD);
+	if (pending) {
+		sigprocmask(SIG_BLOCK, &chld, NULL);
+		if (fork() == 0)
+			_exit(0);
+		for (;;) {	/* until that child's SIGCHLD is pending */
+			sigset_t now;
+
+			if (sigpending(&now) == 0 && sigismember(&now, SIGCHLD))
+				break;
+			sleep_ms(5);
+		}
+	}
+	child = fork();
+	if (child == 0) {
 		for (;;)
 			pause();
 	}
-	if (write(rep, &r[2], sizeof(int)) < 0)
+	if (write(rep, &child, sizeof(child)) < 0)
 		_exit(2);
 	for (;;) {
 		ssize_t n = read(cmd, &c, 1);
@@ -604,8 +622,10 @@ static void chld_counting_parent(int cmd, int rep)
 			continue;	/* a SIGCHLD we were meant not to see */
 		if (n <= 0)
 			_exit(0);
+		sigprocmask(SIG_UNBLOCK, &chld, NULL);
 		r[0] = sigchlds;
 		r[1] = (int)waitpid(-1, NULL, WNOHANG);
+		r[2] = (int)waitpid(-1, NULL, WNOHANG);
 		if (write(rep, r, sizeof(r)) < 0)
 			_exit(2);
 	}
@@ -616,7 +636,9 @@ static int ask_parent(int cmd, int rep, int r[3])
 	return write(cmd, "r", 1) == 1 ? read_timeout(rep, r, 3 * sizeof(int), 5000) : -1;
 }
 
-static void test_release_unseen(void)
+/* A template whose parent is a live process, released: the parent sees nothing of it
+ * (`pending`: nor loses the SIGCHLD of its child that exited before). */
+static void release_unseen(bool pending)
 {
 	int cmd[2], rep[2], r[3] = { 0 };
 	struct dbxcr_error err;
@@ -624,13 +646,13 @@ static void test_release_unseen(void)
 	struct dbxcr_info info;
 	pid_t parent, child = -1, tpid;
 
-	current_test = "release-unseen";
+	current_test = pending ? "release-unseen-pending" : "release-unseen";
 	if (pipe2(cmd, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0)
 		abort();
 	parent = fork();
 	if (parent == 0) {
 		close(cmd[1]), close(rep[0]);
-		chld_counting_parent(cmd[0], rep[1]);
+		chld_counting_parent(cmd[0], rep[1], pending);
 	}
 	CHECK(read_timeout(rep[0], &child, sizeof(child), 5000) == 0, "no child");
 	CHECK(wait_in_syscall(parent, SYS_read) == 0, "parent never read");
@@ -645,14 +667,19 @@ static void test_release_unseen(void)
 	/* Gone for good: no zombie left with the parent, no SIGCHLD, nothing to reap. */
 	CHECK(dbxcr_describe(tpid, &info, &err) < 0, "template %d still there (state %c)",
 	      tpid, info.state);
-	CHECK(ask_parent(cmd[1], rep[0], r) == 0 && r[0] == 0 && r[1] == 0,
-	      "the parent saw the template end: %d SIGCHLD, waitpid(-1) = %d", r[0], r[1]);
+	if (pending)	/* its first child's SIGCHLD, once, and that child only */
+		CHECK(ask_parent(cmd[1], rep[0], r) == 0 && r[0] == 1 && r[1] > 0 && r[1] != tpid &&
+		      r[2] == 0, "the parent's pending SIGCHLD: %d SIGCHLD, waitpid(-1) = %d "
+		      "then %d (template %d)", r[0], r[1], r[2], tpid);
+	else
+		CHECK(ask_parent(cmd[1], rep[0], r) == 0 && r[0] == 0 && r[1] == 0,
+		      "the parent saw the template end: %d SIGCHLD, waitpid(-1) = %d", r[0], r[1]);
 	/* ... while it does see its own child end. */
 	kill(child, SIGKILL);
-	for (int i = 0; i < 100 && proc_read(child, "stat", (char[8]){ 0 }, 8) > 0 &&
-	     dbxcr_describe(child, &info, &err) == 0 && info.state != 'Z'; i++)
+	for (int i = 0; i < 100 && dbxcr_describe(child, &info, &err) == 0 && info.state != 'Z';
+	     i++)
 		sleep_ms(10);
-	CHECK(ask_parent(cmd[1], rep[0], r) == 0 && r[0] == 1 && r[1] == child,
+	CHECK(ask_parent(cmd[1], rep[0], r) == 0 && r[0] == 1 + pending && r[1] == child,
 	      "its own child's end: %d SIGCHLD, waitpid(-1) = %d (child %d)", r[0], r[1],
 	      child);
 	child = -1;
@@ -662,6 +689,16 @@ out:
 	close(cmd[1]);
 	reap(parent);
 	close(cmd[0]), close(rep[0]), close(rep[1]);
+}
+
+static void test_release_unseen(void)
+{
+	release_unseen(false);
+}
+
+static void test_release_unseen_pending(void)
+{
+	release_unseen(true);
 }
 
 /* ---------- 2. templates and children ---------- */
@@ -3530,6 +3567,7 @@ int main(int argc, char **argv)
 		{ "inject-wait4", test_inject_wait4 },
 		{ "inject-group-stopped", test_inject_group_stopped },
 		{ "release-unseen", test_release_unseen },
+		{ "release-unseen-pending", test_release_unseen_pending },
 		{ "templates", test_templates },
 		{ "shared-remap", test_shared_remap },
 		{ "private-remap", test_private_remap },
