@@ -241,6 +241,9 @@ void kill_traced(pid_t pid);
 /* SIGKILL a task we trace and reap it; while its parent is a live single-threaded process,
  * that parent sees nothing of it (no zombie, no SIGCHLD): reap_unseen.c. */
 int reap_unseen(pid_t pid, struct dbxcr_error *err);
+/* The main thread of a process stopped by dbxcr_stop_wait, ready for injected calls; its
+ * dbxcr_stop_resume gives everything back. */
+struct tracee *stop_for_calls(struct dbxcr_stop *s, struct dbxcr_error *err);
 int wait_birth(pid_t child, struct dbxcr_error *err);
 void park_regs(struct dbxcr_template *tpl, const struct user_regs_struct *base);
 int park(struct dbxcr_template *tpl, struct dbxcr_error *err);

@@ -1607,6 +1607,29 @@ static int unmodify(struct dbxcr_stop *s, struct dbxcr_error *err)
 	return 0;
 }
 
+/* For calls injected into a stopped process by another module (reap_unseen.c): its main
+ * thread, every signal blocked, the handle marked modified (dbxcr_stop_resume puts back
+ * registers, mask and options) and the process killed with its tracer should that die
+ * meanwhile, as for a template's clone. */
+struct tracee *stop_for_calls(struct dbxcr_stop *s, struct dbxcr_error *err)
+{
+	struct dbxcr_error ignored;
+
+	if (owns(s, err) < 0)
+		return NULL;
+	if (s->state != ST_STOPPED || s->forking) {
+		fail(err, EINVAL, s->t.pid, "process is not stopped, or a template of it is begun");
+		return NULL;
+	}
+	s->modified = true;
+	if (ptrace(PTRACE_SETOPTIONS, s->t.pid, 0, (void *)(s->opts | PTRACE_O_EXITKILL)) < 0)
+		fail(err, errno, s->t.pid, "PTRACE_SETOPTIONS (EXITKILL, calls)");
+	else if (block_all(&s->t, err) == 0)
+		return &s->t;
+	unmodify(s, &ignored);
+	return NULL;
+}
+
 int dbxcr_template_start(struct dbxcr_stop *s, struct dbxcr_error *err)
 {
 	pid_t pid = s->t.pid;

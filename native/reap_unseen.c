@@ -9,22 +9,22 @@
  * postmaster takes it for a crashed backend and restarts every server process, nginx
  * logs an alert, a parent that never waits for it keeps the zombie.
  *
- * So while that parent is a live process we hold it for the moment: seize and interrupt it
- * (its main thread, its signals blocked, as for any injection; fork_template.c's file
- * comment), note whether SIGCHLD is already pending for it, kill and reap the task, reap
+ * So while that parent is a live process we hold it for the moment: stop it, every thread
+ * (a stop handle, as a checkpoint's: dbxcr_stop_begin/wait), block its main thread's
+ * signals for our calls (fork_template.c's file comment), note whether SIGCHLD is already
+ * pending for it, kill and reap the task, reap
  * the zombie the parent was handed with an injected wait4(pid, WNOHANG | __WALL), take back
  * the SIGCHLD the kernel queued (rt_sigtimedwait with a zero timeout, its arguments on the
  * parent's stack below the red zone, put back after) unless one was pending before, and let
  * the parent go with its registers, mask and any signal its stop dequeued.  It ran nothing
  * meanwhile; its wait, poll or sleep restarts as after any ptrace stop.
  *
- * A parent with several threads may still see the SIGCHLD: sent to the process, it goes to
- * a thread that does not block it, one we do not hold, possibly before we take it back
- * (the zombie is reaped all the same, unless that thread's wait for any child was first).
+ * With every thread stopped, the SIGCHLD (sent to the process) waits in its queue for us.
  * Otherwise the task ends as it always did and the parent sees it: an init (dbx-init, which
  * reaps anything), a parent traced (by us too: a process a checkpoint holds stopped),
- * stopped, in uninterruptible sleep (a vfork, or frozen: its stop would not come until the
- * thaw), or gone.
+ * stopped, in uninterruptible sleep (a vfork), or gone, or one that does not stop within
+ * HOLD_MS (frozen: its stop would come only at the thaw, and the handle is left to
+ * dbxcr_stop_sweep; the ptrace thread never waits on it).
  */
 #include "dbxcr_internal.h"
 
@@ -43,6 +43,7 @@
 #include <unistd.h>
 
 #define SIGCHLD_BIT (1ULL << (SIGCHLD - 1))
+#define HOLD_MS 200	/* a live process stops in microseconds */
 
 /* pid's number in the pid namespace at `level` (1: the host's), from its NSpid line;
  * 0 if it has none there. */
@@ -167,21 +168,36 @@ static int unseen_in_parent(struct tracee *p, pid_t pid, pid_t seen, bool was_pe
 	return was_pending ? 0 : take_back_sigchld(p, pid, err);
 }
 
+/* The parent stopped, every thread, or NULL. */
+static struct dbxcr_stop *hold(pid_t parent)
+{
+	struct dbxcr_error ignored;
+	struct dbxcr_stop *s;
+
+	if (dbxcr_stop_begin(parent, &s, &ignored) < 0)
+		return NULL;
+	if (dbxcr_stop_wait(s, HOLD_MS, &ignored) < 0) {
+		dbxcr_stop_abort(s);
+		return NULL;
+	}
+	return s;
+}
+
 int reap_unseen(pid_t pid, struct dbxcr_error *err)
 {
 	struct dbxcr_error perr;
-	struct tracee p;
 	pid_t seen = 0, parent = parent_to_hold(pid, &seen);
-	bool held = parent > 0 && attach(&p, parent, &perr) == 0;
-	bool was_pending = held && sigchld_pending(parent);
+	struct dbxcr_stop *s = parent > 0 ? hold(parent) : NULL;
+	struct tracee *p = s ? stop_for_calls(s, &perr) : NULL;
+	bool was_pending = p && sigchld_pending(parent);
 	int rc = kill_and_reap(pid, err);
 
-	if (!held)
-		return rc;
 	/* A failure here costs only the quiet: the parent sees the task end, as before. */
-	if (rc == 0)
-		unseen_in_parent(&p, pid, seen, was_pending, &perr);
-	restore_and_detach(&p, &perr);
-	tracee_free(&p);
+	if (p && rc == 0)
+		unseen_in_parent(p, pid, seen, was_pending, &perr);
+	if (s) {
+		dbxcr_stop_resume(s, &perr);
+		dbxcr_stop_abort(s);	/* frees it; resumes it if the above could not */
+	}
 	return rc;
 }
