@@ -1,12 +1,16 @@
-"""A/B of one native step between builds: making (and releasing) a template of a process.
+"""A/B of one native step between builds: making or releasing a template of a process.
 
 Builds libdbxcr.so from each git revision given (`git archive` of native/, the Makefile's
 source list and flags) or takes the working tree's, loads them side by side in one process
-(ctypes, RTLD_LOCAL: each keeps its own symbols) and times `dbxcr_make_template` on one
-sleeping python, the builds taking turns in rotating order; the release is not timed.
-Writes JSON (p50, mean per build and each build's p50 over the first one's).
+(ctypes, RTLD_LOCAL: each keeps its own symbols) and times `dbxcr_make_template` (or, with
+`--step release`, `dbxcr_release_template`) on one sleeping python, the builds taking turns
+in rotating order. `--target child`: the python is the child of another sleeping python
+(a live parent, which a release since stop 65 holds while the template ends) instead of
+ours. Writes JSON (p50, mean per build and each build's p50 over the first one's).
 
     .venv/bin/python -m benchmarks.template_ab --rev 12dfd2b --rev worktree --reps 600
+    .venv/bin/python -m benchmarks.template_ab --rev f1ecfbf --rev worktree --step release \
+        --target child --reps 300
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ def load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def measure(libs: dict[str, ctypes.CDLL], pid: int, reps: int) -> dict[str, list[float]]:
+def measure(libs: dict[str, ctypes.CDLL], pid: int, reps: int,
+            step: str = "make") -> dict[str, list[float]]:
     names = list(libs)
     out: dict[str, list[float]] = {n: [] for n in names}
     err = _Err()
@@ -73,8 +78,15 @@ def measure(libs: dict[str, ctypes.CDLL], pid: int, reps: int) -> dict[str, list
                 raise RuntimeError(f"{name}: make_template: {err.msg.decode()}")
             if libs[name].dbxcr_release_template(tpl, ctypes.byref(err)) != 0:
                 raise RuntimeError(f"{name}: release: {err.msg.decode()}")
-            out[name].append((t1 - t0) * 1e6)
+            t2 = time.perf_counter()
+            out[name].append(((t1 - t0) if step == "make" else (t2 - t1)) * 1e6)
     return out
+
+
+# A sleeping python; as `child`, the child of another that prints its pid.
+LONE = "import time\nwhile True: time.sleep(1000)"
+PARENT = ("import os, time\npid = os.fork()\nif pid == 0:\n    while True: time.sleep(1000)\n"
+          "print(pid, flush=True)\nwhile True: time.sleep(1000)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rev", action="append", required=True,
                     help="a git revision, or `worktree`; the first is the baseline")
     ap.add_argument("--reps", type=int, default=600, help="templates per build (600)")
+    ap.add_argument("--step", choices=("make", "release"), default="make",
+                    help="what is timed (make)")
+    ap.add_argument("--target", choices=("lone", "child"), default="lone",
+                    help="a python whose parent is this process (lone) or another python")
     ap.add_argument("--out", default="benchmarks/out/template_ab.json")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
@@ -90,15 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dbx-template-ab-") as tmp:
         libs = {rev: load(build(rev, Path(tmp))) for rev in args.rev}
         target = subprocess.Popen([sys.executable, "-c",
-                                   "import time\nwhile True: time.sleep(1000)"])
+                                   PARENT if args.target == "child" else LONE],
+                                  stdout=subprocess.PIPE, text=True)
+        child = int(target.stdout.readline()) if args.target == "child" else None
         try:
             time.sleep(0.3)
-            raw = measure(libs, target.pid, args.reps)
+            raw = measure(libs, child or target.pid, args.reps, args.step)
         finally:
+            if child:
+                os.kill(child, 9)
             target.kill()
             target.wait()
     base = statistics.median(raw[args.rev[0]])
     res = {"command": " ".join(shlex.quote(a) for a in sys.argv),
+           "step": args.step, "target": args.target,
            "builds": {n: dict(p50_us=round(statistics.median(v), 1),
                               mean_us=round(statistics.mean(v), 1), n=len(v),
                               p50_over_first=round(statistics.median(v) / base, 3))
