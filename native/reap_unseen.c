@@ -45,46 +45,60 @@
 #define SIGCHLD_BIT (1ULL << (SIGCHLD - 1))
 #define HOLD_MS 200	/* a live process stops in microseconds */
 
-/* pid's number in the pid namespace at `level` (1: the host's), from its NSpid line;
- * 0 if it has none there. */
-static pid_t pid_at_level(pid_t pid, int level)
+/* /proc/pid/status into buf; -1 if the process is gone. */
+static int read_status(pid_t pid, char *buf, size_t len)
 {
-	char path[64], status[8192];
-	const char *v;
+	char path[64];
 
 	snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
-	if (read_small_file(path, status, sizeof(status)) < 0 ||
-	    !(v = status_field(status, "NSpid")))
-		return 0;
-	for (int i = 1;; i++) {
+	return read_small_file(path, buf, len) < 0 ? -1 : 0;
+}
+
+/* The NSpid entry at `level` (1: the host's pid namespace), 0 if none; level 0: how many
+ * entries there are. */
+static pid_t nspid_at(const char *status, int level)
+{
+	const char *v = status_field(status, "NSpid");
+	int i = 0;
+
+	while (v) {
 		char *next;
 		long x = strtol(v, &next, 10);
 
 		if (next == v || *v == '\n')
-			return 0;
-		if (i == level)
+			break;
+		if (++i == level)
 			return (pid_t)x;
 		v = next;
 	}
+	return level == 0 ? i : 0;
 }
 
 /* The parent worth holding while pid ends, or 0 (see the file comment); *seen: pid as that
- * parent names it (its pid namespace's number: a sandbox's process). */
+ * parent names it (its pid namespace's number: a sandbox's process).  Reads two status
+ * files: this runs for every release. */
 static pid_t parent_to_hold(pid_t pid, pid_t *seen)
 {
-	struct dbxcr_info self, parent;
-	struct dbxcr_error ignored;
+	char st[8192], pst[8192];
+	const char *v;
+	pid_t ppid;
+	int depth;
 
-	if (dbxcr_describe(pid, &self, &ignored) < 0 || self.ppid <= 1 || self.ppid == getpid())
+	if (read_status(pid, st, sizeof(st)) < 0 || !(v = status_field(st, "PPid")))
 		return 0;
-	if (dbxcr_describe(self.ppid, &parent, &ignored) < 0)
+	ppid = atoi(v);
+	if (ppid <= 1 || ppid == getpid() || read_status(ppid, pst, sizeof(pst)) < 0)
 		return 0;
-	if (parent.nspid == 1 || parent.tracer_pid != 0)
+	depth = nspid_at(pst, 0);
+	if (depth == 0 || nspid_at(pst, depth) == 1)		/* an init */
 		return 0;
-	if (parent.state != 'S' && parent.state != 'R')
+	if (!(v = status_field(pst, "TracerPid")) || atoi(v) != 0)
 		return 0;
-	*seen = pid_at_level(pid, parent.nspid_depth);
-	return *seen > 0 ? self.ppid : 0;
+	if (!(v = status_field(pst, "State")) || (v[strspn(v, " \t")] != 'S' &&
+						  v[strspn(v, " \t")] != 'R'))
+		return 0;
+	*seen = nspid_at(st, depth);
+	return *seen > 0 ? ppid : 0;
 }
 
 /* SIGCHLD pending for the stopped pid, in its main thread's queue or the process's. */
