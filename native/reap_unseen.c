@@ -10,16 +10,16 @@
  * logs an alert, a parent that never waits for it keeps the zombie.
  *
  * So while that parent is a live process we hold it for the moment: stop it, every thread
- * (a stop handle, as a checkpoint's: dbxcr_stop_begin/wait), block its main thread's
- * signals for our calls (fork_template.c's file comment), note whether SIGCHLD is already
- * pending for it, kill and reap the task, reap
- * the zombie the parent was handed with an injected wait4(pid, WNOHANG | __WALL), take back
- * the SIGCHLD the kernel queued (rt_sigtimedwait with a zero timeout, its arguments on the
- * parent's stack below the red zone, put back after) unless one was pending before, and let
- * the parent go with its registers, mask and any signal its stop dequeued.  It ran nothing
- * meanwhile; its wait, poll or sleep restarts as after any ptrace stop.
+ * (a stop handle, as a checkpoint's: dbxcr_stop_begin/wait; the SIGCHLD, sent to the
+ * process, then waits in its queue for us), block its main thread's signals for our calls
+ * (fork_template.c's file comment), note whether SIGCHLD is already pending for it, kill
+ * and reap the task, reap the zombie the parent was handed with an injected wait4(pid,
+ * WNOHANG | __WALL), take back the SIGCHLD the kernel queued (rt_sigtimedwait with a zero
+ * timeout, its arguments on the parent's stack below the red zone, put back after) unless
+ * one was pending before, and let the parent go with its registers, mask and any signal its
+ * stop dequeued.  It ran nothing meanwhile; its wait, poll or sleep restarts as after any
+ * ptrace stop.
  *
- * With every thread stopped, the SIGCHLD (sent to the process) waits in its queue for us.
  * Otherwise the task ends as it always did and the parent sees it: an init (dbx-init, which
  * reaps anything), a parent traced (by us too: a process a checkpoint holds stopped),
  * stopped, in uninterruptible sleep (a vfork), or gone, or one that does not stop within
@@ -104,12 +104,11 @@ static pid_t parent_to_hold(pid_t pid, pid_t *seen)
 /* SIGCHLD pending for the stopped pid, in its main thread's queue or the process's. */
 static bool sigchld_pending(pid_t pid)
 {
-	char path[64], status[8192];
+	char status[8192];
 	const char *v;
 	uint64_t mask = 0;
 
-	snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
-	if (read_small_file(path, status, sizeof(status)) < 0)
+	if (read_status(pid, status, sizeof(status)) < 0)
 		return true;	/* unknown: then take nothing back */
 	if ((v = status_field(status, "SigPnd")))
 		mask |= strtoull(v, NULL, 16);
