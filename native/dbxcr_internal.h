@@ -238,7 +238,7 @@ int remote_clone3(struct tracee *t, unsigned long scratch, struct dbx_clone_args
 		  const pid_t *set_tid, size_t n, long *ret, struct dbxcr_error *err);
 void tracee_free(struct tracee *t);
 void kill_traced(pid_t pid);
-/* SIGKILL a task we trace and reap it; while its parent is a live single-threaded process,
+/* SIGKILL a task we trace and reap it; while its parent is a live process (not an init),
  * that parent sees nothing of it (no zombie, no SIGCHLD): reap_unseen.c. */
 int reap_unseen(pid_t pid, struct dbxcr_error *err);
 /* The main thread of a process stopped by dbxcr_stop_wait, ready for injected calls; its

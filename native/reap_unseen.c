@@ -123,14 +123,14 @@ static int kill_and_reap(pid_t pid, struct dbxcr_error *err)
 	int status;
 
 	if (kill(pid, SIGKILL) < 0 && errno != ESRCH)
-		return fail(err, errno, pid, "kill");
+		return fail(err, errno, pid, "kill (release)");
 	for (;;) {
 		pid_t r = waitpid(pid, &status, __WALL);
 
 		if (r < 0 && errno == EINTR)
 			continue;
 		if (r < 0)
-			return errno == ECHILD ? 0 : fail(err, errno, pid, "reap");
+			return errno == ECHILD ? 0 : fail(err, errno, pid, "reap (release)");
 		if (WIFEXITED(status) || WIFSIGNALED(status))
 			return 0;
 	}
