@@ -244,6 +244,11 @@ int reap_unseen(pid_t pid, struct dbxcr_error *err);
 /* The main thread of a process stopped by dbxcr_stop_wait, ready for injected calls; its
  * dbxcr_stop_resume gives everything back. */
 struct tracee *stop_for_calls(struct dbxcr_stop *s, struct dbxcr_error *err);
+/* Dequeue a SIGCHLD queued for the stopped tracee t by a child we made or ended for it
+ * (or nothing, if none is): rt_sigtimedwait with a zero timeout, its 24 bytes of arguments
+ * written at `at` (a scratch page, or t's stack below the red zone). */
+int take_back_sigchld(struct tracee *t, unsigned long at, pid_t child,
+		      struct dbxcr_error *err);
 int wait_birth(pid_t child, struct dbxcr_error *err);
 void park_regs(struct dbxcr_template *tpl, const struct user_regs_struct *base);
 int park(struct dbxcr_template *tpl, struct dbxcr_error *err);

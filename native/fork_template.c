@@ -102,6 +102,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -3857,16 +3858,31 @@ static int zombie_exits(struct tracee *z, unsigned long scratch, int status,
 	return 0;
 }
 
+int take_back_sigchld(struct tracee *t, unsigned long at, pid_t child,
+		      struct dbxcr_error *err)
+{
+	struct {
+		uint64_t set;
+		struct timespec zero;
+	} in = { 1ULL << (SIGCHLD - 1), { 0, 0 } };
+	long a[6] = { (long)at, 0, (long)(at + offsetof(typeof(in), zero)), 8, 0, 0 };
+	long got;
+
+	if (mem_write(t->pid, at, &in, sizeof(in), err) < 0 ||
+	    remote_syscall(t, SYS_rt_sigtimedwait, a, &got, err) < 0)
+		return -1;
+	if (got != SIGCHLD && got != -EAGAIN)
+		return fail(err, got < 0 ? (int)-got : EPROTO, t->pid, "taking back the SIGCHLD "
+			    "of child %d: %ld", (int)child, got);
+	return 0;
+}
+
 int dbxcr_held_zombie(struct dbxcr_held *h, pid_t nspid, int status, const char *comm,
 		      struct dbxcr_error *err)
 {
 	unsigned long scratch = h->tpl->scratch;
-	struct timespec now = { 0, 0 };
-	uint64_t chld = 1ULL << (SIGCHLD - 1);
-	long a[6] = { (long)scratch, 0, (long)(scratch + sizeof(chld)), 8, 0, 0 };
 	struct tracee z;
 	pid_t child;
-	long got;
 
 	clear_error(err);
 	if (!WIFEXITED(status) && !(WIFSIGNALED(status) && !WCOREDUMP(status)))
@@ -3885,15 +3901,7 @@ int dbxcr_held_zombie(struct dbxcr_held *h, pid_t nspid, int status, const char 
 		kill(child, SIGKILL);	/* no tracee of ours now: not left running */
 		return -1;
 	}
-	if (mem_write(h->c.pid, scratch, &chld, sizeof(chld), err) < 0 ||
-	    mem_write(h->c.pid, scratch + sizeof(chld), &now, sizeof(now), err) < 0)
-		return -1;
-	if (remote_syscall(&h->c, SYS_rt_sigtimedwait, a, &got, err) < 0)
-		return -1;
-	if (got != SIGCHLD && got != -EAGAIN)
-		return fail(err, got < 0 ? (int)-got : EPROTO, h->c.pid, "taking back the SIGCHLD "
-			    "of zombie child %d: %ld", (int)nspid, got);
-	return 0;
+	return take_back_sigchld(&h->c, scratch, nspid, err);
 }
 
 /* ---------- carriers and keepers (spawned ahead of a rollback) ----------

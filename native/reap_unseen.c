@@ -32,14 +32,11 @@
 #include <inttypes.h>
 #include <signal.h>
 #include <stdbool.h>
-#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/ptrace.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #define SIGCHLD_BIT (1ULL << (SIGCHLD - 1))
@@ -136,29 +133,18 @@ static int kill_and_reap(pid_t pid, struct dbxcr_error *err)
 	}
 }
 
-/* In the held parent p: dequeue the SIGCHLD just queued for it. */
-static int take_back_sigchld(struct tracee *p, pid_t child, struct dbxcr_error *err)
+/* In the held parent p: take back the SIGCHLD just queued for it, its arguments on its
+ * stack below the red zone (the bytes there put back after). */
+static int take_back_on_stack(struct tracee *p, pid_t child, struct dbxcr_error *err)
 {
-	struct {
-		uint64_t set;
-		uint64_t pad;
-		struct timespec zero;
-	} in = { SIGCHLD_BIT, 0, { 0, 0 } };
 	unsigned long at = (unsigned long)((p->regs.rsp - 128 - 64) & ~63ULL);
 	unsigned char saved[64];
-	long a[6] = { (long)at, 0, (long)(at + offsetof(typeof(in), zero)), 8, 0, 0 };
 	struct dbxcr_error ignored;
-	long got = 0;
-	int rc = 0;
+	int rc;
 
-	if (mem_read(p->pid, at, saved, sizeof(saved), err) < 0 ||
-	    mem_write(p->pid, at, &in, sizeof(in), err) < 0)
+	if (mem_read(p->pid, at, saved, sizeof(saved), err) < 0)
 		return -1;
-	if (remote_syscall(p, SYS_rt_sigtimedwait, a, &got, err) < 0)
-		rc = -1;
-	else if (got != SIGCHLD && got != -EAGAIN)
-		rc = fail(err, got < 0 ? (int)-got : EPROTO, p->pid,
-			  "taking back the SIGCHLD of %d: %ld", (int)child, got);
+	rc = take_back_sigchld(p, at, child, err);
 	if (mem_write(p->pid, at, saved, sizeof(saved), rc ? &ignored : err) < 0)
 		rc = -1;
 	return rc;
@@ -178,7 +164,7 @@ static int unseen_in_parent(struct tracee *p, pid_t pid, pid_t seen, bool was_pe
 	if (got != seen && got != -ECHILD)
 		return fail(err, got < 0 ? (int)-got : EPROTO, p->pid,
 			    "reaping %d in its parent: wait4 gave %ld", (int)pid, got);
-	return was_pending ? 0 : take_back_sigchld(p, pid, err);
+	return was_pending ? 0 : take_back_on_stack(p, seen, err);
 }
 
 /* The parent stopped, every thread, or NULL. */
