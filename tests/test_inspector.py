@@ -609,12 +609,9 @@ def test_checkpoint_capture_by_the_daemon_is_not_sandbox_activity(insp, box, wat
             t.release()
 
 
-def test_a_restored_process_not_yet_run_is_not_taken_for_one_that_ran(insp, box, watched):
-    """A restore moves each process into the sandbox's cgroup before it runs an instruction,
-    then lets it go; on a busy machine it may not have run yet when the daemon re-arms the
-    watch. Joining the cgroup is not running: the process re-enters the call it was stopped
-    in (as a restored one does) and the turn stays untouched. Stand-in for a restored
-    process: bash stopped (SIGSTOP) inside its read, moved into the watched cgroup."""
+def _restored_stand_in(box) -> subprocess.Popen:
+    """Stand-in for a restored process: bash stopped (SIGSTOP) inside its read, moved
+    into the watched cgroup before it runs an instruction there."""
     p = subprocess.Popen(["bash", "-c", "read x"], stdin=subprocess.PIPE,
                          stdout=subprocess.DEVNULL)
     box.popens.append(p)
@@ -624,10 +621,19 @@ def test_a_restored_process_not_yet_run_is_not_taken_for_one_that_ran(insp, box,
     while Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
         assert time.monotonic() < deadline, "bash did not stop"
         time.sleep(0.005)
-    insp.watch(watched, box.id)
     (box.unified / "cgroup.procs").write_text(str(p.pid))
     if box.freezer is not None:
         (box.freezer / "cgroup.procs").write_text(str(p.pid))
+    return p
+
+
+def test_a_restored_process_not_yet_run_is_not_taken_for_one_that_ran(insp, box, watched):
+    """A restore moves each process into the sandbox's cgroup before it runs an instruction,
+    then lets it go; on a busy machine it may not have run yet when the daemon re-arms the
+    watch. Joining the cgroup is not running: the process re-enters the call it was stopped
+    in (as a restored one does) and the turn stays untouched."""
+    insp.watch(watched, box.id)
+    p = _restored_stand_in(box)
     insp.poll()   # as the daemon re-arms: what came before belongs to the ended turn
     insp.watch(watched, box.id, pids=[p.pid], restored={p.pid: [0]})   # 0: read
     os.kill(p.pid, signal.SIGCONT)
@@ -641,6 +647,33 @@ def test_a_restored_process_not_yet_run_is_not_taken_for_one_that_ran(insp, box,
     p.wait(10)
     e = box.turn(insp, watched)
     assert _quiet(e), e
+
+
+def test_a_restored_process_back_in_its_call_before_the_rearm_is_known(insp, box, watched):
+    """The other order: the restored process re-enters its call after the daemon's last
+    drain and before the re-arm (its entry is stamped with the ended turn's epoch and read
+    after the re-arm). The re-arm names it: neither a late event nor an entry from
+    outside (a CI run's auto checkpoint after a rollback came out full for this). A
+    restored process is cloned into the cgroup (no attach event): it is first seen when it
+    re-enters its call; so is the stand-in, moved in before the cgroup is watched."""
+    p = _restored_stand_in(box)
+    insp.watch(watched, box.id)
+    insp.poll()
+    os.kill(p.pid, signal.SIGCONT)
+    _wait_blocked(p.pid)
+    insp.watch(watched, box.id, pids=[p.pid], restored={p.pid: [0]})
+    e = box.turn(insp, watched)
+    assert e.late_events == 0 and e.outside_entries == [], e
+    assert not _quiet(e), _quiet(e)
+    # A process the re-arm does not name is still an entry from outside.
+    insp.unwatch(watched)
+    q = _restored_stand_in(box)
+    insp.watch(watched, box.id, pids=[p.pid])
+    os.kill(q.pid, signal.SIGCONT)
+    _wait_blocked(q.pid)
+    insp.watch(watched, box.id, pids=[p.pid])
+    e = box.turn(insp, watched)
+    assert e.outside_entries == [q.pid] and e.late_events == 1, e
 
 
 def test_turn_effects_are_json(insp, box, watched):

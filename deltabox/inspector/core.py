@@ -197,6 +197,8 @@ class _Watch:
     lost_seen: int = 0
     dirfds: dict = field(default_factory=dict)               # (tgid, fd) -> directory path
     closing: tuple[int, _Turn] | None = None   # (epoch, turn) being closed by turn()
+    arm_epoch: int = 0                          # the epoch watch() began with
+    named: set[int] = field(default_factory=set)  # tids known when watch() was armed
 
     def name(self, dev: int, ino: int, path: str) -> None:
         self.names[(dev, ino)] = path
@@ -446,7 +448,7 @@ class Inspector:
         if other is not None and other.key != key:
             raise ValueError(f"cgroup {cgroup_id} is already watched as {other.key}")
         epoch = self._next_epoch()
-        w = _Watch(key, cgroup_id, epoch, time.time())
+        w = _Watch(key, cgroup_id, epoch, time.time(), arm_epoch=epoch)
         if old is not None and old.cgid == cgroup_id:
             w.expected = old.expected
             w.names = old.names
@@ -475,6 +477,7 @@ class Inspector:
                 back = True
             if back:
                 self._ran_unwatched(w, pid, "it ran while the watch began")
+        w.named = set(w.tasks)
         w.start_procs = set(w.tasks.values())
         w.baselines = self._runtimes(w.tasks)
 
@@ -654,12 +657,23 @@ class Inspector:
             pass
         return 0
 
+    @staticmethod
+    def _named_entry(w: _Watch, e: _Ev) -> bool:
+        """An entry, stamped before the watch was (re-)armed, of a thread it was armed
+        with: a restored process that re-entered its call between the daemon's last drain
+        and the re-arm. The daemon named it; what it did is _seed_restored's to judge."""
+        if e.type == P.EV_ENTRY:
+            return e.pid in w.named
+        return e.type == P.EV_ATTACH and int(e.a0) in w.named
+
     def _handle(self, data, size: int) -> None:
         raw = ct.string_at(data, size)
         e = _Ev._make(_HDR.unpack_from(raw))
         pe = _PathParts(raw) if size >= _PATH_EVENT_SIZE else None
         w = self._by_cgid.get(e.cgid)
         if w is None:
+            return
+        if e.epoch < w.arm_epoch and self._named_entry(w, e):
             return
         if e.epoch == w.epoch:
             t = w.turn
