@@ -2942,6 +2942,41 @@ static int set_address(struct tracee *c, unsigned long scratch, long s, const st
 	return 0;
 }
 
+/* Join the child's socket s to the multicast group g (MCAST_JOIN_GROUP: by interface
+ * index, for either family; an IPv4 group on an IPv6 socket at the IP level, as the
+ * original's membership is kept there), the group_req at scratch + 64. */
+static int join_mcast(struct tracee *c, unsigned long scratch, long s, const struct dbxcr_listen *l,
+		     const struct dbxcr_mcast_group *g, struct dbxcr_error *err)
+{
+	struct group_req req;
+	long d[6] = { s, 0, MCAST_JOIN_GROUP, (long)(scratch + 64), sizeof(req), 0 };
+
+	memset(&req, 0, sizeof(req));
+	req.gr_interface = g->ifindex;
+	if (g->family == AF_INET) {
+		struct sockaddr_in *a = (struct sockaddr_in *)&req.gr_group;
+
+		a->sin_family = AF_INET;
+		memcpy(&a->sin_addr, g->addr, sizeof(a->sin_addr));
+		d[1] = IPPROTO_IP;
+	} else if (g->family == AF_INET6) {
+		struct sockaddr_in6 *a = (struct sockaddr_in6 *)&req.gr_group;
+
+		a->sin6_family = AF_INET6;
+		memcpy(&a->sin6_addr, g->addr, sizeof(a->sin6_addr));
+		d[1] = IPPROTO_IPV6;
+	} else {
+		return fail(err, EINVAL, c->pid, "%s fd %d: a multicast group of family %d",
+			    sock_kind(l), l->fd, g->family);
+	}
+	if (mem_write(c->pid, scratch + 64, &req, sizeof(req), err) < 0)
+		return -1;
+	if (rsys(c, SYS_setsockopt, d, err, "%s fd %d: join multicast group (interface %u)",
+		 sock_kind(l), l->fd, g->ifindex) < 0)
+		return -1;
+	return 0;
+}
+
 /* Create a listening TCP socket or a UDP socket like the original's and install it at
  * l->fd.  Bound with SO_REUSEADDR so connections of the killed original lingering in
  * TIME_WAIT cannot block the port; the original's own SO_REUSEADDR value is set afterwards.
@@ -2953,9 +2988,10 @@ static int recreate_listen(struct tracee *c, unsigned long scratch, const struct
 	long s, d[6] = { 0 };
 
 	if (l->addrlen > sizeof(l->addr) || l->peerlen > sizeof(l->peer) ||
-	    l->nopts > DBXCR_SOCKOPTS)
+	    l->nopts > DBXCR_SOCKOPTS || l->ngroups > DBXCR_MCAST_GROUPS)
 		return fail(err, EINVAL, c->pid, "%s fd %d: address of %u bytes, peer of %u, "
-			    "%u options", sock_kind(l), l->fd, l->addrlen, l->peerlen, l->nopts);
+			    "%u options, %u multicast groups", sock_kind(l), l->fd, l->addrlen,
+			    l->peerlen, l->nopts, l->ngroups);
 	s = rsys(c, SYS_socket, a, err, "%s fd %d: socket", sock_kind(l), l->fd);
 	if (s < 0)
 		return -1;
@@ -2970,6 +3006,9 @@ static int recreate_listen(struct tracee *c, unsigned long scratch, const struct
 			return -1;
 	if (l->addrlen && set_address(c, scratch, s, l, SYS_bind, l->addr, l->addrlen, err) < 0)
 		return -1;
+	for (unsigned int i = 0; i < l->ngroups; i++)
+		if (join_mcast(c, scratch, s, l, &l->groups[i], err) < 0)
+			return -1;
 	if (!is_dgram(l)) {
 		d[0] = s;
 		d[1] = l->backlog;

@@ -169,6 +169,17 @@ struct dbxcr_sockopt {
 
 #define DBXCR_SOCKOPTS 16
 
+/* A multicast group the original had joined (any source: a source-filtered membership is
+ * refused at the checkpoint), on the interface of that index. */
+struct dbxcr_mcast_group {
+	unsigned int ifindex;
+	int family;		/* the group's: AF_INET or AF_INET6 */
+	unsigned char addr[16];	/* its address (4 bytes of it for AF_INET) */
+};
+
+/* net.ipv4.igmp_max_memberships' default: what a process may join on one socket. */
+#define DBXCR_MCAST_GROUPS 20
+
 /* A listening TCP socket, or a UDP socket, to create afresh in the child (in its network
  * namespace, after joining it) and install at fd.  The template holds no such socket: it
  * would keep the port bound and queue connections (datagrams) nobody takes.  A UDP socket
@@ -190,6 +201,8 @@ struct dbxcr_listen {
 	unsigned char peer[128];	/* a UDP socket's peer (getpeername) */
 	unsigned int nopts;
 	struct dbxcr_sockopt opts[DBXCR_SOCKOPTS];	/* set before the bind */
+	unsigned int ngroups;
+	struct dbxcr_mcast_group groups[DBXCR_MCAST_GROUPS];	/* joined after the bind */
 };
 
 /* An epoll instance to create afresh in the child and install at fd, with the

@@ -834,10 +834,13 @@ def test_loopback_tcp_server_answers(sbx: Sandbox, restore: Restore) -> None:
 
 # A UDP echo server on an epoll loop (selectors), counting in memory what it answered,
 # beside a connected UDP socket, a never-used one and an IPv6 one with options set away
-# from their defaults (broadcast, packet info, TTL): asked by datagram, it says how each
-# looks; "relay" sends through the connected socket to its own server.
+# from their defaults (broadcast, packet info, TTL), a multicast receiver and sender on
+# loopback (the group joined on 127.0.0.1, the sender's interface set) and an IPv6 socket
+# in a group on interface 1 (loopback sends no IPv6 multicast): asked by datagram, it
+# says how each looks; "relay" sends through the connected socket to its own server;
+# "mcast" multicasts its count to its own receiver.
 UDP_SERVER = """
-import json, selectors, socket
+import json, selectors, socket, struct
 srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 srv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)   # above rmem_max
 srv.bind(("127.0.0.1", 9125))
@@ -851,6 +854,17 @@ six.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_RECVPKTINFO, 1)
 six.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_UNICAST_HOPS, 7)
 six.bind(("::1", 9126))
 six.setblocking(False)
+mrx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+mrx.bind(("0.0.0.0", 9135))
+mrx.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
+               socket.inet_aton("239.1.2.3") + socket.inet_aton("127.0.0.1"))
+mtx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+mtx.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
+m6rx = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+m6rx.bind(("::", 9136))
+m6rx.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_JOIN_GROUP,
+                socket.inet_pton(socket.AF_INET6, "ff02::1:3") + struct.pack("=I", 1))
+mrx.settimeout(3)
 sel = selectors.DefaultSelector()
 sel.register(srv, selectors.EVENT_READ)
 sel.register(six, selectors.EVENT_READ)
@@ -867,6 +881,12 @@ while True:
             cli.send(b"x")
             _, came = srv.recvfrom(100)
             out = came == cli.getsockname()
+        elif data == b"mcast":
+            try:
+                mtx.sendto(b"m%d" % n, ("239.1.2.3", 9135))
+                out = mrx.recv(100).decode()
+            except OSError as e:
+                out = str(e)
         else:
             out = dict(cli=cli.getsockname(), peer=cli.getpeername(), idle=idle.getsockname(),
                        rcvbuf=srv.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
@@ -875,6 +895,7 @@ while True:
                        v6only=six.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY),
                        pktinfo=six.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_RECVPKTINFO),
                        hops=six.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_UNICAST_HOPS),
+                       mif=mtx.getsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF),
                        blocking=[srv.getblocking(), six.getblocking()])
         sock.sendto(json.dumps([n, out]).encode(), addr)
 """
@@ -893,24 +914,31 @@ def test_udp_sockets_come_back_bound_connected_and_with_their_options(sbx: Sandb
                                                                      restore: Restore) -> None:
     """A UDP server keeps its port and answers with its count from the checkpoint, through
     the epoll set that watches it; a connected socket keeps its own port and its peer, an
-    unused one stays unbound, an IPv6 one keeps its options. Refused before stop 64."""
+    unused one stays unbound, an IPv6 one keeps its options; multicast receivers keep
+    their groups and senders their interface (stop 66; before, the receivers heard
+    nothing and the IPv4 sender failed with ENETUNREACH). Refused before stop 64."""
     sbx.files.write("udp.py", UDP_SERVER)
     sbx.exec("cd /workspace && nohup python3 udp.py >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("udp-ready"))
     n, before = _ask_udp(sbx, "state")
     assert before["idle"] == ["0.0.0.0", 0] and before["peer"] == ["127.0.0.1", 9125]
     assert (before["bc"], before["v6only"], before["pktinfo"], before["hops"]) == (1, 1, 1, 7)
+    assert _ask_udp(sbx, "mcast") == [n + 1, f"m{n + 1}"]
+    in_group6 = "1 lo ff020000000000000000000000010003 1 "     # /proc/net/igmp6: 1 user
+    assert in_group6 in " ".join(sbx.exec("cat /proc/net/igmp6").stdout.split())
     cp = sbx.checkpoint()
     assert cp.kind == "full", cp.reasons
     for _ in range(3):
         _ask_udp(sbx, "state")
     target = restore(sbx, cp)
-    assert _ask_udp(target, "state") == [n + 1, before]
-    assert _ask_udp(target, "relay", v6=True) == [n + 2, True]
+    assert _ask_udp(target, "state") == [n + 2, before]
+    assert _ask_udp(target, "relay", v6=True) == [n + 3, True]
+    assert _ask_udp(target, "mcast") == [n + 4, f"m{n + 4}"]
+    assert in_group6 in " ".join(target.exec("cat /proc/net/igmp6").stdout.split())
     if target is not sbx and not getattr(restore, "disk", False):
         # the fork's server is its own: the source's counts on (a restarted daemon's
         # source restarted)
-        assert _ask_udp(sbx, "state")[0] == n + 4
+        assert _ask_udp(sbx, "state")[0] == n + 5
 
 
 # A datagram nobody read yet; an ICMP port-unreachable's error nobody read yet (the
@@ -967,6 +995,19 @@ def test_a_udp_socket_with_something_waiting_is_refused(sbx: Sandbox, waiting: s
             "error": r"connected 127.0.0.1:\d+ -> 127.0.0.1:9128: an error waits to be "
                      r"read \(an earlier datagram's ECONNREFUSED"}[waiting]
     _refused_by_name(sbx, rf"pid \d+ \(python3 wait.py\): fd \d+: inet udp {what}")
+
+
+def test_a_multicast_membership_filtered_by_source_is_refused(sbx: Sandbox) -> None:
+    """Only any-source memberships are made again: a source-specific one (IGMPv3's
+    IP_ADD_SOURCE_MEMBERSHIP) is refused, naming the socket and the group."""
+    sbx.exec("nohup python3 -c \"import socket, time\ns = socket.socket(socket.AF_INET, "
+             "socket.SOCK_DGRAM)\ns.bind(('0.0.0.0', 9139))\ns.setsockopt(socket.IPPROTO_IP, "
+             "39, socket.inet_aton('239.1.2.9') + socket.inet_aton('127.0.0.1') + "
+             "socket.inet_aton('127.0.0.2'))\nopen('/workspace/ready', 'w').close()\n"
+             "time.sleep(300)\" >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("ready"))
+    _refused_by_name(sbx, r"fd 3: inet udp unconnected 0.0.0.0:9139: its multicast "
+                          r"membership of 239.1.2.9 \(interface 1\) filters by source")
 
 
 # A TCP server whose listener has options set (keepalive and its timings, no delay, a

@@ -20,7 +20,7 @@ import os
 import socket
 import struct
 
-from . import native
+from . import native, udp
 
 def open_ahead(ls: native.ListenSocket, netns_pid: int) -> int:
     """A fresh unbound socket for `ls`, made in netns_pid's network namespace, options set
@@ -38,6 +38,8 @@ def open_ahead(ls: native.ListenSocket, netns_pid: int) -> int:
             s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(ls.v6only))
         for level, name, value in ls.options:
             s.setsockopt(level, name, value)
+        for ifindex, group in ls.groups:
+            s.setsockopt(*udp.join_request(ifindex, group))
     except OSError as e:
         s.close()
         raise _failed(ls, "options", e) from e

@@ -120,6 +120,12 @@ class _SockOpt(ctypes.Structure):
 
 
 SOCKOPTS = 16   # DBXCR_SOCKOPTS
+MCAST_GROUPS = 20   # DBXCR_MCAST_GROUPS
+
+
+class _McastGroup(ctypes.Structure):
+    _fields_ = [("ifindex", ctypes.c_uint), ("family", ctypes.c_int),
+                ("addr", ctypes.c_ubyte * 16)]
 
 
 class _Listen(ctypes.Structure):
@@ -129,7 +135,8 @@ class _Listen(ctypes.Structure):
                 ("v6only", ctypes.c_int), ("addrlen", ctypes.c_uint),
                 ("addr", ctypes.c_ubyte * 128), ("peerlen", ctypes.c_uint),
                 ("peer", ctypes.c_ubyte * 128), ("nopts", ctypes.c_uint),
-                ("opts", _SockOpt * SOCKOPTS)]
+                ("opts", _SockOpt * SOCKOPTS), ("ngroups", ctypes.c_uint),
+                ("groups", _McastGroup * MCAST_GROUPS)]
 
 
 class _EpollWatch(ctypes.Structure):
@@ -439,15 +446,18 @@ class ListenSocket:
     peer: bytes = b""    # raw sockaddr of a connected UDP socket's peer
     # (level, name, value) of the integer options set away from a fresh socket's value
     options: tuple[tuple[int, int, int], ...] = ()
+    # (interface index, group address) of the multicast groups a UDP socket joined
+    groups: tuple[tuple[int, str], ...] = ()
 
     @property
     def datagram(self) -> bool:
         return self.type & 0xf == socket.SOCK_DGRAM
 
     def _c(self) -> _Listen:
-        if len(self.addr) > 128 or len(self.peer) > 128 or len(self.options) > SOCKOPTS:
+        if len(self.addr) > 128 or len(self.peer) > 128 or len(self.options) > SOCKOPTS \
+                or len(self.groups) > MCAST_GROUPS:
             raise CRError(_errno.EINVAL, f"fd {self.fd}: socket address too long, or more "
-                          f"than {SOCKOPTS} options")
+                          f"than {SOCKOPTS} options or {MCAST_GROUPS} multicast groups")
         c = _Listen(self.fd, self.family, self.type, self.protocol, self.backlog,
                     int(self.reuseaddr), int(self.reuseport), int(self.v6only), len(self.addr))
         ctypes.memmove(c.addr, self.addr, len(self.addr))
@@ -456,6 +466,12 @@ class ListenSocket:
         c.nopts = len(self.options)
         for i, (level, name, value) in enumerate(self.options):
             c.opts[i] = _SockOpt(level, name, value)
+        c.ngroups = len(self.groups)
+        for i, (ifindex, group) in enumerate(self.groups):
+            family = socket.AF_INET6 if ":" in group else socket.AF_INET
+            raw = socket.inet_pton(family, group)
+            c.groups[i].ifindex, c.groups[i].family = ifindex, family
+            ctypes.memmove(c.groups[i].addr, raw, len(raw))
         return c
 
 

@@ -43,11 +43,15 @@ _IPV6_BOTH = [(_IPV6, n) for n in (16, 23, 67)]
 # A UDP socket's that change what its process sees: where it may send (SO_BROADCAST), what
 # recvmsg returns beside the data (IP_PKTINFO, IP_RECVERR, IP_RECVTTL, IP_RECVTOS,
 # IP_RECVORIGDSTADDR; IPV6_RECVERR, IPV6_RECVPKTINFO, IPV6_RECVHOPLIMIT, IPV6_RECVTCLASS),
-# how its datagrams leave (SO_NO_CHECK, UDP_CORK, the multicast TTL and loop).
+# how its datagrams leave (SO_NO_CHECK, UDP_CORK, the multicast interface, TTL and loop),
+# which multicast it gets (IP_MULTICAST_ALL, IPV6_MULTICAST_ALL; its groups: udp.py).
+# IP_MULTICAST_IF reads as the interface's address, which sets it again; one chosen by
+# index alone (struct ip_mreqn) reads as 0 and is not seen.
 _UDP = _SOCKET + [(_SOL, 6), (_SOL, 11), (socket.IPPROTO_UDP, _UDP_CORK)]
 UDP = {
-    socket.AF_INET: _UDP + _IP_BOTH + [(_IP, n) for n in (8, 11, 12, 13, 20, 33, 34)],
-    socket.AF_INET6: _UDP + _IPV6_BOTH + [(_IPV6, n) for n in (18, 19, 25, 49, 51, 66)],
+    socket.AF_INET: _UDP + _IP_BOTH + [(_IP, n) for n in (8, 11, 12, 13, 20, 32, 33, 34, 49)],
+    socket.AF_INET6: _UDP + _IPV6_BOTH + [(_IPV6, n) for n in (17, 18, 19, 25, 29, 49, 51,
+                                                                66)],
 }
 
 # A TCP listener's, most of them inherited by the connections it accepts: SO_KEEPALIVE,

@@ -1,9 +1,10 @@
 """UDP sockets of a sandbox process: what it takes to make one again (its address, its peer,
-the options that change what its process sees), and what cannot be captured.
+the options that change what its process sees, the multicast groups it joined), and what
+cannot be captured.
 
 A UDP socket carries no connection: a copy bound to the same address, connected to the same
-peer, with the same options (sockopts.py), is the same socket to its process, once nothing
-waits in it.
+peer, with the same options (sockopts.py) and in the same multicast groups, is the same
+socket to its process, once nothing waits in it.
 The sandbox's network namespace has loopback only (native/init.c), so its addresses are
 loopback or wildcard ones, free again in a rollback once the killed processes are gone and
 free in a fork's own namespace. It is made like a listener (listeners.py, native
@@ -13,19 +14,26 @@ Refused, naming the socket: one made in another network namespace than its proce
 (handed in from outside), a datagram waiting to be read (a restored socket could not have
 it), an error waiting to be read (an ICMP port-unreachable's ECONNREFUSED, an error
 queue: the next call would not see it), a datagram being built (UDP_CORK or MSG_MORE: its
-bytes are in the kernel), a buffer size above what a process may set now (sockopts.py). Not
-restored: multicast memberships (no call lists them; loopback takes none: the namespace
-has no multicast route).
+bytes are in the kernel), a buffer size above what a process may set now (sockopts.py), a
+multicast membership filtered by source (only any-source joins are made again).
+
+Multicast groups: no call lists a socket's memberships, but /proc/PID/net/igmp and igmp6
+list every group joined on each interface of the namespace, and MCAST_MSFILTER asked of a
+socket for one of them answers (its filter) only if that socket is a member. Loopback
+carries multicast in a sandbox once a program names it (a join on 127.0.0.1 or interface
+1, IP_MULTICAST_IF): the copy joins the same groups on the same interfaces.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import select
 import socket
 import struct
 
+from .. import kernfs
 from . import native, sockopts
 
 _SO_MEMINFO = 55
@@ -33,6 +41,12 @@ _MEMINFO = struct.Struct("=3I")    # SK_MEMINFO_RMEM_ALLOC, _RCVBUF, _WMEM_ALLOC
 _SIOCGSKNS = 0x894C
 
 _SOL = socket.SOL_SOCKET
+_MCAST_JOIN_GROUP, _MCAST_MSFILTER = 42, 48
+_MCAST_EXCLUDE = 0
+_SS = 128                               # sizeof(struct sockaddr_storage)
+_GROUP_REQ = struct.Struct(f"=I4x{_SS}s")          # gr_interface, gr_group
+_GROUP_FILTER = struct.Struct(f"=I4x{_SS}sII{_SS}s")  # ..., gf_fmode, gf_numsrc, gf_slist[1]
+_libc = ctypes.CDLL(None, use_errno=True)
 
 def is_udp(f: native.FdInfo) -> bool:
     k = f.socket
@@ -51,11 +65,78 @@ def capture(pid: int, f: native.FdInfo) -> tuple[native.ListenSocket, str | None
             peer = s.getpeername()
         except OSError:
             peer = None
+        groups, filtered = memberships(pid, s)
+        if filtered and why is None:
+            why = (f"its multicast membership of {filtered} filters by source: not made "
+                   "again")
         ls = sockopts.remade(
             pid, f, s, sockopts.UDP, backlog=0,
             addr=sockopts.sockaddr(s.family, name) if name[1] else b"",
-            peer=sockopts.sockaddr(s.family, peer) if peer is not None else b"")
+            peer=sockopts.sockaddr(s.family, peer) if peer is not None else b"",
+            groups=groups)
     return ls, why
+
+
+def memberships(pid: int, s: socket.socket) -> tuple[tuple[tuple[int, str], ...], str | None]:
+    """The (interface index, group) memberships of socket s (of pid's network namespace),
+    and the first of them filtered by source, if any (None)."""
+    out, filtered = [], None
+    for ifindex, group in _joined_in_namespace(pid):
+        family = socket.AF_INET6 if ":" in group else socket.AF_INET
+        if family == socket.AF_INET6 and s.family != socket.AF_INET6:
+            continue
+        level = socket.IPPROTO_IPV6 if family == socket.AF_INET6 else socket.IPPROTO_IP
+        buf = ctypes.create_string_buffer(_GROUP_FILTER.size)
+        _GROUP_FILTER.pack_into(buf, 0, ifindex, _sockaddr(family, group), 0, 0, b"")
+        size = ctypes.c_uint(_GROUP_FILTER.size)
+        if _libc.getsockopt(s.fileno(), level, _MCAST_MSFILTER, buf, ctypes.byref(size)) < 0:
+            continue        # EADDRNOTAVAIL: not a member (nor anything else to say)
+        _, _, fmode, nsrc, _ = _GROUP_FILTER.unpack_from(buf)
+        out.append((ifindex, group))
+        if (fmode != _MCAST_EXCLUDE or nsrc) and filtered is None:
+            filtered = f"{group} (interface {ifindex})"
+    return tuple(out), filtered
+
+
+def _joined_in_namespace(pid: int) -> list[tuple[int, str]]:
+    """(interface index, group) of every group joined in pid's network namespace (the
+    interfaces' own all-hosts groups among them)."""
+    out: list[tuple[int, str]] = []
+    try:
+        igmp = kernfs.read(f"/proc/{pid}/net/igmp").decode().splitlines()[1:]
+        igmp6 = kernfs.read(f"/proc/{pid}/net/igmp6").decode().splitlines()
+    except OSError:
+        return out
+    ifindex = 0
+    for line in igmp:          # "1\tlo : 2 V3" then "\t\t\t\t030201EF 1 0:00000000\t\t0"
+        if not line.strip():
+            continue
+        if not line[0].isspace():
+            ifindex = int(line.split()[0])
+        else:
+            raw = struct.pack("<I", int(line.split()[0], 16))
+            out.append((ifindex, socket.inet_ntop(socket.AF_INET, raw)))
+    for line in igmp6:         # "1 lo ff020000000000000000000000000001 1 0000000C 0"
+        cols = line.split()
+        if len(cols) >= 3:
+            out.append((int(cols[0]), socket.inet_ntop(socket.AF_INET6,
+                                                       bytes.fromhex(cols[2]))))
+    return out
+
+
+def _sockaddr(family: int, group: str) -> bytes:
+    """A struct sockaddr_in/_in6 of a group address, port 0."""
+    if family == socket.AF_INET:
+        return struct.pack("=H2x4s", family, socket.inet_pton(family, group))
+    return struct.pack("=H6x16s", family, socket.inet_pton(family, group))
+
+
+def join_request(ifindex: int, group: str) -> tuple[int, int, bytes]:
+    """setsockopt's (level, name, value) joining a group on an interface (either family;
+    an IPv4 group at the IP level, on an IPv6 socket too)."""
+    family = socket.AF_INET6 if ":" in group else socket.AF_INET
+    level = socket.IPPROTO_IPV6 if family == socket.AF_INET6 else socket.IPPROTO_IP
+    return level, _MCAST_JOIN_GROUP, _GROUP_REQ.pack(ifindex, _sockaddr(family, group))
 
 
 def _elsewhere(pid: int, s: socket.socket) -> str | None:

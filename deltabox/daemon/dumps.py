@@ -664,11 +664,13 @@ def _rec_from(d: dict) -> ProcessRecord:
         f["locks"] = tuple(f.get("locks", ()))
         fds.append(native.FdInfo(**f, rdev=tuple(rdev) if rdev else None,
                                  socket=native.SockInfo(**sock) if sock else None))
-    # (before stop 64 only TCP listeners: no peer, no options)
+    # (before stop 64 only TCP listeners: no peer, no options; before stop 66 no groups)
     listens = [native.ListenSocket(**dict(ls, addr=bytes.fromhex(ls["addr"]),
                                           peer=bytes.fromhex(ls.get("peer", "")),
                                           options=tuple(tuple(o) for o in
-                                                        ls.get("options", ()))))
+                                                        ls.get("options", ())),
+                                          groups=tuple(tuple(g) for g in
+                                                       ls.get("groups", ()))))
                for ls in d.pop("listens")]
     loop = eventloop.from_json(d.pop("loop", None))
     shared = [SharedMapping(**m) for m in d.pop("shared", [])]

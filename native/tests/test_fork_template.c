@@ -3190,10 +3190,27 @@ static void test_listen_socket(void)
 }
 
 /* A UDP socket blocked in recv(), bound and connected to our socket `peer`, with
- * SO_BROADCAST on: its template holds no socket (the port is free once the original dies),
- * and a child spawned with the socket made again (bound, connected, the option set) gets
- * our datagram and answers through send(), which only a connected socket can; it answers
- * with the option's value. */
+ * SO_BROADCAST on and a multicast group joined: its template holds no socket (the port is
+ * free once the original dies), and a child spawned with the socket made again (bound,
+ * connected, the option set, the group joined) gets our datagram and answers through
+ * send(), which only a connected socket can; it answers with the option's value and
+ * whether its socket is in the group (MCAST_MSFILTER finds the membership). */
+#define MCAST_GROUP 0xef010203u	/* 239.1.2.3 */
+
+/* Whether UDP socket u is a member of the IPv4 group (host order) on lo. */
+static bool in_group(int u, uint32_t group)
+{
+	struct group_filter gf;
+	struct sockaddr_in *a = (struct sockaddr_in *)&gf.gf_group;
+	socklen_t len = sizeof(gf);
+
+	memset(&gf, 0, sizeof(gf));
+	gf.gf_interface = 1;
+	a->sin_family = AF_INET;
+	a->sin_addr.s_addr = htonl(group);
+	return getsockopt(u, IPPROTO_IP, MCAST_MSFILTER, &gf, &len) == 0;
+}
+
 static void test_udp_socket(void)
 {
 	struct dbxcr_error err;
@@ -3204,8 +3221,10 @@ static void test_udp_socket(void)
 	struct dbxcr_listen l;
 	struct dbxcr_spawn_opts o;
 	int u, peer, one = 1, probe;
+	uint32_t mc;
 	pid_t srv, child = -1;
 	char buf[4] = { 0 };
+	struct ip_mreqn mr = { .imr_multiaddr.s_addr = htonl(MCAST_GROUP), .imr_ifindex = 1 };
 
 	current_test = "udp-socket";
 	peer = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
@@ -3213,6 +3232,7 @@ static void test_udp_socket(void)
 	CHECK(peer >= 0 && u >= 0 && bind(peer, (struct sockaddr *)&pa, sizeof(pa)) == 0 &&
 	      getsockname(peer, (struct sockaddr *)&pa, &len) == 0 &&
 	      setsockopt(u, SOL_SOCKET, SO_BROADCAST, &one, sizeof(one)) == 0 &&
+	      setsockopt(u, IPPROTO_IP, IP_ADD_MEMBERSHIP, &mr, sizeof(mr)) == 0 &&
 	      bind(u, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
 	      connect(u, (struct sockaddr *)&pa, sizeof(pa)) == 0 &&
 	      getsockname(u, (struct sockaddr *)&sa, &len) == 0, "udp: %s", strerror(errno));
@@ -3220,12 +3240,14 @@ static void test_udp_socket(void)
 	if (srv == 0) {
 		int bc = 0;
 		socklen_t bl = sizeof(bc);
-		char x;
+		char x, out[2];
 
 		if (recv(u, &x, 1, 0) != 1 ||
 		    getsockopt(u, SOL_SOCKET, SO_BROADCAST, &bc, &bl) < 0)
 			_exit(2);
-		_exit(send(u, bc ? "b1" : "b0", 2, 0) == 2 ? 0 : 3);
+		out[0] = bc ? 'b' : '-';
+		out[1] = in_group(u, MCAST_GROUP) ? 'm' : '-';
+		_exit(send(u, out, 2, 0) == 2 ? 0 : 3);
 	}
 	close(u);
 	CHECK(wait_in_syscall(srv, SYS_recvfrom) == 0, "server never blocked in recv");
@@ -3249,6 +3271,11 @@ static void test_udp_socket(void)
 		memcpy(l.peer, &pa, sizeof(pa));
 		l.nopts = 1;
 		l.opts[0] = (struct dbxcr_sockopt){ SOL_SOCKET, SO_BROADCAST, 1 };
+		l.ngroups = 1;
+		l.groups[0].ifindex = 1;	/* lo */
+		l.groups[0].family = AF_INET;
+		mc = htonl(MCAST_GROUP);
+		memcpy(l.groups[0].addr, &mc, sizeof(mc));
 		memset(&o, 0, sizeof(o));
 		o.mntns_fd = -1;
 		o.listens = &l;
@@ -3257,9 +3284,9 @@ static void test_udp_socket(void)
 		CHECK(child > 0, "spawn: %s", err.msg);
 		CHECK(sendto(peer, "x", 1, 0, (struct sockaddr *)&sa, sizeof(sa)) == 1,
 		      "sendto: %s", strerror(errno));
-		CHECK(read_timeout(peer, buf, 2, 5000) == 0 && memcmp(buf, "b1", 2) == 0,
-		      "restored socket did not answer through its peer with the option ('%s')",
-		      buf);
+		CHECK(read_timeout(peer, buf, 2, 5000) == 0 && memcmp(buf, "bm", 2) == 0,
+		      "restored socket did not answer through its peer with the option and "
+		      "the group ('%s')", buf);
 		CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
 	}
 	if (child > 0)
