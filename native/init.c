@@ -41,8 +41,12 @@
 #include <fcntl.h>
 #include <getopt.h>
 #include <net/if.h>
+#include <netinet/in.h>
+#include <linux/netlink.h>
+#include <linux/rtnetlink.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -136,6 +140,76 @@ static void loopback_up(void)
 	ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
 	if (ioctl(fd, SIOCSIFFLAGS, &ifr) < 0)
 		dbx_die_errno("SIOCSIFFLAGS lo up");
+	close(fd);
+}
+
+/* Append a route attribute to the netlink message at nh (of capacity cap bytes). */
+static void add_attr(struct nlmsghdr *nh, size_t cap, unsigned short type, const void *data,
+		     size_t len)
+{
+	struct rtattr *rta = (struct rtattr *)((char *)nh + NLMSG_ALIGN(nh->nlmsg_len));
+
+	if (NLMSG_ALIGN(nh->nlmsg_len) + RTA_LENGTH(len) > cap)
+		dbx_die("route attribute %u does not fit", type);
+	rta->rta_type = type;
+	rta->rta_len = RTA_LENGTH(len);
+	memcpy(RTA_DATA(rta), data, len);
+	nh->nlmsg_len = NLMSG_ALIGN(nh->nlmsg_len) + RTA_ALIGN(rta->rta_len);
+}
+
+/* IPv4 multicast over loopback: a route for 224.0.0.0/4 through lo, its source 127.0.0.1.
+ * Without it a fresh namespace has no multicast route: a join on the wildcard interface
+ * fails with ENODEV and a send that names no interface with ENETUNREACH, so only programs
+ * naming lo worked (by address, or by index alone, which no getsockopt reads back for a
+ * checkpoint: deltabox/cr/udp.py). lo takes the route without IFF_MULTICAST; IPv6
+ * multicast over lo is not delivered even with one, so none is added. */
+static void multicast_route(void)
+{
+	struct {
+		struct nlmsghdr nh;
+		struct rtmsg rt;
+		char attrs[64];
+	} req;
+	struct {
+		struct nlmsghdr nh;
+		struct nlmsgerr err;
+	} ack;
+	struct sockaddr_nl kernel = { .nl_family = AF_NETLINK };
+	uint32_t dst = htonl(0xe0000000u), src = htonl(INADDR_LOOPBACK);
+	int oif = (int)if_nametoindex("lo"), fd;
+	ssize_t n;
+
+	if (oif == 0)
+		dbx_die_errno("if_nametoindex lo");
+	memset(&req, 0, sizeof(req));
+	req.nh.nlmsg_len = NLMSG_LENGTH(sizeof(req.rt));
+	req.nh.nlmsg_type = RTM_NEWROUTE;
+	req.nh.nlmsg_flags = NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL;
+	req.rt.rtm_family = AF_INET;
+	req.rt.rtm_dst_len = 4;
+	req.rt.rtm_table = RT_TABLE_MAIN;
+	req.rt.rtm_protocol = RTPROT_BOOT;
+	req.rt.rtm_scope = RT_SCOPE_LINK;
+	req.rt.rtm_type = RTN_UNICAST;
+	add_attr(&req.nh, sizeof(req), RTA_DST, &dst, sizeof(dst));
+	add_attr(&req.nh, sizeof(req), RTA_PREFSRC, &src, sizeof(src));
+	add_attr(&req.nh, sizeof(req), RTA_OIF, &oif, sizeof(oif));
+	fd = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
+	if (fd < 0)
+		dbx_die_errno("netlink socket for the multicast route");
+	if (sendto(fd, &req, req.nh.nlmsg_len, 0, (struct sockaddr *)&kernel,
+		   sizeof(kernel)) < 0)
+		dbx_die_errno("send RTM_NEWROUTE 224.0.0.0/4 dev lo");
+	n = recv(fd, &ack, sizeof(ack), 0);
+	if (n < 0)
+		dbx_die_errno("receive the answer to RTM_NEWROUTE");
+	if ((size_t)n < sizeof(ack) || ack.nh.nlmsg_type != NLMSG_ERROR)
+		dbx_die("RTM_NEWROUTE 224.0.0.0/4 dev lo: unexpected answer (%zd bytes, type %u)",
+			n, ack.nh.nlmsg_type);
+	if (ack.err.error) {
+		errno = -ack.err.error;
+		dbx_die_errno("add route 224.0.0.0/4 dev lo src 127.0.0.1");
+	}
 	close(fd);
 }
 
@@ -252,6 +326,7 @@ static void make_namespaces(const struct init_opts *o)
 	if (o->hostname && sethostname(o->hostname, strlen(o->hostname)) < 0)
 		dbx_die_errno("sethostname %s", o->hostname);
 	loopback_up();
+	multicast_route();
 }
 
 /* One byte over the launcher/helper socket; dies if the other side is gone. */

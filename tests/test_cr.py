@@ -834,11 +834,12 @@ def test_loopback_tcp_server_answers(sbx: Sandbox, restore: Restore) -> None:
 
 # A UDP echo server on an epoll loop (selectors), counting in memory what it answered,
 # beside a connected UDP socket, a never-used one and an IPv6 one with options set away
-# from their defaults (broadcast, packet info, TTL), a multicast receiver and sender on
-# loopback (the group joined on 127.0.0.1, the sender's interface set) and an IPv6 socket
-# in a group on interface 1 (loopback sends no IPv6 multicast): asked by datagram, it
-# says how each looks; "relay" sends through the connected socket to its own server;
-# "mcast" multicasts its count to its own receiver.
+# from their defaults (broadcast, packet info, TTL), a multicast receiver on loopback (one
+# group joined on 127.0.0.1, one on any interface: the sandbox's multicast route), a
+# sender with its interface set by address and one by index alone, and an IPv6 socket in
+# a group on interface 1 (loopback carries no IPv6 multicast): asked by datagram, it says
+# how each looks; "relay" sends through the connected socket to its own server; "mcast"
+# multicasts its count through each sender to its own receiver.
 UDP_SERVER = """
 import json, selectors, socket, struct
 srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -858,8 +859,12 @@ mrx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 mrx.bind(("0.0.0.0", 9135))
 mrx.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
                socket.inet_aton("239.1.2.3") + socket.inet_aton("127.0.0.1"))
+mrx.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
+               socket.inet_aton("239.1.2.4") + socket.inet_aton("0.0.0.0"))
 mtx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 mtx.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
+mtx2 = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+mtx2.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, struct.pack("=8si", bytes(8), 1))
 m6rx = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
 m6rx.bind(("::", 9136))
 m6rx.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_JOIN_GROUP,
@@ -882,11 +887,14 @@ while True:
             _, came = srv.recvfrom(100)
             out = came == cli.getsockname()
         elif data == b"mcast":
-            try:
-                mtx.sendto(b"m%d" % n, ("239.1.2.3", 9135))
-                out = mrx.recv(100).decode()
-            except OSError as e:
-                out = str(e)
+            out = []
+            for tx, group in ((mtx, "239.1.2.3"), (mtx2, "239.1.2.4")):
+                try:
+                    tx.sendto(b"m%d" % n, (group, 9135))
+                    got, came = mrx.recvfrom(100)
+                    out.append([got.decode(), came[0]])
+                except OSError as e:
+                    out.append(str(e))
         else:
             out = dict(cli=cli.getsockname(), peer=cli.getpeername(), idle=idle.getsockname(),
                        rcvbuf=srv.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
@@ -916,14 +924,15 @@ def test_udp_sockets_come_back_bound_connected_and_with_their_options(sbx: Sandb
     the epoll set that watches it; a connected socket keeps its own port and its peer, an
     unused one stays unbound, an IPv6 one keeps its options; multicast receivers keep
     their groups and senders their interface (stop 66; before, the receivers heard
-    nothing and the IPv4 sender failed with ENETUNREACH). Refused before stop 64."""
+    nothing and the IPv4 sender failed with ENETUNREACH; a join on any interface failed
+    with ENODEV). Refused before stop 64."""
     sbx.files.write("udp.py", UDP_SERVER)
     sbx.exec("cd /workspace && nohup python3 udp.py >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("udp-ready"))
     n, before = _ask_udp(sbx, "state")
     assert before["idle"] == ["0.0.0.0", 0] and before["peer"] == ["127.0.0.1", 9125]
     assert (before["bc"], before["v6only"], before["pktinfo"], before["hops"]) == (1, 1, 1, 7)
-    assert _ask_udp(sbx, "mcast") == [n + 1, f"m{n + 1}"]
+    assert _ask_udp(sbx, "mcast") == [n + 1, [[f"m{n + 1}", "127.0.0.1"]] * 2]
     in_group6 = "1 lo ff020000000000000000000000010003 1 "     # /proc/net/igmp6: 1 user
     assert in_group6 in " ".join(sbx.exec("cat /proc/net/igmp6").stdout.split())
     cp = sbx.checkpoint()
@@ -933,7 +942,7 @@ def test_udp_sockets_come_back_bound_connected_and_with_their_options(sbx: Sandb
     target = restore(sbx, cp)
     assert _ask_udp(target, "state") == [n + 2, before]
     assert _ask_udp(target, "relay", v6=True) == [n + 3, True]
-    assert _ask_udp(target, "mcast") == [n + 4, f"m{n + 4}"]
+    assert _ask_udp(target, "mcast") == [n + 4, [[f"m{n + 4}", "127.0.0.1"]] * 2]
     assert in_group6 in " ".join(target.exec("cat /proc/net/igmp6").stdout.split())
     if target is not sbx and not getattr(restore, "disk", False):
         # the fork's server is its own: the source's counts on (a restarted daemon's

@@ -46,7 +46,8 @@ _IPV6_BOTH = [(_IPV6, n) for n in (16, 23, 67)]
 # how its datagrams leave (SO_NO_CHECK, UDP_CORK, the multicast interface, TTL and loop),
 # which multicast it gets (IP_MULTICAST_ALL, IPV6_MULTICAST_ALL; its groups: udp.py).
 # IP_MULTICAST_IF reads as the interface's address, which sets it again; one chosen by
-# index alone (struct ip_mreqn) reads as 0 and is not seen.
+# index alone (struct ip_mreqn) reads as 0: the copy sends by the sandbox's multicast
+# route, through loopback as the original (native/init.c).
 _UDP = _SOCKET + [(_SOL, 6), (_SOL, 11), (socket.IPPROTO_UDP, _UDP_CORK)]
 UDP = {
     socket.AF_INET: _UDP + _IP_BOTH + [(_IP, n) for n in (8, 11, 12, 13, 20, 32, 33, 34, 49)],

@@ -19,9 +19,10 @@ multicast membership filtered by source (only any-source joins are made again).
 
 Multicast groups: no call lists a socket's memberships, but /proc/PID/net/igmp and igmp6
 list every group joined on each interface of the namespace, and MCAST_MSFILTER asked of a
-socket for one of them answers (its filter) only if that socket is a member. Loopback
-carries multicast in a sandbox once a program names it (a join on 127.0.0.1 or interface
-1, IP_MULTICAST_IF): the copy joins the same groups on the same interfaces.
+socket for one of them answers (its filter) only if that socket is a member. The copy
+joins the same groups on the same interfaces. (A sandbox routes IPv4 multicast over
+loopback, native/init.c: a sender's interface chosen by index alone, which reads back as
+none, sends the same way without it.)
 """
 
 from __future__ import annotations
