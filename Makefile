@@ -26,7 +26,7 @@ native: $(NATIVE_BINS)
 # libdbxcr.so's sources: the one list (native/tests/run.sh and tests/conftest.py read it).
 DBXCR_SRCS := native/fork_template.c native/threads.c native/timers.c native/dontfork.c \
 	native/criu_incr.c native/ptrace_jobs.c native/ipcns.c native/prctls.c native/batch.c native/creds.c \
-	native/reap_unseen.c
+	native/reap_unseen.c native/orphan.c
 dbxcr-sources:
 	@echo $(DBXCR_SRCS)
 $(LIBEXEC)/libdbxcr.so: $(DBXCR_SRCS) native/fork_template.h native/criu_incr.h \

@@ -5,8 +5,11 @@ source list and flags) or takes the working tree's, loads them side by side in o
 (ctypes, RTLD_LOCAL: each keeps its own symbols) and times `dbxcr_make_template` (or, with
 `--step release`, `dbxcr_release_template`) on one sleeping python, the builds taking turns
 in rotating order. `--target child`: the python is the child of another sleeping python
-(a live parent, which a release since stop 65 holds while the template ends) instead of
-ours. Writes JSON (p50, mean per build and each build's p50 over the first one's).
+(a live parent, which a release since stop 65 holds while the template ends; since stop
+66 the template is made through an intermediate and is an orphan, native/orphan.c)
+instead of ours. This process is a child subreaper, so orphaned templates come to it
+(not to the machine's init) and are reaped after their release. Writes JSON (p50, mean
+per build and each build's p50 over the first one's).
 
     .venv/bin/python -m benchmarks.template_ab --rev 12dfd2b --rev worktree --reps 600
     .venv/bin/python -m benchmarks.template_ab --rev f1ecfbf --rev worktree --step release \
@@ -28,6 +31,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+_PR_SET_CHILD_SUBREAPER = 36
+_WALL = 0x40000000
 CFLAGS = ["-O2", "-g", "-Wall", "-Wextra", "-Werror", "-std=gnu11", "-D_GNU_SOURCE",
           "-pthread", "-fPIC", "-shared"]
 
@@ -79,8 +84,19 @@ def measure(libs: dict[str, ctypes.CDLL], pid: int, reps: int,
             if libs[name].dbxcr_release_template(tpl, ctypes.byref(err)) != 0:
                 raise RuntimeError(f"{name}: release: {err.msg.decode()}")
             t2 = time.perf_counter()
+            _reap_orphans()
             out[name].append(((t1 - t0) if step == "make" else (t2 - t1)) * 1e6)
     return out
+
+
+def _reap_orphans() -> None:
+    """Released orphaned templates handed to us, their subreaper."""
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG | _WALL)[0] == 0:
+                return
+        except ChildProcessError:
+            return
 
 
 # A sleeping python; as `child`, the child of another that prints its pid.
@@ -102,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("template_ab: needs root (ptrace of the target)", file=sys.stderr)
+        return 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        print("template_ab: prctl(PR_SET_CHILD_SUBREAPER) failed", file=sys.stderr)
         return 1
     with tempfile.TemporaryDirectory(prefix="dbx-template-ab-") as tmp:
         libs = {rev: load(build(rev, Path(tmp))) for rev in args.rev}

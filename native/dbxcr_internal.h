@@ -162,6 +162,10 @@ struct dbxcr_template {
 	cpu_set_t affinity;
 	/* The origin's main thread's registrations, given back to every child. */
 	struct main_regs main;
+	/* Forked through an intermediate (orphan.c): the origin's rseq registration (in main)
+	 * and sigaltstack are to be given to the template itself at its scratch mapping. */
+	bool rehome;
+	stack_t rehome_ss;
 	/* The origin's other threads (NULL: it had one), recreated in every child. */
 	struct thread_set *threads;
 	/* The origin's MADV_DONTFORK mappings, which the template holds (made without the
@@ -250,6 +254,28 @@ struct tracee *stop_for_calls(struct dbxcr_stop *s, struct dbxcr_error *err);
 int take_back_sigchld(struct tracee *t, unsigned long at, pid_t child,
 		      struct dbxcr_error *err);
 int wait_birth(pid_t child, struct dbxcr_error *err);
+/* Start a system call in a stopped tracee and return at once; syscall_finish waits for it
+ * (its return value in *ret). */
+int syscall_start(struct tracee *t, long nr, const long a[6], struct dbxcr_error *err);
+int syscall_finish(struct tracee *t, long nr, long *ret, struct dbxcr_error *err);
+/* The NSpid entry at `level` of a /proc status text (1: the host's pid namespace), 0 if
+ * none; level 0: how many entries there are (reap_unseen.c). */
+pid_t nspid_at(const char *status, int level);
+
+/* orphan.c: a template forked through a short-lived intermediate, so that it is init's
+ * child rather than a sibling of its original. */
+struct via {
+	struct tracee t;	/* the intermediate, stopped (t.pid 0: none) */
+	pid_t seen;		/* its pid in the original's pid namespace */
+};
+/* Whether pid's template is to be an orphan: its parent is a live process other than an
+ * init and the caller, and its exit signal is SIGCHLD. */
+bool orphan_wanted(pid_t pid);
+/* In the stopped (modified) original: the intermediate made, its clone started. */
+int via_start(struct tracee *orig, struct via *v, struct dbxcr_error *err);
+/* The template's pid (stopped at its birth, not yet waited for), the intermediate gone
+ * and reaped; -1 with nothing left on failure. */
+pid_t via_finish(struct tracee *orig, struct via *v, struct dbxcr_error *err);
 void park_regs(struct dbxcr_template *tpl, const struct user_regs_struct *base);
 int park(struct dbxcr_template *tpl, struct dbxcr_error *err);
 int check_owner(const struct dbxcr_template *tpl, struct dbxcr_error *err);

@@ -48,7 +48,10 @@
  * ----------------------
  *  - make_template injects clone(CLONE_PARENT) into the process: the template becomes a
  *    sibling (child of the process's parent, with the process's own exit signal), so the
- *    process itself can never wait for it or get SIGCHLD for it.  PTRACE_O_TRACECLONE
+ *    process itself can never wait for it or get SIGCHLD for it.  Where that parent is a
+ *    live process other than an init, the template is made an orphan instead (init's
+ *    child, forked through a short-lived intermediate: orphan.c), so that the parent
+ *    never has it as a child either.  PTRACE_O_TRACECLONE
  *    auto-attaches the template at birth; a seized tracer's auto-attached child starts with
  *    a PTRACE_EVENT_STOP trap before ever returning to user mode, so it runs no program
  *    code.  It is then parked: all signals blocked, registers set to run exit_group(0) if it
@@ -594,7 +597,7 @@ int remote_syscall(struct tracee *t, long nr, const long a[6], long *ret,
 /* Start a system call in a stopped tracee and return at once: the tracee runs it (a fork
  * of a large process copies page tables for milliseconds, on another CPU) while the caller
  * drives other tracees.  syscall_finish collects it. */
-static int syscall_start(struct tracee *t, long nr, const long a[6], struct dbxcr_error *err)
+int syscall_start(struct tracee *t, long nr, const long a[6], struct dbxcr_error *err)
 {
 	struct user_regs_struct r = t->regs;
 
@@ -652,7 +655,7 @@ int wait_trap(struct tracee *t, int how, struct user_regs_struct *r, struct dbxc
 }
 
 /* Wait for the system call syscall_start began: its return value in *ret. */
-static int syscall_finish(struct tracee *t, long nr, long *ret, struct dbxcr_error *err)
+int syscall_finish(struct tracee *t, long nr, long *ret, struct dbxcr_error *err)
 {
 	struct user_regs_struct r;
 
@@ -942,19 +945,24 @@ int park(struct dbxcr_template *tpl, struct dbxcr_error *err)
 }
 
 /* Fork the template out of the stopped original (clone with CLONE_PARENT), in two steps:
- * the clone runs in the original (page tables copied on its CPU) between them. */
+ * the clone runs in the original (page tables copied on its CPU) between them.  An
+ * orphan (orphan.c) is forked by an intermediate instead, in the same two steps. */
 static const long template_clone_args[6] = { CLONE_PARENT, 0, 0, 0, 0, 0 };
 
-static int fork_template_start(struct tracee *orig, struct dbxcr_error *err)
+static int fork_template_start(struct tracee *orig, struct via *via, struct dbxcr_error *err)
 {
+	if (via)
+		return via_start(orig, via, err);
 	orig->new_child = 0;
 	return syscall_start(orig, SYS_clone, template_clone_args, err);
 }
 
-static pid_t fork_template_finish(struct tracee *orig, struct dbxcr_error *err)
+static pid_t fork_template_finish(struct tracee *orig, struct via *via, struct dbxcr_error *err)
 {
 	long ret;
 
+	if (via)
+		return via_finish(orig, via, err);
 	if (syscall_finish(orig, SYS_clone, &ret, err) < 0 ||
 	    (ret == -KERN_ERESTARTNOINTR &&	/* a SIGSTOP came: the kernel would re-run it */
 	     remote_syscall(orig, SYS_clone, template_clone_args, &ret, err) < 0)) {
@@ -1187,6 +1195,11 @@ static int map_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err)
 	if (addr < 0)
 		return -1;
 	tpl->scratch = (unsigned long)addr;
+	/* An orphan (orphan.c) was forked from a CLONE_VM clone: its children would lack the
+	 * origin's rseq registration and sigaltstack. */
+	if (tpl->rehome && main_reborn(&t, tpl, &tpl->rehome_ss, err) < 0)
+		return -1;
+	tpl->rehome = false;
 	/* Children forked from here on carry the disguise until finish_child gives them back
 	 * the origin's name and command line. */
 	if (!tpl->named && disguise(tpl, &t, tpl->scratch, err) < 0)
@@ -1257,6 +1270,8 @@ struct dbxcr_stop {
 	bool seized;		/* false while the seize waits for the thaw (group stop) */
 	bool modified;		/* mask/options/registers differ from the stop */
 	bool forking;		/* dbxcr_template_start's clone not collected yet */
+	bool orphan;		/* its template is forked through an intermediate (orphan.c) */
+	struct via via;		/* ... that one, while forking */
 	long opts;		/* options at seize (no fork events; EXITKILL once held) */
 	int kind;		/* enum dbxcr_stop_kind */
 	int signal;
@@ -1642,12 +1657,14 @@ int dbxcr_template_start(struct dbxcr_stop *s, struct dbxcr_error *err)
 		return fail(err, EINVAL, pid, "process is not stopped (call dbxcr_stop_wait first)");
 	if (s->forking)
 		return fail(err, EINVAL, pid, "a template of it is being made already");
+	s->orphan = orphan_wanted(pid);
 	/* From here on the registers are not the program's: a tracer that dies must take the
 	 * process (and the template, which inherits the options) with it. */
 	s->modified = true;
 	if (ptrace(PTRACE_SETOPTIONS, pid, 0, (void *)(s->opts | BASE_OPTIONS)) < 0)
 		fail(err, errno, pid, "PTRACE_SETOPTIONS");
-	else if (block_all(&s->t, err) == 0 && fork_template_start(&s->t, err) == 0) {
+	else if (block_all(&s->t, err) == 0 &&
+		 fork_template_start(&s->t, s->orphan ? &s->via : NULL, err) == 0) {
 		s->forking = true;
 		return 0;
 	}
@@ -1665,7 +1682,7 @@ static pid_t finish_fork(struct dbxcr_stop *s, struct dbxcr_error *err)
 	pid_t child;
 
 	s->forking = false;
-	child = fork_template_finish(&s->t, err);
+	child = fork_template_finish(&s->t, s->orphan ? &s->via : NULL, err);
 	if (child > 0 && wait_birth(child, err) < 0) {
 		kill_traced(child);
 		child = -1;
@@ -1691,7 +1708,7 @@ static pid_t fork_all_mappings(struct dbxcr_stop *s, pid_t child, struct vma_run
 	kill_traced(child);
 	child = -1;
 	if (madvise_runs(&s->t, *runs, *nruns, MADV_DOFORK, err) == 0 &&
-	    fork_template_start(&s->t, err) == 0) {
+	    fork_template_start(&s->t, s->orphan ? &s->via : NULL, err) == 0) {
 		s->forking = true;
 		child = finish_fork(s, err);
 	}
@@ -1800,7 +1817,9 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 	else if (tpl && tpl->xstate && (capture_itimers(&s->t, tpl->itimers, err) < 0 ||
 					capture_ptimers(&s->t, tpl, err) < 0 ||
 					tracee_parent_death(&s->t, &tpl->pdeathsig,
-							    &tpl->subreaper, err) < 0))
+							    &tpl->subreaper, err) < 0 ||
+					(s->orphan &&
+					 main_altstack(&s->t, &tpl->rehome_ss, err) < 0)))
 		tpl_ok = false;
 	{
 		struct dbxcr_error ignored;
@@ -1842,6 +1861,7 @@ struct dbxcr_template *dbxcr_template_finish(struct dbxcr_stop *s, struct dbxcr_
 	tpl->site = s->t.site;
 	tpl->pend = s->pend;
 	tpl->group_stop = s->kind == DBXCR_STOP_GROUP;
+	tpl->rehome = s->orphan;
 	/* The template inherited the all-blocked mask we set on the original, so signals sent
 	 * to it stay pending (and fork does not pass pending signals to children). */
 	if (park_new(tpl, err) < 0) {

@@ -3,6 +3,9 @@
  * A template is its original's sibling (clone(CLONE_PARENT), fork_template.c), and so are
  * the carriers spawned from it: their real parent is the original's parent, a live process
  * of the sandbox until a rollback ends it (they are then orphans under the sandbox's init).
+ * Since orphan.c a template whose original's parent is a live process other than an init
+ * is init's child from the start; a live parent remains for one whose exit signal is not
+ * SIGCHLD, and for an orphan taken by a child-subreaper ancestor (`tini -s`).
  * When we kill such a task and reap it as its tracer, wait_task_zombie() hands it to its
  * real parent (do_notify_parent with its exit signal): a zombie plus SIGCHLD.  A parent
  * that waits for any child then reaps a stranger killed by SIGKILL: PostgreSQL's
@@ -53,7 +56,7 @@ static int read_status(pid_t pid, char *buf, size_t len)
 
 /* The NSpid entry at `level` (1: the host's pid namespace), 0 if none; level 0: how many
  * entries there are. */
-static pid_t nspid_at(const char *status, int level)
+pid_t nspid_at(const char *status, int level)
 {
 	const char *v = status_field(status, "NSpid");
 	int i = 0;

@@ -25,6 +25,7 @@
 #include <sys/shm.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/rseq.h>
 #include <netinet/in.h>
 #include <sys/random.h>
 #include <sys/socket.h>
@@ -582,9 +583,10 @@ static void count_sigchld(int sig)
 
 /* The parent of the test's templated process: counts its SIGCHLDs and, on each command
  * byte, reports {SIGCHLDs so far, waitpid(-1, WNOHANG) twice (0: only live children)} --
- * a program that reaps any child, as a shell or postmaster does.  `pending`: a first
- * child has exited while SIGCHLD was blocked (its SIGCHLD pending), unblocked at the
- * first command. */
+ * a program that reaps any child, as a shell or postmaster does.  It is a child
+ * subreaper (a supervisor, `tini -s`), so the template, an orphan (orphan.c), becomes its
+ * child.  `pending`: a first child has exited while SIGCHLD was blocked (its SIGCHLD
+ * pending), unblocked at the first command. */
 static void chld_counting_parent(int cmd, int rep, bool pending)
 {
 	struct sigaction sa = { .sa_handler = count_sigchld };
@@ -594,6 +596,8 @@ static void chld_counting_parent(int cmd, int rep, bool pending)
 	char c;
 
 	sigaction(SIGCHLD, &sa, NULL);
+	if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0)
+		_exit(2);
 	sigemptyset(&chld);
 	sigaddset(&chld, SIGCHLD);
 	if (pending) {
@@ -689,6 +693,157 @@ out:
 	close(cmd[1]);
 	reap(parent);
 	close(cmd[0]), close(rep[0]), close(rep[1]);
+}
+
+/* The original of test_template_orphan: blocked in a read of `go` with a sigaltstack of
+ * its own; once it reads a byte, reports {its sigaltstack's base and size, whether it has
+ * an rseq registration (-1: unknown)} on `rep`. */
+static char orphan_altstack[65536];
+
+/* An unregistration with glibc's area and length and a wrong signature: EPERM if this
+ * thread is registered (with that area), EINVAL if not (-1: glibc did not register). */
+static long rseq_registered(void)
+{
+	if (__rseq_size == 0)
+		return -1;
+	if (syscall(SYS_rseq, (char *)__builtin_thread_pointer() + __rseq_offset, 32,
+		    RSEQ_FLAG_UNREGISTER, 0) == 0)
+		return -1;	/* cannot happen with signature 0; unknown if it did */
+	return errno == EPERM ? 1 : errno == EINVAL ? 0 : -1;
+}
+
+static void orphan_original(int go, int rep)
+{
+	stack_t ss = { .ss_sp = orphan_altstack, .ss_size = sizeof(orphan_altstack) };
+	long r[3];
+	char c;
+
+	if (sigaltstack(&ss, NULL) < 0 || read(go, &c, 1) != 1 || sigaltstack(NULL, &ss) < 0)
+		_exit(2);
+	r[0] = (long)ss.ss_sp;
+	r[1] = (long)ss.ss_size;
+	r[2] = rseq_registered();
+	_exit(write(rep, r, sizeof(r)) == sizeof(r) ? 0 : 3);
+}
+
+/* Field k (1-based, as in proc(5)) of /proc/pid/stat; -1 if none. */
+static long stat_field(pid_t pid, int k)
+{
+	char buf[2048], *p, *save = NULL;
+	int field = 3;
+
+	if (proc_read(pid, "stat", buf, sizeof(buf)) < 0 || !(p = strrchr(buf, ')')))
+		return -1;
+	for (char *tok = strtok_r(p + 1, " ", &save); tok; tok = strtok_r(NULL, " ", &save))
+		if (field++ == k)
+			return strtol(tok, NULL, 10);
+	return -1;
+}
+
+/* /proc/pid/task/pid/children into buf ("pid pid ... "); -1 if unreadable. */
+static int children_of(pid_t pid, char *buf, size_t len)
+{
+	char path[64];
+	ssize_t n = -1;
+	int fd;
+
+	snprintf(path, sizeof(path), "/proc/%d/task/%d/children", (int)pid, (int)pid);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd >= 0) {
+		n = read(fd, buf, len - 1);
+		close(fd);
+	}
+	buf[n > 0 ? n : 0] = '\0';
+	return n < 0 ? -1 : 0;
+}
+
+/* A process whose parent is another live process (neither the caller nor an init): its
+ * template is forked through an intermediate (orphan.c) and is the nearest subreaper's
+ * child (this test's, made one for it) with exit signal SIGCHLD, not its parent's; no
+ * intermediate is left with the original; the parent's wait for any child ends once its
+ * own child is gone (with a sibling template it waited for as long as the template
+ * lived); a child spawned from the template has the original's sigaltstack and rseq
+ * registration. */
+static void test_template_orphan(void)
+{
+	int cmd[2], rep[2], go[2], krep[2], r[2] = { -1, -1 };
+	long k[3] = { 0, 0, -2 }, was = rseq_registered();
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl = NULL;
+	struct dbxcr_info info;
+	pid_t parent, child = -1, tpid = -1, kid = -1;
+	char kids[64] = "";
+
+	current_test = "template-orphan";
+	if (pipe2(cmd, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0 || pipe(go) < 0 ||
+	    pipe(krep) < 0 || prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0)
+		abort();
+	parent = fork();
+	if (parent == 0) {
+		int n = 0;
+		char c;
+
+		child = fork();
+		if (child == 0)
+			orphan_original(go[0], krep[1]);
+		if (write(rep[1], &child, sizeof(child)) != sizeof(child) ||
+		    read(cmd[0], &c, 1) != 1)
+			_exit(2);
+		while (wait(NULL) > 0)	/* any child, until there is none */
+			n++;
+		r[0] = n;
+		r[1] = errno;
+		_exit(write(rep[1], r, sizeof(r)) == sizeof(r) ? 0 : 3);
+	}
+	close(go[0]);
+	close(krep[1]);
+	CHECK(read_timeout(rep[0], &child, sizeof(child), 5000) == 0, "no child");
+	CHECK(wait_in_syscall(child, SYS_read) == 0, "the original never blocked in read");
+	tpl = child > 0 ? dbxcr_make_template(child, &err) : NULL;
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (!tpl)
+		goto out;
+	tpid = dbxcr_template_pid(tpl);
+	CHECK(dbxcr_describe(tpid, &info, &err) == 0 && info.ppid == getpid(),
+	      "template %d: parent %d, not the subreaper %d", tpid, info.ppid, getpid());
+	CHECK(stat_field(tpid, 38) == SIGCHLD, "template's exit signal %ld",
+	      stat_field(tpid, 38));
+	children_of(parent, kids, sizeof(kids));
+	CHECK(atoi(kids) == child && strchr(kids, ' ') == kids + strlen(kids) - 1,
+	      "the parent's children: '%s' (want only %d)", kids, child);
+	CHECK(children_of(child, kids, sizeof(kids)) == 0 && kids[0] == '\0',
+	      "the original's children: '%s' (its intermediate left?)", kids);
+	kid = dbxcr_spawn(tpl, NULL, &err);
+	CHECK(kid > 0, "spawn: %s", err.msg);
+	kill(child, SIGKILL);
+	CHECK(write(cmd[1], "w", 1) == 1, "tell the parent");
+	CHECK(read_timeout(rep[0], r, sizeof(r), 5000) == 0 && r[0] == 1 && r[1] == ECHILD,
+	      "the parent's wait for any child: reaped %d, then errno %d (a template held it?)",
+	      r[0], r[1]);
+	if (kid > 0) {
+		CHECK(write(go[1], "g", 1) == 1, "go");
+		CHECK(read_timeout(krep[0], k, sizeof(k), 5000) == 0, "no report from the spawn");
+		CHECK(k[0] == (long)orphan_altstack && k[1] == (long)sizeof(orphan_altstack),
+		      "the spawn's sigaltstack %#lx+%ld, not %p+%zu", k[0], k[1],
+		      (void *)orphan_altstack, sizeof(orphan_altstack));
+		CHECK(was != 1 || k[2] == 1, "the spawn's rseq registration: %ld", k[2]);
+		CHECK(reap(kid) == 0, "the spawn's exit status");
+		kid = -1;
+	}
+	CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
+	tpl = NULL;
+	reap(tpid);	/* the template's zombie: ours, as its subreaper */
+out:
+	if (tpl)
+		dbxcr_release_template(tpl, &err);
+	kill_reap(kid);
+	if (child > 0)
+		kill(child, SIGKILL);
+	kill_reap(parent);
+	prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0);
+	while (waitpid(-1, NULL, __WALL | WNOHANG) > 0)
+		;	/* orphans that came to us meanwhile */
+	close(cmd[0]), close(cmd[1]), close(rep[0]), close(rep[1]), close(go[1]), close(krep[0]);
 }
 
 static void test_release_unseen(void)
@@ -3594,6 +3749,7 @@ int main(int argc, char **argv)
 		{ "inject-wait4", test_inject_wait4 },
 		{ "inject-group-stopped", test_inject_group_stopped },
 		{ "release-unseen", test_release_unseen },
+		{ "template-orphan", test_template_orphan },
 		{ "release-unseen-pending", test_release_unseen_pending },
 		{ "templates", test_templates },
 		{ "shared-remap", test_shared_remap },
