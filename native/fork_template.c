@@ -1167,9 +1167,31 @@ static int park_new(struct dbxcr_template *tpl, struct dbxcr_error *err)
 /* Map the template's scratch area (it and all its children have it; children unmap it). */
 static int map_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err);
 
+/* An orphan (orphan.c) was forked from a CLONE_VM clone, which has no rseq registration
+ * and no sigaltstack: the origin's are given to the template before anything is forked
+ * from it (until that succeeds, every use of the template fails with its error). */
+static int rehome(struct dbxcr_template *tpl, struct dbxcr_error *err)
+{
+	struct dbxcr_error ignored;
+	struct tracee t;
+	int rc;
+
+	if (adopt(&t, tpl->pid, tpl->site, err) < 0)
+		return -1;
+	t.regs = tpl->park;
+	rc = main_reborn(&t, tpl, &tpl->rehome_ss, err);
+	if (park(tpl, rc < 0 ? &ignored : err) < 0)
+		rc = -1;
+	if (rc == 0)
+		tpl->rehome = false;
+	return rc;
+}
+
 int template_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err)
 {
-	return tpl->scratch ? 0 : map_scratch(tpl, err);
+	if (!tpl->scratch && map_scratch(tpl, err) < 0)
+		return -1;
+	return tpl->rehome ? rehome(tpl, err) : 0;
 }
 
 int set_comm(struct tracee *t, unsigned long scratch, const char *name, struct dbxcr_error *err)
@@ -1195,11 +1217,6 @@ static int map_scratch(struct dbxcr_template *tpl, struct dbxcr_error *err)
 	if (addr < 0)
 		return -1;
 	tpl->scratch = (unsigned long)addr;
-	/* An orphan (orphan.c) was forked from a CLONE_VM clone: its children would lack the
-	 * origin's rseq registration and sigaltstack. */
-	if (tpl->rehome && main_reborn(&t, tpl, &tpl->rehome_ss, err) < 0)
-		return -1;
-	tpl->rehome = false;
 	/* Children forked from here on carry the disguise until finish_child gives them back
 	 * the origin's name and command line. */
 	if (!tpl->named && disguise(tpl, &t, tpl->scratch, err) < 0)

@@ -42,7 +42,8 @@ int dbxcr_inject_syscall(pid_t pid, long nr, const long args[6], long *ret,
 struct dbxcr_template;
 
 /* Fork pid into a ptrace-stopped template (a sibling of pid: same parent, same exit signal,
- * same pid namespace).  pid resumes unchanged.  Refuses traced processes and ones with more
+ * same pid namespace; init's child instead when pid's parent is a live process other than
+ * an init and the caller: orphan.c).  pid resumes unchanged.  Refuses traced processes and ones with more
  * than MAX_THREADS threads; the other threads' state is kept in the template (threads.c).
  * The template holds copies of pid's descriptors until dbxcr_template_drop_fds. */
 struct dbxcr_template *dbxcr_make_template(pid_t pid, struct dbxcr_error *err);
