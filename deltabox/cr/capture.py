@@ -718,12 +718,15 @@ def add_listeners(rec: ProcessRecord) -> list[Refusal]:
     connections waiting to be accepted, a UDP socket with a datagram or an error waiting
     (the restored copy could not have them)."""
     out = []
+    joined = None     # the namespace's multicast groups: read at its first UDP socket
     for f in rec.fds:
         if f.kind != "socket" or not (is_tcp_listener(f) or udp.is_udp(f)):
             continue
         try:
             if udp.is_udp(f):
-                ls, why = udp.capture(rec.pid, f)
+                if joined is None:
+                    joined = udp.joined_in_namespace(rec.pid)
+                ls, why = udp.capture(rec.pid, f, joined)
             else:
                 ls, queued = listen_socket(rec.pid, f)
                 why = queued and f"{queued} connection(s) wait to be accepted: not captured"

@@ -33,6 +33,7 @@ import os
 import select
 import socket
 import struct
+from collections.abc import Sequence
 
 from .. import kernfs
 from . import native, sockopts
@@ -49,16 +50,19 @@ _GROUP_REQ = struct.Struct(f"=I4x{_SS}s")          # gr_interface, gr_group
 _GROUP_FILTER = struct.Struct(f"=I4x{_SS}sII{_SS}s")  # ..., gf_fmode, gf_numsrc, gf_slist[1]
 _libc = ctypes.CDLL(None, use_errno=True)
 
+
 def is_udp(f: native.FdInfo) -> bool:
     k = f.socket
     return k is not None and k.family in ("inet", "inet6") and k.type == "udp"
 
 
-def capture(pid: int, f: native.FdInfo) -> tuple[native.ListenSocket, str | None]:
+def capture(pid: int, f: native.FdInfo, joined: Sequence[tuple[int, str]] | None = None
+            ) -> tuple[native.ListenSocket, str | None]:
     """What it takes to make pid's UDP socket at f again, and why it cannot be captured
     now (or None). Read from our own copy of it (pidfd_getfd), with calls that change
     nothing in it: poll, not a peek (a peek would hand over a pending error), and no
-    SO_ERROR (reading it clears it)."""
+    SO_ERROR (reading it clears it). `joined`: its namespace's multicast groups
+    (joined_in_namespace; read here if None)."""
     with socket.socket(fileno=native.copy_fd(pid, f.fd)) as s:
         why = _elsewhere(pid, s) or _unsettled(s)
         name = s.getsockname()
@@ -66,7 +70,8 @@ def capture(pid: int, f: native.FdInfo) -> tuple[native.ListenSocket, str | None
             peer = s.getpeername()
         except OSError:
             peer = None
-        groups, filtered = memberships(pid, s)
+        groups, filtered = memberships(
+            s, joined if joined is not None else joined_in_namespace(pid))
         if filtered and why is None:
             why = (f"its multicast membership of {filtered} filters by source: not made "
                    "again")
@@ -78,15 +83,16 @@ def capture(pid: int, f: native.FdInfo) -> tuple[native.ListenSocket, str | None
     return ls, why
 
 
-def memberships(pid: int, s: socket.socket) -> tuple[tuple[tuple[int, str], ...], str | None]:
-    """The (interface index, group) memberships of socket s (of pid's network namespace),
-    and the first of them filtered by source, if any (None)."""
+def memberships(s: socket.socket, joined: Sequence[tuple[int, str]]
+                ) -> tuple[tuple[tuple[int, str], ...], str | None]:
+    """The (interface index, group) memberships of socket s among `joined` (its network
+    namespace's: joined_in_namespace), and the first of them filtered by source, if any
+    (None)."""
     out, filtered = [], None
-    for ifindex, group in _joined_in_namespace(pid):
-        family = socket.AF_INET6 if ":" in group else socket.AF_INET
+    for ifindex, group in joined:
+        family, level = _family_level(group)
         if family == socket.AF_INET6 and s.family != socket.AF_INET6:
             continue
-        level = socket.IPPROTO_IPV6 if family == socket.AF_INET6 else socket.IPPROTO_IP
         buf = ctypes.create_string_buffer(_GROUP_FILTER.size)
         _GROUP_FILTER.pack_into(buf, 0, ifindex, _sockaddr(family, group), 0, 0, b"")
         size = ctypes.c_uint(_GROUP_FILTER.size)
@@ -99,9 +105,10 @@ def memberships(pid: int, s: socket.socket) -> tuple[tuple[tuple[int, str], ...]
     return tuple(out), filtered
 
 
-def _joined_in_namespace(pid: int) -> list[tuple[int, str]]:
+def joined_in_namespace(pid: int) -> list[tuple[int, str]]:
     """(interface index, group) of every group joined in pid's network namespace (the
-    interfaces' own all-hosts groups among them)."""
+    interfaces' own all-hosts groups among them): read once per process, asked of each of
+    its UDP sockets."""
     out: list[tuple[int, str]] = []
     try:
         igmp = kernfs.read(f"/proc/{pid}/net/igmp").decode().splitlines()[1:]
@@ -125,6 +132,13 @@ def _joined_in_namespace(pid: int) -> list[tuple[int, str]]:
     return out
 
 
+def _family_level(group: str) -> tuple[int, int]:
+    """A group address's family, and the socket option level its membership is at."""
+    if ":" in group:
+        return socket.AF_INET6, socket.IPPROTO_IPV6
+    return socket.AF_INET, socket.IPPROTO_IP
+
+
 def _sockaddr(family: int, group: str) -> bytes:
     """A struct sockaddr_in/_in6 of a group address, port 0."""
     if family == socket.AF_INET:
@@ -135,8 +149,7 @@ def _sockaddr(family: int, group: str) -> bytes:
 def join_request(ifindex: int, group: str) -> tuple[int, int, bytes]:
     """setsockopt's (level, name, value) joining a group on an interface (either family;
     an IPv4 group at the IP level, on an IPv6 socket too)."""
-    family = socket.AF_INET6 if ":" in group else socket.AF_INET
-    level = socket.IPPROTO_IPV6 if family == socket.AF_INET6 else socket.IPPROTO_IP
+    family, level = _family_level(group)
     return level, _MCAST_JOIN_GROUP, _GROUP_REQ.pack(ifindex, _sockaddr(family, group))
 
 
