@@ -2940,14 +2940,16 @@ static int requeue_pending(struct tracee *c, struct dbxcr_template *tpl,
 	return 0;
 }
 
-static bool is_dgram(const struct dbxcr_listen *l)
+static bool is_listener(const struct dbxcr_listen *l)
 {
-	return (l->type & 0xf) == SOCK_DGRAM;
+	return (l->type & 0xf) == SOCK_STREAM;
 }
 
 static const char *sock_kind(const struct dbxcr_listen *l)
 {
-	return is_dgram(l) ? "UDP socket" : "listening socket";
+	if (l->family == AF_NETLINK)
+		return "netlink socket";
+	return is_listener(l) ? "listening socket" : "UDP socket";
 }
 
 /* setsockopt(s, level, name, &value) in the child, the value passed through scratch. */
@@ -3014,10 +3016,36 @@ static int join_mcast(struct tracee *c, unsigned long scratch, long s, const str
 	return 0;
 }
 
-/* Create a listening TCP socket or a UDP socket like the original's and install it at
- * l->fd.  Bound with SO_REUSEADDR so connections of the killed original lingering in
- * TIME_WAIT cannot block the port; the original's own SO_REUSEADDR value is set afterwards.
- * A UDP socket's connect() only records its peer: the peer need not exist yet. */
+/* Attach the original's socket filter to the child's socket s (SO_ATTACH_FILTER: the
+ * kernel copies the program, so it may live in scratch): the struct sock_fprog at
+ * scratch + 64, its instructions from scratch + 256 (set_address uses 64..192 later). */
+static int attach_filter(struct tracee *c, unsigned long scratch, long s,
+			 const struct dbxcr_listen *l, struct dbxcr_error *err)
+{
+	struct sock_fprog prog = { .len = (unsigned short)l->nfilter,
+				   .filter = (struct sock_filter *)(scratch + 256) };
+	long d[6] = { s, SOL_SOCKET, SO_ATTACH_FILTER, (long)(scratch + 64), sizeof(prog), 0 };
+
+	if (l->nfilter > DBXCR_FILTER_MAX || !l->filter)
+		return fail(err, EINVAL, c->pid, "%s fd %d: a socket filter of %u instructions",
+			    sock_kind(l), l->fd, l->nfilter);
+	if (mem_write(c->pid, scratch + 256, l->filter, l->nfilter * sizeof(*l->filter), err) < 0 ||
+	    mem_write(c->pid, scratch + 64, &prog, sizeof(prog), err) < 0)
+		return -1;
+	if (rsys(c, SYS_setsockopt, d, err, "%s fd %d: attach its socket filter (%u instructions)",
+		 sock_kind(l), l->fd, l->nfilter) < 0)
+		return -1;
+	return 0;
+}
+
+/* Create a listening TCP socket, a UDP socket or a netlink socket like the original's and
+ * install it at l->fd.  Its filter is attached before anything can arrive.  Bound with
+ * SO_REUSEADDR so connections of the killed original lingering in TIME_WAIT cannot block
+ * the port; the original's own SO_REUSEADDR value is set afterwards.  A UDP socket's
+ * connect() only records its peer: the peer need not exist yet.  A netlink socket's bind
+ * takes its port id (free: the killed original's socket is closed, and a fork has its own
+ * network namespace) and sets its first 32 groups, keeping those the options added
+ * (NETLINK_ADD_MEMBERSHIP, for groups past 32). */
 static int recreate_listen(struct tracee *c, unsigned long scratch, const struct dbxcr_listen *l,
 			   struct dbxcr_error *err)
 {
@@ -3031,6 +3059,8 @@ static int recreate_listen(struct tracee *c, unsigned long scratch, const struct
 			    l->peerlen, l->nopts, l->ngroups);
 	s = rsys(c, SYS_socket, a, err, "%s fd %d: socket", sock_kind(l), l->fd);
 	if (s < 0)
+		return -1;
+	if (l->nfilter && attach_filter(c, scratch, s, l, err) < 0)
 		return -1;
 	if (set_sockopt(c, scratch, s, l, SOL_SOCKET, SO_REUSEADDR, 1, err) < 0 ||
 	    (l->reuseport && set_sockopt(c, scratch, s, l, SOL_SOCKET, SO_REUSEPORT, 1, err) < 0) ||
@@ -3046,7 +3076,7 @@ static int recreate_listen(struct tracee *c, unsigned long scratch, const struct
 	for (unsigned int i = 0; i < l->ngroups; i++)
 		if (join_mcast(c, scratch, s, l, &l->groups[i], err) < 0)
 			return -1;
-	if (!is_dgram(l)) {
+	if (is_listener(l)) {
 		d[0] = s;
 		d[1] = l->backlog;
 		if (rsys(c, SYS_listen, d, err, "listening socket fd %d: listen", l->fd) < 0)

@@ -15,6 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include <linux/filter.h>
 
 struct dbxcr_error {
 	int code;	/* errno value */
@@ -181,16 +182,21 @@ struct dbxcr_mcast_group {
 /* net.ipv4.igmp_max_memberships' default: what a process may join on one socket. */
 #define DBXCR_MCAST_GROUPS 20
 
-/* A listening TCP socket, or a UDP socket, to create afresh in the child (in its network
- * namespace, after joining it) and install at fd.  The template holds no such socket: it
- * would keep the port bound and queue connections (datagrams) nobody takes.  A UDP socket
- * is bound only if the original was (addrlen), connected only if it was (peerlen), and
- * never listens. */
+/* A classic BPF program of at most this many instructions attached to a socket
+ * (SO_ATTACH_FILTER) is attached again; a longer one is refused at the checkpoint. */
+#define DBXCR_FILTER_MAX 512
+
+/* A listening TCP socket, a UDP socket or a netlink socket, to create afresh in the child
+ * (in its network namespace, after joining it) and install at fd.  The template holds no
+ * such socket: it would keep the port bound and queue connections (datagrams, messages)
+ * nobody takes.  A UDP or netlink socket is bound only if the original was (addrlen: a
+ * netlink socket's sockaddr_nl carries its port id and its first 32 groups), connected
+ * only if it was (peerlen), and never listens. */
 struct dbxcr_listen {
 	int fd;
-	int family;		/* AF_INET or AF_INET6 */
-	int type;		/* SOCK_STREAM or SOCK_DGRAM | SOCK_NONBLOCK / SOCK_CLOEXEC as the
-				 * original had */
+	int family;		/* AF_INET, AF_INET6 or AF_NETLINK */
+	int type;		/* SOCK_STREAM, SOCK_DGRAM or SOCK_RAW | SOCK_NONBLOCK /
+				 * SOCK_CLOEXEC as the original had */
 	int protocol;
 	int backlog;
 	int reuseaddr;		/* SO_REUSEADDR value to leave set (bind always uses 1) */
@@ -204,6 +210,8 @@ struct dbxcr_listen {
 	struct dbxcr_sockopt opts[DBXCR_SOCKOPTS];	/* set before the bind */
 	unsigned int ngroups;
 	struct dbxcr_mcast_group groups[DBXCR_MCAST_GROUPS];	/* joined after the bind */
+	unsigned int nfilter;	/* 0: no socket filter */
+	const struct sock_filter *filter;	/* its nfilter instructions, attached first */
 };
 
 /* An epoll instance to create afresh in the child and install at fd, with the

@@ -20,10 +20,11 @@ from deltabox import Sandbox
 from deltabox.cr import private_maps
 
 from conftest import HELD, OWN_PS, wait_for
-from test_cr import (FIFO_GOT, FIFO_PAIR, INTERLEAVED, LOCKER, PAGES, PRIVATE_AT_CP,
+from test_cr import (FIFO_GOT, FIFO_PAIR, INTERLEAVED, LOCKER, NETLINK_HOLDER, PAGES,
+                     PRIVATE_AT_CP,
                      PREFORK, PRIVATE_MAPS, REGISTRATIONS, REWRITE_PAGES, SHARED_MEMORY, TCP_ENDS,
                      THREADED, TIMERS, TRY_LOCK, UDP_SERVER, UNIX_CLIENT, UNIX_SERVER, _ask,
-                     _ask_client, _ask_prefork, _ask_udp, _count, _drain_fifos, _interleaved, _join, _report, _role,
+                     _ask_client, _ask_prefork, _ask_udp, _count, _netlink_report, _drain_fifos, _interleaved, _join, _report, _role,
                      _start_pty_harness, _state_of, _typed, _unix_request)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -317,6 +318,22 @@ def test_udp_sockets_born_from_carriers(sbx: Sandbox) -> None:
         assert r.process_state == "restored", r.note
         assert _ask_udp(sbx, "state") == [at_cp[0] + 1, at_cp[1]]
         assert _ask_udp(sbx, "relay", v6=True) == [at_cp[0] + 2, True]
+
+
+def test_netlink_sockets_and_filters_born_from_carriers(sbx: Sandbox) -> None:
+    """A carrier's netlink sockets and filtered UDP socket are made ahead (filter and
+    options set, unbound: the live process holds the port ids) and bound at each rollback:
+    the same port ids, groups, options and filters, rollback after rollback."""
+    sbx.files.write("nl.py", NETLINK_HOLDER)
+    sbx.exec("cd /workspace; nohup python3 nl.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("ready"))
+    at_cp = _netlink_report(sbx)
+    cp = sbx.checkpoint(mode="full")
+    for _ in range(2):
+        wait_for(lambda: _carriers_ready(sbx), what="a carrier")
+        r = sbx.rollback(cp)
+        assert r.process_state == "restored", r.note
+        assert _netlink_report(sbx) == at_cp
 
 
 def test_shared_memory_born_from_carriers(sbx: Sandbox) -> None:

@@ -63,10 +63,10 @@ def test_streamed_exec_carries_the_checkpoint(sbx: Sandbox) -> None:
 
 def test_a_failed_background_checkpoint_reports_its_error_to_whoever_names_it(
         sbx: Sandbox) -> None:
-    # A process holding a netlink socket cannot be captured: a full checkpoint must be
-    # refused.
+    # A process holding a generic netlink socket cannot be captured: a full checkpoint
+    # must be refused.
     r = sbx.exec("nohup python3 -c \"import socket, time\n"
-                 "s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)\n"
+                 "s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 16)\n"
                  "time.sleep(1000)\" >/dev/null 2>&1 & sleep 0.3", checkpoint="full")
     assert r.exit_code == 0 and r.checkpoint_id  # the command's output is not lost
     with pytest.raises(deltabox.FailedPrecondition,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from .. import kernfs
 from ..errors import FailedPrecondition
 from ..fs.files import open_in_root
-from . import native, sockopts, tcp, udp
+from . import native, netlink, sockopts, tcp, udp
 from .taskattrs import TaskAttrs
 
 if TYPE_CHECKING:
@@ -677,10 +677,11 @@ def _fd_refusal(f: native.FdInfo) -> str | None:
         return f"device {f.path} ({f.rdev[0]}:{f.rdev[1]}) is not one of " \
                "null/zero/full/random/urandom" if f.rdev else f"device {f.path}"
     if f.kind == "socket":
-        if is_tcp_listener(f) or udp.is_udp(f):
+        if made_again(f):
             return None
         return (f"socket {f.describe()}: only listening TCP sockets, established TCP "
-                "connections, UDP sockets and unix sockets within the sandbox are captured")
+                "connections, UDP sockets, netlink sockets and unix sockets within the "
+                "sandbox are captured")
     if f.kind == "fifo":
         if f.target.endswith(" (deleted)"):
             return (f"named pipe {f.target}: deleted while open: no path to open it again "
@@ -690,6 +691,12 @@ def _fd_refusal(f: native.FdInfo) -> str | None:
                     "boundaries are not captured")
         return None   # fifos.py
     return f"{f.path}: this kind of descriptor is not captured"
+
+
+def made_again(f: native.FdInfo) -> bool:
+    """A socket a spawn makes afresh (rec.listens): a TCP listener, a UDP or netlink
+    socket."""
+    return is_tcp_listener(f) or udp.is_udp(f) or netlink.is_netlink(f)
 
 
 def is_tcp_listener(f: native.FdInfo) -> bool:
@@ -714,16 +721,21 @@ def listen_socket(pid: int, f: native.FdInfo) -> tuple[native.ListenSocket, int]
 
 
 def add_listeners(rec: ProcessRecord) -> list[Refusal]:
-    """Fill rec.listens with its TCP listeners and UDP sockets; refuse a listener with
-    connections waiting to be accepted, a UDP socket with a datagram or an error waiting
-    (the restored copy could not have them)."""
+    """Fill rec.listens with its TCP listeners, UDP and netlink sockets; refuse a
+    listener with connections waiting to be accepted, a UDP or netlink socket with a
+    datagram (message) or an error waiting (the restored copy could not have them)."""
     out = []
     joined = None     # the namespace's multicast groups: read at its first UDP socket
+    busy = None       # its netlink sockets with a dump going on: read at its first one
     for f in rec.fds:
-        if f.kind != "socket" or not (is_tcp_listener(f) or udp.is_udp(f)):
+        if f.kind != "socket" or not made_again(f):
             continue
         try:
-            if udp.is_udp(f):
+            if netlink.is_netlink(f):
+                if busy is None:
+                    busy = netlink.dumping(rec.pid)
+                ls, why = netlink.capture(rec.pid, f, busy)
+            elif udp.is_udp(f):
                 if joined is None:
                     joined = udp.joined_in_namespace(rec.pid)
                 ls, why = udp.capture(rec.pid, f, joined)
@@ -738,5 +750,6 @@ def add_listeners(rec: ProcessRecord) -> list[Refusal]:
             continue
         if why:
             out.append(Refusal(rec.nspid, rec.cmd, f"fd {f.fd}: {f.describe()}: {why}"))
-        rec.listens.append(ls)
+        if ls is not None:
+            rec.listens.append(ls)
     return out

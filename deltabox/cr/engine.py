@@ -2034,7 +2034,7 @@ def _time_wait_ports(state: ProcessState) -> set[int]:
     connection in TIME_WAIT there would block the bind (tcp.clear_time_wait)."""
     return {struct.unpack_from("!H", ls.addr, 2)[0]
             for r in state.records for ls in r.listens if not ls.reuseaddr
-            and not ls.datagram}
+            and ls.listens}
 
 
 def _leader(rec: ProcessRecord) -> bool:

@@ -1,6 +1,6 @@
 """Listening TCP sockets of a carrier made ahead of a rollback (a dev server, a Jupyter
-kernel's five ZeroMQ ports), and its UDP sockets (udp.py: bound and connected, never
-listening).
+kernel's five ZeroMQ ports), its UDP sockets (udp.py: bound and connected, never
+listening) and its netlink sockets (netlink.py: bound to their port id, never listening).
 
 A spawn from a template makes its listeners in the child (native recreate_listen: socket,
 options, bind, listen). A carrier is spawned while the live process still holds the port,
@@ -20,7 +20,7 @@ import os
 import socket
 import struct
 
-from . import native, udp
+from . import native, sockopts, udp
 
 def open_ahead(ls: native.ListenSocket, netns_pid: int) -> int:
     """A fresh unbound socket for `ls`, made in netns_pid's network namespace, options set
@@ -31,6 +31,8 @@ def open_ahead(ls: native.ListenSocket, netns_pid: int) -> int:
     except native.CRError as e:
         raise native.CRError(e.errno, f"listening socket fd {ls.fd}: {e}") from e
     try:
+        if ls.filter:
+            sockopts.attach_filter(s, ls.filter)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if ls.reuseport:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -57,7 +59,7 @@ def listen(ls: native.ListenSocket, fd: int) -> None:
         try:
             if ls.addr:
                 s.bind(address(ls.family, ls.addr))
-            if not ls.datagram:
+            if ls.listens:
                 s.listen(ls.backlog)
             if ls.peer:
                 s.connect(address(ls.family, ls.peer))
@@ -76,12 +78,13 @@ def address(family: int, raw: bytes) -> tuple:
         (flow,) = struct.unpack("!I", raw[4:8])
         (scope,) = struct.unpack("=I", raw[24:28])
         return socket.inet_ntop(family, raw[8:24]), port, flow, scope
+    if family == socket.AF_NETLINK and len(raw) >= 12:
+        return struct.unpack_from("=II", raw, 4)       # nl_pid, nl_groups
     raise native.CRError(errno.EAFNOSUPPORT,
                          f"a listening socket of family {family} ({len(raw)} address bytes)")
 
 
 def _failed(ls: native.ListenSocket, step: str, e: OSError) -> native.CRError:
-    kind = "UDP socket" if ls.datagram else "listening socket"
     where = f" ({address(ls.family, ls.addr)[:2]})" if ls.addr else ""
     return native.CRError(e.errno or errno.EIO,
-                          f"{kind} fd {ls.fd}{where}: {step}: {e.strerror or e}")
+                          f"{ls.kind} fd {ls.fd}{where}: {step}: {e.strerror or e}")

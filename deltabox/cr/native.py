@@ -121,6 +121,7 @@ class _SockOpt(ctypes.Structure):
 
 SOCKOPTS = 16   # DBXCR_SOCKOPTS
 MCAST_GROUPS = 20   # DBXCR_MCAST_GROUPS
+FILTER_MAX = 512   # DBXCR_FILTER_MAX: instructions of a socket filter made again
 
 
 class _McastGroup(ctypes.Structure):
@@ -136,7 +137,8 @@ class _Listen(ctypes.Structure):
                 ("addr", ctypes.c_ubyte * 128), ("peerlen", ctypes.c_uint),
                 ("peer", ctypes.c_ubyte * 128), ("nopts", ctypes.c_uint),
                 ("opts", _SockOpt * SOCKOPTS), ("ngroups", ctypes.c_uint),
-                ("groups", _McastGroup * MCAST_GROUPS)]
+                ("groups", _McastGroup * MCAST_GROUPS), ("nfilter", ctypes.c_uint),
+                ("filter", ctypes.c_char_p)]
 
 
 class _EpollWatch(ctypes.Structure):
@@ -431,13 +433,14 @@ class ProcInfo:
 
 @dataclass(frozen=True)
 class ListenSocket:
-    """A listening TCP socket, or a UDP socket, to create afresh in a spawned child and
-    install at fd (a UDP socket bound if addr, connected if peer; it never listens)."""
+    """A listening TCP socket, a UDP socket or a netlink socket (netlink.py), to create
+    afresh in a spawned child and install at fd (a UDP or netlink socket bound if addr,
+    connected if peer; it never listens)."""
     fd: int
     family: int
     type: int            # SOCK_STREAM or SOCK_DGRAM | SOCK_NONBLOCK / SOCK_CLOEXEC as the
     protocol: int        # original
-    addr: bytes          # raw sockaddr (getsockname); b"": not bound (UDP)
+    addr: bytes          # raw sockaddr (getsockname); b"": not bound (UDP, netlink)
     backlog: int = 128
     reuseaddr: bool = False
     reuseport: bool = False
@@ -448,16 +451,25 @@ class ListenSocket:
     options: tuple[tuple[int, int, int], ...] = ()
     # (interface index, group address) of the multicast groups a UDP socket joined
     groups: tuple[tuple[int, str], ...] = ()
+    # its classic BPF socket filter (SO_ATTACH_FILTER): struct sock_filter[], 8 bytes each
+    filter: bytes = b""
 
     @property
-    def datagram(self) -> bool:
-        return self.type & 0xf == socket.SOCK_DGRAM
+    def listens(self) -> bool:
+        return self.type & 0xf == socket.SOCK_STREAM
+
+    @property
+    def kind(self) -> str:
+        if self.family == socket.AF_NETLINK:
+            return "netlink socket"
+        return "listening socket" if self.listens else "UDP socket"
 
     def _c(self) -> _Listen:
         if len(self.addr) > 128 or len(self.peer) > 128 or len(self.options) > SOCKOPTS \
-                or len(self.groups) > MCAST_GROUPS:
+                or len(self.groups) > MCAST_GROUPS or len(self.filter) > 8 * FILTER_MAX:
             raise CRError(_errno.EINVAL, f"fd {self.fd}: socket address too long, or more "
-                          f"than {SOCKOPTS} options or {MCAST_GROUPS} multicast groups")
+                          f"than {SOCKOPTS} options, {MCAST_GROUPS} multicast groups or "
+                          f"{FILTER_MAX} filter instructions")
         c = _Listen(self.fd, self.family, self.type, self.protocol, self.backlog,
                     int(self.reuseaddr), int(self.reuseport), int(self.v6only), len(self.addr))
         ctypes.memmove(c.addr, self.addr, len(self.addr))
@@ -472,6 +484,8 @@ class ListenSocket:
             raw = socket.inet_pton(family, group)
             c.groups[i].ifindex, c.groups[i].family = ifindex, family
             ctypes.memmove(c.groups[i].addr, raw, len(raw))
+        # The C string points into self.filter, which lives as long as this record.
+        c.nfilter, c.filter = len(self.filter) // 8, self.filter or None
         return c
 
 

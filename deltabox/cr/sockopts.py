@@ -1,6 +1,6 @@
 """The integer socket options a restored socket gets again: those of a table that the
-original has away from a fresh socket's value (a UDP socket's, udp.py; a TCP listener's,
-capture.listen_socket).
+original has away from a fresh socket's value (a UDP socket's, udp.py; a netlink
+socket's, netlink.py; a TCP listener's, capture.listen_socket); and its socket filter.
 
 Compared with a fresh socket of the same kind made in the process's own network namespace
 (its sysctls give some defaults, IP_TTL's for one), so an option the program never set is
@@ -15,10 +15,19 @@ again at half the value read, which doubles back to exactly it, and locks the si
 original's is locked. The kernel caps what is set at net.core.rmem_max / wmem_max (the
 FORCE variants need CAP_NET_ADMIN, which sandbox processes lack): a size above the cap
 now (set by a process that had it, or before the cap was lowered) is refused.
+
+A socket filter (SO_ATTACH_FILTER: a classic BPF program, what libpcap and libudev's
+device monitor attach) decides what the socket receives: SO_GET_FILTER reads it back as
+attached, and the copy gets it before anything else (native attach_filter). An eBPF
+program (SO_ATTACH_BPF) cannot be read back and is refused. Not seen, and so not made
+again: a reuseport group's program (SO_ATTACH_REUSEPORT_CBPF / _EBPF), which no call
+reads.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import socket
 import struct
@@ -29,12 +38,15 @@ from . import native
 _SOL, _IP, _IPV6, _TCP = (socket.SOL_SOCKET, socket.IPPROTO_IP, socket.IPPROTO_IPV6,
                           socket.IPPROTO_TCP)
 _UDP_CORK = 1
+_SO_ATTACH_FILTER = _SO_GET_FILTER = 26
+_SO_PASSCRED, _SO_LOCK_FILTER = 16, 44
+_libc = ctypes.CDLL(None, use_errno=True)
 # set again at half the value read, within the cap of this sysctl
 _BUFFERS = {(_SOL, 7): "wmem_max", (_SOL, 8): "rmem_max"}   # SO_SNDBUF, SO_RCVBUF
 
-# Both kinds: SO_PRIORITY SO_TIMESTAMP(NS)_OLD SO_TIMESTAMP(NS)_NEW SO_RXQ_OVFL, the
-# buffer sizes
-_SOCKET = [(_SOL, n) for n in (12, 29, 35, 63, 64, 40)] + list(_BUFFERS)
+# Every kind: SO_PRIORITY SO_TIMESTAMP(NS)_OLD SO_TIMESTAMP(NS)_NEW SO_RXQ_OVFL, the
+# buffer sizes, SO_LOCK_FILTER (set after the filter is attached)
+_SOCKET = [(_SOL, n) for n in (12, 29, 35, 63, 64, 40, _SO_LOCK_FILTER)] + list(_BUFFERS)
 # IP_TOS IP_TTL IP_MTU_DISCOVER IP_FREEBIND
 _IP_BOTH = [(_IP, n) for n in (1, 2, 10, 15)]
 # IPV6_UNICAST_HOPS IPV6_MTU_DISCOVER IPV6_TCLASS
@@ -54,6 +66,14 @@ UDP = {
     socket.AF_INET6: _UDP + _IPV6_BOTH + [(_IPV6, n) for n in (17, 18, 19, 25, 29, 49, 51,
                                                                 66)],
 }
+
+# A netlink socket's: SO_PASSCRED (a device monitor checks that a message comes from root),
+# and at SOL_NETLINK: NETLINK_PKTINFO, NETLINK_BROADCAST_ERROR, NETLINK_NO_ENOBUFS,
+# NETLINK_CAP_ACK, NETLINK_EXT_ACK, NETLINK_GET_STRICT_CHK. (NETLINK_LISTEN_ALL_NSID
+# cannot be read; it needs CAP_NET_BROADCAST, which sandbox processes lack.)
+SOL_NETLINK = 270
+NETLINK = {socket.AF_NETLINK: _SOCKET + [(_SOL, _SO_PASSCRED)] +
+           [(SOL_NETLINK, n) for n in (3, 4, 5, 10, 11, 12)]}
 
 # A TCP listener's, most of them inherited by the connections it accepts: SO_KEEPALIVE,
 # TCP_NODELAY, TCP_MAXSEG, TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT, TCP_DEFER_ACCEPT,
@@ -81,7 +101,38 @@ def remade(pid: int, f: native.FdInfo, s: socket.socket,
         reuseaddr=bool(s.getsockopt(_SOL, socket.SO_REUSEADDR)),
         reuseport=bool(s.getsockopt(_SOL, socket.SO_REUSEPORT)),
         v6only=s.family == socket.AF_INET6 and bool(s.getsockopt(_IPV6, socket.IPV6_V6ONLY)),
-        ino=f.inode, options=differing(pid, s, table), **where)  # type: ignore[arg-type]
+        ino=f.inode, options=differing(pid, s, table), filter=socket_filter(s),
+        **where)  # type: ignore[arg-type]
+
+
+def socket_filter(s: socket.socket) -> bytes:
+    """s's classic socket filter as attached (struct sock_filter[]), b"" if none; refuses
+    (CRError) one that cannot be attached again."""
+    n = ctypes.c_uint(0)   # a length of 0 asks for the number of instructions
+    if _libc.getsockopt(s.fileno(), _SOL, _SO_GET_FILTER, None, ctypes.byref(n)) < 0:
+        e = ctypes.get_errno()
+        if e == errno.EACCES:
+            raise native.CRError(e, "an eBPF socket filter (SO_ATTACH_BPF): it cannot be "
+                                 "read back, so it is not made again")
+        raise native.CRError(e, f"reading its socket filter: {os.strerror(e)}")
+    count = n.value
+    if not count:
+        return b""
+    if count > native.FILTER_MAX:
+        raise native.CRError(errno.E2BIG, f"a socket filter of {count} instructions (at "
+                             f"most {native.FILTER_MAX} are made again)")
+    buf = ctypes.create_string_buffer(8 * count)
+    if _libc.getsockopt(s.fileno(), _SOL, _SO_GET_FILTER, buf, ctypes.byref(n)) < 0:
+        e = ctypes.get_errno()   # replaced meanwhile by a longer one: EINVAL
+        raise native.CRError(e, f"reading its socket filter: {os.strerror(e)}")
+    return buf.raw[:8 * n.value]
+
+
+def attach_filter(s: socket.socket, prog: bytes) -> None:
+    """Attach the classic filter prog (socket_filter's bytes) to s: the kernel copies it."""
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    s.setsockopt(_SOL, _SO_ATTACH_FILTER,
+                 struct.pack("=H6xQ", len(prog) // 8, ctypes.addressof(buf)))
 
 
 def sockaddr(family: int, name: tuple) -> bytes:

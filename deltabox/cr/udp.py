@@ -64,7 +64,7 @@ def capture(pid: int, f: native.FdInfo, joined: Sequence[tuple[int, str]] | None
     SO_ERROR (reading it clears it). `joined`: its namespace's multicast groups
     (joined_in_namespace; read here if None)."""
     with socket.socket(fileno=native.copy_fd(pid, f.fd)) as s:
-        why = _elsewhere(pid, s) or _unsettled(s)
+        why = elsewhere(pid, s) or _unsettled(s)
         name = s.getsockname()
         try:
             peer = s.getpeername()
@@ -153,7 +153,7 @@ def join_request(ifindex: int, group: str) -> tuple[int, int, bytes]:
     return level, _MCAST_JOIN_GROUP, _GROUP_REQ.pack(ifindex, _sockaddr(family, group))
 
 
-def _elsewhere(pid: int, s: socket.socket) -> str | None:
+def elsewhere(pid: int, s: socket.socket) -> str | None:
     """Why the socket is not of the process's network namespace (one handed in from
     outside the sandbox: made again in the sandbox's, it would reach other addresses), or
     None. SIOCGSKNS opens the socket's namespace."""

@@ -646,8 +646,8 @@ def _rec_json(r: ProcessRecord) -> dict:
     # The rebuilt templates map the restored tree's files, which the sandbox may write
     # in place afterwards (cr/private_maps.py).
     d["mapped_private"] = [dataclasses.asdict(m) for m in r.mapped_private]
-    d["listens"] = [dict(dataclasses.asdict(ls), addr=ls.addr.hex(), peer=ls.peer.hex())
-                    for ls in r.listens]
+    d["listens"] = [dict(dataclasses.asdict(ls), addr=ls.addr.hex(), peer=ls.peer.hex(),
+                         filter=ls.filter.hex()) for ls in r.listens]
     d["loop"] = eventloop.to_json(r.loop)
     d["mlocks"] = [dataclasses.asdict(m) for m in r.mlocks]
     d["task"] = r.task.to_json() if r.task is not None else None
@@ -664,9 +664,11 @@ def _rec_from(d: dict) -> ProcessRecord:
         f["locks"] = tuple(f.get("locks", ()))
         fds.append(native.FdInfo(**f, rdev=tuple(rdev) if rdev else None,
                                  socket=native.SockInfo(**sock) if sock else None))
-    # (before stop 64 only TCP listeners: no peer, no options; before stop 66 no groups)
+    # (before stop 64 only TCP listeners: no peer, no options; before stop 66 no groups;
+    # before stop 67 no filter)
     listens = [native.ListenSocket(**dict(ls, addr=bytes.fromhex(ls["addr"]),
                                           peer=bytes.fromhex(ls.get("peer", "")),
+                                          filter=bytes.fromhex(ls.get("filter", "")),
                                           options=tuple(tuple(o) for o in
                                                         ls.get("options", ())),
                                           groups=tuple(tuple(g) for g in

@@ -29,6 +29,8 @@
 #include <netinet/in.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <linux/filter.h>
+#include <linux/netlink.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -3451,6 +3453,121 @@ static void test_udp_socket(void)
 	close(peer);
 }
 
+/* A netlink socket blocked in recv(), bound to a port id of our choosing, in groups 1 (by
+ * its bind) and 33 (NETLINK_ADD_MEMBERSHIP), with SO_PASSCRED on and a classic filter that
+ * lets through only messages of 20 bytes: a child spawned with it made again has the same
+ * port id, groups, option and filter (SO_GET_FILTER), and its filter works: of our two
+ * messages to its port id, it gets the 20-byte one, sent second. */
+#define NL_TEST_GROUP 33
+
+/* Whether netlink socket n is in groups 1 and NL_TEST_GROUP (NETLINK_LIST_MEMBERSHIPS). */
+static bool nl_groups_ok(int n)
+{
+	uint32_t g[8] = { 0 };
+	socklen_t len = sizeof(g);
+
+	if (getsockopt(n, SOL_NETLINK, NETLINK_LIST_MEMBERSHIPS, g, &len) < 0)
+		return false;
+	return (g[0] & 1) && (g[(NL_TEST_GROUP - 1) / 32] >> ((NL_TEST_GROUP - 1) % 32) & 1);
+}
+
+static void test_netlink_socket(void)
+{
+	struct sock_filter only20[] = {
+		BPF_STMT(BPF_LD | BPF_W | BPF_LEN, 0),
+		BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 20, 0, 1),
+		BPF_STMT(BPF_RET | BPF_K, 0xffff),
+		BPF_STMT(BPF_RET | BPF_K, 0),
+	};
+	struct sock_fprog prog = { .len = 4, .filter = only20 };
+	struct sockaddr_nl sa = { .nl_family = AF_NETLINK, .nl_groups = 1 };
+	struct sockaddr_nl to = { .nl_family = AF_NETLINK };
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl;
+	struct dbxcr_listen l;
+	struct dbxcr_spawn_opts o;
+	struct { struct nlmsghdr h; char pad[8]; } msg;
+	int n, me, one = 1, group = NL_TEST_GROUP, st;
+	pid_t srv, child = -1;
+
+	current_test = "netlink-socket";
+	sa.nl_pid = 0x7d000000u | (uint32_t)getpid();
+	n = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
+	me = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
+	CHECK(n >= 0 && me >= 0 &&
+	      setsockopt(n, SOL_SOCKET, SO_ATTACH_FILTER, &prog, sizeof(prog)) == 0 &&
+	      setsockopt(n, SOL_SOCKET, SO_PASSCRED, &one, sizeof(one)) == 0 &&
+	      bind(n, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
+	      setsockopt(n, SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, &group, sizeof(group)) == 0 &&
+	      nl_groups_ok(n), "netlink: %s", strerror(errno));
+	srv = fork();
+	if (srv == 0) {
+		struct sockaddr_nl got;
+		socklen_t gl = sizeof(got), ol = sizeof(int);
+		char buf[64];
+		int pc = 0;
+
+		if (recv(n, buf, sizeof(buf), 0) != 20)
+			_exit(2);
+		if (getsockname(n, (struct sockaddr *)&got, &gl) < 0 || got.nl_pid != sa.nl_pid)
+			_exit(3);
+		if (!nl_groups_ok(n))
+			_exit(4);
+		if (getsockopt(n, SOL_SOCKET, SO_PASSCRED, &pc, &ol) < 0 || !pc)
+			_exit(5);
+		ol = 0;	/* a length of 0 asks for the filter's number of instructions */
+		if (getsockopt(n, SOL_SOCKET, SO_GET_FILTER, NULL, &ol) < 0 || ol != 4)
+			_exit(6);
+		_exit(0);
+	}
+	close(n);
+	CHECK(wait_in_syscall(srv, SYS_recvfrom) == 0, "server never blocked in recv");
+	tpl = dbxcr_make_template(srv, &err);
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (tpl) {
+		CHECK(dbxcr_template_drop_fds(tpl, &err) == 0, "template_drop_fds: %s", err.msg);
+		kill_reap(srv);
+		srv = -1;
+		memset(&l, 0, sizeof(l));
+		l.fd = n;
+		l.family = AF_NETLINK;
+		l.type = SOCK_RAW | SOCK_CLOEXEC;
+		l.protocol = NETLINK_ROUTE;
+		l.addrlen = sizeof(sa);
+		memcpy(l.addr, &sa, sizeof(sa));
+		l.nopts = 2;
+		l.opts[0] = (struct dbxcr_sockopt){ SOL_SOCKET, SO_PASSCRED, 1 };
+		l.opts[1] = (struct dbxcr_sockopt){ SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, group };
+		l.nfilter = 4;
+		l.filter = only20;
+		memset(&o, 0, sizeof(o));
+		o.mntns_fd = -1;
+		o.listens = &l;
+		o.nlistens = 1;
+		child = dbxcr_spawn(tpl, &o, &err);
+		CHECK(child > 0, "spawn: %s", err.msg);
+		to.nl_pid = sa.nl_pid;
+		memset(&msg, 0, sizeof(msg));
+		msg.h.nlmsg_type = NLMSG_NOOP;
+		msg.h.nlmsg_len = 24;	/* dropped by the filter */
+		CHECK(sendto(me, &msg, 24, 0, (struct sockaddr *)&to, sizeof(to)) == 24,
+		      "sendto: %s", strerror(errno));
+		msg.h.nlmsg_len = 20;
+		CHECK(sendto(me, &msg, 20, 0, (struct sockaddr *)&to, sizeof(to)) == 20,
+		      "sendto: %s", strerror(errno));
+		CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
+	}
+	if (child > 0) {
+		st = reap(child);
+		CHECK(st == 0, "restored netlink socket: exit status %d (2: the filter let the "
+		      "24-byte message through, 3: another port id, 4: groups, 5: SO_PASSCRED, "
+		      "6: no filter)", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+	}
+	if (srv > 0)
+		kill_reap(srv);
+	close(me);
+}
+
 /* Count the watches an epoll instance of pid lists in /proc fdinfo. */
 static int epoll_watch_count(pid_t pid, int efd)
 {
@@ -3760,6 +3877,7 @@ int main(int argc, char **argv)
 		{ "spawn-mntns", test_spawn_mntns },
 		{ "listen-socket", test_listen_socket },
 		{ "udp-socket", test_udp_socket },
+		{ "netlink-socket", test_netlink_socket },
 		{ "epoll-recreated", test_epoll_recreated },
 		{ "netns-socket", test_netns_socket },
 		{ "mntns-open", test_mntns_open },
