@@ -29,7 +29,11 @@ and setpriv, as a database's server runs; its template rebuilt as root's from an
 each checkpoint, its credentials given back last at each rollback: deltabox/cr/creds.py;
 its uid checked), or the plain one with a bound UDP socket and one connected to it
 (`udp`: made again bound and connected at each rollback, deltabox/cr/udp.py; a datagram
-sent through the connected one checked to arrive from its port), in the same run on one
+sent through the connected one checked to arrive from its port), or the plain one with
+netlink sockets as Chromium's browser process holds them (`netlink`: a route socket in
+three groups and a device monitor's uevent socket with SO_PASSCRED and an 11-instruction
+filter, made again at each rollback, deltabox/cr/netlink.py; their port ids and filter
+checked, and a dump of the links through the route socket), in the same run on one
 private daemon, each in a sandbox of its own with the same memory (--mb).
 
 Each rep, for every kind in turn (the order rotates): the process changes its state (a
@@ -64,7 +68,7 @@ from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, latenc
 from deltabox import Sandbox
 
 KINDS = ("plain", "asyncio", "tempfile", "threads", "shared", "watcher", "waited",
-         "session", "job", "tmux", "tty", "jvm", "polled", "user", "udp")
+         "session", "job", "tmux", "tty", "jvm", "polled", "user", "udp", "netlink")
 # Kinds whose process is the plain one, beside a bash session: idle (`session`), with a
 # background job (`job`: `sleep 1000 &`, adopted by the restored shell: adoption.py), or
 # idle on a pseudo-terminal (`tty`).
@@ -125,6 +129,28 @@ if kind == "udp":   # a bound UDP socket and one connected to it (deltabox/cr/ud
     us.bind(("127.0.0.1", 9200))
     uc = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     uc.connect(("127.0.0.1", 9200))
+if kind == "netlink":   # Chromium's address tracker and device monitor (cr/netlink.py)
+    nr = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, 0)
+    nr.bind((0, 0x113))
+    nu = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, 15)
+    nu.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    accept_all = ctypes.create_string_buffer(b"".join(
+        struct.pack("=HBBI", 0x06, 0, 0, 0xffff) for _ in range(11)))
+    nu.setsockopt(socket.SOL_SOCKET, 26, struct.pack("=H6xQ", 11,
+                                                     ctypes.addressof(accept_all)))
+    nu.bind((0, 0))
+
+def links():   # RTM_GETLINK dumped through the route socket: how many links
+    nr.send(struct.pack("=IHHII", 32, 18, 0x301, n, 0) + bytes(16))
+    count = 0
+    while True:
+        data, off = nr.recv(65536), 0
+        while off < len(data):
+            length, typ = struct.unpack_from("=IH", data, off)
+            if typ == 3:
+                return count
+            count += typ == 16
+            off += (length + 3) & ~3
 if kind == "threads":   # four idle workers, each waiting on the pool's queue
     pool = concurrent.futures.ThreadPoolExecutor(4)
     for f in [pool.submit(time.sleep, 0.05) for _ in range(4)]:
@@ -151,6 +177,10 @@ def report():
         uc.send(str(n).encode())
         got, came = us.recvfrom(100)
         out += f" udp={got.decode()} port={uc.getsockname()[1]} from={came == uc.getsockname()}"
+    if kind == "netlink":
+        flen = ctypes.c_uint(0)
+        ctypes.CDLL(None).getsockopt(nu.fileno(), 1, 26, None, ctypes.byref(flen))
+        out += f" nl={nr.getsockname()} {nu.getsockname()} filter={flen.value} links={links()}"
     return out
 
 def step():

@@ -1144,6 +1144,21 @@ def test_a_netlink_socket_that_cannot_come_back_is_refused_by_name(sbx: Sandbox)
                           r"to be read")
 
 
+def test_a_socket_filter_on_a_socket_pair_is_refused_by_name(sbx: Sandbox) -> None:
+    """A unix socket pair is made again without a filter: one with a filter attached is
+    refused, naming it (before stop 67 it came back without its filter, silently)."""
+    sbx.exec("nohup python3 -c \"import socket, struct, ctypes, time\na, b = "
+             "socket.socketpair()\nprog = ctypes.create_string_buffer(struct.pack('=HBBI', "
+             "6, 0, 0, 0xffff))\na.setsockopt(1, 26, struct.pack('=H6xQ', 1, "
+             "ctypes.addressof(prog)))\nopen('/workspace/ready', 'w').close()\n"
+             "time.sleep(300)\" >/dev/null 2>&1 &")
+    _wait_file(sbx, "ready")
+    _refused_by_name(sbx, r"(?s)pid \d+ \(python3 -c import socket.*\): fd 3: socket unix "
+                          r"stream connected: has a socket filter \(SO_ATTACH_FILTER or "
+                          r"SO_ATTACH_BPF\): not made again on a unix socket or TCP "
+                          r"connection")
+
+
 # A TCP server whose listener has options set (keepalive and its timings, no delay, a
 # deferred accept, a fast-open queue, a type of service), most of which the connections it
 # accepts inherit: it answers with its count, its listener's options and its connection's.

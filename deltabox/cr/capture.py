@@ -659,6 +659,10 @@ def _fd_refusal(f: native.FdInfo) -> str | None:
         # take_locks); a lease or delegation it would not have.
         return (f"holds {', '.join(other)} on {f.path}: leases and delegations are not "
                 "captured; checkpoint once it is released")
+    if f.kind == "socket" and f.socket is not None and f.socket.filtered:
+        # made again by eventloop.py and tcp.py without one (made_again's keep theirs)
+        return (f"socket {f.describe()}: has a socket filter (SO_ATTACH_FILTER or "
+                "SO_ATTACH_BPF): not made again on a unix socket or TCP connection")
     if is_loop_fd(f) or f.kind == "pidfd":   # eventloop.capture, pidfds.capture
         return None
     if f.kind in ("dir", "chr") and f.target.endswith(" (deleted)"):

@@ -1513,6 +1513,7 @@ class SockInfo:
     state: str          # "listen", "connected", "unconnected", or a TCP state name
     local: str = ""     # unix path ("@name" abstract) or "addr:port"
     remote: str = ""    # "addr:port" for inet; "" for unix (peer needs sock_diag)
+    filtered: bool = False   # a unix socket or TCP connection with a socket filter
 
     @property
     def listening(self) -> bool:
@@ -1603,7 +1604,8 @@ def _describe_socket(s: socket.socket) -> SockInfo:
         typ = _UNIX_TYPES.get(int(s.type), str(int(s.type)))
         state = ("listen" if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) else
                  "connected" if peer is not None else "unconnected")
-        return SockInfo("unix", typ, state, _unix_name(s.getsockname()))
+        return SockInfo("unix", typ, state, _unix_name(s.getsockname()),
+                        filtered=_filtered(s))
     if fam in (socket.AF_INET, socket.AF_INET6):
         name = "inet" if fam == socket.AF_INET else "inet6"
         local = _inet_name(fam, s.getsockname())
@@ -1613,7 +1615,8 @@ def _describe_socket(s: socket.socket) -> SockInfo:
             st = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[_TCP_INFO_STATE]
             state = "listen" if st == 10 else "connected" if st == 1 else _TCP_STATES.get(
                 st, str(st))
-            return SockInfo(name, "tcp", state, local, remote)
+            return SockInfo(name, "tcp", state, local, remote,
+                            filtered=state != "listen" and _filtered(s))
         if s.type == socket.SOCK_DGRAM and s.proto in (0, socket.IPPROTO_UDP):
             return SockInfo(name, "udp", "connected" if peer is not None else "unconnected",
                             local, remote)
@@ -1623,6 +1626,15 @@ def _describe_socket(s: socket.socket) -> SockInfo:
     if fam == getattr(socket, "AF_PACKET", 17):
         return SockInfo("packet", "", "")
     return SockInfo("unknown", "", "")
+
+
+def _filtered(s: socket.socket) -> bool:
+    """Whether s has a socket filter (SO_GET_FILTER with no room: its length; EACCES for
+    an eBPF one). Made-again sockets' filters are read in full (sockopts.socket_filter)."""
+    n = ctypes.c_uint(0)
+    if _libc_raw.getsockopt(s.fileno(), socket.SOL_SOCKET, 26, None, ctypes.byref(n)) < 0:
+        return ctypes.get_errno() == _errno.EACCES
+    return n.value > 0
 
 
 _SYS_PIDFD_GETFD = 438
