@@ -2966,6 +2966,26 @@ static int set_sockopt(struct tracee *c, unsigned long scratch, long s, const st
 	return 0;
 }
 
+/* One of the original's options on the child's socket s: an int, or its struct's bytes
+ * (passed through scratch, as the int). */
+static int set_option(struct tracee *c, unsigned long scratch, long s, const struct dbxcr_listen *l,
+		      const struct dbxcr_sockopt *o, struct dbxcr_error *err)
+{
+	long d[6] = { s, o->level, o->name, (long)scratch, o->len, 0 };
+
+	if (!o->len)
+		return set_sockopt(c, scratch, s, l, o->level, o->name, o->value, err);
+	if (o->len > sizeof(o->bytes))
+		return fail(err, EINVAL, c->pid, "%s fd %d: option (%d, %d) of %u bytes",
+			    sock_kind(l), l->fd, o->level, o->name, o->len);
+	if (mem_write(c->pid, scratch, o->bytes, o->len, err) < 0)
+		return -1;
+	if (rsys(c, SYS_setsockopt, d, err, "%s fd %d: setsockopt(%d, %d) of %u bytes",
+		 sock_kind(l), l->fd, o->level, o->name, o->len) < 0)
+		return -1;
+	return 0;
+}
+
 /* bind or connect (nr) the child's socket s to a raw sockaddr, passed at scratch + 64 (the
  * option values use the first bytes). */
 static int set_address(struct tracee *c, unsigned long scratch, long s, const struct dbxcr_listen *l,
@@ -3068,8 +3088,7 @@ static int recreate_listen(struct tracee *c, unsigned long scratch, const struct
 	     set_sockopt(c, scratch, s, l, IPPROTO_IPV6, IPV6_V6ONLY, l->v6only, err) < 0))
 		return -1;
 	for (unsigned int i = 0; i < l->nopts; i++)
-		if (set_sockopt(c, scratch, s, l, l->opts[i].level, l->opts[i].name,
-				l->opts[i].value, err) < 0)
+		if (set_option(c, scratch, s, l, &l->opts[i], err) < 0)
 			return -1;
 	if (l->addrlen && set_address(c, scratch, s, l, SYS_bind, l->addr, l->addrlen, err) < 0)
 		return -1;

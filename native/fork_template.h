@@ -162,11 +162,15 @@ struct dbxcr_fdmap {
 	int cloexec;
 };
 
-/* An integer socket option the original had away from a fresh socket's value. */
+/* A socket option the original had away from a fresh socket's value: an int (len 0), or
+ * a struct of len bytes (SO_RCVTIMEO's struct timeval, SO_LINGER's struct linger). */
+#define DBXCR_SOCKOPT_BYTES 16
 struct dbxcr_sockopt {
 	int level;
 	int name;
 	int value;
+	unsigned int len;
+	unsigned char bytes[DBXCR_SOCKOPT_BYTES];
 };
 
 #define DBXCR_SOCKOPTS 16

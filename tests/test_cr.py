@@ -1090,7 +1090,7 @@ while True:
 """
 
 
-def _netlink_report(box: Sandbox) -> dict:
+def _asked_report(box: Sandbox) -> dict:
     box.files.remove("report") if box.files.exists("report") else None
     _ask(box, "ask")
     return json.loads(box.files.read("report").decode())
@@ -1105,7 +1105,7 @@ def test_netlink_sockets_and_socket_filters_come_back(sbx: Sandbox, restore: Res
     sbx.files.write("nl.py", NETLINK_HOLDER)
     sbx.exec("cd /workspace && nohup python3 nl.py >/dev/null 2>&1 &")
     _wait_file(sbx, "ready")
-    before = _netlink_report(sbx)
+    before = _asked_report(sbx)
     route, uevent, diag = before["route"], before["uevent"], before["diag"]
     assert route[0][1] == 0x11 and route[1].startswith("11000000") and route[2] == 1, route
     assert route[1][8:16] == "01000000", route         # group 33
@@ -1115,7 +1115,7 @@ def test_netlink_sockets_and_socket_filters_come_back(sbx: Sandbox, restore: Res
     cp = sbx.checkpoint(mode="full")
     assert cp.kind == "full", cp.reasons
     target = restore(sbx, cp)
-    after = _netlink_report(target)
+    after = _asked_report(target)
     assert after == before
 
 
@@ -1157,6 +1157,88 @@ def test_a_socket_filter_on_a_socket_pair_is_refused_by_name(sbx: Sandbox) -> No
                           r"stream connected: has a socket filter \(SO_ATTACH_FILTER or "
                           r"SO_ATTACH_BPF\): not made again on a unix socket or TCP "
                           r"connection")
+
+
+# A process with every kind of socket made again (a unix stream pair, a unix datagram
+# pair, both ends of a loopback TCP connection, a TCP listener, a UDP socket), each with
+# timeouts, a receive low-water mark and a linger set, and the unix ones passing
+# credentials and pidfds with a peek offset on; asked, it reports every option, then
+# sends a message over the unix pair and reports the credentials that came with it.
+SOCKET_OPTIONS = r"""
+import json, os, socket, struct, time
+W = "/workspace/"
+a, b = socket.socketpair()
+da, db = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+srv = socket.socket()
+srv.bind(("127.0.0.1", 9143))
+srv.listen()
+c = socket.create_connection(("127.0.0.1", 9143))
+s, _ = srv.accept()
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+u.bind(("127.0.0.1", 9144))
+socks = dict(a=a, b=b, da=da, c=c, s=s, srv=srv, u=u)
+for k, x in socks.items():
+    x.setsockopt(1, 20, struct.pack("=qq", 3, 0))        # SO_RCVTIMEO
+    x.setsockopt(1, 21, struct.pack("=qq", 7, 0))        # SO_SNDTIMEO
+    x.setsockopt(1, 18, 5)                               # SO_RCVLOWAT
+    x.setsockopt(1, 13, struct.pack("=ii", 1, 9))        # SO_LINGER
+    if x.family == socket.AF_UNIX:
+        x.setsockopt(1, 16, 1)                           # SO_PASSCRED
+        x.setsockopt(1, 42, 0)                           # SO_PEEK_OFF
+c.setsockopt(socket.IPPROTO_TCP, 18, 4321)               # TCP_USER_TIMEOUT
+c.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, 0x10)
+def report():
+    out = {}
+    for k, x in socks.items():
+        out[k] = [x.getsockopt(1, 20, 16).hex(), x.getsockopt(1, 21, 16).hex(),
+                  x.getsockopt(1, 18), x.getsockopt(1, 13, 8).hex()]
+        if x.family == socket.AF_UNIX:
+            out[k] += [x.getsockopt(1, 16), x.getsockopt(1, 42)]
+    out["c"] += [c.getsockopt(socket.IPPROTO_TCP, 18), c.getsockopt(socket.IPPROTO_IP, 1)]
+    a.send(b"hello")
+    msg, anc, _, _ = b.recvmsg(16, socket.CMSG_SPACE(12))
+    creds = [struct.unpack("=iII", d) for lv, t, d in anc if lv == 1 and t == 2]
+    out["creds"] = [msg.decode(), creds == [(os.getpid(), os.getuid(), os.getgid())]]
+    return out
+open(W + "ready", "w").close()
+while True:
+    if os.path.exists(W + "ask"):
+        open(W + "report.tmp", "w").write(json.dumps(report()))
+        os.rename(W + "report.tmp", W + "report")
+        os.unlink(W + "ask")
+    time.sleep(0.02)
+"""
+
+
+def test_socket_options_come_back_on_every_kind_of_socket(sbx: Sandbox,
+                                                          restore: Restore) -> None:
+    """Timeouts, the receive low-water mark and linger on every kind of socket made again,
+    a TCP connection's user timeout and type of service, a unix socket's SO_PASSCRED and
+    peek offset: before stop 67 all were lost, silently (a receive that had a timeout
+    blocked for ever; a unix socket's reader got no credentials)."""
+    sbx.files.write("so.py", SOCKET_OPTIONS)
+    sbx.exec("cd /workspace && nohup python3 so.py >/dev/null 2>&1 &")
+    _wait_file(sbx, "ready")
+    before = _asked_report(sbx)
+    assert before["creds"] == ["hello", True], before
+    assert before["a"][4:] == [1, 0] and before["c"][-2:] == [4321, 0x10], before
+    cp = sbx.checkpoint(mode="full")
+    assert cp.kind == "full", cp.reasons
+    target = restore(sbx, cp)
+    assert _asked_report(target) == before
+
+
+def test_bytes_waiting_for_a_reader_of_credentials_are_refused_by_name(sbx: Sandbox
+                                                                         ) -> None:
+    """Bytes waiting at a unix socket that gets its senders' credentials would be sent
+    again by the daemon, with its own: refused, naming the socket."""
+    sbx.exec("nohup python3 -c \"import socket, time\na, b = socket.socketpair()\n"
+             "b.setsockopt(1, 16, 1)\na.send(b'unread')\nopen('/workspace/ready', 'w')"
+             ".close()\ntime.sleep(300)\" >/dev/null 2>&1 &")
+    _wait_file(sbx, "ready")
+    _refused_by_name(sbx, r"(?s)pid \d+ \(python3 -c import socket.*\): fd [34]: unix socket "
+                          r"unix stream connected: bytes wait at an end that gets their "
+                          r"senders' credentials \(SO_PASSCRED")
 
 
 # A TCP server whose listener has options set (keepalive and its timings, no delay, a
@@ -5684,6 +5766,49 @@ def _host_pid_in_ns(init_pid: int, nspid: int) -> int | None:
     return None
 
 
+HOLDER = "sleep\x001000.25\x00"   # a pid holder's command line (sleep 1000.25)
+
+
+def _hold_pid(init: int, x: int) -> int | None:
+    """The host pid of a session leader outside the sandbox's cgroup (a rollback leaves it
+    alone) that holds pid x of init's namespace: the next pid the namespace hands out is
+    made x. No carrier can take it (the warm pool makes none for a shell and its job,
+    which the restored shell adopts: cr/adoption.py), but the warm pool's dbx-mkroot,
+    preparing the next generation in the namespace, can: then ours got another pid, is
+    killed, and it is tried again."""
+    for _ in range(20):
+        subprocess.run(["nsenter", "-t", str(init), "-p", "--", "sh", "-c",
+                        f"echo {x - 1} > /proc/sys/kernel/ns_last_pid; "
+                        "exec setsid -f sleep 1000.25 >/dev/null 2>&1 </dev/null"],
+                       check=True)
+        # `setsid -f` returns once it has forked: wait until ours runs sleep in its own
+        # session, so nothing about it changes while the rollback runs.
+        deadline = time.monotonic() + 10
+        while not (ours := _in_ns(init, HOLDER)):
+            assert time.monotonic() < deadline, "the pid holder never ran"
+            time.sleep(0.01)
+        if ours == [_host_pid_in_ns(init, x)]:
+            return ours[0]
+        for pid in ours:
+            os.kill(pid, signal.SIGKILL)
+        while _in_ns(init, HOLDER):
+            time.sleep(0.01)
+    return None
+
+
+def _in_ns(init: int, cmdline: str) -> list[int]:
+    """Host pids of the processes of init's pid namespace running `cmdline`."""
+    ns, out = os.readlink(f"/proc/{init}/ns/pid"), []
+    for d in os.listdir("/proc"):
+        try:
+            if d.isdigit() and os.readlink(f"/proc/{d}/ns/pid") == ns and \
+                    open(f"/proc/{d}/cmdline").read() == cmdline:
+                out.append(int(d))
+        except OSError:
+            continue
+    return out
+
+
 def test_pid_taken_meanwhile_is_restored_with_a_new_pid(sbx: Sandbox) -> None:
     """A process whose pid is still allocated at the rollback (here: a session id of a
     process the rollback does not kill; in practice another checkpoint's template group)
@@ -5699,23 +5824,9 @@ def test_pid_taken_meanwhile_is_restored_with_a_new_pid(sbx: Sandbox) -> None:
         assert time.monotonic() < deadline, f"pid {x} still exists"
         time.sleep(0.05)
     init = sbx.info().init_pid
-    # No carrier can take the pid meant for the holder below: the warm pool makes none for
-    # a shell and its job (the job is adopted by the restored shell: cr/adoption.py).
-    # The next pid the namespace hands out is x: a session leader outside the sandbox's
-    # cgroup (so the rollback leaves it alone) takes it.
-    subprocess.run(["nsenter", "-t", str(init), "-p", "--", "sh", "-c",
-                    f"echo {x - 1} > /proc/sys/kernel/ns_last_pid; "
-                    "exec setsid -f sleep 1000 >/dev/null 2>&1 </dev/null"],
-                   check=True)
-    holder = _host_pid_in_ns(init, x)
-    assert holder is not None, sbx.exec("ps -eo pid,pgid,sid,stat,args").stdout
+    holder = _hold_pid(init, x)
+    assert holder is not None, (x, sbx.exec("ps -eo pid,pgid,sid,stat,args").stdout)
     try:
-        # `setsid -f` returns once it has forked: wait until the holder runs sleep in its
-        # own session, so nothing about it changes while the rollback runs.
-        deadline = time.monotonic() + 10
-        while open(f"/proc/{holder}/comm").read().strip() != "sleep":
-            assert time.monotonic() < deadline, sbx.exec("ps -eo pid,pgid,sid,stat,args").stdout
-            time.sleep(0.01)
         r = sbx.rollback(cp)
         assert r.process_state == "restored", r.note
         assert f"pid {x} was in use" in r.note, r.note

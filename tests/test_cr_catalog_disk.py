@@ -83,6 +83,7 @@ from test_cr import (  # noqa: F401  (the catalog's cases, run here with the dis
     test_udp_sockets_come_back_bound_connected_and_with_their_options,
     test_a_listeners_options_come_back_and_its_connections_inherit_them,
     test_netlink_sockets_and_socket_filters_come_back,
+    test_socket_options_come_back_on_every_kind_of_socket,
     test_timerfd_and_signalfd)
 
 ARGS = ("--no-inspector", "--templates", "1")

@@ -22,9 +22,9 @@ from deltabox.cr import private_maps
 from conftest import HELD, OWN_PS, wait_for
 from test_cr import (FIFO_GOT, FIFO_PAIR, INTERLEAVED, LOCKER, NETLINK_HOLDER, PAGES,
                      PRIVATE_AT_CP,
-                     PREFORK, PRIVATE_MAPS, REGISTRATIONS, REWRITE_PAGES, SHARED_MEMORY, TCP_ENDS,
+                     PREFORK, PRIVATE_MAPS, REGISTRATIONS, SOCKET_OPTIONS, REWRITE_PAGES, SHARED_MEMORY, TCP_ENDS,
                      THREADED, TIMERS, TRY_LOCK, UDP_SERVER, UNIX_CLIENT, UNIX_SERVER, _ask,
-                     _ask_client, _ask_prefork, _ask_udp, _count, _netlink_report, _drain_fifos, _interleaved, _join, _report, _role,
+                     _ask_client, _ask_prefork, _ask_udp, _count, _asked_report, _drain_fifos, _interleaved, _join, _report, _role,
                      _start_pty_harness, _state_of, _typed, _unix_request)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -327,13 +327,29 @@ def test_netlink_sockets_and_filters_born_from_carriers(sbx: Sandbox) -> None:
     sbx.files.write("nl.py", NETLINK_HOLDER)
     sbx.exec("cd /workspace; nohup python3 nl.py >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("ready"))
-    at_cp = _netlink_report(sbx)
+    at_cp = _asked_report(sbx)
     cp = sbx.checkpoint(mode="full")
     for _ in range(2):
         wait_for(lambda: _carriers_ready(sbx), what="a carrier")
         r = sbx.rollback(cp)
         assert r.process_state == "restored", r.note
-        assert _netlink_report(sbx) == at_cp
+        assert _asked_report(sbx) == at_cp
+
+
+def test_socket_options_born_from_carriers(sbx: Sandbox) -> None:
+    """Sockets of every kind made ahead for a carrier get their options (timeouts, linger,
+    a unix socket's SO_PASSCRED and peek offset, a connection's user timeout), rollback
+    after rollback."""
+    sbx.files.write("so.py", SOCKET_OPTIONS)
+    sbx.exec("cd /workspace; nohup python3 so.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("ready"))
+    at_cp = _asked_report(sbx)
+    cp = sbx.checkpoint(mode="full")
+    for _ in range(2):
+        wait_for(lambda: _carriers_ready(sbx), what="a carrier")
+        r = sbx.rollback(cp)
+        assert r.process_state == "restored", r.note
+        assert _asked_report(sbx) == at_cp
 
 
 def test_shared_memory_born_from_carriers(sbx: Sandbox) -> None:

@@ -80,8 +80,8 @@ from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from ..fs.files import open_in_root
 from . import (adoption, creds, deleted_cwd, eventloop, fifos, listeners, native, pidfds, pipebuf,
-               private_maps, ptys, shared_files, shm_files, sysv_shm, taskattrs, tcp,
-               unix_listeners, unlinked, watches)
+               private_maps, ptys, shared_files, shm_files, sockopts, sysv_shm, taskattrs,
+               tcp, unix_listeners, unlinked, watches)
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .taskattrs import TaskAttrs
 from .capture import (DEV_TTY, ProcessRecord, Refusal, SharedMapping, Unsettled, add_listeners,
@@ -1588,13 +1588,17 @@ class _PipePlan:
 def _fresh_pair(p: eventloop.SocketPair, netns_pid: int) -> tuple[int, int]:
     """A new socket pair like `p` was, in netns_pid's network namespace (where the next
     checkpoint's sock_diag finds it), its queued bytes sent again (each end's data comes
-    from the other end), its buffer sizes and non-blocking flags set; our fds."""
+    from the other end), its buffer sizes, options and non-blocking flags set; our fds.
+    The options come after the bytes: an end passing credentials would be given a name
+    by its first send (the kernel autobinds it), and the bytes carry none."""
     a, b = native.netns_socketpair(netns_pid, p.type)
     try:
         _set_bufs(a, p.bufs_a)
         _set_bufs(b, p.bufs_b)
         _send_all(b, p.data_a)
         _send_all(a, p.data_b)
+        sockopts.set_all(a, p.opts_a)
+        sockopts.set_all(b, p.opts_b)
         a.setblocking(not p.nonblock_a)
         b.setblocking(not p.nonblock_b)
         return a.detach(), b.detach()
@@ -1614,6 +1618,7 @@ def _lone_socket(x: eventloop.LoneSocket, netns_pid: int) -> int:
         a = native.netns_socket(netns_pid, socket.AF_UNIX, x.type)
         try:
             _set_bufs(a, x.bufs)
+            sockopts.set_all(a, x.opts)
             a.setblocking(not x.nonblock)
             return a.detach()
         except BaseException:
@@ -1626,6 +1631,7 @@ def _lone_socket(x: eventloop.LoneSocket, netns_pid: int) -> int:
             _send_all(b, x.data)
             if x.reset:
                 _send_all(a, b"\0")
+            sockopts.set_all(a, x.opts)
             a.setblocking(not x.nonblock)
         except BaseException:
             a.close()

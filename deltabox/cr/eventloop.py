@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from .. import kernfs
-from . import native, sockdiag, tcp, unix_listeners, watches
+from . import native, sockdiag, sockopts, tcp, unix_listeners, watches
 from .capture import ProcessRecord, Refusal, is_loop_fd
 
 T = TypeVar("T", "LoneSocket", unix_listeners.UnixListener)
@@ -105,6 +105,8 @@ class SocketPair:
     data_b: bytes = b""
     bufs_a: tuple[int, int] = (0, 0)      # SO_SNDBUF, SO_RCVBUF as getsockopt reports
     bufs_b: tuple[int, int] = (0, 0)
+    opts_a: tuple[sockopts.Option, ...] = ()   # its other options (sockopts.UNIX)
+    opts_b: tuple[sockopts.Option, ...] = ()
 
 
 @dataclass
@@ -122,6 +124,7 @@ class LoneSocket:
     data: bytes = b""
     reset: bool = False                   # the peer left unread bytes: ECONNRESET pending
     bufs: tuple[int, int] = (0, 0)
+    opts: tuple[sockopts.Option, ...] = ()
 
 
 @dataclass
@@ -484,6 +487,7 @@ class _PairState:
     nonblock: tuple[bool, bool]
     data: tuple[bytes, bytes]
     bufs: tuple[tuple[int, int], tuple[int, int]]
+    opts: tuple[tuple[sockopts.Option, ...], tuple[sockopts.Option, ...]]
 
 
 class _Pairs:
@@ -523,10 +527,14 @@ class _Pairs:
             for end in (a, b):
                 rec, f = self.holders[end][0]
                 ends.append(_queued(rec.pid, f.fd, self.diag[end]))
-        except OSError as e:
+        except (OSError, native.CRError) as e:
             return f"reading the socket pair: {e}"
+        for data, _bufs, _nonblock, opts in ends:
+            why = _credentials_lost(data, opts)
+            if why:
+                return why
         return _PairState(d.type, (ends[0][2], ends[1][2]), (ends[0][0], ends[1][0]),
-                          (ends[0][1], ends[1][1]))
+                          (ends[0][1], ends[1][1]), (ends[0][3], ends[1][3]))
 
     def _listener(self, rec: ProcessRecord, f: native.FdInfo
                   ) -> unix_listeners.UnixListener | str:
@@ -546,9 +554,11 @@ class _Pairs:
                 self.lones[f.inode] = why
             else:
                 try:
-                    self.lones[f.inode] = _read_lone(rec.pid, f.fd, f.inode, d)
-                except OSError as e:
+                    lone = _read_lone(rec.pid, f.fd, f.inode, d)
+                except (OSError, native.CRError) as e:
                     self.lones[f.inode] = f"reading the socket: {e}"
+                else:
+                    self.lones[f.inode] = _credentials_lost(lone.data, lone.opts) or lone
         return self.lones[f.inode]
 
     def add(self, rec: ProcessRecord, loop: LoopState, reasons: list[str]) -> None:
@@ -579,7 +589,7 @@ class _Pairs:
                 continue
             if key not in mine:
                 mine[key] = SocketPair(f"unix:{key}", st.type, [], [], *st.nonblock,
-                                       *st.data, *st.bufs)
+                                       *st.data, *st.bufs, *st.opts)
                 loop.pairs.append(mine[key])
             (mine[key].a if f.inode == key else mine[key].b).append(f.fd)
 
@@ -671,32 +681,58 @@ def _read_lone(pid: int, fd: int, ino: int, d: _UnixDiag) -> LoneSocket:
     where SO_ERROR would clear it)."""
     widowed = d.state == TCP_ESTABLISHED
     with socket.socket(fileno=native.copy_fd(pid, fd)) as s:
-        data, bufs, nonblock = _read_end(s, d)
+        data, bufs, nonblock, opts = _read_end(s, d)
         p = select.poll()
         p.register(s.fileno(), 0)
         reset = widowed and any(ev & select.POLLERR for _, ev in p.poll(0))
-    return LoneSocket(f"unix:{ino}", d.type, widowed, [], nonblock, data, reset, bufs)
+    return LoneSocket(f"unix:{ino}", d.type, widowed, [], nonblock, data, reset, bufs, opts)
 
 
-def _queued(pid: int, fd: int, d: _UnixDiag) -> tuple[bytes, tuple[int, int], bool]:
+_End = tuple[bytes, tuple[int, int], bool, tuple[sockopts.Option, ...]]
+
+
+def _queued(pid: int, fd: int, d: _UnixDiag) -> _End:
     """_read_end of another process's socket."""
     with socket.socket(fileno=native.copy_fd(pid, fd)) as s:
         return _read_end(s, d)
 
 
-def _read_end(s: socket.socket, d: _UnixDiag) -> tuple[bytes, tuple[int, int], bool]:
-    """The bytes waiting to be read at this end (peeked, not consumed), its buffer sizes
-    and whether it is non-blocking (a status flag of the one open file description every
-    holder of this end shares)."""
+def _read_end(s: socket.socket, d: _UnixDiag) -> _End:
+    """The bytes waiting to be read at this end (peeked, not consumed), its buffer sizes,
+    whether it is non-blocking (a status flag of the one open file description every
+    holder of this end shares) and its other options. A peek never moves SO_PEEK_OFF: with
+    it set, a MSG_PEEK read starts at the offset and moves it on, so it is read first and
+    put back (nothing else reads this socket while its processes are stopped)."""
     bufs = (s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
             s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
     nonblock = bool(fcntl.fcntl(s.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK)
+    opts = sockopts.differing(None, s, sockopts.UNIX)
     if not d.rqueue:
-        return b"", bufs, nonblock
-    data = s.recv(d.rqueue, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        return b"", bufs, nonblock, opts
+    peek_off = s.getsockopt(socket.SOL_SOCKET, _SO_PEEK_OFF)
+    if peek_off >= 0:
+        s.setsockopt(socket.SOL_SOCKET, _SO_PEEK_OFF, -1)
+    try:
+        data = s.recv(d.rqueue, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    finally:
+        if peek_off >= 0:
+            s.setsockopt(socket.SOL_SOCKET, _SO_PEEK_OFF, peek_off)
     if len(data) != d.rqueue:
         raise OSError(0, f"peeked {len(data)} of the {d.rqueue} bytes waiting")
-    return data, bufs, nonblock
+    return data, bufs, nonblock, opts
+
+
+_SO_PEEK_OFF = 42
+
+
+def _credentials_lost(data: bytes, opts: tuple[sockopts.Option, ...]) -> str | None:
+    """Why bytes waiting at an end that gets its senders' credentials cannot be made again
+    (they are sent again by the daemon, whose credentials they would carry), or None."""
+    if data and any((lv, nm) in sockopts.PASSING and v for lv, nm, v in opts):
+        return ("bytes wait at an end that gets their senders' credentials (SO_PASSCRED, "
+                "SO_PASSPIDFD or SO_PASSSEC): whose they were is not captured; checkpoint "
+                "once they are read")
+    return None
 
 
 # ---- TCP connections -----------------------------------------------------------------------
@@ -823,15 +859,18 @@ def to_json(loop: LoopState | None) -> dict | None:
                      watches=[[w.fd, w.events, w.data] for w in e.watches])
                 for e in loop.epolls],
         eventfds=[dataclasses.asdict(e) for e in loop.eventfds],
-        pairs=[dict(dataclasses.asdict(p), data_a=p.data_a.hex(), data_b=p.data_b.hex())
+        pairs=[dict(dataclasses.asdict(p), data_a=p.data_a.hex(), data_b=p.data_b.hex(),
+                    opts_a=sockopts.to_json(p.opts_a), opts_b=sockopts.to_json(p.opts_b))
                for p in loop.pairs],
-        lone=[dict(dataclasses.asdict(x), data=x.data.hex()) for x in loop.lone],
+        lone=[dict(dataclasses.asdict(x), data=x.data.hex(), opts=sockopts.to_json(x.opts))
+              for x in loop.lone],
         timerfds=[dataclasses.asdict(t) for t in loop.timerfds],
         signalfds=[dataclasses.asdict(x) for x in loop.signalfds],
         inotifies=[dataclasses.asdict(x) for x in loop.inotifies],
         tcp=[dict(key=c.key, family=c.family, a=c.a, b=c.b,
                   ends=[dict(dataclasses.asdict(e), send_data=e.send_data.hex(),
-                             recv_data=e.recv_data.hex(), window=e.window.hex())
+                             recv_data=e.recv_data.hex(), window=e.window.hex(),
+                             opts=sockopts.to_json(e.opts))
                         for e in c.ends])
              for c in loop.tcp],
         unix_listeners=[dataclasses.asdict(u) for u in loop.unix_listeners])
@@ -846,11 +885,15 @@ def from_json(d: dict | None) -> LoopState | None:
                              e.get("dup_of", -1))
                 for e in d["epolls"]],
         eventfds=[EventFd(**e) for e in d["eventfds"]],
+        # (options: since stop 67)
         pairs=[SocketPair(**dict(p, data_a=bytes.fromhex(p["data_a"]),
                                  data_b=bytes.fromhex(p["data_b"]),
-                                 bufs_a=tuple(p["bufs_a"]), bufs_b=tuple(p["bufs_b"])))
+                                 bufs_a=tuple(p["bufs_a"]), bufs_b=tuple(p["bufs_b"]),
+                                 opts_a=sockopts.from_json(p.get("opts_a", [])),
+                                 opts_b=sockopts.from_json(p.get("opts_b", []))))
                for p in d["pairs"]],
-        lone=[LoneSocket(**dict(x, data=bytes.fromhex(x["data"]), bufs=tuple(x["bufs"])))
+        lone=[LoneSocket(**dict(x, data=bytes.fromhex(x["data"]), bufs=tuple(x["bufs"]),
+                                opts=sockopts.from_json(x.get("opts", []))))
               for x in d.get("lone", [])],
         timerfds=[TimerFd(**t) for t in d.get("timerfds", [])],
         signalfds=[SignalFd(**x) for x in d.get("signalfds", [])],
@@ -859,7 +902,8 @@ def from_json(d: dict | None) -> LoopState | None:
         tcp=[tcp.TcpConn(c["key"], c["family"], c["a"], c["b"],
                          [tcp.End(**dict(e, send_data=bytes.fromhex(e["send_data"]),
                                          recv_data=bytes.fromhex(e["recv_data"]),
-                                         window=bytes.fromhex(e["window"])))
+                                         window=bytes.fromhex(e["window"]),
+                                         opts=sockopts.from_json(e.get("opts", []))))
                           for e in c["ends"]])
              for c in d.get("tcp", [])],
         unix_listeners=[unix_listeners.UnixListener(**u) for u in d.get("unix_listeners", [])])

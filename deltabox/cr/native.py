@@ -115,8 +115,12 @@ class _StopInfo(ctypes.Structure):
                 ("done", ctypes.c_int)]
 
 
+SOCKOPT_BYTES = 16   # DBXCR_SOCKOPT_BYTES
+
+
 class _SockOpt(ctypes.Structure):
-    _fields_ = [("level", ctypes.c_int), ("name", ctypes.c_int), ("value", ctypes.c_int)]
+    _fields_ = [("level", ctypes.c_int), ("name", ctypes.c_int), ("value", ctypes.c_int),
+                ("len", ctypes.c_uint), ("bytes", ctypes.c_ubyte * SOCKOPT_BYTES)]
 
 
 SOCKOPTS = 16   # DBXCR_SOCKOPTS
@@ -447,8 +451,9 @@ class ListenSocket:
     v6only: bool = False
     ino: int = 0         # the socket's inode: the same socket in several processes
     peer: bytes = b""    # raw sockaddr of a connected UDP socket's peer
-    # (level, name, value) of the integer options set away from a fresh socket's value
-    options: tuple[tuple[int, int, int], ...] = ()
+    # (level, name, value) of the options set away from a fresh socket's value: an int,
+    # or a struct's bytes (SO_RCVTIMEO, SO_LINGER)
+    options: tuple[tuple[int, int, int | bytes], ...] = ()
     # (interface index, group address) of the multicast groups a UDP socket joined
     groups: tuple[tuple[int, str], ...] = ()
     # its classic BPF socket filter (SO_ATTACH_FILTER): struct sock_filter[], 8 bytes each
@@ -477,7 +482,14 @@ class ListenSocket:
         ctypes.memmove(c.peer, self.peer, len(self.peer))
         c.nopts = len(self.options)
         for i, (level, name, value) in enumerate(self.options):
-            c.opts[i] = _SockOpt(level, name, value)
+            if isinstance(value, bytes):   # a struct option (sockopts.py)
+                if len(value) > SOCKOPT_BYTES:
+                    raise CRError(_errno.EINVAL, f"fd {self.fd}: option ({level}, {name}) "
+                                  f"of {len(value)} bytes")
+                c.opts[i] = _SockOpt(level, name, 0, len(value))
+                ctypes.memmove(c.opts[i].bytes, value, len(value))
+            else:
+                c.opts[i] = _SockOpt(level, name, value)
         c.ngroups = len(self.groups)
         for i, (ifindex, group) in enumerate(self.groups):
             family = socket.AF_INET6 if ":" in group else socket.AF_INET

@@ -1,6 +1,13 @@
-"""The integer socket options a restored socket gets again: those of a table that the
-original has away from a fresh socket's value (a UDP socket's, udp.py; a netlink
-socket's, netlink.py; a TCP listener's, capture.listen_socket); and its socket filter.
+"""The socket options a restored socket gets again: those of a table that the original
+has away from a fresh socket's value (a UDP socket's, udp.py; a netlink socket's,
+netlink.py; a TCP listener's, capture.listen_socket; a unix socket's, eventloop.py; a TCP
+connection's, tcp.py); and its socket filter.
+
+Most are ints; a few are structs (SO_RCVTIMEO and SO_SNDTIMEO's struct timeval, the
+timeouts of a blocking call; SO_LINGER's struct linger), read and set again as bytes.
+Before stop 67 only ints of the listener and UDP tables came back: a restored socket's
+timeouts, receive low-water mark and linger were lost on every kind, and a unix socket's
+SO_PASSCRED, SO_PASSPIDFD and SO_PEEK_OFF, silently.
 
 Compared with a fresh socket of the same kind made in the process's own network namespace
 (its sysctls give some defaults, IP_TTL's for one), so an option the program never set is
@@ -44,9 +51,16 @@ _libc = ctypes.CDLL(None, use_errno=True)
 # set again at half the value read, within the cap of this sysctl
 _BUFFERS = {(_SOL, 7): "wmem_max", (_SOL, 8): "rmem_max"}   # SO_SNDBUF, SO_RCVBUF
 
-# Every kind: SO_PRIORITY SO_TIMESTAMP(NS)_OLD SO_TIMESTAMP(NS)_NEW SO_RXQ_OVFL, the
-# buffer sizes, SO_LOCK_FILTER (set after the filter is attached)
-_SOCKET = [(_SOL, n) for n in (12, 29, 35, 63, 64, 40, _SO_LOCK_FILTER)] + list(_BUFFERS)
+# A table's entry: (level, name) of an int option, (level, name, size) of a struct one.
+Entry = tuple[int, int] | tuple[int, int, int]
+# Every kind: SO_PRIORITY SO_TIMESTAMP(NS)_OLD SO_TIMESTAMP(NS)_NEW SO_RXQ_OVFL
+# SO_RCVLOWAT, SO_LOCK_FILTER (set after the filter is attached), SO_RCVTIMEO_OLD and
+# SO_SNDTIMEO_OLD (struct timeval), SO_LINGER (struct linger)
+_ANY: list[Entry] = [(_SOL, n) for n in (12, 29, 35, 63, 64, 40, 18, _SO_LOCK_FILTER)] + [
+    (_SOL, 20, 16), (_SOL, 21, 16), (_SOL, 13, 8)]
+# and, but on a TCP connection (its sizes grow by themselves; one set locks it), the buffer
+# sizes
+_SOCKET: list[Entry] = _ANY + list(_BUFFERS)
 # IP_TOS IP_TTL IP_MTU_DISCOVER IP_FREEBIND
 _IP_BOTH = [(_IP, n) for n in (1, 2, 10, 15)]
 # IPV6_UNICAST_HOPS IPV6_MTU_DISCOVER IPV6_TCLASS
@@ -75,6 +89,19 @@ SOL_NETLINK = 270
 NETLINK = {socket.AF_NETLINK: _SOCKET + [(_SOL, _SO_PASSCRED)] +
            [(SOL_NETLINK, n) for n in (3, 4, 5, 10, 11, 12)]}
 
+# A unix socket's (its buffer sizes are made again apart, eventloop.py): SO_PASSCRED and
+# SO_PASSSEC (its reads get the sender's credentials, its security label), SO_PASSPIDFD
+# (a pidfd of the sender), SO_PEEK_OFF (where a MSG_PEEK read starts).
+_SO_PASSSEC, _SO_PEEK_OFF, _SO_PASSPIDFD = 34, 42, 76
+PASSING = {(_SOL, _SO_PASSCRED), (_SOL, _SO_PASSSEC), (_SOL, _SO_PASSPIDFD)}
+UNIX = {socket.AF_UNIX: _ANY + sorted(PASSING) + [(_SOL, _SO_PEEK_OFF)]}
+
+# A TCP connection's beside those tcp.py reads itself (no delay, keepalive): TCP_CORK,
+# TCP_USER_TIMEOUT, TCP_NOTSENT_LOWAT, and IP_TOS / IPV6_TCLASS. (Not TCP_QUICKACK: it
+# reads the connection's passing ack mode, not a setting.)
+_CONN = _ANY + [(_TCP, n) for n in (3, 18, 25)]
+TCP_CONNECTION = {socket.AF_INET: _CONN + [(_IP, 1)], socket.AF_INET6: _CONN + [(_IPV6, 67)]}
+
 # A TCP listener's, most of them inherited by the connections it accepts: SO_KEEPALIVE,
 # TCP_NODELAY, TCP_MAXSEG, TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT, TCP_DEFER_ACCEPT,
 # TCP_QUICKACK, TCP_USER_TIMEOUT, TCP_FASTOPEN (its queue), TCP_NOTSENT_LOWAT.
@@ -86,7 +113,7 @@ LISTENER = {
 
 
 def remade(pid: int, f: native.FdInfo, s: socket.socket,
-           table: dict[int, list[tuple[int, int]]], **where: object) -> native.ListenSocket:
+           table: dict[int, list[Entry]], **where: object) -> native.ListenSocket:
     """What it takes to make pid's socket at f (our copy s) again: its kind, flags, the
     options a bind depends on, those of `table` it set; `where`: its address, backlog,
     peer."""
@@ -147,16 +174,26 @@ def sockaddr(family: int, name: tuple) -> bytes:
         socket.inet_pton(family, host.split("%")[0]) + struct.pack("=I", scope)
 
 
-def differing(pid: int, s: socket.socket, table: dict[int, list[tuple[int, int]]]
-              ) -> tuple[tuple[int, int, int], ...]:
+Option = tuple[int, int, int | bytes]
+
+
+def differing(pid: int | None, s: socket.socket, table: dict[int, list[Entry]]
+              ) -> tuple[Option, ...]:
     """(level, name, value) of each option of table[s.family] whose value on s differs
-    from a fresh socket's of s's type, made in pid's network namespace."""
-    fresh = native.netns_socket(pid, s.family, s.type & 0xf, 0)
+    from a fresh socket's of s's type, made in pid's network namespace (some defaults
+    are its sysctls: IP_TTL's, buffer sizes), or here if pid is None (a table whose
+    defaults are the same everywhere, or which a namespace's could only set to what it
+    has anyway: UNIX, TCP_CONNECTION; ~0.1 ms less a socket)."""
+    if pid is None:
+        fresh = socket.socket(s.family, s.type & 0xf)
+    else:
+        fresh = native.netns_socket(pid, s.family, s.type & 0xf, 0)
     with fresh:
         out = []
-        for level, name in table.get(s.family, ()):
+        for level, name, *size in table.get(s.family, ()):
             try:
-                value, default = s.getsockopt(level, name), fresh.getsockopt(level, name)
+                value, default = s.getsockopt(level, name, *size), fresh.getsockopt(
+                    level, name, *size)
             except OSError:
                 continue
             if value != default:
@@ -169,6 +206,21 @@ def differing(pid: int, s: socket.socket, table: dict[int, list[tuple[int, int]]
         raise native.CRError(22, f"{len(out)} socket options set (at most "
                              f"{native.SOCKOPTS} are made again)")
     return tuple(out)
+
+
+def set_all(s: socket.socket, options: tuple[Option, ...]) -> None:
+    """Set differing's options on a socket made again (ours)."""
+    for level, name, value in options:
+        s.setsockopt(level, name, value)
+
+
+def to_json(options: tuple[Option, ...]) -> list:
+    """options as JSON (a struct's bytes as hex), for a dump."""
+    return [[lv, nm, v.hex() if isinstance(v, bytes) else v] for lv, nm, v in options]
+
+
+def from_json(raw: list) -> tuple[Option, ...]:
+    return tuple((lv, nm, bytes.fromhex(v) if isinstance(v, str) else v) for lv, nm, v in raw)
 
 
 def _within(sysctl: str, size: int) -> None:

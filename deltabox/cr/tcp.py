@@ -43,7 +43,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from . import native, sockdiag
+from . import native, sockdiag, sockopts
 
 MAX_QUEUED = 4 << 20
 TCP_REPAIR, TCP_REPAIR_QUEUE, TCP_QUEUE_SEQ, TCP_REPAIR_OPTIONS = 19, 20, 21, 22
@@ -79,6 +79,8 @@ class End:
     nodelay: bool
     keepalive: list[int] | None          # idle, interval, count when SO_KEEPALIVE is on
     reuseaddr: bool = False              # an accepted end has its listener's
+    # its other options away from a fresh socket's (sockopts.TCP_CONNECTION; since stop 67)
+    opts: tuple[sockopts.Option, ...] = ()
 
 
 @dataclass
@@ -146,7 +148,8 @@ def read_end(pid: int, fd: int) -> End | str:
                    nodelay=bool(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)),
                    reuseaddr=bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)),
                    keepalive=[s.getsockopt(socket.IPPROTO_TCP, o) for o in _KEEPALIVE_OPTS]
-                   if keep else None)
+                   if keep else None,
+                   opts=sockopts.differing(None, s, sockopts.TCP_CONNECTION))
         with _repair(s):
             recv_seq, recv_data = _queue(s, TCP_RECV_QUEUE, inq)
             send_seq, send_data = _queue(s, TCP_SEND_QUEUE, outq)
@@ -202,6 +205,7 @@ def _made(s: socket.socket, family: int, e: End) -> None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         for opt, v in zip(_KEEPALIVE_OPTS, e.keepalive):
             s.setsockopt(socket.IPPROTO_TCP, opt, v)
+    sockopts.set_all(s, e.opts)
 
 
 def open_ends(c: TcpConn, netns_pid: int) -> tuple[int, int]:

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import trio
 
-from ..cr import (adoption, creds, eventloop, fifos, native, pidfds, pipebuf, private_maps, ptys,
-                  shared_files, shm_files, sysv_shm, taskattrs, unlinked)
+from ..cr import (adoption, creds, eventloop, fifos, native, pidfds, pipebuf, private_maps,
+                  ptys, shared_files, shm_files, sockopts, sysv_shm, taskattrs, unlinked)
 from ..cr.capture import ProcessRecord, SharedMapping, in_dev_shm
 from ..cr.taskattrs import TaskAttrs
 from ..cr.engine import (DeltaCR, PipeEnd, PipeGroup, ProcessState, lone_leaders, rebuilt_as,
@@ -647,7 +647,8 @@ def _rec_json(r: ProcessRecord) -> dict:
     # in place afterwards (cr/private_maps.py).
     d["mapped_private"] = [dataclasses.asdict(m) for m in r.mapped_private]
     d["listens"] = [dict(dataclasses.asdict(ls), addr=ls.addr.hex(), peer=ls.peer.hex(),
-                         filter=ls.filter.hex()) for ls in r.listens]
+                         filter=ls.filter.hex(), options=sockopts.to_json(ls.options))
+                    for ls in r.listens]
     d["loop"] = eventloop.to_json(r.loop)
     d["mlocks"] = [dataclasses.asdict(m) for m in r.mlocks]
     d["task"] = r.task.to_json() if r.task is not None else None
@@ -669,8 +670,7 @@ def _rec_from(d: dict) -> ProcessRecord:
     listens = [native.ListenSocket(**dict(ls, addr=bytes.fromhex(ls["addr"]),
                                           peer=bytes.fromhex(ls.get("peer", "")),
                                           filter=bytes.fromhex(ls.get("filter", "")),
-                                          options=tuple(tuple(o) for o in
-                                                        ls.get("options", ())),
+                                          options=sockopts.from_json(ls.get("options", [])),
                                           groups=tuple(tuple(g) for g in
                                                        ls.get("groups", ()))))
                for ls in d.pop("listens")]

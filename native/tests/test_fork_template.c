@@ -3347,11 +3347,12 @@ static void test_listen_socket(void)
 }
 
 /* A UDP socket blocked in recv(), bound and connected to our socket `peer`, with
- * SO_BROADCAST on and a multicast group joined: its template holds no socket (the port is
- * free once the original dies), and a child spawned with the socket made again (bound,
- * connected, the option set, the group joined) gets our datagram and answers through
- * send(), which only a connected socket can; it answers with the option's value and
- * whether its socket is in the group (MCAST_MSFILTER finds the membership). */
+ * SO_BROADCAST on, a receive timeout (a struct option) and a multicast group joined: its
+ * template holds no socket (the port is free once the original dies), and a child spawned
+ * with the socket made again (bound, connected, the options set, the group joined) gets
+ * our datagram and answers through send(), which only a connected socket can; it answers
+ * with the options' values and whether its socket is in the group (MCAST_MSFILTER finds
+ * the membership). */
 #define MCAST_GROUP 0xef010203u	/* 239.1.2.3 */
 
 /* Whether UDP socket u is a member of the IPv4 group (host order) on lo. */
@@ -3382,6 +3383,7 @@ static void test_udp_socket(void)
 	pid_t srv, child = -1;
 	char buf[4] = { 0 };
 	struct ip_mreqn mr = { .imr_multiaddr.s_addr = htonl(MCAST_GROUP), .imr_ifindex = 1 };
+	struct timeval tv = { .tv_sec = 30 };	/* whole seconds: kept in jiffies */
 
 	current_test = "udp-socket";
 	peer = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
@@ -3389,6 +3391,7 @@ static void test_udp_socket(void)
 	CHECK(peer >= 0 && u >= 0 && bind(peer, (struct sockaddr *)&pa, sizeof(pa)) == 0 &&
 	      getsockname(peer, (struct sockaddr *)&pa, &len) == 0 &&
 	      setsockopt(u, SOL_SOCKET, SO_BROADCAST, &one, sizeof(one)) == 0 &&
+	      setsockopt(u, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) == 0 &&
 	      setsockopt(u, IPPROTO_IP, IP_ADD_MEMBERSHIP, &mr, sizeof(mr)) == 0 &&
 	      bind(u, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
 	      connect(u, (struct sockaddr *)&pa, sizeof(pa)) == 0 &&
@@ -3396,15 +3399,22 @@ static void test_udp_socket(void)
 	srv = fork();
 	if (srv == 0) {
 		int bc = 0;
-		socklen_t bl = sizeof(bc);
-		char x, out[2];
+		socklen_t bl = sizeof(bc), tl = sizeof(tv);
+		struct timeval got = { 0 };
+		char x, out[3];
+		ssize_t n;
 
-		if (recv(u, &x, 1, 0) != 1 ||
-		    getsockopt(u, SOL_SOCKET, SO_BROADCAST, &bc, &bl) < 0)
+		/* A receive with a timeout fails with EINTR when ptrace stops it (as after
+		 * SIGSTOP and SIGCONT, signal(7)): the template's copy returns it too. */
+		while ((n = recv(u, &x, 1, 0)) < 0 && errno == EINTR)
+			;
+		if (n != 1 || getsockopt(u, SOL_SOCKET, SO_BROADCAST, &bc, &bl) < 0 ||
+		    getsockopt(u, SOL_SOCKET, SO_RCVTIMEO, &got, &tl) < 0)
 			_exit(2);
 		out[0] = bc ? 'b' : '-';
 		out[1] = in_group(u, MCAST_GROUP) ? 'm' : '-';
-		_exit(send(u, out, 2, 0) == 2 ? 0 : 3);
+		out[2] = got.tv_sec == tv.tv_sec && got.tv_usec == tv.tv_usec ? 't' : '-';
+		_exit(send(u, out, 3, 0) == 3 ? 0 : 3);
 	}
 	close(u);
 	CHECK(wait_in_syscall(srv, SYS_recvfrom) == 0, "server never blocked in recv");
@@ -3426,8 +3436,12 @@ static void test_udp_socket(void)
 		memcpy(l.addr, &sa, sizeof(sa));
 		l.peerlen = sizeof(pa);
 		memcpy(l.peer, &pa, sizeof(pa));
-		l.nopts = 1;
-		l.opts[0] = (struct dbxcr_sockopt){ SOL_SOCKET, SO_BROADCAST, 1 };
+		l.nopts = 2;
+		l.opts[0] = (struct dbxcr_sockopt){ .level = SOL_SOCKET, .name = SO_BROADCAST,
+						    .value = 1 };
+		l.opts[1] = (struct dbxcr_sockopt){ .level = SOL_SOCKET, .name = SO_RCVTIMEO,
+						    .len = sizeof(tv) };
+		memcpy(l.opts[1].bytes, &tv, sizeof(tv));
 		l.ngroups = 1;
 		l.groups[0].ifindex = 1;	/* lo */
 		l.groups[0].family = AF_INET;
@@ -3441,8 +3455,8 @@ static void test_udp_socket(void)
 		CHECK(child > 0, "spawn: %s", err.msg);
 		CHECK(sendto(peer, "x", 1, 0, (struct sockaddr *)&sa, sizeof(sa)) == 1,
 		      "sendto: %s", strerror(errno));
-		CHECK(read_timeout(peer, buf, 2, 5000) == 0 && memcmp(buf, "bm", 2) == 0,
-		      "restored socket did not answer through its peer with the option and "
+		CHECK(read_timeout(peer, buf, 3, 5000) == 0 && memcmp(buf, "bmt", 3) == 0,
+		      "restored socket did not answer through its peer with the options and "
 		      "the group ('%s')", buf);
 		CHECK(dbxcr_release_template(tpl, &err) == 0, "release: %s", err.msg);
 	}
@@ -3536,8 +3550,10 @@ static void test_netlink_socket(void)
 		l.addrlen = sizeof(sa);
 		memcpy(l.addr, &sa, sizeof(sa));
 		l.nopts = 2;
-		l.opts[0] = (struct dbxcr_sockopt){ SOL_SOCKET, SO_PASSCRED, 1 };
-		l.opts[1] = (struct dbxcr_sockopt){ SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, group };
+		l.opts[0] = (struct dbxcr_sockopt){ .level = SOL_SOCKET, .name = SO_PASSCRED,
+						    .value = 1 };
+		l.opts[1] = (struct dbxcr_sockopt){ .level = SOL_NETLINK, .name = NETLINK_ADD_MEMBERSHIP,
+						    .value = group };
 		l.nfilter = 4;
 		l.filter = only20;
 		memset(&o, 0, sizeof(o));
