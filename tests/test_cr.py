@@ -1019,6 +1019,18 @@ def test_a_multicast_membership_filtered_by_source_is_refused(sbx: Sandbox) -> N
                           r"membership of 239.1.2.9 \(interface 1\) filters by source")
 
 
+# The end of a program that writes its report() to /workspace/report each time it finds
+# /workspace/ask (removed once the report is there: _asked_report).
+ASKED = """
+open(W + "ready", "w").close()
+while True:
+    if os.path.exists(W + "ask"):
+        open(W + "report.tmp", "w").write(json.dumps(report()))
+        os.rename(W + "report.tmp", W + "report")
+        os.unlink(W + "ask")
+    time.sleep(0.02)
+"""
+
 # A process holding netlink sockets as a network-change tracker and a device monitor do
 # (a NETLINK_ROUTE socket in two groups by its bind and one past 32 by an option, with
 # extended acks; a libudev-like NETLINK_KOBJECT_UEVENT socket with SO_PASSCRED and a
@@ -1080,18 +1092,13 @@ def report():
     udp.settimeout(5)
     out["udp_got"] = udp.recv(100).decode()
     return out
-open(W + "ready", "w").close()
-while True:
-    if os.path.exists(W + "ask"):
-        open(W + "report.tmp", "w").write(json.dumps(report()))
-        os.rename(W + "report.tmp", W + "report")
-        os.unlink(W + "ask")
-    time.sleep(0.02)
-"""
+""" + ASKED
 
 
 def _asked_report(box: Sandbox) -> dict:
-    box.files.remove("report") if box.files.exists("report") else None
+    """The report a program ending with ASKED writes when asked."""
+    if box.files.exists("report"):
+        box.files.remove("report")
     _ask(box, "ask")
     return json.loads(box.files.read("report").decode())
 
@@ -1200,14 +1207,7 @@ def report():
     creds = [struct.unpack("=iII", d) for lv, t, d in anc if lv == 1 and t == 2]
     out["creds"] = [msg.decode(), creds == [(os.getpid(), os.getuid(), os.getgid())]]
     return out
-open(W + "ready", "w").close()
-while True:
-    if os.path.exists(W + "ask"):
-        open(W + "report.tmp", "w").write(json.dumps(report()))
-        os.rename(W + "report.tmp", W + "report")
-        os.unlink(W + "ask")
-    time.sleep(0.02)
-"""
+""" + ASKED
 
 
 def test_socket_options_come_back_on_every_kind_of_socket(sbx: Sandbox,

@@ -16,6 +16,8 @@ import os
 import time
 from collections.abc import Callable
 
+import pytest
+
 from deltabox import Sandbox
 from deltabox.cr import private_maps
 
@@ -320,28 +322,16 @@ def test_udp_sockets_born_from_carriers(sbx: Sandbox) -> None:
         assert _ask_udp(sbx, "relay", v6=True) == [at_cp[0] + 2, True]
 
 
-def test_netlink_sockets_and_filters_born_from_carriers(sbx: Sandbox) -> None:
-    """A carrier's netlink sockets and filtered UDP socket are made ahead (filter and
-    options set, unbound: the live process holds the port ids) and bound at each rollback:
-    the same port ids, groups, options and filters, rollback after rollback."""
-    sbx.files.write("nl.py", NETLINK_HOLDER)
-    sbx.exec("cd /workspace; nohup python3 nl.py >/dev/null 2>&1 &")
-    wait_for(lambda: sbx.files.exists("ready"))
-    at_cp = _asked_report(sbx)
-    cp = sbx.checkpoint(mode="full")
-    for _ in range(2):
-        wait_for(lambda: _carriers_ready(sbx), what="a carrier")
-        r = sbx.rollback(cp)
-        assert r.process_state == "restored", r.note
-        assert _asked_report(sbx) == at_cp
-
-
-def test_socket_options_born_from_carriers(sbx: Sandbox) -> None:
-    """Sockets of every kind made ahead for a carrier get their options (timeouts, linger,
-    a unix socket's SO_PASSCRED and peek offset, a connection's user timeout), rollback
-    after rollback."""
-    sbx.files.write("so.py", SOCKET_OPTIONS)
-    sbx.exec("cd /workspace; nohup python3 so.py >/dev/null 2>&1 &")
+@pytest.mark.parametrize("prog", [NETLINK_HOLDER, SOCKET_OPTIONS],
+                         ids=["netlink-and-filters", "socket-options"])
+def test_sockets_made_ahead_keep_what_they_had(sbx: Sandbox, prog: str) -> None:
+    """A carrier's sockets are made ahead (unbound: the live process holds their ports and
+    port ids) and bound at each rollback, with what they had at the checkpoint: netlink
+    sockets their port ids, groups, options and filters, a UDP socket its filter; every
+    kind its timeouts and linger, a unix socket its SO_PASSCRED and peek offset, a
+    connection its user timeout. Rollback after rollback."""
+    sbx.files.write("prog.py", prog)
+    sbx.exec("cd /workspace; nohup python3 prog.py >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("ready"))
     at_cp = _asked_report(sbx)
     cp = sbx.checkpoint(mode="full")

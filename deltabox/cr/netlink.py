@@ -24,7 +24,6 @@ the first 32 than options a copy takes.
 from __future__ import annotations
 
 import dataclasses
-import select
 import socket
 import struct
 
@@ -35,8 +34,6 @@ PROTOCOLS = {0: "NETLINK_ROUTE", 4: "NETLINK_SOCK_DIAG", 15: "NETLINK_KOBJECT_UE
 _OTHERS = {6: "NETLINK_XFRM", 9: "NETLINK_AUDIT", 11: "NETLINK_CONNECTOR",
            12: "NETLINK_NETFILTER", 16: "NETLINK_GENERIC"}
 _ADD_MEMBERSHIP, _LIST_MEMBERSHIPS = 1, 9
-_SO_MEMINFO = 55
-_MEMINFO = struct.Struct("=3I")    # SK_MEMINFO_RMEM_ALLOC, _RCVBUF, _WMEM_ALLOC
 _SOCKADDR_NL = struct.Struct("=HxxII")   # nl_family, nl_pad, nl_pid, nl_groups
 
 
@@ -103,15 +100,11 @@ def memberships(s: socket.socket) -> list[int]:
 
 def _unsettled(s: socket.socket, dump: bool) -> str | None:
     """Why this socket holds state a fresh one would not have, or None."""
-    rmem, _rcvbuf, _wmem = _MEMINFO.unpack_from(
-        s.getsockopt(socket.SOL_SOCKET, _SO_MEMINFO, 9 * 4))
-    p = select.poll()
-    p.register(s.fileno(), select.POLLIN | select.POLLERR)
-    events = dict(p.poll(0)).get(s.fileno(), 0)
-    if rmem or events & select.POLLIN:
+    data, error, _wmem = udp.waiting(s)
+    if data:
         return ("a message waits to be read: not captured; checkpoint once the process "
                 "has read it")
-    if events & select.POLLERR:
+    if error:
         return ("an error waits to be read (ENOBUFS: messages were lost): not captured; "
                 "checkpoint once the process has read it")
     if dump:

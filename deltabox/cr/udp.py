@@ -166,16 +166,24 @@ def elsewhere(pid: int, s: socket.socket) -> str | None:
     return "made in another network namespace than its process's: not captured"
 
 
-def _unsettled(s: socket.socket) -> str | None:
-    """Why this socket holds state a fresh one would not have, or None."""
+def waiting(s: socket.socket) -> tuple[bool, bool, int]:
+    """Whether something waits to be read in datagram socket s, whether an error does,
+    and the bytes of its send queue: from SO_MEMINFO and a poll, neither of which takes
+    anything from it (a peek would hand over a pending error; SO_ERROR clears it)."""
     rmem, _rcvbuf, wmem = _MEMINFO.unpack_from(s.getsockopt(_SOL, _SO_MEMINFO, 9 * 4))
     p = select.poll()
     p.register(s.fileno(), select.POLLIN | select.POLLERR)
     events = dict(p.poll(0)).get(s.fileno(), 0)
-    if rmem or events & select.POLLIN:
+    return bool(rmem or events & select.POLLIN), bool(events & select.POLLERR), wmem
+
+
+def _unsettled(s: socket.socket) -> str | None:
+    """Why this socket holds state a fresh one would not have, or None."""
+    data, error, wmem = waiting(s)
+    if data:
         return ("a datagram waits to be read: not captured; checkpoint once the process "
                 "has read it")
-    if events & select.POLLERR:
+    if error:
         return ("an error waits to be read (an earlier datagram's ECONNREFUSED, or its "
                 "error queue): not captured; checkpoint once the process has read it")
     if wmem:
