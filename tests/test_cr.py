@@ -1241,6 +1241,60 @@ def test_bytes_waiting_for_a_reader_of_credentials_are_refused_by_name(sbx: Sand
                           r"senders' credentials \(SO_PASSCRED")
 
 
+# Socket pairs with an end shut down, as a parent that sends its input and then signals
+# its end (shutdown SHUT_WR) and Chromium's sandbox IPC channel (a seqpacket pair whose
+# browser end is shut down for reading) hold them. Asked, it reports what each end can
+# still do: read the bytes waiting then EOF, send or get EPIPE.
+SHUT_PAIRS = r"""
+import json, os, socket, time
+W = "/workspace/"
+a, b = socket.socketpair()
+a.send(b"last words")
+a.shutdown(socket.SHUT_WR)
+c, d = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+c.shutdown(socket.SHUT_RD)
+for x in (a, b, c, d):
+    x.setblocking(False)
+def can_send(x):
+    try:
+        return x.send(b"x") == 1
+    except BrokenPipeError:
+        return "EPIPE"
+def drain(x):
+    got = []
+    while True:
+        try:
+            chunk = x.recv(100)
+        except BlockingIOError:
+            return got + ["EAGAIN"]
+        got.append(chunk.decode())
+        if not chunk:
+            return got
+def report():   # what each end can do; one report consumes what it reads
+    return {"b_reads": drain(b), "a_sends": can_send(a), "b_sends": can_send(b),
+            "a_reads": drain(a), "c_sends": can_send(c), "d_sends": can_send(d),
+            "c_reads": drain(c)}
+""" + ASKED
+
+
+def test_socket_pairs_with_an_end_shut_down_come_back_shut_down(sbx: Sandbox,
+                                                                restore: Restore) -> None:
+    """An end shut down for writing (its peer reads the bytes waiting, then end of file;
+    it gets EPIPE) or for reading (its peer gets EPIPE): refused until stop 67 ("an end
+    is shut down"), now made again shut down the same way, after their bytes."""
+    sbx.files.write("shut.py", SHUT_PAIRS)
+    sbx.exec("cd /workspace && nohup python3 shut.py >/dev/null 2>&1 &")
+    _wait_file(sbx, "ready")
+    cp = sbx.checkpoint(mode="full")
+    assert cp.kind == "full", cp.reasons
+    expected = {"b_reads": ["last words", ""], "a_sends": "EPIPE", "b_sends": True,
+                "a_reads": ["x", "EAGAIN"], "c_sends": True, "d_sends": "EPIPE",
+                "c_reads": [""]}
+    assert _asked_report(sbx) == expected
+    target = restore(sbx, cp)
+    assert _asked_report(target) == expected
+
+
 # A TCP server whose listener has options set (keepalive and its timings, no delay, a
 # deferred accept, a fast-open queue, a type of service), most of which the connections it
 # accepts inherit: it answers with its count, its listener's options and its connection's.

@@ -1588,9 +1588,11 @@ class _PipePlan:
 def _fresh_pair(p: eventloop.SocketPair, netns_pid: int) -> tuple[int, int]:
     """A new socket pair like `p` was, in netns_pid's network namespace (where the next
     checkpoint's sock_diag finds it), its queued bytes sent again (each end's data comes
-    from the other end), its buffer sizes, options and non-blocking flags set; our fds.
-    The options come after the bytes: an end passing credentials would be given a name
-    by its first send (the kernel autobinds it), and the bytes carry none."""
+    from the other end), its buffer sizes, options and non-blocking flags set, its ends
+    shut down as they were; our fds. The options come after the bytes: an end passing
+    credentials would be given a name by its first send (the kernel autobinds it), and
+    the bytes carry none; the shutdowns last (nothing can be sent to an end shut down
+    for reading)."""
     a, b = native.netns_socketpair(netns_pid, p.type)
     try:
         _set_bufs(a, p.bufs_a)
@@ -1599,6 +1601,8 @@ def _fresh_pair(p: eventloop.SocketPair, netns_pid: int) -> tuple[int, int]:
         _send_all(a, p.data_b)
         sockopts.set_all(a, p.opts_a)
         sockopts.set_all(b, p.opts_b)
+        _shut(a, p.shut_a)
+        _shut(b, p.shut_b)
         a.setblocking(not p.nonblock_a)
         b.setblocking(not p.nonblock_b)
         return a.detach(), b.detach()
@@ -1637,6 +1641,13 @@ def _lone_socket(x: eventloop.LoneSocket, netns_pid: int) -> int:
             a.close()
             raise
     return a.detach()
+
+
+def _shut(s: socket.socket, bits: int) -> None:
+    """Shut s down as sock_diag's bits say (RCV_SHUTDOWN 1, SEND_SHUTDOWN 2)."""
+    how = {1: socket.SHUT_RD, 2: socket.SHUT_WR, 3: socket.SHUT_RDWR}.get(bits & 3)
+    if how is not None:
+        s.shutdown(how)
 
 
 def _set_bufs(s: socket.socket, bufs: tuple[int, int]) -> None:

@@ -107,6 +107,10 @@ class SocketPair:
     bufs_b: tuple[int, int] = (0, 0)
     opts_a: tuple[sockopts.Option, ...] = ()   # its other options (sockopts.UNIX)
     opts_b: tuple[sockopts.Option, ...] = ()
+    # each end's shutdown bits as sock_diag reports them (RCV_SHUTDOWN 1, SEND_SHUTDOWN
+    # 2; a stream or seqpacket end's shutdown sets its peer's other bit too)
+    shut_a: int = 0
+    shut_b: int = 0
 
 
 @dataclass
@@ -488,6 +492,7 @@ class _PairState:
     data: tuple[bytes, bytes]
     bufs: tuple[tuple[int, int], tuple[int, int]]
     opts: tuple[tuple[sockopts.Option, ...], tuple[sockopts.Option, ...]]
+    shut: tuple[int, int]
 
 
 class _Pairs:
@@ -534,7 +539,8 @@ class _Pairs:
             if why:
                 return why
         return _PairState(d.type, (ends[0][2], ends[1][2]), (ends[0][0], ends[1][0]),
-                          (ends[0][1], ends[1][1]), (ends[0][3], ends[1][3]))
+                          (ends[0][1], ends[1][1]), (ends[0][3], ends[1][3]),
+                          (self.diag[a].shutdown, self.diag[b].shutdown))
 
     def _listener(self, rec: ProcessRecord, f: native.FdInfo
                   ) -> unix_listeners.UnixListener | str:
@@ -589,7 +595,7 @@ class _Pairs:
                 continue
             if key not in mine:
                 mine[key] = SocketPair(f"unix:{key}", st.type, [], [], *st.nonblock,
-                                       *st.data, *st.bufs, *st.opts)
+                                       *st.data, *st.bufs, *st.opts, *st.shut)
                 loop.pairs.append(mine[key])
             (mine[key].a if f.inode == key else mine[key].b).append(f.fd)
 
@@ -626,8 +632,6 @@ def _pair_refusal(ino: int, diag: dict[int, _UnixDiag],
         why = _in_flight(holders[end])
         if why:
             return why
-        if e.shutdown:
-            return "an end is shut down: not captured"
         if e.rqueue and d.type != socket.SOCK_STREAM:
             return "datagrams waiting to be read are not captured"
         if e.rqueue > MAX_QUEUED:
