@@ -1273,7 +1273,7 @@ def drain(x):
 def report():   # what each end can do; one report consumes what it reads
     return {"b_reads": drain(b), "a_sends": can_send(a), "b_sends": can_send(b),
             "a_reads": drain(a), "c_sends": can_send(c), "d_sends": can_send(d),
-            "c_reads": drain(c)}
+            "c_reads": drain(c), "d_reads": drain(d)}
 """ + ASKED
 
 
@@ -1289,10 +1289,57 @@ def test_socket_pairs_with_an_end_shut_down_come_back_shut_down(sbx: Sandbox,
     assert cp.kind == "full", cp.reasons
     expected = {"b_reads": ["last words", ""], "a_sends": "EPIPE", "b_sends": True,
                 "a_reads": ["x", "EAGAIN"], "c_sends": True, "d_sends": "EPIPE",
-                "c_reads": [""]}
+                "c_reads": [""], "d_reads": ["x", "EAGAIN"]}
     assert _asked_report(sbx) == expected
     target = restore(sbx, cp)
     assert _asked_report(target) == expected
+
+
+# Socket pairs whose ends have abstract names: one given by bind, one by the kernel to an
+# end passing credentials at its first send (an autobind: Chromium's zygote's seqpacket
+# sockets). Asked, it reports each end's name and its peer's, then passes a message each
+# way with its credentials.
+NAMED_PAIRS = r"""
+import json, os, socket, struct, time
+W = "/workspace/"
+a, b = socket.socketpair()
+a.bind(b"\0dbx-pair-end")
+c, d = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+c.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+d.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+c.send(b"hi")
+d.recv(10)
+def creds(x):
+    msg, anc, _, _ = x.recvmsg(16, socket.CMSG_SPACE(12))
+    got = [struct.unpack("=iII", v) for lv, t, v in anc if lv == 1 and t == 2]
+    return [msg.decode(), got == [(os.getpid(), os.getuid(), os.getgid())]]
+def report():
+    out = {k: [x.getsockname(), x.getpeername()] for k, x in dict(a=a, b=b, c=c, d=d).items()}
+    out["c_name_is_autobound"] = len(c.getsockname()) == 6 and c.getsockname()[0] == 0
+    c.send(b"to d")
+    d.send(b"to c")
+    out["d_got"], out["c_got"] = creds(d), creds(c)
+    return json.loads(json.dumps(out, default=lambda v: v.hex()))
+""" + ASKED
+
+
+def test_socket_pairs_with_abstract_names_keep_them(sbx: Sandbox, restore: Restore) -> None:
+    """A pair's end bound to an abstract name, and one the kernel named when it first sent
+    while passing credentials (refused until stop 67: "named unix sockets are not
+    captured"), come back with the same names, as both ends see them."""
+    sbx.files.write("named.py", NAMED_PAIRS)
+    sbx.exec("cd /workspace && nohup python3 named.py >/dev/null 2>&1 &")
+    _wait_file(sbx, "ready")
+    _asked_report(sbx)   # the first report's send names d too (it passes credentials)
+    cp = sbx.checkpoint(mode="full")
+    assert cp.kind == "full", cp.reasons
+    at_cp = _asked_report(sbx)
+    assert at_cp["a"][0] == b"\0dbx-pair-end".hex() == at_cp["b"][1], at_cp
+    assert at_cp["c_name_is_autobound"] and at_cp["d"][1] == at_cp["c"][0], at_cp
+    assert at_cp["c"][1] == at_cp["d"][0] != "", at_cp
+    assert at_cp["d_got"] == ["to d", True] and at_cp["c_got"] == ["to c", True], at_cp
+    target = restore(sbx, cp)
+    assert _asked_report(target) == at_cp
 
 
 # A TCP server whose listener has options set (keepalive and its timings, no delay, a

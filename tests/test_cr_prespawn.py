@@ -24,7 +24,7 @@ from deltabox.cr import private_maps
 from conftest import HELD, OWN_PS, wait_for
 from test_cr import (FIFO_GOT, FIFO_PAIR, INTERLEAVED, LOCKER, NETLINK_HOLDER, PAGES,
                      PRIVATE_AT_CP,
-                     PREFORK, PRIVATE_MAPS, REGISTRATIONS, SOCKET_OPTIONS, REWRITE_PAGES, SHARED_MEMORY, TCP_ENDS,
+                     NAMED_PAIRS, PREFORK, PRIVATE_MAPS, REGISTRATIONS, SOCKET_OPTIONS, REWRITE_PAGES, SHARED_MEMORY, TCP_ENDS,
                      THREADED, TIMERS, TRY_LOCK, UDP_SERVER, UNIX_CLIENT, UNIX_SERVER, _ask,
                      _ask_client, _ask_prefork, _ask_udp, _count, _asked_report, _drain_fifos, _interleaved, _join, _report, _role,
                      _start_pty_harness, _state_of, _typed, _unix_request)
@@ -322,19 +322,21 @@ def test_udp_sockets_born_from_carriers(sbx: Sandbox) -> None:
         assert _ask_udp(sbx, "relay", v6=True) == [at_cp[0] + 2, True]
 
 
-@pytest.mark.parametrize("prog", [NETLINK_HOLDER, SOCKET_OPTIONS],
-                         ids=["netlink-and-filters", "socket-options"])
+@pytest.mark.parametrize("prog", [NETLINK_HOLDER, SOCKET_OPTIONS, NAMED_PAIRS],
+                         ids=["netlink-and-filters", "socket-options", "named-pairs"])
 def test_sockets_made_ahead_keep_what_they_had(sbx: Sandbox, prog: str) -> None:
-    """A carrier's sockets are made ahead (unbound: the live process holds their ports and
-    port ids) and bound at each rollback, with what they had at the checkpoint: netlink
-    sockets their port ids, groups, options and filters, a UDP socket its filter; every
-    kind its timeouts and linger, a unix socket its SO_PASSCRED and peek offset, a
-    connection its user timeout. Rollback after rollback."""
+    """A carrier's sockets are made ahead (unbound, unnamed: the live process holds their
+    ports, port ids and names) and bound at each rollback, with what they had at the
+    checkpoint: netlink sockets their port ids, groups, options and filters, a UDP socket
+    its filter; every kind its timeouts and linger, a unix socket its SO_PASSCRED and peek
+    offset, a connection its user timeout; a socket pair's ends their abstract names.
+    Rollback after rollback."""
     sbx.files.write("prog.py", prog)
     sbx.exec("cd /workspace; nohup python3 prog.py >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("ready"))
-    at_cp = _asked_report(sbx)
+    _asked_report(sbx)   # (a pair's end passing credentials is named at its first send)
     cp = sbx.checkpoint(mode="full")
+    at_cp = _asked_report(sbx)
     for _ in range(2):
         wait_for(lambda: _carriers_ready(sbx), what="a carrier")
         r = sbx.rollback(cp)

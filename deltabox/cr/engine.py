@@ -1205,6 +1205,7 @@ class _PipePlan:
         # Made ahead, their addresses taken by take_addresses():
         self.unconnected: list[tuple[tcp.TcpConn, tuple[int, int]]] = []
         self.unbound: list[tuple[native.ListenSocket, int]] = []
+        self.unnamed: list[tuple[eventloop.SocketPair, tuple[int, int]]] = []
         self.connections: list[tuple[tcp.TcpConn, tuple[int, int]]] = []  # for settle()
         self.listeners_of: dict[int, dict[int, int]] = {}   # pid -> its listeners made here
         self.fresh: dict[int, tuple[int, int]] = {}
@@ -1261,7 +1262,7 @@ class _PipePlan:
             fd = self._object(ino.key, lambda ino=ino: watches.new_inotify(ino, self._root()))
             out.update((n, fd) for n in ino.fds)
         for p in loop.pairs:
-            ab = self._pair(p.key, lambda p=p: _fresh_pair(p, netns_pid))
+            ab = self._pair(p.key, lambda p=p: self._named_pair(p, netns_pid))
             out.update((n, ab[0]) for n in p.a)
             out.update((n, ab[1]) for n in p.b)
         for x in loop.lone:
@@ -1285,6 +1286,18 @@ class _PipePlan:
         has been removed")."""
         for u in self.named_listeners:
             self._unix_listener(u, netns_pid)
+
+    def _named_pair(self, p: eventloop.SocketPair, netns_pid: int) -> tuple[int, int]:
+        """p's two ends (_fresh_pair) with their abstract names: bound at once, or, in a
+        plan made ahead (prespawn), once the killed processes have let the names go
+        (take_addresses)."""
+        ab = _fresh_pair(p, netns_pid)
+        if p.name_a or p.name_b:
+            if self.armed:
+                _bind_names(p, ab)
+            else:
+                self.unnamed.append((p, ab))
+        return ab
 
     def _connection(self, c: tcp.TcpConn, netns_pid: int) -> tuple[int, int]:
         """c's two ends: connected at once, or, in a plan made ahead (prespawn), left
@@ -1328,7 +1341,7 @@ class _PipePlan:
 
     @property
     def addresses_to_take(self) -> bool:
-        return bool(self.unconnected or self.unbound)
+        return bool(self.unconnected or self.unbound or self.unnamed)
 
     def take_addresses(self) -> None:
         """Make the connections and listeners a plan made ahead holds (call once the
@@ -1340,6 +1353,9 @@ class _PipePlan:
         unbound, self.unbound = self.unbound, []
         for ls, fd in unbound:
             listeners.listen(ls, fd)
+        unnamed, self.unnamed = self.unnamed, []
+        for p, ab in unnamed:
+            _bind_names(p, ab)
 
     def _pair(self, key: str, make: Callable[[], tuple[int, int]]) -> tuple[int, int]:
         """The two ends `key` names, made once per restore (ours, closed with the rest)."""
@@ -1562,6 +1578,7 @@ class _PipePlan:
         self.to_arm.clear()
         self.unconnected.clear()
         self.unbound.clear()
+        self.unnamed.clear()
         self.connections.clear()
         self.loops_of.clear()
         self.listeners_of.clear()
@@ -1641,6 +1658,19 @@ def _lone_socket(x: eventloop.LoneSocket, netns_pid: int) -> int:
             a.close()
             raise
     return a.detach()
+
+
+def _bind_names(p: eventloop.SocketPair, ab: tuple[int, int]) -> None:
+    """Give p's ends (ours) their abstract names again, in their network namespace."""
+    for fd, name in zip(ab, (p.name_a, p.name_b)):
+        if name:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                try:
+                    s.bind(b"\0" + bytes.fromhex(name))
+                except OSError as e:
+                    raise native.CRError(e.errno or errno.EIO, f"socket pair {p.key}: "
+                                         f"binding the name @{bytes.fromhex(name)!r}: "
+                                         f"{e.strerror or e}") from e
 
 
 def _shut(s: socket.socket, bits: int) -> None:

@@ -111,6 +111,11 @@ class SocketPair:
     # 2; a stream or seqpacket end's shutdown sets its peer's other bit too)
     shut_a: int = 0
     shut_b: int = 0
+    # an end's abstract name, the bytes after its NUL in hex ("": none): given by bind, or
+    # by the kernel to an end passing credentials at its first send (an "autobind": five
+    # hex digits); bound again once the killed original has let it go (engine.py)
+    name_a: str = ""
+    name_b: str = ""
 
 
 @dataclass
@@ -493,6 +498,7 @@ class _PairState:
     bufs: tuple[tuple[int, int], tuple[int, int]]
     opts: tuple[tuple[sockopts.Option, ...], tuple[sockopts.Option, ...]]
     shut: tuple[int, int]
+    names: tuple[str, str]
 
 
 class _Pairs:
@@ -540,7 +546,9 @@ class _Pairs:
                 return why
         return _PairState(d.type, (ends[0][2], ends[1][2]), (ends[0][0], ends[1][0]),
                           (ends[0][1], ends[1][1]), (ends[0][3], ends[1][3]),
-                          (self.diag[a].shutdown, self.diag[b].shutdown))
+                          (self.diag[a].shutdown, self.diag[b].shutdown),
+                          (_own_name(self.diag[a], self.listening),
+                           _own_name(self.diag[b], self.listening)))
 
     def _listener(self, rec: ProcessRecord, f: native.FdInfo
                   ) -> unix_listeners.UnixListener | str:
@@ -595,7 +603,8 @@ class _Pairs:
                 continue
             if key not in mine:
                 mine[key] = SocketPair(f"unix:{key}", st.type, [], [], *st.nonblock,
-                                       *st.data, *st.bufs, *st.opts, *st.shut)
+                                       *st.data, *st.bufs, *st.opts, *st.shut,
+                                       *st.names)
                 loop.pairs.append(mine[key])
             (mine[key].a if f.inode == key else mine[key].b).append(f.fd)
 
@@ -627,8 +636,11 @@ def _pair_refusal(ino: int, diag: dict[int, _UnixDiag],
         e = diag.get(end)
         if e is None:
             return "its peer was not found by sock_diag"
-        if e.name and e.raw_name not in listening:   # else: accepted by a listener of ours
-            return f"bound to {e.name!r}: named unix sockets are not captured"
+        if e.name and e.raw_name not in listening and e.raw_name[:1] != b"\0":
+            # (accepted by a listener of ours: its connection, named as it; an abstract
+            # name: bound again)
+            return (f"bound to the path {e.name!r}: a socket pair's end named in the file "
+                    "system is not captured")
         why = _in_flight(holders[end])
         if why:
             return why
@@ -637,6 +649,14 @@ def _pair_refusal(ino: int, diag: dict[int, _UnixDiag],
         if e.rqueue > MAX_QUEUED:
             return f"{e.rqueue} bytes waiting (more than {MAX_QUEUED} are not captured)"
     return None
+
+
+def _own_name(d: _UnixDiag, listening: Collection[bytes]) -> str:
+    """A pair end's own abstract name in hex, "" for none or for the name of the listener
+    that accepted it (a connection shows its listener's)."""
+    if d.raw_name[:1] != b"\0" or d.raw_name in listening:
+        return ""
+    return d.raw_name[1:].hex()
 
 
 def _in_flight(holders: list[tuple[ProcessRecord, native.FdInfo]]) -> str | None:
