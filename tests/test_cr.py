@@ -1192,8 +1192,14 @@ for k, x in socks.items():
     if x.family == socket.AF_UNIX:
         x.setsockopt(1, 16, 1)                           # SO_PASSCRED
         x.setsockopt(1, 42, 0)                           # SO_PEEK_OFF
+    if x.family == socket.AF_INET:
+        x.setsockopt(1, 25, b"lo")                       # SO_BINDTODEVICE
+        x.setsockopt(1, 5, 1)                            # SO_DONTROUTE
 c.setsockopt(socket.IPPROTO_TCP, 18, 4321)               # TCP_USER_TIMEOUT
+c.setsockopt(socket.IPPROTO_TCP, 36, 1)                  # TCP_INQ
+c.setsockopt(1, 10, 1)                                   # SO_OOBINLINE
 c.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, 0x10)
+c.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, 33)
 def report():
     out = {}
     for k, x in socks.items():
@@ -1201,7 +1207,11 @@ def report():
                   x.getsockopt(1, 18), x.getsockopt(1, 13, 8).hex()]
         if x.family == socket.AF_UNIX:
             out[k] += [x.getsockopt(1, 16), x.getsockopt(1, 42)]
-    out["c"] += [c.getsockopt(socket.IPPROTO_TCP, 18), c.getsockopt(socket.IPPROTO_IP, 1)]
+        else:
+            out[k] += [x.getsockopt(1, 25, 16).hex(), x.getsockopt(1, 5)]
+    out["c"] += [c.getsockopt(socket.IPPROTO_TCP, 18), c.getsockopt(socket.IPPROTO_IP, 1),
+                 c.getsockopt(socket.IPPROTO_TCP, 36), c.getsockopt(1, 10),
+                 c.getsockopt(socket.IPPROTO_IP, socket.IP_TTL)]
     a.send(b"hello")
     msg, anc, _, _ = b.recvmsg(16, socket.CMSG_SPACE(12))
     creds = [struct.unpack("=iII", d) for lv, t, d in anc if lv == 1 and t == 2]
@@ -1221,11 +1231,26 @@ def test_socket_options_come_back_on_every_kind_of_socket(sbx: Sandbox,
     _wait_file(sbx, "ready")
     before = _asked_report(sbx)
     assert before["creds"] == ["hello", True], before
-    assert before["a"][4:] == [1, 0] and before["c"][-2:] == [4321, 0x10], before
+    assert before["a"][4:] == [1, 0] and before["c"][-5:] == [4321, 0x10, 1, 1, 33], before
+    assert before["u"][4:] == [b"lo\0".hex(), 1], before
     cp = sbx.checkpoint(mode="full")
     assert cp.kind == "full", cp.reasons
     target = restore(sbx, cp)
     assert _asked_report(target) == before
+
+
+def test_signal_driven_io_is_refused_by_name(sbx: Sandbox) -> None:
+    """A descriptor with O_ASYNC (who gets SIGIO, and which signal, belong to its open
+    file description, and nothing reads them back): refused, naming it (before stop 67
+    it came back without, and its process got no signal)."""
+    sbx.exec("nohup python3 -c \"import fcntl, os, time\nr, w = os.pipe()\n"
+             "fcntl.fcntl(r, fcntl.F_SETOWN, os.getpid())\n"
+             "fcntl.fcntl(r, fcntl.F_SETFL, os.O_ASYNC)\nopen('/workspace/ready', 'w')"
+             ".close()\ntime.sleep(300)\" >/dev/null 2>&1 &")
+    _wait_file(sbx, "ready")
+    _refused_by_name(sbx, r"(?s)pid \d+ \(python3 -c import fcntl.*\): fd 3: pipe:\[\d+\]: "
+                          r"signal-driven I/O \(O_ASYNC\): its owner and signal are not "
+                          r"captured")
 
 
 def test_bytes_waiting_for_a_reader_of_credentials_are_refused_by_name(sbx: Sandbox

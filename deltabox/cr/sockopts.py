@@ -61,6 +61,8 @@ _ANY: list[Entry] = [(_SOL, n) for n in (12, 29, 35, 63, 64, 40, 18, _SO_LOCK_FI
 # and, but on a TCP connection (its sizes grow by themselves; one set locks it), the buffer
 # sizes
 _SOCKET: list[Entry] = _ANY + list(_BUFFERS)
+# An IP socket's: SO_DONTROUTE, SO_BINDTODEVICE (an interface name, set before the bind)
+_INET: list[Entry] = [(_SOL, 5), (_SOL, 25, 16)]
 # IP_TOS IP_TTL IP_MTU_DISCOVER IP_FREEBIND
 _IP_BOTH = [(_IP, n) for n in (1, 2, 10, 15)]
 # IPV6_UNICAST_HOPS IPV6_MTU_DISCOVER IPV6_TCLASS
@@ -74,7 +76,7 @@ _IPV6_BOTH = [(_IPV6, n) for n in (16, 23, 67)]
 # IP_MULTICAST_IF reads as the interface's address, which sets it again; one chosen by
 # index alone (struct ip_mreqn) reads as 0: the copy sends by the sandbox's multicast
 # route, through loopback as the original (native/init.c).
-_UDP = _SOCKET + [(_SOL, 6), (_SOL, 11), (socket.IPPROTO_UDP, _UDP_CORK)]
+_UDP = _SOCKET + _INET + [(_SOL, 6), (_SOL, 11), (socket.IPPROTO_UDP, _UDP_CORK)]
 UDP = {
     socket.AF_INET: _UDP + _IP_BOTH + [(_IP, n) for n in (8, 11, 12, 13, 20, 32, 33, 34, 49)],
     socket.AF_INET6: _UDP + _IPV6_BOTH + [(_IPV6, n) for n in (17, 18, 19, 25, 29, 49, 51,
@@ -96,16 +98,21 @@ _SO_PASSSEC, _SO_PEEK_OFF, _SO_PASSPIDFD = 34, 42, 76
 PASSING = {(_SOL, _SO_PASSCRED), (_SOL, _SO_PASSSEC), (_SOL, _SO_PASSPIDFD)}
 UNIX = {socket.AF_UNIX: _ANY + sorted(PASSING) + [(_SOL, _SO_PEEK_OFF)]}
 
-# A TCP connection's beside those tcp.py reads itself (no delay, keepalive): TCP_CORK,
-# TCP_USER_TIMEOUT, TCP_NOTSENT_LOWAT, and IP_TOS / IPV6_TCLASS. (Not TCP_QUICKACK: it
-# reads the connection's passing ack mode, not a setting.)
-_CONN = _ANY + [(_TCP, n) for n in (3, 18, 25)]
-TCP_CONNECTION = {socket.AF_INET: _CONN + [(_IP, 1)], socket.AF_INET6: _CONN + [(_IPV6, 67)]}
+# A TCP connection's beside those tcp.py reads itself (no delay, keepalive): SO_OOBINLINE,
+# TCP_CORK, TCP_LINGER2, TCP_THIN_LINEAR_TIMEOUTS, TCP_USER_TIMEOUT, TCP_NOTSENT_LOWAT,
+# TCP_INQ (recvmsg tells the bytes left), and the IP ones: type of service, TTL, path MTU
+# discovery, IP_RECVERR (IPv6: hops, path MTU discovery, IPV6_RECVERR, traffic class).
+# Not TCP_QUICKACK (it reads the connection's passing ack mode, not a setting) nor
+# TCP_WINDOW_CLAMP (the stack sets it too: it reads other than a fresh socket's unset).
+_CONN = _ANY + _INET + [(_SOL, 10)] + [(_TCP, n) for n in (3, 8, 16, 18, 25, 36)]
+TCP_CONNECTION = {socket.AF_INET: _CONN + [(_IP, n) for n in (1, 2, 10, 11)],
+                  socket.AF_INET6: _CONN + [(_IPV6, n) for n in (16, 23, 25, 67)]}
 
 # A TCP listener's, most of them inherited by the connections it accepts: SO_KEEPALIVE,
-# TCP_NODELAY, TCP_MAXSEG, TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT, TCP_DEFER_ACCEPT,
+# SO_OOBINLINE, TCP_NODELAY, TCP_MAXSEG, TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT, TCP_DEFER_ACCEPT,
 # TCP_QUICKACK, TCP_USER_TIMEOUT, TCP_FASTOPEN (its queue), TCP_NOTSENT_LOWAT.
-_LISTENER = _SOCKET + [(_SOL, 9)] + [(_TCP, n) for n in (1, 2, 4, 5, 6, 9, 12, 18, 23, 25)]
+_LISTENER = _SOCKET + _INET + [(_SOL, 9), (_SOL, 10)] + [
+    (_TCP, n) for n in (1, 2, 4, 5, 6, 9, 12, 18, 23, 25)]
 LISTENER = {
     socket.AF_INET: _LISTENER + _IP_BOTH,
     socket.AF_INET6: _LISTENER + _IPV6_BOTH,
