@@ -1968,9 +1968,11 @@ def _connected(rec: ProcessRecord) -> bool:
 
 
 def _abstract_name(rec: ProcessRecord) -> bool:
-    """Whether rec listens on an abstract unix name (unix_listeners.py): the killed
-    process holds it until it exits (the sandbox's network namespace is the same)."""
-    return bool(rec.loop and any(u.abstract for u in rec.loop.unix_listeners))
+    """Whether rec listens on an abstract unix name (unix_listeners.py) or holds a socket
+    pair's end that has one: the killed process holds it until it exits (the sandbox's
+    network namespace is the same)."""
+    return bool(rec.loop and (any(u.abstract for u in rec.loop.unix_listeners) or
+                              any(p.name_a or p.name_b for p in rec.loop.pairs)))
 
 
 def _resume_all(stopped: list[native.Stopped]) -> None:
