@@ -29,10 +29,13 @@
 #define MM_ARG_START 7
 #define MM_ARG_END 8
 #define SCRATCH_LEN (4 * 4096)	/* template-private page(s) for syscall arguments */
-/* Descriptors one spawn hands its child in one SCM_RIGHTS message: the kernel's SCM_MAX_FD
- * (a Chromium browser process holds ~64 and maps ~100 shared memory objects).  Its control
- * buffer, at scratch + 256, ends well before the batch table (SCRATCH_LEN / 2). */
+/* Descriptors handed to a child in one SCM_RIGHTS message (transfer_fds sends as many
+ * messages as it takes): the kernel's SCM_MAX_FD.  The message's control buffer, at
+ * scratch + 256, ends well before the batch table (SCRATCH_LEN / 2). */
 #define MAX_XFER_FDS 253
+/* Descriptors and shared mappings one spawn installs (a Chromium browser process: ~165
+ * and ~150 in a fork). */
+#define MAX_SPAWN_FDS 1024
 #define MAX_EXTRA_SIGS 8
 /* Task names (comm, 15 bytes at most) of the processes we hold in a sandbox: `ps -o comm`
  * and `pgrep NAME` there tell them from the processes they copy (their command lines are

@@ -2594,10 +2594,9 @@ static int move_to_cgroups(pid_t child, const struct dbxcr_spawn_opts *o,
 	return 0;
 }
 
-/* Give the child copies of the caller's descriptors through a socketpair made in the
- * child.  out[i] receives the child's fd number for src[i]. */
-int transfer_fds(struct tracee *c, unsigned long scratch, const int *src, size_t n,
-			int *out, struct dbxcr_error *err)
+/* One SCM_RIGHTS message's worth of transfer_fds (n <= MAX_XFER_FDS). */
+static int transfer_chunk(struct tracee *c, unsigned long scratch, const int *src, size_t n,
+			  int *out, struct dbxcr_error *err)
 {
 	long a[6] = { 0 };
 	int sv[2], pidfd = -1, local = -1, rc = -1;
@@ -2699,6 +2698,21 @@ close_child:
 		}
 	}
 	return rc;
+}
+
+/* Give the child copies of the caller's descriptors through a socketpair made in the
+ * child, MAX_XFER_FDS (the kernel's SCM_MAX_FD) per message.  out[i] receives the child's
+ * fd number for src[i]. */
+int transfer_fds(struct tracee *c, unsigned long scratch, const int *src, size_t n,
+		 int *out, struct dbxcr_error *err)
+{
+	for (size_t done = 0; done < n; done += MAX_XFER_FDS) {
+		size_t k = n - done < MAX_XFER_FDS ? n - done : MAX_XFER_FDS;
+
+		if (transfer_chunk(c, scratch, src + done, k, out + done, err) < 0)
+			return -1;
+	}
+	return 0;
 }
 
 static bool is_target(const struct dbxcr_spawn_opts *o, int fd)
@@ -3378,7 +3392,7 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		       enum spawn_kind kind, struct tracee **thr, struct dbxcr_error *err)
 {
 	bool carrier = kind == SPAWN_CARRIER;
-	int src[MAX_XFER_FDS], got[MAX_XFER_FDS];
+	int src[MAX_SPAWN_FDS], got[MAX_SPAWN_FDS];
 	size_t n = 0, first_fd = 0;
 	int mnt_at = -1, ns_at = -1;
 	unsigned long scratch = tpl->scratch;
@@ -3401,9 +3415,9 @@ static int setup_child(struct tracee *c, struct dbxcr_template *tpl,
 		src[n++] = o->ns_pidfd;
 	}
 	first_fd = n;
-	if (o->nfds + o->nremaps + n > MAX_XFER_FDS)
+	if (o->nfds + o->nremaps + n > MAX_SPAWN_FDS)
 		return fail(err, E2BIG, c->pid, "%zu descriptors and %zu shared mappings to "
-			    "install (max %zu together)", o->nfds, o->nremaps, MAX_XFER_FDS - n);
+			    "install (max %zu together)", o->nfds, o->nremaps, MAX_SPAWN_FDS - n);
 	for (size_t i = 0; i < o->nfds; i++)
 		src[n++] = o->fds[i].src;
 	for (size_t i = 0; i < o->nremaps; i++)

@@ -34,6 +34,8 @@ command -v mariadbd >/dev/null || need+=(mariadb-server)
 command -v fincore >/dev/null || need+=(util-linux-extra)
 # ... and a JVM (its NIO socket whose peer it closed, a few dozen threads).
 command -v javac >/dev/null || need+=(default-jdk-headless)
+# ... and headless Chromium (a dozen processes: Mojo socket pairs, shared memory, netlink).
+command -v chromium >/dev/null || need+=(chromium)
 if [ ${#need[@]} -eq 0 ]; then bcc; exit 0; fi
 if [ "$(id -u)" != 0 ]; then
   echo "install-deps: need root to install ${need[*]} (apt-get)" >&2; exit 1

@@ -1200,6 +1200,67 @@ static void test_shared_remap(void)
 	stop_program(&orig);
 }
 
+/* More descriptors than one SCM_RIGHTS message carries (SCM_MAX_FD, 253): a spawn hands
+ * them over in several (transfer_fds), each at its target number.  (A Chromium browser
+ * process restored into a fork gets ~165 descriptors and ~150 shared mappings.) */
+#define MANY_FDS 300
+#define MANY_FIRST 100
+
+static void test_spawn_many_fds(void)
+{
+	struct dbxcr_error err;
+	struct dbxcr_template *tpl;
+	struct proc orig, kid = { 0 };
+	struct state_report r;
+	int cmd[2], rep[2], null;
+	struct dbxcr_fdmap fds[MANY_FDS + 2];
+	struct dbxcr_spawn_opts o = { 0 };
+	char path[64], target[64];
+	ssize_t len;
+
+	current_test = "spawn-many-fds";
+	orig = start_program();
+	tpl = dbxcr_make_template(orig.pid, &err);
+	CHECK(tpl != NULL, "make_template: %s", err.msg);
+	if (!tpl) {
+		stop_program(&orig);
+		return;
+	}
+	null = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	if (null < 0 || pipe2(cmd, O_CLOEXEC) < 0 || pipe2(rep, O_CLOEXEC) < 0)
+		abort();
+	fds[0] = (struct dbxcr_fdmap){ cmd[0], CMD_FD, 0 };
+	fds[1] = (struct dbxcr_fdmap){ rep[1], REP_FD, 0 };
+	for (int i = 0; i < MANY_FDS; i++)
+		fds[2 + i] = (struct dbxcr_fdmap){ null, MANY_FIRST + i, 1 };
+	o.mntns_fd = -1;
+	o.fds = fds;
+	o.nfds = MANY_FDS + 2;
+	kid.pid = dbxcr_spawn(tpl, &o, &err);
+	close(cmd[0]);
+	close(rep[1]);
+	kid.cmd = cmd[1];
+	kid.rep = rep[0];
+	CHECK(kid.pid > 0, "spawn with %d descriptors: %s", MANY_FDS + 2, err.msg);
+	if (kid.pid > 0) {
+		CHECK(ask(&kid, 'r', &r) == 0, "the child does not answer");
+		for (int i = 0; i < MANY_FDS; i += MANY_FDS - 1) {
+			snprintf(path, sizeof(path), "/proc/%d/fd/%d", kid.pid, MANY_FIRST + i);
+			len = readlink(path, target, sizeof(target) - 1);
+			target[len > 0 ? len : 0] = '\0';
+			CHECK(strcmp(target, "/dev/null") == 0, "fd %d of the child: '%s'",
+			      MANY_FIRST + i, target);
+		}
+		stop_program(&kid);
+	} else {
+		close(cmd[1]);
+		close(rep[0]);
+	}
+	close(null);
+	dbxcr_release_template(tpl, &err);
+	stop_program(&orig);
+}
+
 /* Fill the two pages of the file fd with `first` and `second` (in place). */
 static void fill_pages(int fd, char first, char second)
 {
@@ -3893,6 +3954,7 @@ int main(int argc, char **argv)
 		{ "spawn-mntns", test_spawn_mntns },
 		{ "listen-socket", test_listen_socket },
 		{ "udp-socket", test_udp_socket },
+		{ "spawn-many-fds", test_spawn_many_fds },
 		{ "netlink-socket", test_netlink_socket },
 		{ "epoll-recreated", test_epoll_recreated },
 		{ "netns-socket", test_netns_socket },
