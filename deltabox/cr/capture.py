@@ -43,8 +43,9 @@ class Refusal:
     pid: int
     cmd: str
     reason: str
-    # (host pid, fd) of an inotify instance whose events wait to be read: a refusal that
-    # passes once the process has read them (see Unsettled)
+    # (host pid, fd) of an inotify instance whose events wait to be read, or of a socket
+    # with descriptors in flight: a refusal that passes once the process has read them
+    # (see Unsettled)
     unread: tuple[int, int] | None = None
 
     def __str__(self) -> str:
@@ -54,9 +55,9 @@ class Refusal:
 
 
 class Unsettled(FailedPrecondition):
-    """Refused only for a passing state: events that wait to be read (`queues`: (host pid,
-    fd) of each inotify instance), or a process caught inside vfork() at its stop (no
-    queues). The caller may let the processes run until that has passed, and capture
+    """Refused only for a passing state: events or descriptors in flight that wait to be
+    read (`queues`: (host pid, fd) of each inotify instance or socket), or a process caught
+    inside vfork() at its stop (no queues). The caller may let the processes run until that has passed, and capture
     again."""
 
     def __init__(self, message: str, queues: Sequence[tuple[int, int]] = ()) -> None:

@@ -185,7 +185,8 @@ def capture(records: list[ProcessRecord], layers: Sequence[str] = (),
         pairs.add(rec, loop, reasons)
         conns.add(rec, loop, reasons)
         _epolls(rec, shared, loop, reasons)
-        out.extend(Refusal(rec.nspid, rec.cmd, r) for r in reasons)
+        out.extend(Refusal(rec.nspid, rec.cmd, r, unread=getattr(r, "queue", None))
+                   for r in reasons)
         if not reasons:
             rec.loop = loop
     return out
@@ -593,13 +594,13 @@ class _Pairs:
             if d is not None and _is_lone(d):
                 lone = self._lone(rec, f, d)
                 if isinstance(lone, str):
-                    reasons.append(f"fd {f.fd}: unix socket {f.describe()}: {lone}")
+                    reasons.append(_as(lone, f"fd {f.fd}: unix socket {f.describe()}: {lone}"))
                 else:
                     _held_at(f, lone, alone, loop.lone)
                 continue
             key, st = self._pair(f.inode)
             if isinstance(st, str):
-                reasons.append(f"fd {f.fd}: unix socket {f.describe()}: {st}")
+                reasons.append(_as(st, f"fd {f.fd}: unix socket {f.describe()}: {st}"))
                 continue
             if key not in mine:
                 mine[key] = SocketPair(f"unix:{key}", st.type, [], [], *st.nonblock,
@@ -659,10 +660,30 @@ def _own_name(d: _UnixDiag, listening: Collection[bytes]) -> str:
     return d.raw_name[1:].hex()
 
 
+class Passing(str):
+    """A refusal's reason that passes once a process has read what waits in a queue (a
+    socket's: descriptors in flight), with the (host pid, fd) of that queue: the capture
+    lets the processes run until it is empty and tries again (Refusal.unread)."""
+    queue: tuple[int, int]
+
+    def __new__(cls, text: str, queue: tuple[int, int]) -> Passing:
+        out = super().__new__(cls, text)
+        out.queue = queue
+        return out
+
+
+def _as(why: str, text: str) -> str:
+    """text, a Passing one if why is."""
+    return Passing(text, why.queue) if isinstance(why, Passing) else text
+
+
 def _in_flight(holders: list[tuple[ProcessRecord, native.FdInfo]]) -> str | None:
+    """Why descriptors waiting in the socket's queue refuse it (a Passing reason: a
+    program passing descriptors, Chromium's Mojo, reads them at once), or None."""
     for rec, f in holders:
         if _field(_fdinfo(rec.pid, f.fd), b"scm_fds") not in (None, b"0"):
-            return "descriptors in flight (SCM_RIGHTS) are not captured"
+            return Passing("descriptors in flight (SCM_RIGHTS) are not captured",
+                           (rec.pid, f.fd))
     return None
 
 

@@ -82,7 +82,7 @@ CLEAN_AFTER_DELETES = 16  # deleted layers that make btrfs drop them at once (st
 CLEAN_INTERVAL_S = 1.0
 VFORK_ATTEMPTS = 20   # thaw-and-refreeze rounds while a process is inside vfork()
 VFORK_WAIT_S = 0.2    # per round, for its child to exec
-UNREAD_ATTEMPTS = 4   # captures while a state passes (inotify events unread, a vfork)
+UNREAD_ATTEMPTS = 4   # captures while a state passes (events or descriptors unread, a vfork)
 UNREAD_WAIT_S = 0.25  # between them, for it to read them
 
 
@@ -1816,8 +1816,9 @@ class Daemon:
     async def _let_settle(self, live: Live, queues: Sequence[tuple[int, int]],
                           layer: str) -> None:
         """A capture refused only for a passing state (Unsettled): drop its snapshot, let
-        the processes run until the inotify `queues` are empty (a file watcher woken by
-        the last command's writes; UNREAD_WAIT_S at most), then freeze again. With no
+        the processes run until the `queues` are empty (FIONREAD: an inotify instance of a
+        file watcher woken by the last command's writes, a socket with descriptors in
+        flight; UNREAD_WAIT_S at most), then freeze again. With no
         queues (a process caught inside vfork() at its stop) the next attempt's vfork
         check lets it finish."""
         with trio.CancelScope(shield=True):
