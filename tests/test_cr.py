@@ -1240,64 +1240,6 @@ def test_socket_options_come_back_on_every_kind_of_socket(sbx: Sandbox,
     assert _asked_report(target) == before
 
 
-def test_signal_driven_io_is_refused_by_name(sbx: Sandbox) -> None:
-    """A descriptor with O_ASYNC (who gets SIGIO, and which signal, belong to its open
-    file description, and nothing reads them back): refused, naming it (before stop 67
-    it came back without, and its process got no signal)."""
-    sbx.exec("nohup python3 -c \"import fcntl, os, time\nr, w = os.pipe()\n"
-             "fcntl.fcntl(r, fcntl.F_SETOWN, os.getpid())\n"
-             "fcntl.fcntl(r, fcntl.F_SETFL, os.O_ASYNC)\nopen('/workspace/ready', 'w')"
-             ".close()\ntime.sleep(300)\" >/dev/null 2>&1 &")
-    _wait_file(sbx, "ready")
-    _refused_by_name(sbx, r"(?s)pid \d+ \(python3 -c import fcntl.*\): fd 3: pipe:\[\d+\]: "
-                          r"signal-driven I/O \(O_ASYNC\): its owner and signal are not "
-                          r"captured")
-
-
-FD_PASSER = """
-import os, socket, sys, time
-W = "/workspace/"
-a, b = socket.socketpair()
-r, w = os.pipe()
-os.write(w, b"through the pipe")
-socket.send_fds(a, [b"fd"], [r])           # in flight until b reads it
-os.close(r)
-open(W + "ready", "w").close()
-time.sleep(float(sys.argv[1]))             # the reader takes its time (or never reads)
-msg, fds, _, _ = socket.recv_fds(b, 10, 1)
-open(W + "got", "w").write(os.read(fds[0], 100).decode())
-time.sleep(300)
-"""
-
-
-def test_descriptors_in_flight_are_waited_for(sbx: Sandbox, restore: Restore) -> None:
-    """A descriptor sent over a socket and not read yet (SCM_RIGHTS) cannot be captured:
-    a checkpoint lets the processes run until it is read and captures again (Chromium's
-    Mojo passes descriptors all the time; it was refused at once before stop 67)."""
-    sbx.files.write("passer.py", FD_PASSER)
-    sbx.exec("cd /workspace && nohup python3 passer.py 0.3 >/dev/null 2>&1 &")
-    _wait_file(sbx, "ready")
-    cp = sbx.checkpoint(mode="full")
-    assert cp.kind == "full", cp.reasons
-    _wait_file(sbx, "got")
-    assert sbx.files.read("got") == b"through the pipe"
-    sbx.files.remove("got")
-    target = restore(sbx, cp)
-    _wait_file(target, "got")   # (the checkpoint may come between the read and the write)
-    assert target.files.read("got") == b"through the pipe"
-
-
-def test_descriptors_in_flight_for_ever_are_refused_by_name(sbx: Sandbox) -> None:
-    """A descriptor in flight that no one reads: refused, naming the socket, after the
-    attempts."""
-    sbx.files.write("passer.py", FD_PASSER)
-    sbx.exec("cd /workspace && nohup python3 passer.py 1000 >/dev/null 2>&1 &")
-    _wait_file(sbx, "ready")
-    _refused_by_name(sbx, r"pid \d+ \(python3 passer.py 1000\): fd \d: unix socket unix "
-                          r"stream connected: descriptors in flight \(SCM_RIGHTS\) are not "
-                          r"captured.*\(at each of 4 attempts\)")
-
-
 def test_bytes_waiting_for_a_reader_of_credentials_are_refused_by_name(sbx: Sandbox
                                                                          ) -> None:
     """Bytes waiting at a unix socket that gets its senders' credentials would be sent

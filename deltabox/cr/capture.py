@@ -654,11 +654,6 @@ def is_loop_fd(f: native.FdInfo) -> bool:
 
 
 def _fd_refusal(f: native.FdInfo) -> str | None:
-    if f.flags & os.O_ASYNC:
-        # Who gets the signal (F_SETOWN: a pid, a group) and which (F_SETSIG) belong to the
-        # open file description and no /proc file shows them; a copy would send none.
-        return (f"{f.describe()}: signal-driven I/O (O_ASYNC): its owner and signal are "
-                "not captured")
     other = [lock for lock in f.locks if native.FileLock.parse(f.fd, lock) is None]
     if other:
         # A restored process takes its flock, POSIX and OFD locks again (fork_template.c
