@@ -728,7 +728,8 @@ class DeltaCR:
             ids = _rollback_ids(state) if into is None else {}
 
             async def args_for(rec: ProcessRecord) -> _Spawn:
-                if into is None and (_connected(rec) or _abstract_name(rec)):
+                if into is None and (_connected(rec) or _abstract_name(rec) or
+                                     _named_pair_end(rec)):
                     # Its connections (and abstract names) take the killed ones'
                     # addresses: gone once they have exited (tcp.quiet_all closed them
                     # silently).
@@ -1968,11 +1969,16 @@ def _connected(rec: ProcessRecord) -> bool:
 
 
 def _abstract_name(rec: ProcessRecord) -> bool:
-    """Whether rec listens on an abstract unix name (unix_listeners.py) or holds a socket
-    pair's end that has one: the killed process holds it until it exits (the sandbox's
-    network namespace is the same)."""
-    return bool(rec.loop and (any(u.abstract for u in rec.loop.unix_listeners) or
-                              any(p.name_a or p.name_b for p in rec.loop.pairs)))
+    """Whether rec listens on an abstract unix name (unix_listeners.py): the killed
+    process holds it until it exits (the sandbox's network namespace is the same)."""
+    return bool(rec.loop and any(u.abstract for u in rec.loop.unix_listeners))
+
+
+def _named_pair_end(rec: ProcessRecord) -> bool:
+    """Whether rec holds a socket pair's end with an abstract name, bound by its spawn
+    (a carrier's at the rollback, with its listeners: not a reason to have none) once the
+    killed process has let it go."""
+    return bool(rec.loop and any(p.name_a or p.name_b for p in rec.loop.pairs))
 
 
 def _resume_all(stopped: list[native.Stopped]) -> None:
