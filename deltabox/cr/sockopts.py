@@ -190,29 +190,53 @@ def differing(pid: int | None, s: socket.socket, table: dict[int, list[Entry]]
     from a fresh socket's of s's type, made in pid's network namespace (some defaults
     are its sysctls: IP_TTL's, buffer sizes), or here if pid is None (a table whose
     defaults are the same everywhere, or which a namespace's could only set to what it
-    has anyway: UNIX, TCP_CONNECTION; ~0.1 ms less a socket)."""
-    if pid is None:
-        fresh = socket.socket(s.family, s.type & 0xf)
-    else:
-        fresh = native.netns_socket(pid, s.family, s.type & 0xf, 0)
-    with fresh:
-        out = []
-        for level, name, *size in table.get(s.family, ()):
-            try:
-                value, default = s.getsockopt(level, name, *size), fresh.getsockopt(
-                    level, name, *size)
-            except OSError:
-                continue
-            if value != default:
-                cap = _BUFFERS.get((level, name))
-                if cap:
-                    value //= 2
-                    _within(cap, value)
-                out.append((level, name, value))
+    has anyway: UNIX, TCP_CONNECTION; read once per kind, not per socket)."""
+    entries = table.get(s.family, [])
+    defaults = (_local_defaults(s.family, s.type & 0xf, entries) if pid is None else
+                _fresh_defaults(native.netns_socket(pid, s.family, s.type & 0xf, 0), entries))
+    out = []
+    for (level, name, *size), default in zip(entries, defaults):
+        if default is None:
+            continue
+        try:
+            value = s.getsockopt(level, name, *size)
+        except OSError:
+            continue
+        if value != default:
+            cap = _BUFFERS.get((level, name))
+            if cap:
+                value //= 2
+                _within(cap, value)
+            out.append((level, name, value))
     if len(out) > native.SOCKOPTS:
         raise native.CRError(22, f"{len(out)} socket options set (at most "
                              f"{native.SOCKOPTS} are made again)")
     return tuple(out)
+
+
+def _fresh_defaults(fresh: socket.socket, entries: list[Entry]) -> list[int | bytes | None]:
+    """Each entry's value on the fresh socket (closed after), None where it has none."""
+    with fresh:
+        out: list[int | bytes | None] = []
+        for level, name, *size in entries:
+            try:
+                out.append(fresh.getsockopt(level, name, *size))
+            except OSError:
+                out.append(None)
+    return out
+
+
+_LOCAL: dict[tuple[int, int, tuple[Entry, ...]], list[int | bytes | None]] = {}
+
+
+def _local_defaults(family: int, type_: int, entries: list[Entry]
+                    ) -> list[int | bytes | None]:
+    """_fresh_defaults of a socket made here, once per kind (a checkpoint reads every
+    unix end and TCP connection end against them)."""
+    key = (family, type_, tuple(entries))
+    if key not in _LOCAL:
+        _LOCAL[key] = _fresh_defaults(socket.socket(family, type_), entries)
+    return _LOCAL[key]
 
 
 def set_all(s: socket.socket, options: tuple[Option, ...]) -> None:
