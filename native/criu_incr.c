@@ -73,10 +73,10 @@
  *  5. Page contents: pread from the pages.img of the right level, hash-checked, written
  *     with process_vm_writev.
  *  Adopted (dbxcr_held_adopt), R is a fork of the held parent instead, and steps 2 and 4-5
- *  keep what it already has right: the private anonymous mappings holding one of the
- *  image's, their pages still one frame with the image's template's not written
- *  (r_keep_forked), and nothing written where the spawn maps a shared object afresh
- *  (skip_remapped).
+ *  keep what it already has right: the private mappings holding one of the image's
+ *  (anonymous, or of the very file step 4 would map there), their pages still
+ *  one frame with the image's template's not written (r_keep_forked), and nothing
+ *  written where the spawn maps a shared object afresh (skip_remapped).
  *  6. prctl(PR_SET_MM, PR_SET_MM_MAP): code/data/brk/stack/arg/env bounds, auxv, exe file.
  *     rseq registered again as dumped; sigactions (into a process that has just exec'ed,
  *     only those that differ from what the exec left: SIG_DFL, or SIG_IGN, no flags),
@@ -87,7 +87,9 @@
  *     exit_group if ever resumed, EXITKILL).  Registers, xstate (same size as this CPU's,
  *     checked), mask and pending signals come from the image into the template struct.
  * Not restored (documented limits): device mappings, VMA names ([anon:x]),
- * mlock, seccomp filters (refused at dump), capabilities other than those implied by the
+ * mlock, the protection key of a shared mapping made again over the image's (a spawn's
+ * remap: the default key; private mappings keep theirs, r_pkeys), seccomp filters
+ * (refused at dump), capabilities other than those implied by the
  * uids, rlimits/session/timers (host's apply). A multi-threaded process's other threads
  * come from core.img's threads section into the template, and every child clones them.
  */
@@ -117,6 +119,7 @@
 #include <sys/ptrace.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <sys/user.h>
@@ -152,6 +155,10 @@
 #define VMA_DONTDUMP 0x100
 #define VMA_HEAP 0x200
 #define VMA_STACK 0x400
+/* Its memory protection key (x86 PKU: pkey_mprotect), 0 the default one: bits 16-19. */
+#define VMA_PKEY_SHIFT 16
+#define VMA_PKEY_MAX 15
+#define VMA_PKEY (VMA_PKEY_MAX << VMA_PKEY_SHIFT)
 
 #define RUN_ZERO 0x1
 /* Pages not stored in any pages.img: they are in the memory of the template the image was
@@ -780,7 +787,9 @@ static bool is_special_name(const char *name)
 struct raw_vma {
 	uint64_t start, end, pgoff;
 	char perms[8];
+	unsigned int major, minor;	/* the mapped file's device */
 	unsigned long inode;
+	int pkey;			/* smaps' ProtectionKey (0 without PKU) */
 	char name[PATH_MAX];
 	char vmflags[256];
 };
@@ -805,24 +814,33 @@ static int walk_maps(pid_t pid, bool smaps, raw_cb cb, void *ctx, struct dbxcr_e
 	while (getline(&line, &cap, f) > 0) {
 		unsigned long long s, e, off;
 		unsigned long ino;
+		unsigned int major, minor;
 		char perms[8];
 		int pos = 0;
 
 		line[strcspn(line, "\n")] = '\0';
-		if (sscanf(line, "%llx-%llx %7s %llx %*s %lu %n", &s, &e, perms, &off, &ino,
-			   &pos) >= 5 && pos > 0) {
+		if (line[0] >= 'A' && line[0] <= 'Z') {	/* smaps' fields: a few dozen per VMA */
+			if (strncmp(line, "VmFlags:", 8) == 0)
+				snprintf(r.vmflags, sizeof(r.vmflags), " %s ", line + 8);
+			else if (strncmp(line, "ProtectionKey:", 14) == 0)
+				r.pkey = atoi(line + 14);
+			continue;
+		}
+		if (sscanf(line, "%llx-%llx %7s %llx %x:%x %lu %n", &s, &e, perms, &off, &major,
+			   &minor, &ino, &pos) >= 7 && pos > 0) {
 			if (have && (rc = cb(&r, ctx)) < 0)
 				break;
 			r.inode = ino;	/* this line's, once the previous record is done */
+			r.major = major;
+			r.minor = minor;
 			r.start = s;
 			r.end = e;
 			r.pgoff = off / PAGE;
 			snprintf(r.perms, sizeof(r.perms), "%s", perms);
 			snprintf(r.name, sizeof(r.name), "%s", line + pos);
 			r.vmflags[0] = '\0';
+			r.pkey = 0;
 			have = true;
-		} else if (strncmp(line, "VmFlags:", 8) == 0) {
-			snprintf(r.vmflags, sizeof(r.vmflags), " %s ", line + 8);
 		}
 	}
 	if (rc == 0 && have)
@@ -896,6 +914,10 @@ static int classify_cb(const struct raw_vma *r, void *arg)
 	if (r->perms[3] == 's')
 		v.flags |= VMA_SHARED;
 	v.flags |= vmflags_of(r->vmflags);
+	if (r->pkey < 0 || r->pkey > VMA_PKEY_MAX)
+		return fail(c->err, ENOTSUP, c->pid, "mapping %#llx-%#llx: protection key %d",
+			    (unsigned long long)r->start, (unsigned long long)r->end, r->pkey);
+	v.flags |= (uint32_t)r->pkey << VMA_PKEY_SHIFT;
 	if (has_flag(r->vmflags, "io") || has_flag(r->vmflags, "pf"))
 		if (!is_special_name(name))
 			return fail(c->err, ENOTSUP, c->pid, "mapping %#llx-%#llx (%s) is device "
@@ -2833,8 +2855,8 @@ static int r_map_vmas(struct restore *R, struct dbxcr_error *err)
 			int flags = vma_open_flags(v);
 			size_t slot = nf;
 
-			if (!(v->flags & VMA_FILE))
-				continue;
+			if (!(v->flags & VMA_FILE) || (R->kept && R->kept[j]))
+				continue;	/* (a kept one maps its file already) */
 			if (v->name_len >= sizeof(path)) {
 				fail(err, ENAMETOOLONG, R->pid, "mapped file name");
 				goto fail_batch;
@@ -3102,6 +3124,58 @@ static int r_set_mm(struct restore *R, struct dbxcr_error *err)
 			return -1;
 	}
 	return 0;
+}
+
+/* Memory protection keys (x86 PKU; V8 and PartitionAlloc guard Chromium's JIT code with
+ * one).  The newborn's mm has the keys its parent allocated (fork copies the allocation
+ * map, which /proc does not show) and its VMAs the parent's keys: a zygote restored from
+ * an image lost its own key 1, and every renderer it forked after the restore died at
+ * its first pkey_mprotect(..., 1) (EINVAL, then a CHECK's SIGTRAP).  pkey_alloc gives the
+ * lowest free key, so every key below one a VMA uses is allocated too (one already
+ * allocated comes back as a higher key, freed again); then each such VMA gets its key.
+ * The access rights (PKRU) are the image's registers'. */
+static int r_pkeys(struct restore *R, struct dbxcr_error *err)
+{
+	const struct image *im = R->im;
+	uint32_t used = 0;
+	long a[6] = { 0 }, got;
+
+	for (uint32_t k = 0; k < im->mm->nvma; k++)
+		used |= 1u << ((im->vmas[k].flags & VMA_PKEY) >> VMA_PKEY_SHIFT);
+	for (int key = 1; key <= VMA_PKEY_MAX; key++) {
+		if (!(used & (1u << key)))
+			continue;
+		do {
+			a[0] = a[1] = 0;
+			if (remote_syscall(&R->t, SYS_pkey_alloc, a, &got, err) < 0)
+				return -1;
+			if (got == -ENOSPC)
+				break;	/* every key allocated, this one too */
+			if (got < 0)
+				return fail(err, (int)-got, R->pid, "pkey_alloc for protection key "
+					    "%d (this machine has no PKU?)", key);
+		} while (got < key);
+		if (got > key) {
+			a[0] = got;
+			if (RS(&R->t, SYS_pkey_free, err, "pkey_free(%ld)", got) < 0)
+				return -1;
+		}
+	}
+	for (uint32_t k = 0; k < im->mm->nvma; k++) {
+		const struct vma_img *v = &im->vmas[k];
+
+		if (!(v->flags & VMA_PKEY) || (v->flags & VMA_SPECIAL) ||
+		    (R->kept && R->kept[k]))	/* (kept: with its key already) */
+			continue;
+		a[0] = (long)v->start;
+		a[1] = (long)(v->end - v->start);
+		a[2] = v->prot;
+		a[3] = (v->flags & VMA_PKEY) >> VMA_PKEY_SHIFT;
+		if (BS(R, SYS_pkey_mprotect, 0, err, "pkey_mprotect %#llx key %ld",
+		       (unsigned long long)v->start, a[3]) < 0)
+			return -1;
+	}
+	return batch_run(R->b, err);
 }
 
 static int r_finish_mm(struct restore *R, struct dbxcr_error *err)
@@ -3477,11 +3551,14 @@ nomem:
  * parent's pages at the checkpoint copy-on-write; and the child was a fork of that parent,
  * so every page neither wrote since is one physical frame in the parent's template, the
  * child's template (src, where the image's pages are read) and the newborn.  So each
- * private anonymous mapping the newborn has exactly as the image has it (range,
- * protection, madvise flags) is kept: only the pages whose frame differs from src's are
- * written, and the newborn's pages the image does not have are dropped (MADV_DONTNEED:
- * they read as zero, as an absent page of the image does).  A pool's worker or a shell's
- * job then costs the pages it wrote, not all of its memory.  A mapping whose drops (one
+ * private mapping the newborn has exactly as the image has it (range, protection,
+ * madvise flags; of a file, the very file, at the same offset, that the restore would map
+ * there: maps_root_file) is kept: only the pages whose frame differs from src's are written, and the
+ * newborn's own pages the image does not have are dropped (MADV_DONTNEED: an anonymous
+ * page then reads as zero, a file's as the file, as an absent page of the image does).
+ * A pool's worker or a shell's job then costs the pages it wrote, not all of its memory;
+ * a zygote's child (Chromium's renderers) does not copy the 13 MB of the browser's
+ * relocated data it shares with its zygote, nor map its 560 files again.  A mapping whose drops (one
  * injected call per range, ~25 us: about what writing KEEP_DROP_PAGES pages costs) would
  * cost more than the writes kept spare is mapped afresh instead.  Frames are read from
  * pagemap (root: PFNs shown); a frame unknown (0, swapped) counts as different. */
@@ -3500,6 +3577,121 @@ static bool private_anon(const struct vma_img *v)
 	return !(v->flags & (VMA_SHARED | VMA_FILE | VMA_SPECIAL | VMA_WHOLE));
 }
 
+/* A private mapping of a file of the image (the same, if the newborn maps the same file). */
+static bool private_file(const struct vma_img *v)
+{
+	return (v->flags & (VMA_SHARED | VMA_FILE | VMA_SPECIAL | VMA_WHOLE)) == VMA_FILE;
+}
+
+/* The file a restore maps for a VMA of the image: at its path in the root (as the
+ * restored parent of a zygote's child does, itself restored from an image), looked up once
+ * per name.  Not `ok` if it is not there. */
+struct root_file {
+	uint32_t k;		/* the image's first VMA of that name */
+	bool ok;
+	struct stat st;
+};
+
+/* A file the newborn maps, as stat shows it: overlayfs gives a file of a lower layer the
+ * device of a per-layer pseudo device in stat, the overlay's own in maps, so the two are
+ * compared through stat alone (/proc/PID/map_files), once per file the newborn maps. */
+struct newborn_file {
+	unsigned int major, minor;	/* as maps shows them */
+	unsigned long inode;
+	bool ok;
+	struct stat st;
+};
+
+struct keep_ctx {
+	struct restore *R;
+	struct root_file *files;
+	size_t n, cap;
+	struct newborn_file *mine;
+	size_t nmine, capmine;
+};
+
+static const struct root_file *root_file(struct keep_ctx *x, uint32_t k)
+{
+	const struct image *im = x->R->im;
+	const struct vma_img *v = &im->vmas[k];
+	struct dbxcr_error ignored;
+	char path[PATH_MAX];
+	struct root_file *f;
+	int fd;
+
+	for (size_t i = 0; i < x->n; i++)
+		if (same_name(im, &im->vmas[x->files[i].k], v))
+			return &x->files[i];
+	if (x->n == x->cap) {
+		size_t cap = x->cap ? x->cap * 2 : 64;
+		struct root_file *more = realloc(x->files, cap * sizeof(*more));
+
+		if (!more)
+			return NULL;
+		x->files = more;
+		x->cap = cap;
+	}
+	f = &x->files[x->n++];
+	f->k = k;
+	f->ok = false;
+	if (v->name_len < sizeof(path)) {
+		memcpy(path, im->strtab + v->name_off, v->name_len);
+		path[v->name_len] = '\0';
+		fd = open_in_root(x->R->root, O_PATH | O_CLOEXEC, path, &f->st, x->R->pid,
+				  &ignored);
+		if (fd >= 0) {
+			close(fd);
+			f->ok = true;
+		}
+	}
+	return f;
+}
+
+static const struct newborn_file *newborn_file(struct keep_ctx *x, const struct raw_vma *r)
+{
+	char path[96];
+	struct newborn_file *f;
+
+	for (size_t i = 0; i < x->nmine; i++)
+		if (x->mine[i].inode == r->inode && x->mine[i].major == r->major &&
+		    x->mine[i].minor == r->minor)
+			return &x->mine[i];
+	if (x->nmine == x->capmine) {
+		size_t cap = x->capmine ? x->capmine * 2 : 64;
+		struct newborn_file *more = realloc(x->mine, cap * sizeof(*more));
+
+		if (!more)
+			return NULL;
+		x->mine = more;
+		x->capmine = cap;
+	}
+	f = &x->mine[x->nmine++];
+	f->major = r->major;
+	f->minor = r->minor;
+	f->inode = r->inode;
+	snprintf(path, sizeof(path), "/proc/%d/map_files/%llx-%llx", (int)x->R->pid,
+		 (unsigned long long)r->start, (unsigned long long)r->end);
+	f->ok = stat(path, &f->st) == 0;
+	return f;
+}
+
+/* Whether the newborn's r maps the very file (device and inode) the restore would map for
+ * v, unchanged since the dump: the mapping is then as the restore would make it. */
+static bool maps_root_file(struct keep_ctx *x, const struct raw_vma *r, uint32_t k)
+{
+	const struct root_file *f = root_file(x, k);
+	const struct newborn_file *mine = newborn_file(x, r);
+	struct dbxcr_error ignored;
+
+	return f && f->ok && mine && mine->ok && f->st.st_ino == mine->st.st_ino &&
+	       f->st.st_dev == mine->st.st_dev &&
+	       unchanged(&x->R->im->vmas[k], &f->st, "", x->R->pid, &ignored) == 0;
+}
+
+/* A range of pages the newborn has (present or swapped) in a mapping it may keep: only
+ * these are looked at, so a renderer's terabytes of reserved address space (V8's cages,
+ * PartitionAlloc's pools: PROT_NONE, never touched) cost nothing.  Sorted by address;
+ * neighbouring ranges are merged, so the pages between two are ones it does not have. */
 struct kept_vma {
 	uint32_t k;		/* the image's VMA */
 	uint64_t start, end;
@@ -3508,27 +3700,36 @@ struct kept_vma {
 
 static int keep_cb(const struct raw_vma *r, void *arg)
 {
-	struct restore *R = arg;
+	struct keep_ctx *x = arg;
+	struct restore *R = x->R;
 	const struct image *im = R->im;
-	uint32_t prot = prot_of(r->perms), flags = vmflags_of(r->vmflags);
+	uint32_t prot = prot_of(r->perms);
+	uint32_t flags = vmflags_of(r->vmflags) | ((uint32_t)r->pkey << VMA_PKEY_SHIFT);
+	bool file = r->inode != 0;
 
-	if (r->inode || r->perms[3] != 'p' ||
-	    (r->name[0] && strcmp(r->name, "[heap]") && strcmp(r->name, "[stack]")))
+	if (r->perms[3] != 'p' ||
+	    (!file && r->name[0] && strcmp(r->name, "[heap]") && strcmp(r->name, "[stack]")))
 		return 0;
 	/* Each of the image's VMAs inside this one (the kernel merges neighbouring
-	 * anonymous mappings, so either side may hold a few as one) */
+	 * mappings, so either side may hold a few as one) */
 	for (uint32_t k = vma_from(im, r->start); k < im->mm->nvma &&
 	     im->vmas[k].end <= r->end; k++) {
 		const struct vma_img *v = &im->vmas[k];
 
-		if (private_anon(v) && prot == v->prot && flags == (v->flags & VMA_VMFLAGS))
+		if (prot != v->prot || flags != (v->flags & (VMA_VMFLAGS | VMA_PKEY)))
+			continue;
+		if (file ? private_file(v) &&
+			   v->pgoff == r->pgoff + (v->start - r->start) / PAGE &&
+			   maps_root_file(x, r, k)
+			 : private_anon(v))
 			R->kept[k] = true;
 	}
 	return 0;
 }
 
-/* Per page of kv: whether the newborn has it, and whether in src's frame. */
-static int kept_pages(struct kept_vma *kv, int nfd, int sfd, pid_t pid, pid_t src,
+/* Per page of kv: whether the newborn has it as its own (of a file mapping: copied on
+ * write, not the file's), and whether in src's frame. */
+static int kept_pages(struct kept_vma *kv, bool file, int nfd, int sfd, pid_t pid, pid_t src,
 		      struct dbxcr_error *err)
 {
 	size_t np = (kv->end - kv->start) / PAGE;
@@ -3547,7 +3748,7 @@ static int kept_pages(struct kept_vma *kv, int nfd, int sfd, pid_t pid, pid_t sr
 		goto out;
 	}
 	for (size_t i = 0; i < np; i++) {
-		if (n[i] & (PM_PRESENT | PM_SWAP))
+		if ((n[i] & PM_SWAP) || ((n[i] & PM_PRESENT) && !(file && (n[i] & PM_FILE))))
 			kv->st[i] |= KEPT_THERE;
 		if ((n[i] & PM_PRESENT) && (s[i] & PM_PRESENT) && (n[i] & PM_PFN) &&
 		    (n[i] & PM_PFN) == (s[i] & PM_PFN))
@@ -3580,8 +3781,8 @@ static void kept_cover(struct restore *R, struct kept_vma *kv, size_t nk)
 				kv[t].st[(p - kv[t].start) / PAGE] |= KEPT_COVERED;
 		}
 	}
-	for (size_t t = 0; t < nk; t++) {
-		size_t np = (kv[t].end - kv[t].start) / PAGE, ranges = 0, same = 0;
+	for (size_t t = 0, ranges = 0, same = 0; t < nk; t++) {
+		size_t np = (kv[t].end - kv[t].start) / PAGE;
 
 		for (size_t i = 0; i < np; i++) {
 			if ((kv[t].st[i] & (KEPT_THERE | KEPT_COVERED)) == KEPT_THERE &&
@@ -3590,8 +3791,11 @@ static void kept_cover(struct restore *R, struct kept_vma *kv, size_t nk)
 			same += (kv[t].st[i] & (KEPT_SAME | KEPT_COVERED)) ==
 				(KEPT_SAME | KEPT_COVERED);
 		}
+		if (t + 1 < nk && kv[t + 1].k == kv[t].k)
+			continue;	/* the mapping's next range */
 		if (ranges * KEEP_DROP_PAGES > same)
 			R->kept[kv[t].k] = false;
+		ranges = same = 0;
 	}
 }
 
@@ -3666,12 +3870,14 @@ static ssize_t keep_plan(struct restore *R, pid_t src, struct kept_vma **out,
 {
 	uint32_t nv = R->im->mm->nvma;
 	struct kept_vma *kv = NULL;
-	size_t nk = 0, made = 0;
+	struct keep_ctx x = { .R = R };
+	struct buf segs = { 0 };
+	size_t nk = 0, made = 0, cap = 0;
 	char path[64];
 	int nfd = -1, sfd = -1;
 	ssize_t rc = -1;
 
-	if (walk_maps(R->pid, true, keep_cb, R, err) < 0)
+	if (walk_maps(R->pid, true, keep_cb, &x, err) < 0)
 		goto out;
 	for (uint32_t k = 0; k < nv; k++)
 		nk += R->kept[k];
@@ -3679,25 +3885,46 @@ static ssize_t keep_plan(struct restore *R, pid_t src, struct kept_vma **out,
 		rc = 0;
 		goto out;
 	}
-	kv = calloc(nk, sizeof(*kv));
 	snprintf(path, sizeof(path), "/proc/%d/pagemap", (int)R->pid);
 	nfd = open(path, O_RDONLY | O_CLOEXEC);
 	snprintf(path, sizeof(path), "/proc/%d/pagemap", (int)src);
 	sfd = open(path, O_RDONLY | O_CLOEXEC);
-	if (!kv || nfd < 0 || sfd < 0) {
-		fail(err, kv ? errno : ENOMEM, R->pid, "open the pagemaps (source %d)", (int)src);
+	if (nfd < 0 || sfd < 0) {
+		fail(err, errno, R->pid, "open the pagemaps (source %d)", (int)src);
 		goto out;
 	}
 	for (uint32_t k = 0; k < nv; k++) {
+		struct vma v = { .start = R->im->vmas[k].start, .end = R->im->vmas[k].end,
+				 .flags = R->im->vmas[k].flags & VMA_FILE };
+
 		if (!R->kept[k])
 			continue;
-		kv[made] = (struct kept_vma){ k, R->im->vmas[k].start, R->im->vmas[k].end, NULL };
-		if (kept_pages(&kv[made++], nfd, sfd, R->pid, src, err) < 0)
+		if (vma_segments(R->pid, nfd, &v, &segs, err) < 0)
 			goto out;
+		for (size_t g = 0; g < segs.len / sizeof(struct seg); g++) {
+			const struct seg *sg = (const struct seg *)segs.p + g;
+
+			if (made == cap) {
+				struct kept_vma *more = realloc(kv, (cap = cap * 2 + 16) * sizeof(*kv));
+
+				if (!more) {
+					fail(err, ENOMEM, R->pid, "allocate kept ranges");
+					goto out;
+				}
+				kv = more;
+			}
+			kv[made] = (struct kept_vma){ k, sg->s, sg->e, NULL };
+			if (kept_pages(&kv[made++], v.flags & VMA_FILE, nfd, sfd, R->pid, src,
+				       err) < 0)
+				goto out;
+		}
 	}
 	kept_cover(R, kv, made);
 	rc = (ssize_t)made;
 out:
+	buf_free(&segs);
+	free(x.files);
+	free(x.mine);
 	if (rc < 0 && kv) {
 		for (size_t t = 0; t < made; t++)
 			free(kv[t].st);
@@ -3712,7 +3939,7 @@ out:
 	return rc;
 }
 
-/* Pages of the image in private anonymous VMAs: what keeping could spare. */
+/* Pages of the image in private VMAs: what keeping could spare. */
 static uint64_t keepable_pages(const struct image *im)
 {
 	uint64_t n = 0, run_i = 0;
@@ -3720,7 +3947,7 @@ static uint64_t keepable_pages(const struct image *im)
 	for (uint32_t k = 0; k < im->mm->nvma; k++) {
 		const struct vma_img *v = &im->vmas[k];
 
-		if (!private_anon(v))
+		if (!private_anon(v) && !private_file(v))
 			continue;
 		while (run_i < im->pm->nruns &&
 		       im->runs[run_i].vaddr + (uint64_t)im->runs[run_i].npages * PAGE <= v->start)
@@ -3750,12 +3977,14 @@ static int r_keep_forked(struct restore *R, pid_t src, struct dbxcr_error *err)
 	if (!R->kept)
 		return 0;	/* nothing kept */
 	nk = keep_plan(R, src, &kv, &ignored);
-	if (nk <= 0) {
+	if (nk < 0) {
 		free(R->kept);
 		R->kept = NULL;
 		return 0;
 	}
-	if (kept_runs(R, kv, (size_t)nk, err) < 0 || kept_drops(R, kv, (size_t)nk, err) < 0)
+	/* (none: the kept mappings have no pages of their own, a library's code) */
+	if (nk > 0 && (kept_runs(R, kv, (size_t)nk, err) < 0 ||
+		       kept_drops(R, kv, (size_t)nk, err) < 0))
 		rc = -1;
 	for (ssize_t t = 0; t < nk; t++)
 		free(kv[t].st);
@@ -3930,7 +4159,7 @@ static struct dbxcr_template *restore_template_in(pid_t host, struct dbxcr_held 
 	if (unpin_beside(&pin, err) < 0 || r_write_pages(&R, err) < 0)
 		goto kill;
 	pin_beside(&pin, child);
-	if (r_finish_mm(&R, err) < 0)
+	if (r_finish_mm(&R, err) < 0 || r_pkeys(&R, err) < 0)
 		goto kill;
 	if (r_signals_and_ids(&R, err) < 0)
 		goto kill;

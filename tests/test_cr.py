@@ -739,6 +739,78 @@ def test_a_file_mapped_privately_and_written_in_place_shows_the_checkpoints_byte
             assert _report(sbx) == "mine0 XXXXX XXXXX XXXXX XXXXX mine2"
 
 
+# A private mapping of a 4-page file (AAAA BBBB CCCC DDDD) across three generations, the
+# shape of Chromium's zygote and renderers: the parent writes page 0 and forks the
+# "zygote", which writes page 1 and forks the "renderer"; the renderer writes page 2, then
+# the zygote page 3. Each reports what its pages start with; the renderer can be told to
+# write pages 0 and 3 too.
+ZYGOTE_MAPS = """
+import mmap, os, time
+W = '/workspace/'
+f = open(W + 'zpages', 'rb')
+m = mmap.mmap(f.fileno(), 4 * 4096, flags=mmap.MAP_PRIVATE,
+              prot=mmap.PROT_READ | mmap.PROT_WRITE)
+def serve(who):
+    while True:
+        if os.path.exists(W + 'mutate-' + who):
+            m[0:5], m[12288:12293] = b'late0', b'late3'
+            os.remove(W + 'mutate-' + who)
+        if os.path.exists(W + 'report-' + who):
+            with open(W + 'state-' + who + '.tmp', 'w') as out:
+                out.write(' '.join(m[i:i + 5].decode() for i in range(0, 16384, 4096)))
+            os.rename(W + 'state-' + who + '.tmp', W + 'state-' + who)
+            os.remove(W + 'report-' + who)
+        time.sleep(0.02)
+m[0:5] = b'par00'
+if os.fork() == 0:
+    m[4096:4101] = b'kid01'
+    r, w = os.pipe()
+    if os.fork() == 0:
+        m[8192:8197] = b'gkd02'
+        os.write(w, b'.')
+        serve('renderer')
+    os.read(r, 1)
+    m[12288:12293] = b'zyg03'
+    open(W + 'forked', 'w').close()
+    serve('zygote')
+serve('parent')
+"""
+
+
+def _state(sbx: Sandbox, who: str) -> str:
+    if sbx.files.exists(f"state-{who}"):
+        sbx.files.remove(f"state-{who}")
+    sbx.files.write(f"report-{who}", "")
+    wait_for(lambda: sbx.files.exists(f"state-{who}"))
+    return sbx.files.read(f"state-{who}").decode()
+
+
+def test_a_file_mapped_privately_through_three_adopted_generations(
+        sbx: Sandbox, restore: Restore) -> None:
+    """A child adopted by its restored parent (itself adopted) keeps the parent's mapping
+    of a file it maps the same way (criu_incr.c r_keep_forked: since stop 68, file
+    mappings as well as anonymous ones): the pages it wrote come back, and a page only
+    its parent wrote (the zygote's page 3, which the renderer inherited when it was born
+    of the restored zygote) is dropped back to the file's bytes, as are the pages it
+    wrote after the checkpoint."""
+    sbx.files.write("zpages", b"A" * 4096 + b"B" * 4096 + b"C" * 4096 + b"D" * 4096)
+    sbx.files.write("zm.py", ZYGOTE_MAPS)
+    sbx.exec("cd /workspace && nohup python3 zm.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("forked"))
+    want = {"parent": "par00 BBBBB CCCCC DDDDD", "zygote": "par00 kid01 CCCCC zyg03",
+            "renderer": "par00 kid01 gkd02 DDDDD"}
+    assert {w: _state(sbx, w) for w in want} == want
+    cp = sbx.checkpoint()
+    assert cp.kind == "full"
+    sbx.files.write("mutate-renderer", "")
+    wait_for(lambda: not sbx.files.exists("mutate-renderer"))
+    assert _state(sbx, "renderer") == "late0 kid01 gkd02 late3"
+    target = restore(sbx, cp)
+    assert {w: _state(target, w) for w in want} == want
+    tree = target.exec("ps -o pid=,ppid= -C python3").stdout.split()
+    pids = dict(zip(tree[0::2], tree[1::2]))
+    assert sum(p not in pids for p in pids.values()) == 1, tree   # the others adopted
+
 # Two named pipes between two processes: `q`, a writer's lines waiting for its reader,
 # and `jobs`, a token pool as GNU make's fifo jobserver keeps one (opened read-write and
 # non-blocking, tokens read one at a time), held read-only by the reader too.
@@ -4515,6 +4587,75 @@ def test_headless_chromium_comes_back(sbx: Sandbox, restore: Restore) -> None:
     if target is not sbx:
         assert _page(sbx, "window.n") == 42
 
+
+# A child (restored from an image: its parent is python, which adopts it) allocates a
+# memory protection key and guards a mapping with it, as V8 does its JIT code. It reports
+# the key, the mapping's key in smaps, whether the key still guards another page
+# (allocated in its mm), the key pkey_alloc would give next, and the guarded data.
+PKEYS = """
+import ctypes, mmap, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+W = '/workspace/'
+def pkey_mprotect(at, n, key):
+    return libc.syscall(329, ctypes.c_void_p(at), ctypes.c_size_t(n), 3, key)   # RW
+def vma_key(at):
+    inside = False
+    for line in open('/proc/self/smaps'):
+        if line[0] in '0123456789abcdef' and '-' in line.split()[0]:
+            lo, hi = (int(x, 16) for x in line.split()[0].split('-'))
+            inside = lo <= at < hi
+        elif inside and line.startswith('ProtectionKey:'):
+            return int(line.split()[1])
+if os.fork() == 0:
+    key = libc.syscall(330, 0, 0)   # pkey_alloc
+    if key < 0:
+        open(W + 'pkeys', 'w').write('no PKU')
+        time.sleep(1000)
+    m = mmap.mmap(-1, 4 * 4096, flags=mmap.MAP_PRIVATE)   # (as V8's code space)
+    at = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    assert pkey_mprotect(at, 2 * 4096, key) == 0
+    m[0:4] = b'kept'
+    while True:
+        if os.path.exists(W + 'report'):
+            again = pkey_mprotect(at + 2 * 4096, 4096, key)
+            nxt = libc.syscall(330, 0, 0)
+            libc.syscall(331, nxt)   # pkey_free
+            with open(W + 'pkeys.tmp', 'w') as out:
+                out.write(f'key={key} vma={vma_key(at)} again={again} next={nxt} '
+                          f'data={m[0:4].decode()}')
+            os.rename(W + 'pkeys.tmp', W + 'pkeys')
+            os.remove(W + 'report')
+        time.sleep(0.02)
+time.sleep(100000)
+"""
+
+
+def _pkeys(sbx: Sandbox) -> str:
+    if sbx.files.exists("pkeys"):
+        sbx.files.remove("pkeys")
+    sbx.files.write("report", "")
+    wait_for(lambda: sbx.files.exists("pkeys"))
+    return sbx.files.read("pkeys").decode()
+
+
+def test_memory_protection_keys_come_back(sbx: Sandbox, restore: Restore) -> None:
+    """A process restored from an image (an adopted child) gets back its memory protection
+    keys (x86 PKU) and each mapping's key. Until stop 68 neither came back: on a machine
+    with PKU, Chromium's zygote (adopted) lost the key V8 guards its JIT code with, and
+    every renderer it forked after the restore died at once (a tab opened after a
+    rollback never loaded). Skipped where the CPU has no PKU."""
+    sbx.files.write("pk.py", PKEYS)
+    sbx.exec("cd /workspace && nohup python3 pk.py >/dev/null 2>&1 &")
+    before = _pkeys(sbx)
+    if before == "no PKU":
+        pytest.skip("this CPU has no memory protection keys (PKU)")
+    key = int(before.split()[0].split("=")[1])
+    assert before == f"key={key} vma={key} again=0 next={key + 1} data=kept", before
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    target = restore(sbx, cp)
+    assert _pkeys(target) == before
 
 def test_node_http_server(sbx: Sandbox, restore: Restore) -> None:
     """A node HTTP server: several threads (libuv's pool, V8's workers), epoll, eventfds,

@@ -22,7 +22,9 @@ rollback's path.
 
 What is preserved: memory, registers, threads, signal state, process group and session, cwd,
 files and offsets, pipes (with unread data), ptys and controlling terminals (ptys.py),
-locked memory (mlock: locked again in every copy, which fork would not), and
+locked memory (mlock: locked again in every copy, which fork would not), memory
+protection keys (x86 PKU: a fork keeps them; a process restored from an image gets its
+keys and each private mapping's key back, native criu_incr.c r_pkeys), and
 the pid of every process that did not lead its session. A group leader's pid too: the kernel keeps a pid number allocated while any
 process uses it as a group id, and a template is such a process, so the templates of a
 group whose leader is captured leave it after the capture (_own_groups), and the children
@@ -44,7 +46,7 @@ rejoin it at the rollback. Not preserved:
   random generator's state: zero-filled, so it reseeds), the parent-death signal of a
   process not born of its restored parent (PR_SET_PDEATHSIG: its parent is init; the
   others and every child subreaper's flag get theirs back, native/prctls.c), mlockall's
-  MCL_FUTURE.
+  MCL_FUTURE, the protection key of a shared mapping made again (the default key).
 A process restored from an image (adopted, a chain's, rebuilt from a dump) is another
 process's fork: its nice, priorities, rlimits and prctl state are set back from its
 template's (taskattrs.py). One that ran as another user or without capabilities comes
