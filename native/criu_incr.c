@@ -3552,13 +3552,13 @@ nomem:
  * so every page neither wrote since is one physical frame in the parent's template, the
  * child's template (src, where the image's pages are read) and the newborn.  So each
  * private mapping the newborn has exactly as the image has it (range, protection,
- * madvise flags; of a file, the very file, at the same offset, that the restore would map
- * there: maps_root_file) is kept: only the pages whose frame differs from src's are written, and the
- * newborn's own pages the image does not have are dropped (MADV_DONTNEED: an anonymous
- * page then reads as zero, a file's as the file, as an absent page of the image does).
- * A pool's worker or a shell's job then costs the pages it wrote, not all of its memory;
- * a zygote's child (Chromium's renderers) does not copy the 13 MB of the browser's
- * relocated data it shares with its zygote, nor map its 560 files again.  A mapping whose drops (one
+ * madvise flags, protection key; of a file, the very file, at the same offset, that the
+ * restore would map there: maps_root_file) is kept: only the pages whose frame differs
+ * from src's are written, and the newborn's own pages the image does not have are
+ * dropped (MADV_DONTNEED: an anonymous page then reads as zero, a file's as the file, as
+ * an absent page of the image does).  A pool's worker or a shell's job then costs the
+ * pages it wrote, not all of its memory, and its files are not mapped again.  A mapping
+ * whose drops (one
  * injected call per range, ~25 us: about what writing KEEP_DROP_PAGES pages costs) would
  * cost more than the writes kept spare is mapped afresh instead.  Frames are read from
  * pagemap (root: PFNs shown); a frame unknown (0, swapped) counts as different. */
@@ -3604,75 +3604,53 @@ struct newborn_file {
 
 struct keep_ctx {
 	struct restore *R;
-	struct root_file *files;
-	size_t n, cap;
-	struct newborn_file *mine;
-	size_t nmine, capmine;
+	struct buf files;	/* struct root_file */
+	struct buf mine;	/* struct newborn_file */
 };
 
 static const struct root_file *root_file(struct keep_ctx *x, uint32_t k)
 {
 	const struct image *im = x->R->im;
 	const struct vma_img *v = &im->vmas[k];
+	struct root_file *f = (struct root_file *)x->files.p, add = { .k = k };
+	size_t n = x->files.len / sizeof(*f);
 	struct dbxcr_error ignored;
 	char path[PATH_MAX];
-	struct root_file *f;
 	int fd;
 
-	for (size_t i = 0; i < x->n; i++)
-		if (same_name(im, &im->vmas[x->files[i].k], v))
-			return &x->files[i];
-	if (x->n == x->cap) {
-		size_t cap = x->cap ? x->cap * 2 : 64;
-		struct root_file *more = realloc(x->files, cap * sizeof(*more));
-
-		if (!more)
-			return NULL;
-		x->files = more;
-		x->cap = cap;
-	}
-	f = &x->files[x->n++];
-	f->k = k;
-	f->ok = false;
+	for (size_t i = 0; i < n; i++)
+		if (same_name(im, &im->vmas[f[i].k], v))
+			return &f[i];
 	if (v->name_len < sizeof(path)) {
 		memcpy(path, im->strtab + v->name_off, v->name_len);
 		path[v->name_len] = '\0';
-		fd = open_in_root(x->R->root, O_PATH | O_CLOEXEC, path, &f->st, x->R->pid,
+		fd = open_in_root(x->R->root, O_PATH | O_CLOEXEC, path, &add.st, x->R->pid,
 				  &ignored);
-		if (fd >= 0) {
+		add.ok = fd >= 0;
+		if (fd >= 0)
 			close(fd);
-			f->ok = true;
-		}
 	}
-	return f;
+	if (buf_add(&x->files, &add, sizeof(add)) < 0)
+		return NULL;
+	return (const struct root_file *)x->files.p + n;
 }
 
 static const struct newborn_file *newborn_file(struct keep_ctx *x, const struct raw_vma *r)
 {
+	struct newborn_file *f = (struct newborn_file *)x->mine.p;
+	struct newborn_file add = { r->major, r->minor, r->inode, false, { 0 } };
+	size_t n = x->mine.len / sizeof(*f);
 	char path[96];
-	struct newborn_file *f;
 
-	for (size_t i = 0; i < x->nmine; i++)
-		if (x->mine[i].inode == r->inode && x->mine[i].major == r->major &&
-		    x->mine[i].minor == r->minor)
-			return &x->mine[i];
-	if (x->nmine == x->capmine) {
-		size_t cap = x->capmine ? x->capmine * 2 : 64;
-		struct newborn_file *more = realloc(x->mine, cap * sizeof(*more));
-
-		if (!more)
-			return NULL;
-		x->mine = more;
-		x->capmine = cap;
-	}
-	f = &x->mine[x->nmine++];
-	f->major = r->major;
-	f->minor = r->minor;
-	f->inode = r->inode;
+	for (size_t i = 0; i < n; i++)
+		if (f[i].inode == r->inode && f[i].major == r->major && f[i].minor == r->minor)
+			return &f[i];
 	snprintf(path, sizeof(path), "/proc/%d/map_files/%llx-%llx", (int)x->R->pid,
 		 (unsigned long long)r->start, (unsigned long long)r->end);
-	f->ok = stat(path, &f->st) == 0;
-	return f;
+	add.ok = stat(path, &add.st) == 0;
+	if (buf_add(&x->mine, &add, sizeof(add)) < 0)
+		return NULL;
+	return (const struct newborn_file *)x->mine.p + n;
 }
 
 /* Whether the newborn's r maps the very file (device and inode) the restore would map for
@@ -3680,11 +3658,12 @@ static const struct newborn_file *newborn_file(struct keep_ctx *x, const struct 
 static bool maps_root_file(struct keep_ctx *x, const struct raw_vma *r, uint32_t k)
 {
 	const struct root_file *f = root_file(x, k);
-	const struct newborn_file *mine = newborn_file(x, r);
+	const struct newborn_file *mine;
 	struct dbxcr_error ignored;
 
-	return f && f->ok && mine && mine->ok && f->st.st_ino == mine->st.st_ino &&
-	       f->st.st_dev == mine->st.st_dev &&
+	if (!f || !f->ok || !(mine = newborn_file(x, r)) || !mine->ok)
+		return false;
+	return f->st.st_ino == mine->st.st_ino && f->st.st_dev == mine->st.st_dev &&
 	       unchanged(&x->R->im->vmas[k], &f->st, "", x->R->pid, &ignored) == 0;
 }
 
@@ -3727,9 +3706,9 @@ static int keep_cb(const struct raw_vma *r, void *arg)
 	return 0;
 }
 
-/* Per page of kv: whether the newborn has it as its own (of a file mapping: copied on
- * write, not the file's), and whether in src's frame. */
-static int kept_pages(struct kept_vma *kv, bool file, int nfd, int sfd, pid_t pid, pid_t src,
+/* Per page of kv (the newborn's own, as vma_segments found them: of a file mapping, the
+ * pages copied on write): whether in src's frame. */
+static int kept_pages(struct kept_vma *kv, int nfd, int sfd, pid_t pid, pid_t src,
 		      struct dbxcr_error *err)
 {
 	size_t np = (kv->end - kv->start) / PAGE;
@@ -3748,8 +3727,7 @@ static int kept_pages(struct kept_vma *kv, bool file, int nfd, int sfd, pid_t pi
 		goto out;
 	}
 	for (size_t i = 0; i < np; i++) {
-		if ((n[i] & PM_SWAP) || ((n[i] & PM_PRESENT) && !(file && (n[i] & PM_FILE))))
-			kv->st[i] |= KEPT_THERE;
+		kv->st[i] |= KEPT_THERE;
 		if ((n[i] & PM_PRESENT) && (s[i] & PM_PRESENT) && (n[i] & PM_PFN) &&
 		    (n[i] & PM_PFN) == (s[i] & PM_PFN))
 			kv->st[i] |= KEPT_SAME;
@@ -3871,8 +3849,8 @@ static ssize_t keep_plan(struct restore *R, pid_t src, struct kept_vma **out,
 	uint32_t nv = R->im->mm->nvma;
 	struct kept_vma *kv = NULL;
 	struct keep_ctx x = { .R = R };
-	struct buf segs = { 0 };
-	size_t nk = 0, made = 0, cap = 0;
+	struct buf segs = { 0 }, kvs = { 0 };
+	size_t nk = 0, made = 0;
 	char path[64];
 	int nfd = -1, sfd = -1;
 	ssize_t rc = -1;
@@ -3903,19 +3881,14 @@ static ssize_t keep_plan(struct restore *R, pid_t src, struct kept_vma **out,
 			goto out;
 		for (size_t g = 0; g < segs.len / sizeof(struct seg); g++) {
 			const struct seg *sg = (const struct seg *)segs.p + g;
+			struct kept_vma add = { k, sg->s, sg->e, NULL };
 
-			if (made == cap) {
-				struct kept_vma *more = realloc(kv, (cap = cap * 2 + 16) * sizeof(*kv));
-
-				if (!more) {
-					fail(err, ENOMEM, R->pid, "allocate kept ranges");
-					goto out;
-				}
-				kv = more;
+			if (buf_add(&kvs, &add, sizeof(add)) < 0) {
+				fail(err, ENOMEM, R->pid, "allocate kept ranges");
+				goto out;
 			}
-			kv[made] = (struct kept_vma){ k, sg->s, sg->e, NULL };
-			if (kept_pages(&kv[made++], v.flags & VMA_FILE, nfd, sfd, R->pid, src,
-				       err) < 0)
+			kv = (struct kept_vma *)kvs.p;
+			if (kept_pages(&kv[made++], nfd, sfd, R->pid, src, err) < 0)
 				goto out;
 		}
 	}
@@ -3923,8 +3896,8 @@ static ssize_t keep_plan(struct restore *R, pid_t src, struct kept_vma **out,
 	rc = (ssize_t)made;
 out:
 	buf_free(&segs);
-	free(x.files);
-	free(x.mine);
+	buf_free(&x.files);
+	buf_free(&x.mine);
 	if (rc < 0 && kv) {
 		for (size_t t = 0; t < made; t++)
 			free(kv[t].st);
