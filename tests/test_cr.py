@@ -1312,6 +1312,73 @@ def test_socket_options_come_back_on_every_kind_of_socket(sbx: Sandbox,
     assert _asked_report(target) == before
 
 
+# Descriptors with signal-driven I/O (O_ASYNC), as nginx's channels and SIGIO servers hold
+# them: a socket pair end owned by the process itself with a real-time signal, a pipe's
+# read end owned by its process group with SIGIO, an end owned by a thread of its own, and
+# an end made asynchronous with no owner. Asked, it reports each one's O_ASYNC flag, owner
+# and signal, then makes each readable in turn and reports the signals that came.
+SIGIO_HOLDER = r"""
+import fcntl, json, os, signal, socket, struct, threading, time
+W = "/workspace/"
+os.setpgid(0, 0)
+RT, RT_THREAD = signal.SIGRTMIN + 3, signal.SIGRTMIN + 4
+got = []
+signal.signal(RT, lambda s, f: got.append("rt"))
+signal.signal(RT_THREAD, lambda s, f: got.append("thread"))
+signal.signal(signal.SIGIO, lambda s, f: got.append("io"))
+def make_async(fd, kind, owner, sig):
+    fcntl.fcntl(fd, 10, sig)                                   # F_SETSIG
+    fcntl.fcntl(fd, 15, struct.pack("ii", kind, owner))        # F_SETOWN_EX
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
+stop = threading.Event()
+worker = threading.Thread(target=stop.wait, daemon=True)
+worker.start()
+a, b = socket.socketpair()
+make_async(a.fileno(), 1, os.getpid(), RT)                     # F_OWNER_PID
+r, w = os.pipe()
+make_async(r, 2, os.getpgrp(), 0)                              # F_OWNER_PGRP, SIGIO
+c, d = socket.socketpair()
+make_async(c.fileno(), 0, worker.native_id, RT_THREAD)         # F_OWNER_TID
+e, f = socket.socketpair()
+make_async(e.fileno(), 1, 0, 0)                                # no owner
+def state(fd):
+    kind, owner = struct.unpack("ii", fcntl.fcntl(fd, 16, bytes(8)))
+    who = {os.getpid(): "me", worker.native_id: "worker", 0: "none"}.get(owner, owner)
+    return [bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ASYNC), kind, who,
+            fcntl.fcntl(fd, 11)]
+def fired(make_readable, drain):
+    got.clear()
+    make_readable()
+    time.sleep(0.2)
+    drain()
+    return sorted(got)
+def report():
+    return {"states": [state(x) for x in (a.fileno(), r, c.fileno(), e.fileno())],
+            "socket": fired(lambda: b.send(b"x"), lambda: a.recv(10)),
+            "pipe": fired(lambda: os.write(w, b"x"), lambda: os.read(r, 10)),
+            "thread": fired(lambda: d.send(b"x"), lambda: c.recv(10)),
+            "no owner": fired(lambda: f.send(b"x"), lambda: e.recv(10))}
+""" + ASKED
+
+
+def test_signal_driven_io_comes_back_with_its_owners_and_signals(sbx: Sandbox,
+                                                                  restore: Restore) -> None:
+    """A descriptor's O_ASYNC, its owner (the process, its group, one of its threads, or
+    none) and its signal come back, and the owner is signalled when the descriptor turns
+    readable: until stop 69 every one came back without O_ASYNC, silently (no signal)."""
+    sbx.files.write("sigio.py", SIGIO_HOLDER)
+    sbx.exec("cd /workspace && nohup python3 sigio.py >/dev/null 2>&1 &")
+    _wait_file(sbx, "ready")
+    before = _asked_report(sbx)
+    assert before["states"][0][:3] == [True, 1, "me"], before
+    assert before["socket"] == ["rt"] and before["pipe"] == ["io"], before
+    assert before["thread"] == ["thread"] and before["no owner"] == [], before
+    cp = sbx.checkpoint(mode="full")
+    assert cp.kind == "full", cp.reasons
+    target = restore(sbx, cp)
+    assert _asked_report(target) == before
+
+
 def test_bytes_waiting_for_a_reader_of_credentials_are_refused_by_name(sbx: Sandbox
                                                                          ) -> None:
     """Bytes waiting at a unix socket that gets its senders' credentials would be sent
@@ -5194,6 +5261,23 @@ def _nginx(box: Sandbox) -> tuple[str, list[str]]:
     return page, [" ".join(line.split()) for line in ps.splitlines()]
 
 
+# nginx's descriptors with signal-driven I/O (its channels: O_ASYNC, owned by the master),
+# as "pid fd" lines of the processes named nginx.
+NGINX_ASYNC_FDS = """python3 -c '
+import os
+for p in sorted(x for x in os.listdir("/proc") if x.isdigit()):
+    try:
+        if open(f"/proc/{p}/comm").read().strip() != "nginx":
+            continue
+        for fd in sorted(os.listdir(f"/proc/{p}/fdinfo"), key=int):
+            flags = open(f"/proc/{p}/fdinfo/{fd}").read().split()[3]
+            if int(flags, 8) & os.O_ASYNC:
+                print(p, fd)
+    except OSError:
+        pass
+'"""
+
+
 def _without_master_ppid(ps: list[str]) -> list[str]:
     return [re.sub(r"^(\d+) \d+ ", r"\1 - ", line) if "master process" in line else line
             for line in ps]
@@ -5212,10 +5296,13 @@ def test_nginx_comes_back_with_its_pid_and_workers(sbx: Sandbox, restore: Restor
     page, before = _nginx(sbx)
     master = sbx.files.read("ng/nginx.pid").decode().strip()
     assert sorted(line.split()[2] for line in before) == ["0", "65534", "65534"], before
+    channels = sbx.exec(NGINX_ASYNC_FDS).stdout
+    assert channels.strip(), "nginx sets O_ASYNC on its channels"
     cp = sbx.checkpoint()
     assert cp.kind == "full", cp.reasons
     sbx.exec(f"{NGINX} -s stop")
     target = restore(sbx, cp)
+    assert target.exec(NGINX_ASYNC_FDS).stdout == channels
     # (The master's parent is init; in a fork it is outside the fork's pid namespace.)
     assert _nginx(target)[0] == page
     assert _without_master_ppid(_nginx(target)[1]) == _without_master_ppid(before)

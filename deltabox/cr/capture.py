@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .creds import Creds
     from .eventloop import LoopState
     from .pidfds import PidFd
+    from .sigio import SigIO
 
 # Character devices a restored process may hold (null zero full random urandom): reopened
 # by path at a restore, there is nothing else to them.
@@ -118,6 +119,9 @@ class ProcessRecord:
     task: TaskAttrs | None = None
     # its pidfds of its children (pidfds.capture): given back once the children exist
     pidfds: list[PidFd] = field(default_factory=list)
+    # its descriptors' signal-driven I/O (O_ASYNC, owner, signal: sigio.capture): given
+    # back once every process exists
+    sigio: list[SigIO] = field(default_factory=list)
     # its children that had exited, not yet waited for: (nspid, wait status, name)
     zombies: list[tuple[int, int, str]] = field(default_factory=list)
     # its credentials, if it runs without the capabilities to restore itself (creds.py):

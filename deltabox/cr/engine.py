@@ -82,8 +82,8 @@ from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from ..fs.files import open_in_root
 from . import (adoption, creds, deleted_cwd, eventloop, fifos, listeners, native, pidfds, pipebuf,
-               private_maps, ptys, shared_files, shm_files, sockopts, sysv_shm, taskattrs,
-               tcp, unix_listeners, unlinked, watches)
+               private_maps, ptys, shared_files, shm_files, sigio, sockopts, sysv_shm,
+               taskattrs, tcp, unix_listeners, unlinked, watches)
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .taskattrs import TaskAttrs
 from .capture import (DEV_TTY, ProcessRecord, Refusal, SharedMapping, Unsettled, add_listeners,
@@ -488,6 +488,8 @@ class DeltaCR:
                 if not cap.refused:   # before eventloop.capture drops the fdinfo it read
                     cap.refused.extend(pidfds.capture(records))
                 if not cap.refused:
+                    cap.refused.extend(sigio.capture(records))
+                if not cap.refused:
                     cap.refused.extend(eventloop.capture(records, layers, self.watch_paths))
                 if not cap.refused:
                     shm_files.named_again(records)   # before unlinked.capture looks
@@ -781,7 +783,7 @@ class DeltaCR:
                     pid = await self._adopted(state, rec, spawn, held, rootfd, out, groups,
                                               pid_held)
                 else:
-                    spawn.hold = rec.pid in state.adopters
+                    spawn.hold = rec.pid in state.adopters or bool(rec.sigio)
                     carrier = pre.carriers.pop(rec.pid, None) if pre is not None else None
                     first = born.pop(rec.pid, None)
                     if isinstance(first, int):
@@ -803,6 +805,10 @@ class DeltaCR:
                 sysv_shm.settle(target_ipc, state.sysv_shm)
             if any(r.pidfds for r in records):
                 await self.worker.run(_give_pidfds, state, held)
+            for rec in records:   # every process exists; the holders are held
+                if rec.sigio:
+                    sigio.give(rec, held[rec.pid].pid,
+                               lambda pid: out.pids[_nspid(state, pid)])
             if held:   # children before their parents, all at once
                 await self.worker.run(_release_held, list(held.values())[::-1],
                                       _foregrounds(state, held))
@@ -994,7 +1000,8 @@ class DeltaCR:
         watch waits on the signal queue of the task that made it: the carrier's, not its
         birth's), those listening on an abstract unix name (the live process holds it:
         bound by their spawn once it has exited), those attaching a System V segment
-        (made again by the rollback, with the live one's id) and captured parents and
+        (made again by the rollback, with the live one's id), those with signal-driven
+        I/O (held until their descriptors' owners exist: sigio.py) and captured parents and
         children (restored held, and adopted: adoption.py): restore(pre=...) gives birth
         to the processes from them. A TCP connection's or listener's sockets are made
         ahead, their addresses taken by the rollback (the live process still holds them),
@@ -1006,6 +1013,7 @@ class DeltaCR:
                 and not eventloop.watches_signalfd(r.loop) and not _abstract_name(r)
                 and r.pid not in attaching
                 and r.pid not in state.family and r.pid not in state.adopters
+                and not r.sigio
                 and not ptys.holds_dev_tty(r)]
         if not recs and not state.unlinked:
             return None

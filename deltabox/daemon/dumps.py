@@ -28,7 +28,7 @@ from pathlib import Path
 import trio
 
 from ..cr import (adoption, creds, eventloop, fifos, native, pidfds, pipebuf, private_maps,
-                  ptys, shared_files, shm_files, sockopts, sysv_shm, taskattrs, unlinked)
+                  ptys, shared_files, shm_files, sigio, sockopts, sysv_shm, taskattrs, unlinked)
 from ..cr.capture import ProcessRecord, SharedMapping, in_dev_shm
 from ..cr.taskattrs import TaskAttrs
 from ..cr.engine import (DeltaCR, PipeEnd, PipeGroup, ProcessState, lone_leaders, rebuilt_as,
@@ -636,7 +636,7 @@ def _rec_json(r: ProcessRecord) -> dict:
     d = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)
          if f.name not in ("fds", "listens", "loop", "shared", "mapped_ro",
                            "deleted_private", "mapped_private", "mlocks", "task",
-                           "pidfds", "creds")}
+                           "pidfds", "sigio", "creds")}
     d["fds"] = [{k: v for k, v in dataclasses.asdict(f).items() if k != "fdinfo"}
                 for f in r.fds]
     # The named files' mappings are made again from them at every restore of templates
@@ -653,6 +653,7 @@ def _rec_json(r: ProcessRecord) -> dict:
     d["mlocks"] = [dataclasses.asdict(m) for m in r.mlocks]
     d["task"] = r.task.to_json() if r.task is not None else None
     d["pidfds"] = [dataclasses.asdict(p) for p in r.pidfds]
+    d["sigio"] = [dataclasses.asdict(x) for x in r.sigio]
     d["creds"] = r.creds.to_json() if r.creds is not None else None
     return d
 
@@ -681,8 +682,9 @@ def _rec_from(d: dict) -> ProcessRecord:
     mlocks = [native.MemoryLock(**m) for m in d.pop("mlocks", [])]
     task = d.pop("task", None)   # absent in dumps made before stop 52
     pids = [pidfds.PidFd(**p) for p in d.pop("pidfds", [])]   # before stop 53: none
+    async_io = [sigio.SigIO(**x) for x in d.pop("sigio", [])]   # before stop 69: none
     cred = d.pop("creds", None)   # before stop 57: none (such processes were refused)
     return ProcessRecord(**d, fds=fds, listens=listens, loop=loop, shared=shared,
                          mapped_ro=mapped_ro, mapped_private=mapped_private, mlocks=mlocks,
-                         task=TaskAttrs.from_json(task) if task else None, pidfds=pids,
+                         task=TaskAttrs.from_json(task) if task else None, pidfds=pids, sigio=async_io,
                          creds=creds.Creds.from_json(cred) if cred else None)
