@@ -4674,23 +4674,24 @@ def vma_key(at):
             inside = lo <= at < hi
         elif inside and line.startswith('ProtectionKey:'):
             return int(line.split()[1])
+def answer():
+    if key < 0:
+        return 'no PKU'
+    again = pkey_mprotect(at + 2 * 4096, 4096, key)
+    nxt = libc.syscall(330, 0, 0)
+    libc.syscall(331, nxt)   # pkey_free
+    return f'key={key} vma={vma_key(at)} again={again} next={nxt} data={m[0:4].decode()}'
 if os.fork() == 0:
     key = libc.syscall(330, 0, 0)   # pkey_alloc
-    if key < 0:
-        open(W + 'pkeys', 'w').write('no PKU')
-        time.sleep(1000)
-    m = mmap.mmap(-1, 4 * 4096, flags=mmap.MAP_PRIVATE)   # (as V8's code space)
-    at = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    assert pkey_mprotect(at, 2 * 4096, key) == 0
-    m[0:4] = b'kept'
+    if key >= 0:
+        m = mmap.mmap(-1, 4 * 4096, flags=mmap.MAP_PRIVATE)   # (as V8's code space)
+        at = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        assert pkey_mprotect(at, 2 * 4096, key) == 0
+        m[0:4] = b'kept'
     while True:
         if os.path.exists(W + 'report'):
-            again = pkey_mprotect(at + 2 * 4096, 4096, key)
-            nxt = libc.syscall(330, 0, 0)
-            libc.syscall(331, nxt)   # pkey_free
             with open(W + 'pkeys.tmp', 'w') as out:
-                out.write(f'key={key} vma={vma_key(at)} again={again} next={nxt} '
-                          f'data={m[0:4].decode()}')
+                out.write(answer())
             os.rename(W + 'pkeys.tmp', W + 'pkeys')
             os.remove(W + 'report')
         time.sleep(0.02)
@@ -4723,6 +4724,7 @@ def test_memory_protection_keys_come_back(sbx: Sandbox, restore: Restore) -> Non
     assert cp.kind == "full", cp.reasons
     target = restore(sbx, cp)
     assert _pkeys(target) == before
+
 
 def test_node_http_server(sbx: Sandbox, restore: Restore) -> None:
     """A node HTTP server: several threads (libuv's pool, V8's workers), epoll, eventfds,
