@@ -1273,6 +1273,8 @@ c.setsockopt(socket.IPPROTO_TCP, 36, 1)                  # TCP_INQ
 c.setsockopt(1, 10, 1)                                   # SO_OOBINLINE
 c.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, 0x10)
 c.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, 33)
+for x in (c, srv):
+    x.setsockopt(socket.IPPROTO_TCP, 13, b"reno")      # TCP_CONGESTION
 def report():
     out = {}
     for k, x in socks.items():
@@ -1285,6 +1287,8 @@ def report():
     out["c"] += [c.getsockopt(socket.IPPROTO_TCP, 18), c.getsockopt(socket.IPPROTO_IP, 1),
                  c.getsockopt(socket.IPPROTO_TCP, 36), c.getsockopt(1, 10),
                  c.getsockopt(socket.IPPROTO_IP, socket.IP_TTL)]
+    out["cc"] = [x.getsockopt(socket.IPPROTO_TCP, 13, 16).rstrip(b"\0").decode()
+                 for x in (c, srv)]
     a.send(b"hello")
     msg, anc, _, _ = b.recvmsg(16, socket.CMSG_SPACE(12))
     creds = [struct.unpack("=iII", d) for lv, t, d in anc if lv == 1 and t == 2]
@@ -1305,6 +1309,7 @@ def test_socket_options_come_back_on_every_kind_of_socket(sbx: Sandbox,
     before = _asked_report(sbx)
     assert before["creds"] == ["hello", True], before
     assert before["a"][4:] == [1, 0] and before["c"][-5:] == [4321, 0x10, 1, 1, 33], before
+    assert before["cc"] == ["reno", "reno"], before
     assert before["u"][4:] == [b"lo\0".hex(), 1], before
     cp = sbx.checkpoint(mode="full")
     assert cp.kind == "full", cp.reasons

@@ -98,21 +98,27 @@ _SO_PASSSEC, _SO_PEEK_OFF, _SO_PASSPIDFD = 34, 42, 76
 PASSING = {(_SOL, _SO_PASSCRED), (_SOL, _SO_PASSSEC), (_SOL, _SO_PASSPIDFD)}
 UNIX = {socket.AF_UNIX: _ANY + sorted(PASSING) + [(_SOL, _SO_PEEK_OFF)]}
 
+# A TCP socket's congestion control (TCP_CONGESTION: its algorithm's name, up to 16 bytes;
+# a listener's connections inherit a chosen one). Until stop 69 a restored one had the
+# namespace's default, silently.
+_CONGESTION: Entry = (_TCP, 13, 16)
 # A TCP connection's beside those tcp.py reads itself (no delay, keepalive): SO_OOBINLINE,
 # TCP_CORK, TCP_LINGER2, TCP_THIN_LINEAR_TIMEOUTS, TCP_USER_TIMEOUT, TCP_NOTSENT_LOWAT,
-# TCP_INQ (recvmsg tells the bytes left), and the IP ones: type of service, TTL, path MTU
+# TCP_INQ (recvmsg tells the bytes left), its congestion control, and the IP ones: type of service, TTL, path MTU
 # discovery, IP_RECVERR (IPv6: hops, path MTU discovery, IPV6_RECVERR, traffic class).
 # Not TCP_QUICKACK (it reads the connection's passing ack mode, not a setting) nor
 # TCP_WINDOW_CLAMP (the stack sets it too: it reads other than a fresh socket's unset).
-_CONN = _ANY + _INET + [(_SOL, 10)] + [(_TCP, n) for n in (3, 8, 16, 18, 25, 36)]
+_CONN = _ANY + _INET + [(_SOL, 10)] + [(_TCP, n) for n in (3, 8, 16, 18, 25, 36)] + [
+    _CONGESTION]
 TCP_CONNECTION = {socket.AF_INET: _CONN + [(_IP, n) for n in (1, 2, 10, 11)],
                   socket.AF_INET6: _CONN + [(_IPV6, n) for n in (16, 23, 25, 67)]}
 
 # A TCP listener's, most of them inherited by the connections it accepts: SO_KEEPALIVE,
 # SO_OOBINLINE, TCP_NODELAY, TCP_MAXSEG, TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT, TCP_DEFER_ACCEPT,
-# TCP_QUICKACK, TCP_USER_TIMEOUT, TCP_FASTOPEN (its queue), TCP_NOTSENT_LOWAT.
+# TCP_QUICKACK, TCP_USER_TIMEOUT, TCP_FASTOPEN (its queue), TCP_NOTSENT_LOWAT, its
+# congestion control.
 _LISTENER = _SOCKET + _INET + [(_SOL, 9), (_SOL, 10)] + [
-    (_TCP, n) for n in (1, 2, 4, 5, 6, 9, 12, 18, 23, 25)]
+    (_TCP, n) for n in (1, 2, 4, 5, 6, 9, 12, 18, 23, 25)] + [_CONGESTION]
 LISTENER = {
     socket.AF_INET: _LISTENER + _IP_BOTH,
     socket.AF_INET6: _LISTENER + _IPV6_BOTH,
