@@ -30,6 +30,8 @@ command -v nginx >/dev/null || need+=(nginx-light)
 ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || need+=(postgresql)
 # ... MariaDB (InnoDB's threads, buffer pool and redo log; its AIO fallback in a sandbox)
 command -v mariadbd >/dev/null || need+=(mariadb-server)
+# ... Redis (its background threads; a client blocked in it over loopback TCP)
+command -v redis-server >/dev/null || need+=(redis-server)
 # The read-ahead's test sees a file's page cache from inside a sandbox (fincore).
 command -v fincore >/dev/null || need+=(util-linux-extra)
 # ... and a JVM (its NIO socket whose peer it closed, a few dozen threads).

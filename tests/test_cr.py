@@ -4604,6 +4604,39 @@ def test_mariadb_comes_back(sbx: Sandbox, restore: Restore) -> None:
     wait_for(lambda: target.exec("pgrep -x mariadbd").exit_code != 0, what="shutdown")
 
 
+REDIS = "redis-cli -p 6390 "
+
+
+def test_redis_comes_back_with_a_client_blocked_in_it(sbx: Sandbox, restore: Restore) -> None:
+    """A Redis server (its background threads, epoll, a TCP listener) with a client blocked
+    in BLPOP over a loopback connection comes back as at the checkpoint: the keys as they
+    were, the client still blocked in the server until a push reaches it, a background
+    save (a fork of the restored server) that succeeds."""
+    sbx.exec("mkdir -p /workspace/r && cd /workspace/r && nohup redis-server --port 6390 "
+             "--save '' --appendonly no --dir /workspace/r >log 2>&1 &")
+    wait_for(lambda: sbx.exec(REDIS + "ping").stdout == "PONG\n", what="redis")
+    sbx.exec(REDIS + "set k checkpoint && " + REDIS + "rpush l a b c")
+    sbx.exec(f"nohup {REDIS} blpop q 0 >/workspace/r/popped 2>&1 &")
+    wait_for(lambda: "cmd=blpop" in sbx.exec(REDIS + "client list").stdout,
+             what="the client to block")
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    sbx.exec(REDIS + "set k changed && " + REDIS + "rpush q live && " + REDIS + "del l")
+    target = restore(sbx, cp)
+    assert target.exec(REDIS + "get k && " + REDIS + "lrange l 0 -1").stdout == \
+        "checkpoint\na\nb\nc\n"
+    assert "cmd=blpop" in target.exec(REDIS + "client list").stdout
+    assert target.files.read("r/popped") == b""
+    target.exec(REDIS + "rpush q restored")
+    wait_for(lambda: target.files.read("r/popped") == b"q\nrestored\n",
+             what="the blocked client to get the push")
+    assert target.exec(REDIS + "bgsave").exit_code == 0
+    wait_for(lambda: "rdb_last_bgsave_status:ok" in target.exec(REDIS + "info persistence")
+             .stdout and "rdb_bgsave_in_progress:0" in
+             target.exec(REDIS + "info persistence").stdout, what="the background save")
+    assert target.files.exists("r/dump.rdb")
+
+
 NODE_SERVER = """
 const http = require('http');
 let n = 41;
