@@ -4360,16 +4360,19 @@ static void *mntns_open_thread(void *arg)
 	return NULL;
 }
 
-/* ---------- binding a unix socket to a path of a sandbox's tree ----------
+/* ---------- binding (or connecting) a unix socket to a path of a sandbox's tree ----------
  *
  * The kernel keeps the path given to bind() as the socket's name (getsockname, sock_diag):
  * binding through a directory's magic link (/proc/self/fd/N/name) would name it so.  A
  * thread of our own with its own fs_struct (unshare(CLONE_FS)) chroots into the tree and
- * binds the socket to the path itself, resolved in that tree only. */
+ * binds the socket to the path itself, resolved in that tree only.  A connect() is made
+ * the same way: resolved from our own root, a symlink the sandbox put at the path could
+ * lead to a socket of the host. */
 struct root_bind_job {
 	int root_fd;
 	int sock_fd;
 	const char *path;
+	bool connect;
 	int code;
 	const char *step;
 };
@@ -4390,28 +4393,42 @@ static void *root_bind_thread(void *arg)
 		return NULL;
 	}
 	memcpy(sun.sun_path, j->path, strlen(j->path));
-	if (bind(j->sock_fd, (struct sockaddr *)&sun,
-		 (socklen_t)(offsetof(struct sockaddr_un, sun_path) + strlen(j->path) + 1)) < 0) {
+	socklen_t len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + strlen(j->path) + 1);
+	if ((j->connect ? connect(j->sock_fd, (struct sockaddr *)&sun, len)
+			: bind(j->sock_fd, (struct sockaddr *)&sun, len)) < 0) {
 		j->code = errno;
-		j->step = "bind";
+		j->step = j->connect ? "connect" : "bind";
 	}
 	return NULL;
 }
 
-int dbxcr_root_bind(int root_fd, int sock_fd, const char *path, struct dbxcr_error *err)
+static int root_sockaddr(int root_fd, int sock_fd, const char *path, bool connect,
+			 struct dbxcr_error *err)
 {
-	struct root_bind_job j = { root_fd, sock_fd, path, 0, NULL };
+	struct root_bind_job j = { root_fd, sock_fd, path, connect, 0, NULL };
+	const char *what = connect ? "connect" : "bind";
 
 	clear_error(err);
 	if (path[0] != '/' || strlen(path) >= sizeof(((struct sockaddr_un *)0)->sun_path))
-		return fail(err, EINVAL, current_tid(), "bind to %s: not an absolute path that "
-			    "fits a unix socket's name", path);
-	if (on_own_thread(root_bind_thread, &j, "bind a unix socket", err) < 0)
+		return fail(err, EINVAL, current_tid(), "%s to %s: not an absolute path that "
+			    "fits a unix socket's name", what, path);
+	if (on_own_thread(root_bind_thread, &j, connect ? "connect a unix socket" :
+			  "bind a unix socket", err) < 0)
 		return -1;
 	if (j.code)
-		return fail(err, j.code, current_tid(), "bind socket fd %d to %s in the tree at fd "
-			    "%d: %s", sock_fd, path, root_fd, j.step);
+		return fail(err, j.code, current_tid(), "%s socket fd %d to %s in the tree at fd "
+			    "%d: %s", what, sock_fd, path, root_fd, j.step);
 	return 0;
+}
+
+int dbxcr_root_bind(int root_fd, int sock_fd, const char *path, struct dbxcr_error *err)
+{
+	return root_sockaddr(root_fd, sock_fd, path, false, err);
+}
+
+int dbxcr_root_connect(int root_fd, int sock_fd, const char *path, struct dbxcr_error *err)
+{
+	return root_sockaddr(root_fd, sock_fd, path, true, err);
 }
 
 int dbxcr_mntns_open(int mntns_fd, const char *path, int flags, int mode,

@@ -386,6 +386,8 @@ int dbxcr_netns_socketpair(int netns_fd, int domain, int type, int sv[2],
 /* Bind our unix socket sock_fd to the absolute `path` of the tree at root_fd (resolved
  * there only: a thread of ours chroots into it), so that the socket's name is `path`. */
 int dbxcr_root_bind(int root_fd, int sock_fd, const char *path, struct dbxcr_error *err);
+/* The same, connect()ing the socket to the path (resolved in that tree only). */
+int dbxcr_root_connect(int root_fd, int sock_fd, const char *path, struct dbxcr_error *err);
 
 /* Open `path` as seen in the mount namespace `mntns_fd` (a thread made for the call joins
  * it), no symlink followed: flags (O_CLOEXEC added) and mode as open(2).  Our fd. */

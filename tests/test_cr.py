@@ -1317,6 +1317,77 @@ def test_socket_options_come_back_on_every_kind_of_socket(sbx: Sandbox,
     assert _asked_report(target) == before
 
 
+# Datagram servers bound to a name, as a log or metrics collector is, and their clients: a
+# server at a path (its socket file's mode 0660), a client connected to it and a sender
+# that names it in every sendto; a server at an abstract name and a client, itself bound
+# to one, connected to it. Asked, it reports what each server receives, from whom, and
+# every socket's names.
+DGRAM_SERVERS = r"""
+import json, os, socket, time
+W = "/workspace/"
+def dgram():
+    return socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+srv = dgram()
+srv.bind(W + "log.sock")
+os.chmod(W + "log.sock", 0o660)
+cli = dgram()
+cli.connect(W + "log.sock")
+free = dgram()
+asrv = dgram()
+asrv.bind("\0dbx-dgram-server")
+acli = dgram()
+acli.bind("\0dbx-dgram-client")
+acli.connect("\0dbx-dgram-server")
+for x in (srv, asrv):
+    x.settimeout(5)
+def report():
+    cli.send(b"one")
+    free.sendto(b"two", W + "log.sock")
+    acli.send(b"three")
+    got = [srv.recvfrom(100), srv.recvfrom(100), asrv.recvfrom(100)]
+    return {"got": [[m.decode(), repr(a)] for m, a in got],
+            "names": [repr(x) for x in (srv.getsockname(), cli.getpeername(),
+                                         asrv.getsockname(), acli.getsockname(),
+                                         acli.getpeername())],
+            "mode": oct(os.stat(W + "log.sock").st_mode)}
+""" + ASKED
+
+
+def test_named_datagram_sockets_come_back_with_their_clients(sbx: Sandbox,
+                                                             restore: Restore) -> None:
+    """A datagram server bound to a path or an abstract name comes back bound to it (its
+    socket file with its mode), its connected clients connected to it again, a sender
+    that names it reaching it: until stop 69 every named unix socket but a listener was
+    refused."""
+    sbx.files.write("dg.py", DGRAM_SERVERS)
+    sbx.exec("cd /workspace && nohup python3 dg.py >/dev/null 2>&1 &")
+    _wait_file(sbx, "ready")
+    before = _asked_report(sbx)
+    assert [m for m, _ in before["got"]] == ["one", "two", "three"], before
+    assert before["got"][2][1] == repr(b"\0dbx-dgram-client"), before
+    assert before["mode"] == "0o140660", before
+    cp = sbx.checkpoint(mode="full")
+    assert cp.kind == "full", cp.reasons
+    target = restore(sbx, cp)
+    assert _asked_report(target) == before
+
+
+def test_datagrams_waiting_at_a_named_socket_for_ever_are_refused_by_name(sbx: Sandbox
+                                                                           ) -> None:
+    """A datagram nobody reads, waiting at a named socket, would be lost: the capture lets
+    the processes run a moment for their reader, then refuses, naming the socket."""
+    sbx.exec("nohup python3 -c \"import socket, time\ns = socket.socket(socket.AF_UNIX, "
+             "socket.SOCK_DGRAM)\ns.bind('/workspace/q.sock')\nsocket.socket(socket.AF_UNIX,"
+             " socket.SOCK_DGRAM).sendto(b'unread', '/workspace/q.sock')\n"
+             "open('/workspace/ready', 'w').close()\ntime.sleep(300)\" >/dev/null 2>&1 &")
+    _wait_file(sbx, "ready")
+    with pytest.raises(deltabox.FailedPrecondition,
+                       match=r"(?s)pid \d+ \(python3 -c import socket.*\): fd 3: unix socket "
+                             r"unix dgram .*/workspace/q.sock: datagrams waiting to be read"):
+        sbx.checkpoint(mode="full")
+    assert sbx.checkpoints() == []
+
+
 # Descriptors with signal-driven I/O (O_ASYNC), as nginx's channels and SIGIO servers hold
 # them: a socket pair end owned by the process itself with a real-time signal, a pipe's
 # read end owned by its process group with SIGIO, an end owned by a thread of its own, and
@@ -3275,16 +3346,20 @@ def test_process_waiting_for_a_child_it_cannot_get_back_is_refused(sbx: Sandbox)
 
 
 @pytest.mark.parametrize("name", ["/workspace/log.sock", "@dbx-log"])
-def test_a_named_datagram_socket_is_refused_by_its_name(sbx: Sandbox, name: str) -> None:
-    """A unix datagram socket bound to a name (a syslog-like receiver) is not captured:
-    refused naming the name as the program gave it (the path showed the NUL after it)."""
+def test_a_named_stream_socket_not_listening_is_refused_by_its_name(sbx: Sandbox,
+                                                                     name: str) -> None:
+    """A unix stream socket bound to a name but neither listening nor connected is not
+    captured: refused naming the name as the program gave it (the path showed the NUL
+    after it). (A datagram socket so bound was refused too until stop 69, and comes back
+    now: test_named_datagram_sockets_come_back_with_their_clients.)"""
     addr = f"'\\0{name[1:]}'" if name.startswith("@") else f"'{name}'"
     sbx.exec(f"nohup python3 -c \"import socket, time\ns = socket.socket(socket.AF_UNIX, "
-             f"socket.SOCK_DGRAM)\ns.bind({addr})\nopen('/workspace/ready', 'w').close()\n"
+             f"socket.SOCK_STREAM)\ns.bind({addr})\nopen('/workspace/ready', 'w').close()\n"
              f"time.sleep(1000)\" >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("ready"))
     _refused_by_name(sbx, rf"(?s)pid \d+ \(python3 -c import socket.*fd 3: .*bound to "
-                          rf"'{re.escape(name)}': named unix sockets are not captured")
+                          rf"'{re.escape(name)}': a named unix socket that is neither "
+                          r"listening nor a datagram socket is not captured")
 
 
 def test_a_netlink_socket_is_refused_with_a_clear_error(sbx: Sandbox) -> None:

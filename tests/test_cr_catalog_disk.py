@@ -86,6 +86,7 @@ from test_cr import (  # noqa: F401  (the catalog's cases, run here with the dis
     test_netlink_sockets_and_socket_filters_come_back,
     test_socket_options_come_back_on_every_kind_of_socket,
     test_signal_driven_io_comes_back_with_its_owners_and_signals,
+    test_named_datagram_sockets_come_back_with_their_clients,
     test_socket_pairs_with_an_end_shut_down_come_back_shut_down,
     test_socket_pairs_with_abstract_names_keep_them,
     test_timerfd_and_signalfd)

@@ -1184,7 +1184,8 @@ def _plan(state: ProcessState, rootfd: int, mntfd: int, armed: bool = True) -> _
     plan = _PipePlan(state.pipes, state.unlinked, rootfd, armed, state.shared_files,
                      state.fifos, [u for r in state.records if r.loop
                                    for u in r.loop.unix_listeners if not u.abstract],
-                     _shared_listeners(state))
+                     _shared_listeners(state),
+                     {x.key: x for r in state.records if r.loop for x in r.loop.lone})
     try:
         plan.make_shm(state.shm_files, mntfd)
         plan.make_ptys(state.ptys, mntfd)
@@ -1205,8 +1206,11 @@ class _PipePlan:
                  armed: bool = True, shared: list[shared_files.SharedFile] = (),
                  named_pipes: list[fifos.Fifo] = (),
                  named_listeners: Sequence[unix_listeners.UnixListener] = (),
-                 shared_listeners: Collection[int] = ()) -> None:
+                 shared_listeners: Collection[int] = (),
+                 lones: Mapping[str, eventloop.LoneSocket] | None = None) -> None:
         self.groups = groups
+        # every process's lone unix sockets, by key: a datagram client's target (_lone)
+        self.lones = lones or {}
         self.shared_listeners = shared_listeners   # TCP listeners' inodes: listener_fds
         self.named_listeners = named_listeners   # every process's, bound before any watch
         # Timers run from when the restored processes do: a plan made ahead for carriers
@@ -1277,8 +1281,7 @@ class _PipePlan:
             out.update((n, ab[0]) for n in p.a)
             out.update((n, ab[1]) for n in p.b)
         for x in loop.lone:
-            fd = self._object(x.key, lambda x=x: _lone_socket(x, netns_pid))
-            out.update((n, fd) for n in x.fds)
+            out.update((n, self._lone(x, netns_pid)) for n in x.fds)
         for c in loop.tcp:
             ab = self._pair(c.key, lambda c=c: self._connection(c, netns_pid))
             out.update((n, ab[0]) for n in c.a)
@@ -1291,12 +1294,42 @@ class _PipePlan:
         return self._object(u.key, lambda: unix_listeners.make(u, netns_pid, self._root()))
 
     def _bind_named_listeners(self, netns_pid: int) -> None:
-        """Every process's unix listeners bound to a path, before the first inotify watch is
-        made: binding replaces the checkpoint's stale socket file, and a watch on its
-        directory would report that file deleted (gpg-agent then shuts down: "socket file
-        has been removed")."""
+        """Every process's unix listeners and datagram sockets bound to a path, before the
+        first inotify watch is made: binding replaces the checkpoint's stale socket file,
+        and a watch on its directory would report that file deleted (gpg-agent then shuts
+        down: "socket file has been removed")."""
         for u in self.named_listeners:
             self._unix_listener(u, netns_pid)
+        for x in self.lones.values():
+            if x.name and not x.abstract:
+                self._lone(x, netns_pid)
+
+    def _lone(self, x: eventloop.LoneSocket, netns_pid: int) -> int:
+        """The lone socket `x` made again (once per restore), bound to its name, connected
+        to its target once that one is made (eventloop.LoneSocket)."""
+        return self._object(x.key, lambda: self._made_lone(x, netns_pid))
+
+    def _made_lone(self, x: eventloop.LoneSocket, netns_pid: int) -> int:
+        fd = _lone_socket(x, netns_pid)
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                if x.name:
+                    unix_listeners.bind_name(s, x.name, x.abstract, self._root(), x.owner)
+                if x.to_key:
+                    self._lone(self.lones[x.to_key], netns_pid)   # bound first
+                    if x.to_abstract:
+                        s.connect(b"\0" + bytes.fromhex(x.to))
+                    else:
+                        native.root_connect(self._root(), s, x.to)
+        except OSError as e:
+            os.close(fd)
+            shown = f"@{bytes.fromhex(x.name)!r}" if x.abstract else x.name
+            raise native.CRError(e.errno or errno.EIO, f"unix socket {x.key} "
+                                 f"({shown or 'unnamed'}): {e.strerror or e}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def _named_pair(self, p: eventloop.SocketPair, netns_pid: int) -> tuple[int, int]:
         """p's two ends (_fresh_pair) with their abstract names: bound at once, or, in a
@@ -1979,9 +2012,11 @@ def _connected(rec: ProcessRecord) -> bool:
 
 
 def _abstract_name(rec: ProcessRecord) -> bool:
-    """Whether rec listens on an abstract unix name (unix_listeners.py): the killed
+    """Whether rec listens on an abstract unix name (unix_listeners.py), or holds a
+    datagram socket bound to one or connected to one (eventloop.LoneSocket): the killed
     process holds it until it exits (the sandbox's network namespace is the same)."""
-    return bool(rec.loop and any(u.abstract for u in rec.loop.unix_listeners))
+    return bool(rec.loop and (any(u.abstract for u in rec.loop.unix_listeners) or any(
+        x.abstract and x.name or x.to_abstract for x in rec.loop.lone)))
 
 
 def _named_pair_end(rec: ProcessRecord) -> bool:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import fcntl
 import os
 import select
@@ -120,11 +121,18 @@ class SocketPair:
 
 @dataclass
 class LoneSocket:
-    """An unnamed unix socket with no other end in the sandbox: one whose peer was closed
+    """A unix socket with no other end in the sandbox: one whose peer was closed
     (`widowed`: a read returns the bytes `data` still waiting, then the pending error if
     `reset`, then end of file; a write fails with EPIPE) or one never connected. Every
     JVM holds one (its NIO "pre-close" descriptor: one end of a socket pair whose other
-    end it closed at start). `key` names it across the processes that share it."""
+    end it closed at start). `key` names it across the processes that share it.
+
+    A datagram socket may have a name (a log or metrics server bound to a path or an
+    abstract name, whose clients send to it), bound again (`name`, `abstract`: as
+    unix_listeners.diag_name gives them; `owner`: its socket file's mode, uid, gid), and
+    may be connected one way to such a named socket the sandbox holds (a client: `to_key`
+    that socket's key, `to` and `to_abstract` its name), connected again once that one is
+    bound. Since stop 69; before, every named one was refused."""
     key: str
     type: int
     widowed: bool
@@ -134,6 +142,12 @@ class LoneSocket:
     reset: bool = False                   # the peer left unread bytes: ECONNRESET pending
     bufs: tuple[int, int] = (0, 0)
     opts: tuple[sockopts.Option, ...] = ()
+    name: str = ""
+    abstract: bool = False
+    owner: tuple[int, int, int] = (0, 0, 0)
+    to_key: str = ""
+    to: str = ""
+    to_abstract: bool = False
 
 
 @dataclass
@@ -561,15 +575,59 @@ class _Pairs:
                 bool(f.flags & os.O_NONBLOCK))
         return self.listeners[f.inode]
 
+    def _one_way(self, ino: int, d: _UnixDiag) -> bool:
+        """Whether the socket at ino is a datagram socket connected to another that is not
+        connected back (a client of a named one)."""
+        if d.type != socket.SOCK_DGRAM or d.state != TCP_ESTABLISHED or not d.peer:
+            return False
+        e = self.diag.get(d.peer)
+        return e is None or e.peer != ino
+
+    def _to_refusal(self, d: _UnixDiag) -> str | None:
+        """Why a one-way datagram connection's target is not made again, if it is not."""
+        e = self.diag.get(d.peer)
+        if e is None or d.peer not in self.holders:
+            return ("connected to a datagram socket no process of the sandbox holds: not "
+                    "captured")
+        if e.peer or not e.raw_name:
+            return ("connected to a datagram socket that has no name or is connected "
+                    "elsewhere itself: not captured")
+        return None
+
+    @staticmethod
+    def _named_refusal(rec: ProcessRecord, f: native.FdInfo, d: _UnixDiag) -> str | None:
+        """A named datagram socket that shows connected with no peer is a server its
+        clients connected to (their connect() marks it so), or one whose own peer was
+        closed since, which is not made again: told apart by its peer (getpeername)."""
+        if d.state != TCP_ESTABLISHED or d.peer:
+            return None
+        try:
+            with socket.socket(fileno=native.copy_fd(rec.pid, f.fd)) as s:
+                s.getpeername()
+        except OSError as e:
+            return None if e.errno == errno.ENOTCONN else f"reading the socket: {e}"
+        return ("the datagram socket it was connected to was closed: a named one whose "
+                "peer is gone is not captured")
+
     def _lone(self, rec: ProcessRecord, f: native.FdInfo, d: _UnixDiag) -> LoneSocket | str:
         """The lone socket at f, read once whoever holds it."""
         if f.inode not in self.lones:
-            why = _lone_refusal(d, self.listening) or _in_flight(self.holders[f.inode])
+            one_way = self._one_way(f.inode, d)
+            why = (_lone_refusal(d, self.listening, one_way) or
+                   (self._to_refusal(d) if one_way else None) or
+                   _in_flight(self.holders[f.inode]))
+            if not why and d.type == socket.SOCK_DGRAM and d.raw_name:
+                why = self._named_refusal(rec, f, d)
+            if not why and d.type == socket.SOCK_DGRAM and d.rqueue:
+                # (a named one's: its senders' datagrams, which it reads as they come)
+                why = Passing("datagrams waiting to be read are not captured",
+                              (rec.pid, f.fd))
             if why:
                 self.lones[f.inode] = why
             else:
                 try:
-                    lone = _read_lone(rec.pid, f.fd, f.inode, d)
+                    lone = _read_lone(rec.pid, f.fd, f.inode, d,
+                                      self.diag[d.peer] if one_way else None)
                 except (OSError, native.CRError) as e:
                     self.lones[f.inode] = f"reading the socket: {e}"
                 else:
@@ -591,7 +649,7 @@ class _Pairs:
                 else:
                     _held_at(f, u, heard, loop.unix_listeners)
                 continue
-            if d is not None and _is_lone(d):
+            if d is not None and (_is_lone(d) or self._one_way(f.inode, d)):
                 lone = self._lone(rec, f, d)
                 if isinstance(lone, str):
                     reasons.append(_as(lone, f"fd {f.fd}: unix socket {f.describe()}: {lone}"))
@@ -697,12 +755,15 @@ def _is_lone(d: _UnixDiag) -> bool:
     return (d.state == TCP_ESTABLISHED and not d.peer) or d.state == TCP_CLOSE
 
 
-def _lone_refusal(d: _UnixDiag, listening: Collection[bytes]) -> str | None:
+def _lone_refusal(d: _UnixDiag, listening: Collection[bytes], one_way: bool = False
+                  ) -> str | None:
     if d.type not in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET):
         return f"socket type {d.type} is not captured"
-    if d.name and d.raw_name not in listening:   # else: accepted by a listener of ours
-        return f"bound to {d.name!r}: named unix sockets are not captured"
-    if d.state == TCP_CLOSE:
+    if (d.name and d.raw_name not in listening   # else: accepted by a listener of ours
+            and d.type != socket.SOCK_DGRAM):
+        return (f"bound to {d.name!r}: a named unix socket that is neither listening nor "
+                "a datagram socket is not captured")
+    if d.state == TCP_CLOSE or one_way:
         return "it was shut down: not captured" if d.shutdown else None
     # Closing a stream or seqpacket socket shuts its peer down both ways (unix_release_sock);
     # a datagram peer's close leaves the survivor as it was.
@@ -712,25 +773,40 @@ def _lone_refusal(d: _UnixDiag, listening: Collection[bytes]) -> str | None:
         # Also the look of a connection its listener has not accepted yet.
         return ("connected to a socket not accepted yet (or shut down): not captured; "
                 "checkpoint once the connection is accepted")
-    if d.rqueue and d.type != socket.SOCK_STREAM:
+    if d.rqueue and d.type == socket.SOCK_SEQPACKET:   # (a datagram socket's: _Pairs._lone)
         return "datagrams waiting to be read are not captured"
     if d.rqueue > MAX_QUEUED:
         return f"{d.rqueue} bytes waiting (more than {MAX_QUEUED} are not captured)"
     return None
 
 
-def _read_lone(pid: int, fd: int, ino: int, d: _UnixDiag) -> LoneSocket:
+def _read_lone(pid: int, fd: int, ino: int, d: _UnixDiag, to: _UnixDiag | None = None
+               ) -> LoneSocket:
     """The lone socket's state: what _queued reads, and whether an error is pending (a
     stream peer closed with bytes it had not read makes the kernel report ECONNRESET to
     the survivor once its own bytes are read; poll shows it as POLLERR without taking it,
-    where SO_ERROR would clear it)."""
-    widowed = d.state == TCP_ESTABLISHED
+    where SO_ERROR would clear it); its name; `to`: the named datagram socket it is
+    connected to (one way)."""
+    # (a named datagram socket shown connected with no peer is its clients' server)
+    widowed = d.state == TCP_ESTABLISHED and to is None and not (
+        d.type == socket.SOCK_DGRAM and d.raw_name)
     with socket.socket(fileno=native.copy_fd(pid, fd)) as s:
         data, bufs, nonblock, opts = _read_end(s, d)
         p = select.poll()
         p.register(s.fileno(), 0)
         reset = widowed and any(ev & select.POLLERR for _, ev in p.poll(0))
-    return LoneSocket(f"unix:{ino}", d.type, widowed, [], nonblock, data, reset, bufs, opts)
+    x = LoneSocket(f"unix:{ino}", d.type, widowed, [], nonblock, data, reset, bufs, opts)
+    if d.raw_name:
+        x.name, x.abstract = unix_listeners.diag_name(d.raw_name)
+        if not x.abstract:
+            owner = unix_listeners.socket_file(pid, x.name)
+            if isinstance(owner, str):
+                raise native.CRError(errno.ENOENT, f"bound to {x.name!r}: {owner}")
+            x.owner = owner
+    if to is not None:
+        x.to_key = f"unix:{d.peer}"
+        x.to, x.to_abstract = unix_listeners.diag_name(to.raw_name)
+    return x
 
 
 _End = tuple[bytes, tuple[int, int], bool, tuple[sockopts.Option, ...]]
@@ -938,7 +1014,8 @@ def from_json(d: dict | None) -> LoopState | None:
                                  opts_b=sockopts.from_json(p.get("opts_b", []))))
                for p in d["pairs"]],
         lone=[LoneSocket(**dict(x, data=bytes.fromhex(x["data"]), bufs=tuple(x["bufs"]),
-                                opts=sockopts.from_json(x.get("opts", []))))
+                                opts=sockopts.from_json(x.get("opts", [])),
+                                owner=tuple(x.get("owner", (0, 0, 0)))))
               for x in d.get("lone", [])],
         timerfds=[TimerFd(**t) for t in d.get("timerfds", [])],
         signalfds=[SignalFd(**x) for x in d.get("signalfds", [])],

@@ -293,8 +293,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.dbxcr_netns_socketpair.argtypes = [ctypes.c_int] * 3 + [
         ctypes.POINTER(ctypes.c_int), err]
     lib.dbxcr_netns_socketpair.restype = ctypes.c_int
-    lib.dbxcr_root_bind.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, err]
-    lib.dbxcr_root_bind.restype = ctypes.c_int
+    for f in (lib.dbxcr_root_bind, lib.dbxcr_root_connect):
+        f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, err]
+        f.restype = ctypes.c_int
     lib.dbxcr_mntns_open.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
                                      ctypes.c_int, err]
     lib.dbxcr_mntns_open.restype = ctypes.c_int
@@ -1704,6 +1705,15 @@ def root_bind(root_fd: int, sock: socket.socket, path: str) -> None:
     err = _Err()
     if _load().dbxcr_root_bind(root_fd, sock.fileno(), os.fsencode(path),
                                ctypes.byref(err)) < 0:
+        _raise(err)
+
+
+def root_connect(root_fd: int, sock: socket.socket, path: str) -> None:
+    """Connect our unix socket to the absolute `path` of the tree at root_fd, resolved
+    there only (a symlink there cannot lead out of it: dbxcr_root_connect)."""
+    err = _Err()
+    if _load().dbxcr_root_connect(root_fd, sock.fileno(), os.fsencode(path),
+                                  ctypes.byref(err)) < 0:
         _raise(err)
 
 

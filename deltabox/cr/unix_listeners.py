@@ -66,14 +66,23 @@ def capture(pid: int, ino: int, type_: int, raw_name: bytes, waiting: int, backl
     u = UnixListener(f"unix-listen:{ino}", [], type_, name, abstract, backlog, nonblock)
     if abstract:
         return u
-    try:
-        st = os.stat(f"/proc/{pid}/root{name}", follow_symlinks=False)
-    except OSError as e:
-        return f"listening unix socket {name}: its socket file: {e.strerror}"
-    if not stat.S_ISSOCK(st.st_mode):
-        return f"listening unix socket {name}: the path is no longer its socket file"
-    u.mode, u.uid, u.gid = stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
+    owner = socket_file(pid, name)
+    if isinstance(owner, str):
+        return f"listening unix socket {name}: {owner}"
+    u.mode, u.uid, u.gid = owner
     return u
+
+
+def socket_file(pid: int, path: str) -> tuple[int, int, int] | str:
+    """The permissions, owner and group of the socket file at `path` as process pid sees
+    it, or why it is not that socket's file any more."""
+    try:
+        st = os.stat(f"/proc/{pid}/root{path}", follow_symlinks=False)
+    except OSError as e:
+        return f"its socket file: {e.strerror}"
+    if not stat.S_ISSOCK(st.st_mode):
+        return "the path is no longer its socket file"
+    return stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
 
 
 def make(u: UnixListener, netns_pid: int, root: int) -> int:
@@ -82,10 +91,7 @@ def make(u: UnixListener, netns_pid: int, root: int) -> int:
     and listening: our fd."""
     s = native.netns_socket(netns_pid, socket.AF_UNIX, u.type)
     try:
-        if u.abstract:
-            s.bind(b"\0" + bytes.fromhex(u.name))
-        else:
-            _bind_path(s, u, root)
+        bind_name(s, u.name, u.abstract, root, (u.mode, u.uid, u.gid))
         s.listen(u.backlog)
         s.setblocking(not u.nonblock)
         return s.detach()
@@ -98,12 +104,23 @@ def make(u: UnixListener, netns_pid: int, root: int) -> int:
         raise
 
 
-def _bind_path(s: socket.socket, u: UnixListener, root: int) -> None:
-    """Bind to u's path in the tree at `root` (resolved in that tree only, and the
+def bind_name(s: socket.socket, name: str, abstract: bool, root: int,
+              owner: tuple[int, int, int]) -> None:
+    """Bind s to `name`: an abstract one (hex, diag_name's) in s's network namespace, or a
+    path in the tree at `root` with its socket file's (mode, uid, gid) `owner`."""
+    if abstract:
+        s.bind(b"\0" + bytes.fromhex(name))
+    else:
+        _bind_path(s, name, root, owner)
+
+
+def _bind_path(s: socket.socket, path: str, root: int, owner: tuple[int, int, int]) -> None:
+    """Bind to `path` in the tree at `root` (resolved in that tree only, and the
     socket's name: until stop 50 it was bound through its directory's /proc/self/fd link,
     which became its name, so the next checkpoint looked for a socket file there and
     refused), the checkpoint's stale socket file replaced, owner and mode as they were."""
-    parent, base = os.path.split(u.name)
+    mode, uid, gid = owner
+    parent, base = os.path.split(path)
     d = open_in_root(root, parent or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         try:
@@ -111,8 +128,8 @@ def _bind_path(s: socket.socket, u: UnixListener, root: int) -> None:
                 os.unlink(base, dir_fd=d)
         except FileNotFoundError:
             pass
-        native.root_bind(root, s, u.name)
-        os.chown(base, u.uid, u.gid, dir_fd=d, follow_symlinks=False)
-        os.chmod(base, u.mode, dir_fd=d)
+        native.root_bind(root, s, path)
+        os.chown(base, uid, gid, dir_fd=d, follow_symlinks=False)
+        os.chmod(base, mode, dir_fd=d)
     finally:
         os.close(d)
