@@ -1323,9 +1323,9 @@ class _PipePlan:
                         native.root_connect(self._root(), s, x.to)
         except OSError as e:
             os.close(fd)
-            shown = f"@{bytes.fromhex(x.name)!r}" if x.abstract else x.name
-            raise native.CRError(e.errno or errno.EIO, f"unix socket {x.key} "
-                                 f"({shown or 'unnamed'}): {e.strerror or e}") from None
+            name = unix_listeners.shown(x.name, x.abstract) if x.name else "unnamed"
+            raise native.CRError(e.errno or errno.EIO, f"unix socket {x.key} ({name}): "
+                                 f"{e.strerror or e}") from None
         except BaseException:
             os.close(fd)
             raise

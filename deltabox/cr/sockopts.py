@@ -104,8 +104,9 @@ UNIX = {socket.AF_UNIX: _ANY + sorted(PASSING) + [(_SOL, _SO_PEEK_OFF)]}
 _CONGESTION: Entry = (_TCP, 13, 16)
 # A TCP connection's beside those tcp.py reads itself (no delay, keepalive): SO_OOBINLINE,
 # TCP_CORK, TCP_LINGER2, TCP_THIN_LINEAR_TIMEOUTS, TCP_USER_TIMEOUT, TCP_NOTSENT_LOWAT,
-# TCP_INQ (recvmsg tells the bytes left), its congestion control, and the IP ones: type of service, TTL, path MTU
-# discovery, IP_RECVERR (IPv6: hops, path MTU discovery, IPV6_RECVERR, traffic class).
+# TCP_INQ (recvmsg tells the bytes left), its congestion control, and the IP ones: type of
+# service, TTL, path MTU discovery, IP_RECVERR (IPv6: hops, path MTU discovery,
+# IPV6_RECVERR, traffic class).
 # Not TCP_QUICKACK (it reads the connection's passing ack mode, not a setting) nor
 # TCP_WINDOW_CLAMP (the stack sets it too: it reads other than a fresh socket's unset).
 _CONN = _ANY + _INET + [(_SOL, 10)] + [(_TCP, n) for n in (3, 8, 16, 18, 25, 36)] + [

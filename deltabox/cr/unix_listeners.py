@@ -48,8 +48,13 @@ def diag_name(raw: bytes) -> tuple[str, bool]:
     return raw.rstrip(b"\0").decode(errors="surrogateescape"), False
 
 
+def shown(name: str, abstract: bool) -> str:
+    """A name as diag_name gives it, for messages: a path, or "@" and an abstract name."""
+    return f"@{bytes.fromhex(name)!r}" if abstract else name
+
+
 def describe(u: UnixListener) -> str:
-    return f"@{bytes.fromhex(u.name)!r}" if u.abstract else u.name
+    return shown(u.name, u.abstract)
 
 
 def capture(pid: int, ino: int, type_: int, raw_name: bytes, waiting: int, backlog: int,
@@ -57,11 +62,11 @@ def capture(pid: int, ino: int, type_: int, raw_name: bytes, waiting: int, backl
     """The listener at socket inode `ino` named `raw_name` (sock_diag's), as process `pid`
     holds it, or why not."""
     name, abstract = diag_name(raw_name)
-    shown = f"@{bytes.fromhex(name)!r}" if abstract else name
+    where = shown(name, abstract)
     if type_ not in (socket.SOCK_STREAM, socket.SOCK_SEQPACKET):
-        return f"listening unix socket {shown}: socket type {type_} is not captured"
+        return f"listening unix socket {where}: socket type {type_} is not captured"
     if waiting:
-        return (f"listening unix socket {shown}: {waiting} connection(s) waiting to be "
+        return (f"listening unix socket {where}: {waiting} connection(s) waiting to be "
                 "accepted are not captured (checkpoint once they are accepted)")
     u = UnixListener(f"unix-listen:{ino}", [], type_, name, abstract, backlog, nonblock)
     if abstract:
