@@ -246,12 +246,54 @@ def private_daemon(prefix: str, sock: str = "d.sock") -> Iterator[DaemonProc]:
         settle(base)
 
 
+# The shared daemon (the `daemon` fixture) while it runs: a failed test's report shows what
+# it logged meanwhile (its log is removed with its state dir, so CI would lose it).
+_SHARED: list[DaemonProc] = []
+
+
 @pytest.fixture(scope="session")
 def daemon() -> DaemonProc:
     with private_daemon("dbx-test-", "deltabox.sock") as d:
         os.environ["DELTABOX_SOCKET"] = d.socket
         d.start()
-        yield d
+        _SHARED.append(d)
+        try:
+            yield d
+        finally:
+            _SHARED.remove(d)
+
+
+def _log_size() -> int:
+    try:
+        return _SHARED[0].log.stat().st_size if _SHARED else 0
+    except OSError:
+        return 0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    item.stash[_LOG_AT] = _log_size()
+    yield
+
+
+_LOG_AT = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed or not _SHARED:
+        return
+    start = item.stash.get(_LOG_AT, 0)
+    try:
+        with open(_SHARED[0].log, "rb") as f:
+            f.seek(start)
+            text = f.read()[-20000:].decode(errors="replace")
+    except OSError:
+        return
+    if text:
+        report.sections.append(("deltaboxd's log during the test", text))
 
 
 @contextlib.contextmanager

@@ -21,10 +21,11 @@ def test_a_step_runs_from_the_checkpoint_and_checkpoints_its_end(sbx: Sandbox) -
 
     step = s.run("pwd; echo $X; cat /workspace/f; echo child > /workspace/f",
                  rollback_to=node.checkpoint_id, checkpoint="auto")
-    assert step.stdout.splitlines() == ["/tmp", "node", "node"]
     assert step.rollback is not None
     assert step.rollback.checkpoint_id == node.checkpoint_id
-    assert step.rollback.process_state == "restored" and not step.rollback.sessions_restarted
+    assert step.rollback.process_state == "restored", step.rollback.note
+    assert not step.rollback.sessions_restarted and not step.note, step
+    assert step.stdout.splitlines() == ["/tmp", "node", "node"]
     assert step.checkpoint_id and step.checkpoint_id != node.checkpoint_id
 
     # The next step expands the node again: the child's change is not there.
