@@ -392,7 +392,9 @@ static void buf_free(struct buf *b)
 
 /* ---------- image files ---------- */
 
-static int full_write(int fd, const void *data, size_t len)
+/* All of data written to fd (a short write goes on, EINTR retried).  0, or -1 with errno
+ * set.  (Declared in dbxcr_internal.h: ipcns.c writes message copies with it.) */
+int full_write(int fd, const void *data, size_t len)
 {
 	const char *p = data;
 

@@ -205,6 +205,7 @@ int fail(struct dbxcr_error *err, int code, pid_t pid, const char *fmt, ...);
 void clear_error(struct dbxcr_error *err);
 pid_t current_tid(void);
 int read_small_file(const char *path, char *buf, size_t len);
+int full_write(int fd, const void *data, size_t len);
 /* The value after "name:" in a /proc status text, or NULL. */
 const char *status_field(const char *status, const char *name);
 int wait_stop(pid_t pid, int *status, struct dbxcr_error *err);

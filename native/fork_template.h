@@ -474,6 +474,26 @@ int dbxcr_ipcns_shm_make(int ipcns_fd, struct dbxcr_shm_segment *segs, size_t n,
 int dbxcr_ipcns_shm_modes(int ipcns_fd, struct dbxcr_shm_segment *segs, size_t n,
 			  struct dbxcr_error *err);
 
+/* A System V message queue of an IPC namespace (ipcns.c).  msg_list fills these (fd: a
+ * memfd of ours holding its messages in order, each as an 8-byte type, an 8-byte length
+ * and its bytes; the caller closes it); msg_make makes the namespace's queues exactly
+ * these, each with its id, key, owner, mode and size limit, and its messages read from fd
+ * (-1: none). */
+struct dbxcr_msg_queue {
+	int id;
+	int key;
+	unsigned int mode;		/* msg_perm.mode: permission bits */
+	unsigned int uid, gid;
+	unsigned long long qbytes;	/* msg_qbytes: its size limit */
+	unsigned long long count;	/* list only: messages */
+	unsigned long long bytes;	/* list only: their bytes */
+	int fd;
+};
+int dbxcr_ipcns_msg_list(int ipcns_fd, struct dbxcr_msg_queue *out, size_t max, size_t *n,
+			 struct dbxcr_error *err);
+int dbxcr_ipcns_msg_make(int ipcns_fd, const struct dbxcr_msg_queue *queues, size_t n,
+			 struct dbxcr_error *err);
+
 /* Move the parked template out of its process group into one of its own.  A process group
  * id stays allocated while any member exists, so a template (forked from a group member,
  * in that group) keeps the group leader's pid taken and the leader could not come back

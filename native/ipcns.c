@@ -4,9 +4,10 @@
  * (mq_open), belong to an IPC namespace, not to a process: a checkpoint of the sandbox's
  * files and processes does not hold them, a rollback would leave the live ones (their
  * values written after the checkpoint) and a fork's children, in a namespace of their
- * own, would find none.  The daemon counts them
- * at a full checkpoint (which is refused while any exists) and removes those a rollback
- * finds (made after its checkpoint, which had none).
+ * own, would find none.  The daemon counts them at a full checkpoint (refused while a
+ * semaphore set or a POSIX queue exists) and removes those a rollback finds (made after its
+ * checkpoint); shared memory segments and System V message queues it captures and makes
+ * again (below).
  *
  * The objects a task sees, and the *_INFO and *_STAT_ANY commands, are those of its own
  * IPC namespace (current->nsproxy), so a thread made for the call joins the sandbox's
@@ -29,7 +30,11 @@
 #include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/sendfile.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <sys/ipc.h>
@@ -46,6 +51,9 @@
 #ifndef SHM_STAT_ANY
 #define SHM_STAT_ANY 15
 #endif
+#ifndef MSG_COPY
+#define MSG_COPY 040000
+#endif
 
 /* glibc declares union semun only for the caller to define. */
 union semun_arg {
@@ -60,12 +68,16 @@ struct ipcns_job {
 	int ipcns_fd, code;
 	void (*work)(struct ipcns_job *j);
 	const char *step;
-	int id;				/* the shared memory segment the step was at, or -1 */
+	int id;				/* the object the step was at, or -1 */
+	const char *what;		/* its kind, for the message (NULL: a segment) */
 	/* count_objects, open_mqueue_dir */
 	int clear, mq_dir;
 	struct dbxcr_ipc_objects out;
 	/* shm_list (segs out), shm_make and shm_modes (segs in, and out: removed) */
 	struct dbxcr_shm_segment *segs;
+	/* msg_list (queues out), msg_make (make_queues in) */
+	struct dbxcr_msg_queue *queues;
+	const struct dbxcr_msg_queue *make_queues;
 	size_t max, n;
 };
 
@@ -262,8 +274,9 @@ static int run_job(struct ipcns_job *j, struct dbxcr_error *err)
 	if (on_own_thread(ipcns_thread, j, "join an IPC namespace", err) < 0)
 		return -1;
 	if (j->code && j->id >= 0)
-		return fail(err, j->code, current_tid(), "IPC namespace fd %d: System V shared "
-			    "memory segment %d: %s", j->ipcns_fd, j->id, j->step);
+		return fail(err, j->code, current_tid(), "IPC namespace fd %d: %s %d: %s",
+			    j->ipcns_fd, j->what ? j->what : "System V shared memory segment",
+			    j->id, j->step);
 	if (j->code)
 		return fail(err, j->code, current_tid(), "IPC namespace fd %d: %s", j->ipcns_fd,
 			    j->step);
@@ -634,6 +647,266 @@ int dbxcr_ipcns_shm_modes(int ipcns_fd, struct dbxcr_shm_segment *segs, size_t n
 {
 	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = shm_modes, .id = -1, .segs = segs,
 			       .n = n };
+
+	return run_job(&j, err);
+}
+
+/* System V message queues, captured and made again
+ * -------------------------------------------------
+ * A queue is the namespace's, as a segment is: a checkpoint copies its messages without
+ * taking them (msgrcv MSG_COPY reads the message at an index and leaves it queued; the
+ * kernel has it with CONFIG_CHECKPOINT_RESTORE, as it has the *_next_id sysctls), and a
+ * restore makes the namespace's queues exactly the checkpoint's before any process is
+ * born, each with its id (kernel.msg_next_id, as for segments), so that a process that
+ * kept a queue's id finds it, and its messages sent again in their order.  Not kept: the
+ * creator's ids, the last sender's and receiver's pids, the times. */
+
+/* One message record of a queue's copy: its type and length, then its bytes. */
+struct msg_head {
+	uint64_t type;
+	uint64_t len;
+};
+
+/* Copy the queue's d->msg_qnum messages, in order, into a new memfd (q->fd). */
+static int copy_messages(struct ipcns_job *j, int id, const struct msqid_ds *d,
+			 struct dbxcr_msg_queue *q)
+{
+	/* No message is longer than all of the queue's bytes together. */
+	size_t cap = (size_t)d->__msg_cbytes + 1;
+	struct { long type; char text[]; } *buf = malloc(sizeof(long) + cap);
+	int rc = 0;
+
+	j->step = "allocate a buffer for its messages";
+	if (!buf)
+		return -1;
+	j->step = "memfd_create for its messages";
+	q->fd = memfd_create("dbx-sysv-msg", MFD_CLOEXEC);
+	if (q->fd < 0) {
+		free(buf);
+		return -1;
+	}
+	for (unsigned long long i = 0; i < (unsigned long long)d->msg_qnum && rc == 0; i++) {
+		ssize_t len = msgrcv(id, buf, cap, (long)i, IPC_NOWAIT | MSG_COPY);
+		struct msg_head h;
+
+		if (len < 0) {
+			j->step = "msgrcv MSG_COPY (read a message, leaving it queued)";
+			rc = -1;
+			break;
+		}
+		h = (struct msg_head){ .type = (uint64_t)buf->type, .len = (uint64_t)len };
+		j->step = "write a message to its copy";
+		rc = full_write(q->fd, &h, sizeof(h));
+		if (rc == 0)
+			rc = full_write(q->fd, buf->text, (size_t)len);
+		q->bytes += (unsigned long long)len;
+		q->count++;
+	}
+	free(buf);
+	return rc;
+}
+
+static int list_queue(struct ipcns_job *j, int id, const struct msqid_ds *d)
+{
+	struct dbxcr_msg_queue *q;
+
+	if (j->n == j->max) {
+		errno = ENOSPC;
+		j->step = "more message queues than the daemon captures";
+		return -1;
+	}
+	q = &j->queues[j->n];
+	*q = (struct dbxcr_msg_queue){ .id = id, .key = d->msg_perm.__key,
+		.mode = d->msg_perm.mode, .uid = d->msg_perm.uid, .gid = d->msg_perm.gid,
+		.qbytes = d->msg_qbytes, .fd = -1 };
+	j->n++;  /* its fd is closed by the caller on failure */
+	return copy_messages(j, id, d, q);
+}
+
+/* Call fn for each message queue of the namespace (MSG_STAT_ANY on every index up to the
+ * highest in use) until one fails (-1, errno and j->step set: j->code and j->id here). */
+static void each_queue(struct ipcns_job *j,
+		       int (*fn)(struct ipcns_job *j, int id, const struct msqid_ds *d))
+{
+	struct msginfo mi;
+	int top = msgctl(0, MSG_INFO, (struct msqid_ds *)&mi);
+
+	if (top < 0) {
+		j->code = errno;
+		j->step = "msgctl MSG_INFO";
+		return;
+	}
+	for (int i = 0; i <= top && mi.msgpool; i++) {
+		struct msqid_ds d;
+		int id = msgctl(i, MSG_STAT_ANY, &d);
+
+		if (id >= 0 && fn(j, id, &d) < 0) {
+			j->code = errno;
+			j->id = id;
+			return;
+		}
+	}
+}
+
+static void msg_list(struct ipcns_job *j)
+{
+	each_queue(j, list_queue);
+}
+
+static int remove_queue(struct ipcns_job *j, int id, const struct msqid_ds *d)
+{
+	(void)d;
+	j->step = "remove a message queue";
+	return msgctl(id, IPC_RMID, NULL) == 0 || errno == EINVAL || errno == EIDRM ? 0 : -1;
+}
+
+/* Set the namespace's kernel.msg_next_id: the next queue made takes that id. */
+static int next_msg_id(struct ipcns_job *j, int id)
+{
+	char text[16];
+	int fd, n;
+
+	j->step = "write kernel.msg_next_id";
+	fd = open("/proc/sys/kernel/msg_next_id", O_WRONLY | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	n = snprintf(text, sizeof(text), "%d", id);
+	if (full_write(fd, text, (size_t)n) < 0) {
+		int saved = errno;
+
+		close(fd);
+		errno = saved;
+		return -1;
+	}
+	return close(fd);
+}
+
+/* Send the messages of q's copy again, in order.  The queue's limit is raised for it
+ * first (a limit lowered below what a queue held stops only later senders), and no
+ * message may wait: IPC_NOWAIT. */
+static int send_messages(struct ipcns_job *j, const struct dbxcr_msg_queue *q)
+{
+	struct stat st;
+	char *all;
+	size_t at = 0;
+	int rc = 0;
+
+	if (q->fd < 0)
+		return 0;
+	j->step = "read its messages' copy";
+	if (fstat(q->fd, &st) < 0)
+		return -1;
+	all = malloc((size_t)st.st_size + 1);
+	if (!all)
+		return -1;
+	if (pread(q->fd, all, (size_t)st.st_size, 0) != st.st_size) {
+		if (errno == 0)
+			errno = EIO;
+		free(all);
+		return -1;
+	}
+	j->step = "msgsnd (a message of the copy)";
+	while (at + sizeof(struct msg_head) <= (size_t)st.st_size) {
+		struct msg_head h;
+		char *rec = all + at;
+
+		memcpy(&h, rec, sizeof(h));
+		if (h.len > (size_t)st.st_size - at - sizeof(h)) {
+			errno = EIO;
+			j->step = "a message of the copy is cut short";
+			rc = -1;
+			break;
+		}
+		/* msgsnd takes the type right before the text: over the record's length. */
+		long type = (long)h.type;
+		char *msg = rec + sizeof(h) - sizeof(long);
+
+		memcpy(msg, &type, sizeof(long));
+		if (msgsnd(q->id, msg, (size_t)h.len, IPC_NOWAIT) < 0) {
+			rc = -1;
+			break;
+		}
+		at += sizeof(h) + (size_t)h.len;
+	}
+	free(all);
+	return rc;
+}
+
+/* A queue as q has it: made with its id and key, filled, then given its owner, mode and
+ * limit. */
+static int make_queue(struct ipcns_job *j, const struct dbxcr_msg_queue *q)
+{
+	struct msqid_ds d;
+	int got;
+
+	if (next_msg_id(j, q->id) < 0)
+		return -1;
+	j->step = "msgget";
+	got = msgget(q->key, IPC_CREAT | IPC_EXCL | 0600);
+	if (got < 0)
+		return -1;
+	if (got != q->id) {
+		msgctl(got, IPC_RMID, NULL);
+		errno = EBUSY;
+		j->step = "it was not given its id";
+		return -1;
+	}
+	j->step = "msgctl IPC_STAT";
+	if (msgctl(got, IPC_STAT, &d) < 0)
+		return -1;
+	if (d.msg_qbytes < q->bytes) {
+		d.msg_qbytes = q->bytes;
+		j->step = "msgctl IPC_SET (room for its messages)";
+		if (msgctl(got, IPC_SET, &d) < 0)
+			return -1;
+	}
+	if (send_messages(j, q) < 0)
+		return -1;
+	d.msg_perm.uid = q->uid;
+	d.msg_perm.gid = q->gid;
+	d.msg_perm.mode = q->mode & 0777;
+	d.msg_qbytes = q->qbytes;
+	j->step = "msgctl IPC_SET (owner, mode and limit)";
+	return msgctl(got, IPC_SET, &d);
+}
+
+/* The namespace's queues made exactly j->make_queues: every queue there removed (in a
+ * rollback, made since or changed since; no process that used them is left), then each
+ * made with its id and messages. */
+static void msg_make(struct ipcns_job *j)
+{
+	each_queue(j, remove_queue);
+	if (j->code)
+		return;
+	for (size_t i = 0; i < j->n; i++) {
+		if (make_queue(j, &j->make_queues[i]) < 0) {
+			j->code = errno;
+			j->id = j->make_queues[i].id;
+			return;
+		}
+	}
+}
+
+int dbxcr_ipcns_msg_list(int ipcns_fd, struct dbxcr_msg_queue *out, size_t max, size_t *n,
+			 struct dbxcr_error *err)
+{
+	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = msg_list, .id = -1, .queues = out,
+			       .max = max, .what = "System V message queue" };
+	int rc = run_job(&j, err);
+
+	if (rc < 0)
+		for (size_t i = 0; i < j.n; i++)
+			if (out[i].fd >= 0)
+				close(out[i].fd);
+	*n = rc < 0 ? 0 : j.n;
+	return rc;
+}
+
+int dbxcr_ipcns_msg_make(int ipcns_fd, const struct dbxcr_msg_queue *queues, size_t n,
+			 struct dbxcr_error *err)
+{
+	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = msg_make, .id = -1,
+			       .make_queues = queues, .n = n, .what = "System V message queue" };
 
 	return run_job(&j, err);
 }

@@ -82,7 +82,7 @@ from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from ..fs.files import open_in_root
 from . import (adoption, creds, deleted_cwd, eventloop, fifos, listeners, native, pidfds, pipebuf,
-               private_maps, ptys, shared_files, shm_files, sigio, sockopts, sysv_shm,
+               private_maps, ptys, shared_files, shm_files, sigio, sockopts, sysv_msg, sysv_shm,
                taskattrs, tcp, unix_listeners, unlinked, watches)
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .taskattrs import TaskAttrs
@@ -170,6 +170,8 @@ class ProcessState:
     ptys: list[ptys.Pty] = field(default_factory=list)
     # the System V shared memory segments of the sandbox's IPC namespace (cr/sysv_shm.py)
     sysv_shm: list[sysv_shm.Segment] = field(default_factory=list)
+    # ...and its System V message queues, with their messages (cr/sysv_msg.py)
+    sysv_msg: list[sysv_msg.Queue] = field(default_factory=list)
     # When the templates' view of the files they map was the checkpoint's (the capture's
     # start, or a dump's rebuild): a file written after it is mapped again (private_maps.py)
     captured_ns: int = 0
@@ -438,6 +440,7 @@ class DeltaCR:
         named_pipes: list[fifos.Fifo] = []
         terminals: list[ptys.Pty] = []
         segments: list[sysv_shm.Segment] = []
+        queues: list[sysv_msg.Queue] = []
 
         async def ptrace_pass() -> None:
             # Not cancellable once the ptrace thread runs it: the failure path needs what
@@ -468,7 +471,7 @@ class DeltaCR:
             # ptrace thread is inside the templates' forks it needs no GIL, whereas during
             # the stops it would wait for it (a thread wanting the GIL from a busy one gets
             # it only when that one blocks, or after the 5 ms switch interval).
-            nonlocal pipes, files, shared, shm, named_pipes, terminals, segments
+            nonlocal pipes, files, shared, shm, named_pipes, terminals, segments, queues
             await stops_done.wait()
             try:
                 if not cap.stops_done:
@@ -513,8 +516,12 @@ class DeltaCR:
                                        "namespace given")
                     segments, why = sysv_shm.capture(ipcns, records)
                     cap.refused.extend(why)
+                if not cap.refused and ipc_maybe:
+                    queues, why = sysv_msg.capture(ipcns)
+                    cap.refused.extend(why)
                 if cap.refused:
                     unlinked.close_saved(files)
+                    sysv_shm.close_saved(segments)
                     return
                 pipes = _pipe_groups(records, *daemon_pipes())
                 cap.refused.extend(_save_unread(pipes, records))
@@ -524,6 +531,7 @@ class DeltaCR:
                     shm_files.close_saved(shm)
                     fifos.close_saved(named_pipes)
                     sysv_shm.close_saved(segments)
+                    sysv_msg.close_saved(queues)
                     return
                 cap.records = records
             finally:
@@ -550,6 +558,7 @@ class DeltaCR:
             shm_files.close_saved(shm)
             fifos.close_saved(named_pipes)
             sysv_shm.close_saved(segments)
+            sysv_msg.close_saved(queues)
             if cap.refused and isinstance(e, Exception):  # the reasons, not what the stops
                 raise _refusal(cap.refused) from None     # made of them
             raise
@@ -564,7 +573,7 @@ class DeltaCR:
                             reused=sorted(p for p in reuse or {} if p in stopped),
                             unlinked=files, shared_files=shared, shm_files=shm,
                             fifos=named_pipes, ptys=terminals, captured_ns=captured_ns,
-                            sysv_shm=segments,
+                            sysv_shm=segments, sysv_msg=queues,
                             held=Held(cap.stopped, dict(reuse or {})) if later else None)
 
     async def make_templates(self, state: ProcessState) -> None:
@@ -681,6 +690,9 @@ class DeltaCR:
         target_ipc = into.init_pidfd if into is not None else ipcns
         # Made before any process attaches one.
         note = _make_segments(state, target_ipc) if state.sysv_shm else ""
+        if state.sysv_msg:   # made before any process that waits on one is born
+            _need_ipcns(target_ipc, "System V message queues")
+            sysv_msg.make(target_ipc, state.sysv_msg)
         plan = pre.plan if pre is not None else _plan(state, rootfd, mntfd)
         plan.arm()  # a prespawned plan's timers start now, with the rollback
         out = Restored({}, {}, [], note=note)
@@ -1086,6 +1098,7 @@ class DeltaCR:
         shm_files.close_saved(state.shm_files)
         fifos.close_saved(state.fifos)
         sysv_shm.close_saved(state.sysv_shm)
+        sysv_msg.close_saved(state.sysv_msg)
         if state.images is not None:
             await trio.to_thread.run_sync(state.images.close)
 
@@ -1743,6 +1756,22 @@ def _send_all(src: socket.socket, data: bytes) -> None:
             raise OSError(errno.ENOBUFS, "the queued bytes did not fit again")
 
 
+def namespace_only(ipcns: int, ipc_maybe: bool) -> ProcessState:
+    """A full checkpoint's state when no process runs: the IPC namespace's System V
+    segments and message queues, which outlive their processes (none when `ipc_maybe` is
+    false: no IPC call was seen since the namespace was last found empty)."""
+    if not ipc_maybe:
+        return ProcessState([], {}, {}, {})
+    segments, refused = sysv_shm.capture(ipcns, [])
+    queues: list[sysv_msg.Queue] = []
+    if not refused:
+        queues, refused = sysv_msg.capture(ipcns)
+    if refused:
+        sysv_shm.close_saved(segments)
+        raise _refusal(refused)
+    return ProcessState([], {}, {}, {}, sysv_shm=segments, sysv_msg=queues)
+
+
 def _refusal(refused: list[Refusal]) -> FailedPrecondition:
     message = ("cannot capture the sandbox's processes faithfully: " +
                "; ".join(str(r) for r in refused))
@@ -2182,11 +2211,15 @@ def _detach_segments(templates: Mapping[int, native.Template],
                 templates[a.pid].shmdt(a.start)
 
 
+def _need_ipcns(ipcns: int, what: str) -> None:
+    if ipcns < 0:
+        raise Internal(f"{what} to restore, but no IPC namespace given")
+
+
 def _make_segments(state: ProcessState, ipcns: int) -> str:
     """The checkpoint's System V segments, made again in the namespace of `ipcns`; the
     note sysv_shm.make gives."""
-    if ipcns < 0:
-        raise Internal("System V shared memory to restore, but no IPC namespace given")
+    _need_ipcns(ipcns, "System V shared memory")
     try:
         return sysv_shm.make(ipcns, state.sysv_shm)
     except native.CRError as e:

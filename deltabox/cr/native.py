@@ -168,6 +168,13 @@ class _ShmSegment(ctypes.Structure):  # fork_template.h struct dbxcr_shm_segment
                 ("size", ctypes.c_ulonglong), ("fd", ctypes.c_int), ("removed", ctypes.c_int)]
 
 
+class _MsgQueue(ctypes.Structure):  # fork_template.h struct dbxcr_msg_queue
+    _fields_ = [("id", ctypes.c_int), ("key", ctypes.c_int), ("mode", ctypes.c_uint),
+                ("uid", ctypes.c_uint), ("gid", ctypes.c_uint), ("qbytes", ctypes.c_ulonglong),
+                ("count", ctypes.c_ulonglong), ("bytes", ctypes.c_ulonglong),
+                ("fd", ctypes.c_int)]
+
+
 class _IpcObjects(ctypes.Structure):  # fork_template.h struct dbxcr_ipc_objects
     _fields_ = [("sem_sets", ctypes.c_int), ("msg_queues", ctypes.c_int),
                 ("shm_segments", ctypes.c_int),
@@ -340,6 +347,13 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.dbxcr_ipcns_shm_make.restype = ctypes.c_int
     lib.dbxcr_ipcns_shm_modes.argtypes = lib.dbxcr_ipcns_shm_make.argtypes
     lib.dbxcr_ipcns_shm_modes.restype = ctypes.c_int
+    lib.dbxcr_ipcns_msg_list.argtypes = [ctypes.c_int, ctypes.POINTER(_MsgQueue),
+                                         ctypes.c_size_t,
+                                         ctypes.POINTER(ctypes.c_size_t), err]
+    lib.dbxcr_ipcns_msg_list.restype = ctypes.c_int
+    lib.dbxcr_ipcns_msg_make.argtypes = [ctypes.c_int, ctypes.POINTER(_MsgQueue),
+                                         ctypes.c_size_t, err]
+    lib.dbxcr_ipcns_msg_make.restype = ctypes.c_int
     lib.dbxcr_held_set_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls), err]
     lib.dbxcr_held_set_prctls.restype = ctypes.c_int
     lib.dbxcr_held_install_fd.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
@@ -1739,15 +1753,15 @@ class IpcObjects:
     @property
     def unheld(self) -> bool:
         """Whether some exist that a checkpoint does not capture: any but shared memory
-        segments (cr/sysv_shm.py). A POSIX queue counts whether open or not: its messages
-        are the namespace's either way."""
-        return bool(self.sem_sets or self.msg_queues or self.posix_queues)
+        segments and message queues (cr/sysv_shm.py, cr/sysv_msg.py). A POSIX queue counts
+        whether open or not: its messages are the namespace's either way."""
+        return bool(self.sem_sets or self.posix_queues)
 
     def describe_unheld(self) -> str:
         """Those, e.g. "System V IPC objects (1 semaphore set; `ipcs` lists them) and
         2 POSIX message queues (/a, /b)"."""
-        sysv = [f"{n} {what}{'s' if n > 1 else ''}" for n, what in (
-            (self.sem_sets, "semaphore set"), (self.msg_queues, "message queue")) if n]
+        n = self.sem_sets
+        sysv = [f"{n} semaphore set{'s' if n > 1 else ''}"] if n else []
         parts = [f"System V IPC objects ({', '.join(sysv)}; `ipcs` lists them)"] if sysv else []
         if self.posix_queues:
             s = "s" if self.posix_queues > 1 else ""
@@ -1848,6 +1862,58 @@ def shm_segment_modes(ipcns_fd: int, segments: Sequence[ShmSegment]) -> None:
     arr = _shm_array(segments)
     err = _Err()
     if _load().dbxcr_ipcns_shm_modes(ipcns_fd, arr, len(segments), ctypes.byref(err)) < 0:
+        _raise(err)
+
+
+@dataclass
+class MsgQueue:
+    """A System V message queue of an IPC namespace (native/ipcns.c). `fd`: its messages
+    in order, each an 8-byte type, an 8-byte length and its bytes (msg_queues: a memfd,
+    the caller's to close; make_msg_queues: -1 for none)."""
+    id: int
+    key: int
+    mode: int       # msg_perm.mode: permission bits
+    uid: int
+    gid: int
+    qbytes: int     # its size limit
+    count: int = 0  # messages (msg_queues)
+    bytes: int = 0  # their bytes
+    fd: int = -1
+
+    @property
+    def saved(self) -> int | None:
+        """The copy of its messages (as other copies of a capture are named: dumps.py)."""
+        return self.fd if self.fd >= 0 else None
+
+    @property
+    def size(self) -> int:
+        """The copy's bytes: a 16-byte head per message, and the messages."""
+        return 16 * self.count + self.bytes
+
+
+MSG_QUEUES_MAX = 256   # captured per namespace (the kernel's default limit is 32000)
+
+
+def msg_queues(ipcns_fd: int) -> list[MsgQueue]:
+    """The System V message queues of the IPC namespace `ipcns_fd` (a pidfd of a process
+    in it), each with a copy of its messages (left queued)."""
+    out = (_MsgQueue * MSG_QUEUES_MAX)()
+    n, err = ctypes.c_size_t(), _Err()
+    if _load().dbxcr_ipcns_msg_list(ipcns_fd, out, MSG_QUEUES_MAX, ctypes.byref(n),
+                                    ctypes.byref(err)) < 0:
+        _raise(err)
+    return [MsgQueue(q.id, q.key, q.mode, q.uid, q.gid, q.qbytes, q.count, q.bytes, q.fd)
+            for q in out[:n.value]]
+
+
+def make_msg_queues(ipcns_fd: int, queues: Sequence[MsgQueue]) -> None:
+    """Make the IPC namespace's message queues exactly `queues` (every other removed),
+    each with its id, key, owner, mode, limit and messages."""
+    arr = (_MsgQueue * max(1, len(queues)))(
+        *[_MsgQueue(q.id, q.key, q.mode, q.uid, q.gid, q.qbytes, q.count, q.bytes, q.fd)
+          for q in queues])
+    err = _Err()
+    if _load().dbxcr_ipcns_msg_make(ipcns_fd, arr, len(queues), ctypes.byref(err)) < 0:
         _raise(err)
 
 

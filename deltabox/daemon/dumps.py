@@ -28,7 +28,8 @@ from pathlib import Path
 import trio
 
 from ..cr import (adoption, creds, eventloop, fifos, native, pidfds, pipebuf, private_maps,
-                  ptys, shared_files, shm_files, sigio, sockopts, sysv_shm, taskattrs, unlinked)
+                  ptys, shared_files, shm_files, sigio, sockopts, sysv_msg, sysv_shm, taskattrs,
+                  unlinked)
 from ..cr.capture import ProcessRecord, SharedMapping, in_dev_shm
 from ..cr.taskattrs import TaskAttrs
 from ..cr.engine import (DeltaCR, PipeEnd, PipeGroup, ProcessState, lone_leaders, rebuilt_as,
@@ -386,13 +387,15 @@ class Dumps:
         files = _write_copies(tmp, "unlinked", state.unlinked)
         shm = _write_copies(tmp, "shm", state.shm_files)
         segments = _write_copies(tmp, "sysv", state.sysv_shm)
-        total += sum(x.size for x in [*state.unlinked, *state.shm_files, *state.sysv_shm])
+        queues = _write_copies(tmp, "msg", state.sysv_msg)
+        total += sum(x.size for x in [*state.unlinked, *state.shm_files, *state.sysv_shm,
+                                      *state.sysv_msg])
         meta = dict(version=1, records=[_rec_json(r) for r in state.records], pipes=pipes,
                     sessions=state.sessions, session_states=state.session_states,
                     unlinked=files,
                     shared_files=[dataclasses.asdict(s) for s in state.shared_files],
                     shm_files=shm, fifos=named_pipes, ptys=[p.to_json() for p in state.ptys],
-                    sysv_shm=segments)
+                    sysv_shm=segments, sysv_msg=queues)
         raw = json.dumps(meta).encode()
         with open(tmp / "state.json", "wb") as f:
             f.write(raw)
@@ -427,6 +430,7 @@ class Dumps:
         shm: list[shm_files.ShmFile] = []
         named_pipes: list[fifos.Fifo] = []
         segments: list[sysv_shm.Segment] = []
+        queues: list[sysv_msg.Queue] = []
         # The rebuilt templates map root_dir's files as they are now (the checkpoint's):
         # a later write in place there is looked for at each restore (cr/private_maps.py).
         captured_ns = time.time_ns()
@@ -455,6 +459,8 @@ class Dumps:
                 shm.append(_shm_from(f, d))
             for f in meta.get("sysv_shm", []):
                 segments.append(_segment_from(f, d))
+            for f in meta.get("sysv_msg", []):
+                queues.append(_queue_from(f, d))
             for f in meta.get("fifos", []):
                 named_pipes.append(_fifo_from(f, d))
         except BaseException:
@@ -466,6 +472,7 @@ class Dumps:
                 shm_files.close_saved(shm)
                 fifos.close_saved(named_pipes)
                 sysv_shm.close_saved(segments)
+                sysv_msg.close_saved(queues)
             raise
         # Its processes' images serve the restores that adopt children (cr/adoption.py).
         images = adoption.Images(given={r.pid: str(d / str(r.nspid)) for r in records})
@@ -476,7 +483,7 @@ class Dumps:
                             shm_files=shm, fifos=named_pipes, images=images,
                             captured_ns=captured_ns,
                             ptys=[ptys.Pty.from_json(p) for p in meta.get("ptys", [])],
-                            sysv_shm=segments)
+                            sysv_shm=segments, sysv_msg=queues)
 
 
 async def _skip_pids(host_pid: int, last: int) -> None:
@@ -618,6 +625,14 @@ def _segment_from(f: dict, d: Path) -> sysv_shm.Segment:
                          attached=[sysv_shm.Attachment(**a) for a in f["attached"]])
     s.saved = _memfd_of(f, d)
     return s
+
+
+def _queue_from(f: dict, d: Path) -> sysv_msg.Queue:
+    """A System V message queue of a dump, its messages back in a memfd."""
+    q = sysv_msg.Queue(f["id"], f["key"], f["mode"], f["uid"], f["gid"], f["qbytes"],
+                       f["count"], f["bytes"])
+    q.fd = _memfd_of(dict(f, size=q.size), d)
+    return q
 
 
 def _unlinked_from(f: dict, d: Path) -> unlinked.UnlinkedFile:

@@ -45,7 +45,8 @@ from ..background import GuardedNursery, run_all
 from ..cr import hostmem, native, tcp, watches
 from ..cr.capture import ProcessRecord, Unsettled
 from ..cr.engine import (DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, Resumed,
-                         in_vfork, killed_templates, process_name, stopped_calls)
+                         in_vfork, killed_templates, namespace_only, process_name,
+                         stopped_calls)
 from ..inspector import Decision, TurnEffects, touched_processes, untouched_processes
 from ..inspector.effects import LIST_CAP
 from . import budget
@@ -1733,9 +1734,14 @@ class Daemon:
             for attempt in range(1, UNREAD_ATTEMPTS + 1):
                 listed = self._sandbox_processes(candidates)
                 procs = await self._settle_vforks(live, listed)
-                if not procs:  # nothing runs but init: the snapshot alone is the whole state
-                    await snapshot()
-                    return ProcessState([], {}, {}, {}), snap[0]
+                if not procs:  # nothing runs but init: the snapshot and the IPC objects
+                    alone = namespace_only(live.rt.pidfd, live.ipc_seen)
+                    try:
+                        await snapshot()
+                    except BaseException:
+                        await self.cr.release(alone)
+                        raise
+                    return alone, snap[0]
                 # A thaw to let a vfork() finish, or events be read (below), let every
                 # process run: nothing is untouched then.
                 reuse = kept.templates_for(procs) if procs is listed and attempt == 1 else {}
@@ -1998,10 +2004,10 @@ class Daemon:
             old_sessions, live.sessions = live.sessions, {}
             pre, taken = None, pre  # the restore owns it now
             if cp.procs_of is not None:
-                # Its capture found no System V IPC object or POSIX message queue but
-                # shared memory segments (_refuse_ipc_objects), which the restore makes
-                # again: those made since go before anything runs again, looked for only
-                # if some may have been (a look costs ~0.25 ms).
+                # Its capture found no semaphore set or POSIX message queue
+                # (_refuse_ipc_objects); its shared memory segments and message queues the
+                # restore makes again: those made since go before anything runs again,
+                # looked for only if some may have been (a look costs ~0.25 ms).
                 live.ipc_clear = live.ipc_seen or self.turns.may_have_made_ipc(sid)
                 live.ipc_seen = False
             try:
@@ -2225,7 +2231,7 @@ class Daemon:
             else:
                 await self._victims_gone(live)  # the killed originals' pids must be free
                 restored = await self._restore_into(live, state, fresh=fresh)
-            if state.sysv_shm:   # made again: the next checkpoint looks at them
+            if state.sysv_shm or state.sysv_msg:   # made again: the next checkpoint looks
                 live.ipc_seen = True
         except Exception as e:
             log.error("rollback %s: restoring processes failed: %s", cp.id, e)
@@ -2862,23 +2868,25 @@ def _may_have_made_ipc(effects: TurnEffects | None) -> bool:
 
 def _refuse_ipc_objects(live: Live) -> None:
     """A full checkpoint is refused while the sandbox's IPC namespace holds System V
-    semaphores or message queues, or POSIX message queues (native/ipcns.c): they belong to
-    the namespace, not to a process, and are not captured, so a rollback would keep their
-    later values and a fork's children (a namespace of their own) would not have them.
-    Shared memory segments are captured (cr/sysv_shm.py). Looked at only when an
+    semaphore sets or POSIX message queues (native/ipcns.c): they belong to the namespace,
+    not to a process, and are not captured, so a rollback would keep their later values and
+    a fork's children (a namespace of their own) would not have them. Shared memory
+    segments and message queues are captured (cr/sysv_shm.py, cr/sysv_msg.py). Looked at
+    only when an
     IPC call may have happened since the namespace was last found empty (Live.ipc_seen;
     the call costs ~0.1 ms in the daemon, a thread joining the namespace and the GIL
     back)."""
     if not live.ipc_seen:
         return
     objects = native.ipc_objects(live.rt.pidfd, _mq_dir(live))
-    if objects.unheld:   # shared memory segments are captured (cr/sysv_shm.py)
+    if objects.unheld:   # segments and message queues are captured (cr/sysv_*.py)
         raise FailedPrecondition(
             f"cannot capture the sandbox's processes faithfully: its IPC namespace holds "
             f"{objects.describe_unheld()}, which belong to the namespace rather than to a "
             "process and are not captured. Remove them (`ipcrm`; a POSIX queue: "
             "mq_unlink), or checkpoint with mode=\"fs\" (files only)")
-    live.ipc_seen = objects.shm_segments > 0   # captured: looked at every time
+    # captured: looked at every time
+    live.ipc_seen = objects.shm_segments > 0 or objects.msg_queues > 0
 
 
 def _mq_dir(live: Live) -> int:

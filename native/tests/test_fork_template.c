@@ -3824,20 +3824,14 @@ static void test_mntns_open(void)
 	CHECK(rmdir(dir) == 0, "rmdir %s: %s", dir, strerror(errno));
 }
 
-/* System V segments in another IPC namespace: dbxcr_ipcns_shm_make makes them with their
- * ids (one under a later sequence number), owner, lock and sparse content, open to all
- * until dbxcr_ipcns_shm_modes; dbxcr_ipcns_shm_list reads them back; a second make removes
- * the one it is not given. */
-static void test_ipcns_shm(void)
+/* A process in an IPC namespace of its own (pause()s until killed): its pid, and a pidfd of
+ * it in *pidfd. */
+static pid_t ipcns_holder(int *pidfd)
 {
-	struct dbxcr_error err;
-	struct dbxcr_shm_segment segs[2], got[4];
-	char ready_byte, buf[8] = { 0 };
-	int ready[2], pidfd, content;
-	size_t n = 0;
+	char ready_byte;
+	int ready[2];
 	pid_t holder;
 
-	current_test = "ipcns-shm";
 	if (pipe(ready) < 0)
 		abort();
 	holder = fork();
@@ -3850,7 +3844,25 @@ static void test_ipcns_shm(void)
 	close(ready[1]);
 	CHECK(read_timeout(ready[0], &ready_byte, 1, 5000) == 0, "holder not ready");
 	close(ready[0]);
-	pidfd = (int)syscall(SYS_pidfd_open, holder, 0);
+	*pidfd = (int)syscall(SYS_pidfd_open, holder, 0);
+	return holder;
+}
+
+/* System V segments in another IPC namespace: dbxcr_ipcns_shm_make makes them with their
+ * ids (one under a later sequence number), owner, lock and sparse content, open to all
+ * until dbxcr_ipcns_shm_modes; dbxcr_ipcns_shm_list reads them back; a second make removes
+ * the one it is not given. */
+static void test_ipcns_shm(void)
+{
+	struct dbxcr_error err;
+	struct dbxcr_shm_segment segs[2], got[4];
+	char buf[8] = { 0 };
+	int pidfd, content;
+	size_t n = 0;
+	pid_t holder;
+
+	current_test = "ipcns-shm";
+	holder = ipcns_holder(&pidfd);
 	content = memfd_create("seg", MFD_CLOEXEC);
 	CHECK(pidfd >= 0 && content >= 0 && ftruncate(content, 5 * 4096) == 0 &&
 	      pwrite(content, "seg-7", 5, 3 * 4096) == 5, "setup: %s", strerror(errno));
@@ -3888,6 +3900,84 @@ static void test_ipcns_shm(void)
 	CHECK(dbxcr_ipcns_shm_list(pidfd, got, 0, &n, &err) < 0 && err.code == ENOSPC && n == 0,
 	      "over max: %d", err.code);
 	close(content);
+	close(pidfd);
+	kill(holder, SIGKILL);
+	waitpid(holder, NULL, 0);
+}
+
+/* One message record as dbxcr_ipcns_msg_list writes it: type, length, text. */
+static void put_message(int fd, uint64_t type, const char *text)
+{
+	uint64_t head[2] = { type, strlen(text) };
+
+	if (write(fd, head, sizeof(head)) != sizeof(head) ||
+	    write(fd, text, strlen(text)) != (ssize_t)strlen(text))
+		abort();
+}
+
+/* System V message queues in another IPC namespace: dbxcr_ipcns_msg_make makes them with
+ * their ids (one under a later sequence number), owner, mode, limit and messages in order;
+ * dbxcr_ipcns_msg_list reads them back (the messages left queued); a second make leaves
+ * only the queue it is given; a copy cut short is refused; more queues than asked for are
+ * refused. */
+static void test_ipcns_msg(void)
+{
+	struct dbxcr_error err;
+	struct dbxcr_msg_queue qs[2], got[4];
+	char copy[64], given[64];
+	int pidfd, msgs, cut;
+	size_t n = 0;
+	pid_t holder;
+
+	current_test = "ipcns-msg";
+	holder = ipcns_holder(&pidfd);
+	msgs = memfd_create("msgs", MFD_CLOEXEC);
+	cut = memfd_create("cut", MFD_CLOEXEC);
+	CHECK(pidfd >= 0 && msgs >= 0 && cut >= 0, "setup: %s", strerror(errno));
+	put_message(msgs, 3, "three");
+	put_message(msgs, 1, "");
+	put_message(msgs, 3, "again");
+	CHECK(write(cut, "\1\0\0\0\0\0\0\0\x40\0\0\0\0\0\0\0abc", 19) == 19, "cut");
+	qs[0] = (struct dbxcr_msg_queue){ .id = 5, .key = 0x5555, .mode = 0640, .uid = 1000,
+		.gid = 1000, .qbytes = 8, .count = 3, .bytes = 10, .fd = msgs };
+	qs[1] = (struct dbxcr_msg_queue){ .id = 32768 + 1, .key = 0, .mode = 0600,
+		.qbytes = 16384, .fd = -1 };
+	CHECK(dbxcr_ipcns_msg_make(pidfd, qs, 2, &err) == 0, "make: %s", err.msg);
+	/* Listed by index: 32769 (sequence 1, index 1) first. */
+	CHECK(dbxcr_ipcns_msg_list(pidfd, got, 4, &n, &err) == 0 && n == 2, "list: %zu %s", n,
+	      err.msg);
+	if (n == 2) {
+		CHECK(got[1].id == 5 && got[1].key == 0x5555 && got[1].uid == 1000 &&
+		      (got[1].mode & 0777) == 0640 && got[1].qbytes == 8 && got[1].count == 3 &&
+		      got[1].bytes == 10, "queue 5: %d %#x %o %llu %llu", got[1].id, got[1].key,
+		      got[1].mode, got[1].qbytes, got[1].count);
+		CHECK(got[0].id == 32769 && got[0].count == 0, "first: id %d", got[0].id);
+		/* Its copy is the copy it was made from, byte for byte (3 heads, 10 bytes). */
+		CHECK(pread(got[1].fd, copy, sizeof(copy), 0) == 58 &&
+		      pread(msgs, given, sizeof(given), 0) == 58 && !memcmp(copy, given, 58),
+		      "the messages' copy differs");
+	}
+	for (size_t i = 0; i < n; i++)
+		close(got[i].fd);
+	CHECK(dbxcr_ipcns_msg_make(pidfd, qs, 1, &err) == 0 &&
+	      dbxcr_ipcns_msg_list(pidfd, got, 4, &n, &err) == 0 && n == 1 && got[0].id == 5 &&
+	      got[0].count == 3, "the queue not given stays: %zu", n);
+	for (size_t i = 0; i < n; i++)
+		close(got[i].fd);
+	qs[1].fd = cut;
+	qs[1].count = 1;
+	CHECK(dbxcr_ipcns_msg_make(pidfd, &qs[1], 1, &err) < 0 && err.code == EIO &&
+	      strstr(err.msg, "System V message queue 32769") != NULL &&
+	      strstr(err.msg, "cut short") != NULL, "a cut copy: %d %s", err.code, err.msg);
+	/* Left as the failure found it (the caller restarts the processes and clears it). */
+	CHECK(dbxcr_ipcns_msg_list(pidfd, got, 4, &n, &err) == 0 && n == 1 &&
+	      got[0].id == 32769 && got[0].count == 0, "after the cut copy: %zu", n);
+	for (size_t i = 0; i < n; i++)
+		close(got[i].fd);
+	CHECK(dbxcr_ipcns_msg_list(pidfd, got, 0, &n, &err) < 0 && err.code == ENOSPC && n == 0,
+	      "over max: %d", err.code);
+	close(msgs);
+	close(cut);
 	close(pidfd);
 	kill(holder, SIGKILL);
 	waitpid(holder, NULL, 0);
@@ -3960,6 +4050,7 @@ int main(int argc, char **argv)
 		{ "netns-socket", test_netns_socket },
 		{ "mntns-open", test_mntns_open },
 		{ "ipcns-shm", test_ipcns_shm },
+		{ "ipcns-msg", test_ipcns_msg },
 		{ "template-nanosleep", test_template_nanosleep },
 		{ "template-ptimers", test_template_ptimers },
 		{ "template-prctls", test_template_prctls },
