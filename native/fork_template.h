@@ -494,6 +494,23 @@ int dbxcr_ipcns_msg_list(int ipcns_fd, struct dbxcr_msg_queue *out, size_t max, 
 int dbxcr_ipcns_msg_make(int ipcns_fd, const struct dbxcr_msg_queue *queues, size_t n,
 			 struct dbxcr_error *err);
 
+/* A System V semaphore set of an IPC namespace (ipcns.c).  sem_list fills these (fd: a
+ * memfd of ours holding its nsems values, unsigned shorts in order; the caller closes it);
+ * sem_make makes the namespace's sets exactly these, each with its id, key, size, owner,
+ * mode and values read from fd (-1: zeros). */
+struct dbxcr_sem_set {
+	int id;
+	int key;
+	unsigned int mode;		/* sem_perm.mode: permission bits */
+	unsigned int uid, gid;
+	int nsems;
+	int fd;
+};
+int dbxcr_ipcns_sem_list(int ipcns_fd, struct dbxcr_sem_set *out, size_t max, size_t *n,
+			 struct dbxcr_error *err);
+int dbxcr_ipcns_sem_make(int ipcns_fd, const struct dbxcr_sem_set *sets, size_t n,
+			 struct dbxcr_error *err);
+
 /* Move the parked template out of its process group into one of its own.  A process group
  * id stays allocated while any member exists, so a template (forked from a group member,
  * in that group) keeps the group leader's pid taken and the leader could not come back

@@ -78,6 +78,9 @@ struct ipcns_job {
 	/* msg_list (queues out), msg_make (make_queues in) */
 	struct dbxcr_msg_queue *queues;
 	const struct dbxcr_msg_queue *make_queues;
+	/* sem_list (sets out), sem_make (make_sets in) */
+	struct dbxcr_sem_set *sets;
+	const struct dbxcr_sem_set *make_sets;
 	size_t max, n;
 };
 
@@ -459,23 +462,35 @@ static int fill_through_attachment(int id, unsigned long long size, int fd)
 }
 
 /* A new segment with s's key, size and id (kernel.shm_next_id). */
-static int create_segment(struct ipcns_job *j, const struct dbxcr_shm_segment *s)
+/* Set the namespace's kernel.KIND_next_id (shm, msg, sem): the next object of that kind
+ * made takes that id (the kernel resets it to -1). */
+static int next_id(struct ipcns_job *j, const char *kind, int id)
 {
-	char id[16];
-	int fd, n, got;
+	char path[48], text[16];
+	int fd, n;
 
-	j->step = "write kernel.shm_next_id";
-	fd = open("/proc/sys/kernel/shm_next_id", O_WRONLY | O_CLOEXEC);
+	j->step = "write its kind's kernel.*_next_id";
+	snprintf(path, sizeof(path), "/proc/sys/kernel/%s_next_id", kind);
+	fd = open(path, O_WRONLY | O_CLOEXEC);
 	if (fd < 0)
 		return -1;
-	n = snprintf(id, sizeof(id), "%d", s->id);
-	if (write(fd, id, (size_t)n) != n) {
+	n = snprintf(text, sizeof(text), "%d", id);
+	if (full_write(fd, text, (size_t)n) < 0) {
 		int saved = errno;
+
 		close(fd);
 		errno = saved;
 		return -1;
 	}
-	close(fd);
+	return close(fd);
+}
+
+static int create_segment(struct ipcns_job *j, const struct dbxcr_shm_segment *s)
+{
+	int got;
+
+	if (next_id(j, "shm", s->id) < 0)
+		return -1;
 	j->step = "shmget";
 	got = shmget(s->key, s->size, IPC_CREAT | IPC_EXCL | (int)(s->mode & 0777));
 	if (got >= 0 && got != s->id) {
@@ -760,27 +775,6 @@ static int remove_queue(struct ipcns_job *j, int id, const struct msqid_ds *d)
 	return msgctl(id, IPC_RMID, NULL) == 0 || errno == EINVAL || errno == EIDRM ? 0 : -1;
 }
 
-/* Set the namespace's kernel.msg_next_id: the next queue made takes that id. */
-static int next_msg_id(struct ipcns_job *j, int id)
-{
-	char text[16];
-	int fd, n;
-
-	j->step = "write kernel.msg_next_id";
-	fd = open("/proc/sys/kernel/msg_next_id", O_WRONLY | O_CLOEXEC);
-	if (fd < 0)
-		return -1;
-	n = snprintf(text, sizeof(text), "%d", id);
-	if (full_write(fd, text, (size_t)n) < 0) {
-		int saved = errno;
-
-		close(fd);
-		errno = saved;
-		return -1;
-	}
-	return close(fd);
-}
-
 /* Send the messages of q's copy again, in order.  The queue's limit is raised for it
  * first (a limit lowered below what a queue held stops only later senders), and no
  * message may wait: IPC_NOWAIT. */
@@ -839,7 +833,7 @@ static int make_queue(struct ipcns_job *j, const struct dbxcr_msg_queue *q)
 	struct msqid_ds d;
 	int got;
 
-	if (next_msg_id(j, q->id) < 0)
+	if (next_id(j, "msg", q->id) < 0)
 		return -1;
 	j->step = "msgget";
 	got = msgget(q->key, IPC_CREAT | IPC_EXCL | 0600);
@@ -907,6 +901,183 @@ int dbxcr_ipcns_msg_make(int ipcns_fd, const struct dbxcr_msg_queue *queues, siz
 {
 	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = msg_make, .id = -1,
 			       .make_queues = queues, .n = n, .what = "System V message queue" };
+
+	return run_job(&j, err);
+}
+
+/* System V semaphore sets, captured and made again
+ * -------------------------------------------------
+ * As queues: each set's values (GETALL) are copied at the checkpoint into a memfd of ours,
+ * and a restore makes the namespace's sets exactly the checkpoint's before any process is
+ * born, each with its id (kernel.sem_next_id), key and size, its values (SETALL), owner
+ * and mode.  A process's undo adjustments (SEM_UNDO) are its own kernel state, which no
+ * call reads: the daemon refuses a process that has them (kcmp KCMP_SYSVSEM, cr/sysv_sem.py).
+ * Not kept: the creator's ids, each semaphore's last pid, the times. */
+
+static int list_set(struct ipcns_job *j, int id, const struct semid_ds *d)
+{
+	struct dbxcr_sem_set *set;
+	size_t len = d->sem_nsems * sizeof(unsigned short);
+	unsigned short *values;
+	union semun_arg a;
+	int rc = -1;
+
+	if (j->n == j->max) {
+		errno = ENOSPC;
+		j->step = "more semaphore sets than the daemon captures";
+		return -1;
+	}
+	set = &j->sets[j->n];
+	*set = (struct dbxcr_sem_set){ .id = id, .key = d->sem_perm.__key,
+		.mode = d->sem_perm.mode, .uid = d->sem_perm.uid, .gid = d->sem_perm.gid,
+		.nsems = (int)d->sem_nsems, .fd = -1 };
+	j->n++;  /* its fd is closed by the caller on failure */
+	j->step = "allocate a buffer for its values";
+	values = malloc(len ? len : 1);
+	if (!values)
+		return -1;
+	a.array = values;
+	j->step = "semctl GETALL";
+	if (semctl(id, 0, GETALL, a) < 0)
+		goto out;
+	j->step = "memfd_create for its values";
+	set->fd = memfd_create("dbx-sysv-sem", MFD_CLOEXEC);
+	if (set->fd < 0)
+		goto out;
+	j->step = "write its values";
+	rc = full_write(set->fd, values, len);
+out:
+	free(values);
+	return rc;
+}
+
+/* Call fn for each semaphore set of the namespace (SEM_STAT_ANY on every index up to the
+ * highest in use) until one fails (-1, errno and j->step set: j->code and j->id here). */
+static void each_set(struct ipcns_job *j,
+		     int (*fn)(struct ipcns_job *j, int id, const struct semid_ds *d))
+{
+	struct seminfo si;
+	union semun_arg a = { .info = &si };
+	int top = semctl(0, 0, SEM_INFO, a);
+
+	if (top < 0) {
+		j->code = errno;
+		j->step = "semctl SEM_INFO";
+		return;
+	}
+	for (int i = 0; i <= top && si.semusz; i++) {
+		struct semid_ds d;
+		union semun_arg b = { .buf = &d };
+		int id = semctl(i, 0, SEM_STAT_ANY, b);
+
+		if (id >= 0 && fn(j, id, &d) < 0) {
+			j->code = errno;
+			j->id = id;
+			return;
+		}
+	}
+}
+
+static void sem_list(struct ipcns_job *j)
+{
+	each_set(j, list_set);
+}
+
+static int remove_set(struct ipcns_job *j, int id, const struct semid_ds *d)
+{
+	(void)d;
+	j->step = "remove a semaphore set";
+	return semctl(id, 0, IPC_RMID) == 0 || errno == EINVAL || errno == EIDRM ? 0 : -1;
+}
+
+/* A set as s has it: made with its id, key and size, given its values, then its owner and
+ * mode. */
+static int make_set(struct ipcns_job *j, const struct dbxcr_sem_set *s)
+{
+	size_t len = (size_t)s->nsems * sizeof(unsigned short);
+	unsigned short *values;
+	struct semid_ds d;
+	union semun_arg a = { .buf = &d };
+	int got, rc = -1;
+
+	if (next_id(j, "sem", s->id) < 0)
+		return -1;
+	j->step = "semget";
+	got = semget(s->key, s->nsems, IPC_CREAT | IPC_EXCL | 0600);
+	if (got < 0)
+		return -1;
+	if (got != s->id) {
+		semctl(got, 0, IPC_RMID);
+		errno = EBUSY;
+		j->step = "it was not given its id";
+		return -1;
+	}
+	j->step = "read its values' copy";
+	values = malloc(len ? len : 1);
+	if (!values)
+		return -1;
+	if (s->fd >= 0 && pread(s->fd, values, len, 0) != (ssize_t)len) {
+		if (errno == 0)
+			errno = EIO;
+		goto out;
+	}
+	if (s->fd >= 0) {
+		union semun_arg all = { .array = values };
+
+		j->step = "semctl SETALL";
+		if (semctl(got, 0, SETALL, all) < 0)
+			goto out;
+	}
+	j->step = "semctl IPC_STAT";
+	if (semctl(got, 0, IPC_STAT, a) < 0)
+		goto out;
+	d.sem_perm.uid = s->uid;
+	d.sem_perm.gid = s->gid;
+	d.sem_perm.mode = s->mode & 0777;
+	j->step = "semctl IPC_SET (owner and mode)";
+	rc = semctl(got, 0, IPC_SET, a);
+out:
+	free(values);
+	return rc;
+}
+
+/* The namespace's sets made exactly j->make_sets: every set there removed (in a rollback,
+ * made or changed since; no process that used them is left), then each made with its id and
+ * values. */
+static void sem_make(struct ipcns_job *j)
+{
+	each_set(j, remove_set);
+	if (j->code)
+		return;
+	for (size_t i = 0; i < j->n; i++) {
+		if (make_set(j, &j->make_sets[i]) < 0) {
+			j->code = errno;
+			j->id = j->make_sets[i].id;
+			return;
+		}
+	}
+}
+
+int dbxcr_ipcns_sem_list(int ipcns_fd, struct dbxcr_sem_set *out, size_t max, size_t *n,
+			 struct dbxcr_error *err)
+{
+	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = sem_list, .id = -1, .sets = out,
+			       .max = max, .what = "System V semaphore set" };
+	int rc = run_job(&j, err);
+
+	if (rc < 0)
+		for (size_t i = 0; i < j.n; i++)
+			if (out[i].fd >= 0)
+				close(out[i].fd);
+	*n = rc < 0 ? 0 : j.n;
+	return rc;
+}
+
+int dbxcr_ipcns_sem_make(int ipcns_fd, const struct dbxcr_sem_set *sets, size_t n,
+			 struct dbxcr_error *err)
+{
+	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = sem_make, .id = -1,
+			       .make_sets = sets, .n = n, .what = "System V semaphore set" };
 
 	return run_job(&j, err);
 }

@@ -2268,37 +2268,140 @@ else:
 """
 
 
-def test_system_v_ipc_objects_are_refused_and_a_rollback_removes_later_ones(
+def test_system_v_ipc_objects_made_since_a_checkpoint_are_gone_after_its_rollback(
         ebpf: str, sbx: Sandbox) -> None:
-    """System V semaphores and message queues belong to the sandbox's IPC namespace, not
-    to a process: no checkpoint holds them. Before stop 49 a rollback kept a semaphore's
-    value written after the checkpoint (probe: 5, set after a checkpoint taken at 1) and
-    a fork's children had none. Now a full checkpoint is refused while any exists (named
-    by kind; mode="fs" still works), and a rollback to a full checkpoint (taken with none)
-    removes those made since, whether a checkpoint saw them or not."""
+    """System V semaphores, message queues and segments belong to the sandbox's IPC
+    namespace, not to a process. Before stop 49 a rollback kept a semaphore's value written
+    after the checkpoint (probe: 5, set after a checkpoint taken at 1) and a fork's children
+    had none; from then a full checkpoint was refused while a set or a queue existed, and
+    since stop 70 they are captured (their own tests below). A rollback to a full
+    checkpoint taken with none removes those made since, whether a checkpoint saw them or
+    not; one to a checkpoint that holds them makes them again as they were."""
     sbx.files.write("sysv.py", SYSV)
     sbx.exec("nohup sleep 1000 >/dev/null 2>&1 &")
     cp = sbx.checkpoint()
     assert cp.kind == "full"
     assert sbx.exec("python3 /workspace/sysv.py sem 0x1234 5").stdout == "5\n"
     sbx.exec("python3 /workspace/sysv.py msg 0x5678 && python3 /workspace/sysv.py shm 0x9abc")
-    with pytest.raises(deltabox.FailedPrecondition,
-                       match=r"System V IPC objects \(1 semaphore set; "
-                             r"`ipcs` lists them\).*ipcrm.*mode=\"fs\""):
-        sbx.checkpoint(mode="full")
-    assert sbx.checkpoint(mode="fs").kind == "fs"
+    held = sbx.checkpoint(mode="full")
+    assert held.kind == "full", held.reasons
     assert sbx.rollback(cp).process_state == "restored"
     assert "0x00001234" not in sbx.exec("ipcs -s").stdout
     assert "0x00005678" not in sbx.exec("ipcs -q").stdout
     assert "0x00009abc" not in sbx.exec("ipcs -m").stdout
     assert sbx.exec("python3 /workspace/sysv.py sem 0x1234").stdout == "0\n"   # made anew
-    sbx.exec("ipcrm -S 0x1234")
+    assert sbx.rollback(held).process_state == "restored"
+    assert sbx.exec("python3 /workspace/sysv.py sem 0x1234").stdout == "5\n"   # its own
+    assert "0x00005678" in sbx.exec("ipcs -q").stdout
+    assert "0x00009abc" in sbx.exec("ipcs -m").stdout
+    assert sbx.rollback(cp).process_state == "restored"
     assert sbx.checkpoint(mode="full").kind == "full"
     # Made in the turn the rollback ends, which no checkpoint looked at: a rollback looks
     # for objects only when the inspector saw an IPC call (or missed part of the turn).
     assert sbx.exec("python3 /workspace/sysv.py sem 0x1234 7").stdout == "7\n"
     assert sbx.rollback(cp).process_state == "restored"
     assert "0x00001234" not in sbx.exec("ipcs -s").stdout
+
+
+# System V semaphore sets: `make` makes a set of three with a key (values 2, 0, 5) and a
+# private one of one (value 1); a child waits in semop to take semaphore 1 of the first,
+# then writes /workspace/got; the ids go to /workspace/ids and the parent stays. `report`
+# prints each set of the namespace (/proc/sysvipc/sem, sorted by id): id, key, mode, size,
+# owner and values. `post ID NUM`; `set ID NUM VALUE`; `new KEY`; `undo ID`: a semop with
+# SEM_UNDO, then it stays (writes /workspace/undone), and exits when /workspace/go exists.
+# A wait in semop returns EINTR when a checkpoint stops its process (the kernel never
+# restarts semop), as for any signal: it waits again, as programs do.
+SEMS = r"""
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+IPC_CREAT, GETALL, SETVAL, SETALL, SEM_UNDO = 0o1000, 13, 16, 17, 0x1000
+def op(s, num, delta, flags=0):
+    b = (ctypes.c_short * 3)(num, delta, flags)
+    while libc.semop(s, b, 1) != 0:   # EINTR: a stop interrupts the wait (as a signal)
+        assert ctypes.get_errno() == 4, ctypes.get_errno()
+cmd = sys.argv[1]
+if cmd == 'make':
+    a = libc.semget(0x7777, 3, IPC_CREAT | 0o640)
+    assert libc.semctl(a, 0, SETALL, (ctypes.c_ushort * 3)(2, 0, 5)) == 0
+    b = libc.semget(0, 1, IPC_CREAT | 0o600)
+    assert libc.semctl(b, 0, SETVAL, ctypes.c_int(1)) == 0
+    if os.fork() == 0:
+        op(a, 1, -1)
+        open('/workspace/got', 'w').write('took')
+        os._exit(0)
+    open('/workspace/ids', 'w').write(f'{a} {b}')
+    time.sleep(1000)
+elif cmd == 'report':
+    rows = [line.split() for line in open('/proc/sysvipc/sem').read().splitlines()[1:]]
+    for r in sorted(rows, key=lambda r: int(r[1])):
+        n = int(r[3])
+        values = (ctypes.c_ushort * n)()
+        assert libc.semctl(int(r[1]), 0, GETALL, values) == 0
+        print(r[1], r[0], r[2], n, r[4], r[5], ','.join(map(str, values)))
+elif cmd == 'post':
+    op(int(sys.argv[2]), int(sys.argv[3]), 1)
+elif cmd == 'set':
+    assert libc.semctl(int(sys.argv[2]), int(sys.argv[3]), SETVAL,
+                       ctypes.c_int(int(sys.argv[4]))) == 0
+elif cmd == 'undo':
+    op(int(sys.argv[2]), 0, -1, SEM_UNDO)
+    open('/workspace/undone', 'w').close()
+    while not os.path.exists('/workspace/go'):
+        time.sleep(0.05)
+else:
+    print(libc.semget(int(sys.argv[2], 0), 1, IPC_CREAT | 0o600))
+"""
+
+
+def test_system_v_semaphore_sets_come_back_with_their_values(sbx: Sandbox,
+                                                            restore: Restore) -> None:
+    """System V semaphore sets belong to the IPC namespace: made again with their ids,
+    keys, sizes, modes, owners and values, those made since gone, and a process waiting in
+    semop on one takes the semaphore posted after the restore. Before this stop a full
+    checkpoint was refused while any set existed."""
+    sbx.files.write("sems.py", SEMS)
+    sbx.exec("nohup python3 /workspace/sems.py make >/dev/null 2>&1 &")
+    _wait_file(sbx, "ids")
+    a, b = sbx.files.read("ids").decode().split()
+    report = "python3 /workspace/sems.py report"
+    before = sbx.exec(report).stdout
+    assert before == f"{a} 30583 640 3 0 0 2,0,5\n{b} 0 600 1 0 0 1\n", before
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    sbx.exec(f"python3 /workspace/sems.py set {a} 2 9 && python3 /workspace/sems.py set {b} "
+             "0 0 && python3 /workspace/sems.py new 0x4444")
+    assert sbx.exec(report).stdout != before
+    target = restore(sbx, cp)
+    assert target.exec(report).stdout == before
+    assert not target.files.exists("got")
+    target.exec(f"python3 /workspace/sems.py post {a} 1")
+    wait_for(lambda: target.files.exists("got"), what="the waiting child to take it")
+    assert target.exec(report).stdout == before   # posted, then taken
+    if restore.mode == "fork":  # type: ignore[attr-defined]
+        assert "0x00004444" in sbx.exec("ipcs -s").stdout   # the source keeps its own
+
+
+def test_a_process_with_semaphore_undo_adjustments_is_refused_by_name(sbx: Sandbox) -> None:
+    """A semop with SEM_UNDO gives its process adjustments the kernel applies when it exits
+    (a lock held is released with its holder), which no call reads back: a restored copy
+    would exit without them. The checkpoint is refused, naming the process; once it has
+    exited the sets are captured."""
+    sbx.files.write("sems.py", SEMS)
+    sid = sbx.exec("python3 /workspace/sems.py new 0x5151").stdout.strip()
+    sbx.exec(f"python3 /workspace/sems.py set {sid} 0 1")
+    sbx.exec(f"nohup python3 /workspace/sems.py undo {sid} >/dev/null 2>&1 &")
+    _wait_file(sbx, "undone")
+    with pytest.raises(deltabox.FailedPrecondition,
+                       match=r"pid \d+ \(python3 /workspace/sems.py undo \d+\): it has a "
+                             r"System V semaphore undo list \(made by a semop with SEM_UNDO"):
+        sbx.checkpoint(mode="full")
+    assert sbx.checkpoints() == []
+    sbx.files.write("go", "")
+    wait_for(lambda: "sems.py undo" not in sbx.exec("ps -eo args").stdout,
+             what="the holder to exit")
+    # Its exit undid its decrement.
+    assert sbx.exec("python3 /workspace/sems.py report").stdout == f"{sid} 20817 600 1 0 0 1\n"
+    assert sbx.checkpoint(mode="full").kind == "full"
 
 
 # Makes a POSIX message queue /NAME holding one message and, with "hold", keeps it open

@@ -82,8 +82,8 @@ from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from ..fs.files import open_in_root
 from . import (adoption, creds, deleted_cwd, eventloop, fifos, listeners, native, pidfds, pipebuf,
-               private_maps, ptys, shared_files, shm_files, sigio, sockopts, sysv_msg, sysv_shm,
-               taskattrs, tcp, unix_listeners, unlinked, watches)
+               private_maps, ptys, shared_files, shm_files, sigio, sockopts, sysv_msg, sysv_sem,
+               sysv_shm, taskattrs, tcp, unix_listeners, unlinked, watches)
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .taskattrs import TaskAttrs
 from .capture import (DEV_TTY, ProcessRecord, Refusal, SharedMapping, Unsettled, add_listeners,
@@ -172,6 +172,8 @@ class ProcessState:
     sysv_shm: list[sysv_shm.Segment] = field(default_factory=list)
     # ...and its System V message queues, with their messages (cr/sysv_msg.py)
     sysv_msg: list[sysv_msg.Queue] = field(default_factory=list)
+    # ...and its semaphore sets, with their values (cr/sysv_sem.py)
+    sysv_sem: list[sysv_sem.Set] = field(default_factory=list)
     # When the templates' view of the files they map was the checkpoint's (the capture's
     # start, or a dump's rebuild): a file written after it is mapped again (private_maps.py)
     captured_ns: int = 0
@@ -441,6 +443,7 @@ class DeltaCR:
         terminals: list[ptys.Pty] = []
         segments: list[sysv_shm.Segment] = []
         queues: list[sysv_msg.Queue] = []
+        sets: list[sysv_sem.Set] = []
 
         async def ptrace_pass() -> None:
             # Not cancellable once the ptrace thread runs it: the failure path needs what
@@ -471,7 +474,7 @@ class DeltaCR:
             # ptrace thread is inside the templates' forks it needs no GIL, whereas during
             # the stops it would wait for it (a thread wanting the GIL from a busy one gets
             # it only when that one blocks, or after the 5 ms switch interval).
-            nonlocal pipes, files, shared, shm, named_pipes, terminals, segments, queues
+            nonlocal pipes, files, shared, shm, named_pipes, terminals, segments, queues, sets
             await stops_done.wait()
             try:
                 if not cap.stops_done:
@@ -519,9 +522,13 @@ class DeltaCR:
                 if not cap.refused and ipc_maybe:
                     queues, why = sysv_msg.capture(ipcns)
                     cap.refused.extend(why)
+                if not cap.refused and ipc_maybe:
+                    sets, why = sysv_sem.capture(ipcns, records)
+                    cap.refused.extend(why)
                 if cap.refused:
                     unlinked.close_saved(files)
                     sysv_shm.close_saved(segments)
+                    sysv_msg.close_saved(queues)
                     return
                 pipes = _pipe_groups(records, *daemon_pipes())
                 cap.refused.extend(_save_unread(pipes, records))
@@ -532,6 +539,7 @@ class DeltaCR:
                     fifos.close_saved(named_pipes)
                     sysv_shm.close_saved(segments)
                     sysv_msg.close_saved(queues)
+                    sysv_sem.close_saved(sets)
                     return
                 cap.records = records
             finally:
@@ -559,6 +567,7 @@ class DeltaCR:
             fifos.close_saved(named_pipes)
             sysv_shm.close_saved(segments)
             sysv_msg.close_saved(queues)
+            sysv_sem.close_saved(sets)
             if cap.refused and isinstance(e, Exception):  # the reasons, not what the stops
                 raise _refusal(cap.refused) from None     # made of them
             raise
@@ -573,7 +582,7 @@ class DeltaCR:
                             reused=sorted(p for p in reuse or {} if p in stopped),
                             unlinked=files, shared_files=shared, shm_files=shm,
                             fifos=named_pipes, ptys=terminals, captured_ns=captured_ns,
-                            sysv_shm=segments, sysv_msg=queues,
+                            sysv_shm=segments, sysv_msg=queues, sysv_sem=sets,
                             held=Held(cap.stopped, dict(reuse or {})) if later else None)
 
     async def make_templates(self, state: ProcessState) -> None:
@@ -693,6 +702,9 @@ class DeltaCR:
         if state.sysv_msg:   # made before any process that waits on one is born
             _need_ipcns(target_ipc, "System V message queues")
             sysv_msg.make(target_ipc, state.sysv_msg)
+        if state.sysv_sem:
+            _need_ipcns(target_ipc, "System V semaphore sets")
+            sysv_sem.make(target_ipc, state.sysv_sem)
         plan = pre.plan if pre is not None else _plan(state, rootfd, mntfd)
         plan.arm()  # a prespawned plan's timers start now, with the rollback
         out = Restored({}, {}, [], note=note)
@@ -1099,6 +1111,7 @@ class DeltaCR:
         fifos.close_saved(state.fifos)
         sysv_shm.close_saved(state.sysv_shm)
         sysv_msg.close_saved(state.sysv_msg)
+        sysv_sem.close_saved(state.sysv_sem)
         if state.images is not None:
             await trio.to_thread.run_sync(state.images.close)
 
@@ -1758,18 +1771,22 @@ def _send_all(src: socket.socket, data: bytes) -> None:
 
 def namespace_only(ipcns: int, ipc_maybe: bool) -> ProcessState:
     """A full checkpoint's state when no process runs: the IPC namespace's System V
-    segments and message queues, which outlive their processes (none when `ipc_maybe` is
-    false: no IPC call was seen since the namespace was last found empty)."""
+    segments, message queues and semaphore sets, which outlive their processes (none when
+    `ipc_maybe` is false: no IPC call was seen since the namespace was last found empty)."""
     if not ipc_maybe:
         return ProcessState([], {}, {}, {})
     segments, refused = sysv_shm.capture(ipcns, [])
     queues: list[sysv_msg.Queue] = []
+    sets: list[sysv_sem.Set] = []
     if not refused:
         queues, refused = sysv_msg.capture(ipcns)
+    if not refused:
+        sets, refused = sysv_sem.capture(ipcns, [])
     if refused:
         sysv_shm.close_saved(segments)
+        sysv_msg.close_saved(queues)
         raise _refusal(refused)
-    return ProcessState([], {}, {}, {}, sysv_shm=segments, sysv_msg=queues)
+    return ProcessState([], {}, {}, {}, sysv_shm=segments, sysv_msg=queues, sysv_sem=sets)
 
 
 def _refusal(refused: list[Refusal]) -> FailedPrecondition:

@@ -175,6 +175,12 @@ class _MsgQueue(ctypes.Structure):  # fork_template.h struct dbxcr_msg_queue
                 ("fd", ctypes.c_int)]
 
 
+class _SemSet(ctypes.Structure):  # fork_template.h struct dbxcr_sem_set
+    _fields_ = [("id", ctypes.c_int), ("key", ctypes.c_int), ("mode", ctypes.c_uint),
+                ("uid", ctypes.c_uint), ("gid", ctypes.c_uint), ("nsems", ctypes.c_int),
+                ("fd", ctypes.c_int)]
+
+
 class _IpcObjects(ctypes.Structure):  # fork_template.h struct dbxcr_ipc_objects
     _fields_ = [("sem_sets", ctypes.c_int), ("msg_queues", ctypes.c_int),
                 ("shm_segments", ctypes.c_int),
@@ -354,6 +360,13 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.dbxcr_ipcns_msg_make.argtypes = [ctypes.c_int, ctypes.POINTER(_MsgQueue),
                                          ctypes.c_size_t, err]
     lib.dbxcr_ipcns_msg_make.restype = ctypes.c_int
+    lib.dbxcr_ipcns_sem_list.argtypes = [ctypes.c_int, ctypes.POINTER(_SemSet),
+                                         ctypes.c_size_t,
+                                         ctypes.POINTER(ctypes.c_size_t), err]
+    lib.dbxcr_ipcns_sem_list.restype = ctypes.c_int
+    lib.dbxcr_ipcns_sem_make.argtypes = [ctypes.c_int, ctypes.POINTER(_SemSet),
+                                         ctypes.c_size_t, err]
+    lib.dbxcr_ipcns_sem_make.restype = ctypes.c_int
     lib.dbxcr_held_set_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls), err]
     lib.dbxcr_held_set_prctls.restype = ctypes.c_int
     lib.dbxcr_held_install_fd.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
@@ -1268,13 +1281,19 @@ def exclusive_bytes(pid: int, max_maps: int = 1) -> int:
 
 
 _SYS_KCMP = 312
-_KCMP_FILE, _KCMP_VM, _KCMP_EPOLL_TFD = 0, 1, 7
+_KCMP_FILE, _KCMP_VM, _KCMP_SYSVSEM, _KCMP_EPOLL_TFD = 0, 1, 6, 7
 
 
 def same_address_space(a: int, b: int) -> bool:
     """Do processes a and b share one address space (kcmp KCMP_VM)? False if either is
     gone or has none (a zombie)."""
     return _libc_raw.syscall(_SYS_KCMP, a, b, _KCMP_VM, 0, 0) == 0
+
+
+def same_semaphore_undo(a: int, b: int) -> bool:
+    """Do processes a and b have one System V semaphore undo list (kcmp KCMP_SYSVSEM: the
+    same, or none either)? False if either is gone."""
+    return _libc_raw.syscall(_SYS_KCMP, a, b, _KCMP_SYSVSEM, 0, 0) == 0
 
 
 def same_file(pid1: int, fd1: int, pid2: int, fd2: int) -> bool:
@@ -1752,21 +1771,15 @@ class IpcObjects:
 
     @property
     def unheld(self) -> bool:
-        """Whether some exist that a checkpoint does not capture: any but shared memory
-        segments and message queues (cr/sysv_shm.py, cr/sysv_msg.py). A POSIX queue counts
-        whether open or not: its messages are the namespace's either way."""
-        return bool(self.sem_sets or self.posix_queues)
+        """Whether some exist that a checkpoint does not capture: POSIX message queues (the
+        System V objects are captured: cr/sysv_*.py). A POSIX queue counts whether open or
+        not: its messages are the namespace's either way."""
+        return bool(self.posix_queues)
 
     def describe_unheld(self) -> str:
-        """Those, e.g. "System V IPC objects (1 semaphore set; `ipcs` lists them) and
-        2 POSIX message queues (/a, /b)"."""
-        n = self.sem_sets
-        sysv = [f"{n} semaphore set{'s' if n > 1 else ''}"] if n else []
-        parts = [f"System V IPC objects ({', '.join(sysv)}; `ipcs` lists them)"] if sysv else []
-        if self.posix_queues:
-            s = "s" if self.posix_queues > 1 else ""
-            parts.append(f"{self.posix_queues} POSIX message queue{s} ({self.posix_names})")
-        return " and ".join(parts) or "none"
+        """Those, e.g. "2 POSIX message queues (/a, /b)"."""
+        s = "s" if self.posix_queues > 1 else ""
+        return f"{self.posix_queues} POSIX message queue{s} ({self.posix_names})"
 
 
 _ipcns_objects: Any = None   # dbxcr_ipcns_objects, called with the GIL held (ipc_objects)
@@ -1914,6 +1927,53 @@ def make_msg_queues(ipcns_fd: int, queues: Sequence[MsgQueue]) -> None:
           for q in queues])
     err = _Err()
     if _load().dbxcr_ipcns_msg_make(ipcns_fd, arr, len(queues), ctypes.byref(err)) < 0:
+        _raise(err)
+
+
+@dataclass
+class SemSet:
+    """A System V semaphore set of an IPC namespace (native/ipcns.c). `fd`: its values,
+    unsigned shorts in order (sem_sets: a memfd, the caller's to close; make_sem_sets: -1
+    for zeros)."""
+    id: int
+    key: int
+    mode: int       # sem_perm.mode: permission bits
+    uid: int
+    gid: int
+    nsems: int
+    fd: int = -1
+
+    @property
+    def saved(self) -> int | None:
+        """The copy of its values (as other copies of a capture are named: dumps.py)."""
+        return self.fd if self.fd >= 0 else None
+
+    @property
+    def size(self) -> int:
+        return 2 * self.nsems
+
+
+SEM_SETS_MAX = 256   # captured per namespace (the kernel's default limit is 32000)
+
+
+def sem_sets(ipcns_fd: int) -> list[SemSet]:
+    """The System V semaphore sets of the IPC namespace `ipcns_fd` (a pidfd of a process in
+    it), each with a copy of its values."""
+    out = (_SemSet * SEM_SETS_MAX)()
+    n, err = ctypes.c_size_t(), _Err()
+    if _load().dbxcr_ipcns_sem_list(ipcns_fd, out, SEM_SETS_MAX, ctypes.byref(n),
+                                    ctypes.byref(err)) < 0:
+        _raise(err)
+    return [SemSet(x.id, x.key, x.mode, x.uid, x.gid, x.nsems, x.fd) for x in out[:n.value]]
+
+
+def make_sem_sets(ipcns_fd: int, sets: Sequence[SemSet]) -> None:
+    """Make the IPC namespace's semaphore sets exactly `sets` (every other removed), each
+    with its id, key, size, owner, mode and values."""
+    arr = (_SemSet * max(1, len(sets)))(
+        *[_SemSet(x.id, x.key, x.mode, x.uid, x.gid, x.nsems, x.fd) for x in sets])
+    err = _Err()
+    if _load().dbxcr_ipcns_sem_make(ipcns_fd, arr, len(sets), ctypes.byref(err)) < 0:
         _raise(err)
 
 

@@ -15,8 +15,7 @@ restored inside that call, which it makes again on the restored queue.
 
 Refused, naming the queue: one holding more than unlinked.MAX_BYTES of messages. Not kept:
 the creator's ids (cuid, cgid: root's), the last sender's and receiver's pids, the times.
-Semaphore sets stay refused: a process's SEM_UNDO adjustments, applied when it exits, are
-the kernel's per-process state that no call reads back.
+(Semaphore sets: cr/sysv_sem.py.)
 """
 
 from __future__ import annotations
@@ -52,8 +51,8 @@ def make(ipcns_fd: int, queues: list[Queue]) -> None:
     try:
         native.make_msg_queues(ipcns_fd, queues)
     except native.CRError as e:
-        raise native.CRError(e.errno or errno.EIO, f"making the System V message queues again failed "
-                             f"({e})") from None
+        raise native.CRError(e.errno or errno.EIO, "making the System V message queues "
+                             f"again failed ({e})") from None
 
 
 def close_saved(queues: list[Queue]) -> None:

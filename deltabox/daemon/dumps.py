@@ -28,8 +28,8 @@ from pathlib import Path
 import trio
 
 from ..cr import (adoption, creds, eventloop, fifos, native, pidfds, pipebuf, private_maps,
-                  ptys, shared_files, shm_files, sigio, sockopts, sysv_msg, sysv_shm, taskattrs,
-                  unlinked)
+                  ptys, shared_files, shm_files, sigio, sockopts, sysv_msg, sysv_sem, sysv_shm,
+                  taskattrs, unlinked)
 from ..cr.capture import ProcessRecord, SharedMapping, in_dev_shm
 from ..cr.taskattrs import TaskAttrs
 from ..cr.engine import (DeltaCR, PipeEnd, PipeGroup, ProcessState, lone_leaders, rebuilt_as,
@@ -388,14 +388,15 @@ class Dumps:
         shm = _write_copies(tmp, "shm", state.shm_files)
         segments = _write_copies(tmp, "sysv", state.sysv_shm)
         queues = _write_copies(tmp, "msg", state.sysv_msg)
+        sets = _write_copies(tmp, "sem", state.sysv_sem)
         total += sum(x.size for x in [*state.unlinked, *state.shm_files, *state.sysv_shm,
-                                      *state.sysv_msg])
+                                      *state.sysv_msg, *state.sysv_sem])
         meta = dict(version=1, records=[_rec_json(r) for r in state.records], pipes=pipes,
                     sessions=state.sessions, session_states=state.session_states,
                     unlinked=files,
                     shared_files=[dataclasses.asdict(s) for s in state.shared_files],
                     shm_files=shm, fifos=named_pipes, ptys=[p.to_json() for p in state.ptys],
-                    sysv_shm=segments, sysv_msg=queues)
+                    sysv_shm=segments, sysv_msg=queues, sysv_sem=sets)
         raw = json.dumps(meta).encode()
         with open(tmp / "state.json", "wb") as f:
             f.write(raw)
@@ -431,6 +432,7 @@ class Dumps:
         named_pipes: list[fifos.Fifo] = []
         segments: list[sysv_shm.Segment] = []
         queues: list[sysv_msg.Queue] = []
+        sets: list[sysv_sem.Set] = []
         # The rebuilt templates map root_dir's files as they are now (the checkpoint's):
         # a later write in place there is looked for at each restore (cr/private_maps.py).
         captured_ns = time.time_ns()
@@ -461,6 +463,8 @@ class Dumps:
                 segments.append(_segment_from(f, d))
             for f in meta.get("sysv_msg", []):
                 queues.append(_queue_from(f, d))
+            for f in meta.get("sysv_sem", []):
+                sets.append(_set_from(f, d))
             for f in meta.get("fifos", []):
                 named_pipes.append(_fifo_from(f, d))
         except BaseException:
@@ -473,6 +477,7 @@ class Dumps:
                 fifos.close_saved(named_pipes)
                 sysv_shm.close_saved(segments)
                 sysv_msg.close_saved(queues)
+                sysv_sem.close_saved(sets)
             raise
         # Its processes' images serve the restores that adopt children (cr/adoption.py).
         images = adoption.Images(given={r.pid: str(d / str(r.nspid)) for r in records})
@@ -483,7 +488,7 @@ class Dumps:
                             shm_files=shm, fifos=named_pipes, images=images,
                             captured_ns=captured_ns,
                             ptys=[ptys.Pty.from_json(p) for p in meta.get("ptys", [])],
-                            sysv_shm=segments, sysv_msg=queues)
+                            sysv_shm=segments, sysv_msg=queues, sysv_sem=sets)
 
 
 async def _skip_pids(host_pid: int, last: int) -> None:
@@ -633,6 +638,13 @@ def _queue_from(f: dict, d: Path) -> sysv_msg.Queue:
                        f["count"], f["bytes"])
     q.fd = _memfd_of(dict(f, size=q.size), d)
     return q
+
+
+def _set_from(f: dict, d: Path) -> sysv_sem.Set:
+    """A System V semaphore set of a dump, its values back in a memfd."""
+    s = sysv_sem.Set(f["id"], f["key"], f["mode"], f["uid"], f["gid"], f["nsems"])
+    s.fd = _memfd_of(dict(f, size=s.size), d)
+    return s
 
 
 def _unlinked_from(f: dict, d: Path) -> unlinked.UnlinkedFile:

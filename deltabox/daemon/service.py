@@ -2004,10 +2004,10 @@ class Daemon:
             old_sessions, live.sessions = live.sessions, {}
             pre, taken = None, pre  # the restore owns it now
             if cp.procs_of is not None:
-                # Its capture found no semaphore set or POSIX message queue
-                # (_refuse_ipc_objects); its shared memory segments and message queues the
-                # restore makes again: those made since go before anything runs again,
-                # looked for only if some may have been (a look costs ~0.25 ms).
+                # Its capture found no POSIX message queue (_refuse_ipc_objects); its
+                # System V objects the restore makes again: those made since go before
+                # anything runs again, looked for only if some may have been (a look costs
+                # ~0.25 ms).
                 live.ipc_clear = live.ipc_seen or self.turns.may_have_made_ipc(sid)
                 live.ipc_seen = False
             try:
@@ -2231,7 +2231,7 @@ class Daemon:
             else:
                 await self._victims_gone(live)  # the killed originals' pids must be free
                 restored = await self._restore_into(live, state, fresh=fresh)
-            if state.sysv_shm or state.sysv_msg:   # made again: the next checkpoint looks
+            if state.sysv_shm or state.sysv_msg or state.sysv_sem:   # made again: looked at
                 live.ipc_seen = True
         except Exception as e:
             log.error("rollback %s: restoring processes failed: %s", cp.id, e)
@@ -2867,26 +2867,26 @@ def _may_have_made_ipc(effects: TurnEffects | None) -> bool:
 
 
 def _refuse_ipc_objects(live: Live) -> None:
-    """A full checkpoint is refused while the sandbox's IPC namespace holds System V
-    semaphore sets or POSIX message queues (native/ipcns.c): they belong to the namespace,
-    not to a process, and are not captured, so a rollback would keep their later values and
-    a fork's children (a namespace of their own) would not have them. Shared memory
-    segments and message queues are captured (cr/sysv_shm.py, cr/sysv_msg.py). Looked at
-    only when an
+    """A full checkpoint is refused while the sandbox's IPC namespace holds POSIX message
+    queues (native/ipcns.c): they belong to the namespace, not to a process, and are not
+    captured, so a rollback would keep their later values and a fork's children (a
+    namespace of their own) would not have them. System V segments, message queues and
+    semaphore sets are captured (cr/sysv_shm.py, cr/sysv_msg.py, cr/sysv_sem.py). Looked
+    at only when an
     IPC call may have happened since the namespace was last found empty (Live.ipc_seen;
     the call costs ~0.1 ms in the daemon, a thread joining the namespace and the GIL
     back)."""
     if not live.ipc_seen:
         return
     objects = native.ipc_objects(live.rt.pidfd, _mq_dir(live))
-    if objects.unheld:   # segments and message queues are captured (cr/sysv_*.py)
+    if objects.unheld:   # System V objects are captured (cr/sysv_*.py)
         raise FailedPrecondition(
             f"cannot capture the sandbox's processes faithfully: its IPC namespace holds "
             f"{objects.describe_unheld()}, which belong to the namespace rather than to a "
-            "process and are not captured. Remove them (`ipcrm`; a POSIX queue: "
-            "mq_unlink), or checkpoint with mode=\"fs\" (files only)")
+            "process and are not captured. Remove them (mq_unlink), or checkpoint with "
+            "mode=\"fs\" (files only)")
     # captured: looked at every time
-    live.ipc_seen = objects.shm_segments > 0 or objects.msg_queues > 0
+    live.ipc_seen = bool(objects.shm_segments or objects.msg_queues or objects.sem_sets)
 
 
 def _mq_dir(live: Live) -> int:

@@ -3983,6 +3983,54 @@ static void test_ipcns_msg(void)
 	waitpid(holder, NULL, 0);
 }
 
+/* System V semaphore sets in another IPC namespace: dbxcr_ipcns_sem_make makes them with
+ * their ids, owner, mode and values (zeros without a copy); dbxcr_ipcns_sem_list reads them
+ * back; a second make leaves only the set it is given. */
+static void test_ipcns_sem(void)
+{
+	struct dbxcr_error err;
+	struct dbxcr_sem_set sets[2], got[4];
+	unsigned short values[3] = { 2, 0, 5 }, back[3] = { 0 };
+	int pidfd, copy;
+	size_t n = 0;
+	pid_t holder;
+
+	current_test = "ipcns-sem";
+	holder = ipcns_holder(&pidfd);
+	copy = memfd_create("values", MFD_CLOEXEC);
+	CHECK(pidfd >= 0 && copy >= 0 && write(copy, values, sizeof(values)) == sizeof(values),
+	      "setup: %s", strerror(errno));
+	sets[0] = (struct dbxcr_sem_set){ .id = 3, .key = 0x3333, .mode = 0640, .uid = 1000,
+		.gid = 1000, .nsems = 3, .fd = copy };
+	sets[1] = (struct dbxcr_sem_set){ .id = 32768 + 1, .key = 0, .mode = 0600, .nsems = 2,
+		.fd = -1 };
+	CHECK(dbxcr_ipcns_sem_make(pidfd, sets, 2, &err) == 0, "make: %s", err.msg);
+	CHECK(dbxcr_ipcns_sem_list(pidfd, got, 4, &n, &err) == 0 && n == 2, "list: %zu %s", n,
+	      err.msg);
+	if (n == 2) {
+		CHECK(got[1].id == 3 && got[1].key == 0x3333 && got[1].uid == 1000 &&
+		      (got[1].mode & 0777) == 0640 && got[1].nsems == 3, "set 3: %d %#x %o %d",
+		      got[1].id, got[1].key, got[1].mode, got[1].nsems);
+		CHECK(pread(got[1].fd, back, sizeof(back), 0) == sizeof(back) &&
+		      !memcmp(back, values, sizeof(values)), "values %u %u %u", back[0], back[1],
+		      back[2]);
+		CHECK(got[0].id == 32769 && got[0].nsems == 2 &&
+		      pread(got[0].fd, back, 4, 0) == 4 && back[0] == 0 && back[1] == 0,
+		      "first: id %d", got[0].id);
+	}
+	for (size_t i = 0; i < n; i++)
+		close(got[i].fd);
+	CHECK(dbxcr_ipcns_sem_make(pidfd, sets, 1, &err) == 0 &&
+	      dbxcr_ipcns_sem_list(pidfd, got, 4, &n, &err) == 0 && n == 1 && got[0].id == 3,
+	      "the set not given stays: %zu", n);
+	for (size_t i = 0; i < n; i++)
+		close(got[i].fd);
+	close(copy);
+	close(pidfd);
+	kill(holder, SIGKILL);
+	waitpid(holder, NULL, 0);
+}
+
 /* test_fork_template [NAME...]: the named tests only (all without a name). */
 static bool selected(const char *name, int argc, char **argv)
 {
@@ -4051,6 +4099,7 @@ int main(int argc, char **argv)
 		{ "mntns-open", test_mntns_open },
 		{ "ipcns-shm", test_ipcns_shm },
 		{ "ipcns-msg", test_ipcns_msg },
+		{ "ipcns-sem", test_ipcns_sem },
 		{ "template-nanosleep", test_template_nanosleep },
 		{ "template-ptimers", test_template_ptimers },
 		{ "template-prctls", test_template_prctls },
