@@ -692,8 +692,10 @@ class DeltaCR:
         pidfd of a process in the sandbox's IPC namespace, where the checkpoint's System V
         segments are made again (a fork's are made in `into`'s). On failure, kills what
         it spawned and raises."""
-        if state.sysv_shm and into is None:
-            # The killed processes write no more to the segments the restore fills.
+        if (state.sysv_shm or state.sysv_msg or state.sysv_sem) and into is None:
+            # The killed processes write no more to the segments the restore fills, nor
+            # send to the queues or change the sets it makes again (a call they were
+            # entering when killed would find the new object under the same id).
             await wait_exited(victims or [])
             victims = None
         target_ipc = into.init_pidfd if into is not None else ipcns
