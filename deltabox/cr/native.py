@@ -67,7 +67,7 @@ import os
 import socket
 import stat as _stat
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -1910,23 +1910,32 @@ MSG_QUEUES_MAX = 256   # captured per namespace (the kernel's default limit is 3
 def msg_queues(ipcns_fd: int) -> list[MsgQueue]:
     """The System V message queues of the IPC namespace `ipcns_fd` (a pidfd of a process
     in it), each with a copy of its messages (left queued)."""
-    out = (_MsgQueue * MSG_QUEUES_MAX)()
-    n, err = ctypes.c_size_t(), _Err()
-    if _load().dbxcr_ipcns_msg_list(ipcns_fd, out, MSG_QUEUES_MAX, ctypes.byref(n),
-                                    ctypes.byref(err)) < 0:
-        _raise(err)
-    return [MsgQueue(q.id, q.key, q.mode, q.uid, q.gid, q.qbytes, q.count, q.bytes, q.fd)
-            for q in out[:n.value]]
+    return _ipc_list("dbxcr_ipcns_msg_list", _MsgQueue, MsgQueue, MSG_QUEUES_MAX, ipcns_fd)
 
 
 def make_msg_queues(ipcns_fd: int, queues: Sequence[MsgQueue]) -> None:
     """Make the IPC namespace's message queues exactly `queues` (every other removed),
     each with its id, key, owner, mode, limit and messages."""
-    arr = (_MsgQueue * max(1, len(queues)))(
-        *[_MsgQueue(q.id, q.key, q.mode, q.uid, q.gid, q.qbytes, q.count, q.bytes, q.fd)
-          for q in queues])
+    _ipc_make("dbxcr_ipcns_msg_make", _MsgQueue, ipcns_fd, queues)
+
+
+def _ipc_list(fn: str, struct: Any, cls: Any, most: int, ipcns_fd: int) -> list[Any]:
+    """What a dbxcr_ipcns_*_list call fills (at most `most`), as `cls` objects (a
+    dataclass whose fields are the struct's)."""
+    out = (struct * most)()
+    n, err = ctypes.c_size_t(), _Err()
+    if getattr(_load(), fn)(ipcns_fd, out, most, ctypes.byref(n), ctypes.byref(err)) < 0:
+        _raise(err)
+    names = [f.name for f in fields(cls)]
+    return [cls(**{name: getattr(c, name) for name in names}) for c in out[:n.value]]
+
+
+def _ipc_make(fn: str, struct: Any, ipcns_fd: int, objects: Sequence[Any]) -> None:
+    """A dbxcr_ipcns_*_make call given `objects` (with the struct's fields)."""
+    arr = (struct * max(1, len(objects)))(
+        *[struct(*(getattr(x, name) for name, _ in struct._fields_)) for x in objects])
     err = _Err()
-    if _load().dbxcr_ipcns_msg_make(ipcns_fd, arr, len(queues), ctypes.byref(err)) < 0:
+    if getattr(_load(), fn)(ipcns_fd, arr, len(objects), ctypes.byref(err)) < 0:
         _raise(err)
 
 
@@ -1959,22 +1968,13 @@ SEM_SETS_MAX = 256   # captured per namespace (the kernel's default limit is 320
 def sem_sets(ipcns_fd: int) -> list[SemSet]:
     """The System V semaphore sets of the IPC namespace `ipcns_fd` (a pidfd of a process in
     it), each with a copy of its values."""
-    out = (_SemSet * SEM_SETS_MAX)()
-    n, err = ctypes.c_size_t(), _Err()
-    if _load().dbxcr_ipcns_sem_list(ipcns_fd, out, SEM_SETS_MAX, ctypes.byref(n),
-                                    ctypes.byref(err)) < 0:
-        _raise(err)
-    return [SemSet(x.id, x.key, x.mode, x.uid, x.gid, x.nsems, x.fd) for x in out[:n.value]]
+    return _ipc_list("dbxcr_ipcns_sem_list", _SemSet, SemSet, SEM_SETS_MAX, ipcns_fd)
 
 
 def make_sem_sets(ipcns_fd: int, sets: Sequence[SemSet]) -> None:
     """Make the IPC namespace's semaphore sets exactly `sets` (every other removed), each
     with its id, key, size, owner, mode and values."""
-    arr = (_SemSet * max(1, len(sets)))(
-        *[_SemSet(x.id, x.key, x.mode, x.uid, x.gid, x.nsems, x.fd) for x in sets])
-    err = _Err()
-    if _load().dbxcr_ipcns_sem_make(ipcns_fd, arr, len(sets), ctypes.byref(err)) < 0:
-        _raise(err)
+    _ipc_make("dbxcr_ipcns_sem_make", _SemSet, ipcns_fd, sets)
 
 
 def fds(pid: int) -> list[FdInfo]:
