@@ -494,6 +494,32 @@ int dbxcr_ipcns_msg_list(int ipcns_fd, struct dbxcr_msg_queue *out, size_t max, 
 int dbxcr_ipcns_msg_make(int ipcns_fd, const struct dbxcr_msg_queue *queues, size_t n,
 			 struct dbxcr_error *err);
 
+/* A POSIX message queue of an IPC namespace (ipcns.c).  mq_list fills these (fd: a memfd
+ * of ours holding its messages in the order a receiver gets them, each an 8-byte priority,
+ * an 8-byte length and its bytes; the caller closes it); mq_make makes the namespace's
+ * queues exactly these, each with its name, sizes, owner, mode and messages. */
+#define DBXCR_MQ_NAME 256
+struct dbxcr_posix_queue {
+	char name[DBXCR_MQ_NAME];	/* its name without the leading '/' */
+	unsigned int mode;		/* permission bits */
+	unsigned int uid, gid;
+	long long maxmsg, msgsize;	/* mq_attr: its sizes */
+	unsigned long long count;	/* list only: messages */
+	unsigned long long bytes;	/* list only: their bytes */
+	int notify_pid;			/* list only: the process registered for its
+					 * notification (mq_notify; a pid as the daemon sees
+					 * it) or 0; its messages are then not read (fd -1) */
+	int fd;
+};
+int dbxcr_ipcns_mq_list(int ipcns_fd, struct dbxcr_posix_queue *out, size_t max, size_t *n,
+			struct dbxcr_error *err);
+int dbxcr_ipcns_mq_make(int ipcns_fd, const struct dbxcr_posix_queue *queues, size_t n,
+			struct dbxcr_error *err);
+/* A descriptor of the queue /name of the namespace, opened with flags (O_RDONLY, O_WRONLY
+ * or O_RDWR, and O_NONBLOCK), close-on-exec: a restored process's, installed at its
+ * number by its spawn.  The fd, or -1 with err set. */
+int dbxcr_ipcns_mq_open(int ipcns_fd, const char *name, int flags, struct dbxcr_error *err);
+
 /* A System V semaphore set of an IPC namespace (ipcns.c).  sem_list fills these (fd: a
  * memfd of ours holding its nsems values, unsigned shorts in order; the caller closes it);
  * sem_make makes the namespace's sets exactly these, each with its id, key, size, owner,

@@ -41,6 +41,7 @@
 #include <sys/msg.h>
 #include <sys/sem.h>
 #include <sys/shm.h>
+#include <mqueue.h>
 
 #ifndef SEM_STAT_ANY
 #define SEM_STAT_ANY 20
@@ -81,6 +82,13 @@ struct ipcns_job {
 	/* sem_list (sets out), sem_make (make_sets in) */
 	struct dbxcr_sem_set *sets;
 	const struct dbxcr_sem_set *make_sets;
+	/* mq_list (pqueues out), mq_make (make_pqueues in), mq_open (name and flags in,
+	 * mq_dir out: the queue's descriptor) */
+	struct dbxcr_posix_queue *pqueues;
+	const struct dbxcr_posix_queue *make_pqueues;
+	const char *name;		/* the POSIX queue the step was at, or NULL */
+	char failed[DBXCR_MQ_NAME];	/* each_posix_queue's: name points here */
+	int flags;
 	size_t max, n;
 };
 
@@ -276,6 +284,9 @@ static int run_job(struct ipcns_job *j, struct dbxcr_error *err)
 	clear_error(err);
 	if (on_own_thread(ipcns_thread, j, "join an IPC namespace", err) < 0)
 		return -1;
+	if (j->code && j->name)
+		return fail(err, j->code, current_tid(), "IPC namespace fd %d: POSIX message "
+			    "queue /%s: %s", j->ipcns_fd, j->name, j->step);
 	if (j->code && j->id >= 0)
 		return fail(err, j->code, current_tid(), "IPC namespace fd %d: %s %d: %s",
 			    j->ipcns_fd, j->what ? j->what : "System V shared memory segment",
@@ -775,31 +786,32 @@ static int remove_queue(struct ipcns_job *j, int id, const struct msqid_ds *d)
 	return msgctl(id, IPC_RMID, NULL) == 0 || errno == EINVAL || errno == EIDRM ? 0 : -1;
 }
 
-/* Send the messages of q's copy again, in order.  The queue's limit is raised for it
- * first (a limit lowered below what a queue held stops only later senders), and no
- * message may wait: IPC_NOWAIT. */
-static int send_messages(struct ipcns_job *j, const struct dbxcr_msg_queue *q)
+/* Call send(j, to, head, text, len) for each message record of the copy `fd` (a
+ * struct msg_head then its bytes; head: the type or priority), in order, until one fails.
+ * The head's 16 bytes right before text are the caller's to write over. */
+static int each_message(struct ipcns_job *j, int fd, int to,
+			int (*send)(struct ipcns_job *j, int to, uint64_t head, char *text,
+				    size_t len))
 {
 	struct stat st;
 	char *all;
 	size_t at = 0;
 	int rc = 0;
 
-	if (q->fd < 0)
+	if (fd < 0)
 		return 0;
 	j->step = "read its messages' copy";
-	if (fstat(q->fd, &st) < 0)
+	if (fstat(fd, &st) < 0)
 		return -1;
 	all = malloc((size_t)st.st_size + 1);
 	if (!all)
 		return -1;
-	if (pread(q->fd, all, (size_t)st.st_size, 0) != st.st_size) {
+	if (pread(fd, all, (size_t)st.st_size, 0) != st.st_size) {
 		if (errno == 0)
 			errno = EIO;
 		free(all);
 		return -1;
 	}
-	j->step = "msgsnd (a message of the copy)";
 	while (at + sizeof(struct msg_head) <= (size_t)st.st_size) {
 		struct msg_head h;
 		char *rec = all + at;
@@ -811,12 +823,7 @@ static int send_messages(struct ipcns_job *j, const struct dbxcr_msg_queue *q)
 			rc = -1;
 			break;
 		}
-		/* msgsnd takes the type right before the text: over the record's length. */
-		long type = (long)h.type;
-		char *msg = rec + sizeof(h) - sizeof(long);
-
-		memcpy(msg, &type, sizeof(long));
-		if (msgsnd(q->id, msg, (size_t)h.len, IPC_NOWAIT) < 0) {
+		if (send(j, to, h.type, rec + sizeof(h), (size_t)h.len) < 0) {
 			rc = -1;
 			break;
 		}
@@ -824,6 +831,25 @@ static int send_messages(struct ipcns_job *j, const struct dbxcr_msg_queue *q)
 	}
 	free(all);
 	return rc;
+}
+
+static int sysv_send(struct ipcns_job *j, int id, uint64_t type, char *text, size_t len)
+{
+	/* msgsnd takes the type right before the text: over the record's length. */
+	long t = (long)type;
+	char *msg = text - sizeof(long);
+
+	memcpy(msg, &t, sizeof(long));
+	j->step = "msgsnd (a message of the copy)";
+	return msgsnd(id, msg, len, IPC_NOWAIT);
+}
+
+/* Send the messages of q's copy again, in order.  The queue's limit is raised for it
+ * first (a limit lowered below what a queue held stops only later senders), and no
+ * message may wait: IPC_NOWAIT. */
+static int send_messages(struct ipcns_job *j, const struct dbxcr_msg_queue *q)
+{
+	return each_message(j, q->fd, q->id, sysv_send);
 }
 
 /* A queue as q has it: made with its id and key, filled, then given its owner, mode and
@@ -1080,4 +1106,309 @@ int dbxcr_ipcns_sem_make(int ipcns_fd, const struct dbxcr_sem_set *sets, size_t 
 			       .make_sets = sets, .n = n, .what = "System V semaphore set" };
 
 	return run_job(&j, err);
+}
+
+/* POSIX message queues, captured and made again
+ * ----------------------------------------------
+ * A queue is a file of the namespace's mqueue file system (see the file comment), and any
+ * open file of it is a queue descriptor to the mq_* calls (the kernel checks the file's
+ * operations, not how it was opened).  No call reads a message and leaves it queued, so
+ * a checkpoint (every process of the sandbox stopped: a stop takes a task out of a wait
+ * on the queue, to make the call again once it runs, so none waits to send or receive)
+ * receives the queue's messages into a memfd of ours in the order a receiver gets them
+ * (highest priority first, oldest first within one) and sends them back in that order,
+ * which gives back the same queue.  Not while a process is registered for the queue's
+ * notification (mq_notify): a message sent to the emptied queue would fire it; the daemon
+ * refuses such a queue (its pid is listed).  A daemon killed between the two calls loses
+ * the messages it held from the live queue (that checkpoint is not committed), as for a
+ * pty's bytes (cr/ptys.py).  A restore makes the namespace's queues exactly the
+ * checkpoint's, each with its name, sizes, owner, mode and messages, before any process
+ * is born; a restored process's descriptor is opened on it (dbxcr_ipcns_mq_open) and
+ * installed by its spawn.  Not kept: the times. */
+
+static int posix_send(struct ipcns_job *j, int q, uint64_t prio, char *text, size_t len)
+{
+	j->step = "mq_send (a message of the copy)";
+	return mq_send(q, text, len, (unsigned int)prio);
+}
+
+/* The pid registered for the queue's notification, from the status line a read of its
+ * file gives ("QSIZE:... NOTIFY:... SIGNO:... NOTIFY_PID:n"), into *pid. */
+static int notify_pid(struct ipcns_job *j, int q, int *pid)
+{
+	char line[160];
+	ssize_t n = pread(q, line, sizeof(line) - 1, 0);
+	const char *at;
+
+	j->step = "read its status";
+	if (n < 0)
+		return -1;
+	line[n] = '\0';
+	at = strstr(line, "NOTIFY_PID:");
+	if (!at) {
+		errno = EPROTO;
+		j->step = "read its status (no NOTIFY_PID in it)";
+		return -1;
+	}
+	*pid = (int)strtol(at + strlen("NOTIFY_PID:"), NULL, 10);
+	return 0;
+}
+
+/* Take the queue's a->mq_curmsgs messages into q->fd, then send them back.  A failure
+ * after a message was taken still sends back what was taken (the one in hand last; the
+ * copy is then dropped). */
+static int copy_posix_messages(struct ipcns_job *j, int q, const struct mq_attr *a,
+			       struct dbxcr_posix_queue *pq)
+{
+	size_t cap = (size_t)a->mq_msgsize;
+	char *buf = malloc(cap ? cap : 1);
+	ssize_t held = -1;
+	unsigned int prio = 0;
+	int rc = 0, saved;
+
+	j->step = "allocate a buffer for its messages";
+	if (!buf)
+		return -1;
+	j->step = "memfd_create for its messages";
+	pq->fd = memfd_create("dbx-posix-mq", MFD_CLOEXEC);
+	if (pq->fd < 0) {
+		free(buf);
+		return -1;
+	}
+	for (long i = 0; i < a->mq_curmsgs; i++) {
+		struct msg_head h;
+
+		j->step = "mq_receive (take a message, to send it back)";
+		held = mq_receive(q, buf, cap, &prio);
+		if (held < 0) {
+			rc = -1;
+			break;
+		}
+		h = (struct msg_head){ .type = prio, .len = (uint64_t)held };
+		j->step = "write a message to its copy";
+		if (full_write(pq->fd, &h, sizeof(h)) < 0 ||
+		    full_write(pq->fd, buf, (size_t)held) < 0) {
+			rc = -1;
+			break;
+		}
+		held = -1;
+		pq->bytes += h.len;
+		pq->count++;
+	}
+	saved = errno;
+	const char *step = j->step;
+	/* A record cut short by the failed write is not sent back. */
+	if (rc < 0 && ftruncate(pq->fd, (off_t)(pq->count * sizeof(struct msg_head) +
+						pq->bytes)) < 0)
+		saved = saved ? saved : errno;
+	if (each_message(j, pq->fd, q, posix_send) < 0) {
+		rc = -1;
+	} else if (rc < 0) {
+		if (held >= 0)
+			mq_send(q, buf, (size_t)held, prio);
+		errno = saved;
+		j->step = step;
+	}
+	free(buf);
+	return rc;
+}
+
+static int list_posix_queue(struct ipcns_job *j, int dir, const char *name)
+{
+	struct dbxcr_posix_queue *pq;
+	struct mq_attr a;
+	struct stat st;
+	int q, rc = -1;
+
+	if (j->n == j->max) {
+		errno = ENOSPC;
+		j->step = "more POSIX message queues than the daemon captures";
+		return -1;
+	}
+	pq = &j->pqueues[j->n];
+	*pq = (struct dbxcr_posix_queue){ .fd = -1 };
+	if (strlen(name) >= sizeof(pq->name)) {
+		errno = ENAMETOOLONG;
+		j->step = "its name";
+		return -1;
+	}
+	strcpy(pq->name, name);
+	j->step = "open it";
+	q = openat(dir, name, O_RDWR | O_NONBLOCK | O_CLOEXEC);
+	if (q < 0)
+		return errno == ENOENT ? 0 : -1;   /* unlinked meanwhile: not listed */
+	j->n++;  /* its fd is closed by the caller on failure */
+	j->step = "mq_getattr";
+	if (mq_getattr(q, &a) < 0)
+		goto out;
+	j->step = "fstat";
+	if (fstat(q, &st) < 0)
+		goto out;
+	pq->mode = st.st_mode & 07777;
+	pq->uid = st.st_uid;
+	pq->gid = st.st_gid;
+	pq->maxmsg = a.mq_maxmsg;
+	pq->msgsize = a.mq_msgsize;
+	if (notify_pid(j, q, &pq->notify_pid) < 0)
+		goto out;
+	rc = pq->notify_pid ? 0 : copy_posix_messages(j, q, &a, pq);
+out:
+	if (rc < 0)
+		rc = -1;
+	int saved = errno;
+	close(q);
+	errno = saved;
+	return rc;
+}
+
+/* Call fn for each queue of the namespace (through a mount of its mqueue file system made
+ * for the call) until one fails (j->code, j->name set). */
+static void each_posix_queue(struct ipcns_job *j,
+			     int (*fn)(struct ipcns_job *j, int dir, const char *name))
+{
+	int mnt = mqueue_mount();
+	int dir = -1;
+	struct dirent *e;
+	DIR *d = NULL;
+
+	j->step = "mount the namespace's mqueue file system (detached)";
+	if (mnt >= 0) {
+		j->step = "open the mqueue file system's root";
+		dir = openat(mnt, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+		close(mnt);
+	}
+	if (dir >= 0 && !(d = fdopendir(dir)))
+		close(dir);
+	if (!d) {
+		j->code = errno;
+		return;
+	}
+	errno = 0;
+	while ((e = readdir(d))) {
+		if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+			continue;
+		if (fn(j, dirfd(d), e->d_name) < 0) {
+			j->code = errno;
+			snprintf(j->failed, sizeof(j->failed), "%s", e->d_name);
+			j->name = j->failed;
+			break;
+		}
+		errno = 0;
+	}
+	if (!j->code && errno) {
+		j->code = errno;
+		j->step = "list the POSIX message queues";
+	}
+	closedir(d);
+}
+
+static void mq_list(struct ipcns_job *j)
+{
+	each_posix_queue(j, list_posix_queue);
+}
+
+static int unlink_posix_queue(struct ipcns_job *j, int dir, const char *name)
+{
+	j->step = "unlink a POSIX message queue";
+	return unlinkat(dir, name, 0) == 0 || errno == ENOENT ? 0 : -1;
+}
+
+/* A queue as pq has it: made with its name and sizes, filled, then given its owner and
+ * mode. */
+static int make_posix_queue(struct ipcns_job *j, const struct dbxcr_posix_queue *pq)
+{
+	struct mq_attr a = { .mq_maxmsg = pq->maxmsg, .mq_msgsize = pq->msgsize };
+	char path[DBXCR_MQ_NAME + 1];
+	int q, rc = -1;
+
+	snprintf(path, sizeof(path), "/%s", pq->name);
+	j->step = "mq_open O_CREAT|O_EXCL";
+	q = mq_open(path, O_CREAT | O_EXCL | O_RDWR | O_NONBLOCK | O_CLOEXEC, 0600, &a);
+	/* The kernel charges a queue's size to its creator's user (the daemon's: root, as
+	 * are a sandbox's processes by default), within the creator's RLIMIT_MSGQUEUE. */
+	if (q < 0 && errno == EMFILE)
+		j->step = "mq_open O_CREAT|O_EXCL (the queues of the daemon's user fill its "
+			  "RLIMIT_MSGQUEUE)";
+	if (q < 0)
+		return -1;
+	if (each_message(j, pq->fd, q, posix_send) < 0)
+		goto out;
+	j->step = "fchown (its owner)";
+	if (fchown(q, pq->uid, pq->gid) < 0)
+		goto out;
+	j->step = "fchmod (its mode)";
+	rc = fchmod(q, pq->mode & 07777);
+out:
+	if (rc < 0) {
+		int saved = errno;
+		close(q);
+		errno = saved;
+		return -1;
+	}
+	return close(q);
+}
+
+/* The namespace's queues made exactly j->make_pqueues: every queue there unlinked (in a
+ * rollback, made or changed since; a killed process still holding one holds it nameless),
+ * then each made with its messages. */
+static void mq_make(struct ipcns_job *j)
+{
+	each_posix_queue(j, unlink_posix_queue);
+	if (j->code)
+		return;
+	for (size_t i = 0; i < j->n; i++) {
+		if (make_posix_queue(j, &j->make_pqueues[i]) < 0) {
+			j->code = errno;
+			j->name = j->make_pqueues[i].name;
+			return;
+		}
+	}
+}
+
+static void mq_open_job(struct ipcns_job *j)
+{
+	char path[DBXCR_MQ_NAME + 1];
+
+	snprintf(path, sizeof(path), "/%s", j->name);
+	j->step = "mq_open";
+	j->mq_dir = mq_open(path, (j->flags & (O_ACCMODE | O_NONBLOCK)) | O_CLOEXEC);
+	if (j->mq_dir < 0)
+		j->code = errno;
+}
+
+int dbxcr_ipcns_mq_list(int ipcns_fd, struct dbxcr_posix_queue *out, size_t max, size_t *n,
+			struct dbxcr_error *err)
+{
+	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = mq_list, .id = -1, .pqueues = out,
+			       .max = max };
+	int rc = run_job(&j, err);
+
+	if (rc < 0)
+		for (size_t i = 0; i < j.n; i++)
+			if (out[i].fd >= 0)
+				close(out[i].fd);
+	*n = rc < 0 ? 0 : j.n;
+	return rc;
+}
+
+int dbxcr_ipcns_mq_make(int ipcns_fd, const struct dbxcr_posix_queue *queues, size_t n,
+			struct dbxcr_error *err)
+{
+	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = mq_make, .id = -1,
+			       .make_pqueues = queues, .n = n };
+
+	return run_job(&j, err);
+}
+
+int dbxcr_ipcns_mq_open(int ipcns_fd, const char *name, int flags, struct dbxcr_error *err)
+{
+	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = mq_open_job, .id = -1,
+			       .name = name, .flags = flags, .mq_dir = -1 };
+
+	if (strlen(name) >= DBXCR_MQ_NAME) {
+		clear_error(err);
+		return fail(err, ENAMETOOLONG, current_tid(), "POSIX message queue /%s: its name",
+			    name);
+	}
+	return run_job(&j, err) < 0 ? -1 : j.mq_dir;
 }

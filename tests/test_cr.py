@@ -2423,31 +2423,21 @@ if 'hold' in sys.argv:
 """
 
 
-def test_posix_message_queues_are_refused_and_a_rollback_removes_later_ones(
+def test_posix_queues_made_since_a_checkpoint_go_and_one_unlinked_while_held_is_refused(
         sbx: Sandbox) -> None:
-    """A POSIX message queue (mq_open) belongs to the IPC namespace, like System V
-    objects. Before stop 52 a checkpoint took a process holding one as a file "/NAME" of
-    the tree: its rollback failed to reopen it and restarted the processes, a file at
-    that path would have been opened instead, and one unlinked while open was "copied" as
-    a deleted file of the queue's text. Now the queue is refused by name while it
-    exists, an unlinked one by its holder, and a rollback removes those made since."""
+    """A POSIX message queue (mq_open) belongs to the IPC namespace: a rollback unlinks
+    those made since its checkpoint (including one made while nothing else ran). A queue
+    unlinked while a process holds it has no name to make again: refused by its holder
+    (before stop 52 it was "copied" as a deleted file of the queue's text)."""
     sbx.files.write("mq.py", MQUEUE)
+    sbx.files.write("pmq.py", PMQ)
     sbx.exec("nohup sleep 1000 >/dev/null 2>&1 &")
     cp = sbx.checkpoint()
     assert cp.kind == "full"
     sbx.exec("python3 /workspace/mq.py jobs && python3 /workspace/mq.py results")
-    with pytest.raises(deltabox.FailedPrecondition, match=(
-            r"its IPC namespace holds 2 POSIX message queues \(/jobs, /results\), which "
-            r"belong to the namespace.*mq_unlink.*mode=\"fs\"")):
-        sbx.checkpoint()
-    assert [c.id for c in sbx.checkpoints()] == [cp.id]   # nothing committed
-    assert sbx.checkpoint(mode="fs").kind == "fs"
+    assert sbx.exec(f"{PMQ_SH} exists jobs results").stdout == "yes yes\n"
     assert sbx.rollback(cp).process_state == "restored"
-    sbx.exec("python3 /workspace/mq.py results && python3 /workspace/mq.py jobs")
-    with pytest.raises(deltabox.FailedPrecondition, match=r"2 POSIX message queues"):
-        sbx.checkpoint(mode="full")
-    assert sbx.rollback(cp).process_state == "restored"   # none left: a checkpoint again
-    assert sbx.checkpoint(mode="full").kind == "full"
+    assert sbx.exec(f"{PMQ_SH} exists jobs results").stdout == "no no\n"
     sbx.exec("touch /workspace/hidden && nohup python3 /workspace/mq.py hidden hold unlink "
              ">/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("held"))
@@ -2458,16 +2448,16 @@ def test_posix_message_queues_are_refused_and_a_rollback_removes_later_ones(
         sbx.checkpoint(mode="full")
 
 
-def test_a_posix_message_queue_held_open_is_refused_by_its_holder() -> None:
+def test_a_posix_message_queue_held_open_is_taken_as_a_queue_not_a_file() -> None:
     """A queue's descriptor reads as "/NAME", a path of the tree; before stop 52 it was
-    taken as that file (reopened by path: another file, or none). In a sandbox the
-    namespace's refusal comes first; this is the holder's own, whatever else the
-    checkpoint sees: its mount is none of the process's mount table (a real process on the
-    host holding a queue of the host's namespace)."""
+    taken as that file (reopened by path: another file, or none), then refused. Now it is
+    known as a queue (its file system's magic) with its name and flags, and the capture
+    does not refuse it (a real process on the host holding a queue of the host's
+    namespace)."""
     import subprocess
     import uuid
 
-    from deltabox.cr import capture, native
+    from deltabox.cr import capture, native, posix_mq
 
     name = f"dbx-test-{uuid.uuid4().hex[:8]}"
     child = subprocess.Popen(["python3", "-c", MQUEUE, name, "hold"], cwd="/",
@@ -2476,15 +2466,179 @@ def test_a_posix_message_queue_held_open_is_refused_by_its_holder() -> None:
         assert child.stdout is not None and child.stdout.readline() == "held\n"
         rec = capture.record(child.pid, native.proc_status(child.pid))
         fd = next(f.fd for f in rec.fds if f.path == f"/{name}")
-        assert [r.reason for r in capture.refusals(rec, set())] == [
-            f"fd {fd}: /{name} is on a file system the process's mount table does not show "
-            "(a POSIX message queue, or a mount since detached): not captured"]
+        assert capture.refusals(rec, set()) == []
+        posix_mq.held([rec])
+        assert [(h.fd, h.name, h.flags & (os.O_ACCMODE | os.O_NONBLOCK))
+                for h in rec.mqueues] == [(fd, name, os.O_RDWR)]
     finally:
         child.kill()
         child.wait()
         subprocess.run(["python3", "-c", "import ctypes, sys; "
                         "ctypes.CDLL('librt.so.1').mq_unlink(sys.argv[1].encode())",
                         f"/{name}"], check=True)
+
+
+# POSIX message queues: "serve" makes /jobs (8 x 64 bytes, 0640) and keeps it open read-
+# write, makes /results and keeps it open write-only and non-blocking, and leaves /left
+# (0604) made and closed, each with messages of two priorities; then, each time the file
+# "ask" appears, answers in "answer" with its descriptors' flags and sizes and the
+# messages it takes through its /jobs descriptor. "report NAME..." prints each queue's
+# mode, sizes and messages in the order a receiver gets them (taken and sent back).
+PMQ = r"""
+import ctypes, errno, os, sys, time
+rt = ctypes.CDLL('librt.so.1', use_errno=True)
+class Attr(ctypes.Structure):
+    _fields_ = [('flags', ctypes.c_long), ('maxmsg', ctypes.c_long),
+                ('msgsize', ctypes.c_long), ('curmsgs', ctypes.c_long),
+                ('pad', ctypes.c_long * 4)]
+def ok(v):
+    if v < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+    return v
+def mq(name, flags, mode=0o600, maxmsg=0, msgsize=0):
+    a = ctypes.byref(Attr(0, maxmsg, msgsize, 0)) if maxmsg else None
+    return ok(rt.mq_open(('/' + name).encode(), flags, mode, a))
+def send(q, text, prio):
+    ok(rt.mq_send(q, text.encode(), len(text), prio))
+def take(q):
+    buf, prio, out = ctypes.create_string_buffer(8192), ctypes.c_uint(), []
+    while True:
+        n = rt.mq_receive(q, buf, 8192, ctypes.byref(prio))
+        if n < 0 and ctypes.get_errno() == errno.EAGAIN:
+            return out
+        out.append((prio.value, buf.raw[:ok(n)].decode()))
+def attrs(q):
+    a = Attr()
+    ok(rt.mq_getattr(q, ctypes.byref(a)))
+    return f'{a.maxmsg}x{a.msgsize}'
+def report(name):
+    q = mq(name, os.O_RDWR | os.O_NONBLOCK)
+    got = take(q)
+    for prio, text in got:
+        send(q, text, prio)
+    mode = oct(os.fstat(q).st_mode & 0o777)
+    return f"{name} {mode} {attrs(q)} " + ",".join(f"{p}:{t}" for p, t in got)
+cmd, args = sys.argv[1], sys.argv[2:]
+if cmd == 'serve':
+    os.umask(0)
+    jobs = mq('jobs', os.O_CREAT | os.O_RDWR | os.O_NONBLOCK, 0o640, 8, 64)
+    results = mq('results', os.O_CREAT | os.O_WRONLY | os.O_NONBLOCK, 0o600, 4, 128)
+    left = mq('left', os.O_CREAT | os.O_WRONLY, 0o604, 2, 32)
+    for text, prio in [('a', 1), ('b', 5), ('c', 1), ('d', 5)]:
+        send(jobs, text, prio)
+    send(results, 'r0', 0)
+    send(left, 'l1', 2)
+    send(left, 'l2', 3)
+    os.close(left)
+    open('/workspace/ready', 'w').write(f'{jobs} {results}')
+    while True:
+        if os.path.exists('/workspace/ask'):
+            os.unlink('/workspace/ask')
+            fl = lambda fd: oct(ctypes.CDLL(None).fcntl(fd, 3) & (os.O_ACCMODE | os.O_NONBLOCK))
+            msgs = ",".join(f"{p}:{t}" for p, t in take(jobs))
+            open('/workspace/answer.tmp', 'w').write(
+                f"{fl(jobs)} {attrs(jobs)} {fl(results)} {attrs(results)} {msgs}")
+            os.rename('/workspace/answer.tmp', '/workspace/answer')
+        time.sleep(0.02)
+elif cmd == 'report':
+    print("\n".join(report(n) for n in args))
+elif cmd == 'exists':
+    found = []
+    for n in args:
+        try:
+            os.close(mq(n, os.O_RDONLY))
+            found.append('yes')
+        except FileNotFoundError:
+            found.append('no')
+    print(' '.join(found))
+elif cmd == 'take':
+    print(take(mq(args[0], os.O_RDONLY | os.O_NONBLOCK)))
+elif cmd == 'send':
+    send(mq(args[0], os.O_WRONLY | os.O_NONBLOCK), args[2], int(args[1]))
+elif cmd == 'new':
+    os.close(mq(args[0], os.O_CREAT | os.O_RDWR))
+elif cmd == 'unlink':
+    ok(rt.mq_unlink(('/' + args[0]).encode()))
+elif cmd == 'notify':   # register for the signal SIGUSR1 when a message arrives (or cancel)
+    q = mq(args[0], os.O_RDONLY)
+    ev = ctypes.create_string_buffer(64)
+    ev[8:16] = (10).to_bytes(4, 'little') + (0).to_bytes(4, 'little')   # SIGEV_SIGNAL
+    ok(rt.mq_notify(q, ev))
+    open('/workspace/notified', 'w').close()
+    while not os.path.exists('/workspace/cancel'):
+        time.sleep(0.02)
+    ok(rt.mq_notify(q, None))
+    open('/workspace/cancelled', 'w').close()
+    time.sleep(1000)
+"""
+PMQ_SH = "python3 /workspace/pmq.py"
+
+
+def _pmq_answer(sbx: Sandbox) -> str:
+    """What the serving process answers now (its descriptors and what it takes)."""
+    sbx.files.write("ask", "")
+    wait_for(lambda: sbx.files.exists("answer"), what="the queue holder to answer")
+    out = sbx.files.read("answer").decode()
+    sbx.files.remove("answer")
+    return out
+
+
+def test_posix_message_queues_come_back_with_their_messages(sbx: Sandbox,
+                                                            restore: Restore) -> None:
+    """POSIX message queues belong to the IPC namespace: made again with their names, modes,
+    sizes and messages (priorities and order), those made since gone, one unlinked since
+    back; a process holding queue descriptors gets them back at their numbers with their
+    access modes and O_NONBLOCK, on the made queues (it takes the checkpoint's messages
+    through its own). Before this stop a full checkpoint was refused while any existed."""
+    sbx.files.write("pmq.py", PMQ)
+    sbx.exec(f"nohup {PMQ_SH} serve >/dev/null 2>&1 &")
+    _wait_file(sbx, "ready")
+    report = f"{PMQ_SH} report jobs results left; {PMQ_SH} exists later"
+    before = sbx.exec(report).stdout
+    assert before == ("jobs 0o640 8x64 5:b,5:d,1:a,1:c\nresults 0o600 4x128 0:r0\n"
+                      "left 0o604 2x32 3:l2,2:l1\nno\n"), before
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    sbx.exec(f"{PMQ_SH} take jobs && {PMQ_SH} send results 7 later && {PMQ_SH} new later "
+             f"&& {PMQ_SH} unlink left")
+    assert sbx.exec(f"{PMQ_SH} report jobs results; {PMQ_SH} exists later left").stdout == (
+        "jobs 0o640 8x64 \nresults 0o600 4x128 7:later,0:r0\nyes no\n")
+    target = restore(sbx, cp)
+    assert target.exec(report).stdout == before
+    # The holder's descriptors: /jobs read-write, /results write-only and non-blocking.
+    assert _pmq_answer(target) == (f"{oct(os.O_RDWR | os.O_NONBLOCK)} 8x64 "
+                                   f"{oct(os.O_WRONLY | os.O_NONBLOCK)} 4x128 "
+                                   "5:b,5:d,1:a,1:c")
+    assert target.exec(f"{PMQ_SH} report jobs").stdout == "jobs 0o640 8x64 \n"
+    if restore.mode == "fork":  # type: ignore[attr-defined]
+        assert sbx.exec(f"{PMQ_SH} exists later left").stdout == "yes no\n"   # its own
+
+
+def test_a_posix_message_queue_with_a_notification_registered_is_refused_by_name(
+        sbx: Sandbox) -> None:
+    """A process registered for a queue's notification (mq_notify) holds kernel state no
+    call reads back, and the checkpoint's taking and sending back of the queue's messages
+    would fire it: refused, naming the queue and the process; once it has cancelled, the
+    checkpoint holds the queue."""
+    sbx.files.write("pmq.py", PMQ)
+    sbx.exec(f"{PMQ_SH} new watched")
+    sbx.exec(f"nohup {PMQ_SH} notify watched >/dev/null 2>&1 &")
+    _wait_file(sbx, "notified")
+    pid = sbx.exec("pgrep -f 'pmq.py notify'").stdout.strip()
+    with pytest.raises(deltabox.FailedPrecondition,
+                       match=rf"pid {pid} \(python3 /workspace/pmq.py notify watched\): "
+                             r"POSIX message queue /watched: it is registered for its "
+                             r"notification \(mq_notify\)"):
+        sbx.checkpoint(mode="full")
+    assert sbx.checkpoints() == []
+    sbx.files.write("cancel", "")
+    _wait_file(sbx, "cancelled")
+    cp = sbx.checkpoint(mode="full")
+    assert cp.kind == "full", cp.reasons
+    sbx.exec(f"{PMQ_SH} unlink watched")
+    assert sbx.rollback(cp).process_state == "restored"
+    assert sbx.exec(f"{PMQ_SH} exists watched").stdout == "yes\n"
 
 
 # A thread in a timed futex wait (threading.Event.wait) beside a main thread in a timed
@@ -4712,20 +4866,25 @@ def test_system_v_message_queues_come_back_with_their_messages(sbx: Sandbox,
 
 def test_ipc_objects_no_process_holds_come_back_when_nothing_runs(sbx: Sandbox,
                                                                    restore: Restore) -> None:
-    """A message queue and a shared memory segment outlive the processes that made them:
-    a full checkpoint of a sandbox where nothing runs holds them too (before this stop it
-    held neither: the queue was refused, the segment silently dropped by the rollback)."""
+    """A message queue, a shared memory segment and a POSIX message queue outlive the
+    processes that made them: a full checkpoint of a sandbox where nothing runs holds them
+    too (before stop 70 it held neither System V object: the queue was refused, the
+    segment silently dropped by the rollback; before stop 71 the POSIX queue was refused)."""
     sbx.files.write("msgq.py", MSGQ)
     sbx.files.write("sysv.py", SYSV)
+    sbx.files.write("pmq.py", PMQ)
     q = sbx.exec("python3 /workspace/msgq.py new 0x4444").stdout.strip()
     sbx.exec(f"python3 /workspace/msgq.py send {q} 4 kept && "
-             "python3 /workspace/sysv.py shm 0x9abc")
-    report = "python3 /workspace/msgq.py report; ipcs -m | grep -c 0x00009abc"
+             f"python3 /workspace/sysv.py shm 0x9abc && {PMQ_SH} new idle && "
+             f"{PMQ_SH} send idle 4 kept")
+    report = (f"python3 /workspace/msgq.py report; ipcs -m | grep -c 0x00009abc; "
+              f"{PMQ_SH} report idle")
     before = sbx.exec(report).stdout
-    assert before == f"{q} 17476 600 0 0 16384 4:kept:4\n1\n", before
+    assert before == f"{q} 17476 600 0 0 16384 4:kept:4\n1\nidle 0o600 10x8192 4:kept\n", \
+        before
     cp = sbx.checkpoint(mode="full")
     assert cp.kind == "full", cp.reasons
-    sbx.exec(f"ipcrm -q {q} -M 0x9abc")
+    sbx.exec(f"ipcrm -q {q} -M 0x9abc && {PMQ_SH} unlink idle")
     assert sbx.exec(report).stdout == "0\n"
     assert restore(sbx, cp).exec(report).stdout == before
 

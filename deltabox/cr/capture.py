@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .creds import Creds
     from .eventloop import LoopState
     from .pidfds import PidFd
+    from .posix_mq import HeldQueue
     from .sigio import SigIO
 
 # Character devices a restored process may hold (null zero full random urandom): reopened
@@ -124,6 +125,9 @@ class ProcessRecord:
     sigio: list[SigIO] = field(default_factory=list)
     # its children that had exited, not yet waited for: (nspid, wait status, name)
     zombies: list[tuple[int, int, str]] = field(default_factory=list)
+    # its descriptors of POSIX message queues (posix_mq.held): opened on the queues the
+    # restore makes
+    mqueues: list[HeldQueue] = field(default_factory=list)
     # its credentials, if it runs without the capabilities to restore itself (creds.py):
     # given back last at every restore; None: root's, as a fork keeps them
     creds: Creds | None = None
@@ -450,6 +454,8 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
         elif (f.kind == "file" and not f.deleted and not in_dev_shm(f.path)) or \
                 f.kind == "fifo":
             found = mount_by_id(table_(), f.mnt_id)
+            if found is None and is_posix_queue(rec.pid, f):
+                continue   # made again by the restore, and opened (posix_mq.py)
             if found is None:
                 # Its path names a file of the sandbox's tree that it is not: a POSIX
                 # message queue (mq_open) shows as "/NAME" but lives in the IPC
@@ -468,6 +474,20 @@ def refusals(rec: ProcessRecord, tracer_ok: set[int]) -> list[Refusal]:
                        f"{fstype or 'unknown type'}) that a checkpoint does not snapshot: "
                        "not restored")
     return out
+
+
+MQUEUE_MAGIC = 0x19800202   # statfs f_type of an mqueue file system
+
+
+def is_posix_queue(pid: int, f: native.FdInfo) -> bool:
+    """Whether descriptor f of process pid is a POSIX message queue's (mq_open): a file
+    named "/NAME" on no mount of the process (the namespace's own mqueue file system)."""
+    if f.kind != "file" or f.deleted or not f.path.startswith("/") or "/" in f.path[1:]:
+        return False
+    try:
+        return kernfs.fs_type(f"/proc/{pid}/fd/{f.fd}") == MQUEUE_MAGIC
+    except OSError:
+        return False
 
 
 def shared_lock_refusals(records: list[ProcessRecord]) -> list[Refusal]:

@@ -82,8 +82,9 @@ from ..background import run_all
 from ..errors import FailedPrecondition, Internal
 from ..fs.files import open_in_root
 from . import (adoption, creds, deleted_cwd, eventloop, fifos, listeners, native, pidfds, pipebuf,
-               private_maps, ptys, shared_files, shm_files, sigio, sockopts, sysv_msg, sysv_sem,
-               sysv_shm, taskattrs, tcp, unix_listeners, unlinked, watches)
+               posix_mq, private_maps, ptys, shared_files, shm_files, sigio, sockopts,
+               sysv_msg, sysv_sem, sysv_shm, taskattrs, tcp, unix_listeners, unlinked,
+               watches)
 from ..sandbox.reaper import kill_pidfds, reap_orphans, wait_exited
 from .taskattrs import TaskAttrs
 from .capture import (DEV_TTY, ProcessRecord, Refusal, SharedMapping, Unsettled, add_listeners,
@@ -174,6 +175,8 @@ class ProcessState:
     sysv_msg: list[sysv_msg.Queue] = field(default_factory=list)
     # ...and its semaphore sets, with their values (cr/sysv_sem.py)
     sysv_sem: list[sysv_sem.Set] = field(default_factory=list)
+    # ...and its POSIX message queues, with their messages (cr/posix_mq.py)
+    posix_mq: list[posix_mq.Queue] = field(default_factory=list)
     # When the templates' view of the files they map was the checkpoint's (the capture's
     # start, or a dump's rebuild): a file written after it is mapped again (private_maps.py)
     captured_ns: int = 0
@@ -444,6 +447,7 @@ class DeltaCR:
         segments: list[sysv_shm.Segment] = []
         queues: list[sysv_msg.Queue] = []
         sets: list[sysv_sem.Set] = []
+        pqueues: list[posix_mq.Queue] = []
 
         async def ptrace_pass() -> None:
             # Not cancellable once the ptrace thread runs it: the failure path needs what
@@ -475,6 +479,7 @@ class DeltaCR:
             # the stops it would wait for it (a thread wanting the GIL from a busy one gets
             # it only when that one blocks, or after the 5 ms switch interval).
             nonlocal pipes, files, shared, shm, named_pipes, terminals, segments, queues, sets
+            nonlocal pqueues
             await stops_done.wait()
             try:
                 if not cap.stops_done:
@@ -525,10 +530,16 @@ class DeltaCR:
                 if not cap.refused and ipc_maybe:
                     sets, why = sysv_sem.capture(ipcns, records)
                     cap.refused.extend(why)
+                posix_mq.held(records)
+                if not cap.refused and (ipc_maybe or any(r.mqueues for r in records)):
+                    _need_ipcns(ipcns, "POSIX message queues")
+                    pqueues, why = posix_mq.capture(ipcns, records)
+                    cap.refused.extend(why)
                 if cap.refused:
                     unlinked.close_saved(files)
                     sysv_shm.close_saved(segments)
                     sysv_msg.close_saved(queues)
+                    sysv_sem.close_saved(sets)
                     return
                 pipes = _pipe_groups(records, *daemon_pipes())
                 cap.refused.extend(_save_unread(pipes, records))
@@ -540,6 +551,7 @@ class DeltaCR:
                     sysv_shm.close_saved(segments)
                     sysv_msg.close_saved(queues)
                     sysv_sem.close_saved(sets)
+                    posix_mq.close_saved(pqueues)
                     return
                 cap.records = records
             finally:
@@ -568,6 +580,7 @@ class DeltaCR:
             sysv_shm.close_saved(segments)
             sysv_msg.close_saved(queues)
             sysv_sem.close_saved(sets)
+            posix_mq.close_saved(pqueues)
             if cap.refused and isinstance(e, Exception):  # the reasons, not what the stops
                 raise _refusal(cap.refused) from None     # made of them
             raise
@@ -583,6 +596,7 @@ class DeltaCR:
                             unlinked=files, shared_files=shared, shm_files=shm,
                             fifos=named_pipes, ptys=terminals, captured_ns=captured_ns,
                             sysv_shm=segments, sysv_msg=queues, sysv_sem=sets,
+                            posix_mq=pqueues,
                             held=Held(cap.stopped, dict(reuse or {})) if later else None)
 
     async def make_templates(self, state: ProcessState) -> None:
@@ -692,10 +706,12 @@ class DeltaCR:
         pidfd of a process in the sandbox's IPC namespace, where the checkpoint's System V
         segments are made again (a fork's are made in `into`'s). On failure, kills what
         it spawned and raises."""
-        if (state.sysv_shm or state.sysv_msg or state.sysv_sem) and into is None:
+        if (state.sysv_shm or state.sysv_msg or state.sysv_sem or state.posix_mq) and \
+                into is None:
             # The killed processes write no more to the segments the restore fills, nor
             # send to the queues or change the sets it makes again (a call they were
-            # entering when killed would find the new object under the same id).
+            # entering when killed would find the new object under the same id), nor
+            # hold the POSIX queues it replaces (charged to the user until closed).
             await wait_exited(victims or [])
             victims = None
         target_ipc = into.init_pidfd if into is not None else ipcns
@@ -707,7 +723,11 @@ class DeltaCR:
         if state.sysv_sem:
             _need_ipcns(target_ipc, "System V semaphore sets")
             sysv_sem.make(target_ipc, state.sysv_sem)
+        if state.posix_mq:   # made before any process that holds or opens one is born
+            _need_ipcns(target_ipc, "POSIX message queues")
+            posix_mq.make(target_ipc, state.posix_mq)
         plan = pre.plan if pre is not None else _plan(state, rootfd, mntfd)
+        plan.ipcns = target_ipc   # where its holders' queue descriptors are opened
         plan.arm()  # a prespawned plan's timers start now, with the rollback
         out = Restored({}, {}, [], note=note)
         groups: dict[int, int] = {}          # host pgid at checkpoint -> pgid in the target
@@ -1026,7 +1046,8 @@ class DeltaCR:
         watch waits on the signal queue of the task that made it: the carrier's, not its
         birth's), those listening on an abstract unix name (the live process holds it:
         bound by their spawn once it has exited), those attaching a System V segment
-        (made again by the rollback, with the live one's id), those with signal-driven
+        (made again by the rollback, with the live one's id), those holding a POSIX
+        message queue (made again by the rollback: posix_mq.py), those with signal-driven
         I/O (held until their descriptors' owners exist: sigio.py) and captured parents and
         children (restored held, and adopted: adoption.py): restore(pre=...) gives birth
         to the processes from them. A TCP connection's or listener's sockets are made
@@ -1037,7 +1058,7 @@ class DeltaCR:
         attaching = {a.pid for s in state.sysv_shm for a in s.attached}
         recs = [r for r in state.records if not (r.threads > 1 and ids[r.pid][0] is None)
                 and not eventloop.watches_signalfd(r.loop) and not _abstract_name(r)
-                and r.pid not in attaching
+                and r.pid not in attaching and not r.mqueues
                 and r.pid not in state.family and r.pid not in state.adopters
                 and not r.sigio
                 and not ptys.holds_dev_tty(r)]
@@ -1114,6 +1135,7 @@ class DeltaCR:
         sysv_shm.close_saved(state.sysv_shm)
         sysv_msg.close_saved(state.sysv_msg)
         sysv_sem.close_saved(state.sysv_sem)
+        posix_mq.close_saved(state.posix_mq)
         if state.images is not None:
             await trio.to_thread.run_sync(state.images.close)
 
@@ -1253,6 +1275,7 @@ class _PipePlan:
         self.listeners_of: dict[int, dict[int, int]] = {}   # pid -> its listeners made here
         self.fresh: dict[int, tuple[int, int]] = {}
         self.loops: list[int] = []     # our copies of objects made (loop_fds, file_fds)
+        self.ipcns = -1   # a pidfd in the target's IPC namespace (file_fds: POSIX queues)
         self.files = files             # deleted-but-open files, made in rootfd's tree
         self.rootfd = rootfd
         self.made: dict[int, dict[int, int]] = {}   # index in files -> its descriptions'
@@ -1470,7 +1493,8 @@ class _PipePlan:
         """rec's deleted-but-open files, each made afresh once per restore, and its
         named files' descriptions that several descriptors share, each opened once per
         restore, and its named pipes' descriptions, each pipe made once per restore (all
-        shared by the descriptors that shared them): its fd -> our descriptor of that
+        shared by the descriptors that shared them), and its POSIX message queues'
+        descriptors, opened on those the restore made: its fd -> our descriptor of that
         description."""
         out: dict[int, int] = {}
         for i, u in enumerate(self.files):
@@ -1478,6 +1502,13 @@ class _PipePlan:
                 for pid, fd in d.holders:
                     if pid == rec.pid:
                         out[fd] = self._made(i)[j]
+        if rec.mqueues:
+            if self.ipcns < 0:
+                raise Internal(f"pid {rec.nspid} holds POSIX message queues, but no IPC "
+                               "namespace was given to open them in")
+            queues = posix_mq.open_held(self.ipcns, rec)
+            self.loops += queues.values()
+            out.update(queues)
         for fd, i in shared_files.holders_of(self.shared, rec.pid).items():
             if i not in self.shared_made:
                 s = self.shared[i]
@@ -1773,22 +1804,28 @@ def _send_all(src: socket.socket, data: bytes) -> None:
 
 def namespace_only(ipcns: int, ipc_maybe: bool) -> ProcessState:
     """A full checkpoint's state when no process runs: the IPC namespace's System V
-    segments, message queues and semaphore sets, which outlive their processes (none when
-    `ipc_maybe` is false: no IPC call was seen since the namespace was last found empty)."""
+    segments, message queues and semaphore sets and its POSIX message queues, which
+    outlive their processes (none when `ipc_maybe` is false: no IPC call was seen since
+    the namespace was last found empty)."""
     if not ipc_maybe:
         return ProcessState([], {}, {}, {})
     segments, refused = sysv_shm.capture(ipcns, [])
     queues: list[sysv_msg.Queue] = []
     sets: list[sysv_sem.Set] = []
+    pqueues: list[posix_mq.Queue] = []
     if not refused:
         queues, refused = sysv_msg.capture(ipcns)
     if not refused:
         sets, refused = sysv_sem.capture(ipcns, [])
+    if not refused:
+        pqueues, refused = posix_mq.capture(ipcns, [])
     if refused:
         sysv_shm.close_saved(segments)
         sysv_msg.close_saved(queues)
+        sysv_sem.close_saved(sets)
         raise _refusal(refused)
-    return ProcessState([], {}, {}, {}, sysv_shm=segments, sysv_msg=queues, sysv_sem=sets)
+    return ProcessState([], {}, {}, {}, sysv_shm=segments, sysv_msg=queues, sysv_sem=sets,
+                        posix_mq=pqueues)
 
 
 def _refusal(refused: list[Refusal]) -> FailedPrecondition:

@@ -181,6 +181,14 @@ class _SemSet(ctypes.Structure):  # fork_template.h struct dbxcr_sem_set
                 ("fd", ctypes.c_int)]
 
 
+class _PosixQueue(ctypes.Structure):  # fork_template.h struct dbxcr_posix_queue
+    _fields_ = [("name", ctypes.c_char * 256), ("mode", ctypes.c_uint),
+                ("uid", ctypes.c_uint), ("gid", ctypes.c_uint), ("maxmsg", ctypes.c_longlong),
+                ("msgsize", ctypes.c_longlong), ("count", ctypes.c_ulonglong),
+                ("bytes", ctypes.c_ulonglong), ("notify_pid", ctypes.c_int),
+                ("fd", ctypes.c_int)]
+
+
 class _IpcObjects(ctypes.Structure):  # fork_template.h struct dbxcr_ipc_objects
     _fields_ = [("sem_sets", ctypes.c_int), ("msg_queues", ctypes.c_int),
                 ("shm_segments", ctypes.c_int),
@@ -367,6 +375,15 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.dbxcr_ipcns_sem_make.argtypes = [ctypes.c_int, ctypes.POINTER(_SemSet),
                                          ctypes.c_size_t, err]
     lib.dbxcr_ipcns_sem_make.restype = ctypes.c_int
+    lib.dbxcr_ipcns_mq_list.argtypes = [ctypes.c_int, ctypes.POINTER(_PosixQueue),
+                                        ctypes.c_size_t,
+                                        ctypes.POINTER(ctypes.c_size_t), err]
+    lib.dbxcr_ipcns_mq_list.restype = ctypes.c_int
+    lib.dbxcr_ipcns_mq_make.argtypes = [ctypes.c_int, ctypes.POINTER(_PosixQueue),
+                                        ctypes.c_size_t, err]
+    lib.dbxcr_ipcns_mq_make.restype = ctypes.c_int
+    lib.dbxcr_ipcns_mq_open.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, err]
+    lib.dbxcr_ipcns_mq_open.restype = ctypes.c_int
     lib.dbxcr_held_set_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls), err]
     lib.dbxcr_held_set_prctls.restype = ctypes.c_int
     lib.dbxcr_held_install_fd.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
@@ -1769,18 +1786,6 @@ class IpcObjects:
     posix_queues: int = 0
     posix_names: str = ""   # e.g. "/jobs, /results" (cut short with "...")
 
-    @property
-    def unheld(self) -> bool:
-        """Whether some exist that a checkpoint does not capture: POSIX message queues (the
-        System V objects are captured: cr/sysv_*.py). A POSIX queue counts whether open or
-        not: its messages are the namespace's either way."""
-        return bool(self.posix_queues)
-
-    def describe_unheld(self) -> str:
-        """Those, e.g. "2 POSIX message queues (/a, /b)"."""
-        s = "s" if self.posix_queues > 1 else ""
-        return f"{self.posix_queues} POSIX message queue{s} ({self.posix_names})"
-
 
 _ipcns_objects: Any = None   # dbxcr_ipcns_objects, called with the GIL held (ipc_objects)
 
@@ -1975,6 +1980,73 @@ def make_sem_sets(ipcns_fd: int, sets: Sequence[SemSet]) -> None:
     """Make the IPC namespace's semaphore sets exactly `sets` (every other removed), each
     with its id, key, size, owner, mode and values."""
     _ipc_make("dbxcr_ipcns_sem_make", _SemSet, ipcns_fd, sets)
+
+
+@dataclass
+class PosixQueue:
+    """A POSIX message queue of an IPC namespace (native/ipcns.c): `name` without its
+    leading "/". `fd`: its messages in the order a receiver gets them, each an 8-byte
+    priority, an 8-byte length and its bytes (posix_queues: a memfd, the caller's to close;
+    make_posix_queues: -1 for none)."""
+    name: str
+    mode: int       # permission bits
+    uid: int
+    gid: int
+    maxmsg: int     # mq_attr: its sizes
+    msgsize: int
+    count: int = 0  # messages (posix_queues)
+    bytes: int = 0  # their bytes
+    notify_pid: int = 0   # registered for its notification (mq_notify; host pid): not read
+    fd: int = -1
+
+    @property
+    def saved(self) -> int | None:
+        """The copy of its messages (as other copies of a capture are named: dumps.py)."""
+        return self.fd if self.fd >= 0 else None
+
+    @property
+    def size(self) -> int:
+        """The copy's bytes: a 16-byte head per message, and the messages."""
+        return 16 * self.count + self.bytes
+
+
+POSIX_QUEUES_MAX = 256   # captured per namespace (the kernel's default limit is 256)
+
+
+def posix_queues(ipcns_fd: int) -> list[PosixQueue]:
+    """The POSIX message queues of the IPC namespace `ipcns_fd` (a pidfd of a process in
+    it), each with a copy of its messages (taken and sent back: every process of the
+    namespace must be stopped), unless a process is registered for its notification."""
+    out = (_PosixQueue * POSIX_QUEUES_MAX)()
+    n, err = ctypes.c_size_t(), _Err()
+    if _load().dbxcr_ipcns_mq_list(ipcns_fd, out, POSIX_QUEUES_MAX, ctypes.byref(n),
+                                   ctypes.byref(err)) < 0:
+        _raise(err)
+    return [PosixQueue(c.name.decode(errors="surrogateescape"), c.mode, c.uid, c.gid,
+                       c.maxmsg, c.msgsize, c.count, c.bytes, c.notify_pid, c.fd)
+            for c in out[:n.value]]
+
+
+def make_posix_queues(ipcns_fd: int, queues: Sequence[PosixQueue]) -> None:
+    """Make the IPC namespace's POSIX message queues exactly `queues` (every other
+    unlinked), each with its name, sizes, owner, mode and messages."""
+    arr = (_PosixQueue * max(1, len(queues)))(
+        *[_PosixQueue(q.name.encode(errors="surrogateescape"), q.mode, q.uid, q.gid,
+                      q.maxmsg, q.msgsize, 0, 0, 0, q.fd) for q in queues])
+    err = _Err()
+    if _load().dbxcr_ipcns_mq_make(ipcns_fd, arr, len(queues), ctypes.byref(err)) < 0:
+        _raise(err)
+
+
+def open_posix_queue(ipcns_fd: int, name: str, flags: int) -> int:
+    """A descriptor (close-on-exec) of the queue /`name` of the IPC namespace `ipcns_fd`,
+    opened with `flags` (access mode and O_NONBLOCK)."""
+    err = _Err()
+    fd = _load().dbxcr_ipcns_mq_open(ipcns_fd, name.encode(errors="surrogateescape"), flags,
+                                     ctypes.byref(err))
+    if fd < 0:
+        _raise(err)
+    return fd
 
 
 def fds(pid: int) -> list[FdInfo]:

@@ -37,14 +37,14 @@ from dataclasses import dataclass, field
 from .. import kernfs
 from ..fs.files import open_in_root
 from . import native
-from .capture import ProcessRecord, Refusal, SharedMapping
+from .capture import MQUEUE_MAGIC, ProcessRecord, Refusal, SharedMapping
 
 MAX_BYTES = 64 << 20
 # statfs f_type of the file systems whose unlinked objects are copied: the sandbox's tree
 # (overlay) and memory (tmpfs: /dev/shm, a memfd, anonymous shared memory)
 _COPIED_FS = (0x794C7630, 0x01021994)
 # and of those an object may be on instead, by what a user would know them as
-_OTHER_FS = {0x19800202: "a POSIX message queue (mq_open)",
+_OTHER_FS = {MQUEUE_MAGIC: "a POSIX message queue (mq_open)",
              0xA10A10A1: "a Linux AIO context's ring (io_setup)",
              0x958458F6: "hugetlbfs", 0x5345434D: "memfd_secret memory"}
 F_SEAL_FUTURE_WRITE = 0x0010   # <linux/fcntl.h> (Python's fcntl lacks it before 3.12)

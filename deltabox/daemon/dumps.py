@@ -27,9 +27,9 @@ from pathlib import Path
 
 import trio
 
-from ..cr import (adoption, creds, eventloop, fifos, native, pidfds, pipebuf, private_maps,
-                  ptys, shared_files, shm_files, sigio, sockopts, sysv_msg, sysv_sem, sysv_shm,
-                  taskattrs, unlinked)
+from ..cr import (adoption, creds, eventloop, fifos, native, pidfds, pipebuf, posix_mq,
+                  private_maps, ptys, shared_files, shm_files, sigio, sockopts, sysv_msg,
+                  sysv_sem, sysv_shm, taskattrs, unlinked)
 from ..cr.capture import ProcessRecord, SharedMapping, in_dev_shm
 from ..cr.taskattrs import TaskAttrs
 from ..cr.engine import (DeltaCR, PipeEnd, PipeGroup, ProcessState, lone_leaders, rebuilt_as,
@@ -389,14 +389,15 @@ class Dumps:
         segments = _write_copies(tmp, "sysv", state.sysv_shm)
         queues = _write_copies(tmp, "msg", state.sysv_msg)
         sets = _write_copies(tmp, "sem", state.sysv_sem)
+        pqueues = _write_copies(tmp, "pmq", state.posix_mq)
         total += sum(x.size for x in [*state.unlinked, *state.shm_files, *state.sysv_shm,
-                                      *state.sysv_msg, *state.sysv_sem])
+                                      *state.sysv_msg, *state.sysv_sem, *state.posix_mq])
         meta = dict(version=1, records=[_rec_json(r) for r in state.records], pipes=pipes,
                     sessions=state.sessions, session_states=state.session_states,
                     unlinked=files,
                     shared_files=[dataclasses.asdict(s) for s in state.shared_files],
                     shm_files=shm, fifos=named_pipes, ptys=[p.to_json() for p in state.ptys],
-                    sysv_shm=segments, sysv_msg=queues, sysv_sem=sets)
+                    sysv_shm=segments, sysv_msg=queues, sysv_sem=sets, posix_mq=pqueues)
         raw = json.dumps(meta).encode()
         with open(tmp / "state.json", "wb") as f:
             f.write(raw)
@@ -433,6 +434,7 @@ class Dumps:
         segments: list[sysv_shm.Segment] = []
         queues: list[sysv_msg.Queue] = []
         sets: list[sysv_sem.Set] = []
+        pqueues: list[posix_mq.Queue] = []
         # The rebuilt templates map root_dir's files as they are now (the checkpoint's):
         # a later write in place there is looked for at each restore (cr/private_maps.py).
         captured_ns = time.time_ns()
@@ -465,6 +467,8 @@ class Dumps:
                 queues.append(_queue_from(f, d))
             for f in meta.get("sysv_sem", []):
                 sets.append(_set_from(f, d))
+            for f in meta.get("posix_mq", []):   # before stop 71: none
+                pqueues.append(_posix_queue_from(f, d))
             for f in meta.get("fifos", []):
                 named_pipes.append(_fifo_from(f, d))
         except BaseException:
@@ -478,6 +482,7 @@ class Dumps:
                 sysv_shm.close_saved(segments)
                 sysv_msg.close_saved(queues)
                 sysv_sem.close_saved(sets)
+                posix_mq.close_saved(pqueues)
             raise
         # Its processes' images serve the restores that adopt children (cr/adoption.py).
         images = adoption.Images(given={r.pid: str(d / str(r.nspid)) for r in records})
@@ -488,7 +493,8 @@ class Dumps:
                             shm_files=shm, fifos=named_pipes, images=images,
                             captured_ns=captured_ns,
                             ptys=[ptys.Pty.from_json(p) for p in meta.get("ptys", [])],
-                            sysv_shm=segments, sysv_msg=queues, sysv_sem=sets)
+                            sysv_shm=segments, sysv_msg=queues, sysv_sem=sets,
+                            posix_mq=pqueues)
 
 
 async def _skip_pids(host_pid: int, last: int) -> None:
@@ -640,6 +646,14 @@ def _queue_from(f: dict, d: Path) -> sysv_msg.Queue:
     return q
 
 
+def _posix_queue_from(f: dict, d: Path) -> posix_mq.Queue:
+    """A POSIX message queue of a dump, its messages back in a memfd."""
+    q = posix_mq.Queue(f["name"], f["mode"], f["uid"], f["gid"], f["maxmsg"], f["msgsize"],
+                       f["count"], f["bytes"])
+    q.fd = _memfd_of(dict(f, size=q.size), d)
+    return q
+
+
 def _set_from(f: dict, d: Path) -> sysv_sem.Set:
     """A System V semaphore set of a dump, its values back in a memfd."""
     s = sysv_sem.Set(f["id"], f["key"], f["mode"], f["uid"], f["gid"], f["nsems"])
@@ -663,7 +677,7 @@ def _rec_json(r: ProcessRecord) -> dict:
     d = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)
          if f.name not in ("fds", "listens", "loop", "shared", "mapped_ro",
                            "deleted_private", "mapped_private", "mlocks", "task",
-                           "pidfds", "sigio", "creds")}
+                           "pidfds", "sigio", "creds", "mqueues")}
     d["fds"] = [{k: v for k, v in dataclasses.asdict(f).items() if k != "fdinfo"}
                 for f in r.fds]
     # The named files' mappings are made again from them at every restore of templates
@@ -681,6 +695,7 @@ def _rec_json(r: ProcessRecord) -> dict:
     d["task"] = r.task.to_json() if r.task is not None else None
     d["pidfds"] = [dataclasses.asdict(p) for p in r.pidfds]
     d["sigio"] = [dataclasses.asdict(x) for x in r.sigio]
+    d["mqueues"] = [dataclasses.asdict(x) for x in r.mqueues]
     d["creds"] = r.creds.to_json() if r.creds is not None else None
     return d
 
@@ -710,8 +725,10 @@ def _rec_from(d: dict) -> ProcessRecord:
     task = d.pop("task", None)   # absent in dumps made before stop 52
     pids = [pidfds.PidFd(**p) for p in d.pop("pidfds", [])]   # before stop 53: none
     async_io = [sigio.SigIO(**x) for x in d.pop("sigio", [])]   # before stop 69: none
+    held_queues = [posix_mq.HeldQueue(**x) for x in d.pop("mqueues", [])]   # stop 71
     cred = d.pop("creds", None)   # before stop 57: none (such processes were refused)
     return ProcessRecord(**d, fds=fds, listens=listens, loop=loop, shared=shared,
                          mapped_ro=mapped_ro, mapped_private=mapped_private, mlocks=mlocks,
                          task=TaskAttrs.from_json(task) if task else None, pidfds=pids, sigio=async_io,
+                         mqueues=held_queues,
                          creds=creds.Creds.from_json(cred) if cred else None)

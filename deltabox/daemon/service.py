@@ -146,8 +146,8 @@ class Live:
     # a checkpoint captured a TCP connection: a rollback closes the killed processes'
     # connections silently first (cr/tcp.py: their addresses are the restored ones')
     tcp_captured: bool = False
-    # System V IPC objects may exist in its namespace: no check found it empty since the
-    # inspector last saw an IPC call or missed part of a turn (_refuse_ipc_objects)
+    # IPC objects may exist in its namespace: no check found it empty since the
+    # inspector last saw an IPC call or missed part of a turn (_look_at_ipc)
     ipc_seen: bool = True
     # A rollback's: the IPC objects made since its checkpoint go before its processes
     # come back (_clear_ipc), those not the checkpoint's shared memory segments
@@ -1730,7 +1730,7 @@ class Daemon:
             snap.append(await trio.to_thread.run_sync(self._snapshot, row, layer))
 
         try:
-            _refuse_ipc_objects(live)
+            _look_at_ipc(live)
             for attempt in range(1, UNREAD_ATTEMPTS + 1):
                 listed = self._sandbox_processes(candidates)
                 procs = await self._settle_vforks(live, listed)
@@ -2004,8 +2004,8 @@ class Daemon:
             old_sessions, live.sessions = live.sessions, {}
             pre, taken = None, pre  # the restore owns it now
             if cp.procs_of is not None:
-                # Its capture found no POSIX message queue (_refuse_ipc_objects); its
-                # System V objects the restore makes again: those made since go before
+                # Its IPC objects (System V, POSIX message queues) the restore makes
+                # again: those made since go before
                 # anything runs again, looked for only if some may have been (a look costs
                 # ~0.25 ms).
                 live.ipc_clear = live.ipc_seen or self.turns.may_have_made_ipc(sid)
@@ -2231,7 +2231,8 @@ class Daemon:
             else:
                 await self._victims_gone(live)  # the killed originals' pids must be free
                 restored = await self._restore_into(live, state, fresh=fresh)
-            if state.sysv_shm or state.sysv_msg or state.sysv_sem:   # made again: looked at
+            if state.sysv_shm or state.sysv_msg or state.sysv_sem or state.posix_mq:
+                # made again: looked at
                 live.ipc_seen = True
         except Exception as e:
             log.error("rollback %s: restoring processes failed: %s", cp.id, e)
@@ -2866,27 +2867,17 @@ def _may_have_made_ipc(effects: TurnEffects | None) -> bool:
             or any(e.startswith("System V") for e in effects.other_effects))
 
 
-def _refuse_ipc_objects(live: Live) -> None:
-    """A full checkpoint is refused while the sandbox's IPC namespace holds POSIX message
-    queues (native/ipcns.c): they belong to the namespace, not to a process, and are not
-    captured, so a rollback would keep their later values and a fork's children (a
-    namespace of their own) would not have them. System V segments, message queues and
-    semaphore sets are captured (cr/sysv_shm.py, cr/sysv_msg.py, cr/sysv_sem.py). Looked
-    at only when an
-    IPC call may have happened since the namespace was last found empty (Live.ipc_seen;
-    the call costs ~0.1 ms in the daemon, a thread joining the namespace and the GIL
-    back)."""
+def _look_at_ipc(live: Live) -> None:
+    """Whether the sandbox's IPC namespace still holds objects (Live.ipc_seen), which a
+    full checkpoint captures (cr/sysv_shm.py, cr/sysv_msg.py, cr/sysv_sem.py,
+    cr/posix_mq.py) and a rollback makes again. Looked at only when an IPC call may have
+    happened since the namespace was last found empty (the call costs ~0.1 ms in the
+    daemon, a thread joining the namespace and the GIL back)."""
     if not live.ipc_seen:
         return
     objects = native.ipc_objects(live.rt.pidfd, _mq_dir(live))
-    if objects.unheld:   # System V objects are captured (cr/sysv_*.py)
-        raise FailedPrecondition(
-            f"cannot capture the sandbox's processes faithfully: its IPC namespace holds "
-            f"{objects.describe_unheld()}, which belong to the namespace rather than to a "
-            "process and are not captured. Remove them (mq_unlink), or checkpoint with "
-            "mode=\"fs\" (files only)")
-    # captured: looked at every time
-    live.ipc_seen = bool(objects.shm_segments or objects.msg_queues or objects.sem_sets)
+    live.ipc_seen = bool(objects.shm_segments or objects.msg_queues or objects.sem_sets or
+                         objects.posix_queues)
 
 
 def _mq_dir(live: Live) -> int:

@@ -21,6 +21,7 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/file.h>
+#include <mqueue.h>
 #include <sys/mman.h>
 #include <sys/shm.h>
 #include <sys/mount.h>
@@ -3983,6 +3984,113 @@ static void test_ipcns_msg(void)
 	waitpid(holder, NULL, 0);
 }
 
+/* The messages a queue of the holder's namespace gives a receiver, in order, as
+ * "prio:text," (taken: the queue is empty after). */
+static void take_all(int pidfd, const char *name, char *out, size_t size)
+{
+	struct dbxcr_error err;
+	char text[64];
+	unsigned int prio;
+	ssize_t len;
+	int q = dbxcr_ipcns_mq_open(pidfd, name, O_RDONLY | O_NONBLOCK, &err);
+
+	out[0] = '\0';
+	CHECK(q >= 0, "mq_open %s: %s", name, err.msg);
+	if (q < 0)
+		return;
+	while ((len = mq_receive(q, text, sizeof(text), &prio)) >= 0)
+		snprintf(out + strlen(out), size - strlen(out), "%u:%.*s,", prio, (int)len, text);
+	CHECK(errno == EAGAIN, "mq_receive: %s", strerror(errno));
+	close(q);
+}
+
+/* POSIX message queues in another IPC namespace: dbxcr_ipcns_mq_make makes them with their
+ * names, sizes, owner, mode and messages; dbxcr_ipcns_mq_list reads them back, its copy in
+ * the order a receiver gets them, and leaves them as they were (same order after); a
+ * descriptor opened by dbxcr_ipcns_mq_open has the flags asked for; a second make leaves
+ * only the queue it is given; a copy cut short is refused; a queue someone is registered
+ * for the notification of is listed with that pid and not read. */
+static void test_ipcns_posix(void)
+{
+	struct dbxcr_error err;
+	struct dbxcr_posix_queue qs[2], got[4], *jobs = NULL;
+	char taken[128], copy[128];
+	int pidfd, msgs, cut, q;
+	size_t n = 0;
+	pid_t holder;
+
+	current_test = "ipcns-posix";
+	holder = ipcns_holder(&pidfd);
+	msgs = memfd_create("msgs", MFD_CLOEXEC);
+	cut = memfd_create("cut", MFD_CLOEXEC);
+	CHECK(pidfd >= 0 && msgs >= 0 && cut >= 0, "setup: %s", strerror(errno));
+	/* In a receiver's order: priority 5 first, then 1, oldest first within one. */
+	put_message(msgs, 5, "b");
+	put_message(msgs, 5, "d");
+	put_message(msgs, 1, "a");
+	put_message(msgs, 1, "");
+	CHECK(write(cut, "\1\0\0\0\0\0\0\0\x40\0\0\0\0\0\0\0abc", 19) == 19, "cut");
+	qs[0] = (struct dbxcr_posix_queue){ .name = "jobs", .mode = 0640, .uid = 1000,
+		.gid = 1000, .maxmsg = 8, .msgsize = 64, .fd = msgs };
+	qs[1] = (struct dbxcr_posix_queue){ .name = "empty", .mode = 0600, .maxmsg = 2,
+		.msgsize = 16, .fd = -1 };
+	CHECK(dbxcr_ipcns_mq_make(pidfd, qs, 2, &err) == 0, "make: %s", err.msg);
+	CHECK(dbxcr_ipcns_mq_list(pidfd, got, 4, &n, &err) == 0 && n == 2, "list: %zu %s", n,
+	      err.msg);
+	for (size_t i = 0; i < n; i++)
+		if (!strcmp(got[i].name, "jobs"))
+			jobs = &got[i];
+	CHECK(jobs != NULL, "jobs not listed");
+	if (jobs) {
+		CHECK(jobs->uid == 1000 && jobs->gid == 1000 && jobs->mode == 0640 &&
+		      jobs->maxmsg == 8 && jobs->msgsize == 64 && jobs->count == 4 &&
+		      jobs->bytes == 3 && jobs->notify_pid == 0, "jobs: %o %lld %lld %llu",
+		      jobs->mode, jobs->maxmsg, jobs->msgsize, jobs->count);
+		/* Its copy is the copy it was made from, byte for byte (4 heads, 3 bytes). */
+		CHECK(pread(jobs->fd, copy, sizeof(copy), 0) == 67 &&
+		      pread(msgs, taken, sizeof(taken), 0) == 67 && !memcmp(copy, taken, 67),
+		      "the messages' copy differs");
+	}
+	for (size_t i = 0; i < n; i++)
+		close(got[i].fd);
+	/* Listing took the messages and sent them back: the same order. */
+	take_all(pidfd, "jobs", taken, sizeof(taken));
+	CHECK(!strcmp(taken, "5:b,5:d,1:a,1:,"), "after the list: %s", taken);
+	q = dbxcr_ipcns_mq_open(pidfd, "empty", O_WRONLY | O_NONBLOCK, &err);
+	CHECK(q >= 0 && (fcntl(q, F_GETFL) & (O_ACCMODE | O_NONBLOCK)) == (O_WRONLY | O_NONBLOCK)
+	      && (fcntl(q, F_GETFD) & FD_CLOEXEC), "mq_open's flags: %s", err.msg);
+	if (q >= 0)
+		close(q);
+	CHECK(dbxcr_ipcns_mq_open(pidfd, "none", O_RDONLY, &err) < 0 && err.code == ENOENT &&
+	      strstr(err.msg, "POSIX message queue /none") != NULL, "none: %s", err.msg);
+	CHECK(dbxcr_ipcns_mq_make(pidfd, &qs[1], 1, &err) == 0 &&
+	      dbxcr_ipcns_mq_list(pidfd, got, 4, &n, &err) == 0 && n == 1 &&
+	      !strcmp(got[0].name, "empty") && got[0].count == 0,
+	      "the queue not given stays: %zu", n);
+	for (size_t i = 0; i < n; i++)
+		close(got[i].fd);
+	qs[0].fd = cut;
+	CHECK(dbxcr_ipcns_mq_make(pidfd, qs, 1, &err) < 0 && err.code == EIO &&
+	      strstr(err.msg, "POSIX message queue /jobs") != NULL &&
+	      strstr(err.msg, "cut short") != NULL, "a cut copy: %d %s", err.code, err.msg);
+	/* Someone registered for a notification: listed with its pid, not read. */
+	q = dbxcr_ipcns_mq_open(pidfd, "jobs", O_RDONLY, &err);
+	struct sigevent ev = { .sigev_notify = SIGEV_SIGNAL, .sigev_signo = SIGUSR1 };
+	CHECK(q >= 0 && mq_notify(q, &ev) == 0, "mq_notify: %s", strerror(errno));
+	CHECK(dbxcr_ipcns_mq_list(pidfd, got, 4, &n, &err) == 0 && n == 1 &&
+	      got[0].notify_pid == getpid() && got[0].fd == -1, "notify: %zu %d", n,
+	      n ? got[0].notify_pid : 0);
+	if (q >= 0)
+		close(q);
+	CHECK(dbxcr_ipcns_mq_list(pidfd, got, 0, &n, &err) < 0 && err.code == ENOSPC && n == 0,
+	      "over max: %d", err.code);
+	close(msgs);
+	close(cut);
+	close(pidfd);
+	kill(holder, SIGKILL);
+	waitpid(holder, NULL, 0);
+}
+
 /* System V semaphore sets in another IPC namespace: dbxcr_ipcns_sem_make makes them with
  * their ids, owner, mode and values (zeros without a copy); dbxcr_ipcns_sem_list reads them
  * back; a second make leaves only the set it is given. */
@@ -4099,6 +4207,7 @@ int main(int argc, char **argv)
 		{ "mntns-open", test_mntns_open },
 		{ "ipcns-shm", test_ipcns_shm },
 		{ "ipcns-msg", test_ipcns_msg },
+		{ "ipcns-posix", test_ipcns_posix },
 		{ "ipcns-sem", test_ipcns_sem },
 		{ "template-nanosleep", test_template_nanosleep },
 		{ "template-ptimers", test_template_ptimers },
