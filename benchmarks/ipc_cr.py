@@ -1,18 +1,21 @@
-"""What System V message queues and semaphore sets add to a checkpoint and a rollback
-(since stop 70 they are captured with their messages and values, and made again by every
-restore: deltabox/cr/sysv_msg.py, sysv_sem.py), against the same sandbox without them, in
-the same run on one private daemon.
+"""What System V message queues and semaphore sets, and POSIX message queues, add to a
+checkpoint and a rollback (since stop 70 the System V ones, since stop 71 the POSIX ones
+are captured with their messages and values, and made again by every restore:
+deltabox/cr/sysv_msg.py, sysv_sem.py, posix_mq.py), against the same sandbox without
+them, in the same run on one private daemon.
 
 Two sandboxes, each running one python process that holds 20 MB: in `ipc`, the process
-also made --queues message queues holding --messages messages of 1 KiB each, and --sets
-semaphore sets of 16; in `plain` it made none. Each rep, for both in turn (the order
-rotates): the process changes its memory and (ipc) takes a message from each queue, sends
-one back and changes a semaphore of each set, pause (--think), `checkpoint()` is timed;
-the same change again, pause, `rollback()` is timed, then the namespace's queues and sets
-(ids, keys, messages, values) are compared with those at the checkpoint (untimed).
+also made --queues message queues holding --messages messages of 1 KiB each, --sets
+semaphore sets of 16, and --posix POSIX message queues holding min(--messages, 10)
+messages of 1 KiB each (10: the namespace's default mq_maxmsg limit), which it keeps open;
+in `plain` it made none. Each rep, for both in turn (the order rotates): the process
+changes its memory and (ipc) takes a message from each queue, sends one back and changes
+a semaphore of each set, pause (--think), `checkpoint()` is timed; the same change again,
+pause, `rollback()` is timed, then the namespace's queues and sets (ids, keys, names,
+messages, values) are compared with those at the checkpoint (untimed).
 
     .venv/bin/python -m benchmarks.ipc_cr [--reps 20] [--queues 8] [--messages 16]
-        [--sets 8] [--think 0.2] [--out DIR]
+        [--sets 8] [--posix 8] [--think 0.2] [--out DIR]
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, log, machine_info, re
 from deltabox import Sandbox
 
 WAYS = ("ipc", "plain")
-# The workload: `python3 ipc.py QUEUES MESSAGES SETS` makes the objects, holds 20 MB and,
-# each time /workspace/go appears, changes them (and its memory), then removes it.
-# `python3 ipc.py report` prints the namespace's queues and sets with their content.
+# The workload: `python3 ipc.py QUEUES MESSAGES SETS POSIX` makes the objects, holds 20 MB
+# and, each time /workspace/go appears, changes them (and its memory), then removes it.
+# `python3 ipc.py report POSIX` prints a hash of the namespace's queues and sets with their
+# content (a POSIX queue's messages taken and sent back in order).
 IPC_PY = r"""
 import ctypes, hashlib, os, sys, time
 libc = ctypes.CDLL(None, use_errno=True)
@@ -42,6 +46,22 @@ def receive(q, i, flags):
     b = ctypes.create_string_buffer(8 + 4096)
     n = libc.msgrcv(q, b, 4096, ctypes.c_long(i), flags)
     return None if n < 0 else b.raw[:8 + n]
+class Attr(ctypes.Structure):
+    _fields_ = [('flags', ctypes.c_long), ('maxmsg', ctypes.c_long),
+                ('msgsize', ctypes.c_long), ('curmsgs', ctypes.c_long),
+                ('pad', ctypes.c_long * 4)]
+def mq(i, create=False):
+    a = ctypes.byref(Attr(0, 10, 1024, 0)) if create else None
+    q = libc.mq_open(b'/p%d' % i, os.O_RDWR | os.O_NONBLOCK | (os.O_CREAT if create else 0),
+                     0o600, a)
+    assert q >= 0, ctypes.get_errno()
+    return q
+def take(q):
+    b, prio = ctypes.create_string_buffer(1024), ctypes.c_uint()
+    n = libc.mq_receive(q, b, 1024, ctypes.byref(prio))
+    return None if n < 0 else (prio.value, b.raw[:n])
+def put(q, prio, text):
+    assert libc.mq_send(q, text, len(text), prio) == 0, ctypes.get_errno()
 if sys.argv[1] == 'report':
     h = hashlib.sha256()
     for line in sorted(open('/proc/sysvipc/msg').read().splitlines()[1:]):
@@ -56,9 +76,20 @@ if sys.argv[1] == 'report':
         values = (ctypes.c_ushort * n)()
         assert libc.semctl(s, 0, GETALL, values) == 0
         h.update(line.split()[1].encode() + bytes(values))
+    for i in range(int(sys.argv[2])):
+        q, got = mq(i), []
+        while (m := take(q)) is not None:
+            got.append(m)
+        for prio, text in got:
+            put(q, prio, text)
+            h.update(b'%d:%d:' % (i, prio) + text)
     print(h.hexdigest())
     sys.exit()
-nq, nm, ns = map(int, sys.argv[1:4])
+nq, nm, ns, npq = map(int, sys.argv[1:5])
+posix = [mq(i, create=True) for i in range(npq)]
+for q in posix:
+    for m in range(min(nm, 10)):
+        put(q, m % 3, os.urandom(1024))
 queues = [libc.msgget(0x1000 + i, IPC_CREAT | 0o600) for i in range(nq)]
 sets = [libc.semget(0x2000 + i, 16, IPC_CREAT | 0o600) for i in range(ns)]
 for q in queues:
@@ -76,6 +107,9 @@ while True:
             send(q, 1 + n % 3, os.urandom(1024))
         for i, s in enumerate(sets):
             assert libc.semctl(s, n % 16, SETVAL, ctypes.c_int(n % 1000)) == 0
+        for q in posix:
+            take(q)
+            put(q, n % 3, os.urandom(1024))
         os.unlink('/workspace/go')
     time.sleep(0.01)
 """
@@ -87,11 +121,11 @@ def change(box: Sandbox) -> None:
     wait_until(lambda: not box.files.exists("go"), "the workload's change")
 
 
-def report(box: Sandbox) -> str:
-    return box.exec("python3 /workspace/ipc.py report").stdout
+def report(box: Sandbox, posix: int) -> str:
+    return box.exec(f"python3 /workspace/ipc.py report {posix}").stdout
 
 
-def one_rep(box: Sandbox, way: str, think: float) -> dict[str, Any]:
+def one_rep(box: Sandbox, way: str, think: float, posix: int) -> dict[str, Any]:
     change(box)
     time.sleep(think)
     t0 = time.perf_counter()
@@ -99,13 +133,13 @@ def one_rep(box: Sandbox, way: str, think: float) -> dict[str, Any]:
     checkpoint_ms = (time.perf_counter() - t0) * 1000
     if cp.kind != "full":
         raise RuntimeError(f"{way}: a {cp.kind} checkpoint: {cp.reasons}")
-    want = report(box)
+    want = report(box, posix)
     change(box)
     time.sleep(think)
     t0 = time.perf_counter()
     rb = box.rollback(cp)
     rollback_ms = (time.perf_counter() - t0) * 1000
-    if rb.process_state != "restored" or report(box) != want:
+    if rb.process_state != "restored" or report(box, posix) != want:
         raise RuntimeError(f"{way}: the rollback did not bring the checkpoint back "
                            f"({rb.process_state}: {rb.note})")
     return {"way": way, "checkpoint_ms": checkpoint_ms, "checkpoint_daemon_ms": cp.duration_ms,
@@ -128,6 +162,7 @@ def main() -> int:
     p.add_argument("--queues", type=int, default=8)
     p.add_argument("--messages", type=int, default=16, help="of 1 KiB, per queue")
     p.add_argument("--sets", type=int, default=8, help="semaphore sets of 16")
+    p.add_argument("--posix", type=int, default=8, help="POSIX message queues, held open")
     p.add_argument("--think", type=float, default=0.2, help="pause before each call (s)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args()
@@ -137,13 +172,16 @@ def main() -> int:
         try:
             for way, box in boxes.items():
                 box.files.write("ipc.py", IPC_PY)
-                sizes = (args.queues, args.messages, args.sets) if way == "ipc" else (0, 0, 0)
-                box.exec("nohup python3 /workspace/ipc.py %d %d %d >/dev/null 2>&1 &" % sizes)
+                sizes = ((args.queues, args.messages, args.sets, args.posix) if way == "ipc"
+                         else (0, 0, 0, 0))
+                box.exec("nohup python3 /workspace/ipc.py %d %d %d %d >/dev/null 2>&1 &"
+                         % sizes)
                 wait_until(lambda: box.files.exists("ready"), "the workload")
             for rep in range(args.reps):
                 k = rep % len(WAYS)
                 for way in WAYS[k:] + WAYS[:k]:
-                    runs.append({"rep": rep, **one_rep(boxes[way], way, args.think)})
+                    runs.append({"rep": rep, **one_rep(boxes[way], way, args.think,
+                                                       args.posix if way == "ipc" else 0)})
                 log(f"rep {rep + 1}/{args.reps}")
         finally:
             for box in boxes.values():
@@ -151,7 +189,8 @@ def main() -> int:
         result: dict[str, Any] = {
             "benchmark": "ipc_cr", "reps": args.reps, "queues": args.queues,
             "messages": args.messages, "message_bytes": 1024, "sets": args.sets,
-            "semaphores_per_set": 16, "think_s": args.think, "runs": runs,
+            "semaphores_per_set": 16, "posix_queues": args.posix,
+            "posix_messages": min(args.messages, 10), "think_s": args.think, "runs": runs,
             "summary": summarize(runs)}
         info = machine_info(d.socket)
     record_cleanup(result, d)
