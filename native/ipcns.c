@@ -28,6 +28,7 @@
 #include <linux/mount.h>
 #include <sched.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 #include <stdint.h>
@@ -295,6 +296,22 @@ static int run_job(struct ipcns_job *j, struct dbxcr_error *err)
 		return fail(err, j->code, current_tid(), "IPC namespace fd %d: %s", j->ipcns_fd,
 			    j->step);
 	return 0;
+}
+
+/* A list call's end: on failure the memfds it had made are closed (each object `size`
+ * bytes after the last, its fd `fd_at` bytes in) and nothing is listed. */
+static int listed(int rc, const struct ipcns_job *j, void *out, size_t size, size_t fd_at,
+		  size_t *n)
+{
+	for (size_t i = 0; rc < 0 && i < j->n; i++) {
+		int fd;
+
+		memcpy(&fd, (char *)out + i * size + fd_at, sizeof(fd));
+		if (fd >= 0)
+			close(fd);
+	}
+	*n = rc < 0 ? 0 : j->n;
+	return rc;
 }
 
 int dbxcr_ipcns_mqueue_dir(int ipcns_fd, struct dbxcr_error *err)
@@ -650,13 +667,9 @@ int dbxcr_ipcns_shm_list(int ipcns_fd, struct dbxcr_shm_segment *out, size_t max
 {
 	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = shm_list, .id = -1, .segs = out,
 			       .max = max };
-	int rc = run_job(&j, err);
 
-	if (rc < 0)
-		for (size_t i = 0; i < j.n; i++)
-			close(out[i].fd);
-	*n = rc < 0 ? 0 : j.n;
-	return rc;
+	return listed(run_job(&j, err), &j, out, sizeof(*out),
+		      offsetof(struct dbxcr_shm_segment, fd), n);
 }
 
 int dbxcr_ipcns_shm_make(int ipcns_fd, struct dbxcr_shm_segment *segs, size_t n,
@@ -912,14 +925,9 @@ int dbxcr_ipcns_msg_list(int ipcns_fd, struct dbxcr_msg_queue *out, size_t max, 
 {
 	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = msg_list, .id = -1, .queues = out,
 			       .max = max, .what = "System V message queue" };
-	int rc = run_job(&j, err);
 
-	if (rc < 0)
-		for (size_t i = 0; i < j.n; i++)
-			if (out[i].fd >= 0)
-				close(out[i].fd);
-	*n = rc < 0 ? 0 : j.n;
-	return rc;
+	return listed(run_job(&j, err), &j, out, sizeof(*out),
+		      offsetof(struct dbxcr_msg_queue, fd), n);
 }
 
 int dbxcr_ipcns_msg_make(int ipcns_fd, const struct dbxcr_msg_queue *queues, size_t n,
@@ -1089,14 +1097,9 @@ int dbxcr_ipcns_sem_list(int ipcns_fd, struct dbxcr_sem_set *out, size_t max, si
 {
 	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = sem_list, .id = -1, .sets = out,
 			       .max = max, .what = "System V semaphore set" };
-	int rc = run_job(&j, err);
 
-	if (rc < 0)
-		for (size_t i = 0; i < j.n; i++)
-			if (out[i].fd >= 0)
-				close(out[i].fd);
-	*n = rc < 0 ? 0 : j.n;
-	return rc;
+	return listed(run_job(&j, err), &j, out, sizeof(*out),
+		      offsetof(struct dbxcr_sem_set, fd), n);
 }
 
 int dbxcr_ipcns_sem_make(int ipcns_fd, const struct dbxcr_sem_set *sets, size_t n,
@@ -1381,14 +1384,9 @@ int dbxcr_ipcns_mq_list(int ipcns_fd, struct dbxcr_posix_queue *out, size_t max,
 {
 	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = mq_list, .id = -1, .pqueues = out,
 			       .max = max };
-	int rc = run_job(&j, err);
 
-	if (rc < 0)
-		for (size_t i = 0; i < j.n; i++)
-			if (out[i].fd >= 0)
-				close(out[i].fd);
-	*n = rc < 0 ? 0 : j.n;
-	return rc;
+	return listed(run_job(&j, err), &j, out, sizeof(*out),
+		      offsetof(struct dbxcr_posix_queue, fd), n);
 }
 
 int dbxcr_ipcns_mq_make(int ipcns_fd, const struct dbxcr_posix_queue *queues, size_t n,

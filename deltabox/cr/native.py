@@ -1935,10 +1935,16 @@ def _ipc_list(fn: str, struct: Any, cls: Any, most: int, ipcns_fd: int) -> list[
     return [cls(**{name: getattr(c, name) for name in names}) for c in out[:n.value]]
 
 
+def _c_value(v: Any) -> Any:
+    """A field's value as its struct takes it (a name: bytes)."""
+    return v.encode(errors="surrogateescape") if isinstance(v, str) else v
+
+
 def _ipc_make(fn: str, struct: Any, ipcns_fd: int, objects: Sequence[Any]) -> None:
     """A dbxcr_ipcns_*_make call given `objects` (with the struct's fields)."""
     arr = (struct * max(1, len(objects)))(
-        *[struct(*(getattr(x, name) for name, _ in struct._fields_)) for x in objects])
+        *[struct(*(_c_value(getattr(x, name)) for name, _ in struct._fields_))
+          for x in objects])
     err = _Err()
     if getattr(_load(), fn)(ipcns_fd, arr, len(objects), ctypes.byref(err)) < 0:
         _raise(err)
@@ -1999,6 +2005,10 @@ class PosixQueue:
     notify_pid: int = 0   # registered for its notification (mq_notify; host pid): not read
     fd: int = -1
 
+    def __post_init__(self) -> None:
+        if isinstance(self.name, bytes):   # as the struct has it
+            self.name = self.name.decode(errors="surrogateescape")
+
     @property
     def saved(self) -> int | None:
         """The copy of its messages (as other copies of a capture are named: dumps.py)."""
@@ -2017,25 +2027,14 @@ def posix_queues(ipcns_fd: int) -> list[PosixQueue]:
     """The POSIX message queues of the IPC namespace `ipcns_fd` (a pidfd of a process in
     it), each with a copy of its messages (taken and sent back: every process of the
     namespace must be stopped), unless a process is registered for its notification."""
-    out = (_PosixQueue * POSIX_QUEUES_MAX)()
-    n, err = ctypes.c_size_t(), _Err()
-    if _load().dbxcr_ipcns_mq_list(ipcns_fd, out, POSIX_QUEUES_MAX, ctypes.byref(n),
-                                   ctypes.byref(err)) < 0:
-        _raise(err)
-    return [PosixQueue(c.name.decode(errors="surrogateescape"), c.mode, c.uid, c.gid,
-                       c.maxmsg, c.msgsize, c.count, c.bytes, c.notify_pid, c.fd)
-            for c in out[:n.value]]
+    return _ipc_list("dbxcr_ipcns_mq_list", _PosixQueue, PosixQueue, POSIX_QUEUES_MAX,
+                     ipcns_fd)
 
 
 def make_posix_queues(ipcns_fd: int, queues: Sequence[PosixQueue]) -> None:
     """Make the IPC namespace's POSIX message queues exactly `queues` (every other
     unlinked), each with its name, sizes, owner, mode and messages."""
-    arr = (_PosixQueue * max(1, len(queues)))(
-        *[_PosixQueue(q.name.encode(errors="surrogateescape"), q.mode, q.uid, q.gid,
-                      q.maxmsg, q.msgsize, 0, 0, 0, q.fd) for q in queues])
-    err = _Err()
-    if _load().dbxcr_ipcns_mq_make(ipcns_fd, arr, len(queues), ctypes.byref(err)) < 0:
-        _raise(err)
+    _ipc_make("dbxcr_ipcns_mq_make", _PosixQueue, ipcns_fd, queues)
 
 
 def open_posix_queue(ipcns_fd: int, name: str, flags: int) -> int:
