@@ -1883,8 +1883,26 @@ def shm_segment_modes(ipcns_fd: int, segments: Sequence[ShmSegment]) -> None:
         _raise(err)
 
 
+class _MessageCopy:
+    """A queue's copy of its messages in a memfd (`fd`): `count` records of a 16-byte head
+    and the message, `bytes` of messages in all."""
+    fd: int
+    count: int
+    bytes: int
+
+    @property
+    def saved(self) -> int | None:
+        """The copy (as other copies of a capture are named: dumps.py)."""
+        return self.fd if self.fd >= 0 else None
+
+    @property
+    def size(self) -> int:
+        """The copy's bytes: a 16-byte head per message, and the messages."""
+        return 16 * self.count + self.bytes
+
+
 @dataclass
-class MsgQueue:
+class MsgQueue(_MessageCopy):
     """A System V message queue of an IPC namespace (native/ipcns.c). `fd`: its messages
     in order, each an 8-byte type, an 8-byte length and its bytes (msg_queues: a memfd,
     the caller's to close; make_msg_queues: -1 for none)."""
@@ -1897,16 +1915,6 @@ class MsgQueue:
     count: int = 0  # messages (msg_queues)
     bytes: int = 0  # their bytes
     fd: int = -1
-
-    @property
-    def saved(self) -> int | None:
-        """The copy of its messages (as other copies of a capture are named: dumps.py)."""
-        return self.fd if self.fd >= 0 else None
-
-    @property
-    def size(self) -> int:
-        """The copy's bytes: a 16-byte head per message, and the messages."""
-        return 16 * self.count + self.bytes
 
 
 MSG_QUEUES_MAX = 256   # captured per namespace (the kernel's default limit is 32000)
@@ -1989,7 +1997,7 @@ def make_sem_sets(ipcns_fd: int, sets: Sequence[SemSet]) -> None:
 
 
 @dataclass
-class PosixQueue:
+class PosixQueue(_MessageCopy):
     """A POSIX message queue of an IPC namespace (native/ipcns.c): `name` without its
     leading "/". `fd`: its messages in the order a receiver gets them, each an 8-byte
     priority, an 8-byte length and its bytes (posix_queues: a memfd, the caller's to close;
@@ -2008,16 +2016,6 @@ class PosixQueue:
     def __post_init__(self) -> None:
         if isinstance(self.name, bytes):   # as the struct has it
             self.name = self.name.decode(errors="surrogateescape")
-
-    @property
-    def saved(self) -> int | None:
-        """The copy of its messages (as other copies of a capture are named: dumps.py)."""
-        return self.fd if self.fd >= 0 else None
-
-    @property
-    def size(self) -> int:
-        """The copy's bytes: a 16-byte head per message, and the messages."""
-        return 16 * self.count + self.bytes
 
 
 POSIX_QUEUES_MAX = 256   # captured per namespace (the kernel's default limit is 256)
