@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/sendfile.h>
+#include <sys/fsuid.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -1326,7 +1327,17 @@ static int make_posix_queue(struct ipcns_job *j, const struct dbxcr_posix_queue 
 
 	snprintf(path, sizeof(path), "/%s", pq->name);
 	j->step = "mq_open O_CREAT|O_EXCL";
+	/* The mqueue file system of a namespace owned by a user namespace makes files only
+	 * for fs ids that namespace maps (EOVERFLOW for ours, root's): the queue is made with
+	 * its owner's as this thread's (setfsuid acts on the calling thread alone; the file
+	 * capabilities it drops come back with fs id 0, for the fchown and fchmod below). */
+	setfsgid(pq->gid);
+	setfsuid(pq->uid);
 	q = mq_open(path, O_CREAT | O_EXCL | O_RDWR | O_NONBLOCK | O_CLOEXEC, 0600, &a);
+	int saved = errno;
+	setfsuid(0);
+	setfsgid(0);
+	errno = saved;
 	/* The kernel charges a queue's size to its creator's user (the daemon's: root, as
 	 * are a sandbox's processes by default), within the creator's RLIMIT_MSGQUEUE. */
 	if (q < 0 && errno == EMFILE)

@@ -236,3 +236,32 @@ def test_an_image_without_idmapped_mounts_is_a_clear_error(daemon: DaemonProc) -
     finally:
         subprocess.run(["umount", str(base)], check=True)
         base.rmdir()
+
+
+def test_posix_message_queues_come_back_in_a_user_namespace(ubox: Sandbox) -> None:
+    """The mqueue file system of an IPC namespace owned by a user namespace makes files only
+    for ids that namespace maps: the daemon's first try made a queue as host root and got
+    EOVERFLOW, so the rollback restarted the processes. Made with the owner's ids, each
+    queue comes back owned by sandbox root, in a rollback and in a fork."""
+    from test_cr import PMQ, PMQ_SH, _pmq_answer
+
+    ubox.files.write("pmq.py", PMQ)
+    ubox.exec(f"nohup {PMQ_SH} serve >/dev/null 2>&1 &")
+    wait_for(lambda: ubox.files.exists("ready"), what="the queue holder")
+    report = (f"{PMQ_SH} report jobs results left; python3 -c \"import ctypes, os; "
+              "q = ctypes.CDLL('librt.so.1').mq_open(b'/jobs', os.O_RDONLY); "
+              "print(os.fstat(q).st_uid, os.fstat(q).st_gid)\"")
+    before = ubox.exec(report).stdout
+    assert before.endswith("left 0o604 2x32 3:l2,2:l1\n0 0\n"), before
+    cp = ubox.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    ubox.exec(f"{PMQ_SH} take jobs && {PMQ_SH} unlink left")
+    rb = ubox.rollback(cp)
+    assert rb.process_state == "restored", rb.note
+    assert ubox.exec(report).stdout == before
+    assert _pmq_answer(ubox).endswith(" 5:b,5:d,1:a,1:c")
+    [child] = ubox.fork(cp)
+    try:
+        assert child.exec(report).stdout == before
+    finally:
+        child.kill()
