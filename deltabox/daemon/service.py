@@ -2005,9 +2005,8 @@ class Daemon:
             pre, taken = None, pre  # the restore owns it now
             if cp.procs_of is not None:
                 # Its IPC objects (System V, POSIX message queues) the restore makes
-                # again: those made since go before
-                # anything runs again, looked for only if some may have been (a look costs
-                # ~0.25 ms).
+                # again: those made since go before anything runs again, looked for only
+                # if some may have been (a look costs ~0.25 ms).
                 live.ipc_clear = live.ipc_seen or self.turns.may_have_made_ipc(sid)
                 live.ipc_seen = False
             try:
