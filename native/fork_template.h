@@ -515,10 +515,12 @@ int dbxcr_ipcns_mq_list(int ipcns_fd, struct dbxcr_posix_queue *out, size_t max,
 			struct dbxcr_error *err);
 int dbxcr_ipcns_mq_make(int ipcns_fd, const struct dbxcr_posix_queue *queues, size_t n,
 			struct dbxcr_error *err);
-/* A descriptor of the queue /name of the namespace, opened with flags (O_RDONLY, O_WRONLY
- * or O_RDWR, and O_NONBLOCK), close-on-exec: a restored process's, installed at its
- * number by its spawn.  The fd, or -1 with err set. */
-int dbxcr_ipcns_mq_open(int ipcns_fd, const char *name, int flags, struct dbxcr_error *err);
+/* Descriptors of the namespace's queues /names[i], opened with flags[i] (O_RDONLY,
+ * O_WRONLY or O_RDWR, and O_NONBLOCK), close-on-exec, into fds[i]: a restored process's,
+ * installed at their numbers by its spawn (one thread joins the namespace for all).  0,
+ * or -1 with err set and none left open. */
+int dbxcr_ipcns_mq_open(int ipcns_fd, const char *const *names, const int *flags, int *fds,
+			size_t n, struct dbxcr_error *err);
 
 /* A System V semaphore set of an IPC namespace (ipcns.c).  sem_list fills these (fd: a
  * memfd of ours holding its nsems values, unsigned shorts in order; the caller closes it);

@@ -84,13 +84,15 @@ struct ipcns_job {
 	/* sem_list (sets out), sem_make (make_sets in) */
 	struct dbxcr_sem_set *sets;
 	const struct dbxcr_sem_set *make_sets;
-	/* mq_list (pqueues out), mq_make (make_pqueues in), mq_open (name and flags in,
-	 * mq_dir out: the queue's descriptor) */
+	/* mq_list (pqueues out), mq_make (make_pqueues in), mq_open (names and open_flags
+	 * in, fds out) */
 	struct dbxcr_posix_queue *pqueues;
 	const struct dbxcr_posix_queue *make_pqueues;
+	const char *const *names;
+	const int *open_flags;
+	int *fds;
 	const char *name;		/* the POSIX queue the step was at, or NULL */
 	char failed[DBXCR_MQ_NAME];	/* each_posix_queue's: name points here */
-	int flags;
 	size_t max, n;
 };
 
@@ -1127,7 +1129,7 @@ int dbxcr_ipcns_sem_make(int ipcns_fd, const struct dbxcr_sem_set *sets, size_t 
  * the messages it held from the live queue (that checkpoint is not committed), as for a
  * pty's bytes (cr/ptys.py).  A restore makes the namespace's queues exactly the
  * checkpoint's, each with its name, sizes, owner, mode and messages, before any process
- * is born; a restored process's descriptor is opened on it (dbxcr_ipcns_mq_open) and
+ * is born; a restored process's descriptors are opened on them (dbxcr_ipcns_mq_open) and
  * installed by its spawn.  Not kept: the times. */
 
 static int posix_send(struct ipcns_job *j, int q, uint64_t prio, char *text, size_t len)
@@ -1379,15 +1381,27 @@ static void mq_make(struct ipcns_job *j)
 	}
 }
 
+/* Each of the j->n descriptors asked for (names, flags) into fds, in one thread; on a
+ * failure those opened are closed. */
 static void mq_open_job(struct ipcns_job *j)
 {
 	char path[DBXCR_MQ_NAME + 1];
+	size_t i;
 
-	snprintf(path, sizeof(path), "/%s", j->name);
 	j->step = "mq_open";
-	j->mq_dir = mq_open(path, (j->flags & (O_ACCMODE | O_NONBLOCK)) | O_CLOEXEC);
-	if (j->mq_dir < 0)
-		j->code = errno;
+	for (i = 0; i < j->n; i++) {
+		snprintf(path, sizeof(path), "/%s", j->names[i]);
+		j->fds[i] = mq_open(path, (j->open_flags[i] & (O_ACCMODE | O_NONBLOCK)) |
+				    O_CLOEXEC);
+		if (j->fds[i] < 0) {
+			j->code = errno;
+			j->name = j->names[i];
+			break;
+		}
+	}
+	if (j->code)
+		while (i-- > 0)
+			close(j->fds[i]);
 }
 
 int dbxcr_ipcns_mq_list(int ipcns_fd, struct dbxcr_posix_queue *out, size_t max, size_t *n,
@@ -1409,15 +1423,18 @@ int dbxcr_ipcns_mq_make(int ipcns_fd, const struct dbxcr_posix_queue *queues, si
 	return run_job(&j, err);
 }
 
-int dbxcr_ipcns_mq_open(int ipcns_fd, const char *name, int flags, struct dbxcr_error *err)
+int dbxcr_ipcns_mq_open(int ipcns_fd, const char *const *names, const int *flags, int *fds,
+			size_t n, struct dbxcr_error *err)
 {
 	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = mq_open_job, .id = -1,
-			       .name = name, .flags = flags, .mq_dir = -1 };
+			       .names = names, .open_flags = flags, .fds = fds, .n = n };
 
-	if (strlen(name) >= DBXCR_MQ_NAME) {
-		clear_error(err);
-		return fail(err, ENAMETOOLONG, current_tid(), "POSIX message queue /%s: its name",
-			    name);
+	for (size_t i = 0; i < n; i++) {
+		if (strlen(names[i]) >= DBXCR_MQ_NAME) {
+			clear_error(err);
+			return fail(err, ENAMETOOLONG, current_tid(),
+				    "POSIX message queue /%s: its name", names[i]);
+		}
 	}
-	return run_job(&j, err) < 0 ? -1 : j.mq_dir;
+	return run_job(&j, err);
 }

@@ -382,7 +382,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.dbxcr_ipcns_mq_make.argtypes = [ctypes.c_int, ctypes.POINTER(_PosixQueue),
                                         ctypes.c_size_t, err]
     lib.dbxcr_ipcns_mq_make.restype = ctypes.c_int
-    lib.dbxcr_ipcns_mq_open.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, err]
+    lib.dbxcr_ipcns_mq_open.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p),
+                                        ctypes.POINTER(ctypes.c_int),
+                                        ctypes.POINTER(ctypes.c_int), ctypes.c_size_t, err]
     lib.dbxcr_ipcns_mq_open.restype = ctypes.c_int
     lib.dbxcr_held_set_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls), err]
     lib.dbxcr_held_set_prctls.restype = ctypes.c_int
@@ -2035,15 +2037,16 @@ def make_posix_queues(ipcns_fd: int, queues: Sequence[PosixQueue]) -> None:
     _ipc_make("dbxcr_ipcns_mq_make", _PosixQueue, ipcns_fd, queues)
 
 
-def open_posix_queue(ipcns_fd: int, name: str, flags: int) -> int:
-    """A descriptor (close-on-exec) of the queue /`name` of the IPC namespace `ipcns_fd`,
-    opened with `flags` (access mode and O_NONBLOCK)."""
-    err = _Err()
-    fd = _load().dbxcr_ipcns_mq_open(ipcns_fd, name.encode(errors="surrogateescape"), flags,
-                                     ctypes.byref(err))
-    if fd < 0:
+def open_posix_queues(ipcns_fd: int, queues: Sequence[tuple[str, int]]) -> list[int]:
+    """Descriptors (close-on-exec, the caller's) of the IPC namespace `ipcns_fd`'s queues,
+    each (name, flags: access mode and O_NONBLOCK), opened by one thread in the namespace."""
+    n = len(queues)
+    names = (ctypes.c_char_p * max(1, n))(*[_c_value(name) for name, _ in queues])
+    flags = (ctypes.c_int * max(1, n))(*[f for _, f in queues])
+    fds, err = (ctypes.c_int * max(1, n))(), _Err()
+    if _load().dbxcr_ipcns_mq_open(ipcns_fd, names, flags, fds, n, ctypes.byref(err)) < 0:
         _raise(err)
-    return fd
+    return list(fds[:n])
 
 
 def fds(pid: int) -> list[FdInfo]:

@@ -97,15 +97,8 @@ def make(ipcns_fd: int, queues: list[Queue]) -> None:
 def open_held(ipcns_fd: int, rec: ProcessRecord) -> dict[int, int]:
     """Descriptors of the made queues for rec's, by its fd numbers (the caller's to
     close)."""
-    out: dict[int, int] = {}
-    try:
-        for h in rec.mqueues:
-            out[h.fd] = native.open_posix_queue(ipcns_fd, h.name, h.flags)
-    except BaseException:
-        for fd in out.values():
-            os.close(fd)
-        raise
-    return out
+    fds = native.open_posix_queues(ipcns_fd, [(h.name, h.flags) for h in rec.mqueues])
+    return {h.fd: fd for h, fd in zip(rec.mqueues, fds)}
 
 
 def close_saved(queues: list[Queue]) -> None:

@@ -3984,6 +3984,14 @@ static void test_ipcns_msg(void)
 	waitpid(holder, NULL, 0);
 }
 
+/* One descriptor of the queue /name of the namespace (dbxcr_ipcns_mq_open), or -1. */
+static int mq_open_in(int pidfd, const char *name, int flags, struct dbxcr_error *err)
+{
+	int fd = -1;
+
+	return dbxcr_ipcns_mq_open(pidfd, &name, &flags, &fd, 1, err) < 0 ? -1 : fd;
+}
+
 /* The messages a queue of the holder's namespace gives a receiver, in order, as
  * "prio:text," (taken: the queue is empty after). */
 static void take_all(int pidfd, const char *name, char *out, size_t size)
@@ -3992,7 +4000,7 @@ static void take_all(int pidfd, const char *name, char *out, size_t size)
 	char text[64];
 	unsigned int prio;
 	ssize_t len;
-	int q = dbxcr_ipcns_mq_open(pidfd, name, O_RDONLY | O_NONBLOCK, &err);
+	int q = mq_open_in(pidfd, name, O_RDONLY | O_NONBLOCK, &err);
 
 	out[0] = '\0';
 	CHECK(q >= 0, "mq_open %s: %s", name, err.msg);
@@ -4056,12 +4064,18 @@ static void test_ipcns_posix(void)
 	/* Listing took the messages and sent them back: the same order. */
 	take_all(pidfd, "jobs", taken, sizeof(taken));
 	CHECK(!strcmp(taken, "5:b,5:d,1:a,1:,"), "after the list: %s", taken);
-	q = dbxcr_ipcns_mq_open(pidfd, "empty", O_WRONLY | O_NONBLOCK, &err);
+	q = mq_open_in(pidfd, "empty", O_WRONLY | O_NONBLOCK, &err);
 	CHECK(q >= 0 && (fcntl(q, F_GETFL) & (O_ACCMODE | O_NONBLOCK)) == (O_WRONLY | O_NONBLOCK)
 	      && (fcntl(q, F_GETFD) & FD_CLOEXEC), "mq_open's flags: %s", err.msg);
 	if (q >= 0)
 		close(q);
-	CHECK(dbxcr_ipcns_mq_open(pidfd, "none", O_RDONLY, &err) < 0 && err.code == ENOENT &&
+	/* Several at once: one missing fails them all, none left open. */
+	const char *names[2] = { "empty", "none" };
+	int flags[2] = { O_RDONLY, O_RDONLY }, fds[2] = { -1, -1 };
+	CHECK(dbxcr_ipcns_mq_open(pidfd, names, flags, fds, 2, &err) < 0 && err.code == ENOENT &&
+	      fds[0] >= 0 && fcntl(fds[0], F_GETFD) < 0 && errno == EBADF,
+	      "two, one missing: %s", err.msg);
+	CHECK(mq_open_in(pidfd, "none", O_RDONLY, &err) < 0 && err.code == ENOENT &&
 	      strstr(err.msg, "POSIX message queue /none") != NULL, "none: %s", err.msg);
 	CHECK(dbxcr_ipcns_mq_make(pidfd, &qs[1], 1, &err) == 0 &&
 	      dbxcr_ipcns_mq_list(pidfd, got, 4, &n, &err) == 0 && n == 1 &&
@@ -4074,7 +4088,7 @@ static void test_ipcns_posix(void)
 	      strstr(err.msg, "POSIX message queue /jobs") != NULL &&
 	      strstr(err.msg, "cut short") != NULL, "a cut copy: %d %s", err.code, err.msg);
 	/* Someone registered for a notification: listed with its pid, not read. */
-	q = dbxcr_ipcns_mq_open(pidfd, "jobs", O_RDONLY, &err);
+	q = mq_open_in(pidfd, "jobs", O_RDONLY, &err);
 	struct sigevent ev = { .sigev_notify = SIGEV_SIGNAL, .sigev_signo = SIGUSR1 };
 	CHECK(q >= 0 && mq_notify(q, &ev) == 0, "mq_notify: %s", strerror(errno));
 	CHECK(dbxcr_ipcns_mq_list(pidfd, got, 4, &n, &err) == 0 && n == 1 &&
