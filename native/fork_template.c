@@ -4141,6 +4141,31 @@ static int become_keeper(struct dbxcr_carrier *k, struct dbxcr_error *err)
 	return park(&k->t, err);
 }
 
+int dbxcr_carrier_install_fds(struct dbxcr_carrier *k, const int *src, const int *target,
+			      const int *cloexec, size_t n, struct dbxcr_error *err)
+{
+	struct tracee t;
+	int got[n ? n : 1];
+
+	clear_error(err);
+	if (check_owner(&k->t, err) < 0)
+		return -1;
+	if (k->born)
+		return fail(err, EINVAL, k->t.pid, "carrier has given birth already");
+	if (n > 256)
+		return fail(err, E2BIG, k->t.pid, "%zu descriptors to install (256 at most)", n);
+	if (adopt(&t, k->t.pid, k->t.site, err) < 0)
+		return -1;
+	t.regs = k->t.park;
+	/* Its birth is a clone without CLONE_FILES: a copy of this descriptor table. */
+	if (transfer_fds(&t, k->t.scratch, src, n, got, err) < 0)
+		return -1;
+	for (size_t i = 0; i < n; i++)
+		if (install_fd(&t, got[i], target[i], cloexec[i], err) < 0)
+			return -1;
+	return park(&k->t, err);
+}
+
 pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t set_tid_size,
 			  int pgid, struct dbxcr_error *err)
 {

@@ -349,6 +349,12 @@ pid_t dbxcr_carrier_birth(struct dbxcr_carrier *k, const pid_t *set_tid, size_t 
 			  int pgid, struct dbxcr_error *err);
 int dbxcr_carrier_keep(struct dbxcr_carrier *k, struct dbxcr_error *err);
 int dbxcr_carrier_kill(struct dbxcr_carrier *k, struct dbxcr_error *err);
+/* Before its birth: our descriptors src[i] at target[i] in the carrier (close-on-exec if
+ * cloexec[i]), which its birth gets, for objects the rollback makes after the carrier was
+ * spawned (a POSIX message queue: deltabox/cr/posix_mq.py).  On failure (err set) the
+ * carrier is in no known state: kill it. */
+int dbxcr_carrier_install_fds(struct dbxcr_carrier *k, const int *src, const int *target,
+			      const int *cloexec, size_t n, struct dbxcr_error *err);
 
 /* Held processes (a rollback's restored parents; see the section in fork_template.c):
  * dbxcr_spawn_held spawns like dbxcr_spawn but leaves the child and its threads stopped,

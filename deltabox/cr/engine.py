@@ -770,6 +770,7 @@ class DeltaCR:
                          if r.pid in pre.carriers and pre.stale(r, changed.get(r.pid, []))]
                 if stale:
                     await self.kill_carriers(stale)
+                await self._queues_to_carriers(records, pre, target_ipc)
             await take_addresses()  # carriers' connections and listeners
             if into is None and pre is not None:
                 born = await self._births(records, pre, victims)
@@ -985,6 +986,29 @@ class DeltaCR:
                 groups.setdefault(rec.pgid, rec.nspid)
         return True
 
+    async def _queues_to_carriers(self, records: list[ProcessRecord], pre: Prespawned,
+                                  ipcns: int) -> None:
+        """Processes born from carriers get their POSIX queue descriptors from them: the
+        queues are this restore's, made after the carriers were spawned, so each carrier
+        is given them now (native.Carrier.install_fds). A carrier that fails is killed
+        and its process spawned instead, which opens them itself (_PipePlan.file_fds)."""
+        for rec in records:
+            carrier = pre.carriers.get(rec.pid)
+            if carrier is None or not rec.mqueues:
+                continue
+            fds = posix_mq.open_held(ipcns, rec)
+            try:
+                cloexec = {f.fd for f in rec.fds if f.fd in fds and f.flags & os.O_CLOEXEC}
+                await self.worker.run(carrier.install_fds, fds, cloexec)
+            except native.CRError as e:
+                log.warning("the carrier %d of pid %s failed (%s): spawning it anew",
+                            carrier.pid, rec.nspid, e)
+                del pre.carriers[rec.pid]
+                await self.kill_carriers([carrier])
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+
     async def _births(self, records: list[ProcessRecord], pre: Prespawned,
                       victims: list[int] | None) -> dict[int, int | native.CRError]:
         """A rollback whose every process has a carrier: birth them all in one native job
@@ -1046,8 +1070,7 @@ class DeltaCR:
         watch waits on the signal queue of the task that made it: the carrier's, not its
         birth's), those listening on an abstract unix name (the live process holds it:
         bound by their spawn once it has exited), those attaching a System V segment
-        (made again by the rollback, with the live one's id), those holding a POSIX
-        message queue (made again by the rollback: posix_mq.py), those with signal-driven
+        (made again by the rollback, with the live one's id), those with signal-driven
         I/O (held until their descriptors' owners exist: sigio.py) and captured parents and
         children (restored held, and adopted: adoption.py): restore(pre=...) gives birth
         to the processes from them. A TCP connection's or listener's sockets are made
@@ -1058,7 +1081,7 @@ class DeltaCR:
         attaching = {a.pid for s in state.sysv_shm for a in s.attached}
         recs = [r for r in state.records if not (r.threads > 1 and ids[r.pid][0] is None)
                 and not eventloop.watches_signalfd(r.loop) and not _abstract_name(r)
-                and r.pid not in attaching and not r.mqueues
+                and r.pid not in attaching
                 and r.pid not in state.family and r.pid not in state.adopters
                 and not r.sigio
                 and not ptys.holds_dev_tty(r)]
@@ -1502,10 +1525,9 @@ class _PipePlan:
                 for pid, fd in d.holders:
                     if pid == rec.pid:
                         out[fd] = self._made(i)[j]
-        if rec.mqueues:
-            if self.ipcns < 0:
-                raise Internal(f"pid {rec.nspid} holds POSIX message queues, but no IPC "
-                               "namespace was given to open them in")
+        if rec.mqueues and self.ipcns >= 0:
+            # (A carrier's plan, made ahead, has none: the rollback makes the queues, then
+            # gives the carrier their descriptors, DeltaCR._queues_to_carriers.)
             queues = posix_mq.open_held(self.ipcns, rec)
             self.loops += queues.values()
             out.update(queues)
@@ -2242,9 +2264,10 @@ def _spawn_args(state: ProcessState, plan: _PipePlan, rec: ProcessRecord,
     fdmap.update(ahead)
     fdmap.update(plan.file_fds(rec))
     cloexec = {f.fd for f in rec.fds if f.fd in fdmap and f.flags & os.O_CLOEXEC}
+    queues = {h.fd for h in rec.mqueues}   # "/NAME": not a path (posix_mq.py)
     files = [native.ReopenFile(f.fd, f.path, f.flags, -1 if f.rdev == DEV_TTY else f.pos)
              for f in rec.fds if f.kind in ("file", "dir", "chr") and not f.deleted
-             and f.fd not in fdmap]
+             and f.fd not in fdmap and f.fd not in queues]
     cwd, cwd_made = plan.cwd(rec)
     return _Spawn(state.templates[rec.pid], fdmap, files, cwd, mntfd,
                   [ls for ls in rec.listens if ls.fd not in ahead], cwd_made=cwd_made,

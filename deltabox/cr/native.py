@@ -69,7 +69,7 @@ import stat as _stat
 import threading
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Collection, Iterable, Iterator, Mapping, Sequence
 
 from .. import kernfs
 
@@ -332,6 +332,11 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.dbxcr_carrier_keep.restype = ctypes.c_int
     lib.dbxcr_carrier_kill.argtypes = [ctypes.c_void_p, err]
     lib.dbxcr_carrier_kill.restype = ctypes.c_int
+    lib.dbxcr_carrier_install_fds.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
+                                              ctypes.POINTER(ctypes.c_int),
+                                              ctypes.POINTER(ctypes.c_int), ctypes.c_size_t,
+                                              err]
+    lib.dbxcr_carrier_install_fds.restype = ctypes.c_int
     lib.dbxcr_jobs_new.argtypes = [err]
     lib.dbxcr_jobs_new.restype = ctypes.c_void_p
     lib.dbxcr_jobs_post.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Births), err]
@@ -1075,6 +1080,18 @@ class Carrier:
             _raise(err)
         self.child = pid
         return pid
+
+    def install_fds(self, fds: dict[int, int], cloexec: Collection[int]) -> None:
+        """Before birth: our descriptor at each of the process's fd numbers (`fds`: its fd
+        -> ours), close-on-exec for those in `cloexec`; its birth gets them. On failure
+        the carrier is in no known state: kill it."""
+        n = len(fds)
+        arr = ctypes.c_int * max(1, n)
+        err = _Err()
+        if _load().dbxcr_carrier_install_fds(
+                self._h(), arr(*fds.values()), arr(*fds.keys()),
+                arr(*[int(fd in cloexec) for fd in fds]), n, ctypes.byref(err)) < 0:
+            _raise(err)
 
     def keep(self) -> None:
         """After birth: drop the carrier's copies of the process's descriptors, keeping

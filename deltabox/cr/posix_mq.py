@@ -12,8 +12,9 @@ taken into a memfd of the daemon in the order a receiver gets them and sent back
 (mq_maxmsg, mq_msgsize), owner and mode. A restore, before any process is born, makes the
 target namespace's queues exactly those (any other unlinked), each filled again; a process
 that held a queue descriptor gets one on the made queue at the same number, with its
-access mode, O_NONBLOCK and close-on-exec (installed by its spawn: such a process gets no
-carrier, since the queue its carrier would open is made by the rollback).
+access mode, O_NONBLOCK and close-on-exec: installed by its spawn, or, for a process born
+from a carrier (spawned ahead, before the rollback made the queues), given to its carrier
+just before the birth (engine.DeltaCR._queues_to_carriers).
 
 Refused, naming the queue: one a process is registered for the notification of (mq_notify:
 taking and sending back its messages would fire it, and the registration is the process's

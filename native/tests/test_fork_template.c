@@ -1715,6 +1715,13 @@ static void test_carriers(void)
 
 	CHECK(dbxcr_carrier_keep(k, &err) < 0 && err.code == EINVAL, "keep before birth: %s",
 	      err.msg);
+	{	/* a descriptor given before the birth (a queue the rollback made): it gets it */
+		int gift = memfd_create("carrier-gift", MFD_CLOEXEC), target = 77, cloexec = 1;
+
+		CHECK(gift >= 0 && dbxcr_carrier_install_fds(k, &gift, &target, &cloexec, 1,
+							     &err) == 0, "install_fds: %s", err.msg);
+		close(gift);
+	}
 	/* The original still holds its pid: refused, and the carrier stays usable. */
 	orig_pid = orig.pid;
 	child = dbxcr_carrier_birth(k, &orig_pid, 1, 0, &err);
@@ -1779,6 +1786,23 @@ static void test_carriers(void)
 			n = readlink(a, cwd, sizeof(cwd) - 1);
 			cwd[n > 0 ? n : 0] = '\0';
 			CHECK(strcmp(cwd, "/tmp") == 0, "born cwd %s", cwd);
+			snprintf(a, sizeof(a), "/proc/%d/fd/77", child);
+			n = readlink(a, cwd, sizeof(cwd) - 1);
+			cwd[n > 0 ? n : 0] = '\0';
+			CHECK(strncmp(cwd, "/memfd:carrier-gift", 19) == 0, "fd 77: '%s'", cwd);
+			snprintf(a, sizeof(a), "/proc/%d/fdinfo/77", child);
+			FILE *fi = fopen(a, "re");
+			unsigned int fl = 0;
+			CHECK(fi && fscanf(fi, "pos: %*d flags: %o", &fl) == 1 && (fl & O_CLOEXEC),
+			      "fd 77's flags %o", fl);
+			if (fi)
+				fclose(fi);
+		}
+		{
+			int fd = 0, target = 78, cloexec = 0;
+
+			CHECK(dbxcr_carrier_install_fds(k, &fd, &target, &cloexec, 1, &err) < 0 &&
+			      err.code == EINVAL, "install_fds after the birth: %s", err.msg);
 		}
 		CHECK(dbxcr_carrier_birth(k, NULL, 0, 0, &err) < 0 && err.code == EINVAL,
 		      "second birth: %s", err.msg);
