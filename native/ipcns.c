@@ -4,10 +4,10 @@
  * (mq_open), belong to an IPC namespace, not to a process: a checkpoint of the sandbox's
  * files and processes does not hold them, a rollback would leave the live ones (their
  * values written after the checkpoint) and a fork's children, in a namespace of their
- * own, would find none.  The daemon counts them at a full checkpoint (refused while a
- * semaphore set or a POSIX queue exists) and removes those a rollback finds (made after its
- * checkpoint); shared memory segments and System V message queues it captures and makes
- * again (below).
+ * own, would find none.  The daemon counts them at a full checkpoint, removes those a
+ * rollback finds (made after its checkpoint), and captures every kind at the checkpoint
+ * and makes it again at each restore (below: segments, System V queues, semaphore sets,
+ * POSIX queues).
  *
  * The objects a task sees, and the *_INFO and *_STAT_ANY commands, are those of its own
  * IPC namespace (current->nsproxy), so a thread made for the call joins the sandbox's
