@@ -527,6 +527,13 @@ int dbxcr_ipcns_mq_make(int ipcns_fd, const struct dbxcr_posix_queue *queues, si
  * or -1 with err set and none left open. */
 int dbxcr_ipcns_mq_open(int ipcns_fd, const char *const *names, const int *flags, int *fds,
 			size_t n, struct dbxcr_error *err);
+/* Unlink the namespace's queues /names[i] (one gone already is no error).  0, or -1. */
+int dbxcr_ipcns_mq_unlink(int ipcns_fd, const char *const *names, size_t n,
+			  struct dbxcr_error *err);
+/* The queue open at q (a descriptor of ours, read-write: a queue a process holds that has
+ * no name any more, opened through /proc/PID/fd) into *out as mq_list fills it, keeping
+ * out->name (the name the restore gives it).  0, or -1 with err set. */
+int dbxcr_mq_capture_fd(int q, struct dbxcr_posix_queue *out, struct dbxcr_error *err);
 
 /* A System V semaphore set of an IPC namespace (ipcns.c).  sem_list fills these (fd: a
  * memfd of ours holding its nsems values, unsigned shorts in order; the caller closes it);

@@ -1219,12 +1219,33 @@ static int copy_posix_messages(struct ipcns_job *j, int q, const struct mq_attr 
 	return rc;
 }
 
+/* The queue open at q into pq (its name aside): sizes, owner, mode, the process
+ * registered for its notification, and (unless one is) a copy of its messages. */
+static int capture_queue(struct ipcns_job *j, int q, struct dbxcr_posix_queue *pq)
+{
+	struct mq_attr a;
+	struct stat st;
+
+	j->step = "mq_getattr";
+	if (mq_getattr(q, &a) < 0)
+		return -1;
+	j->step = "fstat";
+	if (fstat(q, &st) < 0)
+		return -1;
+	pq->mode = st.st_mode & 07777;
+	pq->uid = st.st_uid;
+	pq->gid = st.st_gid;
+	pq->maxmsg = a.mq_maxmsg;
+	pq->msgsize = a.mq_msgsize;
+	if (notify_pid(j, q, &pq->notify_pid) < 0)
+		return -1;
+	return pq->notify_pid ? 0 : copy_posix_messages(j, q, &a, pq);
+}
+
 static int list_posix_queue(struct ipcns_job *j, int dir, const char *name)
 {
 	struct dbxcr_posix_queue *pq;
-	struct mq_attr a;
-	struct stat st;
-	int q, rc = -1;
+	int q, rc;
 
 	if (j->n == j->max) {
 		errno = ENOSPC;
@@ -1244,23 +1265,7 @@ static int list_posix_queue(struct ipcns_job *j, int dir, const char *name)
 	if (q < 0)
 		return errno == ENOENT ? 0 : -1;   /* unlinked meanwhile: not listed */
 	j->n++;  /* its fd is closed by the caller on failure */
-	j->step = "mq_getattr";
-	if (mq_getattr(q, &a) < 0)
-		goto out;
-	j->step = "fstat";
-	if (fstat(q, &st) < 0)
-		goto out;
-	pq->mode = st.st_mode & 07777;
-	pq->uid = st.st_uid;
-	pq->gid = st.st_gid;
-	pq->maxmsg = a.mq_maxmsg;
-	pq->msgsize = a.mq_msgsize;
-	if (notify_pid(j, q, &pq->notify_pid) < 0)
-		goto out;
-	rc = pq->notify_pid ? 0 : copy_posix_messages(j, q, &a, pq);
-out:
-	if (rc < 0)
-		rc = -1;
+	rc = capture_queue(j, q, pq);
 	int saved = errno;
 	close(q);
 	errno = saved;
@@ -1402,6 +1407,52 @@ static void mq_open_job(struct ipcns_job *j)
 	if (j->code)
 		while (i-- > 0)
 			close(j->fds[i]);
+}
+
+/* Unlink the j->n queues named (those made only for their holders to open). */
+static void mq_unlink_job(struct ipcns_job *j)
+{
+	char path[DBXCR_MQ_NAME + 1];
+
+	j->step = "mq_unlink";
+	for (size_t i = 0; i < j->n; i++) {
+		snprintf(path, sizeof(path), "/%s", j->names[i]);
+		if (mq_unlink(path) < 0 && errno != ENOENT) {
+			j->code = errno;
+			j->name = j->names[i];
+			return;
+		}
+	}
+}
+
+int dbxcr_ipcns_mq_unlink(int ipcns_fd, const char *const *names, size_t n,
+			  struct dbxcr_error *err)
+{
+	struct ipcns_job j = { .ipcns_fd = ipcns_fd, .work = mq_unlink_job, .id = -1,
+			       .names = names, .n = n };
+
+	return run_job(&j, err);
+}
+
+int dbxcr_mq_capture_fd(int q, struct dbxcr_posix_queue *out, struct dbxcr_error *err)
+{
+	struct ipcns_job j = { .id = -1 };
+	char name[DBXCR_MQ_NAME];
+
+	clear_error(err);
+	memcpy(name, out->name, sizeof(name));
+	*out = (struct dbxcr_posix_queue){ .fd = -1 };
+	memcpy(out->name, name, sizeof(name));
+	if (capture_queue(&j, q, out) < 0) {
+		int saved = errno;
+
+		if (out->fd >= 0)
+			close(out->fd);
+		out->fd = -1;
+		return fail(err, saved, current_tid(), "POSIX message queue (fd %d, to be /%.*s): "
+			    "%s", q, DBXCR_MQ_NAME - 1, name, j.step);
+	}
+	return 0;
 }
 
 int dbxcr_ipcns_mq_list(int ipcns_fd, struct dbxcr_posix_queue *out, size_t max, size_t *n,

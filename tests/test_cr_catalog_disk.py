@@ -69,6 +69,7 @@ from test_cr import (  # noqa: F401  (the catalog's cases, run here with the dis
     test_system_v_semaphore_sets_come_back_with_their_values,
     test_ipc_objects_no_process_holds_come_back_when_nothing_runs,
     test_posix_message_queues_come_back_with_their_messages,
+    test_a_private_posix_queue_comes_back_with_its_holder,
     test_big_shared_memory_mostly_unwritten_comes_back, test_postgresql_comes_back,
     test_mariadb_comes_back, test_redis_comes_back_with_a_client_blocked_in_it,
     test_threads_interrupted_twice_wait_on_after_a_restore,

@@ -481,8 +481,9 @@ MQUEUE_MAGIC = 0x19800202   # statfs f_type of an mqueue file system
 
 def is_posix_queue(pid: int, f: native.FdInfo) -> bool:
     """Whether descriptor f of process pid is a POSIX message queue's (mq_open): a file
-    named "/NAME" on no mount of the process (the namespace's own mqueue file system)."""
-    if f.kind != "file" or f.deleted or not f.path.startswith("/") or "/" in f.path[1:]:
+    named "/NAME" on no mount of the process (the namespace's own mqueue file system),
+    unlinked since or not."""
+    if f.kind != "file" or not f.path.startswith("/") or "/" in f.path[1:]:
         return False
     try:
         return kernfs.fs_type(f"/proc/{pid}/fd/{f.fd}") == MQUEUE_MAGIC

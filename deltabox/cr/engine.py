@@ -727,7 +727,9 @@ class DeltaCR:
             _need_ipcns(target_ipc, "POSIX message queues")
             posix_mq.make(target_ipc, state.posix_mq)
         plan = pre.plan if pre is not None else _plan(state, rootfd, mntfd)
-        plan.ipcns = target_ipc   # where its holders' queue descriptors are opened
+        if state.posix_mq:   # every holder's descriptors, opened before the queues made
+            plan.queue_fds = posix_mq.open_held(target_ipc, state.records, state.posix_mq)
+            plan.loops += plan.queue_fds.values()   # for their holders alone go
         plan.arm()  # a prespawned plan's timers start now, with the rollback
         out = Restored({}, {}, [], note=note)
         groups: dict[int, int] = {}          # host pgid at checkpoint -> pgid in the target
@@ -770,7 +772,7 @@ class DeltaCR:
                          if r.pid in pre.carriers and pre.stale(r, changed.get(r.pid, []))]
                 if stale:
                     await self.kill_carriers(stale)
-                await self._queues_to_carriers(records, pre, target_ipc)
+                await self._queues_to_carriers(records, pre, plan)
             await take_addresses()  # carriers' connections and listeners
             if into is None and pre is not None:
                 born = await self._births(records, pre, victims)
@@ -987,7 +989,7 @@ class DeltaCR:
         return True
 
     async def _queues_to_carriers(self, records: list[ProcessRecord], pre: Prespawned,
-                                  ipcns: int) -> None:
+                                  plan: _PipePlan) -> None:
         """Processes born from carriers get their POSIX queue descriptors from them: the
         queues are this restore's, made after the carriers were spawned, so each carrier
         is given them now (native.Carrier.install_fds). A carrier that fails is killed
@@ -996,7 +998,7 @@ class DeltaCR:
             carrier = pre.carriers.get(rec.pid)
             if carrier is None or not rec.mqueues:
                 continue
-            fds = posix_mq.open_held(ipcns, rec)
+            fds = {h.fd: plan.queue_fds[(rec.pid, h.fd)] for h in rec.mqueues}
             try:
                 cloexec = {f.fd for f in rec.fds if f.fd in fds and f.flags & os.O_CLOEXEC}
                 await self.worker.run(carrier.install_fds, fds, cloexec)
@@ -1005,9 +1007,6 @@ class DeltaCR:
                             carrier.pid, rec.nspid, e)
                 del pre.carriers[rec.pid]
                 await self.kill_carriers([carrier])
-            finally:
-                for fd in fds.values():
-                    os.close(fd)
 
     async def _births(self, records: list[ProcessRecord], pre: Prespawned,
                       victims: list[int] | None) -> dict[int, int | native.CRError]:
@@ -1298,7 +1297,8 @@ class _PipePlan:
         self.listeners_of: dict[int, dict[int, int]] = {}   # pid -> its listeners made here
         self.fresh: dict[int, tuple[int, int]] = {}
         self.loops: list[int] = []     # our copies of objects made (loop_fds, file_fds)
-        self.ipcns = -1   # a pidfd in the target's IPC namespace (file_fds: POSIX queues)
+        # (record pid, fd) -> our descriptor of the POSIX queue the restore made for it
+        self.queue_fds: dict[tuple[int, int], int] = {}
         self.files = files             # deleted-but-open files, made in rootfd's tree
         self.rootfd = rootfd
         self.made: dict[int, dict[int, int]] = {}   # index in files -> its descriptions'
@@ -1525,12 +1525,10 @@ class _PipePlan:
                 for pid, fd in d.holders:
                     if pid == rec.pid:
                         out[fd] = self._made(i)[j]
-        if rec.mqueues and self.ipcns >= 0:
-            # (A carrier's plan, made ahead, has none: the rollback makes the queues, then
-            # gives the carrier their descriptors, DeltaCR._queues_to_carriers.)
-            queues = posix_mq.open_held(self.ipcns, rec)
-            self.loops += queues.values()
-            out.update(queues)
+        # (A carrier's plan, made ahead, has none yet: the rollback makes the queues, then
+        # gives the carrier their descriptors, DeltaCR._queues_to_carriers.)
+        out.update({h.fd: self.queue_fds[(rec.pid, h.fd)] for h in rec.mqueues
+                    if (rec.pid, h.fd) in self.queue_fds})
         for fd, i in shared_files.holders_of(self.shared, rec.pid).items():
             if i not in self.shared_made:
                 s = self.shared[i]

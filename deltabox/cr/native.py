@@ -391,6 +391,11 @@ def _bind(lib: ctypes.CDLL) -> None:
                                         ctypes.POINTER(ctypes.c_int),
                                         ctypes.POINTER(ctypes.c_int), ctypes.c_size_t, err]
     lib.dbxcr_ipcns_mq_open.restype = ctypes.c_int
+    lib.dbxcr_ipcns_mq_unlink.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p),
+                                          ctypes.c_size_t, err]
+    lib.dbxcr_ipcns_mq_unlink.restype = ctypes.c_int
+    lib.dbxcr_mq_capture_fd.argtypes = [ctypes.c_int, ctypes.POINTER(_PosixQueue), err]
+    lib.dbxcr_mq_capture_fd.restype = ctypes.c_int
     lib.dbxcr_held_set_prctls.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Prctls), err]
     lib.dbxcr_held_set_prctls.restype = ctypes.c_int
     lib.dbxcr_held_install_fd.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
@@ -2064,6 +2069,24 @@ def open_posix_queues(ipcns_fd: int, queues: Sequence[tuple[str, int]]) -> list[
     if _load().dbxcr_ipcns_mq_open(ipcns_fd, names, flags, fds, n, ctypes.byref(err)) < 0:
         _raise(err)
     return list(fds[:n])
+
+
+def unlink_posix_queues(ipcns_fd: int, names: Sequence[str]) -> None:
+    """Unlink the IPC namespace's queues `names` (one gone already is no error)."""
+    arr = (ctypes.c_char_p * max(1, len(names)))(*[_c_value(n) for n in names])
+    err = _Err()
+    if _load().dbxcr_ipcns_mq_unlink(ipcns_fd, arr, len(names), ctypes.byref(err)) < 0:
+        _raise(err)
+
+
+def capture_posix_queue(fd: int, name: str) -> PosixQueue:
+    """The queue open at our descriptor `fd` (read-write), as posix_queues lists one, to
+    be made again as /`name`: its messages taken and sent back."""
+    out = _PosixQueue(_c_value(name))
+    err = _Err()
+    if _load().dbxcr_mq_capture_fd(fd, ctypes.byref(out), ctypes.byref(err)) < 0:
+        _raise(err)
+    return PosixQueue(**{f.name: getattr(out, f.name) for f in fields(PosixQueue)})
 
 
 def fds(pid: int) -> list[FdInfo]:

@@ -16,11 +16,16 @@ access mode, O_NONBLOCK and close-on-exec: installed by its spawn, or, for a pro
 from a carrier (spawned ahead, before the rollback made the queues), given to its carrier
 just before the birth (engine.DeltaCR._queues_to_carriers).
 
+A queue unlinked while processes hold it (a private queue: mq_open, then mq_unlink) has
+no name: it is captured through a holder's /proc/PID/fd, made again under a name of ours
+(UNLINKED + its inode number), its holders' descriptors opened on it before any process
+is born, then unlinked again.
+
 Refused, naming the queue: one a process is registered for the notification of (mq_notify:
 taking and sending back its messages would fire it, and the registration is the process's
-kernel state), one holding more than unlinked.MAX_BYTES of messages; a descriptor of a
-queue unlinked while open is refused by unlinked.py. Not kept: the times, and a
-description shared by two descriptors (each gets its own: only O_NONBLOCK lives there).
+kernel state), one holding more than unlinked.MAX_BYTES of messages. Not kept: the times,
+and a description shared by two descriptors (each gets its own: only O_NONBLOCK lives
+there).
 A made queue is charged to the daemon's user (root) within the daemon's RLIMIT_MSGQUEUE.
 """
 
@@ -35,6 +40,7 @@ from .capture import ProcessRecord, Refusal, is_posix_queue
 from .unlinked import MAX_BYTES
 
 Queue = native.PosixQueue
+UNLINKED = "dbx-unlinked-"   # the name a queue unlinked while held is made again under
 
 
 @dataclass(frozen=True)
@@ -48,14 +54,48 @@ class HeldQueue:
 def held(records: list[ProcessRecord]) -> None:
     """Fill each record's `mqueues` from its descriptors."""
     for rec in records:
-        rec.mqueues = [HeldQueue(f.fd, f.path[1:], f.flags) for f in rec.fds
+        rec.mqueues = [HeldQueue(f.fd, _name(rec.pid, f), f.flags) for f in rec.fds
                        if is_posix_queue(rec.pid, f)]
+
+
+def _name(pid: int, f: native.FdInfo) -> str:
+    """The queue's name, or for one unlinked, the name it is made again under."""
+    if not f.deleted:
+        return f.path[1:]
+    return f"{UNLINKED}{os.stat(f'/proc/{pid}/fd/{f.fd}').st_ino}"
+
+
+def _capture_unlinked(records: list[ProcessRecord], named: set[str]) -> list[Queue]:
+    """The queues the processes hold that have no name, each copied once through one
+    holder's descriptor."""
+    out: list[Queue] = []
+    try:
+        for rec in records:
+            for h in rec.mqueues:
+                if not h.name.startswith(UNLINKED) or h.name in named:
+                    continue
+                fd = os.open(f"/proc/{rec.pid}/fd/{h.fd}", os.O_RDWR | os.O_NONBLOCK |
+                             os.O_CLOEXEC)
+                try:
+                    out.append(native.capture_posix_queue(fd, h.name))
+                finally:
+                    os.close(fd)
+                named.add(h.name)
+    except BaseException:
+        close_saved(out)
+        raise
+    return out
 
 
 def capture(ipcns_fd: int, records: list[ProcessRecord]) -> tuple[list[Queue], list[Refusal]]:
     """Every queue of the IPC namespace `ipcns_fd` (a pidfd of a process in it) with a copy
     of its messages, the processes stopped; or the reasons it cannot be."""
     queues = native.posix_queues(ipcns_fd)
+    try:
+        queues += _capture_unlinked(records, {q.name for q in queues})
+    except BaseException:
+        close_saved(queues)
+        raise
     by_pid = {r.pid: r for r in records}
     refused = []
     for q in queues:
@@ -95,11 +135,22 @@ def make(ipcns_fd: int, queues: list[Queue]) -> None:
                              f"again failed ({e})") from None
 
 
-def open_held(ipcns_fd: int, rec: ProcessRecord) -> dict[int, int]:
-    """Descriptors of the made queues for rec's, by its fd numbers (the caller's to
-    close)."""
-    fds = native.open_posix_queues(ipcns_fd, [(h.name, h.flags) for h in rec.mqueues])
-    return {h.fd: fd for h, fd in zip(rec.mqueues, fds)}
+def open_held(ipcns_fd: int, records: list[ProcessRecord],
+              queues: list[Queue]) -> dict[tuple[int, int], int]:
+    """Descriptors of the made queues for every process's, by (record pid, its fd) (the
+    caller's to close); then the queues made only for their holders (unlinked at the
+    checkpoint) are unlinked again."""
+    held = [(rec.pid, h) for rec in records for h in rec.mqueues]
+    fds = native.open_posix_queues(ipcns_fd, [(h.name, h.flags) for _, h in held])
+    out = {(pid, h.fd): fd for (pid, h), fd in zip(held, fds)}
+    try:
+        native.unlink_posix_queues(ipcns_fd, [q.name for q in queues
+                                              if q.name.startswith(UNLINKED)])
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return out
 
 
 def close_saved(queues: list[Queue]) -> None:

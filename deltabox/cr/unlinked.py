@@ -15,8 +15,8 @@ original's mode and owner. Each open file description comes back with its flags 
 offset, shared by the descriptors (and processes) that shared it, and each shared mapping
 is mapped again from it at its address, offset and protection, so processes that shared
 memory share the new object. Refused: an object of a file system that is neither the
-sandbox's tree nor memory (a POSIX message queue unlinked while open, a Linux AIO
-context's ring: their content is no file's), a file some descriptor holds while another
+sandbox's tree nor memory (a Linux AIO context's ring: its content is no file's; a POSIX
+message queue unlinked while open is posix_mq.py's), a file some descriptor holds while another
 holds its path (a hard link left), a file whose directory is gone too, and a deleted file
 mapped privately as well (its private pages would not follow the new file). What is not
 preserved: the new object's name in /proc/PID/fd and maps (a memfd shows as
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from .. import kernfs
 from ..fs.files import open_in_root
 from . import native
-from .capture import MQUEUE_MAGIC, ProcessRecord, Refusal, SharedMapping
+from .capture import MQUEUE_MAGIC, ProcessRecord, Refusal, SharedMapping, is_posix_queue
 
 MAX_BYTES = 64 << 20
 # statfs f_type of the file systems whose unlinked objects are copied: the sandbox's tree
@@ -117,7 +117,7 @@ def capture(records: list[ProcessRecord]) -> tuple[list[UnlinkedFile], list[Refu
 
     for rec in records:
         for f in rec.fds:
-            if f.kind == "file" and f.deleted:
+            if f.kind == "file" and f.deleted and not is_posix_queue(rec.pid, f):
                 holding(f"/proc/{rec.pid}/fd/{f.fd}", f.path).fds.append((rec, f))
         for m in rec.shared:
             if m.copyable:

@@ -4111,6 +4111,35 @@ static void test_ipcns_posix(void)
 	CHECK(dbxcr_ipcns_mq_make(pidfd, qs, 1, &err) < 0 && err.code == EIO &&
 	      strstr(err.msg, "POSIX message queue /jobs") != NULL &&
 	      strstr(err.msg, "cut short") != NULL, "a cut copy: %d %s", err.code, err.msg);
+	/* A queue through a descriptor of ours (one unlinked while held): the same copy,
+	 * the queue left as it was; then unlinked by name. */
+	qs[0].fd = msgs;
+	CHECK(dbxcr_ipcns_mq_make(pidfd, qs, 1, &err) == 0, "make again: %s", err.msg);
+	q = mq_open_in(pidfd, "jobs", O_RDWR | O_NONBLOCK, &err);
+	{
+		struct dbxcr_posix_queue one = { .name = "dbx-unlinked-1" };
+
+		CHECK(q >= 0 && dbxcr_mq_capture_fd(q, &one, &err) == 0 &&
+		      !strcmp(one.name, "dbx-unlinked-1") && one.count == 4 && one.bytes == 3 &&
+		      one.maxmsg == 8 && one.mode == 0640 && one.uid == 1000 && one.fd >= 0 &&
+		      pread(one.fd, copy, sizeof(copy), 0) == 67 &&
+		      pread(msgs, taken, sizeof(taken), 0) == 67 && !memcmp(copy, taken, 67),
+		      "capture_fd: %s", err.msg);
+		if (one.fd >= 0)
+			close(one.fd);
+	}
+	if (q >= 0)
+		close(q);
+	take_all(pidfd, "jobs", taken, sizeof(taken));
+	CHECK(!strcmp(taken, "5:b,5:d,1:a,1:,"), "after capture_fd: %s", taken);
+	{
+		const char *gone[2] = { "jobs", "never-made" };
+
+		CHECK(dbxcr_ipcns_mq_unlink(pidfd, gone, 2, &err) == 0 &&
+		      mq_open_in(pidfd, "jobs", O_RDONLY, &err) < 0 && err.code == ENOENT,
+		      "mq_unlink: %s", err.msg);
+	}
+	CHECK(dbxcr_ipcns_mq_make(pidfd, qs, 1, &err) == 0, "make a third time: %s", err.msg);
 	/* Someone registered for a notification: listed with its pid, not read. */
 	q = mq_open_in(pidfd, "jobs", O_RDONLY, &err);
 	struct sigevent ev = { .sigev_notify = SIGEV_SIGNAL, .sigev_signo = SIGUSR1 };
