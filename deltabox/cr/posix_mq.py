@@ -103,13 +103,13 @@ def capture(ipcns_fd: int, records: list[ProcessRecord]) -> tuple[list[Queue], l
             rec = by_pid.get(q.notify_pid)
             refused.append(Refusal(
                 rec.nspid if rec else 0, rec.cmd if rec else "the sandbox's IPC namespace",
-                f"POSIX message queue /{q.name}: " + ("it" if rec else "a process") +
+                f"{_what(q.name)}: " + ("it" if rec else "a process") +
                 " is registered for its notification (mq_notify), which is not captured; "
                 "checkpoint once the notification has fired or been cancelled "
                 "(mq_notify(q, NULL))"))
         elif q.bytes > MAX_BYTES:
             refused.append(Refusal(0, "the sandbox's IPC namespace",
-                                   f"POSIX message queue /{q.name}: {q.bytes} bytes of "
+                                   f"{_what(q.name)}: {q.bytes} bytes of "
                                    f"messages (more than {MAX_BYTES >> 20} MiB are not "
                                    "captured)"))
     names = {q.name for q in queues}
@@ -123,6 +123,13 @@ def capture(ipcns_fd: int, records: list[ProcessRecord]) -> tuple[list[Queue], l
         close_saved(queues)
         return [], refused
     return queues, []
+
+
+def _what(name: str) -> str:
+    """The queue as a refusal names it."""
+    if name.startswith(UNLINKED):
+        return "a POSIX message queue unlinked while open"
+    return f"POSIX message queue /{name}"
 
 
 def make(ipcns_fd: int, queues: list[Queue]) -> None:
