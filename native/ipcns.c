@@ -170,13 +170,13 @@ static int mqueue_mount(void)
 	return mnt;
 }
 
-/* Count the namespace's POSIX message queues into j->out (their names too); with clear,
- * unlink each instead (one unlinked meanwhile is no error: a queue still open lives on
- * for its holders, nameless, as after mq_unlink).  0, or -1 with errno set. */
-static int posix_queues(struct ipcns_job *j, bool clear)
+/* Call fn(j, dir, name) for each queue of the mqueue file system whose root `root` is
+ * (opened again: a listing of its own from the start) until one fails (its name then in
+ * j->name).  0, or -1 with errno set. */
+static int each_queue_in(struct ipcns_job *j, int root,
+			 int (*fn)(struct ipcns_job *j, int dir, const char *name))
 {
-	/* The caller's directory, opened again: a listing of its own from the start. */
-	int dir = openat(j->mq_dir, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	int dir = openat(root, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
 	struct dirent *e;
 	DIR *d;
 
@@ -187,18 +187,14 @@ static int posix_queues(struct ipcns_job *j, bool clear)
 		errno = saved;
 		return -1;
 	}
-	j->out.posix_queues = 0;
-	j->out.posix_names[0] = '\0';
 	errno = 0;
 	while ((e = readdir(d))) {
 		if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
 			continue;
-		if (clear) {
-			if (unlinkat(dirfd(d), e->d_name, 0) < 0 && errno != ENOENT)
-				break;
-		} else {
-			j->out.posix_queues++;
-			add_name(j->out.posix_names, sizeof(j->out.posix_names), e->d_name);
+		if (fn(j, dirfd(d), e->d_name) < 0) {
+			snprintf(j->failed, sizeof(j->failed), "%s", e->d_name);
+			j->name = j->failed;
+			break;
 		}
 		errno = 0;
 	}
@@ -206,6 +202,32 @@ static int posix_queues(struct ipcns_job *j, bool clear)
 	closedir(d);
 	errno = saved;
 	return saved ? -1 : 0;
+}
+
+/* Unlink one queue (one unlinked meanwhile is no error: a queue still open lives on for
+ * its holders, nameless, as after mq_unlink). */
+static int unlink_posix_queue(struct ipcns_job *j, int dir, const char *name)
+{
+	j->step = "unlink a POSIX message queue";
+	return unlinkat(dir, name, 0) == 0 || errno == ENOENT ? 0 : -1;
+}
+
+static int count_posix_queue(struct ipcns_job *j, int dir, const char *name)
+{
+	(void)dir;
+	j->out.posix_queues++;
+	add_name(j->out.posix_names, sizeof(j->out.posix_names), name);
+	return 0;
+}
+
+/* Count the namespace's POSIX message queues into j->out (their names too), listed in the
+ * caller's directory j->mq_dir; with clear, unlink each instead.  0, or -1 with errno
+ * set. */
+static int posix_queues(struct ipcns_job *j, bool clear)
+{
+	j->out.posix_queues = 0;
+	j->out.posix_names[0] = '\0';
+	return each_queue_in(j, j->mq_dir, clear ? unlink_posix_queue : count_posix_queue);
 }
 
 /* The root of the namespace's mqueue file system, opened through a mount made for the
@@ -1278,50 +1300,21 @@ static void each_posix_queue(struct ipcns_job *j,
 			     int (*fn)(struct ipcns_job *j, int dir, const char *name))
 {
 	int mnt = mqueue_mount();
-	int dir = -1;
-	struct dirent *e;
-	DIR *d = NULL;
 
-	j->step = "mount the namespace's mqueue file system (detached)";
-	if (mnt >= 0) {
-		j->step = "open the mqueue file system's root";
-		dir = openat(mnt, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-		close(mnt);
-	}
-	if (dir >= 0 && !(d = fdopendir(dir)))
-		close(dir);
-	if (!d) {
+	if (mnt < 0) {
 		j->code = errno;
+		j->step = "mount the namespace's mqueue file system (detached)";
 		return;
 	}
-	errno = 0;
-	while ((e = readdir(d))) {
-		if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
-			continue;
-		if (fn(j, dirfd(d), e->d_name) < 0) {
-			j->code = errno;
-			snprintf(j->failed, sizeof(j->failed), "%s", e->d_name);
-			j->name = j->failed;
-			break;
-		}
-		errno = 0;
-	}
-	if (!j->code && errno) {
+	j->step = "list the POSIX message queues";
+	if (each_queue_in(j, mnt, fn) < 0)
 		j->code = errno;
-		j->step = "list the POSIX message queues";
-	}
-	closedir(d);
+	close(mnt);
 }
 
 static void mq_list(struct ipcns_job *j)
 {
 	each_posix_queue(j, list_posix_queue);
-}
-
-static int unlink_posix_queue(struct ipcns_job *j, int dir, const char *name)
-{
-	j->step = "unlink a POSIX message queue";
-	return unlinkat(dir, name, 0) == 0 || errno == ENOENT ? 0 : -1;
 }
 
 /* A queue as pq has it: made with its name and sizes, filled, then given its owner and

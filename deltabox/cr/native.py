@@ -1963,8 +1963,12 @@ def _ipc_list(fn: str, struct: Any, cls: Any, most: int, ipcns_fd: int) -> list[
     n, err = ctypes.c_size_t(), _Err()
     if getattr(_load(), fn)(ipcns_fd, out, most, ctypes.byref(n), ctypes.byref(err)) < 0:
         _raise(err)
-    names = [f.name for f in fields(cls)]
-    return [cls(**{name: getattr(c, name) for name in names}) for c in out[:n.value]]
+    return [_from_struct(cls, c) for c in out[:n.value]]
+
+
+def _from_struct(cls: Any, c: Any) -> Any:
+    """A `cls` dataclass from a struct with its fields."""
+    return cls(**{f.name: getattr(c, f.name) for f in fields(cls)})
 
 
 def _c_value(v: Any) -> Any:
@@ -2086,7 +2090,7 @@ def capture_posix_queue(fd: int, name: str) -> PosixQueue:
     err = _Err()
     if _load().dbxcr_mq_capture_fd(fd, ctypes.byref(out), ctypes.byref(err)) < 0:
         _raise(err)
-    return PosixQueue(**{f.name: getattr(out, f.name) for f in fields(PosixQueue)})
+    return _from_struct(PosixQueue, out)
 
 
 def fds(pid: int) -> list[FdInfo]:

@@ -24,6 +24,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -464,11 +465,11 @@ class Dumps:
             for f in meta.get("sysv_shm", []):
                 segments.append(_segment_from(f, d))
             for f in meta.get("sysv_msg", []):
-                queues.append(_queue_from(f, d))
+                queues.append(_ipc_from(sysv_msg.Queue, f, d))
             for f in meta.get("sysv_sem", []):
-                sets.append(_set_from(f, d))
+                sets.append(_ipc_from(sysv_sem.Set, f, d))
             for f in meta.get("posix_mq", []):   # before stop 71: none
-                pqueues.append(_posix_queue_from(f, d))
+                pqueues.append(_ipc_from(posix_mq.Queue, f, d))
             for f in meta.get("fifos", []):
                 named_pipes.append(_fifo_from(f, d))
         except BaseException:
@@ -638,27 +639,13 @@ def _segment_from(f: dict, d: Path) -> sysv_shm.Segment:
     return s
 
 
-def _queue_from(f: dict, d: Path) -> sysv_msg.Queue:
-    """A System V message queue of a dump, its messages back in a memfd."""
-    q = sysv_msg.Queue(f["id"], f["key"], f["mode"], f["uid"], f["gid"], f["qbytes"],
-                       f["count"], f["bytes"])
-    q.fd = _memfd_of(dict(f, size=q.size), d)
-    return q
-
-
-def _posix_queue_from(f: dict, d: Path) -> posix_mq.Queue:
-    """A POSIX message queue of a dump, its messages back in a memfd."""
-    q = posix_mq.Queue(f["name"], f["mode"], f["uid"], f["gid"], f["maxmsg"], f["msgsize"],
-                       f["count"], f["bytes"])
-    q.fd = _memfd_of(dict(f, size=q.size), d)
-    return q
-
-
-def _set_from(f: dict, d: Path) -> sysv_sem.Set:
-    """A System V semaphore set of a dump, its values back in a memfd."""
-    s = sysv_sem.Set(f["id"], f["key"], f["mode"], f["uid"], f["gid"], f["nsems"])
-    s.fd = _memfd_of(dict(f, size=s.size), d)
-    return s
+def _ipc_from(cls: Any, f: dict, d: Path) -> Any:
+    """A System V message queue or semaphore set, or a POSIX message queue, of a dump (its
+    fields as _write_copies wrote them), its copy back in a memfd."""
+    x = cls(**{k.name: f[k.name] for k in dataclasses.fields(cls)
+               if k.name != "fd" and k.name in f})
+    x.fd = _memfd_of(dict(f, size=x.size), d)
+    return x
 
 
 def _unlinked_from(f: dict, d: Path) -> unlinked.UnlinkedFile:
