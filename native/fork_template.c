@@ -3973,8 +3973,11 @@ static int zombie_exits(struct tracee *z, unsigned long scratch, int status,
 
 		if (prlimit(z->pid, RLIMIT_CORE, &none, NULL) < 0)
 			return fail(err, errno, z->pid, "prlimit(RLIMIT_CORE, 0)");
-		if (mem_write(z->pid, scratch, dfl, sizeof(dfl), err) < 0 ||
-		    rsys(z, SYS_rt_sigaction, a, err, "rt_sigaction(%d, SIG_DFL)", sig) < 0)
+		/* SIGKILL's action is the default, always: the kernel refuses to set it
+		 * (EINVAL), and a child killed by it (an agent's timeout) is common. */
+		if (sig != SIGKILL &&
+		    (mem_write(z->pid, scratch, dfl, sizeof(dfl), err) < 0 ||
+		     rsys(z, SYS_rt_sigaction, a, err, "rt_sigaction(%d, SIG_DFL)", sig) < 0))
 			return -1;
 		/* Handed back at the detach, from the injected call's signal-delivery-stop
 		 * (queued again instead if blocked: nothing is). */

@@ -213,17 +213,24 @@ def _quiet(e: TurnEffects) -> str:
     return ""
 
 
-def _wait_blocked(pid: int, nr: int = 0, timeout: float = 10) -> None:
-    """Until process `pid` sleeps in system call `nr` (0: read)."""
+def _wait_blocked(pid: int, nr: int = 0, fd: int = 0, timeout: float = 10) -> None:
+    """Until process `pid` sleeps (state S) in system call `nr` on `fd` (0, 0: a read of
+    stdin). The state and the fd matter: /proc/PID/syscall still shows the read a stopped
+    process was taken out of (it re-enters it only once continued), and bash reads its
+    locale.alias at startup: a stand-in stopped in that read runs on to read stdin, which
+    the inspector rightly reports as running (the likely cause of a CI failure at stop 71,
+    not reproduced here)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if Path(f"/proc/{pid}/syscall").read_text().split()[0] == str(nr):
+            call = Path(f"/proc/{pid}/syscall").read_text().split()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state == "S" and call[:2] == [str(nr), hex(fd)]:
                 return
         except (OSError, IndexError):
             pass
         time.sleep(0.005)
-    raise AssertionError(f"pid {pid} did not block in syscall {nr}")
+    raise AssertionError(f"pid {pid} did not block in syscall {nr} on fd {fd}")
 
 
 def _wait_idle(pid: int, timeout: float = 20) -> None:

@@ -564,7 +564,8 @@ static bool exited_as(pid_t pid, const char *comm, int status)
 
 /* held_zombie: a held process gets back children that had exited and not been waited for
  * (zombies) with their pids, names and wait statuses, an exit code and a death by a
- * signal (no core dump); a status with a core dump is refused, nothing made. */
+ * signal (SIGTERM, and SIGKILL, whose action cannot be set; no core dump); a status
+ * with a core dump is refused, nothing made. */
 static void test_held_zombie(void)
 {
 	struct dbxcr_error err;
@@ -572,7 +573,7 @@ static void test_held_zombie(void)
 	struct dbxcr_held *hp = NULL;
 	struct proc host = { -1, -1, -1 };
 	struct dbxcr_spawn_opts o = { .mntns_fd = -1, .pidns_fd = -1, .ns_pidfd = -1 };
-	pid_t parent = -1, z1 = free_pid(), z2 = -1, z3 = -1;
+	pid_t parent = -1, z1 = free_pid(), z2 = -1, z3 = -1, z4 = -1;
 
 	current_test = "held_zombie";
 	if (z1 <= 0 || start_target("host", &host) < 0) {
@@ -581,6 +582,7 @@ static void test_held_zombie(void)
 	}
 	z2 = z1 + 1;
 	z3 = z1 + 2;
+	z4 = z1 + 3;
 	th = dbxcr_make_template(host.pid, &err);
 	CHECK(th != NULL, "make_template: %s", err.msg);
 	if (!th)
@@ -593,10 +595,13 @@ static void test_held_zombie(void)
 	CHECK(dbxcr_held_zombie(hp, z2, SIGTERM, "killed", &err) == 0, "SIGTERM: %s", err.msg);
 	CHECK(dbxcr_held_zombie(hp, z3, SIGSEGV | 0x80, "cored", &err) < 0 && err.code == EINVAL,
 	      "a core dump's status: %d (%s)", err.code, err.msg);
+	CHECK(dbxcr_held_zombie(hp, z4, SIGKILL, "timedout", &err) == 0, "SIGKILL: %s", err.msg);
 	CHECK(zombie_of(z1, parent) && exited_as(z1, "exited", 7 << 8),
 	      "pid %d: a zombie of %d, exited with 7", (int)z1, (int)parent);
 	CHECK(zombie_of(z2, parent) && exited_as(z2, "killed", SIGTERM),
 	      "pid %d: a zombie of %d, killed by SIGTERM", (int)z2, (int)parent);
+	CHECK(zombie_of(z4, parent) && exited_as(z4, "timedout", SIGKILL),
+	      "pid %d: a zombie of %d, killed by SIGKILL", (int)z4, (int)parent);
 	CHECK(ppid_of(z3) < 0, "pid %d was made for a status it refused", (int)z3);
 	CHECK(dbxcr_held_release(hp, &err) == 0, "release the parent: %s", err.msg);
 	hp = NULL;
