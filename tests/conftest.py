@@ -48,6 +48,27 @@ def build_libdbxcr(prefix: str) -> Path:
                     "-D_GNU_SOURCE", "-fPIC", "-shared", "-pthread", "-o", str(lib),
                     *(str(ROOT / "native" / s) for s in LIBDBXCR_SOURCES)], check=True)
     return lib
+_PYTEST_PID = os.getpid()
+
+
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM (a CI runner's timeout, a `kill`) ends the run as Ctrl-C does, so that the
+    fixtures' finally blocks stop the daemons and take down their mounts, loop devices and
+    cgroups; Python's default died at once and left them all. Once: a second SIGTERM does
+    not cut that cleanup short. A process a test forked (it has this handler too) dies as
+    by default."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if os.getpid() == _PYTEST_PID
+                  else signal.SIG_DFL)
+    if os.getpid() != _PYTEST_PID:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    signal.signal(signal.SIGTERM, _terminated)
+
+
 # `ps` inside a sandbox without the stopped copies the daemon holds there: templates,
 # carriers and keepers, named dbx-template / dbx-carrier (their command lines are the
 # copied process's). Append the output format: f"{OWN_PS} stat=,args=".
