@@ -254,6 +254,12 @@ class Floor(System):
 
     def rollback(self, node: int, path: list[int], step: int) -> None:
         self.replays_untimed_ms.append(self._restart(path, step))
+        # The replay is a burst of commands: the action right after it ran on a busy
+        # machine, 2-3 ms faster than after a think pause as at the floor's other steps
+        # (stop 72: requests-5414's `nl | sed` 7.6 against 10.8 ms p50), which charged
+        # the systems that do pay a rollback with that difference. An agent without C/R
+        # thinks before every action: so does the floor, after its untimed replay.
+        self.pause()
 
     def extras(self) -> dict[str, Any]:
         return {"replay_codes": self.replay_codes,
@@ -352,8 +358,11 @@ class DeltaBoxTurn(DeltaBox):
             self.record("rollback", rb_ms, step=rollback[1], node=rollback[0],
                         server_ms=rb.duration_ms, process_state=rb.process_state,
                         note=rb.note, attached=True)
+        # The command's own run as the daemon timed it (shell actions): the rest of the
+        # action's time is the call's (round trip, spawn, the rollback's leftovers).
+        run_ms = getattr(r, "duration_ms", None) if action.kind == "shell" else None
         self.record("action", (t1 - t0) * 1000 - rb_ms, step=step, action=idx, code=code,
-                    node=node)
+                    node=node, **({"run_ms": run_ms} if run_ms is not None else {}))
         self.record("checkpoint", (t2 - t1) * 1000, step=step, node=node, cp_id=cp_id,
                     attached=r is not None)
         self.cps[node] = cp_id
