@@ -57,11 +57,11 @@ def _terminated(signum: int, frame: object) -> None:
     cgroups; Python's default died at once and left them all. Once: a second SIGTERM does
     not cut that cleanup short. A process a test forked (it has this handler too) dies as
     by default."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN if os.getpid() == _PYTEST_PID
-                  else signal.SIG_DFL)
     if os.getpid() != _PYTEST_PID:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
         return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt("SIGTERM")
 
 
@@ -214,15 +214,17 @@ def leaks(state_dir: Path) -> list[str]:
 
 
 def sweep(base: Path) -> None:
-    """Take away what a daemon on `base` left behind (leaks): its helpers killed, its
-    mounts detached (their loop devices with them), its cgroups removed."""
+    """Take away what a daemon on `base` left behind (leaks): the daemon itself if it still
+    runs, and its helpers, killed; its mounts detached (their loop devices with them), its
+    cgroups removed."""
     from deltabox.sandbox.cgroups import parent_name
 
     parent = parent_name(str((base / "state").resolve()))
     ps = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True,
                         text=True).stdout
     for line in ps.splitlines():
-        if "libexec/dbx-" in line and parent in line:
+        if ("libexec/dbx-" in line and parent in line
+                or "deltabox.daemon.main" in line and f"{base}/state " in line):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(line.split()[0]), signal.SIGKILL)
     with open("/proc/self/mounts") as f:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from conftest import ROOT, leaks, sweep, wait_for
@@ -52,16 +50,5 @@ def test_a_run_ended_by_sigterm_stops_its_daemon_and_leaves_nothing(tmp_path: Pa
             p.kill()
             p.wait()
         if base is not None and base.exists():   # the test failed: what the run left goes
-            _kill_daemon_of(base)
             sweep(base)
             shutil.rmtree(base, ignore_errors=True)
-
-
-def _kill_daemon_of(base: Path) -> None:
-    ps = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True,
-                        text=True).stdout
-    for line in ps.splitlines():
-        if "deltabox.daemon.main" in line and str(base) in line:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(line.split()[0]), signal.SIGKILL)
-    time.sleep(0.5)   # its helpers see it go
