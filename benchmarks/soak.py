@@ -41,6 +41,7 @@ import random
 import sys
 import threading
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,57 @@ print(json.dumps(r, sort_keys=True))
 PY_WRITE = ("import hashlib, sys; open('/workspace/w/' + sys.argv[1], 'w').write("
             "hashlib.sha256(sys.argv[2].encode()).hexdigest() * int(sys.argv[3]))")
 
+# --processes: a key-value server in each sandbox's session, started as a background job: its
+# dict and a ballast of BALLAST_MB, whose pages 0..N_KEYS-1 hold each key's value repeated
+# (so its content is a function of the dict alone), live only in its memory.
+KV_PORT = 7070
+N_KEYS = 24
+BALLAST_MB = 8
+KV_SERVER = f"""
+import json, os, socket, zlib
+PAGE = 4096
+ballast = bytearray(bytes(range(256)) * ({BALLAST_MB} << 12))
+d = {{}}
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", {KV_PORT}))
+s.listen(16)
+while True:
+    c, _ = s.accept()
+    with c, c.makefile("rwb") as f:
+        words = f.readline().decode().split()
+        if words[:1] == ["set"] and len(words) == 3:
+            k, v = words[1], words[2]
+            d[k] = v
+            i = int(k[1:])
+            ballast[i * PAGE:(i + 1) * PAGE] = (v.encode() * PAGE)[:PAGE]
+            f.write(b"ok\\n")
+        elif words[:1] == ["dump"]:
+            f.write(json.dumps([d, zlib.crc32(ballast), os.getpid()],
+                               sort_keys=True).encode() + b"\\n")
+        f.flush()
+"""
+KV_START = ("nohup python3 /workspace/kv.py >/dev/null 2>&1 &\n"
+            f"for i in $(seq 200); do (exec 7<>/dev/tcp/127.0.0.1/{KV_PORT}) 2>/dev/null "
+            "&& break; sleep 0.01; done")
+
+
+def kv_request(line: str) -> str:
+    """A session command that sends `line` to the server and prints its answer (bash's
+    /dev/tcp: no program started)."""
+    return (f"exec 7<>/dev/tcp/127.0.0.1/{KV_PORT} && printf '%s\\n' '{line}' >&7 && "
+            "IFS= read -r kvans <&7; exec 7>&-; printf '%s\\n' \"$kvans\"")
+
+
+def kv_crc(kv: dict[str, str]) -> int:
+    """The server's ballast CRC for dict `kv` (its pages computed as the server does)."""
+    ballast = bytearray(bytes(range(256)) * (BALLAST_MB << 12))
+    for k, v in kv.items():
+        i = int(k[1:])
+        ballast[i * 4096:(i + 1) * 4096] = (v.encode() * 4096)[:4096]
+    return zlib.crc32(ballast)
+
+
 SESSION_PROBE = ('printf "%s\\n" "${S0-' + UNSET + '}" "${S1-' + UNSET + '}" "${S2-' + UNSET
                  + '}" "$(soakfn 2>/dev/null || echo ' + NOFN + ')" "$(pwd)"')
 
@@ -84,6 +136,7 @@ OPS = {
     "fork": 8,
     "delete": 7,
 }
+KV_SET_WEIGHT = 12   # with --processes
 
 
 @dataclass
@@ -92,9 +145,11 @@ class State:
     vars: dict[str, str] = field(default_factory=dict)    # S0, S1, S2 -> value
     fn: str | None = None                                 # what soakfn prints
     cwd: str | None = "/workspace"                        # None: not known, not verified
+    kv: dict[str, str] | None = None                      # the server's dict (--processes)
 
     def copy(self) -> State:
-        return State(dict(self.files), dict(self.vars), self.fn, self.cwd)
+        return State(dict(self.files), dict(self.vars), self.fn, self.cwd,
+                     None if self.kv is None else dict(self.kv))
 
     def file_hashes(self) -> dict[str, str]:
         return {p: hashlib.sha256(c.encode()).hexdigest() for p, c in self.files.items()}
@@ -236,8 +291,10 @@ def slope_per_min(points: list[tuple[float, float]]) -> float | None:
 
 class Worker:
     def __init__(self, idx: int, socket: str, cycles: int, seed: int, rec: Recorder,
-                 stop_at: float | None, stop_event: threading.Event) -> None:
+                 stop_at: float | None, stop_event: threading.Event,
+                 processes: bool = False) -> None:
         self.idx = idx
+        self.processes = processes
         self.socket = socket
         self.cycles = cycles
         self.rng = random.Random(seed * 1000 + idx)
@@ -318,6 +375,41 @@ class Worker:
                       "expected": exp, "got": got,
                       "fields": ["S0", "S1", "S2", "soakfn", "cwd"]}
         self.rec.verified("session", ok, detail)
+        if model.kv is not None:
+            self.check_kv(box, model.kv, op, cp, where)
+
+    def read_kv(self, box: Any) -> tuple[dict[str, str], int, int] | None:
+        """The server's dict, ballast CRC and pid; None if nothing listens."""
+        r = self.timed("verify_kv", box.session("main").run, kv_request("dump"), timeout=120)
+        if r.exit_code != 0 or not r.stdout.strip():
+            return None
+        d, crc, pid = json.loads(r.stdout)
+        return d, crc, pid
+
+    def check_kv(self, box: Any, want: dict[str, str], op: str, cp: str, where: str) -> None:
+        got = self.read_kv(box)
+        ok = got is not None and got[0] == want and got[1] == kv_crc(want)
+        detail = None
+        if not ok:
+            detail = {"sandbox": self.sbx.id, "worker": self.idx, "checked": box.id,
+                      "where": where, "op": op, "checkpoint": cp, "what": "kv server",
+                      "expected": want, "got": None if got is None else got[0],
+                      "crc_ok": None if got is None else got[1] == kv_crc(want)}
+        self.rec.verified("kv_server", ok, detail)
+
+    def start_kv(self, state: State) -> None:
+        """(Re)start the server after a restart of the session's processes, or adopt the
+        one running (a restart that kept it: its state is then the model's)."""
+        got = self.read_kv(self.sbx)
+        if got is None:
+            r = self.timed("kv_start", self.sbx.session("main").run, KV_START, timeout=120)
+            if r.exit_code != 0:
+                raise RuntimeError(f"kv server start exited {r.exit_code}: {r.stderr[-300:]}")
+            state.kv = {}
+            self.rec.count("kv_server_started")
+        else:
+            state.kv = got[0]
+            self.rec.count("kv_server_adopted")
 
     def adopt_session(self, box: Any, state: State) -> None:
         """After a restart: take the session's actual state as the model."""
@@ -327,6 +419,8 @@ class Worker:
         state.vars = {k: v for k, v in zip(("S0", "S1", "S2"), got[:3]) if v != UNSET}
         state.fn = None if got[3] == NOFN else got[3]
         state.cwd = got[4]
+        if self.processes:
+            self.start_kv(state)
 
     def resync(self, op: str) -> None:
         """After an error in a state-changing op: adopt the sandbox's actual state."""
@@ -376,6 +470,17 @@ class Worker:
         if r.exit_code != 0:
             raise RuntimeError(f"exec_rm exited {r.exit_code}: {r.stderr[-300:]}")
         del self.cur.files[path]
+
+    def op_kv_set(self) -> None:
+        if self.cur.kv is None:
+            return self.op_session()
+        k, v = f"k{self.rng.randrange(N_KEYS)}", self.token(8)
+        r = self.timed("kv_set", self.sbx.session("main").run, kv_request(f"set {k} {v}"),
+                       timeout=120)
+        if r.exit_code != 0 or r.stdout.strip() != "ok":
+            raise RuntimeError(f"kv set exited {r.exit_code}, printed {r.stdout[-100:]!r}: "
+                               f"{r.stderr[-300:]}")
+        self.cur.kv[k] = v
 
     def op_session(self) -> None:
         parts = []
@@ -468,11 +573,19 @@ class Worker:
             self.name = self.sbx.id
             self.timed("exec", self.sbx.exec, ["mkdir", "-p", WORK], timeout=120)
             self.timed("session", self.sbx.session("main").run, "cd /workspace", timeout=120)
+            if self.processes:
+                self.sbx.files.write("/workspace/kv.py", KV_SERVER)
+                self.start_kv(self.cur)
             self.op_checkpoint()
         except Exception as e:  # noqa: BLE001
             self.rec.error(self.name, "setup", e)
+            if self.sbx is not None:
+                self.sbx.kill()
             return
         ops, weights = list(OPS), list(OPS.values())
+        if self.processes:
+            ops.append("kv_set")
+            weights.append(KV_SET_WEIGHT)
         try:
             for i in range(self.cycles):
                 if self.stop_event.is_set() or (self.stop_at and time.monotonic() > self.stop_at):
@@ -593,6 +706,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--time-limit", type=float, metavar="S",
                    help="stop starting new cycles after S seconds (the run is then reported "
                    "as stopped early)")
+    p.add_argument("--processes", action="store_true",
+                   help="also run a key-value server (python3, %d MB of memory) in each "
+                   "sandbox's session and verify its in-memory dict after every rollback "
+                   "and in every fork child" % BALLAST_MB)
     p.add_argument("--tmp-parent", type=Path, default=Path("/var/tmp"))
     p.add_argument("--keep-state", action="store_true")
     p.add_argument("--daemon-arg", action="append", default=[], metavar="ARG",
@@ -634,7 +751,8 @@ def main(argv: list[str] | None = None) -> int:
             fds_before = sampler.fd_kinds()
             rec = Recorder(t0)
             stop_at = time.monotonic() + args.time_limit if args.time_limit else None
-            workers = [Worker(i, daemon.socket, cycles, args.seed, rec, stop_at, stop_event)
+            workers = [Worker(i, daemon.socket, cycles, args.seed, rec, stop_at, stop_event,
+                              args.processes)
                        for i in range(n_sbx)]
             threads = [threading.Thread(target=w.run, name=f"soak-{i}", daemon=True)
                        for i, w in enumerate(workers)]
@@ -676,6 +794,8 @@ def main(argv: list[str] | None = None) -> int:
                 "benchmark": "soak",
                 "mode": "quick" if args.quick else "full",
                 "plan": {"sandboxes": n_sbx, "cycles": cycles, "seed": args.seed,
+                         "processes": args.processes, "kv_set_weight": KV_SET_WEIGHT
+                         if args.processes else 0,
                          "time_limit_s": args.time_limit, "op_weights": OPS,
                          "daemon_args": args.daemon_arg},
                 "method": {
@@ -683,7 +803,9 @@ def main(argv: list[str] | None = None) -> int:
                     "socket; each cycle is one random op (weights in plan.op_weights)",
                     "model": "per sandbox: contents of every file under /workspace/w and the "
                     "session 'main''s S0/S1/S2, function soakfn and cwd, now and at each "
-                    "checkpoint",
+                    "checkpoint; with --processes also the dict of a key-value server "
+                    "(python3, a background job of the session, listening on loopback) and "
+                    "its ballast's CRC-32, a function of the dict",
                     "verification": "after every rollback and in every fork child: sha256 "
                     "of each file under /workspace/w (python3 in the sandbox) == model; the "
                     "session's variables/function/cwd == model unless process_state is not "

@@ -4324,10 +4324,115 @@ def test_listener_without_reuseaddr_beside_its_connection(sbx: Sandbox,
     assert _role(target, "client", "talk") == "29 b'greeting-from-server' b'pong:1700'"
 
 
+TCP_HALF = """
+import os, socket, sys, time
+role, W = sys.argv[1], "/workspace/"
+
+def state(c):
+    return c.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+
+def peek(c):
+    try:
+        return c.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return "nothing yet"
+
+def drain(c):
+    got = b""
+    while (part := c.recv(1 << 16)):
+        got += part
+    return got
+
+if role == "server":
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 7071))
+    srv.listen()
+    open(W + "listening", "w").close()
+    conns = {"gone": srv.accept()[0], "lingering": srv.accept()[0], "held": srv.accept()[0]}
+elif role == "closer":
+    c = socket.create_connection(("127.0.0.1", 7071))
+    if sys.argv[2:]:   # its closed end stays a socket in FIN_WAIT2 (not a timewait one)
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_LINGER2, int(sys.argv[2]))
+    c.sendall(b"request-and-bye")
+    c.close()
+    sys.exit()
+else:
+    c = socket.create_connection(("127.0.0.1", 7071))
+    c.sendall(b"request-then-wait")
+    c.shutdown(socket.SHUT_WR)
+    conns = {"mine": c}
+time.sleep(0.2)
+open(W + role + "-ready", "w").close()
+while True:
+    time.sleep(0.01)
+    if os.path.exists(W + role + "-report"):
+        open(W + role + "-state", "w").write(" ".join(
+            f"{k}: state {state(c)} peer {c.getpeername()[1]} peek {peek(c)!r};"
+            for k, c in conns.items()))
+        os.remove(W + role + "-report")
+    if os.path.exists(W + role + "-mutate") or os.path.exists(W + role + "-talk"):
+        talk = os.path.exists(W + role + "-talk")
+        # (mutate leaves the gone clients' ends alone: a rollback finds them)
+        heard = [f"{k} read {drain(c)!r}" for k, c in conns.items() if talk or k == "held"]
+        if role == "server":
+            conns["held"].sendall(b"answer")
+            conns["held"].close()
+        else:   # closed (a socket in CLOSE is not captured: the disk paths checkpoint again)
+            conns["mine"].close()
+        if role == "server" and talk:
+            for k in ("gone", "lingering"):
+                try:
+                    for _ in range(50):
+                        conns[k].sendall(b"to nobody")
+                        time.sleep(0.01)
+                    heard.append(f"{k} took every write")
+                except OSError as e:
+                    heard.append(f"{k} write: {type(e).__name__}")
+        open(W + role + "-heard", "w").write("; ".join(heard))
+        os.remove(W + role + ("-talk" if talk else "-mutate"))
+"""
+
+
+def test_half_closed_tcp_connections(sbx: Sandbox, restore: Restore) -> None:
+    """A server frozen between its clients' end and its own (CLOSE_WAIT), two clients
+    gone (each wrote and closed: no process holds its end, a timewait socket in FIN_WAIT2,
+    or a socket with a longer TCP_LINGER2) and one that shut its side down and waits for
+    the answer (FIN_WAIT2): they come back half-closed as they were, the server reads each
+    request then end-of-file, the waiting client gets its answer, and the gone ones' ends
+    answer writes with a reset, as they did. A rollback finds the gone ones' ends of the
+    killed timeline in their place (tcp.clear_orphans)."""
+    sbx.files.write("half.py", TCP_HALF)
+    sbx.exec("cd /workspace && nohup python3 half.py server >/dev/null 2>&1 &")
+    _wait_file(sbx, "listening")
+    assert sbx.exec("cd /workspace && python3 half.py closer").exit_code == 0
+    assert sbx.exec("cd /workspace && python3 half.py closer 120").exit_code == 0
+    sbx.exec("cd /workspace && nohup python3 half.py halfer >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("server-ready") and sbx.files.exists("halfer-ready"))
+    before = (_role(sbx, "server", "report"), _role(sbx, "halfer", "report"))
+    assert re.fullmatch(r"gone: state 8 peer \d+ peek b'request-and-bye'; lingering: state "
+                        r"8 peer \d+ peek b'request-and-bye'; held: state 8 peer \d+ peek "
+                        r"b'request-then-wait';", before[0]), before
+    assert re.fullmatch(r"mine: state 5 peer 7071 peek 'nothing yet';", before[1]), before
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    _role(sbx, "server", "mutate")
+    _role(sbx, "halfer", "mutate")
+    assert sbx.exec("cd /workspace && pgrep -f 'half.py halfer'").exit_code == 0
+    target = restore(sbx, cp)
+    assert (_role(target, "server", "report"), _role(target, "halfer", "report")) == before
+    assert _role(target, "server", "talk") == (
+        "gone read b'request-and-bye'; lingering read b'request-and-bye'; held read "
+        "b'request-then-wait'; gone write: BrokenPipeError; lingering write: BrokenPipeError")
+    assert _role(target, "halfer", "talk") == "mine read b'answer'"
+
+
 def test_tcp_connection_to_no_process_of_the_sandbox_is_refused() -> None:
     """A connection whose other end no process of the checkpoint holds (here: this test
-    holds it, outside the records) is refused, naming the fd and why; so is one half
-    closed (its peer closed it)."""
+    holds it, outside the records) is refused, naming the fd and why. Once that end closed
+    (the connection half-closed: CLOSE_WAIT) it is captured, its closed end made from this
+    one's state (tcp.orphan_peer); once this end shut down too, it is refused again (a
+    socket closing)."""
     import socket as sk
 
     from deltabox.cr import capture, eventloop, native
@@ -4338,25 +4443,42 @@ def test_tcp_connection_to_no_process_of_the_sandbox_is_refused() -> None:
     port = srv.getsockname()[1]
     child = subprocess.Popen(["python3", "-c", "import socket, sys, time\n"
                               f"c = socket.create_connection(('127.0.0.1', {port}))\n"
-                              "print(c.fileno(), flush=True)\ntime.sleep(1000)"],
-                             stdout=subprocess.PIPE, text=True)
+                              "print(c.fileno(), flush=True)\nsys.stdin.readline()\n"
+                              "c.shutdown(socket.SHUT_WR)\nprint('shut', flush=True)\n"
+                              "time.sleep(1000)"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert child.stdout is not None
+        assert child.stdout is not None and child.stdin is not None
         fd = int(child.stdout.readline())
         mine, _ = srv.accept()
         rec = capture.record(child.pid, native.proc_status(child.pid))
         local = next(f.socket.local for f in rec.fds if f.fd == fd and f.socket)
         refused = eventloop.capture([rec])
         assert [r.reason for r in refused] == [
-            f"fd {fd}: TCP inet tcp connected {local} -> 127.0.0.1:{port}: connected to 127.0.0.1:{port}, which no process of the "
-            "sandbox holds: only connections within the sandbox are captured"], refused
+            f"fd {fd}: TCP inet tcp connected {local} -> 127.0.0.1:{port}: connected to "
+            f"127.0.0.1:{port}, which no process of the sandbox holds: only connections "
+            "within the sandbox are captured"], refused
         mine.close()
         time.sleep(0.1)
         rec = capture.record(child.pid, native.proc_status(child.pid))
+        assert capture.refusals(rec, set()) == []
+        assert eventloop.capture([rec]) == []
+        assert rec.loop is not None and [(c.orphan, c.a, c.b) for c in rec.loop.tcp] == [
+            (True, [fd], [])]
+        here, peer = rec.loop.tcp[0].ends
+        assert (here.fin_in, here.fin_out, peer.fin_in, peer.fin_out) == (True, False, False,
+                                                                          True)
+        assert (peer.local, peer.remote, peer.send_seq) == (here.remote, here.local,
+                                                            here.recv_seq)
+        child.stdin.write("shut down\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "shut\n"
+        time.sleep(0.1)
+        rec = capture.record(child.pid, native.proc_status(child.pid))
         assert [r.reason for r in capture.refusals(rec, set())] == [
-            f"fd {fd}: socket inet tcp close-wait {local} -> 127.0.0.1:{port}: only listening "
-            "TCP sockets, established TCP connections, UDP sockets, netlink sockets and unix "
-            "sockets within the sandbox are captured"]
+            f"fd {fd}: socket inet tcp close {local}: only listening TCP "
+            "sockets, TCP connections (established or half-closed), UDP sockets, netlink "
+            "sockets and unix sockets within the sandbox are captured"]
     finally:
         child.kill()
         child.wait()

@@ -709,9 +709,9 @@ def _fd_refusal(f: native.FdInfo) -> str | None:
     if f.kind == "socket":
         if made_again(f):
             return None
-        return (f"socket {f.describe()}: only listening TCP sockets, established TCP "
-                "connections, UDP sockets, netlink sockets and unix sockets within the "
-                "sandbox are captured")
+        return (f"socket {f.describe()}: only listening TCP sockets, TCP connections "
+                "(established or half-closed), UDP sockets, netlink sockets and unix "
+                "sockets within the sandbox are captured")
     if f.kind == "fifo":
         if f.target.endswith(" (deleted)"):
             return (f"named pipe {f.target}: deleted while open: no path to open it again "

@@ -739,6 +739,7 @@ class DeltaCR:
         # connections in TIME_WAIT: its own sandbox, also when it rolls back onto
         # templates rebuilt from a dump (into, not fresh); a new fork's namespace has none.
         time_wait = _time_wait_ports(state) if into is None or not into.fresh else set()
+        orphans = _orphan_addresses(state) if into is None or not into.fresh else set()
         # Restored parents of adopted children, then those children (record pid -> held
         # process; adoption.py): all held until every one exists.
         held: dict[int, native.Held] = {}
@@ -751,10 +752,14 @@ class DeltaCR:
             if victims is not None:
                 await wait_exited(victims)
                 victims = None
+            netns_pid = (into.init_pid if into is not None
+                         else state.templates[records[0].pid].pid)
             if time_wait:
-                tcp.clear_time_wait(into.init_pid if into is not None
-                                    else state.templates[records[0].pid].pid, time_wait)
+                tcp.clear_time_wait(netns_pid, time_wait)
                 time_wait.clear()
+            if orphans:
+                tcp.clear_orphans(netns_pid, orphans)
+                orphans.clear()
 
         async def take_addresses() -> None:
             """The plan's sockets made unbound (a carrier's, a listener several processes
@@ -787,6 +792,8 @@ class DeltaCR:
                     # addresses: gone once they have exited (tcp.quiet_all closed them
                     # silently).
                     await addresses_free()
+                elif orphans and _connected(rec):   # onto rebuilt templates: the killed
+                    await addresses_free()          # timeline's orphans (tcp.clear_orphans)
                 spawn = _spawn_args(state, plan, rec, mntfd, into, changed.get(rec.pid, []))
                 await take_addresses()  # a listener several processes hold
                 if into is None:
@@ -2240,6 +2247,12 @@ def _time_wait_ports(state: ProcessState) -> set[int]:
     return {struct.unpack_from("!H", ls.addr, 2)[0]
             for r in state.records for ls in r.listens if not ls.reuseaddr
             and ls.listens}
+
+
+def _orphan_addresses(state: ProcessState) -> set[tuple[str, int, str, int]]:
+    """Where the half-closed connections' orphan ends are (tcp.orphan_peer): the killed
+    timeline's there would keep the restore from making them (tcp.clear_orphans)."""
+    return tcp.orphan_addresses([c for r in state.records if r.loop for c in r.loop.tcp])
 
 
 def _leader(rec: ProcessRecord) -> bool:

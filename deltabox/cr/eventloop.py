@@ -884,21 +884,43 @@ class _Connections:
         return self.ends[ino]
 
     def _conn(self, f: native.FdInfo) -> tuple[str, int, int] | str:
-        """The connection's key and its two ends' inodes (lower first), or why not."""
+        """The connection's key and its two ends' inodes (lower first; an orphan peer's,
+        made from this end's state, under minus this end's inode), or why not."""
         if f.inode in self.state:
             return self.state[f.inode]
         assert f.socket is not None
         peer = self.by_addr.get((f.socket.remote, f.socket.local))
+        why: tuple[str, int, int] | str
         if peer is None:
-            why: tuple[str, int, int] | str = (
-                f"connected to {f.socket.remote}, which no process of the sandbox holds: "
-                "only connections within the sandbox are captured")
+            why = self._orphan(f)
         else:
             a, b = sorted((f.inode, peer))
-            bad = [e for e in (self._end(a), self._end(b)) if isinstance(e, str)]
-            why = bad[0] if bad else (f"tcp:{a}:{b}", a, b)
+            ea, eb = self._end(a), self._end(b)
+            if isinstance(ea, str) or isinstance(eb, str):
+                why = ea if isinstance(ea, str) else str(eb)
+            else:
+                why = tcp.pair_refusal(ea, eb) or (f"tcp:{a}:{b}", a, b)
         self.state[f.inode] = why
         return why
+
+    def _orphan(self, f: native.FdInfo) -> tuple[str, int, int] | str:
+        """f's connection when no process holds its other end: one half-closed by a
+        peer on the loopback that has closed since (tcp.orphan_peer)."""
+        assert f.socket is not None
+        outside = (f"connected to {f.socket.remote}, which no process of the sandbox holds: "
+                   "only connections within the sandbox are captured")
+        if f.socket.state != "close-wait":
+            return outside
+        end = self._end(f.inode)
+        if isinstance(end, str):
+            return end
+        if not tcp.is_loopback(end.remote[0]):
+            return outside
+        peer = tcp.orphan_peer(end)
+        if isinstance(peer, str):
+            return outside if not end.fin_in else peer
+        self.ends[-f.inode] = peer
+        return (f"tcp:{f.inode}:orphan", f.inode, -f.inode)
 
     def add(self, rec: ProcessRecord, loop: LoopState, reasons: list[str]) -> None:
         mine: dict[str, tcp.TcpConn] = {}
@@ -915,7 +937,7 @@ class _Connections:
                 assert not isinstance(ea, str) and not isinstance(eb, str)
                 family = socket.AF_INET if f.socket and f.socket.family == "inet" \
                     else socket.AF_INET6
-                mine[key] = tcp.TcpConn(key, family, ends=[ea, eb])
+                mine[key] = tcp.TcpConn(key, family, ends=[ea, eb], orphan=b < 0)
                 loop.tcp.append(mine[key])
             (mine[key].a if f.inode == a else mine[key].b).append(f.fd)
 
@@ -988,7 +1010,7 @@ def to_json(loop: LoopState | None) -> dict | None:
         timerfds=[dataclasses.asdict(t) for t in loop.timerfds],
         signalfds=[dataclasses.asdict(x) for x in loop.signalfds],
         inotifies=[dataclasses.asdict(x) for x in loop.inotifies],
-        tcp=[dict(key=c.key, family=c.family, a=c.a, b=c.b,
+        tcp=[dict(key=c.key, family=c.family, a=c.a, b=c.b, orphan=c.orphan,
                   ends=[dict(dataclasses.asdict(e), send_data=e.send_data.hex(),
                              recv_data=e.recv_data.hex(), window=e.window.hex(),
                              opts=sockopts.to_json(e.opts))
@@ -1026,6 +1048,6 @@ def from_json(d: dict | None) -> LoopState | None:
                                          recv_data=bytes.fromhex(e["recv_data"]),
                                          window=bytes.fromhex(e["window"]),
                                          opts=sockopts.from_json(e.get("opts", []))))
-                          for e in c["ends"]])
+                          for e in c["ends"]], c.get("orphan", False))
              for c in d.get("tcp", [])],
         unix_listeners=[unix_listeners.UnixListener(**u) for u in d.get("unix_listeners", [])])

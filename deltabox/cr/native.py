@@ -1647,7 +1647,7 @@ class FdInfo:
         return f"{self.target}{' (deleted)' if self.deleted else ''}"
 
 
-_TCP_STATES = {1: "established", 2: "syn-sent", 3: "syn-recv", 4: "fin-wait1",
+TCP_STATES = {1: "established", 2: "syn-sent", 3: "syn-recv", 4: "fin-wait1",
                5: "fin-wait2", 6: "time-wait", 7: "close", 8: "close-wait", 9: "last-ack",
                10: "listen", 11: "closing"}
 _UNIX_TYPES = {1: "stream", 2: "dgram", 5: "seqpacket"}
@@ -1700,7 +1700,7 @@ def _describe_socket(s: socket.socket) -> SockInfo:
             ("0.0.0.0:0" if fam == socket.AF_INET else "[::]:0")
         if s.type == socket.SOCK_STREAM and s.proto in (0, socket.IPPROTO_TCP):
             st = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[_TCP_INFO_STATE]
-            state = "listen" if st == 10 else "connected" if st == 1 else _TCP_STATES.get(
+            state = "listen" if st == 10 else "connected" if st == 1 else TCP_STATES.get(
                 st, str(st))
             return SockInfo(name, "tcp", state, local, remote,
                             filtered=state != "listen" and _filtered(s))

@@ -20,15 +20,29 @@ a rollback holds its ends as fresh sockets in repair mode (open_ends); the rollb
 them the connection (connect_ends) once the killed processes have exited, before any
 process runs.
 
+Half-closed connections come back half-closed (stop 73): an end that has sent its FIN
+(FIN_WAIT2: `shutdown(SHUT_WR)`) or received one (CLOSE_WAIT: the peer shut down or closed)
+is read as established, its sequence numbers counting the FIN (`fin_out`, `fin_in`). A
+restore makes the connection as it was before the FIN, lets go of repair mode, and has the
+end that sent it shut down for writing: the kernel sends the FIN again, the ends reach their
+states by themselves, the reader gets its bytes then end-of-file. The commonest case is a
+server's CLOSE_WAIT whose client closed and exited (a keep-alive server the checkpoint froze
+between its client's close and its own): no process holds the client's end, an orphan in
+FIN_WAIT2 (or gone). Its state is the server end's mirrored (orphan_peer); the restore makes
+it, sends its FIN and closes it, an orphan again. At a rollback the killed timeline's orphan
+on those addresses is dropped first (clear_orphans).
+
 Refused, with the reason: a connection whose other end no process of the sandbox holds (to
-or from outside the sandbox), one in any state but established (closing, half-closed),
-more than MAX_QUEUED bytes queued. A server's accepted connection shares its listener's
-port, and the listener restored beside it binds only if both have SO_REUSEADDR: the
-restored ends have it until every process is restored (settle_ends then sets the
+or from outside the sandbox) but such an orphan, one in any other state (a FIN not yet
+acknowledged, both ends shut down), a CLOSE_WAIT end with bytes its closed peer has not
+acknowledged, more than MAX_QUEUED bytes queued. A server's accepted connection shares its
+listener's port, and the listener restored beside it binds only if both have SO_REUSEADDR:
+the restored ends have it until every process is restored (settle_ends then sets the
 original's, their listener's). Connections in TIME_WAIT on a port that a listener without
 SO_REUSEADDR binds again are dropped first (clear_time_wait). Not preserved: congestion
 state (the window starts again from the kernel's initial one, as after an idle period),
-other socket options (buffer sizes stay automatic), urgent data.
+other socket options (buffer sizes stay automatic), urgent data; an orphan's own timeout
+(a restored one waits the system's tcp_fin_timeout, not its TCP_LINGER2).
 """
 
 from __future__ import annotations
@@ -52,11 +66,13 @@ TCP_NO_QUEUE, TCP_RECV_QUEUE, TCP_SEND_QUEUE = 0, 1, 2
 TCP_REPAIR_ON, TCP_REPAIR_OFF_NO_WP = 1, -1
 TCPOPT_MSS, TCPOPT_WINDOW, TCPOPT_SACK_PERM, TCPOPT_TIMESTAMP = 2, 3, 4, 8
 TCPI_OPT_TIMESTAMPS, TCPI_OPT_SACK, TCPI_OPT_WSCALE = 1, 2, 4
-TCP_ESTABLISHED, TCP_TIME_WAIT = 1, 6
+TCP_ESTABLISHED, TCP_FIN_WAIT2, TCP_TIME_WAIT, TCP_CLOSE_WAIT = 1, 5, 6, 8
+_HALF_CLOSED = {TCP_FIN_WAIT2: "fin-wait2", TCP_CLOSE_WAIT: "close-wait"}
 _INET_REQ = struct.Struct("=BBBBI")   # inet_diag_req_v2: family protocol ext pad states, id
 _ID_SIZE = 48                          # struct inet_diag_sockid (sport first, big-endian)
 _INET_MSG_ID = 4                       # inet_diag_msg: family state timer retrans, id
-_WINDOW_SIZE = 20            # struct tcp_repair_window: five u32
+_WINDOW = struct.Struct("=5I")   # struct tcp_repair_window: snd_wl1 snd_wnd max_window
+#                                   rcv_wnd rcv_wup
 _KEEPALIVE_OPTS = (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)
 
 
@@ -79,6 +95,8 @@ class End:
     nodelay: bool
     keepalive: list[int] | None          # idle, interval, count when SO_KEEPALIVE is on
     reuseaddr: bool = False              # an accepted end has its listener's
+    fin_in: bool = False                 # a FIN received: recv_seq counts it (CLOSE_WAIT)
+    fin_out: bool = False                # a FIN sent: send_seq counts it (FIN_WAIT2)
     # its other options away from a fresh socket's (sockopts.TCP_CONNECTION; since stop 67)
     opts: tuple[sockopts.Option, ...] = ()
 
@@ -87,19 +105,21 @@ class End:
 class TcpConn:
     """A connection as one process holds it: `a` and `b` its fds on each end (either may
     be empty: that end is another process's); `key` names the connection across the
-    processes; `ends` both ends' state (a first, the one with the lower address)."""
+    processes; `ends` both ends' state (a first, the one with the lower address; but
+    with `orphan`, b is the end no process holds, orphan_peer)."""
     key: str
     family: int
     a: list[int] = field(default_factory=list)
     b: list[int] = field(default_factory=list)
     ends: list[End] = field(default_factory=list)
+    orphan: bool = False
 
 
 def is_connection(f: native.FdInfo) -> bool:
-    """An established TCP socket (socket.state "connected")."""
+    """A TCP connection, established (socket.state "connected") or half-closed."""
     k = f.socket
     return (f.kind == "socket" and k is not None and k.family in ("inet", "inet6") and
-            k.type == "tcp" and k.state == "connected")
+            k.type == "tcp" and k.state in ("connected", *_HALF_CLOSED.values()))
 
 
 def _i32(v: int) -> int:
@@ -134,8 +154,10 @@ def read_end(pid: int, fd: int) -> End | str:
     """The state of the connection end pid holds at fd, or why it cannot be read."""
     with socket.socket(fileno=native.copy_fd(pid, fd)) as s:
         info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-        if info[0] != TCP_ESTABLISHED:
-            return "not established (closing or half-closed): not captured"
+        if info[0] != TCP_ESTABLISHED and info[0] not in _HALF_CLOSED:
+            return (f"closing ({native.TCP_STATES.get(info[0], info[0])}: a FIN not yet "
+                    "acknowledged, or both ends shut down): not captured; checkpoint once "
+                    "it is closed")
         outq = int.from_bytes(_ioctl_int(s, 0x5411), "little")   # SIOCOUTQ (TIOCOUTQ)
         inq = int.from_bytes(_ioctl_int(s, 0x541B), "little")    # SIOCINQ (FIONREAD)
         if inq > MAX_QUEUED or outq > MAX_QUEUED:
@@ -149,15 +171,45 @@ def read_end(pid: int, fd: int) -> End | str:
                    reuseaddr=bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)),
                    keepalive=[s.getsockopt(socket.IPPROTO_TCP, o) for o in _KEEPALIVE_OPTS]
                    if keep else None,
-                   opts=sockopts.differing(None, s, sockopts.TCP_CONNECTION))
+                   opts=sockopts.differing(None, s, sockopts.TCP_CONNECTION),
+                   fin_in=info[0] == TCP_CLOSE_WAIT, fin_out=info[0] == TCP_FIN_WAIT2)
         with _repair(s):
             recv_seq, recv_data = _queue(s, TCP_RECV_QUEUE, inq)
             send_seq, send_data = _queue(s, TCP_SEND_QUEUE, outq)
             s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_QUEUE, TCP_NO_QUEUE)
-            window = s.getsockopt(socket.IPPROTO_TCP, TCP_REPAIR_WINDOW, _WINDOW_SIZE)
+            window = s.getsockopt(socket.IPPROTO_TCP, TCP_REPAIR_WINDOW, _WINDOW.size)
             stamp = s.getsockopt(socket.IPPROTO_TCP, TCP_TIMESTAMP) & 0xFFFFFFFF
     return End(send_seq=send_seq, recv_seq=recv_seq, send_data=send_data,
                recv_data=recv_data, window=window, timestamp=stamp, **end)
+
+
+def orphan_peer(e: End) -> End | str:
+    """The end no process holds of e's connection, e in CLOSE_WAIT: its peer closed after
+    its FIN (an orphan in FIN_WAIT2, or gone since), made from e's state mirrored. Its
+    receive queue is empty (a closed socket's bytes are dropped) and it has nothing to
+    send: what e received is taken as acknowledged, its window as e's advertised one."""
+    if not e.fin_in or e.fin_out:
+        return "connected to an address no process of the sandbox holds"
+    if e.send_data:
+        return (f"half-closed by a peer that closed, with {len(e.send_data)} bytes it has "
+                "not acknowledged (it answers them with a reset): checkpoint once that "
+                "came")
+    _, snd_wnd, max_window, rcv_wnd, _ = _WINDOW.unpack(e.window)
+    window = _WINDOW.pack(e.send_seq, rcv_wnd, max(max_window, rcv_wnd), snd_wnd, e.send_seq)
+    return End(local=e.remote, remote=e.local, send_seq=e.recv_seq, recv_seq=e.send_seq,
+               send_data=b"", recv_data=b"", window=window, timestamp=e.timestamp,
+               mss=e.mss, options=e.options, snd_wscale=e.rcv_wscale,
+               rcv_wscale=e.snd_wscale, nonblock=False, nodelay=False, keepalive=None,
+               fin_out=True)
+
+
+def pair_refusal(a: End, b: End) -> str | None:
+    """Why two ends read at once do not make one connection's state, or None: a FIN one
+    sent that the other has not received is on its way (both stopped on the loopback,
+    it is seldom)."""
+    if a.fin_out != b.fin_in or b.fin_out != a.fin_in:
+        return "a FIN on its way between the two ends: checkpoint once it arrived"
+    return None
 
 
 def _ioctl_int(s: socket.socket, req: int) -> bytes:
@@ -185,8 +237,10 @@ def _made(s: socket.socket, family: int, e: End) -> None:
     repair mode."""
     s.bind(_address(family, e.local))
     # A queue's sequence number is where its bytes start: putting them back moves it on.
-    for q, seq, data in ((TCP_RECV_QUEUE, e.recv_seq, e.recv_data),
-                         (TCP_SEND_QUEUE, e.send_seq, e.send_data)):
+    # A FIN is made again after (connect_ends): the sequence numbers before it.
+    recv_seq, send_seq = (e.recv_seq - e.fin_in) % (1 << 32), (e.send_seq - e.fin_out) % (1 << 32)
+    for q, seq, data in ((TCP_RECV_QUEUE, recv_seq, e.recv_data),
+                         (TCP_SEND_QUEUE, send_seq, e.send_data)):
         s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_QUEUE, q)
         s.setsockopt(socket.IPPROTO_TCP, TCP_QUEUE_SEQ, _i32(seq - len(data)))
     s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_QUEUE, TCP_NO_QUEUE)
@@ -198,8 +252,13 @@ def _made(s: socket.socket, family: int, e: End) -> None:
             s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_QUEUE, q)
             s.sendall(data)
     s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_QUEUE, TCP_NO_QUEUE)
-    # Checked against the receive queue's end: set once the bytes are back.
-    s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_WINDOW, e.window)
+    # Checked against the receive queue's end: set once the bytes are back. Before the FIN
+    # received, the window's left edge (acknowledged up to) is before it too.
+    window = e.window
+    if e.fin_in:
+        wl1, wnd, mx, rwnd, wup = _WINDOW.unpack(window)
+        window = _WINDOW.pack(wl1, wnd, mx, rwnd, wup if wup != e.recv_seq else recv_seq)
+    s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_WINDOW, window)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, int(e.nodelay))
     if e.keepalive is not None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -246,6 +305,9 @@ def connect_ends(c: TcpConn, fds: tuple[int, int]) -> None:
             # have it: on until settle_ends sets the original's, once listeners are bound.
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.setblocking(not e.nonblock)
+        for s, e in zip(made, c.ends):   # half-closed: the FIN sent again (module doc)
+            if e.fin_out:
+                s.shutdown(socket.SHUT_WR)
     except OSError as e:
         raise _restoring(c, e) from e
     finally:
@@ -301,17 +363,56 @@ def clear_time_wait(netns_pid: int, ports: set[int]) -> None:
                     pass
 
 
+def orphan_addresses(conns: list[TcpConn]) -> set[tuple[str, int, str, int]]:
+    """The (local host, port, remote host, port) of the ends in `conns` no process holds
+    (orphan_peer): a rollback drops the killed timeline's orphan there (clear_orphans)."""
+    return {(e.local[0], e.local[1], e.remote[0], e.remote[1])
+            for c in conns if c.orphan for e in c.ends[1:]}
+
+
+def clear_orphans(netns_pid: int, addrs: set[tuple[str, int, str, int]]) -> None:
+    """Drop the sockets no process holds on these addresses in netns_pid's network
+    namespace (sock_diag's SOCK_DESTROY): a client's end that closed after its FIN, in
+    FIN_WAIT2 or TIME_WAIT, would keep a restored orphan of the same connection from
+    being made (its addresses taken). They belong to the discarded timeline."""
+    if not addrs:
+        return
+    states = 1 << TCP_FIN_WAIT2 | 1 << TCP_TIME_WAIT
+    with sockdiag.open_in(netns_pid) as s:
+        for family in (socket.AF_INET, socket.AF_INET6):
+            ask = _INET_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, states)
+            sockdiag.send(s, sockdiag.SOCK_DIAG_BY_FAMILY, sockdiag.NLM_F_DUMP,
+                          ask + bytes(_ID_SIZE))
+            ids = [m[_INET_MSG_ID:_INET_MSG_ID + _ID_SIZE]
+                   for m in sockdiag.replies(s, "TCP sockets closing")
+                   if _diag_addresses(family, m[_INET_MSG_ID:]) in addrs]
+            for sock_id in ids:
+                sockdiag.send(s, sockdiag.SOCK_DESTROY, sockdiag.NLM_F_ACK, ask + sock_id)
+                for _ in sockdiag.replies(s, "a closing TCP socket (destroy)"):
+                    pass
+
+
+def _diag_addresses(family: int, sock_id: bytes) -> tuple[str, int, str, int]:
+    """struct inet_diag_sockid's addresses: ports, then 16-byte source and destination."""
+    sport, dport = struct.unpack_from("!HH", sock_id)
+    size = 4 if family == socket.AF_INET else 16
+    src = socket.inet_ntop(family, sock_id[4:4 + size])
+    dst = socket.inet_ntop(family, sock_id[20:20 + size])
+    return src, sport, dst, dport
+
+
 def quiet(pid: int, fd: int) -> None:
     """Put the connection pid holds at fd in repair mode: when it is closed (pid killed),
     it goes away without a FIN, a RST or a TIME_WAIT (its addresses free at once). Only
     connections on the loopback: within the sandbox's network namespace."""
     with socket.socket(fileno=native.copy_fd(pid, fd)) as s:
         info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)
-        if info[0] == TCP_ESTABLISHED and _loopback(s.getpeername()[0]):
+        if (info[0] == TCP_ESTABLISHED or info[0] in _HALF_CLOSED) and \
+                is_loopback(s.getpeername()[0]):
             s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, TCP_REPAIR_ON)
 
 
-def _loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     """Whether the peer is on the sandbox's loopback (one outside gets its FIN)."""
     try:
         return ipaddress.ip_address(host.split("%")[0]).is_loopback
@@ -320,7 +421,7 @@ def _loopback(host: str) -> bool:
 
 
 def quiet_all(pids: set[int]) -> None:
-    """quiet() every established TCP connection the processes `pids` hold (they are
+    """quiet() every TCP connection the processes `pids` hold (they are
     about to be killed by a rollback)."""
     for pid in pids:
         try:
