@@ -17,6 +17,13 @@ random.Random(seed * 1000 + index):
 - fork: 1-2 children from a random checkpoint; each child is verified and removed;
 - delete of an old checkpoint (never the newest two).
 
+With --processes each session also runs a key-value server (KV_SERVER: python3 on loopback,
+its dict and a ballast whose CRC is a function of it live only in its memory), and the ops
+add kv_set (a key set through bash's /dev/tcp), session_job (a background job that ends by
+itself a few ms later), exec_timeout (a command with a child killed at its 0.1 s timeout)
+and session_timeout (the session restarted by the daemon: its state, the server with it,
+adopted as the model).
+
 The model: per sandbox, the expected state now and at each checkpoint: the contents of every
 file under /workspace/w and the session's variables, function and cwd. Verification: the
 files are hashed inside the sandbox (python3, sha256 per file) and compared with the model;
@@ -46,6 +53,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from deltabox import DeadlineExceeded
 
 from benchmarks.common import (DEFAULT_OUT, PrivateDaemon, finish_figure, latency_boxplot, log,
                                machine_info, other_daemons, pyplot, record_cleanup, run_main,
@@ -136,7 +145,8 @@ OPS = {
     "fork": 8,
     "delete": 7,
 }
-KV_SET_WEIGHT = 12   # with --processes
+# with --processes: op -> weight
+PROCESS_OPS = {"kv_set": 12, "session_job": 4, "exec_timeout": 2, "session_timeout": 1}
 
 
 @dataclass
@@ -482,6 +492,39 @@ class Worker:
                                f"{r.stderr[-300:]}")
         self.cur.kv[k] = v
 
+    def op_session_job(self) -> None:
+        """A background job of the session that ends by itself a few ms later (its end,
+        and its zombie until the shell reaps it, may fall in a checkpoint)."""
+        ms = self.rng.randrange(1, 30)
+        code = self.rng.choice((0, 3))
+        r = self.timed("session", self.sbx.session("main").run,
+                       f"(sleep 0.{ms:03d}; exit {code}) &", timeout=120)
+        if r.exit_code != 0:
+            raise RuntimeError(f"session_job exited {r.exit_code}: {r.stderr[-300:]}")
+        self.rec.count("session_jobs")
+
+    def op_exec_timeout(self) -> None:
+        """A command (with a child) killed at its timeout: nothing of the model changes."""
+        try:
+            self.timed("exec_timeout", self.sbx.exec, ["sh", "-c", "sleep 5 & sleep 5"],
+                       timeout=0.1)
+        except DeadlineExceeded:
+            self.rec.count("exec_timeouts")
+            return
+        raise RuntimeError("exec of sleep 5 with a 0.1 s timeout did not time out")
+
+    def op_session_timeout(self) -> None:
+        """A session command past its timeout: the daemon restarts the session (its
+        variables, function, cwd and jobs, the server among them, are gone)."""
+        try:
+            self.timed("session_timeout", self.sbx.session("main").run, "sleep 5",
+                       timeout=0.1)
+        except DeadlineExceeded:
+            self.rec.count("session_timeouts")
+            self.adopt_session(self.sbx, self.cur)
+            return
+        raise RuntimeError("session sleep 5 with a 0.1 s timeout did not time out")
+
     def op_session(self) -> None:
         parts = []
         new = self.cur.copy()
@@ -584,8 +627,8 @@ class Worker:
             return
         ops, weights = list(OPS), list(OPS.values())
         if self.processes:
-            ops.append("kv_set")
-            weights.append(KV_SET_WEIGHT)
+            ops += list(PROCESS_OPS)
+            weights += list(PROCESS_OPS.values())
         try:
             for i in range(self.cycles):
                 if self.stop_event.is_set() or (self.stop_at and time.monotonic() > self.stop_at):
@@ -709,7 +752,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--processes", action="store_true",
                    help="also run a key-value server (python3, %d MB of memory) in each "
                    "sandbox's session and verify its in-memory dict after every rollback "
-                   "and in every fork child" % BALLAST_MB)
+                   "and in every fork child; with ops that set its keys, start short "
+                   "background jobs in the session, and time out an exec and a session "
+                   "command" % BALLAST_MB)
     p.add_argument("--tmp-parent", type=Path, default=Path("/var/tmp"))
     p.add_argument("--keep-state", action="store_true")
     p.add_argument("--daemon-arg", action="append", default=[], metavar="ARG",
@@ -794,8 +839,8 @@ def main(argv: list[str] | None = None) -> int:
                 "benchmark": "soak",
                 "mode": "quick" if args.quick else "full",
                 "plan": {"sandboxes": n_sbx, "cycles": cycles, "seed": args.seed,
-                         "processes": args.processes, "kv_set_weight": KV_SET_WEIGHT
-                         if args.processes else 0,
+                         "processes": args.processes,
+                         "process_op_weights": PROCESS_OPS if args.processes else {},
                          "time_limit_s": args.time_limit, "op_weights": OPS,
                          "daemon_args": args.daemon_arg},
                 "method": {
