@@ -4350,6 +4350,14 @@ if role == "server":
     srv.listen()
     open(W + "listening", "w").close()
     conns = {"gone": srv.accept()[0], "lingering": srv.accept()[0], "held": srv.accept()[0]}
+    pooled = srv.accept()[0]   # answered, then closed first (as a keep-alive timeout)
+    pooled.recv(16)
+    pooled.sendall(b"response")
+    pooled.close()
+elif role == "pooled":   # keeps its connection after the server closed it (a client pool)
+    c = socket.create_connection(("127.0.0.1", 7071))
+    c.sendall(b"req")
+    conns = {"pooled": c}
 elif role == "closer":
     c = socket.create_connection(("127.0.0.1", 7071))
     if sys.argv[2:]:   # its closed end stays a socket in FIN_WAIT2 (not a timewait one)
@@ -4374,14 +4382,17 @@ while True:
     if os.path.exists(W + role + "-mutate") or os.path.exists(W + role + "-talk"):
         talk = os.path.exists(W + role + "-talk")
         # (mutate leaves the gone clients' ends alone: a rollback finds them)
-        heard = [f"{k} read {drain(c)!r}" for k, c in conns.items() if talk or k == "held"]
+        heard = [f"{k} read {drain(c)!r}" for k, c in conns.items()
+                 if talk or k in ("held", "pooled")]
         if role == "server":
             conns["held"].sendall(b"answer")
             conns["held"].close()
-        else:   # closed (a socket in CLOSE is not captured: the disk paths checkpoint again)
-            conns["mine"].close()
-        if role == "server" and talk:
-            for k in ("gone", "lingering"):
+        elif role == "halfer":   # (a socket in CLOSE is not captured: closed, as the disk
+            conns["mine"].close()   # paths checkpoint again)
+        elif not talk:
+            conns["pooled"].close()
+        if talk and role != "halfer":
+            for k in (("gone", "lingering") if role == "server" else ("pooled",)):
                 try:
                     for _ in range(50):
                         conns[k].sendall(b"to nobody")
@@ -4398,9 +4409,10 @@ def test_half_closed_tcp_connections(sbx: Sandbox, restore: Restore) -> None:
     """A server frozen between its clients' end and its own (CLOSE_WAIT), two clients
     gone (each wrote and closed: no process holds its end, a timewait socket in FIN_WAIT2,
     or a socket with a longer TCP_LINGER2) and one that shut its side down and waits for
-    the answer (FIN_WAIT2): they come back half-closed as they were, the server reads each
-    request then end-of-file, the waiting client gets its answer, and the gone ones' ends
-    answer writes with a reset, as they did. A rollback finds the gone ones' ends of the
+    the answer (FIN_WAIT2); a client whose server answered and closed first (a pooled
+    keep-alive connection): they come back half-closed as they were, each reads the bytes
+    waiting then end-of-file, the waiting client gets its answer, the gone ends answer
+    writes with a reset, as they did, and the listener still takes connections. A rollback finds the gone ones' ends of the
     killed timeline in their place (tcp.clear_orphans)."""
     sbx.files.write("half.py", TCP_HALF)
     sbx.exec("cd /workspace && nohup python3 half.py server >/dev/null 2>&1 &")
@@ -4408,23 +4420,30 @@ def test_half_closed_tcp_connections(sbx: Sandbox, restore: Restore) -> None:
     assert sbx.exec("cd /workspace && python3 half.py closer").exit_code == 0
     assert sbx.exec("cd /workspace && python3 half.py closer 120").exit_code == 0
     sbx.exec("cd /workspace && nohup python3 half.py halfer >/dev/null 2>&1 &")
-    wait_for(lambda: sbx.files.exists("server-ready") and sbx.files.exists("halfer-ready"))
-    before = (_role(sbx, "server", "report"), _role(sbx, "halfer", "report"))
+    sbx.exec("cd /workspace && nohup python3 half.py pooled >/dev/null 2>&1 &")
+    wait_for(lambda: all(sbx.files.exists(f"{r}-ready") for r in ("server", "halfer", "pooled")))
+    before = tuple(_role(sbx, r, "report") for r in ("server", "halfer", "pooled"))
     assert re.fullmatch(r"gone: state 8 peer \d+ peek b'request-and-bye'; lingering: state "
                         r"8 peer \d+ peek b'request-and-bye'; held: state 8 peer \d+ peek "
                         r"b'request-then-wait';", before[0]), before
     assert re.fullmatch(r"mine: state 5 peer 7071 peek 'nothing yet';", before[1]), before
+    assert before[2] == "pooled: state 8 peer 7071 peek b'response';", before
     cp = sbx.checkpoint()
     assert cp.kind == "full", cp.reasons
     _role(sbx, "server", "mutate")
     _role(sbx, "halfer", "mutate")
-    assert sbx.exec("cd /workspace && pgrep -f 'half.py halfer'").exit_code == 0
+    _role(sbx, "pooled", "mutate")
     target = restore(sbx, cp)
-    assert (_role(target, "server", "report"), _role(target, "halfer", "report")) == before
+    assert tuple(_role(target, r, "report") for r in ("server", "halfer", "pooled")) == before
     assert _role(target, "server", "talk") == (
         "gone read b'request-and-bye'; lingering read b'request-and-bye'; held read "
         "b'request-then-wait'; gone write: BrokenPipeError; lingering write: BrokenPipeError")
     assert _role(target, "halfer", "talk") == "mine read b'answer'"
+    assert _role(target, "pooled", "talk") == "pooled read b'response'; pooled write: " \
+        "BrokenPipeError"
+    r = target.exec("python3 -c \"import socket; socket.create_connection(('127.0.0.1', 7071), "
+                    "timeout=5)\"")
+    assert r.exit_code == 0, r.stderr   # the listener, bound beside the orphans
 
 
 def test_tcp_connection_to_no_process_of_the_sandbox_is_refused() -> None:
