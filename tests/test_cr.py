@@ -4446,6 +4446,78 @@ def test_half_closed_tcp_connections(sbx: Sandbox, restore: Restore) -> None:
     assert r.exit_code == 0, r.stderr   # the listener, bound beside the orphans
 
 
+TCP_LATE = """
+import os, select, socket, sys, time
+role, W = sys.argv[1], "/workspace/"
+if role == "server":
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 7072))
+    srv.listen()
+    open(W + "listening", "w").close()
+    select.select([srv], [], [])
+    time.sleep(float(sys.argv[2]))          # busy with something else first
+    conn = srv.accept()[0]
+    open(W + "accepted", "w").write(repr(time.time()))
+else:
+    conn = socket.create_connection(("127.0.0.1", 7072))
+    conn.sendall(b"early-request")
+    open(W + "sent", "w").close()
+while True:
+    time.sleep(0.01)
+    if os.path.exists(W + role + "-talk"):
+        if role == "server":
+            got = conn.recv(13)
+            conn.sendall(b"late-reply")
+        else:
+            got = conn.recv(10)
+        open(W + role + "-heard", "w").write(repr(got))
+        os.remove(W + role + "-talk")
+"""
+
+
+def _late_server(sbx: Sandbox, delay: float) -> float:
+    """A server that sees a connection coming and accepts it `delay` s later, and its
+    client; the time just before the client connected."""
+    sbx.files.write("late.py", TCP_LATE)
+    sbx.exec(f"cd /workspace && nohup python3 late.py server {delay} >/dev/null 2>&1 &")
+    _wait_file(sbx, "listening")
+    t = time.time()
+    sbx.exec("cd /workspace && nohup python3 late.py client >/dev/null 2>&1 &")
+    _wait_file(sbx, "sent")
+    return t
+
+
+def test_a_connection_its_server_accepts_during_the_checkpoint(sbx: Sandbox,
+                                                               restore: Restore) -> None:
+    """A client connected to a busy server that has not accepted it yet: its server's end
+    waits in the listener's queue, where no process holds it (refused until stop 73). The
+    checkpoint lets the processes run until the server accepts it (as for a file watcher's
+    unread events) and captures again: the connection comes back with the request unread,
+    and the server answers it."""
+    started = _late_server(sbx, 0.5)
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    accepted = float(sbx.files.read("accepted"))
+    assert accepted - started >= 0.5
+    _role(sbx, "server", "talk")
+    target = restore(sbx, cp)
+    assert _role(target, "server", "talk") == "b'early-request'"
+    assert _role(target, "client", "talk") == "b'late-reply'"
+
+
+def test_a_connection_its_server_does_not_accept_is_refused(sbx: Sandbox) -> None:
+    """...until its server accepts it: after four tries (a second in all) the refusal
+    names the listener; a checkpoint of the files alone is taken."""
+    _late_server(sbx, 1000)
+    with pytest.raises(deltabox.FailedPrecondition) as e:
+        sbx.checkpoint()
+    assert re.search(r"fd 3: inet tcp listen 127\.0\.0\.1:7072: 1 connection\(s\) wait to be "
+                     r"accepted: checkpoint once its server has accepted them", str(e.value))
+    assert str(e.value).endswith("(at each of 4 attempts)"), e.value
+    assert sbx.checkpoint(mode="fs").kind == "fs"
+
+
 def test_tcp_connection_to_no_process_of_the_sandbox_is_refused() -> None:
     """A connection whose other end no process of the checkpoint holds (here: this test
     holds it, outside the records) is refused, naming the fd and why. Once that end closed

@@ -9,10 +9,13 @@ than come back subtly wrong after a rollback.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import re
 import socket
 import struct
+import termios
 from dataclasses import dataclass, field
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
@@ -45,9 +48,9 @@ class Refusal:
     pid: int
     cmd: str
     reason: str
-    # (host pid, fd) of an inotify instance whose events wait to be read, or of a socket
-    # with descriptors in flight: a refusal that passes once the process has read them
-    # (see Unsettled)
+    # (host pid, fd) of an inotify instance whose events wait to be read, of a socket
+    # with descriptors in flight, or of a TCP listener with connections not accepted yet:
+    # a refusal that passes once the process has read them (see Unsettled, waiting)
     unread: tuple[int, int] | None = None
 
     def __str__(self) -> str:
@@ -57,8 +60,9 @@ class Refusal:
 
 
 class Unsettled(FailedPrecondition):
-    """Refused only for a passing state: events or descriptors in flight that wait to be
-    read (`queues`: (host pid, fd) of each inotify instance or socket), or a process caught
+    """Refused only for a passing state: events, descriptors in flight or connections
+    that wait to be read or accepted (`queues`: (host pid, fd) of each inotify instance or
+    socket), or a process caught
     inside vfork() at its stop (no queues). The caller may let the processes run until that has passed, and capture
     again."""
 
@@ -750,10 +754,26 @@ def listen_socket(pid: int, f: native.FdInfo) -> tuple[native.ListenSocket, int]
     return ls, queued
 
 
+def waiting(fd: int) -> int:
+    """What still waits in the queue at our fd of a passing refusal (Refusal.unread):
+    bytes (FIONREAD: an inotify instance's events, a socket's), or a TCP listener's
+    connections not accepted yet (FIONREAD refuses a listener: its accept queue's length
+    from TCP_INFO, as listen_socket)."""
+    try:
+        return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), "little")
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    with socket.socket(fileno=os.dup(fd)) as s:
+        info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    return _TCP_INFO_BACKLOG.unpack_from(info)[3]
+
+
 def add_listeners(rec: ProcessRecord) -> list[Refusal]:
     """Fill rec.listens with its TCP listeners, UDP and netlink sockets; refuse a
-    listener with connections waiting to be accepted, a UDP or netlink socket with a
-    datagram (message) or an error waiting (the restored copy could not have them)."""
+    listener with connections waiting to be accepted (a passing refusal: Refusal.unread),
+    a UDP or netlink socket with a datagram (message) or an error waiting (the restored
+    copy could not have them)."""
     out = []
     joined = None     # the namespace's multicast groups: read at its first UDP socket
     busy = None       # its netlink sockets with a dump going on: read at its first one
@@ -771,7 +791,12 @@ def add_listeners(rec: ProcessRecord) -> list[Refusal]:
                 ls, why = udp.capture(rec.pid, f, joined)
             else:
                 ls, queued = listen_socket(rec.pid, f)
-                why = queued and f"{queued} connection(s) wait to be accepted: not captured"
+                if queued:   # passing: the capture lets its server accept them (Unsettled)
+                    out.append(Refusal(rec.nspid, rec.cmd, f"fd {f.fd}: {f.describe()}: "
+                                       f"{queued} connection(s) wait to be accepted: "
+                                       "checkpoint once its server has accepted them",
+                                       unread=(rec.pid, f.fd)))
+                why = None
         except native.CRError as e:   # what cannot be made again (sockopts.py)
             out.append(Refusal(rec.nspid, rec.cmd, f"fd {f.fd}: {f.describe()}: {e.strerror}"))
             continue

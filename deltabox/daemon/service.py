@@ -42,8 +42,8 @@ from ..sandbox.reaper import wait_exited
 from ..sandbox.session import AdoptedShell, Session
 from ..sandbox.userns import IdMap
 from ..background import GuardedNursery, run_all
-from ..cr import hostmem, native, tcp, watches
-from ..cr.capture import ProcessRecord, Unsettled
+from ..cr import hostmem, native, tcp
+from ..cr.capture import ProcessRecord, Unsettled, waiting
 from ..cr.engine import (DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, Resumed,
                          in_vfork, killed_templates, namespace_only, process_name,
                          stopped_calls)
@@ -1822,9 +1822,10 @@ class Daemon:
     async def _let_settle(self, live: Live, queues: Sequence[tuple[int, int]],
                           layer: str) -> None:
         """A capture refused only for a passing state (Unsettled): drop its snapshot, let
-        the processes run until the `queues` are empty (FIONREAD: an inotify instance of a
-        file watcher woken by the last command's writes, a socket with descriptors in
-        flight; UNREAD_WAIT_S at most), then freeze again. With no
+        the processes run until the `queues` are empty (capture.waiting: an inotify
+        instance of a file watcher woken by the last command's writes, a socket with
+        descriptors in flight, a TCP listener with connections its server has not accepted
+        yet; UNREAD_WAIT_S at most), then freeze again. With no
         queues (a process caught inside vfork() at its stop) the next attempt's vfork
         check lets it finish."""
         with trio.CancelScope(shield=True):
@@ -1839,7 +1840,7 @@ class Daemon:
                     pass  # gone: nothing to wait for
             live.rt.cgroup.thaw()
             deadline = trio.current_time() + UNREAD_WAIT_S
-            while trio.current_time() < deadline and any(watches.queued(fd) for fd in ours):
+            while trio.current_time() < deadline and any(waiting(fd) for fd in ours):
                 await trio.sleep(0.001)
         finally:
             for fd in ours:
