@@ -13,6 +13,7 @@ import errno
 import fcntl
 import os
 import re
+import select
 import socket
 import struct
 import termios
@@ -755,18 +756,18 @@ def listen_socket(pid: int, f: native.FdInfo) -> tuple[native.ListenSocket, int]
 
 
 def waiting(fd: int) -> int:
-    """What still waits in the queue at our fd of a passing refusal (Refusal.unread):
-    bytes (FIONREAD: an inotify instance's events, a socket's), or a TCP listener's
-    connections not accepted yet (FIONREAD refuses a listener: its accept queue's length
-    from TCP_INFO, as listen_socket)."""
+    """Whether something still waits in the queue at our fd of a passing refusal
+    (Refusal.unread): bytes (FIONREAD: an inotify instance's events, a socket's), or a
+    listener's connections not accepted yet (FIONREAD refuses a listener, which polls
+    readable while one waits)."""
     try:
         return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), "little")
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-    with socket.socket(fileno=os.dup(fd)) as s:
-        info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-    return _TCP_INFO_BACKLOG.unpack_from(info)[3]
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return len(p.poll(0))
 
 
 def add_listeners(rec: ProcessRecord) -> list[Refusal]:

@@ -533,6 +533,10 @@ class _Pairs:
         self.listening = {d.raw_name for ino, d in diag.items()
                           if d.state == unix_listeners.TCP_LISTEN and d.raw_name
                           and ino in self.holders}
+        # Listeners with connections waiting to be accepted: (host pid, fd) of a holder.
+        self.pending = [(hs[0][0].pid, hs[0][1].fd) for ino, hs in self.holders.items()
+                        if (d := diag.get(ino)) is not None
+                        and d.state == unix_listeners.TCP_LISTEN and d.rqueue]
 
     def _pair(self, ino: int) -> tuple[int, _PairState | str]:
         """The pair's key (its lower inode) and its state, or why it is refused."""
@@ -570,9 +574,11 @@ class _Pairs:
         """The named listener at f, read once whoever holds it."""
         if f.inode not in self.listeners:
             d = self.diag[f.inode]
-            self.listeners[f.inode] = unix_listeners.capture(
-                rec.pid, f.inode, d.type, d.raw_name, d.rqueue, d.wqueue,
-                bool(f.flags & os.O_NONBLOCK))
+            u = unix_listeners.capture(rec.pid, f.inode, d.type, d.raw_name, d.rqueue,
+                                       d.wqueue, bool(f.flags & os.O_NONBLOCK))
+            if isinstance(u, str) and d.rqueue and d.type != socket.SOCK_DGRAM:
+                u = Passing(u, (rec.pid, f.fd))  # its server accepts them (type: checked)
+            self.listeners[f.inode] = u
         return self.listeners[f.inode]
 
     def _one_way(self, ino: int, d: _UnixDiag) -> bool:
@@ -616,6 +622,8 @@ class _Pairs:
             why = (_lone_refusal(d, self.listening, one_way) or
                    (self._to_refusal(d) if one_way else None) or
                    _in_flight(self.holders[f.inode]))
+            if why == NOT_ACCEPTED and self.pending:   # likely: passes once accepted
+                why = Passing(why, self.pending[0])
             if not why and d.type == socket.SOCK_DGRAM and d.raw_name:
                 why = self._named_refusal(rec, f, d)
             if not why and d.type == socket.SOCK_DGRAM and d.rqueue:
@@ -645,7 +653,7 @@ class _Pairs:
             if d is not None and d.state == unix_listeners.TCP_LISTEN and d.raw_name:
                 u = self._listener(rec, f)
                 if isinstance(u, str):
-                    reasons.append(f"fd {f.fd}: {u}")
+                    reasons.append(_as(u, f"fd {f.fd}: {u}"))
                 else:
                     _held_at(f, u, heard, loop.unix_listeners)
                 continue
@@ -755,6 +763,10 @@ def _is_lone(d: _UnixDiag) -> bool:
     return (d.state == TCP_ESTABLISHED and not d.peer) or d.state == TCP_CLOSE
 
 
+NOT_ACCEPTED = ("connected to a socket not accepted yet (or shut down): not captured; "
+                "checkpoint once the connection is accepted")
+
+
 def _lone_refusal(d: _UnixDiag, listening: Collection[bytes], one_way: bool = False
                   ) -> str | None:
     if d.type not in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET):
@@ -771,8 +783,7 @@ def _lone_refusal(d: _UnixDiag, listening: Collection[bytes], one_way: bool = Fa
         return "its peer was closed and it was shut down: not captured"
     if d.type != socket.SOCK_DGRAM and d.shutdown != SHUTDOWN_MASK:
         # Also the look of a connection its listener has not accepted yet.
-        return ("connected to a socket not accepted yet (or shut down): not captured; "
-                "checkpoint once the connection is accepted")
+        return NOT_ACCEPTED
     if d.rqueue and d.type == socket.SOCK_SEQPACKET:   # (a datagram socket's: _Pairs._lone)
         return "datagrams waiting to be read are not captured"
     if d.rqueue > MAX_QUEUED:
