@@ -1069,7 +1069,8 @@ time.sleep(300)
 @pytest.mark.parametrize("waiting", ["datagram", "error"])
 def test_a_udp_socket_with_something_waiting_is_refused(sbx: Sandbox, waiting: str) -> None:
     """What waits in a UDP socket cannot be put in a fresh one: refused, naming it (a
-    restore without it would lose a datagram, or an ECONNREFUSED the program expects)."""
+    restore without it would lose a datagram, or an ECONNREFUSED the program expects); a
+    datagram once its process had its four chances to read it."""
     sbx.files.write("wait.py", UDP_WAITING[waiting])
     sbx.exec("cd /workspace && nohup python3 wait.py >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("sent"))
@@ -1077,6 +1078,44 @@ def test_a_udp_socket_with_something_waiting_is_refused(sbx: Sandbox, waiting: s
             "error": r"connected 127.0.0.1:\d+ -> 127.0.0.1:9128: an error waits to be "
                      r"read \(an earlier datagram's ECONNREFUSED"}[waiting]
     _refused_by_name(sbx, rf"pid \d+ \(python3 wait.py\): fd \d+: inet udp {what}")
+
+
+UDP_LATE_READER = """
+import select, socket, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("127.0.0.1", 9126))
+open("/workspace/bound", "w").close()
+got = []
+while True:
+    select.select([s], [], [])
+    time.sleep(0.5)                  # busy with something else first
+    got.append(s.recv(100))
+    open("/workspace/got", "w").write(repr(got))
+"""
+
+
+def test_a_datagram_its_reader_takes_during_the_checkpoint(sbx: Sandbox,
+                                                           restore: Restore) -> None:
+    """A datagram waiting in a UDP socket whose reader is busy: the checkpoint lets the
+    processes run until it has read it (stop 73; refused at once before) and captures
+    again. The restored reader has read it and reads what comes next."""
+    sbx.files.write("late_reader.py", UDP_LATE_READER)
+    sbx.exec("cd /workspace && nohup python3 late_reader.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("bound"))
+    send = ("python3 -c \"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM)"
+            ".sendto(b'%s', ('127.0.0.1', 9126))\"")
+    assert sbx.exec(send % "first").exit_code == 0
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    # (the capture may come between its read and its write of the file: either way)
+    wait_for(lambda: sbx.files.exists("got") and sbx.files.read("got") == b"[b'first']")
+    sbx.exec(send % "mutation")
+    wait_for(lambda: sbx.files.read("got") == b"[b'first', b'mutation']")
+    target = restore(sbx, cp)
+    wait_for(lambda: target.files.exists("got") and
+             target.files.read("got") == b"[b'first']")
+    target.exec(send % "second")
+    wait_for(lambda: target.files.read("got") == b"[b'first', b'second']")
 
 
 def test_a_multicast_membership_filtered_by_source_is_refused(sbx: Sandbox) -> None:

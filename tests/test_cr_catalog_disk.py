@@ -88,6 +88,7 @@ from test_cr import (  # noqa: F401  (the catalog's cases, run here with the dis
     test_sqlite_held_open_by_a_long_lived_process, test_tcp_connection_within_the_sandbox,
     test_half_closed_tcp_connections,
     test_a_connection_its_server_accepts_during_the_checkpoint,
+    test_a_datagram_its_reader_takes_during_the_checkpoint,
     test_udp_sockets_come_back_bound_connected_and_with_their_options,
     test_a_listeners_options_come_back_and_its_connections_inherit_them,
     test_netlink_sockets_and_socket_filters_come_back,

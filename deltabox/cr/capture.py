@@ -772,9 +772,9 @@ def waiting(fd: int) -> int:
 
 def add_listeners(rec: ProcessRecord) -> list[Refusal]:
     """Fill rec.listens with its TCP listeners, UDP and netlink sockets; refuse a
-    listener with connections waiting to be accepted (a passing refusal: Refusal.unread),
-    a UDP or netlink socket with a datagram (message) or an error waiting (the restored
-    copy could not have them)."""
+    listener with connections waiting to be accepted or a UDP socket with a datagram
+    waiting (passing refusals: Refusal.unread), a UDP or netlink socket with an error
+    (a netlink one: a message) waiting (the restored copy could not have them)."""
     out = []
     joined = None     # the namespace's multicast groups: read at its first UDP socket
     busy = None       # its netlink sockets with a dump going on: read at its first one
@@ -790,6 +790,10 @@ def add_listeners(rec: ProcessRecord) -> list[Refusal]:
                 if joined is None:
                     joined = udp.joined_in_namespace(rec.pid)
                 ls, why = udp.capture(rec.pid, f, joined)
+                if why == udp.DATAGRAM_WAITS:   # passing: its process reads it (Unsettled)
+                    out.append(Refusal(rec.nspid, rec.cmd, f"fd {f.fd}: {f.describe()}: "
+                                       f"{why}", unread=(rec.pid, f.fd)))
+                    why = None
             else:
                 ls, queued = listen_socket(rec.pid, f)
                 if queued:   # passing: the capture lets its server accept them (Unsettled)

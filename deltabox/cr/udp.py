@@ -12,7 +12,8 @@ recreate_listen): bound, connected, never listening.
 
 Refused, naming the socket: one made in another network namespace than its process's
 (handed in from outside), a datagram waiting to be read (a restored socket could not have
-it), an error waiting to be read (an ICMP port-unreachable's ECONNREFUSED, an error
+it; a passing state since stop 73: the checkpoint lets the process read it, as a file
+watcher's events, and captures again, up to 4 times), an error waiting to be read (an ICMP port-unreachable's ECONNREFUSED, an error
 queue: the next call would not see it), a datagram being built (UDP_CORK or MSG_MORE: its
 bytes are in the kernel), a buffer size above what a process may set now (sockopts.py), a
 multicast membership filtered by source (only any-source joins are made again).
@@ -177,12 +178,16 @@ def waiting(s: socket.socket) -> tuple[bool, bool, int]:
     return bool(rmem or events & select.POLLIN), bool(events & select.POLLERR), wmem
 
 
+# A passing refusal (capture.add_listeners): the capture lets its process read it.
+DATAGRAM_WAITS = ("a datagram waits to be read: not captured; checkpoint once the process "
+                  "has read it")
+
+
 def _unsettled(s: socket.socket) -> str | None:
     """Why this socket holds state a fresh one would not have, or None."""
     data, error, wmem = waiting(s)
     if data:
-        return ("a datagram waits to be read: not captured; checkpoint once the process "
-                "has read it")
+        return DATAGRAM_WAITS
     if error:
         return ("an error waits to be read (an earlier datagram's ECONNREFUSED, or its "
                 "error queue): not captured; checkpoint once the process has read it")
