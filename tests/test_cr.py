@@ -4451,8 +4451,9 @@ def test_half_closed_tcp_connections(sbx: Sandbox, restore: Restore) -> None:
     the answer (FIN_WAIT2); a client whose server answered and closed first (a pooled
     keep-alive connection): they come back half-closed as they were, each reads the bytes
     waiting then end-of-file, the waiting client gets its answer, the gone ends answer
-    writes with a reset, as they did, and the listener still takes connections. A rollback finds the gone ones' ends of the
-    killed timeline in their place (tcp.clear_orphans)."""
+    writes with a reset, as they did, and the listener still takes connections. A
+    rollback finds the gone ones' ends of the killed timeline in their place
+    (tcp.clear_orphans)."""
     sbx.files.write("half.py", TCP_HALF)
     sbx.exec("cd /workspace && nohup python3 half.py server >/dev/null 2>&1 &")
     _wait_file(sbx, "listening")

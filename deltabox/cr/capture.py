@@ -50,8 +50,9 @@ class Refusal:
     cmd: str
     reason: str
     # (host pid, fd) of an inotify instance whose events wait to be read, of a socket
-    # with descriptors in flight, or of a TCP listener with connections not accepted yet:
-    # a refusal that passes once the process has read them (see Unsettled, waiting)
+    # with descriptors in flight or a datagram waiting, or of a listener (TCP or unix)
+    # with connections not accepted yet: a refusal that passes once the process has read
+    # or accepted them (see Unsettled, waiting)
     unread: tuple[int, int] | None = None
 
     def __str__(self) -> str:
@@ -61,11 +62,10 @@ class Refusal:
 
 
 class Unsettled(FailedPrecondition):
-    """Refused only for a passing state: events, descriptors in flight or connections
-    that wait to be read or accepted (`queues`: (host pid, fd) of each inotify instance or
-    socket), or a process caught
-    inside vfork() at its stop (no queues). The caller may let the processes run until that has passed, and capture
-    again."""
+    """Refused only for a passing state: events, descriptors in flight, datagrams or
+    connections that wait to be read or accepted (`queues`: (host pid, fd) of each inotify
+    instance or socket), or a process caught inside vfork() at its stop (no queues). The
+    caller may let the processes run until that has passed, and capture again."""
 
     def __init__(self, message: str, queues: Sequence[tuple[int, int]] = ()) -> None:
         super().__init__(message)

@@ -1648,8 +1648,8 @@ class FdInfo:
 
 
 TCP_STATES = {1: "established", 2: "syn-sent", 3: "syn-recv", 4: "fin-wait1",
-               5: "fin-wait2", 6: "time-wait", 7: "close", 8: "close-wait", 9: "last-ack",
-               10: "listen", 11: "closing"}
+              5: "fin-wait2", 6: "time-wait", 7: "close", 8: "close-wait", 9: "last-ack",
+              10: "listen", 11: "closing"}
 _UNIX_TYPES = {1: "stream", 2: "dgram", 5: "seqpacket"}
 
 

@@ -13,10 +13,11 @@ recreate_listen): bound, connected, never listening.
 Refused, naming the socket: one made in another network namespace than its process's
 (handed in from outside), a datagram waiting to be read (a restored socket could not have
 it; a passing state since stop 73: the checkpoint lets the process read it, as a file
-watcher's events, and captures again, up to 4 times), an error waiting to be read (an ICMP port-unreachable's ECONNREFUSED, an error
-queue: the next call would not see it), a datagram being built (UDP_CORK or MSG_MORE: its
-bytes are in the kernel), a buffer size above what a process may set now (sockopts.py), a
-multicast membership filtered by source (only any-source joins are made again).
+watcher's events, and captures again, up to 4 times), an error waiting to be read (an ICMP
+port-unreachable's ECONNREFUSED, an error queue: the next call would not see it), a
+datagram being built (UDP_CORK or MSG_MORE: its bytes are in the kernel), a buffer size
+above what a process may set now (sockopts.py), a multicast membership filtered by source
+(only any-source joins are made again).
 
 Multicast groups: no call lists a socket's memberships, but /proc/PID/net/igmp and igmp6
 list every group joined on each interface of the namespace, and MCAST_MSFILTER asked of a
