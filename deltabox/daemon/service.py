@@ -1769,6 +1769,8 @@ class Daemon:
                     if attempt == UNREAD_ATTEMPTS:
                         raise FailedPrecondition(f"{e.message} (at each of {attempt} "
                                                  "attempts)") from None
+                    log.info("sandbox %s: a passing state, capturing again (attempt %d): %s",
+                             live.rt.sandbox_id, attempt + 1, e.message)
                     snap.clear()
                     await self._let_settle(live, e.queues, layer)
                     thawed = False
