@@ -156,10 +156,11 @@ class State:
     fn: str | None = None                                 # what soakfn prints
     cwd: str | None = "/workspace"                        # None: not known, not verified
     kv: dict[str, str] | None = None                      # the server's dict (--processes)
+    kv_pid: int | None = None                             # and its pid in the sandbox
 
     def copy(self) -> State:
         return State(dict(self.files), dict(self.vars), self.fn, self.cwd,
-                     None if self.kv is None else dict(self.kv))
+                     None if self.kv is None else dict(self.kv), self.kv_pid)
 
     def file_hashes(self) -> dict[str, str]:
         return {p: hashlib.sha256(c.encode()).hexdigest() for p, c in self.files.items()}
@@ -386,7 +387,7 @@ class Worker:
                       "fields": ["S0", "S1", "S2", "soakfn", "cwd"]}
         self.rec.verified("session", ok, detail)
         if model.kv is not None:
-            self.check_kv(box, model.kv, op, cp, where)
+            self.check_kv(box, model.kv, op, cp, where, model.kv_pid)
 
     def read_kv(self, box: Any) -> tuple[dict[str, str], int, int] | None:
         """The server's dict, ballast CRC and pid; None if nothing listens."""
@@ -396,7 +397,8 @@ class Worker:
         d, crc, pid = json.loads(r.stdout)
         return d, crc, pid
 
-    def check_kv(self, box: Any, want: dict[str, str], op: str, cp: str, where: str) -> None:
+    def check_kv(self, box: Any, want: dict[str, str], op: str, cp: str, where: str,
+                 model_pid: int | None = None) -> None:
         got = self.read_kv(box)
         ok = got is not None and got[0] == want and got[1] == kv_crc(want)
         detail = None
@@ -406,6 +408,13 @@ class Worker:
                       "expected": want, "got": None if got is None else got[0],
                       "crc_ok": None if got is None else got[1] == kv_crc(want)}
         self.rec.verified("kv_server", ok, detail)
+        if got is not None and model_pid is not None:   # pids kept where the kernel allows:
+            kept = got[2] == model_pid                   # counted, not failed (README)
+            self.rec.count("kv_pid_kept" if kept else "kv_pid_changed")
+            if not kept:
+                self.rec.anomaly("kv_pid_changed", {"sandbox": self.sbx.id, "checked": box.id,
+                                                    "where": where, "checkpoint": cp,
+                                                    "expected": model_pid, "got": got[2]})
 
     def start_kv(self, state: State) -> None:
         """(Re)start the server after a restart of the session's processes, or adopt the
@@ -415,11 +424,13 @@ class Worker:
             r = self.timed("kv_start", self.sbx.session("main").run, KV_START, timeout=120)
             if r.exit_code != 0:
                 raise RuntimeError(f"kv server start exited {r.exit_code}: {r.stderr[-300:]}")
-            state.kv = {}
+            got = self.read_kv(self.sbx)
+            if got is None:
+                raise RuntimeError("the kv server started does not answer")
             self.rec.count("kv_server_started")
         else:
-            state.kv = got[0]
             self.rec.count("kv_server_adopted")
+        state.kv, state.kv_pid = got[0], got[2]
 
     def adopt_session(self, box: Any, state: State) -> None:
         """After a restart: take the session's actual state as the model."""
@@ -850,7 +861,8 @@ def main(argv: list[str] | None = None) -> int:
                     "session 'main''s S0/S1/S2, function soakfn and cwd, now and at each "
                     "checkpoint; with --processes also the dict of a key-value server "
                     "(python3, a background job of the session, listening on loopback) and "
-                    "its ballast's CRC-32, a function of the dict",
+                    "its ballast's CRC-32, a function of the dict; its pid compared with the "
+                    "checkpoint's (counted: kv_pid_kept / kv_pid_changed, not failed)",
                     "verification": "after every rollback and in every fork child: sha256 "
                     "of each file under /workspace/w (python3 in the sandbox) == model; the "
                     "session's variables/function/cwd == model unless process_state is not "
