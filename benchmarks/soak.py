@@ -320,6 +320,7 @@ class Worker:
         self.done = 0
         self.seq = 0
         self.last_op = ""
+        self.restore_note = ""      # the last rollback's or fork child's note (anomalies)
 
     # -- helpers --
     def timed(self, op: str, fn: Any, *a: Any, **kw: Any) -> Any:
@@ -414,7 +415,8 @@ class Worker:
             if not kept:
                 self.rec.anomaly("kv_pid_changed", {"sandbox": self.sbx.id, "checked": box.id,
                                                     "where": where, "checkpoint": cp,
-                                                    "expected": model_pid, "got": got[2]})
+                                                    "expected": model_pid, "got": got[2],
+                                                    "note": self.restore_note})
 
     def start_kv(self, state: State) -> None:
         """(Re)start the server after a restart of the session's processes, or adopt the
@@ -578,6 +580,7 @@ class Worker:
     def op_rollback(self) -> None:
         cp = self.rng.choice(self.cp_order)
         r = self.timed("rollback", self.sbx.rollback, cp)
+        self.restore_note = r.note
         model = self.cps[cp]
         restored = r.process_state == "restored" and "main" not in r.sessions_restarted
         self.rec.count(f"rollback_process_state_{r.process_state or 'none'}")
@@ -598,6 +601,7 @@ class Worker:
         try:
             for k in kids:
                 restored = k.process_state == "restored"
+                self.restore_note = k.fork_note
                 self.rec.count(f"fork_process_state_{k.process_state or 'none'}")
                 if not restored:
                     self.rec.count("session_restarted_in_fork")
