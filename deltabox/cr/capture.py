@@ -10,13 +10,11 @@ than come back subtly wrong after a rollback.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import re
 import select
 import socket
 import struct
-import termios
 from dataclasses import dataclass, field
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
@@ -24,7 +22,7 @@ from typing import TYPE_CHECKING
 from .. import kernfs
 from ..errors import FailedPrecondition
 from ..fs.files import open_in_root
-from . import native, netlink, sockopts, tcp, udp
+from . import native, netlink, pipebuf, sockopts, tcp, udp
 from .taskattrs import TaskAttrs
 
 if TYPE_CHECKING:
@@ -761,7 +759,7 @@ def waiting(fd: int) -> int:
     listener's connections not accepted yet (FIONREAD refuses a listener, which polls
     readable while one waits)."""
     try:
-        return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), "little")
+        return pipebuf.unread(fd)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise

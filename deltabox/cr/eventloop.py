@@ -929,7 +929,7 @@ class _Connections:
             return outside
         peer = tcp.orphan_peer(end)
         if isinstance(peer, str):
-            return outside if not end.fin_in else peer
+            return peer
         self.ends[-f.inode] = peer
         return (f"tcp:{f.inode}:orphan", f.inode, -f.inode)
 

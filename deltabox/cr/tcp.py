@@ -54,7 +54,7 @@ import ipaddress
 import os
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from . import native, sockdiag, sockopts
@@ -343,23 +343,30 @@ def new_connection(c: TcpConn, netns_pid: int) -> tuple[int, int]:
 
 def clear_time_wait(netns_pid: int, ports: set[int]) -> None:
     """Drop the connections in TIME_WAIT on these local ports of netns_pid's network
-    namespace (sock_diag's SOCK_DESTROY). A server without SO_REUSEADDR leaves them behind
-    each connection it closed first, and its listener restored by a rollback could not
-    bind its port beside them for a minute; they belong to the discarded timeline (the
-    rollback's killed processes, or before), nothing of the checkpoint's."""
-    if not ports:
-        return
+    namespace. A server without SO_REUSEADDR leaves them behind each connection it closed
+    first, and its listener restored by a rollback could not bind its port beside them for
+    a minute; they belong to the discarded timeline (the rollback's killed processes, or
+    before), nothing of the checkpoint's."""
+    if ports:
+        _destroy(netns_pid, 1 << TCP_TIME_WAIT, "in TIME_WAIT",
+                 lambda family, sock_id: struct.unpack_from("!H", sock_id)[0] in ports)
+
+
+def _destroy(netns_pid: int, states: int, what: str,
+             match: Callable[[int, bytes], bool]) -> None:
+    """Drop the TCP sockets in `states` (a mask) of netns_pid's network namespace whose
+    struct inet_diag_sockid `match`es (sock_diag's SOCK_DESTROY)."""
     with sockdiag.open_in(netns_pid) as s:
         for family in (socket.AF_INET, socket.AF_INET6):
-            ask = _INET_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, 1 << TCP_TIME_WAIT)
+            ask = _INET_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, states)
             sockdiag.send(s, sockdiag.SOCK_DIAG_BY_FAMILY, sockdiag.NLM_F_DUMP,
                           ask + bytes(_ID_SIZE))
             ids = [m[_INET_MSG_ID:_INET_MSG_ID + _ID_SIZE]
-                   for m in sockdiag.replies(s, "TCP sockets in TIME_WAIT")
-                   if struct.unpack_from("!H", m, _INET_MSG_ID)[0] in ports]
+                   for m in sockdiag.replies(s, f"TCP sockets {what}")
+                   if match(family, m[_INET_MSG_ID:_INET_MSG_ID + _ID_SIZE])]
             for sock_id in ids:
                 sockdiag.send(s, sockdiag.SOCK_DESTROY, sockdiag.NLM_F_ACK, ask + sock_id)
-                for _ in sockdiag.replies(s, "a TCP socket in TIME_WAIT (destroy)"):
+                for _ in sockdiag.replies(s, f"a TCP socket {what} (destroy)"):
                     pass
 
 
@@ -372,24 +379,12 @@ def orphan_addresses(conns: list[TcpConn]) -> set[tuple[str, int, str, int]]:
 
 def clear_orphans(netns_pid: int, addrs: set[tuple[str, int, str, int]]) -> None:
     """Drop the sockets no process holds on these addresses in netns_pid's network
-    namespace (sock_diag's SOCK_DESTROY): a client's end that closed after its FIN, in
-    FIN_WAIT2 or TIME_WAIT, would keep a restored orphan of the same connection from
-    being made (its addresses taken). They belong to the discarded timeline."""
-    if not addrs:
-        return
-    states = 1 << TCP_FIN_WAIT2 | 1 << TCP_TIME_WAIT
-    with sockdiag.open_in(netns_pid) as s:
-        for family in (socket.AF_INET, socket.AF_INET6):
-            ask = _INET_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, states)
-            sockdiag.send(s, sockdiag.SOCK_DIAG_BY_FAMILY, sockdiag.NLM_F_DUMP,
-                          ask + bytes(_ID_SIZE))
-            ids = [m[_INET_MSG_ID:_INET_MSG_ID + _ID_SIZE]
-                   for m in sockdiag.replies(s, "TCP sockets closing")
-                   if _diag_addresses(family, m[_INET_MSG_ID:]) in addrs]
-            for sock_id in ids:
-                sockdiag.send(s, sockdiag.SOCK_DESTROY, sockdiag.NLM_F_ACK, ask + sock_id)
-                for _ in sockdiag.replies(s, "a closing TCP socket (destroy)"):
-                    pass
+    namespace: a client's end that closed after its FIN, in FIN_WAIT2 or TIME_WAIT, would
+    keep a restored orphan of the same connection from being made (its addresses taken).
+    They belong to the discarded timeline."""
+    if addrs:
+        _destroy(netns_pid, 1 << TCP_FIN_WAIT2 | 1 << TCP_TIME_WAIT, "closing",
+                 lambda family, sock_id: _diag_addresses(family, sock_id) in addrs)
 
 
 def _diag_addresses(family: int, sock_id: bytes) -> tuple[str, int, str, int]:

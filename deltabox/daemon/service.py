@@ -1826,8 +1826,8 @@ class Daemon:
         """A capture refused only for a passing state (Unsettled): drop its snapshot, let
         the processes run until the `queues` are empty (capture.waiting: an inotify
         instance of a file watcher woken by the last command's writes, a socket with
-        descriptors in flight, a TCP listener with connections its server has not accepted
-        yet; UNREAD_WAIT_S at most), then freeze again. With no
+        descriptors in flight or a datagram, a listener with connections its server has not
+        accepted yet; UNREAD_WAIT_S at most), then freeze again. With no
         queues (a process caught inside vfork() at its stop) the next attempt's vfork
         check lets it finish."""
         with trio.CancelScope(shield=True):
