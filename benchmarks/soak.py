@@ -84,37 +84,124 @@ PY_WRITE = ("import hashlib, sys; open('/workspace/w/' + sys.argv[1], 'w').write
 
 # --processes: a key-value server in each sandbox's session, started as a background job: its
 # dict and a ballast of BALLAST_MB, whose pages 0..N_KEYS-1 hold each key's value repeated
-# (so its content is a function of the dict alone), live only in its memory.
+# (so its content is a function of the dict alone), live only in its memory. It serves
+# line requests on loopback TCP and on a named unix socket, any number of connections at
+# once (selectors). A pinger (PINGER) holds one connection of each kind for its whole life
+# and pings on both every PING_S, so a checkpoint often falls with a request or an answer
+# on its way: each side checks the other's numbers follow on, and the server keeps, per
+# channel, the last number, the pinger's count of bad answers, its own count of gaps, and
+# how long ago the last ping came (dump).
 KV_PORT = 7070
+KV_SOCK = "/workspace/kv.sock"
 N_KEYS = 24
 BALLAST_MB = 8
+PING_S = 0.025
+CHANNELS = ("tcp", "unix")
 KV_SERVER = f"""
-import json, os, socket, zlib
+import json, os, selectors, socket, time, zlib
 PAGE = 4096
 ballast = bytearray(bytes(range(256)) * ({BALLAST_MB} << 12))
 d = {{}}
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", {KV_PORT}))
-s.listen(16)
+talk = {{}}   # channel -> [last ping number, the pinger's bad answers, gaps seen here, when]
+sel = selectors.DefaultSelector()
+
+
+def listen(s):
+    s.listen(16)
+    sel.register(s, selectors.EVENT_READ, "listener")
+
+
+t = socket.socket()
+t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+t.bind(("127.0.0.1", {KV_PORT}))
+listen(t)
+if os.path.exists("{KV_SOCK}"):
+    os.unlink("{KV_SOCK}")
+u = socket.socket(socket.AF_UNIX)
+u.bind("{KV_SOCK}")
+listen(u)
+
+
+def answer(words):
+    if words[:1] == ["set"] and len(words) == 3:
+        k, v = words[1], words[2]
+        d[k] = v
+        i = int(k[1:])
+        ballast[i * PAGE:(i + 1) * PAGE] = (v.encode() * PAGE)[:PAGE]
+        return "ok"
+    if words[:1] == ["ping"] and len(words) == 4:
+        ch, n, bad = words[1], int(words[2]), int(words[3])
+        last = talk.get(ch)
+        gaps = 0 if last is None else last[2] + (n != last[0] + 1)
+        talk[ch] = [n, bad, gaps, time.monotonic()]
+        return "pong %s %d" % (ch, n)
+    if words[:1] == ["dump"]:
+        now = time.monotonic()
+        seen = {{c: v[:3] + [round((now - v[3]) * 1000)] for c, v in talk.items()}}
+        return json.dumps([d, zlib.crc32(ballast), os.getpid(), seen], sort_keys=True)
+    return "what"
+
+
+bufs = {{}}
 while True:
-    c, _ = s.accept()
-    with c, c.makefile("rwb") as f:
-        words = f.readline().decode().split()
-        if words[:1] == ["set"] and len(words) == 3:
-            k, v = words[1], words[2]
-            d[k] = v
-            i = int(k[1:])
-            ballast[i * PAGE:(i + 1) * PAGE] = (v.encode() * PAGE)[:PAGE]
-            f.write(b"ok\\n")
-        elif words[:1] == ["dump"]:
-            f.write(json.dumps([d, zlib.crc32(ballast), os.getpid()],
-                               sort_keys=True).encode() + b"\\n")
-        f.flush()
+    for key, _ in sel.select():
+        s = key.fileobj
+        if key.data == "listener":
+            c, _ = s.accept()
+            bufs[c] = b""
+            sel.register(c, selectors.EVENT_READ, "conn")
+            continue
+        data = s.recv(65536)
+        if not data:
+            sel.unregister(s)
+            del bufs[s]
+            s.close()
+            continue
+        bufs[s] += data
+        while b"\\n" in bufs[s]:
+            line, bufs[s] = bufs[s].split(b"\\n", 1)
+            s.sendall(answer(line.decode().split()).encode() + b"\\n")
 """
-KV_START = ("nohup python3 /workspace/kv.py >/dev/null 2>&1 &\n"
+PINGER = f"""
+import socket, time
+
+
+def connect(ch):
+    if ch == "tcp":
+        s = socket.create_connection(("127.0.0.1", {KV_PORT}))
+    else:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect("{KV_SOCK}")
+    s.settimeout(5)
+    return s.makefile("rwb")
+
+
+files = {{ch: connect(ch) for ch in {CHANNELS!r}}}
+n = dict.fromkeys(files, 0)
+bad = 0
+while True:
+    for ch in files:
+        n[ch] += 1
+        try:
+            f = files[ch]
+            f.write(b"ping %s %d %d\\n" % (ch.encode(), n[ch], bad))
+            f.flush()
+            ok = f.readline().split() == [b"pong", ch.encode(), b"%d" % n[ch]]
+        except OSError:
+            ok = False
+        if not ok:
+            bad += 1
+            try:
+                files[ch] = connect(ch)
+            except OSError:
+                pass
+    time.sleep({PING_S})
+"""
+KV_LOG = "/workspace/kv.log"    # the server's and the pinger's stderr (a failed start's)
+KV_START = (f"nohup python3 /workspace/kv.py >>{KV_LOG} 2>&1 &\n"
             f"for i in $(seq 200); do (exec 7<>/dev/tcp/127.0.0.1/{KV_PORT}) 2>/dev/null "
-            "&& break; sleep 0.01; done")
+            "&& break; sleep 0.01; done\n"
+            f"nohup python3 /workspace/pinger.py >>{KV_LOG} 2>&1 &")
 
 
 def kv_request(line: str) -> str:
@@ -168,6 +255,23 @@ class State:
     def session_view(self) -> list[str]:
         return [self.vars.get("S0", UNSET), self.vars.get("S1", UNSET),
                 self.vars.get("S2", UNSET), self.fn or NOFN, self.cwd or "?"]
+
+
+@dataclass
+class Kv:
+    """What the key-value server answers to `dump`."""
+    kv: dict[str, str]
+    crc: int
+    pid: int
+    talk: dict[str, list[int]]    # channel -> last ping number, bad answers, gaps, age (ms)
+
+    def talking(self) -> bool:
+        """The pinger was heard on every channel lately."""
+        return all(ch in self.talk and self.talk[ch][3] <= PING_S * 8000 for ch in CHANNELS)
+
+    def clean(self) -> bool:
+        """Neither side saw a lost, repeated or wrong message."""
+        return all(v[1] == 0 and v[2] == 0 for v in self.talk.values())
 
 
 class Recorder:
@@ -390,32 +494,51 @@ class Worker:
         if model.kv is not None:
             self.check_kv(box, model.kv, op, cp, where, model.kv_pid)
 
-    def read_kv(self, box: Any) -> tuple[dict[str, str], int, int] | None:
-        """The server's dict, ballast CRC and pid; None if nothing listens."""
+    def read_kv(self, box: Any) -> Kv | None:
+        """The server's dict, ballast CRC, pid and what it saw of the pinger; None if
+        nothing listens."""
         r = self.timed("verify_kv", box.session("main").run, kv_request("dump"), timeout=120)
         if r.exit_code != 0 or not r.stdout.strip():
             return None
-        d, crc, pid = json.loads(r.stdout)
-        return d, crc, pid
+        d, crc, pid, talk = json.loads(r.stdout)
+        return Kv(d, crc, pid, talk)
+
+    def read_talking(self, box: Any, patience_s: float = 3.0) -> Kv | None:
+        """read_kv once the pinger was heard on every channel within PING_S * 8 (restored
+        processes may take a moment to run again), or the last reading after patience_s."""
+        deadline = time.monotonic() + patience_s
+        while True:
+            got = self.read_kv(box)
+            if got is None or got.talking() or time.monotonic() > deadline:
+                return got
+            time.sleep(PING_S * 2)
 
     def check_kv(self, box: Any, want: dict[str, str], op: str, cp: str, where: str,
                  model_pid: int | None = None) -> None:
-        got = self.read_kv(box)
-        ok = got is not None and got[0] == want and got[1] == kv_crc(want)
+        got = self.read_talking(box)
+        ok = got is not None and got.kv == want and got.crc == kv_crc(want)
         detail = None
         if not ok:
             detail = {"sandbox": self.sbx.id, "worker": self.idx, "checked": box.id,
                       "where": where, "op": op, "checkpoint": cp, "what": "kv server",
-                      "expected": want, "got": None if got is None else got[0],
-                      "crc_ok": None if got is None else got[1] == kv_crc(want)}
+                      "expected": want, "got": None if got is None else got.kv,
+                      "crc_ok": None if got is None else got.crc == kv_crc(want)}
         self.rec.verified("kv_server", ok, detail)
+        if got is not None:
+            ok = got.talking() and got.clean()
+            detail = None
+            if not ok:
+                detail = {"sandbox": self.sbx.id, "worker": self.idx, "checked": box.id,
+                          "where": where, "op": op, "checkpoint": cp, "what": "pinger",
+                          "talk": got.talk, "note": self.restore_note}
+            self.rec.verified("pinger", ok, detail)
         if got is not None and model_pid is not None:   # pids kept where the kernel allows:
-            kept = got[2] == model_pid                   # counted, not failed (README)
+            kept = got.pid == model_pid                  # counted, not failed (README)
             self.rec.count("kv_pid_kept" if kept else "kv_pid_changed")
             if not kept:
                 self.rec.anomaly("kv_pid_changed", {"sandbox": self.sbx.id, "checked": box.id,
                                                     "where": where, "checkpoint": cp,
-                                                    "expected": model_pid, "got": got[2],
+                                                    "expected": model_pid, "got": got.pid,
                                                     "note": self.restore_note})
 
     def start_kv(self, state: State) -> None:
@@ -426,13 +549,17 @@ class Worker:
             r = self.timed("kv_start", self.sbx.session("main").run, KV_START, timeout=120)
             if r.exit_code != 0:
                 raise RuntimeError(f"kv server start exited {r.exit_code}: {r.stderr[-300:]}")
-            got = self.read_kv(self.sbx)
-            if got is None:
-                raise RuntimeError("the kv server started does not answer")
+            got = self.read_talking(self.sbx, patience_s=10)
+            if got is None or not got.talking():
+                seen = self.sbx.exec(["sh", "-c", f"tail -c 300 {KV_LOG}; ss -tanp; "
+                                      "ps -eo pid,pgid,sid,stat,comm"]).stdout
+                what = ("the kv server started does not answer" if got is None else
+                        f"the pinger started is not heard: {got.talk}")
+                raise RuntimeError(f"{what}; {KV_LOG}, sockets, processes: {seen}")
             self.rec.count("kv_server_started")
         else:
             self.rec.count("kv_server_adopted")
-        state.kv, state.kv_pid = got[0], got[2]
+        state.kv, state.kv_pid = got.kv, got.pid
 
     def adopt_session(self, box: Any, state: State) -> None:
         """After a restart: take the session's actual state as the model."""
@@ -633,6 +760,7 @@ class Worker:
             self.timed("session", self.sbx.session("main").run, "cd /workspace", timeout=120)
             if self.processes:
                 self.sbx.files.write("/workspace/kv.py", KV_SERVER)
+                self.sbx.files.write("/workspace/pinger.py", PINGER)
                 self.start_kv(self.cur)
             self.op_checkpoint()
         except Exception as e:  # noqa: BLE001

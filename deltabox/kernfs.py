@@ -23,6 +23,15 @@ def read(path: str | os.PathLike[str]) -> bytes:
         os.close(fd)
 
 
+def process_group(pid: int) -> int | None:
+    """The id of pid's process group, as our pid namespace numbers it (None: gone)."""
+    try:
+        stat = read(f"/proc/{pid}/stat")
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2:].split()[2])
+
+
 def write(path: str | os.PathLike[str], value: bytes) -> None:
     """Write `value` in one write(2): cgroupfs takes a control value per write."""
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)

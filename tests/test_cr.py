@@ -2827,6 +2827,44 @@ def test_a_checkpoint_right_after_a_rollback_from_carriers(sbx: Sandbox) -> None
         sbx.delete_checkpoint(c.id)
 
 
+def test_a_session_killed_ends_its_jobs_and_keeps_the_checkpoints_templates(
+        sbx: Sandbox) -> None:
+    """A session command past its timeout kills the session: the shell and its jobs (its
+    process group), a shell the daemon started and one a rollback restored alike, but not
+    the templates of the checkpoints, which share that group (forks of its processes).
+    Until stop 74 dbx-enter's group kill took the templates too (the next rollback came
+    back from disk, or restarted the session), and a restored shell was killed alone (its
+    jobs, the timed-out command among them, ran on)."""
+    sh = sbx.session("main")
+    # Two jobs: a small one and one over the 6 MB a restore copies into a shell's child
+    # (cr/adoption.py), whose template is forked through an intermediate and stays in the
+    # shell's group (README: templates are not their processes' parents' children).
+    sh.run("export MARK=kept; nohup sleep 1000 >/dev/null 2>&1 &\n"
+           "nohup python3 -c 'import time; b = bytearray(16 << 20); time.sleep(1000)' "
+           ">/dev/null 2>&1 &")
+    wait_for(lambda: sbx.exec(["pgrep", "-x", "python3"]).exit_code == 0)
+    cp = sbx.checkpoint(mode="full")
+    assert cp.kind == "full"
+    wait_for(lambda: len(_templates_of(sbx)) == 3, what="the shell's and the jobs' templates")
+    templates = set(_templates_of(sbx))
+    for shell in ("started by the daemon", "restored by a rollback"):
+        with pytest.raises(deltabox.DeadlineExceeded, match="session 'main' was killed"):
+            sh.run("sleep 999", timeout=0.3)
+        left = sbx.exec(["pgrep", "-a", "sleep|python3"]).stdout
+        assert left == "", f"a shell {shell}: its jobs ran on after its kill: {left}"
+        assert set(_templates_of(sbx)) == templates, shell
+        r = sbx.rollback(cp)
+        assert r.process_state == "restored" and "disk" not in r.note, (shell, r)
+        assert sh.run("echo $MARK").stdout == "kept\n"
+        assert sbx.exec(["pgrep", "-x", "sleep"]).exit_code == 0
+        assert sbx.exec(["pgrep", "-x", "python3"]).exit_code == 0
+    sh.close()   # the explicit close, of a restored shell
+    assert sbx.exec(["pgrep", "-a", "sleep|python3"]).stdout == ""
+    assert set(_templates_of(sbx)) == templates
+    assert sbx.rollback(cp).process_state == "restored"
+    assert sh.run("echo $MARK").stdout == "kept\n"
+
+
 def test_a_killed_template_restarts_the_processes_of_a_fork_and_a_rollback(
         sbx: Sandbox) -> None:
     """A template killed from outside (as the OOM killer may) before its checkpoint's
@@ -4442,6 +4480,40 @@ while True:
         open(W + role + "-heard", "w").write("; ".join(heard))
         os.remove(W + role + ("-talk" if talk else "-mutate"))
 """
+
+
+REUSE_SERVER = """
+import socket, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 7171))
+s.listen(4)
+open("/tmp/up", "w")
+c, _ = s.accept()
+time.sleep(1000)
+"""
+
+
+def test_a_server_restarted_after_a_checkpoint_binds_its_port_again(sbx: Sandbox) -> None:
+    """A checkpoint reads each connection in repair mode, and leaving repair mode clears
+    the socket's SO_REUSEADDR (the kernel's TCP_REPAIR_OFF). Until stop 74 that was left
+    so on the live server's connections: once the server was killed, its end (FIN_WAIT2,
+    then TIME_WAIT) kept the port from a new server's SO_REUSEADDR bind for a minute
+    (EADDRINUSE; found by the soak's pinger). The option is now put back."""
+    sbx.files.write("/workspace/server.py", REUSE_SERVER)
+    sbx.exec("nohup python3 /workspace/server.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.exec("test -e /tmp/up").exit_code == 0)
+    sbx.exec("nohup python3 -c \"import socket, time; c = socket.create_connection(("
+             "'127.0.0.1', 7171)); open('/tmp/conn', 'w'); time.sleep(1000)\" "
+             ">/dev/null 2>&1 &")
+    wait_for(lambda: sbx.exec("test -e /tmp/conn").exit_code == 0)
+    cp = sbx.checkpoint(mode="full")
+    assert cp.kind == "full"
+    sbx.exec("rm /tmp/up; pkill -f server.py")   # its end of the connection closes first
+    wait_for(lambda: sbx.exec("pgrep -f server.py").exit_code != 0)
+    sbx.exec("nohup python3 /workspace/server.py >/tmp/again.log 2>&1 &")
+    wait_for(lambda: sbx.exec("test -e /tmp/up || test -s /tmp/again.log").exit_code == 0)
+    assert sbx.exec("test -e /tmp/up").exit_code == 0, sbx.files.read_text("/tmp/again.log")
 
 
 def test_half_closed_tcp_connections(sbx: Sandbox, restore: Restore) -> None:

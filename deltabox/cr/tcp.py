@@ -129,25 +129,53 @@ def _i32(v: int) -> int:
 
 @contextlib.contextmanager
 def _repair(s: socket.socket) -> Iterator[None]:
-    """Repair mode on `s` for the block; left without a window probe (nothing is sent)."""
+    """Repair mode on `s` for the block; left without a window probe (nothing is sent) and
+    with its SO_REUSEADDR as it was: leaving repair mode clears it (the kernel sets
+    sk_reuse to SK_NO_REUSE). Until stop 74 each checkpoint cleared it on the live
+    process's connections, so a server's connection closed after a checkpoint left a
+    TIME_WAIT no SO_REUSEADDR bind could share: the server, restarted, could not bind
+    its port for a minute."""
+    reuse = s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
     s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, TCP_REPAIR_ON)
     try:
         yield
     finally:
         s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_QUEUE, TCP_NO_QUEUE)
         s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, TCP_REPAIR_OFF_NO_WP)
+        if reuse:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 
 
-def _queue(s: socket.socket, q: int, size: int) -> tuple[int, bytes]:
-    """A queue's end sequence number and its bytes (peeked: they stay)."""
-    s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_QUEUE, q)
-    seq = s.getsockopt(socket.IPPROTO_TCP, TCP_QUEUE_SEQ) & 0xFFFFFFFF
-    if not size:
-        return seq, b""
-    data = s.recv(size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    if len(data) != size:
-        raise OSError(0, f"peeked {len(data)} of the {size} bytes queued")
-    return seq, data
+def _queue_seq(s: socket.socket) -> int:
+    return s.getsockopt(socket.IPPROTO_TCP, TCP_QUEUE_SEQ) & 0xFFFFFFFF
+
+
+def _peek(s: socket.socket, size: int) -> bytes:
+    return s.recv(size, socket.MSG_PEEK | socket.MSG_DONTWAIT) if size else b""
+
+
+def _recv_queue(s: socket.socket, tries: int = 8) -> tuple[int, bytes]:
+    """The receive queue's end sequence number and its bytes (peeked: they stay). Bytes
+    still arrive while every process is stopped: the sender's kernel sends what it held
+    back (Nagle) once an ACK comes, in its softirq. So the end is read again after the
+    bytes, until it stayed put: the bytes are then exactly those before it."""
+    s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_QUEUE, TCP_RECV_QUEUE)
+    for _ in range(tries):
+        seq = _queue_seq(s)
+        size = int.from_bytes(_ioctl_int(s, 0x541B), "little")   # SIOCINQ (FIONREAD)
+        data = _peek(s, size)
+        if _queue_seq(s) == seq and len(data) == size:
+            return seq, data
+    raise OSError(0, f"bytes kept arriving in the receive queue through {tries} reads")
+
+
+def _send_queue(s: socket.socket, size: int) -> tuple[int, bytes]:
+    """The send queue's end sequence number and its bytes not yet acknowledged (peeked).
+    Its end stays put (its process is stopped), but ACKs still come (a delayed ACK's
+    timer runs in the peer's kernel): fewer than `size` bytes may be left to peek, the
+    queue's last ones, and the peer has received the others."""
+    s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_QUEUE, TCP_SEND_QUEUE)
+    return _queue_seq(s), _peek(s, size)
 
 
 def read_end(pid: int, fd: int) -> End | str:
@@ -174,8 +202,8 @@ def read_end(pid: int, fd: int) -> End | str:
                    opts=sockopts.differing(None, s, sockopts.TCP_CONNECTION),
                    fin_in=info[0] == TCP_CLOSE_WAIT, fin_out=info[0] == TCP_FIN_WAIT2)
         with _repair(s):
-            recv_seq, recv_data = _queue(s, TCP_RECV_QUEUE, inq)
-            send_seq, send_data = _queue(s, TCP_SEND_QUEUE, outq)
+            recv_seq, recv_data = _recv_queue(s)
+            send_seq, send_data = _send_queue(s, outq)
             s.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR_QUEUE, TCP_NO_QUEUE)
             window = s.getsockopt(socket.IPPROTO_TCP, TCP_REPAIR_WINDOW, _WINDOW.size)
             stamp = s.getsockopt(socket.IPPROTO_TCP, TCP_TIMESTAMP) & 0xFFFFFFFF

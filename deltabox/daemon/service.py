@@ -173,6 +173,11 @@ class Live:
                 {k.pid for k in self.keepers.values()} |
                 {k.pid for old in self.old_keepers for k in old.carriers})
 
+    async def kill_group(self, group: int) -> None:
+        """Kill a process group of the sandbox (host id) but the daemon's stopped processes
+        in it: a session's close, whose processes' templates share their group."""
+        await runtime.kill_group(self.rt.cgroup, group, self.rt.keep_pids | self.template_pids)
+
 
 @dataclass
 class Kept:
@@ -1045,7 +1050,7 @@ class Daemon:
                     live.restarted.discard(name)
                 elif session is not None:
                     note = f"session {name!r} was restarted: its shell had exited"
-                session = Session(name, tty)
+                session = Session(name, tty, kill_group=live.kill_group)
                 term = "xterm-256color" if tty else "dumb"
                 await session.start(live.rt, self._env(row, {"TERM": term}), self.background)
                 live.sessions[name] = session
@@ -2318,7 +2323,7 @@ class Daemon:
         pipes they write to us (drained) or read from us (held open)."""
         for name, (pid, stdin_w, out_r, err_r) in restored.session_fds.items():
             master = restored.session_ttys.get(name)
-            sess = Session(name, tty=master is not None)
+            sess = Session(name, tty=master is not None, kill_group=live.kill_group)
             sess.attach(AdoptedShell(pid, os.pidfd_open(pid), trio.lowlevel.FdStream(stdin_w),
                                      trio.lowlevel.FdStream(out_r),
                                      trio.lowlevel.FdStream(err_r),

@@ -203,10 +203,12 @@ class Cgroup:
             time.sleep(0.001)
         return len(victims)
 
-    def kill_now(self, keep: Collection[int] = frozenset(), rounds: int = 100) -> list[int]:
-        """SIGKILL every process except `keep` without waiting for them to exit (a
-        rollback waits only for the pids it reuses, and a large process's address space
-        takes milliseconds to tear down). Returns a pidfd per victim; the caller closes them.
+    def kill_now(self, keep: Collection[int] = frozenset(), rounds: int = 100,
+                 group: int | None = None) -> list[int]:
+        """SIGKILL every process except `keep` (with `group`: every one of that process
+        group) without waiting for them to exit (a rollback waits only for the pids it
+        reuses, and a large process's address space takes milliseconds to tear down).
+        Returns a pidfd per victim; the caller closes them.
 
         Not frozen first (a v1 freeze and thaw cost about a millisecond): a child forked
         between our listing and the kill is in the next listing, and a process with SIGKILL
@@ -218,6 +220,8 @@ class Cgroup:
         try:
             for _ in range(rounds):
                 new = self.pids() - keep - done.keys()
+                if group is not None:
+                    new = {p for p in new if kernfs.process_group(p) == group}
                 if not new:
                     return list(done.values())
                 opened: dict[int, int] = {}

@@ -253,6 +253,18 @@ async def kill_all(cgroup: Cgroup, keep: set[int]) -> None:
         cgroup.kill(keep=keep)
 
 
+async def kill_group(cgroup: Cgroup, group: int, keep: set[int]) -> None:
+    """SIGKILL the cgroup's processes of process group `group` (host id) but `keep`, and
+    await their exits, so what they held (a listening port) is free when this returns.
+    Bounded: one that has not exited after KILL_WAIT_S is logged and left to the
+    sandbox's own kill."""
+    try:
+        await reaper.wait_exited(cgroup.kill_now(keep=keep, group=group), reap=False,
+                                 timeout=KILL_WAIT_S)
+    except Internal as e:
+        log.warning("cgroup %s: process group %d: %s", cgroup.name, group, e)
+
+
 async def close_process(proc: trio.Process) -> None:
     """Reap a helper and close our ends of its pipes (each one an fd of the daemon)."""
     await proc.wait()

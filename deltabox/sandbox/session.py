@@ -37,11 +37,12 @@ import signal
 import subprocess
 import termios
 import time
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 
 import trio
 
+from .. import kernfs
 from ..background import GuardedNursery
 from ..cr import ptys
 
@@ -132,8 +133,18 @@ class SpawnedShell:
     def exit_code(self) -> int:
         return exit_code(self.proc)
 
-    async def terminate(self) -> None:
-        await _terminate(self.proc)
+    async def terminate(self, group_killed: bool = False) -> None:
+        """End dbx-enter. Its SIGTERM kills the shell's whole process group; once the
+        caller killed that group (sparing what it must), dbx-enter ends with its shell,
+        or by SIGKILL, which it cannot turn into a group kill."""
+        if not group_killed:
+            await _terminate(self.proc)
+            return
+        with trio.move_on_after(2):
+            await self.proc.wait()
+        if self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
 
 
 @dataclass
@@ -149,6 +160,8 @@ class AdoptedShell:
     master: trio.lowlevel.FdStream | None = None   # of its terminal (a tty session)
 
     def alive(self) -> bool:
+        if self.pidfd < 0:   # terminated
+            return False
         try:
             signal.pidfd_send_signal(self.pidfd, 0)
             return True
@@ -158,7 +171,7 @@ class AdoptedShell:
     def exit_code(self) -> int:
         return -1  # not our child: its status went to the sandbox's init
 
-    async def terminate(self) -> None:
+    async def terminate(self, group_killed: bool = False) -> None:
         try:
             signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
         except (ProcessLookupError, OSError):
@@ -176,9 +189,13 @@ Shell = SpawnedShell | AdoptedShell
 class Session:
     """A bash shell living in the sandbox; `run` is serialized per session."""
 
-    def __init__(self, name: str, tty: bool = False) -> None:
+    def __init__(self, name: str, tty: bool = False,
+                 kill_group: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.name = name
         self.tty = tty
+        # Kills a process group of the sandbox but the daemon's stopped processes in it:
+        # the templates of a shell's processes share its group (close). None: every one.
+        self.kill_group = kill_group
         self.shell: Shell | None = None
         self.lock = trio.Lock()
         self.out = _Stream(OUTPUT_LIMIT)
@@ -345,12 +362,18 @@ class Session:
             n.start_soon(shell_end)
 
     async def close(self) -> None:
-        """Kill the shell and every job in its process group."""
+        """Kill the shell and every job in its process group (but the templates there:
+        kill_group), a spawned shell's or a restored one's alike."""
         if self.shell is None:
             return
         with trio.CancelScope(shield=True):
+            kill = self.kill_group
+            pid = self.shell_pid() if kill is not None and self.alive else None
+            group = None if pid is None else kernfs.process_group(pid)
+            if kill is not None and group is not None:
+                await kill(group)
             await self.shell.stdin.aclose()
-            await self.shell.terminate()
+            await self.shell.terminate(group_killed=group is not None)
             if self.shell.master is not None:
                 await self.shell.master.aclose()
 
