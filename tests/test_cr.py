@@ -2865,6 +2865,42 @@ def test_a_session_killed_ends_its_jobs_and_keeps_the_checkpoints_templates(
     assert sh.run("echo $MARK").stdout == "kept\n"
 
 
+def test_an_exec_past_its_timeout_keeps_the_templates_a_checkpoint_made_of_it(
+        sbx: Sandbox) -> None:
+    """A checkpoint taken while an exec runs makes templates of its processes; the exec
+    then runs past its timeout and is killed with its process group, but for those
+    templates (Live.kill_command): the checkpoint comes back from them, not from disk."""
+    import threading
+    big = "import time; b = bytearray(16 << 20); open('/tmp/up', 'w'); time.sleep(1000)"
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            sbx.exec(["sh", "-c", f"python3 -c \"{big}\" & sleep 1000"], timeout=4)
+            failed.append(AssertionError("the exec did not time out"))
+        except deltabox.DeadlineExceeded:
+            pass
+        except BaseException as e:   # noqa: BLE001 - asserted below
+            failed.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        wait_for(lambda: sbx.exec("test -e /tmp/up").exit_code == 0)
+        cp = sbx.checkpoint(mode="full")
+        assert cp.kind == "full"
+        wait_for(lambda: len(_templates_of(sbx)) >= 3, what="the exec's processes' templates")
+        templates = set(_templates_of(sbx))
+    finally:
+        t.join()
+    assert not failed, failed
+    assert sbx.exec(["pgrep", "-a", "sleep|python3"]).stdout == ""
+    assert set(_templates_of(sbx)) == templates
+    r = sbx.rollback(cp)
+    assert r.process_state == "restored" and "disk" not in r.note, r
+    assert sbx.exec(["pgrep", "-x", "python3"]).exit_code == 0
+
+
 def test_a_killed_template_restarts_the_processes_of_a_fork_and_a_rollback(
         sbx: Sandbox) -> None:
     """A template killed from outside (as the OOM killer may) before its checkpoint's

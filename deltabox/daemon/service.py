@@ -27,7 +27,7 @@ from typing import TypeVar
 
 import trio
 
-from .. import __version__
+from .. import __version__, kernfs
 from ..errors import (DeadlineExceeded, DeltaBoxError, FailedPrecondition, Internal,
                       InvalidArgument, NotFound, ResourceExhausted, Unavailable)
 from ..fs import image as images
@@ -177,6 +177,23 @@ class Live:
         """Kill a process group of the sandbox (host id) but the daemon's stopped processes
         in it: a session's close, whose processes' templates share their group."""
         await runtime.kill_group(self.rt.cgroup, group, self.rt.keep_pids | self.template_pids)
+
+    async def kill_command(self, helper: int) -> bool:
+        """Kill the command that dbx-enter `helper` (host pid) runs with its process group,
+        but the daemon's stopped processes (kill_group); False if it is not found. Its
+        command is its child in the sandbox's cgroup that is not a template: a template
+        takes its original's parent, and so does a fork child's process spawned from one."""
+        spared = self.rt.keep_pids | self.template_pids
+        try:
+            kids = kernfs.read(f"/proc/{helper}/task/{helper}/children").split()
+        except OSError:
+            return False
+        command = {int(k) for k in kids} & self.rt.cgroup.pids() - spared
+        group = kernfs.process_group(command.pop()) if len(command) == 1 else None
+        if group is None:
+            return False
+        await runtime.kill_group(self.rt.cgroup, group, spared)
+        return True
 
 
 @dataclass
@@ -957,7 +974,7 @@ class Daemon:
             self.turns.expect_entry(sid, running.proc.pid)
         try:
             with self.foreground.command(sid):
-                out = await execute.wait(running, timeout or None)
+                out = await execute.wait(running, timeout or None, live.kill_command)
         finally:
             live.procs.discard(running.proc)
         if out.timed_out:

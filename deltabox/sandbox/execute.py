@@ -13,7 +13,7 @@ import subprocess
 import sys
 import termios
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
@@ -126,19 +126,26 @@ async def spawn(rt: Runtime, argv: list[str], *, cwd: str, env: dict[str, str], 
     return Running(proc, out, err, t0)
 
 
-async def wait(r: Running, timeout: float | None) -> ExecOutput:
-    """Wait for the command to exit, or kill it (and its process group) at the timeout."""
+# Kills the command that dbx-enter (its host pid) runs, with its process group but the
+# daemon's stopped processes there (Live.kill_command); False if no command is found.
+CommandKiller = Callable[[int], Awaitable[bool]]
+
+
+async def wait(r: Running, timeout: float | None,
+               kill_command: CommandKiller | None = None) -> ExecOutput:
+    """Wait for the command to exit, or kill it (and its process group, but the templates
+    there: kill_command) at the timeout."""
     timed_out = False
     try:
         with trio.move_on_after(timeout if timeout else float("inf")) as scope:
             await r.proc.wait()
         if scope.cancelled_caught:
             timed_out = True
-            await _terminate(r.proc)
+            await _take_down(r.proc, kill_command)
     except BaseException:
         # Our caller was cancelled (client went away, daemon stopping): take the command down.
         with trio.CancelScope(shield=True):
-            await _terminate(r.proc)
+            await _take_down(r.proc, kill_command)
         r.out.detach()
         r.err.detach()
         raise
@@ -172,6 +179,26 @@ def exit_code(proc: trio.Process) -> int:
     if rc is None:
         return -1
     return 128 - rc if rc < 0 else rc
+
+
+async def _take_down(helper: trio.Process, kill_command: CommandKiller | None) -> None:
+    """Kill the command dbx-enter `helper` runs with its process group, then end `helper`.
+    A checkpoint taken while the command ran made templates of its processes, some in its
+    group: kill_command spares them, where dbx-enter's own group kill would not."""
+    if kill_command is not None and await kill_command(helper.pid):
+        await end_helper(helper)
+    else:
+        await _terminate(helper)
+
+
+async def end_helper(helper: trio.Process) -> None:
+    """End dbx-enter once its command's group was killed: it exits with its command, or
+    by SIGKILL, which it cannot turn into a group kill (its SIGTERM would be one)."""
+    with trio.move_on_after(2):
+        await helper.wait()
+    if helper.returncode is None:
+        helper.kill()
+        await helper.wait()
 
 
 async def _terminate(proc: trio.Process) -> None:

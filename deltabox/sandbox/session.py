@@ -46,7 +46,7 @@ from .. import kernfs
 from ..background import GuardedNursery
 from ..cr import ptys
 
-from .execute import OUTPUT_LIMIT, ExecOutput, _terminate, exit_code
+from .execute import OUTPUT_LIMIT, ExecOutput, _terminate, end_helper, exit_code
 from .runtime import HELPER_ENV, Runtime
 
 _TAIL = 512
@@ -137,14 +137,7 @@ class SpawnedShell:
         """End dbx-enter. Its SIGTERM kills the shell's whole process group; once the
         caller killed that group (sparing what it must), dbx-enter ends with its shell,
         or by SIGKILL, which it cannot turn into a group kill."""
-        if not group_killed:
-            await _terminate(self.proc)
-            return
-        with trio.move_on_after(2):
-            await self.proc.wait()
-        if self.proc.returncode is None:
-            self.proc.kill()
-            await self.proc.wait()
+        await (end_helper if group_killed else _terminate)(self.proc)
 
 
 @dataclass
