@@ -463,8 +463,9 @@ class Worker:
         return r.stdout.rstrip("\n").split("\n")
 
     def check(self, box: Any, model: State, op: str, cp: str, with_session: bool,
-              where: str) -> None:
-        """Compare `box` with `model`; record passes/failures."""
+              where: str) -> int | None:
+        """Compare `box` with `model`; record passes/failures. Returns the key-value
+        server's pid as found (None if not read)."""
         files = self.read_files(box)
         want = model.file_hashes()
         ok = files == want
@@ -478,7 +479,7 @@ class Worker:
                                           if want[p] != files[p])}
         self.rec.verified("files", ok, detail)
         if not with_session:
-            return
+            return None
         got = self.read_session(box)
         exp = model.session_view()
         if model.cwd is None:   # cwd unknown (not set since a restart): not verified
@@ -492,7 +493,8 @@ class Worker:
                       "fields": ["S0", "S1", "S2", "soakfn", "cwd"]}
         self.rec.verified("session", ok, detail)
         if model.kv is not None:
-            self.check_kv(box, model.kv, op, cp, where, model.kv_pid)
+            return self.check_kv(box, model.kv, op, cp, where, model.kv_pid)
+        return None
 
     def read_kv(self, box: Any) -> Kv | None:
         """The server's dict, ballast CRC, pid and what it saw of the pinger; None if
@@ -514,7 +516,10 @@ class Worker:
             time.sleep(PING_S * 2)
 
     def check_kv(self, box: Any, want: dict[str, str], op: str, cp: str, where: str,
-                 model_pid: int | None = None) -> None:
+                 model_pid: int | None = None) -> int | None:
+        """Check the server's dict and pinger; returns its pid (None if nothing answers).
+        A pid other than the checkpoint's is an anomaly: kv_pid_changed where the
+        restore's note says a pid changed, kv_pid_changed_unnamed where it does not."""
         got = self.read_talking(box)
         ok = got is not None and got.kv == want and got.crc == kv_crc(want)
         detail = None
@@ -534,12 +539,16 @@ class Worker:
             self.rec.verified("pinger", ok, detail)
         if got is not None and model_pid is not None:   # pids kept where the kernel allows:
             kept = got.pid == model_pid                  # counted, not failed (README)
-            self.rec.count("kv_pid_kept" if kept else "kv_pid_changed")
-            if not kept:
-                self.rec.anomaly("kv_pid_changed", {"sandbox": self.sbx.id, "checked": box.id,
-                                                    "where": where, "checkpoint": cp,
-                                                    "expected": model_pid, "got": got.pid,
-                                                    "note": self.restore_note})
+            if kept:
+                self.rec.count("kv_pid_kept")
+            else:   # counted by its kind (Recorder.anomaly)
+                named = "new pid" in self.restore_note
+                kind = "kv_pid_changed" if named else "kv_pid_changed_unnamed"
+                self.rec.anomaly(kind, {"sandbox": self.sbx.id, "checked": box.id,
+                                        "where": where, "checkpoint": cp,
+                                        "expected": model_pid, "got": got.pid,
+                                        "note": self.restore_note})
+        return None if got is None else got.pid
 
     def start_kv(self, state: State) -> None:
         """(Re)start the server after a restart of the session's processes, or adopt the
@@ -714,7 +723,11 @@ class Worker:
         if r.process_state == "restored" and "main" in r.sessions_restarted:
             self.rec.count("rollback_restored_but_session_restarted")
         self.cur = model.copy()
-        self.check(self.sbx, model, "rollback", cp, restored, "after rollback")
+        pid = self.check(self.sbx, model, "rollback", cp, restored, "after rollback")
+        if restored and pid is not None:
+            # The server runs on as `pid` now (a change is named in the note): the next
+            # checkpoint's model must expect that one, not the pid it had before.
+            self.cur.kv_pid = pid
         if not restored:
             self.rec.count("session_restarted")
             self.adopt_session(self.sbx, self.cur)
@@ -994,7 +1007,8 @@ def main(argv: list[str] | None = None) -> int:
                     "checkpoint; with --processes also the dict of a key-value server "
                     "(python3, a background job of the session, listening on loopback) and "
                     "its ballast's CRC-32, a function of the dict; its pid compared with the "
-                    "checkpoint's (counted: kv_pid_kept / kv_pid_changed, not failed)",
+                    "checkpoint's (counted, not failed: kv_pid_kept, kv_pid_changed where the "
+                    "restore's note says a pid changed, kv_pid_changed_unnamed where not)",
                     "verification": "after every rollback and in every fork child: sha256 "
                     "of each file under /workspace/w (python3 in the sandbox) == model; the "
                     "session's variables/function/cwd == model unless process_state is not "
