@@ -45,6 +45,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -854,6 +855,24 @@ def daemon_log_problems(daemon: PrivateDaemon, limit: int = 300) -> list[str]:
     return [ln[:1000] for ln in lines if any(k in ln for k in keys)][:limit]
 
 
+# Daemon log lines (INFO) counted for the report: how often a restore had to wait for a
+# process dump (its templates evicted from a dump backlog), and how the dumps ended.
+LOG_EVENTS = {
+    "rollback_waits_for_dump": re.compile(r"waits for the process dump of"),
+    "dumps_complete": re.compile(r"process dump of \S+: \d+ processes"),
+    "dumps_failed": re.compile(r"process dump of \S+ failed"),
+}
+
+
+def daemon_log_counts(daemon: PrivateDaemon) -> dict[str, int]:
+    """How many daemon log lines match each of LOG_EVENTS."""
+    try:
+        text = daemon.log_path.read_text(errors="replace")
+    except (OSError, AssertionError):
+        return {}
+    return {k: len(rx.findall(text)) for k, rx in LOG_EVENTS.items()}
+
+
 def plot(result: dict[str, Any], machine: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(12, 9))
@@ -1034,6 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_event.set()
             if result:   # the daemon's warnings and errors, for the report
                 result["daemon_log_problems"] = daemon_log_problems(daemon)
+                result["summary"]["daemon_log_counts"] = daemon_log_counts(daemon)
             daemon.stop()
     if not result:
         return 1
