@@ -190,6 +190,30 @@ def test_rollback_waits_for_pending_dump(d: DaemonProc) -> None:
     kid.kill()
 
 
+def test_a_restore_waiting_for_a_dump_has_it_written_next(d: DaemonProc) -> None:
+    """Dumps are written one at a time per sandbox, in checkpoint order (each held back 4 s
+    here); a rollback to a checkpoint whose templates were evicted from that backlog has
+    its dump written next, not after every one before it: when it returns, an earlier
+    checkpoint's dump is still pending (a 32 x 1000 soak saw such rollbacks wait up to
+    212 s). The dump written out of order, and the one after it, restore as well."""
+    d.start(*ARGS, env={"DELTABOX_TEST_DUMP_DELAY": "4"})
+    sbx = Sandbox.create(socket=d.socket)
+    h0 = start_processes(sbx)
+    cps = [sbx.checkpoint(mode="full") for _ in range(5)]
+    # cps[0]'s dump is under way, 1-4 queued; --templates 1: 0-2's templates are evicted.
+    assert all("pending" in dump_state(sbx, c.id, timeout=0) for c in cps)
+    r = sbx.rollback(cps[2])
+    assert r.process_state == "restored", r.note
+    assert f"restored from disk (dump of {cps[2].id}" in r.note, r.note
+    assert "pending" in dump_state(sbx, cps[1].id, timeout=0)
+    assert ask(sbx, "mutate")["hash"] != h0["hash"]
+    r = sbx.rollback(cps[1])
+    assert r.process_state == "restored", r.note
+    assert f"restored from disk (dump of {cps[1].id}" in r.note, r.note
+    assert ask(sbx)["hash"] == h0["hash"]
+    assert sbx.session("s").run(PROBE).stdout.strip() == "hello v fn1 /tmp"
+
+
 def test_a_dump_after_a_dev_shm_file_mapped_privately_changed_fails(d: DaemonProc) -> None:
     """A process image keeps the pages of a /dev/shm file's mapping as the template reads
     them; a file mapped privately and written after the checkpoint, before the dump (held

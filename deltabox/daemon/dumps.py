@@ -139,8 +139,11 @@ class Dumps:
         ev = self.events.get(cp_id)
         return ev is not None and not ev.is_set()
 
-    async def wait(self, cp_id: str) -> None:
-        """Until the dump of cp_id (if one is under way) has ended."""
+    async def wait(self, cp_id: str, first: bool = False) -> None:
+        """Until the dump of cp_id (if one is under way) has ended. first: a restore waits
+        for it, so it goes next in its sandbox's queue (hurry)."""
+        if first:
+            self.hurry(cp_id)
         ev = self.events.get(cp_id)
         if ev is not None:
             await ev.wait()
@@ -234,6 +237,20 @@ class Dumps:
             queue = self.queues[sid] = collections.deque()
             start_soon(self._drain, sid, queue)
         queue.append((cp_id, state, seccomp_filters))
+
+    def hurry(self, cp_id: str) -> None:
+        """Make cp_id's queued dump the next of its sandbox's. Dumps are written one at a
+        time per sandbox, in checkpoint order; behind a backlog, a restore waiting for one
+        waited for all those before it (up to 212 s in a 32 x 1000 soak). Any order is
+        sound: a parent image is only where a dump finds its unchanged pages, and the
+        images a dump links or builds on are kept while it needs them (gc, in_use)."""
+        for queue in self.queues.values():
+            for i, item in enumerate(queue):
+                if item[0] == cp_id:
+                    if i > 1:   # queue[0] is being written (_drain pops it once done)
+                        del queue[i]
+                        queue.insert(1, item)
+                    return
 
     async def _drain(self, sid: str, queue: collections.deque) -> None:
         """Dump the sandbox's queued checkpoints one after the other, then end."""

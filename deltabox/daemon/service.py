@@ -2091,7 +2091,7 @@ class Daemon:
         if (key is not None and key not in live.captured and self.dumps.pending(key)
                 and self._ancestor_holding(live, key) is None):
             log.info("rollback of %s to %s waits for the process dump of %s", sid, cp.id, key)
-            await self.dumps.wait(key)
+            await self.dumps.wait(key, first=True)
 
     async def _restore_processes(self, live: Live, cp: CheckpointRow,
                                  gen: runtime.Generation, pre: Prespawned | None = None
@@ -2507,7 +2507,7 @@ class Daemon:
             if killed:
                 owner, why = self._template_owner(cp)
         if owner is None and cp.procs_of is not None and self.dumps.pending(cp.procs_of):
-            await self.dumps.wait(cp.procs_of)  # templates evicted from a dump backlog
+            await self.dumps.wait(cp.procs_of, first=True)  # evicted from a dump backlog
             owner, why = self._template_owner(cp)
         if killed and owner is None:
             why = killed
