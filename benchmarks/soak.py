@@ -845,14 +845,18 @@ def summarize(rec: Recorder, rss: list[dict[str, float]], wall_s: float) -> dict
     return out
 
 
-def daemon_log_problems(daemon: PrivateDaemon, limit: int = 300) -> list[str]:
-    """The daemon log's WARNING / ERROR / Traceback lines (the first `limit`)."""
+def daemon_log(daemon: PrivateDaemon) -> str:
+    """The daemon's log, or "" if there is none."""
     try:
-        lines = daemon.log_path.read_text(errors="replace").splitlines()
+        return daemon.log_path.read_text(errors="replace")
     except (OSError, AssertionError):
-        return []
+        return ""
+
+
+def daemon_log_problems(text: str, limit: int = 300) -> list[str]:
+    """The daemon log's WARNING / ERROR / Traceback lines (the first `limit`)."""
     keys = ("WARNING", "ERROR", "CRITICAL", "Traceback", "Error:")
-    return [ln[:1000] for ln in lines if any(k in ln for k in keys)][:limit]
+    return [ln[:1000] for ln in text.splitlines() if any(k in ln for k in keys)][:limit]
 
 
 # Daemon log lines (INFO) counted for the report: how often a restore had to wait for a
@@ -864,12 +868,8 @@ LOG_EVENTS = {
 }
 
 
-def daemon_log_counts(daemon: PrivateDaemon) -> dict[str, int]:
+def daemon_log_counts(text: str) -> dict[str, int]:
     """How many daemon log lines match each of LOG_EVENTS."""
-    try:
-        text = daemon.log_path.read_text(errors="replace")
-    except (OSError, AssertionError):
-        return {}
     return {k: len(rx.findall(text)) for k, rx in LOG_EVENTS.items()}
 
 
@@ -1052,8 +1052,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop_event.set()
             if result:   # the daemon's warnings and errors, for the report
-                result["daemon_log_problems"] = daemon_log_problems(daemon)
-                result["summary"]["daemon_log_counts"] = daemon_log_counts(daemon)
+                text = daemon_log(daemon)
+                result["daemon_log_problems"] = daemon_log_problems(text)
+                result["summary"]["daemon_log_counts"] = daemon_log_counts(text)
             daemon.stop()
     if not result:
         return 1
