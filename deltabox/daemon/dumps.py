@@ -15,6 +15,7 @@ dropped checkpoint's directory stays until no other image depends on it (`image_
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import json
@@ -141,13 +142,14 @@ class Dumps:
 
     async def wait(self, cp_id: str, first: bool = False) -> None:
         """Until the dump of cp_id (if one is under way) has ended. first: a restore waits
-        for it, so it goes next in its sandbox's queue (hurry)."""
-        if first:
-            self.hurry(cp_id)
-        ev = self.events.get(cp_id)
-        if ev is not None:
-            await ev.wait()
-        await self.io.wait(cp_id)
+        for it, so it goes next in its sandbox's queue (hurry), and that sandbox's dumps
+        take the next free I/O slots, ahead of other sandboxes' (IOScheduler.urgent)."""
+        sid = self.hurry(cp_id) if first else None
+        with self.io.urgent(sid) if sid is not None else contextlib.nullcontext():
+            ev = self.events.get(cp_id)
+            if ev is not None:
+                await ev.wait()
+            await self.io.wait(cp_id)
 
     # ---- recovery and garbage collection -------------------------------------------------
 
@@ -238,19 +240,21 @@ class Dumps:
             start_soon(self._drain, sid, queue)
         queue.append((cp_id, state, seccomp_filters))
 
-    def hurry(self, cp_id: str) -> None:
+    def hurry(self, cp_id: str) -> str | None:
         """Make cp_id's queued dump the next of its sandbox's. Dumps are written one at a
         time per sandbox, in checkpoint order; behind a backlog, a restore waiting for one
         waited for all those before it (up to 212 s in a 32 x 1000 soak). Any order is
         sound: a parent image is only where a dump finds its unchanged pages, and the
-        images a dump links or builds on are kept while it needs them (gc, in_use)."""
-        for queue in self.queues.values():
+        images a dump links or builds on are kept while it needs them (gc, in_use).
+        Returns the sandbox whose queue holds it (None: not queued)."""
+        for sid, queue in self.queues.items():
             for i, item in enumerate(queue):
                 if item[0] == cp_id:
                     if i > 1:   # queue[0] is being written (_drain pops it once done)
                         del queue[i]
                         queue.insert(1, item)
-                    return
+                    return sid
+        return None
 
     async def _drain(self, sid: str, queue: collections.deque) -> None:
         """Dump the sandbox's queued checkpoints one after the other, then end."""
@@ -320,7 +324,7 @@ class Dumps:
                                                    state.shm_files)
                 if stale:
                     raise native.CRError(errno.ESTALE, stale)
-            async with self.io.slot(cp_id):
+            async with self.io.slot(cp_id, group=sid):
                 total += await trio.to_thread.run_sync(self._write_meta_sync, tmp, state)
             if self.db.get_checkpoint(cp_id) is None:
                 raise native.CRError(2, "the checkpoint was deleted meanwhile")
@@ -382,7 +386,7 @@ class Dumps:
                                           files_as_of_ns=files_as_of_ns))
         self.worker_ms_max = max(self.worker_ms_max, (time.perf_counter() - t0) * 1000)
         try:
-            async with self.io.slot(str(path)):  # the I/O: pages copied, hashed, written
+            async with self.io.slot(str(path), group=sid):  # the I/O: pages copied, hashed, written
                 return await trio.to_thread.run_sync(job.finish)
         except BaseException:
             job.abort()  # cancelled before the thread took it (else a no-op)
