@@ -155,63 +155,67 @@ def test_incomplete_dump_is_file_state_only(d: DaemonProc) -> None:
     assert sbx.files.exists("prog.py")
 
 
-def test_rollback_waits_for_pending_dump(d: DaemonProc) -> None:
-    """Templates evicted while their dump is still being written (a dump backlog: more than
-    twice --templates checkpoints pending) are released only after the dump; a rollback to
-    that checkpoint waits for the dump and restores from disk, instead of losing the
-    processes."""
-    d.start(*ARGS, env={"DELTABOX_TEST_DUMP_DELAY": "2"})
-    sbx = Sandbox.create(socket=d.socket)
-    h0 = start_processes(sbx)
-    cp1 = sbx.checkpoint(mode="full")
-    sbx.checkpoint(mode="full")
-    sbx.checkpoint(mode="full")  # third pending dump: cp1's templates are evicted now
-    assert "pending" in dump_state(sbx, cp1.id, timeout=0)
-    ask(sbx, "mutate")
-    sbx.session("s").run("X=changed; cd /")
-    r = sbx.rollback(cp1)
-    assert r.process_state == "restored", r.note
-    assert f"restored from disk (dump of {cp1.id}" in r.note, r.note
-    assert "complete" in dump_state(sbx, cp1.id, timeout=0)
-    got = ask(sbx)
-    assert got["hash"] == h0["hash"] and got["n"] == h0["n"] + 1
-    assert sbx.session("s").run(PROBE).stdout.strip() == "hello v fn1 /tmp"
-
-    # The same for a fork of such a checkpoint.
-    cp4 = sbx.checkpoint(mode="full")
-    sbx.checkpoint(mode="full")
-    sbx.checkpoint(mode="full")
-    assert "pending" in dump_state(sbx, cp4.id, timeout=0)
-    kid = sbx.fork(cp4)[0]
-    assert kid.process_state == "restored", kid.fork_note
-    k = ask(kid)
-    assert k["hash"] == h0["hash"] and k["n"] == got["n"] + 1
-    assert kid.session("s").run(PROBE).stdout.strip() == "hello v fn1 /tmp"
-    kid.kill()
-
-
-def test_a_restore_waiting_for_a_dump_has_it_written_next(d: DaemonProc) -> None:
+def test_a_restore_takes_back_templates_evicted_while_their_dump_was_pending(
+        d: DaemonProc) -> None:
     """Dumps are written one at a time per sandbox, in checkpoint order (each held back 4 s
-    here); a rollback to a checkpoint whose templates were evicted from that backlog has
-    its dump written next, not after every one before it: when it returns, an earlier
-    checkpoint's dump is still pending (a 32 x 1000 soak saw such rollbacks wait up to
-    212 s). The dump written out of order, and the one after it, restore as well."""
+    here); templates evicted from that backlog are kept until their dump ends. A rollback
+    or fork to such a checkpoint takes them back instead of waiting for its dump (a 32 x
+    1000 soak saw rollbacks wait 10-48 s, and up to 212 s): it returns with the processes
+    restored from templates while earlier dumps are still pending. Once the dumps have
+    ended, the templates not taken back go, and their checkpoints restore from disk."""
     d.start(*ARGS, env={"DELTABOX_TEST_DUMP_DELAY": "4"})
     sbx = Sandbox.create(socket=d.socket)
     h0 = start_processes(sbx)
     cps = [sbx.checkpoint(mode="full") for _ in range(5)]
-    # cps[0]'s dump is under way, 1-4 queued; --templates 1: 0-2's templates are evicted.
+    # cps[0]'s dump is under way, 1-4 queued; --templates 1 (two while dumps are pending):
+    # 0-2's templates are evicted, held for their dumps.
     assert all("pending" in dump_state(sbx, c.id, timeout=0) for c in cps)
-    r = sbx.rollback(cps[2])
-    assert r.process_state == "restored", r.note
-    assert f"restored from disk (dump of {cps[2].id}" in r.note, r.note
-    assert "pending" in dump_state(sbx, cps[1].id, timeout=0)
     assert ask(sbx, "mutate")["hash"] != h0["hash"]
+    sbx.session("s").run("X=changed; cd /")
     r = sbx.rollback(cps[1])
     assert r.process_state == "restored", r.note
-    assert f"restored from disk (dump of {cps[1].id}" in r.note, r.note
+    assert "processes restored from templates" in r.note and "disk" not in r.note, r.note
+    assert "pending" in dump_state(sbx, cps[0].id, timeout=0)
     assert ask(sbx)["hash"] == h0["hash"]
     assert sbx.session("s").run(PROBE).stdout.strip() == "hello v fn1 /tmp"
+    kids = sbx.fork(cps[2], count=2)
+    try:
+        for kid in kids:
+            assert kid.process_state == "restored", kid.fork_note
+            assert "from templates" in kid.fork_note, kid.fork_note
+            assert ask(kid)["hash"] == h0["hash"]
+            assert kid.session("s").run(PROBE).stdout.strip() == "hello v fn1 /tmp"
+        assert "pending" in dump_state(sbx, cps[0].id, timeout=0)
+    finally:
+        for kid in kids:
+            kid.kill()
+    assert all("complete" in dump_state(sbx, c.id, timeout=120) for c in cps)
+    time.sleep(3)   # the periodic check releases templates kept for their dump (2 s)
+    ask(sbx, "mutate")
+    r = sbx.rollback(cps[0])
+    assert r.process_state == "restored", r.note
+    assert f"restored from disk (dump of {cps[0].id}" in r.note, r.note
+    assert ask(sbx)["hash"] == h0["hash"]
+
+
+def test_a_restore_to_a_dump_that_cannot_be_written_does_not_wait_for_the_backlog(
+        d: DaemonProc) -> None:
+    """Past 8 templates held for their dumps, an evicted checkpoint's templates go at
+    once and its queued dump cannot be written: it fails then, and a rollback to it
+    restarts the processes at once, saying why, instead of waiting for every dump queued
+    before it (4 s each here)."""
+    d.start(*ARGS, env={"DELTABOX_TEST_DUMP_DELAY": "4"})
+    sbx = Sandbox.create(socket=d.socket)
+    start_processes(sbx)
+    cps = [sbx.checkpoint(mode="full") for _ in range(12)]
+    # Held for their dumps: 0-7; released at once: 8 and 9; kept: 10 and 11.
+    r = sbx.rollback(cps[9])
+    assert r.process_state == "restarted", r.note
+    assert "its templates were released before its dump began" in r.note, r.note
+    assert "pending" in dump_state(sbx, cps[1].id, timeout=0)
+    assert "failed" in dump_state(sbx, cps[9].id, timeout=0)
+    r = sbx.rollback(cps[7])   # held: taken back
+    assert r.process_state == "restored" and "from templates" in r.note, r.note
 
 
 def test_a_dump_after_a_dev_shm_file_mapped_privately_changed_fails(d: DaemonProc) -> None:

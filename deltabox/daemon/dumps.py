@@ -140,11 +140,12 @@ class Dumps:
         ev = self.events.get(cp_id)
         return ev is not None and not ev.is_set()
 
-    async def wait(self, cp_id: str, first: bool = False) -> None:
-        """Until the dump of cp_id (if one is under way) has ended. first: a restore waits
-        for it, so it goes next in its sandbox's queue (hurry), and that sandbox's dumps
-        take the next free I/O slots, ahead of other sandboxes' (IOScheduler.urgent)."""
-        sid = self.hurry(cp_id) if first else None
+    async def wait(self, cp_id: str, urgent: bool = False) -> None:
+        """Until the dump of cp_id (if one is under way) has ended. urgent: a restore waits
+        for it, so its sandbox's dumps take the next free I/O slots, ahead of other
+        sandboxes' (IOScheduler.urgent). A queued dump is not waited for behind the others
+        of its sandbox: a restore takes back its templates, or it was abandoned."""
+        sid = self._sandbox_of(cp_id) if urgent else None
         with self.io.urgent(sid) if sid is not None else contextlib.nullcontext():
             ev = self.events.get(cp_id)
             if ev is not None:
@@ -240,21 +241,33 @@ class Dumps:
             start_soon(self._drain, sid, queue)
         queue.append((cp_id, state, seccomp_filters))
 
-    def hurry(self, cp_id: str) -> str | None:
-        """Make cp_id's queued dump the next of its sandbox's. Dumps are written one at a
-        time per sandbox, in checkpoint order; behind a backlog, a restore waiting for one
-        waited for all those before it (up to 212 s in a 32 x 1000 soak). Any order is
-        sound: a parent image is only where a dump finds its unchanged pages, and the
-        images a dump links or builds on are kept while it needs them (gc, in_use).
-        Returns the sandbox whose queue holds it (None: not queued)."""
+    def _sandbox_of(self, cp_id: str) -> str | None:
+        """The sandbox whose queue holds cp_id's dump (None: not queued)."""
+        return next((sid for sid, queue in self.queues.items()
+                     if any(item[0] == cp_id for item in queue)), None)
+
+    def abandon(self, cp_id: str) -> None:
+        """cp_id's templates are being released before its queued dump began: that dump
+        fails now, as it would at its turn, so that a restore waiting for it need not wait
+        for the dumps queued before it. One under way fails by itself."""
         for sid, queue in self.queues.items():
             for i, item in enumerate(queue):
                 if item[0] == cp_id:
-                    if i > 1:   # queue[0] is being written (_drain pops it once done)
+                    if i > 0:
                         del queue[i]
-                        queue.insert(1, item)
-                    return sid
-        return None
+                        self._failed(cp_id, sid, f"its templates were released before its "
+                                     f"dump began, behind {i} dumps of the sandbox")
+                    return
+
+    def _failed(self, cp_id: str, sid: str, error: str) -> None:
+        """cp_id's dump ended without an image: recorded so (if its checkpoint is still
+        there) and its waiters woken."""
+        log.warning("process dump of %s failed: %s", cp_id, error)
+        if self.row(cp_id) is not None:
+            self._put(DumpRow(cp_id, sid, "failed", 0, 0.0, error, time.time()))
+        ev = self.events.pop(cp_id, None)
+        if ev is not None:
+            ev.set()
 
     async def _drain(self, sid: str, queue: collections.deque) -> None:
         """Dump the sandbox's queued checkpoints one after the other, then end."""
@@ -283,16 +296,14 @@ class Dumps:
             # Gone before its turn: fail without waiting for an I/O slot.
             if self.db.get_checkpoint(cp_id) is None:
                 raise native.CRError(2, "the checkpoint was deleted before its dump")
-            if any(t.released for t in state.templates.values()):
-                raise native.CRError(22, f"the templates of {cp_id} were released before "
-                                     "their dump")
+            if _released(state):
+                raise native.CRError(22, _released_before(cp_id))
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             for rec in state.records:
                 tpl = state.templates[rec.pid]
                 if tpl.released:
-                    raise native.CRError(22, f"the templates of {cp_id} were released "
-                                         "before their dump")
+                    raise native.CRError(22, _released_before(cp_id))
                 if rec.task is None:   # kept in the record (state.json), as is
                     rec.task = await self._task_attrs(sid, tpl)
                 ok = _seccomp_filters(tpl.pid) <= seccomp_filters
@@ -343,10 +354,8 @@ class Dumps:
                      "process image %.0f ms)", cp_id, len(state.records),
                      total / 2**20, ms, job_ms)
         except Exception as e:
-            log.warning("process dump of %s failed: %s", cp_id, e)
             shutil.rmtree(tmp, ignore_errors=True)
-            if self.row(cp_id) is not None:
-                self._put(DumpRow(cp_id, sid, "failed", 0, 0.0, str(e), time.time()))
+            self._failed(cp_id, sid, str(e))
         finally:
             for p in parents:
                 self.in_use.discard(p)
@@ -530,6 +539,14 @@ async def _skip_pids(host_pid: int, last: int) -> None:
     if r.returncode != 0:
         log.warning("setting ns_last_pid in the pid namespace of %d failed: %s", host_pid,
                     r.stderr.decode(errors="replace").strip())
+
+
+def _released(state: ProcessState) -> bool:
+    return any(t.released for t in state.templates.values())
+
+
+def _released_before(cp_id: str) -> str:
+    return f"the templates of {cp_id} were released before their dump"
 
 
 def _images(d: Path) -> list[Path]:
