@@ -5,6 +5,7 @@ processes only (root, x86_64)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import select
@@ -376,3 +377,53 @@ def test_dump_refusals(native, world: World) -> None:
         native.dump(tpl, world.dir / "y")
     with pytest.raises(native.ImageCorrupt):
         native.restore_template(os.getpid(), world.dir / "nonexistent")
+
+
+def test_dump_gc_keeps_the_chains_of_images_being_read(native, world: World, caplog) -> None:
+    """The daemon deletes a deleted checkpoint's dump once no image needs it
+    (daemon/dumps.py, Dumps.gc). An image read as a dump's parent needs its own parents
+    too: a 32 x 1000 soak deleted them while a dump read their child, and the restores
+    of later dumps failed ("parent image ... is missing"). A chain broken anyway keeps
+    what is before the break."""
+    from deltabox.daemon.db import Database
+    from deltabox.daemon.dumps import DumpRow, Dumps
+    from deltabox.daemon.scheduler import IOScheduler
+
+    root = world.dir / "dumps"
+    proc = world.start([sys.executable, "-c", PROGRAM, "8"])
+    assert proc.out.read(30)["ready"]
+    images = {}
+    parent = None
+    for cp in ("cp-a", "cp-b", "cp-c"):
+        assert proc.ask("mutate 0 1")["ok"]
+        blocked_in_read(proc.pid)
+        tpl = world.keep(native.make_template(proc.pid))
+        images[cp] = root / cp / "7"
+        images[cp].parent.mkdir(parents=True)
+        native.dump(tpl, images[cp], parent=parent)
+        parent = images[cp]
+        tpl.release()
+    assert native.image_depends_on(images["cp-c"]) == [str(images["cp-b"]),
+                                                       str(images["cp-a"])]
+
+    def dumps() -> Dumps:   # a daemon's, on the same state (a restart: nothing cached)
+        return Dumps(Database(world.dir / "db.sqlite"), root, cr=None, io=IOScheduler())
+
+    d = dumps()
+    for cp in ("cp-a", "cp-b"):      # their checkpoints deleted
+        d._put(DumpRow(cp, "sb", "dropped", created_at=time.time()))
+    d._hold([images["cp-b"]])        # c's dump under way, reading b as its parent
+    assert d.gc() == 0
+    assert images["cp-a"].is_dir() and images["cp-b"].is_dir()
+    d._put(DumpRow("cp-c", "sb", "complete", created_at=time.time()))
+    d._let_go([images["cp-b"]])
+    assert d.gc() == 0 and d.in_use == {}
+    assert images["cp-a"].is_dir() and images["cp-b"].is_dir()
+
+    shutil.rmtree(images["cp-a"].parent)    # damage: c's chain breaks past b
+    with caplog.at_level(logging.WARNING, logger="deltaboxd"):
+        assert dumps().gc() == 0
+    assert images["cp-b"].is_dir()
+    assert "process dump of cp-c:" in caplog.text and "cp-a" in caplog.text
+    d._put(DumpRow("cp-c", "sb", "dropped", created_at=time.time()))
+    assert dumps().gc() == 3 and list(root.iterdir()) == []

@@ -92,7 +92,8 @@ class Dumps:
         # (sandbox, nspid, cmd) -> its last image, and the template it was written from (a
         # later checkpoint that kept that template gets the same image: _link_image)
         self.last: dict[tuple[str, int, str], tuple[Path, native.Template]] = {}
-        self.in_use: set[Path] = set()                    # parent images being read
+        # Images being read (a dump's parents, a restore's): kept with their chains.
+        self.in_use: collections.Counter[Path] = collections.Counter()
         self._deps: dict[str, set[Path]] = {}             # complete dump -> images it needs
         self.worker_ms_max = 0.0     # longest single dump job on the ptrace thread
 
@@ -189,8 +190,15 @@ class Dumps:
         self.gc()
 
     def gc(self) -> int:
-        """Delete dropped dumps no remaining image depends on; returns how many."""
-        needed: set[Path] = {p for p in self.in_use}
+        """Delete dropped dumps no remaining image depends on; returns how many. An image
+        being read keeps its whole chain: a dump whose parent is a dropped checkpoint's
+        image reads that image's parents too, and a linked image (_link_image) is its
+        parent's copy, needing what it needs (a 32 x 1000 soak lost those ancestors: later
+        restores failed with "parent image ... is missing")."""
+        needed: set[Path] = set()
+        for p in self.in_use:
+            needed.add(p)
+            needed.update(_ancestors(p)[0])
         for r in self._rows("state='complete'"):
             needed.update(self._depends_on(r.cp_id))
         freed = 0
@@ -210,17 +218,28 @@ class Dumps:
 
     def _depends_on(self, cp_id: str) -> set[Path]:
         """Images a complete dump's images depend on (cached: complete images never change;
-        reading every image's header at every deletion was O(all dumps))."""
+        reading every image's header at every deletion was O(all dumps)). A broken chain
+        keeps the ancestors before the break (its restore will fail, naming it)."""
         deps = self._deps.get(cp_id)
         if deps is None:
             deps = set()
             for img in _images(self.path(cp_id)):
-                try:
-                    deps.update(Path(p) for p in native.image_depends_on(img))
-                except native.CRError:
-                    pass
+                got, error = _ancestors(img)
+                deps |= got
+                if error:
+                    log.warning("process dump of %s: %s", cp_id, error)
             self._deps[cp_id] = deps
         return deps
+
+    def _hold(self, images: list[Path]) -> None:
+        """The images (and so their chains) are kept until _let_go: they are being read."""
+        self.in_use.update(images)
+
+    def _let_go(self, images: list[Path]) -> None:
+        for p in images:
+            self.in_use[p] -= 1
+            if self.in_use[p] <= 0:
+                del self.in_use[p]
 
     # ---- dump ------------------------------------------------------------------------------
 
@@ -312,7 +331,7 @@ class Dumps:
                 if parent is not None and not parent.is_dir():
                     parent = None
                 if parent is not None:
-                    self.in_use.add(parent)
+                    self._hold([parent])
                     parents.append(parent)
                     # The template the parent image was written from (not one whose
                     # /dev/shm pages may have changed since: private_maps.copied_stale).
@@ -357,8 +376,7 @@ class Dumps:
             shutil.rmtree(tmp, ignore_errors=True)
             self._failed(cp_id, sid, str(e))
         finally:
-            for p in parents:
-                self.in_use.discard(p)
+            self._let_go(parents)
             if parents:  # a dump dropped while this one read it as a parent can go now
                 self.gc()
             ev = self.events.pop(cp_id, None)
@@ -444,7 +462,19 @@ class Dumps:
         init) with mapped files resolved under root_dir. reserve_pids: the processes will
         be restored into host_pid's own pid namespace, so the templates must not take
         their pids. Raises ImageCorrupt / CRError / OSError / ValueError; nothing is left
-        behind on failure."""
+        behind on failure. The images are kept meanwhile, should the checkpoint go."""
+        images = _images(self.path(cp_id))
+        self._hold(images)
+        try:
+            return await self._load(cp_id, host_pid, root_dir, reserve_pids)
+        finally:
+            self._let_go(images)
+            r = self.row(cp_id)
+            if r is None or r.state == "dropped":
+                self.gc()
+
+    async def _load(self, cp_id: str, host_pid: int, root_dir: str,
+                    reserve_pids: bool) -> ProcessState:
         d = self.path(cp_id)
         try:
             meta = json.loads((d / "state.json").read_text())
@@ -539,6 +569,22 @@ async def _skip_pids(host_pid: int, last: int) -> None:
     if r.returncode != 0:
         log.warning("setting ns_last_pid in the pid namespace of %d failed: %s", host_pid,
                     r.stderr.decode(errors="replace").strip())
+
+
+def _ancestors(img: Path) -> tuple[set[Path], str]:
+    """The images img's chain needs (native.image_depends_on), as far as their headers
+    can be read: all of them and "", or those before a missing or damaged one and why."""
+    out: set[Path] = set()
+    cur = os.path.abspath(img)
+    try:
+        depth, _, parent, _ = native.image_info(cur)
+        for _ in range(depth):
+            cur = os.path.normpath(os.path.join(cur, parent))
+            out.add(Path(cur))
+            _, _, parent, _ = native.image_info(cur)
+    except native.CRError as e:
+        return out, str(e)
+    return out, ""
 
 
 def _released(state: ProcessState) -> bool:
