@@ -854,17 +854,24 @@ def daemon_log(daemon: PrivateDaemon) -> str:
 
 
 def daemon_log_problems(text: str, limit: int = 300) -> list[str]:
-    """The daemon log's WARNING / ERROR / Traceback lines (the first `limit`)."""
-    keys = ("WARNING", "ERROR", "CRITICAL", "Traceback", "Error:")
-    return [ln[:1000] for ln in text.splitlines() if any(k in ln for k in keys)][:limit]
+    """The daemon log's ERROR / CRITICAL / Traceback lines, then its WARNING lines (the
+    first `limit` in all: warnings are many, "deleted before its dump" mostly)."""
+    lines = text.splitlines()
+    worst = [ln for ln in lines if any(k in ln for k in (" ERROR ", " CRITICAL ", "Traceback",
+                                                         "Error:"))]
+    warned = [ln for ln in lines if " WARNING " in ln]
+    return [ln[:1000] for ln in worst + warned][:limit]
 
 
-# Daemon log lines (INFO) counted for the report: how often a restore had to wait for a
-# process dump (its templates evicted from a dump backlog), and how the dumps ended.
+# Daemon log lines counted for the report: how often a restore had to wait for a process
+# dump (its templates evicted from a dump backlog), how the dumps ended, how many restores
+# from a dump failed (a complete dump must restore), and every ERROR line.
 LOG_EVENTS = {
     "rollback_waits_for_dump": re.compile(r"waits for the process dump of"),
     "dumps_complete": re.compile(r"process dump of \S+: \d+ processes"),
     "dumps_failed": re.compile(r"process dump of \S+ failed"),
+    "restores_from_dump_failed": re.compile(r"restoring from the dump of \S+ failed"),
+    "errors": re.compile(r" ERROR "),
 }
 
 
