@@ -503,8 +503,19 @@ class Worker:
         r = self.timed("verify_kv", box.session("main").run, kv_request("dump"), timeout=120)
         if r.exit_code != 0 or not r.stdout.strip():
             return None
-        d, crc, pid, talk = json.loads(r.stdout)
+        try:
+            d, crc, pid, talk = json.loads(r.stdout)
+        except ValueError as e:   # what the server, its sockets and the last restore were
+            raise RuntimeError(f"the kv server's answer to dump is not its JSON ({e}): "
+                               f"{r.stdout[:300]!r}; {self.seen(box)}; last restore's note: "
+                               f"{self.restore_note!r}") from e
         return Kv(d, crc, pid, talk)
+
+    def seen(self, box: Any) -> str:
+        """The kv log's end, the sandbox's TCP sockets and processes (for an error)."""
+        return f"{KV_LOG}, sockets, processes: " + box.exec(
+            ["sh", "-c", f"tail -c 300 {KV_LOG}; ss -tanp; ps -eo pid,pgid,sid,stat,comm"]
+        ).stdout
 
     def read_talking(self, box: Any, patience_s: float = 3.0) -> Kv | None:
         """read_kv once the pinger was heard on every channel within PING_S * 8 (restored
@@ -561,11 +572,9 @@ class Worker:
                 raise RuntimeError(f"kv server start exited {r.exit_code}: {r.stderr[-300:]}")
             got = self.read_talking(self.sbx, patience_s=10)
             if got is None or not got.talking():
-                seen = self.sbx.exec(["sh", "-c", f"tail -c 300 {KV_LOG}; ss -tanp; "
-                                      "ps -eo pid,pgid,sid,stat,comm"]).stdout
                 what = ("the kv server started does not answer" if got is None else
                         f"the pinger started is not heard: {got.talk}")
-                raise RuntimeError(f"{what}; {KV_LOG}, sockets, processes: {seen}")
+                raise RuntimeError(f"{what}; {self.seen(self.sbx)}")
             self.rec.count("kv_server_started")
         else:
             self.rec.count("kv_server_adopted")
@@ -864,10 +873,12 @@ def daemon_log_problems(text: str, limit: int = 300) -> list[str]:
 
 
 # Daemon log lines counted for the report: how often a restore had to wait for a process
-# dump (its templates evicted from a dump backlog), how the dumps ended, how many restores
+# dump (its templates evicted from a dump backlog) or took its templates back from one
+# instead, how the dumps ended, how many restores
 # from a dump failed (a complete dump must restore), and every ERROR line.
 LOG_EVENTS = {
     "rollback_waits_for_dump": re.compile(r"waits for the process dump of"),
+    "templates_taken_back": re.compile(r"taken back before their dump ended"),
     "dumps_complete": re.compile(r"process dump of \S+: \d+ processes"),
     "dumps_failed": re.compile(r"process dump of \S+ failed"),
     "restores_from_dump_failed": re.compile(r"restoring from the dump of \S+ failed"),
