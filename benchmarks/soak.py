@@ -289,6 +289,7 @@ class Recorder:
         self.failures: list[dict[str, Any]] = []
         self.anomalies: list[dict[str, Any]] = []
         self.counts: Counter[str] = Counter()
+        self.restart_reasons: Counter[str] = Counter()       # "op: note, ids blanked"
         self.cycles = 0
         self.cycle_times: list[float] = []
 
@@ -317,6 +318,14 @@ class Recorder:
     def count(self, what: str, n: int = 1) -> None:
         with self.lock:
             self.counts[what] += n
+
+    def restarted(self, op: str, note: str) -> None:
+        """A restore restarted processes: why, as its note says (ids and numbers blanked so
+        that the same cause counts once), to tell a checkpoint taken without processes from
+        process state lost under load."""
+        why = re.sub(r"\d+", "N", re.sub(r"\bcp-[0-9a-f]+", "cp-X", note or "(no note)"))
+        with self.lock:
+            self.restart_reasons[f"{op}: {why[:200]}"] += 1
 
     def verified(self, kind: str, ok: bool, detail: dict[str, Any] | None = None) -> None:
         with self.lock:
@@ -738,6 +747,8 @@ class Worker:
             # The server runs on as `pid` now (a change is named in the note): the next
             # checkpoint's model must expect that one, not the pid it had before.
             self.cur.kv_pid = pid
+        if r.process_state != "restored":
+            self.rec.restarted("rollback", r.note)
         if not restored:
             self.rec.count("session_restarted")
             self.adopt_session(self.sbx, self.cur)
@@ -755,6 +766,7 @@ class Worker:
                 self.rec.count(f"fork_process_state_{k.process_state or 'none'}")
                 if not restored:
                     self.rec.count("session_restarted_in_fork")
+                    self.rec.restarted("fork", k.fork_note)
                 self.check(k, model, "fork", cp, restored, f"in fork child {k.id}")
         finally:
             for k in kids:
@@ -833,6 +845,7 @@ def summarize(rec: Recorder, rss: list[dict[str, float]], wall_s: float) -> dict
         "anomalies": len(rec.anomalies),
         "errors_by_op_and_status": dict(sorted(rec.errors.items())),
         "counts": dict(sorted(rec.counts.items())),
+        "restart_reasons": dict(rec.restart_reasons.most_common()),
         "latency_ms": lat,
     }
     if rss:
