@@ -46,6 +46,7 @@ import json
 import os
 import random
 import re
+import signal
 import sys
 import threading
 import time
@@ -877,7 +878,8 @@ def daemon_log(daemon: PrivateDaemon) -> str:
 
 def daemon_log_problems(text: str, limit: int = 300) -> list[str]:
     """The daemon log's ERROR / CRITICAL / Traceback lines, then its WARNING lines (the
-    first `limit` in all: warnings are many, "deleted before its dump" mostly)."""
+    first `limit` in all: warnings can be many, dumps whose templates were released first
+    mostly)."""
     lines = text.splitlines()
     worst = [ln for ln in lines if any(k in ln for k in (" ERROR ", " CRITICAL ", "Traceback",
                                                          "Error:"))]
@@ -894,9 +896,34 @@ LOG_EVENTS = {
     "templates_taken_back": re.compile(r"taken back before their dump ended"),
     "dumps_complete": re.compile(r"process dump of \S+: \d+ processes"),
     "dumps_failed": re.compile(r"process dump of \S+ failed"),
+    "dumps_failed_templates_released": re.compile(r"process dump of \S+ failed: .*released"),
+    "dumps_not_needed": re.compile(r"process dump of \S+ not written: its checkpoint was "
+                                   r"deleted"),
     "restores_from_dump_failed": re.compile(r"restoring from the dump of \S+ failed"),
     "errors": re.compile(r" ERROR "),
 }
+
+
+MEMORY_REPORT_EVERY_S = 120
+
+
+def ask_memory_report(daemon: PrivateDaemon) -> None:
+    """deltaboxd logs what its memory is made of on SIGUSR1 (daemon/memreport.py)."""
+    try:
+        os.kill(daemon.proc.pid, signal.SIGUSR1)
+    except (OSError, AttributeError):
+        pass
+
+
+def memory_reports(text: str) -> list[dict[str, Any]]:
+    """The daemon log's memory reports, in order, each with its log time."""
+    out = []
+    for m in re.finditer(r"^(\S+ \S+) deltaboxd INFO memory: (\{.*\})$", text, re.M):
+        try:
+            out.append({"at": m.group(1), **json.loads(m.group(2))})
+        except ValueError:
+            pass
+    return out
 
 
 def daemon_log_counts(text: str) -> dict[str, int]:
@@ -1012,8 +1039,12 @@ def main(argv: list[str] | None = None) -> int:
                 t.start()
             try:
                 last = 0.0
+                last_report = time.monotonic()
                 while any(t.is_alive() for t in threads):
                     time.sleep(1)
+                    if time.monotonic() - last_report >= MEMORY_REPORT_EVERY_S:
+                        last_report = time.monotonic()
+                        ask_memory_report(daemon)
                     if time.monotonic() - last >= 30:
                         last = time.monotonic()
                         r = sampler.samples[-1] if sampler.samples else {}
@@ -1029,6 +1060,8 @@ def main(argv: list[str] | None = None) -> int:
             wall = time.monotonic() - t_run
             fds_at_end_of_run = sampler.fd_kinds()
             time.sleep(10)   # samples after the last sandbox is gone (background work ends)
+            ask_memory_report(daemon)   # what is left once every sandbox is gone
+            time.sleep(1)
             sampler.stop()
             fds_after = sampler.fd_kinds()
             left = [s.id for s in __import__("deltabox").Sandbox.list(socket=daemon.socket)]
@@ -1086,6 +1119,13 @@ def main(argv: list[str] | None = None) -> int:
                 text = daemon_log(daemon)
                 result["daemon_log_problems"] = daemon_log_problems(text)
                 result["summary"]["daemon_log_counts"] = daemon_log_counts(text)
+                reports = memory_reports(text)
+                result["raw"]["memory"] = reports
+                if reports:
+                    result["summary"]["daemon_memory"] = {
+                        "reports": len(reports), "first": reports[0],
+                        "last_during_run": reports[-2] if len(reports) > 1 else None,
+                        "after_run": reports[-1]}
             daemon.stop()
     if not result:
         return 1

@@ -28,6 +28,7 @@ from ..cr.native import CRError
 from ..cr.worker import PtraceWorker
 from .db import Database
 from .idlegc import IdleCollector
+from .memreport import log_report
 from .server import Servicer, make_server
 from .service import Config, Daemon
 
@@ -189,6 +190,13 @@ async def _reap_forever(daemon: Daemon) -> None:
         await trio.sleep(0.2)
 
 
+async def _memory_reports() -> None:
+    """A line of what the daemon's memory is made of at each SIGUSR1 (memreport.py)."""
+    with trio.open_signal_receiver(signal.SIGUSR1) as signals:
+        async for _ in signals:
+            log_report()
+
+
 async def _load_inspector(daemon: Daemon, background: GuardedNursery, idle: IdleCollector,
                           enabled: bool) -> None:
     """Load the turn inspector; its programs and tables live as long as the daemon: out of
@@ -296,6 +304,7 @@ async def _serve_store(args: argparse.Namespace, cfg: Config, state_dir: Path, s
             nursery.start_soon(daemon.enforce_template_budget)
             nursery.start_soon(daemon.sweep_keepers)
             nursery.start_soon(daemon.clean_store)
+            nursery.start_soon(_memory_reports)
             log.info("serving on unix:%s%s (store %s at %s)", sock,
                      f" and {args.listen}" if args.listen else "", store.backend, store.root)
             if not hostmem.unadvised_sizes():

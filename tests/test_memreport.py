@@ -1,0 +1,40 @@
+"""deltaboxd's memory report (daemon/memreport.py): on SIGUSR1 one log line says what its
+memory is made of, and it goes on serving. A real daemon (the shared one)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+
+from deltabox import Sandbox
+
+from conftest import DaemonProc, wait_for
+
+
+def _reports(d: DaemonProc) -> list[dict]:
+    return [json.loads(m) for m in re.findall(r"deltaboxd INFO memory: (\{.*\})$",
+                                              d.log.read_text(), re.M)]
+
+
+def test_sigusr1_logs_what_the_daemons_memory_is_made_of(daemon: DaemonProc) -> None:
+    sbx = Sandbox.create(socket=daemon.socket)
+    try:
+        before = len(_reports(daemon))
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGUSR1)
+        wait_for(lambda: len(_reports(daemon)) > before, what="the memory report")
+        r = _reports(daemon)[-1]
+        # The process's own figures, not constants: a daemon holds tens of MB and
+        # tens of thousands of Python objects frozen at start (idlegc), the rest counted apart.
+        assert 20 < r["rss_mb"] < 4096, r
+        assert r["gc_objects"] > 1000 and r["gc_frozen"] > 10_000, r
+        assert r["python_blocks"] > 0 and len(r["top_types"]) == 12, r
+        assert r["malloc"]["in_use_mb"] > 1 and r["malloc"]["free_kept_mb"] >= 0, r
+        m = r["malloc"]
+        assert m["in_use_mb"] + m["free_kept_mb"] <= m["heap_mb"] + m["mmapped_mb"] + 0.2, r
+        # Still serving, the sandbox untouched.
+        assert sbx.exec("echo ok").stdout == "ok\n"
+        assert daemon.proc.poll() is None
+    finally:
+        sbx.kill()
