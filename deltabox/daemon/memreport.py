@@ -57,6 +57,8 @@ def report(top: int = 12) -> dict[str, Any]:
     ~10-50 ms for a busy daemon, on the trio thread (it must not race the objects)."""
     objects = gc.get_objects()
     types = Counter(type(o).__name__ for o in objects)
+    ours = Counter(type(o).__qualname__ for o in objects
+                   if type(o).__module__.startswith("deltabox."))
     out: dict[str, Any] = {
         "rss_mb": round(rss_mb(), 1),
         "python_blocks": sys.getallocatedblocks(),
@@ -64,6 +66,7 @@ def report(top: int = 12) -> dict[str, Any]:
         "gc_frozen": gc.get_freeze_count(),
         "gc_counts": gc.get_count(),
         "top_types": dict(types.most_common(top)),
+        "deltabox_types": dict(ours.most_common(top)),   # the daemon's own classes
     }
     del objects
     m = malloc_info()
