@@ -5,7 +5,7 @@ either objects are kept (Python's, or native ones made through the C core and gr
 allocators keep freed memory. One line tells them apart without a debugger or a restart:
 glibc's own account of its heap (`mallinfo2`: bytes in use, bytes free but kept), Python's
 (`sys.getallocatedblocks`, the collector's objects, frozen ones, the most common types) and
-the process's RSS. Nothing here runs unless asked: `kill -USR1 $(pidof deltaboxd)`.
+the process's RSS. Nothing here runs unless asked: `kill -USR1 <deltaboxd's pid>`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ import ctypes
 import gc
 import json
 import logging
+import os
 import sys
 from collections import Counter
 from typing import Any
+
+from .budget import resident_bytes
 
 log = logging.getLogger("deltaboxd")
 
@@ -44,14 +47,6 @@ def malloc_info() -> dict[str, float] | None:
             "free_chunks": m.ordblks}
 
 
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def report(top: int = 12) -> dict[str, Any]:
     """The report's fields (see the module's docstring). Walks every tracked object:
     ~10-50 ms for a busy daemon, on the trio thread (it must not race the objects)."""
@@ -60,7 +55,7 @@ def report(top: int = 12) -> dict[str, Any]:
     ours = Counter(type(o).__qualname__ for o in objects
                    if type(o).__module__.startswith("deltabox."))
     out: dict[str, Any] = {
-        "rss_mb": round(rss_mb(), 1),
+        "rss_mb": round(resident_bytes(os.getpid()) / (1 << 20), 1),
         "python_blocks": sys.getallocatedblocks(),
         "gc_objects": len(objects),          # tracked and not frozen: those that come and go
         "gc_frozen": gc.get_freeze_count(),
