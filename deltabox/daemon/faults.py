@@ -1,7 +1,11 @@
-"""Test-only fault injection: make deltaboxd kill itself (SIGKILL) at a named step.
+"""Test-only fault injection: make deltaboxd kill itself (SIGKILL) at a named step, or
+pause at one.
 
     DELTABOX_CRASH_AT=<step>        die the first time <step> is reached
     DELTABOX_CRASH_AT=<step>:<n>    die the n-th time (1-based)
+    DELTABOX_PAUSE_AT=<point>:<s>   sleep <s> seconds (trio) the first time <point> is
+                                    reached: opens a race's window wide, so that a test
+                                    can act inside it (PAUSE_POINTS)
 
 The kill is real (`kill -9` of the daemon's own pid: no cleanup, no atexit, no finally), so a
 restart exercises the same recovery as a crash or an OOM kill of the daemon would. Used by
@@ -15,6 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+
+import trio
 
 log = logging.getLogger("deltaboxd")
 
@@ -76,3 +82,37 @@ def crash_point(name: str) -> None:
             except Exception:
                 pass
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+# Every named pause point (`pause_point("...")` in daemon/service.py).
+PAUSE_POINTS = (
+    "fork.source_found",   # a fork found its templates' sandbox, before taking its lock
+)
+
+
+def _parse_pause(spec: str) -> tuple[str, float] | None:
+    name, _, secs = spec.partition(":")
+    if not spec:
+        return None
+    try:
+        pause = float(secs)
+    except ValueError:
+        pause = -1.0
+    if name not in PAUSE_POINTS or pause < 0:
+        log.error("DELTABOX_PAUSE_AT=%r: want <point>:<seconds>, a point among %s; ignored",
+                  spec, ", ".join(PAUSE_POINTS))
+        return None
+    return name, pause
+
+
+_pause = _parse_pause(os.environ.get("DELTABOX_PAUSE_AT", ""))
+
+
+async def pause_point(name: str) -> None:
+    """Sleep once here if DELTABOX_PAUSE_AT names this point."""
+    global _pause
+    if _pause is None or _pause[0] != name:
+        return
+    secs, _pause = _pause[1], None
+    log.warning("DELTABOX_PAUSE_AT: pausing %.1f s at %s", secs, name)
+    await trio.sleep(secs)

@@ -50,6 +50,7 @@ from ..cr.engine import (DeltaCR, Elsewhere, Prespawned, ProcessState, Restored,
 from ..inspector import Decision, TurnEffects, touched_processes, untouched_processes
 from ..inspector.effects import LIST_CAP
 from . import budget
+from . import faults
 from .faults import crash_point
 from .foreground import Foreground
 from .db import CheckpointRow, Database, SandboxRow
@@ -72,6 +73,9 @@ BASE_ENV = {
     "USER": "root",
 }
 MAX_FORK = 256
+# Times a fork looks for its templates again when they went while it waited for their
+# sandbox's lock.
+FORK_SOURCE_TRIES = 3
 # Checkpoint layers a sandbox's overlay may stack under its own (each fork adds one; the
 # image's mask and root come below them, and dbx-mkroot takes at most 8 lowers).
 MAX_BASES = 4
@@ -2552,33 +2556,12 @@ class Daemon:
         if len(self.live) + count > self.cfg.max_sandboxes:
             raise ResourceExhausted(f"forking {count} would exceed the limit of "
                                     f"{self.cfg.max_sandboxes} sandboxes")
-        owner, why = self._template_owner(cp)
-        killed = ""
-        if owner is not None and cp.procs_of is not None:
-            async with self.live[owner].lock:   # a template killed: fork from the dump
-                killed = await self._drop_killed(self.live[owner], cp.procs_of)
-            if killed:
-                owner, why = self._template_owner(cp)
-        if (owner is None and cp.procs_of is not None and self.dumps.pending(cp.procs_of)
-                and not await self._take_back(cp.procs_of)):
-            await self.dumps.wait(cp.procs_of, urgent=True)  # evicted from a dump backlog
-        if owner is None and cp.procs_of is not None:
-            owner, why = self._template_owner(cp)
-        if killed and owner is None:
-            why = killed
-        disk = None
-        if owner is None:  # rebuild the templates from the dump, in a live family sandbox
-            owner, disk = await self._dump_holder(cp, why)
-            why = disk if owner is None else why
+        owner, disk, why = await self._locked_fork_source(cp)
         if owner is None:
             rows = await self._fork_files(cp, count, shared_layer, None)
             return rows, "restarted", f"processes restarted: {why}"
         live_owner, key = self.live[owner], cp.procs_of
-        async with live_owner.lock:  # its templates stay put while we spawn from them
-            if self.live.get(owner) is not live_owner or (key not in live_owner.captured
-                                                          and disk is None):
-                rows = await self._fork_files(cp, count, shared_layer, None)
-                return rows, "restarted", "processes restarted: the templates went meanwhile"
+        try:  # its templates stay put while we spawn from them (its lock is held)
             if key in live_owner.captured:
                 # Each child's processes are restored as soon as it has booted, while the
                 # others boot: the templates' page-table copies (the bulk of a restore, in
@@ -2638,10 +2621,59 @@ class Daemon:
                 raise
             finally:
                 self._close_lanes_soon(state)
+        finally:
+            live_owner.lock.release()
         if self.live.get(owner) is live_owner:
             self._evict_templates(live_owner)  # the dump added templates
         return rows, "restored", _with(f"{len(state.records)} processes restored from disk "
                                        f"(dump of {key}) in each fork", state.orphans)
+
+    async def _locked_fork_source(self, cp: CheckpointRow
+                                  ) -> tuple[str | None, str | None, str]:
+        """The sandbox a fork of cp spawns its processes from, with its lock taken (the
+        caller releases it), whether its templates are rebuilt there from the dump (not
+        None) or not (None), and why there is none. Found again when the templates
+        went while the fork waited for that lock (evicted by another operation's budget,
+        their sandbox removed): a fork under load waits seconds for it."""
+        why = ""
+        for _ in range(FORK_SOURCE_TRIES):
+            owner, disk, why = await self._fork_source(cp)
+            await faults.pause_point("fork.source_found")
+            if owner is None:
+                return None, None, why
+            live_owner = self.live[owner]
+            await live_owner.lock.acquire()
+            if self.live.get(owner) is live_owner and (cp.procs_of in live_owner.captured
+                                                       or disk is not None):
+                return owner, disk, why
+            live_owner.lock.release()
+            log.info("fork of %s: the templates of %s went while it waited for %s; "
+                     "looking again", cp.id, cp.procs_of, owner)
+            why = "the templates went meanwhile"
+        return None, None, why
+
+    async def _fork_source(self, cp: CheckpointRow) -> tuple[str | None, str | None, str]:
+        """The sandbox holding cp's templates, else one of its family to rebuild them in
+        from the dump (then its note), else None and why (_locked_fork_source)."""
+        owner, why = self._template_owner(cp)
+        killed = ""
+        if owner is not None and cp.procs_of is not None:
+            async with self.live[owner].lock:   # a template killed: fork from the dump
+                killed = await self._drop_killed(self.live[owner], cp.procs_of)
+            if killed:
+                owner, why = self._template_owner(cp)
+        if (owner is None and cp.procs_of is not None and self.dumps.pending(cp.procs_of)
+                and not await self._take_back(cp.procs_of)):
+            await self.dumps.wait(cp.procs_of, urgent=True)  # evicted from a dump backlog
+        if owner is None and cp.procs_of is not None:
+            owner, why = self._template_owner(cp)
+        if killed and owner is None:
+            why = killed
+        disk = None
+        if owner is None:  # rebuild the templates from the dump, in a live family sandbox
+            owner, disk = await self._dump_holder(cp, why)
+            why = disk if owner is None else why
+        return owner, disk, why
 
     def _close_lanes_soon(self, state: ProcessState) -> None:
         """A fork is over: its lane copies go in the background (DeltaCR.release_lanes)."""
