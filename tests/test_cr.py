@@ -3626,6 +3626,82 @@ def test_children_not_waited_for_yet_come_back_exited(sbx: Sandbox, restore: Res
     assert target.files.read("reaped").decode() == expected
 
 
+ZOMBIE_PID_TAKEN = """
+import os, time
+def wait(name):
+    while not os.path.exists("/workspace/" + name):
+        time.sleep(0.02)
+a = os.fork()
+if a == 0:
+    os._exit(7)
+time.sleep(0.3)                          # exited, not waited for: a zombie
+open("/workspace/ready", "w").write(str(a))
+wait("reap")
+os.waitpid(a, 0)
+open("/workspace/reaped", "w").write("ok")
+for n in range(50):  # pid a again (ns_last_pid), unless another fork took it first
+    wait(f"lead{n}")
+    child = os.fork()
+    if child == 0:
+        if os.getpid() != a:
+            os._exit(0)
+        os.setsid()   # a session's leader, a shell whose python child it does not wait
+        os.execvp("sh", ["sh", "-c", "python3 -c 'import time; time.sleep(1000)' & "
+                         "while :; do sleep 1; done"])   # for: its templates stay in it
+    if child == a:
+        open("/workspace/led", "w").write("ok")
+        break
+    os.waitpid(child, 0)
+    open(f"/workspace/missed{n}", "w").write(str(child))
+time.sleep(1000)
+"""
+
+
+def test_a_zombie_whose_pid_another_checkpoint_holds_fails_the_restore_at_once(
+        sbx: Sandbox) -> None:
+    """A child not waited for yet at the checkpoint comes back a zombie with its pid (its
+    parent waits for that one). When a later checkpoint's templates hold that pid (as
+    their session's id: a process that got the pid after the zombie was reaped leads a
+    session they stay in), nothing frees it: the rollback says so at once, naming the
+    pid, and restarts the sessions; the later checkpoint is untouched. Before, it retried
+    for 2 s and failed with "clone3 of its adopted child (pid N): File exists" (once in a
+    32 x 1000 soak). The pid is made to come round again by the sandbox's ns_last_pid,
+    written from the host."""
+    sbx.files.write("z.py", ZOMBIE_PID_TAKEN)
+    sbx.exec("cd /workspace && nohup python3 z.py >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.files.exists("ready"))
+    a = int(sbx.files.read("ready"))
+    cp1 = sbx.checkpoint(mode="full")
+    sbx.files.write("reap", "")
+    wait_for(lambda: sbx.files.exists("reaped"))
+    init = sbx.info().init_pid
+    for n in range(50):   # the warm pool's spawns may take the pid first: again then
+        subprocess.run(["nsenter", "-t", str(init), "-p", "--", "sh", "-c",
+                        f"echo {a - 1} > /proc/sys/kernel/ns_last_pid"], check=True)
+        sbx.files.write(f"lead{n}", "")
+        wait_for(lambda: sbx.files.exists("led") or sbx.files.exists(f"missed{n}"))
+        if sbx.files.exists("led"):
+            break
+        time.sleep(0.1)
+    assert sbx.files.exists("led"), f"pid {a} never came round"
+    # The pid came round to the session's leader, a shell with its python child.
+    seen: list[str] = []
+
+    def leads() -> bool:
+        seen[:] = sbx.exec(f"ps -o sid=,comm= -p {a}; ps -o comm= -s {a}").stdout.split()
+        return seen[:2] == [str(a), "sh"] and "python3" in seen[2:]
+    wait_for(leads, what=f"pid {a} to lead a session again")
+    cp2 = sbx.checkpoint(mode="full")
+    r = sbx.rollback(cp1)
+    assert r.process_state == "restarted", r.note
+    assert (f"its exited child {a} (python3), not waited for yet, cannot be made again: "
+            f"another process of the sandbox holds pid {a}") in r.note, r.note
+    r = sbx.rollback(cp2)   # (its session's leader with a new pid: see _rollback_ids)
+    assert r.process_state == "restored", r.note
+    comms = sbx.exec("ps -eo comm=").stdout.split()
+    assert comms.count("python3") == 2 and "sh" in comms, comms
+
+
 REAPER = """
 import os, signal, sys, threading, time
 got, reaped = [], []

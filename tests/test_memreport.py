@@ -27,9 +27,10 @@ def test_sigusr1_logs_what_the_daemons_memory_is_made_of(daemon: DaemonProc) -> 
         wait_for(lambda: len(_reports(daemon)) > before, what="the memory report")
         r = _reports(daemon)[-1]
         # The process's own figures, not constants: a daemon holds tens of MB and
-        # tens of thousands of Python objects frozen at start (idlegc), the rest counted apart.
+        # tens of thousands of Python objects frozen (idlegc: at start, and again once
+        # idle, when only a few hundred may be left to count apart).
         assert 20 < r["rss_mb"] < 4096, r
-        assert r["gc_objects"] > 1000 and r["gc_frozen"] > 10_000, r
+        assert r["gc_objects"] > 0 and r["gc_frozen"] > 10_000, r
         assert r["python_blocks"] > 0 and len(r["top_types"]) == 12, r
         assert r["malloc"]["in_use_mb"] > 1 and r["malloc"]["free_kept_mb"] >= 0, r
         m = r["malloc"]
@@ -45,7 +46,9 @@ def test_a_removed_sandbox_is_freed_at_once(tmp_path) -> None:
     """A removed sandbox's objects (its Live, every checkpoint's process records) go when
     it does, not at the collector's next full pass: under load that pass is rare
     (idlegc), and a 32 x 1000 soak's daemon still held 7280 process fd records 10 s after
-    every sandbox was gone (a session held a method of its Live: a cycle)."""
+    every sandbox was gone (a session held a method of its Live: a cycle), and an 8 x 100
+    one's still held the last sandbox the template budget's pass had looked at (the
+    pass's locals, kept while its loop slept)."""
     with private_daemon("dbx-memreport-") as d:
         d.start("--no-inspector")
         for _ in range(2):
@@ -55,7 +58,8 @@ def test_a_removed_sandbox_is_freed_at_once(tmp_path) -> None:
                 sbx.checkpoint(mode="full")
                 sbx.exec("true")        # calls, and idle moments between them: the
                 time.sleep(0.2)         # young collections move these objects on
-            sbx.kill()
+            time.sleep(2.5)   # the daemon's periodic passes (template budget, keepers)
+            sbx.kill()        # go over every sandbox every 2 s
         time.sleep(1)
         assert d.proc is not None
         before = len(_reports(d))

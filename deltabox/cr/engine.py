@@ -832,7 +832,7 @@ class DeltaCR:
                 if rec.pid in chains:   # the root of a family with a far bigger child
                     path = chains[rec.pid]
                     if await self._chain(state, path, spawn, args_for, held, rootfd, out,
-                                         groups):
+                                         groups, pid_held):
                         chained.update(path)
                         continue
                 if rec.pid in state.family:   # its restored parent's own child
@@ -849,7 +849,7 @@ class DeltaCR:
                                                           failed=first)
                     if spawn.held is not None:
                         held[rec.pid] = spawn.held
-                        await self._zombies(rec, spawn.held)
+                        await self._zombies(rec, spawn.held, pid_held)
                 out.pids[rec.nspid] = pid
                 if carrier is not None and carrier.child == pid:
                     out.keepers[pid] = carrier
@@ -908,7 +908,7 @@ class DeltaCR:
         pid = await self._spawn_retrying(spawn, pid_held=pid_held)
         assert spawn.held is not None
         held[rec.pid] = spawn.held
-        await self._zombies(rec, spawn.held)
+        await self._zombies(rec, spawn.held, pid_held)
         # A fork of its held parent, which has the parent's own attributes by now (spawned
         # from its template, or given them like this): set only if the child's differ (a
         # shell's job has the shell's, as a rule: ~0.5 ms saved per adopted child).
@@ -916,13 +916,17 @@ class DeltaCR:
             await self._give_attrs(state, rec, spawn.held)
         return pid
 
-    async def _zombies(self, rec: ProcessRecord, held: native.Held) -> None:
+    async def _zombies(self, rec: ProcessRecord, held: native.Held,
+                       pid_held: Callable[[int], bool] | None = None) -> None:
         """rec's children that had exited, not waited for yet, made again as such. Their
         pids are free once the originals, orphaned by the rollback's kill, are reaped
-        (EEXIST until then: reap and retry, as _spawn_retrying)."""
+        (EEXIST until then: reap and retry, as _spawn_retrying). A zombie keeps its pid
+        (its parent waits for that one): when a process that will not exit holds it
+        (`pid_held`, asked once), the restore fails at once, saying so."""
         for nspid, status, comm in rec.zombies:
             deadline = trio.current_time() + 2.0
             delay = 0.0002
+            asked = False
             while True:
                 try:
                     await self.worker.run(held.zombie, nspid, status, comm)
@@ -930,6 +934,14 @@ class DeltaCR:
                 except native.CRError as e:
                     if e.errno != errno.EEXIST or trio.current_time() > deadline:
                         raise
+                    if pid_held is not None and not asked:
+                        asked = True
+                        if pid_held(nspid):
+                            raise native.CRError(errno.EEXIST, (
+                                f"pid {rec.nspid}: its exited child {nspid} ({comm}), not "
+                                f"waited for yet, cannot be made again: another process "
+                                f"of the sandbox holds pid {nspid} (as its pid, process "
+                                f"group or session id; the daemon's log names it)")) from e
                 delay = await _until_reaped(delay)
 
     async def _task_of(self, state: ProcessState, rec: ProcessRecord) -> TaskAttrs:
@@ -963,7 +975,8 @@ class DeltaCR:
     async def _chain(self, state: ProcessState, path: list[int], root: _Spawn,
                      args_for: Callable[[ProcessRecord], Awaitable[_Spawn]],
                      held: dict[int, native.Held], rootfd: int, out: Restored,
-                     groups: dict[int, int]) -> bool:
+                     groups: dict[int, int],
+                     pid_held: Callable[[int], bool] | None = None) -> bool:
         """A family's root and the held ancestors of its far biggest adopted child, and that
         child, in one call (native.Template.held_chain: the child's memory is shared
         copy-on-write, the ancestors' images are copied). False (nothing made) if it
@@ -988,7 +1001,7 @@ class DeltaCR:
             return False
         for rec, h in zip(recs, made):
             held[rec.pid] = h
-            await self._zombies(rec, h)
+            await self._zombies(rec, h, pid_held)
             out.pids[rec.nspid] = h.pid
             await self._give_attrs(state, rec, h)   # an ancestor: the child's template's fork
             if root.into is not None:

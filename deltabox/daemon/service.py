@@ -1629,59 +1629,68 @@ class Daemon:
 
     async def enforce_template_budget(self, interval: float = 2.0) -> None:
         """Forever: keep all sandboxes' templates within the memory budget (budget.py), and
-        within the per-sandbox count once the dumps that held them over it have ended."""
-        limit = self.cfg.template_budget_mb << 20
+        within the per-sandbox count once the dumps that held them over it have ended.
+        Each pass is a call of its own: what it looked at (sandboxes, their checkpoints'
+        process states) is not kept while this sleeps, after those sandboxes are gone."""
         walked = 0.0   # seconds the last page walk took
         while True:
             await trio.sleep(max(interval, walked / budget.WALK_SHARE))
-            walked = 0.0
-            for live in list(self.live.values()):
-                if len(live.captured) > self.cfg.templates_per_sandbox:
-                    self._evict_templates(live)
-            if limit <= 0:
+            walked = await self._budget_pass()
+
+    async def _budget_pass(self) -> float:
+        """One pass of enforce_template_budget: the seconds its page walk took."""
+        for live in list(self.live.values()):
+            if len(live.captured) > self.cfg.templates_per_sandbox:
+                self._evict_templates(live)
+        limit = self.cfg.template_budget_mb << 20
+        if limit <= 0:
+            return 0.0
+        held = [(sid, key, st) for sid, live in self.live.items()
+                for key, st in live.captured.items()]
+        if not held or await trio.to_thread.run_sync(
+                budget.states_bound, [st for _, _, st in held]) <= limit:
+            return 0.0
+        carriers = [self.warm.carriers_of(sid, st) for sid, _, st in held]
+        t = time.monotonic()
+        costs = await trio.to_thread.run_sync(
+            lambda: [budget.state_bytes(st, c) for (_, _, st), c in zip(held, carriers)])
+        walked = time.monotonic() - t
+        log.debug("template budget: %d checkpoints' templates measured in %.0f ms",
+                  len(held), walked * 1000)
+        where = {key: (sid, st) for sid, key, st in held}
+        for key in budget.over_budget(
+                [(key, st, c) for (_, key, st), c in zip(held, costs)], limit,
+                prefer=self.dumps.complete_among({key for _, key, _ in held}),
+                keep={key for _, key, _ in held if self.dumps.pending(key)}):
+            sid, st = where[key]
+            live = self.live.get(sid)
+            if live is None:
                 continue
-            held = [(sid, key, st) for sid, live in self.live.items()
-                    for key, st in live.captured.items()]
-            if not held or await trio.to_thread.run_sync(
-                    budget.states_bound, [st for _, _, st in held]) <= limit:
-                continue
-            carriers = [self.warm.carriers_of(sid, st) for sid, _, st in held]
-            t = time.monotonic()
-            costs = await trio.to_thread.run_sync(
-                lambda: [budget.state_bytes(st, c) for (_, _, st), c in zip(held, carriers)])
-            walked = time.monotonic() - t
-            log.debug("template budget: %d checkpoints' templates measured in %.0f ms",
-                      len(held), walked * 1000)
-            where = {key: (sid, st) for sid, key, st in held}
-            for key in budget.over_budget(
-                    [(key, st, c) for (_, key, st), c in zip(held, costs)], limit,
-                    prefer=self.dumps.complete_among({key for _, key, _ in held}),
-                    keep={key for _, key, _ in held if self.dumps.pending(key)}):
-                sid, st = where[key]
-                live = self.live.get(sid)
-                if live is None:
-                    continue
-                async with live.lock:
-                    if live.captured.get(key) is st:
-                        del live.captured[key]
-                        live.evicted.add(key)
-                        self.warm.drop_procs(sid, st)
-                        await self.cr.release(st)
-                        log.info("templates of %s (sandbox %s) evicted: over the %d MiB "
-                                 "template budget", key, sid, self.cfg.template_budget_mb)
+            async with live.lock:
+                if live.captured.get(key) is st:
+                    del live.captured[key]
+                    live.evicted.add(key)
+                    self.warm.drop_procs(sid, st)
+                    await self.cr.release(st)
+                    log.info("templates of %s (sandbox %s) evicted: over the %d MiB "
+                             "template budget", key, sid, self.cfg.template_budget_mb)
+        return walked
 
     async def sweep_keepers(self, interval: float = 2.0) -> None:
         """Forever: a keeper whose process has exited or called execve holds an address
         space nobody uses (its memory stays charged to the sandbox): kill it."""
         while True:
             await trio.sleep(interval)
-            for live in list(self.live.values()):
-                stale = [pid for pid, k in live.keepers.items()
-                         if not native.same_address_space(pid, k.pid)]
-                if stale:
-                    old = OldKeepers([live.keepers.pop(pid) for pid in stale], reaping=True)
-                    live.old_keepers.append(old)
-                    self.background.start_soon(self._reap_keepers, live, old)
+            self._sweep_keepers_pass()   # a call: keeps no sandbox while this sleeps
+
+    def _sweep_keepers_pass(self) -> None:
+        for live in list(self.live.values()):
+            stale = [pid for pid, k in live.keepers.items()
+                     if not native.same_address_space(pid, k.pid)]
+            if stale:
+                old = OldKeepers([live.keepers.pop(pid) for pid in stale], reaping=True)
+                live.old_keepers.append(old)
+                self.background.start_soon(self._reap_keepers, live, old)
 
     async def clean_store(self, interval: float = CLEAN_INTERVAL_S) -> None:
         """Forever: once enough layers were deleted (forks removed, retired generations),
@@ -2389,6 +2398,9 @@ class Daemon:
         for pid in live.rt.cgroup.pids():
             ids = native.ids_in_namespace(pid, level)
             if ids is not None and nspid in ids:
+                log.info("%s: pid %d of its namespace is held by host pid %d (%s) as its %s",
+                         live.rt.sandbox_id, nspid, pid, process_name(pid),
+                         ("pid", "process group id", "session id")[ids.index(nspid)])
                 return True
         return False
 
