@@ -113,15 +113,18 @@ def listen(s):
     sel.register(s, selectors.EVENT_READ, "listener")
 
 
-t = socket.socket()
-t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-t.bind(("127.0.0.1", {KV_PORT}))
-listen(t)
+# The unix listener first: KV_START waits for the TCP port alone before it starts the
+# pinger, which connects to both (the other order raced it: "the pinger started is not
+# heard", its connect to the unix socket failing with ENOENT).
 if os.path.exists("{KV_SOCK}"):
     os.unlink("{KV_SOCK}")
 u = socket.socket(socket.AF_UNIX)
 u.bind("{KV_SOCK}")
 listen(u)
+t = socket.socket()
+t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+t.bind(("127.0.0.1", {KV_PORT}))
+listen(t)
 
 
 def answer(words):

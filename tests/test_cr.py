@@ -25,7 +25,8 @@ import deltabox
 from deltabox import Sandbox
 
 from benchmarks import postgres_cr
-from conftest import HELD, OWN_PS, dump_complete, launchers_below, wait_for
+from conftest import (HELD, OWN_PS, dump_complete, launchers_below, private_daemon,
+                      wait_for)
 
 Restore = Callable[[Sandbox, deltabox.Checkpoint], Sandbox]
 
@@ -3637,8 +3638,8 @@ if a == 0:
 time.sleep(0.3)                          # exited, not waited for: a zombie
 open("/workspace/ready", "w").write(str(a))
 wait("reap")
-os.waitpid(a, 0)
-open("/workspace/reaped", "w").write("ok")
+code = os.waitstatus_to_exitcode(os.waitpid(a, 0)[1])
+open("/workspace/reaped", "w").write(str(code))
 for n in range(50):  # pid a again (ns_last_pid), unless another fork took it first
     wait(f"lead{n}")
     child = os.fork()
@@ -3657,16 +3658,12 @@ time.sleep(1000)
 """
 
 
-def test_a_zombie_whose_pid_another_checkpoint_holds_fails_the_restore_at_once(
-        sbx: Sandbox) -> None:
-    """A child not waited for yet at the checkpoint comes back a zombie with its pid (its
-    parent waits for that one). When a later checkpoint's templates hold that pid (as
-    their session's id: a process that got the pid after the zombie was reaped leads a
-    session they stay in), nothing frees it: the rollback says so at once, naming the
-    pid, and restarts the sessions; the later checkpoint is untouched. Before, it retried
-    for 2 s and failed with "clone3 of its adopted child (pid N): File exists" (once in a
-    32 x 1000 soak). The pid is made to come round again by the sandbox's ns_last_pid,
-    written from the host."""
+def _zombie_pid_taken(sbx: Sandbox
+                      ) -> tuple[int, deltabox.Checkpoint, deltabox.Checkpoint]:
+    """cp1 holds a zombie (pid a, exit code 7); it is reaped, and pid a comes round again
+    (the sandbox's ns_last_pid, written from the host) to a session's leader, a shell
+    with a python child it does not wait for, whose templates stay in that session
+    (engine._rollback_ids); cp2 captures them. Returns (a, cp1, cp2)."""
     sbx.files.write("z.py", ZOMBIE_PID_TAKEN)
     sbx.exec("cd /workspace && nohup python3 z.py >/dev/null 2>&1 &")
     wait_for(lambda: sbx.files.exists("ready"))
@@ -3674,6 +3671,7 @@ def test_a_zombie_whose_pid_another_checkpoint_holds_fails_the_restore_at_once(
     cp1 = sbx.checkpoint(mode="full")
     sbx.files.write("reap", "")
     wait_for(lambda: sbx.files.exists("reaped"))
+    assert sbx.files.read("reaped") == b"7"
     init = sbx.info().init_pid
     for n in range(50):   # the warm pool's spawns may take the pid first: again then
         subprocess.run(["nsenter", "-t", str(init), "-p", "--", "sh", "-c",
@@ -3691,15 +3689,49 @@ def test_a_zombie_whose_pid_another_checkpoint_holds_fails_the_restore_at_once(
         seen[:] = sbx.exec(f"ps -o sid=,comm= -p {a}; ps -o comm= -s {a}").stdout.split()
         return seen[:2] == [str(a), "sh"] and "python3" in seen[2:]
     wait_for(leads, what=f"pid {a} to lead a session again")
-    cp2 = sbx.checkpoint(mode="full")
+    return a, cp1, sbx.checkpoint(mode="full")
+
+
+def test_a_zombie_whose_pid_a_later_checkpoint_holds_comes_back(sbx: Sandbox) -> None:
+    """A child not waited for yet at the checkpoint comes back a zombie with its pid (its
+    parent waits for that one). When a later checkpoint's templates hold that pid (their
+    session's id), a rollback releases them if their dump is complete (that checkpoint
+    then restores from disk): the zombie comes back, and its parent's wait gets its exit
+    code. Before, the rollback retried for 2 s and restarted the processes: "clone3 of
+    its adopted child (pid N): File exists" (once in a 32 x 1000 soak)."""
+    a, cp1, cp2 = _zombie_pid_taken(sbx)
+    dump_complete(sbx, cp2.id)
     r = sbx.rollback(cp1)
-    assert r.process_state == "restarted", r.note
-    assert (f"its exited child {a} (python3), not waited for yet, cannot be made again: "
-            f"another process of the sandbox holds pid {a}") in r.note, r.note
+    assert r.process_state == "restored", r.note
+    assert sbx.exec(f"ps -o stat=,comm= -p {a}").stdout.split() == ["Z", "python3"]
+    sbx.files.write("reap", "")
+    wait_for(lambda: sbx.files.exists("reaped"))
+    assert sbx.files.read("reaped") == b"7"
     r = sbx.rollback(cp2)   # (its session's leader with a new pid: see _rollback_ids)
     assert r.process_state == "restored", r.note
+    assert f"restored from disk (dump of {cp2.id}" in r.note, r.note
     comms = sbx.exec("ps -eo comm=").stdout.split()
     assert comms.count("python3") == 2 and "sh" in comms, comms
+
+
+def test_a_zombie_whose_pid_is_held_for_good_fails_the_restore_at_once() -> None:
+    """The same, the later checkpoint's dump not written yet (held back here): its
+    templates are all there is of its processes, so they stay, and the rollback says at
+    once which pid it could not give back, and restarts the sessions; the later
+    checkpoint is untouched."""
+    with private_daemon("dbx-zombie-") as d:
+        d.start("--no-inspector", env={"DELTABOX_TEST_DUMP_DELAY": "60"})
+        sbx = Sandbox.create(socket=d.socket)
+        a, cp1, cp2 = _zombie_pid_taken(sbx)
+        r = sbx.rollback(cp1)
+        assert r.process_state == "restarted", r.note
+        assert (f"its exited child {a} (python3), not waited for yet, cannot be made "
+                f"again: another process of the sandbox holds pid {a}") in r.note, r.note
+        r = sbx.rollback(cp2)
+        assert r.process_state == "restored", r.note
+        assert "from templates" in r.note, r.note
+        comms = sbx.exec("ps -eo comm=").stdout.split()
+        assert comms.count("python3") == 2 and "sh" in comms, comms
 
 
 REAPER = """

@@ -65,6 +65,7 @@ import contextlib
 import errno
 import functools
 import logging
+import math
 import os
 import signal
 import socket
@@ -239,6 +240,8 @@ class Restored:
 
 # Restored processes (host pids) -> the calls they were stopped in (stopped_calls).
 Resumed = dict[int, frozenset[int]]
+# A rollback's way to free a pid a process that will not exit holds (restore's free_pid).
+FreePid = Callable[[int], Awaitable[bool]]
 
 
 def stopped_calls(state: ProcessState, restored: Restored) -> Resumed:
@@ -690,7 +693,8 @@ class DeltaCR:
                       victims: list[int] | None = None,
                       pre: Prespawned | None = None,
                       pid_held: Callable[[int], bool] | None = None,
-                      ipcns: int = -1) -> Restored:
+                      ipcns: int = -1,
+                      free_pid: FreePid | None = None) -> Restored:
         """Spawn every template's child into the generation `mntfd`: in the templates' own
         sandbox (rollback: the caller killed the live processes; `victims`, their pidfds,
         are waited for, closed and emptied before a pid is reused), or `into` another
@@ -704,8 +708,9 @@ class DeltaCR:
         target namespace (as its pid, group or session id), where a pid may fall back to
         a new one: then it does at once, not after 0.3 s of retries. `ipcns`: (rollback) a
         pidfd of a process in the sandbox's IPC namespace, where the checkpoint's System V
-        segments are made again (a fork's are made in `into`'s). On failure, kills what
-        it spawned and raises."""
+        segments are made again (a fork's are made in `into`'s). `free_pid(nspid)`:
+        (rollback) frees a pid held so that an exited child can get it back (_zombies).
+        On failure, kills what it spawned and raises."""
         if (state.sysv_shm or state.sysv_msg or state.sysv_sem or state.posix_mq) and \
                 into is None:
             # The killed processes write no more to the segments the restore fills, nor
@@ -832,12 +837,12 @@ class DeltaCR:
                 if rec.pid in chains:   # the root of a family with a far bigger child
                     path = chains[rec.pid]
                     if await self._chain(state, path, spawn, args_for, held, rootfd, out,
-                                         groups, pid_held):
+                                         groups, pid_held, free_pid):
                         chained.update(path)
                         continue
                 if rec.pid in state.family:   # its restored parent's own child
                     pid = await self._adopted(state, rec, spawn, held, rootfd, out, groups,
-                                              pid_held)
+                                              pid_held, free_pid)
                 else:
                     spawn.hold = rec.pid in state.adopters or bool(rec.sigio)
                     carrier = pre.carriers.pop(rec.pid, None) if pre is not None else None
@@ -849,7 +854,7 @@ class DeltaCR:
                                                           failed=first)
                     if spawn.held is not None:
                         held[rec.pid] = spawn.held
-                        await self._zombies(rec, spawn.held, pid_held)
+                        await self._zombies(rec, spawn.held, pid_held, free_pid)
                 out.pids[rec.nspid] = pid
                 if carrier is not None and carrier.child == pid:
                     out.keepers[pid] = carrier
@@ -898,7 +903,8 @@ class DeltaCR:
     async def _adopted(self, state: ProcessState, rec: ProcessRecord, spawn: _Spawn,
                        held: dict[int, native.Held], rootfd: int, out: Restored,
                        groups: dict[int, int],
-                       pid_held: Callable[[int], bool] | None) -> int:
+                       pid_held: Callable[[int], bool] | None,
+                       free_pid: FreePid | None = None) -> int:
         """rec restored from an image of its template into a child of its held restored
         parent (adoption.py), held in turn: its pid."""
         parent = _adopt_group(state, rec, spawn, out, groups)
@@ -908,7 +914,7 @@ class DeltaCR:
         pid = await self._spawn_retrying(spawn, pid_held=pid_held)
         assert spawn.held is not None
         held[rec.pid] = spawn.held
-        await self._zombies(rec, spawn.held, pid_held)
+        await self._zombies(rec, spawn.held, pid_held, free_pid)
         # A fork of its held parent, which has the parent's own attributes by now (spawned
         # from its template, or given them like this): set only if the child's differ (a
         # shell's job has the shell's, as a rule: ~0.5 ms saved per adopted child).
@@ -917,16 +923,19 @@ class DeltaCR:
         return pid
 
     async def _zombies(self, rec: ProcessRecord, held: native.Held,
-                       pid_held: Callable[[int], bool] | None = None) -> None:
+                       pid_held: Callable[[int], bool] | None = None,
+                       free_pid: FreePid | None = None) -> None:
         """rec's children that had exited, not waited for yet, made again as such. Their
         pids are free once the originals, orphaned by the rollback's kill, are reaped
         (EEXIST until then: reap and retry, as _spawn_retrying). A zombie keeps its pid
         (its parent waits for that one): when a process that will not exit holds it
-        (`pid_held`, asked once), the restore fails at once, saying so."""
+        (`pid_held`: another checkpoint's templates, in a session that pid leads), it is
+        freed if `free_pid` can (those templates released, their checkpoint restoring
+        from its dump), else the restore fails at once, saying so."""
         for nspid, status, comm in rec.zombies:
             deadline = trio.current_time() + 2.0
             delay = 0.0002
-            asked = False
+            ask_at = 0.0   # when to ask pid_held (once, and again once after free_pid)
             while True:
                 try:
                     await self.worker.run(held.zombie, nspid, status, comm)
@@ -934,9 +943,13 @@ class DeltaCR:
                 except native.CRError as e:
                     if e.errno != errno.EEXIST or trio.current_time() > deadline:
                         raise
-                    if pid_held is not None and not asked:
-                        asked = True
+                    if pid_held is not None and trio.current_time() >= ask_at:
+                        ask_at = math.inf
                         if pid_held(nspid):
+                            if free_pid is not None and await free_pid(nspid):
+                                # Released; what they had spawned ahead may still be dying.
+                                free_pid, ask_at = None, trio.current_time() + 0.3
+                                continue
                             raise native.CRError(errno.EEXIST, (
                                 f"pid {rec.nspid}: its exited child {nspid} ({comm}), not "
                                 f"waited for yet, cannot be made again: another process "
@@ -976,7 +989,8 @@ class DeltaCR:
                      args_for: Callable[[ProcessRecord], Awaitable[_Spawn]],
                      held: dict[int, native.Held], rootfd: int, out: Restored,
                      groups: dict[int, int],
-                     pid_held: Callable[[int], bool] | None = None) -> bool:
+                     pid_held: Callable[[int], bool] | None = None,
+                     free_pid: FreePid | None = None) -> bool:
         """A family's root and the held ancestors of its far biggest adopted child, and that
         child, in one call (native.Template.held_chain: the child's memory is shared
         copy-on-write, the ancestors' images are copied). False (nothing made) if it
@@ -1001,7 +1015,7 @@ class DeltaCR:
             return False
         for rec, h in zip(recs, made):
             held[rec.pid] = h
-            await self._zombies(rec, h, pid_held)
+            await self._zombies(rec, h, pid_held, free_pid)
             out.pids[rec.nspid] = h.pid
             await self._give_attrs(state, rec, h)   # an ancestor: the child's template's fork
             if root.into is not None:

@@ -2283,6 +2283,7 @@ class Daemon:
                     restored = await self.cr.restore(
                         state, gen.mntfd, gen.rootfd, victims=live.dying, pre=pre,
                         pid_held=functools.partial(self._pid_held, live),
+                        free_pid=functools.partial(self._free_pid, live, state),
                         ipcns=live.rt.pidfd)
                 finally:
                     if pre is not None:  # born by the restore, or killed by it
@@ -2391,9 +2392,8 @@ class Daemon:
         `nspid` of the sandbox's pid namespace as its pid, process group or session id: no
         wait frees it then. False when that cannot be told (init gone): the restore then
         retries as without it."""
-        try:
-            level = len(native.proc_status(live.rt.init_pid).nspid) - 1
-        except OSError:
+        level = self._ns_level(live)
+        if level is None:
             return False
         for pid in live.rt.cgroup.pids():
             ids = native.ids_in_namespace(pid, level)
@@ -2403,6 +2403,39 @@ class Daemon:
                          ("pid", "process group id", "session id")[ids.index(nspid)])
                 return True
         return False
+
+    @staticmethod
+    def _ns_level(live: Live) -> int | None:
+        """How deep the sandbox's pid namespace is below ours (None: its init is gone)."""
+        try:
+            return len(native.proc_status(live.rt.init_pid).nspid) - 1
+        except OSError:
+            return None
+
+    async def _free_pid(self, live: Live, restoring: ProcessState, nspid: int) -> bool:
+        """Make `nspid` free for a rollback that must give it back (an exited child's: its
+        parent waits for that pid): release the templates of the sandbox's other
+        checkpoints that hold it (as their session's or group's id) if their dump is
+        complete, so that they restore from it instead; True if any went. The rollback
+        holds the sandbox's lock."""
+        level = self._ns_level(live)
+        if level is None:
+            return False
+        freed = False
+        for key, st in list(live.captured.items()):
+            if st is restoring or not self.dumps.complete(key) or not any(
+                    nspid in (native.ids_in_namespace(t.pid, level) or ())
+                    for t in st.templates.values()):
+                continue
+            del live.captured[key]
+            live.evicted.add(key)
+            self.warm.drop_procs(live.rt.sandbox_id, st)
+            await self.cr.release(st)
+            log.info("templates of %s (sandbox %s) released: they held pid %d, which a "
+                     "rollback gives back; that checkpoint restores from its dump",
+                     key, live.rt.sandbox_id, nspid)
+            freed = True
+        return freed
 
     def _adopt(self, live: Live, restored: Restored, state: ProcessState) -> None:
         """Take over the daemon's side of restored processes: their session shells, and
