@@ -1668,13 +1668,18 @@ class Daemon:
                 continue
             async with live.lock:
                 if live.captured.get(key) is st:
-                    del live.captured[key]
-                    live.evicted.add(key)
-                    self.warm.drop_procs(sid, st)
-                    await self.cr.release(st)
+                    await self._evict_now(live, key, st)
                     log.info("templates of %s (sandbox %s) evicted: over the %d MiB "
                              "template budget", key, sid, self.cfg.template_budget_mb)
         return walked
+
+    async def _evict_now(self, live: Live, key: str, st: ProcessState) -> None:
+        """Release checkpoint `key`'s templates `st` now, with what was spawned ahead from
+        them; the checkpoint keeps its files (and its dump). Under the sandbox's lock."""
+        del live.captured[key]
+        live.evicted.add(key)
+        self.warm.drop_procs(live.rt.sandbox_id, st)
+        await self.cr.release(st)
 
     async def sweep_keepers(self, interval: float = 2.0) -> None:
         """Forever: a keeper whose process has exited or called execve holds an address
@@ -2427,10 +2432,7 @@ class Daemon:
                     nspid in (native.ids_in_namespace(t.pid, level) or ())
                     for t in st.templates.values()):
                 continue
-            del live.captured[key]
-            live.evicted.add(key)
-            self.warm.drop_procs(live.rt.sandbox_id, st)
-            await self.cr.release(st)
+            await self._evict_now(live, key, st)
             log.info("templates of %s (sandbox %s) released: they held pid %d, which a "
                      "rollback gives back; that checkpoint restores from its dump",
                      key, live.rt.sandbox_id, nspid)
@@ -2698,8 +2700,8 @@ class Daemon:
         return None, None, why
 
     async def _fork_source(self, cp: CheckpointRow) -> tuple[str | None, str | None, str]:
-        """The sandbox holding cp's templates, else one of its family to rebuild them in
-        from the dump (then its note), else None and why (_locked_fork_source)."""
+        """The sandbox holding cp's templates (and None), else one of its family to rebuild
+        them in from the dump (and not None), else None and why (_locked_fork_source)."""
         owner, why = self._template_owner(cp)
         killed = ""
         if owner is not None and cp.procs_of is not None:
