@@ -3727,6 +3727,13 @@ def test_a_zombie_whose_pid_is_held_for_good_fails_the_restore_at_once() -> None
         assert r.process_state == "restarted", r.note
         assert (f"its exited child {a} (python3), not waited for yet, cannot be made "
                 f"again: another process of the sandbox holds pid {a}") in r.note, r.note
+        # The daemon's log names the holder: whose template, of which process.
+        key = sbx.get_checkpoint(cp2).processes_from
+        logged = [line for line in d.log.read_text().splitlines()
+                  if f"pid {a} of its namespace is held by host pid" in line]
+        assert logged and all((f"as its process group id and session id: a template of {key}, of "
+                              "pid ") in line
+                              for line in logged), logged
         r = sbx.rollback(cp2)
         assert r.process_state == "restored", r.note
         assert "from templates" in r.note, r.note

@@ -221,6 +221,23 @@ class Kept:
         return out
 
 
+def _template_of(live: Live, host_pid: int) -> str:
+    """Whose template host_pid is, for a log line: the checkpoint's key and the process
+    it copies (its pid in the sandbox, command, and whether its group's and session's
+    leaders were captured with it: a group or session whose leader was not keeps its id
+    held by the templates); "" if it is none of the sandbox's templates."""
+    for key, st in live.captured.items():
+        for rec in st.records:
+            tpl = st.templates.get(rec.pid)
+            if tpl is not None and tpl.pid == host_pid:
+                pids = {r.pid for r in st.records}
+                return (f": a template of {key}, of pid {rec.nspid} ({rec.cmd[:40]}); its "
+                        f"group's leader {'captured' if rec.pgid in pids else 'not captured'}"
+                        f", its session's {'captured' if rec.sid in pids else 'not captured'}"
+                        f"{', it left its group' if tpl.own_group_done else ''}")
+    return ""
+
+
 async def _close_sessions(sessions: dict[str, Session]) -> None:
     """Close sessions whose shells a rollback killed: release our ends of their pipes."""
     for sess in sessions.values():
@@ -2403,9 +2420,11 @@ class Daemon:
         for pid in live.rt.cgroup.pids():
             ids = native.ids_in_namespace(pid, level)
             if ids is not None and nspid in ids:
-                log.info("%s: pid %d of its namespace is held by host pid %d (%s) as its %s",
-                         live.rt.sandbox_id, nspid, pid, process_name(pid),
-                         ("pid", "process group id", "session id")[ids.index(nspid)])
+                log.info("%s: pid %d of its namespace is held by host pid %d (%s) as its "
+                         "%s%s", live.rt.sandbox_id, nspid, pid, process_name(pid),
+                         " and ".join(role for role, i in zip(
+                             ("pid", "process group id", "session id"), ids) if i == nspid),
+                         _template_of(live, pid))
                 return True
         return False
 
