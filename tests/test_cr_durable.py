@@ -67,6 +67,28 @@ def start_processes(sbx: Sandbox) -> dict:
     return ask(sbx, timeout=60)
 
 
+def test_a_restore_from_disk_does_not_wind_the_pid_counter_back(d: DaemonProc) -> None:
+    """A rollback to a checkpoint whose templates were evicted rebuilds them from its dump,
+    first making the namespace allocate pids above the ones its processes get back. In a
+    sandbox that ran on since, the counter is above them already: it stays there. Until
+    stop 78 it was set back to them, so new processes took pids that had been used since,
+    ones other checkpoints' processes needed back (a 16 x 400 soak: a pinger came back
+    renumbered, its pid held by a later template's own)."""
+    d.start(*ARGS)
+    sbx = Sandbox.create(socket=d.socket)
+    sbx.exec("nohup sleep 1000 >/dev/null 2>&1 &")
+    cp1 = sbx.checkpoint(mode="full")
+    assert "complete" in dump_state(sbx, cp1.id)
+    sbx.exec("for i in $(seq 100); do /bin/true; done")
+    before = int(sbx.exec("sh -c 'echo $$'").stdout)
+    cp2 = sbx.checkpoint(mode="full")      # --templates 1: cp1's templates go
+    assert "complete" in dump_state(sbx, cp2.id)
+    r = sbx.rollback(cp1)
+    assert r.process_state == "restored" and f"dump of {cp1.id}" in r.note, r.note
+    after = int(sbx.exec("sh -c 'echo $$'").stdout)
+    assert after > before, (before, after)
+
+
 def test_restart_evict_fork_corrupt(d: DaemonProc) -> None:
     d.start(*ARGS)
     sbx = Sandbox.create(socket=d.socket)

@@ -576,9 +576,13 @@ async def _skip_pids(host_pid: int, last: int) -> None:
     """Let host_pid's pid namespace allocate new pids above `last` (ns_last_pid, written
     by a process whose active pid namespace it is): after a daemon restart the namespace
     is fresh, and rebuilt templates would otherwise take the very pids (low numbers) their
-    processes must get back."""
+    processes must get back. Never lowered: in a namespace that has run on since (a live
+    sandbox's templates evicted), winding its counter back would hand out again pids its
+    other checkpoints' processes need back (they came back renumbered), and pids a program
+    of the sandbox saw end (as no kernel does before the counter wraps)."""
     r = await trio.run_process(
         ["nsenter", "-t", str(host_pid), "-p", "--", "sh", "-c",
+         f"[ \"$(cat /proc/sys/kernel/ns_last_pid)\" -ge {last} ] || "
          f"echo {last} > /proc/sys/kernel/ns_last_pid"], check=False, capture_stderr=True)
     if r.returncode != 0:
         log.warning("setting ns_last_pid in the pid namespace of %d failed: %s", host_pid,
