@@ -1879,7 +1879,8 @@ def test_a_socket_file_watched_by_its_server_is_not_seen_replaced(sbx: Sandbox,
     assert target.exec(_unix_request("/workspace/agent/S.sock", "c")).stdout == "c 2\n"
     assert not target.files.exists("seen")
     target.exec("rm /workspace/agent/S.sock")     # the watch still watches
-    wait_for(lambda: target.files.exists("seen"))
+    # Its content, not only the file: open() makes it before the write fills it.
+    wait_for(lambda: target.files.exists("seen") and target.files.read("seen"))
     assert target.files.read("seen") == b"0x200 S.sock"
     wait_for(lambda: target.exec("pgrep -f agent.py").exit_code != 0)
 
@@ -4766,6 +4767,9 @@ def test_a_connection_its_server_accepts_during_the_checkpoint(sbx: Sandbox, res
     asked = time.time()
     cp = sbx.checkpoint()
     assert cp.kind == "full", cp.reasons
+    # The server writes it after the accept: the checkpoint may have caught it before
+    # (or inside) that write, which goes on once the processes run again.
+    wait_for(lambda: sbx.files.exists("accepted") and sbx.files.read("accepted"))
     assert float(sbx.files.read("accepted")) > asked   # accepted while the checkpoint waited
     _role(sbx, "server", "talk")
     target = restore(sbx, cp)
