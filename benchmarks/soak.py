@@ -211,8 +211,10 @@ KV_START = (f"nohup python3 /workspace/kv.py >>{KV_LOG} 2>&1 &\n"
 
 def kv_request(line: str) -> str:
     """A session command that sends `line` to the server and prints its answer (bash's
-    /dev/tcp: no program started)."""
-    return (f"exec 7<>/dev/tcp/127.0.0.1/{KV_PORT} && printf '%s\\n' '{line}' >&7 && "
+    /dev/tcp: no program started); nothing when no server answers (the session's last
+    answer printed again made a server gone after a rollback look like one answering
+    `dump` with `ok`)."""
+    return (f"kvans=; exec 7<>/dev/tcp/127.0.0.1/{KV_PORT} && printf '%s\\n' '{line}' >&7 && "
             "IFS= read -r kvans <&7; exec 7>&-; printf '%s\\n' \"$kvans\"")
 
 
