@@ -246,6 +246,33 @@ static void redirect_stdio_to_null(void)
 	close(fd);
 }
 
+/* Raise the pid namespace's counter to the pid deltaboxd queued with DBX_SIG_PID_FLOOR (a
+ * fork's restored processes keep their source's pids, but its counter starts at 1: its new
+ * processes would take, one by one, pids the restored processes need back at a later
+ * rollback). Writing ns_last_pid acts on the writer's active pid namespace, whatever proc
+ * mount the file came from, so init, the only process always in it, does it through `fd`,
+ * opened before it parked itself. Only raised, and only on a queued signal (the sandbox's
+ * root may write the counter itself anyway). Init has no one to report a failure to: the
+ * counter then stays where it was. */
+static void raise_pid_floor(int fd, const siginfo_t *info)
+{
+	char buf[24];
+	ssize_t n;
+	long want = info->si_value.sival_int, cur;
+
+	if (fd < 0 || info->si_code != SI_QUEUE || want <= 0)
+		return;
+	n = pread(fd, buf, sizeof(buf) - 1, 0);
+	if (n <= 0)
+		return;
+	buf[n] = '\0';
+	cur = strtol(buf, NULL, 10);
+	if (cur >= want)
+		return;
+	n = snprintf(buf, sizeof(buf), "%ld", want);
+	(void)!pwrite(fd, buf, (size_t)n, 0);	/* EPERM, EINVAL: left where it was (above) */
+}
+
 static void reap_all(void)
 {
 	while (waitpid(-1, NULL, WNOHANG) > 0)
@@ -283,10 +310,13 @@ static __attribute__((noreturn)) void run_init(int ready)
 {
 	sigset_t set;
 	siginfo_t info;
+	int last_pid;
 
 	if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0)
 		dbx_die_errno("PR_SET_PDEATHSIG");
 	redirect_stdio_to_null();
+	/* -1 if this host hides it: forks' counters then start low (raise_pid_floor). */
+	last_pid = open("/proc/sys/kernel/ns_last_pid", O_RDWR | O_CLOEXEC);
 	park_in_empty_root();
 	/* Init is confined exactly like the sandbox's processes: with more capabilities than
 	 * theirs, the kernel would refuse their (daemon-injected) setns through init's pidfd
@@ -301,6 +331,7 @@ static __attribute__((noreturn)) void run_init(int ready)
 	sigaddset(&set, SIGCHLD);
 	sigaddset(&set, SIGTERM);
 	sigaddset(&set, SIGINT);
+	sigaddset(&set, DBX_SIG_PID_FLOOR);
 	if (sigprocmask(SIG_BLOCK, &set, NULL) < 0)
 		dbx_die_errno("sigprocmask");
 	for (;;) {
@@ -312,6 +343,8 @@ static __attribute__((noreturn)) void run_init(int ready)
 		}
 		if (info.si_signo == SIGTERM || info.si_signo == SIGINT)
 			_exit(0);
+		if (info.si_signo == DBX_SIG_PID_FLOOR)
+			raise_pid_floor(last_pid, &info);
 	}
 }
 

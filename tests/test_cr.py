@@ -6055,6 +6055,36 @@ def test_a_forks_rollback_to_its_ancestors_checkpoint_renumbers_a_pid_held(
         kid.kill()
 
 
+def test_a_forks_new_processes_take_pids_above_its_restored_ones(sbx: Sandbox) -> None:
+    """A fork's pid namespace is new, its counter at 1, while its restored processes keep
+    their source's pids: its new processes took, one by one, pids below theirs, and so, in
+    time, pids its later rollbacks need back while they are free (a template of the fork's
+    own checkpoint holding one renumbers that process). The restore has init raise the
+    counter above every pid it gave back (Runtime.raise_pid_floor)."""
+    sbx.exec("for i in $(seq 300); do /bin/true; done")
+    sbx.exec("nohup sleep 1002 >/dev/null 2>&1 &")
+    wait_for(lambda: sbx.exec("pgrep -f 'sleep 1002'").stdout.strip() != "")
+    x = int(sbx.exec("pgrep -f 'sleep 1002'").stdout)
+    assert x > 300, x
+    cp = sbx.checkpoint()
+    assert cp.kind == "full", cp.reasons
+    kid = sbx.fork(cp)[0]
+    try:
+        assert kid.process_state == "restored", kid.fork_note
+        assert kid.exec("pgrep -f 'sleep 1002'").stdout.strip() == str(x)
+        # init takes the signal soon after the fork's answer: a few tries (each takes one
+        # pid, far fewer than the 300 the counter would need to climb by itself).
+        pids = []
+        for _ in range(10):
+            pids.append(int(kid.exec("sh -c 'echo $$'").stdout))
+            if pids[-1] > x:
+                break
+            time.sleep(0.1)
+        assert pids[-1] > x, (x, pids)
+    finally:
+        kid.kill()
+
+
 def test_threads_roll_back_in_a_fork(sbx: Sandbox) -> None:
     """A fork's restored process leads a process group of its own (its template's group
     is the source's), so the fork's own checkpoints hold a group leader: its templates

@@ -120,6 +120,7 @@ def test_files_keep_the_sandbox_ids(ubox: Sandbox) -> None:
 def test_processes_keep_their_ids_through_rollback_and_fork(ubox: Sandbox) -> None:
     s = ubox.session("main")
     s.run("X=kept")
+    ubox.exec("for i in $(seq 300); do /bin/true; done")   # pids above a fork's first ones
     ubox.exec("sleep 1000 >/dev/null 2>&1 &")
     cp = ubox.checkpoint(mode="full")
     s.run("X=changed")
@@ -137,6 +138,15 @@ def test_processes_keep_their_ids_through_rollback_and_fork(ubox: Sandbox) -> No
         assert k == ["kept", "0", "0", str(BASE), "65536"]
         assert kid.exec("ps -o uid= -C sleep").stdout.split() == ["0"]
         assert host_ids(host_pid_of(kid, "sleep 1000")) == (BASE, BASE)
+        # Its init (root of the user namespace) raised the fork's pid counter above the
+        # restored processes' pids (test_cr.py: ..._take_pids_above_its_restored_ones).
+        top = int(kid.exec("pgrep -x sleep").stdout)
+        assert top > 300, top
+        pids = [int(kid.exec("sh -c 'echo $$'").stdout)]
+        while pids[-1] < top and len(pids) < 10:   # init takes the signal soon after
+            time.sleep(0.1)
+            pids.append(int(kid.exec("sh -c 'echo $$'").stdout))
+        assert pids[-1] > top, (top, pids)
         # A fork of the fork shares the family's user namespace, one level deeper.
         cp2 = kid.checkpoint(mode="full")
         grandkid = kid.fork(cp2)[0]

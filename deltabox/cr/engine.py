@@ -260,6 +260,35 @@ def stopped_calls(state: ProcessState, restored: Restored) -> Resumed:
     return out
 
 
+def highest_pid(state: ProcessState, restored: Restored) -> int:
+    """The highest pid a restore gave back in its pid namespace: a process's, one of its
+    threads' (their tids are kept too) or an exited child's it had not waited for."""
+    top = 0
+    for rec in state.records:
+        top = max(top, rec.nspid, *(z[0] for z in rec.zombies))
+        host = restored.pids.get(rec.nspid)
+        if rec.threads > 1 and host is not None:
+            top = max(top, _highest_tid(host))
+    return top
+
+
+def _highest_tid(host_pid: int) -> int:
+    """The highest thread id of a process in its own pid namespace (0 if it is gone)."""
+    top = 0
+    try:
+        tids = os.listdir(f"/proc/{host_pid}/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{host_pid}/task/{tid}/status") as f:
+                ns = next(line for line in f if line.startswith("NSpid:"))
+        except (OSError, StopIteration):
+            continue
+        top = max(top, int(ns.split()[-1]))
+    return top
+
+
 @dataclass
 class Prespawned:
     """Carriers of a checkpoint's processes spawned ahead of a rollback into the generation

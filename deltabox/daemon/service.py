@@ -45,8 +45,8 @@ from ..background import GuardedNursery, run_all
 from ..cr import hostmem, native, tcp
 from ..cr.capture import ProcessRecord, Unsettled, waiting
 from ..cr.engine import (DeltaCR, Elsewhere, Prespawned, ProcessState, Restored, Resumed,
-                         in_vfork, killed_templates, namespace_only, process_name,
-                         stopped_calls)
+                         highest_pid, in_vfork, killed_templates, namespace_only,
+                         process_name, stopped_calls)
 from ..inspector import Decision, TurnEffects, touched_processes, untouched_processes
 from ..inspector.effects import LIST_CAP
 from . import budget
@@ -2809,6 +2809,10 @@ class Daemon:
         finally:
             for fd in [pidns, *cg_fds]:
                 os.close(fd)
+        # Its counter started low, below the pids given back: raised above them, so that
+        # its new processes (templates of its own checkpoints among them) do not take
+        # pids a later rollback needs back (dumps._skip_pids, for a restore from disk).
+        rt.raise_pid_floor(highest_pid(state, restored))
         self._adopt(live, restored, state)
         return restored
 

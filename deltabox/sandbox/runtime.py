@@ -7,6 +7,7 @@ dbx-init starts the namespaces, dbx-mkroot builds a generation, dbx-enter runs a
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import resource
@@ -27,6 +28,12 @@ from .userns import IdMap, userns_of
 log = logging.getLogger("deltaboxd")
 
 LIBEXEC = Path(__file__).resolve().parent.parent / "libexec"
+# Queued to init with a pid: it raises its namespace's pid counter to it (native/common.h
+# DBX_SIG_PID_FLOOR, init.c raise_pid_floor).
+PID_FLOOR_SIGNAL = signal.SIGUSR2
+SI_QUEUE = -1
+SYS_pidfd_send_signal = 424   # x86_64; os.pidfd_send_signal takes no siginfo
+_libc = ctypes.CDLL(None, use_errno=True)
 KILL_CHECK_S = 0.25  # kill_all: exits awaited this long before looking for what holds them
 KILL_WAIT_S = 5.0    # kill_all: and this long in all
 # The environment of every helper that runs in (or is visible from) a sandbox: never the
@@ -112,6 +119,21 @@ class Runtime:
         for k, v in env.items():
             cmd += ["--env", f"{k}={v}"]
         return cmd + ["--"] + argv
+
+    def raise_pid_floor(self, last: int) -> None:
+        """Have the sandbox's pid namespace hand out new pids above `last`: init raises
+        its counter (ns_last_pid) when it takes the queued signal (native/init.c
+        raise_pid_floor), soon after, not before this returns. A fork's restored processes
+        keep their source's pids in a namespace whose counter starts at 1."""
+        info = (ctypes.c_int * 32)()                  # siginfo_t: 128 bytes
+        info[0], info[2] = PID_FLOOR_SIGNAL, SI_QUEUE  # si_signo, si_code
+        info[4], info[5] = os.getpid(), os.getuid()   # si_pid, si_uid
+        info[6] = last                                # si_value.sival_int
+        if _libc.syscall(ctypes.c_long(SYS_pidfd_send_signal), ctypes.c_long(self.pidfd),
+                         ctypes.c_long(PID_FLOOR_SIGNAL), info, ctypes.c_long(0)) < 0:
+            e = ctypes.get_errno()
+            log.warning("%s: raising the pid counter of its namespace to %d failed: %s",
+                        self.sandbox_id, last, os.strerror(e))
 
     @property
     def pass_fds(self) -> tuple[int, ...]:
