@@ -41,6 +41,7 @@ status: 0 if every verification passed and nothing leaked, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
 import os
@@ -98,6 +99,7 @@ KV_SOCK = "/workspace/kv.sock"
 N_KEYS = 24
 BALLAST_MB = 8
 PING_S = 0.025
+HISTORY = 30    # ops of a worker kept for a failure's context (Worker.history)
 CHANNELS = ("tcp", "unix")
 KV_SERVER = f"""
 import json, os, selectors, socket, time, zlib
@@ -445,6 +447,10 @@ class Worker:
         self.seq = 0
         self.last_op = ""
         self.restore_note = ""      # the last rollback's or fork child's note (anomalies)
+        # The last ops, each with what it asked and got (a failure's context: the fault
+        # may lie a few ops back, a checkpoint that captured something else than it said)
+        self.history: collections.deque[str] = collections.deque(maxlen=HISTORY)
+        self.said = ""              # what the current op adds to its history line
 
     # -- helpers --
     def timed(self, op: str, fn: Any, *a: Any, **kw: Any) -> Any:
@@ -510,8 +516,16 @@ class Worker:
             detail = {"sandbox": self.sbx.id, "worker": self.idx, "checked": box.id,
                       "where": where, "op": op, "checkpoint": cp, "what": "session",
                       "expected": exp, "got": got,
-                      "fields": ["S0", "S1", "S2", "soakfn", "cwd"]}
+                      "fields": ["S0", "S1", "S2", "soakfn", "cwd"],
+                      "history": list(self.history)}
         self.rec.verified("session", ok, detail)
+        if not ok and box is self.sbx:
+            # One fault, counted once: the sandbox's session goes on from what it holds
+            # (the model from the checkpoint would fail every later check of it).
+            for m in (model, self.cur):
+                m.vars = {k: v for k, v in zip(("S0", "S1", "S2"), got[:3]) if v != UNSET}
+                m.fn = None if got[3] == NOFN else got[3]
+                m.cwd = got[4] if len(got) > 4 else m.cwd
         if model.kv is not None:
             return self.check_kv(box, model.kv, op, cp, where, model.kv_pid)
         return None
@@ -729,6 +743,7 @@ class Worker:
                 d = self.rng.choice(CWDS)
                 parts.append(f"cd {d}")
                 new.cwd = d
+        self.said = " " + "; ".join(parts)
         r = self.timed("session", self.sbx.session("main").run, "\n".join(parts), timeout=120)
         if r.exit_code != 0:
             raise RuntimeError(f"session exited {r.exit_code}: {r.stderr[-300:]}")
@@ -738,6 +753,7 @@ class Worker:
         x = self.rng.random()
         mode = "auto" if x < 0.8 else "full" if x < 0.9 else "fs"
         cp = self.timed(f"checkpoint_{mode}", self.sbx.checkpoint, mode=mode)
+        self.said = f" {mode}: {cp.id} {cp.kind}"
         self.rec.count(f"checkpoint_{mode}_kind_{cp.kind}")
         self.cps[cp.id] = self.cur.copy()
         self.cp_order.append(cp.id)
@@ -745,6 +761,8 @@ class Worker:
     def op_rollback(self) -> None:
         cp = self.rng.choice(self.cp_order)
         r = self.timed("rollback", self.sbx.rollback, cp)
+        self.said = (f" {cp}: {r.process_state} restarted={list(r.sessions_restarted)} "
+                     f"note={r.note[:120]!r}")
         self.restore_note = r.note
         model = self.cps[cp]
         restored = r.process_state == "restored" and "main" not in r.sessions_restarted
@@ -766,6 +784,7 @@ class Worker:
     def op_fork(self) -> None:
         cp = self.rng.choice(self.cp_order)
         n = self.rng.randint(1, 2)
+        self.said = f" {cp} x{n}"
         kids = self.timed("fork", self.sbx.fork, cp, count=n)
         self.rec.count("fork_children", len(kids))
         model = self.cps[cp]
@@ -825,12 +844,17 @@ class Worker:
                 self.seq = i
                 op = self.rng.choices(ops, weights)[0]
                 self.last_op = op
+                self.said = ""
+                t = time.monotonic() - self.rec.t0
                 try:
                     getattr(self, f"op_{op}")()
                 except Exception as e:  # noqa: BLE001
+                    self.said += f" ERROR {type(e).__name__}"
                     self.rec.error(self.sbx.id, op, e)
                     if op not in ("checkpoint", "delete"):
                         self.resync(op)
+                finally:
+                    self.history.append(f"{t:.2f} {op}{self.said}"[:300])
                 self.done += 1
                 self.rec.cycle_done()
         finally:
