@@ -459,6 +459,15 @@ class Worker:
         self.rec.op(op, (time.perf_counter() - t) * 1000)
         return r
 
+    def session_run(self, op: str, command: str) -> Any:
+        """Run `command` in the session "main"; a restart the daemon notes (its shell had
+        exited: nothing here asked for it) is an error, after which the model adopts the
+        sandbox's actual state (resync)."""
+        r = self.timed(op, self.sbx.session("main").run, command, timeout=120)
+        if "restarted" in r.note:
+            raise RuntimeError(f"the session restarted unasked: {r.note}")
+        return r
+
     def token(self, n: int = 8) -> str:
         return "%0*x" % (n, self.rng.getrandbits(4 * n))
 
@@ -677,8 +686,7 @@ class Worker:
         if self.cur.kv is None:
             return self.op_session()
         k, v = f"k{self.rng.randrange(N_KEYS)}", self.token(8)
-        r = self.timed("kv_set", self.sbx.session("main").run, kv_request(f"set {k} {v}"),
-                       timeout=120)
+        r = self.session_run("kv_set", kv_request(f"set {k} {v}"))
         if r.exit_code != 0 or r.stdout.strip() != "ok":
             raise RuntimeError(f"kv set exited {r.exit_code}, printed {r.stdout[-100:]!r}: "
                                f"{r.stderr[-300:]}")
@@ -689,8 +697,7 @@ class Worker:
         and its zombie until the shell reaps it, may fall in a checkpoint)."""
         ms = self.rng.randrange(1, 30)
         code = self.rng.choice((0, 3))
-        r = self.timed("session", self.sbx.session("main").run,
-                       f"(sleep 0.{ms:03d}; exit {code}) &", timeout=120)
+        r = self.session_run("session", f"(sleep 0.{ms:03d}; exit {code}) &")
         if r.exit_code != 0:
             raise RuntimeError(f"session_job exited {r.exit_code}: {r.stderr[-300:]}")
         self.rec.count("session_jobs")
@@ -744,7 +751,7 @@ class Worker:
                 parts.append(f"cd {d}")
                 new.cwd = d
         self.said = " " + "; ".join(parts)
-        r = self.timed("session", self.sbx.session("main").run, "\n".join(parts), timeout=120)
+        r = self.session_run("session", "\n".join(parts))
         if r.exit_code != 0:
             raise RuntimeError(f"session exited {r.exit_code}: {r.stderr[-300:]}")
         self.cur = new

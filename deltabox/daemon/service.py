@@ -195,8 +195,8 @@ class Live:
         except OSError:
             return False
         command = {int(k) for k in kids} & self.rt.cgroup.pids() - spared
-        group = kernfs.process_group(command.pop()) if len(command) == 1 else None
-        if group is None:
+        group = runtime.own_group(command.pop()) if len(command) == 1 else None
+        if group is None:   # dbx-enter's SIGTERM kills it (and its PDEATHSIG, if not yet)
             return False
         await runtime.kill_group(self.rt.cgroup, group, spared)
         return True

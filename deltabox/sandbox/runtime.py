@@ -18,6 +18,7 @@ from pathlib import Path
 
 import trio
 
+from .. import kernfs
 from ..background import GuardedNursery
 
 from ..errors import FailedPrecondition, Internal
@@ -273,6 +274,17 @@ async def kill_all(cgroup: Cgroup, keep: set[int]) -> None:
                            f"{reaper.describe(cgroup.pids() - keep)}") from None
     if cgroup.pids() - keep:
         cgroup.kill(keep=keep)
+
+
+def own_group(pid: int) -> int | None:
+    """The process group (host id) of `pid`, a command dbx-enter runs, if the command made
+    it (None: gone, or not yet). dbx-enter's child calls setsid() first thing, but until
+    then it is in dbx-enter's group, which is the daemon's, shared by every helper it
+    spawned: killing that group in the sandbox's cgroup killed the dbx-enter of each of
+    its sessions, and their shells with them (PDEATHSIG). An exec timed out that early in
+    a loaded 32 x 1000 soak, and a session lost its variables (stop 79)."""
+    group = kernfs.process_group(pid)
+    return None if group is None or group == os.getpgrp() else group
 
 
 async def kill_group(cgroup: Cgroup, group: int, keep: set[int]) -> None:

@@ -42,12 +42,11 @@ from dataclasses import dataclass
 
 import trio
 
-from .. import kernfs
 from ..background import GuardedNursery
 from ..cr import ptys
 
 from .execute import OUTPUT_LIMIT, ExecOutput, _terminate, end_helper, exit_code
-from .runtime import HELPER_ENV, Runtime
+from .runtime import HELPER_ENV, Runtime, own_group
 
 _TAIL = 512
 TTY_FD = 3              # where a session's shell keeps its terminal (native/enter.c)
@@ -362,7 +361,7 @@ class Session:
         with trio.CancelScope(shield=True):
             kill = self.kill_group
             pid = self.shell_pid() if kill is not None and self.alive else None
-            group = None if pid is None else kernfs.process_group(pid)
+            group = None if pid is None else own_group(pid)
             if kill is not None and group is not None:
                 await kill(group)
             await self.shell.stdin.aclose()
