@@ -195,10 +195,14 @@ class Live:
         except OSError:
             return False
         command = {int(k) for k in kids} & self.rt.cgroup.pids() - spared
-        group = runtime.own_group(command.pop()) if len(command) == 1 else None
-        if group is None:   # dbx-enter's SIGTERM kills it (and its PDEATHSIG, if not yet)
+        if len(command) != 1:
             return False
-        await runtime.kill_group(self.rt.cgroup, group, spared)
+        pid = command.pop()
+        if runtime.own_group(pid) is None:
+            # Not yet out of the daemon's group (runtime.own_group), so it has no children
+            # yet: killed alone, then the group it may be making this instant (its pid).
+            self.rt.cgroup.kill_one(pid)
+        await runtime.kill_group(self.rt.cgroup, pid, spared)
         return True
 
 

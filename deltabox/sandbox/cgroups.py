@@ -224,22 +224,7 @@ class Cgroup:
                     new = {p for p in new if kernfs.process_group(p) == group}
                 if not new:
                     return list(done.values())
-                opened: dict[int, int] = {}
-                for pid in new:
-                    try:
-                        opened[pid] = os.pidfd_open(pid)
-                    except ProcessLookupError:
-                        pass
-                listed = self.pids()
-                for pid, fd in opened.items():
-                    if pid not in listed:  # gone before we held it: maybe not ours now
-                        os.close(fd)
-                        continue
-                    try:
-                        signal.pidfd_send_signal(fd, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    done[pid] = fd
+                done.update(self._kill_listed(new))
         except BaseException:
             for fd in done.values():
                 os.close(fd)
@@ -248,6 +233,33 @@ class Cgroup:
             os.close(fd)
         raise Internal(f"cgroup {self.name}: processes kept appearing through {rounds} rounds "
                        "of SIGKILL")
+
+    def kill_one(self, pid: int) -> None:
+        """SIGKILL `pid` if it is in the cgroup (kill_now's checks), not waited for."""
+        for fd in self._kill_listed({pid}).values():
+            os.close(fd)
+
+    def _kill_listed(self, pids: Collection[int]) -> dict[int, int]:
+        """SIGKILL those of `pids` still in the cgroup once held by a pidfd (one that
+        exited before, its pid maybe reused elsewhere, is left alone); their pidfds."""
+        opened: dict[int, int] = {}
+        for pid in pids:
+            try:
+                opened[pid] = os.pidfd_open(pid)
+            except ProcessLookupError:
+                pass
+        listed = self.pids()
+        done: dict[int, int] = {}
+        for pid, fd in opened.items():
+            if pid not in listed:  # gone before we held it: maybe not ours now
+                os.close(fd)
+                continue
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            done[pid] = fd
+        return done
 
     def memory_usage(self) -> int:
         return self.driver.memory_usage(self.name)
