@@ -424,6 +424,14 @@ def slope_per_min(points: list[tuple[float, float]]) -> float | None:
     return 60.0 * sum((t - mt) * (y - my) for t, y in points) / var
 
 
+def _take_view(state: State, got: list[str]) -> None:
+    """Make `state`'s session what the session probe printed (its cwd too, if printed)."""
+    state.vars = {k: v for k, v in zip(("S0", "S1", "S2"), got[:3]) if v != UNSET}
+    state.fn = None if got[3] == NOFN else got[3]
+    if len(got) > 4:
+        state.cwd = got[4]
+
+
 # ---- one sandbox ------------------------------------------------------------------------------
 
 class Worker:
@@ -532,9 +540,7 @@ class Worker:
             # One fault, counted once: the sandbox's session goes on from what it holds
             # (the model from the checkpoint would fail every later check of it).
             for m in (model, self.cur):
-                m.vars = {k: v for k, v in zip(("S0", "S1", "S2"), got[:3]) if v != UNSET}
-                m.fn = None if got[3] == NOFN else got[3]
-                m.cwd = got[4] if len(got) > 4 else m.cwd
+                _take_view(m, got)
         if model.kv is not None:
             return self.check_kv(box, model.kv, op, cp, where, model.kv_pid)
         return None
@@ -627,9 +633,7 @@ class Worker:
         got = self.read_session(box)
         if len(got) != 5:
             raise RuntimeError(f"session probe printed {got!r}")
-        state.vars = {k: v for k, v in zip(("S0", "S1", "S2"), got[:3]) if v != UNSET}
-        state.fn = None if got[3] == NOFN else got[3]
-        state.cwd = got[4]
+        _take_view(state, got)
         if self.processes:
             self.start_kv(state)
 

@@ -11,10 +11,10 @@
 /* Exit code of a helper whose own setup failed (before or instead of running a command). */
 #define DBX_EXIT_SETUP 125
 
-/* Namespaces a sandbox process shares with the sandbox's init (all but mount). */
 /* The signal deltaboxd queues (SI_QUEUE) to a sandbox's init with a pid in si_value: init
  * raises its pid namespace's counter (ns_last_pid) to that pid if it is lower (init.c). */
 #define DBX_SIG_PID_FLOOR SIGUSR2
+/* Namespaces a sandbox process shares with the sandbox's init (all but mount). */
 #define DBX_NS_FLAGS (CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWCGROUP)
 
 void dbx_set_progname(const char *name);
